@@ -1,0 +1,29 @@
+# The README's quickstart: `make demo` runs the main job on the embedded default, `make test` runs the suite.
+# Both create .venv when missing. TORCH_SPEC picks the torch build: the default takes the CPU wheel that lies
+# on these machines' disk; on a GPU cluster pass the build you want, e.g. `make TORCH_SPEC="torch==2.13.0" ...`
+# with the CUDA index your cluster uses in PIP_EXTRA_INDEX_URL.
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) jobs/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) outputs

@@ -1,0 +1,56 @@
+"""Resolution/frame buckets: every batch holds clips of one `Bucket(num_frames, height, width)`."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+
+class Bucket(NamedTuple):
+    """A training shape: `num_frames` frames of `height` x `width` pixels (an ordered, named triple)."""
+
+    num_frames: int
+    height: int
+    width: int
+
+    def __str__(self) -> str:
+        return f"{self.num_frames}x{self.height}x{self.width}"
+
+
+def validate_bucket(bucket: Bucket, *, spatial_multiple: int = 16, temporal_compression: int = 4) -> None:
+    """Raise ValueError unless `bucket` fits the VAE/DiT: H, W multiples of `spatial_multiple`,
+    `num_frames` = 1 or `k * temporal_compression + 1` (the causal video VAE layout of EasyAnimate/Wan/CogVideoX).
+    """
+    num_frames, height, width = bucket
+    if height <= 0 or width <= 0 or height % spatial_multiple or width % spatial_multiple:
+        raise ValueError(
+            f"bucket {bucket}: height and width must be positive multiples of {spatial_multiple}, "
+            f"got {height}x{width}"
+        )
+    if num_frames < 1 or (num_frames - 1) % temporal_compression:
+        raise ValueError(
+            f"bucket {bucket}: num_frames must be 1 or k*{temporal_compression}+1 (e.g. 9, 17, 49), got {num_frames}"
+        )
+
+
+def assign_bucket(
+    *, num_frames: int, height: int, width: int, buckets: Sequence[Bucket], is_image: bool = False
+) -> Bucket | None:
+    """Pick the bucket for a source of `num_frames` frames at `height` x `width` px.
+
+    Images (`is_image=True`) go to single-frame buckets, videos to multi-frame ones. Among the buckets whose
+    `num_frames` the source can fill, the one whose aspect ratio (H/W) is closest to the source's wins (ties: the
+    larger frame count, then the larger area), so the center crop drops the least. Returns None when no bucket
+    fits (a video too short for every multi-frame bucket, or no bucket of the right kind).
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"source size must be positive, got {height}x{width}")
+    aspect = height / width
+    candidates = [
+        b for b in buckets if (b.num_frames == 1) == is_image and (is_image or b.num_frames <= num_frames)
+    ]
+    if not candidates:
+        return None
+    return min(
+        candidates,
+        key=lambda b: (abs(b.height / b.width - aspect), -b.num_frames, -(b.height * b.width)),
+    )
