@@ -111,6 +111,8 @@ class TrainConfig:
     """Seed of model init, noise, sigmas and the data schedule."""
     mixed_precision: Literal["no", "bf16"] = "no"
     """Autocast dtype of the DiT forward on GPU; CPU runs always use fp32."""
+    max_failures: int = 2
+    """Worker-group restarts (from the latest checkpoint) before the run fails; -1 retries forever."""
 
 
 @dataclass(config=_STRICT, kw_only=True)

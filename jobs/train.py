@@ -1,0 +1,30 @@
+"""Entry point for `ray job submit`: train a job config on the cluster the job runs in.
+
+    ray job submit --working-dir . -- python jobs/train.py --config jobs/configs/tiny_t2v.yaml --prepare
+
+Same as `vidray train CONFIG [--prepare] [section.key=value ...]`.
+"""
+
+import argparse
+import sys
+
+from vidray.cli import run_train_job
+from vidray.config import ConfigError, load_job_config
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="job YAML in jobs/configs/")
+    parser.add_argument("--prepare", action="store_true", help="prepare the shards first when they have no index")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parser.parse_args()
+    try:
+        job = load_job_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"jobs/train.py: error: {err}", file=sys.stderr)
+        return 2
+    return run_train_job(job, prepare_if_missing=args.prepare)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

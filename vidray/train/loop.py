@@ -1,0 +1,229 @@
+"""`train_loop_per_worker`: what every Ray Train worker runs.
+
+Steps: 1. build the model family's components; 2. load the shards and encode latents and prompt_embeds once
+with the frozen VAE and text encoder; 3. optimizer and lr schedule; 4. restore the latest checkpoint, if any;
+5. wrap the transformer in DDP; 6. run the schedule from the next step, reporting loss and step time every
+`train.log_every_steps` and a checkpoint every `checkpoint.every_steps`; 7. rank 0 saves the diffusers pipeline.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+
+from vidray.config import JobConfig, job_config_from_dict
+from vidray.data.buckets import Bucket
+from vidray.data.shards import load_samples, read_index
+from vidray.models.registry import get_family
+from vidray.models.text_encoder import encode_prompts
+from vidray.models.vae import encode_video, frames_to_video
+from vidray.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from vidray.train.optim import build_lr_scheduler, build_optimizer
+from vidray.train.schedule import SampleSchedule
+from vidray.train.step import flow_matching_step_loss, step_generator
+
+
+def _log(rank: int, message: str) -> None:
+    if rank == 0:
+        print(f"[vidray] {message}", flush=True)
+
+
+@torch.no_grad()
+def encode_dataset(components, job: JobConfig, samples, device: torch.device):
+    """Encode every sample once with the frozen VAE and text encoder.
+
+    Returns (latents, prompt_embeds, prompt_attention_mask): a list of (C_lat, F_lat, H_lat, W_lat) fp32 tensors
+    (one per sample, shapes differ by bucket), and (N, L, D) fp32 / (N, L) bool tensors, all on `device`.
+    """
+    latents: list[torch.Tensor | None] = [None] * len(samples)
+    by_bucket: dict[Bucket, list[int]] = {}
+    for i, sample in enumerate(samples):
+        by_bucket.setdefault(sample.bucket, []).append(i)
+    for indices in by_bucket.values():
+        for start in range(0, len(indices), 4):
+            chunk = indices[start : start + 4]
+            frames = torch.from_numpy(np.stack([samples[i].video for i in chunk]))  # (b, F, H, W, 3) uint8
+            video = frames_to_video(frames).to(device)  # (b, 3, F, H, W) in [-1, 1]
+            for i, lat in zip(chunk, encode_video(components.vae, video)):
+                latents[i] = lat
+    prompt_embeds, prompt_attention_mask = encode_prompts(
+        components.text_encoder,
+        components.tokenizer,
+        [s.caption for s in samples],
+        max_sequence_length=job.model.max_sequence_length,
+        device=device,
+    )
+    return latents, prompt_embeds, prompt_attention_mask
+
+
+def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_scheduler, rank: int) -> TrainState | None:
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            state = load_checkpoint(directory, transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler)
+        _log(rank, f"resumed from the run's latest checkpoint at step {state.step}")
+        return state
+    if loop_config.get("resume_from"):
+        state = load_checkpoint(
+            loop_config["resume_from"], transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler
+        )
+        _log(rank, f"started from checkpoint {loop_config['resume_from']} at step {state.step}")
+        return state
+    return None
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
+    """Ray Train entry point. `loop_config`: {"job": JobConfig.to_dict(), "run_dir": absolute path,
+    "shards_dir": absolute path, "resume_from": checkpoint folder or None}.
+
+    Returns (rank 0's is kept in `Result.return_value`): {"losses": [[step, loss], ...] for every step this run
+    trained, "first_step", "last_step", "steps_per_s", "diffusers_dir"}.
+    """
+    job = job_config_from_dict(loop_config["job"])
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    device = ray.train.torch.get_device()
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+
+    # 1. Components: frozen VAE and text encoder, trainable transformer.
+    family = get_family(job.model.family)
+    components = family.build(job.model, seed=job.train.seed)
+    for frozen in (components.vae, components.text_encoder):
+        frozen.requires_grad_(False).eval().to(device)
+    transformer = components.transformer.to(device)
+
+    # 2. Data: shards -> latents and prompt_embeds, encoded once per worker.
+    shards_dir = loop_config["shards_dir"]
+    index = read_index(shards_dir)
+    samples = load_samples(shards_dir)
+    t0 = time.perf_counter()
+    latents, prompt_embeds, prompt_attention_mask = encode_dataset(components, job, samples, device)
+    _log(rank, f"encoded {len(samples)} samples to latents in {time.perf_counter() - t0:.1f} s")
+    schedule = SampleSchedule(
+        [s.bucket for s in samples],
+        batch_size=job.data.batch_size_per_worker,
+        world_size=world_size,
+        seed=job.train.seed,
+    )
+
+    # Parameters that never get a gradient break DDP's reducer (NOTES.md): freeze them once, by probe.
+    no_grad = set(family.no_grad_parameter_names(transformer))
+    for name, param in transformer.named_parameters():
+        if name in no_grad:
+            param.requires_grad_(False)
+    transformer.train()
+
+    # 3. Optimizer and lr schedule.
+    optimizer = build_optimizer(transformer.parameters(), job.optim)
+    lr_scheduler = build_lr_scheduler(optimizer, job.optim)
+
+    # 4. Resume.
+    state = _resume_state(loop_config, transformer, optimizer, lr_scheduler, rank)
+    start_step = 1 if state is None else state.step + 1
+    index_hash = index.get("index_hash", "")
+    if state is not None and state.index_hash and state.index_hash != index_hash:
+        raise ValueError(
+            f"checkpoint was trained on shard index {state.index_hash} but {shards_dir} has {index_hash}: "
+            "the data changed; use a new run name or the original shards"
+        )
+
+    # 5. DDP (gloo on CPU, NCCL on GPU; Ray Train sets up the process group).
+    model = ray.train.torch.prepare_model(transformer)
+    autocast_dtype = torch.bfloat16 if (device.type == "cuda" and job.train.mixed_precision == "bf16") else None
+
+    # 6. The loop.
+    max_steps = job.train.max_steps
+    _log(rank, f"training steps {start_step}..{max_steps} ({schedule.steps_per_epoch} steps/epoch, "
+         f"{world_size} workers x batch {job.data.batch_size_per_worker})")
+    step_losses: list[torch.Tensor] = []
+    history: list[list[float]] = []
+    window_start, window_steps = time.perf_counter(), 0
+    run_start = time.perf_counter()
+    for step in range(start_step, max_steps + 1):
+        batch = schedule.batch_for(step, rank)
+        batch_latents = torch.stack([latents[i] for i in batch])
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = flow_matching_step_loss(
+                family,
+                model,
+                batch_latents,
+                prompt_embeds[batch],
+                prompt_attention_mask[batch],
+                job.flow,
+                step_generator(job.train.seed, step, rank),
+            )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if job.train.grad_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), job.train.grad_clip_norm)
+        optimizer.step()
+        lr_scheduler.step()
+        step_losses.append(loss.detach())
+        window_steps += 1
+
+        is_log = step % job.train.log_every_steps == 0 or step == max_steps
+        is_checkpoint = step % job.checkpoint.every_steps == 0 or step == max_steps
+        if not (is_log or is_checkpoint):
+            continue
+        # Host sync only here: mean loss over ranks for each step of the window.
+        window = torch.stack(step_losses)
+        if world_size > 1:
+            dist.all_reduce(window, op=dist.ReduceOp.AVG)
+        window_losses = window.tolist()
+        first_window_step = step - len(window_losses) + 1
+        history.extend([first_window_step + i, v] for i, v in enumerate(window_losses))
+        step_losses.clear()
+        step_time_s = (time.perf_counter() - window_start) / window_steps
+        position = schedule.position(step)
+        metrics = {
+            "step": step,
+            "epoch": position.epoch,
+            "loss": float(np.mean(window_losses)),
+            "step_time_s": step_time_s,
+            "lr": lr_scheduler.get_last_lr()[0],
+        }
+        _log(rank, f"step {step}/{max_steps} loss {metrics['loss']:.4f} step_time {step_time_s:.3f} s "
+             f"lr {metrics['lr']:.2e}")
+        if is_checkpoint:
+            with tempfile.TemporaryDirectory(prefix="vidray-ckpt-") as tmp:
+                checkpoint = None
+                if rank == 0:
+                    save_checkpoint(
+                        tmp,
+                        transformer_state=transformer.state_dict(),
+                        optimizer=optimizer,
+                        lr_scheduler=lr_scheduler,
+                        train_state=TrainState(step, position.epoch, position.batch_index, world_size, index_hash),
+                        job_config=job.to_dict(),
+                    )
+                    checkpoint = ray.train.Checkpoint.from_directory(tmp)
+                ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=f"checkpoint_{step:06d}")
+        else:
+            ray.train.report(metrics)
+        window_start, window_steps = time.perf_counter(), 0
+    trained = max(0, max_steps - start_step + 1)
+    steps_per_s = trained / (time.perf_counter() - run_start) if trained else 0.0
+
+    # 7. Rank 0 saves the trained pipeline in diffusers format (safetensors).
+    diffusers_dir = str(Path(loop_config["run_dir"]) / "diffusers")
+    if rank == 0:
+        components.transformer.eval()
+        family.save_pipeline(components, diffusers_dir, job.flow)
+        _log(rank, f"saved diffusers pipeline to {diffusers_dir}")
+    return {
+        "losses": history,
+        "first_step": start_step,
+        "last_step": max_steps,
+        "steps_per_s": steps_per_s,
+        "diffusers_dir": diffusers_dir,
+    }
