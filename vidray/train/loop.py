@@ -130,7 +130,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     # 4. Resume.
     state = _resume_state(loop_config, transformer, optimizer, lr_scheduler, rank)
     start_step = 1 if state is None else state.step + 1
-    index_hash = index.get("index_hash", "")
+    index_hash = index.get("content_hash", "")
     if state is not None and state.index_hash and state.index_hash != index_hash:
         raise ValueError(
             f"checkpoint was trained on shard index {state.index_hash} but {shards_dir} has {index_hash}: "

@@ -37,12 +37,17 @@ def check_job_inputs(job: JobConfig) -> None:
     """Driver-side checks before any Ray resource is reserved.
 
     Raises FileNotFoundError when the shards have no index (run `vidray prepare`), or `checkpoint.resume_from`
-    is not a complete checkpoint; ValueError when a prepared bucket is not in `data.buckets`.
+    is not a complete checkpoint; ValueError when the shards hold no samples or a bucket that is not in `data.buckets`.
     """
     from vidray.data.shards import read_index
     from vidray.train.checkpoint import read_train_state
 
     index = read_index(job.data.shards_dir)
+    if index["num_samples"] == 0:
+        raise ValueError(
+            f"{job.data.shards_dir} holds no samples: every clip was skipped (see its report.json); "
+            "fix the inputs or the buckets and re-run `vidray prepare`"
+        )
     configured = {tuple(b) for b in job.data.buckets}
     prepared = {tuple(int(x) for x in str(b).split("x")) for b in index.get("bucket_counts", {})}
     unknown = prepared - configured

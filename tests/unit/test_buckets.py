@@ -1,0 +1,72 @@
+"""Bucket assignment and validation (pure functions, no media)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vidray.data.buckets import Bucket, assign_bucket, validate_bucket
+
+BUCKETS = [Bucket(9, 64, 64), Bucket(9, 64, 112), Bucket(9, 112, 64), Bucket(17, 64, 112), Bucket(1, 64, 64)]
+
+
+def test_bucket_is_named_and_prints_as_frames_x_height_x_width():
+    bucket = Bucket(9, 64, 112)
+    assert (bucket.num_frames, bucket.height, bucket.width) == (9, 64, 112)
+    assert str(bucket) == "9x64x112"
+
+
+@pytest.mark.parametrize(
+    ("height", "width", "expected"),
+    [
+        (480, 854, Bucket(17, 64, 112)),  # landscape 16:9 -> the wide bucket, the longer one it can fill
+        (1016, 576, Bucket(9, 112, 64)),  # portrait 9:16
+        (256, 256, Bucket(9, 64, 64)),  # square
+        (240, 320, Bucket(17, 64, 112)),  # 4:3 (H/W 0.75) is closer to 64/112 (0.57) than to 1:1
+    ],
+)
+def test_assign_bucket_picks_the_closest_aspect(height, width, expected):
+    assert assign_bucket(num_frames=49, height=height, width=width, buckets=BUCKETS) == expected
+
+
+def test_assign_bucket_prefers_buckets_the_video_can_fill():
+    assert assign_bucket(num_frames=12, height=480, width=854, buckets=BUCKETS) == Bucket(9, 64, 112)
+
+
+def test_images_go_to_single_frame_buckets():
+    assert assign_bucket(num_frames=1, height=382, width=600, buckets=BUCKETS, is_image=True) == Bucket(1, 64, 64)
+
+
+def test_videos_never_go_to_single_frame_buckets():
+    assert assign_bucket(num_frames=49, height=64, width=64, buckets=[Bucket(1, 64, 64)]) is None
+
+
+def test_too_short_video_gets_no_bucket():
+    assert assign_bucket(num_frames=8, height=480, width=854, buckets=BUCKETS) is None
+
+
+def test_image_without_single_frame_bucket_gets_none():
+    assert assign_bucket(num_frames=1, height=64, width=64, buckets=[Bucket(9, 64, 64)], is_image=True) is None
+
+
+def test_assign_bucket_rejects_empty_source_size():
+    with pytest.raises(ValueError, match="positive"):
+        assign_bucket(num_frames=9, height=0, width=64, buckets=BUCKETS)
+
+
+@pytest.mark.parametrize("bucket", [Bucket(1, 64, 64), Bucket(9, 64, 112), Bucket(49, 480, 720)])
+def test_validate_bucket_accepts_vae_shapes(bucket):
+    validate_bucket(bucket)
+
+
+@pytest.mark.parametrize(
+    ("bucket", "message"),
+    [
+        (Bucket(9, 60, 64), "multiples of 16"),
+        (Bucket(9, 64, 0), "multiples of 16"),
+        (Bucket(8, 64, 64), r"1 or k\*4\+1"),
+        (Bucket(0, 64, 64), r"1 or k\*4\+1"),
+    ],
+)
+def test_validate_bucket_names_the_problem(bucket, message):
+    with pytest.raises(ValueError, match=message):
+        validate_bucket(bucket)

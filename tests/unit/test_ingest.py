@@ -1,0 +1,288 @@
+"""Ingest on the repo's samples/: video I/O, source lists, prepare -> shards + index, skip-and-report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from vidray.data.buckets import Bucket
+from vidray.data.ingest import prepare, read_source
+from vidray.data.shards import INDEX_NAME, REPORT_NAME, SHARD_SCHEMA, iter_samples, load_samples, read_index
+from vidray.data.video import (
+    MediaError,
+    decode_mp4,
+    encode_mp4,
+    probe_media,
+    read_clip,
+    sampled_fps,
+    write_mp4,
+)
+
+BUCKETS = [[9, 64, 64], [1, 64, 64]]
+FPS = 8.0
+
+
+def _gray_ramp(num_frames: int, step: int, height: int = 64, width: int = 64) -> np.ndarray:
+    """uint8 (F, H, W, 3) whose frame i is uniformly gray at step*i: frame identity survives H.264."""
+    values = (np.arange(num_frames) * step).astype(np.uint8)
+    return np.broadcast_to(values[:, None, None, None], (num_frames, height, width, 3)).copy()
+
+
+# --- video I/O -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(9, 64, 112, 3), (1, 64, 64, 3), (5, 48, 32, 3)])
+def test_encode_decode_mp4_round_trips_shape_exactly_and_pixels_closely(shape):
+    rng = np.random.default_rng(0)
+    # Smooth content (H.264 is built for it): a gradient plus a little noise.
+    base = np.linspace(0, 255, shape[1] * shape[2] * 3).reshape(shape[1:])
+    frames = np.clip(base[None] + rng.normal(0, 4, shape), 0, 255).astype(np.uint8)
+    data = encode_mp4(frames, fps=8.0)
+    assert data[4:8] == b"ftyp"
+    decoded = decode_mp4(data)
+    assert decoded.shape == frames.shape and decoded.dtype == np.uint8
+    assert np.abs(decoded.astype(np.int16) - frames).mean() < 6.0
+
+
+def test_encode_mp4_rejects_odd_size_and_wrong_dtype():
+    with pytest.raises(ValueError, match="even height and width"):
+        encode_mp4(np.zeros((2, 63, 64, 3), np.uint8), fps=8.0)
+    with pytest.raises(ValueError, match=r"uint8 \(F, H, W, 3\)"):
+        encode_mp4(np.zeros((2, 64, 64, 3), np.float32), fps=8.0)
+
+
+def test_read_clip_samples_frames_by_timestamp(tmp_path):
+    path = write_mp4(_gray_ramp(30, step=8), tmp_path / "ramp24.mp4", fps=24.0)  # 1.25 s
+    info = probe_media(path)
+    assert (info.num_frames, info.fps, info.width, info.height, info.is_image) == (30, 24.0, 64, 64, False)
+    assert info.duration_s == pytest.approx(1.25)
+    clip = read_clip(path, info, Bucket(9, 64, 64), fps=8.0)
+    assert clip.shape == (9, 64, 64, 3)
+    # 8 fps from 24 fps: every third source frame, gray 8 * 3i.
+    np.testing.assert_allclose(clip.reshape(9, -1).mean(axis=1), 24 * np.arange(9), atol=4)
+    assert sampled_fps(info, Bucket(9, 64, 64), 8.0) == 8.0
+
+
+def test_read_clip_falls_back_to_a_frame_stride_when_the_source_is_short_in_time(tmp_path):
+    path = write_mp4(_gray_ramp(20, step=10), tmp_path / "short.mp4", fps=24.0)  # 0.83 s < 8/8 s
+    info = probe_media(path)
+    clip = read_clip(path, info, Bucket(9, 64, 64), fps=8.0)
+    # stride = min(round(24 / 8), (20 - 1) // 8) = 2
+    np.testing.assert_allclose(clip.reshape(9, -1).mean(axis=1), 20 * np.arange(9), atol=4)
+    assert sampled_fps(info, Bucket(9, 64, 64), 8.0) == 12.0
+
+
+def test_read_clip_too_short_raises_media_error(tmp_path):
+    path = write_mp4(_gray_ramp(6, step=10), tmp_path / "tiny.mp4", fps=8.0)
+    with pytest.raises(MediaError, match="too short: 6 frames at 8.00 fps"):
+        read_clip(path, probe_media(path), Bucket(9, 64, 64), fps=8.0)
+
+
+def test_read_clip_resizes_and_center_crops_to_the_bucket(samples_dir):
+    path = samples_dir / "cogvideo_horse_720x480_8fps.mp4"
+    info = probe_media(path)
+    clip = read_clip(path, info, Bucket(9, 64, 112), fps=8.0)
+    assert clip.shape == (9, 64, 112, 3) and clip.dtype == np.uint8
+    still = read_clip(samples_dir / "animatediff_sailboat_painting.png",
+                      probe_media(samples_dir / "animatediff_sailboat_painting.png"), Bucket(1, 32, 32), fps=8.0)
+    assert still.shape == (1, 32, 32, 3)
+
+
+def test_probe_media_reads_gif_timing_and_images(samples_dir):
+    gif = probe_media(samples_dir / "newtonscradle_200x150.gif")
+    assert (gif.width, gif.height, gif.num_frames, gif.codec) == (200, 150, 36, "gif")
+    assert gif.duration_s == pytest.approx(0.82)  # variable frame durations, 1/100 s ticks
+    png = probe_media(samples_dir / "animatediff_sailboat_painting.png")
+    assert (png.is_image, png.num_frames, png.width, png.height) == (True, 1, 384, 256)
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda p: None, "file not found"),
+        (lambda p: p.write_bytes(b""), "zero-byte"),
+        (lambda p: p.write_text("not a video\n" * 10), "not a readable media file"),
+    ],
+)
+def test_probe_media_names_the_problem(tmp_path, make, reason):
+    path = tmp_path / "bad.mp4"
+    make(path)
+    with pytest.raises(MediaError, match=reason):
+        probe_media(path)
+
+
+# --- source lists ------------------------------------------------------------------------------------------
+
+
+def test_read_source_resolves_easyanimate_json(samples_dir):
+    items = read_source(samples_dir / "metadata.json")
+    assert len(items) == 6
+    assert all(item.file_path.is_absolute() and item.file_path.is_file() for item in items)
+    assert [item.is_image for item in items].count(True) == 1
+    assert items[0].text.startswith("A short handheld")
+
+
+def test_read_source_reads_open_sora_csv_with_relative_and_absolute_paths(tmp_path, samples_dir):
+    shutil.copy(samples_dir / "finetrainers_hiker_tiny_368x240.mp4", tmp_path / "hiker.mp4")
+    png = samples_dir / "animatediff_sailboat_painting.png"
+    (tmp_path / "data.csv").write_text(
+        "path,text,num_frames,height,width,fps\n"
+        'hiker.mp4,"A hiker, on a summit",49,240,368,8\n'
+        f"{png},a sailboat,,,,\n"
+    )
+    items = read_source(tmp_path / "data.csv")
+    assert items[0].file_path == tmp_path / "hiker.mp4" and items[0].text == "A hiker, on a summit"
+    assert items[0].hints == {"num_frames": 49, "height": 240, "width": 368, "fps": 8.0}
+    assert (items[0].is_image, items[1].is_image, items[1].file_path) == (False, True, png)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("meta.json", '{"file_path": "a.mp4", "text": "x"}', "holds a JSON dict; expected a JSON list"),
+        ("meta.json", '[{"path": "a.mp4", "text": "x"}]', "needs a non-empty string 'file_path'"),
+        ("meta.json", '[{"file_path": "a.mp4", "text": "x", "type": "gif"}]', "'type' must be 'video' or 'image'"),
+        ("meta.json", "[]", "lists no files"),
+        ("meta.json", "{not json", "not valid JSON"),
+        ("data.csv", "file,caption\na.mp4,x\n", r"missing column\(s\) \['path', 'text'\]"),
+        ("data.csv", "path,text,fps\na.mp4,x,fast\n", "column fps must be a number"),
+        ("data.txt", "a.mp4\n", "unknown extension '.txt'"),
+    ],
+)
+def test_read_source_rejects_bad_formats_with_a_clear_message(tmp_path, name, content, message):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ValueError, match=message):
+        read_source(tmp_path / name)
+
+
+# --- prepare -> shards ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prepared(samples_dir, tmp_path_factory):
+    shards_dir = tmp_path_factory.mktemp("shards")
+    lines: list[str] = []
+    summary = prepare(
+        samples_dir / "metadata.json", shards_dir, BUCKETS, FPS, samples_per_shard=4, progress=lines.append
+    )
+    return summary, shards_dir, lines
+
+
+def test_prepare_keeps_every_sample_and_writes_index_last(prepared):
+    summary, shards_dir, lines = prepared
+    assert (summary.num_kept, summary.num_skipped) == (6, 0)
+    assert summary.bucket_counts == {"9x64x64": 5, "1x64x64": 1}
+    assert len(lines) == 6 and all("kept" in line for line in lines)
+    index = read_index(shards_dir)
+    assert index["num_samples"] == 6 and index["bucket_counts"] == {"9x64x64": 5, "1x64x64": 1}
+    assert [s["file"] for s in index["shards"]] == ["shard.00000.parquet", "shard.00001.parquet"]
+    assert [s["num_samples"] for s in index["shards"]] == [4, 2]
+    assert index["buckets"] == BUCKETS and index["fps"] == FPS
+    assert all((shards_dir / s["file"]).stat().st_size == s["bytes"] for s in index["shards"])
+    # The index is the commit marker: written after every shard and the report.
+    mtimes = [(shards_dir / s["file"]).stat().st_mtime_ns for s in index["shards"]]
+    assert (shards_dir / INDEX_NAME).stat().st_mtime_ns >= max(mtimes + [(shards_dir / REPORT_NAME).stat().st_mtime_ns])
+    assert "Prepared 6 of 6 files into 2 shard(s)" in str(summary)
+
+
+def test_prepared_shards_have_the_training_columns_and_bucket_shapes(prepared):
+    _, shards_dir, _ = prepared
+    rows = list(iter_samples(shards_dir))
+    assert len(rows) == 6 and set(rows[0]) == set(SHARD_SCHEMA.names)
+    by_name = {row["source_path"].rsplit("/", 1)[-1]: row for row in rows}
+    realshort = by_name["realshort_320x240_30.02fps.mp4"]
+    assert realshort["source_fps"] == pytest.approx(30.02, abs=0.01) and realshort["fps"] == 8.0
+    assert (realshort["source_width"], realshort["source_height"], realshort["source_num_frames"]) == (320, 240, 36)
+    # Newton's cradle lasts 0.82 s < 9 frames at 8 fps: stride fallback over its 36 frames.
+    assert by_name["newtonscradle_200x150.gif"]["fps"] > FPS
+    samples = load_samples(shards_dir)
+    assert len({s.sample_id for s in samples}) == 6
+    for sample in samples:
+        assert sample.video.shape == (*sample.bucket, 3) and sample.video.dtype == np.uint8
+        assert sample.caption
+    assert {s.bucket for s in samples} == {Bucket(9, 64, 64), Bucket(1, 64, 64)}
+
+
+def test_prepare_skips_and_reports_bad_files_and_keeps_the_good_ones(tmp_path, samples_dir):
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "zero.mp4").write_bytes(b"")
+    (media / "truncated.mp4").write_bytes((samples_dir / "realshort_320x240_30.02fps.mp4").read_bytes()[:2048])
+    (media / "text.mp4").write_text("this is not a video\n" * 50)
+    entries = [
+        {"file_path": str(samples_dir / "finetrainers_hiker_tiny_368x240.mp4"), "text": "hiker", "type": "video"},
+        {"file_path": "zero.mp4", "text": "zero", "type": "video"},
+        {"file_path": "truncated.mp4", "text": "truncated", "type": "video"},
+        {"file_path": "text.mp4", "text": "text", "type": "video"},
+        {"file_path": "missing.mp4", "text": "missing", "type": "video"},
+        {"file_path": str(samples_dir / "animatediff_sailboat_painting.png"), "text": "sailboat", "type": "image"},
+    ]
+    (media / "meta.json").write_text(json.dumps(entries))
+    shards_dir = tmp_path / "shards"
+    lines: list[str] = []
+    summary = prepare(media / "meta.json", shards_dir, BUCKETS, FPS, samples_per_shard=64, progress=lines.append)
+    assert (summary.num_kept, summary.num_skipped) == (2, 4)
+    report = json.loads((shards_dir / REPORT_NAME).read_text())
+    reasons = {item["path"].rsplit("/", 1)[-1]: item["reason"] for item in report["skipped"]}
+    assert set(reasons) == {"zero.mp4", "truncated.mp4", "text.mp4", "missing.mp4"}
+    assert "zero-byte" in reasons["zero.mp4"]
+    assert "not a readable media file" in reasons["truncated.mp4"]
+    assert "not a readable media file" in reasons["text.mp4"]
+    assert "not found" in reasons["missing.mp4"]
+    assert report["num_kept"] == 2 and read_index(shards_dir)["num_samples"] == 2
+    assert sum("skipped" in line for line in lines) == 4
+    assert "Skipped 4" in str(summary)
+
+
+def test_prepare_reports_too_short_videos_and_missing_bucket_kinds(tmp_path):
+    write_mp4(_gray_ramp(6, step=10), tmp_path / "six.mp4", fps=8.0)
+    (tmp_path / "meta.json").write_text(json.dumps([{"file_path": "six.mp4", "text": "six", "type": "video"}]))
+    summary = prepare(tmp_path / "meta.json", tmp_path / "shards", [[9, 64, 64]], FPS, 8, progress=None)
+    assert summary.num_kept == 0
+    assert "too short: 6 frames at 8.00 fps" in summary.skipped[0][1]
+    assert "No sample was kept" in str(summary)
+    assert read_index(tmp_path / "shards")["num_samples"] == 0
+
+
+def test_prepare_from_csv_source(tmp_path, samples_dir):
+    (tmp_path / "data.csv").write_text(
+        "path,text\n"
+        f"{samples_dir / 'finetrainers_hiker_tiny_368x240.mp4'},a hiker\n"
+        f"{samples_dir / 'animatediff_sailboat_painting.png'},a sailboat\n"
+    )
+    summary = prepare(tmp_path / "data.csv", tmp_path / "shards", BUCKETS, FPS, 64, progress=None)
+    assert summary.bucket_counts == {"9x64x64": 1, "1x64x64": 1}
+    assert sorted(s.caption for s in load_samples(tmp_path / "shards")) == ["a hiker", "a sailboat"]
+
+
+def test_prepare_overwrites_a_previous_run_cleanly(tmp_path, samples_dir):
+    shards_dir = tmp_path / "shards"
+    first = prepare(samples_dir / "metadata.json", shards_dir, BUCKETS, FPS, 1, progress=None)
+    assert len(list(shards_dir.glob("shard.*.parquet"))) == first.num_kept == 6
+    ids = {s.sample_id for s in load_samples(shards_dir)}
+    prepare(samples_dir / "metadata.json", shards_dir, BUCKETS, FPS, 64, progress=None)
+    assert [p.name for p in shards_dir.glob("shard.*.parquet")] == ["shard.00000.parquet"]
+    assert {s.sample_id for s in load_samples(shards_dir)} == ids  # sample ids are stable
+
+
+def test_prepare_rejects_a_bad_source_before_touching_the_shards_dir(tmp_path, prepared):
+    (tmp_path / "meta.json").write_text('{"oops": 1}')
+    with pytest.raises(ValueError, match="expected a JSON list"):
+        prepare(tmp_path / "meta.json", tmp_path / "shards", BUCKETS, FPS, 8, progress=None)
+    assert not (tmp_path / "shards").exists()
+    with pytest.raises(ValueError, match="multiples of 16"):
+        prepare(tmp_path / "meta.json", tmp_path / "shards", [[9, 60, 64]], FPS, 8, progress=None)
+
+
+def test_read_index_refuses_an_unfinished_prepare(tmp_path, prepared):
+    _, shards_dir, _ = prepared
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    shutil.copy(shards_dir / "shard.00000.parquet", unfinished)
+    with pytest.raises(FileNotFoundError, match=r"unfinished prepare\): run `vidray prepare` first"):
+        read_index(unfinished)
+    with pytest.raises(FileNotFoundError, match="run `vidray prepare` first"):
+        list(iter_samples(tmp_path / "nothing"))
