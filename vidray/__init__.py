@@ -1,0 +1,8 @@
+"""vidray: Ray-native training and serving of video diffusion models (DiT + VAE + text encoder)."""
+
+from vidray.runtime import apply_ray_env_defaults as _apply_ray_env_defaults
+
+# Before anything imports ray: Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import (see vidray.runtime).
+_apply_ray_env_defaults()
+
+__version__ = "0.1.0"

@@ -2,9 +2,12 @@
 
 - `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` keeps every Ray listener of a local cluster on 127.0.0.1.
 - `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.1` makes `ray.train.report` cost ~0.1 s instead of ~2 s.
-- Auth: vidray keeps Ray's token auth on (the default since 2.59). A local cluster writes `~/.ray/auth_token`;
-  CLI clients (`ray job submit`, `ray list`) need `RAY_AUTH_MODE=token` exported, which we set here too.
-Both are set with `setdefault`, so a user's own value wins. They must be in the environment before `ray.init`.
+- Auth: vidray keeps Ray's token auth on (the default since 2.59). A new local cluster writes
+  `~/.ray/auth_token`; CLI clients (`ray start`, `ray job submit`, `ray list`) need `RAY_AUTH_MODE=token`
+  exported (`CLIENT_ENV`). It is not set in-process: with it set after `import ray`, `ray.init` skips creating
+  the token and the GCS then aborts for want of one.
+The defaults are set with `setdefault`, so a user's own value wins. `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER` is read
+when `ray` is first imported: `import vidray` applies these defaults, so import vidray before ray.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import os
 RAY_ENV_DEFAULTS = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
-    "RAY_AUTH_MODE": "token",
 }
+CLIENT_ENV = {**RAY_ENV_DEFAULTS, "RAY_AUTH_MODE": "token"}
+"""Environment for Ray CLI subprocesses (`ray start --head`, `ray job submit`) under token auth."""
 
 
 def apply_ray_env_defaults() -> None:
@@ -31,9 +35,18 @@ def init_ray(*, num_cpus: int | None = None) -> bool:
     plus Ray Train's controller fit on a 2-core machine. Returns True when this call started Ray (the caller
     then owns `ray.shutdown()`), False when Ray was already initialized.
     """
-    import ray
-
     apply_ray_env_defaults()
+    import ray
+    from ray._private import ray_constants
+
+    if ray_constants.ENABLE_RAY_CLUSTER and not os.environ.get("RAY_ADDRESS"):
+        import warnings
+
+        warnings.warn(
+            "ray was imported before vidray, so RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 did not take effect: the local "
+            "cluster may listen beyond 127.0.0.1. Import vidray first or export the variable.",
+            stacklevel=2,
+        )
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
@@ -41,7 +54,8 @@ def init_ray(*, num_cpus: int | None = None) -> bool:
     else:
         ray.init(
             num_cpus=num_cpus or max(4, os.cpu_count() or 1),
-            include_dashboard=False,
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
             _node_ip_address="127.0.0.1",
         )
     return True

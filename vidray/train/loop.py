@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from vidray.config import JobConfig, job_config_from_dict
 from vidray.data.buckets import Bucket
+from vidray.generate import write_job_file
 from vidray.data.shards import load_samples, read_index
 from vidray.models.registry import get_family
 from vidray.models.text_encoder import encode_prompts
@@ -219,6 +220,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     if rank == 0:
         components.transformer.eval()
         family.save_pipeline(components, diffusers_dir, job.flow)
+        write_job_file(diffusers_dir, job)
         _log(rank, f"saved diffusers pipeline to {diffusers_dir}")
     return {
         "losses": history,

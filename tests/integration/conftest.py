@@ -1,0 +1,130 @@
+"""Fixtures that start real Ray clusters on 127.0.0.1 and end exactly the processes they started, by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from vidray.runtime import CLIENT_ENV, apply_ray_env_defaults
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pids_mentioning(marker: str) -> list[int]:
+    """PIDs of live processes whose command line contains `marker` (our unique temp dir)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def ray_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({k: env.get(k, v) for k, v in CLIENT_ENV.items()})
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A module-scoped local Ray (in-process driver, 4 logical CPUs, listeners on 127.0.0.1)."""
+    import ray
+
+    from vidray.runtime import init_ray
+
+    apply_ray_env_defaults()
+    started = init_ray(num_cpus=4)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+class RayHead:
+    """A `ray start --head --block` child process with its own ports and temp dir."""
+
+    def __init__(self, tmp_root: str):
+        self.temp_dir = tmp_root
+        self.gcs_port = free_port()
+        self.dashboard_port = free_port()
+        self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
+        self.env = ray_env()
+        cmd = [
+            str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+            "--node-ip-address=127.0.0.1", f"--port={self.gcs_port}",
+            "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+            "--num-cpus=4", f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
+        ]
+        self.log = open(Path(self.temp_dir) / "ray_start.log", "w")
+        self.process = subprocess.Popen(cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout_s: float = 90) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ray start exited early: {Path(self.log.name).read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"{self.dashboard_url}/api/version", timeout=2)
+                return
+            except urllib.error.HTTPError:
+                return  # 401 without a token: the dashboard is up
+            except (urllib.error.URLError, OSError):
+                time.sleep(1)
+        raise TimeoutError(f"Ray head not ready after {timeout_s} s: {Path(self.log.name).read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # ray start --block then kills its own children
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        # Anything still alive that runs under our temp dir was started by this head: end it by PID.
+        for _ in range(20):
+            leftovers = pids_mentioning(self.temp_dir)
+            if not leftovers:
+                break
+            for pid in leftovers:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
+        self.log.close()
+
+
+@pytest.fixture
+def ray_head():
+    """A Ray head node started with `ray start --head` on 127.0.0.1, stopped by PID at the end of the test."""
+    tmp_root = tempfile.mkdtemp(prefix="/tmp/vrh")  # short: Ray's socket paths are length-limited
+    head = RayHead(tmp_root)
+    try:
+        head.wait_ready()
+        yield head
+    finally:
+        head.stop()

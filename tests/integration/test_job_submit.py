@@ -1,0 +1,47 @@
+"""`ray job submit` of jobs/train.py against a head node started with `ray start --head`, as the README shows."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
+
+
+def test_ray_job_submit_trains_to_succeeded(ray_head, tmp_path):
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    submit = subprocess.run(
+        [
+            ray_cli, "job", "submit", "--address", ray_head.dashboard_url, "--no-wait",
+            "--submission-id", "vidray-test-job", "--working-dir", str(REPO), "--",
+            "python", "jobs/train.py", "--config", "jobs/configs/tiny_t2v.yaml", "--prepare",
+            f"data.shards_dir={tmp_path / 'shards'}", f"storage.path={tmp_path / 'runs'}",
+            "model.text_encoder=tiny_random", "train.max_steps=4", "train.log_every_steps=2",
+            "checkpoint.every_steps=2",
+        ],
+        env=ray_head.env, capture_output=True, text=True, timeout=120,
+    )
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+
+    deadline, status = time.monotonic() + 300, ""
+    while time.monotonic() < deadline:
+        status = subprocess.run(
+            [ray_cli, "job", "status", "--address", ray_head.dashboard_url, "vidray-test-job"],
+            env=ray_head.env, capture_output=True, text=True, timeout=60,
+        ).stdout
+        if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
+            break
+        time.sleep(2)
+    logs = subprocess.run(
+        [ray_cli, "job", "logs", "--address", ray_head.dashboard_url, "vidray-test-job"],
+        env=ray_head.env, capture_output=True, text=True, timeout=60,
+    ).stdout
+    assert "SUCCEEDED" in status, f"status: {status}\nlogs:\n{logs[-4000:]}"
+    assert "step 4/4" in logs
+    assert (tmp_path / "runs" / "tiny-t2v" / "checkpoint_000004" / "manifest.json").is_file()
+    assert (tmp_path / "runs" / "tiny-t2v" / "diffusers" / "model_index.json").is_file()

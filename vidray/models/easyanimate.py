@@ -1,0 +1,283 @@
+"""EasyAnimate family: diffusers `EasyAnimateTransformer3DModel` (MMDiT) + `AutoencoderKLMagvit` + a BERT/Qwen
+text encoder, exported as a stock `diffusers.EasyAnimatePipeline` folder.
+
+Everything here mirrors diffusers/pipelines/easyanimate/pipeline_easyanimate.py (diffusers 0.42.1), so a
+transformer trained with `EasyAnimateFamily.predict` behaves the same inside the stock pipeline:
+- prompts: chat template -> right-padded tokens -> text encoder `hidden_states[-2]` (`encode_prompts`);
+- transformer call: `transformer(noisy_latents, timesteps, encoder_hidden_states=prompt_embeds)`, timesteps =
+  sigmas * num_train_timesteps in the latents' dtype; the text attention mask is NOT passed (the transformer has
+  no mask input: padded text tokens take part in attention, in training as in the pipeline);
+- latents: `vae.encode(video).mode() * scaling_factor`; decode `vae.decode(latents / scaling_factor)`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLMagvit, EasyAnimatePipeline, EasyAnimateTransformer3DModel
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from vidray.config import FlowConfig, ModelConfig
+from vidray.data.buckets import Bucket, validate_bucket
+from vidray.models.registry import Components, ModelFamily
+from vidray.models.text_encoder import build_text_encoder, ensure_chat_template
+
+__all__ = [
+    "EasyAnimateFamily",
+    "TINY_TRANSFORMER",
+    "TINY_VAE",
+    "build_tiny",
+    "load_pretrained",
+    "no_grad_parameter_names",
+    "save_pipeline",
+]
+
+LATENT_CHANNELS = 16
+"""EasyAnimate V5.x latent channels; the tiny preset uses the same so shapes do not depend on the preset."""
+SPATIAL_COMPRESSION_RATIO = 8
+TEMPORAL_COMPRESSION_RATIO = 4
+PATCH_SIZE = 2
+
+TINY_TRANSFORMER = dict(
+    num_attention_heads=4,
+    attention_head_dim=32,  # diffusers asserts attention_head_dim >= 16 (3D RoPE split over t/h/w)
+    in_channels=LATENT_CHANNELS,
+    out_channels=LATENT_CHANNELS,
+    patch_size=PATCH_SIZE,
+    sample_width=8,  # latent width of a 64 px bucket (only informative: RoPE uses a fixed 90x60 base grid)
+    sample_height=8,
+    num_layers=3,
+    mmdit_layers=3,
+    time_embed_dim=128,
+)
+"""Tiny DiT (inner dim 128, 3 MMDiT blocks; 1.9 M params with text_embed_dim 384). `text_embed_dim` is set from
+the text encoder's hidden size."""
+
+TINY_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=LATENT_CHANNELS,
+    block_out_channels=(8, 16, 16, 16),  # 4 levels -> 8x spatial, 4x temporal compression, like the real VAE
+    layers_per_block=1,
+    norm_num_groups=4,
+    spatial_group_norm=False,
+)
+"""Tiny Magvit VAE (~0.2 M params), same compression ratios and latent channels as EasyAnimate V5.1."""
+
+
+def _check_layout(transformer: EasyAnimateTransformer3DModel, vae: AutoencoderKLMagvit, where: str) -> None:
+    found = (
+        vae.config.latent_channels,
+        vae.spatial_compression_ratio,
+        vae.temporal_compression_ratio,
+        transformer.config.in_channels,
+        transformer.config.patch_size,
+    )
+    expected = (LATENT_CHANNELS, SPATIAL_COMPRESSION_RATIO, TEMPORAL_COMPRESSION_RATIO, LATENT_CHANNELS, PATCH_SIZE)
+    if found != expected:
+        raise ValueError(
+            f"{where}: (vae latent_channels, spatial ratio, temporal ratio, transformer in_channels, patch_size) = "
+            f"{found}, but the easyanimate family expects {expected}"
+        )
+
+
+def build_tiny(text_encoder_kind: str = "tiny_random", *, seed: int = 0) -> Components:
+    """Random tiny preset: TINY_TRANSFORMER + TINY_VAE (fp32, CPU) + the chosen frozen text encoder.
+
+    Initialised under `seed` inside a forked RNG (the global torch RNG is left as it was).
+    """
+    text_encoder, tokenizer = build_text_encoder(text_encoder_kind, seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = EasyAnimateTransformer3DModel(
+            **TINY_TRANSFORMER, text_embed_dim=text_encoder.config.hidden_size
+        )
+        vae = AutoencoderKLMagvit(**TINY_VAE)
+    vae.eval().requires_grad_(False)
+    transformer.train()
+    return Components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def load_pretrained(path: str | Path) -> Components:
+    """Load transformer, vae, text_encoder and tokenizer from a local diffusers EasyAnimate folder, offline.
+
+    Raises FileNotFoundError if `path` is not a folder with a `model_index.json` (hub ids are never resolved).
+    The VAE and text encoder come back frozen; the transformer in train mode.
+    """
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"pretrained_path {str(path)!r} is not a local diffusers folder (no model_index.json); give a folder "
+            f"written by `vidray` export or `EasyAnimatePipeline.save_pretrained` (hub ids are not downloaded)"
+        )
+    pipe = EasyAnimatePipeline.from_pretrained(path, local_files_only=True)
+    _check_layout(pipe.transformer, pipe.vae, str(path))
+    pipe.vae.eval().requires_grad_(False)
+    pipe.text_encoder.eval().requires_grad_(False)
+    pipe.transformer.train()
+    return Components(
+        transformer=pipe.transformer,
+        vae=pipe.vae,
+        text_encoder=pipe.text_encoder,
+        tokenizer=ensure_chat_template(pipe.tokenizer),
+    )
+
+
+def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
+    """Write `components` as a complete diffusers folder (safetensors) that
+    `diffusers.EasyAnimatePipeline.from_pretrained(out_dir, local_files_only=True)` loads and runs offline.
+
+    Adds a `FlowMatchEulerDiscreteScheduler(shift=flow.shift, num_train_timesteps=flow.num_train_timesteps)`,
+    and a trivial tokenizer chat template (the pipeline calls `apply_chat_template`). `cache_mag_vae` is not
+    written: AutoencoderKLMagvit drops it from its config on load (only EasyAnimateInpaintPipeline reads it; set
+    `vae.register_to_config(cache_mag_vae=True)` after loading for that pipeline). Note the stock pipeline pads
+    prompts to 256 tokens (`encode_prompt` default) and the transformer has no text mask, so a transformer trained
+    at another `max_sequence_length` matches exactly only when given `prompt_embeds`.
+    Written to a temp folder next to `out_dir`, then renamed, so
+    `out_dir` is complete or absent; an existing pipeline folder at `out_dir` is replaced. Raises
+    FileExistsError if `out_dir` exists and is not a pipeline folder. Returns `out_dir`.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not (out_dir / "model_index.json").is_file():
+        if not out_dir.is_dir() or any(out_dir.iterdir()):
+            raise FileExistsError(f"{out_dir} exists and is not a diffusers pipeline folder; choose an empty path")
+    ensure_chat_template(components.tokenizer)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=flow.shift, num_train_timesteps=flow.num_train_timesteps)
+    pipe = EasyAnimatePipeline(
+        vae=components.vae,
+        text_encoder=components.text_encoder,
+        tokenizer=components.tokenizer,
+        transformer=components.transformer,
+        scheduler=scheduler,
+    )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        pipe.save_pretrained(tmp_dir, safe_serialization=True)
+        if not (tmp_dir / "model_index.json").is_file():
+            raise RuntimeError(f"save_pretrained wrote no model_index.json in {tmp_dir}")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp_dir.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def no_grad_parameter_names(transformer: EasyAnimateTransformer3DModel) -> list[str]:
+    """Names of trainable transformer parameters that receive no gradient, found by a real probe step.
+
+    Probe: one forward of a (1, C, 1, 2p, 2p) input with 2 text tokens, then `torch.autograd.grad` of the output
+    sum w.r.t. every parameter with requires_grad (`allow_unused=True`; `.grad` fields are not touched). In
+    EasyAnimateTransformer3DModel the last block's text-stream output (`attn1.to_add_out`, `txt_ff`) is never
+    used, which makes DDP fail with "Expected to have finished reduction"; `requires_grad_(False)` on these.
+    """
+    params = [(name, p) for name, p in transformer.named_parameters() if p.requires_grad]
+    if not params:
+        return []
+    cfg = transformer.config
+    p = cfg.patch_size
+    param = params[0][1]
+    noisy_latents = torch.randn(1, cfg.in_channels, 1, 2 * p, 2 * p, device=param.device, dtype=param.dtype)
+    timesteps = torch.full((1,), 500.0, device=param.device, dtype=param.dtype)
+    prompt_embeds = torch.randn(1, 2, cfg.text_embed_dim, device=param.device, dtype=param.dtype)
+    with torch.enable_grad():
+        model_pred = transformer(noisy_latents, timesteps, encoder_hidden_states=prompt_embeds, return_dict=False)[0]
+        grads = torch.autograd.grad(model_pred.float().sum(), [q for _, q in params], allow_unused=True)
+    return [name for (name, _), grad in zip(params, grads) if grad is None]
+
+
+class EasyAnimateFamily(ModelFamily):
+    """EasyAnimate V5.x: latents (B, 16, (F-1)/4+1, H/8, W/8), DiT patch 2, so H and W multiples of 16."""
+
+    name = "easyanimate"
+    latent_channels = LATENT_CHANNELS
+    spatial_compression_ratio = SPATIAL_COMPRESSION_RATIO
+    temporal_compression_ratio = TEMPORAL_COMPRESSION_RATIO
+
+    def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
+        """`init: random` -> the preset (only `tiny`) with `model_cfg.text_encoder`; `init: pretrained` ->
+        `load_pretrained(model_cfg.pretrained_path)` (the folder's own text encoder; `text_encoder` is ignored)."""
+        if model_cfg.init == "pretrained":
+            if not model_cfg.pretrained_path:
+                raise ValueError("model.init is 'pretrained' but model.pretrained_path is empty")
+            return load_pretrained(model_cfg.pretrained_path)
+        if model_cfg.init != "random":
+            raise ValueError(f"unknown model.init {model_cfg.init!r}; valid: random, pretrained")
+        if model_cfg.preset == "tiny":
+            return build_tiny(model_cfg.text_encoder, seed=seed)
+        raise ValueError(f"unknown easyanimate preset {model_cfg.preset!r}; valid: tiny")
+
+    def predict(
+        self,
+        transformer: EasyAnimateTransformer3DModel,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """noisy_latents (B, 16, F, H, W), timesteps (B,) = sigmas * num_train_timesteps, prompt_embeds (B, L, D),
+        prompt_attention_mask (B, L) -> model_pred (B, 16, F, H, W), the velocity (noise - latents).
+
+        Called exactly like EasyAnimatePipeline's denoising loop: timesteps cast to the latents' dtype,
+        `encoder_hidden_states=prompt_embeds`; prompt_attention_mask is checked for shape but not passed (the
+        stock transformer has no text mask input, and the pipeline does not use it either).
+        """
+        if noisy_latents.ndim != 5:
+            raise ValueError(f"noisy_latents must be (B, C, F, H, W), got {tuple(noisy_latents.shape)}")
+        batch_size = noisy_latents.shape[0]
+        if timesteps.shape != (batch_size,):
+            raise ValueError(f"timesteps must have shape ({batch_size},), got {tuple(timesteps.shape)}")
+        if prompt_embeds.ndim != 3 or prompt_embeds.shape[0] != batch_size:
+            raise ValueError(f"prompt_embeds must be ({batch_size}, L, D), got {tuple(prompt_embeds.shape)}")
+        if prompt_attention_mask.shape != prompt_embeds.shape[:2]:
+            raise ValueError(
+                f"prompt_attention_mask {tuple(prompt_attention_mask.shape)} must match prompt_embeds' (B, L) "
+                f"{tuple(prompt_embeds.shape[:2])}"
+            )
+        dtype = noisy_latents.dtype
+        model_pred = transformer(
+            noisy_latents,
+            timesteps.to(dtype=dtype),
+            encoder_hidden_states=prompt_embeds.to(dtype=dtype),
+            return_dict=False,
+        )[0]
+        if model_pred.shape[1] != noisy_latents.shape[1]:  # learned-sigma variants: (velocity, variance)
+            model_pred, _ = model_pred.chunk(2, dim=1)
+        return model_pred
+
+    def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:
+        """(B, 16, (F-1)//4 + 1, H//8, W//8); e.g. Bucket(9, 64, 64), B=2 -> (2, 16, 3, 8, 8).
+
+        Raises ValueError unless H, W are multiples of 16 (8x VAE, patch 2) and F is 1 or 4k+1."""
+        validate_bucket(
+            bucket,
+            spatial_multiple=SPATIAL_COMPRESSION_RATIO * PATCH_SIZE,
+            temporal_compression=TEMPORAL_COMPRESSION_RATIO,
+        )
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        num_frames, height, width = bucket
+        return (
+            batch_size,
+            LATENT_CHANNELS,
+            (num_frames - 1) // TEMPORAL_COMPRESSION_RATIO + 1,
+            height // SPATIAL_COMPRESSION_RATIO,
+            width // SPATIAL_COMPRESSION_RATIO,
+        )
+
+    def no_grad_parameter_names(self, transformer: EasyAnimateTransformer3DModel) -> list[str]:
+        """See module-level `no_grad_parameter_names`."""
+        return no_grad_parameter_names(transformer)
+
+    def save_pipeline(self, components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
+        """See module-level `save_pipeline`."""
+        return save_pipeline(components, out_dir, flow)
+
+    def load_pretrained(self, path: str | Path) -> Components:
+        """See module-level `load_pretrained`."""
+        return load_pretrained(path)

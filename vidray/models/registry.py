@@ -1,0 +1,96 @@
+"""Model families: what the trainer, sampler and exporter need to know about one DiT + VAE + text encoder stack.
+
+```python
+family = get_family(job.model.family)               # ValueError lists the valid names
+components = family.build(job.model, seed=job.train.seed)
+model_pred = family.predict(components.transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask)
+```
+One file per family (`easyanimate.py`, ...); this module only holds the shared interface and the registry.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vidray.config import FlowConfig, ModelConfig
+from vidray.data.buckets import Bucket
+
+__all__ = ["Components", "ModelFamily", "FAMILIES", "get_family"]
+
+
+@dataclass
+class Components:
+    """The four modules of a text-to-video model, named as in diffusers pipelines."""
+
+    transformer: torch.nn.Module
+    """The DiT: the only trained module."""
+    vae: torch.nn.Module
+    """Frozen video VAE (eval, requires_grad False)."""
+    text_encoder: torch.nn.Module
+    """Frozen text encoder (eval, requires_grad False)."""
+    tokenizer: Any
+    """Its tokenizer (with a chat template; see `vidray.models.text_encoder`)."""
+
+
+class ModelFamily(abc.ABC):
+    """Interface of a model family. Instances are stateless; the latent layout is a family constant."""
+
+    name: str
+    latent_channels: int
+    spatial_compression_ratio: int
+    temporal_compression_ratio: int
+
+    @abc.abstractmethod
+    def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
+        """Random init of `model_cfg.preset` under `seed`, or load `model_cfg.pretrained_path` (local folder)."""
+
+    @abc.abstractmethod
+    def predict(
+        self,
+        transformer: torch.nn.Module,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """noisy_latents (B, C, F, H, W), timesteps (B,), prompt_embeds (B, L, D), prompt_attention_mask (B, L)
+        -> model_pred (B, C, F, H, W): the velocity, called exactly as the family's stock diffusers pipeline does."""
+
+    @abc.abstractmethod
+    def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:
+        """(B, C_lat, F_lat, H_lat, W_lat) of a batch of `bucket` clips. Raises ValueError for a bucket the VAE/DiT
+        cannot take."""
+
+    @abc.abstractmethod
+    def no_grad_parameter_names(self, transformer: torch.nn.Module) -> list[str]:
+        """Trainable transformer parameters that get no gradient in a forward+backward (freeze them for DDP)."""
+
+    @abc.abstractmethod
+    def save_pipeline(self, components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
+        """Write a complete diffusers pipeline folder that the stock pipeline class loads offline."""
+
+    @abc.abstractmethod
+    def load_pretrained(self, path: str | Path) -> Components:
+        """Load components from a local diffusers folder (never a hub id)."""
+
+
+def _families() -> dict[str, ModelFamily]:
+    from vidray.models.easyanimate import EasyAnimateFamily
+
+    return {"easyanimate": EasyAnimateFamily()}
+
+
+FAMILIES: dict[str, ModelFamily] = _families()
+
+
+def get_family(name: str) -> ModelFamily:
+    """The registered family called `name`. Raises ValueError naming the valid families."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown model family {name!r}; valid: {', '.join(sorted(FAMILIES))}") from None

@@ -1,0 +1,71 @@
+"""VAE encode/decode with the latent normalization, and uint8 frames <-> float video conversions.
+
+Normalization mirrors `EasyAnimatePipeline` (diffusers/pipelines/easyanimate/pipeline_easyanimate.py), which
+decodes `vae.decode(latents / vae.config.scaling_factor)`; so encoding is `posterior_mean * scaling_factor`.
+A VAE whose config has a `shift_factor` (not AutoencoderKLMagvit) gets `(mean - shift_factor) * scaling_factor`.
+
+We encode to the posterior MEAN (the mode), not a sample: latents are deterministic, so cached latents are
+reproducible and re-encoding a clip gives the same bits; the posterior std of video VAEs is small, so the
+sampling noise it would add is negligible next to the flow-matching noise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["encode_video", "decode_latents", "frames_to_video", "video_to_frames"]
+
+
+def _scale_and_shift(vae) -> tuple[float, float]:
+    scaling_factor = float(getattr(vae.config, "scaling_factor", 1.0) or 1.0)
+    shift_factor = float(getattr(vae.config, "shift_factor", 0.0) or 0.0)
+    return scaling_factor, shift_factor
+
+
+@torch.no_grad()
+def encode_video(vae, video: torch.Tensor) -> torch.Tensor:
+    """video (B, 3, F, H, W) float in [-1, 1] -> latents (B, C_lat, F_lat, H_lat, W_lat) float32, normalized.
+
+    For AutoencoderKLMagvit (EasyAnimate): F_lat = (F - 1) // 4 + 1, H_lat = H // 8, W_lat = W // 8,
+    latents = posterior.mode() * scaling_factor. Runs on the VAE's device and dtype; not differentiable.
+    """
+    if video.ndim != 5 or video.shape[1] != 3:
+        raise ValueError(f"video must be (B, 3, F, H, W), got {tuple(video.shape)}")
+    scaling_factor, shift_factor = _scale_and_shift(vae)
+    posterior = vae.encode(video.to(device=vae.device, dtype=vae.dtype)).latent_dist
+    return ((posterior.mode() - shift_factor) * scaling_factor).float()
+
+
+@torch.no_grad()
+def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """latents (B, C_lat, F_lat, H_lat, W_lat) normalized -> video (B, 3, F, H, W) float32 clamped to [-1, 1].
+
+    Inverse normalization of `encode_video`: `vae.decode(latents / scaling_factor + shift_factor)`, as in
+    EasyAnimatePipeline step "decode". Not differentiable.
+    """
+    if latents.ndim != 5:
+        raise ValueError(f"latents must be (B, C, F, H, W), got {tuple(latents.shape)}")
+    scaling_factor, shift_factor = _scale_and_shift(vae)
+    latents = latents.to(device=vae.device, dtype=vae.dtype) / scaling_factor + shift_factor
+    video = vae.decode(latents, return_dict=False)[0]
+    return video.float().clamp(-1.0, 1.0)
+
+
+def frames_to_video(frames: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """uint8 frames (B, F, H, W, 3) -> video (B, 3, F, H, W) float32 in [-1, 1] (x / 127.5 - 1)."""
+    frames = torch.as_tensor(frames)
+    if frames.dtype != torch.uint8 or frames.ndim != 5 or frames.shape[-1] != 3:
+        raise ValueError(f"frames must be uint8 (B, F, H, W, 3), got {frames.dtype} {tuple(frames.shape)}")
+    return frames.permute(0, 4, 1, 2, 3).float().div(127.5).sub(1.0)  # (B, F, H, W, 3) -> (B, 3, F, H, W)
+
+
+def video_to_frames(video: torch.Tensor) -> np.ndarray:
+    """video (B, 3, F, H, W) float in [-1, 1] -> uint8 frames (B, F, H, W, 3) as a numpy array.
+
+    round(clamp(x / 2 + 0.5, 0, 1) * 255), like diffusers `VaeImageProcessor.postprocess` + `numpy_to_pil`.
+    """
+    if video.ndim != 5 or video.shape[1] != 3:
+        raise ValueError(f"video must be (B, 3, F, H, W), got {tuple(video.shape)}")
+    frames = (video.detach().float() / 2 + 0.5).clamp(0, 1).mul(255).round().to(torch.uint8)
+    return frames.permute(0, 2, 3, 4, 1).cpu().numpy()  # (B, 3, F, H, W) -> (B, F, H, W, 3)
