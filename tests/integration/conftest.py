@@ -42,6 +42,8 @@ def pids_mentioning(marker: str) -> list[int]:
 def ray_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update({k: env.get(k, v) for k, v in CLIENT_ENV.items()})
+    # The job's `python` is the one on the head node's PATH: this venv's.
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

@@ -30,18 +30,19 @@ def test_ray_job_submit_trains_to_succeeded(ray_head, tmp_path):
 
     deadline, status = time.monotonic() + 300, ""
     while time.monotonic() < deadline:
-        status = subprocess.run(
+        done = subprocess.run(
             [ray_cli, "job", "status", "--address", ray_head.dashboard_url, "vidray-test-job"],
             env=ray_head.env, capture_output=True, text=True, timeout=60,
-        ).stdout
-        if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
+        )
+        status = (done.stdout + done.stderr).lower()
+        if any(s in status for s in ("succeeded", "failed", "stopped")):
             break
         time.sleep(2)
     logs = subprocess.run(
         [ray_cli, "job", "logs", "--address", ray_head.dashboard_url, "vidray-test-job"],
         env=ray_head.env, capture_output=True, text=True, timeout=60,
     ).stdout
-    assert "SUCCEEDED" in status, f"status: {status}\nlogs:\n{logs[-4000:]}"
+    assert "job 'vidray-test-job' succeeded" in status, f"status: {status}\nlogs:\n{logs[-4000:]}"
     assert "step 4/4" in logs
     assert (tmp_path / "runs" / "tiny-t2v" / "checkpoint_000004" / "manifest.json").is_file()
     assert (tmp_path / "runs" / "tiny-t2v" / "diffusers" / "model_index.json").is_file()
