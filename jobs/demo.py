@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 
@@ -26,6 +27,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="jobs/configs/tiny_t2v.yaml")
     parser.add_argument("--prompt", default="A hiker standing at the top of a mountain, triumphantly, high quality")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep an earlier demo run and continue it (default: start the run afresh)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args()
     try:
@@ -40,6 +43,9 @@ def main() -> int:
                       samples_per_shard=job.data.samples_per_shard)
     print(summary, flush=True)
 
+    if job.run_dir.exists() and not args.resume:
+        print(f"removing the previous demo run {job.run_dir} (pass --resume to continue it instead)", flush=True)
+        shutil.rmtree(job.run_dir)
     print(f"== 2. train {job.name}: {job.scaling.num_workers} workers, {job.train.max_steps} steps", flush=True)
     result = run_training(job)
 
