@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from vidray.config import ConfigError, load_job_config
-from vidray.data.ingest import prepare
+from vidray.data.ingest import prepare_data
 from vidray.generate import generate_to_file
 from vidray.train.trainer import run_training
 
@@ -39,8 +39,7 @@ def main() -> int:
     started = time.perf_counter()
 
     print(f"== 1. prepare {job.data.source} -> {job.data.shards_dir}", flush=True)
-    summary = prepare(job.data.source, job.data.shards_dir, buckets=job.data.buckets, fps=job.data.fps,
-                      samples_per_shard=job.data.samples_per_shard)
+    summary = prepare_data(job.data)
     print(summary, flush=True)
 
     if job.run_dir.exists() and not args.resume:

@@ -18,16 +18,9 @@ def _load(args: argparse.Namespace) -> JobConfig:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from vidray.data.ingest import prepare
+    from vidray.data.ingest import prepare_data
 
-    job = _load(args)
-    summary = prepare(
-        job.data.source,
-        job.data.shards_dir,
-        buckets=job.data.buckets,
-        fps=job.data.fps,
-        samples_per_shard=job.data.samples_per_shard,
-    )
+    summary = prepare_data(_load(args).data)
     print(summary)
     return 0 if summary.num_kept else 1
 
@@ -42,10 +35,9 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     from vidray.train.trainer import run_training
 
     if prepare_if_missing and not (Path(job.data.shards_dir) / "index.json").is_file():
-        from vidray.data.ingest import prepare
+        from vidray.data.ingest import prepare_data
 
-        print(prepare(job.data.source, job.data.shards_dir, buckets=job.data.buckets, fps=job.data.fps,
-                      samples_per_shard=job.data.samples_per_shard))
+        print(prepare_data(job.data))
     result = run_training(job)
     print(f"[vidray] trained steps {result.first_step}..{result.last_step} at {result.steps_per_s:.2f} steps/s")
     print(f"[vidray] latest checkpoint: {result.checkpoint_path}")

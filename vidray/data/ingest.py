@@ -20,7 +20,10 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from vidray.config import DataConfig
 
 from vidray.data.buckets import Bucket, assign_bucket, validate_bucket
 from vidray.data.shards import REPORT_NAME, clear_shards_dir, write_index, write_report, write_shard
@@ -308,4 +311,16 @@ def prepare(
     return PrepareSummary(
         num_kept=len(kept), num_skipped=len(skipped), skipped=skipped, shards_dir=shards_dir,
         bucket_counts=bucket_counts, num_shards=len(shards), fps=float(fps), elapsed_s=time.perf_counter() - start,
+    )
+
+
+def prepare_data(data: "DataConfig", *, progress: Callable[[str], Any] | None = print) -> PrepareSummary:
+    """`prepare` driven by a job's `data` section (source, shards_dir, buckets, fps, samples_per_shard)."""
+    return prepare(
+        data.source,
+        data.shards_dir,
+        buckets=data.buckets,
+        fps=data.fps,
+        samples_per_shard=data.samples_per_shard,
+        progress=progress,
     )
