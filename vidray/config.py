@@ -12,6 +12,7 @@ only turns its errors into one `ConfigError` that names every dotted key at faul
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -23,6 +24,7 @@ from pydantic.dataclasses import dataclass
 from vidray.data.buckets import Bucket, validate_bucket
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
 
 
 class ConfigError(ValueError):
@@ -120,7 +122,7 @@ class CheckpointConfig:
     every_steps: int = 50
     """Steps between checkpoints (the last step is always checkpointed)."""
     num_to_keep: int | None = 2
-    """Newest checkpoints kept by Ray Train; null keeps all."""
+    """Newest checkpoints kept by Ray Train (>= 1); null keeps all."""
     resume_from: str | None = None
     """A checkpoint folder to start from; by default the run resumes from its own latest checkpoint, if any."""
 
@@ -167,6 +169,13 @@ class JobConfig:
         for key, value in positive.items():
             if value < 1:
                 raise ValueError(f"{key} must be >= 1, got {value}")
+        if self.checkpoint.num_to_keep is not None and self.checkpoint.num_to_keep < 1:
+            raise ValueError(f"checkpoint.num_to_keep must be >= 1 or null (keep all), got {self.checkpoint.num_to_keep}")
+        if not _NAME_RE.fullmatch(self.name) or set(self.name) == {"."}:
+            raise ValueError(
+                f"name must be a plain folder name (letters, digits, '.', '_', '-'), got {self.name!r}: "
+                "it becomes <storage.path>/<name>"
+            )
         if self.optim.lr <= 0:
             raise ValueError(f"optim.lr must be > 0, got {self.optim.lr}")
         if self.flow.shift <= 0:
@@ -214,6 +223,8 @@ def _format_errors(err: ValidationError) -> str:
         elif e["type"] == "literal_error":
             expected = e.get("ctx", {}).get("expected", "")
             lines.append(f"bad choice for '{key}': {e['input']!r}; valid choices: {expected}")
+        elif "buckets" in loc and e["type"] in ("missing", "too_long", "unexpected_positional_argument"):
+            lines.append(f"'{'.'.join(loc[:3])}': a bucket is [num_frames, height, width], e.g. [9, 64, 64]")
         elif e["type"] == "value_error":
             msg = e["msg"].removeprefix("Value error, ")
             lines.append(msg if not loc or msg.startswith(key) else f"'{key}': {msg}")
@@ -267,9 +278,11 @@ def load_job_config(path: str | Path | None = None, overrides: Sequence[str] = (
         if not path.is_file():
             raise FileNotFoundError(f"job config {path} does not exist; the examples live in jobs/configs/")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(path.read_text())
         except yaml.YAMLError as err:
             raise ConfigError(f"{path} is not valid YAML: {err}") from None
+        if raw is None:
+            raise ConfigError(f"{path} is empty: a job config needs at least a name and a data section")
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a job config must be a mapping of sections, got {type(raw).__name__}")
     return job_config_from_dict(apply_overrides(raw, overrides))

@@ -116,6 +116,8 @@ def generate_to_file(
     """
     if not prompt.strip():
         raise ValueError("prompt is empty: give the text to generate a video for")
+    if Path(output).suffix.lower() != ".mp4":
+        raise ValueError(f"output {output} must end in .mp4 (vidray writes H.264 mp4)")
     if num_inference_steps < 1:
         raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
     model = load_model(model_path)

@@ -71,3 +71,16 @@ def test_malformed_override_and_missing_file(tmp_path):
         load_job_config(None, ["name.x=1"])
     with pytest.raises(FileNotFoundError, match="jobs/configs"):
         load_job_config(tmp_path / "nope.yaml")
+
+
+def test_run_name_num_to_keep_bucket_arity_and_empty_file(tmp_path):
+    with pytest.raises(ConfigError, match="plain folder name"):
+        load_job_config(None, ["name=../../etc"])
+    with pytest.raises(ConfigError, match=r"num_to_keep must be >= 1 or null"):
+        load_job_config(None, ["checkpoint.num_to_keep=0"])
+    with pytest.raises(ConfigError, match=r"a bucket is \[num_frames, height, width\]"):
+        load_job_config(None, ["data.buckets=[[9, 64]]"])
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_job_config(empty)

@@ -128,7 +128,8 @@ def read_source(path: str | Path) -> list[SourceItem]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"source {path} does not exist; give an EasyAnimate .json or Open-Sora .csv")
+        hint = "" if path.is_absolute() else f" (relative paths resolve against the current directory, {Path.cwd()})"
+        raise FileNotFoundError(f"source {path} does not exist{hint}; give an EasyAnimate .json or Open-Sora .csv")
     suffix = path.suffix.lower()
     if suffix == ".json":
         items = _read_json_source(path)

@@ -155,6 +155,7 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
     )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp_dir.chmod(0o755)  # mkdtemp makes it 0700; the exported model is meant to be shared
     try:
         pipe.save_pretrained(tmp_dir, safe_serialization=True)
         if not (tmp_dir / "model_index.json").is_file():

@@ -9,6 +9,7 @@ with the frozen VAE and text encoder; 3. optimizer and lr schedule; 4. restore t
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,8 +35,9 @@ from vidray.train.step import flow_matching_step_loss, step_generator
 
 
 def _log(rank: int, message: str) -> None:
+    # sys.__stdout__: Ray Train's print patch tees plain prints to its logger too, which doubles every line.
     if rank == 0:
-        print(f"[vidray] {message}", flush=True)
+        print(f"[vidray] {message}", file=sys.__stdout__, flush=True)
 
 
 @torch.no_grad()
@@ -117,7 +119,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         seed=job.train.seed,
     )
 
-    # Parameters that never get a gradient break DDP's reducer (NOTES.md): freeze them once, by probe.
+    # Parameters that never get a gradient break DDP's reducer ('Expected to have finished reduction'):
+    # freeze them once, found by a probe step.
     no_grad = set(family.no_grad_parameter_names(transformer))
     for name, param in transformer.named_parameters():
         if name in no_grad:

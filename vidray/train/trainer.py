@@ -33,11 +33,23 @@ def _absolute(path: str) -> str:
     return path if "://" in path else str(Path(path).expanduser().resolve())
 
 
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint folder (`checkpoint_<step>` with its manifest) of a local run, or None."""
+    from vidray.train.checkpoint import MANIFEST
+
+    run_dir = Path(run_dir)
+    done = sorted(p for p in run_dir.glob("checkpoint_[0-9]*") if (p / MANIFEST).is_file())
+    return done[-1] if done else None
+
+
 def check_job_inputs(job: JobConfig) -> None:
     """Driver-side checks before any Ray resource is reserved.
 
     Raises FileNotFoundError when the shards have no index (run `vidray prepare`), or `checkpoint.resume_from`
-    is not a complete checkpoint; ValueError when the shards hold no samples or a bucket that is not in `data.buckets`.
+    is not a complete checkpoint; ValueError when the shards hold no samples or a bucket that is not in
+    `data.buckets`, when the checkpoint to resume from was trained on other shards, or when it already reached
+    `train.max_steps`. Prints a warning when a resumed run changes `scaling.num_workers` (the schedule is then
+    re-dealt from the checkpoint's step on).
     """
     from vidray.data.shards import read_index
     from vidray.train.checkpoint import read_train_state
@@ -56,10 +68,32 @@ def check_job_inputs(job: JobConfig) -> None:
             f"shards in {job.data.shards_dir} hold buckets {sorted(unknown)} that are not in data.buckets "
             f"{sorted(configured)}: re-run `vidray prepare` with this config or add the buckets"
         )
-    if job.checkpoint.resume_from:
-        if not Path(job.checkpoint.resume_from).is_dir():
-            raise FileNotFoundError(f"checkpoint.resume_from {job.checkpoint.resume_from} is not a folder")
-        read_train_state(job.checkpoint.resume_from)
+    if abs(float(index.get("fps", job.data.fps)) - job.data.fps) > 1e-6:
+        raise ValueError(
+            f"shards in {job.data.shards_dir} were prepared at {index['fps']} fps but data.fps is {job.data.fps}: "
+            "re-run `vidray prepare` with this config or set data.fps to match"
+        )
+    resume = None if "://" in job.storage.path else latest_checkpoint(job.run_dir)
+    if resume is None and job.checkpoint.resume_from:
+        resume = Path(job.checkpoint.resume_from)
+        if not resume.is_dir():
+            raise FileNotFoundError(f"checkpoint.resume_from {resume} is not a folder")
+    if resume is None:
+        return
+    state = read_train_state(resume)
+    if state.step >= job.train.max_steps:
+        raise ValueError(
+            f"{resume} is already at step {state.step} >= train.max_steps {job.train.max_steps}: raise "
+            f"train.max_steps to continue the run, or choose a new name to start afresh"
+        )
+    if state.index_hash and state.index_hash != index.get("content_hash"):
+        raise ValueError(
+            f"{resume} was trained on other shards (index {state.index_hash}) than {job.data.shards_dir} "
+            f"({index.get('content_hash')}): use the original shards, or a new name to start afresh"
+        )
+    if state.world_size != job.scaling.num_workers:
+        print(f"[vidray] warning: {resume} was trained with {state.world_size} workers, this run has "
+              f"{job.scaling.num_workers}: the sample schedule is re-dealt from step {state.step + 1} on")
 
 
 def run_training(job: JobConfig) -> TrainResult:
