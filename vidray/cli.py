@@ -1,4 +1,4 @@
-"""`vidray prepare | train | generate`: the command line over the five planes.
+"""`vidray prepare | train | generate`: shard video clips, train a video diffusion model on Ray, sample from it.
 
 Every command that takes a job config reads `CONFIG` plus `section.key=value` overrides and validates them
 before doing anything else, so a typo fails in milliseconds, not after Ray has reserved workers.
@@ -63,7 +63,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vidray import __version__
+
     parser = argparse.ArgumentParser(prog="vidray", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"vidray {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_config(p: argparse.ArgumentParser) -> None:
@@ -84,10 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--output", required=True, help="mp4 path to write")
     p.add_argument("--bucket", help="NUM_FRAMESxHEIGHTxWIDTH, e.g. 9x64x64 (default: the model's first bucket)")
-    p.add_argument("--num-inference-steps", type=int, default=16)
-    p.add_argument("--guidance-scale", type=float, default=1.0)
-    p.add_argument("--fps", type=float, default=8.0, help="frame rate of the written mp4 (frames/s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-inference-steps", type=int, default=16, help="denoising steps (default: %(default)s)")
+    p.add_argument("--guidance-scale", type=float, default=1.0,
+                   help="classifier-free guidance scale, 1 = off (default: %(default)s)")
+    p.add_argument("--fps", type=float, default=8.0, help="frame rate of the written mp4 in frames/s (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="noise seed (default: %(default)s)")
     p.set_defaults(func=cmd_generate)
     return parser
 
