@@ -67,3 +67,40 @@ def test_resume_reproduces_the_uninterrupted_run(local_ray, shards_dir, tmp_path
     expected = dict((int(s), v) for s, v in straight.losses)
     for step, loss in resumed.losses:
         assert loss == pytest.approx(expected[int(step)], rel=1e-4, abs=1e-5)
+
+
+def test_worker_killed_mid_run_restarts_from_checkpoint_and_matches_uninterrupted_run(local_ray, shards_dir, tmp_path):
+    """SIGKILL one Ray Train worker once the step-5 checkpoint is committed (the step-10 one is being written, and
+    `report` is a barrier): the group restarts from the latest committed checkpoint (FailureConfig) and the run ends
+    exactly where an uninterrupted run ends."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from ray.util.state import list_actors
+
+    killed: list[int] = []
+
+    def kill_a_worker_after_first_checkpoint():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (tmp_path / "b" / "test-run" / "checkpoint_000010").exists():
+            time.sleep(0.05)
+        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+        if workers:
+            os.kill(workers[-1].pid, signal.SIGKILL)
+            killed.append(workers[-1].pid)
+
+    killer = threading.Thread(target=kill_a_worker_after_first_checkpoint, daemon=True)
+    killer.start()
+    interrupted = run_training(tiny_job(shards_dir, tmp_path / "b", train__max_steps=40,
+                                        checkpoint__every_steps=5, train__max_failures=2))
+    killer.join(timeout=5)
+    assert killed, "no worker was alive to kill: the run finished before its first checkpoint was seen"
+    assert interrupted.first_step > 1  # the final attempt started from a checkpoint, not from scratch
+
+    straight = run_training(tiny_job(shards_dir, tmp_path / "a", train__max_steps=40, checkpoint__every_steps=5))
+    expected = {int(s): v for s, v in straight.losses}
+    assert [int(s) for s, _ in interrupted.losses] == list(range(interrupted.first_step, 41))
+    for step, loss in interrupted.losses:
+        assert loss == pytest.approx(expected[int(step)], rel=1e-4, abs=1e-5)
