@@ -2,14 +2,13 @@
 
     ray job submit --working-dir . -- python jobs/train.py --config jobs/configs/tiny_t2v.yaml --prepare
 
-Same as `vidray train CONFIG [--prepare] [section.key=value ...]`.
+Same as `vidray train CONFIG [--prepare] [section.key=value ...]` (errors and exit codes included).
 """
 
 import argparse
 import sys
 
-from vidray.cli import run_train_job
-from vidray.config import ConfigError, load_job_config
+from vidray.cli import main as vidray_main
 
 
 def main() -> int:
@@ -18,12 +17,7 @@ def main() -> int:
     parser.add_argument("--prepare", action="store_true", help="prepare the shards first when they have no index")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args()
-    try:
-        job = load_job_config(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"jobs/train.py: error: {err}", file=sys.stderr)
-        return 2
-    return run_train_job(job, prepare_if_missing=args.prepare)
+    return vidray_main(["train", args.config, *args.overrides, *(["--prepare"] if args.prepare else [])])
 
 
 if __name__ == "__main__":

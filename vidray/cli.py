@@ -34,7 +34,9 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     """Prepare the shards when asked and missing, train, and print where the outputs are. Returns an exit code."""
     from vidray.train.trainer import run_training
 
-    if prepare_if_missing and not (Path(job.data.shards_dir) / "index.json").is_file():
+    from vidray.data.shards import INDEX_NAME
+
+    if prepare_if_missing and not (Path(job.data.shards_dir) / INDEX_NAME).is_file():
         from vidray.data.ingest import prepare_data
 
         print(prepare_data(job.data))
@@ -46,7 +48,8 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from vidray.generate import generate_to_file, parse_bucket
+    from vidray.data.buckets import parse_bucket
+    from vidray.generate import generate_to_file
 
     out = generate_to_file(
         args.model,

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from vidray.config import FlowConfig, JobConfig, job_config_from_dict
-from vidray.data.buckets import Bucket, validate_bucket
+from vidray.data.buckets import Bucket
 from vidray.data.video import write_mp4
 from vidray.diffusion.sampler import generate_video
 from vidray.models.registry import Components, ModelFamily, get_family
@@ -40,16 +40,6 @@ class LoadedModel:
     flow: FlowConfig
     max_sequence_length: int
     buckets: list[Bucket]
-
-
-def parse_bucket(text: str) -> Bucket:
-    """'9x64x64' -> Bucket(9, 64, 64). Raises ValueError naming the expected form."""
-    parts = text.lower().split("x")
-    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"bucket must look like NUM_FRAMESxHEIGHTxWIDTH, e.g. 9x64x64, got {text!r}")
-    bucket = Bucket(*(int(p) for p in parts))
-    validate_bucket(bucket)
-    return bucket
 
 
 def load_model(path: str | Path) -> LoadedModel:

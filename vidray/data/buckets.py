@@ -16,6 +16,17 @@ class Bucket(NamedTuple):
         return f"{self.num_frames}x{self.height}x{self.width}"
 
 
+def parse_bucket(text: str) -> Bucket:
+    """'9x64x64' (the form `str(Bucket)` writes) -> Bucket(9, 64, 64). Raises ValueError naming the expected form
+    or the rule the bucket breaks (see `validate_bucket`)."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"bucket must look like NUM_FRAMESxHEIGHTxWIDTH, e.g. 9x64x64, got {text!r}")
+    bucket = Bucket(*(int(p) for p in parts))
+    validate_bucket(bucket)
+    return bucket
+
+
 def validate_bucket(bucket: Bucket, *, spatial_multiple: int = 16, temporal_compression: int = 4) -> None:
     """Raise ValueError unless `bucket` fits the VAE/DiT: H, W multiples of `spatial_multiple`,
     `num_frames` = 1 or `k * temporal_compression + 1` (the causal video VAE layout of EasyAnimate/Wan/CogVideoX).

@@ -51,6 +51,7 @@ def check_job_inputs(job: JobConfig) -> None:
     `train.max_steps`. Prints a warning when a resumed run changes `scaling.num_workers` (the schedule is then
     re-dealt from the checkpoint's step on).
     """
+    from vidray.data.buckets import parse_bucket
     from vidray.data.shards import read_index
     from vidray.train.checkpoint import read_train_state
 
@@ -60,8 +61,8 @@ def check_job_inputs(job: JobConfig) -> None:
             f"{job.data.shards_dir} holds no samples: every clip was skipped (see its report.json); "
             "fix the inputs or the buckets and re-run `vidray prepare`"
         )
-    configured = {tuple(b) for b in job.data.buckets}
-    prepared = {tuple(int(x) for x in str(b).split("x")) for b in index.get("bucket_counts", {})}
+    configured = set(job.data.buckets)
+    prepared = {parse_bucket(key) for key in index.get("bucket_counts", {})}
     unknown = prepared - configured
     if unknown:
         raise ValueError(
