@@ -1,16 +1,23 @@
 """`vidray prepare | train | generate`: shard video clips, train a video diffusion model on Ray, sample from it.
 
-Every command that takes a job config reads `CONFIG` plus `section.key=value` overrides and validates them
-before doing anything else, so a typo fails in milliseconds, not after Ray has reserved workers.
+Every command checks all of its arguments (a job config: `CONFIG` plus `section.key=value` overrides) before
+doing anything expensive, so a typo fails in milliseconds, not after Ray has reserved workers or weights loaded.
+
+Exit status: 0 success; 1 a command that ran but produced nothing usable (e.g. `prepare` kept no clip), or a bug
+(an unexpected exception, shown with its traceback: please report it); 2 an error in what the user gave
+(`vidray.errors.UserError`: config, arguments, input files, checkpoints), printed as one line
+`vidray <cmd>: error: <message>`.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
-from vidray.config import ConfigError, JobConfig, load_job_config
+from vidray.config import JobConfig, load_job_config
+from vidray.errors import UserError
 
 
 def _load(args: argparse.Namespace) -> JobConfig:
@@ -20,7 +27,8 @@ def _load(args: argparse.Namespace) -> JobConfig:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from vidray.data.ingest import prepare_data
 
-    summary = prepare_data(_load(args).data)
+    job = _load(args)
+    summary = prepare_data(job.data, model=job.model)
     print(summary)
     return 0 if summary.num_kept else 1
 
@@ -39,7 +47,7 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     if prepare_if_missing and not (Path(job.data.shards_dir) / INDEX_NAME).is_file():
         from vidray.data.ingest import prepare_data
 
-        print(prepare_data(job.data))
+        print(prepare_data(job.data, model=job.model))
     result = run_training(job)
     print(f"[vidray] trained steps {result.first_step}..{result.last_step} at {result.steps_per_s:.2f} steps/s")
     print(f"[vidray] latest checkpoint: {result.checkpoint_path}")
@@ -48,19 +56,23 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from vidray.data.buckets import parse_bucket
-    from vidray.generate import generate_to_file
+    from vidray.generate import check_generate_args, generate_to_file
 
-    out = generate_to_file(
-        args.model,
-        args.prompt,
-        args.output,
-        bucket=parse_bucket(args.bucket) if args.bucket else None,
+    kwargs = dict(
+        bucket=args.bucket,
         num_inference_steps=args.num_inference_steps,
         guidance_scale=args.guidance_scale,
         fps=args.fps,
         seed=args.seed,
     )
+    # Every argument first, before torch/diffusers are even imported: a typo answers in well under a second.
+    check_generate_args(args.model, args.prompt, args.output, **kwargs)
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()  # "Loading pipeline components" bars would bury the one warning
+    transformers_logging.disable_progress_bar()
+    out = generate_to_file(args.model, args.prompt, args.output, **kwargs)
     print(f"[vidray] wrote {out}")
     return 0
 
@@ -87,25 +99,58 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="write an mp4 from a trained model and a prompt")
     p.add_argument("--model", required=True, help="a diffusers folder (<run>/diffusers) or a checkpoint folder")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the text to generate a video for (longer than the model's "
+                   "max_sequence_length tokens: cut to it, with a warning)")
     p.add_argument("--output", required=True, help="mp4 path to write")
     p.add_argument("--bucket", help="NUM_FRAMESxHEIGHTxWIDTH, e.g. 9x64x64 (default: the model's first bucket)")
-    p.add_argument("--num-inference-steps", type=int, default=16, help="denoising steps (default: %(default)s)")
+    p.add_argument("--num-inference-steps", type=int, default=16, help="denoising steps, >= 1 (default: %(default)s)")
     p.add_argument("--guidance-scale", type=float, default=1.0,
-                   help="classifier-free guidance scale, 1 = off (default: %(default)s)")
-    p.add_argument("--fps", type=float, default=8.0, help="frame rate of the written mp4 in frames/s (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="noise seed (default: %(default)s)")
+                   help="classifier-free guidance scale, >= 1; 1 = off (default: %(default)s)")
+    p.add_argument("--fps", type=float, default=8.0,
+                   help="frame rate of the written mp4 in frames/s, 0.01..1000 (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="noise seed, 0..2**63-1 (default: %(default)s)")
     p.set_defaults(func=cmd_generate)
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler writing to whatever `sys.stderr` is at emit time (not the stream at setup)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def _setup_logging() -> None:
+    """Show vidray's log records (warnings such as a cut prompt, and info lines) on stderr, once."""
+    logger = logging.getLogger("vidray")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("[vidray] %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run `vidray ARGV`; returns the exit status (see the module docstring).
+
+    Only `UserError`s (the user's input was wrong) become a one-line message and status 2; any other exception
+    propagates with its traceback, since it is a bug to fix, not something the user can correct.
+    """
     args = build_parser().parse_args(argv)
+    _setup_logging()
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+    except UserError as err:
         print(f"vidray {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what stopped was said already (e.g. by run_training); no traceback
+        print(f"vidray {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -11,74 +11,168 @@ A model is either
 from __future__ import annotations
 
 import json
+import logging
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
-import torch
 import yaml
 
 from vidray.config import FlowConfig, JobConfig, job_config_from_dict
-from vidray.data.buckets import Bucket
-from vidray.data.video import write_mp4
-from vidray.diffusion.sampler import generate_video
-from vidray.models.registry import Components, ModelFamily, get_family
+from vidray.data.buckets import Bucket, parse_bucket
+from vidray.errors import UserError, UserFileNotFound
+
+if TYPE_CHECKING:
+    from vidray.models.registry import Components, ModelFamily
+
+# torch, diffusers and transformers are imported inside the functions that run a model, so that argument checks
+# (`check_generate_args`) answer before those multi-second imports.
+
+__all__ = [
+    "GenerateArgumentError",
+    "JOB_FILE",
+    "LoadedModel",
+    "ModelInfo",
+    "check_generate_args",
+    "generate_to_file",
+    "inspect_model",
+    "load_model",
+    "warn_if_prompt_truncated",
+    "write_job_file",
+]
+
+logger = logging.getLogger(__name__)
 
 JOB_FILE = "vidray_job.yaml"
 """Name of the resolved job config written beside an exported diffusers pipeline."""
+CHECKPOINT_MANIFEST = "manifest.json"
+"""= `vidray.train.checkpoint.MANIFEST` (not imported from there: that module pulls in torch)."""
 
 _PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate"}
+_PIPELINE_SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 STOCK_MAX_SEQUENCE_LENGTH = 256
 """diffusers EasyAnimatePipeline.encode_prompt's default prompt length (tokens)."""
+FPS_RANGE = (0.01, 1000.0)
+"""Frame rates (frames/s, inclusive) `vidray generate` writes; the mp4 time base (denominator <= 1001) and
+libx264 handle these."""
+SEED_MAX = 2**63 - 1
+"""Largest seed (seeds are 0..SEED_MAX, as torch.Generator.manual_seed takes them)."""
+
+
+class GenerateArgumentError(UserError):
+    """`generate` arguments that cannot work (bad fps, steps, guidance, seed, bucket, prompt, output or model
+    path). Raised before any weights load; the message lists every bad argument with the fix."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a model folder says about itself, read from its small config files only (no weights)."""
+
+    path: Path
+    kind: Literal["checkpoint", "diffusers"]
+    """`checkpoint`: a vidray training checkpoint (manifest.json); `diffusers`: a pipeline folder (model_index.json)."""
+    family_name: str
+    job: JobConfig | None
+    """The resolved job config it was trained with (None for a stock diffusers folder without vidray_job.yaml)."""
+    flow: FlowConfig
+    max_sequence_length: int
+    """Prompt length in tokens the model was trained with (STOCK_MAX_SEQUENCE_LENGTH for a stock folder)."""
+    buckets: list[Bucket]
+    """Training buckets (empty for a stock folder)."""
+
+    @property
+    def family(self) -> "ModelFamily":
+        """The registered model family (imports torch and diffusers on first use)."""
+        from vidray.models.registry import get_family
+
+        return get_family(self.family_name)
+
+    def default_bucket(self) -> Bucket | None:
+        """The first multi-frame training bucket (else the first bucket; None when none is recorded)."""
+        videos = [b for b in self.buckets if b.num_frames > 1] or self.buckets
+        return videos[0] if videos else None
 
 
 @dataclass
 class LoadedModel:
     """A model ready for sampling: family, components (eval mode), flow settings, prompt length, buckets."""
 
-    family: ModelFamily
-    components: Components
+    family: "ModelFamily"
+    components: "Components"
     flow: FlowConfig
     max_sequence_length: int
     buckets: list[Bucket]
 
 
+def inspect_model(path: str | Path) -> ModelInfo:
+    """Read a diffusers folder or a vidray checkpoint folder's configs (see the module docstring), loading no
+    weights (a checkpoint's files are verified against its manifest).
+
+    Raises UserFileNotFound when `path` does not exist, GenerateArgumentError when it is neither kind of folder,
+    is a pipeline of an unsupported class, or lacks a component subfolder; ConfigError for a recorded job config
+    that no longer validates; the checkpoint module's errors for an incomplete checkpoint.
+    """
+    path = Path(path)
+    _check_model_kind(path)
+    if (path / CHECKPOINT_MANIFEST).is_file():
+        from vidray.train.checkpoint import read_job_config
+
+        job = job_config_from_dict(read_job_config(path))
+        return ModelInfo(path, "checkpoint", job.model.family, job, job.flow, job.model.max_sequence_length,
+                         list(job.data.buckets))
+    missing = [name for name in _PIPELINE_SUBFOLDERS if not (path / name).is_dir()]
+    if missing:
+        raise GenerateArgumentError(
+            f"diffusers folder {path} lacks {', '.join(missing)}/: it is incomplete; re-export it"
+        )
+    if (path / JOB_FILE).is_file():
+        job = job_config_from_dict(yaml.safe_load((path / JOB_FILE).read_text()))
+        return ModelInfo(path, "diffusers", job.model.family, job, job.flow, job.model.max_sequence_length,
+                         list(job.data.buckets))
+    try:
+        class_name = json.loads((path / "model_index.json").read_text()).get("_class_name", "")
+        scheduler = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
+    except (OSError, json.JSONDecodeError, AttributeError) as err:
+        raise GenerateArgumentError(f"diffusers folder {path}: unreadable model_index.json or scheduler config ({err})")
+    if class_name not in _PIPELINE_FAMILIES:
+        raise GenerateArgumentError(
+            f"model {path} holds a {class_name or 'unknown'} pipeline; "
+            f"supported: {', '.join(sorted(_PIPELINE_FAMILIES))}"
+        )
+    flow = FlowConfig(shift=float(scheduler.get("shift", 1.0)),
+                      num_train_timesteps=int(scheduler.get("num_train_timesteps", 1000)))
+    return ModelInfo(path, "diffusers", _PIPELINE_FAMILIES[class_name], None, flow, STOCK_MAX_SEQUENCE_LENGTH, [])
+
+
+def _check_model_kind(path: Path) -> None:
+    """Raise unless `path` is a folder with a checkpoint manifest or a model_index.json (file checks only)."""
+    if not path.exists():
+        raise UserFileNotFound(f"model {path} does not exist; give <run>/diffusers or <run>/checkpoint_NNNNNN")
+    if not ((path / CHECKPOINT_MANIFEST).is_file() or (path / "model_index.json").is_file()):
+        raise GenerateArgumentError(
+            f"model {path} is neither a diffusers folder (model_index.json) nor a vidray checkpoint "
+            f"({CHECKPOINT_MANIFEST}); give <run>/diffusers or <run>/checkpoint_NNNNNN"
+        )
+
+
 def load_model(path: str | Path) -> LoadedModel:
     """Load a diffusers folder or a vidray checkpoint folder for sampling (see the module docstring).
 
-    Raises FileNotFoundError when `path` is neither (no model_index.json, no manifest.json).
+    Raises as `inspect_model` does (before any weights load).
     """
-    from vidray.train.checkpoint import MANIFEST, load_transformer_state, read_job_config
+    from vidray.train.checkpoint import load_transformer_state
 
-    path = Path(path)
-    if (path / MANIFEST).is_file():
-        job = job_config_from_dict(read_job_config(path))
-        family = get_family(job.model.family)
-        components = family.build(job.model, seed=job.train.seed)
-        components.transformer.load_state_dict(load_transformer_state(path))
-        return _ready(family, components, job.flow, job.model.max_sequence_length, job.data.buckets)
-    if (path / "model_index.json").is_file():
-        if (path / JOB_FILE).is_file():
-            job = job_config_from_dict(yaml.safe_load((path / JOB_FILE).read_text()))
-            family = get_family(job.model.family)
-            return _ready(family, family.load_pretrained(path), job.flow, job.model.max_sequence_length,
-                          job.data.buckets)
-        class_name = json.loads((path / "model_index.json").read_text()).get("_class_name", "")
-        if class_name not in _PIPELINE_FAMILIES:
-            raise ValueError(f"{path} holds a {class_name or 'unknown'} pipeline; supported: {sorted(_PIPELINE_FAMILIES)}")
-        family = get_family(_PIPELINE_FAMILIES[class_name])
-        scheduler = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
-        flow = FlowConfig(shift=float(scheduler.get("shift", 1.0)),
-                          num_train_timesteps=int(scheduler.get("num_train_timesteps", 1000)))
-        return _ready(family, family.load_pretrained(path), flow, STOCK_MAX_SEQUENCE_LENGTH, [])
-    raise FileNotFoundError(
-        f"{path} is neither a diffusers folder (model_index.json) nor a vidray checkpoint (manifest.json)"
-    )
-
-
-def _ready(family, components, flow, max_sequence_length, buckets) -> LoadedModel:
+    info = inspect_model(path)
+    if info.kind == "checkpoint":
+        components = info.family.build(info.job.model, seed=info.job.train.seed)
+        components.transformer.load_state_dict(load_transformer_state(info.path))
+    else:
+        components = info.family.load_pretrained(info.path)
     for module in (components.transformer, components.vae, components.text_encoder):
         module.eval()
-    return LoadedModel(family, components, flow, max_sequence_length, list(buckets))
+    return LoadedModel(info.family, components, info.flow, info.max_sequence_length, list(info.buckets))
 
 
 def write_job_file(diffusers_dir: str | Path, job: JobConfig) -> Path:
@@ -88,12 +182,131 @@ def write_job_file(diffusers_dir: str | Path, job: JobConfig) -> Path:
     return out
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _output_problem(output: Path) -> str | None:
+    """Why `output` cannot be written as an mp4 (None when it can): suffix, an existing folder, or a parent that
+    is not a writable folder (the nearest existing ancestor is checked, as missing parents are created)."""
+    if output.suffix.lower() != ".mp4":
+        return f"--output {output} must end in .mp4 (vidray writes H.264 mp4)"
+    if output.is_dir():
+        return f"--output {output} is a folder; give a file path ending in .mp4"
+    if output.exists() and not os.access(output, os.W_OK):
+        return f"--output {output} exists and is not writable; choose another path or fix its permissions"
+    ancestor = output.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"--output {output}: {ancestor} is a file, not a folder; choose another path"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"--output {output}: folder {ancestor} is not writable; choose a folder you can write to"
+    return None
+
+
+def check_generate_args(
+    model_path: str | Path,
+    prompt: str,
+    output: str | Path,
+    *,
+    bucket: Bucket | str | None = None,
+    num_inference_steps: int = 16,
+    guidance_scale: float = 1.0,
+    fps: float = 8.0,
+    seed: int = 0,
+) -> tuple[ModelInfo, Bucket]:
+    """Check every `generate_to_file` argument without loading any weights; returns the model's configs and the
+    bucket to sample.
+
+    Rules: prompt a non-empty string; output ends in .mp4 and its folder is (or can be created) writable;
+    num_inference_steps an int >= 1; guidance_scale finite and >= 1 (1 = no guidance); fps finite within
+    FPS_RANGE frames/s; seed an int in 0..SEED_MAX; model_path an existing diffusers or checkpoint folder
+    (`inspect_model`); bucket ('9x64x64' or a Bucket; default the model's first training bucket) a shape the
+    model's family can make (H, W multiples of 16, num_frames 1 or 4k+1 for EasyAnimate). A bucket the model
+    was not trained at is allowed (`generate_to_file` then logs a warning).
+
+    Two passes: first the arguments themselves and the model folder's kind (file checks, no torch import), then
+    the model's configs and the bucket against its family. Raises GenerateArgumentError listing every bad
+    argument of the first failing pass.
+    """
+    problems = []
+    # 1. Arguments that need nothing but themselves.
+    if not isinstance(prompt, str) or not prompt.strip():
+        problems.append("--prompt is empty: give the text to generate a video for")
+    output_problem = _output_problem(Path(output))
+    if output_problem:
+        problems.append(output_problem)
+    if not _is_int(num_inference_steps) or num_inference_steps < 1:
+        problems.append(f"--num-inference-steps must be an integer >= 1, got {num_inference_steps!r}")
+    if not _is_number(guidance_scale) or guidance_scale < 1.0:
+        problems.append(
+            f"--guidance-scale must be a finite number >= 1 (1 = no classifier-free guidance), got {guidance_scale!r}"
+        )
+    if not _is_number(fps) or not FPS_RANGE[0] <= fps <= FPS_RANGE[1]:
+        low, high = FPS_RANGE
+        problems.append(f"--fps must be a finite frame rate in [{low:g}, {high:g}] frames/s, got {fps!r}")
+    if not _is_int(seed) or not 0 <= seed <= SEED_MAX:
+        problems.append(f"--seed must be an integer in 0..{SEED_MAX} (2**63 - 1), got {seed!r}")
+    if isinstance(bucket, str):
+        try:
+            bucket = parse_bucket(bucket)
+        except ValueError as err:
+            problems.append(f"--bucket: {err}")
+
+    try:
+        _check_model_kind(Path(model_path))
+    except UserError as err:
+        problems.append(f"--model: {err}")
+    if problems:
+        raise GenerateArgumentError("; ".join(problems))
+
+    # 2. The model's configs (no weights), then the bucket against what its family can make.
+    try:
+        info = inspect_model(model_path)
+    except UserError as err:
+        raise GenerateArgumentError(f"--model: {err}") from None
+    if bucket is None:
+        bucket = info.default_bucket()
+        if bucket is None:
+            raise GenerateArgumentError(f"--model {model_path} records no training bucket: pass --bucket, e.g. 9x64x64")
+    bucket = Bucket(*bucket)
+    try:
+        info.family.latent_shape(bucket, 1)
+    except ValueError as err:
+        raise GenerateArgumentError(
+            f"--bucket {bucket} cannot be made by the {info.family.name} model: {err}"
+        ) from None
+    return info, bucket
+
+
+def warn_if_prompt_truncated(tokenizer, prompt: str, max_sequence_length: int) -> int:
+    """Log a warning when `prompt` is longer than `max_sequence_length` tokens (counted as `encode_prompts`
+    tokenizes: chat template + special tokens). Returns the number of tokens dropped (0 when it fits)."""
+    from vidray.models.text_encoder import count_prompt_tokens
+
+    num_tokens = count_prompt_tokens(tokenizer, [prompt])[0]
+    dropped = max(0, num_tokens - max_sequence_length)
+    if dropped:
+        logger.warning(
+            "the prompt is %d tokens, longer than the model's max_sequence_length of %d: its last %d tokens are "
+            "dropped and do not affect the video (the first %d tokens, special tokens included, are kept); "
+            "shorten the prompt",
+            num_tokens, max_sequence_length, dropped, max_sequence_length,
+        )
+    return dropped
+
+
 def generate_to_file(
     model_path: str | Path,
     prompt: str,
     output: str | Path,
     *,
-    bucket: Bucket | None = None,
+    bucket: Bucket | str | None = None,
     num_inference_steps: int = 16,
     guidance_scale: float = 1.0,
     fps: float = 8.0,
@@ -101,27 +314,31 @@ def generate_to_file(
 ) -> Path:
     """Generate one video for `prompt` and write it as H.264 mp4 at `fps` frames/s. Returns the mp4 path.
 
-    `bucket` defaults to the model's first multi-frame training bucket. Raises ValueError for an empty
-    prompt, a bad bucket, or a model without a known bucket when none is given.
+    `bucket` ('9x64x64' or a Bucket) defaults to the model's first multi-frame training bucket. Every argument
+    is checked first (`check_generate_args`, which lists the rules), before any weights load. A prompt longer
+    than the model's `max_sequence_length` tokens is cut to it, with a logged warning naming the dropped count.
     """
-    if not prompt.strip():
-        raise ValueError("prompt is empty: give the text to generate a video for")
-    if Path(output).suffix.lower() != ".mp4":
-        raise ValueError(f"output {output} must end in .mp4 (vidray writes H.264 mp4)")
-    if num_inference_steps < 1:
-        raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+    # 1. Check every argument (no weights yet).
+    info, bucket = check_generate_args(
+        model_path, prompt, output, bucket=bucket, num_inference_steps=num_inference_steps,
+        guidance_scale=guidance_scale, fps=fps, seed=seed,
+    )
+    if info.buckets and bucket not in info.buckets:
+        logger.warning("bucket %s is not one the model was trained at (%s); sampling it anyway",
+                       bucket, ", ".join(map(str, info.buckets)))
+
+    # 2. Load, warn about a cut prompt, denoise, write.
+    import torch
+
+    from vidray.data.video import write_mp4
+    from vidray.diffusion.sampler import generate_video
+
     model = load_model(model_path)
-    if bucket is None:
-        videos = [b for b in model.buckets if b.num_frames > 1] or model.buckets
-        if not videos:
-            raise ValueError(f"{model_path} records no training bucket: pass --bucket, e.g. 9x64x64")
-        bucket = videos[0]
+    warn_if_prompt_truncated(model.components.tokenizer, prompt, model.max_sequence_length)
     with torch.inference_mode():
         frames = generate_video(
             model.family, model.components, [prompt], bucket, flow=model.flow,
-            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+            num_inference_steps=num_inference_steps, guidance_scale=float(guidance_scale),
             max_sequence_length=model.max_sequence_length, seed=seed,
         )  # (1, F, H, W, 3) uint8
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    return write_mp4(frames[0], output, fps)
+    return write_mp4(frames[0], Path(output), float(fps))

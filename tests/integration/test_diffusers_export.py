@@ -56,10 +56,12 @@ def test_stock_pipeline_loads_export_offline_and_generates_from_prompts(exported
 def test_load_pretrained_round_trips_weights_and_build_accepts_the_folder(family, exported):
     components, out_dir, _ = exported
     loaded = family.build(ModelConfig(init="pretrained", pretrained_path=str(out_dir)), seed=123)
-    for (name, a), b in zip(components.transformer.state_dict().items(), loaded.transformer.state_dict().values()):
-        assert torch.equal(a, b), name
-    for (name, a), b in zip(components.vae.state_dict().items(), loaded.vae.state_dict().values()):
-        assert torch.equal(a, b), name
+    for module in ("transformer", "vae", "text_encoder"):
+        saved, reloaded = getattr(components, module).state_dict(), getattr(loaded, module).state_dict()
+        assert saved.keys() == reloaded.keys(), f"{module}: {sorted(saved.keys() ^ reloaded.keys())}"
+        assert len(saved) > 0, module
+        for (name, a), (name_b, b) in zip(saved.items(), reloaded.items(), strict=True):
+            assert name == name_b and torch.equal(a, b), f"{module}.{name}"
     e1, m1 = encode_prompts(components.text_encoder, components.tokenizer, PROMPTS, max_sequence_length=8)
     e2, m2 = encode_prompts(loaded.text_encoder, loaded.tokenizer, PROMPTS, max_sequence_length=8)
     torch.testing.assert_close(e1, e2)

@@ -46,7 +46,9 @@ def test_velocity_target_is_derivative_of_noisy_latents_wrt_sigma():
     s = sigmas.detach()
     fd = (add_noise(latents, noise, s + eps) - add_noise(latents, noise, s - eps)) / (2 * eps)
     torch.testing.assert_close(fd, velocity_target(latents, noise), atol=1e-3, rtol=1e-3)
-    assert noisy_latents.requires_grad
+    # and by backprop through add_noise: d(sum(noisy_latents[b]))/d(sigma_b) = sum(target[b]) per sample.
+    noisy_latents.sum().backward()
+    torch.testing.assert_close(sigmas.grad, velocity_target(latents, noise).sum(dim=(1, 2, 3, 4)), rtol=1e-4, atol=1e-3)
 
 
 def test_shift_is_identity_at_1_monotone_and_fixes_endpoints():

@@ -54,8 +54,16 @@ def test_build_is_deterministic_under_seed_and_leaves_global_rng_alone(family):
     a = family.build(ModelConfig(text_encoder="tiny_random"), seed=7)
     assert torch.equal(torch.get_rng_state(), before)
     b = family.build(ModelConfig(text_encoder="tiny_random"), seed=7)
-    for (name, pa), pb in zip(a.transformer.named_parameters(), b.transformer.parameters()):
-        assert torch.equal(pa, pb), name
+    c = family.build(ModelConfig(text_encoder="tiny_random"), seed=8)
+    for module in ("transformer", "vae", "text_encoder"):
+        state_a, state_b = getattr(a, module).state_dict(), getattr(b, module).state_dict()
+        assert state_a.keys() == state_b.keys(), module
+        assert len(state_a) > 0, module
+        for name, value in state_a.items():
+            assert torch.equal(value, state_b[name]), f"{module}.{name}"
+    # ... and the seed matters: another seed gives other weights.
+    state_a, state_c = a.transformer.state_dict(), c.transformer.state_dict()
+    assert any(not torch.equal(state_a[name], state_c[name]) for name in state_a)
 
 
 def test_latent_shape_of_bucket_9x64x64(family):

@@ -8,13 +8,30 @@ Two offline choices, neither touches a model hub:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import torch
 from transformers import AutoTokenizer, BertConfig, BertModel, PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["TRIVIAL_CHAT_TEMPLATE", "build_text_encoder", "encode_prompts", "ensure_chat_template", "minilm_path"]
+from vidray.errors import UserFileNotFound
+
+if TYPE_CHECKING:
+    from vidray.config import ModelConfig
+
+__all__ = [
+    "TRIVIAL_CHAT_TEMPLATE",
+    "TruncationStats",
+    "build_text_encoder",
+    "build_tokenizer",
+    "caption_truncation",
+    "count_prompt_tokens",
+    "encode_prompts",
+    "ensure_chat_template",
+    "minilm_path",
+    "shards_caption_truncation",
+]
 
 TRIVIAL_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -78,6 +95,126 @@ def build_text_encoder(
     return text_encoder, tokenizer
 
 
+def build_tokenizer(model: "ModelConfig") -> PreTrainedTokenizerBase:
+    """The tokenizer (with its chat template) that `model` encodes prompts with, without loading any weights.
+
+    `init: random` -> MiniLM's tokenizer (both `minilm` and `tiny_random` use it); `init: pretrained` -> the
+    `tokenizer/` folder of `model.pretrained_path`. Takes well under a second. Raises FileNotFoundError when the
+    pretrained folder has no `tokenizer/` subfolder (UserFileNotFound).
+    """
+    if model.init == "pretrained":
+        path = Path(str(model.pretrained_path)) / "tokenizer"
+        if not path.is_dir():
+            raise UserFileNotFound(
+                f"model.pretrained_path {model.pretrained_path!r} has no tokenizer/ folder; give a diffusers folder "
+                f"written by `vidray` export or `EasyAnimatePipeline.save_pretrained`"
+            )
+    else:
+        path = minilm_path()
+    return ensure_chat_template(AutoTokenizer.from_pretrained(path, local_files_only=True))
+
+
+def _chat_texts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[str]:
+    """Each prompt rendered through the tokenizer's chat template, as EasyAnimatePipeline.encode_prompt does."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]} for prompt in prompts]
+    return [tokenizer.apply_chat_template([m], tokenize=False, add_generation_prompt=True) for m in messages]
+
+
+def count_prompt_tokens(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[int]:
+    """Untruncated length in tokens of each prompt, tokenized exactly as `encode_prompts` does it (chat template,
+    then the tokenizer with its special tokens, e.g. BERT's [CLS] ... [SEP]), one int per prompt.
+
+    A prompt is cut by `encode_prompts` when its count exceeds `max_sequence_length`; `count - max_sequence_length`
+    tokens are then dropped from its end (the special tokens are kept).
+    """
+    if isinstance(prompts, str):
+        raise ValueError(f"prompts must be a list of strings, got the string {prompts!r}")
+    if not prompts:
+        return []
+    # verbose=False: the "longer than the model's maximum" warning is ours to give, with the numbers.
+    encoded = tokenizer(text=_chat_texts(tokenizer, prompts), truncation=False, padding=False, verbose=False)
+    return [len(ids) for ids in encoded["input_ids"]]
+
+
+@dataclass(frozen=True)
+class TruncationStats:
+    """How many captions `encode_prompts` cuts at `max_sequence_length` tokens, and by how many tokens."""
+
+    num_captions: int
+    """Captions counted."""
+    num_truncated: int
+    """Captions longer than `max_sequence_length` tokens (special tokens included)."""
+    max_tokens_over: int
+    """Most tokens dropped from one caption (0 when none is cut)."""
+    total_tokens_over: int
+    """Tokens dropped over all captions."""
+    max_sequence_length: int
+    """The limit (`model.max_sequence_length`), in tokens including the special tokens."""
+
+    @property
+    def mean_tokens_over(self) -> float:
+        """Mean tokens dropped per cut caption (0.0 when none is cut)."""
+        return self.total_tokens_over / self.num_truncated if self.num_truncated else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form, as stored in report.json under `captions_truncated`."""
+        return {
+            "num": self.num_truncated,
+            "num_captions": self.num_captions,
+            "max_tokens_over": self.max_tokens_over,
+            "mean_tokens_over": round(self.mean_tokens_over, 2),
+            "total_tokens_over": self.total_tokens_over,
+            "max_sequence_length": self.max_sequence_length,
+        }
+
+    def __str__(self) -> str:
+        if not self.num_truncated:
+            return (
+                f"all {self.num_captions} captions fit in model.max_sequence_length={self.max_sequence_length} tokens"
+            )
+        return (
+            f"{self.num_truncated} of {self.num_captions} captions are longer than model.max_sequence_length="
+            f"{self.max_sequence_length} tokens and are cut: up to {self.max_tokens_over} tokens dropped "
+            f"(mean {self.mean_tokens_over:.1f}); only their first {self.max_sequence_length} tokens (special tokens "
+            f"included) reach the model; raise model.max_sequence_length or shorten the captions"
+        )
+
+
+def caption_truncation(
+    tokenizer: PreTrainedTokenizerBase, captions: Sequence[str], max_sequence_length: int, *, batch_size: int = 1024
+) -> TruncationStats:
+    """Count the `captions` that `encode_prompts(..., max_sequence_length=...)` truncates, with the same
+    tokenization (see `count_prompt_tokens`). Tokenizes in batches of `batch_size` captions (no model runs).
+
+    Raises ValueError for max_sequence_length < 1.
+    """
+    if max_sequence_length < 1:
+        raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
+    over = []
+    for start in range(0, len(captions), batch_size):
+        counts = count_prompt_tokens(tokenizer, list(captions[start:start + batch_size]))
+        over.extend(n - max_sequence_length for n in counts if n > max_sequence_length)
+    return TruncationStats(
+        num_captions=len(captions),
+        num_truncated=len(over),
+        max_tokens_over=max(over, default=0),
+        total_tokens_over=sum(over),
+        max_sequence_length=max_sequence_length,
+    )
+
+
+def shards_caption_truncation(shards_dir: str | Path, model: "ModelConfig") -> TruncationStats:
+    """`caption_truncation` of every caption in the prepared shards of `shards_dir`, for `model`'s tokenizer and
+    `model.max_sequence_length`. Reads only the Parquet `caption` column (no video bytes) and no model weights.
+
+    Raises like `vidray.data.shards.read_index` (no index: run `vidray prepare`).
+    """
+    from vidray.data.shards import iter_samples
+
+    captions = [row["caption"] for row in iter_samples(shards_dir, columns=["caption"])]
+    return caption_truncation(build_tokenizer(model), captions, model.max_sequence_length)
+
+
 @torch.no_grad()
 def encode_prompts(
     text_encoder: PreTrainedModel,
@@ -100,10 +237,8 @@ def encode_prompts(
         raise ValueError(f"prompts must be a non-empty list of strings, got {prompts!r}")
     if max_sequence_length < 1:
         raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
-    messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]} for prompt in prompts]
-    text = [tokenizer.apply_chat_template([m], tokenize=False, add_generation_prompt=True) for m in messages]
     text_inputs = tokenizer(
-        text=text,
+        text=_chat_texts(tokenizer, prompts),
         padding="max_length",
         max_length=max_sequence_length,
         truncation=True,

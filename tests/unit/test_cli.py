@@ -1,0 +1,133 @@
+"""The `vidray` command line: real subprocesses of the installed console script where the exit status and stderr
+are the behaviour (version, prepare on samples/, a user error vs a bug), and `main()` in-process otherwise."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import vidray
+from vidray.cli import main
+from vidray.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+VIDRAY = Path(sys.executable).parent / "vidray"
+
+
+def _run(*args: str, cwd: Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def config(tmp_path) -> Path:
+    """A job config that prepares samples/ into tmp_path (absolute paths: runs from any working directory)."""
+    raw = yaml.safe_load((REPO / "jobs" / "configs" / "tiny_t2v.yaml").read_text())
+    raw["data"]["source"] = str(REPO / "samples" / "metadata.json")
+    raw["data"]["shards_dir"] = str(tmp_path / "shards")
+    raw["storage"]["path"] = str(tmp_path / "runs")
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_version_prints_the_package_version():
+    result = _run(str(VIDRAY), "--version", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"vidray {vidray.__version__}"
+
+
+def test_prepare_on_samples_writes_an_index_and_prints_the_summary(config, tmp_path):
+    result = _run(str(VIDRAY), "prepare", str(config), "data.buckets=[[9,64,64],[1,64,64]]", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    index = json.loads((tmp_path / "shards" / "index.json").read_text())
+    listed = json.loads((REPO / "samples" / "metadata.json").read_text())
+    assert index["num_samples"] == len(listed) == 6  # every sample clip and still is kept
+    assert "Prepared 6 of 6 files" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_config_error_prints_one_line_and_exits_2(config, tmp_path):
+    result = _run(str(VIDRAY), "prepare", str(config), "data.shard_dir=x", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("vidray prepare: error: ") and "data.shard_dir" in result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "shards").exists()
+
+
+def test_a_valueerror_from_a_bug_shows_its_traceback_and_exits_1(config, tmp_path):
+    script = (
+        "import sys, vidray.data.ingest as ingest, vidray.cli as cli\n"
+        "def buggy(*args, **kwargs):\n"
+        "    raise ValueError('internal invariant broken')\n"
+        "ingest.prepare_data = buggy\n"
+        f"sys.exit(cli.main(['prepare', {str(config)!r}]))\n"
+    )
+    result = _run(sys.executable, "-c", script, cwd=tmp_path, timeout=60)
+    assert result.returncode == 1
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "ValueError: internal invariant broken" in result.stderr and "in buggy" in result.stderr
+    assert "vidray prepare: error:" not in result.stderr
+
+
+def test_main_lets_bugs_propagate_and_turns_user_errors_into_exit_2(config, monkeypatch, capsys):
+    import vidray.data.ingest as ingest
+
+    def bug(*args, **kwargs):
+        raise ValueError("bug")
+
+    monkeypatch.setattr(ingest, "prepare_data", bug)
+    with pytest.raises(ValueError, match="bug"):
+        main(["prepare", str(config)])
+    for err in (KeyError("k"), TypeError("t"), FileNotFoundError("/internal/file")):
+        monkeypatch.setattr(ingest, "prepare_data", lambda *a, _err=err, **k: (_ for _ in ()).throw(_err))
+        with pytest.raises(type(err)):
+            main(["prepare", str(config)])
+
+    def user_error(*args, **kwargs):
+        raise ConfigError("data.fps must be > 0 frames/s, got 0")
+
+    monkeypatch.setattr(ingest, "prepare_data", user_error)
+    assert main(["prepare", str(config)]) == 2
+    assert capsys.readouterr().err == "vidray prepare: error: data.fps must be > 0 frames/s, got 0\n"
+
+
+def test_missing_source_file_is_a_user_error(config, capsys):
+    assert main(["prepare", str(config), "data.source=/nonexistent/metadata.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vidray prepare: error: source /nonexistent/metadata.json does not exist")
+    assert err.count("\n") == 1
+
+
+def test_missing_config_file_is_a_user_error(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vidray train: error: ") and "nope.yaml" in err
+
+
+def test_generate_argument_errors_exit_2_naming_each_argument(tmp_path, capsys):
+    code = main(["generate", "--model", str(tmp_path / "missing"), "--prompt", " ", "--output", str(tmp_path / "o.gif"),
+                 "--num-inference-steps", "0", "--guidance-scale", "0.5", "--seed", "-1", "--bucket", "9x60x64"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("vidray generate: error: ") and err.count("\n") == 1
+    for name in ("--prompt", "--output", "--num-inference-steps", "--guidance-scale", "--seed", "--bucket", "--model"):
+        assert name in err, name
+
+
+def test_generate_argument_errors_answer_before_torch_is_imported(tmp_path):
+    script = (
+        "import sys\n"
+        "from vidray.cli import main\n"
+        f"code = main(['generate', '--model', {str(tmp_path)!r}, '--prompt', 'a', '--output', 'o.mp4', '--fps', '0'])\n"
+        "heavy = sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules)\n"
+        "print('heavy modules:', heavy)\n"
+        "sys.exit(code)\n"
+    )
+    result = _run(sys.executable, "-c", script, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "heavy modules: []" in result.stdout
+    assert "--fps must be a finite frame rate" in result.stderr and "is neither a diffusers folder" in result.stderr
