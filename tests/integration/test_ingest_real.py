@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 import time
 from fractions import Fraction
 
@@ -10,7 +11,7 @@ import pytest
 
 from vidray.data.buckets import Bucket
 from vidray.data.ingest import prepare
-from vidray.data.shards import load_samples, read_index
+from vidray.data.shards import iter_samples, load_samples, read_index
 from vidray.data.video import probe_media, read_clip
 
 BUCKETS = [[9, 64, 64], [9, 64, 112], [9, 112, 64], [1, 64, 64]]
@@ -36,7 +37,12 @@ def test_probe_matches_sources_md(real_data_dir):
     for name, expected in table.items():
         info = probe_media(real_data_dir / name)
         expected_size = (expected["width"], expected["height"], expected["num_frames"])
-        assert (info.width, info.height, info.num_frames) == expected_size, name
+        # SOURCES lists the stored size; width/height are the display size (sample aspect applied).
+        assert (info.stored_width, info.stored_height, info.num_frames) == expected_size, name
+        if name == "mmaction2_armwrestling_340x256.mp4":  # sample aspect ratio 64:51 -> shown 427x256
+            assert (info.width, info.height, info.sample_aspect_ratio) == (427, 256, pytest.approx(64 / 51))
+        else:
+            assert (info.width, info.height) == (expected["width"], expected["height"]), name
         if name.endswith(".png"):
             assert info.is_image and info.fps == 0.0
         elif name == "newtonscradle_200x150.gif":
@@ -66,10 +72,17 @@ def test_prepare_keeps_all_eleven_real_files(real_data_dir, tmp_path):
         real_data_dir / "metadata.json", tmp_path, BUCKETS, FPS, samples_per_shard=4, progress=lines.append
     )
     assert (summary.num_kept, summary.num_skipped) == (11, 0), summary.skipped
-    assert sum(summary.bucket_counts.values()) == 11 and summary.bucket_counts["1x64x64"] == 2
+    # Scene splitting (data.split_scenes, on by default): the Sintel trailer (30 s, cuts) and the arm-wrestling
+    # clip (10 s, cuts) give one clip per long-enough scene; the nine other files one sample each.
+    per_source = Counter(row["source_path"].rsplit("/", 1)[-1] for row in iter_samples(tmp_path, ["source_path"]))
+    assert per_source.pop("cosmos_curate_sintel_trailer_30s_854x480.mp4") >= 5
+    assert per_source.pop("mmaction2_armwrestling_340x256.mp4") >= 2
+    assert set(per_source.values()) == {1} and len(per_source) == 9
+    num_samples = summary.num_samples
+    assert sum(summary.bucket_counts.values()) == num_samples and summary.bucket_counts["1x64x64"] == 2
     assert summary.bucket_counts["9x112x64"] == 1  # the 576x1016 portrait clip
     index = read_index(tmp_path)
-    assert index["num_samples"] == 11 and len(index["shards"]) == 3
+    assert index["num_samples"] == num_samples and len(index["shards"]) == -(-num_samples // 4)
     samples = load_samples(tmp_path)
     assert all(s.video.shape == (*s.bucket, 3) for s in samples)
     assert len(lines) == 11
