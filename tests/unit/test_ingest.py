@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 
 from vidray.data.buckets import Bucket
 from vidray.data.ingest import prepare, read_source
-from vidray.data.shards import INDEX_NAME, REPORT_NAME, SHARD_SCHEMA, iter_samples, load_samples, read_index
+from vidray.data.shards import SHARD_SCHEMA, iter_samples, load_samples, read_index, read_report
 from vidray.data.video import (
     MediaError,
     decode_mp4,
@@ -81,14 +83,51 @@ def test_read_clip_too_short_raises_media_error(tmp_path):
         read_clip(path, probe_media(path), Bucket(9, 64, 64), fps=8.0)
 
 
-def test_read_clip_resizes_and_center_crops_to_the_bucket(samples_dir):
-    path = samples_dir / "cogvideo_horse_720x480_8fps.mp4"
-    info = probe_media(path)
-    clip = read_clip(path, info, Bucket(9, 64, 112), fps=8.0)
-    assert clip.shape == (9, 64, 112, 3) and clip.dtype == np.uint8
-    still = read_clip(samples_dir / "animatediff_sailboat_painting.png",
-                      probe_media(samples_dir / "animatediff_sailboat_painting.png"), Bucket(1, 32, 32), fps=8.0)
-    assert still.shape == (1, 32, 32, 3)
+RED, GREEN, BLUE, WHITE, BLACK = (255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255), (0, 0, 0)
+
+
+def _crop_card(tall: bool) -> np.ndarray:
+    """uint8 (512, 128, 3) if tall else (128, 512, 3): along the long side, red up to 192, a white then a black
+    64 px band (the centre 128 px, what a 64x64 bucket keeps after halving), green from 320; the centre's first
+    16 px across the short side are blue (they must survive: the short side is never cropped)."""
+    card = np.zeros((128, 512, 3), np.uint8)  # built wide: (H, W, 3), long side = W
+    card[:, :192] = RED
+    card[:, 192:256] = WHITE
+    card[:, 256:320] = BLACK
+    card[:16, 192:320] = BLUE
+    card[:, 320:] = GREEN
+    return card.transpose(1, 0, 2).copy() if tall else card
+
+
+@pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
+@pytest.mark.parametrize("kind", ["video", "still"])
+def test_read_clip_center_crop_keeps_the_centre_and_drops_the_long_side_borders(tmp_path, kind, tall):
+    card = _crop_card(tall)
+    if kind == "video":
+        path = write_mp4(np.stack([card] * 12), tmp_path / "card.mp4", fps=8.0)
+        bucket, tolerance = Bucket(9, 64, 64), 40  # H.264 4:2:0 blurs colour edges by a pixel or two
+    else:
+        from PIL import Image
+
+        path = tmp_path / "card.png"
+        Image.fromarray(card).save(path)
+        bucket, tolerance = Bucket(1, 64, 64), 8
+    clip = read_clip(path, probe_media(path), bucket, fps=8.0)
+    assert clip.shape == (bucket.num_frames, 64, 64, 3)
+    # Compare in the card's own orientation: the long side along axis 2 (width).
+    frames = clip.transpose(0, 2, 1, 3) if tall else clip
+    frames = frames.astype(np.int16)
+
+    def region_is(colour, rows, cols):
+        error = np.abs(frames[:, rows, cols] - np.array(colour)).max()
+        assert error <= tolerance, f"{kind} {'tall' if tall else 'wide'}: region {rows}, {cols} off {colour} by {error}"
+
+    region_is(BLUE, slice(0, 6), slice(3, 61))  # the short side is scaled, not cropped: its first 8 px are blue
+    region_is(WHITE, slice(10, 64), slice(3, 29))  # the centre's first half
+    region_is(BLACK, slice(10, 64), slice(35, 61))  # and its second half, in order (not mirrored)
+    # Nothing of the red and green borders survives, even in the outermost columns.
+    edges = frames[:, 10:, [0, 63]]  # (F, H, 2, 3): white on the left, black on the right
+    assert edges[:, :, 0, 1].min() >= 255 - 3 * tolerance and edges[:, :, 1, 1].max() <= 3 * tolerance
 
 
 def test_probe_media_reads_gif_timing_and_images(samples_dir):
@@ -178,14 +217,55 @@ def test_prepare_keeps_every_sample_and_writes_index_last(prepared):
     assert len(lines) == 6 and all("kept" in line for line in lines)
     index = read_index(shards_dir)
     assert index["num_samples"] == 6 and index["bucket_counts"] == {"9x64x64": 5, "1x64x64": 1}
-    assert [s["file"] for s in index["shards"]] == ["shard.00000.parquet", "shard.00001.parquet"]
+    assert [s["file"] for s in index["shards"]] == ["gen.00001/shard.00000.parquet", "gen.00001/shard.00001.parquet"]
     assert [s["num_samples"] for s in index["shards"]] == [4, 2]
     assert index["buckets"] == BUCKETS and index["fps"] == FPS
-    assert all((shards_dir / s["file"]).stat().st_size == s["bytes"] for s in index["shards"])
-    # The index is the commit marker: written after every shard and the report.
-    mtimes = [(shards_dir / s["file"]).stat().st_mtime_ns for s in index["shards"]]
-    assert (shards_dir / INDEX_NAME).stat().st_mtime_ns >= max(mtimes + [(shards_dir / REPORT_NAME).stat().st_mtime_ns])
+    # The index records every file it commits as it was on disk: sizes and content hashes match.
+    for entry in [*index["shards"], index["report"]]:
+        data = (shards_dir / entry["file"]).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (entry["bytes"], entry["sha256"])
+    assert summary.report_path == shards_dir / "gen.00001" / "report.json" == shards_dir / index["report"]["file"]
+    assert read_report(shards_dir)["num_kept"] == 6
     assert "Prepared 6 of 6 files into 2 shard(s)" in str(summary)
+
+
+def test_prepare_writes_shards_then_report_then_index_then_deletes_the_old_generation(tmp_path, samples_dir,
+                                                                                     monkeypatch):
+    """Write order of a real first prepare and re-prepare, seen by intercepting the renames and deletions."""
+    events: list[tuple[str, str]] = []
+    shards_dir = tmp_path / "shards"
+    real_replace, real_unlink, real_rmtree = os.replace, os.unlink, shutil.rmtree
+
+    def rel(path) -> str:
+        return os.path.relpath(path, shards_dir)
+
+    def replace(src, dst, *args, **kwargs):
+        events.append(("write", rel(dst)))
+        return real_replace(src, dst, *args, **kwargs)
+
+    def unlink(path, *args, **kwargs):
+        if kwargs.get("dir_fd") is None:  # rmtree's own unlinks (relative to a dir_fd) count as its one delete
+            events.append(("delete", rel(path)))
+        return real_unlink(path, *args, **kwargs)
+
+    def rmtree(path, *args, **kwargs):
+        events.append(("delete", rel(path)))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    for generation in ("gen.00001", "gen.00002"):
+        events.clear()
+        prepare(samples_dir / "metadata.json", shards_dir, BUCKETS, FPS, samples_per_shard=4, progress=None)
+        writes = [name for kind, name in events if kind == "write"]
+        assert writes == [f"{generation}/shard.00000.parquet", f"{generation}/shard.00001.parquet",
+                          f"{generation}/report.json", "index.json"]
+        commit = events.index(("write", "index.json"))
+        deletes = [name for kind, name in events if kind == "delete"]
+        assert all(events.index(("delete", name)) > commit for name in deletes)  # nothing goes before the switch
+        assert deletes == ([] if generation == "gen.00001" else ["gen.00001"])
+    assert sorted(p.name for p in shards_dir.iterdir()) == [".vidray-prepare.lock", "gen.00002", "index.json"]
 
 
 def test_prepared_shards_have_the_training_columns_and_bucket_shapes(prepared):
@@ -225,7 +305,7 @@ def test_prepare_skips_and_reports_bad_files_and_keeps_the_good_ones(tmp_path, s
     lines: list[str] = []
     summary = prepare(media / "meta.json", shards_dir, BUCKETS, FPS, samples_per_shard=64, progress=lines.append)
     assert (summary.num_kept, summary.num_skipped) == (2, 4)
-    report = json.loads((shards_dir / REPORT_NAME).read_text())
+    report = read_report(shards_dir)
     reasons = {item["path"].rsplit("/", 1)[-1]: item["reason"] for item in report["skipped"]}
     assert set(reasons) == {"zero.mp4", "truncated.mp4", "text.mp4", "missing.mp4"}
     assert "zero-byte" in reasons["zero.mp4"]
@@ -261,10 +341,12 @@ def test_prepare_from_csv_source(tmp_path, samples_dir):
 def test_prepare_overwrites_a_previous_run_cleanly(tmp_path, samples_dir):
     shards_dir = tmp_path / "shards"
     first = prepare(samples_dir / "metadata.json", shards_dir, BUCKETS, FPS, 1, progress=None)
-    assert len(list(shards_dir.glob("shard.*.parquet"))) == first.num_kept == 6
+    assert len(list(shards_dir.glob("gen.00001/shard.*.parquet"))) == first.num_kept == 6
     ids = {s.sample_id for s in load_samples(shards_dir)}
     prepare(samples_dir / "metadata.json", shards_dir, BUCKETS, FPS, 64, progress=None)
-    assert [p.name for p in shards_dir.glob("shard.*.parquet")] == ["shard.00000.parquet"]
+    assert [str(p.relative_to(shards_dir)) for p in shards_dir.glob("**/shard.*.parquet")] == [
+        "gen.00002/shard.00000.parquet"
+    ]
     assert {s.sample_id for s in load_samples(shards_dir)} == ids  # sample ids are stable
 
 
@@ -281,7 +363,7 @@ def test_read_index_refuses_an_unfinished_prepare(tmp_path, prepared):
     _, shards_dir, _ = prepared
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
-    shutil.copy(shards_dir / "shard.00000.parquet", unfinished)
+    shutil.copytree(shards_dir / "gen.00001", unfinished / "gen.00001")
     with pytest.raises(FileNotFoundError, match=r"unfinished prepare\): run `vidray prepare` first"):
         read_index(unfinished)
     with pytest.raises(FileNotFoundError, match="run `vidray prepare` first"):

@@ -3,31 +3,51 @@
 ```python
 summary = prepare("samples/metadata.json", "outputs/shards", buckets=[[9, 64, 64], [1, 64, 64]], fps=8.0,
                   samples_per_shard=64)
-print(summary)      # kept/skipped counts, per-bucket counts; reasons in outputs/shards/report.json
+print(summary)      # kept/skipped counts, per-bucket counts; reasons in outputs/shards/gen.00001/report.json
 ```
 
-Every listed file is probed once, given the bucket whose aspect ratio is closest (`assign_bucket`), sampled at
-`fps`, resized + center-cropped to the bucket and stored as an H.264 mp4 (images as 1-frame mp4s). A file
+Every listed file is probed once, given the bucket whose aspect ratio is closest to its display aspect
+(`assign_bucket`; rotation, sample aspect ratio and EXIF orientation applied, see `vidray.data.video`), sampled
+at `fps`, turned upright, resized + center-cropped to the bucket and stored as an H.264 mp4 (images as 1-frame
+mp4s). A video lasting at least two clips of its bucket is scanned for scene cuts (`data.split_scenes`, on by
+default): with several scenes it gives one sample per clip planned inside a scene (`vidray.data.scenes`), each
+with its own sample id and source time range (`clip_start_s`, `clip_end_s`), so no clip straddles a cut. A file
 that is missing, unreadable, undecodable or too short is skipped with its reason; it never stops the run.
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
+import io
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
-    from vidray.config import DataConfig
+    from vidray.config import DataConfig, ModelConfig
+    from vidray.models.text_encoder import TruncationStats
 
 from vidray.data.buckets import Bucket, assign_bucket, validate_bucket
-from vidray.data.shards import REPORT_NAME, clear_shards_dir, write_index, write_report, write_shard
-from vidray.data.video import MediaError, encode_mp4, num_frames_available, probe_media, read_clip, sampled_fps
+from vidray.data.shards import ShardWriter
+from vidray.errors import UserError, UserFileNotFound
+from vidray.data.scenes import SceneSplit, detect_scenes, needs_scene_split, plan_scene_clips
+from vidray.data.video import (
+    ClipWindow,
+    MediaError,
+    MediaInfo,
+    encode_mp4,
+    num_frames_available,
+    probe_media,
+    read_clip,
+    read_clips,
+    sampled_fps,
+)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 _JSON_FORMAT = 'a JSON list of {"file_path": ..., "text": ..., "type": "video"|"image"} (EasyAnimate metadata)'
@@ -61,49 +81,123 @@ def _is_image_path(path: str) -> bool:
     return Path(path).suffix.lower() in IMAGE_EXTENSIONS
 
 
-def _read_json_source(path: Path) -> list[SourceItem]:
+_BOMS = (
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
+_SAVE_AS_UTF8 = (
+    "save it as UTF-8 (Excel: 'CSV UTF-8'; LibreOffice: character set 'Unicode (UTF-8)'; Google Sheets exports "
+    "UTF-8) or as UTF-16 with a byte-order mark (Excel's 'Unicode Text')"
+)
+
+
+def _read_text(path: Path) -> str:
+    """The text of a source list as spreadsheets and editors save it: UTF-8 with or without a byte-order mark,
+    or UTF-16 with one (Excel's "Unicode Text"). Line ends are left as they are (the CSV reader takes CRLF, LF
+    and CR). Raises UserError for anything else (e.g. Windows-1252 or Latin-1 from a legacy export), naming the
+    first bad byte and its line: no fallback encoding is guessed, because a wrong guess turns accented
+    captions into mojibake that trains silently."""
+    data = path.read_bytes()
+    if data.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
+        raise UserError(f"source {path} is UTF-32 text; {_SAVE_AS_UTF8}")
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            try:
+                return data.decode(encoding)
+            except UnicodeDecodeError as err:
+                raise UserError(
+                    f"source {path} starts with a {encoding} byte-order mark but is not valid {encoding} "
+                    f"({err.reason} at byte {err.start}); {_SAVE_AS_UTF8}"
+                ) from None
+    if b"\x00" in data:
+        raise UserError(
+            f"source {path} holds NUL bytes: UTF-16 or UTF-32 text without a byte-order mark, or not text at all; "
+            f"{_SAVE_AS_UTF8}"
+        )
     try:
-        entries = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"source {path} is not valid JSON ({err}); expected {_JSON_FORMAT}") from None
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        before = data[: err.start]
+        line = 1 + before.count(b"\n") + before.count(b"\r") - before.count(b"\r\n")  # CRLF, LF or CR ends
+        raise UserError(
+            f"source {path} is not UTF-8: byte 0x{data[err.start]:02x} on line {line} (a legacy encoding such as "
+            f"Windows-1252); {_SAVE_AS_UTF8}"
+        ) from None
+
+
+def _read_json_source(path: Path) -> list[SourceItem]:
+    text = _read_text(path)
+    try:
+        entries = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UserError(f"source {path} is not valid JSON ({err}); expected {_JSON_FORMAT}") from None
     if not isinstance(entries, list):
-        raise ValueError(f"source {path} holds a JSON {type(entries).__name__}; expected {_JSON_FORMAT}")
+        raise UserError(f"source {path} holds a JSON {type(entries).__name__}; expected {_JSON_FORMAT}")
     items = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or not isinstance(entry.get("file_path"), str) or not entry["file_path"]:
-            raise ValueError(f"source {path}, entry {i}: needs a non-empty string 'file_path'; expected {_JSON_FORMAT}")
+            raise UserError(f"source {path}, entry {i}: needs a non-empty string 'file_path'; expected {_JSON_FORMAT}")
         if not isinstance(entry.get("text"), str):
-            raise ValueError(f"source {path}, entry {i} ({entry['file_path']}): needs a string 'text' (the caption)")
+            raise UserError(f"source {path}, entry {i} ({entry['file_path']}): needs a string 'text' (the caption)")
         kind = entry.get("type")
         if kind is None:
             is_image = _is_image_path(entry["file_path"])
         elif kind in ("video", "image"):
             is_image = kind == "image"
         else:
-            raise ValueError(f"source {path}, entry {i}: 'type' must be 'video' or 'image', got {kind!r}")
+            raise UserError(f"source {path}, entry {i}: 'type' must be 'video' or 'image', got {kind!r}")
         hints = {k: v for k, v in entry.items() if k not in ("file_path", "text", "type")}
         items.append(SourceItem(_resolve(path, entry["file_path"]), entry["text"], is_image, hints, entry["file_path"]))
     return items
 
 
-def _read_csv_source(path: Path) -> list[SourceItem]:
+def _csv_dialect(path: Path, text: str) -> tuple[str, str]:
+    """(delimiter, text without a leading `sep=` line): Excel's `sep=;` line if present, else `csv.Sniffer` on
+    the header line limited to comma, semicolon (Excel in locales with a decimal comma) and tab; a header it
+    cannot split (one column) reads as comma-separated and fails on the missing columns."""
+    first_line = re.split(r"\r\n|\r|\n", text, maxsplit=1)[0]
+    sep = re.fullmatch(r'"?sep=(.)"?', first_line.strip())
+    if sep:
+        if sep.group(1) not in ",;\t|":
+            raise UserError(f"source {path}: unsupported separator {sep.group(1)!r} on its 'sep=' line; use , ; or tab")
+        return sep.group(1), text[len(first_line):].lstrip("\r\n")
     try:
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            header = reader.fieldnames or []
-            missing = [c for c in ("path", "text") if c not in header]
-            if missing:
-                raise ValueError(
-                    f"source {path}: missing column(s) {missing} in header {header}; expected {_CSV_FORMAT}"
-                )
-            rows = list(reader)
-    except UnicodeDecodeError as err:
-        raise ValueError(f"source {path} is not a text CSV ({err}); expected {_CSV_FORMAT}") from None
+        return csv.Sniffer().sniff(first_line, delimiters=",;\t").delimiter, text
+    except csv.Error:
+        return ",", text
+
+
+def _read_csv_source(path: Path) -> list[SourceItem]:
+    """Spreadsheet exports as they come: see `read_source`."""
+    delimiter, text = _csv_dialect(path, _read_text(path))
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+    try:
+        header = next(reader, [])
+        rows = [(reader.line_num, row) for row in reader]
+    except csv.Error as err:
+        raise UserError(f"source {path}, line {reader.line_num}: {err}; expected {_CSV_FORMAT}") from None
+    names = [name.strip().lower() for name in header]
+    duplicated = sorted({n for n in names if n and names.count(n) > 1})
+    if duplicated:
+        raise UserError(f"source {path}: column(s) {duplicated} appear more than once in header {header}")
+    missing = [c for c in ("path", "text") if c not in names]
+    if missing:
+        sep = {",": "comma", ";": "semicolon", "\t": "tab"}.get(delimiter, repr(delimiter))
+        raise UserError(
+            f"source {path}: missing column(s) {missing} in header {header} (read as {sep}-separated); "
+            f"expected {_CSV_FORMAT}"
+        )
     items = []
-    for line, row in enumerate(rows, start=2):
-        listed, text = row.get("path"), row.get("text")
+    for line, cells in rows:
+        if not any(cell.strip() for cell in cells):  # blank rows, e.g. trailing ",,," rows of a spreadsheet
+            continue
+        row = {name: cell for name, cell in zip(names, cells) if name}
+        listed = row.get("path", "").strip()
+        text = row.get("text")
         if not listed or text is None:
-            raise ValueError(f"source {path}, line {line}: empty 'path' or missing 'text'; expected {_CSV_FORMAT}")
+            raise UserError(f"source {path}, line {line}: empty 'path' or missing 'text'; expected {_CSV_FORMAT}")
+        text = re.sub(r"\r\n?", "\n", text).strip()  # a cell's line breaks read alike from CRLF and LF files
         hints: dict[str, Any] = {}
         for key, cast in _CSV_HINTS.items():
             value = (row.get(key) or "").strip()
@@ -111,7 +205,7 @@ def _read_csv_source(path: Path) -> list[SourceItem]:
                 try:
                     hints[key] = cast(float(value)) if cast is int else cast(value)
                 except ValueError:
-                    raise ValueError(
+                    raise UserError(
                         f"source {path}, line {line}: column {key} must be a number, got {value!r}"
                     ) from None
         items.append(SourceItem(_resolve(path, listed), text, _is_image_path(listed), hints, listed))
@@ -120,27 +214,35 @@ def _read_csv_source(path: Path) -> list[SourceItem]:
 
 def read_source(path: str | Path) -> list[SourceItem]:
     """Read a source list: EasyAnimate metadata `.json` (a list of {file_path, text, type: video|image}) or an
-    Open-Sora `.csv` (header path,text[,num_frames,height,width,fps]). Paths may be absolute or relative to the
-    source file's folder; listed files are not opened here.
+    Open-Sora `.csv`/`.tsv` (header path,text[,num_frames,height,width,fps]). Paths may be absolute or relative
+    to the source file's folder; listed files are not opened here.
 
-    Raises FileNotFoundError for a missing source, ValueError naming the problem and the expected format for
-    anything else (another extension, not a JSON list, missing columns/keys, an empty list).
+    Files read as spreadsheets and editors save them: UTF-8 with or without a byte-order mark, or UTF-16 with
+    one (a JSON source too); CSV line ends CRLF, LF or CR; quoted cells holding commas or line breaks (a cell's
+    CRLF reads as LF); header names in any case and with stray spaces (` Path `); comma-, semicolon- or
+    tab-separated (sniffed from the header line, or Excel's `sep=;` first line); blank rows skipped; path and
+    caption cells stripped of surrounding whitespace.
+
+    Raises UserFileNotFound for a missing source, UserError (a ValueError) naming the problem and the expected
+    format for anything else (another extension, not UTF-8/UTF-16, not a JSON list, missing columns/keys, an
+    empty list).
     """
     path = Path(path)
     if not path.is_file():
         hint = "" if path.is_absolute() else f" (relative paths resolve against the current directory, {Path.cwd()})"
-        raise FileNotFoundError(f"source {path} does not exist{hint}; give an EasyAnimate .json or Open-Sora .csv")
+        raise UserFileNotFound(f"source {path} does not exist{hint}; give an EasyAnimate .json or Open-Sora .csv")
     suffix = path.suffix.lower()
     if suffix == ".json":
         items = _read_json_source(path)
-    elif suffix == ".csv":
+    elif suffix in (".csv", ".tsv"):
         items = _read_csv_source(path)
     else:
-        raise ValueError(
-            f"source {path}: unknown extension {suffix!r}; expected .json ({_JSON_FORMAT}) or .csv ({_CSV_FORMAT})"
+        raise UserError(
+            f"source {path}: unknown extension {suffix!r}; expected .json ({_JSON_FORMAT}) or .csv/.tsv "
+            f"({_CSV_FORMAT}; a spreadsheet's tab-separated 'Text' export can be renamed to .tsv)"
         )
     if not items:
-        raise ValueError(f"source {path} lists no files")
+        raise UserError(f"source {path} lists no files")
     return items
 
 
@@ -149,27 +251,38 @@ class PrepareSummary:
     """What `prepare` did."""
 
     num_kept: int
+    """Source files kept (a video split at scene cuts counts once; see `num_samples`)."""
+    num_samples: int
+    """Training clips written (more than `num_kept` when videos were split at scene cuts)."""
     num_skipped: int
     skipped: list[tuple[str, str]]
     """(source path, reason) for every skipped file."""
     shards_dir: Path
+    report_path: Path
+    """The committed report, `<shards_dir>/gen.NNNNN/report.json`: every kept and skipped file, with reasons."""
     bucket_counts: dict[str, int]
     """`str(bucket)` ("9x64x64") -> samples kept in it, every configured bucket listed."""
     num_shards: int
     fps: float
     elapsed_s: float
+    captions_truncated: "TruncationStats | None" = None
+    """Captions of kept files longer than `model.max_sequence_length` tokens (None: no model section given)."""
 
     def __str__(self) -> str:
         total = self.num_kept + self.num_skipped
         buckets = ", ".join(f"{b}: {n}" for b, n in self.bucket_counts.items())
         text = (
-            f"Prepared {self.num_kept} of {total} files into {self.num_shards} shard(s) in {self.shards_dir} "
+            f"Prepared {self.num_kept} of {total} files"
+            + (f" as {self.num_samples} clips" if self.num_samples != self.num_kept else "")
+            + f" into {self.num_shards} shard(s) in {self.shards_dir} "
             f"at {self.fps:g} fps in {self.elapsed_s:.1f} s; samples per bucket: {buckets}."
         )
         if self.skipped:
             reasons = "; ".join(f"{Path(p).name}: {r}" for p, r in self.skipped[:5])
             more = f" (and {len(self.skipped) - 5} more)" if len(self.skipped) > 5 else ""
-            text += f" Skipped {self.num_skipped}: {reasons}{more}; all reasons in {self.shards_dir / REPORT_NAME}."
+            text += f" Skipped {self.num_skipped}: {reasons}{more}; all reasons in {self.report_path}."
+        if self.captions_truncated is not None and self.captions_truncated.num_truncated:
+            text += f" Captions: {self.captions_truncated}."
         if self.num_kept == 0:
             text += " No sample was kept: training cannot run on this folder; check the source paths and buckets."
         return text
@@ -197,6 +310,70 @@ def _no_bucket_reason(info, is_image: bool, buckets: Sequence[Bucket], fps: floa
     )
 
 
+@dataclass(frozen=True)
+class _Clip:
+    """One training clip read from a source: its bucket, rate (frames/s), window in the source (s after its
+    first frame), encoded mp4, and whether it was planned inside a scene (`from_scene`)."""
+
+    bucket: Bucket
+    fps: float
+    start_s: float
+    end_s: float
+    video_mp4: bytes
+    from_scene: bool
+
+
+def _read_clips(
+    path: Path,
+    info: MediaInfo,
+    bucket: Bucket,
+    buckets: Sequence[Bucket],
+    fps: float,
+    is_image: bool,
+    scene_split: SceneSplit | None,
+) -> tuple[list[_Clip], str]:
+    """The clips of one source and a note for the progress line.
+
+    A video lasting at least two clips of `bucket` (`needs_scene_split`), with `scene_split` given, is scanned
+    for cuts; when it has several scenes (or `max_clips_per_scene` > 1), the clips are those
+    `plan_scene_clips` lays inside the scenes, each read from its window. Otherwise one clip from the start, as
+    `read_clip` samples it (images: their one frame). Raises MediaError when the source cannot fill a clip, or
+    when it has several scenes and none is long enough for a multi-frame bucket (every clip would straddle a cut).
+    """
+    note = ""
+    if scene_split is not None and not is_image and needs_scene_split(info, bucket, fps):
+        try:
+            scenes = detect_scenes(
+                path, info, threshold=scene_split.threshold, min_scene_s=scene_split.min_scene_s,
+                analysis_width_px=scene_split.analysis_width_px,
+            )
+        except MediaError as err:
+            scenes, note = [], f"scene detection failed ({_short_reason(err, path)}), one clip from the start"
+        if len(scenes) > 1 or (scenes and scene_split.max_clips_per_scene > 1):
+            planned = plan_scene_clips(
+                scenes, info, buckets, fps, max_clips_per_scene=scene_split.max_clips_per_scene,
+                max_clips_per_source=scene_split.max_clips_per_source,
+            )
+            if not planned:
+                longest_s = max(scene.duration_s for scene in scenes)
+                raise MediaError(
+                    f"{len(scenes)} scenes, the longest {longest_s:.2f} s: none holds the smallest multi-frame "
+                    f"bucket at {fps:g} fps, so every clip would straddle a scene cut (set data.split_scenes: false "
+                    "to keep such files, or raise data.min_scene_s)"
+                )
+            windows = [ClipWindow(c.bucket, c.start_s, c.end_s) for c in planned]
+            videos = read_clips(path, info, windows, fps)  # one decode pass; each (F, H, W, 3) uint8
+            clips = [
+                _Clip(c.bucket, float(fps), c.start_s, c.start_s + c.bucket.num_frames / fps, encode_mp4(v, fps), True)
+                for c, v in zip(planned, videos, strict=True)
+            ]
+            return clips, f"{len(scenes)} scene(s)"
+    video = read_clip(path, info, bucket, fps)  # (F, H, W, 3) uint8
+    clip_fps = sampled_fps(info, bucket, fps)
+    end_s = 0.0 if is_image else min(info.duration_s, bucket.num_frames / clip_fps)
+    return [_Clip(bucket, clip_fps, 0.0, end_s, encode_mp4(video, clip_fps), False)], note
+
+
 def prepare(
     source: str | Path,
     shards_dir: str | Path,
@@ -205,14 +382,20 @@ def prepare(
     samples_per_shard: int,
     *,
     progress: Callable[[str], Any] | None = print,
+    caption_check: "Callable[[list[str]], TruncationStats] | None" = None,
+    scene_split: SceneSplit | None = SceneSplit(),
 ) -> PrepareSummary:
     """Turn the files listed in `source` into Parquet shards in `shards_dir` (see `vidray.data.shards`).
 
     `buckets`: [num_frames, height, width] triples; `fps`: sampling rate in frames/s; `samples_per_shard`: rows
-    per shard. Writes `shard.00000.parquet`..., then `report.json`, then `index.json` last; a previous prepare in
-    `shards_dir` is removed first. `progress` gets one line per file (None: silent). Files that cannot be used
-    are skipped and reported, never raised. Raises ValueError for bad buckets/fps/samples_per_shard or a bad
-    source list, FileNotFoundError for a missing source, before touching `shards_dir`.
+    per shard. Writes a new generation `gen.NNNNN/shard.00000.parquet`..., then `gen.NNNNN/report.json`, then
+    replaces `index.json` (the commit marker) and only then deletes the previous generation: a prepare that is
+    interrupted or raises leaves the previous dataset in `shards_dir` readable as it was (`ShardWriter`).
+    `scene_split`: how videos lasting at least two clips of their bucket are split at scene cuts into several
+    samples (`vidray.data.scenes`; None: one clip per source, from its start).
+    `progress` gets one line per file (None: silent). Files that cannot be used are skipped and reported, never
+    raised. Raises ValueError for bad buckets/fps/samples_per_shard or a bad source list, FileNotFoundError for a
+    missing source, before touching `shards_dir`; UserError while another prepare writes `shards_dir`.
     """
     start = time.perf_counter()
     say = progress or (lambda _line: None)
@@ -228,10 +411,9 @@ def prepare(
         raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
     items = read_source(source)
 
-    # 2. Clear a previous prepare (index first), so the folder never mixes two runs.
+    # 2. Start a new generation beside the committed one (which stays readable until step 4 switches the index).
     shards_dir = Path(shards_dir)
-    shards_dir.mkdir(parents=True, exist_ok=True)
-    clear_shards_dir(shards_dir)
+    writer = ShardWriter(shards_dir)
 
     # 3. Probe, bucket, sample, encode; flush a shard every `samples_per_shard` rows.
     rows: list[dict[str, Any]] = []
@@ -240,6 +422,7 @@ def prepare(
     skipped: list[tuple[str, str]] = []
     bucket_counts = {str(b): 0 for b in buckets}
     seen_ids: dict[str, int] = {}
+    num_files_kept = 0
     for i, item in enumerate(items, start=1):
         tag = f"[{i}/{len(items)}]"
         try:
@@ -251,9 +434,7 @@ def prepare(
             )
             if bucket is None:
                 raise MediaError(_no_bucket_reason(info, is_image, buckets, fps))
-            video = read_clip(item.file_path, info, bucket, fps)  # (F, H, W, 3) uint8
-            clip_fps = sampled_fps(info, bucket, fps)
-            video_mp4 = encode_mp4(video, clip_fps)
+            clips, note = _read_clips(item.file_path, info, bucket, buckets, fps, is_image, scene_split)
         except MediaError as err:
             skipped.append((str(item.file_path), _short_reason(err, item.file_path)))
             say(f"{tag} skipped {item.file_path.name}: {skipped[-1][1]}")
@@ -262,61 +443,107 @@ def prepare(
             skipped.append((str(item.file_path), f"unexpected error: {type(err).__name__}: {err}"))
             say(f"{tag} skipped {item.file_path.name}: {skipped[-1][1]}")
             continue
-        sample_id = _sample_id(item.listed_path or str(item.file_path), bucket)
-        seen_ids[sample_id] = seen_ids.get(sample_id, 0) + 1
-        if seen_ids[sample_id] > 1:  # the same file listed again (e.g. another caption)
-            sample_id = f"{sample_id}-{seen_ids[sample_id] - 1}"
-        rows.append(
-            {
-                "sample_id": sample_id,
-                "video_mp4": video_mp4,
-                "caption": item.text,
-                "num_frames": bucket.num_frames,
-                "height": bucket.height,
-                "width": bucket.width,
-                "fps": clip_fps,
-                "source_path": str(item.file_path),
-                "source_width": info.width,
-                "source_height": info.height,
-                "source_fps": info.fps,
-                "source_num_frames": info.num_frames,
-                "source_duration_s": info.duration_s,
-            }
-        )
-        bucket_counts[str(bucket)] += 1
-        kept.append({"path": str(item.file_path), "sample_id": sample_id, "bucket": list(bucket), "fps": clip_fps})
+        num_files_kept += 1
+        for clip in clips:
+            listed = item.listed_path or str(item.file_path)
+            # One clip of a source keeps the id of the whole file; scene clips add their start time.
+            sample_id = _sample_id(f"{listed}@{clip.start_s:.3f}" if clip.from_scene else listed, clip.bucket)
+            seen_ids[sample_id] = seen_ids.get(sample_id, 0) + 1
+            if seen_ids[sample_id] > 1:  # the same file listed again (e.g. another caption)
+                sample_id = f"{sample_id}-{seen_ids[sample_id] - 1}"
+            rows.append(
+                {
+                    "sample_id": sample_id,
+                    "video_mp4": clip.video_mp4,
+                    "caption": item.text,
+                    "num_frames": clip.bucket.num_frames,
+                    "height": clip.bucket.height,
+                    "width": clip.bucket.width,
+                    "fps": clip.fps,
+                    "source_path": str(item.file_path),
+                    "source_width": info.width,
+                    "source_height": info.height,
+                    "source_fps": info.fps,
+                    "source_num_frames": info.num_frames,
+                    "source_duration_s": info.duration_s,
+                    "clip_start_s": clip.start_s,
+                    "clip_end_s": clip.end_s,
+                }
+            )
+            bucket_counts[str(clip.bucket)] += 1
+            kept.append(
+                {
+                    "path": str(item.file_path), "sample_id": sample_id, "bucket": list(clip.bucket), "fps": clip.fps,
+                    "clip_start_s": round(clip.start_s, 4), "clip_end_s": round(clip.end_s, 4),
+                }
+            )
+            if len(rows) >= samples_per_shard:
+                shards.append(writer.write_shard(rows))
+                rows = []
         source_desc = "image" if is_image else f"{info.num_frames} frames @ {info.fps:.2f} fps"
+        size_kib = sum(len(c.video_mp4) for c in clips) / 1024
+        if len(clips) == 1 and not clips[0].from_scene:
+            what = f"bucket {clips[0].bucket} at {clips[0].fps:.2f} fps"
+        else:
+            clip_buckets = ", ".join(sorted({str(c.bucket) for c in clips}))
+            what = f"{len(clips)} clips ({note}), bucket {clip_buckets} at {fps:g} fps"
+        extra = f"; {note}" if note and len(clips) == 1 else ""
         say(
-            f"{tag} kept    {item.file_path.name} -> bucket {bucket} at {clip_fps:.2f} fps "
-            f"({info.width}x{info.height}, {source_desc}, {len(video_mp4) / 1024:.1f} KiB)"
+            f"{tag} kept    {item.file_path.name} -> {what} "
+            f"({info.width}x{info.height}, {source_desc}, {size_kib:.1f} KiB{extra})"
         )
-        if len(rows) >= samples_per_shard:
-            shards.append(write_shard(shards_dir, len(shards), rows))
-            rows = []
     if rows:
-        shards.append(write_shard(shards_dir, len(shards), rows))
+        shards.append(writer.write_shard(rows))
 
-    # 4. The report, then the index: the commit marker, written last.
+    # 4. The report, then the index (the commit marker, replaced atomically), then delete the old generation.
     elapsed_s = time.perf_counter() - start
+    kept_paths = {k["path"] for k in kept}
+    captions = caption_check([it.text for it in items if str(it.file_path) in kept_paths]) if caption_check else None
     report = {
         "source": str(Path(source).resolve()),
-        "num_kept": len(kept),
+        "num_kept": num_files_kept,
+        "num_samples": len(kept),
         "num_skipped": len(skipped),
         "bucket_counts": bucket_counts,
         "kept": kept,
         "skipped": [{"path": p, "reason": r} for p, r in skipped],
         "elapsed_s": round(elapsed_s, 3),
+        **({"captions_truncated": captions.to_dict()} if captions is not None else {}),
     }
-    write_report(shards_dir, report)
-    write_index(shards_dir, shards, buckets=buckets, fps=fps, bucket_counts=bucket_counts)
+    index = writer.commit(report, buckets=buckets, fps=fps, bucket_counts=bucket_counts)
     return PrepareSummary(
-        num_kept=len(kept), num_skipped=len(skipped), skipped=skipped, shards_dir=shards_dir,
-        bucket_counts=bucket_counts, num_shards=len(shards), fps=float(fps), elapsed_s=time.perf_counter() - start,
+        num_kept=num_files_kept, num_samples=len(kept), num_skipped=len(skipped), skipped=skipped,
+        shards_dir=shards_dir, report_path=shards_dir / index["report"]["file"], bucket_counts=bucket_counts,
+        num_shards=len(shards), fps=float(fps), elapsed_s=time.perf_counter() - start,
+        captions_truncated=captions,
     )
 
 
-def prepare_data(data: "DataConfig", *, progress: Callable[[str], Any] | None = print) -> PrepareSummary:
-    """`prepare` driven by a job's `data` section (source, shards_dir, buckets, fps, samples_per_shard)."""
+def prepare_data(
+    data: "DataConfig", model: "ModelConfig | None" = None, *, progress: Callable[[str], Any] | None = print
+) -> PrepareSummary:
+    """`prepare` driven by a job's `data` section (source, shards_dir, buckets, fps, samples_per_shard, and the
+    scene split: split_scenes, scene_threshold, min_scene_s, max_clips_per_scene, max_clips_per_source).
+
+    With the job's `model` section, also counts the kept captions longer than `model.max_sequence_length` tokens
+    (tokenized as training encodes them; `vidray.models.text_encoder.caption_truncation`): in the summary and in
+    report.json as `captions_truncated: {num, num_captions, max_tokens_over, mean_tokens_over, total_tokens_over,
+    max_sequence_length}`. Only the model's tokenizer loads (no weights).
+    """
+    caption_check = None
+    if model is not None:
+        if model.init == "pretrained" and not (Path(str(model.pretrained_path)) / "tokenizer").is_dir():
+            raise UserFileNotFound(  # before any clip is processed
+                f"model.pretrained_path {model.pretrained_path!r} has no tokenizer/ folder; give a diffusers folder"
+            )
+
+        def check_captions(captions: list[str]) -> "TruncationStats":
+            from vidray.models.text_encoder import build_tokenizer, caption_truncation  # transformers: import late
+
+            return caption_truncation(build_tokenizer(model), captions, model.max_sequence_length)
+
+        caption_check = check_captions
+
     return prepare(
         data.source,
         data.shards_dir,
@@ -324,4 +551,9 @@ def prepare_data(data: "DataConfig", *, progress: Callable[[str], Any] | None = 
         fps=data.fps,
         samples_per_shard=data.samples_per_shard,
         progress=progress,
+        caption_check=caption_check,
+        scene_split=SceneSplit(
+            threshold=data.scene_threshold, min_scene_s=data.min_scene_s,
+            max_clips_per_scene=data.max_clips_per_scene, max_clips_per_source=data.max_clips_per_source,
+        ) if data.split_scenes else None,
     )
