@@ -22,12 +22,13 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError, field_validator, 
 from pydantic.dataclasses import dataclass
 
 from vidray.data.buckets import Bucket, validate_bucket
+from vidray.errors import UserError, UserFileNotFound
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A job config that cannot run: unknown key, wrong type, bad choice or inconsistent values."""
 
 
@@ -58,7 +59,7 @@ class DataConfig:
     source: str = "samples/metadata.json"
     """EasyAnimate metadata JSON or Open-Sora CSV that `vidray prepare` reads (relative to the working dir)."""
     shards_dir: str = "outputs/shards"
-    """Folder of prepared Parquet shards (`shard.00000.parquet` ... + `index.json`, written last)."""
+    """Folder of prepared Parquet shards (`gen.NNNNN/shard.00000.parquet` ... + `index.json`, written last)."""
     buckets: list[Bucket] = dataclasses.field(default_factory=lambda: [Bucket(9, 64, 64), Bucket(1, 64, 64)])
     """Training shapes [num_frames, height, width]; H, W multiples of 16; num_frames 1 or 4k+1."""
     fps: float = 8.0
@@ -67,6 +68,20 @@ class DataConfig:
     """Clips per Parquet shard."""
     batch_size_per_worker: int = 2
     """Clips per batch on each training worker."""
+    split_scenes: bool = True
+    """On by default: `vidray prepare` cuts videos lasting at least two clips of their bucket at scene cuts
+    (PySceneDetect ContentDetector) and takes clips only inside scenes, so no training clip straddles a cut;
+    each clip is its own sample with its source time range (`clip_start_s`, `clip_end_s`); one clip per scene
+    long enough for a multi-frame bucket, centred in it (see `max_clips_per_scene`). Shorter videos, videos of
+    one scene and images keep one clip, from the start. false: one clip per source, from its start."""
+    scene_threshold: float = 27.0
+    """ContentDetector threshold: mean HSV change (0-255) between consecutive frames that counts as a cut."""
+    min_scene_s: float = 0.5
+    """Shortest scene in seconds: cuts closer together are merged (flashes, strobing)."""
+    max_clips_per_scene: int = 1
+    """Consecutive non-overlapping clips taken from one scene (1: one clip, centred in the scene)."""
+    max_clips_per_source: int = 32
+    """Most clips taken from one source video when splitting at scene cuts."""
 
     @field_validator("buckets")
     @classmethod
@@ -164,6 +179,8 @@ class JobConfig:
             "scaling.num_workers": self.scaling.num_workers,
             "data.batch_size_per_worker": self.data.batch_size_per_worker,
             "data.samples_per_shard": self.data.samples_per_shard,
+            "data.max_clips_per_scene": self.data.max_clips_per_scene,
+            "data.max_clips_per_source": self.data.max_clips_per_source,
             "model.max_sequence_length": self.model.max_sequence_length,
         }
         for key, value in positive.items():
@@ -178,6 +195,11 @@ class JobConfig:
             )
         if self.optim.lr <= 0:
             raise ValueError(f"optim.lr must be > 0, got {self.optim.lr}")
+        if self.data.scene_threshold <= 0 or self.data.min_scene_s < 0:
+            raise ValueError(
+                f"data.scene_threshold must be > 0 and data.min_scene_s >= 0 seconds, got "
+                f"{self.data.scene_threshold} and {self.data.min_scene_s} (defaults: 27.0 and 0.5)"
+            )
         if self.flow.shift <= 0:
             raise ValueError(f"flow.shift must be > 0, got {self.flow.shift}")
         if self.scaling.cpus_per_worker <= 0:
@@ -197,6 +219,120 @@ class JobConfig:
 
 
 _ADAPTER = TypeAdapter(JobConfig)
+
+
+# Resume rules: every leaf key of a JobConfig is either fixed for the run or changeable on resume.
+RESUME_FIXED = "fixed"
+RESUME_CHANGEABLE = "changeable"
+RESUME_RULES: dict[str, str] = {
+    # Where the run lives and what it starts from: a run may be moved, renamed or branched.
+    "name": RESUME_CHANGEABLE,
+    "storage.path": RESUME_CHANGEABLE,
+    "checkpoint.resume_from": RESUME_CHANGEABLE,
+    # The model: the checkpoint's weights only fit the architecture, text encoder and prompt length they were
+    # trained with (a changed text encoder fails as a tensor-shape error inside the workers).
+    "model.family": RESUME_FIXED,
+    "model.preset": RESUME_FIXED,
+    "model.init": RESUME_FIXED,
+    "model.pretrained_path": RESUME_FIXED,
+    "model.text_encoder": RESUME_FIXED,
+    "model.max_sequence_length": RESUME_FIXED,
+    # The data: shard identity is checked by the index's content hash, so folder and prepare-only keys may
+    # change; buckets, fps and the batch size define the sample schedule, which must continue exactly.
+    "data.source": RESUME_CHANGEABLE,
+    "data.shards_dir": RESUME_CHANGEABLE,
+    "data.samples_per_shard": RESUME_CHANGEABLE,
+    "data.split_scenes": RESUME_CHANGEABLE,  # prepare-only (scene splitting); the shards' hash is checked
+    "data.scene_threshold": RESUME_CHANGEABLE,
+    "data.min_scene_s": RESUME_CHANGEABLE,
+    "data.max_clips_per_scene": RESUME_CHANGEABLE,
+    "data.max_clips_per_source": RESUME_CHANGEABLE,
+    "data.buckets": RESUME_FIXED,
+    "data.fps": RESUME_FIXED,
+    "data.batch_size_per_worker": RESUME_FIXED,
+    # The objective: another sigma distribution, shift or timestep scale is a different run.
+    "flow.sigma_sampling": RESUME_FIXED,
+    "flow.logit_mean": RESUME_FIXED,
+    "flow.logit_std": RESUME_FIXED,
+    "flow.shift": RESUME_FIXED,
+    "flow.num_train_timesteps": RESUME_FIXED,
+    # The optimizer's hyperparameters are re-applied to the restored AdamW state; the lr schedule is rebuilt
+    # from the new optim section at the resumed step.
+    "optim.lr": RESUME_CHANGEABLE,
+    "optim.betas": RESUME_CHANGEABLE,
+    "optim.weight_decay": RESUME_CHANGEABLE,
+    "optim.eps": RESUME_CHANGEABLE,
+    "optim.warmup_steps": RESUME_CHANGEABLE,
+    # Run length, cadences and fault tolerance.
+    "train.max_steps": RESUME_CHANGEABLE,
+    "train.grad_clip_norm": RESUME_CHANGEABLE,
+    "train.log_every_steps": RESUME_CHANGEABLE,
+    "train.max_failures": RESUME_CHANGEABLE,
+    "train.seed": RESUME_FIXED,  # the noise, sigmas and sample schedule of every step derive from it
+    "train.mixed_precision": RESUME_FIXED,  # the numerics of every step; a change is a different run
+    "checkpoint.every_steps": RESUME_CHANGEABLE,
+    "checkpoint.num_to_keep": RESUME_CHANGEABLE,
+    # Resources: the schedule is re-dealt from the resumed step for another worker count.
+    "scaling.num_workers": RESUME_CHANGEABLE,
+    "scaling.use_gpu": RESUME_CHANGEABLE,
+    "scaling.cpus_per_worker": RESUME_CHANGEABLE,
+}
+"""Resume rule of every leaf key (dotted) of `JobConfig`: `fixed` keys must equal the checkpoint's saved config
+(a change is refused on the driver), `changeable` keys take the new value. `tests/unit/test_config_resume.py`
+checks that every field is listed. Keys missing from a saved config (older vidray) compare as equal."""
+
+
+def flatten_config(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}: leaf keys of a nested config dict, dotted."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten_config(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeDiff:
+    """Keys whose value differs between a checkpoint's saved config and the job resuming from it.
+
+    fixed, changeable: {dotted key: (checkpoint value, job value)}.
+    """
+
+    fixed: dict[str, tuple[Any, Any]]
+    changeable: dict[str, tuple[Any, Any]]
+
+    def summary(self) -> str:
+        """One line, e.g. `optim.lr: 0.001 -> 1e-05, train.max_steps: 10 -> 20` (empty when nothing changed)."""
+        return ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in self.changeable.items())
+
+
+def _same(old: Any, new: Any) -> bool:
+    if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)):
+        return len(old) == len(new) and all(_same(a, b) for a, b in zip(old, new, strict=True))
+    if isinstance(old, (int, float)) and isinstance(new, (int, float)) and not isinstance(old, bool):
+        return float(old) == float(new)
+    return old == new
+
+
+def diff_for_resume(saved: dict[str, Any], job: JobConfig) -> ResumeDiff:
+    """Compare a checkpoint's saved config (`JobConfig.to_dict()` as written) with `job`, key by key.
+
+    Keys absent from `saved` (written by an older vidray) are taken as unchanged. Raises KeyError for a key of
+    `job` that `RESUME_RULES` does not classify (a bug: every field must be classified).
+    """
+    old_flat = flatten_config(saved or {})
+    new_flat = flatten_config(job.to_dict())
+    fixed: dict[str, tuple[Any, Any]] = {}
+    changeable: dict[str, tuple[Any, Any]] = {}
+    for key, new in new_flat.items():
+        rule = RESUME_RULES[key]
+        if key not in old_flat or _same(old_flat[key], new):
+            continue
+        (fixed if rule == RESUME_FIXED else changeable)[key] = (old_flat[key], new)
+    return ResumeDiff(fixed, changeable)
 
 
 def _section_fields(path: Sequence[str | int]) -> list[str] | None:
@@ -231,6 +367,29 @@ def _format_errors(err: ValidationError) -> str:
         else:
             lines.append(f"wrong value for '{key}': {e['input']!r} ({e['msg']})")
     return "; ".join(dict.fromkeys(lines))
+
+
+def check_output_path(path: str | Path, key: str) -> Path:
+    """Refuse an output folder that cannot be created or written, naming `key` (e.g. `storage.path`).
+
+    Walks up to the nearest existing ancestor: it must be a folder, and writable by this user. Returns the
+    resolved path (not created). Raises ConfigError, e.g. "storage.path /etc/hostname/runs cannot be created:
+    /etc/hostname is a file, not a folder".
+    """
+    import os
+
+    target = Path(path).expanduser().resolve()
+    probe = target
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{key} {target} cannot be created: {probe} is a file, not a folder; choose another {key}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key} {target} cannot be written: {probe} is not writable by this user; choose another "
+                          f"{key} or fix its permissions")
+    return target
 
 
 def job_config_from_dict(raw: dict[str, Any]) -> JobConfig:
@@ -276,7 +435,7 @@ def load_job_config(path: str | Path | None = None, overrides: Sequence[str] = (
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"job config {path} does not exist; the examples live in jobs/configs/")
+            raise UserFileNotFound(f"job config {path} does not exist; the examples live in jobs/configs/")
         try:
             raw = yaml.safe_load(path.read_text())
         except yaml.YAMLError as err:

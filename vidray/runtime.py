@@ -2,6 +2,7 @@
 
 - `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` keeps every Ray listener of a local cluster on 127.0.0.1.
 - `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.1` makes `ray.train.report` cost ~0.1 s instead of ~2 s.
+- `RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=60` (s) with `WORKER_GROUP_START_RETRIES`: start-up is bounded.
 - Auth: vidray keeps Ray's token auth on (the default since 2.59). A new local cluster writes
   `~/.ray/auth_token`; CLI clients (`ray start`, `ray job submit`, `ray list`) need `RAY_AUTH_MODE=token`
   exported (`CLIENT_ENV`). It is not set in-process: with it set after `import ray`, `ray.init` skips creating
@@ -17,7 +18,14 @@ import os
 RAY_ENV_DEFAULTS = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+    # Ray Train V2 waits this long (s) for a worker group to start (placement, actors, process group) before
+    # it counts one start-up failure. vidray bounds those failures with WORKER_GROUP_START_RETRIES.
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "60",
 }
+WORKER_GROUP_START_RETRIES = 2
+"""Start-up failures of a worker group (timeouts, placement failures) retried before the run fails: passed as
+`FailureConfig(controller_failure_limit=...)`. Ray Train's default is -1 (forever: a `use_gpu` job on a machine
+without GPUs would retry its 60 s timeout without end). The driver's resource check refuses such jobs first."""
 CLIENT_ENV = {**RAY_ENV_DEFAULTS, "RAY_AUTH_MODE": "token"}
 """Environment for Ray CLI subprocesses (`ray start --head`, `ray job submit`) under token auth."""
 

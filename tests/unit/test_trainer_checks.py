@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from vidray.config import load_job_config
+from vidray.config import ConfigError, load_job_config
 from vidray.data.ingest import prepare_data
 from vidray.train.checkpoint import TrainState, save_checkpoint
-from vidray.train.trainer import check_job_inputs, latest_checkpoint
+from vidray.train.trainer import (
+    RequestCannotBeMetError,
+    _stop_on_user_errors_callback,
+    build_trainer_configs,
+    check_job_inputs,
+    check_resources,
+    latest_checkpoint,
+    local_cluster_resources,
+    required_resources,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,19 +38,21 @@ def job_and_index(tmp_path_factory):
     return job, read_index(job.data.shards_dir), summary
 
 
-def fake_checkpoint(directory: Path, *, step: int, index_hash: str, world_size: int = 2) -> Path:
+def fake_checkpoint(directory: Path, *, step: int, index_hash: str, world_size: int = 2,
+                    job_config: dict | None = None) -> Path:
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     return save_checkpoint(directory, transformer_state=model.state_dict(), optimizer=optimizer,
                            lr_scheduler=scheduler, train_state=TrainState(step, 0, 0, world_size, index_hash),
-                           job_config={})
+                           job_config=job_config or {})
 
 
-def test_fresh_run_passes(job_and_index):
+def test_fresh_run_passes_and_starts_at_step_one(job_and_index):
     job, _, summary = job_and_index
     assert summary.num_kept == 6
-    check_job_inputs(job)
+    plan = check_job_inputs(job)
+    assert (plan.checkpoint, plan.step, plan.set_aside, plan.diff) == (None, 0, [], None)
 
 
 def test_missing_shards_say_run_prepare(job_and_index, tmp_path):
@@ -64,7 +76,8 @@ def test_resume_past_max_steps_and_from_other_shards_are_refused(job_and_index):
     fake_checkpoint(run_dir / "checkpoint_000004", step=4, index_hash=index["content_hash"])
     (run_dir / "checkpoint_000008").mkdir()  # an unfinished write: no manifest, never resumed from
     assert latest_checkpoint(run_dir).name == "checkpoint_000004"
-    check_job_inputs(job)  # step 4 < max_steps 10: resumes
+    plan = check_job_inputs(job)  # step 4 < max_steps 10: resumes
+    assert (plan.checkpoint.name, plan.step, plan.explicit) == ("checkpoint_000004", 4, False)
 
     fake_checkpoint(run_dir / "checkpoint_000010", step=10, index_hash=index["content_hash"])
     with pytest.raises(ValueError, match="already at step 10 >= train.max_steps 10: raise train.max_steps"):
@@ -75,3 +88,183 @@ def test_resume_past_max_steps_and_from_other_shards_are_refused(job_and_index):
     fake_checkpoint(other.run_dir / "checkpoint_000002", step=2, index_hash="sha256:elsewhere")
     with pytest.raises(ValueError, match="trained on other shards"):
         check_job_inputs(other)
+
+
+def resumable_run(job_and_index, root: Path, name: str, steps=(4, 8), **job_overrides):
+    """A run folder with good checkpoints at `steps`, each saving `job`'s config."""
+    job, index, _ = job_and_index
+    job = load_job_config(None, [f"data.shards_dir={job.data.shards_dir}", f"storage.path={root}", f"name={name}",
+                                 "train.max_steps=20"] + [f"{k}={v}" for k, v in job_overrides.items()])
+    for step in steps:
+        fake_checkpoint(job.run_dir / f"checkpoint_{step:06d}", step=step, index_hash=index["content_hash"],
+                        job_config=job.to_dict())
+    return job
+
+
+def test_damaged_latest_checkpoint_is_refused_naming_it_and_the_last_good_one(job_and_index, tmp_path):
+    from vidray.train.checkpoint import DamagedCheckpointError
+
+    job = resumable_run(job_and_index, tmp_path, "damaged", steps=(4, 8, 12))
+    part = job.run_dir / "checkpoint_000012" / "transformer.safetensors"
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])  # cut in half
+    good = (job.run_dir / "checkpoint_000008").resolve()
+    with pytest.raises(DamagedCheckpointError) as err:
+        check_job_inputs(job)
+    message = str(err.value)
+    assert "checkpoint_000012" in message and "transformer.safetensors" in message
+    assert f"checkpoint.resume_from={good}" in message
+
+    # The override the message gives works although the damaged checkpoint is newer: explicit wins, and the
+    # newer checkpoint is to be moved aside (not loaded, not overwritten, not counted by num_to_keep).
+    fixed = load_job_config(None, [f"data.shards_dir={job.data.shards_dir}", f"storage.path={tmp_path}",
+                                   "name=damaged", "train.max_steps=20", f"checkpoint.resume_from={good}"])
+    plan = check_job_inputs(fixed)
+    assert (plan.checkpoint, plan.step, plan.explicit) == (good, 8, True)
+    assert [p.name for p in plan.set_aside] == ["checkpoint_000012"]
+
+
+def test_no_good_checkpoint_left_says_start_afresh(job_and_index, tmp_path):
+    from vidray.train.checkpoint import DamagedCheckpointError
+
+    job = resumable_run(job_and_index, tmp_path, "allbad", steps=(4,))
+    (job.run_dir / "checkpoint_000004" / "config.yaml").write_text("changed: true\n")
+    with pytest.raises(DamagedCheckpointError, match=r"config.yaml is 14 bytes but \d+ were written.*no good "
+                                                     r"checkpoint before it: start afresh under a new name \(name=allbad-2\)"):
+        check_job_inputs(job)
+
+
+def test_changed_text_encoder_is_refused_on_the_driver_naming_key_and_values(job_and_index, tmp_path):
+    """Issue 5 item 10: this used to fail inside the workers with a tensor-shape error, retried max_failures times."""
+    job = resumable_run(job_and_index, tmp_path, "te", **{"model.text_encoder": "minilm"})
+    changed = load_job_config(None, [f"data.shards_dir={job.data.shards_dir}", f"storage.path={tmp_path}", "name=te",
+                                     "train.max_steps=20", "model.text_encoder=tiny_random", "flow.shift=3.0"])
+    with pytest.raises(ConfigError) as err:
+        check_job_inputs(changed)
+    message = str(err.value)
+    assert "model.text_encoder: 'minilm' -> 'tiny_random'" in message
+    assert "flow.shift: 1.0 -> 3.0" in message
+    assert "checkpoint_000008" in message
+
+
+def test_changeable_keys_are_listed_in_one_driver_line(job_and_index, tmp_path, capsys):
+    job = resumable_run(job_and_index, tmp_path, "lr", **{"optim.lr": 1e-3})
+    other_shards = tmp_path / "moved_shards"
+    shutil.copytree(job.data.shards_dir, other_shards)  # same content, another folder: changeable
+    resumed = load_job_config(None, [f"data.shards_dir={other_shards}", f"storage.path={tmp_path}", "name=lr",
+                                     "train.max_steps=30", "optim.lr=1e-5", "scaling.num_workers=1"])
+    plan = check_job_inputs(resumed)
+    assert set(plan.diff.changeable) == {"optim.lr", "train.max_steps", "scaling.num_workers", "data.shards_dir"}
+    lines = [line for line in capsys.readouterr().out.splitlines() if "changed from the checkpoint" in line]
+    assert len(lines) == 1
+    assert "optim.lr: 0.001 -> 1e-05" in lines[0] and "train.max_steps: 20 -> 30" in lines[0]
+
+
+def test_storage_path_under_a_file_is_refused_before_ray(job_and_index):
+    job, _, _ = job_and_index
+    bad = load_job_config(None, [f"data.shards_dir={job.data.shards_dir}", "storage.path=/etc/hostname/runs"])
+    with pytest.raises(ConfigError, match="storage.path /etc/hostname/runs cannot be created: /etc/hostname is a file"):
+        check_job_inputs(bad)
+
+
+def test_gpu_request_on_a_machine_without_gpus_is_refused_with_the_numbers():
+    job = load_job_config(None, ["scaling.use_gpu=true", "scaling.num_workers=2"])
+    with pytest.raises(RequestCannotBeMetError,
+                       match=r"scaling.use_gpu=true with 2 workers needs 2 GPUs; this machine has 0: "
+                             r"set scaling.use_gpu=false"):
+        check_resources(job, {"CPU": 4.0, "GPU": 0.0}, where="this machine")
+    if torch.cuda.device_count() == 0:
+        with pytest.raises(RequestCannotBeMetError, match="needs 2 GPUs"):
+            check_resources(job, local_cluster_resources())
+
+
+def test_cpu_request_beyond_the_cluster_is_refused_unless_its_autoscaler_can_add_them():
+    job = load_job_config(None, ["scaling.num_workers=4", "scaling.cpus_per_worker=2"])
+    assert required_resources(job) == {"CPU": 8.0}
+    with pytest.raises(RequestCannotBeMetError, match=r"needs 8 CPUs; the cluster has 4: lower scaling.num_workers"):
+        check_resources(job, {"CPU": 4.0})
+    check_resources(job, {"CPU": 4.0}, autoscaler_max={"CPU": 16.0})  # the autoscaler can add nodes
+    with pytest.raises(RequestCannotBeMetError, match="autoscaler can reach 6"):
+        check_resources(job, {"CPU": 4.0}, autoscaler_max={"CPU": 6.0})
+
+
+def test_changeable_run_keys_reach_ray_train_configs(tmp_path):
+    """train.max_failures, checkpoint.num_to_keep and scaling.* take the resumed job's values (they are read from
+    the job, never from the checkpoint); start-up retries are bounded."""
+    from vidray.runtime import WORKER_GROUP_START_RETRIES
+
+    job = load_job_config(None, ["train.max_failures=5", "checkpoint.num_to_keep=3", "scaling.num_workers=3",
+                                 "scaling.use_gpu=true", "scaling.cpus_per_worker=0.5", "name=cfg"])
+    scaling, run = build_trainer_configs(job, str(tmp_path))
+    assert (scaling.num_workers, scaling.use_gpu) == (3, True)
+    assert scaling.resources_per_worker == {"CPU": 0.5, "GPU": 1}
+    assert run.failure_config.max_failures == 5
+    assert run.failure_config.controller_failure_limit == WORKER_GROUP_START_RETRIES == 2
+    assert run.checkpoint_config.num_to_keep == 3
+    assert (run.name, run.storage_path) == ("cfg", str(tmp_path))
+
+
+def test_user_errors_from_workers_stop_the_run_other_errors_are_left_to_retries():
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    from vidray.train.step import NonFiniteTrainingError
+
+    callback = _stop_on_user_errors_callback()
+    diverged = NonFiniteTrainingError("training diverged: loss nan at step 7 (lr 1e+03)", 7, 1e3)
+    with pytest.raises(NonFiniteTrainingError, match="step 7"):
+        callback.after_exception(None, {0: UserExceptionWithTraceback(diverged, "tb"), 1: RuntimeError("x")})
+    callback.after_exception(None, {0: UserExceptionWithTraceback(RuntimeError("worker died"), "tb")})  # retried
+
+
+def test_non_finite_window_names_the_first_bad_step_and_its_lr():
+    from vidray.train.step import NonFiniteTrainingError, check_finite_window, non_finite_parameters
+
+    check_finite_window(5, [0.5, 0.4], [1.0, 2.0], [1e-3, 1e-3])
+    with pytest.raises(NonFiniteTrainingError, match=r"loss nan at step 6 \(lr 0.002\)") as err:
+        check_finite_window(5, [0.5, float("nan"), float("nan")], [1.0, 1.0, 1.0], [1e-3, 2e-3, 3e-3])
+    assert (err.value.step, err.value.lr) == (6, 2e-3)
+    with pytest.raises(NonFiniteTrainingError, match="gradient norm inf at step 1"):
+        check_finite_window(1, [0.5], [float("inf")], [1e-3])
+    layer = torch.nn.Linear(2, 2)
+    assert non_finite_parameters(layer) == []
+    with torch.no_grad():
+        layer.bias[0] = float("inf")
+    assert non_finite_parameters(layer) == ["bias"]
+
+
+def test_deleting_a_damaged_checkpoint_resumes_from_the_previous_one_and_resets_rays_list(job_and_index, tmp_path):
+    import json
+
+    from vidray.train.trainer import RAY_SNAPSHOT, _set_aside
+
+    job = resumable_run(job_and_index, tmp_path, "deleted", steps=(4, 8))
+    snapshot = {"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_000004"},
+                                       {"checkpoint_dir_name": "checkpoint_000008"}],
+                "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_000008"}}
+    (job.run_dir / RAY_SNAPSHOT).write_text(json.dumps(snapshot))
+    assert check_job_inputs(job).reset_ray_snapshot is False  # Ray's list agrees with the run folder
+    shutil.rmtree(job.run_dir / "checkpoint_000008")  # the user removed the damaged one
+    plan = check_job_inputs(job)
+    assert (plan.checkpoint.name, plan.step, plan.reset_ray_snapshot) == ("checkpoint_000004", 4, True)
+    _set_aside(plan, job.run_dir.resolve())
+    assert not (job.run_dir / RAY_SNAPSHOT).exists()  # Ray would refuse a list naming a missing folder
+    assert list(job.run_dir.glob(f"set_aside/*/{RAY_SNAPSHOT}"))
+    assert (job.run_dir / "checkpoint_000004" / "manifest.json").is_file()
+
+
+def test_rerunning_the_same_resume_from_continues_instead_of_rewinding(job_and_index, tmp_path):
+    job, index, _ = job_and_index
+    run = resumable_run(job_and_index, tmp_path, "again", steps=(4,))
+    start = (run.run_dir / "checkpoint_000004").resolve()
+    resumed = load_job_config(None, [f"data.shards_dir={job.data.shards_dir}", f"storage.path={tmp_path}",
+                                     "name=again", "train.max_steps=20", f"checkpoint.resume_from={start}"])
+    # A run started from checkpoint_000004 wrote checkpoint_000008 (its saved config names that start point) ...
+    fake_checkpoint(run.run_dir / "checkpoint_000008", step=8, index_hash=index["content_hash"],
+                    job_config=resumed.to_dict())
+    plan = check_job_inputs(resumed)  # ... so the same command continues at step 8, moving nothing aside
+    assert (plan.checkpoint.name, plan.step, plan.set_aside) == ("checkpoint_000008", 8, [])
+    # A newer checkpoint of another lineage (no such resume_from) is rewound past: explicit wins.
+    fake_checkpoint(run.run_dir / "checkpoint_000012", step=12, index_hash=index["content_hash"],
+                    job_config=run.to_dict())
+    plan = check_job_inputs(resumed)
+    assert (plan.checkpoint, plan.explicit) == (start, True)
+    assert [p.name for p in plan.set_aside] == ["checkpoint_000008", "checkpoint_000012"]

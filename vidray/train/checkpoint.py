@@ -1,19 +1,26 @@
-"""Training checkpoints made of named parts, complete or absent.
+"""Training checkpoints made of named parts, complete, verified, or refused.
 
 A checkpoint folder holds:
 - `transformer.safetensors`: the trained transformer's state dict (unwrapped from DDP),
 - `optimizer.pt`, `lr_scheduler.pt`: their `state_dict()`s,
 - `train_state.json`: step (1-based, the last step applied), data position, world size, index hash,
 - `config.yaml`: the resolved job config,
-- `manifest.json`: written last; lists the parts. A folder without it is an unfinished write and is refused.
+- `manifest.json`: written last; records every part's size in bytes and sha256. A folder without it is an
+  unfinished write and is refused; a part whose size or hash differs from the manifest is damaged and refused.
 
 The folder is written to a fresh temp dir and only then handed to `ray.train.report`, so a crash while writing
 never replaces the previous checkpoint (torchtitan's "only resumable when complete"; STYLE.md rule 7).
+
+Format versions: 2 (this one) records `files: {part: {size_bytes, sha256}}`. Version 1 (vidray before per-file
+hashes) recorded only the part names: such checkpoints still load, checked for presence only, with a warning
+that they cannot be verified. Any other version is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +29,13 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from vidray.errors import UserError
+
 MANIFEST = "manifest.json"
 PARTS = ("transformer.safetensors", "optimizer.pt", "lr_scheduler.pt", "train_state.json", "config.yaml")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
+_HASH_CHUNK_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -42,8 +53,33 @@ class TrainState:
     index_hash: str
 
 
-class IncompleteCheckpointError(RuntimeError):
+class CheckpointError(UserError):
+    """A checkpoint that cannot be trusted. `directory` is the folder; `part` the file at fault (or None)."""
+
+    def __init__(self, message: str, directory: str | Path | None = None, part: str | None = None):
+        super().__init__(message)
+        self.directory = None if directory is None else str(directory)
+        self.part = part
+
+    def __reduce__(self):  # survives pickling from a Ray worker to the driver
+        return (type(self), (str(self), self.directory, self.part))
+
+
+class IncompleteCheckpointError(CheckpointError):
     """A checkpoint folder lacks its manifest or one of its parts (an interrupted write)."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A part's size or sha256 differs from what the manifest recorded, or the part cannot be read."""
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in 8 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def save_checkpoint(
@@ -55,7 +91,8 @@ def save_checkpoint(
     train_state: TrainState,
     job_config: dict[str, Any],
 ) -> Path:
-    """Write every part into `directory` (created if missing), the manifest last. Returns the folder."""
+    """Write every part into `directory` (created if missing), then the manifest with each part's size and
+    sha256. Returns the folder."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in transformer_state.items()}
@@ -64,53 +101,152 @@ def save_checkpoint(
     torch.save(lr_scheduler.state_dict(), directory / "lr_scheduler.pt")
     (directory / "train_state.json").write_text(json.dumps(asdict(train_state), indent=2))
     (directory / "config.yaml").write_text(yaml.safe_dump(job_config, sort_keys=False))
-    manifest = {"format_version": FORMAT_VERSION, "parts": list(PARTS), "step": train_state.step}
+    files = {
+        part: {"size_bytes": (directory / part).stat().st_size, "sha256": file_sha256(directory / part)}
+        for part in PARTS
+    }
+    manifest = {"format_version": FORMAT_VERSION, "parts": list(PARTS), "files": files, "step": train_state.step}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return directory
 
 
-def _check_complete(directory: Path) -> None:
-    if not (directory / MANIFEST).is_file():
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    if not path.is_file():
         raise IncompleteCheckpointError(
-            f"checkpoint {directory} has no {MANIFEST}: it was not finished; use an earlier checkpoint"
+            f"checkpoint {directory} has no {MANIFEST}: it was not finished; use an earlier checkpoint",
+            directory=directory, part=MANIFEST,
         )
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise DamagedCheckpointError(
+            f"checkpoint {directory}: {MANIFEST} cannot be read ({err}); use an earlier checkpoint",
+            directory=directory, part=MANIFEST,
+        ) from None
+    if not isinstance(manifest, dict):
+        raise DamagedCheckpointError(f"checkpoint {directory}: {MANIFEST} is not a JSON object",
+                                     directory=directory, part=MANIFEST)
+    version = manifest.get("format_version")
+    if version not in READABLE_FORMAT_VERSIONS:
+        raise CheckpointError(
+            f"checkpoint {directory}: {MANIFEST} has format_version {version!r}; this vidray reads "
+            f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}: use the vidray that wrote it",
+            directory=directory, part=MANIFEST,
+        )
+    return manifest
+
+
+def verify_checkpoint(directory: str | Path, *, hashes: bool = True) -> dict[str, Any]:
+    """Check a checkpoint folder against its manifest; returns the manifest.
+
+    Every part must exist; for format 2 each part's size in bytes must match, and with `hashes` its sha256
+    (reads every byte: ~1 s per GB). Format 1 folders (no sizes or hashes) are checked for presence only and
+    warn. Raises IncompleteCheckpointError (no manifest, missing part), DamagedCheckpointError (size or sha256
+    differs: the message names the folder and the file) or CheckpointError (unknown format version).
+    """
+    directory = Path(directory)
+    manifest = _read_manifest(directory)
     missing = [p for p in PARTS if not (directory / p).is_file()]
     if missing:
-        raise IncompleteCheckpointError(f"checkpoint {directory} is missing {', '.join(missing)}")
+        raise IncompleteCheckpointError(
+            f"checkpoint {directory} is missing {', '.join(missing)}; use an earlier checkpoint",
+            directory=directory, part=missing[0],
+        )
+    if manifest["format_version"] == 1:
+        warnings.warn(
+            f"checkpoint {directory} is format 1 (no sizes or hashes): its files cannot be verified", stacklevel=2
+        )
+        return manifest
+    files = manifest.get("files", {})
+    for part in PARTS:
+        recorded = files.get(part)
+        if not recorded:
+            raise DamagedCheckpointError(f"checkpoint {directory}: {MANIFEST} records nothing for {part}",
+                                         directory=directory, part=part)
+        size = (directory / part).stat().st_size
+        if size != recorded["size_bytes"]:
+            raise DamagedCheckpointError(
+                f"checkpoint {directory}: {part} is {size} bytes but {recorded['size_bytes']} were written "
+                "(truncated or overwritten)",
+                directory=directory, part=part,
+            )
+        if hashes and file_sha256(directory / part) != recorded["sha256"]:
+            raise DamagedCheckpointError(
+                f"checkpoint {directory}: {part} does not match the sha256 recorded when it was written "
+                "(its bytes changed)",
+                directory=directory, part=part,
+            )
+    return manifest
 
 
 def read_train_state(directory: str | Path) -> TrainState:
-    """TrainState of a complete checkpoint. Raises IncompleteCheckpointError otherwise."""
+    """TrainState of a checkpoint with its manifest and parts present (sizes and hashes are not checked here:
+    `verify_checkpoint` does that). Raises IncompleteCheckpointError / DamagedCheckpointError."""
     directory = Path(directory)
-    _check_complete(directory)
-    return TrainState(**json.loads((directory / "train_state.json").read_text()))
+    _read_manifest(directory)
+    return TrainState(**_read_part(directory, "train_state.json", lambda p: json.loads(p.read_text())))
 
 
 def read_job_config(directory: str | Path) -> dict[str, Any]:
-    """The resolved job config (a plain dict) saved in a complete checkpoint."""
+    """The resolved job config (a plain dict) saved in a checkpoint with its manifest."""
     directory = Path(directory)
-    _check_complete(directory)
-    return yaml.safe_load((directory / "config.yaml").read_text())
+    _read_manifest(directory)
+    return _read_part(directory, "config.yaml", lambda p: yaml.safe_load(p.read_text())) or {}
+
+
+def _read_part(directory: Path, part: str, reader) -> Any:
+    path = directory / part
+    if not path.is_file():
+        raise IncompleteCheckpointError(f"checkpoint {directory} is missing {part}; use an earlier checkpoint",
+                                        directory=directory, part=part)
+    try:
+        return reader(path)
+    except Exception as err:  # noqa: BLE001 - any reader failure means the file is damaged: name it
+        raise DamagedCheckpointError(
+            f"checkpoint {directory}: {part} cannot be read ({type(err).__name__}: {err}); "
+            "use an earlier checkpoint",
+            directory=directory, part=part,
+        ) from err
 
 
 def load_transformer_state(directory: str | Path) -> dict[str, torch.Tensor]:
-    """The transformer state dict of a complete checkpoint, on CPU."""
+    """The transformer state dict of a verified checkpoint, on CPU (sizes and hashes checked first)."""
     directory = Path(directory)
-    _check_complete(directory)
-    return load_file(str(directory / "transformer.safetensors"))
+    verify_checkpoint(directory)
+    return _read_part(directory, "transformer.safetensors", lambda p: load_file(str(p)))
 
 
 def load_checkpoint(
-    directory: str | Path, *, transformer: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any
+    directory: str | Path,
+    *,
+    transformer: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    verify: bool = True,
 ) -> TrainState:
-    """Restore transformer, optimizer and lr scheduler in place from a complete checkpoint; return its TrainState.
+    """Restore transformer, optimizer and lr scheduler in place from a checkpoint; return its TrainState.
 
-    Raises IncompleteCheckpointError for an unfinished folder, and RuntimeError (from torch) when the
-    transformer's parameters do not match the saved ones (a different model preset).
+    The folder is verified against its manifest first (`verify=False` skips the hashes, e.g. when the driver
+    has just verified it). Raises IncompleteCheckpointError / DamagedCheckpointError naming the folder and
+    file, and CheckpointError when the saved transformer does not fit `transformer` (another model config).
     """
     directory = Path(directory)
+    verify_checkpoint(directory, hashes=verify)
     train_state = read_train_state(directory)
-    transformer.load_state_dict(load_transformer_state(directory))
-    optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True))
-    lr_scheduler.load_state_dict(torch.load(directory / "lr_scheduler.pt", weights_only=True))
+    state = _read_part(directory, "transformer.safetensors", lambda p: load_file(str(p)))
+    try:
+        transformer.load_state_dict(state)
+    except RuntimeError as err:
+        raise CheckpointError(
+            f"checkpoint {directory}: transformer.safetensors does not fit this model ({' '.join(str(err).split())[:300]}); "
+            "model.* must match the config the checkpoint was trained with",
+            directory=directory, part="transformer.safetensors",
+        ) from err
+    optimizer.load_state_dict(
+        _read_part(directory, "optimizer.pt", lambda p: torch.load(p, map_location="cpu", weights_only=True))
+    )
+    lr_scheduler.load_state_dict(
+        _read_part(directory, "lr_scheduler.pt", lambda p: torch.load(p, weights_only=True))
+    )
     return train_state

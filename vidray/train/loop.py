@@ -1,9 +1,15 @@
 """`train_loop_per_worker`: what every Ray Train worker runs.
 
 Steps: 1. build the model family's components; 2. load the shards and encode latents and prompt_embeds once
-with the frozen VAE and text encoder; 3. optimizer and lr schedule; 4. restore the latest checkpoint, if any;
-5. wrap the transformer in DDP; 6. run the schedule from the next step, reporting loss and step time every
-`train.log_every_steps` and a checkpoint every `checkpoint.every_steps`; 7. rank 0 saves the diffusers pipeline.
+with the frozen VAE and text encoder; 3. optimizer and lr schedule; 4. restore the checkpoint the driver chose
+(or this fit's own latest after a restart), then re-apply this job's `optim` section to it; 5. wrap the
+transformer in DDP; 6. run the schedule from the next step, reporting loss, gradient norm and step time every
+`train.log_every_steps` and a checkpoint every `checkpoint.every_steps`; a NaN/Inf loss, gradient norm or weight
+stops the run (checked at each report and before each checkpoint, with no extra host sync per step);
+7. rank 0 saves the diffusers pipeline.
+
+Errors that a retry cannot fix are raised as `vidray.errors.UserError`s: the driver's callback
+(`vidray.train.trainer`) ends the run at the first one instead of letting Ray Train retry it.
 """
 
 from __future__ import annotations
@@ -23,15 +29,22 @@ import torch.distributed as dist
 
 from vidray.config import JobConfig, job_config_from_dict
 from vidray.data.buckets import Bucket
+from vidray.errors import UserError
 from vidray.generate import write_job_file
 from vidray.data.shards import load_samples, read_index
 from vidray.models.registry import get_family
 from vidray.models.text_encoder import encode_prompts
 from vidray.models.vae import encode_video, frames_to_video
 from vidray.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from vidray.train.optim import build_lr_scheduler, build_optimizer
+from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
 from vidray.train.schedule import SampleSchedule
-from vidray.train.step import flow_matching_step_loss, step_generator
+from vidray.train.step import (
+    NonFiniteTrainingError,
+    check_finite_window,
+    flow_matching_step_loss,
+    non_finite_parameters,
+    step_generator,
+)
 
 
 def _log(rank: int, message: str) -> None:
@@ -69,15 +82,23 @@ def encode_dataset(components, job: JobConfig, samples, device: torch.device):
 
 
 def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_scheduler, rank: int) -> TrainState | None:
+    """Load the checkpoint this attempt starts from (precedence: `vidray.train.trainer` module docstring).
+
+    Ray Train's `get_checkpoint()` wins only for a checkpoint written during this `fit()` (a restart after a
+    worker failure); otherwise the driver's verified choice `loop_config["resume_from"]` is loaded.
+    """
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
+    existing = set(loop_config.get("existing_checkpoints") or [])
+    if checkpoint is not None and Path(checkpoint.path).name not in existing:
         with checkpoint.as_directory() as directory:
             state = load_checkpoint(directory, transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler)
-        _log(rank, f"resumed from the run's latest checkpoint at step {state.step}")
+        _log(rank, f"restarted from this run's checkpoint {Path(checkpoint.path).name} at step {state.step}")
         return state
     if loop_config.get("resume_from"):
+        # The driver has just verified sizes and hashes: check sizes only here.
         state = load_checkpoint(
-            loop_config["resume_from"], transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler
+            loop_config["resume_from"], transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler,
+            verify=False,
         )
         _log(rank, f"started from checkpoint {loop_config['resume_from']} at step {state.step}")
         return state
@@ -89,7 +110,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     "shards_dir": absolute path, "resume_from": checkpoint folder or None}.
 
     Returns (rank 0's is kept in `Result.return_value`): {"losses": [[step, loss], ...] for every step this run
-    trained, "first_step", "last_step", "steps_per_s", "diffusers_dir"}.
+    trained, "first_step", "last_step", "steps_per_s", "diffusers_dir", "reported_steps": steps at which metrics
+    were reported (every `train.log_every_steps`, every checkpoint, and the last step)}.
     """
     job = job_config_from_dict(loop_config["job"])
     context = ray.train.get_context()
@@ -134,9 +156,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     # 4. Resume.
     state = _resume_state(loop_config, transformer, optimizer, lr_scheduler, rank)
     start_step = 1 if state is None else state.step + 1
+    if state is not None:
+        # This job's optim section wins over the restored one (lr, betas, weight decay, eps, warmup schedule).
+        lr_scheduler = apply_optim_config(optimizer, job.optim, step=state.step)
     index_hash = index.get("content_hash", "")
     if state is not None and state.index_hash and state.index_hash != index_hash:
-        raise ValueError(
+        raise UserError(  # deterministic: never retried (see vidray.train.trainer)
             f"checkpoint was trained on shard index {state.index_hash} but {shards_dir} has {index_hash}: "
             "the data changed; use a new run name or the original shards"
         )
@@ -150,7 +175,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     _log(rank, f"training steps {start_step}..{max_steps} ({schedule.steps_per_epoch} steps/epoch, "
          f"{world_size} workers x batch {job.data.batch_size_per_worker})")
     step_losses: list[torch.Tensor] = []
+    step_grad_norms: list[torch.Tensor] = []  # (,) global L2 norm before clipping; 0 when clipping is off
+    step_lrs: list[float] = []
     history: list[list[float]] = []
+    reported_steps: list[int] = []
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
     for step in range(start_step, max_steps + 1):
@@ -169,24 +197,42 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if job.train.grad_clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), job.train.grad_clip_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), job.train.grad_clip_norm)
+        else:
+            grad_norm = torch.zeros((), device=loss.device)
+        step_lrs.append(lr_scheduler.get_last_lr()[0])  # the lr this step uses (a host float: no sync)
         optimizer.step()
         lr_scheduler.step()
         step_losses.append(loss.detach())
+        step_grad_norms.append(grad_norm.detach().float())
         window_steps += 1
 
         is_log = step % job.train.log_every_steps == 0 or step == max_steps
         is_checkpoint = step % job.checkpoint.every_steps == 0 or step == max_steps
         if not (is_log or is_checkpoint):
             continue
-        # Host sync only here: mean loss over ranks for each step of the window.
-        window = torch.stack(step_losses)
+        # Host sync only here: mean loss and gradient norm over ranks for each step of the window. A NaN/Inf on
+        # any rank reaches every rank through the mean, so all ranks stop at the same step, before any
+        # checkpoint of a diverged model is written (and good ones rotated away).
+        window = torch.stack([torch.stack(step_losses), torch.stack(step_grad_norms)])  # (2, steps)
         if world_size > 1:
             dist.all_reduce(window, op=dist.ReduceOp.AVG)
-        window_losses = window.tolist()
+        window_losses, window_grad_norms = window.tolist()
         first_window_step = step - len(window_losses) + 1
+        check_finite_window(first_window_step, window_losses, window_grad_norms, step_lrs)
+        if is_checkpoint:
+            bad = non_finite_parameters(transformer)
+            if bad:
+                raise NonFiniteTrainingError(
+                    f"training diverged: {len(bad)} weight tensor(s) hold NaN/Inf at step {step} (e.g. {bad[0]}; "
+                    f"lr {step_lrs[-1]:.3g}); no checkpoint was written. Lower optim.lr or set "
+                    "train.grad_clip_norm, then resume from the last checkpoint",
+                    step, step_lrs[-1],
+                )
         history.extend([first_window_step + i, v] for i, v in enumerate(window_losses))
         step_losses.clear()
+        step_grad_norms.clear()
+        step_lrs.clear()
         step_time_s = (time.perf_counter() - window_start) / window_steps
         position = schedule.position(step)
         metrics = {
@@ -195,9 +241,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             "loss": float(np.mean(window_losses)),
             "step_time_s": step_time_s,
             "lr": lr_scheduler.get_last_lr()[0],
+            "grad_norm": float(np.mean(window_grad_norms)),
         }
         _log(rank, f"step {step}/{max_steps} loss {metrics['loss']:.4f} step_time {step_time_s:.3f} s "
              f"lr {metrics['lr']:.2e}")
+        reported_steps.append(step)
         if is_checkpoint:
             with tempfile.TemporaryDirectory(prefix="vidray-ckpt-") as tmp:
                 checkpoint = None
@@ -231,4 +279,5 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         "last_step": max_steps,
         "steps_per_s": steps_per_s,
         "diffusers_dir": diffusers_dir,
+        "reported_steps": reported_steps,
     }

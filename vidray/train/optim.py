@@ -24,3 +24,20 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig) -> 
     """Linear warmup from 0 to `optim.lr` over `optim.warmup_steps` steps, then constant
     (diffusers.optimization.get_constant_schedule_with_warmup)."""
     return get_constant_schedule_with_warmup(optimizer, num_warmup_steps=optim.warmup_steps)
+
+
+def apply_optim_config(
+    optimizer: torch.optim.Optimizer, optim: OptimConfig, *, step: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """After restoring `optimizer` from a checkpoint at `step` (the last step applied), make `optim` (the resumed
+    job's section) take effect: lr, betas, weight_decay and eps are set on every param group (Adam's moment
+    estimates are kept), and the lr schedule is rebuilt from `optim` as if it had run `step` steps. Returns the
+    new scheduler, replacing the restored one (whose base lr would silently win otherwise).
+    """
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the last step applied), got {step}")
+    for group in optimizer.param_groups:
+        group.update(lr=optim.lr, initial_lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                     eps=optim.eps)
+    # LambdaLR's constructor takes one step: last_epoch=step-1 leaves it at `step`, like an uninterrupted run.
+    return get_constant_schedule_with_warmup(optimizer, num_warmup_steps=optim.warmup_steps, last_epoch=step - 1)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import torch
 
 from vidray.config import FlowConfig
@@ -12,6 +15,7 @@ from vidray.diffusion.flow_matching import (
     timesteps_from_sigmas,
     velocity_target,
 )
+from vidray.errors import UserError
 
 
 def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
@@ -46,3 +50,50 @@ def flow_matching_step_loss(
     timesteps = timesteps_from_sigmas(sigmas, flow.num_train_timesteps)
     model_pred = family.predict(transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask)
     return flow_matching_loss(model_pred, velocity_target(latents, noise))
+
+
+class NonFiniteTrainingError(UserError):
+    """The loss, gradient norm or weights became NaN or Inf at `step` (with learning rate `lr`).
+
+    Deterministic: the same step fails again after a restart, so vidray never lets Ray Train retry it and never
+    writes a checkpoint after it (good checkpoints are not rotated away by `checkpoint.num_to_keep`).
+    """
+
+    def __init__(self, message: str, step: int | None = None, lr: float | None = None):
+        super().__init__(message)
+        self.step, self.lr = step, lr
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.step, self.lr))
+
+
+def check_finite_window(
+    first_step: int, losses: Sequence[float], grad_norms: Sequence[float], lrs: Sequence[float]
+) -> None:
+    """Raise NonFiniteTrainingError naming the first step of a window whose loss or gradient norm is NaN/Inf.
+
+    Args:
+        first_step: the step of `losses[0]` (1-based).
+        losses: per-step losses (mean over ranks), host floats.
+        grad_norms: per-step global gradient L2 norms before clipping (0.0 where not measured).
+        lrs: per-step learning rates the optimizer used.
+    """
+    for i, (loss, grad_norm, lr) in enumerate(zip(losses, grad_norms, lrs, strict=True)):
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            step = first_step + i
+            what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
+            raise NonFiniteTrainingError(
+                f"training diverged: {what} at step {step} (lr {lr:.3g}); no checkpoint was written after it. "
+                "Lower optim.lr, raise optim.warmup_steps or set train.grad_clip_norm, then resume from the "
+                "last checkpoint",
+                step, lr,
+            )
+
+
+def non_finite_parameters(module: torch.nn.Module) -> list[str]:
+    """Names of parameters holding a NaN or Inf (one host sync for the whole module; call at checkpoint time)."""
+    named = list(module.named_parameters())
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).cpu().tolist()
+    return [name for (name, _), ok in zip(named, finite, strict=True) if not ok]

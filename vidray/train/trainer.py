@@ -1,12 +1,41 @@
-"""Driver side of training: check the job, then build and run the Ray Train `TorchTrainer`."""
+"""Driver side of training: check the job, then build and run the Ray Train `TorchTrainer`.
+
+Everything a retry cannot fix is refused here, on the driver, before Ray reserves anything: shards that do not
+match the config, a damaged checkpoint, a resume that changes a key fixed for the run (`vidray.config.RESUME_RULES`),
+resources the cluster does not have, an output folder that cannot be written.
+
+Which checkpoint a run starts from (the precedence, decided here and passed to the workers):
+1. `checkpoint.resume_from`, when set, wins over the run's own checkpoints. Checkpoints of the run folder newer
+   than it (e.g. a damaged latest one) are moved to `<run>/set_aside/<time>/` with Ray Train's checkpoint list,
+   so that they are neither loaded, nor overwritten, nor counted by `checkpoint.num_to_keep`. Exception: when the
+   run's latest checkpoint is good and was itself trained from that same `resume_from` (the same command run
+   again), the run continues from its latest checkpoint instead of rewinding.
+2. Otherwise the run's latest complete checkpoint (`checkpoint_<step>` with its manifest), verified against its
+   manifest; a damaged one is refused, naming the last good checkpoint and the override that resumes from it.
+   (A damaged checkpoint the user deleted instead is simply gone: the newest remaining one is the latest.)
+3. Otherwise the run starts at step 1.
+Ray Train's own checkpoint list (`checkpoint_manager_snapshot.json`) is moved aside with them whenever it names a
+folder that is gone or another latest checkpoint: Ray would otherwise refuse the run folder, or rotate away the
+wrong checkpoints.
+Inside the workers, Ray Train's `get_checkpoint()` is used only for checkpoints written during this `fit()`
+(after a worker failure); a checkpoint that existed before is loaded only when it is the one chosen above.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vidray.config import JobConfig
+from vidray.config import ConfigError, JobConfig, ResumeDiff, check_output_path, diff_for_resume
+from vidray.errors import UserError, UserFileNotFound
+
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+"""Ray Train V2's list of a run's reported checkpoints, in the run folder."""
 
 
 @dataclass
@@ -16,7 +45,8 @@ class TrainResult:
     run_dir: `<storage.path>/<name>`. checkpoint_path: the latest complete checkpoint folder.
     diffusers_dir: the trained pipeline in diffusers format. losses: [step, loss] for each step trained by this
     run (mean over ranks). first_step, last_step: the steps this run trained. steps_per_s: optimizer steps per
-    second of wall time inside the loop (after data encoding).
+    second of wall time inside the loop (after data encoding). metrics: the last reported metrics with a
+    checkpoint (step, epoch, loss, step_time_s, lr, grad_norm). reported_steps: steps at which metrics were reported.
     """
 
     run_dir: Path
@@ -27,117 +57,429 @@ class TrainResult:
     last_step: int
     steps_per_s: float
     metrics: dict[str, Any] | None
+    reported_steps: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ResumePlan:
+    """Where a run starts, as decided on the driver by `check_job_inputs`.
+
+    checkpoint: the verified checkpoint folder to load, or None (start at step 1). step: its step (0 if none).
+    explicit: it came from `checkpoint.resume_from`. set_aside: checkpoints of the run folder newer than it, to
+    move aside before Ray starts. reset_ray_snapshot: move Ray Train's checkpoint list aside too (the run no
+    longer continues from its own latest checkpoint). diff: config changes from the checkpoint's saved config.
+    existing: names of the checkpoint folders in the run folder before this run started.
+    """
+
+    checkpoint: Path | None = None
+    step: int = 0
+    explicit: bool = False
+    set_aside: list[Path] = field(default_factory=list)
+    reset_ray_snapshot: bool = False
+    diff: ResumeDiff | None = None
+    existing: list[str] = field(default_factory=list)
+
+
+class RequestCannotBeMetError(UserError):
+    """The job asks for resources (GPUs, CPUs, memory) that the cluster neither has nor can add."""
+
+
+class NonRetryableTrainingError(UserError):
+    """A worker raised a vidray user error (deterministic: a retry would fail the same way)."""
 
 
 def _absolute(path: str) -> str:
     return path if "://" in path else str(Path(path).expanduser().resolve())
 
 
+def _checkpoint_step(path: Path) -> int:
+    return int(path.name.split("_", 1)[1])
+
+
+def run_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Every `checkpoint_<step>` folder of a local run, complete or not, oldest first."""
+    return sorted(Path(run_dir).glob("checkpoint_[0-9]*"), key=_checkpoint_step)
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint folder (`checkpoint_<step>` with its manifest) of a local run, or None."""
     from vidray.train.checkpoint import MANIFEST
 
-    run_dir = Path(run_dir)
-    done = sorted(p for p in run_dir.glob("checkpoint_[0-9]*") if (p / MANIFEST).is_file())
+    done = [p for p in run_checkpoints(run_dir) if (p / MANIFEST).is_file()]
     return done[-1] if done else None
 
 
-def check_job_inputs(job: JobConfig) -> None:
-    """Driver-side checks before any Ray resource is reserved.
+def _last_good_checkpoint(run_dir: Path, below: Path) -> Path | None:
+    from vidray.train.checkpoint import CheckpointError, MANIFEST, verify_checkpoint
 
-    Raises FileNotFoundError when the shards have no index (run `vidray prepare`), or `checkpoint.resume_from`
-    is not a complete checkpoint; ValueError when the shards hold no samples or a bucket that is not in
-    `data.buckets`, when the checkpoint to resume from was trained on other shards, or when it already reached
-    `train.max_steps`. Prints a warning when a resumed run changes `scaling.num_workers` (the schedule is then
-    re-dealt from the checkpoint's step on).
+    older = [p for p in run_checkpoints(run_dir)
+             if (p / MANIFEST).is_file() and _checkpoint_step(p) < _checkpoint_step(below)]
+    for candidate in reversed(older):
+        try:
+            verify_checkpoint(candidate)
+            return candidate
+        except CheckpointError:
+            continue
+    return None
+
+
+def _ray_snapshot_disagrees(run_dir: Path, chosen: Path | None) -> bool:
+    """True when Ray Train's checkpoint list of the run names a folder that is gone (e.g. a damaged checkpoint the
+    user deleted: Ray would refuse the whole run folder) or a latest checkpoint other than `chosen`."""
+    import json
+
+    path = run_dir / RAY_SNAPSHOT
+    if not path.is_file():
+        return False
+    try:
+        snapshot = json.loads(path.read_text())
+        listed = [r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results", [])]
+        latest = (snapshot.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return True  # unreadable: Ray could not use it either
+    if any(not (run_dir / name).is_dir() for name in listed):
+        return True
+    return latest is not None and (chosen is None or latest != chosen.name)
+
+
+def _started_from(checkpoint: Path, start: Path) -> bool:
+    """True when `checkpoint` was written by a run whose `checkpoint.resume_from` was `start`."""
+    from vidray.train.checkpoint import CheckpointError, read_job_config
+
+    try:
+        saved = (read_job_config(checkpoint).get("checkpoint") or {}).get("resume_from")
+    except (CheckpointError, AttributeError):
+        return False
+    return bool(saved) and Path(saved).expanduser().resolve() == start
+
+
+def plan_resume(job: JobConfig) -> ResumePlan:
+    """Decide and verify the checkpoint `job` starts from (the precedence in the module docstring).
+
+    Raises UserFileNotFound when `checkpoint.resume_from` is not a folder, and CheckpointError subclasses
+    (naming the folder and the file) when the chosen checkpoint is incomplete or damaged; a damaged latest
+    checkpoint's message names the last good one and the `checkpoint.resume_from=` override that resumes from it.
+    """
+    from vidray.train.checkpoint import CheckpointError, read_train_state, verify_checkpoint
+
+    local = "://" not in job.storage.path
+    run_dir = job.run_dir.expanduser().resolve() if local else None
+    existing = run_checkpoints(run_dir) if run_dir else []
+    plan = ResumePlan(existing=[p.name for p in existing])
+    latest = latest_checkpoint(run_dir) if run_dir else None
+    if job.checkpoint.resume_from:
+        chosen = Path(job.checkpoint.resume_from).expanduser().resolve()
+        if run_dir and latest is not None and latest != chosen and _started_from(latest, chosen):
+            try:
+                verify_checkpoint(latest)
+            except CheckpointError:
+                pass  # damaged: rewind to `chosen` below
+            else:  # the same command re-run: continue, do not rewind what was trained since
+                print(f"[vidray] {latest} was trained from checkpoint.resume_from={chosen}: continuing from it",
+                      flush=True)
+                plan.checkpoint, plan.step = latest, read_train_state(latest).step
+                plan.reset_ray_snapshot = _ray_snapshot_disagrees(run_dir, latest)
+                return plan
+        if not chosen.is_dir():
+            raise UserFileNotFound(f"checkpoint.resume_from {chosen} is not a folder: give a checkpoint_<step> folder")
+        verify_checkpoint(chosen)
+        plan.checkpoint, plan.explicit = chosen, True
+        plan.step = read_train_state(chosen).step
+        if run_dir and chosen != latest:
+            plan.set_aside = [p for p in existing if p != chosen and _checkpoint_step(p) > plan.step]
+            plan.reset_ray_snapshot = (run_dir / RAY_SNAPSHOT).is_file()
+        elif run_dir:
+            plan.reset_ray_snapshot = _ray_snapshot_disagrees(run_dir, chosen)
+        return plan
+    if latest is None:
+        plan.reset_ray_snapshot = bool(run_dir) and _ray_snapshot_disagrees(run_dir, None)
+        return plan
+    try:
+        verify_checkpoint(latest)
+    except CheckpointError as err:
+        good = _last_good_checkpoint(run_dir, latest)
+        if good is None:
+            raise type(err)(
+                f"{err}. The run {run_dir} has no good checkpoint before it: start afresh under a new name "
+                f"(name={job.name}-2)", err.directory, err.part,
+            ) from None
+        raise type(err)(
+            f"{err}. The last good checkpoint is {good}: resume from it with checkpoint.resume_from={good} "
+            f"(newer checkpoints of the run are then moved to {run_dir / 'set_aside'})", err.directory, err.part,
+        ) from None
+    plan.checkpoint, plan.step = latest, read_train_state(latest).step
+    plan.reset_ray_snapshot = _ray_snapshot_disagrees(run_dir, latest)
+    return plan
+
+
+def check_job_inputs(job: JobConfig) -> ResumePlan:
+    """Driver-side checks before any Ray resource is reserved; returns where the run starts.
+
+    Raises UserFileNotFound when the shards have no index (run `vidray prepare`) or `checkpoint.resume_from`
+    is not a folder; UserError when the shards hold no samples, a bucket that is not in `data.buckets` or
+    another fps; CheckpointError when the checkpoint to start from is incomplete or damaged; ConfigError when
+    `storage.path` cannot be written, or when resuming changes a key fixed for the run (naming each key and both values),
+    trains on other shards, or is already at `train.max_steps`. Prints one line listing the changeable keys that
+    differ from the checkpoint, and a warning when `scaling.num_workers` changed (the schedule is re-dealt).
     """
     from vidray.data.buckets import parse_bucket
-    from vidray.data.shards import read_index
-    from vidray.train.checkpoint import read_train_state
+    from vidray.data.shards import read_index, report_path
+    from vidray.train.checkpoint import read_job_config, read_train_state
 
+    if "://" not in job.storage.path:
+        check_output_path(job.storage.path, "storage.path")
     index = read_index(job.data.shards_dir)
     if index["num_samples"] == 0:
-        raise ValueError(
-            f"{job.data.shards_dir} holds no samples: every clip was skipped (see its report.json); "
+        raise UserError(
+            f"{job.data.shards_dir} holds no samples: every clip was skipped (see {report_path(job.data.shards_dir)}); "
             "fix the inputs or the buckets and re-run `vidray prepare`"
         )
     configured = set(job.data.buckets)
     prepared = {parse_bucket(key) for key in index.get("bucket_counts", {})}
     unknown = prepared - configured
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"shards in {job.data.shards_dir} hold buckets {sorted(unknown)} that are not in data.buckets "
             f"{sorted(configured)}: re-run `vidray prepare` with this config or add the buckets"
         )
     if abs(float(index.get("fps", job.data.fps)) - job.data.fps) > 1e-6:
-        raise ValueError(
+        raise UserError(
             f"shards in {job.data.shards_dir} were prepared at {index['fps']} fps but data.fps is {job.data.fps}: "
             "re-run `vidray prepare` with this config or set data.fps to match"
         )
-    resume = None if "://" in job.storage.path else latest_checkpoint(job.run_dir)
-    if resume is None and job.checkpoint.resume_from:
-        resume = Path(job.checkpoint.resume_from)
-        if not resume.is_dir():
-            raise FileNotFoundError(f"checkpoint.resume_from {resume} is not a folder")
-    if resume is None:
-        return
+    plan = plan_resume(job)
+    if plan.checkpoint is None:
+        return plan
+    resume = plan.checkpoint
+    plan.diff = diff = diff_for_resume(read_job_config(resume), job)
+    if diff.fixed:
+        changes = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in diff.fixed.items())
+        raise ConfigError(
+            f"resuming from {resume} changes keys fixed for the run: {changes}. Set them back to the checkpoint's "
+            f"values, or start a new run under another name (the README lists what may change on resume)"
+        )
     state = read_train_state(resume)
     if state.step >= job.train.max_steps:
-        raise ValueError(
+        raise ConfigError(
             f"{resume} is already at step {state.step} >= train.max_steps {job.train.max_steps}: raise "
             f"train.max_steps to continue the run, or choose a new name to start afresh"
         )
     if state.index_hash and state.index_hash != index.get("content_hash"):
-        raise ValueError(
+        raise ConfigError(
             f"{resume} was trained on other shards (index {state.index_hash}) than {job.data.shards_dir} "
             f"({index.get('content_hash')}): use the original shards, or a new name to start afresh"
         )
+    source = "checkpoint.resume_from" if plan.explicit else "the run's latest checkpoint"
+    print(f"[vidray] resuming from {resume} ({source}) at step {state.step}; changed from the checkpoint: "
+          f"{diff.summary() or 'nothing'}", flush=True)
     if state.world_size != job.scaling.num_workers:
         print(f"[vidray] warning: {resume} was trained with {state.world_size} workers, this run has "
-              f"{job.scaling.num_workers}: the sample schedule is re-dealt from step {state.step + 1} on")
+              f"{job.scaling.num_workers}: the sample schedule is re-dealt from step {state.step + 1} on", flush=True)
+    return plan
+
+
+def required_resources(job: JobConfig) -> dict[str, float]:
+    """Logical resources the worker group reserves: CPU = num_workers * cpus_per_worker, GPU = num_workers when
+    use_gpu. Ray Train's controller actor reserves 0 CPUs, so it adds nothing."""
+    need = {"CPU": job.scaling.num_workers * job.scaling.cpus_per_worker}
+    if job.scaling.use_gpu:
+        need["GPU"] = float(job.scaling.num_workers)
+    return need
+
+
+def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max: dict[str, float] | None = None,
+                    where: str = "the cluster") -> None:
+    """Refuse a job whose worker group cannot be placed: raises RequestCannotBeMetError with the numbers.
+
+    `cluster`: total logical resources now (`ray.cluster_resources()`); `autoscaler_max`: what the autoscaler's
+    node types could add up to, or None for a fixed cluster. Each worker needs its CPUs (and GPU) on one node;
+    this checks totals, which is necessary, not sufficient.
+    """
+    problems = []
+    for resource, need in required_resources(job).items():
+        have = float(cluster.get(resource, 0))
+        could = max(have, float((autoscaler_max or {}).get(resource, 0)))
+        if need > could + 1e-9:
+            if resource == "GPU":
+                fix = "set scaling.use_gpu=false, or run on a cluster with GPUs (RAY_ADDRESS)"
+            else:
+                fitting = max(have / job.scaling.num_workers, 0.1)
+                fix = f"lower scaling.num_workers or scaling.cpus_per_worker (e.g. scaling.cpus_per_worker={fitting:.2g})"
+            extra = f" (its autoscaler can reach {could:g})" if autoscaler_max else ""
+            if resource == "GPU":
+                what = f"scaling.use_gpu=true with {job.scaling.num_workers} workers"
+            else:
+                what = (f"scaling.num_workers={job.scaling.num_workers} x "
+                        f"scaling.cpus_per_worker={job.scaling.cpus_per_worker:g}")
+            problems.append(f"{what} needs {need:g} {resource}s; {where} has {have:g}{extra}: {fix}")
+    if problems:
+        raise RequestCannotBeMetError("; ".join(problems))
+
+
+def local_cluster_resources() -> dict[str, float]:
+    """What `vidray.runtime.init_ray` gives a new local cluster: max(4, cpu count) logical CPUs, and the GPUs
+    torch sees."""
+    import torch
+
+    return {"CPU": float(max(4, os.cpu_count() or 1)), "GPU": float(torch.cuda.device_count())}
+
+
+def _autoscaler_max_resources() -> dict[str, float] | None:
+    try:
+        from ray._private.state import state
+
+        found = state.get_max_resources_from_cluster_config()
+    except Exception:  # noqa: BLE001 - private API; no autoscaler info means a fixed cluster
+        return None
+    return {k: float(v) for k, v in found.items()} if found else None
+
+
+def _set_aside(plan: ResumePlan, run_dir: Path) -> None:
+    if not (plan.set_aside or plan.reset_ray_snapshot):
+        return
+    target = run_dir / "set_aside" / time.strftime("%Y%m%d-%H%M%S")
+    target.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for path in plan.set_aside:
+        shutil.move(str(path), str(target / path.name))
+        moved.append(path.name)
+    if plan.reset_ray_snapshot and (run_dir / RAY_SNAPSHOT).is_file():
+        shutil.move(str(run_dir / RAY_SNAPSHOT), str(target / RAY_SNAPSHOT))
+        moved.append(RAY_SNAPSHOT)
+    start = f"starting from {plan.checkpoint}" if plan.checkpoint else "starting at step 1"
+    print(f"[vidray] {start}: moved {', '.join(moved)} to {target} (kept, not loaded)", flush=True)
+
+
+def _stop_on_user_errors_callback():
+    """A Ray Train callback (runs on the controller) that ends the run at the first worker `UserError`.
+
+    Ray Train 2.60 retries every worker error up to `FailureConfig(max_failures)`; an exception raised by a
+    callback is a controller error, which its failure policy does not retry. The driver unwraps it again.
+    """
+    from ray.train import UserCallback
+
+    class StopOnUserError(UserCallback):
+        def after_exception(self, run_context, worker_exceptions):
+            for exc in worker_exceptions.values():
+                base = getattr(exc, "_base_exc", exc)
+                if isinstance(base, UserError):
+                    raise base
+
+    return StopOnUserError()
+
+
+def _torch_trainer_class():
+    """`TorchTrainer` whose Ctrl-C stops the run at once.
+
+    Ray Train 2.60's SIGINT handler blocks on `controller.abort`, which waits for a worker group that is still
+    starting (up to `RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`, then the next start-up try). This one asks the
+    controller to abort without waiting and raises KeyboardInterrupt in the driver: a local cluster then ends
+    with the driver, and on a remote cluster the driver's actors (controller, workers) end with it.
+    """
+    import signal
+
+    import ray
+    from ray.train.torch import TorchTrainer
+
+    class VidrayTorchTrainer(TorchTrainer):
+        def _register_sigint_handler(self, controller):
+            def on_sigint(signum, frame):
+                try:
+                    controller.abort.remote()
+                except Exception:  # noqa: BLE001 - the controller may already be gone
+                    pass
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt
+
+            if ray.__version__.startswith("2.60"):  # a private hook: other Ray versions keep their own handler
+                signal.signal(signal.SIGINT, on_sigint)
+            else:
+                super()._register_sigint_handler(controller)
+
+    return VidrayTorchTrainer
+
+
+def build_trainer_configs(job: JobConfig, storage_path: str) -> tuple[Any, Any]:
+    """(ray.train.ScalingConfig, ray.train.RunConfig) for `job`: workers and their resources, run name and
+    storage, checkpoints kept, worker restarts (`train.max_failures`) and bounded worker-group start-up retries
+    (`vidray.runtime.WORKER_GROUP_START_RETRIES`)."""
+    import ray.train
+
+    from vidray.runtime import WORKER_GROUP_START_RETRIES
+
+    resources = {"CPU": job.scaling.cpus_per_worker}
+    if job.scaling.use_gpu:
+        resources["GPU"] = 1
+    scaling = ray.train.ScalingConfig(
+        num_workers=job.scaling.num_workers, use_gpu=job.scaling.use_gpu, resources_per_worker=resources
+    )
+    run = ray.train.RunConfig(
+        name=job.name,
+        storage_path=storage_path,
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.checkpoint.num_to_keep),
+        failure_config=ray.train.FailureConfig(
+            max_failures=job.train.max_failures, controller_failure_limit=WORKER_GROUP_START_RETRIES
+        ),
+        callbacks=[_stop_on_user_errors_callback()],
+    )
+    return scaling, run
 
 
 def run_training(job: JobConfig) -> TrainResult:
     """Train `job` with Ray Train: starts a local Ray (or joins `RAY_ADDRESS`) if Ray is not initialized.
 
-    A run whose `<storage.path>/<name>` already holds checkpoints resumes from the latest one.
-    Raises the errors of `check_job_inputs` before Ray starts, and ray.train.TrainingFailedError when the
-    worker group fails more than `train.max_failures` times.
+    A run whose `<storage.path>/<name>` already holds checkpoints resumes from the latest one, unless
+    `checkpoint.resume_from` names another (see the module docstring). Raises the errors of `check_job_inputs`
+    and RequestCannotBeMetError before Ray reserves anything; a vidray UserError raised in a worker (a diverged
+    loss, a damaged checkpoint) is raised as is, without Ray Train retries; ray.train.TrainingFailedError when
+    the worker group fails more than `train.max_failures` times.
     """
-    check_job_inputs(job)
+    # 1. Checks that need no Ray: config against shards and checkpoint, output folder, local resources.
+    plan = check_job_inputs(job)
+    from vidray.models.text_encoder import shards_caption_truncation  # caption column + tokenizer only: ~1 s
 
+    print(f"[vidray] captions: {shards_caption_truncation(job.data.shards_dir, job.model)}", flush=True)
+
+    import ray
     import ray.train
-    from ray.train.torch import TorchTrainer
 
-    from vidray.runtime import init_ray
+    from vidray.runtime import apply_ray_env_defaults, init_ray
     from vidray.train.loop import train_loop_per_worker
 
+    apply_ray_env_defaults()
+    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+        check_resources(job, local_cluster_resources(), where="this machine")
+
+    # 2. Join or start Ray, then check the cluster it found.
     init_ray()
+    check_resources(job, ray.cluster_resources(), autoscaler_max=_autoscaler_max_resources())
+
+    # 3. Move checkpoints newer than an explicit start point aside, then run.
     storage_path = _absolute(job.storage.path)
     run_dir = Path(storage_path) / job.name
+    if "://" not in storage_path:
+        _set_aside(plan, run_dir)
     loop_config = {
         "job": job.to_dict(),
         "run_dir": str(run_dir),
         "shards_dir": _absolute(job.data.shards_dir),
-        "resume_from": _absolute(job.checkpoint.resume_from) if job.checkpoint.resume_from else None,
+        "resume_from": str(plan.checkpoint) if plan.checkpoint else None,
+        "existing_checkpoints": plan.existing,
     }
-    resources = {"CPU": job.scaling.cpus_per_worker}
-    if job.scaling.use_gpu:
-        resources["GPU"] = 1
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config=loop_config,
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=job.scaling.num_workers, use_gpu=job.scaling.use_gpu, resources_per_worker=resources
-        ),
-        run_config=ray.train.RunConfig(
-            name=job.name,
-            storage_path=storage_path,
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.checkpoint.num_to_keep),
-            failure_config=ray.train.FailureConfig(max_failures=job.train.max_failures),
-        ),
+    scaling_config, run_config = build_trainer_configs(job, storage_path)
+    trainer = _torch_trainer_class()(
+        train_loop_per_worker, train_loop_config=loop_config, scaling_config=scaling_config, run_config=run_config
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except ray.train.ControllerError as err:
+        if isinstance(err.controller_failure, UserError):
+            raise err.controller_failure from None
+        raise
+    except KeyboardInterrupt:
+        print(f"[vidray] interrupted (Ctrl-C): the run stopped; its checkpoints so far are kept in {run_dir}; "
+              "run the same command again to resume", file=sys.stderr, flush=True)
+        raise
     out = result.return_value or {}
     return TrainResult(
         run_dir=run_dir,
@@ -148,4 +490,5 @@ def run_training(job: JobConfig) -> TrainResult:
         last_step=out.get("last_step", 0),
         steps_per_s=out.get("steps_per_s", 0.0),
         metrics=result.metrics,
+        reported_steps=out.get("reported_steps", []),
     )

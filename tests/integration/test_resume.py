@@ -1,0 +1,199 @@
+"""Resume faults with real 2-worker Ray Train runs: changed settings take effect, a damaged checkpoint is refused on
+the driver and the run recovers from the last good one, a diverged run stops without retries or checkpoints, and
+Ctrl-C stops `vidray train` within seconds leaving no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from vidray.config import load_job_config
+from vidray.data.ingest import prepare
+from vidray.train.checkpoint import DamagedCheckpointError, read_train_state, verify_checkpoint
+from vidray.train.step import NonFiniteTrainingError
+from vidray.train.trainer import check_job_inputs, run_training
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def shards_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    summary = prepare(REPO / "samples" / "metadata.json", out, buckets=load_job_config(
+        REPO / "jobs/configs/tiny_t2v.yaml").data.buckets, fps=8.0, samples_per_shard=4)
+    assert summary.num_kept >= 4
+    return out
+
+
+def job(shards_dir, storage, *overrides: str):
+    return load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
+        f"data.shards_dir={shards_dir}", f"storage.path={storage}", "name=resume", "model.text_encoder=tiny_random",
+        "optim.warmup_steps=0", *overrides,
+    ])
+
+
+def checkpoint_lr(checkpoint: Path) -> float:
+    state = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)
+    return state["param_groups"][0]["lr"]
+
+
+def pids_mentioning(marker: str) -> list[int]:
+    """PIDs of live processes whose command line contains `marker` (our unique Ray temp dir)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_ctrl_c_stops_vidray_train_within_seconds_and_leaves_no_process(shards_dir, tmp_path):
+    ray_tmp = tempfile.mkdtemp(prefix="/tmp/vrc")  # short: Ray's socket paths are length-limited
+    env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "vidray.cli", "train", str(REPO / "jobs/configs/tiny_t2v.yaml"),
+           f"data.shards_dir={shards_dir}", f"storage.path={tmp_path}", "name=ctrlc", "model.text_encoder=tiny_random",
+           "train.max_steps=100000", "train.log_every_steps=1", "checkpoint.every_steps=100000"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    lines: list[str] = []
+    spawned: set[int] = set()
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "[vidray] step 2/" in line:
+                break
+        assert any("[vidray] step 2/" in line for line in lines), "".join(lines[-40:])
+        spawned = _descendants(proc.pid) | set(pids_mentioning(ray_tmp))
+        assert spawned, "the run started no processes?"
+        drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # as a terminal would
+        drain.start()
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        proc.wait(timeout=20)
+        print(f"exited {time.monotonic() - sent:.1f} s after SIGINT with status {proc.returncode}")
+        drain.join(timeout=5)
+        assert proc.returncode == 130, "".join(lines[-20:])
+        assert any("[vidray] interrupted (Ctrl-C): the run stopped" in line for line in lines)
+        left: list[int] = []
+        for _ in range(20):  # Ray's processes of the local cluster end once their driver has gone
+            left = sorted(p for p in spawned | set(pids_mentioning(ray_tmp)) if _alive(p))
+            if not left:
+                break
+            time.sleep(0.5)
+        assert not left, "processes left after Ctrl-C: " + "; ".join(
+            f"{p}: {_cmdline(p)[:150]}" for p in left) + "\n" + "".join(lines[-20:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in spawned | set(pids_mentioning(ray_tmp)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_changed_settings_take_effect_and_a_damaged_checkpoint_is_recovered_from(local_ray, shards_dir, tmp_path):
+    # 1. The reported case: 10 steps at lr 1e-3 ...
+    first = run_training(job(shards_dir, tmp_path, "optim.lr=1e-3", "train.max_steps=10", "train.log_every_steps=5",
+                             "checkpoint.every_steps=5", "checkpoint.num_to_keep=2"))
+    assert first.metrics["lr"] == pytest.approx(1e-3)
+    assert first.reported_steps == [5, 10]
+
+    # 2. ... resumed to step 20 at lr 1e-5 with other cadences, num_to_keep and no gradient clipping: all apply.
+    second = run_training(job(shards_dir, tmp_path, "optim.lr=1e-5", "train.max_steps=20", "train.log_every_steps=3",
+                              "checkpoint.every_steps=4", "checkpoint.num_to_keep=3", "train.grad_clip_norm=null"))
+    run_dir = tmp_path / "resume"
+    assert second.first_step == 11 and [int(s) for s, _ in second.losses] == list(range(11, 21))
+    assert second.metrics["lr"] == pytest.approx(1e-5)  # the lr the optimizer holds, reported by rank 0
+    assert checkpoint_lr(run_dir / "checkpoint_000020") == pytest.approx(1e-5)
+    assert checkpoint_lr(run_dir / "checkpoint_000012") == pytest.approx(1e-5)  # from the first resumed step on
+    assert second.reported_steps == [12, 15, 16, 18, 20]  # log every 3, checkpoint every 4, last step
+    assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == [
+        "checkpoint_000012", "checkpoint_000016", "checkpoint_000020"]  # num_to_keep=3
+    assert second.metrics["grad_norm"] == 0.0  # clipping off: no norm measured (it is > 0 with clipping)
+    assert first.metrics["grad_norm"] > 0.0
+
+    # 3. The newest checkpoint's model file is cut in half: refused on the driver, naming the last good one.
+    part = run_dir / "checkpoint_000020" / "transformer.safetensors"
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    good = (run_dir / "checkpoint_000016").resolve()
+    with pytest.raises(DamagedCheckpointError, match=rf"checkpoint_000020: transformer.safetensors .*"
+                                                     rf"checkpoint.resume_from={good}"):
+        run_training(job(shards_dir, tmp_path, "optim.lr=1e-5", "train.max_steps=24"))
+
+    # 4. The override it names recovers the run under the same name: it starts at step 17, and the damaged
+    #    checkpoint is moved aside, not loaded, not overwritten in place.
+    third = run_training(job(shards_dir, tmp_path, "optim.lr=1e-5", "train.max_steps=24", "checkpoint.every_steps=4",
+                             "checkpoint.num_to_keep=3", f"checkpoint.resume_from={good}"))
+    assert third.first_step == 17 and [int(s) for s, _ in third.losses] == list(range(17, 25))
+    verify_checkpoint(run_dir / "checkpoint_000020")  # rewritten by this run, whole
+    assert read_train_state(third.checkpoint_path).step == 24
+    damaged = list((run_dir / "set_aside").glob("*/checkpoint_000020"))
+    assert len(damaged) == 1
+    with pytest.raises(DamagedCheckpointError):
+        verify_checkpoint(damaged[0])
+    plan = check_job_inputs(job(shards_dir, tmp_path, "optim.lr=1e-5", "train.max_steps=30"))
+    assert plan.checkpoint.name == "checkpoint_000024"  # the run goes on from its own latest checkpoint again
+
+
+def test_diverged_run_stops_at_once_without_retries_or_checkpoints(local_ray, shards_dir, tmp_path):
+    """lr 1e30 blows the weights up after one step. With max_failures=2, a retried error would come back as
+    Ray's WorkerGroupError after 3 attempts; vidray's error arrives unwrapped after the first."""
+    started = time.monotonic()
+    with pytest.raises(NonFiniteTrainingError, match=r"training diverged: .* at step \d+ \(lr 1e\+30\)") as err:
+        run_training(job(shards_dir, tmp_path, "optim.lr=1e30", "train.max_steps=8", "train.log_every_steps=2",
+                         "checkpoint.every_steps=2", "train.max_failures=2"))
+    assert err.value.step <= 2
+    assert not list((tmp_path / "resume").glob("checkpoint_*"))  # nothing written after (or at) the bad step
+    print(f"diverged run failed after {time.monotonic() - started:.1f} s")
