@@ -14,11 +14,14 @@ import argparse
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from vidray.config import ConfigError, load_job_config
+from vidray.config import JobConfig, load_job_config
 from vidray.data.ingest import prepare_data
+from vidray.data.shards import INDEX_NAME, read_report, report_path
+from vidray.errors import UserError
 from vidray.generate import generate_to_file
 from vidray.train.trainer import run_training
 
@@ -33,16 +36,33 @@ def main() -> int:
     args = parser.parse_args()
     try:
         job = load_job_config(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as err:
+    except UserError as err:
         print(f"jobs/demo.py: error: {err}", file=sys.stderr)
         return 2
+    try:
+        return run_demo(job, prompt=args.prompt, resume=args.resume)
+    except UserError as err:  # a refused resume, unusable shards...: one line; a bug shows its traceback
+        print(f"jobs/demo.py: error: {err}", file=sys.stderr)
+        return 2
+
+
+def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
+    """Steps 1-4 of the module docstring for `job`; `resume` keeps an earlier run (and its shards)."""
     started = time.perf_counter()
 
-    print(f"== 1. prepare {job.data.source} -> {job.data.shards_dir}", flush=True)
-    summary = prepare_data(job.data)
-    print(summary, flush=True)
+    if resume and (Path(job.data.shards_dir) / INDEX_NAME).is_file():
+        # A re-prepare writes a new shard generation (new content hash), which a resume refuses as other shards.
+        print(f"== 1. prepare: keeping the shards in {job.data.shards_dir} that the resumed run was trained on",
+              flush=True)
+        report = read_report(job.data.shards_dir)
+        num_kept, num_samples, num_skipped = report["num_kept"], report["num_samples"], report["num_skipped"]
+    else:
+        print(f"== 1. prepare {job.data.source} -> {job.data.shards_dir}", flush=True)
+        summary = prepare_data(job.data, model=job.model)
+        print(summary, flush=True)
+        num_kept, num_samples, num_skipped = summary.num_kept, summary.num_samples, summary.num_skipped
 
-    if job.run_dir.exists() and not args.resume:
+    if job.run_dir.exists() and not resume:
         print(f"removing the previous demo run {job.run_dir} (pass --resume to continue it instead)", flush=True)
         shutil.rmtree(job.run_dir)
     print(f"== 2. train {job.name}: {job.scaling.num_workers} workers, {job.train.max_steps} steps", flush=True)
@@ -50,7 +70,7 @@ def main() -> int:
 
     print("== 3. generate", flush=True)
     video_path = result.run_dir / "samples" / "demo.mp4"
-    generate_to_file(result.diffusers_dir, args.prompt, video_path, fps=job.data.fps, seed=job.train.seed)
+    generate_to_file(result.diffusers_dir, prompt, video_path, fps=job.data.fps, seed=job.train.seed)
 
     losses = np.array([loss for _, loss in result.losses])
     print("\n== summary")
@@ -61,7 +81,8 @@ def main() -> int:
         print(f"trained only {len(losses)} steps this run (resumed?): mean loss {losses.mean():.4f}")
     print(f"steps {result.first_step}..{result.last_step} at {result.steps_per_s:.2f} steps/s "
           f"({job.scaling.num_workers} workers)")
-    print(f"kept {summary.num_kept} clips, skipped {summary.num_skipped} (report: {job.data.shards_dir}/report.json)")
+    print(f"kept {num_kept} files as {num_samples} clips, skipped {num_skipped} "
+          f"(report: {report_path(job.data.shards_dir)})")
     print(f"checkpoint:         {result.checkpoint_path}")
     print(f"diffusers pipeline: {result.diffusers_dir}")
     print(f"generated video:    {video_path}")
