@@ -78,6 +78,7 @@ def test_worker_killed_mid_run_restarts_from_checkpoint_and_matches_uninterrupte
     import threading
     import time
 
+    import ray
     from ray.util.state import list_actors
 
     killed: list[int] = []
@@ -86,7 +87,9 @@ def test_worker_killed_mid_run_restarts_from_checkpoint_and_matches_uninterrupte
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not (tmp_path / "b" / "test-run" / "checkpoint_000010").exists():
             time.sleep(0.05)
-        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+        # This test's own cluster, by address: another Ray on the host must not make the lookup ambiguous.
+        workers = list_actors(address=ray.get_runtime_context().gcs_address,
+                              filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
         if workers:
             os.kill(workers[-1].pid, signal.SIGKILL)
             killed.append(workers[-1].pid)
