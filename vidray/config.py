@@ -67,7 +67,12 @@ class DataConfig:
     samples_per_shard: int = 64
     """Clips per Parquet shard."""
     batch_size_per_worker: int = 2
-    """Clips per batch on each training worker."""
+    """Clips per micro-batch on each training worker, for every bucket (unless `tokens_per_batch` is set)."""
+    tokens_per_batch: int | None = None
+    """Latent tokens per micro-batch (F_lat x H_lat x W_lat of one clip, with the family's VAE strides, times the
+    batch size): each bucket's batch size is max(1, tokens_per_batch // its tokens per clip), e.g. 1536 gives
+    Bucket(9, 64, 64) (3x8x8 = 192 tokens) 8 clips and Bucket(1, 64, 64) (64) 24 images. null: every bucket uses
+    `batch_size_per_worker`. See `vidray.data.schedule`."""
     split_scenes: bool = True
     """On by default: `vidray prepare` cuts videos lasting at least two clips of their bucket at scene cuts
     (PySceneDetect ContentDetector) and takes clips only inside scenes, so no training clip straddles a cut;
@@ -204,6 +209,8 @@ class JobConfig:
             raise ValueError(f"flow.shift must be > 0, got {self.flow.shift}")
         if self.scaling.cpus_per_worker <= 0:
             raise ValueError(f"scaling.cpus_per_worker must be > 0, got {self.scaling.cpus_per_worker}")
+        if self.data.tokens_per_batch is not None and self.data.tokens_per_batch < 1:
+            raise ValueError(f"data.tokens_per_batch must be >= 1 latent tokens or null, got {self.data.tokens_per_batch}")
         if self.data.fps <= 0:
             raise ValueError(f"data.fps must be > 0 frames/s, got {self.data.fps}")
         return self
@@ -238,7 +245,8 @@ RESUME_RULES: dict[str, str] = {
     "model.text_encoder": RESUME_FIXED,
     "model.max_sequence_length": RESUME_FIXED,
     # The data: shard identity is checked by the index's content hash, so folder and prepare-only keys may
-    # change; buckets, fps and the batch size define the sample schedule, which must continue exactly.
+    # change; buckets, fps and the batch sizes define the epoch's micro-batches, which the saved data position
+    # counts (per bucket), so they must stay as they were.
     "data.source": RESUME_CHANGEABLE,
     "data.shards_dir": RESUME_CHANGEABLE,
     "data.samples_per_shard": RESUME_CHANGEABLE,
@@ -250,6 +258,7 @@ RESUME_RULES: dict[str, str] = {
     "data.buckets": RESUME_FIXED,
     "data.fps": RESUME_FIXED,
     "data.batch_size_per_worker": RESUME_FIXED,
+    "data.tokens_per_batch": RESUME_FIXED,
     # The objective: another sigma distribution, shift or timestep scale is a different run.
     "flow.sigma_sampling": RESUME_FIXED,
     "flow.logit_mean": RESUME_FIXED,
@@ -272,7 +281,8 @@ RESUME_RULES: dict[str, str] = {
     "train.mixed_precision": RESUME_FIXED,  # the numerics of every step; a change is a different run
     "checkpoint.every_steps": RESUME_CHANGEABLE,
     "checkpoint.num_to_keep": RESUME_CHANGEABLE,
-    # Resources: the schedule is re-dealt from the resumed step for another worker count.
+    # Resources: the schedule's position does not depend on the worker count; another count deals the rest of
+    # the epoch to its ranks, each sample still exactly once (vidray.data.schedule).
     "scaling.num_workers": RESUME_CHANGEABLE,
     "scaling.use_gpu": RESUME_CHANGEABLE,
     "scaling.cpus_per_worker": RESUME_CHANGEABLE,

@@ -107,3 +107,49 @@ def test_worker_killed_mid_run_restarts_from_checkpoint_and_matches_uninterrupte
     assert [int(s) for s, _ in interrupted.losses] == list(range(interrupted.first_step, 41))
     for step, loss in interrupted.losses:
         assert loss == pytest.approx(expected[int(step)], rel=1e-4, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def twenty_shards(tmp_path_factory):
+    """20 samples: the shipped clips listed several times (each listing is its own sample_id)."""
+    root = tmp_path_factory.mktemp("twenty")
+    items = json.loads((REPO / "samples" / "metadata.json").read_text())
+    listed = [dict(item, file_path=str(REPO / "samples" / item["file_path"])) for item in items * 4][:20]
+    (root / "metadata.json").write_text(json.dumps(listed))
+    out = root / "shards"
+    summary = prepare(root / "metadata.json", out, buckets=load_job_config(
+        REPO / "jobs/configs/tiny_t2v.yaml").data.buckets, fps=8.0, samples_per_shard=8, progress=None)
+    assert summary.num_samples == 20
+    return out
+
+
+def test_run_of_20_samples_resized_2_to_4_and_4_to_2_workers_mid_epoch_sees_every_sample_once_per_epoch(
+        local_ray, twenty_shards, tmp_path):
+    """2 workers for 2 steps, 4 workers for 3 more, 2 workers again to step 11: the sample_ids trained with weight
+    > 0 in each finished epoch are all 20, each exactly once (multisets), and both resizes fall mid-epoch."""
+    import collections
+
+    from vidray.data.index import load_sample_index
+
+    everyone = collections.Counter(load_sample_index(twenty_shards).sample_id.astype(str).tolist())
+    assert len(everyone) == 20
+    runs, states = [], []
+    for workers, max_steps in ((2, 2), (4, 5), (2, 11)):
+        job = tiny_job(twenty_shards, tmp_path, train__max_steps=max_steps, scaling__num_workers=workers,
+                       scaling__cpus_per_worker=0.5, checkpoint__every_steps=100, train__log_every_steps=100)
+        runs.append(run_training(job, record_sample_ids=True))
+        states.append(read_train_state(runs[-1].checkpoint_path))  # before num_to_keep rotates it away
+    # 11 micro-batches per epoch (17 clips / 2 -> 9, 3 images / 2 -> 2): both resizes must cut an epoch.
+    after_first, after_second, last = states
+    assert (after_first.world_size, after_second.world_size) == (2, 4)
+    assert after_first.epoch == 0 and 0 < after_first.batch_index < 11
+    assert after_second.epoch == 1 and 0 < after_second.batch_index < 11
+    steps = [record for run in runs for record in run.trained_samples]
+    assert [step for step, _, _ in steps] == list(range(1, 12))
+    per_epoch = collections.defaultdict(collections.Counter)
+    for _, epoch, ids in steps:
+        per_epoch[epoch].update(ids)
+    finished = [epoch for epoch in per_epoch if epoch < last.epoch]
+    assert finished == [0, 1], (finished, last)
+    for epoch in finished:
+        assert per_epoch[epoch] == everyone, epoch

@@ -260,7 +260,7 @@ def test_prepare_writes_shards_then_report_then_index_then_deletes_the_old_gener
         prepare(samples_dir / "metadata.json", shards_dir, BUCKETS, FPS, samples_per_shard=4, progress=None)
         writes = [name for kind, name in events if kind == "write"]
         assert writes == [f"{generation}/shard.00000.parquet", f"{generation}/shard.00001.parquet",
-                          f"{generation}/report.json", "index.json"]
+                          f"{generation}/samples.parquet", f"{generation}/report.json", "index.json"]
         commit = events.index(("write", "index.json"))
         deletes = [name for kind, name in events if kind == "delete"]
         assert all(events.index(("delete", name)) > commit for name in deletes)  # nothing goes before the switch

@@ -123,7 +123,8 @@ def test_a_finished_reprepare_leaves_only_what_the_new_index_lists(tmp_path, sam
     index = read_index(shards_dir)
     assert summary.num_kept == 12 and index["num_samples"] == 12 and index["generation"] == 2
     assert _files(shards_dir) == {INDEX_NAME, LOCK_NAME, "my_notes.txt", *listed_files(index)}
-    assert listed_files(index) == [f"gen.00002/shard.0000{i}.parquet" for i in range(3)] + ["gen.00002/report.json"]
+    assert listed_files(index) == [f"gen.00002/shard.0000{i}.parquet" for i in range(3)] + [
+        "gen.00002/report.json", "gen.00002/samples.parquet"]
     assert not old_files & _files(shards_dir)
     assert read_report(shards_dir)["num_kept"] == 12 and summary.report_path == shards_dir / "gen.00002/report.json"
     assert len({s.sample_id for s in load_samples(shards_dir)}) == 12
@@ -134,10 +135,11 @@ def test_a_reprepare_replaces_a_folder_prepared_before_generations(tmp_path, sam
     and a re-prepare removes their files once its own index is committed."""
     shards_dir, before = good_dataset
     legacy = dict(before["index"])
-    legacy.pop("generation"), legacy.pop("report")
+    legacy.pop("generation"), legacy.pop("report"), legacy.pop("samples")
     for entry in legacy["shards"]:
         (shards_dir / entry["file"]).rename(shards_dir / Path(entry["file"]).name)
     (shards_dir / "gen.00001" / "report.json").rename(shards_dir / "report.json")
+    (shards_dir / "gen.00001" / "samples.parquet").unlink()  # folders of earlier vidray had no sample table
     (shards_dir / "gen.00001").rmdir()
     legacy["shards"] = [{**entry, "file": Path(entry["file"]).name} for entry in legacy["shards"]]
     legacy["content_hash"] = shards._content_hash(legacy)
@@ -146,7 +148,8 @@ def test_a_reprepare_replaces_a_folder_prepared_before_generations(tmp_path, sam
     assert shards.report_path(shards_dir) == shards_dir / "report.json"
 
     prepare(samples_dir / "metadata.json", shards_dir, BUCKETS, FPS, samples_per_shard=64, progress=None)
-    assert _files(shards_dir) == {INDEX_NAME, LOCK_NAME, "gen.00001/shard.00000.parquet", "gen.00001/report.json"}
+    assert _files(shards_dir) == {INDEX_NAME, LOCK_NAME, "gen.00001/shard.00000.parquet", "gen.00001/report.json",
+                                  "gen.00001/samples.parquet"}
     assert [s.sample_id for s in load_samples(shards_dir)] == before["sample_ids"]
 
 

@@ -288,6 +288,15 @@ class PrepareSummary:
         return text
 
 
+def _file_sha256(path: Path) -> str:
+    """Hex sha256 of a source file's bytes (read in 1 MiB chunks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _sample_id(listed_path: str, bucket: Bucket) -> str:
     return hashlib.sha256(f"{listed_path}|{bucket}".encode()).hexdigest()[:16]
 
@@ -388,7 +397,9 @@ def prepare(
     """Turn the files listed in `source` into Parquet shards in `shards_dir` (see `vidray.data.shards`).
 
     `buckets`: [num_frames, height, width] triples; `fps`: sampling rate in frames/s; `samples_per_shard`: rows
-    per shard. Writes a new generation `gen.NNNNN/shard.00000.parquet`..., then `gen.NNNNN/report.json`, then
+    per shard. Writes a new generation `gen.NNNNN/shard.00000.parquet`..., its sample table
+    `gen.NNNNN/samples.parquet` (`vidray.data.index`: bucket, shard, row, stored bytes and the sha256 of each source
+    file, hashed once per file), then `gen.NNNNN/report.json`, then
     replaces `index.json` (the commit marker) and only then deletes the previous generation: a prepare that is
     interrupted or raises leaves the previous dataset in `shards_dir` readable as it was (`ShardWriter`).
     `scene_split`: how videos lasting at least two clips of their bucket are split at scene cuts into several
@@ -423,6 +434,11 @@ def prepare(
     bucket_counts = {str(b): 0 for b in buckets}
     seen_ids: dict[str, int] = {}
     num_files_kept = 0
+    # The sample table (vidray.data.index): one entry per row, in shard order; source hashes once per file.
+    table: dict[str, list[Any]] = {name: [] for name in (
+        "sample_id", "num_frames", "height", "width", "shard", "row", "stored_bytes", "source_sha256",
+        "clip_start_s", "clip_end_s")}
+    source_hashes: dict[Path, str] = {}
     for i, item in enumerate(items, start=1):
         tag = f"[{i}/{len(items)}]"
         try:
@@ -444,6 +460,8 @@ def prepare(
             say(f"{tag} skipped {item.file_path.name}: {skipped[-1][1]}")
             continue
         num_files_kept += 1
+        if item.file_path not in source_hashes:
+            source_hashes[item.file_path] = _file_sha256(item.file_path)
         for clip in clips:
             listed = item.listed_path or str(item.file_path)
             # One clip of a source keeps the id of the whole file; scene clips add their start time.
@@ -470,6 +488,13 @@ def prepare(
                     "clip_end_s": clip.end_s,
                 }
             )
+            for name, value in (
+                ("sample_id", sample_id), ("num_frames", clip.bucket.num_frames), ("height", clip.bucket.height),
+                ("width", clip.bucket.width), ("shard", len(shards)), ("row", len(rows) - 1),
+                ("stored_bytes", len(clip.video_mp4)), ("source_sha256", source_hashes[item.file_path]),
+                ("clip_start_s", clip.start_s), ("clip_end_s", clip.end_s),
+            ):
+                table[name].append(value)
             bucket_counts[str(clip.bucket)] += 1
             kept.append(
                 {
@@ -494,6 +519,7 @@ def prepare(
         )
     if rows:
         shards.append(writer.write_shard(rows))
+    writer.write_sample_table(table)
 
     # 4. The report, then the index (the commit marker, replaced atomically), then delete the old generation.
     elapsed_s = time.perf_counter() - start

@@ -1,8 +1,9 @@
 """The shard format: Parquet files of bucket-shaped H.264 clips, and the index that commits them.
 
 A prepared folder holds one *generation* per `vidray prepare`: `gen.00003/shard.00000.parquet`, `shard.00001...`
-(one row per sample, columns in `SHARD_SCHEMA`) and `gen.00003/report.json` (what was kept and skipped, and why),
-and, written last, `index.json`: the commit marker, which names the generation's shards and report by path
+(one row per sample, columns in `SHARD_SCHEMA`), `gen.00003/samples.parquet` (the sample table the schedule reads:
+`vidray.data.index`), `gen.00003/report.json` (what was kept and skipped, and why), and, written last,
+`index.json`: the commit marker, which names the generation's shards, sample table and report by path
 relative to the folder. Readers read only what `index.json` lists; a folder without it is an unfinished
 `vidray prepare` and is refused.
 
@@ -145,7 +146,9 @@ def _read_index_file(path: Path) -> dict[str, Any] | None:
         )
     if index.get("content_hash") != _content_hash(index):
         raise UserError(f"{path}: content hash mismatch (edited or corrupt index); re-run `vidray prepare`")
-    listed = [s["file"] for s in index.get("shards", [])] + ([index["report"]["file"]] if index.get("report") else [])
+    listed = [s["file"] for s in index.get("shards", [])] + [
+        index[key]["file"] for key in ("report", "samples") if index.get(key)
+    ]
     for rel in listed:
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise UserError(f"{path} lists {rel!r}, outside its folder; re-run `vidray prepare`")
@@ -153,17 +156,17 @@ def _read_index_file(path: Path) -> dict[str, Any] | None:
 
 
 def listed_files(index: dict[str, Any]) -> list[str]:
-    """Paths (relative to the shards folder) of every file an index commits: its shards and its report."""
-    report = index.get("report")
-    return [s["file"] for s in index["shards"]] + ([report["file"]] if report else [])
+    """Paths (relative to the shards folder) of every file an index commits: its shards, its report and its
+    sample table (`vidray.data.index`)."""
+    return [s["file"] for s in index["shards"]] + [index[key]["file"] for key in ("report", "samples") if index.get(key)]
 
 
 def _is_ours(name: str) -> bool:
     """Names vidray prepare writes in a shards folder (shards, reports, their temp files, generation folders)."""
     return bool(
         GENERATION_PATTERN.fullmatch(name)
-        or re.fullmatch(r"shard\.\d+\.parquet|report\.json|index\.json", name)
-        or re.fullmatch(r"\.(shard\.\d+\.parquet|report\.json|index\.json)\.tmp", name)
+        or re.fullmatch(r"shard\.\d+\.parquet|report\.json|index\.json|samples\.parquet", name)
+        or re.fullmatch(r"\.(shard\.\d+\.parquet|report\.json|index\.json|samples\.parquet)\.tmp", name)
     )
 
 
@@ -241,6 +244,8 @@ class ShardWriter:
         self.generation_dir.mkdir()
         self.shards: list[dict[str, Any]] = []
         """Index entries of the shards written so far ({"file": "gen.00003/shard.00000.parquet", ...})."""
+        self.samples: dict[str, Any] | None = None
+        """Index entry of the sample table once `write_sample_table` wrote it."""
 
     def write_shard(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """Write the next shard of this generation; returns its index entry (`file` relative to the folder)."""
@@ -249,6 +254,24 @@ class ShardWriter:
         entry["file"] = f"{self.generation_dir.name}/{entry['file']}"
         self.shards.append(entry)
         return entry
+
+    def write_sample_table(self, columns: dict[str, Sequence[Any]]) -> dict[str, Any]:
+        """Write this generation's sample table (`vidray.data.index`: one row per sample of the shards written,
+        in their order) as `gen.NNNNN/samples.parquet`, via a temp file and a rename. Returns its index entry
+        {file, bytes, sha256, num_samples}; `commit` lists it. Raises ValueError for wrong columns."""
+        from vidray.data.index import SAMPLES_NAME, write_sample_table
+
+        self._check_open()
+        path = self.generation_dir / SAMPLES_NAME
+        tmp = path.with_name(f".{path.name}.tmp")
+        table = write_sample_table(tmp, columns)
+        _fsync(tmp)
+        os.replace(tmp, path)
+        self.samples = {
+            "file": f"{self.generation_dir.name}/{SAMPLES_NAME}", "bytes": path.stat().st_size,
+            "sha256": _sha256_file(path), "num_samples": table.num_rows,
+        }
+        return self.samples
 
     def commit(
         self,
@@ -280,6 +303,8 @@ class ShardWriter:
                 "sha256": _sha256_file(report_path),
             },
         }
+        if self.samples is not None:
+            index["samples"] = dict(self.samples)
         index["content_hash"] = _content_hash(index)
         _fsync(self.shards_dir)  # the generation folder's entry is on disk before the index that names it
         _write_atomic(self.shards_dir / INDEX_NAME, json.dumps(index, indent=2).encode())
@@ -323,7 +348,8 @@ def _lock_folder(shards_dir: Path) -> int:
 def read_index(shards_dir: str | Path) -> dict[str, Any]:
     """Read and check `<shards_dir>/index.json`; returns it as a dict (keys: format, version, generation, fps,
     buckets, columns, num_samples, bucket_counts, shards [{file, num_samples, bytes, sha256}], report {file,
-    bytes, sha256}, content_hash). `file` paths are relative to `shards_dir` (`gen.00003/shard.00000.parquet`);
+    bytes, sha256}, samples {file, bytes, sha256, num_samples} (the sample table, `vidray.data.index`; absent in
+    folders prepared before it), content_hash). `file` paths are relative to `shards_dir` (`gen.00003/shard.00000.parquet`);
     indexes written before generations existed list bare `shard.00000.parquet` names and have no
     generation/report: they read the same.
 
@@ -341,6 +367,8 @@ def read_index(shards_dir: str | Path) -> dict[str, Any]:
         hint = " (shard files without an index are an unfinished prepare)" if unfinished else ""
         raise UserFileNotFound(f"{path} not found{hint}: run `vidray prepare` first")
     missing = [s["file"] for s in index["shards"] if not (shards_dir / s["file"]).is_file()]
+    if index.get("samples") and not (shards_dir / index["samples"]["file"]).is_file():
+        missing.append(index["samples"]["file"])
     if missing:
         raise UserFileNotFound(
             f"{shards_dir}: shards listed in {INDEX_NAME} are missing: {missing}; re-run `vidray prepare`"

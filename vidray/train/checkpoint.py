@@ -3,7 +3,8 @@
 A checkpoint folder holds:
 - `transformer.safetensors`: the trained transformer's state dict (unwrapped from DDP),
 - `optimizer.pt`, `lr_scheduler.pt`: their `state_dict()`s,
-- `train_state.json`: step (1-based, the last step applied), data position, world size, index hash,
+- `train_state.json`: step (1-based, the last step applied), data position (epoch, micro-batches consumed per
+  bucket), world size, index hash,
 - `config.yaml`: the resolved job config,
 - `manifest.json`: written last; records every part's size in bytes and sha256. A folder without it is an
   unfinished write and is refused; a part whose size or hash differs from the manifest is damaged and refused.
@@ -42,8 +43,12 @@ _HASH_CHUNK_BYTES = 8 * 1024 * 1024
 class TrainState:
     """Scalar state of a run at a checkpoint.
 
-    step: last optimizer step applied (1-based). epoch, batch_index: data position of that step.
-    world_size: ranks the schedule was dealt to. index_hash: content hash of the shard index trained on.
+    step: last optimizer step applied (1-based). epoch, batch_index: the data position after that step, where the
+    next step starts (`vidray.data.schedule.DataPosition`): the epoch (0-based) and the micro-batches of it consumed
+    (all buckets; world-size independent). consumed_per_bucket: {"9x64x64": micro-batches consumed, ...}, the
+    position itself (the loop reads it back on resume); None in checkpoints of vidray before the world-size
+    independent schedule, whose epoch/batch_index counted steps of one world size (such a run resumes at the start
+    of the next epoch). world_size: ranks of the run that wrote it. index_hash: content hash of the shard index.
     """
 
     step: int
@@ -51,6 +56,7 @@ class TrainState:
     batch_index: int
     world_size: int
     index_hash: str
+    consumed_per_bucket: dict[str, int] | None = None
 
 
 class CheckpointError(UserError):

@@ -1,9 +1,11 @@
 """`train_loop_per_worker`: what every Ray Train worker runs.
 
-Steps: 1. build the model family's components; 2. load the shards and encode latents and prompt_embeds once
-with the frozen VAE and text encoder; 3. optimizer and lr schedule; 4. restore the checkpoint the driver chose
-(or this fit's own latest after a restart), then re-apply this job's `optim` section to it; 5. wrap the
-transformer in DDP; 6. run the schedule from the next step, reporting loss, gradient norm and step time every
+Steps: 1. build the model family's components; 2. load the sample table and the shards, encode latents and
+prompt_embeds once with the frozen VAE and text encoder, build the world-size-independent sample schedule
+(`vidray.data.schedule`); 3. optimizer and lr schedule; 4. restore the checkpoint the driver chose (or this
+fit's own latest after a restart) with its data position, then re-apply this job's `optim` section to it;
+5. wrap the transformer in DDP; 6. deal each step from the data position to this run's world size (every rank
+the same bucket; noise and sigma keyed by (seed, step, sample)), reporting loss, gradient norm and step time every
 `train.log_every_steps` and a checkpoint every `checkpoint.every_steps`; a NaN/Inf loss, gradient norm or weight
 stops the run (checked at each report and before each checkpoint, with no extra host sync per step);
 7. rank 0 saves the diffusers pipeline.
@@ -31,19 +33,20 @@ from vidray.config import JobConfig, job_config_from_dict
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError
 from vidray.generate import write_job_file
+from vidray.data.index import load_sample_index
+from vidray.data.schedule import DataPosition, SampleSchedule, batch_sizes_for_buckets
 from vidray.data.shards import load_samples, read_index
 from vidray.models.registry import get_family
 from vidray.models.text_encoder import encode_prompts
 from vidray.models.vae import encode_video, frames_to_video
 from vidray.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
-from vidray.train.schedule import SampleSchedule
 from vidray.train.step import (
     NonFiniteTrainingError,
     check_finite_window,
     flow_matching_step_loss,
     non_finite_parameters,
-    step_generator,
+    sample_generator,
 )
 
 
@@ -109,9 +112,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     """Ray Train entry point. `loop_config`: {"job": JobConfig.to_dict(), "run_dir": absolute path,
     "shards_dir": absolute path, "resume_from": checkpoint folder or None}.
 
+    Optional key "record_sample_ids": True to return what was trained.
+
     Returns (rank 0's is kept in `Result.return_value`): {"losses": [[step, loss], ...] for every step this run
     trained, "first_step", "last_step", "steps_per_s", "diffusers_dir", "reported_steps": steps at which metrics
-    were reported (every `train.log_every_steps`, every checkpoint, and the last step)}.
+    were reported (every `train.log_every_steps`, every checkpoint, and the last step), "trained_samples":
+    [[step, epoch, [sample_id, ...]], ...] the samples trained with weight > 0 at each step, on all ranks
+    (gathered once at the end; only with "record_sample_ids", else [])}.
     """
     job = job_config_from_dict(loop_config["job"])
     context = ray.train.get_context()
@@ -127,19 +134,26 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         frozen.requires_grad_(False).eval().to(device)
     transformer = components.transformer.to(device)
 
-    # 2. Data: shards -> latents and prompt_embeds, encoded once per worker.
+    # 2. Data: the sample table, then shards -> latents and prompt_embeds, encoded once per worker; the schedule.
     shards_dir = loop_config["shards_dir"]
     index = read_index(shards_dir)
+    table = load_sample_index(shards_dir)
     samples = load_samples(shards_dir)
+    sample_ids = table.sample_id.astype(str).tolist()
+    if [s.sample_id for s in samples] != sample_ids:
+        raise UserError(f"{shards_dir}: the sample table does not list the shards' samples in order; "
+                        "re-run `vidray prepare`")
+    sample_keys = table.sample_key.tolist()
     t0 = time.perf_counter()
     latents, prompt_embeds, prompt_attention_mask = encode_dataset(components, job, samples, device)
     _log(rank, f"encoded {len(samples)} samples to latents in {time.perf_counter() - t0:.1f} s")
-    schedule = SampleSchedule(
-        [s.bucket for s in samples],
-        batch_size=job.data.batch_size_per_worker,
-        world_size=world_size,
-        seed=job.train.seed,
+    batch_sizes = batch_sizes_for_buckets(
+        table.buckets,
+        batch_size_per_worker=job.data.batch_size_per_worker,
+        tokens_per_batch=job.data.tokens_per_batch,
+        latent_tokens=lambda bucket: int(np.prod(family.latent_shape(bucket, 1)[2:])),
     )
+    schedule = SampleSchedule(table.bucket_id, table.buckets, batch_sizes=batch_sizes, seed=job.train.seed)
 
     # Parameters that never get a gradient break DDP's reducer ('Expected to have finished reduction'):
     # freeze them once, found by a probe step.
@@ -165,6 +179,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             f"checkpoint was trained on shard index {state.index_hash} but {shards_dir} has {index_hash}: "
             "the data changed; use a new run name or the original shards"
         )
+    position = _resume_position(schedule, state, rank)
 
     # 5. DDP (gloo on CPU, NCCL on GPU; Ray Train sets up the process group).
     model = ray.train.torch.prepare_model(transformer)
@@ -172,8 +187,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
 
     # 6. The loop.
     max_steps = job.train.max_steps
-    _log(rank, f"training steps {start_step}..{max_steps} ({schedule.steps_per_epoch} steps/epoch, "
-         f"{world_size} workers x batch {job.data.batch_size_per_worker})")
+    sizes = ", ".join(f"{b} x{n}" for b, n in batch_sizes.items())
+    _log(rank, f"training steps {start_step}..{max_steps} from epoch {position.epoch}, batch "
+         f"{position.batches_consumed}/{schedule.batches_per_epoch} ({schedule.steps_per_epoch(world_size)} "
+         f"steps/epoch at {world_size} workers; batch sizes {sizes})")
+    record = bool(loop_config.get("record_sample_ids"))
+    trained: list[list[Any]] = []  # [step, epoch, [sample_id, ...]] of this rank, when recording
     step_losses: list[torch.Tensor] = []
     step_grad_norms: list[torch.Tensor] = []  # (,) global L2 norm before clipping; 0 when clipping is off
     step_lrs: list[float] = []
@@ -182,18 +201,26 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
     for step in range(start_step, max_steps + 1):
-        batch = schedule.batch_for(step, rank)
-        batch_latents = torch.stack([latents[i] for i in batch])
+        deal = schedule.next_step(position, world_size)  # the same on every rank
+        rows, weights = deal.rank(rank)  # (B,) sample rows, (B,) loss weights (0: padding)
+        batch = torch.as_tensor(rows, dtype=torch.long)
+        batch_latents = torch.stack([latents[i] for i in rows.tolist()])
+        # sum_i w_i mse_i * W / total weight: DDP's average over ranks is the mean over the step's real samples.
+        loss_weights = torch.from_numpy(weights) * (world_size / deal.total_weight)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             loss = flow_matching_step_loss(
                 family,
                 model,
                 batch_latents,
-                prompt_embeds[batch],
-                prompt_attention_mask[batch],
+                prompt_embeds[batch.to(prompt_embeds.device)],
+                prompt_attention_mask[batch.to(prompt_attention_mask.device)],
                 job.flow,
-                step_generator(job.train.seed, step, rank),
+                [sample_generator(job.train.seed, step, sample_keys[i]) for i in rows.tolist()],
+                loss_weights=loss_weights,
             )
+        if record:
+            trained.append([step, deal.epoch, [sample_ids[i] for i, w in zip(rows.tolist(), weights) if w > 0]])
+        step_epoch, position = deal.epoch, deal.next_position
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if job.train.grad_clip_norm is not None:
@@ -234,10 +261,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         step_grad_norms.clear()
         step_lrs.clear()
         step_time_s = (time.perf_counter() - window_start) / window_steps
-        position = schedule.position(step)
         metrics = {
             "step": step,
-            "epoch": position.epoch,
+            "epoch": step_epoch,
             "loss": float(np.mean(window_losses)),
             "step_time_s": step_time_s,
             "lr": lr_scheduler.get_last_lr()[0],
@@ -255,7 +281,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                         transformer_state=transformer.state_dict(),
                         optimizer=optimizer,
                         lr_scheduler=lr_scheduler,
-                        train_state=TrainState(step, position.epoch, position.batch_index, world_size, index_hash),
+                        train_state=TrainState(step, position.epoch, position.batches_consumed, world_size,
+                                               index_hash, position.to_dict(schedule.buckets)),
                         job_config=job.to_dict(),
                     )
                     checkpoint = ray.train.Checkpoint.from_directory(tmp)
@@ -263,8 +290,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         else:
             ray.train.report(metrics)
         window_start, window_steps = time.perf_counter(), 0
-    trained = max(0, max_steps - start_step + 1)
-    steps_per_s = trained / (time.perf_counter() - run_start) if trained else 0.0
+    num_trained = max(0, max_steps - start_step + 1)
+    steps_per_s = num_trained / (time.perf_counter() - run_start) if num_trained else 0.0
+    trained_samples = _gather_trained(trained, world_size) if record else []
 
     # 7. Rank 0 saves the trained pipeline in diffusers format (safetensors).
     diffusers_dir = str(Path(loop_config["run_dir"]) / "diffusers")
@@ -280,4 +308,36 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         "steps_per_s": steps_per_s,
         "diffusers_dir": diffusers_dir,
         "reported_steps": reported_steps,
+        "trained_samples": trained_samples,
     }
+
+
+def _resume_position(schedule: SampleSchedule, state: TrainState | None, rank: int) -> DataPosition:
+    """The data position the first step of this attempt starts from: the checkpoint's, read back (any world
+    size continues it), or the start of epoch 0. Checkpoints of vidray before the world-size-independent
+    schedule (no per-bucket counts) start the epoch after theirs, with a log line. Raises UserError when the
+    saved position does not fit the schedule (other buckets or batch sizes)."""
+    if state is None:
+        return schedule.start(0)
+    if state.consumed_per_bucket is None:
+        _log(rank, f"checkpoint of step {state.step} has no per-bucket data position (older vidray): "
+             f"continuing at the start of epoch {state.epoch + 1}")
+        return schedule.start(state.epoch + 1)
+    try:
+        return schedule.position_from_dict(state.epoch, state.consumed_per_bucket)
+    except ValueError as err:
+        raise UserError(f"the checkpoint's data position cannot continue on these shards: {err}; "
+                        "use the original shards, data.buckets and batch sizes") from None
+
+
+def _gather_trained(trained: list[list[Any]], world_size: int) -> list[list[Any]]:
+    """Merge every rank's [step, epoch, sample_ids] records into one per step (one collective, at the end)."""
+    parts = [trained]
+    if world_size > 1:
+        parts = [None] * world_size
+        dist.all_gather_object(parts, trained)
+    merged: dict[int, list[Any]] = {}
+    for part in parts:
+        for step, epoch, ids in part:
+            merged.setdefault(step, [step, epoch, []])[2].extend(ids)
+    return [merged[s] for s in sorted(merged)]

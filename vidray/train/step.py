@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from typing import Sequence
 
 import torch
@@ -19,9 +21,18 @@ from vidray.errors import UserError
 
 
 def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
-    """CPU generator for the noise and sigmas of (`step`, `rank`): a pure function of its arguments, so a resumed
-    run draws exactly the noise the uninterrupted run would have drawn, with no RNG state to checkpoint."""
+    """CPU generator for a whole batch's noise and sigmas at (`step`, `rank`): a pure function of its arguments.
+    Training draws per sample instead (`sample_generator`), so that the noise does not depend on the rank."""
     return torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + step) * 1_009 + rank)
+
+
+def sample_generator(seed: int, step: int, sample_key: int) -> torch.Generator:
+    """CPU generator for the noise and sigma of one sample at optimizer `step`, keyed by (seed, step, sample_key)
+    and never by the rank: a run resized to another worker count draws the same noise for the same sample at the
+    same step. `sample_key`: the sample table's int64 key (`vidray.data.index.sample_key`). The seed is a 63-bit
+    blake2b hash of the three numbers, so nearby triples give unrelated streams."""
+    digest = hashlib.blake2b(struct.pack("<qqq", int(seed), int(step), int(sample_key)), digest_size=8).digest()
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
 
 def flow_matching_step_loss(
@@ -31,7 +42,9 @@ def flow_matching_step_loss(
     prompt_embeds: torch.Tensor,
     prompt_attention_mask: torch.Tensor,
     flow: FlowConfig,
-    generator: torch.Generator,
+    generator: torch.Generator | Sequence[torch.Generator],
+    *,
+    loss_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rectified-flow loss of one batch (Esser et al. 2024, eq. 1-3; formulas in vidray.diffusion.flow_matching).
 
@@ -39,17 +52,31 @@ def flow_matching_step_loss(
         family: the model family (its `predict` adapts the call to the transformer).
         latents: (B, C_lat, F_lat, H_lat, W_lat) normalized VAE latents.
         prompt_embeds: (B, L, D); prompt_attention_mask: (B, L) bool.
-        generator: CPU generator for noise and sigmas (see `step_generator`).
+        generator: one CPU generator for the whole batch's noise and sigmas (`step_generator`), or B generators,
+            one per sample (`sample_generator`: each draws its sample's noise, then its sigma).
+        loss_weights: (B,) per-sample weights (0 for the padding of `vidray.data.schedule`), or None.
     Returns:
-        scalar fp32 loss: mse(model_pred, noise - latents).
+        scalar fp32 loss: without weights, mse(model_pred, noise - latents); with weights,
+        sum_i w_i * mse_i, mse_i being sample i's mean squared error (the caller normalises the sum).
     """
     batch_size = latents.shape[0]
-    noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype).to(latents.device)
-    sigmas = sample_sigmas(batch_size, flow, generator=generator).to(latents.device)  # (B,)
+    if isinstance(generator, torch.Generator):
+        noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype).to(latents.device)
+        sigmas = sample_sigmas(batch_size, flow, generator=generator).to(latents.device)  # (B,)
+    else:
+        if len(generator) != batch_size:
+            raise ValueError(f"got {len(generator)} generators for a batch of {batch_size} samples")
+        noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=latents.dtype) for g in generator])
+        noise = noise.to(latents.device)
+        sigmas = torch.cat([sample_sigmas(1, flow, generator=g) for g in generator]).to(latents.device)  # (B,)
     noisy_latents = add_noise(latents, noise, sigmas)
     timesteps = timesteps_from_sigmas(sigmas, flow.num_train_timesteps)
     model_pred = family.predict(transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask)
-    return flow_matching_loss(model_pred, velocity_target(latents, noise))
+    target = velocity_target(latents, noise)
+    if loss_weights is None:
+        return flow_matching_loss(model_pred, target)
+    per_sample = (model_pred.float() - target.float()).pow(2).flatten(1).mean(dim=1)  # (B,)
+    return (per_sample * loss_weights.to(per_sample.device, torch.float32)).sum()
 
 
 class NonFiniteTrainingError(UserError):

@@ -47,6 +47,8 @@ class TrainResult:
     run (mean over ranks). first_step, last_step: the steps this run trained. steps_per_s: optimizer steps per
     second of wall time inside the loop (after data encoding). metrics: the last reported metrics with a
     checkpoint (step, epoch, loss, step_time_s, lr, grad_norm). reported_steps: steps at which metrics were reported.
+    trained_samples: [[step, epoch, [sample_id, ...]], ...] trained with weight > 0 on all ranks at each step
+    (only with `run_training(..., record_sample_ids=True)`).
     """
 
     run_dir: Path
@@ -58,6 +60,7 @@ class TrainResult:
     steps_per_s: float
     metrics: dict[str, Any] | None
     reported_steps: list[int] = field(default_factory=list)
+    trained_samples: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -220,7 +223,8 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     another fps; CheckpointError when the checkpoint to start from is incomplete or damaged; ConfigError when
     `storage.path` cannot be written, or when resuming changes a key fixed for the run (naming each key and both values),
     trains on other shards, or is already at `train.max_steps`. Prints one line listing the changeable keys that
-    differ from the checkpoint, and a warning when `scaling.num_workers` changed (the schedule is re-dealt).
+    differ from the checkpoint, and the data position the run continues from (world-size independent: another
+    `scaling.num_workers` deals the rest of the epoch, each sample still exactly once; `vidray.data.schedule`).
     """
     from vidray.data.buckets import parse_bucket
     from vidray.data.shards import read_index, report_path
@@ -272,9 +276,14 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     source = "checkpoint.resume_from" if plan.explicit else "the run's latest checkpoint"
     print(f"[vidray] resuming from {resume} ({source}) at step {state.step}; changed from the checkpoint: "
           f"{diff.summary() or 'nothing'}", flush=True)
-    if state.world_size != job.scaling.num_workers:
-        print(f"[vidray] warning: {resume} was trained with {state.world_size} workers, this run has "
-              f"{job.scaling.num_workers}: the sample schedule is re-dealt from step {state.step + 1} on", flush=True)
+    if state.consumed_per_bucket is not None:
+        workers = (f"{job.scaling.num_workers} workers (was {state.world_size})"
+                   if state.world_size != job.scaling.num_workers else f"{job.scaling.num_workers} workers")
+        print(f"[vidray] data position: epoch {state.epoch}, {state.batch_index} micro-batches of it done; the rest "
+              f"of the epoch is dealt to {workers}, each sample exactly once", flush=True)
+    else:
+        print(f"[vidray] {resume} predates the world-size-independent schedule: the run continues at the start of "
+              f"epoch {state.epoch + 1}", flush=True)
     return plan
 
 
@@ -425,14 +434,15 @@ def build_trainer_configs(job: JobConfig, storage_path: str) -> tuple[Any, Any]:
     return scaling, run
 
 
-def run_training(job: JobConfig) -> TrainResult:
+def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainResult:
     """Train `job` with Ray Train: starts a local Ray (or joins `RAY_ADDRESS`) if Ray is not initialized.
 
     A run whose `<storage.path>/<name>` already holds checkpoints resumes from the latest one, unless
     `checkpoint.resume_from` names another (see the module docstring). Raises the errors of `check_job_inputs`
     and RequestCannotBeMetError before Ray reserves anything; a vidray UserError raised in a worker (a diverged
     loss, a damaged checkpoint) is raised as is, without Ray Train retries; ray.train.TrainingFailedError when
-    the worker group fails more than `train.max_failures` times.
+    the worker group fails more than `train.max_failures` times. `record_sample_ids`: also return the sample_ids
+    trained at each step (`TrainResult.trained_samples`; for tests and audits, it grows with the run).
     """
     # 1. Checks that need no Ray: config against shards and checkpoint, output folder, local resources.
     plan = check_job_inputs(job)
@@ -465,6 +475,7 @@ def run_training(job: JobConfig) -> TrainResult:
         "shards_dir": _absolute(job.data.shards_dir),
         "resume_from": str(plan.checkpoint) if plan.checkpoint else None,
         "existing_checkpoints": plan.existing,
+        "record_sample_ids": record_sample_ids,
     }
     scaling_config, run_config = build_trainer_configs(job, storage_path)
     trainer = _torch_trainer_class()(
@@ -491,4 +502,5 @@ def run_training(job: JobConfig) -> TrainResult:
         steps_per_s=out.get("steps_per_s", 0.0),
         metrics=result.metrics,
         reported_steps=out.get("reported_steps", []),
+        trained_samples=out.get("trained_samples", []),
     )

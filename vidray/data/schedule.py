@@ -1,0 +1,335 @@
+"""The sample schedule: which samples every rank trains on at every step, independent of the world size.
+
+Vectorised numpy throughout (no per-sample Python loops): planning one epoch of 26.6 M samples over 512 ranks
+takes a few seconds and under 4 GB on one core (`benchmarks/schedule.py`).
+
+## The epoch's micro-batches (world-size independent)
+For epoch `e` (0-based), with `rng = np.random.default_rng([seed, e])`:
+1. The samples are grouped by bucket and each bucket's samples are shuffled (`rng.shuffle`, bucket by bucket).
+2. Each bucket `k` is cut into `m_k = ceil(n_k / b_k)` micro-batches of `b_k` samples (`b_k`: the bucket's batch
+   size, `batch_sizes_for_buckets`). A micro-batch holds one bucket. **Short batches**: the last micro-batch of a
+   bucket, and the only one of a bucket holding fewer samples than one batch, is filled up to `b_k` by repeating
+   that bucket's own samples of this epoch, cyclically, with loss weight 0: repeats cost compute but count neither
+   in the loss nor as "seen". Nothing is dropped.
+3. The global sequence: a uniformly random interleaving of all micro-batches in which each bucket's micro-batches
+   keep their order (each bucket draws sorted uniform keys, as cumulated exponentials; the sequence sorts by key).
+
+## The position
+`DataPosition(epoch, consumed)`: `consumed[k]` micro-batches of bucket `k` of the epoch are done; they are always
+the first `consumed[k]` of that bucket. Its sum is the epoch's batches consumed (`batches_consumed`). It does not
+depend on the world size. When every micro-batch of an epoch is consumed the position is `(epoch + 1, 0...)`.
+
+## Dealing a step to W ranks
+A step takes the bucket whose next micro-batch comes first in the global sequence and gives ranks 0..W-1 that
+bucket's next W micro-batches, in order: **all ranks of a step train the same bucket at the same batch size**
+(equal cost; nobody waits). When the bucket has r < W micro-batches left (its tail, once per bucket per epoch), ranks
+r..W-1 get a padded micro-batch (a copy of the step's first one) whose samples all have loss weight 0.
+
+Guarantee: the step dealt at a position is a pure function of (seed, epoch, position, W), identical on every rank
+and process. Whatever sequence of world sizes a run uses (changed at any resume), every sample of an epoch is
+trained with weight 1 exactly once in that epoch: each bucket's micro-batches are consumed as a prefix, each once.
+With a constant W the steps of an epoch are the groups `(c_k, c_k+W, ...)` of each bucket sorted by the sequence
+position of their first micro-batch (`plan`, vectorised), and resuming from any position reached gives exactly the
+remaining steps of the uninterrupted run. Padding costs at most (W - 1) micro-batches per bucket per epoch.
+
+Loss normalisation: a step's loss is the mean over its weighted samples across all ranks; each rank scales its
+weighted sum by `W / StepDeal.total_weight` (known to every rank from the plan, no communication), so DDP's
+gradient average gives exactly that mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from vidray.data.buckets import Bucket
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where a run is in its schedule: `epoch` (0-based) and `consumed[k]`, the micro-batches of bucket k (in
+    `SampleSchedule.buckets` order) of that epoch already trained. World-size independent."""
+
+    epoch: int
+    consumed: tuple[int, ...]
+
+    @property
+    def batches_consumed(self) -> int:
+        """Micro-batches of the epoch consumed (all buckets)."""
+        return int(sum(self.consumed))
+
+    def to_dict(self, buckets: Sequence[Bucket]) -> dict[str, int]:
+        """{"9x64x64": consumed, ...} for a checkpoint (keys are bucket names, so it survives reordering)."""
+        return {str(Bucket(*b)): int(c) for b, c in zip(buckets, self.consumed, strict=True)}
+
+
+@dataclass(frozen=True)
+class StepDeal:
+    """One optimizer step dealt to `world_size` ranks.
+
+    bucket, batch_size: shared by every rank. batch_ids: (W,) micro-batch ids of the epoch (bucket-major numbering);
+    real: (W,) bool, False for a padded rank. sample_rows: (W, B) int rows of the sample index; weights: (W, B)
+    float32 loss weights (0 = padding: not trained, not seen). next_position: the position after this step.
+    """
+
+    epoch: int
+    bucket: Bucket
+    batch_size: int
+    world_size: int
+    batch_ids: np.ndarray
+    real: np.ndarray
+    sample_rows: np.ndarray
+    weights: np.ndarray
+    next_position: DataPosition
+
+    @property
+    def total_weight(self) -> float:
+        """Sum of loss weights over every rank's batch (>= 1: a step always has a real micro-batch)."""
+        return float(self.weights.sum())
+
+    def rank(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sample_rows (B,), weights (B,)) of `rank`. Raises ValueError for a rank outside [0, W)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        return self.sample_rows[rank], self.weights[rank]
+
+
+@dataclass(frozen=True)
+class EpochDeal:
+    """The remaining steps of one epoch dealt to `world_size` ranks from a position (`SampleSchedule.plan`).
+
+    step_bucket: (S,) bucket index of each step; step_first: (S,) micro-batch id (epoch numbering) of rank 0;
+    step_count: (S,) real micro-batches of the step (<= W; the others are padded).
+    """
+
+    epoch: int
+    world_size: int
+    step_bucket: np.ndarray
+    step_first: np.ndarray
+    step_count: np.ndarray
+
+    @property
+    def num_steps(self) -> int:
+        return int(len(self.step_bucket))
+
+    def batch_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """((S, W) int micro-batch id of every rank at every step, (S, W) bool real mask). A padded rank gets the
+        step's first micro-batch, with every weight 0."""
+        ranks = np.arange(self.world_size, dtype=np.int64)
+        real = ranks[None, :] < self.step_count[:, None]
+        ids = self.step_first[:, None] + np.where(real, ranks[None, :], 0)
+        return ids, real
+
+
+@dataclass(frozen=True)
+class _Epoch:
+    slot_samples: np.ndarray  # (T,) sample row of every slot; slots of batch j: batch_slot[j] .. + b
+    slot_weight: np.ndarray  # (T,) bool: False for the repeats that fill a short batch
+    seq_pos: np.ndarray  # (M,) float key of each micro-batch (bucket-major id): the global sequence sorts by it
+
+
+class SampleSchedule:
+    """Deterministic, bucketed, world-size-independent schedule over a fixed table of samples.
+
+    Args:
+        bucket_ids: (N,) int bucket index of each sample (into `buckets`), e.g. `SampleIndex.bucket_id`.
+        buckets: the buckets, sorted (bucket index k is `buckets[k]`).
+        batch_sizes: samples per micro-batch, one int for all buckets or {Bucket: int}.
+        seed: schedule seed (the run's `train.seed`).
+    Raises:
+        ValueError: no samples, a bucket id outside `buckets`, a batch size < 1 or missing for a bucket.
+    """
+
+    def __init__(self, bucket_ids: np.ndarray, buckets: Sequence[Bucket], *,
+                 batch_sizes: int | Mapping[Bucket, int], seed: int):
+        bucket_ids = np.asarray(bucket_ids)
+        if bucket_ids.ndim != 1 or len(bucket_ids) == 0:
+            raise ValueError("the schedule needs at least one sample; did `vidray prepare` keep any clips?")
+        self.buckets = tuple(Bucket(*b) for b in buckets)
+        num_buckets = len(self.buckets)
+        if bucket_ids.min() < 0 or bucket_ids.max() >= num_buckets:
+            raise ValueError(f"bucket ids must be in [0, {num_buckets}), got {bucket_ids.min()}..{bucket_ids.max()}")
+        self.bucket_ids = bucket_ids.astype(np.int16 if num_buckets < 2**15 else np.int32)
+        if isinstance(batch_sizes, Mapping):
+            missing = [str(b) for b in self.buckets if b not in batch_sizes]
+            if missing:
+                raise ValueError(f"no batch size for bucket(s) {', '.join(missing)}")
+            sizes = [int(batch_sizes[b]) for b in self.buckets]
+        else:
+            sizes = [int(batch_sizes)] * num_buckets
+        if min(sizes) < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {sizes}")
+        self.seed = int(seed)
+        self.num_samples = len(bucket_ids)
+        self.bucket_sizes = np.bincount(self.bucket_ids, minlength=num_buckets).astype(np.int64)  # n_k
+        """(K,) samples per bucket."""
+        self.batch_sizes = np.asarray(sizes, dtype=np.int64)  # b_k
+        self.num_batches = -(-self.bucket_sizes // self.batch_sizes)  # m_k (0 for an empty bucket)
+        """(K,) micro-batches of each bucket per epoch (the same every epoch)."""
+        self.batch_start = np.concatenate([[0], np.cumsum(self.num_batches)])  # (K+1,) bucket-major batch ids
+        self.slot_start = np.concatenate([[0], np.cumsum(self.num_batches * self.batch_sizes)])  # (K+1,)
+        self.batches_per_epoch = int(self.batch_start[-1])
+        self._sample_start = np.concatenate([[0], np.cumsum(self.bucket_sizes)])
+        index_dtype = np.int32 if self.num_samples < 2**31 else np.int64
+        self._by_bucket = np.argsort(self.bucket_ids, kind="stable").astype(index_dtype)  # rows grouped by bucket
+        self._epoch_cache: dict[int, _Epoch] = {}
+
+    @classmethod
+    def from_buckets(cls, sample_buckets: Sequence[Bucket], *, batch_sizes: int | Mapping[Bucket, int],
+                     seed: int) -> "SampleSchedule":
+        """A schedule from one Bucket per sample (small lists: tests, demos)."""
+        if not sample_buckets:
+            raise ValueError("the schedule needs at least one sample; did `vidray prepare` keep any clips?")
+        buckets = sorted({Bucket(*b) for b in sample_buckets})
+        lookup = {b: i for i, b in enumerate(buckets)}
+        return cls(np.array([lookup[Bucket(*b)] for b in sample_buckets]), buckets, batch_sizes=batch_sizes, seed=seed)
+
+    # -- positions -------------------------------------------------------------------------------------------
+
+    def start(self, epoch: int = 0) -> DataPosition:
+        """The position before the first step of `epoch`."""
+        return DataPosition(int(epoch), (0,) * len(self.buckets))
+
+    def position_from_dict(self, epoch: int, consumed: Mapping[str, int]) -> DataPosition:
+        """Inverse of `DataPosition.to_dict`. Raises ValueError naming a bucket the schedule does not have or a
+        count beyond the bucket's micro-batches (the checkpoint belongs to other data or batch sizes)."""
+        names = [str(b) for b in self.buckets]
+        unknown = sorted(set(consumed) - set(names))
+        if unknown:
+            raise ValueError(f"data position names bucket(s) {unknown} that the shards do not hold ({names})")
+        counts = tuple(int(consumed.get(name, 0)) for name in names)
+        return self.check_position(DataPosition(int(epoch), counts))
+
+    def check_position(self, position: DataPosition) -> DataPosition:
+        """Return `position` normalised (an exhausted epoch becomes the next one's start). Raises ValueError."""
+        c = np.asarray(position.consumed, dtype=np.int64)
+        if c.shape != self.num_batches.shape or position.epoch < 0 or (c < 0).any() or (c > self.num_batches).any():
+            raise ValueError(
+                f"data position {position} does not fit this schedule (epoch >= 0; per-bucket batches "
+                f"0..{self.num_batches.tolist()} for buckets {[str(b) for b in self.buckets]})"
+            )
+        if (c == self.num_batches).all():
+            return self.start(position.epoch + 1)
+        return position
+
+    def steps_per_epoch(self, world_size: int) -> int:
+        """Optimizer steps of a whole epoch at a constant `world_size`."""
+        return int((-(-self.num_batches // _check_world(world_size))).sum())
+
+    # -- the epoch's micro-batches ----------------------------------------------------------------------------
+
+    def _epoch(self, epoch: int) -> _Epoch:
+        cached = self._epoch_cache.get(epoch)
+        if cached is not None:
+            return cached
+        rng = np.random.default_rng([self.seed % 2**63, int(epoch)])
+        n, b, m = self.bucket_sizes, self.batch_sizes, self.num_batches
+        total = int(self.slot_start[-1])
+        slot_samples = np.empty(total, dtype=self._by_bucket.dtype)
+        slot_weight = np.ones(total, dtype=bool)
+        seq_key = np.empty(self.batches_per_epoch, dtype=np.float64)
+        for k in range(len(n)):  # one iteration per bucket (tens), numpy inside
+            if n[k] == 0:
+                continue
+            # 1. This bucket's samples in a fresh random order (in place: no gather over the whole table).
+            members = self._by_bucket[self._sample_start[k]:self._sample_start[k + 1]].copy()
+            rng.shuffle(members)
+            # 2. Its micro-batches' slots; a short last batch repeats the bucket's first samples, weight 0.
+            s0, fill = int(self.slot_start[k]), int(m[k] * b[k] - n[k])
+            slot_samples[s0:s0 + n[k]] = members
+            if fill:
+                slot_samples[s0 + n[k]:s0 + n[k] + fill] = members[np.arange(fill) % n[k]]
+                slot_weight[s0 + n[k]:s0 + n[k] + fill] = False
+            # 3. Sequence keys: sorted uniform order statistics (cumulated exponentials), so merging all buckets
+            # by key is a uniformly random interleaving that keeps each bucket's batch order.
+            gaps = rng.standard_exponential(int(m[k]) + 1)
+            keys = np.cumsum(gaps)
+            seq_key[self.batch_start[k]:self.batch_start[k + 1]] = keys[:-1] / keys[-1]
+        result = _Epoch(slot_samples, slot_weight, seq_key)
+        self._epoch_cache = {epoch: result}  # one epoch at a time: a run moves forward
+        return result
+
+    def batch_samples(self, epoch: int, batch_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sample rows, weights) of micro-batches `batch_ids` (any shape S) of `epoch`: arrays (*S, B) when all
+        share one batch size B. Raises ValueError when they do not."""
+        e = self._epoch(epoch)
+        batch_ids = np.asarray(batch_ids, dtype=np.int64)
+        k = np.searchsorted(self.batch_start, batch_ids, side="right") - 1
+        sizes = self.batch_sizes[k]
+        if sizes.size and (sizes != sizes.flat[0]).any():
+            raise ValueError("batch_samples: the micro-batches have different batch sizes")
+        size = int(sizes.flat[0]) if sizes.size else 0
+        first = self.slot_start[k] + (batch_ids - self.batch_start[k]) * sizes
+        slots = first[..., None] + np.arange(size)
+        return e.slot_samples[slots], e.slot_weight[slots].astype(np.float32)
+
+    # -- dealing --------------------------------------------------------------------------------------------
+
+    def next_step(self, position: DataPosition, world_size: int) -> StepDeal:
+        """The step dealt at `position` to `world_size` ranks (O(buckets); see the module docstring)."""
+        world_size = _check_world(world_size)
+        position = self.check_position(position)
+        e = self._epoch(position.epoch)
+        c = np.asarray(position.consumed, dtype=np.int64)
+        open_ = np.flatnonzero(c < self.num_batches)
+        heads = e.seq_pos[self.batch_start[open_] + c[open_]]
+        k = int(open_[np.argmin(heads)])
+        count = int(min(world_size, self.num_batches[k] - c[k]))
+        first = int(self.batch_start[k] + c[k])
+        ranks = np.arange(world_size)
+        real = ranks < count
+        batch_ids = first + np.where(real, ranks, 0)
+        rows, weights = self.batch_samples(position.epoch, batch_ids)
+        weights = weights * real[:, None]
+        consumed = list(position.consumed)
+        consumed[k] += count
+        after = self.check_position(DataPosition(position.epoch, tuple(consumed)))
+        return StepDeal(position.epoch, self.buckets[k], int(self.batch_sizes[k]), world_size, batch_ids, real,
+                        rows, weights.astype(np.float32), after)
+
+    def plan(self, position: DataPosition, world_size: int) -> EpochDeal:
+        """Every remaining step of `position`'s epoch at a constant `world_size`, vectorised: the same steps, in
+        the same order, as calling `next_step` repeatedly from `position`."""
+        world_size = _check_world(world_size)
+        position = self.check_position(position)
+        e = self._epoch(position.epoch)
+        c = np.asarray(position.consumed, dtype=np.int64)
+        groups = -(-(self.num_batches - c) // world_size)  # (K,) steps left per bucket
+        group_bucket = np.repeat(np.arange(len(c)), groups)
+        within = np.arange(int(groups.sum()), dtype=np.int64) - np.repeat(np.cumsum(groups) - groups, groups)
+        first_local = c[group_bucket] + within * world_size
+        first = self.batch_start[:-1][group_bucket] + first_local
+        order = np.argsort(e.seq_pos[first], kind="stable")
+        step_bucket = group_bucket[order]
+        step_first = first[order]
+        step_count = np.minimum(world_size, self.num_batches[step_bucket] - first_local[order])
+        return EpochDeal(position.epoch, world_size, step_bucket, step_first, step_count)
+
+
+def _check_world(world_size: int) -> int:
+    if int(world_size) < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return int(world_size)
+
+
+def batch_sizes_for_buckets(
+    buckets: Sequence[Bucket],
+    *,
+    batch_size_per_worker: int,
+    tokens_per_batch: int | None,
+    latent_tokens: Callable[[Bucket], int],
+) -> dict[Bucket, int]:
+    """Samples per micro-batch of each bucket.
+
+    `tokens_per_batch` None: `batch_size_per_worker` for every bucket. Otherwise
+    `max(1, tokens_per_batch // latent_tokens(bucket))`, where `latent_tokens` is the latent positions of one clip
+    (F_lat * H_lat * W_lat of the family's VAE strides); e.g. 1536 tokens, Bucket(9, 64, 64) -> 3x8x8 = 192 ->
+    8 clips, Bucket(1, 64, 64) -> 64 -> 24 images. Raises ValueError for a budget < 1.
+    """
+    if tokens_per_batch is None:
+        return {Bucket(*b): int(batch_size_per_worker) for b in buckets}
+    if tokens_per_batch < 1:
+        raise ValueError(f"data.tokens_per_batch must be >= 1 latent tokens, got {tokens_per_batch}")
+    return {Bucket(*b): max(1, int(tokens_per_batch) // int(latent_tokens(Bucket(*b)))) for b in buckets}
