@@ -60,6 +60,8 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
         print(f"== 1. prepare {job.data.source} -> {job.data.shards_dir}", flush=True)
         summary = prepare_data(job.data, model=job.model)
         print(summary, flush=True)
+        if not summary.committed:
+            return 1  # nothing to train on; the summary says why
         num_kept, num_samples, num_skipped = summary.num_kept, summary.num_samples, summary.num_skipped
 
     if job.run_dir.exists() and not resume:

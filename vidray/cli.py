@@ -47,7 +47,10 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     if prepare_if_missing and not (Path(job.data.shards_dir) / INDEX_NAME).is_file():
         from vidray.data.ingest import prepare_data
 
-        print(prepare_data(job.data, model=job.model))
+        summary = prepare_data(job.data, model=job.model)
+        print(summary)
+        if not summary.committed:  # no sample kept: nothing to train on (the summary says why)
+            return 1
     result = run_training(job)
     print(f"[vidray] trained steps {result.first_step}..{result.last_step} at {result.steps_per_s:.2f} steps/s")
     print(f"[vidray] latest checkpoint: {result.checkpoint_path}")

@@ -12,6 +12,7 @@ only turns its errors into one `ConfigError` that names every dotted key at faul
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from pathlib import Path
@@ -87,6 +88,16 @@ class DataConfig:
     """Consecutive non-overlapping clips taken from one scene (1: one clip, centred in the scene)."""
     max_clips_per_source: int = 32
     """Most clips taken from one source video when splitting at scene cuts."""
+
+    @field_validator("source", "shards_dir", mode="before")
+    @classmethod
+    def _check_not_empty(cls, value: Any, info) -> Any:
+        # None too: `data.shards_dir=""` on a shell arrives as `data.shards_dir=`, which YAML reads as null.
+        if value is None or (isinstance(value, str) and not value.strip()):
+            example = "outputs/shards/<name>" if info.field_name == "shards_dir" else "samples/metadata.json"
+            what = "a folder" if info.field_name == "shards_dir" else "a .json or .csv source list"
+            raise ValueError(f"data.{info.field_name} is empty: give {what}, e.g. {example}")
+        return value
 
     @field_validator("buckets")
     @classmethod
@@ -213,6 +224,25 @@ class JobConfig:
             raise ValueError(f"data.tokens_per_batch must be >= 1 latent tokens or null, got {self.data.tokens_per_batch}")
         if self.data.fps <= 0:
             raise ValueError(f"data.fps must be > 0 frames/s, got {self.data.fps}")
+        if self.train.grad_clip_norm is not None and not self.train.grad_clip_norm > 0:
+            raise ValueError(f"train.grad_clip_norm must be > 0 or null (no clipping), got {self.train.grad_clip_norm}: "
+                             "a negative norm flips the gradients' sign and 0 zeroes them")
+        if not self.optim.weight_decay >= 0:
+            raise ValueError(f"optim.weight_decay must be >= 0, got {self.optim.weight_decay} (default 0.01)")
+        if not self.optim.eps > 0:
+            raise ValueError(f"optim.eps must be > 0, got {self.optim.eps} (default 1e-8)")
+        if not all(0 <= b < 1 for b in self.optim.betas):
+            raise ValueError(f"optim.betas must each be in [0, 1), got {list(self.optim.betas)} (default [0.9, 0.999])")
+        if self.optim.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0 optimizer steps, got {self.optim.warmup_steps}")
+        if not self.flow.logit_std > 0:
+            raise ValueError(f"flow.logit_std must be > 0, got {self.flow.logit_std} (default 1.0)")
+        if self.flow.num_train_timesteps < 1:
+            raise ValueError(f"flow.num_train_timesteps must be >= 1, got {self.flow.num_train_timesteps} (default 1000)")
+        if self.train.max_failures < -1:
+            raise ValueError(f"train.max_failures must be >= 0, or -1 to retry forever, got {self.train.max_failures}")
+        if self.train.seed < 0:
+            raise ValueError(f"train.seed must be >= 0, got {self.train.seed}")
         return self
 
     @property
@@ -406,10 +436,41 @@ def job_config_from_dict(raw: dict[str, Any]) -> JobConfig:
     """Validate a nested dict into a `JobConfig`. Raises ConfigError naming every dotted key at fault."""
     if not isinstance(raw, dict):
         raise ConfigError(f"a job config must be a mapping of sections, got {type(raw).__name__}")
+    type_errors = _scalar_type_errors(raw)
+    if type_errors:
+        raise ConfigError("; ".join(type_errors))
     try:
         return _ADAPTER.validate_python(raw)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
+
+
+def _scalar_type_errors(raw: dict[str, Any]) -> list[str]:
+    """Booleans given for numbers (`train.max_steps: true`, which pydantic's lax mode reads as 1) and non-booleans
+    given for booleans (`scaling.use_gpu: 1` or "yes"); YAML's true/false are the only booleans. One message per key."""
+    errors = []
+    for section in dataclasses.fields(JobConfig):
+        values = raw.get(section.name)
+        if not isinstance(values, dict) or not dataclasses.is_dataclass(section.default_factory):
+            continue
+        hints = typing.get_type_hints(section.default_factory)
+        for field in dataclasses.fields(section.default_factory):
+            if field.name not in values:
+                continue
+            key, value, hint = f"{section.name}.{field.name}", values[field.name], hints[field.name]
+            kinds = {a for a in typing.get_args(hint) if a is not type(None)} or {hint}
+            if typing.get_origin(hint) is tuple:  # optim.betas: each element a number
+                items = value if isinstance(value, (list, tuple)) else []
+                if any(isinstance(v, bool) for v in items):
+                    errors.append(f"'{key}': {value!r} holds a boolean; give numbers, e.g. {list(field.default)}")
+            elif kinds & {int, float} and isinstance(value, bool):
+                default = field.default if field.default is not dataclasses.MISSING else 1
+                errors.append(f"'{key}': {str(value).lower()} is a boolean, not a number; give a number, e.g. {default}")
+            elif float in kinds and isinstance(value, float) and not math.isfinite(value):
+                errors.append(f"'{key}': {value} is not a finite number; give a number, e.g. {field.default}")
+            elif kinds == {bool} and not isinstance(value, bool):
+                errors.append(f"'{key}': {value!r} is not a boolean; give true or false")
+    return errors
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

@@ -192,3 +192,27 @@ def test_unchanged_optim_on_resume_continues_the_schedule_exactly(tmp_path):
     load_checkpoint(directory, transformer=model, optimizer=optimizer, lr_scheduler=scheduler)
     restored = scheduler.get_last_lr()
     assert apply_optim_config(optimizer, OLD_OPTIM, step=3).get_last_lr() == pytest.approx(restored)
+
+
+def test_a_diffusers_export_given_as_checkpoint_is_named_and_the_run_checkpoints_listed(tmp_path):
+    run = tmp_path / "run"
+    write(run / "checkpoint_000004")
+    write(run / "checkpoint_000008")
+    (run / "checkpoint_000009").mkdir()  # unfinished: not offered
+    export = run / "diffusers"
+    export.mkdir()
+    (export / "model_index.json").write_text("{}")
+    message = str(refused(export, IncompleteCheckpointError, MANIFEST))
+    assert "is a diffusers export (model_index.json, no manifest.json), not a checkpoint" in message
+    assert "checkpoint_000004, checkpoint_000008)" in message and "checkpoint_000009" not in message
+    assert "not finished" not in message
+
+
+def test_train_state_without_dataset_hash_reads_back_and_compares_the_index_hash(tmp_path):
+    from vidray.train.checkpoint import dataset_mismatch, read_train_state
+
+    directory = write(tmp_path / "c")  # written as before dataset hashes: index_hash only
+    state = read_train_state(directory)
+    assert (state.dataset_hash, state.num_samples) == ("", None)
+    assert dataset_mismatch(state, tmp_path, {"content_hash": "sha256:abc", "num_samples": 6}) is None
+    assert "predates dataset hashes" in dataset_mismatch(state, tmp_path, {"content_hash": "sha256:new"})

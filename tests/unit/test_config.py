@@ -84,3 +84,61 @@ def test_run_name_num_to_keep_bucket_arity_and_empty_file(tmp_path):
     empty.write_text("")
     with pytest.raises(ConfigError, match="is empty"):
         load_job_config(empty)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.grad_clip_norm=-1", r"train.grad_clip_norm must be > 0 or null \(no clipping\), got -1.0"),
+    ("train.grad_clip_norm=0", r"train.grad_clip_norm must be > 0 or null"),
+    ("optim.weight_decay=-0.1", r"optim.weight_decay must be >= 0, got -0.1"),
+    ("optim.eps=0", r"optim.eps must be > 0, got 0.0"),
+    ("optim.betas=[0.9, 1.0]", r"optim.betas must each be in \[0, 1\), got \[0.9, 1.0\]"),
+    ("optim.betas=[-0.1, 0.9]", r"optim.betas must each be in \[0, 1\)"),
+    ("optim.warmup_steps=-1", r"optim.warmup_steps must be >= 0"),
+    ("flow.logit_std=0", r"flow.logit_std must be > 0, got 0.0"),
+    ("flow.num_train_timesteps=0", r"flow.num_train_timesteps must be >= 1, got 0"),
+    ("train.max_failures=-2", r"train.max_failures must be >= 0, or -1 to retry forever, got -2"),
+    ("train.seed=-1", r"train.seed must be >= 0, got -1"),
+    ("data.fps=.nan", r"'data.fps': nan is not a finite number"),
+    ("optim.lr=.inf", r"'optim.lr': inf is not a finite number"),
+])
+def test_out_of_range_values_are_refused_naming_key_and_range(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_job_config(None, [override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_steps=true", r"'train.max_steps': true is a boolean, not a number; give a number, e.g. 100"),
+    ("optim.lr=false", r"'optim.lr': false is a boolean, not a number"),
+    ("train.grad_clip_norm=true", r"'train.grad_clip_norm': true is a boolean, not a number"),
+    ("optim.betas=[true, 0.9]", r"'optim.betas': \[True, 0.9\] holds a boolean"),
+    ("scaling.use_gpu=1", r"'scaling.use_gpu': 1 is not a boolean; give true or false"),
+    ("data.split_scenes='yes'", r"'data.split_scenes': 'yes' is not a boolean; give true or false"),
+])
+def test_booleans_and_numbers_are_not_interchangeable(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_job_config(None, [override])
+
+
+def test_valid_edge_values_are_accepted():
+    job = load_job_config(None, ["train.grad_clip_norm=null", "optim.weight_decay=0", "optim.betas=[0, 0.99]",
+                                 "train.max_failures=-1", "scaling.use_gpu=false", "optim.lr=1"])
+    assert (job.train.grad_clip_norm, job.optim.betas, job.train.max_failures, job.optim.lr) == (None, (0.0, 0.99), -1, 1.0)
+
+
+def test_max_sequence_length_above_the_text_encoder_limit_is_refused_on_the_driver(tmp_path):
+    import json
+
+    from vidray.models.text_encoder import check_max_sequence_length, text_encoder_max_tokens
+
+    job = load_job_config(None, ["model.max_sequence_length=1000"])  # the config alone cannot know the limit
+    assert text_encoder_max_tokens(job.model) == 512  # MiniLM's max_position_embeddings
+    with pytest.raises(ConfigError, match=r"model.max_sequence_length 1000 is above the text encoder's limit of 512 "
+                                          r"tokens \(minilm\); set model.max_sequence_length <= 512"):
+        check_max_sequence_length(job.model)
+    check_max_sequence_length(load_job_config(None, ["model.max_sequence_length=512"]).model)
+    (tmp_path / "text_encoder").mkdir()
+    (tmp_path / "text_encoder" / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    pretrained = load_job_config(None, ["model.init=pretrained", f"model.pretrained_path={tmp_path}",
+                                        "model.max_sequence_length=100"]).model
+    with pytest.raises(ConfigError, match="limit of 64 tokens"):
+        check_max_sequence_length(pretrained)

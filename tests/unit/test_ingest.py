@@ -187,7 +187,6 @@ def test_read_source_reads_open_sora_csv_with_relative_and_absolute_paths(tmp_pa
         ("meta.json", "[]", "lists no files"),
         ("meta.json", "{not json", "not valid JSON"),
         ("data.csv", "file,caption\na.mp4,x\n", r"missing column\(s\) \['path', 'text'\]"),
-        ("data.csv", "path,text,fps\na.mp4,x,fast\n", "column fps must be a number"),
         ("data.txt", "a.mp4\n", "unknown extension '.txt'"),
     ],
 )
@@ -323,8 +322,12 @@ def test_prepare_reports_too_short_videos_and_missing_bucket_kinds(tmp_path):
     summary = prepare(tmp_path / "meta.json", tmp_path / "shards", [[9, 64, 64]], FPS, 8, progress=None)
     assert summary.num_kept == 0
     assert "too short: 6 frames at 8.00 fps" in summary.skipped[0][1]
-    assert "No sample was kept" in str(summary)
-    assert read_index(tmp_path / "shards")["num_samples"] == 0
+    assert "No sample was kept: nothing committed; check" in str(summary)  # no previous dataset to mention
+    assert not (tmp_path / "shards" / "index.json").exists()  # a first prepare keeping nothing commits nothing
+    assert not list((tmp_path / "shards").glob("gen.*"))
+    report = json.loads((tmp_path / "shards" / "last_failed_report.json").read_text())
+    assert report["committed"] is False and "too short" in report["skipped"][0]["reason"]
+    assert summary.report_path == tmp_path / "shards" / "last_failed_report.json"
 
 
 def test_prepare_from_csv_source(tmp_path, samples_dir):

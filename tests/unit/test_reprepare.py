@@ -214,3 +214,61 @@ def test_shard_writer_refuses_a_folder_it_cannot_create(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(UserError, match="cannot create the shards folder .* set data.shards_dir"):
         ShardWriter(tmp_path / "file" / "shards")
+
+
+def _all_skipped_source(folder: Path) -> Path:
+    """A source whose every file is skipped (missing), the new-user trial's case."""
+    path = folder / "broken.json"
+    path.write_text(json.dumps([{"file_path": "gone1.mp4", "text": "a"}, {"file_path": "gone2.mp4", "text": "b"}]))
+    return path
+
+
+def test_a_reprepare_keeping_no_sample_commits_nothing_and_leaves_the_previous_dataset(tmp_path, good_dataset):
+    shards_dir, before = good_dataset
+    files_before = {p: (shards_dir / p).read_bytes() for p in _files(shards_dir)}
+    summary = prepare(_all_skipped_source(tmp_path), shards_dir, BUCKETS, FPS, 2, progress=None)
+    assert summary.num_kept == 0 and not summary.committed
+    _assert_same_dataset(shards_dir, before)
+    assert read_index(shards_dir)["num_samples"] == 6  # was 0 before the fix: the good dataset was deleted
+    failed = shards_dir / "last_failed_report.json"
+    assert {p: (shards_dir / p).read_bytes() for p in _files(shards_dir) - {failed.name}} == files_before
+    assert not (shards_dir / "gen.00002").exists()  # the new generation's files are removed
+    text = str(summary)
+    assert f"nothing committed; the previous dataset in {shards_dir} is unchanged" in text
+    assert "gone1.mp4: " in text and "gone2.mp4: " in text  # the skip reasons stay visible
+    report = json.loads(failed.read_text())
+    assert report["committed"] is False and [s["path"] for s in report["skipped"]] == [
+        str(tmp_path / "gone1.mp4"), str(tmp_path / "gone2.mp4")]
+    assert summary.report_path == failed
+
+
+def test_a_committing_prepare_removes_the_stale_failed_report(tmp_path, samples_dir, good_dataset):
+    shards_dir, _ = good_dataset
+    prepare(_all_skipped_source(tmp_path), shards_dir, BUCKETS, FPS, 2, progress=None)
+    assert (shards_dir / "last_failed_report.json").exists()
+    summary = prepare(samples_dir / "metadata.json", shards_dir, BUCKETS, FPS, 64, progress=None)
+    assert summary.committed and read_index(shards_dir)["generation"] == 2  # the aborted one was never visible
+    assert not (shards_dir / "last_failed_report.json").exists()
+
+
+def test_vidray_prepare_exits_1_when_nothing_is_committed(tmp_path, good_dataset, capsys):
+    from vidray.cli import main
+
+    shards_dir, before = good_dataset
+    status = main(["prepare", str(REPO_ROOT / "jobs" / "configs" / "tiny_t2v.yaml"),
+                   f"data.source={_all_skipped_source(tmp_path)}", f"data.shards_dir={shards_dir}"])
+    assert status == 1
+    assert "nothing committed; the previous dataset" in capsys.readouterr().out
+    _assert_same_dataset(shards_dir, before)
+
+
+def test_train_with_prepare_stops_with_1_when_the_prepare_commits_nothing(tmp_path, capsys):
+    from vidray.cli import run_train_job
+    from vidray.config import load_job_config
+
+    shards_dir = tmp_path / "shards"
+    job = load_job_config(REPO_ROOT / "jobs" / "configs" / "tiny_t2v.yaml",
+                          [f"data.source={_all_skipped_source(tmp_path)}", f"data.shards_dir={shards_dir}"])
+    assert run_train_job(job, prepare_if_missing=True) == 1  # before any Ray work
+    assert "No sample was kept: nothing committed; check" in capsys.readouterr().out
+    assert not (shards_dir / INDEX_NAME).exists()

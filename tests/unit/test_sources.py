@@ -165,3 +165,77 @@ def test_a_txt_export_is_refused_with_the_rename_hint(tmp_path):
     shutil.copy(EDGE_DIR / "spreadsheet_export.csv", tmp_path / "export.txt")
     with pytest.raises(UserError, match="renamed to .tsv"):
         read_source(tmp_path / "export.txt")
+
+
+def test_an_unquoted_comma_in_a_caption_is_an_error_naming_line_counts_and_the_quote_fix(tmp_path):
+    path = _write(tmp_path / "data.csv", "path,text\nok.mp4,fine\nrot180.mp4,a horse, galloping\n")
+    with pytest.raises(UserError) as err:
+        read_source(path)  # was read as caption 'a horse', the rest dropped
+    message = str(err.value)
+    assert str(path) in message and "line 3" in message and "3 cells but the header has 2 columns" in message
+    assert 'quote the caption: "a horse, galloping"' in message
+
+
+def test_extra_cells_after_hint_columns_are_an_error_too(tmp_path):
+    path = _write(tmp_path / "data.csv", "path,text,fps\na.mp4,x,8,oops\n")
+    with pytest.raises(UserError, match=r"line 2: 4 cells but the header has 3 columns.*quote the caption"):
+        read_source(path)
+
+
+def test_trailing_empty_cells_of_a_spreadsheet_row_are_still_accepted(tmp_path):
+    items = read_source(_write(tmp_path / "data.csv", "path,text\na.mp4,x,,\n"))
+    assert [(i.listed_path, i.text) for i in items] == [("a.mp4", "x")]
+
+
+def test_a_row_too_short_to_reach_the_caption_is_an_error(tmp_path):
+    path = _write(tmp_path / "data.csv", "path,text,fps\na.mp4\n")
+    with pytest.raises(UserError, match=r"line 2: 1 cell\(s\) but the header has 3 columns"):
+        read_source(path)
+
+
+def test_a_semicolon_csv_with_decimal_comma_hints_reads_them_as_numbers(tmp_path):
+    path = _write(tmp_path / "data.csv", "Path;Text;num_frames;fps\na.mp4;a horse, galloping;120;29,97\n")
+    items = read_source(path)  # was refused: "column fps must be a number"
+    assert items[0].text == "a horse, galloping"
+    assert items[0].hints == {"num_frames": 120, "fps": 29.97}
+
+
+def test_an_unparseable_hint_is_ignored_with_one_warning_per_column(tmp_path, caplog):
+    path = _write(tmp_path / "data.csv", "path,text,fps,width\na.mp4,x,fast,wide\nb.mp4,y,slow,64\nc.mp4,z,8,\n")
+    with caplog.at_level("WARNING", logger="vidray.data.ingest"):
+        items = read_source(path)
+    assert [i.hints for i in items] == [{}, {"width": 64}, {"fps": 8.0}]
+    warnings = sorted(r.getMessage().split(": ", 1)[1] for r in caplog.records)  # one per column, not per row
+    assert len(warnings) == 2
+    assert warnings[0].startswith("column fps is not a number on 2 row(s) (line 2, 3") and "ignored" in warnings[0]
+    assert warnings[1].startswith("column width is not a number on 1 row(s) (line 2")
+
+
+def test_a_folder_as_source_says_to_give_the_list_inside_it(tmp_path):
+    (tmp_path / "clips").mkdir()
+    (tmp_path / "clips" / "metadata.json").write_text("[]")
+    with pytest.raises(UserError, match=r"is a folder: give the \.json or \.csv list inside it \(metadata\.json\)"):
+        read_source(tmp_path / "clips")
+
+
+@pytest.mark.parametrize("key", ["shards_dir", "source"])
+@pytest.mark.parametrize("value", ["", "   ", "\"\"", "\"  \""])
+def test_an_empty_shards_dir_or_source_is_refused_at_config_load(key, value):
+    from vidray.config import load_job_config
+
+    with pytest.raises(UserError, match=rf"data\.{key} is empty: give .*e\.g\. "):
+        load_job_config(None, [f"data.{key}={value}"])
+
+
+def test_empty_captions_and_repeated_listings_are_kept_and_counted(tmp_path, samples_dir):
+    hiker = str(samples_dir / "finetrainers_hiker_tiny_368x240.mp4")
+    boat = str(samples_dir / "animatediff_sailboat_painting.png")
+    source = _write(tmp_path / "data.csv", f'path,text\n{hiker},"  "\n{boat},a sailboat\n{boat},a boat again\n')
+    summary = prepare(source, tmp_path / "shards", [[9, 64, 64], [1, 64, 64]], 8.0, 64, progress=None)
+    assert summary.num_kept == 3 and summary.num_samples == 3  # no behaviour change: all kept
+    text = str(summary)
+    assert "Empty captions (kept): 1 (finetrainers_hiker_tiny_368x240.mp4)" in text
+    assert "Listed more than once: 1 extra listing(s) (animatediff_sailboat_painting.png)" in text
+    report = json.loads(summary.report_path.read_text())
+    assert report["num_empty_captions"] == 1 and report["empty_captions"] == [hiker]
+    assert report["num_duplicate_listings"] == 1 and report["duplicate_listings"] == [boat]

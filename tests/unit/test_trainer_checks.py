@@ -66,8 +66,10 @@ def test_fps_and_bucket_mismatch_with_shards(job_and_index):
     base = [f"data.shards_dir={job.data.shards_dir}"]
     with pytest.raises(ValueError, match="prepared at 8.0 fps but data.fps is 16.0"):
         check_job_inputs(load_job_config(None, base + ["data.fps=16"]))
-    with pytest.raises(ValueError, match="not in data.buckets"):
+    with pytest.raises(ValueError, match=r"hold buckets 1x64x64 that are not in data.buckets \(9x64x64\)"):
         check_job_inputs(load_job_config(None, base + ["data.buckets=[[9, 64, 64]]"]))
+    with pytest.raises(ValueError, match="model.max_sequence_length 1000 is above the text encoder's limit of 512"):
+        check_job_inputs(load_job_config(None, base + ["model.max_sequence_length=1000"]))
 
 
 def test_resume_past_max_steps_and_from_other_shards_are_refused(job_and_index):
@@ -268,3 +270,94 @@ def test_rerunning_the_same_resume_from_continues_instead_of_rewinding(job_and_i
     plan = check_job_inputs(resumed)
     assert (plan.checkpoint, plan.explicit) == (start, True)
     assert [p.name for p in plan.set_aside] == ["checkpoint_000008", "checkpoint_000012"]
+
+
+def test_resume_accepts_the_same_sources_prepared_again_and_refuses_another_dataset(job_and_index, tmp_path):
+    from vidray.data.index import dataset_hash
+    from vidray.data.shards import read_index
+
+    job, index, _ = job_and_index
+    again = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
+        f"data.source={REPO / 'samples/metadata.json'}", f"data.shards_dir={tmp_path / 'shards'}",
+        f"storage.path={tmp_path / 'runs'}", "train.max_steps=10", "name=again",
+    ])
+    prepare_data(again.data, progress=None)
+    assert dataset_hash(again.data.shards_dir) == dataset_hash(job.data.shards_dir)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+    def checkpoint(name: str, data_hash: str) -> None:
+        save_checkpoint(again.run_dir / name, transformer_state=model.state_dict(), optimizer=optimizer,
+                        lr_scheduler=scheduler, job_config=again.to_dict(),
+                        train_state=TrainState(2, 0, 0, 1, "sha256:content-of-the-deleted-prepare", None,
+                                               data_hash, 6))
+
+    checkpoint("checkpoint_000002", dataset_hash(job.data.shards_dir))  # written on the first prepare
+    assert check_job_inputs(again).step == 2  # the content hash differs; the dataset does not
+    checkpoint("checkpoint_000003", "sha256:another-dataset")
+    with pytest.raises(ValueError, match=r"another dataset \(sha256:another-dataset of 6 samples\).*re-prepare "
+                                         r"from the original sources.*new run"):
+        check_job_inputs(again)
+
+    # The checkpoint's own dataset rows: then one sample of the shards was missing, one other source changed, one
+    # sample existed that the shards no longer hold, and one caption differed.
+    import pyarrow as pa
+
+    from vidray.data.index import dataset_rows
+
+    rows = dataset_rows(job.data.shards_dir).to_pylist()
+    then = rows[1:]
+    then[0] = dict(then[0], source_sha256=b"\x01" * 32, row_sha256=b"\x02" * 32)
+    then[1] = dict(then[1], row_sha256=b"\x03" * 32)
+    then.append({"sample_id": "ffffffffffffffff", "source_sha256": b"\x04" * 32, "row_sha256": b"\x05" * 32})
+    checkpoint("checkpoint_000004", "sha256:then")
+    import pyarrow.parquet as pq
+
+    from vidray.data.index import DATASET_ROWS_SCHEMA
+    from vidray.train.checkpoint import DATASET_ROWS
+
+    pq.write_table(pa.Table.from_pylist(then, schema=DATASET_ROWS_SCHEMA), again.run_dir / "checkpoint_000004" / DATASET_ROWS)
+    with pytest.raises(ValueError, match=r"6 samples: 1 sample added, 1 removed, 1 changed source, 1 changed "
+                                         r"caption, bucket or clip window\): re-prepare"):
+        check_job_inputs(again)
+    assert read_index(again.data.shards_dir)["num_samples"] == 6
+
+
+def test_dataset_hash_changes_with_a_caption(job_and_index, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vidray.data.index import dataset_hash
+    from vidray.data.shards import INDEX_NAME, _content_hash, _sha256_file, read_index
+
+    job, _, _ = job_and_index
+    copy = tmp_path / "shards"
+    shutil.copytree(job.data.shards_dir, copy)
+    index = read_index(copy)
+    entry = index["shards"][0]
+    table = pq.read_table(copy / entry["file"])
+    captions = table["caption"].to_pylist()
+    captions[0] = captions[0] + " (edited)"
+    table = table.set_column(table.column_names.index("caption"), "caption", pa.array(captions, pa.string()))
+    pq.write_table(table, copy / entry["file"])
+    entry.update(bytes=(copy / entry["file"]).stat().st_size, sha256=_sha256_file(copy / entry["file"]))
+    index["content_hash"] = _content_hash(index)
+    import json
+
+    (copy / INDEX_NAME).write_text(json.dumps(index))
+    assert dataset_hash(copy) != dataset_hash(job.data.shards_dir)
+    from vidray.data.index import dataset_rows, describe_dataset_change
+
+    assert describe_dataset_change(dataset_rows(job.data.shards_dir), dataset_rows(copy)) == (
+        "1 changed caption, bucket or clip window")
+
+
+def test_prepare_refuses_a_max_sequence_length_above_the_text_encoder_limit_before_any_clip(tmp_path):
+    job = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
+        f"data.source={REPO / 'samples/metadata.json'}", f"data.shards_dir={tmp_path / 'shards'}",
+        "model.max_sequence_length=1000",
+    ])
+    with pytest.raises(ValueError, match="model.max_sequence_length 1000 is above the text encoder's limit of 512"):
+        prepare_data(job.data, job.model, progress=None)
+    assert not (tmp_path / "shards" / "index.json").exists()

@@ -212,3 +212,68 @@ def load_sample_index(shards_dir: str | Path) -> SampleIndex:
         clip_end_s=col["clip_end_s"].astype(np.float32),
         rebuilt=rebuilt,
     )
+
+
+
+DATASET_ROWS_SCHEMA = pa.schema([("sample_id", pa.string()), ("source_sha256", pa.binary(32)),
+                                 ("row_sha256", pa.binary(32))])
+
+
+def dataset_rows(shards_dir: str | Path) -> pa.Table:
+    """One row per sample of a prepared folder, sorted by sample_id: its source's sha256 (zeros when unknown) and
+    `row_sha256`, the sha256 of what defines it as training data (sample_id, bucket `FxHxW`, source sha256,
+    clip_start_s and clip_end_s in ms, caption), not of its encoding. Reads the sample table and the shards'
+    caption column only (no video bytes). `dataset_hash` digests it; `describe_dataset_change` compares two.
+    Raises like `load_sample_index`."""
+    from vidray.data.shards import read_index
+
+    shards_dir = Path(shards_dir)
+    table = load_sample_index(shards_dir)
+    captions: list[list[str]] = [
+        pq.read_table(shards_dir / entry["file"], columns=["caption"])["caption"].to_pylist()
+        for entry in read_index(shards_dir)["shards"]
+    ]
+    ids, sources, digests = [], [], []
+    for i in np.argsort(table.sample_id, kind="stable"):
+        b = table.buckets[table.bucket_id[i]]
+        source = table.source_sha256[i].tobytes()
+        sample_id = table.sample_id[i].decode()
+        row = "\t".join((sample_id, f"{b.num_frames}x{b.height}x{b.width}", source.hex(),
+                         str(round(float(table.clip_start_s[i]) * 1000)),
+                         str(round(float(table.clip_end_s[i]) * 1000)),
+                         captions[table.shard[i]][table.row[i]] or ""))
+        ids.append(sample_id)
+        sources.append(source)
+        digests.append(hashlib.sha256(row.encode()).digest())
+    return pa.table({"sample_id": pa.array(ids, pa.string()), "source_sha256": pa.array(sources, pa.binary(32)),
+                     "row_sha256": pa.array(digests, pa.binary(32))}, schema=DATASET_ROWS_SCHEMA)
+
+
+def dataset_hash(shards_dir_or_rows: str | Path | pa.Table) -> str:
+    """Identity of the training data in a prepared folder (or of its `dataset_rows`), independent of its encoding:
+    "sha256:<hex>" over the sorted rows of `dataset_rows`. Re-preparing identical sources gives the same hash
+    although the generation folder and x264's bytes differ (`index.json`'s content_hash does not survive that);
+    adding, removing or changing a sample (source bytes, bucket, clip window, caption) changes it."""
+    rows = shards_dir_or_rows if isinstance(shards_dir_or_rows, pa.Table) else dataset_rows(shards_dir_or_rows)
+    digest = hashlib.sha256()
+    for sample_id, row in zip(rows["sample_id"].to_pylist(), rows["row_sha256"].to_pylist(), strict=True):
+        digest.update(sample_id.encode() + b"\t" + row + b"\n")
+    return "sha256:" + digest.hexdigest()
+
+
+def describe_dataset_change(old: pa.Table, new: pa.Table) -> str:
+    """What differs between two `dataset_rows` tables, e.g. "3 samples added, 1 removed, 2 changed source, 1
+    changed caption, bucket or clip window" ("no sample differs" when none)."""
+    before = dict(zip(old["sample_id"].to_pylist(), zip(old["source_sha256"].to_pylist(),
+                                                         old["row_sha256"].to_pylist())))
+    after = dict(zip(new["sample_id"].to_pylist(), zip(new["source_sha256"].to_pylist(),
+                                                        new["row_sha256"].to_pylist())))
+    common = before.keys() & after.keys()
+    source = sum(1 for k in common if before[k][0] != after[k][0])
+    other = sum(1 for k in common if before[k][0] == after[k][0] and before[k][1] != after[k][1])
+    added = len(after.keys() - before.keys())
+    parts = [f"{n} {what}" for n, what in ((added, "sample added" if added == 1 else "samples added"),
+                                           (len(before.keys() - after.keys()), "removed"),
+                                           (source, "changed source"),
+                                           (other, "changed caption, bucket or clip window")) if n]
+    return ", ".join(parts) or "no sample differs"

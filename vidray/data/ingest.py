@@ -22,6 +22,7 @@ import csv
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import time
@@ -49,10 +50,13 @@ from vidray.data.video import (
     sampled_fps,
 )
 
+FAILED_REPORT_NAME = "last_failed_report.json"
+"""Where a prepare that kept no sample writes its report (never committed; the next committing prepare deletes it)."""
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 _JSON_FORMAT = 'a JSON list of {"file_path": ..., "text": ..., "type": "video"|"image"} (EasyAnimate metadata)'
 _CSV_FORMAT = "a CSV with a header row path,text[,num_frames,height,width,fps] (Open-Sora)"
 _CSV_HINTS = {"num_frames": int, "height": int, "width": int, "fps": float}
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -188,10 +192,29 @@ def _read_csv_source(path: Path) -> list[SourceItem]:
             f"source {path}: missing column(s) {missing} in header {header} (read as {sep}-separated); "
             f"expected {_CSV_FORMAT}"
         )
+    sep_name = {",": "comma", ";": "semicolon", "\t": "tab"}.get(delimiter, repr(delimiter))
+    needed = 1 + max(names.index("path"), names.index("text"))
     items = []
+    bad_hints: dict[str, list[tuple[int, str]]] = {}
     for line, cells in rows:
         if not any(cell.strip() for cell in cells):  # blank rows, e.g. trailing ",,," rows of a spreadsheet
             continue
+        if len(cells) > len(names) and any(cell.strip() for cell in cells[len(names):]):
+            # An unquoted delimiter inside a cell (e.g. the caption) splits it; zip() would drop the rest.
+            text_at = names.index("text")
+            whole = delimiter.join(cells[text_at:]) if text_at == len(names) - 1 else None
+            example = f'"{whole.strip()}"' if whole else '"a horse, galloping"'
+            raise UserError(
+                f"source {path}, line {line}: {len(cells)} cells but the header has {len(names)} columns "
+                f"({sep_name}-separated): an unquoted {sep_name} inside a cell splits it; quote the caption: "
+                f"{example}"
+            )
+        if len(cells) < needed:
+            raise UserError(
+                f"source {path}, line {line}: {len(cells)} cell(s) but the header has {len(names)} columns and "
+                f"'path' and 'text' need the first {needed} ({sep_name}-separated); fill the row or quote the "
+                f"caption; expected {_CSV_FORMAT}"
+            )
         row = {name: cell for name, cell in zip(names, cells) if name}
         listed = row.get("path", "").strip()
         text = row.get("text")
@@ -202,13 +225,18 @@ def _read_csv_source(path: Path) -> list[SourceItem]:
         for key, cast in _CSV_HINTS.items():
             value = (row.get(key) or "").strip()
             if value:
-                try:
-                    hints[key] = cast(float(value)) if cast is int else cast(value)
-                except ValueError:
-                    raise UserError(
-                        f"source {path}, line {line}: column {key} must be a number, got {value!r}"
-                    ) from None
+                try:  # a decimal comma (semicolon CSVs of comma locales: "29,97") reads as a point
+                    number = float(value.replace(",", ".")) if value.count(",") == 1 else float(value)
+                    hints[key] = cast(number) if cast is int else number
+                except (ValueError, OverflowError):
+                    bad_hints.setdefault(key, []).append((line, value))
         items.append(SourceItem(_resolve(path, listed), text, _is_image_path(listed), hints, listed))
+    for key, bad in bad_hints.items():  # hints are informational (files are probed): ignore, say so once
+        lines = ", ".join(str(n) for n, _ in bad[:5]) + (" ..." if len(bad) > 5 else "")
+        _log.warning(
+            "source %s: column %s is not a number on %d row(s) (line %s, e.g. %r); ignored: hints are "
+            "informational, every file is probed", path, key, len(bad), lines, bad[0][1],
+        )
     return items
 
 
@@ -223,11 +251,20 @@ def read_source(path: str | Path) -> list[SourceItem]:
     tab-separated (sniffed from the header line, or Excel's `sep=;` first line); blank rows skipped; path and
     caption cells stripped of surrounding whitespace.
 
+    A data row with more non-empty cells than the header (an unquoted delimiter in a caption) or too few
+    cells to reach 'path' and 'text' is an error naming the line and both counts. Hint columns (num_frames,
+    height, width, fps) accept a decimal comma ("29,97"); an unparseable hint is dropped with one logged
+    warning per column (hints are informational, never used for decoding).
+
     Raises UserFileNotFound for a missing source, UserError (a ValueError) naming the problem and the expected
-    format for anything else (another extension, not UTF-8/UTF-16, not a JSON list, missing columns/keys, an
+    format for anything else (a folder, another extension, not UTF-8/UTF-16, not a JSON list, missing columns/keys, an
     empty list).
     """
     path = Path(path)
+    if path.is_dir():
+        lists = sorted(p.name for p in path.iterdir() if p.suffix.lower() in (".json", ".csv", ".tsv"))[:5]
+        inside = f" ({', '.join(lists)})" if lists else ""
+        raise UserError(f"source {path} is a folder: give the .json or .csv list inside it{inside}")
     if not path.is_file():
         hint = "" if path.is_absolute() else f" (relative paths resolve against the current directory, {Path.cwd()})"
         raise UserFileNotFound(f"source {path} does not exist{hint}; give an EasyAnimate .json or Open-Sora .csv")
@@ -267,6 +304,15 @@ class PrepareSummary:
     elapsed_s: float
     captions_truncated: "TruncationStats | None" = None
     """Captions of kept files longer than `model.max_sequence_length` tokens (None: no model section given)."""
+    committed: bool = True
+    """False when no sample was kept: nothing was committed (`index.json` and any previous dataset untouched),
+    `report_path` is then `<shards_dir>/last_failed_report.json`."""
+    had_previous: bool = False
+    """Whether `shards_dir` held a committed dataset when this prepare started."""
+    empty_captions: list[str] = field(default_factory=list)
+    """Kept source files whose caption is empty or whitespace only (they are kept; reported only)."""
+    duplicate_listings: list[str] = field(default_factory=list)
+    """Source paths listed more than once: one entry per listing after the first (reported only)."""
 
     def __str__(self) -> str:
         total = self.num_kept + self.num_skipped
@@ -283,8 +329,19 @@ class PrepareSummary:
             text += f" Skipped {self.num_skipped}: {reasons}{more}; all reasons in {self.report_path}."
         if self.captions_truncated is not None and self.captions_truncated.num_truncated:
             text += f" Captions: {self.captions_truncated}."
-        if self.num_kept == 0:
-            text += " No sample was kept: training cannot run on this folder; check the source paths and buckets."
+        if self.empty_captions:
+            names = ", ".join(Path(p).name for p in self.empty_captions[:5])
+            more = " ..." if len(self.empty_captions) > 5 else ""
+            text += f" Empty captions (kept): {len(self.empty_captions)} ({names}{more})."
+        if self.duplicate_listings:
+            names = ", ".join(Path(p).name for p in self.duplicate_listings[:5])
+            more = " ..." if len(self.duplicate_listings) > 5 else ""
+            text += f" Listed more than once: {len(self.duplicate_listings)} extra listing(s) ({names}{more})."
+        if not self.committed:
+            text += " No sample was kept: nothing committed"
+            if self.had_previous:
+                text += f"; the previous dataset in {self.shards_dir} is unchanged"
+            text += "; check the source paths and buckets."
         return text
 
 
@@ -404,6 +461,11 @@ def prepare(
     interrupted or raises leaves the previous dataset in `shards_dir` readable as it was (`ShardWriter`).
     `scene_split`: how videos lasting at least two clips of their bucket are split at scene cuts into several
     samples (`vidray.data.scenes`; None: one clip per source, from its start).
+    A prepare that keeps no sample commits nothing: the new generation is deleted, `index.json` and the previous
+    dataset (if any) stay exactly as they were, and the report (every skip reason, `committed: false`) goes to
+    `<shards_dir>/last_failed_report.json`, outside any generation; the summary says "nothing committed".
+    The report also counts kept files with empty captions (`num_empty_captions`, `empty_captions`) and extra
+    listings of a file listed several times (`num_duplicate_listings`, `duplicate_listings`); both are kept.
     `progress` gets one line per file (None: silent). Files that cannot be used are skipped and reported, never
     raised. Raises ValueError for bad buckets/fps/samples_per_shard or a bad source list, FileNotFoundError for a
     missing source, before touching `shards_dir`; UserError while another prepare writes `shards_dir`.
@@ -425,6 +487,7 @@ def prepare(
     # 2. Start a new generation beside the committed one (which stays readable until step 4 switches the index).
     shards_dir = Path(shards_dir)
     writer = ShardWriter(shards_dir)
+    had_previous = (shards_dir / "index.json").is_file()
 
     # 3. Probe, bucket, sample, encode; flush a shard every `samples_per_shard` rows.
     rows: list[dict[str, Any]] = []
@@ -519,11 +582,21 @@ def prepare(
         )
     if rows:
         shards.append(writer.write_shard(rows))
-    writer.write_sample_table(table)
+    if kept:
+        writer.write_sample_table(table)
 
     # 4. The report, then the index (the commit marker, replaced atomically), then delete the old generation.
     elapsed_s = time.perf_counter() - start
     kept_paths = {k["path"] for k in kept}
+    empty_captions = sorted(
+        {str(it.file_path) for it in items if str(it.file_path) in kept_paths and not it.text.strip()}
+    )
+    listings: dict[str, int] = {}
+    duplicate_listings = []
+    for it in items:
+        listings[str(it.file_path)] = listings.get(str(it.file_path), 0) + 1
+        if listings[str(it.file_path)] > 1:
+            duplicate_listings.append(str(it.file_path))
     captions = caption_check([it.text for it in items if str(it.file_path) in kept_paths]) if caption_check else None
     report = {
         "source": str(Path(source).resolve()),
@@ -533,15 +606,32 @@ def prepare(
         "bucket_counts": bucket_counts,
         "kept": kept,
         "skipped": [{"path": p, "reason": r} for p, r in skipped],
+        "num_empty_captions": len(empty_captions),
+        "empty_captions": empty_captions,
+        "num_duplicate_listings": len(duplicate_listings),
+        "duplicate_listings": duplicate_listings,
         "elapsed_s": round(elapsed_s, 3),
         **({"captions_truncated": captions.to_dict()} if captions is not None else {}),
     }
-    index = writer.commit(report, buckets=buckets, fps=fps, bucket_counts=bucket_counts)
+    failed_report = shards_dir / FAILED_REPORT_NAME
+    if not kept:  # commit nothing: the previous index and its files stay as they were
+        report["committed"] = False
+        writer.abort()
+        tmp = failed_report.with_name(f".{failed_report.name}.tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        os.replace(tmp, failed_report)
+        report_file = failed_report
+    else:
+        index = writer.commit(report, buckets=buckets, fps=fps, bucket_counts=bucket_counts)
+        if failed_report.exists():  # stale: this prepare committed
+            failed_report.unlink()
+        report_file = shards_dir / index["report"]["file"]
     return PrepareSummary(
         num_kept=num_files_kept, num_samples=len(kept), num_skipped=len(skipped), skipped=skipped,
-        shards_dir=shards_dir, report_path=shards_dir / index["report"]["file"], bucket_counts=bucket_counts,
+        shards_dir=shards_dir, report_path=report_file, bucket_counts=bucket_counts,
         num_shards=len(shards), fps=float(fps), elapsed_s=time.perf_counter() - start,
-        captions_truncated=captions,
+        captions_truncated=captions, committed=bool(kept), had_previous=had_previous,
+        empty_captions=empty_captions, duplicate_listings=duplicate_listings,
     )
 
 
@@ -562,6 +652,9 @@ def prepare_data(
             raise UserFileNotFound(  # before any clip is processed
                 f"model.pretrained_path {model.pretrained_path!r} has no tokenizer/ folder; give a diffusers folder"
             )
+        from vidray.models.text_encoder import check_max_sequence_length
+
+        check_max_sequence_length(model)  # config files only, before any clip is processed
 
         def check_captions(captions: list[str]) -> "TruncationStats":
             from vidray.models.text_encoder import build_tokenizer, caption_truncation  # transformers: import late

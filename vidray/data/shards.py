@@ -312,6 +312,13 @@ class ShardWriter:
         self.close()
         return index
 
+    def abort(self) -> None:
+        """Commit nothing: delete this generation's folder and release the lock. `index.json` and the files of
+        the committed dataset (if any) stay exactly as they were."""
+        self._check_open()
+        shutil.rmtree(self.generation_dir, ignore_errors=True)
+        self.close()
+
     def _check_open(self) -> None:
         if not self._unlock.alive:
             raise RuntimeError(f"this ShardWriter of {self.generation_dir} is committed or closed; start a new one")

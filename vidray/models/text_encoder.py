@@ -215,6 +215,38 @@ def shards_caption_truncation(shards_dir: str | Path, model: "ModelConfig") -> T
     return caption_truncation(build_tokenizer(model), captions, model.max_sequence_length)
 
 
+def text_encoder_max_tokens(model: "ModelConfig") -> int:
+    """Most tokens `model`'s text encoder embeds (its BERT config's `max_position_embeddings`), read from config
+    files only (no weights): MiniLM's shipped config.json (512), `tiny_random`'s 512, or for `init: pretrained`
+    `<pretrained_path>/text_encoder/config.json`. Raises UserFileNotFound when that file is missing."""
+    import json
+
+    from vidray.errors import UserFileNotFound
+
+    if model.init == "pretrained":
+        path = Path(str(model.pretrained_path)) / "text_encoder" / "config.json"
+        if not path.is_file():
+            raise UserFileNotFound(f"model.pretrained_path {model.pretrained_path!r} has no text_encoder/config.json; "
+                                   "give a diffusers folder written by `vidray` export")
+    elif model.text_encoder == "tiny_random":
+        return 512  # build_text_encoder's BertConfig
+    else:
+        path = minilm_path() / "config.json"
+    return int(json.loads(path.read_text()).get("max_position_embeddings", 512))
+
+
+def check_max_sequence_length(model: "ModelConfig") -> None:
+    """Refuse `model.max_sequence_length` above what the text encoder can embed (it would fail inside every
+    worker). Raises ConfigError naming the key, the value and the limit."""
+    from vidray.config import ConfigError
+
+    limit = text_encoder_max_tokens(model)
+    if model.max_sequence_length > limit:
+        which = f"{model.pretrained_path}/text_encoder" if model.init == "pretrained" else model.text_encoder
+        raise ConfigError(f"model.max_sequence_length {model.max_sequence_length} is above the text encoder's limit "
+                          f"of {limit} tokens ({which}); set model.max_sequence_length <= {limit}")
+
+
 @torch.no_grad()
 def encode_prompts(
     text_encoder: PreTrainedModel,

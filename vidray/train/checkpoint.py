@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
@@ -33,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from vidray.errors import UserError
 
 MANIFEST = "manifest.json"
+DATASET_ROWS = "dataset_rows.parquet"
 PARTS = ("transformer.safetensors", "optimizer.pt", "lr_scheduler.pt", "train_state.json", "config.yaml")
 FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, 2)
@@ -48,7 +50,9 @@ class TrainState:
     (all buckets; world-size independent). consumed_per_bucket: {"9x64x64": micro-batches consumed, ...}, the
     position itself (the loop reads it back on resume); None in checkpoints of vidray before the world-size
     independent schedule, whose epoch/batch_index counted steps of one world size (such a run resumes at the start
-    of the next epoch). world_size: ranks of the run that wrote it. index_hash: content hash of the shard index.
+    of the next epoch). world_size: ranks of the run that wrote it. index_hash: content hash of the shard index (changes when the
+    same sources are prepared again). dataset_hash: `vidray.data.index.dataset_hash` of the shards, the identity a
+    resume checks ("" in checkpoints written before it: those compare index_hash). num_samples: samples then.
     """
 
     step: int
@@ -57,6 +61,36 @@ class TrainState:
     world_size: int
     index_hash: str
     consumed_per_bucket: dict[str, int] | None = None
+    dataset_hash: str = ""
+    num_samples: int | None = None
+
+
+def dataset_mismatch(state: TrainState, shards_dir: str | Path, index: dict[str, Any],
+                     current_rows: Any = None, checkpoint_dir: str | Path | None = None) -> str | None:
+    """Why a checkpoint with `state` cannot resume on the prepared folder `shards_dir` (whose `index` is given), as
+    the end of a sentence ("was trained on ..."), or None when it may. Checkpoints with a `dataset_hash` compare
+    the dataset (`vidray.data.index.dataset_hash` of `current_rows`, the folder's `dataset_rows`, read here when
+    None), so re-preparing identical sources resumes; older ones compare the index's content hash. With the
+    checkpoint's folder holding `DATASET_ROWS`, the message counts the samples added, removed and changed."""
+    if state.dataset_hash:
+        from vidray.data.index import dataset_hash, dataset_rows, describe_dataset_change
+
+        rows = dataset_rows(shards_dir) if current_rows is None else current_rows
+        current = dataset_hash(rows)
+        if current == state.dataset_hash:
+            return None
+        then = "" if state.num_samples is None else f" of {state.num_samples} samples"
+        saved = None if checkpoint_dir is None else Path(checkpoint_dir) / DATASET_ROWS
+        what = ("samples, sources, clip windows or captions differ" if saved is None or not saved.is_file()
+                else describe_dataset_change(pq.read_table(saved), rows))
+        return (f"was trained on another dataset ({state.dataset_hash}{then}) than {shards_dir} holds "
+                f"({current} of {index.get('num_samples')} samples: {what}): re-prepare from the original sources "
+                "into data.shards_dir, or start a new run under another name")
+    if state.index_hash and state.index_hash != index.get("content_hash"):
+        return (f"was trained on other shards (index {state.index_hash}) than {shards_dir} "
+                f"({index.get('content_hash')}; this checkpoint predates dataset hashes, so any re-prepare counts as "
+                "a change): use the original shards, or a new run name to start afresh")
+    return None
 
 
 class CheckpointError(UserError):
@@ -96,9 +130,11 @@ def save_checkpoint(
     lr_scheduler: Any,
     train_state: TrainState,
     job_config: dict[str, Any],
+    dataset: Any = None,
 ) -> Path:
     """Write every part into `directory` (created if missing), then the manifest with each part's size and
-    sha256. Returns the folder."""
+    sha256. Returns the folder. `dataset`: the shards' `vidray.data.index.dataset_rows` table, written as
+    `DATASET_ROWS` (optional, not a verified part: it only makes a refused resume say which samples differ)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in transformer_state.items()}
@@ -107,6 +143,8 @@ def save_checkpoint(
     torch.save(lr_scheduler.state_dict(), directory / "lr_scheduler.pt")
     (directory / "train_state.json").write_text(json.dumps(asdict(train_state), indent=2))
     (directory / "config.yaml").write_text(yaml.safe_dump(job_config, sort_keys=False))
+    if dataset is not None:
+        pq.write_table(dataset, directory / DATASET_ROWS)
     files = {
         part: {"size_bytes": (directory / part).stat().st_size, "sha256": file_sha256(directory / part)}
         for part in PARTS
@@ -118,6 +156,15 @@ def save_checkpoint(
 
 def _read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST
+    if not path.is_file() and (directory / "model_index.json").is_file():
+        found = sorted(p.name for p in directory.parent.glob("checkpoint_*") if (p / MANIFEST).is_file())
+        listing = (f"the checkpoints of {directory.parent}: {', '.join(found)}" if found
+                   else f"{directory.parent} holds no finished checkpoint_* folder")
+        raise IncompleteCheckpointError(
+            f"{directory} is a diffusers export (model_index.json, no {MANIFEST}), not a checkpoint: resume from a checkpoint folder "
+            f"instead ({listing}), or give the export to `vidray generate --model`",
+            directory=directory, part=MANIFEST,
+        )
     if not path.is_file():
         raise IncompleteCheckpointError(
             f"checkpoint {directory} has no {MANIFEST}: it was not finished; use an earlier checkpoint",

@@ -33,13 +33,13 @@ from vidray.config import JobConfig, job_config_from_dict
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError
 from vidray.generate import write_job_file
-from vidray.data.index import load_sample_index
+from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
 from vidray.data.schedule import DataPosition, SampleSchedule, batch_sizes_for_buckets
 from vidray.data.shards import load_samples, read_index
 from vidray.models.registry import get_family
 from vidray.models.text_encoder import encode_prompts
 from vidray.models.vae import encode_video, frames_to_video
-from vidray.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from vidray.train.checkpoint import TrainState, dataset_mismatch, load_checkpoint, save_checkpoint
 from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
 from vidray.train.step import (
     NonFiniteTrainingError,
@@ -174,11 +174,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         # This job's optim section wins over the restored one (lr, betas, weight decay, eps, warmup schedule).
         lr_scheduler = apply_optim_config(optimizer, job.optim, step=state.step)
     index_hash = index.get("content_hash", "")
-    if state is not None and state.index_hash and state.index_hash != index_hash:
-        raise UserError(  # deterministic: never retried (see vidray.train.trainer)
-            f"checkpoint was trained on shard index {state.index_hash} but {shards_dir} has {index_hash}: "
-            "the data changed; use a new run name or the original shards"
-        )
+    data_rows = dataset_rows(shards_dir)
+    data_hash = dataset_hash(data_rows)
+    problem = None if state is None else dataset_mismatch(state, shards_dir, index, data_rows)
+    if problem:
+        raise UserError(f"the checkpoint {problem}")  # deterministic: never retried (see vidray.train.trainer)
     position = _resume_position(schedule, state, rank)
 
     # 5. DDP (gloo on CPU, NCCL on GPU; Ray Train sets up the process group).
@@ -282,8 +282,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                         optimizer=optimizer,
                         lr_scheduler=lr_scheduler,
                         train_state=TrainState(step, position.epoch, position.batches_consumed, world_size,
-                                               index_hash, position.to_dict(schedule.buckets)),
+                                               index_hash, position.to_dict(schedule.buckets), data_hash,
+                                               len(table)),
                         job_config=job.to_dict(),
+                        dataset=data_rows,
                     )
                     checkpoint = ray.train.Checkpoint.from_directory(tmp)
                 ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=f"checkpoint_{step:06d}")

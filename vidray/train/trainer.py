@@ -222,7 +222,8 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     is not a folder; UserError when the shards hold no samples, a bucket that is not in `data.buckets` or
     another fps; CheckpointError when the checkpoint to start from is incomplete or damaged; ConfigError when
     `storage.path` cannot be written, or when resuming changes a key fixed for the run (naming each key and both values),
-    trains on other shards, or is already at `train.max_steps`. Prints one line listing the changeable keys that
+    trains on another dataset (`vidray.train.checkpoint.dataset_mismatch`), or is already at `train.max_steps`, and
+    when `model.max_sequence_length` exceeds the text encoder's limit. Prints one line listing the changeable keys that
     differ from the checkpoint, and the data position the run continues from (world-size independent: another
     `scaling.num_workers` deals the rest of the epoch, each sample still exactly once; `vidray.data.schedule`).
     """
@@ -232,6 +233,9 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
 
     if "://" not in job.storage.path:
         check_output_path(job.storage.path, "storage.path")
+    from vidray.models.text_encoder import check_max_sequence_length
+
+    check_max_sequence_length(job.model)
     index = read_index(job.data.shards_dir)
     if index["num_samples"] == 0:
         raise UserError(
@@ -243,8 +247,8 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     unknown = prepared - configured
     if unknown:
         raise UserError(
-            f"shards in {job.data.shards_dir} hold buckets {sorted(unknown)} that are not in data.buckets "
-            f"{sorted(configured)}: re-run `vidray prepare` with this config or add the buckets"
+            f"shards in {job.data.shards_dir} hold buckets {', '.join(map(str, sorted(unknown)))} that are not in "
+            f"data.buckets ({', '.join(map(str, sorted(configured)))}): re-run `vidray prepare` with this config or add the buckets"
         )
     if abs(float(index.get("fps", job.data.fps)) - job.data.fps) > 1e-6:
         raise UserError(
@@ -268,11 +272,11 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
             f"{resume} is already at step {state.step} >= train.max_steps {job.train.max_steps}: raise "
             f"train.max_steps to continue the run, or choose a new name to start afresh"
         )
-    if state.index_hash and state.index_hash != index.get("content_hash"):
-        raise ConfigError(
-            f"{resume} was trained on other shards (index {state.index_hash}) than {job.data.shards_dir} "
-            f"({index.get('content_hash')}): use the original shards, or a new name to start afresh"
-        )
+    from vidray.train.checkpoint import dataset_mismatch
+
+    problem = dataset_mismatch(state, job.data.shards_dir, index, checkpoint_dir=resume)
+    if problem:
+        raise ConfigError(f"{resume} {problem}")
     source = "checkpoint.resume_from" if plan.explicit else "the run's latest checkpoint"
     print(f"[vidray] resuming from {resume} ({source}) at step {state.step}; changed from the checkpoint: "
           f"{diff.summary() or 'nothing'}", flush=True)
