@@ -150,11 +150,11 @@ def _bucket_ids(num_frames: np.ndarray, height: np.ndarray, width: np.ndarray) -
     return inverse.astype(np.int16 if len(unique) < 2**15 else np.int32), buckets
 
 
-def _table_from_shards(shards_dir: Path, index: dict[str, Any]) -> pa.Table:
+def _table_from_shards(storage: Any, index: dict[str, Any]) -> pa.Table:
     """The sample table of a folder prepared before it existed, read from the shards' own columns."""
     parts = []
     for shard_no, entry in enumerate(index["shards"]):
-        t = pq.read_table(shards_dir / entry["file"],
+        t = pq.read_table(pa.BufferReader(storage.read_bytes(entry["file"])),
                           columns=["sample_id", "num_frames", "height", "width", "video_mp4", "clip_start_s",
                                    "clip_end_s"])
         n = t.num_rows
@@ -172,25 +172,27 @@ def _table_from_shards(shards_dir: Path, index: dict[str, Any]) -> pa.Table:
 
 
 def load_sample_index(shards_dir: str | Path) -> SampleIndex:
-    """Read the committed sample table of a prepared folder into numpy arrays.
+    """Read the committed sample table of a prepared folder (or URI, `vidray.data.storage`) into numpy arrays.
 
     Raises like `vidray.data.shards.read_index` (no index, missing files), and UserError when the table differs
     from what `index.json` recorded (size, sha256 or row count: edited or damaged) or lacks a column.
     """
-    from vidray.data.shards import _sha256_file, read_index  # shards imports this module for its schema
+    from vidray.data.shards import read_index  # shards imports this module for its schema
+    from vidray.data.storage import open_storage
 
-    shards_dir = Path(shards_dir)
-    index = read_index(shards_dir)
+    storage = open_storage(shards_dir)
+    index = read_index(storage)
     entry = index.get("samples")
     rebuilt = entry is None
     if rebuilt:
-        table = _table_from_shards(shards_dir, index)
+        table = _table_from_shards(storage, index)
     else:
-        path = shards_dir / entry["file"]
-        if path.stat().st_size != entry["bytes"] or _sha256_file(path) != entry["sha256"]:
+        path = storage.display(entry["file"])
+        data = storage.read_bytes(entry["file"])
+        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise UserError(f"{path} differs from the sample table index.json recorded (edited or damaged): "
                             "re-run `vidray prepare`")
-        table = pq.read_table(path)
+        table = pq.read_table(pa.BufferReader(data))
         missing = [c for c in SAMPLE_TABLE_SCHEMA.names if c not in table.column_names]
         if missing or table.num_rows != index["num_samples"]:
             raise UserError(f"{path} has {table.num_rows} rows for {index['num_samples']} samples, missing columns "

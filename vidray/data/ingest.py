@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 from vidray.data.buckets import Bucket, assign_bucket, validate_bucket
 from vidray.data.shards import ShardWriter
+from vidray.data.storage import is_uri
 from vidray.errors import UserError, UserFileNotFound
 from vidray.data.scenes import SceneSplit, detect_scenes, needs_scene_split, plan_scene_clips
 from vidray.data.video import (
@@ -257,8 +258,9 @@ class PrepareSummary:
     num_skipped: int
     skipped: list[tuple[str, str]]
     """(source path, reason) for every skipped file."""
-    shards_dir: Path
-    report_path: Path
+    shards_dir: Path | str
+    """The local folder, or the URI as given (`vidray.data.storage`)."""
+    report_path: Path | str
     """The committed report, `<shards_dir>/gen.NNNNN/report.json`: every kept and skipped file, with reasons."""
     bucket_counts: dict[str, int]
     """`str(bucket)` ("9x64x64") -> samples kept in it, every configured bucket listed."""
@@ -423,7 +425,7 @@ def prepare(
     items = read_source(source)
 
     # 2. Start a new generation beside the committed one (which stays readable until step 4 switches the index).
-    shards_dir = Path(shards_dir)
+    shards_dir = shards_dir if is_uri(shards_dir) else Path(shards_dir)  # a URI: vidray.data.storage
     writer = ShardWriter(shards_dir)
 
     # 3. Probe, bucket, sample, encode; flush a shard every `samples_per_shard` rows.
@@ -539,7 +541,8 @@ def prepare(
     index = writer.commit(report, buckets=buckets, fps=fps, bucket_counts=bucket_counts)
     return PrepareSummary(
         num_kept=num_files_kept, num_samples=len(kept), num_skipped=len(skipped), skipped=skipped,
-        shards_dir=shards_dir, report_path=shards_dir / index["report"]["file"], bucket_counts=bucket_counts,
+        shards_dir=shards_dir, report_path=writer.storage.display(index["report"]["file"]) if is_uri(shards_dir)
+        else shards_dir / index["report"]["file"], bucket_counts=bucket_counts,
         num_shards=len(shards), fps=float(fps), elapsed_s=time.perf_counter() - start,
         captions_truncated=captions,
     )
