@@ -1,0 +1,131 @@
+"""Shards on object storage: `vidray prepare` to `s3://` and reading back, against a real S3-compatible server
+(moto's standalone server on 127.0.0.1, started and stopped by the `s3_server` fixture)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+
+from vidray.data.cache import ShardCache
+from vidray.data.index import load_sample_index
+from vidray.data.ingest import prepare
+from vidray.data.shards import (
+    INDEX_NAME,
+    ShardChecksumError,
+    iter_samples,
+    listed_files,
+    load_samples,
+    read_index,
+    read_report,
+)
+from vidray.data.storage import open_storage
+from vidray.errors import UserFileNotFound
+
+BUCKETS = [[9, 64, 64], [1, 64, 64]]
+FPS = 8.0
+
+
+def _prepare(samples_dir: Path, where: str | Path, samples_per_shard: int = 2):
+    return prepare(samples_dir / "metadata.json", where, BUCKETS, FPS, samples_per_shard, progress=None,
+                   scene_split=None)
+
+
+def _fresh_uri() -> str:
+    return f"s3://vidray-test/{uuid.uuid4().hex[:8]}/shards"
+
+
+@pytest.fixture(scope="module")
+def local_and_s3(samples_dir, tmp_path_factory, s3_env):
+    """The samples prepared once to a local folder and once to a fresh S3 prefix."""
+    local = tmp_path_factory.mktemp("local") / "shards"
+    _prepare(samples_dir, local)
+    uri = _fresh_uri()
+    summary = _prepare(samples_dir, uri)
+    return local, uri, summary
+
+
+def test_prepare_to_s3_reads_back_identical_to_a_local_prepare(local_and_s3):
+    local, uri, summary = local_and_s3
+    assert summary.report_path == f"{uri}/gen.00001/report.json"
+    local_samples, s3_samples = load_samples(local), load_samples(uri)
+    assert [s.sample_id for s in s3_samples] == [s.sample_id for s in local_samples]
+    assert len(s3_samples) == 6
+    for a, b in zip(local_samples, s3_samples):
+        assert a.caption == b.caption and a.bucket == b.bucket
+        np.testing.assert_array_equal(a.video, b.video)
+    local_index, s3_index = read_index(local), read_index(uri)
+    assert [s["sha256"] for s in s3_index["shards"]] == [s["sha256"] for s in local_index["shards"]]
+    assert read_report(uri)["kept"] == read_report(local)["kept"]
+    np.testing.assert_array_equal(load_sample_index(uri).sample_id, load_sample_index(local).sample_id)
+    # The file:// form of the local folder reads the same dataset.
+    assert [r["sample_id"] for r in iter_samples(f"file://{local}", columns=["sample_id"])] == \
+        [s.sample_id for s in local_samples]
+
+
+def test_s3_reads_go_through_the_warm_cache_once_per_shard(local_and_s3, tmp_path):
+    _, uri, _ = local_and_s3
+    cache = ShardCache(tmp_path / "cache", budget_bytes=10**8)
+    first = load_samples(uri, cache=cache)
+    num_shards = len(read_index(uri)["shards"])
+    assert cache.stats.downloads == num_shards and cache.stats.hits == 0
+    second = load_samples(uri, cache=cache)
+    assert cache.stats.downloads == num_shards and cache.stats.hits == num_shards
+    assert [s.sample_id for s in first] == [s.sample_id for s in second]
+    cached = sorted(p.name for p in (tmp_path / "cache" / "shards").iterdir())
+    assert cached == sorted(f"{s['sha256']}.parquet" for s in read_index(uri)["shards"])
+
+
+def test_reprepare_on_s3_leaves_only_what_the_new_index_lists(samples_dir, s3_env):
+    uri = _fresh_uri()
+    _prepare(samples_dir, uri, samples_per_shard=2)
+    first = read_index(uri)
+    _prepare(samples_dir, uri, samples_per_shard=4)
+    index = read_index(uri)
+    assert index["generation"] == first["generation"] + 1
+    assert open_storage(uri).files() == {INDEX_NAME, *listed_files(index)}
+    assert all(f.startswith("gen.00002/") for f in listed_files(index))
+    assert len(load_samples(uri)) == 6
+
+
+def test_corrupted_shard_object_is_detected_and_skipped_with_a_reason(samples_dir, s3_env, s3_server, tmp_path):
+    uri = _fresh_uri()
+    _prepare(samples_dir, uri, samples_per_shard=2)
+    index = read_index(uri)
+    bad = index["shards"][1]["file"]
+    storage = open_storage(uri)
+    data = bytearray(storage.read_bytes(bad))
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    storage.write_bytes(bad, bytes(data))
+
+    with pytest.raises(ShardChecksumError, match=bad) as err:
+        load_samples(uri)
+    assert err.value.file == bad
+
+    skipped: list[dict] = []
+    kept = load_samples(uri, skipped=skipped)
+    assert [s["file"] for s in skipped] == [bad]
+    assert "sha256" in skipped[0]["reason"] and "re-run `vidray prepare`" in skipped[0]["reason"]
+    assert len(kept) == 6 - index["shards"][1]["num_samples"]
+
+    cache = ShardCache(tmp_path / "cache", budget_bytes=10**8)
+    skipped_cached: list[dict] = []
+    kept_cached = load_samples(uri, cache=cache, skipped=skipped_cached)
+    assert [s["file"] for s in skipped_cached] == [bad]
+    assert cache.stats.checksum_failures == 2  # downloaded, mismatched, downloaded once more, refused
+    assert [s.sample_id for s in kept_cached] == [s.sample_id for s in kept]
+    assert not any(p.name.startswith(index["shards"][1]["sha256"]) for p in (tmp_path / "cache" / "shards").iterdir())
+
+
+def test_s3_prefix_without_an_index_says_run_prepare(s3_env):
+    with pytest.raises(UserFileNotFound, match="index.json not found.*run `vidray prepare`"):
+        read_index(_fresh_uri())
+
+
+def test_s3_uri_maps_to_bucket_and_prefix_on_an_s3_filesystem(s3_env):
+    storage = open_storage("s3://vidray-test/x")
+    assert isinstance(storage.fs, pafs.S3FileSystem) and storage.base == "vidray-test/x"
+    assert not storage.is_local
