@@ -129,3 +129,31 @@ def test_s3_uri_maps_to_bucket_and_prefix_on_an_s3_filesystem(s3_env):
     storage = open_storage("s3://vidray-test/x")
     assert isinstance(storage.fs, pafs.S3FileSystem) and storage.base == "vidray-test/x"
     assert not storage.is_local
+
+
+def test_driver_checks_read_the_index_from_s3_and_refuse_a_too_small_cache_budget(local_and_s3, tmp_path):
+    from vidray.config import load_job_config
+    from vidray.errors import UserError
+    from vidray.train.trainer import check_job_inputs
+
+    _, uri, _ = local_and_s3
+    repo = Path(__file__).resolve().parents[2]
+    base = [f"data.shards_dir={uri}", f"storage.path={tmp_path / 'runs'}"]
+    plan = check_job_inputs(load_job_config(repo / "jobs/configs/tiny_t2v.yaml", base))
+    assert plan.checkpoint is None
+    largest = max(s["bytes"] for s in read_index(uri)["shards"])
+    with pytest.raises(UserError, match=rf"data.cache_bytes=1000 is smaller than the largest shard \({largest} "
+                                        rf"bytes\): raise it to at least {largest}"):
+        check_job_inputs(load_job_config(repo / "jobs/configs/tiny_t2v.yaml", base + ["data.cache_bytes=1000"]))
+
+
+def test_dropping_a_skipped_shard_removes_exactly_its_samples_from_the_sample_table(local_and_s3):
+    from vidray.data.index import drop_shards
+
+    _, uri, _ = local_and_s3
+    table = load_sample_index(uri)
+    kept = drop_shards(table, [1])
+    assert len(kept) == len(table) - int((table.shard == 1).sum()) and 1 not in set(kept.shard.tolist())
+    np.testing.assert_array_equal(kept.sample_id, table.sample_id[table.shard != 1])
+    before = [table.buckets[b] for b in table.bucket_id[table.shard != 1]]
+    assert [kept.buckets[b] for b in kept.bucket_id] == before

@@ -51,6 +51,17 @@ class CacheStats:
     """Keys (sha256) evicted by this process, oldest first."""
 
 
+def check_cache_budget(cache_bytes: int, index: dict[str, Any]) -> None:
+    """Raise UserError when the largest shard of `index` (an `index.json` dict) exceeds `cache_bytes`: training
+    could never hold the shard it needs, so it is refused at start-up rather than left to stall."""
+    largest = max((int(s.get("bytes", 0)) for s in index.get("shards", [])), default=0)
+    if largest > cache_bytes:
+        raise UserError(
+            f"data.cache_bytes={cache_bytes} is smaller than the largest shard ({largest} bytes): raise it to at "
+            f"least {largest} (better a few times that), or prepare smaller shards (data.samples_per_shard)"
+        )
+
+
 class ShardCache:
     """Node-local, content-addressed disk cache of shards under a byte budget (see the module docstring).
 
@@ -76,16 +87,8 @@ class ShardCache:
         return self.files_dir / f"{sha256}.parquet"
 
     def check_budget(self, index: dict[str, Any]) -> None:
-        """Raise UserError when the largest shard of `index` (an `index.json` dict) exceeds the budget: training
-        could never hold the shard it needs, so it is refused at start-up rather than left to stall."""
-        sizes = [int(s.get("bytes", 0)) for s in index.get("shards", [])]
-        largest = max(sizes, default=0)
-        if largest > self.budget_bytes:
-            raise UserError(
-                f"data.cache_bytes={self.budget_bytes} is smaller than the largest shard ({largest} bytes): raise "
-                f"it to at least {largest} (better a few times that), or prepare smaller shards "
-                "(data.samples_per_shard)"
-            )
+        """`check_cache_budget(self.budget_bytes, index)`."""
+        check_cache_budget(self.budget_bytes, index)
 
     def cached_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.files_dir.glob("*.parquet") if p.is_file())

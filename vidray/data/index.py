@@ -214,3 +214,18 @@ def load_sample_index(shards_dir: str | Path) -> SampleIndex:
         clip_end_s=col["clip_end_s"].astype(np.float32),
         rebuilt=rebuilt,
     )
+
+
+def drop_shards(table: SampleIndex, shards: Sequence[int]) -> SampleIndex:
+    """`table` without the samples of the shards at positions `shards` (in `index.json`'s list): how a shard
+    skipped for a failed checksum leaves the schedule. Buckets left empty disappear from `buckets`
+    (`bucket_id` is renumbered); `shard` and `row` keep pointing into the original index."""
+    keep = ~np.isin(table.shard, np.asarray(list(shards), dtype=np.int64))
+    bucket_id, buckets = _bucket_ids(*(np.array([b[i] for b in table.buckets], dtype=np.int64)[table.bucket_id[keep]]
+                                       for i in range(3)))
+    return SampleIndex(
+        sample_id=table.sample_id[keep], sample_key=table.sample_key[keep], bucket_id=bucket_id, buckets=buckets,
+        shard=table.shard[keep], row=table.row[keep], stored_bytes=table.stored_bytes[keep],
+        source_sha256=table.source_sha256[keep], clip_start_s=table.clip_start_s[keep],
+        clip_end_s=table.clip_end_s[keep], rebuilt=table.rebuilt,
+    )
