@@ -167,3 +167,25 @@ def test_dropping_a_skipped_shard_removes_exactly_its_samples_from_the_sample_ta
     np.testing.assert_array_equal(kept.sample_id, table.sample_id[table.shard != 1])
     before = [table.buckets[b] for b in table.bucket_id[table.shard != 1]]
     assert [kept.buckets[b] for b in kept.bucket_id] == before
+
+
+def test_a_shard_the_store_keeps_failing_to_serve_is_skipped_with_a_reason(local_and_s3, monkeypatch):
+    from vidray.data.storage import Storage
+
+    _, uri, _ = local_and_s3
+    index = read_index(uri)
+    dropped = index["shards"][0]["file"]
+    real_read = Storage.read_bytes
+
+    def flaky(self, rel):
+        if rel == dropped:
+            raise OSError("AWS Error NETWORK_CONNECTION during GetObject operation: connection reset (after retries)")
+        return real_read(self, rel)
+
+    monkeypatch.setattr(Storage, "read_bytes", flaky)
+    skipped: list[dict] = []
+    kept = load_samples(uri, skipped=skipped)
+    assert [s["file"] for s in skipped] == [dropped] and "unreadable after retries" in skipped[0]["reason"]
+    assert len(kept) == 6 - index["shards"][0]["num_samples"]
+    with pytest.raises(OSError, match="connection reset"):
+        load_samples(uri)

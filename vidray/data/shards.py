@@ -550,8 +550,9 @@ def iter_samples(
 ) -> Iterator[dict[str, Any]]:
     """Yield one dict per sample (all `SHARD_SCHEMA` columns, or only `columns`), shard by shard in index
     order. `video_mp4` comes as mp4 bytes. Every shard is checked against its sha256 when fetched (`open_shard`;
-    `cache`: the node's warm disk cache for object stores). With a `skipped` list, a shard failing its check is
-    skipped and recorded there as {"file", "reason"}; without one it raises ShardChecksumError.
+    `cache`: the node's warm disk cache for object stores). With a `skipped` list, a shard failing its check, or
+    still unreadable after the store's retries (OSError), is skipped and recorded there as {"file", "reason"};
+    without one it raises (ShardChecksumError, OSError).
     Raises like `read_index`, and ValueError for an unknown column."""
     storage = open_storage(shards_dir)
     index = read_index(storage)
@@ -569,6 +570,11 @@ def iter_samples(
             if skipped is None:
                 raise
             skipped.append({"file": shard["file"], "reason": str(err)})
+            continue
+        except OSError as err:  # the store kept failing after the SDK's retries with backoff, or the shard vanished
+            if skipped is None:
+                raise
+            skipped.append({"file": shard["file"], "reason": f"unreadable after retries: {type(err).__name__}: {err}"})
             continue
         yield from rows
 
