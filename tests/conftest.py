@@ -24,3 +24,59 @@ def real_data_dir() -> Path:
     if not (path / "SOURCES.md").is_file():
         pytest.skip(f"real media folder {path} not found; the rest of the suite runs on samples/")
     return path
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto's standalone server) on 127.0.0.1 at a free port, with the bucket
+    `vidray-test`. Yields its endpoint URL (`http://127.0.0.1:PORT`); stopped by PID at the end. Tests point
+    vidray at it with `s3_env`."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    moto_server = Path(sys.executable).with_name("moto_server")
+    if not moto_server.is_file():
+        pytest.skip("moto[server] is not installed (pip install -e '.[dev]')")
+    proc = subprocess.Popen([str(moto_server), "-H", "127.0.0.1", "-p", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    endpoint = None
+    deadline = time.monotonic() + 30
+    while endpoint is None and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        if m := re.search(r"Running on (http://127\.0\.0\.1:\d+)", line):
+            endpoint = m.group(1)
+    if endpoint is None:
+        proc.kill()
+        pytest.fail("moto_server did not report its port within 30 s")
+    import threading
+
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # drain its log
+    import pyarrow.fs as pafs
+
+    fs = pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1", scheme="http",
+                           endpoint_override=endpoint.split("://", 1)[1], allow_bucket_creation=True)
+    fs.create_dir("vidray-test")
+    try:
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def s3_env(s3_server):
+    """The AWS environment variables that send vidray's `s3://` URIs to `s3_server` (set for the test module,
+    restored after it); yields the endpoint."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {"AWS_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": "testing",
+                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            mp.setenv(key, value)
+        mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+        yield s3_server

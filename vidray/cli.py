@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 from vidray.config import JobConfig, load_job_config
 from vidray.errors import UserError
@@ -44,7 +43,9 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
 
     from vidray.data.shards import INDEX_NAME
 
-    if prepare_if_missing and not (Path(job.data.shards_dir) / INDEX_NAME).is_file():
+    from vidray.data.storage import open_storage
+
+    if prepare_if_missing and not open_storage(job.data.shards_dir).is_file(INDEX_NAME):
         from vidray.data.ingest import prepare_data
 
         summary = prepare_data(job.data, model=job.model)
@@ -55,6 +56,8 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     print(f"[vidray] trained steps {result.first_step}..{result.last_step} at {result.steps_per_s:.2f} steps/s")
     print(f"[vidray] latest checkpoint: {result.checkpoint_path}")
     print(f"[vidray] diffusers pipeline: {result.diffusers_dir}")
+    for shard in result.skipped_shards:
+        print(f"[vidray] skipped shard {shard['file']}: {shard['reason']}")
     return 0
 
 

@@ -23,6 +23,7 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError, field_validator, 
 from pydantic.dataclasses import dataclass
 
 from vidray.data.buckets import Bucket, validate_bucket
+from vidray.data.cache import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR
 from vidray.errors import UserError, UserFileNotFound
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -60,7 +61,14 @@ class DataConfig:
     source: str = "samples/metadata.json"
     """EasyAnimate metadata JSON or Open-Sora CSV that `vidray prepare` reads (relative to the working dir)."""
     shards_dir: str = "outputs/shards"
-    """Folder of prepared Parquet shards (`gen.NNNNN/shard.00000.parquet` ... + `index.json`, written last)."""
+    """Folder of prepared Parquet shards (`gen.NNNNN/shard.00000.parquet` ... + `index.json`, written last), or a
+    URI pyarrow reaches: `s3://bucket/prefix` (AWS_* variables, AWS_ENDPOINT_URL for MinIO/moto), `gs://...`,
+    `file://...` (`vidray.data.storage`)."""
+    cache_dir: str = DEFAULT_CACHE_DIR
+    """Node-local folder of the warm shard cache (`vidray.data.cache`): shards fetched from object storage,
+    named by their sha256. Local `shards_dir` folders are read in place and never copied here."""
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+    """Byte budget of the warm cache on each node (LRU eviction); must hold at least the largest shard."""
     buckets: list[Bucket] = dataclasses.field(default_factory=lambda: [Bucket(9, 64, 64), Bucket(1, 64, 64)])
     """Training shapes [num_frames, height, width]; H, W multiples of 16; num_frames 1 or 4k+1."""
     fps: float = 8.0
@@ -195,6 +203,7 @@ class JobConfig:
             "scaling.num_workers": self.scaling.num_workers,
             "data.batch_size_per_worker": self.data.batch_size_per_worker,
             "data.samples_per_shard": self.data.samples_per_shard,
+            "data.cache_bytes": self.data.cache_bytes,
             "data.max_clips_per_scene": self.data.max_clips_per_scene,
             "data.max_clips_per_source": self.data.max_clips_per_source,
             "model.max_sequence_length": self.model.max_sequence_length,
@@ -279,6 +288,8 @@ RESUME_RULES: dict[str, str] = {
     # counts (per bucket), so they must stay as they were.
     "data.source": RESUME_CHANGEABLE,
     "data.shards_dir": RESUME_CHANGEABLE,
+    "data.cache_dir": RESUME_CHANGEABLE,  # a cache: where and how big does not change what is trained
+    "data.cache_bytes": RESUME_CHANGEABLE,
     "data.samples_per_shard": RESUME_CHANGEABLE,
     "data.split_scenes": RESUME_CHANGEABLE,  # prepare-only (scene splitting); the shards' hash is checked
     "data.scene_threshold": RESUME_CHANGEABLE,

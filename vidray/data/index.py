@@ -150,11 +150,11 @@ def _bucket_ids(num_frames: np.ndarray, height: np.ndarray, width: np.ndarray) -
     return inverse.astype(np.int16 if len(unique) < 2**15 else np.int32), buckets
 
 
-def _table_from_shards(shards_dir: Path, index: dict[str, Any]) -> pa.Table:
+def _table_from_shards(storage: Any, index: dict[str, Any]) -> pa.Table:
     """The sample table of a folder prepared before it existed, read from the shards' own columns."""
     parts = []
     for shard_no, entry in enumerate(index["shards"]):
-        t = pq.read_table(shards_dir / entry["file"],
+        t = pq.read_table(pa.BufferReader(storage.read_bytes(entry["file"])),
                           columns=["sample_id", "num_frames", "height", "width", "video_mp4", "clip_start_s",
                                    "clip_end_s"])
         n = t.num_rows
@@ -172,25 +172,27 @@ def _table_from_shards(shards_dir: Path, index: dict[str, Any]) -> pa.Table:
 
 
 def load_sample_index(shards_dir: str | Path) -> SampleIndex:
-    """Read the committed sample table of a prepared folder into numpy arrays.
+    """Read the committed sample table of a prepared folder (or URI, `vidray.data.storage`) into numpy arrays.
 
     Raises like `vidray.data.shards.read_index` (no index, missing files), and UserError when the table differs
     from what `index.json` recorded (size, sha256 or row count: edited or damaged) or lacks a column.
     """
-    from vidray.data.shards import _sha256_file, read_index  # shards imports this module for its schema
+    from vidray.data.shards import read_index  # shards imports this module for its schema
+    from vidray.data.storage import open_storage
 
-    shards_dir = Path(shards_dir)
-    index = read_index(shards_dir)
+    storage = open_storage(shards_dir)
+    index = read_index(storage)
     entry = index.get("samples")
     rebuilt = entry is None
     if rebuilt:
-        table = _table_from_shards(shards_dir, index)
+        table = _table_from_shards(storage, index)
     else:
-        path = shards_dir / entry["file"]
-        if path.stat().st_size != entry["bytes"] or _sha256_file(path) != entry["sha256"]:
+        path = storage.display(entry["file"])
+        data = storage.read_bytes(entry["file"])
+        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise UserError(f"{path} differs from the sample table index.json recorded (edited or damaged): "
                             "re-run `vidray prepare`")
-        table = pq.read_table(path)
+        table = pq.read_table(pa.BufferReader(data))
         missing = [c for c in SAMPLE_TABLE_SCHEMA.names if c not in table.column_names]
         if missing or table.num_rows != index["num_samples"]:
             raise UserError(f"{path} has {table.num_rows} rows for {index['num_samples']} samples, missing columns "
@@ -226,13 +228,14 @@ def dataset_rows(shards_dir: str | Path) -> pa.Table:
     caption column only (no video bytes). `dataset_hash` digests it; `describe_dataset_change` compares two.
     Raises like `load_sample_index`."""
     from vidray.data.shards import read_index
+    from vidray.data.storage import open_storage
 
-    shards_dir = Path(shards_dir)
+    storage = open_storage(shards_dir)  # a folder or a URI
     table = load_sample_index(shards_dir)
-    captions: list[list[str]] = [
-        pq.read_table(shards_dir / entry["file"], columns=["caption"])["caption"].to_pylist()
-        for entry in read_index(shards_dir)["shards"]
-    ]
+    captions: list[list[str]] = []
+    for entry in read_index(storage)["shards"]:
+        with storage.open_input_file(entry["file"]) as f:
+            captions.append(pq.read_table(f, columns=["caption"])["caption"].to_pylist())
     ids, sources, digests = [], [], []
     for i in np.argsort(table.sample_id, kind="stable"):
         b = table.buckets[table.bucket_id[i]]
@@ -277,3 +280,18 @@ def describe_dataset_change(old: pa.Table, new: pa.Table) -> str:
                                            (source, "changed source"),
                                            (other, "changed caption, bucket or clip window")) if n]
     return ", ".join(parts) or "no sample differs"
+
+
+def drop_shards(table: SampleIndex, shards: Sequence[int]) -> SampleIndex:
+    """`table` without the samples of the shards at positions `shards` (in `index.json`'s list): how a shard
+    skipped for a failed checksum leaves the schedule. Buckets left empty disappear from `buckets`
+    (`bucket_id` is renumbered); `shard` and `row` keep pointing into the original index."""
+    keep = ~np.isin(table.shard, np.asarray(list(shards), dtype=np.int64))
+    bucket_id, buckets = _bucket_ids(*(np.array([b[i] for b in table.buckets], dtype=np.int64)[table.bucket_id[keep]]
+                                       for i in range(3)))
+    return SampleIndex(
+        sample_id=table.sample_id[keep], sample_key=table.sample_key[keep], bucket_id=bucket_id, buckets=buckets,
+        shard=table.shard[keep], row=table.row[keep], stored_bytes=table.stored_bytes[keep],
+        source_sha256=table.source_sha256[keep], clip_start_s=table.clip_start_s[keep],
+        clip_end_s=table.clip_end_s[keep], rebuilt=table.rebuilt,
+    )

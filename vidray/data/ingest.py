@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from vidray.models.text_encoder import TruncationStats
 
 from vidray.data.buckets import Bucket, assign_bucket, validate_bucket
-from vidray.data.shards import ShardWriter
+from vidray.data.shards import INDEX_NAME, ShardWriter
+from vidray.data.storage import is_uri
 from vidray.errors import UserError, UserFileNotFound
 from vidray.data.scenes import SceneSplit, detect_scenes, needs_scene_split, plan_scene_clips
 from vidray.data.video import (
@@ -294,8 +295,9 @@ class PrepareSummary:
     num_skipped: int
     skipped: list[tuple[str, str]]
     """(source path, reason) for every skipped file."""
-    shards_dir: Path
-    report_path: Path
+    shards_dir: Path | str
+    """The local folder, or the URI as given (`vidray.data.storage`)."""
+    report_path: Path | str
     """The committed report, `<shards_dir>/gen.NNNNN/report.json`: every kept and skipped file, with reasons."""
     bucket_counts: dict[str, int]
     """`str(bucket)` ("9x64x64") -> samples kept in it, every configured bucket listed."""
@@ -485,9 +487,9 @@ def prepare(
     items = read_source(source)
 
     # 2. Start a new generation beside the committed one (which stays readable until step 4 switches the index).
-    shards_dir = Path(shards_dir)
+    shards_dir = shards_dir if is_uri(shards_dir) else Path(shards_dir)  # a URI: vidray.data.storage
     writer = ShardWriter(shards_dir)
-    had_previous = (shards_dir / "index.json").is_file()
+    had_previous = writer.storage.is_file(INDEX_NAME)
 
     # 3. Probe, bucket, sample, encode; flush a shard every `samples_per_shard` rows.
     rows: list[dict[str, Any]] = []
@@ -613,19 +615,18 @@ def prepare(
         "elapsed_s": round(elapsed_s, 3),
         **({"captions_truncated": captions.to_dict()} if captions is not None else {}),
     }
-    failed_report = shards_dir / FAILED_REPORT_NAME
     if not kept:  # commit nothing: the previous index and its files stay as they were
         report["committed"] = False
         writer.abort()
-        tmp = failed_report.with_name(f".{failed_report.name}.tmp")
-        tmp.write_text(json.dumps(report, indent=2))
-        os.replace(tmp, failed_report)
-        report_file = failed_report
+        writer.storage.write_bytes(FAILED_REPORT_NAME, json.dumps(report, indent=2).encode())
+        report_rel = FAILED_REPORT_NAME
     else:
         index = writer.commit(report, buckets=buckets, fps=fps, bucket_counts=bucket_counts)
-        if failed_report.exists():  # stale: this prepare committed
-            failed_report.unlink()
-        report_file = shards_dir / index["report"]["file"]
+        if writer.storage.is_file(FAILED_REPORT_NAME):  # stale: this prepare committed
+            writer.storage.delete_file(FAILED_REPORT_NAME)
+        report_rel = index["report"]["file"]
+    report_file = writer.storage.display(report_rel)
+    report_file = report_file if is_uri(shards_dir) else Path(report_file)
     return PrepareSummary(
         num_kept=num_files_kept, num_samples=len(kept), num_skipped=len(skipped), skipped=skipped,
         shards_dir=shards_dir, report_path=report_file, bucket_counts=bucket_counts,

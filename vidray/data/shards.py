@@ -33,15 +33,21 @@ import shutil
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from vidray.data.buckets import Bucket
+from vidray.data.storage import Storage, open_storage
 from vidray.data.video import decode_mp4
 from vidray.errors import UserError, UserFileNotFound
+
+if TYPE_CHECKING:
+    from vidray.data.cache import ShardCache
 
 FORMAT = "vidray-shards"
 FORMAT_VERSION = 1
@@ -110,16 +116,20 @@ def generation_dir_name(generation: int) -> str:
     return f"gen.{generation:05d}"
 
 
+def _shard_table(rows: Sequence[dict[str, Any]]) -> pa.Table:
+    for row in rows:
+        if set(row) != set(COLUMNS):
+            raise ValueError(f"shard row columns {sorted(row)} differ from the shard schema {list(COLUMNS)}")
+    return pa.Table.from_pylist(list(rows), schema=SHARD_SCHEMA)
+
+
 def write_shard(shards_dir: str | Path, shard_index: int, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Write `rows` (dicts with exactly the `SHARD_SCHEMA` columns) as `<shards_dir>/shard.NNNNN.parquet`, via a
     temp file and a rename. Returns {"file" (the name), "num_samples", "bytes", "sha256"}. Raises ValueError for
     rows whose keys differ from the schema."""
-    for row in rows:
-        if set(row) != set(COLUMNS):
-            raise ValueError(f"shard row columns {sorted(row)} differ from the shard schema {list(COLUMNS)}")
+    table = _shard_table(rows)
     path = Path(shards_dir) / shard_file_name(shard_index)
     tmp = path.with_name(f".{path.name}.tmp")
-    table = pa.Table.from_pylist(list(rows), schema=SHARD_SCHEMA)
     pq.write_table(table, tmp, row_group_size=max(1, len(rows)))
     _fsync(tmp)
     os.replace(tmp, path)
@@ -131,12 +141,15 @@ def _content_hash(index: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def _read_index_file(path: Path) -> dict[str, Any] | None:
-    """The index at `path` as a dict if it is a well-formed, unedited vidray index; None when absent."""
-    if not path.is_file():
+def _read_index_file(storage: Storage) -> dict[str, Any] | None:
+    """The index of `storage` as a dict if it is a well-formed, unedited vidray index; None when absent."""
+    path = storage.display(INDEX_NAME)
+    try:
+        text = storage.read_bytes(INDEX_NAME)
+    except FileNotFoundError:
         return None
     try:
-        index = json.loads(path.read_text())
+        index = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{path} is not valid JSON ({err}): re-run `vidray prepare`") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != FORMAT_VERSION:
@@ -170,18 +183,22 @@ def _is_ours(name: str) -> bool:
     )
 
 
-def remove_unlisted(shards_dir: str | Path) -> list[Path]:
+def remove_unlisted(shards_dir: str | Path | Storage) -> list[Path] | list[str]:
     """Delete what a prepare wrote in `shards_dir` that the committed `index.json` does not list: generation
     folders and shards of earlier or unfinished prepares, pre-generation `shard.NNNNN.parquet` / `report.json`,
     temp files. Without an index everything of ours goes (an unfinished first prepare). Files vidray never
     writes are left alone; an index that cannot be read (UserError from `read_index`) deletes nothing.
-    Returns the removed paths. Call it only while holding the folder's lock (`ShardWriter` does): it would
-    delete a running prepare's new generation."""
-    shards_dir = Path(shards_dir)
+    Returns the removed paths (local: Paths; object stores: `/`-separated names relative to the folder). Call it
+    only while no other prepare writes the folder (`ShardWriter` holds the lock locally): it would delete a
+    running prepare's new generation."""
+    storage = shards_dir if isinstance(shards_dir, Storage) else open_storage(shards_dir)
+    if not storage.is_local:
+        return _remove_unlisted_remote(storage)
+    shards_dir = storage.local_path
     if not shards_dir.is_dir():
         return []
     try:
-        index = _read_index_file(shards_dir / INDEX_NAME)
+        index = _read_index_file(storage)
     except UserError:
         return []
     keep = {INDEX_NAME}
@@ -206,6 +223,35 @@ def remove_unlisted(shards_dir: str | Path) -> list[Path]:
     return removed
 
 
+def _remove_unlisted_remote(storage: Storage) -> list[str]:
+    """`remove_unlisted` on an object store: the same rule, on keys ("folders" are key prefixes)."""
+    try:
+        index = _read_index_file(storage)
+    except UserError:
+        return []
+    keep = {INDEX_NAME}
+    if index is not None:
+        keep.update(listed_files(index))
+    keep_dirs = {rel.split("/")[0] for rel in keep if "/" in rel}
+    removed = []
+    for name, is_dir in sorted(storage.rel_names()):
+        if name in keep or not _is_ours(name):
+            continue
+        if is_dir:
+            if name in keep_dirs:
+                for inner, inner_is_dir in sorted(storage.rel_names(name)):
+                    rel = f"{name}/{inner}"
+                    if rel not in keep and _is_ours(inner) and not inner_is_dir:
+                        storage.delete_file(rel)
+                        removed.append(rel)
+                continue
+            storage.delete_dir(name)
+        else:
+            storage.delete_file(name)
+        removed.append(name)
+    return removed
+
+
 class ShardWriter:
     """Writes one prepare's generation beside the committed one and commits it by replacing `index.json`.
 
@@ -217,11 +263,19 @@ class ShardWriter:
     Until `commit` replaces `index.json`, readers see the previous dataset unchanged; if the process dies or
     raises first, the new generation is an orphan that the next `ShardWriter` on the folder removes.
 
+    `shards_dir` may be a URI (`vidray.data.storage`): each shard, the sample table and the report are then
+    uploaded whole as they are finished and `index.json` last; there is no lock on object storage (run one
+    prepare per URI at a time).
+
     Raises UserError when another prepare holds the folder's lock, or when `shards_dir` cannot be created.
     """
 
     def __init__(self, shards_dir: str | Path):
-        self.shards_dir = Path(shards_dir)
+        self.storage = open_storage(shards_dir)
+        if not self.storage.is_local:
+            self._init_remote()
+            return
+        self.shards_dir = self.storage.local_path
         try:
             self.shards_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -235,11 +289,11 @@ class ShardWriter:
         # prepares go before this one adds to the folder.
         existing = [int(m.group(1)) for p in self.shards_dir.iterdir() if (m := GENERATION_PATTERN.fullmatch(p.name))]
         try:
-            committed = _read_index_file(self.shards_dir / INDEX_NAME)
+            committed = _read_index_file(self.storage)
         except UserError:  # a corrupt index is replaced by this prepare's; its files are kept until then
             committed = None
         self.generation = 1 + max([*existing, (committed or {}).get("generation", 0)])
-        remove_unlisted(self.shards_dir)
+        remove_unlisted(self.storage)
         self.generation_dir = self.shards_dir / generation_dir_name(self.generation)
         self.generation_dir.mkdir()
         self.shards: list[dict[str, Any]] = []
@@ -247,9 +301,40 @@ class ShardWriter:
         self.samples: dict[str, Any] | None = None
         """Index entry of the sample table once `write_sample_table` wrote it."""
 
+    def _init_remote(self) -> None:
+        """Object store: no lock (see the class docstring); the generation's objects are uploaded as written."""
+        self.shards_dir = self.storage.location
+        self._unlock = weakref.finalize(self, lambda: None)
+        existing = [int(m.group(1)) for name, _ in self.storage.rel_names()
+                    if (m := GENERATION_PATTERN.fullmatch(name))]
+        try:
+            committed = _read_index_file(self.storage)
+        except UserError:
+            committed = None
+        self.generation = 1 + max([*existing, (committed or {}).get("generation", 0)])
+        remove_unlisted(self.storage)
+        self.generation_dir = None
+        self.generation_name = generation_dir_name(self.generation)
+        self.shards = []
+        self.samples = None
+
+    def _upload(self, name: str, data: bytes) -> dict[str, Any]:
+        rel = f"{self.generation_name}/{name}"
+        self.storage.write_bytes(rel, data)
+        return {"file": rel, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
     def write_shard(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """Write the next shard of this generation; returns its index entry (`file` relative to the folder)."""
         self._check_open()
+        if not self.storage.is_local:
+            table = _shard_table(rows)
+            sink = pa.BufferOutputStream()
+            pq.write_table(table, sink, row_group_size=max(1, len(rows)))
+            entry = self._upload(shard_file_name(len(self.shards)), sink.getvalue().to_pybytes())
+            entry = {"file": entry["file"], "num_samples": len(rows), "bytes": entry["bytes"],
+                     "sha256": entry["sha256"]}
+            self.shards.append(entry)
+            return entry
         entry = write_shard(self.generation_dir, len(self.shards), rows)
         entry["file"] = f"{self.generation_dir.name}/{entry['file']}"
         self.shards.append(entry)
@@ -262,6 +347,11 @@ class ShardWriter:
         from vidray.data.index import SAMPLES_NAME, write_sample_table
 
         self._check_open()
+        if not self.storage.is_local:
+            sink = pa.BufferOutputStream()
+            table = write_sample_table(sink, columns)
+            self.samples = {**self._upload(SAMPLES_NAME, sink.getvalue().to_pybytes()), "num_samples": table.num_rows}
+            return self.samples
         path = self.generation_dir / SAMPLES_NAME
         tmp = path.with_name(f".{path.name}.tmp")
         table = write_sample_table(tmp, columns)
@@ -285,8 +375,16 @@ class ShardWriter:
         `os.replace`), then remove everything the new index does not list; releases the folder's lock.
         Returns the index. `bucket_counts` maps `str(bucket)` ("9x64x64") to its sample count."""
         self._check_open()
-        report_path = self.generation_dir / REPORT_NAME
-        _write_atomic(report_path, json.dumps(report, indent=2).encode())
+        if self.storage.is_local:
+            report_path = self.generation_dir / REPORT_NAME
+            _write_atomic(report_path, json.dumps(report, indent=2).encode())
+            report_entry = {
+                "file": f"{self.generation_dir.name}/{REPORT_NAME}",
+                "bytes": report_path.stat().st_size,
+                "sha256": _sha256_file(report_path),
+            }
+        else:
+            report_entry = self._upload(REPORT_NAME, json.dumps(report, indent=2).encode())
         index: dict[str, Any] = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -297,18 +395,17 @@ class ShardWriter:
             "num_samples": sum(s["num_samples"] for s in self.shards),
             "bucket_counts": dict(bucket_counts),
             "shards": list(self.shards),
-            "report": {
-                "file": f"{self.generation_dir.name}/{REPORT_NAME}",
-                "bytes": report_path.stat().st_size,
-                "sha256": _sha256_file(report_path),
-            },
+            "report": report_entry,
         }
         if self.samples is not None:
             index["samples"] = dict(self.samples)
         index["content_hash"] = _content_hash(index)
-        _fsync(self.shards_dir)  # the generation folder's entry is on disk before the index that names it
-        _write_atomic(self.shards_dir / INDEX_NAME, json.dumps(index, indent=2).encode())
-        remove_unlisted(self.shards_dir)
+        if self.storage.is_local:
+            _fsync(self.shards_dir)  # the generation folder's entry is on disk before the index that names it
+            _write_atomic(self.shards_dir / INDEX_NAME, json.dumps(index, indent=2).encode())
+        else:  # one whole-object upload, after every object it lists
+            self.storage.write_bytes(INDEX_NAME, json.dumps(index, indent=2).encode())
+        remove_unlisted(self.storage)
         self.close()
         return index
 
@@ -316,12 +413,17 @@ class ShardWriter:
         """Commit nothing: delete this generation's folder and release the lock. `index.json` and the files of
         the committed dataset (if any) stay exactly as they were."""
         self._check_open()
-        shutil.rmtree(self.generation_dir, ignore_errors=True)
+        if self.storage.is_local:
+            shutil.rmtree(self.generation_dir, ignore_errors=True)
+        else:
+            for info in self.storage.list(self.generation_name, recursive=True):
+                if info.type == pafs.FileType.File:
+                    self.storage.fs.delete_file(info.path)
         self.close()
 
     def _check_open(self) -> None:
         if not self._unlock.alive:
-            raise RuntimeError(f"this ShardWriter of {self.generation_dir} is committed or closed; start a new one")
+            raise RuntimeError(f"this ShardWriter of {self.shards_dir} is committed or closed; start a new one")
 
     def close(self) -> None:
         """Release the folder's lock. `commit` does; a writer abandoned by an exception releases it when it is
@@ -352,33 +454,34 @@ def _lock_folder(shards_dir: Path) -> int:
     return fd
 
 
-def read_index(shards_dir: str | Path) -> dict[str, Any]:
+def read_index(shards_dir: str | Path | Storage) -> dict[str, Any]:
     """Read and check `<shards_dir>/index.json`; returns it as a dict (keys: format, version, generation, fps,
     buckets, columns, num_samples, bucket_counts, shards [{file, num_samples, bytes, sha256}], report {file,
     bytes, sha256}, samples {file, bytes, sha256, num_samples} (the sample table, `vidray.data.index`; absent in
     folders prepared before it), content_hash). `file` paths are relative to `shards_dir` (`gen.00003/shard.00000.parquet`);
     indexes written before generations existed list bare `shard.00000.parquet` names and have no
-    generation/report: they read the same.
+    generation/report: they read the same. `shards_dir` may be a URI (`vidray.data.storage`): one listing checks
+    that every listed object exists.
 
     Raises UserFileNotFound (a FileNotFoundError) when the index or a shard it lists is missing: run `vidray
     prepare` first; shards without an index are an unfinished prepare. Raises UserError (a ValueError) for
     another format version or an index whose content hash does not match (edited or corrupt).
     """
-    shards_dir = Path(shards_dir)
-    path = shards_dir / INDEX_NAME
-    index = _read_index_file(path)
+    storage = shards_dir if isinstance(shards_dir, Storage) else open_storage(shards_dir)
+    index = _read_index_file(storage)
     if index is None:
-        unfinished = shards_dir.is_dir() and any(
-            GENERATION_PATTERN.fullmatch(p.name) or p.match(SHARD_GLOB) for p in shards_dir.iterdir()
+        unfinished = any(
+            GENERATION_PATTERN.fullmatch(name) or Path(name).match(SHARD_GLOB) for name, _ in storage.rel_names()
         )
         hint = " (shard files without an index are an unfinished prepare)" if unfinished else ""
-        raise UserFileNotFound(f"{path} not found{hint}: run `vidray prepare` first")
-    missing = [s["file"] for s in index["shards"] if not (shards_dir / s["file"]).is_file()]
-    if index.get("samples") and not (shards_dir / index["samples"]["file"]).is_file():
+        raise UserFileNotFound(f"{storage.display(INDEX_NAME)} not found{hint}: run `vidray prepare` first")
+    present = storage.files()
+    missing = [s["file"] for s in index["shards"] if s["file"] not in present]
+    if index.get("samples") and index["samples"]["file"] not in present:
         missing.append(index["samples"]["file"])
     if missing:
         raise UserFileNotFound(
-            f"{shards_dir}: shards listed in {INDEX_NAME} are missing: {missing}; re-run `vidray prepare`"
+            f"{storage.display()}: shards listed in {INDEX_NAME} are missing: {missing}; re-run `vidray prepare`"
         )
     return index
 
@@ -389,39 +492,104 @@ def read_report(shards_dir: str | Path) -> dict[str, Any]:
     Raises like `read_index`, UserFileNotFound when the index lists no report (written before reports were
     committed with the index) or the report is missing, UserError when it differs from what the index recorded.
     """
-    shards_dir = Path(shards_dir)
-    index = read_index(shards_dir)
+    storage = open_storage(shards_dir)
+    index = read_index(storage)
     entry = index.get("report")
     if entry is None:
-        raise UserFileNotFound(f"{shards_dir / INDEX_NAME} lists no report: re-run `vidray prepare` to get one")
-    path = shards_dir / entry["file"]
-    if not path.is_file():
-        raise UserFileNotFound(f"{path}, the report {INDEX_NAME} lists, is missing: re-run `vidray prepare`")
-    if _sha256_file(path) != entry["sha256"]:
+        raise UserFileNotFound(f"{storage.display(INDEX_NAME)} lists no report: re-run `vidray prepare` to get one")
+    path = storage.display(entry["file"])
+    try:
+        data = storage.read_bytes(entry["file"])
+    except FileNotFoundError:
+        raise UserFileNotFound(f"{path}, the report {INDEX_NAME} lists, is missing: re-run `vidray prepare`") from None
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise UserError(f"{path} differs from the report {INDEX_NAME} recorded (edited?): re-run `vidray prepare`")
-    return json.loads(path.read_text())
+    return json.loads(data)
 
 
-def report_path(shards_dir: str | Path) -> Path:
+def report_path(shards_dir: str | Path) -> Path | str:
     """Where the committed prepare's report lies (`<shards_dir>/gen.00003/report.json`; `report.json` for
-    folders prepared before generations). Raises like `read_index`."""
-    index = read_index(shards_dir)
-    return Path(shards_dir) / (index["report"]["file"] if index.get("report") else REPORT_NAME)
+    folders prepared before generations): a Path for a local folder, the URI for an object store. Raises like
+    `read_index`."""
+    storage = open_storage(shards_dir)
+    index = read_index(storage)
+    rel = index["report"]["file"] if index.get("report") else REPORT_NAME
+    return Path(shards_dir) / rel if storage.is_local else storage.display(rel)
 
 
-def iter_samples(shards_dir: str | Path, columns: Sequence[str] | None = None) -> Iterator[dict[str, Any]]:
+class ShardChecksumError(UserError):
+    """A shard's bytes differ from the sha256 `index.json` records (corrupt or replaced object), after a retry.
+    `file` is the shard's path relative to the folder."""
+
+    def __init__(self, message: str, file: str):
+        super().__init__(message)
+        self.file = file
+
+
+def fetch_verified(storage: Storage, entry: dict[str, Any]) -> bytes:
+    """The bytes of the shard `entry` (an `index.json` shard entry), checked against its sha256. A mismatch is
+    read once more (a transient bad read), then raises ShardChecksumError naming the shard and both hashes."""
+    for attempt in range(2):
+        data = storage.read_bytes(entry["file"])
+        digest = hashlib.sha256(data).hexdigest()
+        if digest == entry["sha256"]:
+            return data
+    raise ShardChecksumError(
+        f"shard {storage.display(entry['file'])} has sha256 {digest[:16]}... ({len(data)} bytes) but index.json "
+        f"records {entry['sha256'][:16]}... ({entry.get('bytes')} bytes): corrupt or replaced; re-run `vidray prepare`",
+        entry["file"],
+    )
+
+
+@contextmanager
+def open_shard(storage: Storage, entry: dict[str, Any], cache: "ShardCache | None" = None) -> Iterator[pq.ParquetFile]:
+    """The shard `entry` as a ParquetFile, its sha256 verified when fetched. Local folders are read in place
+    (hashed on each open, never copied); object stores go through `cache` (the node's warm disk cache,
+    `vidray.data.cache`: verified once at download, pinned while open) or, without one, are read into memory.
+    Raises ShardChecksumError (see `fetch_verified`)."""
+    if cache is not None and not storage.is_local:
+        with cache.lease(storage, entry) as path:
+            yield pq.ParquetFile(path)
+        return
+    yield pq.ParquetFile(pa.BufferReader(fetch_verified(storage, entry)))
+
+
+def iter_samples(
+    shards_dir: str | Path,
+    columns: Sequence[str] | None = None,
+    *,
+    cache: "ShardCache | None" = None,
+    skipped: list[dict[str, str]] | None = None,
+) -> Iterator[dict[str, Any]]:
     """Yield one dict per sample (all `SHARD_SCHEMA` columns, or only `columns`), shard by shard in index
-    order. `video_mp4` comes as mp4 bytes. Raises like `read_index`, and ValueError for an unknown column."""
-    index = read_index(shards_dir)
+    order. `video_mp4` comes as mp4 bytes. Every shard is checked against its sha256 when fetched (`open_shard`;
+    `cache`: the node's warm disk cache for object stores). With a `skipped` list, a shard failing its check, or
+    still unreadable after the store's retries (OSError), is skipped and recorded there as {"file", "reason"};
+    without one it raises (ShardChecksumError, OSError).
+    Raises like `read_index`, and ValueError for an unknown column."""
+    storage = open_storage(shards_dir)
+    index = read_index(storage)
     if columns is not None:
         unknown = [c for c in columns if c not in COLUMNS]
         if unknown:
             raise ValueError(f"unknown shard column(s) {unknown}; valid: {', '.join(COLUMNS)}")
         columns = list(columns)
     for shard in index["shards"]:
-        parquet = pq.ParquetFile(Path(shards_dir) / shard["file"])
-        for batch in parquet.iter_batches(batch_size=64, columns=columns):
-            yield from batch.to_pylist()
+        try:
+            with open_shard(storage, shard, cache) as parquet:
+                rows = [row for batch in parquet.iter_batches(batch_size=64, columns=columns)
+                        for row in batch.to_pylist()]
+        except ShardChecksumError as err:
+            if skipped is None:
+                raise
+            skipped.append({"file": shard["file"], "reason": str(err)})
+            continue
+        except OSError as err:  # the store kept failing after the SDK's retries with backoff, or the shard vanished
+            if skipped is None:
+                raise
+            skipped.append({"file": shard["file"], "reason": f"unreadable after retries: {type(err).__name__}: {err}"})
+            continue
+        yield from rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -435,14 +603,21 @@ class Sample:
     """uint8 (F, H, W, 3) RGB, (F, H, W) == bucket."""
 
 
-def load_samples(shards_dir: str | Path) -> list[Sample]:
+def load_samples(
+    shards_dir: str | Path,
+    *,
+    cache: "ShardCache | None" = None,
+    skipped: list[dict[str, str]] | None = None,
+) -> list[Sample]:
     """Decode every sample of a prepared folder into memory (meant for the small datasets of tests and demos).
+    `cache` and `skipped`: as in `iter_samples` (shards whose checksum fails are skipped and listed in `skipped`
+    when it is given, else raise ShardChecksumError).
 
     Raises like `read_index`, and ValueError when a decoded clip's shape differs from its bucket (corrupt shard).
     """
     samples = []
     columns = ["sample_id", "caption", "num_frames", "height", "width", "video_mp4"]
-    for row in iter_samples(shards_dir, columns=columns):
+    for row in iter_samples(shards_dir, columns=columns, cache=cache, skipped=skipped):
         bucket = Bucket(row["num_frames"], row["height"], row["width"])
         video = decode_mp4(row["video_mp4"])  # (F, H, W, 3) uint8
         if video.shape != (*bucket, 3):

@@ -211,7 +211,8 @@ def shards_caption_truncation(shards_dir: str | Path, model: "ModelConfig") -> T
     """
     from vidray.data.shards import iter_samples
 
-    captions = [row["caption"] for row in iter_samples(shards_dir, columns=["caption"])]
+    # Shards failing their checksum are left out here; training skips and reports them.
+    captions = [row["caption"] for row in iter_samples(shards_dir, columns=["caption"], skipped=[])]
     return caption_truncation(build_tokenizer(model), captions, model.max_sequence_length)
 
 

@@ -33,9 +33,11 @@ from vidray.config import JobConfig, job_config_from_dict
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError
 from vidray.generate import write_job_file
-from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
+from vidray.data.cache import ShardCache
+from vidray.data.index import dataset_hash, dataset_rows, drop_shards, load_sample_index
 from vidray.data.schedule import DataPosition, SampleSchedule, batch_sizes_for_buckets
 from vidray.data.shards import load_samples, read_index
+from vidray.data.storage import open_storage
 from vidray.models.registry import get_family
 from vidray.models.text_encoder import encode_prompts
 from vidray.models.vae import encode_video, frames_to_video
@@ -118,7 +120,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     trained, "first_step", "last_step", "steps_per_s", "diffusers_dir", "reported_steps": steps at which metrics
     were reported (every `train.log_every_steps`, every checkpoint, and the last step), "trained_samples":
     [[step, epoch, [sample_id, ...]], ...] the samples trained with weight > 0 at each step, on all ranks
-    (gathered once at the end; only with "record_sample_ids", else [])}.
+    (gathered once at the end; only with "record_sample_ids", else []), "skipped_shards": [{file, reason}] of
+    shards skipped because their checksum failed (on any rank)}.
     """
     job = job_config_from_dict(loop_config["job"])
     context = ray.train.get_context()
@@ -135,10 +138,32 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     transformer = components.transformer.to(device)
 
     # 2. Data: the sample table, then shards -> latents and prompt_embeds, encoded once per worker; the schedule.
+    # Object-store shards come through this node's warm disk cache (one download per shard per node); local
+    # folders are read in place. A shard failing its checksum is skipped on every rank alike (the union of what
+    # the ranks skipped), before the schedule is built.
     shards_dir = loop_config["shards_dir"]
     index = read_index(shards_dir)
     table = load_sample_index(shards_dir)
-    samples = load_samples(shards_dir)
+    cache = None if open_storage(shards_dir).is_local else ShardCache(job.data.cache_dir, job.data.cache_bytes)
+    if cache is not None:
+        cache.check_budget(index)
+    skipped: list[dict[str, str]] = []
+    samples = load_samples(shards_dir, cache=cache, skipped=skipped)
+    skipped = _agree_on_skipped(skipped, world_size)
+    if skipped:
+        positions = {s["file"]: i for i, s in enumerate(index["shards"])}
+        bad = {positions[s["file"]] for s in skipped}
+        table = drop_shards(table, sorted(bad))
+        bad_files = {s["file"] for s in skipped}
+        ids = set(table.sample_id.astype(str).tolist())
+        samples = [s for s in samples if s.sample_id in ids]
+        _log(rank, f"skipped {len(skipped)} shard(s) that failed their checksum ({sorted(bad_files)}): "
+             f"{len(samples)} samples left")
+        if not samples:
+            raise UserError(f"every shard of {shards_dir} failed its checksum: re-run `vidray prepare`")
+    if cache is not None:
+        _log(rank, f"shard cache {cache.cache_dir}: {cache.stats.downloads} downloaded "
+             f"({cache.stats.bytes_downloaded} bytes), {cache.stats.hits} cached")
     sample_ids = table.sample_id.astype(str).tolist()
     if [s.sample_id for s in samples] != sample_ids:
         raise UserError(f"{shards_dir}: the sample table does not list the shards' samples in order; "
@@ -311,6 +336,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         "diffusers_dir": diffusers_dir,
         "reported_steps": reported_steps,
         "trained_samples": trained_samples,
+        "skipped_shards": skipped,
     }
 
 
@@ -330,6 +356,16 @@ def _resume_position(schedule: SampleSchedule, state: TrainState | None, rank: i
     except ValueError as err:
         raise UserError(f"the checkpoint's data position cannot continue on these shards: {err}; "
                         "use the original shards, data.buckets and batch sizes") from None
+
+
+def _agree_on_skipped(skipped: list[dict[str, str]], world_size: int) -> list[dict[str, str]]:
+    """The shards any rank skipped (one collective), sorted by file: every rank drops the same samples."""
+    parts = [skipped]
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        parts = [None] * world_size
+        dist.all_gather_object(parts, skipped)
+    merged = {s["file"]: s for part in parts for s in part}
+    return [merged[f] for f in sorted(merged)]
 
 
 def _gather_trained(trained: list[list[Any]], world_size: int) -> list[list[Any]]:

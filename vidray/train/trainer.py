@@ -61,6 +61,8 @@ class TrainResult:
     metrics: dict[str, Any] | None
     reported_steps: list[int] = field(default_factory=list)
     trained_samples: list[list[Any]] = field(default_factory=list)
+    skipped_shards: list[dict[str, str]] = field(default_factory=list)
+    """[{file, reason}] of shards skipped because their sha256 did not match index.json (not trained on)."""
 
 
 @dataclass
@@ -236,7 +238,11 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     from vidray.models.text_encoder import check_max_sequence_length
 
     check_max_sequence_length(job.model)
-    index = read_index(job.data.shards_dir)
+    index = read_index(job.data.shards_dir)  # a folder or a URI (vidray.data.storage)
+    if "://" in job.data.shards_dir and not job.data.shards_dir.startswith("file://"):
+        from vidray.data.cache import check_cache_budget
+
+        check_cache_budget(job.data.cache_bytes, index)  # object-store shards go through the warm cache
     if index["num_samples"] == 0:
         raise UserError(
             f"{job.data.shards_dir} holds no samples: every clip was skipped (see {report_path(job.data.shards_dir)}); "
@@ -507,4 +513,5 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
         metrics=result.metrics,
         reported_steps=out.get("reported_steps", []),
         trained_samples=out.get("trained_samples", []),
+        skipped_shards=out.get("skipped_shards", []),
     )

@@ -1,0 +1,128 @@
+"""The warm tier (`vidray.data.cache.ShardCache`) on real files: LRU eviction under the byte budget, pinned files,
+checksum checks, start-up budget errors, and one download per shard when two processes race for it."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+
+from vidray.data.cache import ShardCache
+from vidray.data.shards import ShardChecksumError
+from vidray.data.storage import Storage, open_storage
+from vidray.errors import UserError
+
+
+def _shard(folder: Path, name: str, size: int, fill: int) -> dict:
+    data = bytes([fill]) * size
+    (folder / name).write_bytes(data)
+    return {"file": name, "bytes": size, "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _cached(cache: ShardCache) -> set[str]:
+    return {p.name.removesuffix(".parquet") for p in cache.files_dir.glob("*.parquet")}
+
+
+@pytest.fixture
+def store(tmp_path) -> tuple[Storage, list[dict]]:
+    src = tmp_path / "src"
+    src.mkdir()
+    return open_storage(src), [_shard(src, f"shard.{i:05d}.parquet", 1000, i) for i in range(4)]
+
+
+def test_lru_eviction_keeps_the_budget_and_drops_the_least_recently_used(store, tmp_path):
+    storage, (a, b, c, _) = store
+    cache = ShardCache(tmp_path / "cache", budget_bytes=2500)
+    for entry in (a, b, a):  # a used again after b: b is now the least recently used
+        with cache.lease(storage, entry) as path:
+            assert path.read_bytes() == (storage.local_path / entry["file"]).read_bytes()
+        time.sleep(0.01)
+    with cache.lease(storage, c):
+        pass
+    assert _cached(cache) == {a["sha256"], c["sha256"]}
+    assert cache.stats.evicted == [b["sha256"]]
+    assert cache.cached_bytes() <= 2500
+    assert (cache.stats.downloads, cache.stats.hits) == (3, 1)
+
+
+def test_a_leased_shard_is_never_evicted_and_a_full_budget_is_an_error_with_numbers(store, tmp_path):
+    storage, (a, b, _, _) = store
+    cache = ShardCache(tmp_path / "cache", budget_bytes=1500)
+    with cache.lease(storage, a) as path_a:
+        with pytest.raises(UserError, match=r"data.cache_bytes=1500 cannot hold another 1000-byte shard: 1000 bytes "
+                                             r"are pinned.*at least 2000"):
+            with cache.lease(storage, b):
+                pass
+        assert path_a.is_file()
+    with cache.lease(storage, b):  # a released: now it can go
+        pass
+    assert _cached(cache) == {b["sha256"]}
+
+
+def test_budget_smaller_than_the_largest_shard_is_refused_at_start_up(tmp_path):
+    cache = ShardCache(tmp_path / "cache", budget_bytes=1000)
+    index = {"shards": [{"file": "a", "bytes": 400, "sha256": "x"}, {"file": "b", "bytes": 5000, "sha256": "y"}]}
+    with pytest.raises(UserError, match=r"data.cache_bytes=1000 is smaller than the largest shard \(5000 bytes\): "
+                                         r"raise it to at least 5000"):
+        cache.check_budget(index)
+    ShardCache(tmp_path / "cache", budget_bytes=5000).check_budget(index)  # fits: no error
+
+
+def test_a_download_that_differs_from_its_sha256_is_retried_once_then_refused(store, tmp_path):
+    storage, (a, _, _, _) = store
+    cache = ShardCache(tmp_path / "cache", budget_bytes=10_000)
+    wrong = {**a, "sha256": "0" * 64}
+    with pytest.raises(ShardChecksumError, match=r"shard .*shard.00000.parquet has sha256 .*\(downloaded twice\)"):
+        with cache.lease(storage, wrong):
+            pass
+    assert cache.stats.checksum_failures == 2
+    assert list(cache.files_dir.iterdir()) == []  # neither the bad file nor a temp file is left
+
+
+def test_the_key_is_the_content_so_equal_shards_download_once(store, tmp_path):
+    storage, (a, _, _, _) = store
+    (storage.local_path / "other").mkdir()
+    copy = _shard(storage.local_path, "other/shard.00000.parquet", 1000, 0)  # same bytes as `a`, another file
+    cache = ShardCache(tmp_path / "cache", budget_bytes=10_000)
+    for entry in (a, copy):
+        with cache.lease(storage, entry):
+            pass
+    assert (cache.stats.downloads, cache.stats.hits) == (1, 1)
+
+
+class _SlowStorage(Storage):
+    """A local folder whose reads take 1 s to start: the two processes below overlap for certain."""
+
+    def open_input_file(self, rel):
+        time.sleep(1.0)
+        return super().open_input_file(rel)
+
+
+def _race(folder: str, cache_dir: str, entry: dict, start, out) -> None:
+    import pyarrow.fs as pafs
+
+    cache = ShardCache(cache_dir, budget_bytes=10_000)
+    storage = _SlowStorage(folder, pafs.LocalFileSystem(), folder)
+    start.wait()
+    with cache.lease(storage, entry) as path:
+        out.put((cache.stats.downloads, cache.stats.hits, path.read_bytes() == Path(folder, entry["file"]).read_bytes()))
+
+
+def test_two_processes_racing_for_one_shard_download_it_once(store, tmp_path):
+    storage, (a, _, _, _) = store
+    ctx = multiprocessing.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(storage.base, str(tmp_path / "cache"), a, start, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    start.set()
+    results = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert sum(r[0] for r in results) == 1  # one download on this node
+    assert sum(r[1] for r in results) == 1  # the other process waited, then found it cached
+    assert all(r[2] for r in results)

@@ -1,0 +1,191 @@
+"""Shards on object storage: `vidray prepare` to `s3://` and reading back, against a real S3-compatible server
+(moto's standalone server on 127.0.0.1, started and stopped by the `s3_server` fixture)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+
+from vidray.data.cache import ShardCache
+from vidray.data.index import load_sample_index
+from vidray.data.ingest import prepare
+from vidray.data.shards import (
+    INDEX_NAME,
+    ShardChecksumError,
+    iter_samples,
+    listed_files,
+    load_samples,
+    read_index,
+    read_report,
+)
+from vidray.data.storage import open_storage
+from vidray.errors import UserFileNotFound
+
+BUCKETS = [[9, 64, 64], [1, 64, 64]]
+FPS = 8.0
+
+
+def _prepare(samples_dir: Path, where: str | Path, samples_per_shard: int = 2):
+    return prepare(samples_dir / "metadata.json", where, BUCKETS, FPS, samples_per_shard, progress=None,
+                   scene_split=None)
+
+
+def _fresh_uri() -> str:
+    return f"s3://vidray-test/{uuid.uuid4().hex[:8]}/shards"
+
+
+@pytest.fixture(scope="module")
+def local_and_s3(samples_dir, tmp_path_factory, s3_env):
+    """The samples prepared once to a local folder and once to a fresh S3 prefix."""
+    local = tmp_path_factory.mktemp("local") / "shards"
+    _prepare(samples_dir, local)
+    uri = _fresh_uri()
+    summary = _prepare(samples_dir, uri)
+    return local, uri, summary
+
+
+def test_prepare_to_s3_reads_back_identical_to_a_local_prepare(local_and_s3, tmp_path):
+    local, uri, summary = local_and_s3
+    assert summary.report_path == f"{uri}/gen.00001/report.json"
+    local_samples, s3_samples = load_samples(local), load_samples(uri)
+    assert [s.sample_id for s in s3_samples] == [s.sample_id for s in local_samples]
+    assert len(s3_samples) == 6
+    for a, b in zip(local_samples, s3_samples):
+        assert a.caption == b.caption and a.bucket == b.bucket and a.video.shape == b.video.shape
+    local_index, s3_index = read_index(local), read_index(uri)
+    assert s3_index["bucket_counts"] == local_index["bucket_counts"]
+    assert [s["num_samples"] for s in s3_index["shards"]] == [s["num_samples"] for s in local_index["shards"]]
+    assert [k["sample_id"] for k in read_report(uri)["kept"]] == [k["sample_id"] for k in read_report(local)["kept"]]
+    np.testing.assert_array_equal(load_sample_index(uri).sample_id, load_sample_index(local).sample_id)
+    # The objects themselves, copied to a local folder, read back to the same decoded videos (H.264 encodes of two
+    # prepares may differ in the last bits, so the pixels are compared on the very bytes uploaded).
+    copy = tmp_path / "copy"
+    storage = open_storage(uri)
+    for rel in storage.files():
+        (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+        (copy / rel).write_bytes(storage.read_bytes(rel))
+    for a, b in zip(load_samples(copy), s3_samples):
+        assert a.sample_id == b.sample_id
+        np.testing.assert_array_equal(a.video, b.video)
+    # The file:// form of the local folder reads the same dataset.
+    assert [r["sample_id"] for r in iter_samples(f"file://{local}", columns=["sample_id"])] == \
+        [s.sample_id for s in local_samples]
+
+
+def test_s3_reads_go_through_the_warm_cache_once_per_shard(local_and_s3, tmp_path):
+    _, uri, _ = local_and_s3
+    cache = ShardCache(tmp_path / "cache", budget_bytes=10**8)
+    first = load_samples(uri, cache=cache)
+    num_shards = len(read_index(uri)["shards"])
+    assert cache.stats.downloads == num_shards and cache.stats.hits == 0
+    second = load_samples(uri, cache=cache)
+    assert cache.stats.downloads == num_shards and cache.stats.hits == num_shards
+    assert [s.sample_id for s in first] == [s.sample_id for s in second]
+    cached = sorted(p.name for p in (tmp_path / "cache" / "shards").iterdir())
+    assert cached == sorted(f"{s['sha256']}.parquet" for s in read_index(uri)["shards"])
+
+
+def test_reprepare_on_s3_leaves_only_what_the_new_index_lists(samples_dir, s3_env):
+    uri = _fresh_uri()
+    _prepare(samples_dir, uri, samples_per_shard=2)
+    first = read_index(uri)
+    _prepare(samples_dir, uri, samples_per_shard=4)
+    index = read_index(uri)
+    assert index["generation"] == first["generation"] + 1
+    assert open_storage(uri).files() == {INDEX_NAME, *listed_files(index)}
+    assert all(f.startswith("gen.00002/") for f in listed_files(index))
+    assert len(load_samples(uri)) == 6
+
+
+def test_corrupted_shard_object_is_detected_and_skipped_with_a_reason(samples_dir, s3_env, s3_server, tmp_path):
+    uri = _fresh_uri()
+    _prepare(samples_dir, uri, samples_per_shard=2)
+    index = read_index(uri)
+    bad = index["shards"][1]["file"]
+    storage = open_storage(uri)
+    data = bytearray(storage.read_bytes(bad))
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    storage.write_bytes(bad, bytes(data))
+
+    with pytest.raises(ShardChecksumError, match=bad) as err:
+        load_samples(uri)
+    assert err.value.file == bad
+
+    skipped: list[dict] = []
+    kept = load_samples(uri, skipped=skipped)
+    assert [s["file"] for s in skipped] == [bad]
+    assert "sha256" in skipped[0]["reason"] and "re-run `vidray prepare`" in skipped[0]["reason"]
+    assert len(kept) == 6 - index["shards"][1]["num_samples"]
+
+    cache = ShardCache(tmp_path / "cache", budget_bytes=10**8)
+    skipped_cached: list[dict] = []
+    kept_cached = load_samples(uri, cache=cache, skipped=skipped_cached)
+    assert [s["file"] for s in skipped_cached] == [bad]
+    assert cache.stats.checksum_failures == 2  # downloaded, mismatched, downloaded once more, refused
+    assert [s.sample_id for s in kept_cached] == [s.sample_id for s in kept]
+    assert not any(p.name.startswith(index["shards"][1]["sha256"]) for p in (tmp_path / "cache" / "shards").iterdir())
+
+
+def test_s3_prefix_without_an_index_says_run_prepare(s3_env):
+    with pytest.raises(UserFileNotFound, match="index.json not found.*run `vidray prepare`"):
+        read_index(_fresh_uri())
+
+
+def test_s3_uri_maps_to_bucket_and_prefix_on_an_s3_filesystem(s3_env):
+    storage = open_storage("s3://vidray-test/x")
+    assert isinstance(storage.fs, pafs.S3FileSystem) and storage.base == "vidray-test/x"
+    assert not storage.is_local
+
+
+def test_driver_checks_read_the_index_from_s3_and_refuse_a_too_small_cache_budget(local_and_s3, tmp_path):
+    from vidray.config import load_job_config
+    from vidray.errors import UserError
+    from vidray.train.trainer import check_job_inputs
+
+    _, uri, _ = local_and_s3
+    repo = Path(__file__).resolve().parents[2]
+    base = [f"data.shards_dir={uri}", f"storage.path={tmp_path / 'runs'}"]
+    plan = check_job_inputs(load_job_config(repo / "jobs/configs/tiny_t2v.yaml", base))
+    assert plan.checkpoint is None
+    largest = max(s["bytes"] for s in read_index(uri)["shards"])
+    with pytest.raises(UserError, match=rf"data.cache_bytes=1000 is smaller than the largest shard \({largest} "
+                                        rf"bytes\): raise it to at least {largest}"):
+        check_job_inputs(load_job_config(repo / "jobs/configs/tiny_t2v.yaml", base + ["data.cache_bytes=1000"]))
+
+
+def test_dropping_a_skipped_shard_removes_exactly_its_samples_from_the_sample_table(local_and_s3):
+    from vidray.data.index import drop_shards
+
+    _, uri, _ = local_and_s3
+    table = load_sample_index(uri)
+    kept = drop_shards(table, [1])
+    assert len(kept) == len(table) - int((table.shard == 1).sum()) and 1 not in set(kept.shard.tolist())
+    np.testing.assert_array_equal(kept.sample_id, table.sample_id[table.shard != 1])
+    before = [table.buckets[b] for b in table.bucket_id[table.shard != 1]]
+    assert [kept.buckets[b] for b in kept.bucket_id] == before
+
+
+def test_a_shard_the_store_keeps_failing_to_serve_is_skipped_with_a_reason(local_and_s3, monkeypatch):
+    from vidray.data.storage import Storage
+
+    _, uri, _ = local_and_s3
+    index = read_index(uri)
+    dropped = index["shards"][0]["file"]
+    real_read = Storage.read_bytes
+
+    def flaky(self, rel):
+        if rel == dropped:
+            raise OSError("AWS Error NETWORK_CONNECTION during GetObject operation: connection reset (after retries)")
+        return real_read(self, rel)
+
+    monkeypatch.setattr(Storage, "read_bytes", flaky)
+    skipped: list[dict] = []
+    kept = load_samples(uri, skipped=skipped)
+    assert [s["file"] for s in skipped] == [dropped] and "unreadable after retries" in skipped[0]["reason"]
+    assert len(kept) == 6 - index["shards"][0]["num_samples"]
+    with pytest.raises(OSError, match="connection reset"):
+        load_samples(uri)

@@ -1,0 +1,195 @@
+"""The warm tier: a node-local disk cache of shard files fetched from object storage.
+
+```python
+cache = ShardCache("/tmp/vidray-cache", budget_bytes=20 * 2**30)
+cache.check_budget(index)                      # UserError at start-up when the largest shard cannot fit
+with cache.lease(storage, index["shards"][0]) as path:   # downloaded once per node, pinned while the block runs
+    table = pq.read_table(path)
+```
+
+- Key: the shard's sha256 from `index.json` (`<cache_dir>/shards/<sha256>.parquet`): content-addressed, so a
+  re-prepare, another dataset or another bucket never reads stale bytes, and equal shards are stored once.
+- Budget: `data.cache_bytes` bounds the bytes of cached shards. Before a download, least recently used files
+  (mtime, refreshed on every hit) are evicted until the new shard fits. A file in use is never evicted: every
+  lease holds a shared `flock` on the key's lock file (`<cache_dir>/locks/<sha256>.lock`), and eviction only
+  takes files whose lock it can take exclusively without waiting. When pinned files leave no room, `lease`
+  raises UserError naming the numbers instead of waiting.
+- Downloads are atomic (`<key>.parquet.<pid>.tmp`, then rename) and checked against the sha256; a mismatch is
+  deleted and downloaded once more, then ShardChecksumError (the caller skips the shard and counts it).
+- One download per shard per node: the downloader holds the key's lock exclusively; another process that
+  wants the same shard waits on that lock, then finds the file cached (counted as a hit).
+- Local shard folders are not copied here: `vidray.data.shards.open_shard` reads them in place (hashing them).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from vidray.errors import UserError
+
+DEFAULT_CACHE_DIR = str(Path(tempfile.gettempdir()) / "vidray-cache")
+DEFAULT_CACHE_BYTES = 20 * 2**30
+
+
+@dataclass
+class CacheStats:
+    """Counts of this process's `ShardCache` (bytes in bytes)."""
+
+    hits: int = 0
+    downloads: int = 0
+    bytes_downloaded: int = 0
+    evictions: int = 0
+    checksum_failures: int = 0
+    evicted: list[str] = field(default_factory=list)
+    """Keys (sha256) evicted by this process, oldest first."""
+
+
+def check_cache_budget(cache_bytes: int, index: dict[str, Any]) -> None:
+    """Raise UserError when the largest shard of `index` (an `index.json` dict) exceeds `cache_bytes`: training
+    could never hold the shard it needs, so it is refused at start-up rather than left to stall."""
+    largest = max((int(s.get("bytes", 0)) for s in index.get("shards", [])), default=0)
+    if largest > cache_bytes:
+        raise UserError(
+            f"data.cache_bytes={cache_bytes} is smaller than the largest shard ({largest} bytes): raise it to at "
+            f"least {largest} (better a few times that), or prepare smaller shards (data.samples_per_shard)"
+        )
+
+
+class ShardCache:
+    """Node-local, content-addressed disk cache of shards under a byte budget (see the module docstring).
+
+    `cache_dir`: the folder (created); `budget_bytes`: most bytes of cached shards (> 0).
+    Raises ValueError for a budget < 1 and UserError when `cache_dir` cannot be created."""
+
+    def __init__(self, cache_dir: str | Path = DEFAULT_CACHE_DIR, budget_bytes: int = DEFAULT_CACHE_BYTES):
+        if budget_bytes < 1:
+            raise ValueError(f"data.cache_bytes must be >= 1 byte, got {budget_bytes}")
+        self.cache_dir = Path(cache_dir)
+        self.budget_bytes = int(budget_bytes)
+        self.files_dir = self.cache_dir / "shards"
+        self.locks_dir = self.cache_dir / "locks"
+        try:
+            self.files_dir.mkdir(parents=True, exist_ok=True)
+            self.locks_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UserError(f"cannot create the shard cache {self.cache_dir} ({err.strerror}); set data.cache_dir "
+                            "to a writable node-local folder") from None
+        self.stats = CacheStats()
+
+    def path(self, sha256: str) -> Path:
+        return self.files_dir / f"{sha256}.parquet"
+
+    def check_budget(self, index: dict[str, Any]) -> None:
+        """`check_cache_budget(self.budget_bytes, index)`."""
+        check_cache_budget(self.budget_bytes, index)
+
+    def cached_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.files_dir.glob("*.parquet") if p.is_file())
+
+    @contextmanager
+    def lease(self, storage: Any, entry: dict[str, Any]) -> Iterator[Path]:
+        """The local path of the shard `entry` ({file, bytes, sha256} from `index.json`) of `storage`
+        (`vidray.data.storage.Storage`), downloaded if needed; pinned (never evicted) until the block ends.
+        Raises ShardChecksumError when the download differs from its sha256 twice, UserError when the budget
+        has no room that eviction can free."""
+        key = entry["sha256"]
+        path = self.path(key)
+        fd = os.open(self.locks_dir / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            downloaded = False
+            while True:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                if path.is_file():
+                    break
+                # Missing: convert to exclusive (flock drops the shared lock first, so two would-be downloaders
+                # cannot deadlock); the first downloads, the others wait here and then find the file.
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if not path.is_file():
+                    self._download(storage, entry, path)
+                    downloaded = True
+                # Back to shared; an evictor may have slipped in between (it needs an exclusive lock): re-check.
+            os.utime(path)  # LRU: most recently used now
+            if not downloaded:
+                self.stats.hits += 1
+            yield path
+        finally:
+            os.close(fd)  # releases the shared lock: the file may now be evicted
+
+    def _download(self, storage: Any, entry: dict[str, Any], path: Path) -> None:
+        """Fetch `entry` into `path` (temp file + rename), after making room; verify its sha256 (one retry)."""
+        from vidray.data.shards import ShardChecksumError
+
+        size = int(entry.get("bytes") or storage.size(entry["file"]))
+        self._make_room(size, keep=entry["sha256"])
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        for attempt in range(2):
+            digest = hashlib.sha256()
+            with storage.open_input_file(entry["file"]) as src, tmp.open("wb") as dst:
+                while chunk := src.read(8 << 20):
+                    digest.update(chunk)
+                    dst.write(chunk)
+            self.stats.bytes_downloaded += tmp.stat().st_size
+            if digest.hexdigest() == entry["sha256"]:
+                os.replace(tmp, path)
+                self.stats.downloads += 1
+                return
+            tmp.unlink()
+            self.stats.checksum_failures += 1
+        raise ShardChecksumError(
+            f"shard {storage.display(entry['file'])} has sha256 {digest.hexdigest()[:16]}... but index.json records "
+            f"{entry['sha256'][:16]}... (downloaded twice): corrupt or replaced; re-run `vidray prepare`",
+            entry["file"],
+        )
+
+    def _make_room(self, size: int, keep: str) -> None:
+        """Evict least recently used, unpinned shards until `size` more bytes fit the budget (under the cache's
+        own lock, so two processes do not both count the same free room)."""
+        if size > self.budget_bytes:
+            raise UserError(f"data.cache_bytes={self.budget_bytes} is smaller than shard size {size} bytes: raise it "
+                            f"to at least {size}")
+        lock_fd = os.open(self.cache_dir / ".evict.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            files = []
+            for p in self.files_dir.glob("*.parquet"):
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
+                files.append((st.st_mtime, p, st.st_size))
+            used = sum(f[2] for f in files)
+            pinned = 0
+            for _mtime, p, nbytes in sorted(files, key=lambda f: f[0]):  # oldest first
+                if used + size <= self.budget_bytes:
+                    break
+                key = p.name.removesuffix(".parquet")
+                if key == keep:
+                    continue
+                kfd = os.open(self.locks_dir / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(kfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    pinned += nbytes  # in use by a lease: never evicted
+                    continue
+                else:
+                    p.unlink(missing_ok=True)
+                    used -= nbytes
+                    self.stats.evictions += 1
+                    self.stats.evicted.append(key)
+                finally:
+                    os.close(kfd)
+            if used + size > self.budget_bytes:
+                raise UserError(
+                    f"data.cache_bytes={self.budget_bytes} cannot hold another {size}-byte shard: {pinned} bytes are "
+                    f"pinned by shards in use in {self.cache_dir}; raise data.cache_bytes to at least "
+                    f"{pinned + size}"
+                )
+        finally:
+            os.close(lock_fd)
