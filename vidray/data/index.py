@@ -221,6 +221,10 @@ DATASET_ROWS_SCHEMA = pa.schema([("sample_id", pa.string()), ("source_sha256", p
                                  ("row_sha256", pa.binary(32))])
 
 
+_UNREADABLE_CAPTION = "\x00unreadable shard"
+"""What `dataset_rows` hashes for the captions of a shard that cannot be read (so driver and workers agree)."""
+
+
 def dataset_rows(shards_dir: str | Path) -> pa.Table:
     """One row per sample of a prepared folder, sorted by sample_id: its source's sha256 (zeros when unknown) and
     `row_sha256`, the sha256 of what defines it as training data (sample_id, bucket `FxHxW`, source sha256,
@@ -232,10 +236,13 @@ def dataset_rows(shards_dir: str | Path) -> pa.Table:
 
     storage = open_storage(shards_dir)  # a folder or a URI
     table = load_sample_index(shards_dir)
-    captions: list[list[str]] = []
+    captions: list[list[str | None]] = []
     for entry in read_index(storage)["shards"]:
-        with storage.open_input_file(entry["file"]) as f:
-            captions.append(pq.read_table(f, columns=["caption"])["caption"].to_pylist())
+        try:  # only the caption column is read (a column chunk on object stores too)
+            shard = pq.read_table(storage.path(entry["file"]), filesystem=storage.fs, columns=["caption"])
+            captions.append(shard["caption"].to_pylist())
+        except (OSError, pa.ArrowException):  # a damaged shard (training skips it): the same marker everywhere
+            captions.append([_UNREADABLE_CAPTION] * int(entry["num_samples"]))
     ids, sources, digests = [], [], []
     for i in np.argsort(table.sample_id, kind="stable"):
         b = table.buckets[table.bucket_id[i]]

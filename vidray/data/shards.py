@@ -42,7 +42,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from vidray.data.buckets import Bucket
-from vidray.data.storage import Storage, open_storage
+from vidray.data.storage import Storage, fsync_path, open_storage
 from vidray.data.video import decode_mp4
 from vidray.errors import UserError, UserFileNotFound
 
@@ -93,22 +93,13 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file (or a folder's entries) to disk, so a rename that follows survives a power loss too."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_atomic(path: Path, data: bytes) -> None:
     """Replace `path` with `data` all at once: written to `.<name>.tmp`, flushed, renamed over `path`."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_bytes(data)
-    _fsync(tmp)
+    fsync_path(tmp)
     os.replace(tmp, path)
-    _fsync(path.parent)
+    fsync_path(path.parent)
 
 
 def generation_dir_name(generation: int) -> str:
@@ -131,7 +122,7 @@ def write_shard(shards_dir: str | Path, shard_index: int, rows: Sequence[dict[st
     path = Path(shards_dir) / shard_file_name(shard_index)
     tmp = path.with_name(f".{path.name}.tmp")
     pq.write_table(table, tmp, row_group_size=max(1, len(rows)))
-    _fsync(tmp)
+    fsync_path(tmp)
     os.replace(tmp, path)
     return {"file": path.name, "num_samples": len(rows), "bytes": path.stat().st_size, "sha256": _sha256_file(path)}
 
@@ -355,7 +346,7 @@ class ShardWriter:
         path = self.generation_dir / SAMPLES_NAME
         tmp = path.with_name(f".{path.name}.tmp")
         table = write_sample_table(tmp, columns)
-        _fsync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
         self.samples = {
             "file": f"{self.generation_dir.name}/{SAMPLES_NAME}", "bytes": path.stat().st_size,
@@ -401,7 +392,7 @@ class ShardWriter:
             index["samples"] = dict(self.samples)
         index["content_hash"] = _content_hash(index)
         if self.storage.is_local:
-            _fsync(self.shards_dir)  # the generation folder's entry is on disk before the index that names it
+            fsync_path(self.shards_dir)  # the generation folder's entry is on disk before the index that names it
             _write_atomic(self.shards_dir / INDEX_NAME, json.dumps(index, indent=2).encode())
         else:  # one whole-object upload, after every object it lists
             self.storage.write_bytes(INDEX_NAME, json.dumps(index, indent=2).encode())

@@ -110,9 +110,9 @@ class Storage:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_bytes(data)
-            _fsync(tmp)
+            fsync_path(tmp)
             os.replace(tmp, path)
-            _fsync(path.parent)
+            fsync_path(path.parent)
             return
         with self.fs.open_output_stream(self.path(rel)) as f:
             f.write(data)
@@ -138,7 +138,8 @@ class Storage:
             yield entry.base_name, entry.type == pafs.FileType.Directory
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file (or a folder's entries) to disk, so a rename that follows survives a power loss too."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
