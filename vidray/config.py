@@ -96,6 +96,25 @@ class DataConfig:
     """Consecutive non-overlapping clips taken from one scene (1: one clip, centred in the scene)."""
     max_clips_per_source: int = 32
     """Most clips taken from one source video when splitting at scene cuts."""
+    group_by_caption: bool = True
+    """`vidray prepare` writes each shard with clips of one bucket and similar captions (clusters of the text
+    encoder's caption embeddings, `vidray.data.grouping`), so the schedule's shard-local walk fetches each shard
+    about once per epoch. false: shards in source order (still one bucket per shard)."""
+    shuffle_block_shards: int = 4
+    """The epoch's order walks each bucket's shards in a random order and shuffles samples within blocks of this
+    many consecutive shards (mosaicml streaming's block shuffle): larger mixes more, and needs that many shards
+    per bucket in the warm cache at once."""
+    hot_bytes: int = 256 * 2**20
+    """Memory budget (bytes) of decoded clips each worker's loader keeps and reuses across epochs (the hot tier,
+    LRU); 0 turns it off."""
+    prefetch_batches: int = 4
+    """Micro-batches the loader decodes ahead of the trainer (Ray Data's prefetch, in schedule order)."""
+    prefetch_window_batches: int = 16
+    """The shards of the next this-many micro-batches are fetched cold -> warm in the background (object stores
+    only), within `cache_bytes`."""
+    loader_cpus: float = 0.5
+    """Logical CPUs that each worker's Ray Data loader (fetch + decode operators) may use; the trainers keep
+    `scaling.cpus_per_worker`. Ray Data on a CPU budget of 0 deadlocks: keep it > 0."""
 
     @field_validator("source", "shards_dir", mode="before")
     @classmethod
@@ -154,6 +173,10 @@ class TrainConfig:
     """Autocast dtype of the DiT forward on GPU; CPU runs always use fp32."""
     max_failures: int = 2
     """Worker-group restarts (from the latest checkpoint) before the run fails; -1 retries forever."""
+    metrics_port: int | None = None
+    """Each training worker serves its Prometheus metrics (`vidray_*`, `vidray.metrics`) over HTTP on
+    127.0.0.1:(metrics_port + rank); null: no endpoint. The metrics are also written to
+    `<run_dir>/metrics/rank_<N>.prom` (Prometheus text format) at every report either way."""
 
 
 @dataclass(config=_STRICT, kw_only=True)
@@ -206,6 +229,7 @@ class JobConfig:
             "data.cache_bytes": self.data.cache_bytes,
             "data.max_clips_per_scene": self.data.max_clips_per_scene,
             "data.max_clips_per_source": self.data.max_clips_per_source,
+            "data.shuffle_block_shards": self.data.shuffle_block_shards,
             "model.max_sequence_length": self.model.max_sequence_length,
         }
         for key, value in positive.items():
@@ -231,6 +255,16 @@ class JobConfig:
             raise ValueError(f"scaling.cpus_per_worker must be > 0, got {self.scaling.cpus_per_worker}")
         if self.data.tokens_per_batch is not None and self.data.tokens_per_batch < 1:
             raise ValueError(f"data.tokens_per_batch must be >= 1 latent tokens or null, got {self.data.tokens_per_batch}")
+        for key, value in (("data.hot_bytes", self.data.hot_bytes), ("data.prefetch_batches", self.data.prefetch_batches),
+                           ("data.prefetch_window_batches", self.data.prefetch_window_batches)):
+            if value < 0:
+                raise ValueError(f"{key} must be >= 0 (0 turns it off), got {value}")
+        if not self.data.loader_cpus > 0:
+            raise ValueError(f"data.loader_cpus must be > 0 logical CPUs (default 0.5), got {self.data.loader_cpus}: "
+                             "Ray Data with no CPU never runs its operators")
+        if self.train.metrics_port is not None and not 1 <= self.train.metrics_port <= 65535 - 64:
+            raise ValueError(f"train.metrics_port must be in 1..65471 (rank N serves on metrics_port + N) or null, "
+                             f"got {self.train.metrics_port}")
         if self.data.fps <= 0:
             raise ValueError(f"data.fps must be > 0 frames/s, got {self.data.fps}")
         if self.train.grad_clip_norm is not None and not self.train.grad_clip_norm > 0:
@@ -296,6 +330,12 @@ RESUME_RULES: dict[str, str] = {
     "data.min_scene_s": RESUME_CHANGEABLE,
     "data.max_clips_per_scene": RESUME_CHANGEABLE,
     "data.max_clips_per_source": RESUME_CHANGEABLE,
+    "data.group_by_caption": RESUME_CHANGEABLE,  # prepare-only: how samples are grouped into shards
+    "data.hot_bytes": RESUME_CHANGEABLE,  # loader budgets and prefetch depth: how fast, not what is trained
+    "data.prefetch_batches": RESUME_CHANGEABLE,
+    "data.prefetch_window_batches": RESUME_CHANGEABLE,
+    "data.loader_cpus": RESUME_CHANGEABLE,
+    "data.shuffle_block_shards": RESUME_FIXED,  # defines each epoch's sample order, which the position counts
     "data.buckets": RESUME_FIXED,
     "data.fps": RESUME_FIXED,
     "data.batch_size_per_worker": RESUME_FIXED,
@@ -318,6 +358,7 @@ RESUME_RULES: dict[str, str] = {
     "train.grad_clip_norm": RESUME_CHANGEABLE,
     "train.log_every_steps": RESUME_CHANGEABLE,
     "train.max_failures": RESUME_CHANGEABLE,
+    "train.metrics_port": RESUME_CHANGEABLE,
     "train.seed": RESUME_FIXED,  # the noise, sigmas and sample schedule of every step derive from it
     "train.mixed_precision": RESUME_FIXED,  # the numerics of every step; a change is a different run
     "checkpoint.every_steps": RESUME_CHANGEABLE,
