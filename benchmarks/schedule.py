@@ -2,9 +2,11 @@
 
 Run: `.venv/bin/python benchmarks/schedule.py` (one core: set OMP_NUM_THREADS=1; numpy's sorts are single-threaded).
 The dataset is synthetic but shaped like EasyAnimate's: 26.6 M samples over 24 buckets (6 frame counts x 4
-aspect ratios, skewed counts), micro-batch sizes from a token budget. "Plan one epoch" = build the epoch's
-micro-batches (every sample's slot), deal every step of the epoch to 512 ranks, and expand it to the (steps, 512)
-micro-batch id of every rank plus the sample rows of one step (what a rank looks up per step).
+aspect ratios, skewed counts), micro-batch sizes from a token budget, and shards as `vidray prepare` writes them:
+one bucket per shard, 1000 samples per shard (26.6 k shards). "Plan one epoch" = build the schedule (grouping the
+samples by bucket and shard), build the epoch's micro-batches with the shard-local walk (`shuffle_block_shards`
+4; every sample's slot), deal every step of the epoch to 512 ranks, and expand it to the (steps, 512) micro-batch
+id of every rank plus the sample rows of one step (what a rank looks up per step).
 Peak memory: the process's peak resident set (`resource.getrusage(RUSAGE_SELF).ru_maxrss`), which includes the
 interpreter, numpy and the synthetic input (an upper bound of the planning's own memory); the tracemalloc peak of
 the planning alone is printed too.
@@ -29,6 +31,8 @@ from vidray.data.buckets import Bucket  # noqa: E402
 from vidray.data.schedule import SampleSchedule, batch_sizes_for_buckets  # noqa: E402
 
 NUM_SAMPLES = 26_600_000
+SAMPLES_PER_SHARD = 1000
+SHUFFLE_BLOCK_SHARDS = 4
 WORLD_SIZE = 512
 SEED = 0
 
@@ -44,6 +48,26 @@ def synthetic_buckets() -> tuple[list[Bucket], np.ndarray]:
     return buckets, ids
 
 
+def synthetic_shards(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(bucket ids, shards): each bucket's samples cut into shards of SAMPLES_PER_SHARD (the last one of a bucket
+    smaller), and the samples reordered into shard order, as `load_sample_index` returns the sample table (rows
+    sorted by shard; shards of different buckets interleaved as prepare flushes them)."""
+    order = np.argsort(ids, kind="stable")
+    counts = np.bincount(ids)
+    bucket_start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    shards_per_bucket = -(-counts // SAMPLES_PER_SHARD)
+    first_shard = np.concatenate([[0], np.cumsum(shards_per_bucket)[:-1]])
+    sorted_ids = ids[order]
+    rank_in_bucket = np.arange(len(ids)) - bucket_start[sorted_ids]
+    shards = np.empty(len(ids), dtype=np.int32)
+    shards[order] = first_shard[sorted_ids] + rank_in_bucket // SAMPLES_PER_SHARD
+    # Number the shards in a random interleaving of the buckets (prepare flushes buckets as they fill).
+    renumber = np.random.default_rng(2).permutation(int(shards.max()) + 1).astype(np.int32)
+    shards = renumber[shards]
+    by_shard = np.argsort(shards, kind="stable")
+    return ids[by_shard], shards[by_shard]
+
+
 def latent_tokens(bucket: Bucket) -> int:
     # EasyAnimate-like strides: 4x temporal, 8x spatial VAE; patch 2.
     return ((bucket.num_frames - 1) // 4 + 1) * (bucket.height // 16) * (bucket.width // 16)
@@ -51,11 +75,13 @@ def latent_tokens(bucket: Bucket) -> int:
 
 def main() -> None:
     buckets, ids = synthetic_buckets()
+    ids, shards = synthetic_shards(ids)
     sizes = batch_sizes_for_buckets(buckets, batch_size_per_worker=1, tokens_per_batch=32_768,
                                     latent_tokens=latent_tokens)
     tracemalloc.start()
     t0 = time.perf_counter()
-    schedule = SampleSchedule(ids, buckets, batch_sizes=sizes, seed=SEED)
+    schedule = SampleSchedule(ids, buckets, batch_sizes=sizes, seed=SEED, shards=shards,
+                              shuffle_block_shards=SHUFFLE_BLOCK_SHARDS)
     deal = schedule.plan(schedule.start(0), WORLD_SIZE)
     batch_ids, real = deal.batch_ids()  # (S, W)
     rows, weights = schedule.batch_samples(0, batch_ids[0])  # one step's samples: (W, B)
@@ -66,7 +92,8 @@ def main() -> None:
     # Sanity: every real micro-batch of the epoch is dealt exactly once.
     dealt = np.sort(batch_ids[real])
     assert np.array_equal(dealt, np.arange(schedule.batches_per_epoch)), "a micro-batch was lost or repeated"
-    print(f"{NUM_SAMPLES} samples, {len(buckets)} buckets, {schedule.batches_per_epoch} micro-batches, "
+    print(f"{NUM_SAMPLES} samples, {len(buckets)} buckets, {int(shards.max()) + 1} shards "
+          f"(shuffle blocks of {SHUFFLE_BLOCK_SHARDS}), {schedule.batches_per_epoch} micro-batches, "
           f"{deal.num_steps} steps x {WORLD_SIZE} ranks ({int((~real).sum())} padded rank-batches): "
           f"{elapsed_s:.2f} s, peak RSS {peak_rss / 1e9:.2f} GB, tracemalloc peak {traced_peak / 1e9:.2f} GB")
     figures = {

@@ -58,6 +58,14 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     print(f"[vidray] diffusers pipeline: {result.diffusers_dir}")
     for shard in result.skipped_shards:
         print(f"[vidray] skipped shard {shard['file']}: {shard['reason']}")
+    for clip in result.skipped_clips:
+        print(f"[vidray] skipped clip {clip['sample_id']}: {clip['reason']}")
+    if result.data:
+        d = result.data
+        print(f"[vidray] data (rank 0): waited {d['data_wait_s']:.1f} s ({100 * d['data_wait_fraction']:.1f}% of "
+              f"step time); hot tier {d['hot_hits']:.0f} hits / {d['hot_misses']:.0f} misses; warm tier "
+              f"{d['warm_hits']:.0f} hits / {d['warm_misses']:.0f} downloads; {d['bytes_fetched'] / 2**20:.1f} MiB "
+              "fetched from the shard store")
     return 0
 
 

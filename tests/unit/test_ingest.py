@@ -216,8 +216,8 @@ def test_prepare_keeps_every_sample_and_writes_index_last(prepared):
     assert len(lines) == 6 and all("kept" in line for line in lines)
     index = read_index(shards_dir)
     assert index["num_samples"] == 6 and index["bucket_counts"] == {"9x64x64": 5, "1x64x64": 1}
-    assert [s["file"] for s in index["shards"]] == ["gen.00001/shard.00000.parquet", "gen.00001/shard.00001.parquet"]
-    assert [s["num_samples"] for s in index["shards"]] == [4, 2]
+    assert [s["file"] for s in index["shards"]] == [f"gen.00001/shard.0000{i}.parquet" for i in range(3)]
+    assert [s["num_samples"] for s in index["shards"]] == [4, 1, 1]  # one bucket per shard: 4 + 1 clips, 1 image
     assert index["buckets"] == BUCKETS and index["fps"] == FPS
     # The index records every file it commits as it was on disk: sizes and content hashes match.
     for entry in [*index["shards"], index["report"]]:
@@ -225,7 +225,7 @@ def test_prepare_keeps_every_sample_and_writes_index_last(prepared):
         assert (len(data), hashlib.sha256(data).hexdigest()) == (entry["bytes"], entry["sha256"])
     assert summary.report_path == shards_dir / "gen.00001" / "report.json" == shards_dir / index["report"]["file"]
     assert read_report(shards_dir)["num_kept"] == 6
-    assert "Prepared 6 of 6 files into 2 shard(s)" in str(summary)
+    assert "Prepared 6 of 6 files into 3 shard(s)" in str(summary)
 
 
 def test_prepare_writes_shards_then_report_then_index_then_deletes_the_old_generation(tmp_path, samples_dir,
@@ -258,8 +258,8 @@ def test_prepare_writes_shards_then_report_then_index_then_deletes_the_old_gener
         events.clear()
         prepare(samples_dir / "metadata.json", shards_dir, BUCKETS, FPS, samples_per_shard=4, progress=None)
         writes = [name for kind, name in events if kind == "write"]
-        assert writes == [f"{generation}/shard.00000.parquet", f"{generation}/shard.00001.parquet",
-                          f"{generation}/samples.parquet", f"{generation}/report.json", "index.json"]
+        assert writes == [f"{generation}/shard.0000{i}.parquet" for i in range(3)] + [
+            f"{generation}/samples.parquet", f"{generation}/report.json", "index.json"]
         commit = events.index(("write", "index.json"))
         deletes = [name for kind, name in events if kind == "delete"]
         assert all(events.index(("delete", name)) > commit for name in deletes)  # nothing goes before the switch
@@ -347,8 +347,8 @@ def test_prepare_overwrites_a_previous_run_cleanly(tmp_path, samples_dir):
     assert len(list(shards_dir.glob("gen.00001/shard.*.parquet"))) == first.num_kept == 6
     ids = {s.sample_id for s in load_samples(shards_dir)}
     prepare(samples_dir / "metadata.json", shards_dir, BUCKETS, FPS, 64, progress=None)
-    assert [str(p.relative_to(shards_dir)) for p in shards_dir.glob("**/shard.*.parquet")] == [
-        "gen.00002/shard.00000.parquet"
+    assert sorted(str(p.relative_to(shards_dir)) for p in shards_dir.glob("**/shard.*.parquet")) == [
+        "gen.00002/shard.00000.parquet", "gen.00002/shard.00001.parquet"  # one per bucket
     ]
     assert {s.sample_id for s in load_samples(shards_dir)} == ids  # sample ids are stable
 

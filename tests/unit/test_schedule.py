@@ -186,3 +186,90 @@ def test_token_budget_gives_each_bucket_its_batch_size():
                                    latent_tokens=latent_tokens) == {A: 3, B: 3}
     assert batch_sizes_for_buckets([A], batch_size_per_worker=1, tokens_per_batch=10,
                                    latent_tokens=latent_tokens) == {A: 1}  # at least one clip
+
+
+# --- the shard-local walk (shards given) -------------------------------------------------------------------------
+
+# 2 buckets, one bucket per shard as `vidray prepare` writes them: A in shards 0-5 (5, 5, 5, 5, 5, 3 samples),
+# B in shards 6-8 (4, 4, 2); rows in shard order, as `load_sample_index` gives them.
+SHARD_SIZES = {0: 5, 1: 5, 2: 5, 3: 5, 4: 5, 5: 3, 6: 4, 7: 4, 8: 2}
+SHARDED = [A if s < 6 else B for s, n in SHARD_SIZES.items() for _ in range(n)]
+SHARD_OF = np.array([s for s, n in SHARD_SIZES.items() for _ in range(n)])
+
+
+def bucket_sequence(schedule, epoch, bucket):
+    """The real samples (weight 1) of `bucket`'s micro-batches in the epoch's order, as a flat array."""
+    k = schedule.buckets.index(bucket)
+    ids = np.arange(schedule.batch_start[k], schedule.batch_start[k + 1])
+    rows, weights = schedule.batch_samples(epoch, ids)
+    return rows[weights > 0]
+
+
+def runs(values):
+    """Values of consecutive runs: [3, 3, 1, 1, 3] -> [3, 1, 3]."""
+    values = np.asarray(values)
+    return values[np.concatenate([[True], values[1:] != values[:-1]])].tolist()
+
+
+@pytest.mark.parametrize("block", [1, 2, 4])
+def test_shard_walk_reads_each_block_of_shards_in_one_contiguous_run(block):
+    schedule = SampleSchedule.from_buckets(SHARDED, batch_sizes=2, seed=0, shards=SHARD_OF, shuffle_block_shards=block)
+    for epoch in range(3):
+        for bucket, shards in ((A, range(6)), (B, range(6, 9))):
+            sequence = SHARD_OF[bucket_sequence(schedule, epoch, bucket)]
+            assert sorted(sequence.tolist()) == sorted(s for s in shards for _ in range(SHARD_SIZES[s]))
+            order = list(dict.fromkeys(sequence.tolist()))  # shards by first appearance: the walk's order
+            blocks = [set(order[i:i + block]) for i in range(0, len(order), block)]
+            block_of = {s: i for i, members in enumerate(blocks) for s in members}
+            # Each block's samples are one contiguous run: the block sequence switches len(blocks) - 1 times.
+            assert runs([block_of[s] for s in sequence.tolist()]) == list(range(len(blocks))), (epoch, bucket)
+            if block == 1:  # one shard per block: exactly one switch per shard
+                assert len(runs(sequence)) == len(shards)
+
+
+def test_shard_walk_mixes_samples_within_a_block_and_keeps_the_full_shuffle_without_shards():
+    many = [A] * 400
+    shards = np.repeat(np.arange(20), 20)  # 20 shards of 20: 5 blocks of 4 shards, 80 samples each
+    walk = SampleSchedule.from_buckets(many, batch_sizes=4, seed=1, shards=shards, shuffle_block_shards=4)
+    sequence = shards[bucket_sequence(walk, 0, A)]
+    assert len(runs(sequence)) > 100  # shards interleave inside their block (~60 runs per block of 80)
+    full = SampleSchedule.from_buckets(many, batch_sizes=4, seed=1)
+    assert len(runs(shards[bucket_sequence(full, 0, A)])) > 300  # a full shuffle switches shard almost every sample
+
+
+def test_shard_walk_is_deterministic_per_seed_and_epoch_and_differs_across_epochs():
+    def sequences(seed, epoch):
+        s = SampleSchedule.from_buckets(SHARDED, batch_sizes=2, seed=seed, shards=SHARD_OF, shuffle_block_shards=2)
+        return [bucket_sequence(s, epoch, b).tolist() for b in (A, B)]
+
+    assert sequences(3, 1) == sequences(3, 1)
+    assert sequences(3, 0) != sequences(3, 1)
+    assert sequences(3, 0) != sequences(4, 0)
+    orders = {tuple(dict.fromkeys(SHARD_OF[np.array(sequences(3, e)[0])].tolist())) for e in range(6)}
+    assert len(orders) > 1  # the shard walk itself changes from epoch to epoch
+
+
+@pytest.mark.parametrize("world_sizes", [[1], [2], [2, 4], [4, 3, 1]])
+def test_shard_walk_trains_every_sample_exactly_once_per_epoch_whatever_the_world_sizes(world_sizes):
+    schedule = SampleSchedule.from_buckets(SHARDED, batch_sizes=3, seed=2, shards=SHARD_OF, shuffle_block_shards=2)
+    seen, deals = run_epochs(schedule, world_sizes, num_epochs=3)
+    for epoch in range(3):
+        assert seen[epoch] == collections.Counter(range(len(SHARDED))), epoch
+    for deal in deals:
+        assert {SHARDED[r] for r in deal.sample_rows.ravel().tolist()} == {deal.bucket}
+
+
+def test_a_short_batch_repeats_its_own_samples_so_it_touches_no_other_shard():
+    schedule = SampleSchedule.from_buckets(SHARDED, batch_sizes=4, seed=0, shards=SHARD_OF, shuffle_block_shards=1)
+    for epoch in range(4):
+        k = schedule.buckets.index(B)  # 10 samples: the third batch has 2 real samples and 2 repeats
+        rows, weights = schedule.batch_samples(epoch, np.array([schedule.batch_start[k + 1] - 1]))
+        assert weights.tolist() == [[1.0, 1.0, 0.0, 0.0]]
+        assert rows[0, 2:].tolist() == rows[0, :2].tolist()
+
+
+def test_shards_and_block_size_are_checked():
+    with pytest.raises(ValueError, match="data.shuffle_block_shards must be >= 1"):
+        SampleSchedule.from_buckets(SHARDED, batch_sizes=2, seed=0, shards=SHARD_OF, shuffle_block_shards=0)
+    with pytest.raises(ValueError, match="one int per sample"):
+        SampleSchedule.from_buckets(SHARDED, batch_sizes=2, seed=0, shards=SHARD_OF[:-1])

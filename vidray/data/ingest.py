@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from vidray.models.text_encoder import TruncationStats
 
 from vidray.data.buckets import Bucket, assign_bucket, validate_bucket
+from vidray.data.grouping import SHARDS_PER_GROUPING, CaptionEmbedder, balanced_groups
 from vidray.data.shards import INDEX_NAME, ShardWriter
 from vidray.data.storage import is_uri
 from vidray.errors import UserError, UserFileNotFound
@@ -315,6 +316,9 @@ class PrepareSummary:
     """Kept source files whose caption is empty or whitespace only (they are kept; reported only)."""
     duplicate_listings: list[str] = field(default_factory=list)
     """Source paths listed more than once: one entry per listing after the first (reported only)."""
+    grouped_by_caption: bool = False
+    """Whether each shard holds similar captions of its bucket (`prepare(group_by_caption=True)`); every shard
+    holds one bucket either way."""
 
     def __str__(self) -> str:
         total = self.num_kept + self.num_skipped
@@ -322,7 +326,9 @@ class PrepareSummary:
         text = (
             f"Prepared {self.num_kept} of {total} files"
             + (f" as {self.num_samples} clips" if self.num_samples != self.num_kept else "")
-            + f" into {self.num_shards} shard(s) in {self.shards_dir} "
+            + f" into {self.num_shards} shard(s)"
+            + (" of one bucket and similar captions each" if self.grouped_by_caption else " of one bucket each")
+            + f" in {self.shards_dir} "
             f"at {self.fps:g} fps in {self.elapsed_s:.1f} s; samples per bucket: {buckets}."
         )
         if self.skipped:
@@ -452,11 +458,19 @@ def prepare(
     progress: Callable[[str], Any] | None = print,
     caption_check: "Callable[[list[str]], TruncationStats] | None" = None,
     scene_split: SceneSplit | None = SceneSplit(),
+    group_by_caption: bool = True,
 ) -> PrepareSummary:
     """Turn the files listed in `source` into Parquet shards in `shards_dir` (see `vidray.data.shards`).
 
     `buckets`: [num_frames, height, width] triples; `fps`: sampling rate in frames/s; `samples_per_shard`: rows
-    per shard. Writes a new generation `gen.NNNNN/shard.00000.parquet`..., its sample table
+    per shard. Every shard holds samples of one bucket: rows are buffered per bucket. `group_by_caption`: each
+    bucket buffers up to `samples_per_shard * SHARDS_PER_GROUPING` (8) rows, then writes them as 8 shards of
+    similar captions (`vidray.data.grouping`: MiniLM caption embeddings, balanced principal-direction bisection);
+    False: a bucket's shard is written every `samples_per_shard` rows, in source order. At the end each bucket's
+    remaining rows make smaller shards (full shards first, then one holding the remainder). Memory: at most
+    `len(buckets) * samples_per_shard * 8` encoded clips are held (`* 1` without grouping). Shards are numbered
+    in the order they are written; the sample table lists rows in shard order, sample ids are unchanged.
+    Writes a new generation `gen.NNNNN/shard.00000.parquet`..., its sample table
     `gen.NNNNN/samples.parquet` (`vidray.data.index`: bucket, shard, row, stored bytes and the sha256 of each source
     file, hashed once per file), then `gen.NNNNN/report.json`, then
     replaces `index.json` (the commit marker) and only then deletes the previous generation: a prepare that is
@@ -491,8 +505,7 @@ def prepare(
     writer = ShardWriter(shards_dir)
     had_previous = writer.storage.is_file(INDEX_NAME)
 
-    # 3. Probe, bucket, sample, encode; flush a shard every `samples_per_shard` rows.
-    rows: list[dict[str, Any]] = []
+    # 3. Probe, bucket, sample, encode; buffer rows per bucket and flush them as shards of one bucket each.
     shards: list[dict[str, Any]] = []
     kept: list[dict[str, Any]] = []
     skipped: list[tuple[str, str]] = []
@@ -504,6 +517,32 @@ def prepare(
         "sample_id", "num_frames", "height", "width", "shard", "row", "stored_bytes", "source_sha256",
         "clip_start_s", "clip_end_s")}
     source_hashes: dict[Path, str] = {}
+    # Rows not yet written, per bucket, each with its source's sha256 (for the sample table).
+    pending: dict[Bucket, list[tuple[dict[str, Any], str]]] = {}
+    buffer_rows = samples_per_shard * (SHARDS_PER_GROUPING if group_by_caption else 1)
+    embed = CaptionEmbedder() if group_by_caption else None  # loads MiniLM only when a buffer needs grouping
+
+    def flush(bucket: Bucket) -> None:
+        """Write `bucket`'s buffered rows as shards (groups of similar captions, or in source order) and list
+        their rows in the sample table, in shard order."""
+        buffered = pending.pop(bucket, [])
+        if embed is not None and len(buffered) > samples_per_shard:
+            groups = balanced_groups(embed([r["caption"] for r, _ in buffered]), samples_per_shard)
+        else:
+            groups = [range(s, min(s + samples_per_shard, len(buffered)))
+                      for s in range(0, len(buffered), samples_per_shard)]
+        for group in groups:
+            shard_rows = [buffered[i][0] for i in group]
+            for row_no, (r, sha256) in enumerate(buffered[i] for i in group):
+                for name, value in (
+                    ("sample_id", r["sample_id"]), ("num_frames", r["num_frames"]), ("height", r["height"]),
+                    ("width", r["width"]), ("shard", len(shards)), ("row", row_no),
+                    ("stored_bytes", len(r["video_mp4"])), ("source_sha256", sha256),
+                    ("clip_start_s", r["clip_start_s"]), ("clip_end_s", r["clip_end_s"]),
+                ):
+                    table[name].append(value)
+            shards.append(writer.write_shard(shard_rows))
+
     for i, item in enumerate(items, start=1):
         tag = f"[{i}/{len(items)}]"
         try:
@@ -534,7 +573,8 @@ def prepare(
             seen_ids[sample_id] = seen_ids.get(sample_id, 0) + 1
             if seen_ids[sample_id] > 1:  # the same file listed again (e.g. another caption)
                 sample_id = f"{sample_id}-{seen_ids[sample_id] - 1}"
-            rows.append(
+            bucket_rows = pending.setdefault(clip.bucket, [])
+            bucket_rows.append((
                 {
                     "sample_id": sample_id,
                     "video_mp4": clip.video_mp4,
@@ -551,15 +591,9 @@ def prepare(
                     "source_duration_s": info.duration_s,
                     "clip_start_s": clip.start_s,
                     "clip_end_s": clip.end_s,
-                }
-            )
-            for name, value in (
-                ("sample_id", sample_id), ("num_frames", clip.bucket.num_frames), ("height", clip.bucket.height),
-                ("width", clip.bucket.width), ("shard", len(shards)), ("row", len(rows) - 1),
-                ("stored_bytes", len(clip.video_mp4)), ("source_sha256", source_hashes[item.file_path]),
-                ("clip_start_s", clip.start_s), ("clip_end_s", clip.end_s),
-            ):
-                table[name].append(value)
+                },
+                source_hashes[item.file_path],
+            ))
             bucket_counts[str(clip.bucket)] += 1
             kept.append(
                 {
@@ -567,9 +601,8 @@ def prepare(
                     "clip_start_s": round(clip.start_s, 4), "clip_end_s": round(clip.end_s, 4),
                 }
             )
-            if len(rows) >= samples_per_shard:
-                shards.append(writer.write_shard(rows))
-                rows = []
+            if len(bucket_rows) >= buffer_rows:
+                flush(clip.bucket)
         source_desc = "image" if is_image else f"{info.num_frames} frames @ {info.fps:.2f} fps"
         size_kib = sum(len(c.video_mp4) for c in clips) / 1024
         if len(clips) == 1 and not clips[0].from_scene:
@@ -582,8 +615,8 @@ def prepare(
             f"{tag} kept    {item.file_path.name} -> {what} "
             f"({info.width}x{info.height}, {source_desc}, {size_kib:.1f} KiB{extra})"
         )
-    if rows:
-        shards.append(writer.write_shard(rows))
+    for bucket in list(pending):  # what each bucket still buffers: smaller groups, full shards first
+        flush(bucket)
     if kept:
         writer.write_sample_table(table)
 
@@ -612,6 +645,8 @@ def prepare(
         "empty_captions": empty_captions,
         "num_duplicate_listings": len(duplicate_listings),
         "duplicate_listings": duplicate_listings,
+        "num_shards": len(shards),
+        "shards_grouped_by": "bucket and caption" if group_by_caption else "bucket",
         "elapsed_s": round(elapsed_s, 3),
         **({"captions_truncated": captions.to_dict()} if captions is not None else {}),
     }
@@ -632,15 +667,16 @@ def prepare(
         shards_dir=shards_dir, report_path=report_file, bucket_counts=bucket_counts,
         num_shards=len(shards), fps=float(fps), elapsed_s=time.perf_counter() - start,
         captions_truncated=captions, committed=bool(kept), had_previous=had_previous,
-        empty_captions=empty_captions, duplicate_listings=duplicate_listings,
+        empty_captions=empty_captions, duplicate_listings=duplicate_listings, grouped_by_caption=group_by_caption,
     )
 
 
 def prepare_data(
     data: "DataConfig", model: "ModelConfig | None" = None, *, progress: Callable[[str], Any] | None = print
 ) -> PrepareSummary:
-    """`prepare` driven by a job's `data` section (source, shards_dir, buckets, fps, samples_per_shard, and the
-    scene split: split_scenes, scene_threshold, min_scene_s, max_clips_per_scene, max_clips_per_source).
+    """`prepare` driven by a job's `data` section (source, shards_dir, buckets, fps, samples_per_shard,
+    group_by_caption, and the scene split: split_scenes, scene_threshold, min_scene_s, max_clips_per_scene,
+    max_clips_per_source).
 
     With the job's `model` section, also counts the kept captions longer than `model.max_sequence_length` tokens
     (tokenized as training encodes them; `vidray.models.text_encoder.caption_truncation`): in the summary and in
@@ -676,4 +712,5 @@ def prepare_data(
             threshold=data.scene_threshold, min_scene_s=data.min_scene_s,
             max_clips_per_scene=data.max_clips_per_scene, max_clips_per_source=data.max_clips_per_source,
         ) if data.split_scenes else None,
+        group_by_caption=data.group_by_caption,
     )

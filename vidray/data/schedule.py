@@ -1,16 +1,29 @@
 """The sample schedule: which samples every rank trains on at every step, independent of the world size.
 
-Vectorised numpy throughout (no per-sample Python loops): planning one epoch of 26.6 M samples over 512 ranks
-takes a few seconds and under 4 GB on one core (`benchmarks/schedule.py`).
+Vectorised numpy throughout (no per-sample Python loops): planning one epoch of 26.6 M samples over 512 ranks,
+with the shard-local walk, takes a few seconds and under 4 GB on one core (`benchmarks/schedule.py`).
 
 ## The epoch's micro-batches (world-size independent)
 For epoch `e` (0-based), with `rng = np.random.default_rng([seed, e])`:
-1. The samples are grouped by bucket and each bucket's samples are shuffled (`rng.shuffle`, bucket by bucket).
+1. The samples are grouped by bucket and each bucket's samples are put in this epoch's order, bucket by bucket:
+   - with `shards` (the shard of each sample, `SampleIndex.shard`): a **shard-local walk**. The bucket's shards
+     are visited in a random order (`rng.permutation`), cut into blocks of `shuffle_block_shards` consecutive
+     shards of that order, and the samples are shuffled within each block only (a stable sort of
+     `(block, random 32-bit key)`). A block's samples are consecutive in the bucket's sequence, so a loader
+     holds about `shuffle_block_shards` shards per bucket at once and fetches each shard about once per epoch.
+     This is mosaicml streaming's block shuffle (`streaming/base/shuffle/py1b.py`: the shards' sample spans are
+     permuted, then samples are shuffled within fixed blocks of `block_size` samples, 2**18 by default;
+     `py1br.py` draws each block's size in 0.75-1.25x `block_size` and staggers block starts per node), with
+     one change: blocks are counted in whole shards, not samples, so no block straddles a shard and each shard
+     is read in one contiguous run of the sequence (py1b's blocks cut shards at arbitrary samples). `prepare` writes
+     each shard with one bucket and similar captions (`vidray.data.grouping`), so a block is also a few content
+     clusters; the random shard order keeps clusters apart from one epoch to the next.
+   - without `shards`: every sample is its own group, a full shuffle (`rng.shuffle`).
 2. Each bucket `k` is cut into `m_k = ceil(n_k / b_k)` micro-batches of `b_k` samples (`b_k`: the bucket's batch
    size, `batch_sizes_for_buckets`). A micro-batch holds one bucket. **Short batches**: the last micro-batch of a
    bucket, and the only one of a bucket holding fewer samples than one batch, is filled up to `b_k` by repeating
-   that bucket's own samples of this epoch, cyclically, with loss weight 0: repeats cost compute but count neither
-   in the loss nor as "seen". Nothing is dropped.
+   that batch's own r real samples cyclically, with loss weight 0: repeats cost compute but count neither in the
+   loss nor as "seen", and need no other clip fetched. Nothing is dropped.
 3. The global sequence: a uniformly random interleaving of all micro-batches in which each bucket's micro-batches
    keep their order (each bucket draws sorted uniform keys, as cumulated exponentials; the sequence sorts by key).
 
@@ -138,12 +151,17 @@ class SampleSchedule:
         buckets: the buckets, sorted (bucket index k is `buckets[k]`).
         batch_sizes: samples per micro-batch, one int for all buckets or {Bucket: int}.
         seed: schedule seed (the run's `train.seed`).
+        shards: (N,) int shard of each sample (`SampleIndex.shard`): each bucket's epoch order walks its shards
+            in blocks of `shuffle_block_shards` (module docstring). None: every bucket is fully shuffled.
+        shuffle_block_shards: shards per block of the walk (`data.shuffle_block_shards`); unused without `shards`.
     Raises:
-        ValueError: no samples, a bucket id outside `buckets`, a batch size < 1 or missing for a bucket.
+        ValueError: no samples, a bucket id outside `buckets`, a batch size < 1 or missing for a bucket, `shards`
+            not one int per sample, `shuffle_block_shards` < 1.
     """
 
     def __init__(self, bucket_ids: np.ndarray, buckets: Sequence[Bucket], *,
-                 batch_sizes: int | Mapping[Bucket, int], seed: int):
+                 batch_sizes: int | Mapping[Bucket, int], seed: int, shards: np.ndarray | None = None,
+                 shuffle_block_shards: int = 4):
         bucket_ids = np.asarray(bucket_ids)
         if bucket_ids.ndim != 1 or len(bucket_ids) == 0:
             raise ValueError("the schedule needs at least one sample; did `vidray prepare` keep any clips?")
@@ -172,19 +190,44 @@ class SampleSchedule:
         self.slot_start = np.concatenate([[0], np.cumsum(self.num_batches * self.batch_sizes)])  # (K+1,)
         self.batches_per_epoch = int(self.batch_start[-1])
         self._sample_start = np.concatenate([[0], np.cumsum(self.bucket_sizes)])
+        if int(shuffle_block_shards) < 1:
+            raise ValueError(f"data.shuffle_block_shards must be >= 1 shards, got {shuffle_block_shards}")
+        self.shuffle_block_shards = int(shuffle_block_shards)
         index_dtype = np.int32 if self.num_samples < 2**31 else np.int64
-        self._by_bucket = np.argsort(self.bucket_ids, kind="stable").astype(index_dtype)  # rows grouped by bucket
+        if shards is None:
+            self._by_bucket = np.argsort(self.bucket_ids, kind="stable").astype(index_dtype)  # rows grouped by bucket
+            self._segment_start = None
+        else:
+            shards = np.asarray(shards)
+            if shards.shape != bucket_ids.shape or not np.issubdtype(shards.dtype, np.integer):
+                raise ValueError(f"shards must be one int per sample, shape ({self.num_samples},), got "
+                                 f"{shards.dtype} {shards.shape}; pass SampleIndex.shard")
+            if shards.min() < 0 or shards.max() >= 2**32:
+                raise ValueError(f"shards must be in [0, 2**32), got {shards.min()}..{shards.max()}")
+            # Rows grouped by bucket, then by shard (stable: row order inside a shard). A segment is the rows of
+            # one (bucket, shard); _segment_start (S+1,) holds their start positions in _by_bucket.
+            key = (self.bucket_ids.astype(np.int64) << 32) | (shards.astype(np.int64) & 0xFFFFFFFF)
+            self._by_bucket = np.argsort(key, kind="stable").astype(index_dtype)
+            sorted_key = key[self._by_bucket]
+            del key
+            starts = np.flatnonzero(sorted_key[1:] != sorted_key[:-1]) + 1
+            del sorted_key
+            self._segment_start = np.concatenate([[0], starts, [self.num_samples]]).astype(np.int64)
+            # (K+1,) first segment of each bucket (bucket starts are segment starts).
+            self._bucket_segment = np.searchsorted(self._segment_start, self._sample_start)
         self._epoch_cache: dict[int, _Epoch] = {}
 
     @classmethod
     def from_buckets(cls, sample_buckets: Sequence[Bucket], *, batch_sizes: int | Mapping[Bucket, int],
-                     seed: int) -> "SampleSchedule":
+                     seed: int, shards: Sequence[int] | np.ndarray | None = None,
+                     shuffle_block_shards: int = 4) -> "SampleSchedule":
         """A schedule from one Bucket per sample (small lists: tests, demos)."""
         if not sample_buckets:
             raise ValueError("the schedule needs at least one sample; did `vidray prepare` keep any clips?")
         buckets = sorted({Bucket(*b) for b in sample_buckets})
         lookup = {b: i for i, b in enumerate(buckets)}
-        return cls(np.array([lookup[Bucket(*b)] for b in sample_buckets]), buckets, batch_sizes=batch_sizes, seed=seed)
+        return cls(np.array([lookup[Bucket(*b)] for b in sample_buckets]), buckets, batch_sizes=batch_sizes, seed=seed,
+                   shards=None if shards is None else np.asarray(shards), shuffle_block_shards=shuffle_block_shards)
 
     # -- positions -------------------------------------------------------------------------------------------
 
@@ -233,14 +276,19 @@ class SampleSchedule:
         for k in range(len(n)):  # one iteration per bucket (tens), numpy inside
             if n[k] == 0:
                 continue
-            # 1. This bucket's samples in a fresh random order (in place: no gather over the whole table).
-            members = self._by_bucket[self._sample_start[k]:self._sample_start[k + 1]].copy()
-            rng.shuffle(members)
-            # 2. Its micro-batches' slots; a short last batch repeats the bucket's first samples, weight 0.
+            # 1. This bucket's samples in this epoch's order: a shard-local walk, or a full shuffle.
+            if self._segment_start is None:
+                members = self._by_bucket[self._sample_start[k]:self._sample_start[k + 1]].copy()
+                rng.shuffle(members)  # in place: no gather over the whole table
+            else:
+                members = self._shard_walk(k, rng)
+            # 2. Its micro-batches' slots; a short last batch repeats its own r real samples cyclically, weight 0
+            # (nothing else to fetch or decode).
             s0, fill = int(self.slot_start[k]), int(m[k] * b[k] - n[k])
             slot_samples[s0:s0 + n[k]] = members
             if fill:
-                slot_samples[s0 + n[k]:s0 + n[k] + fill] = members[np.arange(fill) % n[k]]
+                last, r = int((m[k] - 1) * b[k]), int(n[k] - (m[k] - 1) * b[k])
+                slot_samples[s0 + n[k]:s0 + n[k] + fill] = members[last + np.arange(fill) % r]
                 slot_weight[s0 + n[k]:s0 + n[k] + fill] = False
             # 3. Sequence keys: sorted uniform order statistics (cumulated exponentials), so merging all buckets
             # by key is a uniformly random interleaving that keeps each bucket's batch order.
@@ -250,6 +298,27 @@ class SampleSchedule:
         result = _Epoch(slot_samples, slot_weight, seq_key)
         self._epoch_cache = {epoch: result}  # one epoch at a time: a run moves forward
         return result
+
+    def _shard_walk(self, k: int, rng: np.random.Generator) -> np.ndarray:
+        """(n_k,) sample rows of bucket k in this epoch's shard-local order (module docstring, step 1); O(n_k)
+        memory, one stable sort of n_k uint64 keys."""
+        seg_lo, seg_hi = int(self._bucket_segment[k]), int(self._bucket_segment[k + 1])
+        starts = self._segment_start[seg_lo:seg_hi]  # (S_k,) positions in _by_bucket
+        lengths = self._segment_start[seg_lo + 1:seg_hi + 1] - starts  # (S_k,) samples of each shard
+        walk = rng.permutation(seg_hi - seg_lo)  # the shards in the order this epoch visits them
+        walk_lengths = lengths[walk]
+        # Gather the rows shard by shard in walk order: position i of shard j is starts[j] + i.
+        walk_first = np.cumsum(walk_lengths) - walk_lengths  # (S_k,) first output position of each shard
+        positions = np.repeat(starts[walk] - walk_first, walk_lengths) + np.arange(int(walk_lengths.sum()))
+        members = self._by_bucket[positions]
+        del positions
+        # Shuffle inside blocks of `shuffle_block_shards` consecutive shards: a stable sort of (block, random).
+        # The stable sort breaks equal keys by position: identical on every machine (no unstable-sort ties).
+        block = np.repeat(np.arange(len(walk), dtype=np.uint64) // np.uint64(self.shuffle_block_shards),
+                          walk_lengths)
+        keys = (block << np.uint64(32)) | rng.integers(0, 2**32, size=len(members), dtype=np.uint64)
+        del block
+        return members[np.argsort(keys, kind="stable")]
 
     def batch_samples(self, epoch: int, batch_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample rows, weights) of micro-batches `batch_ids` (any shape S) of `epoch`: arrays (*S, B) when all

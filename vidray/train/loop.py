@@ -1,11 +1,12 @@
 """`train_loop_per_worker`: what every Ray Train worker runs.
 
-Steps: 1. build the model family's components; 2. load the sample table and the shards, encode latents and
-prompt_embeds once with the frozen VAE and text encoder, build the world-size-independent sample schedule
-(`vidray.data.schedule`); 3. optimizer and lr schedule; 4. restore the checkpoint the driver chose (or this
+Steps: 1. build the model family's components; 2. load the sample table (not the clips) and build the
+world-size-independent sample schedule (`vidray.data.schedule`); 3. optimizer and lr schedule; 4. restore the checkpoint the driver chose (or this
 fit's own latest after a restart) with its data position, then re-apply this job's `optim` section to it;
-5. wrap the transformer in DDP; 6. deal each step from the data position to this run's world size (every rank
-the same bucket; noise and sigma keyed by (seed, step, sample)), reporting loss, gradient norm and step time every
+5. wrap the transformer in DDP; 6. plan this rank's steps from the data position at this run's world size (every
+rank the same bucket; noise and sigma keyed by (seed, step, sample)) and stream them through the rank's Ray Data
+loader (`vidray.data.pipeline`: cold -> warm -> hot, prefetched in schedule order); each step VAE-encodes its
+frames and text-encodes its captions with the frozen encoders, then trains; reporting loss, gradient norm and step time every
 `train.log_every_steps` and a checkpoint every `checkpoint.every_steps`; a NaN/Inf loss, gradient norm or weight
 stops the run (checked at each report and before each checkpoint, with no extra host sync per step);
 7. rank 0 saves the diffusers pipeline.
@@ -17,6 +18,7 @@ Errors that a retry cannot fix are raised as `vidray.errors.UserError`s: the dri
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -30,17 +32,18 @@ import torch
 import torch.distributed as dist
 
 from vidray.config import JobConfig, job_config_from_dict
-from vidray.data.buckets import Bucket
 from vidray.errors import UserError
 from vidray.generate import write_job_file
+from vidray.metrics import TrainMetrics
 from vidray.data.cache import ShardCache
-from vidray.data.index import dataset_hash, dataset_rows, drop_shards, load_sample_index
+from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
+from vidray.data.pipeline import RankLoader, TrainBatch, plan_rank_steps
 from vidray.data.schedule import DataPosition, SampleSchedule, batch_sizes_for_buckets
-from vidray.data.shards import load_samples, read_index
+from vidray.data.shards import read_index
 from vidray.data.storage import open_storage
 from vidray.models.registry import get_family
 from vidray.models.text_encoder import encode_prompts
-from vidray.models.vae import encode_video, frames_to_video
+from vidray.models.vae import encode_video
 from vidray.train.checkpoint import TrainState, dataset_mismatch, load_checkpoint, save_checkpoint
 from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
 from vidray.train.step import (
@@ -56,34 +59,6 @@ def _log(rank: int, message: str) -> None:
     # sys.__stdout__: Ray Train's print patch tees plain prints to its logger too, which doubles every line.
     if rank == 0:
         print(f"[vidray] {message}", file=sys.__stdout__, flush=True)
-
-
-@torch.no_grad()
-def encode_dataset(components, job: JobConfig, samples, device: torch.device):
-    """Encode every sample once with the frozen VAE and text encoder.
-
-    Returns (latents, prompt_embeds, prompt_attention_mask): a list of (C_lat, F_lat, H_lat, W_lat) fp32 tensors
-    (one per sample, shapes differ by bucket), and (N, L, D) fp32 / (N, L) bool tensors, all on `device`.
-    """
-    latents: list[torch.Tensor | None] = [None] * len(samples)
-    by_bucket: dict[Bucket, list[int]] = {}
-    for i, sample in enumerate(samples):
-        by_bucket.setdefault(sample.bucket, []).append(i)
-    for indices in by_bucket.values():
-        for start in range(0, len(indices), 4):
-            chunk = indices[start : start + 4]
-            frames = torch.from_numpy(np.stack([samples[i].video for i in chunk]))  # (b, F, H, W, 3) uint8
-            video = frames_to_video(frames).to(device)  # (b, 3, F, H, W) in [-1, 1]
-            for i, lat in zip(chunk, encode_video(components.vae, video)):
-                latents[i] = lat
-    prompt_embeds, prompt_attention_mask = encode_prompts(
-        components.text_encoder,
-        components.tokenizer,
-        [s.caption for s in samples],
-        max_sequence_length=job.model.max_sequence_length,
-        device=device,
-    )
-    return latents, prompt_embeds, prompt_attention_mask
 
 
 def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_scheduler, rank: int) -> TrainState | None:
@@ -121,7 +96,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     were reported (every `train.log_every_steps`, every checkpoint, and the last step), "trained_samples":
     [[step, epoch, [sample_id, ...]], ...] the samples trained with weight > 0 at each step, on all ranks
     (gathered once at the end; only with "record_sample_ids", else []), "skipped_shards": [{file, reason}] of
-    shards skipped because their checksum failed (on any rank)}.
+    shards skipped because their checksum failed or the store kept failing (on any rank), "skipped_clips":
+    [{sample_id, reason}] of clips that did not decode (any rank), "step_seconds": [[step, data_wait_s, encode_s,
+    dit_s], ...] of this rank, "data": `TrainMetrics.summary()` of this rank (data wait, tier hits and misses,
+    bytes fetched), "peak_rss_bytes": this worker process's peak resident memory}.
     """
     job = job_config_from_dict(loop_config["job"])
     context = ray.train.get_context()
@@ -137,48 +115,23 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         frozen.requires_grad_(False).eval().to(device)
     transformer = components.transformer.to(device)
 
-    # 2. Data: the sample table, then shards -> latents and prompt_embeds, encoded once per worker; the schedule.
-    # Object-store shards come through this node's warm disk cache (one download per shard per node); local
-    # folders are read in place. A shard failing its checksum is skipped on every rank alike (the union of what
-    # the ranks skipped), before the schedule is built.
+    # 2. Data: the sample table and the schedule; the clips stay in the shards until the loader streams them.
+    # Object-store shards come through this node's warm disk cache (one download per shard per node), whose
+    # budget must hold the largest shard (checked here, before any step).
     shards_dir = loop_config["shards_dir"]
     index = read_index(shards_dir)
     table = load_sample_index(shards_dir)
-    cache = None if open_storage(shards_dir).is_local else ShardCache(job.data.cache_dir, job.data.cache_bytes)
-    if cache is not None:
-        cache.check_budget(index)
-    skipped: list[dict[str, str]] = []
-    samples = load_samples(shards_dir, cache=cache, skipped=skipped)
-    skipped = _agree_on_skipped(skipped, world_size)
-    if skipped:
-        positions = {s["file"]: i for i, s in enumerate(index["shards"])}
-        bad = {positions[s["file"]] for s in skipped}
-        table = drop_shards(table, sorted(bad))
-        bad_files = {s["file"] for s in skipped}
-        ids = set(table.sample_id.astype(str).tolist())
-        samples = [s for s in samples if s.sample_id in ids]
-        _log(rank, f"skipped {len(skipped)} shard(s) that failed their checksum ({sorted(bad_files)}): "
-             f"{len(samples)} samples left")
-        if not samples:
-            raise UserError(f"every shard of {shards_dir} failed its checksum: re-run `vidray prepare`")
-    if cache is not None:
-        _log(rank, f"shard cache {cache.cache_dir}: {cache.stats.downloads} downloaded "
-             f"({cache.stats.bytes_downloaded} bytes), {cache.stats.hits} cached")
-    sample_ids = table.sample_id.astype(str).tolist()
-    if [s.sample_id for s in samples] != sample_ids:
-        raise UserError(f"{shards_dir}: the sample table does not list the shards' samples in order; "
-                        "re-run `vidray prepare`")
-    sample_keys = table.sample_key.tolist()
-    t0 = time.perf_counter()
-    latents, prompt_embeds, prompt_attention_mask = encode_dataset(components, job, samples, device)
-    _log(rank, f"encoded {len(samples)} samples to latents in {time.perf_counter() - t0:.1f} s")
+    if not open_storage(shards_dir).is_local:
+        ShardCache(job.data.cache_dir, job.data.cache_bytes).check_budget(index)
+    sample_ids = table.sample_id.astype(str)
     batch_sizes = batch_sizes_for_buckets(
         table.buckets,
         batch_size_per_worker=job.data.batch_size_per_worker,
         tokens_per_batch=job.data.tokens_per_batch,
         latent_tokens=lambda bucket: int(np.prod(family.latent_shape(bucket, 1)[2:])),
     )
-    schedule = SampleSchedule(table.bucket_id, table.buckets, batch_sizes=batch_sizes, seed=job.train.seed)
+    schedule = SampleSchedule(table.bucket_id, table.buckets, batch_sizes=batch_sizes, seed=job.train.seed,
+                              shards=table.shard, shuffle_block_shards=job.data.shuffle_block_shards)
 
     # Parameters that never get a gradient break DDP's reducer ('Expected to have finished reduction'):
     # freeze them once, found by a probe step.
@@ -205,6 +158,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     if problem:
         raise UserError(f"the checkpoint {problem}")  # deterministic: never retried (see vidray.train.trainer)
     position = _resume_position(schedule, state, rank)
+    # This rank's steps, streamed by its Ray Data loader (started now: its actor warms up while DDP is set up).
+    steps = plan_rank_steps(schedule, position, world_size=world_size, rank=rank, first_step=start_step,
+                            last_step=job.train.max_steps)
+    loader = RankLoader(shards_dir, index, table, steps, job.data, sample_ids=sample_ids)
 
     # 5. DDP (gloo on CPU, NCCL on GPU; Ray Train sets up the process group).
     model = ray.train.torch.prepare_model(transformer)
@@ -223,29 +180,43 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     step_lrs: list[float] = []
     history: list[list[float]] = []
     reported_steps: list[int] = []
+    step_seconds: list[list[float]] = []  # [step, data_wait_s, encode_s, dit_s] of this rank
+    skipped: list[dict[str, str]] = []
+    metrics_log = TrainMetrics(rank=rank, run=job.name)
+    metrics_file = Path(loop_config["run_dir"]) / "metrics" / f"rank_{rank}.prom"
+    if job.train.metrics_port is not None:
+        metrics_log.serve(job.train.metrics_port + rank)
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
-    for step in range(start_step, max_steps + 1):
-        deal = schedule.next_step(position, world_size)  # the same on every rank
-        rows, weights = deal.rank(rank)  # (B,) sample rows, (B,) loss weights (0: padding)
-        batch = torch.as_tensor(rows, dtype=torch.long)
-        batch_latents = torch.stack([latents[i] for i in rows.tolist()])
+    for step, batch in zip(range(start_step, max_steps + 1), loader):
+        t_data = time.perf_counter()
+        _add_loader_stats(metrics_log, batch)
+        skipped.extend(batch.skipped)
+        with torch.no_grad():  # the frozen encoders: latents and prompt_embeds of this micro-batch
+            video = batch.frames.to(device).float().div_(127.5).sub_(1.0)  # (B, 3, F, H, W) in [-1, 1], as frames_to_video
+            latents = encode_video(components.vae, video)
+            prompt_embeds, prompt_attention_mask = encode_prompts(
+                components.text_encoder, components.tokenizer, batch.captions,
+                max_sequence_length=job.model.max_sequence_length, device=device,
+            )
+        t_encoded = time.perf_counter()
+        weights = batch.weights
         # sum_i w_i mse_i * W / total weight: DDP's average over ranks is the mean over the step's real samples.
-        loss_weights = torch.from_numpy(weights) * (world_size / deal.total_weight)
+        loss_weights = torch.from_numpy(weights) * (world_size / batch.total_weight)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             loss = flow_matching_step_loss(
                 family,
                 model,
-                batch_latents,
-                prompt_embeds[batch.to(prompt_embeds.device)],
-                prompt_attention_mask[batch.to(prompt_attention_mask.device)],
+                latents,
+                prompt_embeds,
+                prompt_attention_mask,
                 job.flow,
-                [sample_generator(job.train.seed, step, sample_keys[i]) for i in rows.tolist()],
+                [sample_generator(job.train.seed, step, int(k)) for k in batch.sample_keys.tolist()],
                 loss_weights=loss_weights,
             )
         if record:
-            trained.append([step, deal.epoch, [sample_ids[i] for i, w in zip(rows.tolist(), weights) if w > 0]])
-        step_epoch, position = deal.epoch, deal.next_position
+            trained.append([step, batch.epoch, [i for i, w in zip(batch.sample_ids, weights) if w > 0]])
+        step_epoch, position = batch.epoch, batch.next_position
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if job.train.grad_clip_norm is not None:
@@ -258,6 +229,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         step_losses.append(loss.detach())
         step_grad_norms.append(grad_norm.detach().float())
         window_steps += 1
+        t_done = time.perf_counter()
+        step_seconds.append([step, batch.data_wait_s, t_encoded - t_data, t_done - t_encoded])
+        metrics_log.observe_step(data_wait_s=batch.data_wait_s, step_s=t_done - t_data + batch.data_wait_s)
+        metrics_log.set_step(step)
 
         is_log = step % job.train.log_every_steps == 0 or step == max_steps
         is_checkpoint = step % job.checkpoint.every_steps == 0 or step == max_steps
@@ -294,8 +269,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             "lr": lr_scheduler.get_last_lr()[0],
             "grad_norm": float(np.mean(window_grad_norms)),
         }
+        data = metrics_log.window_summary()
+        metrics["data_wait_fraction"] = data["data_wait_fraction"]
         _log(rank, f"step {step}/{max_steps} loss {metrics['loss']:.4f} step_time {step_time_s:.3f} s "
-             f"lr {metrics['lr']:.2e}")
+             f"lr {metrics['lr']:.2e} data_wait {data['data_wait_s']:.3f} s ({100 * data['data_wait_fraction']:.0f}%) "
+             f"hot {data['hot_hits']:.0f}/{data['hot_hits'] + data['hot_misses']:.0f} warm "
+             f"{data['warm_hits']:.0f}/{data['warm_hits'] + data['warm_misses']:.0f} fetched "
+             f"{data['bytes_fetched'] / 2**20:.1f} MiB lead {batch.prefetch_lead}")
+        metrics_log.write_textfile(metrics_file)
         reported_steps.append(step)
         if is_checkpoint:
             with tempfile.TemporaryDirectory(prefix="vidray-ckpt-") as tmp:
@@ -317,9 +298,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         else:
             ray.train.report(metrics)
         window_start, window_steps = time.perf_counter(), 0
+    loader.close()
+    metrics_log.write_textfile(metrics_file)
+    metrics_log.close()
     num_trained = max(0, max_steps - start_step + 1)
     steps_per_s = num_trained / (time.perf_counter() - run_start) if num_trained else 0.0
     trained_samples = _gather_trained(trained, world_size) if record else []
+    skipped = _agree_on_skipped(skipped, world_size)
+    skipped_shards = [s for s in skipped if "file" in s]
+    skipped_clips = [s for s in skipped if "sample_id" in s]
+    if skipped:
+        _log(rank, f"skipped {len(skipped_shards)} shard(s) and {len(skipped_clips)} clip(s) that could not be read")
 
     # 7. Rank 0 saves the trained pipeline in diffusers format (safetensors).
     diffusers_dir = str(Path(loop_config["run_dir"]) / "diffusers")
@@ -336,7 +325,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         "diffusers_dir": diffusers_dir,
         "reported_steps": reported_steps,
         "trained_samples": trained_samples,
-        "skipped_shards": skipped,
+        "skipped_shards": skipped_shards,
+        "skipped_clips": skipped_clips,
+        "step_seconds": step_seconds,
+        "data": metrics_log.summary(),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
     }
 
 
@@ -359,13 +352,25 @@ def _resume_position(schedule: SampleSchedule, state: TrainState | None, rank: i
 
 
 def _agree_on_skipped(skipped: list[dict[str, str]], world_size: int) -> list[dict[str, str]]:
-    """The shards any rank skipped (one collective), sorted by file: every rank drops the same samples."""
+    """What any rank skipped (one collective, at the end): shards ({file, reason}) and clips ({sample_id,
+    reason}), each once, sorted."""
     parts = [skipped]
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         parts = [None] * world_size
         dist.all_gather_object(parts, skipped)
-    merged = {s["file"]: s for part in parts for s in part}
-    return [merged[f] for f in sorted(merged)]
+    merged = {s.get("file") or s["sample_id"]: s for part in parts for s in part}
+    return [merged[k] for k in sorted(merged)]
+
+
+def _add_loader_stats(metrics: TrainMetrics, batch: TrainBatch) -> None:
+    """Feed one micro-batch's loader counters (`vidray.data.pipeline.STAT_KEYS`) into the metrics."""
+    s = batch.stats
+    metrics.add_cache("hot", hits=int(s["hot_hits"]), misses=int(s["hot_misses"]))
+    metrics.add_cache("warm", hits=int(s["warm_hits"]), misses=int(s["warm_misses"]))
+    metrics.add_bytes_fetched(int(s["bytes_fetched"]))
+    for item in batch.skipped:
+        metrics.add_skipped("shard" if "file" in item else "clip")
+    metrics.set_prefetch_lead(batch.prefetch_lead)
 
 
 def _gather_trained(trained: list[list[Any]], world_size: int) -> list[list[Any]]:

@@ -45,7 +45,7 @@ class TrainResult:
     run_dir: `<storage.path>/<name>`. checkpoint_path: the latest complete checkpoint folder.
     diffusers_dir: the trained pipeline in diffusers format. losses: [step, loss] for each step trained by this
     run (mean over ranks). first_step, last_step: the steps this run trained. steps_per_s: optimizer steps per
-    second of wall time inside the loop (after data encoding). metrics: the last reported metrics with a
+    second of wall time inside the loop (data loading and encoding included). metrics: the last reported metrics with a
     checkpoint (step, epoch, loss, step_time_s, lr, grad_norm). reported_steps: steps at which metrics were reported.
     trained_samples: [[step, epoch, [sample_id, ...]], ...] trained with weight > 0 on all ranks at each step
     (only with `run_training(..., record_sample_ids=True)`).
@@ -62,7 +62,18 @@ class TrainResult:
     reported_steps: list[int] = field(default_factory=list)
     trained_samples: list[list[Any]] = field(default_factory=list)
     skipped_shards: list[dict[str, str]] = field(default_factory=list)
-    """[{file, reason}] of shards skipped because their sha256 did not match index.json (not trained on)."""
+    """[{file, reason}] of shards skipped because their sha256 did not match index.json, or the store kept
+    failing to deliver them (not trained on)."""
+    skipped_clips: list[dict[str, str]] = field(default_factory=list)
+    """[{sample_id, reason}] of clips that no longer decode (not trained on)."""
+    step_seconds: list[list[float]] = field(default_factory=list)
+    """[step, data_wait_s, encode_s, dit_s] of rank 0 for each step: seconds waiting for the loader, VAE/text
+    encoding the micro-batch, and the DiT step (forward, backward, optimizer)."""
+    data: dict[str, float] = field(default_factory=dict)
+    """Rank 0's data-plane totals (`vidray.metrics.TrainMetrics.summary`): data_wait_s, data_wait_fraction, hot and
+    warm hits/misses, bytes_fetched, prefetch_lead, skipped counts."""
+    peak_rss_bytes: int = 0
+    """Peak resident memory (bytes) of the rank-0 worker process (`ru_maxrss`)."""
 
 
 @dataclass
@@ -298,9 +309,10 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
 
 
 def required_resources(job: JobConfig) -> dict[str, float]:
-    """Logical resources the worker group reserves: CPU = num_workers * cpus_per_worker, GPU = num_workers when
+    """Logical resources the run reserves: CPU = num_workers * (cpus_per_worker + data.loader_cpus: each worker's
+    Ray Data loader), GPU = num_workers when
     use_gpu. Ray Train's controller actor reserves 0 CPUs, so it adds nothing."""
-    need = {"CPU": job.scaling.num_workers * job.scaling.cpus_per_worker}
+    need = {"CPU": job.scaling.num_workers * (job.scaling.cpus_per_worker + job.data.loader_cpus)}
     if job.scaling.use_gpu:
         need["GPU"] = float(job.scaling.num_workers)
     return need
@@ -322,14 +334,15 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
             if resource == "GPU":
                 fix = "set scaling.use_gpu=false, or run on a cluster with GPUs (RAY_ADDRESS)"
             else:
-                fitting = max(have / job.scaling.num_workers, 0.1)
-                fix = f"lower scaling.num_workers or scaling.cpus_per_worker (e.g. scaling.cpus_per_worker={fitting:.2g})"
+                fitting = max(have / job.scaling.num_workers - job.data.loader_cpus, 0.1)
+                fix = (f"lower scaling.num_workers or scaling.cpus_per_worker (e.g. scaling.cpus_per_worker="
+                       f"{fitting:.2g}), or data.loader_cpus")
             extra = f" (its autoscaler can reach {could:g})" if autoscaler_max else ""
             if resource == "GPU":
                 what = f"scaling.use_gpu=true with {job.scaling.num_workers} workers"
             else:
-                what = (f"scaling.num_workers={job.scaling.num_workers} x "
-                        f"scaling.cpus_per_worker={job.scaling.cpus_per_worker:g}")
+                what = (f"scaling.num_workers={job.scaling.num_workers} x (scaling.cpus_per_worker="
+                        f"{job.scaling.cpus_per_worker:g} + data.loader_cpus={job.data.loader_cpus:g})")
             problems.append(f"{what} needs {need:g} {resource}s; {where} has {have:g}{extra}: {fix}")
     if problems:
         raise RequestCannotBeMetError("; ".join(problems))
@@ -514,4 +527,8 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
         reported_steps=out.get("reported_steps", []),
         trained_samples=out.get("trained_samples", []),
         skipped_shards=out.get("skipped_shards", []),
+        skipped_clips=out.get("skipped_clips", []),
+        step_seconds=out.get("step_seconds", []),
+        data=out.get("data", {}),
+        peak_rss_bytes=out.get("peak_rss_bytes", 0),
     )

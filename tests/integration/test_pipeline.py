@@ -1,0 +1,141 @@
+"""The per-rank Ray Data loader (`vidray.data.pipeline`) on a real local Ray, real shards of the shipped clips."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from vidray.config import DataConfig, load_job_config
+from vidray.data.index import load_sample_index
+from vidray.data.ingest import prepare
+from vidray.data.pipeline import RankLoader, plan_rank_steps
+from vidray.data.schedule import SampleSchedule
+from vidray.data.shards import _content_hash, load_samples, read_index
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def shards_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    buckets = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml").data.buckets
+    prepare(REPO / "samples" / "metadata.json", out, buckets=buckets, fps=8.0, samples_per_shard=2,
+            progress=None, scene_split=None)
+    return out
+
+
+def _loader(shards_dir, *, world_size=1, rank=0, steps=6, **data):
+    index = read_index(shards_dir)
+    table = load_sample_index(shards_dir)
+    schedule = SampleSchedule(table.bucket_id, table.buckets, batch_sizes=2, seed=0, shards=table.shard,
+                              shuffle_block_shards=2)
+    plan = plan_rank_steps(schedule, schedule.start(0), world_size=world_size, rank=rank, first_step=1,
+                           last_step=steps)
+    return plan, RankLoader(str(shards_dir), index, table, plan, DataConfig(**data))
+
+
+def test_each_rank_gets_its_planned_clips_in_schedule_order_as_equal_shaped_batches(local_ray, shards_dir):
+    decoded = {s.sample_id: s for s in load_samples(shards_dir)}
+    per_rank = []
+    for rank in (0, 1):
+        plan, loader = _loader(shards_dir, world_size=2, rank=rank, steps=5)
+        batches = list(loader)
+        assert [b.step for b in batches] == [p.step for p in plan] == [1, 2, 3, 4, 5]
+        for batch, planned in zip(batches, plan):
+            assert batch.frames.dtype.is_floating_point is False
+            assert tuple(batch.frames.shape) == (2, 3, *planned.bucket)  # (B, 3, F, H, W) uint8
+            np.testing.assert_array_equal(batch.weights, planned.weights)
+            for i, sample_id in enumerate(batch.sample_ids):
+                expected = decoded[sample_id]
+                assert batch.captions[i] == expected.caption
+                np.testing.assert_array_equal(batch.frames[i].permute(1, 2, 3, 0).numpy(), expected.video)
+        per_rank.append(batches)
+    # Every step: both ranks train the same bucket at the same batch size (equal cost, nobody waits).
+    for a, b in zip(*per_rank):
+        assert a.frames.shape == b.frames.shape and a.bucket == b.bucket
+
+
+def test_hot_tier_serves_later_epochs_without_reading_or_decoding(local_ray, shards_dir):
+    n = len(load_sample_index(shards_dir))
+    plan, loader = _loader(shards_dir, steps=12)
+    batches = list(loader)
+    epochs = sorted({b.epoch for b in batches})
+    assert len(epochs) >= 2
+    later = [b for b in batches if b.epoch > epochs[0]]
+    assert later and sum(b.stats["hot_misses"] for b in later) == 0
+    assert sum(b.stats["shard_reads"] + b.stats["decode_s"] for b in later) == 0
+    first = [b for b in batches if b.epoch == epochs[0]]
+    assert sum(b.stats["hot_misses"] for b in first) == n  # each clip decoded once (repeats are hot hits)
+    shards = len(read_index(shards_dir)["shards"])
+    assert sum(b.stats["shard_reads"] for b in first) == shards  # each shard read once in the epoch
+
+    _, cold = _loader(shards_dir, steps=12, hot_bytes=0)
+    cold_batches = list(cold)
+    assert sum(b.stats["hot_misses"] for b in cold_batches) == sum(len(b.sample_ids) for b in cold_batches)  # hot tier off: every clip decoded every time
+
+
+def _rewrite_shard(shards_dir: Path, shard: int, edit) -> str:
+    """Rewrite one shard through `edit(table) -> table` and re-commit its size and sha256 in index.json."""
+    index_path = shards_dir / "index.json"
+    index = json.loads(index_path.read_text())
+    entry = index["shards"][shard]
+    path = shards_dir / entry["file"]
+    table = edit(pq.read_table(path))
+    pq.write_table(table, path)
+    data = path.read_bytes()
+    entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    index["content_hash"] = _content_hash(index)
+    index_path.write_text(json.dumps(index))
+    return table.column("sample_id")[0].as_py()
+
+
+def test_a_clip_that_no_longer_decodes_is_skipped_with_weight_zero_and_reported(local_ray, shards_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "shards"
+    shutil.copytree(shards_dir, copy)
+
+    def garble_first_clip(table):
+        videos = table.column("video_mp4").to_pylist()
+        videos[0] = b"not an mp4 at all"
+        return table.set_column(table.schema.get_field_index("video_mp4"), "video_mp4",
+                                pa.array(videos, type=pa.binary()))
+
+    bad_id = _rewrite_shard(copy, 0, garble_first_clip)
+    plan, loader = _loader(copy, steps=8)
+    batches = list(loader)
+    assert len(batches) == 8  # training goes on
+    skipped = [s for b in batches for s in b.skipped]
+    assert [s["sample_id"] for s in skipped] == [bad_id]  # reported once
+    for batch in batches:
+        for sample_id, weight in zip(batch.sample_ids, batch.weights):
+            if sample_id == bad_id:
+                assert weight == 0  # never trained on
+        assert batch.frames.shape[0] == 2  # the slot keeps the batch's shape
+
+
+def test_a_shard_failing_its_checksum_is_skipped_and_its_clips_weigh_zero(local_ray, shards_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "shards"
+    shutil.copytree(shards_dir, copy)
+    index = read_index(copy)
+    bad = index["shards"][0]
+    path = copy / bad["file"]
+    bad_ids = set(pq.read_table(path, columns=["sample_id"])["sample_id"].to_pylist())
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    _, loader = _loader(copy, steps=8)
+    batches = list(loader)
+    skipped = [s for b in batches for s in b.skipped]
+    assert [s.get("file") for s in skipped] == [bad["file"]] and "sha256" in skipped[0]["reason"]
+    for batch in batches:
+        assert all(w == 0 for sid, w in zip(batch.sample_ids, batch.weights) if sid in bad_ids)

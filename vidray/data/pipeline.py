@@ -1,0 +1,454 @@
+"""The per-rank loader: Ray Data streams each training worker its own micro-batches, in the schedule's order.
+
+A training worker never holds the dataset. It holds the sample table (`vidray.data.index`, a few numpy columns)
+and the schedule (`vidray.data.schedule`); from its data position it plans its own steps (`plan_rank_steps`: every
+rank computes the same deal and keeps its row), and a `RankLoader` delivers them:
+
+```
+ray.data.from_items([{"i": 0}, {"i": 1}, ...])            one block per planned step of this rank
+  .map_batches(ClipLoader, concurrency=1, num_cpus=data.loader_cpus)   fetch + decode operator (one actor)
+  .iter_batches(batch_size=None)                            in plan order (preserve_order), with backpressure
+-> background thread -> queue of data.prefetch_batches decoded micro-batches -> the training loop
+```
+
+The tiers a clip goes through on its way to the trainer (`ClipLoader`):
+- **cold**: the shard store (`data.shards_dir`: a local folder or an object store URI, `vidray.data.storage`);
+- **warm**: the node's disk cache of shards fetched from an object store (`vidray.data.cache.ShardCache`, byte
+  budget `data.cache_bytes`, one download per shard per node). A background thread of the loader fetches the
+  shards of the next `data.prefetch_window_batches` micro-batches cold -> warm ahead of the decoder. Local folders
+  are read in place (no warm copy);
+- the loader keeps the shards it is walking in memory (the last `2 * data.shuffle_block_shards + 2`, Arrow tables
+  of the columns it needs): the schedule walks shard-local blocks, so each shard is read about once per epoch;
+- **hot**: decoded clips (uint8 frames) and captions by sample key, LRU under `data.hot_bytes`, reused across
+  epochs;
+- the queue of `data.prefetch_batches` decoded micro-batches ahead of the trainer (Ray Data's streaming executor
+  decodes ahead of the queue within its object-store budget).
+
+Bad input: a shard whose checksum fails (or that the store keeps failing to deliver) and a clip that no longer
+decodes are skipped and recorded (`TrainBatch.skipped`); the micro-batch keeps its shape (the slot repeats
+another clip of the batch, or black frames, with loss weight 0), so every rank still trains equal batches.
+
+Ray Data in a worker runs under `ExecutionOptions(resource_limits=ExecutionResources(cpu=data.loader_cpus),
+preserve_order=True)`; on 2 cores an unsized Ray Data run next to the trainers deadlocks (../shared/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from vidray.data.buckets import Bucket
+from vidray.data.schedule import DataPosition, SampleSchedule
+
+STAT_KEYS = ("hot_hits", "hot_misses", "warm_hits", "warm_misses", "bytes_fetched", "shard_reads",
+             "decode_s", "fetch_s")
+"""Per-micro-batch counters a `ClipLoader` reports (deltas): hot-tier hits/misses (clips), warm-tier hits/misses
+(shard opens from an object store: a miss is a download), bytes read from the cold store, shard files read into
+the loader's memory, seconds decoding and seconds fetching/reading shards."""
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One planned step of one rank.
+
+    step: optimizer step (1-based); epoch: the epoch it trains; bucket: its (F, H, W); rows: (B,) int64 rows of
+    the sample table; weights: (B,) float32 loss weights (0 = padding or repeat); total_weight: sum of the step's
+    weights over every rank (`StepDeal.total_weight`); next_position: the data position after the step.
+    """
+
+    step: int
+    epoch: int
+    bucket: Bucket
+    rows: np.ndarray
+    weights: np.ndarray
+    total_weight: float
+    next_position: DataPosition
+
+
+def plan_rank_steps(schedule: SampleSchedule, position: DataPosition, *, world_size: int, rank: int,
+                    first_step: int, last_step: int) -> list[RankStep]:
+    """The steps `first_step..last_step` of `rank` dealt from `position` at `world_size` (`SampleSchedule.next_step`,
+    O(buckets) per step; the same deal on every rank). Raises ValueError for a rank outside [0, world_size)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    steps = []
+    for step in range(first_step, last_step + 1):
+        deal = schedule.next_step(position, world_size)
+        rows, weights = deal.rank(rank)
+        steps.append(RankStep(step, deal.epoch, deal.bucket, rows.astype(np.int64), weights.astype(np.float32),
+                              deal.total_weight, deal.next_position))
+        position = deal.next_position
+    return steps
+
+
+@dataclass
+class TrainBatch:
+    """One micro-batch of one rank, ready for the step.
+
+    frames: uint8 (B, 3, F, H, W) RGB (`vidray.models.vae.frames_to_video` gives the VAE input in [-1, 1]);
+    captions: B strings; sample_ids: B strings; sample_keys: (B,) int64 (keys the per-sample noise); weights: (B,)
+    float32, 0 for padding, repeats and skipped clips; plus the plan's step, epoch, bucket, total_weight and
+    next_position. data_wait_s: seconds the trainer waited for this batch; prefetch_lead: batches that were ready
+    behind it when it was taken; stats: `STAT_KEYS` counters of this batch; skipped: [{"file" or "sample_id",
+    "reason"}] first seen in this batch.
+    """
+
+    step: int
+    epoch: int
+    bucket: Bucket
+    frames: Any
+    captions: list[str]
+    sample_ids: list[str]
+    sample_keys: np.ndarray
+    weights: np.ndarray
+    total_weight: float
+    next_position: DataPosition
+    data_wait_s: float = 0.0
+    prefetch_lead: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+
+class ClipLoader:
+    """The Ray Data fetch + decode operator (a callable class: one actor per rank's loader).
+
+    Args:
+        shards_dir: the shard folder or URI (`vidray.data.storage`).
+        shard_entries: `index.json`'s "shards" list ({file, bytes, sha256, ...}), indexed by the sample table's
+            `shard` column.
+        plan: {"offsets": (S+1,) int64, "shard": (T,) int32, "row": (T,) int32, "key": (T,) int64, "bucket": (S, 3)
+            int32}: step i's clips are entries offsets[i]..offsets[i+1] (flat arrays, one per planned clip).
+        cache_dir, cache_bytes: the node's warm cache (used for object stores only).
+        hot_bytes: budget of the hot tier (decoded clips), 0 = off.
+        prefetch_window: micro-batches ahead whose shards are fetched cold -> warm in the background.
+        open_shards: shards kept in memory while walking them.
+
+    `__call__({"i": (1,) int64})` returns {"i", "frames" (1, B, F, H, W, 3) uint8, "captions" (1,) JSON list of B str,
+    "ok" (1, B) bool, "skipped" (1,) JSON str, and one (1,) column per `STAT_KEYS`}.
+    """
+
+    def __init__(self, shards_dir: str, shard_entries: Sequence[dict[str, Any]], plan: dict[str, np.ndarray], *,
+                 cache_dir: str, cache_bytes: int, hot_bytes: int, prefetch_window: int, open_shards: int):
+        from vidray.data.cache import ShardCache
+        from vidray.data.storage import open_storage
+
+        self.storage = open_storage(shards_dir)
+        self.entries = list(shard_entries)
+        self.plan = plan
+        self.cache = None if self.storage.is_local else ShardCache(cache_dir, cache_bytes)
+        self.hot_bytes = int(hot_bytes)
+        self.hot: OrderedDict[int, tuple[np.ndarray, str]] = OrderedDict()
+        self.hot_used = 0
+        self.tables: OrderedDict[int, pa.Table] = OrderedDict()
+        self.open_shards = max(1, int(open_shards))
+        self.bad_shards: dict[int, str] = {}
+        self.reported: set[str] = set()
+        self.stats = dict.fromkeys(STAT_KEYS, 0.0)
+        self.lock = threading.Lock()
+        self.prefetch_window = int(prefetch_window)
+        self._wanted = -1  # the step index the decoder is at (the prefetcher looks ahead of it)
+        self._cond = threading.Condition()
+        if self.cache is not None and self.prefetch_window > 0:
+            threading.Thread(target=self._prefetch_warm, name="vidray-warm-prefetch", daemon=True).start()
+
+    # -- the warm prefetcher (object stores only) ------------------------------------------------------------
+
+    def _shards_of(self, i: int) -> list[int]:
+        o = self.plan["offsets"]
+        return list(dict.fromkeys(self.plan["shard"][o[i]:o[i + 1]].tolist()))
+
+    def _prefetch_warm(self) -> None:
+        """Fetch the shards of steps [current, current + window] that the warm cache lacks, in plan order, at most
+        half of `cache_bytes` ahead per pass (so prefetching never crowds out the shards being walked)."""
+        num_steps = len(self.plan["offsets"]) - 1
+        failed: set[int] = set()  # not retried by the prefetcher
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._wanted >= 0)
+                start = self._wanted
+            budget, ahead = self.cache.budget_bytes // 2, 0
+            for i in range(start, min(num_steps, start + 1 + self.prefetch_window)):
+                for shard in self._shards_of(i):
+                    entry = self.entries[shard]
+                    if shard in self.bad_shards or shard in failed or self.cache.path(entry["sha256"]).is_file():
+                        continue
+                    ahead += int(entry.get("bytes", 0))
+                    if ahead > budget:
+                        break
+                    try:
+                        self._lease(entry)
+                    except Exception:  # noqa: BLE001 - the decoder meets the same error and reports it
+                        failed.add(shard)
+                if ahead > budget:
+                    break
+            if start >= num_steps - 1:
+                return
+            with self._cond:
+                if self._wanted == start:
+                    self._cond.wait(timeout=1.0)
+
+    def _lease(self, entry: dict[str, Any], columns: list[str] | None = None) -> pa.Table | None:
+        """Lease `entry` from the warm cache (downloading it on a miss), counting the tier's hit or miss and the
+        bytes fetched; with `columns`, read them while the shard is pinned."""
+        t0 = time.perf_counter()
+        present = self.cache.path(entry["sha256"]).is_file()
+        with self.cache.lease(self.storage, entry) as path:
+            table = pq.read_table(path, columns=columns) if columns else None
+        with self.lock:
+            self.stats["warm_hits" if present else "warm_misses"] += 1
+            if not present:
+                self.stats["bytes_fetched"] += int(entry.get("bytes", 0))
+            self.stats["fetch_s"] += time.perf_counter() - t0
+        return table
+
+    # -- reading ---------------------------------------------------------------------------------------------
+
+    def _table(self, shard: int) -> pa.Table:
+        """The shard's (sample_id, caption, video_mp4) columns in memory (checksum verified when fetched)."""
+        from vidray.data.shards import fetch_verified
+
+        table = self.tables.get(shard)
+        if table is not None:
+            self.tables.move_to_end(shard)
+            return table
+        entry = self.entries[shard]
+        columns = ["sample_id", "caption", "video_mp4"]
+        if self.cache is not None:
+            table = self._lease(entry, columns)
+        else:
+            t0 = time.perf_counter()
+            data = fetch_verified(self.storage, entry)
+            table = pq.read_table(pa.BufferReader(data), columns=columns)
+            with self.lock:
+                self.stats["bytes_fetched"] += len(data)
+                self.stats["fetch_s"] += time.perf_counter() - t0
+        with self.lock:
+            self.stats["shard_reads"] += 1
+        self.tables[shard] = table
+        while len(self.tables) > self.open_shards:
+            self.tables.popitem(last=False)
+        return table
+
+    def _clip(self, key: int, shard: int, row: int, bucket: Bucket, skipped: list[dict[str, str]]):
+        """(frames (F, H, W, 3) uint8, caption) of one clip, or None when it cannot be read (recorded)."""
+        from vidray.data.video import decode_mp4
+
+        hit = self.hot.get(key)
+        if hit is not None:
+            self.hot.move_to_end(key)
+            with self.lock:
+                self.stats["hot_hits"] += 1
+            return hit
+        with self.lock:
+            self.stats["hot_misses"] += 1
+        if shard in self.bad_shards:
+            return None
+        try:
+            table = self._table(shard)
+        except Exception as err:  # noqa: BLE001 - checksum failure, store errors after retries, bad Parquet
+            reason = str(err) if err.__class__.__name__ == "ShardChecksumError" else \
+                f"unreadable after retries: {type(err).__name__}: {err}"
+            self.bad_shards[shard] = reason
+            skipped.append({"file": self.entries[shard]["file"], "reason": reason})
+            return None
+        sample_id = table.column("sample_id")[row].as_py()
+        t0 = time.perf_counter()
+        try:
+            frames = decode_mp4(table.column("video_mp4")[row].as_py())
+            if frames.shape != (*bucket, 3):
+                raise ValueError(f"decoded shape {frames.shape} differs from its bucket {bucket}")
+        except Exception as err:  # noqa: BLE001 - MediaError or a shape mismatch: skip the clip
+            if sample_id not in self.reported:
+                self.reported.add(sample_id)
+                skipped.append({"sample_id": sample_id, "reason": f"{type(err).__name__}: {err}"})
+            return None
+        finally:
+            with self.lock:
+                self.stats["decode_s"] += time.perf_counter() - t0
+        value = (frames, table.column("caption")[row].as_py())
+        if self.hot_bytes and frames.nbytes <= self.hot_bytes:
+            self.hot[key] = value
+            self.hot_used += frames.nbytes
+            while self.hot_used > self.hot_bytes:
+                _, (old, _) = self.hot.popitem(last=False)
+                self.hot_used -= old.nbytes
+        return value
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import json
+
+        i = int(batch["i"][0])
+        with self._cond:
+            self._wanted = i
+            self._cond.notify_all()
+        o = self.plan["offsets"]
+        shards = self.plan["shard"][o[i]:o[i + 1]]
+        rows = self.plan["row"][o[i]:o[i + 1]]
+        keys = self.plan["key"][o[i]:o[i + 1]]
+        bucket = Bucket(*(int(x) for x in self.plan["bucket"][i]))
+        skipped: list[dict[str, str]] = []
+        clips = [self._clip(int(k), int(s), int(r), bucket, skipped) for k, s, r in zip(keys, shards, rows)]
+        ok = np.array([c is not None for c in clips])
+        fill = next((c for c in clips if c is not None), (np.zeros((*bucket, 3), np.uint8), ""))
+        clips = [c if c is not None else fill for c in clips]
+        frames = np.stack([c[0] for c in clips])  # (B, F, H, W, 3)
+        with self.lock:
+            stats, self.stats = self.stats, dict.fromkeys(STAT_KEYS, 0.0)
+        out = {
+            "i": np.array([i]),
+            "frames": frames[None],
+            "captions": np.array([json.dumps([c[1] for c in clips])]),
+            "ok": ok[None],
+            "skipped": np.array([json.dumps(skipped)], dtype=object),
+        }
+        out.update({k: np.array([v], dtype=np.float64) for k, v in stats.items()})
+        return out
+
+
+class RankLoader:
+    """Iterator of this rank's `TrainBatch`es for the planned `steps`, streamed by Ray Data (module docstring).
+
+    Args:
+        shards_dir: folder or URI of the prepared shards; index: its `index.json` dict.
+        table: the sample table (`SampleIndex`); steps: `plan_rank_steps(...)` of this rank.
+        data: the job's `DataConfig` (cache_dir, cache_bytes, hot_bytes, prefetch_batches,
+            prefetch_window_batches, loader_cpus, shuffle_block_shards).
+        sample_ids: (N,) str ids of the table's rows (`table.sample_id.astype(str)`), or None to derive them.
+    Ray must be initialised (a Ray Train worker, or a driver after `ray.init`). Errors in the operator (other
+    than skipped shards and clips) are raised by `__next__`. Call `close()` (or exhaust it) to stop its thread.
+    """
+
+    def __init__(self, shards_dir: str, index: dict[str, Any], table: Any, steps: Sequence[RankStep], data: Any,
+                 sample_ids: np.ndarray | None = None):
+        self.steps = list(steps)
+        self.sample_ids = table.sample_id.astype(str) if sample_ids is None else sample_ids
+        self.sample_keys = table.sample_key
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(data.prefetch_batches)))
+        self._stop = threading.Event()
+        self._next = 0
+        if not self.steps:
+            self._thread = None
+            return
+        rows = [s.rows for s in self.steps]
+        flat = np.concatenate(rows)
+        plan = {
+            "offsets": np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64),
+            "shard": table.shard[flat].astype(np.int32),
+            "row": table.row[flat].astype(np.int32),
+            "key": table.sample_key[flat].astype(np.int64),
+            "bucket": np.array([tuple(s.bucket) for s in self.steps], dtype=np.int32),
+        }
+        self._dataset = self._build(shards_dir, index, plan, data)
+        self._thread = threading.Thread(target=self._run, name="vidray-rank-loader", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _build(shards_dir: str, index: dict[str, Any], plan: dict[str, np.ndarray], data: Any):
+        import ray.data
+        from ray.data import DataContext
+        from ray.data._internal.execution.interfaces import ExecutionResources
+
+        ctx = DataContext.get_current()
+        ctx.execution_options.preserve_order = True
+        ctx.execution_options.resource_limits = ExecutionResources(cpu=float(data.loader_cpus))
+        ctx.enable_progress_bars = False
+        ctx.print_on_execution_start = False
+        num_steps = len(plan["offsets"]) - 1
+        items = ray.data.from_items([{"i": i} for i in range(num_steps)], override_num_blocks=num_steps)
+        return items.map_batches(
+            ClipLoader,
+            batch_size=1,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=1),
+            num_cpus=float(data.loader_cpus),
+            zero_copy_batch=True,
+            fn_constructor_args=(str(shards_dir), index["shards"], plan),
+            fn_constructor_kwargs={
+                "cache_dir": data.cache_dir,
+                "cache_bytes": int(data.cache_bytes),
+                "hot_bytes": int(data.hot_bytes),
+                "prefetch_window": int(data.prefetch_window_batches),
+                "open_shards": 2 * int(data.shuffle_block_shards) + 2,
+            },
+        )
+
+    def _run(self) -> None:
+        try:
+            for batch in self._dataset.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1):
+                if self._stop.is_set():
+                    return
+                self._put(("batch", batch))
+            self._put(("end", None))
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer, raised by __next__
+            self._put(("error", err))
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Iterator[TrainBatch]:
+        return self
+
+    def __next__(self) -> TrainBatch:
+        import json
+
+        import torch
+
+        if self._next >= len(self.steps):
+            raise StopIteration
+        t0 = time.perf_counter()
+        kind, batch = self._queue.get()
+        wait = time.perf_counter() - t0
+        lead = self._queue.qsize()
+        if kind == "error":
+            self.close()
+            raise batch
+        if kind == "end":
+            raise RuntimeError(f"the loader ended after {self._next} of {len(self.steps)} planned batches")
+        plan = self.steps[self._next]
+        if int(batch["i"][0]) != self._next:
+            raise RuntimeError(f"the loader delivered batch {int(batch['i'][0])} where {self._next} was due "
+                               "(Ray Data lost the order)")
+        self._next += 1
+        ok = batch["ok"][0]
+        frames = torch.from_numpy(np.array(batch["frames"][0])).permute(0, 4, 1, 2, 3)  # (B,3,F,H,W)
+        return TrainBatch(
+            step=plan.step,
+            epoch=plan.epoch,
+            bucket=plan.bucket,
+            frames=frames,
+            captions=json.loads(str(batch["captions"][0])),
+            sample_ids=self.sample_ids[plan.rows].tolist(),
+            sample_keys=self.sample_keys[plan.rows],
+            weights=plan.weights * ok,
+            total_weight=plan.total_weight,
+            next_position=plan.next_position,
+            data_wait_s=wait,
+            prefetch_lead=lead,
+            stats={k: float(batch[k][0]) for k in STAT_KEYS},
+            skipped=json.loads(str(batch["skipped"][0])),
+        )
+
+    def close(self) -> None:
+        """Stop the background thread (the Ray Data executor shuts down with its iterator)."""
+        self._stop.set()
+        if self._thread is not None:
+            try:
+                while True:
+                    self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=10)
+

@@ -1,0 +1,282 @@
+"""Training metrics of one Ray Train worker: Prometheus series (`prometheus-client`) and the figures of the log.
+
+```python
+metrics = TrainMetrics(rank=rank, run=job.name)
+port = metrics.serve(job.train.metrics_port + rank)     # 127.0.0.1 only, unless addr= says otherwise
+metrics.observe_step(data_wait_s=0.004, step_s=0.31)  # every step
+metrics.add_cache("warm", hits=1)                      # from the data plane, any thread
+log.info(metrics.window_summary())                     # every log window: counts since the last call
+metrics.write_textfile(run_dir / "metrics" / f"rank_{rank}.prom")
+metrics.close()
+```
+
+Every series carries the labels `rank` (the Ray Train world rank) and `run` (the job name); values are in base
+units (seconds, bytes); counters end in `_total`.
+
+| series | type | unit | extra labels | meaning |
+|---|---|---|---|---|
+| `vidray_data_wait_seconds` | histogram | s | | time the trainer waited for its next batch, per step |
+| `vidray_train_step_seconds` | histogram | s | | wall time of one optimizer step, data wait included |
+| `vidray_cache_hits_total` | counter | shards or clips | `tier` (`hot`, `warm`) | lookups served by the tier |
+| `vidray_cache_misses_total` | counter | shards or clips | `tier` (`hot`, `warm`) | lookups the tier could not serve |
+| `vidray_data_fetched_bytes_total` | counter | bytes | | bytes fetched from the cold store (object storage) |
+| `vidray_samples_skipped_total` | counter | clips or shards | `kind` (`clip`, `shard`) | bad input skipped |
+| `vidray_prefetch_lead_batches` | gauge | batches | | batches ready ahead of the trainer; 0 = the trainer waits |
+| `vidray_train_step` | gauge | steps | | the last optimizer step (1-based) |
+
+Histogram buckets run from 1 ms to 60 s (data wait) and to 300 s (step time). The warm tier counts shards (a
+hit: the shard is on node-local disk), the hot tier counts decoded clips (a hit: the clip is in memory). A skipped
+shard failed its checksum or could not be fetched after retries; a skipped clip no longer decodes. As
+prometheus-client does by default, counters and histograms also expose a `<name>_created` gauge (Unix seconds).
+
+Each training worker serves its series on `127.0.0.1:(train.metrics_port + rank)` (`serve`), and writes them to
+`<run_dir>/metrics/rank_<N>.prom` (`write_textfile`, Prometheus text format) at every report. A Prometheus on the
+same node scrapes the ports `metrics_port .. metrics_port + N - 1`. The port follows the world rank, not the
+node: with N workers in all, list the whole range on every node (a port that no worker of that node serves only
+shows as `up == 0`):
+
+```yaml
+scrape_configs:
+  - job_name: vidray
+    scrape_interval: 15s
+    static_configs:
+      - targets: ["127.0.0.1:9400", "127.0.0.1:9401", "127.0.0.1:9402", "127.0.0.1:9403"]  # metrics_port: 9400, 4 ranks
+```
+
+To scrape from another machine, serve on the node's IP (`serve(port, addr=<node ip>)`) and list
+`<node ip>:<port>` targets, or point node_exporter's textfile collector
+(`--collector.textfile.directory=<run_dir>/metrics`) at the `.prom` files. The endpoint has no authentication:
+keep it on loopback or a private network.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+from pathlib import Path
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server, write_to_textfile
+
+from vidray.errors import UserError
+
+__all__ = ["TrainMetrics", "CACHE_TIERS", "SKIP_KINDS", "DATA_WAIT_BUCKETS_S", "STEP_BUCKETS_S"]
+
+CacheTier = Literal["hot", "warm"]
+SkipKind = Literal["clip", "shard"]
+CACHE_TIERS: tuple[str, ...] = ("hot", "warm")
+SKIP_KINDS: tuple[str, ...] = ("clip", "shard")
+
+DATA_WAIT_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, math.inf)
+"""Upper bounds (s) of `vidray_data_wait_seconds`: 1 ms (a batch already prefetched) to 60 s (a cold fetch)."""
+STEP_BUCKETS_S: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, math.inf)
+"""Upper bounds (s) of `vidray_train_step_seconds`: 5 ms (a tiny model on CPU) to 300 s."""
+
+_SUMMARY_COUNTERS = ("data_wait_s", "step_s", "steps", "hot_hits", "hot_misses", "warm_hits", "warm_misses",
+                     "bytes_fetched", "skipped_clips", "skipped_shards")
+"""Keys of `summary()` that add up over time (a window is the difference of two totals)."""
+
+
+class TrainMetrics:
+    """The metrics of one training worker, in their own `CollectorRegistry` unless `registry` is given.
+
+    Thread-safe: the data plane may count from its threads while the training loop observes steps. The series
+    and their labels are listed in the module docstring.
+    """
+
+    def __init__(self, *, rank: int, run: str, registry: CollectorRegistry | None = None) -> None:
+        """`rank`: the Ray Train world rank (>= 0), `run`: the job name; both become labels of every series.
+
+        Raises ValueError on a negative rank or an empty run name, and prometheus-client's ValueError when
+        `registry` already holds `vidray_*` series (one TrainMetrics per registry).
+        """
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be an int >= 0 (the Ray Train world rank), got {rank!r}")
+        if not isinstance(run, str) or not run:
+            raise ValueError(f"run must be a non-empty str (the job name), got {run!r}")
+        self.rank = rank
+        self.run = run
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._labels = {"rank": str(rank), "run": run}
+        base = ("rank", "run")
+        reg = self.registry
+
+        data_wait = Histogram("vidray_data_wait_seconds", "Time the trainer waited for its next batch, per step.",
+                              base, buckets=DATA_WAIT_BUCKETS_S, registry=reg)
+        step = Histogram("vidray_train_step_seconds", "Wall time of one optimizer step, data wait included.",
+                         base, buckets=STEP_BUCKETS_S, registry=reg)
+        hits = Counter("vidray_cache_hits_total", "Lookups served by a cache tier (warm: shards, hot: clips).",
+                       (*base, "tier"), registry=reg)
+        misses = Counter("vidray_cache_misses_total", "Lookups a cache tier could not serve (warm: shards, "
+                         "hot: clips).", (*base, "tier"), registry=reg)
+        fetched = Counter("vidray_data_fetched_bytes_total", "Bytes fetched from the cold store (object storage).",
+                          base, registry=reg)
+        skipped = Counter("vidray_samples_skipped_total", "Bad input skipped (checksum, decode or fetch failure), "
+                          "by kind (clip or shard).", (*base, "kind"), registry=reg)
+        lead = Gauge("vidray_prefetch_lead_batches", "Batches ready ahead of the trainer; 0: the trainer waits.",
+                     base, registry=reg)
+        train_step = Gauge("vidray_train_step", "The last optimizer step (1-based).", base, registry=reg)
+
+        # Children bound once (labels() costs a dict lookup and a lock per call); every tier and kind exists at 0
+        # from the start, so a rate() over them is defined before the first hit.
+        self._data_wait = data_wait.labels(**self._labels)
+        self._step = step.labels(**self._labels)
+        self._hits = {t: hits.labels(**self._labels, tier=t) for t in CACHE_TIERS}
+        self._misses = {t: misses.labels(**self._labels, tier=t) for t in CACHE_TIERS}
+        self._fetched = fetched.labels(**self._labels)
+        self._skipped = {k: skipped.labels(**self._labels, kind=k) for k in SKIP_KINDS}
+        self._lead = lead.labels(**self._labels)
+        self._train_step = train_step.labels(**self._labels)
+
+        self._lock = threading.Lock()
+        self._totals = dict.fromkeys(_SUMMARY_COUNTERS, 0.0)
+        self._window_start = dict(self._totals)
+        self._prefetch_lead = 0
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    # --- recording -------------------------------------------------------------------------------------------
+
+    def observe_step(self, *, data_wait_s: float, step_s: float) -> None:
+        """Record one optimizer step: `data_wait_s` (s) the trainer waited for the batch, `step_s` (s) the whole
+        step, data wait included. Raises ValueError on a negative or non-finite time."""
+        for name, value in (("data_wait_s", data_wait_s), ("step_s", step_s)):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        self._data_wait.observe(data_wait_s)
+        self._step.observe(step_s)
+        with self._lock:
+            self._totals["data_wait_s"] += data_wait_s
+            self._totals["step_s"] += step_s
+            self._totals["steps"] += 1
+
+    def add_cache(self, tier: CacheTier, *, hits: int = 0, misses: int = 0) -> None:
+        """Count `hits` and `misses` (>= 0) of cache `tier` ("hot": decoded clips, "warm": shards on local disk).
+        Raises ValueError on another tier or a negative count."""
+        if tier not in CACHE_TIERS:
+            raise ValueError(f"unknown cache tier {tier!r}; valid: {', '.join(CACHE_TIERS)}")
+        hits = _check_count("hits", hits)
+        misses = _check_count("misses", misses)
+        if hits:
+            self._hits[tier].inc(hits)
+        if misses:
+            self._misses[tier].inc(misses)
+        with self._lock:
+            self._totals[f"{tier}_hits"] += hits
+            self._totals[f"{tier}_misses"] += misses
+
+    def add_bytes_fetched(self, n: int) -> None:
+        """Count `n` bytes (>= 0) fetched from the cold store (object storage). Raises ValueError if negative."""
+        n = _check_count("n", n)
+        if n:
+            self._fetched.inc(n)
+        with self._lock:
+            self._totals["bytes_fetched"] += n
+
+    def add_skipped(self, kind: SkipKind, n: int = 1) -> None:
+        """Count `n` (>= 0) skipped items of `kind` ("clip": a clip that does not decode, "shard": a shard that
+        failed its checksum or could not be fetched). Raises ValueError on another kind or a negative count."""
+        if kind not in SKIP_KINDS:
+            raise ValueError(f"unknown skip kind {kind!r}; valid: {', '.join(SKIP_KINDS)}")
+        n = _check_count("n", n)
+        if n:
+            self._skipped[kind].inc(n)
+        with self._lock:
+            self._totals[f"skipped_{kind}s"] += n
+
+    def set_prefetch_lead(self, batches: int) -> None:
+        """Set the number of batches (>= 0) ready ahead of the trainer. Raises ValueError if negative."""
+        batches = _check_count("batches", batches)
+        self._lead.set(batches)
+        with self._lock:
+            self._prefetch_lead = batches
+
+    def set_step(self, step: int) -> None:
+        """Set the last optimizer step (1-based; 0 before the first). Raises ValueError if negative."""
+        self._train_step.set(_check_count("step", step))
+
+    # --- reading ---------------------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, float]:
+        """Totals since this object was made, for the training log and the end-of-run summary.
+
+        Keys: `data_wait_s` (s, summed over steps), `data_wait_fraction` (data wait / step time, both summed;
+        0.0 before any step), `step_s` (s, summed), `steps`, `hot_hits`, `hot_misses`, `warm_hits`,
+        `warm_misses`, `bytes_fetched` (bytes), `prefetch_lead` (batches, the current value), `skipped_clips`,
+        `skipped_shards`.
+        """
+        with self._lock:
+            totals, lead = dict(self._totals), self._prefetch_lead
+        return _with_derived(totals, lead)
+
+    def window_summary(self) -> dict[str, float]:
+        """`summary()`'s keys counted since the previous `window_summary()` call (or since creation): call it once
+        per log window. `prefetch_lead` is the current value; `summary()`'s totals are not reset."""
+        with self._lock:
+            totals = dict(self._totals)
+            start, self._window_start = self._window_start, totals
+            lead = self._prefetch_lead
+        return _with_derived({k: totals[k] - start[k] for k in _SUMMARY_COUNTERS}, lead)
+
+    # --- exposition ------------------------------------------------------------------------------------------
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve this registry over HTTP (`GET /metrics`, Prometheus text format) on `addr:port` from a daemon
+        thread, and return the bound port (`port=0` picks a free one). Stop it with `close()`.
+
+        Raises RuntimeError when already serving, and UserError when the port cannot be bound (taken by another
+        process, or a privileged port).
+        """
+        if self._server is not None:
+            raise RuntimeError(f"metrics already served on port {self._server.server_port}; call close() first")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535 (0: any free port), got {port}")
+        try:
+            self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as e:
+            raise UserError(
+                f"cannot serve metrics of rank {self.rank} on {addr}:{port} ({e.strerror or e}): another process "
+                f"holds the port; set train.metrics_port to a free range (rank N serves on metrics_port + N) or "
+                f"to null (no endpoint)") from e
+        return int(self._server.server_port)
+
+    def close(self) -> None:
+        """Stop the HTTP server started by `serve()` and free its port. Idempotent; a no-op when not serving."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is not None:
+            server.shutdown()       # stops serve_forever; the thread then returns
+            server.server_close()   # closes the listening socket
+        if thread is not None:
+            thread.join(timeout=5.0)
+
+    def __enter__(self) -> TrainMetrics:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def write_textfile(self, path: str | Path) -> None:
+        """Write every series to `path` in the Prometheus text format, atomically (a temp file in the same folder,
+        then a rename: a reader sees the old file or the new one, never half of one). Creates the folder."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_to_textfile(str(path), self.registry)
+
+
+def _with_derived(counts: dict[str, float], prefetch_lead: int) -> dict[str, float]:
+    """`counts` as floats plus `data_wait_fraction` (0.0 without step time) and `prefetch_lead`."""
+    out = {k: float(v) for k, v in counts.items()}
+    out["data_wait_fraction"] = out["data_wait_s"] / out["step_s"] if out["step_s"] > 0 else 0.0
+    out["prefetch_lead"] = float(prefetch_lead)
+    return out
+
+
+def _check_count(name: str, value: int) -> int:
+    """`value` as an int; ValueError unless it is an integer >= 0 (numpy integers count, bools do not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)
