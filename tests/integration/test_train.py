@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from vidray.config import load_job_config
 from vidray.data.ingest import prepare
@@ -39,9 +44,40 @@ def tiny_job(shards_dir, storage, **steps):
 
 
 def test_two_workers_train_checkpoint_and_resume_at_next_step(local_ray, shards_dir, tmp_path):
-    # 1. A first run of 6 steps: checkpoints at 3 and 6, diffusers weights at the end.
-    first = run_training(tiny_job(shards_dir, tmp_path, train__max_steps=6))
+    # 1. A first run of 6 steps: checkpoints at 3 and 6, diffusers weights at the end; its workers serve
+    # Prometheus metrics on 127.0.0.1 while it runs (scraped here) and leave them in <run_dir>/metrics.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    scraped: list[str] = []
+    done = threading.Event()
+
+    def scrape():
+        while not done.is_set() and not scraped:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read().decode()
+            except OSError:
+                time.sleep(0.2)
+                continue
+            if "vidray_train_step" in text:
+                scraped.append(text)
+
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
+    try:
+        first = run_training(tiny_job(shards_dir, tmp_path, train__max_steps=6, train__metrics_port=port))
+    finally:
+        done.set()
+        scraper.join(timeout=5)
+    assert scraped, "no worker answered on the metrics port during the run"
     assert [int(s) for s, _ in first.losses] == list(range(1, 7))
+    families = {f.name: f for f in text_string_to_metric_families((first.run_dir / "metrics" / "rank_0.prom").read_text())}
+    waits = [s for s in families["vidray_data_wait_seconds"].samples if s.name.endswith("_count")]
+    assert waits and waits[0].value == 6 and waits[0].labels["rank"] == "0"  # one data wait per step
+    assert (first.run_dir / "metrics" / "rank_1.prom").is_file()
+    assert first.data["hot_hits"] + first.data["hot_misses"] == 6 * 2  # every clip of rank 0's batches
+    assert [int(s[0]) for s in first.step_seconds] == list(range(1, 7))
+    assert first.peak_rss_bytes > 0
     assert first.checkpoint_path and read_train_state(first.checkpoint_path).step == 6
     assert read_train_state(first.checkpoint_path).world_size == 2
     assert (Path(first.diffusers_dir) / "model_index.json").is_file()

@@ -35,7 +35,6 @@ from vidray.config import JobConfig, job_config_from_dict
 from vidray.errors import UserError
 from vidray.generate import write_job_file
 from vidray.metrics import TrainMetrics
-from vidray.data.cache import ShardCache
 from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
 from vidray.data.pipeline import RankLoader, TrainBatch, plan_rank_steps
 from vidray.data.schedule import DataPosition, SampleSchedule, batch_sizes_for_buckets
@@ -122,7 +121,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     index = read_index(shards_dir)
     table = load_sample_index(shards_dir)
     if not open_storage(shards_dir).is_local:
-        ShardCache(job.data.cache_dir, job.data.cache_bytes).check_budget(index)
+        _check_warm_budget(job, index, context.get_local_world_size())
     sample_ids = table.sample_id.astype(str)
     batch_sizes = batch_sizes_for_buckets(
         table.buckets,
@@ -360,6 +359,21 @@ def _agree_on_skipped(skipped: list[dict[str, str]], world_size: int) -> list[di
         dist.all_gather_object(parts, skipped)
     merged = {s.get("file") or s["sample_id"]: s for part in parts for s in part}
     return [merged[k] for k in sorted(merged)]
+
+
+def _check_warm_budget(job: JobConfig, index: dict[str, Any], local_world_size: int) -> None:
+    """Refuse, before any step, a warm cache budget that the ranks of this node could fill with shards they are
+    reading at the same moment: each rank's loader pins at most two shards at once (the one it decodes from and
+    the one its prefetcher downloads), so `data.cache_bytes` must hold 2 x (ranks on the node) x the largest shard.
+    Raises UserError naming the numbers and the fix."""
+    largest = max((int(s.get("bytes", 0)) for s in index["shards"]), default=0)
+    need = 2 * local_world_size * largest
+    if job.data.cache_bytes < need:
+        raise UserError(
+            f"data.cache_bytes={job.data.cache_bytes} cannot hold the shards {local_world_size} rank(s) of this node "
+            f"read at once (2 per rank x the largest shard, {largest} bytes = {need}): raise data.cache_bytes to at "
+            f"least {need} (better a few times that), or prepare smaller shards (data.samples_per_shard)"
+        )
 
 
 def _add_loader_stats(metrics: TrainMetrics, batch: TrainBatch) -> None:
