@@ -99,6 +99,13 @@ class ShardCache:
         (`vidray.data.storage.Storage`), downloaded if needed; pinned (never evicted) until the block ends.
         Raises ShardChecksumError when the download differs from its sha256 twice, UserError when the budget
         has no room that eviction can free."""
+        with self.lease_info(storage, entry) as (path, _downloaded):
+            yield path
+
+    @contextmanager
+    def lease_info(self, storage: Any, entry: dict[str, Any]) -> Iterator[tuple[Path, bool]]:
+        """`lease`, yielding (path, downloaded): whether this call fetched the shard from `storage` (False when it
+        was cached, or another process downloaded it while this one waited). Safe to use from several threads."""
         key = entry["sha256"]
         path = self.path(key)
         fd = os.open(self.locks_dir / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -118,7 +125,7 @@ class ShardCache:
             os.utime(path)  # LRU: most recently used now
             if not downloaded:
                 self.stats.hits += 1
-            yield path
+            yield path, downloaded
         finally:
             os.close(fd)  # releases the shared lock: the file may now be evicted
 

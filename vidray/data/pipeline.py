@@ -15,8 +15,8 @@ The tiers a clip goes through on its way to the trainer (`ClipLoader`):
 - **cold**: the shard store (`data.shards_dir`: a local folder or an object store URI, `vidray.data.storage`);
 - **warm**: the node's disk cache of shards fetched from an object store (`vidray.data.cache.ShardCache`, byte
   budget `data.cache_bytes`, one download per shard per node). A background thread of the loader fetches the
-  shards of the next `data.prefetch_window_batches` micro-batches cold -> warm ahead of the decoder. Local folders
-  are read in place (no warm copy);
+  shards of the next `data.prefetch_window_batches` micro-batches cold -> warm ahead of the decoder, within
+  `cache_bytes / (2 x ranks on the node)`. Local folders are read in place (no warm copy);
 - the loader keeps the shards it is walking in memory (the last `2 * data.shuffle_block_shards + 2`, Arrow tables
   of the columns it needs): the schedule walks shard-local blocks, so each shard is read about once per epoch;
 - **hot**: decoded clips (uint8 frames) and captions by sample key, LRU under `data.hot_bytes`, reused across
@@ -37,6 +37,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -130,13 +131,16 @@ class ClipLoader:
         hot_bytes: budget of the hot tier (decoded clips), 0 = off.
         prefetch_window: micro-batches ahead whose shards are fetched cold -> warm in the background.
         open_shards: shards kept in memory while walking them.
+        local_ranks: training ranks on this node sharing the warm cache (each prefetches within
+            cache_bytes / (2 x local_ranks)).
 
     `__call__({"i": (1,) int64})` returns {"i", "frames" (1, B, F, H, W, 3) uint8, "captions" (1,) JSON list of B str,
     "ok" (1, B) bool, "skipped" (1,) JSON str, and one (1,) column per `STAT_KEYS`}.
     """
 
     def __init__(self, shards_dir: str, shard_entries: Sequence[dict[str, Any]], plan: dict[str, np.ndarray], *,
-                 cache_dir: str, cache_bytes: int, hot_bytes: int, prefetch_window: int, open_shards: int):
+                 cache_dir: str, cache_bytes: int, hot_bytes: int, prefetch_window: int, open_shards: int,
+                 local_ranks: int = 1):
         from vidray.data.cache import ShardCache
         from vidray.data.storage import open_storage
 
@@ -154,6 +158,9 @@ class ClipLoader:
         self.stats = dict.fromkeys(STAT_KEYS, 0.0)
         self.lock = threading.Lock()
         self.prefetch_window = int(prefetch_window)
+        # This loader's share of the node's warm budget for shards ahead: half of it, split between the ranks of
+        # the node (the other half holds the shards being read).
+        self.prefetch_bytes = int(cache_bytes) // (2 * max(1, int(local_ranks)))
         self._wanted = -1  # the step index the decoder is at (the prefetcher looks ahead of it)
         self._cond = threading.Condition()
         if self.cache is not None and self.prefetch_window > 0:
@@ -166,28 +173,33 @@ class ClipLoader:
         return list(dict.fromkeys(self.plan["shard"][o[i]:o[i + 1]].tolist()))
 
     def _prefetch_warm(self) -> None:
-        """Fetch the shards of steps [current, current + window] that the warm cache lacks, in plan order, at most
-        half of `cache_bytes` ahead per pass (so prefetching never crowds out the shards being walked)."""
+        """Fetch the shards of steps [current, current + window] into the warm cache, in plan order. Every shard
+        of the window counts once against `prefetch_bytes` (this loader's share of the node's budget: cached or
+        not, it will be pinned soon), so prefetching never evicts what the next steps need; shards the decoder
+        already holds in memory are skipped."""
         num_steps = len(self.plan["offsets"]) - 1
         failed: set[int] = set()  # not retried by the prefetcher
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._wanted >= 0)
                 start = self._wanted
-            budget, ahead = self.cache.budget_bytes // 2, 0
+            ahead, counted = 0, set()
             for i in range(start, min(num_steps, start + 1 + self.prefetch_window)):
                 for shard in self._shards_of(i):
-                    entry = self.entries[shard]
-                    if shard in self.bad_shards or shard in failed or self.cache.path(entry["sha256"]).is_file():
+                    if shard in counted or shard in self.tables or shard in self.bad_shards or shard in failed:
                         continue
+                    counted.add(shard)
+                    entry = self.entries[shard]
                     ahead += int(entry.get("bytes", 0))
-                    if ahead > budget:
+                    if ahead > self.prefetch_bytes:
                         break
+                    if self.cache.path(entry["sha256"]).is_file():
+                        continue
                     try:
                         self._lease(entry)
                     except Exception:  # noqa: BLE001 - the decoder meets the same error and reports it
                         failed.add(shard)
-                if ahead > budget:
+                if ahead > self.prefetch_bytes:
                     break
             if start >= num_steps - 1:
                 return
@@ -196,15 +208,14 @@ class ClipLoader:
                     self._cond.wait(timeout=1.0)
 
     def _lease(self, entry: dict[str, Any], columns: list[str] | None = None) -> pa.Table | None:
-        """Lease `entry` from the warm cache (downloading it on a miss), counting the tier's hit or miss and the
-        bytes fetched; with `columns`, read them while the shard is pinned."""
+        """Lease `entry` from the warm cache (downloading it on a miss), counting the tier's hit or miss (a miss:
+        this loader downloaded it) and the bytes fetched; with `columns`, read them while the shard is pinned."""
         t0 = time.perf_counter()
-        present = self.cache.path(entry["sha256"]).is_file()
-        with self.cache.lease(self.storage, entry) as path:
+        with self.cache.lease_info(self.storage, entry) as (path, downloaded):
             table = pq.read_table(path, columns=columns) if columns else None
         with self.lock:
-            self.stats["warm_hits" if present else "warm_misses"] += 1
-            if not present:
+            self.stats["warm_misses" if downloaded else "warm_hits"] += 1
+            if downloaded:
                 self.stats["bytes_fetched"] += int(entry.get("bytes", 0))
             self.stats["fetch_s"] += time.perf_counter() - t0
         return table
@@ -322,12 +333,13 @@ class RankLoader:
         data: the job's `DataConfig` (cache_dir, cache_bytes, hot_bytes, prefetch_batches,
             prefetch_window_batches, loader_cpus, shuffle_block_shards).
         sample_ids: (N,) str ids of the table's rows (`table.sample_id.astype(str)`), or None to derive them.
+        local_ranks: training ranks on this node (they share the warm cache's budget).
     Ray must be initialised (a Ray Train worker, or a driver after `ray.init`). Errors in the operator (other
     than skipped shards and clips) are raised by `__next__`. Call `close()` (or exhaust it) to stop its thread.
     """
 
     def __init__(self, shards_dir: str, index: dict[str, Any], table: Any, steps: Sequence[RankStep], data: Any,
-                 sample_ids: np.ndarray | None = None):
+                 sample_ids: np.ndarray | None = None, local_ranks: int = 1):
         self.steps = list(steps)
         self.sample_ids = table.sample_id.astype(str) if sample_ids is None else sample_ids
         self.sample_keys = table.sample_key
@@ -346,12 +358,12 @@ class RankLoader:
             "key": table.sample_key[flat].astype(np.int64),
             "bucket": np.array([tuple(s.bucket) for s in self.steps], dtype=np.int32),
         }
-        self._dataset = self._build(shards_dir, index, plan, data)
+        self._dataset = self._build(shards_dir, index, plan, data, local_ranks)
         self._thread = threading.Thread(target=self._run, name="vidray-rank-loader", daemon=True)
         self._thread.start()
 
     @staticmethod
-    def _build(shards_dir: str, index: dict[str, Any], plan: dict[str, np.ndarray], data: Any):
+    def _build(shards_dir: str, index: dict[str, Any], plan: dict[str, np.ndarray], data: Any, local_ranks: int):
         import ray.data
         from ray.data import DataContext
         from ray.data._internal.execution.interfaces import ExecutionResources
@@ -377,6 +389,7 @@ class RankLoader:
                 "hot_bytes": int(data.hot_bytes),
                 "prefetch_window": int(data.prefetch_window_batches),
                 "open_shards": 2 * int(data.shuffle_block_shards) + 2,
+                "local_ranks": int(local_ranks),
             },
         )
 
@@ -423,7 +436,9 @@ class RankLoader:
                                "(Ray Data lost the order)")
         self._next += 1
         ok = batch["ok"][0]
-        frames = torch.from_numpy(np.array(batch["frames"][0])).permute(0, 4, 1, 2, 3)  # (B,3,F,H,W)
+        with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; the step never writes to them
+            warnings.simplefilter("ignore", UserWarning)
+            frames = torch.from_numpy(batch["frames"][0]).permute(0, 4, 1, 2, 3)  # (B, 3, F, H, W), no copy
         return TrainBatch(
             step=plan.step,
             epoch=plan.epoch,

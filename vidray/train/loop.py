@@ -160,7 +160,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     # This rank's steps, streamed by its Ray Data loader (started now: its actor warms up while DDP is set up).
     steps = plan_rank_steps(schedule, position, world_size=world_size, rank=rank, first_step=start_step,
                             last_step=job.train.max_steps)
-    loader = RankLoader(shards_dir, index, table, steps, job.data, sample_ids=sample_ids)
+    loader = RankLoader(shards_dir, index, table, steps, job.data, sample_ids=sample_ids,
+                        local_ranks=context.get_local_world_size())
 
     # 5. DDP (gloo on CPU, NCCL on GPU; Ray Train sets up the process group).
     model = ray.train.torch.prepare_model(transformer)
@@ -270,8 +271,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         }
         data = metrics_log.window_summary()
         metrics["data_wait_fraction"] = data["data_wait_fraction"]
+        window_split = np.asarray(step_seconds[-len(window_losses):])[:, 1:].mean(axis=0)  # data, encode, dit
+        metrics["encode_time_s"], metrics["dit_step_time_s"] = float(window_split[1]), float(window_split[2])
         _log(rank, f"step {step}/{max_steps} loss {metrics['loss']:.4f} step_time {step_time_s:.3f} s "
-             f"lr {metrics['lr']:.2e} data_wait {data['data_wait_s']:.3f} s ({100 * data['data_wait_fraction']:.0f}%) "
+             f"(encode {window_split[1]:.3f} s, dit {window_split[2]:.3f} s) lr {metrics['lr']:.2e} data_wait {data['data_wait_s']:.3f} s ({100 * data['data_wait_fraction']:.0f}%) "
              f"hot {data['hot_hits']:.0f}/{data['hot_hits'] + data['hot_misses']:.0f} warm "
              f"{data['warm_hits']:.0f}/{data['warm_hits'] + data['warm_misses']:.0f} fetched "
              f"{data['bytes_fetched'] / 2**20:.1f} MiB lead {batch.prefetch_lead}")
