@@ -1,8 +1,15 @@
 """Model families (DiT + VAE + text encoder) built from diffusers/transformers components.
 
-`registry` is imported first: it defines the shared interface and then registers the families.
+The names below come from `registry` on first use (PEP 562), so that `vidray.models.text_encoder` (what the
+driver needs: tokenizer, caption checks) imports without diffusers (~3-5 s on 2 cores).
 """
 
-from vidray.models.registry import FAMILIES, Components, ModelFamily, get_family
-
 __all__ = ["FAMILIES", "Components", "ModelFamily", "get_family"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from vidray.models import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module 'vidray.models' has no attribute {name!r}")

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import torch
-from transformers import AutoTokenizer, BertConfig, BertModel, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase  # tokenizers only: the driver's checks need no more
 
 from vidray.errors import UserFileNotFound
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
     from vidray.config import ModelConfig
 
 __all__ = [
@@ -74,6 +75,8 @@ def build_text_encoder(
     `minilm` loads real weights (`seed` unused); `tiny_random` is a BertConfig(hidden 64, 2 layers, 2 heads)
     initialised under `seed` without touching the global RNG. Raises ValueError for any other `kind`.
     """
+    from transformers import BertConfig, BertModel  # the modeling stack (~2-3 s on 2 cores): import late
+
     tokenizer = ensure_chat_template(AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True))
     if kind == "minilm":
         text_encoder = BertModel.from_pretrained(minilm_path(), local_files_only=True)

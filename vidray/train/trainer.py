@@ -477,7 +477,7 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
     import ray.train
 
     from vidray.runtime import apply_ray_env_defaults, init_ray
-    from vidray.train.loop import train_loop_per_worker
+    from vidray.train.entry import train_loop_per_worker  # the worker's stack (diffusers) stays out of the driver
 
     apply_ray_env_defaults()
     if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
