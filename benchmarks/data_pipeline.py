@@ -208,8 +208,10 @@ class Consumed:
         return sum(s[key] for s in self.stats)
 
 
-def make_loader(shards_dir: str, *, epochs: int = 1, world_size: int = 1, rank: int = 0, **data: Any):
-    """A `RankLoader` of `rank` for `epochs` whole epochs from the start, micro-batches of `BATCH`."""
+def make_loader(shards_dir: str, *, epochs: int = 1, world_size: int = 1, rank: int = 0, local_ranks: int = 1,
+                **data: Any):
+    """A `RankLoader` of `rank` for `epochs` whole epochs from the start, micro-batches of `BATCH`; `local_ranks`:
+    loaders sharing the node's warm cache (as the training loop passes its local world size)."""
     from vidray.config import DataConfig
     from vidray.data.index import load_sample_index
     from vidray.data.pipeline import RankLoader, plan_rank_steps
@@ -223,7 +225,7 @@ def make_loader(shards_dir: str, *, epochs: int = 1, world_size: int = 1, rank: 
                               shuffle_block_shards=config.shuffle_block_shards)
     steps = plan_rank_steps(schedule, schedule.start(0), world_size=world_size, rank=rank, first_step=1,
                             last_step=epochs * schedule.steps_per_epoch(world_size))
-    return RankLoader(shards_dir, index, table, steps, config)
+    return RankLoader(shards_dir, index, table, steps, config, local_ranks=local_ranks)
 
 
 def consume(loader: Any, step_s: float = 0.0) -> Consumed:
@@ -349,7 +351,7 @@ def figure_d(proxied_uri: str, proxy: Any, tmp: Path, index: dict) -> tuple[dict
     proxy.rate_bytes_per_s = None
     before = proxy.bytes_down
     data = {"cache_dir": str(tmp / "cache_d"), "cache_bytes": budget}
-    loaders = [make_loader(proxied_uri, world_size=2, rank=r, **data) for r in (0, 1)]
+    loaders = [make_loader(proxied_uri, world_size=2, rank=r, local_ranks=2, **data) for r in (0, 1)]
     misses = hits = 0.0
     steps = 0
     for b0, b1 in zip(*loaders):  # lockstep, as DDP ranks consume
@@ -433,6 +435,7 @@ def main() -> None:
     ap.add_argument("--skip-train-overhead", action="store_true", help="leave (g) out (it takes ~2-3 min)")
     ap.add_argument("--g-steps", type=int, default=40, help="(g): timed steps (default: %(default)s)")
     ap.add_argument("--g-warmup", type=int, default=10, help="(g): untimed first steps (default: %(default)s)")
+    ap.add_argument("--figures", default="abcdefg", help="which figures to measure (default: all, %(default)s)")
     ap.add_argument("--keep", help="folder for data, caches and logs (default: a temp dir, deleted)")
     a = ap.parse_args()
     if a.clips < 100:
@@ -454,9 +457,10 @@ def run(tmp: Path, a: argparse.Namespace) -> dict[str, Any]:
                                "samples_per_shard": SAMPLES_PER_SHARD, "load_avg_1m_start": os.getloadavg()[0]}
 
     # 1. (e) first, alone: its peak RSS and seconds want a quiet process.
-    part = figure_e()
-    figures.update(part[0])
-    details.update(part[1])
+    if "e" in a.figures:
+        part = figure_e()
+        figures.update(part[0])
+        details.update(part[1])
 
     # 2. The clips: prepare once, replicate into a local folder and into S3 (moto on 127.0.0.1).
     say(f"prepare samples/ at {BUCKET} {FPS} frames/s, replicate to {a.clips} clips (local folder and S3)")
@@ -491,11 +495,13 @@ def run(tmp: Path, a: argparse.Namespace) -> dict[str, Any]:
         details["ray_init_s"] = round(time.perf_counter() - t0, 2)
         say(f"Ray started in {details['ray_init_s']} s")
         try:
-            for measure_figure in (lambda: figure_a(local, tmp),
-                                   lambda: figure_b(uri, throttled_uri, proxy, index, tmp),
-                                   lambda: figure_c(uri, tmp, index),
-                                   lambda: figure_d(proxied_uri, proxy, tmp, index),
-                                   lambda: figure_f(tmp)):
+            for name, measure_figure in (("a", lambda: figure_a(local, tmp)),
+                                         ("b", lambda: figure_b(uri, throttled_uri, proxy, index, tmp)),
+                                         ("c", lambda: figure_c(uri, tmp, index)),
+                                         ("d", lambda: figure_d(proxied_uri, proxy, tmp, index)),
+                                         ("f", lambda: figure_f(tmp))):
+                if name not in a.figures:
+                    continue
                 part = measure_figure()
                 figures.update(part[0])
                 details.update(part[1])
@@ -513,7 +519,7 @@ def run(tmp: Path, a: argparse.Namespace) -> dict[str, Any]:
             moto.kill()
 
     # 4. (g) last: it starts its own Ray through `vidray train`.
-    if a.skip_train_overhead:
+    if a.skip_train_overhead or "g" not in a.figures:
         details["g_note"] = "left out (--skip-train-overhead)"
     else:
         try:
