@@ -31,14 +31,14 @@ def shards_dir(tmp_path_factory):
     return out
 
 
-def _loader(shards_dir, *, world_size=1, rank=0, steps=6, **data):
+def _loader(shards_dir, *, world_size=1, rank=0, steps=6, window_steps=2048, **data):
     index = read_index(shards_dir)
     table = load_sample_index(shards_dir)
     schedule = SampleSchedule(table.bucket_id, table.buckets, batch_sizes=2, seed=0, shards=table.shard,
                               shuffle_block_shards=2)
     plan = plan_rank_steps(schedule, schedule.start(0), world_size=world_size, rank=rank, first_step=1,
                            last_step=steps)
-    return plan, RankLoader(str(shards_dir), index, table, plan, DataConfig(**data))
+    return plan, RankLoader(str(shards_dir), index, table, plan, DataConfig(**data), window_steps=window_steps)
 
 
 def test_each_rank_gets_its_planned_clips_in_schedule_order_as_equal_shaped_batches(local_ray, shards_dir):
@@ -60,6 +60,16 @@ def test_each_rank_gets_its_planned_clips_in_schedule_order_as_equal_shaped_batc
     # Every step: both ranks train the same bucket at the same batch size (equal cost, nobody waits).
     for a, b in zip(*per_rank):
         assert a.frames.shape == b.frames.shape and a.bucket == b.bucket
+
+
+def test_a_long_plan_streams_window_by_window_in_order(local_ray, shards_dir):
+    decoded = {s.sample_id: s.video for s in load_samples(shards_dir)}
+    plan, loader = _loader(shards_dir, steps=7, window_steps=3)  # windows of 3, 3 and 1 steps
+    batches = list(loader)
+    assert [b.step for b in batches] == [p.step for p in plan] == list(range(1, 8))
+    for batch in batches:
+        for i, sample_id in enumerate(batch.sample_ids):
+            np.testing.assert_array_equal(batch.frames[i].permute(1, 2, 3, 0).numpy(), decoded[sample_id])
 
 
 def test_hot_tier_serves_later_epochs_without_reading_or_decoding(local_ray, shards_dir):

@@ -10,6 +10,8 @@ ray.data.from_items([{"i": 0}, {"i": 1}, ...])            one block per planned 
   .iter_batches(batch_size=None)                            in plan order (preserve_order), with backpressure
 -> background thread -> queue of data.prefetch_batches decoded micro-batches -> the training loop
 ```
+Steps are dealt lazily (`iter_rank_steps`) and streamed in windows of `RankLoader(window_steps=2048)` steps, one
+Ray Data dataset (and loader actor) per window, so start-up and memory do not grow with `train.max_steps`.
 
 The tiers a clip goes through on its way to the trainer (`ClipLoader`):
 - **cold**: the shard store (`data.shards_dir`: a local folder or an object store URI, `vidray.data.storage`);
@@ -34,13 +36,14 @@ preserve_order=True)`; on 2 cores an unsized Ray Data run next to the trainers d
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -78,16 +81,22 @@ def plan_rank_steps(schedule: SampleSchedule, position: DataPosition, *, world_s
                     first_step: int, last_step: int) -> list[RankStep]:
     """The steps `first_step..last_step` of `rank` dealt from `position` at `world_size` (`SampleSchedule.next_step`,
     O(buckets) per step; the same deal on every rank). Raises ValueError for a rank outside [0, world_size)."""
+    return list(iter_rank_steps(schedule, position, world_size=world_size, rank=rank, first_step=first_step,
+                                last_step=last_step))
+
+
+def iter_rank_steps(schedule: SampleSchedule, position: DataPosition, *, world_size: int, rank: int,
+                    first_step: int, last_step: int) -> Iterator[RankStep]:
+    """`plan_rank_steps`, lazily: each step is dealt when it is asked for (what `RankLoader` streams for long
+    runs: memory and start-up do not grow with `train.max_steps`)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    steps = []
     for step in range(first_step, last_step + 1):
         deal = schedule.next_step(position, world_size)
         rows, weights = deal.rank(rank)
-        steps.append(RankStep(step, deal.epoch, deal.bucket, rows.astype(np.int64), weights.astype(np.float32),
-                              deal.total_weight, deal.next_position))
+        yield RankStep(step, deal.epoch, deal.bucket, rows.astype(np.int64), weights.astype(np.float32),
+                       deal.total_weight, deal.next_position)
         position = deal.next_position
-    return steps
 
 
 @dataclass
@@ -329,38 +338,52 @@ class RankLoader:
 
     Args:
         shards_dir: folder or URI of the prepared shards; index: its `index.json` dict.
-        table: the sample table (`SampleIndex`); steps: `plan_rank_steps(...)` of this rank.
+        table: the sample table (`SampleIndex`); steps: this rank's `RankStep`s in order: a list
+            (`plan_rank_steps`) or a lazy iterable (`iter_rank_steps`, for long runs).
         data: the job's `DataConfig` (cache_dir, cache_bytes, hot_bytes, prefetch_batches,
             prefetch_window_batches, loader_cpus, shuffle_block_shards).
         sample_ids: (N,) str ids of the table's rows (`table.sample_id.astype(str)`), or None to derive them.
         local_ranks: training ranks on this node (they share the warm cache's budget).
+        window_steps: steps per Ray Data dataset. The steps are streamed in windows of this many (one block per
+            step, planned when the window starts), so a run of 100 000 steps never plans or materialises them all
+            at once; each window starts a fresh loader actor (a few seconds, overlapped with the previous window's
+            queue) whose hot tier starts empty.
     Ray must be initialised (a Ray Train worker, or a driver after `ray.init`). Errors in the operator (other
     than skipped shards and clips) are raised by `__next__`. Call `close()` (or exhaust it) to stop its thread.
     """
 
-    def __init__(self, shards_dir: str, index: dict[str, Any], table: Any, steps: Sequence[RankStep], data: Any,
-                 sample_ids: np.ndarray | None = None, local_ranks: int = 1):
-        self.steps = list(steps)
+    def __init__(self, shards_dir: str, index: dict[str, Any], table: Any, steps: Iterable[RankStep], data: Any,
+                 sample_ids: np.ndarray | None = None, local_ranks: int = 1, window_steps: int = 2048):
         self.sample_ids = table.sample_id.astype(str) if sample_ids is None else sample_ids
         self.sample_keys = table.sample_key
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(data.prefetch_batches)))
         self._stop = threading.Event()
-        self._next = 0
-        if not self.steps:
-            self._thread = None
-            return
-        rows = [s.rows for s in self.steps]
+        self._done = False
+        self._args = (str(shards_dir), index, table, data, int(local_ranks))
+        self._steps = iter(steps)
+        self._window_steps = max(1, int(window_steps))
+        self._thread = threading.Thread(target=self._run, name="vidray-rank-loader", daemon=True)
+        self._thread.start()
+
+    def _windows(self) -> Iterator[list[RankStep]]:
+        while True:
+            window = list(itertools.islice(self._steps, self._window_steps))
+            if not window:
+                return
+            yield window
+
+    def _dataset(self, window: list[RankStep]):
+        shards_dir, index, table, data, local_ranks = self._args
+        rows = [s.rows for s in window]
         flat = np.concatenate(rows)
         plan = {
             "offsets": np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64),
             "shard": table.shard[flat].astype(np.int32),
             "row": table.row[flat].astype(np.int32),
             "key": table.sample_key[flat].astype(np.int64),
-            "bucket": np.array([tuple(s.bucket) for s in self.steps], dtype=np.int32),
+            "bucket": np.array([tuple(s.bucket) for s in window], dtype=np.int32),
         }
-        self._dataset = self._build(shards_dir, index, plan, data, local_ranks)
-        self._thread = threading.Thread(target=self._run, name="vidray-rank-loader", daemon=True)
-        self._thread.start()
+        return self._build(shards_dir, index, plan, data, local_ranks)
 
     @staticmethod
     def _build(shards_dir: str, index: dict[str, Any], plan: dict[str, np.ndarray], data: Any, local_ranks: int):
@@ -395,10 +418,19 @@ class RankLoader:
 
     def _run(self) -> None:
         try:
-            for batch in self._dataset.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1):
-                if self._stop.is_set():
-                    return
-                self._put(("batch", batch))
+            for window in self._windows():
+                dataset = self._dataset(window)
+                batches = dataset.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)
+                i = -1
+                for i, batch in enumerate(batches):
+                    if self._stop.is_set():
+                        return
+                    if int(batch["i"][0]) != i:
+                        raise RuntimeError(f"the loader delivered batch {int(batch['i'][0])} of its window where "
+                                           f"{i} was due (Ray Data lost the order)")
+                    self._put(("batch", (window[i], batch)))
+                if i != len(window) - 1:
+                    raise RuntimeError(f"the loader ended after {i + 1} of {len(window)} planned batches")
             self._put(("end", None))
         except BaseException as err:  # noqa: BLE001 - handed to the consumer, raised by __next__
             self._put(("error", err))
@@ -419,22 +451,19 @@ class RankLoader:
 
         import torch
 
-        if self._next >= len(self.steps):
+        if self._done:
             raise StopIteration
         t0 = time.perf_counter()
-        kind, batch = self._queue.get()
+        kind, item = self._queue.get()
         wait = time.perf_counter() - t0
         lead = self._queue.qsize()
         if kind == "error":
             self.close()
-            raise batch
+            raise item
         if kind == "end":
-            raise RuntimeError(f"the loader ended after {self._next} of {len(self.steps)} planned batches")
-        plan = self.steps[self._next]
-        if int(batch["i"][0]) != self._next:
-            raise RuntimeError(f"the loader delivered batch {int(batch['i'][0])} where {self._next} was due "
-                               "(Ray Data lost the order)")
-        self._next += 1
+            self._done = True
+            raise StopIteration
+        plan, batch = item
         ok = batch["ok"][0]
         with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; the step never writes to them
             warnings.simplefilter("ignore", UserWarning)
@@ -459,6 +488,7 @@ class RankLoader:
     def close(self) -> None:
         """Stop the background thread (the Ray Data executor shuts down with its iterator)."""
         self._stop.set()
+        self._done = True
         if self._thread is not None:
             try:
                 while True:

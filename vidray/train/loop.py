@@ -36,7 +36,7 @@ from vidray.errors import UserError
 from vidray.generate import write_job_file
 from vidray.metrics import TrainMetrics
 from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
-from vidray.data.pipeline import RankLoader, TrainBatch, plan_rank_steps
+from vidray.data.pipeline import RankLoader, TrainBatch, iter_rank_steps
 from vidray.data.schedule import DataPosition, SampleSchedule, batch_sizes_for_buckets
 from vidray.data.shards import read_index
 from vidray.data.storage import open_storage
@@ -158,8 +158,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         raise UserError(f"the checkpoint {problem}")  # deterministic: never retried (see vidray.train.trainer)
     position = _resume_position(schedule, state, rank)
     # This rank's steps, streamed by its Ray Data loader (started now: its actor warms up while DDP is set up).
-    steps = plan_rank_steps(schedule, position, world_size=world_size, rank=rank, first_step=start_step,
-                            last_step=job.train.max_steps)
+    steps = iter_rank_steps(schedule, position, world_size=world_size, rank=rank, first_step=start_step,
+                            last_step=job.train.max_steps)  # dealt lazily, window by window
     loader = RankLoader(shards_dir, index, table, steps, job.data, sample_ids=sample_ids,
                         local_ranks=context.get_local_world_size())
 
