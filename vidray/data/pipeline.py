@@ -22,7 +22,9 @@ The tiers a clip goes through on its way to the trainer (`ClipLoader`):
 - the loader keeps the shards it is walking in memory (the last `2 * data.shuffle_block_shards + 2`, Arrow tables
   of the columns it needs): the schedule walks shard-local blocks, so each shard is read about once per epoch;
 - **hot**: decoded clips (uint8 frames) and captions by sample key, LRU under `data.hot_bytes`, reused across
-  epochs;
+  epochs; a micro-batch's misses are decoded on two threads (PyAV releases the GIL), which keeps the loader at the
+  plain single-process PyAV loop's clips/s despite Ray Data's per-batch plumbing (`benchmarks/data_pipeline.py`
+  (a)); the Ray resource request stays `data.loader_cpus`;
 - the queue of `data.prefetch_batches` decoded micro-batches ahead of the trainer (Ray Data's streaming executor
   decodes ahead of the queue within its object-store budget).
 
@@ -37,6 +39,7 @@ preserve_order=True)`; on 2 cores an unsized Ray Data run next to the trainers d
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 import queue
 import threading
 import time
@@ -167,6 +170,7 @@ class ClipLoader:
         self.stats = dict.fromkeys(STAT_KEYS, 0.0)
         self.lock = threading.Lock()
         self.prefetch_window = int(prefetch_window)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vidray-decode")
         # This loader's share of the node's warm budget for shards ahead: half of it, split between the ranks of
         # the node (the other half holds the shards being read).
         self.prefetch_bytes = int(cache_bytes) // (2 * max(1, int(local_ranks)))
@@ -257,10 +261,9 @@ class ClipLoader:
             self.tables.popitem(last=False)
         return table
 
-    def _clip(self, key: int, shard: int, row: int, bucket: Bucket, skipped: list[dict[str, str]]):
-        """(frames (F, H, W, 3) uint8, caption) of one clip, or None when it cannot be read (recorded)."""
-        from vidray.data.video import decode_mp4
-
+    def _lookup(self, key: int, shard: int, row: int, skipped: list[dict[str, str]]):
+        """The hot tier's (frames, caption) of a clip, else ("miss", sample_id, mp4 bytes, caption) read from its
+        shard, or None when the shard cannot be read (recorded in `skipped`)."""
         hit = self.hot.get(key)
         if hit is not None:
             self.hot.move_to_end(key)
@@ -279,28 +282,57 @@ class ClipLoader:
             self.bad_shards[shard] = reason
             skipped.append({"file": self.entries[shard]["file"], "reason": reason})
             return None
-        sample_id = table.column("sample_id")[row].as_py()
+        return ("miss", table.column("sample_id")[row].as_py(), table.column("video_mp4")[row].as_py(),
+                table.column("caption")[row].as_py())
+
+    def _decode(self, sample_id: str, data: bytes, bucket: Bucket, skipped: list[dict[str, str]]):
+        """uint8 (F, H, W, 3) frames of one clip's mp4 bytes, or None when they do not decode to its bucket
+        (recorded once). Runs on the loader's decode threads (PyAV releases the GIL while decoding)."""
+        from vidray.data.video import decode_mp4
+
         t0 = time.perf_counter()
         try:
-            frames = decode_mp4(table.column("video_mp4")[row].as_py())
+            frames = decode_mp4(data)
             if frames.shape != (*bucket, 3):
                 raise ValueError(f"decoded shape {frames.shape} differs from its bucket {bucket}")
+            return frames
         except Exception as err:  # noqa: BLE001 - MediaError or a shape mismatch: skip the clip
-            if sample_id not in self.reported:
-                self.reported.add(sample_id)
-                skipped.append({"sample_id": sample_id, "reason": f"{type(err).__name__}: {err}"})
+            with self.lock:
+                if sample_id not in self.reported:
+                    self.reported.add(sample_id)
+                    skipped.append({"sample_id": sample_id, "reason": f"{type(err).__name__}: {err}"})
             return None
         finally:
             with self.lock:
                 self.stats["decode_s"] += time.perf_counter() - t0
-        value = (frames, table.column("caption")[row].as_py())
-        if self.hot_bytes and frames.nbytes <= self.hot_bytes:
-            self.hot[key] = value
-            self.hot_used += frames.nbytes
-            while self.hot_used > self.hot_bytes:
-                _, (old, _) = self.hot.popitem(last=False)
-                self.hot_used -= old.nbytes
-        return value
+
+    def _clips(self, keys, shards, rows, bucket: Bucket, skipped: list[dict[str, str]]) -> list:
+        """[(frames, caption) or None] of a micro-batch: hot hits first, then the misses decoded two at a time."""
+        found: list = []
+        first_slot: dict[int, int] = {}  # key -> the slot that decodes it (a clip repeated in the batch: once)
+        for k, s, r in zip(keys, shards, rows):
+            k = int(k)
+            if k in first_slot:
+                with self.lock:
+                    self.stats["hot_hits"] += 1
+                found.append(first_slot[k])
+                continue
+            first_slot[k] = len(found)
+            found.append(self._lookup(k, int(s), int(r), skipped))
+        misses = [j for j, f in enumerate(found) if isinstance(f, tuple) and len(f) == 4]  # ("miss", id, mp4, caption)
+        decoded = self._pool.map(lambda j: self._decode(found[j][1], found[j][2], bucket, skipped), misses)
+        for j, frames in zip(misses, list(decoded)):
+            caption = found[j][3]
+            found[j] = None if frames is None else (frames, caption)
+            if frames is not None and self.hot_bytes and frames.nbytes <= self.hot_bytes:
+                key = int(keys[j])
+                if key not in self.hot:
+                    self.hot[key] = found[j]
+                    self.hot_used += frames.nbytes
+                while self.hot_used > self.hot_bytes:
+                    _, (old, _) = self.hot.popitem(last=False)
+                    self.hot_used -= old.nbytes
+        return [found[f] if isinstance(f, int) else f for f in found]  # repeats take their first slot's clip
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import json
@@ -315,7 +347,7 @@ class ClipLoader:
         keys = self.plan["key"][o[i]:o[i + 1]]
         bucket = Bucket(*(int(x) for x in self.plan["bucket"][i]))
         skipped: list[dict[str, str]] = []
-        clips = [self._clip(int(k), int(s), int(r), bucket, skipped) for k, s, r in zip(keys, shards, rows)]
+        clips = self._clips(keys, shards, rows, bucket, skipped)
         ok = np.array([c is not None for c in clips])
         fill = next((c for c in clips if c is not None), (np.zeros((*bucket, 3), np.uint8), ""))
         clips = [c if c is not None else fill for c in clips]
