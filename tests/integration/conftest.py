@@ -49,6 +49,19 @@ def ray_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
+def shards_dir(tmp_path_factory):
+    """The shipped clips prepared with the tiny job's buckets, 4 samples per shard (once per test module)."""
+    from vidray.config import load_job_config
+    from vidray.data.ingest import prepare
+
+    out = tmp_path_factory.mktemp("shards")
+    summary = prepare(REPO / "samples" / "metadata.json", out, buckets=load_job_config(
+        REPO / "jobs/configs/tiny_t2v.yaml").data.buckets, fps=8.0, samples_per_shard=4)
+    assert summary.num_kept >= 4
+    return out
+
+
+@pytest.fixture(scope="module")
 def local_ray():
     """A module-scoped local Ray (in-process driver, 4 logical CPUs, listeners on 127.0.0.1)."""
     import ray

@@ -17,22 +17,12 @@ import pytest
 import torch
 
 from vidray.config import load_job_config
-from vidray.data.ingest import prepare
 from vidray.train.checkpoint import DamagedCheckpointError, read_train_state, verify_checkpoint
 from vidray.train.step import NonFiniteTrainingError
 from vidray.train.trainer import check_job_inputs, run_training
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def shards_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shards")
-    summary = prepare(REPO / "samples" / "metadata.json", out, buckets=load_job_config(
-        REPO / "jobs/configs/tiny_t2v.yaml").data.buckets, fps=8.0, samples_per_shard=4)
-    assert summary.num_kept >= 4
-    return out
 
 
 def job(shards_dir, storage, *overrides: str):

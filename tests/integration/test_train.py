@@ -21,15 +21,6 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def shards_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shards")
-    summary = prepare(REPO / "samples" / "metadata.json", out, buckets=load_job_config(
-        REPO / "jobs/configs/tiny_t2v.yaml").data.buckets, fps=8.0, samples_per_shard=4)
-    assert summary.num_kept >= 4
-    return out
-
-
 def tiny_job(shards_dir, storage, **steps):
     overrides = [
         f"data.shards_dir={shards_dir}",

@@ -71,6 +71,16 @@ def test_budget_smaller_than_the_largest_shard_is_refused_at_start_up(tmp_path):
     ShardCache(tmp_path / "cache", budget_bytes=5000).check_budget(index)  # fits: no error
 
 
+def test_worker_budget_must_hold_two_shards_per_rank_of_the_node():
+    from vidray.data.cache import check_cache_budget
+
+    index = {"shards": [{"file": "a", "bytes": 400, "sha256": "x"}, {"file": "b", "bytes": 5000, "sha256": "y"}]}
+    with pytest.raises(UserError, match=r"data.cache_bytes=19999 cannot hold the shards 2 rank\(s\) of this node "
+                                         r"read at once \(2 per rank x the largest shard, 5000 bytes = 20000\)"):
+        check_cache_budget(19999, index, local_ranks=2)
+    check_cache_budget(20000, index, local_ranks=2)  # fits: no error
+
+
 def test_a_download_that_differs_from_its_sha256_is_retried_once_then_refused(store, tmp_path):
     storage, (a, _, _, _) = store
     cache = ShardCache(tmp_path / "cache", budget_bytes=10_000)

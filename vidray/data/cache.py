@@ -51,14 +51,27 @@ class CacheStats:
     """Keys (sha256) evicted by this process, oldest first."""
 
 
-def check_cache_budget(cache_bytes: int, index: dict[str, Any]) -> None:
-    """Raise UserError when the largest shard of `index` (an `index.json` dict) exceeds `cache_bytes`: training
-    could never hold the shard it needs, so it is refused at start-up rather than left to stall."""
+def check_cache_budget(cache_bytes: int, index: dict[str, Any], *, local_ranks: int | None = None) -> None:
+    """Raise UserError when `cache_bytes` cannot hold the shards training pins at once, so the run is refused at
+    start-up rather than left to stall. `index`: an `index.json` dict.
+
+    Without `local_ranks` (the driver, which does not know the placement): the largest shard must fit. With it
+    (a worker, knowing how many ranks share its node's cache): each rank's loader pins at most two shards at once
+    (the one it decodes from and the one its prefetcher downloads, `vidray.data.pipeline`), so the budget must hold
+    2 x local_ranks x the largest shard."""
     largest = max((int(s.get("bytes", 0)) for s in index.get("shards", [])), default=0)
-    if largest > cache_bytes:
+    fix = "(better a few times that), or prepare smaller shards (data.samples_per_shard)"
+    if local_ranks is None:
+        if largest > cache_bytes:
+            raise UserError(f"data.cache_bytes={cache_bytes} is smaller than the largest shard ({largest} bytes): "
+                            f"raise it to at least {largest} {fix}")
+        return
+    need = 2 * local_ranks * largest
+    if cache_bytes < need:
         raise UserError(
-            f"data.cache_bytes={cache_bytes} is smaller than the largest shard ({largest} bytes): raise it to at "
-            f"least {largest} (better a few times that), or prepare smaller shards (data.samples_per_shard)"
+            f"data.cache_bytes={cache_bytes} cannot hold the shards {local_ranks} rank(s) of this node read at once "
+            f"(2 per rank x the largest shard, {largest} bytes = {need}): raise data.cache_bytes to at least {need} "
+            f"{fix}"
         )
 
 

@@ -106,7 +106,7 @@ def iter_rank_steps(schedule: SampleSchedule, position: DataPosition, *, world_s
 class TrainBatch:
     """One micro-batch of one rank, ready for the step.
 
-    frames: uint8 (B, 3, F, H, W) RGB (`vidray.models.vae.frames_to_video` gives the VAE input in [-1, 1]);
+    frames: uint8 (B, 3, F, H, W) RGB (`vidray.models.vae.uint8_to_video` gives the VAE input in [-1, 1]);
     captions: B strings; sample_ids: B strings; sample_keys: (B,) int64 (keys the per-sample noise); weights: (B,)
     float32, 0 for padding, repeats and skipped clips; plus the plan's step, epoch, bucket, total_weight and
     next_position. data_wait_s: seconds the trainer waited for this batch; prefetch_lead: batches that were ready

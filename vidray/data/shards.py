@@ -174,6 +174,19 @@ def _is_ours(name: str) -> bool:
     )
 
 
+def _kept_names(storage: Storage) -> set[str] | None:
+    """What `remove_unlisted` keeps: `index.json` and every file it lists (relative names), or None when the
+    index cannot be read (then nothing is deleted)."""
+    try:
+        index = _read_index_file(storage)
+    except UserError:
+        return None
+    keep = {INDEX_NAME}
+    if index is not None:
+        keep.update(listed_files(index))
+    return keep
+
+
 def remove_unlisted(shards_dir: str | Path | Storage) -> list[Path] | list[str]:
     """Delete what a prepare wrote in `shards_dir` that the committed `index.json` does not list: generation
     folders and shards of earlier or unfinished prepares, pre-generation `shard.NNNNN.parquet` / `report.json`,
@@ -188,13 +201,9 @@ def remove_unlisted(shards_dir: str | Path | Storage) -> list[Path] | list[str]:
     shards_dir = storage.local_path
     if not shards_dir.is_dir():
         return []
-    try:
-        index = _read_index_file(storage)
-    except UserError:
+    keep = _kept_names(storage)
+    if keep is None:
         return []
-    keep = {INDEX_NAME}
-    if index is not None:
-        keep.update(listed_files(index))
     keep_dirs = {Path(rel).parts[0] for rel in keep if len(Path(rel).parts) > 1}
     removed = []
     for path in sorted(shards_dir.iterdir()):
@@ -216,13 +225,9 @@ def remove_unlisted(shards_dir: str | Path | Storage) -> list[Path] | list[str]:
 
 def _remove_unlisted_remote(storage: Storage) -> list[str]:
     """`remove_unlisted` on an object store: the same rule, on keys ("folders" are key prefixes)."""
-    try:
-        index = _read_index_file(storage)
-    except UserError:
+    keep = _kept_names(storage)
+    if keep is None:
         return []
-    keep = {INDEX_NAME}
-    if index is not None:
-        keep.update(listed_files(index))
     keep_dirs = {rel.split("/")[0] for rel in keep if "/" in rel}
     removed = []
     for name, is_dir in sorted(storage.rel_names()):

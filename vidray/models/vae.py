@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["encode_video", "decode_latents", "frames_to_video", "video_to_frames"]
+__all__ = ["encode_video", "decode_latents", "frames_to_video", "uint8_to_video", "video_to_frames"]
 
 
 def _scale_and_shift(vae) -> tuple[float, float]:
@@ -52,12 +52,20 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     return video.float().clamp(-1.0, 1.0)
 
 
+def uint8_to_video(video: torch.Tensor) -> torch.Tensor:
+    """uint8 video (B, 3, F, H, W) (channels first, as `vidray.data.pipeline.TrainBatch.frames`) -> float32 in
+    [-1, 1] (x / 127.5 - 1), the VAE's input range. Raises ValueError for another dtype or shape."""
+    if video.dtype != torch.uint8 or video.ndim != 5 or video.shape[1] != 3:
+        raise ValueError(f"video must be uint8 (B, 3, F, H, W), got {video.dtype} {tuple(video.shape)}")
+    return video.float().div(127.5).sub(1.0)
+
+
 def frames_to_video(frames: np.ndarray | torch.Tensor) -> torch.Tensor:
-    """uint8 frames (B, F, H, W, 3) -> video (B, 3, F, H, W) float32 in [-1, 1] (x / 127.5 - 1)."""
+    """uint8 frames (B, F, H, W, 3) -> video (B, 3, F, H, W) float32 in [-1, 1] (`uint8_to_video`)."""
     frames = torch.as_tensor(frames)
     if frames.dtype != torch.uint8 or frames.ndim != 5 or frames.shape[-1] != 3:
         raise ValueError(f"frames must be uint8 (B, F, H, W, 3), got {frames.dtype} {tuple(frames.shape)}")
-    return frames.permute(0, 4, 1, 2, 3).float().div(127.5).sub(1.0)  # (B, F, H, W, 3) -> (B, 3, F, H, W)
+    return uint8_to_video(frames.permute(0, 4, 1, 2, 3))  # (B, F, H, W, 3) -> (B, 3, F, H, W)
 
 
 def video_to_frames(video: torch.Tensor) -> np.ndarray:

@@ -31,10 +31,11 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from vidray.config import JobConfig, job_config_from_dict
+from vidray.config import job_config_from_dict
 from vidray.errors import UserError
 from vidray.generate import write_job_file
 from vidray.metrics import TrainMetrics
+from vidray.data.cache import check_cache_budget
 from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
 from vidray.data.pipeline import RankLoader, TrainBatch, iter_rank_steps
 from vidray.data.schedule import DataPosition, SampleSchedule, batch_sizes_for_buckets
@@ -42,7 +43,7 @@ from vidray.data.shards import read_index
 from vidray.data.storage import open_storage
 from vidray.models.registry import get_family
 from vidray.models.text_encoder import encode_prompts
-from vidray.models.vae import encode_video
+from vidray.models.vae import encode_video, uint8_to_video
 from vidray.train.checkpoint import TrainState, dataset_mismatch, load_checkpoint, save_checkpoint
 from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
 from vidray.train.step import (
@@ -121,7 +122,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     index = read_index(shards_dir)
     table = load_sample_index(shards_dir)
     if not open_storage(shards_dir).is_local:
-        _check_warm_budget(job, index, context.get_local_world_size())
+        check_cache_budget(job.data.cache_bytes, index, local_ranks=context.get_local_world_size())
     sample_ids = table.sample_id.astype(str)
     batch_sizes = batch_sizes_for_buckets(
         table.buckets,
@@ -193,8 +194,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         _add_loader_stats(metrics_log, batch)
         skipped.extend(batch.skipped)
         with torch.no_grad():  # the frozen encoders: latents and prompt_embeds of this micro-batch
-            video = batch.frames.to(device).float().div_(127.5).sub_(1.0)  # (B, 3, F, H, W) in [-1, 1], as frames_to_video
-            latents = encode_video(components.vae, video)
+            latents = encode_video(components.vae, uint8_to_video(batch.frames.to(device)))
             prompt_embeds, prompt_attention_mask = encode_prompts(
                 components.text_encoder, components.tokenizer, batch.captions,
                 max_sequence_length=job.model.max_sequence_length, device=device,
@@ -362,21 +362,6 @@ def _agree_on_skipped(skipped: list[dict[str, str]], world_size: int) -> list[di
         dist.all_gather_object(parts, skipped)
     merged = {s.get("file") or s["sample_id"]: s for part in parts for s in part}
     return [merged[k] for k in sorted(merged)]
-
-
-def _check_warm_budget(job: JobConfig, index: dict[str, Any], local_world_size: int) -> None:
-    """Refuse, before any step, a warm cache budget that the ranks of this node could fill with shards they are
-    reading at the same moment: each rank's loader pins at most two shards at once (the one it decodes from and
-    the one its prefetcher downloads), so `data.cache_bytes` must hold 2 x (ranks on the node) x the largest shard.
-    Raises UserError naming the numbers and the fix."""
-    largest = max((int(s.get("bytes", 0)) for s in index["shards"]), default=0)
-    need = 2 * local_world_size * largest
-    if job.data.cache_bytes < need:
-        raise UserError(
-            f"data.cache_bytes={job.data.cache_bytes} cannot hold the shards {local_world_size} rank(s) of this node "
-            f"read at once (2 per rank x the largest shard, {largest} bytes = {need}): raise data.cache_bytes to at "
-            f"least {need} (better a few times that), or prepare smaller shards (data.samples_per_shard)"
-        )
 
 
 def _add_loader_stats(metrics: TrainMetrics, batch: TrainBatch) -> None:
