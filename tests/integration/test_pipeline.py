@@ -151,3 +151,25 @@ def test_a_shard_failing_its_checksum_is_skipped_and_its_clips_weigh_zero(local_
     assert [s.get("file") for s in skipped] == [bad["file"]] and "sha256" in skipped[0]["reason"]
     for batch in batches:
         assert all(w == 0 for sid, w in zip(batch.sample_ids, batch.weights) if sid in bad_ids)
+
+
+def test_a_shard_the_store_no_longer_delivers_is_skipped_and_its_clips_weigh_zero(local_ray, shards_dir, tmp_path):
+    """The other way a shard fails: the store cannot deliver it (here: gone after the index was read)."""
+    import shutil
+
+    copy = tmp_path / "shards"
+    shutil.copytree(shards_dir, copy)
+    index = read_index(copy)
+    gone = index["shards"][-1]
+    gone_ids = set(pq.read_table(copy / gone["file"], columns=["sample_id"])["sample_id"].to_pylist())
+    table = load_sample_index(copy)
+    schedule = SampleSchedule(table.bucket_id, table.buckets, batch_sizes=2, seed=0, shards=table.shard,
+                              shuffle_block_shards=2)
+    plan = plan_rank_steps(schedule, schedule.start(0), world_size=1, rank=0, first_step=1, last_step=8)
+    (copy / gone["file"]).unlink()
+    batches = list(RankLoader(str(copy), index, table, plan, DataConfig()))
+    assert len(batches) == 8  # training goes on
+    skipped = [s for b in batches for s in b.skipped]
+    assert [s.get("file") for s in skipped] == [gone["file"]] and "unreadable" in skipped[0]["reason"]
+    for batch in batches:
+        assert all(w == 0 for sid, w in zip(batch.sample_ids, batch.weights) if sid in gone_ids)
