@@ -1,31 +1,26 @@
 """`vidray generate`: a trained model + a prompt -> an mp4, through the one sampler (`vidray.diffusion.sampler`).
 
-A model is either
-- a diffusers folder written at the end of training (`<run>/diffusers`, with `vidray_job.yaml` beside the
-  weights recording the family, buckets, flow shift and prompt length it was trained with), or any local
-  diffusers EasyAnimate folder (then prompts use the stock pipeline's 256 tokens and `--bucket` is needed), or
-- a training checkpoint folder (`<run>/checkpoint_000200`): components are rebuilt from the saved config and
-  the transformer weights are loaded from the checkpoint.
+The model is a diffusers folder or a training checkpoint folder, read by `vidray.models.export` (see there).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
 
-import yaml
-
-from vidray.config import FlowConfig, JobConfig, job_config_from_dict
 from vidray.data.buckets import Bucket, parse_bucket
-from vidray.errors import UserError, UserFileNotFound
-
-if TYPE_CHECKING:
-    from vidray.models.registry import Components, ModelFamily
+from vidray.errors import UserError
+from vidray.models.export import (  # re-exported: these lived here before the serve plane needed them
+    JOB_FILE,
+    LoadedModel,
+    ModelInfo,
+    _check_model_kind,
+    inspect_model,
+    load_model,
+    write_job_file,
+)
 
 # torch, diffusers and transformers are imported inside the functions that run a model, so that argument checks
 # (`check_generate_args`) answer before those multi-second imports.
@@ -45,15 +40,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-JOB_FILE = "vidray_job.yaml"
-"""Name of the resolved job config written beside an exported diffusers pipeline."""
-CHECKPOINT_MANIFEST = "manifest.json"
-"""= `vidray.train.checkpoint.MANIFEST` (not imported from there: that module pulls in torch)."""
-
-_PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate"}
-_PIPELINE_SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-STOCK_MAX_SEQUENCE_LENGTH = 256
-"""diffusers EasyAnimatePipeline.encode_prompt's default prompt length (tokens)."""
 FPS_RANGE = (0.01, 1000.0)
 """Frame rates (frames/s, inclusive) `vidray generate` writes; the mp4 time base (denominator <= 1001) and
 libx264 handle these."""
@@ -64,122 +50,6 @@ SEED_MAX = 2**63 - 1
 class GenerateArgumentError(UserError):
     """`generate` arguments that cannot work (bad fps, steps, guidance, seed, bucket, prompt, output or model
     path). Raised before any weights load; the message lists every bad argument with the fix."""
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a model folder says about itself, read from its small config files only (no weights)."""
-
-    path: Path
-    kind: Literal["checkpoint", "diffusers"]
-    """`checkpoint`: a vidray training checkpoint (manifest.json); `diffusers`: a pipeline folder (model_index.json)."""
-    family_name: str
-    job: JobConfig | None
-    """The resolved job config it was trained with (None for a stock diffusers folder without vidray_job.yaml)."""
-    flow: FlowConfig
-    max_sequence_length: int
-    """Prompt length in tokens the model was trained with (STOCK_MAX_SEQUENCE_LENGTH for a stock folder)."""
-    buckets: list[Bucket]
-    """Training buckets (empty for a stock folder)."""
-
-    @property
-    def family(self) -> "ModelFamily":
-        """The registered model family (imports torch and diffusers on first use)."""
-        from vidray.models.registry import get_family
-
-        return get_family(self.family_name)
-
-    def default_bucket(self) -> Bucket | None:
-        """The first multi-frame training bucket (else the first bucket; None when none is recorded)."""
-        videos = [b for b in self.buckets if b.num_frames > 1] or self.buckets
-        return videos[0] if videos else None
-
-
-@dataclass
-class LoadedModel:
-    """A model ready for sampling: family, components (eval mode), flow settings, prompt length, buckets."""
-
-    family: "ModelFamily"
-    components: "Components"
-    flow: FlowConfig
-    max_sequence_length: int
-    buckets: list[Bucket]
-
-
-def inspect_model(path: str | Path) -> ModelInfo:
-    """Read a diffusers folder or a vidray checkpoint folder's configs (see the module docstring), loading no
-    weights (a checkpoint's files are verified against its manifest).
-
-    Raises UserFileNotFound when `path` does not exist, GenerateArgumentError when it is neither kind of folder,
-    is a pipeline of an unsupported class, or lacks a component subfolder; ConfigError for a recorded job config
-    that no longer validates; the checkpoint module's errors for an incomplete checkpoint.
-    """
-    path = Path(path)
-    _check_model_kind(path)
-    if (path / CHECKPOINT_MANIFEST).is_file():
-        from vidray.train.checkpoint import read_job_config
-
-        job = job_config_from_dict(read_job_config(path))
-        return ModelInfo(path, "checkpoint", job.model.family, job, job.flow, job.model.max_sequence_length,
-                         list(job.data.buckets))
-    missing = [name for name in _PIPELINE_SUBFOLDERS if not (path / name).is_dir()]
-    if missing:
-        raise GenerateArgumentError(
-            f"diffusers folder {path} lacks {', '.join(missing)}/: it is incomplete; re-export it"
-        )
-    if (path / JOB_FILE).is_file():
-        job = job_config_from_dict(yaml.safe_load((path / JOB_FILE).read_text()))
-        return ModelInfo(path, "diffusers", job.model.family, job, job.flow, job.model.max_sequence_length,
-                         list(job.data.buckets))
-    try:
-        class_name = json.loads((path / "model_index.json").read_text()).get("_class_name", "")
-        scheduler = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
-    except (OSError, json.JSONDecodeError, AttributeError) as err:
-        raise GenerateArgumentError(f"diffusers folder {path}: unreadable model_index.json or scheduler config ({err})")
-    if class_name not in _PIPELINE_FAMILIES:
-        raise GenerateArgumentError(
-            f"model {path} holds a {class_name or 'unknown'} pipeline; "
-            f"supported: {', '.join(sorted(_PIPELINE_FAMILIES))}"
-        )
-    flow = FlowConfig(shift=float(scheduler.get("shift", 1.0)),
-                      num_train_timesteps=int(scheduler.get("num_train_timesteps", 1000)))
-    return ModelInfo(path, "diffusers", _PIPELINE_FAMILIES[class_name], None, flow, STOCK_MAX_SEQUENCE_LENGTH, [])
-
-
-def _check_model_kind(path: Path) -> None:
-    """Raise unless `path` is a folder with a checkpoint manifest or a model_index.json (file checks only)."""
-    if not path.exists():
-        raise UserFileNotFound(f"model {path} does not exist; give <run>/diffusers or <run>/checkpoint_NNNNNN")
-    if not ((path / CHECKPOINT_MANIFEST).is_file() or (path / "model_index.json").is_file()):
-        raise GenerateArgumentError(
-            f"model {path} is neither a diffusers folder (model_index.json) nor a vidray checkpoint "
-            f"({CHECKPOINT_MANIFEST}); give <run>/diffusers or <run>/checkpoint_NNNNNN"
-        )
-
-
-def load_model(path: str | Path) -> LoadedModel:
-    """Load a diffusers folder or a vidray checkpoint folder for sampling (see the module docstring).
-
-    Raises as `inspect_model` does (before any weights load).
-    """
-    from vidray.train.checkpoint import load_transformer_state
-
-    info = inspect_model(path)
-    if info.kind == "checkpoint":
-        components = info.family.build(info.job.model, seed=info.job.train.seed)
-        components.transformer.load_state_dict(load_transformer_state(info.path))
-    else:
-        components = info.family.load_pretrained(info.path)
-    for module in (components.transformer, components.vae, components.text_encoder):
-        module.eval()
-    return LoadedModel(info.family, components, info.flow, info.max_sequence_length, list(info.buckets))
-
-
-def write_job_file(diffusers_dir: str | Path, job: JobConfig) -> Path:
-    """Record the resolved job config beside an exported pipeline so `load_model` samples as trained."""
-    out = Path(diffusers_dir) / JOB_FILE
-    out.write_text(yaml.safe_dump(job.to_dict(), sort_keys=False))
-    return out
 
 
 def _is_int(value) -> bool:

@@ -28,6 +28,7 @@ from vidray.generate import (  # noqa: E402
     write_job_file,
 )
 from vidray.models import get_family  # noqa: E402
+from vidray.models.export import ModelFolderError  # noqa: E402
 from vidray.models.text_encoder import count_prompt_tokens  # noqa: E402
 
 MAX_SEQUENCE_LENGTH = 32
@@ -226,12 +227,6 @@ def test_every_bad_argument_is_listed_at_once(trained, tmp_path, no_weights):
         assert name in text, name
 
 
-def test_checkpoint_manifest_name_matches_the_checkpoint_module():
-    from vidray.train.checkpoint import MANIFEST
-
-    assert vidray.generate.CHECKPOINT_MANIFEST == MANIFEST
-
-
 def test_stock_folder_without_recorded_buckets_needs_a_bucket(trained, tmp_path, no_weights):
     import shutil
 
@@ -245,7 +240,7 @@ def test_stock_folder_without_recorded_buckets_needs_a_bucket(trained, tmp_path,
         check_generate_args(stock, "a red ball", tmp_path / "out.mp4")
     assert check_generate_args(stock, "a red ball", tmp_path / "out.mp4", bucket="5x32x32")[1] == Bucket(5, 32, 32)
     (stock / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
-    with pytest.raises(GenerateArgumentError, match="holds a WanPipeline pipeline; supported: EasyAnimatePipeline"):
+    with pytest.raises(ModelFolderError, match="holds a WanPipeline pipeline; supported: EasyAnimatePipeline"):
         inspect_model(stock)
 
 

@@ -19,9 +19,7 @@ that they cannot be verified. Any other version is refused.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,14 +29,30 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from vidray.errors import UserError
+from vidray.models.export import (  # the format's read side lives in the models plane (serving reads it too)
+    FORMAT_VERSION,
+    MANIFEST,
+    PARTS,
+    READABLE_FORMAT_VERSIONS,
+    CheckpointError,
+    DamagedCheckpointError,
+    IncompleteCheckpointError,
+    _read_manifest,
+    _read_part,
+    file_sha256,
+    load_transformer_state,
+    read_job_config,
+    verify_checkpoint,
+)
 
-MANIFEST = "manifest.json"
+__all__ = [
+    "CheckpointError", "DamagedCheckpointError", "IncompleteCheckpointError", "TrainState", "dataset_mismatch",
+    "file_sha256", "load_checkpoint", "load_transformer_state", "read_job_config", "read_train_state",
+    "save_checkpoint", "verify_checkpoint", "DATASET_ROWS", "FORMAT_VERSION", "MANIFEST", "PARTS",
+    "READABLE_FORMAT_VERSIONS",
+]
+
 DATASET_ROWS = "dataset_rows.parquet"
-PARTS = ("transformer.safetensors", "optimizer.pt", "lr_scheduler.pt", "train_state.json", "config.yaml")
-FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = (1, 2)
-_HASH_CHUNK_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -93,35 +107,6 @@ def dataset_mismatch(state: TrainState, shards_dir: str | Path, index: dict[str,
     return None
 
 
-class CheckpointError(UserError):
-    """A checkpoint that cannot be trusted. `directory` is the folder; `part` the file at fault (or None)."""
-
-    def __init__(self, message: str, directory: str | Path | None = None, part: str | None = None):
-        super().__init__(message)
-        self.directory = None if directory is None else str(directory)
-        self.part = part
-
-    def __reduce__(self):  # survives pickling from a Ray worker to the driver
-        return (type(self), (str(self), self.directory, self.part))
-
-
-class IncompleteCheckpointError(CheckpointError):
-    """A checkpoint folder lacks its manifest or one of its parts (an interrupted write)."""
-
-
-class DamagedCheckpointError(CheckpointError):
-    """A part's size or sha256 differs from what the manifest recorded, or the part cannot be read."""
-
-
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes, read in 8 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def save_checkpoint(
     directory: str | Path,
     *,
@@ -154,120 +139,12 @@ def save_checkpoint(
     return directory
 
 
-def _read_manifest(directory: Path) -> dict[str, Any]:
-    path = directory / MANIFEST
-    if not path.is_file() and (directory / "model_index.json").is_file():
-        found = sorted(p.name for p in directory.parent.glob("checkpoint_*") if (p / MANIFEST).is_file())
-        listing = (f"the checkpoints of {directory.parent}: {', '.join(found)}" if found
-                   else f"{directory.parent} holds no finished checkpoint_* folder")
-        raise IncompleteCheckpointError(
-            f"{directory} is a diffusers export (model_index.json, no {MANIFEST}), not a checkpoint: resume from a checkpoint folder "
-            f"instead ({listing}), or give the export to `vidray generate --model`",
-            directory=directory, part=MANIFEST,
-        )
-    if not path.is_file():
-        raise IncompleteCheckpointError(
-            f"checkpoint {directory} has no {MANIFEST}: it was not finished; use an earlier checkpoint",
-            directory=directory, part=MANIFEST,
-        )
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise DamagedCheckpointError(
-            f"checkpoint {directory}: {MANIFEST} cannot be read ({err}); use an earlier checkpoint",
-            directory=directory, part=MANIFEST,
-        ) from None
-    if not isinstance(manifest, dict):
-        raise DamagedCheckpointError(f"checkpoint {directory}: {MANIFEST} is not a JSON object",
-                                     directory=directory, part=MANIFEST)
-    version = manifest.get("format_version")
-    if version not in READABLE_FORMAT_VERSIONS:
-        raise CheckpointError(
-            f"checkpoint {directory}: {MANIFEST} has format_version {version!r}; this vidray reads "
-            f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}: use the vidray that wrote it",
-            directory=directory, part=MANIFEST,
-        )
-    return manifest
-
-
-def verify_checkpoint(directory: str | Path, *, hashes: bool = True) -> dict[str, Any]:
-    """Check a checkpoint folder against its manifest; returns the manifest.
-
-    Every part must exist; for format 2 each part's size in bytes must match, and with `hashes` its sha256
-    (reads every byte: ~1 s per GB). Format 1 folders (no sizes or hashes) are checked for presence only and
-    warn. Raises IncompleteCheckpointError (no manifest, missing part), DamagedCheckpointError (size or sha256
-    differs: the message names the folder and the file) or CheckpointError (unknown format version).
-    """
-    directory = Path(directory)
-    manifest = _read_manifest(directory)
-    missing = [p for p in PARTS if not (directory / p).is_file()]
-    if missing:
-        raise IncompleteCheckpointError(
-            f"checkpoint {directory} is missing {', '.join(missing)}; use an earlier checkpoint",
-            directory=directory, part=missing[0],
-        )
-    if manifest["format_version"] == 1:
-        warnings.warn(
-            f"checkpoint {directory} is format 1 (no sizes or hashes): its files cannot be verified", stacklevel=2
-        )
-        return manifest
-    files = manifest.get("files", {})
-    for part in PARTS:
-        recorded = files.get(part)
-        if not recorded:
-            raise DamagedCheckpointError(f"checkpoint {directory}: {MANIFEST} records nothing for {part}",
-                                         directory=directory, part=part)
-        size = (directory / part).stat().st_size
-        if size != recorded["size_bytes"]:
-            raise DamagedCheckpointError(
-                f"checkpoint {directory}: {part} is {size} bytes but {recorded['size_bytes']} were written "
-                "(truncated or overwritten)",
-                directory=directory, part=part,
-            )
-        if hashes and file_sha256(directory / part) != recorded["sha256"]:
-            raise DamagedCheckpointError(
-                f"checkpoint {directory}: {part} does not match the sha256 recorded when it was written "
-                "(its bytes changed)",
-                directory=directory, part=part,
-            )
-    return manifest
-
-
 def read_train_state(directory: str | Path) -> TrainState:
     """TrainState of a checkpoint with its manifest and parts present (sizes and hashes are not checked here:
     `verify_checkpoint` does that). Raises IncompleteCheckpointError / DamagedCheckpointError."""
     directory = Path(directory)
     _read_manifest(directory)
     return TrainState(**_read_part(directory, "train_state.json", lambda p: json.loads(p.read_text())))
-
-
-def read_job_config(directory: str | Path) -> dict[str, Any]:
-    """The resolved job config (a plain dict) saved in a checkpoint with its manifest."""
-    directory = Path(directory)
-    _read_manifest(directory)
-    return _read_part(directory, "config.yaml", lambda p: yaml.safe_load(p.read_text())) or {}
-
-
-def _read_part(directory: Path, part: str, reader) -> Any:
-    path = directory / part
-    if not path.is_file():
-        raise IncompleteCheckpointError(f"checkpoint {directory} is missing {part}; use an earlier checkpoint",
-                                        directory=directory, part=part)
-    try:
-        return reader(path)
-    except Exception as err:  # noqa: BLE001 - any reader failure means the file is damaged: name it
-        raise DamagedCheckpointError(
-            f"checkpoint {directory}: {part} cannot be read ({type(err).__name__}: {err}); "
-            "use an earlier checkpoint",
-            directory=directory, part=part,
-        ) from err
-
-
-def load_transformer_state(directory: str | Path) -> dict[str, torch.Tensor]:
-    """The transformer state dict of a verified checkpoint, on CPU (sizes and hashes checked first)."""
-    directory = Path(directory)
-    verify_checkpoint(directory)
-    return _read_part(directory, "transformer.safetensors", lambda p: load_file(str(p)))
 
 
 def load_checkpoint(

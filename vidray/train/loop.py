@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from vidray.config import job_config_from_dict
 from vidray.errors import UserError
-from vidray.generate import write_job_file
+from vidray.models.export import write_job_file
 from vidray.metrics import TrainMetrics
 from vidray.data.cache import check_cache_budget
 from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
