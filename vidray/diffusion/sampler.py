@@ -1,5 +1,11 @@
 """THE denoising loop, used by `vidray generate`, evaluation and serving alike.
 
+`denoise_step` is one Euler step over a batch whose samples may sit at different noise levels (per-sample sigmas
+and timesteps); `sample_latents` loops it over one request's schedule, and `DenoiseState` + `step_states` let a
+server run a continuous batch (iteration-level batching, Orca, Yu et al. OSDI 2022): requests of one latent shape
+join and leave the running batch between steps, and each gets the latents it would get alone (to float tolerance:
+a batched matmul may round differently from a single one).
+
 Euler integration of the rectified-flow ODE d(latents)/d(sigma) = model_pred from sigma = 1 to 0 on
 `inference_sigmas` (the same schedule as diffusers' FlowMatchEulerDiscreteScheduler), with classifier-free
 guidance as in EasyAnimatePipeline: one batched call on [uncond, cond], then
@@ -8,6 +14,7 @@ guidance as in EasyAnimatePipeline: one batched call on [uncond, cond], then
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -20,7 +27,132 @@ from vidray.models.registry import Components, ModelFamily
 from vidray.models.text_encoder import encode_prompts
 from vidray.models.vae import decode_latents, video_to_frames
 
-__all__ = ["sample_latents", "generate_video"]
+__all__ = ["DenoiseState", "denoise_step", "generate_video", "initial_noise", "sample_latents", "step_states"]
+
+
+@torch.inference_mode()
+def denoise_step(
+    family: ModelFamily,
+    transformer: torch.nn.Module,
+    latents: torch.Tensor,
+    sigmas: torch.Tensor,
+    sigmas_next: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    prompt_attention_mask: torch.Tensor,
+    *,
+    num_train_timesteps: int,
+    guidance_scale: float | torch.Tensor = 1.0,
+    negative_prompt_embeds: torch.Tensor | None = None,
+    negative_prompt_attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One Euler step for a batch of samples, each at its own noise level: latents (B, C, F, H, W) at `sigmas` (B,)
+    -> latents at `sigmas_next` (B,), in latents' dtype.
+
+    timesteps = sigmas * num_train_timesteps (B,) go to `family.predict` with prompt_embeds (B, L, D) and
+    prompt_attention_mask (B, L). Classifier-free guidance runs when negative_prompt_embeds/mask are given: one
+    transformer call on [uncond, cond] (2B), then `uncond + guidance_scale * (cond - uncond)` with guidance_scale a
+    float or a (B,) tensor (per sample). Raises ValueError for shapes that do not line up.
+    """
+    batch_size = latents.shape[0]
+    sigmas = torch.as_tensor(sigmas, dtype=torch.float32).reshape(-1)
+    sigmas_next = torch.as_tensor(sigmas_next, dtype=torch.float32).reshape(-1)
+    if sigmas.shape != (batch_size,) or sigmas_next.shape != (batch_size,):
+        raise ValueError(f"sigmas and sigmas_next must have shape ({batch_size},), got {tuple(sigmas.shape)} "
+                         f"and {tuple(sigmas_next.shape)}")
+    if prompt_embeds.ndim != 3 or prompt_embeds.shape[0] != batch_size:
+        raise ValueError(f"prompt_embeds must be ({batch_size}, L, D) for latents {tuple(latents.shape)}, "
+                         f"got {tuple(prompt_embeds.shape)}")
+    do_cfg = negative_prompt_embeds is not None
+    if do_cfg and (negative_prompt_attention_mask is None or negative_prompt_embeds.shape != prompt_embeds.shape):
+        raise ValueError("classifier-free guidance needs negative_prompt_embeds of prompt_embeds' shape "
+                         f"{tuple(prompt_embeds.shape)} and their negative_prompt_attention_mask")
+    param = next(transformer.parameters())
+    device, dtype = param.device, param.dtype
+    latents = latents.to(device=device, dtype=dtype)
+    if do_cfg:
+        prompt_embeds = torch.cat([negative_prompt_embeds, prompt_embeds])
+        prompt_attention_mask = torch.cat([negative_prompt_attention_mask, prompt_attention_mask])
+    model_input = torch.cat([latents, latents]) if do_cfg else latents
+    t = timesteps_from_sigmas(sigmas, num_train_timesteps).to(device=device, dtype=dtype)
+    t = torch.cat([t, t]) if do_cfg else t
+    model_pred = family.predict(transformer, model_input, t, prompt_embeds.to(device=device, dtype=dtype),
+                                prompt_attention_mask.to(device=device))
+    if do_cfg:
+        pred_uncond, pred_cond = model_pred.chunk(2)
+        scale = torch.as_tensor(guidance_scale, dtype=pred_cond.dtype, device=device)
+        if scale.ndim == 1:
+            scale = scale.reshape(-1, *([1] * (pred_cond.ndim - 1)))
+        model_pred = pred_uncond + scale * (pred_cond - pred_uncond)
+    return euler_step(latents, model_pred, sigmas.to(device), sigmas_next.to(device))
+
+
+def initial_noise(latent_shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Pure noise (sigma = 1) of `latent_shape`, float32 on CPU, from `torch.Generator("cpu").manual_seed(seed)`:
+    what `generate_video` draws for a batch, so a served request with seed s gets `vidray generate --seed s`'s
+    video."""
+    generator = torch.Generator("cpu").manual_seed(int(seed))
+    return torch.randn(latent_shape, generator=generator, dtype=torch.float32)
+
+
+@dataclass
+class DenoiseState:
+    """One request in a continuous batch: its latents (1, C, F, H, W), its own schedule `sigmas`
+    (num_inference_steps + 1,) from `inference_sigmas`, the next step index, its conditioning (prompt_embeds
+    (1, L, D), prompt_attention_mask (1, L); negatives of the same shapes when guidance_scale > 1)."""
+
+    latents: torch.Tensor
+    sigmas: torch.Tensor
+    prompt_embeds: torch.Tensor
+    prompt_attention_mask: torch.Tensor
+    guidance_scale: float = 1.0
+    negative_prompt_embeds: torch.Tensor | None = None
+    negative_prompt_attention_mask: torch.Tensor | None = None
+    step: int = 0
+
+    @property
+    def num_inference_steps(self) -> int:
+        return int(self.sigmas.shape[0]) - 1
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.num_inference_steps
+
+    def batch_key(self) -> tuple:
+        """States with equal keys can share a `step_states` call: latent shape, prompt shape, guidance on/off."""
+        return (tuple(self.latents.shape[1:]), tuple(self.prompt_embeds.shape[1:]),
+                self.negative_prompt_embeds is not None)
+
+
+@torch.inference_mode()
+def step_states(family: ModelFamily, transformer: torch.nn.Module, states: list[DenoiseState], *,
+                num_train_timesteps: int) -> None:
+    """Advance every state in `states` (all with one `batch_key`, none done) by one step of its own schedule, in
+    one `denoise_step` call on the stacked batch. Updates `latents` and `step` in place. Raises ValueError for
+    mixed keys or a finished state."""
+    if not states:
+        return
+    keys = {state.batch_key() for state in states}
+    if len(keys) != 1:
+        raise ValueError(f"states of different batch keys cannot step together: {sorted(map(str, keys))}")
+    if any(state.done for state in states):
+        raise ValueError("a finished DenoiseState cannot step again")
+    do_cfg = states[0].negative_prompt_embeds is not None
+    latents = torch.cat([state.latents for state in states])
+    sigmas = torch.stack([state.sigmas[state.step] for state in states])
+    sigmas_next = torch.stack([state.sigmas[state.step + 1] for state in states])
+    latents = denoise_step(
+        family, transformer, latents, sigmas, sigmas_next,
+        torch.cat([state.prompt_embeds for state in states]),
+        torch.cat([state.prompt_attention_mask for state in states]),
+        num_train_timesteps=num_train_timesteps,
+        guidance_scale=torch.tensor([state.guidance_scale for state in states], dtype=torch.float32),
+        negative_prompt_embeds=torch.cat([state.negative_prompt_embeds for state in states]) if do_cfg else None,
+        negative_prompt_attention_mask=(torch.cat([state.negative_prompt_attention_mask for state in states])
+                                        if do_cfg else None),
+    )
+    for state, new in zip(states, latents.split(1)):
+        state.latents = new
+        state.step += 1
 
 
 @torch.inference_mode()
@@ -70,7 +202,6 @@ def sample_latents(
 
     # 2. Prepare the schedule: (num_inference_steps + 1,) sigmas on the host, 1 -> 0
     sigmas = inference_sigmas(num_inference_steps, shift, num_train_timesteps=num_train_timesteps)
-    timesteps = timesteps_from_sigmas(sigmas, num_train_timesteps)
 
     # 3. Prepare initial noise (sigma = 1)
     if latents is None:
@@ -80,25 +211,20 @@ def sample_latents(
         raise ValueError(f"latents {tuple(latents.shape)} must have latent_shape {tuple(latent_shape)}")
     latents = latents.to(device=device, dtype=dtype)
 
-    # 4. Conditioning, batched [uncond, cond] for classifier-free guidance
-    if do_cfg:
-        prompt_embeds = torch.cat([negative_prompt_embeds, prompt_embeds])
-        prompt_attention_mask = torch.cat([negative_prompt_attention_mask, prompt_attention_mask])
-    prompt_embeds = prompt_embeds.to(device=device, dtype=dtype)
-    prompt_attention_mask = prompt_attention_mask.to(device=device)
-
-    # 5. Denoising loop
+    # 4. Denoising loop: one `denoise_step` per schedule step, every sample at the same sigma
     was_training = transformer.training
     transformer.eval()
     try:
         for i in range(num_inference_steps):
-            model_input = torch.cat([latents, latents]) if do_cfg else latents
-            t = torch.full((model_input.shape[0],), float(timesteps[i]), device=device, dtype=dtype)
-            model_pred = family.predict(transformer, model_input, t, prompt_embeds, prompt_attention_mask)
-            if do_cfg:
-                pred_uncond, pred_cond = model_pred.chunk(2)
-                model_pred = pred_uncond + guidance_scale * (pred_cond - pred_uncond)
-            latents = euler_step(latents, model_pred, float(sigmas[i]), float(sigmas[i + 1]))
+            latents = denoise_step(
+                family, transformer, latents,
+                sigmas[i].expand(batch_size), sigmas[i + 1].expand(batch_size),
+                prompt_embeds, prompt_attention_mask,
+                num_train_timesteps=num_train_timesteps,
+                guidance_scale=guidance_scale,
+                negative_prompt_embeds=negative_prompt_embeds if do_cfg else None,
+                negative_prompt_attention_mask=negative_prompt_attention_mask if do_cfg else None,
+            )
             if callback is not None:
                 callback(i, float(sigmas[i]), latents)
     finally:
