@@ -78,12 +78,12 @@ def local_ray():
 class RayHead:
     """A `ray start --head --block` child process with its own ports and temp dir."""
 
-    def __init__(self, tmp_root: str):
+    def __init__(self, tmp_root: str, extra_env: dict[str, str] | None = None):
         self.temp_dir = tmp_root
         self.gcs_port = free_port()
         self.dashboard_port = free_port()
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
-        self.env = ray_env()
+        self.env = {**ray_env(), **(extra_env or {})}
         cmd = [
             str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
             "--node-ip-address=127.0.0.1", f"--port={self.gcs_port}",

@@ -1,0 +1,270 @@
+"""The denoiser's batch policy (`vidray.serve.policy`): it grows the batch when the fixed step cost dominates,
+shrinks it when transfer time, loss or queueing threaten the latency target, stays in [1, max_batch_size], lets
+overrides win within the caps, waits only when it has slack, and recovers its cost model from measurements."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vidray.errors import UserError
+from vidray.serve.policy import BatchPolicy, PolicyConfig, check_max_ongoing_requests
+
+MB = 1_000_000
+
+
+def fitted_policy(a: float, c: float, *, target_s: float, max_batch_size: int = 16, sizes=(1, 4, 8)) -> BatchPolicy:
+    """A policy that has seen exact step times t(b) = a + c*b at `sizes`."""
+    policy = BatchPolicy(PolicyConfig(latency_target_s=target_s, max_batch_size=max_batch_size))
+    for b in sizes:
+        policy.observe_step(b, a + c * b)
+    return policy
+
+
+def idle(policy: BatchPolicy, *, num_steps: int = 10, bytes_per_item: int = 0, queue_depth: int = 0):
+    return policy.decide(queue_depth=queue_depth, num_running=0, num_steps=num_steps, bytes_per_item=bytes_per_item)
+
+
+def test_batch_grows_to_max_when_fixed_step_cost_dominates():
+    # equal t(1) = 1.01 s; target 20 s over 10 steps
+    fixed = idle(fitted_policy(a=1.0, c=0.01, target_s=20.0))
+    per_item = idle(fitted_policy(a=0.01, c=1.0, target_s=20.0))
+    assert fixed.batch_size == 16
+    assert fixed.predicted_latency_s == pytest.approx(10 * (1.0 + 0.01 * 16))
+    assert per_item.batch_size == 1  # 10 * (0.01 + 2) > 20
+    assert "max_batch_size=16" in fixed.reason and "compute limits" in per_item.reason
+
+
+def test_batch_is_the_largest_that_meets_the_target_when_compute_limits():
+    policy = fitted_policy(a=0.5, c=0.1, target_s=15.0)  # 10 * (0.5 + 0.1 b) <= 15  <=>  b <= 10
+    decision = idle(policy)
+    assert decision.batch_size == 10
+    assert decision.predicted_latency_s == pytest.approx(15.0)
+
+
+def test_batch_shrinks_when_transfer_throughput_drops():
+    policy = fitted_policy(a=1.0, c=0.01, target_s=20.0)
+    for n in (1 * MB, 2 * MB, 4 * MB):  # 10 GB/s, 1 ms latency
+        policy.observe_transfer(n, 0.001 + n / 10e9)
+    fast = idle(policy, bytes_per_item=MB)
+    for _ in range(20):
+        for n in (1 * MB, 2 * MB, 4 * MB):  # the link drops to 1 MB/s
+            policy.observe_transfer(n, 0.001 + n / 1e6)
+    slow = idle(policy, bytes_per_item=MB)
+    assert fast.batch_size == 16
+    # 10 * (1 + 0.01 b) + (0.001 + b * 1 s) <= 20  <=>  b <= 9
+    assert slow.batch_size == 9
+    assert slow.predicted_latency_s <= 20.0
+    assert "transfer limits" in slow.reason
+    assert policy.snapshot()["transfer_bytes_per_s"] == pytest.approx(1e6, rel=1e-3)
+
+
+def test_batch_shrinks_when_transfer_loss_rises():
+    policy = fitted_policy(a=1.0, c=0.01, target_s=20.0)
+    for n in (1 * MB, 2 * MB):  # 20 MB/s: 16 requests of 7 MB move in 5.6 s
+        policy.observe_transfer(n, n / 20e6)
+    clean = idle(policy, bytes_per_item=7 * MB)
+    for _ in range(10):  # every other move lost
+        policy.observe_transfer(MB, 0.05, lost=True)
+        policy.observe_transfer(MB, 0.05)
+    lossy = idle(policy, bytes_per_item=7 * MB)
+    loss_rate = policy.snapshot()["transfer_loss_rate"]
+    assert 0.35 < loss_rate < 0.5  # alternating lost/ok with alpha 0.3: 0.41
+    assert clean.batch_size == 16
+    assert lossy.batch_size < clean.batch_size
+    assert lossy.predicted_latency_s <= 20.0
+    # the transfer term is scaled by 1 / (1 - loss): 0.35 s per request at 20 MB/s
+    expected_transfer = lossy.batch_size * 0.35 / (1 - loss_rate)
+    assert lossy.predicted_latency_s == pytest.approx(10 * (1.0 + 0.01 * lossy.batch_size) + expected_transfer)
+
+
+def test_batch_shrinks_when_queueing_threatens_the_target_and_per_item_cost_dominates():
+    # t(b) = 0.05 + b: a bigger batch adds no throughput, only slower rounds for the queue
+    policy = fitted_policy(a=0.05, c=1.0, target_s=192.6)
+    empty = policy.decide(queue_depth=0, num_running=4, num_steps=10, bytes_per_item=0)
+    queued = policy.decide(queue_depth=12, num_running=4, num_steps=10, bytes_per_item=0)
+    assert empty.batch_size == 16
+    assert queued.batch_size < empty.batch_size
+    assert queued.predicted_latency_s <= 192.6
+    # batch 9: 4 + 12 + 1 - 9 = 8 requests must leave first -> one round of 10 steps of 9.05 s, then its own
+    assert queued.batch_size == 9
+    assert queued.predicted_latency_s == pytest.approx(2 * 10 * 9.05)
+    assert "queue limits" in queued.reason
+
+
+def test_deep_queue_keeps_the_largest_batch_when_fixed_cost_dominates():
+    policy = fitted_policy(a=1.0, c=0.01, target_s=20.0)
+    decision = policy.decide(queue_depth=100, num_running=16, num_steps=10, bytes_per_item=0)
+    assert decision.batch_size == 16  # the target is out of reach; the largest batch drains the queue fastest
+    assert "unmeetable" in decision.reason
+
+
+@pytest.mark.parametrize("max_batch_size", [1, 3, 16])
+def test_batch_size_stays_between_1_and_max_batch_size(max_batch_size):
+    scenarios = [(1.0, 0.001, 1e6), (1.0, 0.001, 0.06), (0.001, 5.0, 0.06), (0.0, 0.0, 1.0), (5.0, 5.0, 1e6)]
+    for a, c, target in scenarios:
+        policy = fitted_policy(a, c, target_s=target, max_batch_size=max_batch_size, sizes=(1, 2, 40))
+        policy.observe_transfer(MB, 10.0)
+        for q in (0, 1, 7, 1000):
+            for r in (0, 1, max_batch_size, 3 * max_batch_size):
+                decision = policy.decide(queue_depth=q, num_running=r, num_steps=30, bytes_per_item=MB)
+                assert 1 <= decision.batch_size <= max_batch_size, (a, c, target, q, r, decision)
+                assert 0 <= decision.wait_s <= policy.config.max_wait_s
+
+
+def test_before_any_step_is_measured_the_batch_is_max_batch_size():
+    policy = BatchPolicy(PolicyConfig(latency_target_s=5.0, max_batch_size=8))
+    decision = idle(policy)
+    assert decision.batch_size == 8
+    assert math.isnan(decision.predicted_latency_s)
+    assert decision.wait_s == policy.config.max_wait_s
+    assert "no step measured" in decision.reason
+    assert policy.snapshot()["step_fit"] == "none"
+
+
+def test_override_wins_over_the_model_and_is_capped_at_max_batch_size():
+    policy = fitted_policy(a=1.0, c=0.01, target_s=20.0)
+    policy.override(batch_size=3, wait_s=0.01)
+    decision = idle(policy)
+    assert (decision.batch_size, decision.wait_s) == (3, 0.01)
+    assert decision.predicted_latency_s == pytest.approx(10 * 1.03)
+    policy.override(batch_size=64, wait_s=9.0)
+    decision = idle(policy)
+    assert (decision.batch_size, decision.wait_s) == (16, policy.config.max_wait_s)
+    assert "capped to max_batch_size=16" in decision.reason and "capped to max_wait_s" in decision.reason
+    policy.override()  # None clears both
+    assert idle(policy).batch_size == 16 and policy.snapshot()["override_batch_size"] is None
+
+
+def test_override_also_wins_before_any_measurement():
+    policy = BatchPolicy(PolicyConfig(latency_target_s=5.0, max_batch_size=8))
+    policy.override(batch_size=2)
+    assert idle(policy).batch_size == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"batch_size": 0}, "batch_size"), ({"batch_size": 2.5}, "batch_size"), ({"batch_size": True}, "batch_size"),
+     ({"wait_s": -0.1}, "wait_s"), ({"wait_s": math.nan}, "wait_s"), ({"wait_s": "0.1"}, "wait_s")],
+)
+def test_override_rejects_bad_values_naming_the_field(kwargs, field):
+    policy = fitted_policy(a=1.0, c=0.01, target_s=20.0)
+    policy.override(batch_size=4)
+    with pytest.raises(ValueError, match=field):
+        policy.override(**kwargs)
+    assert idle(policy).batch_size == 4  # the previous override is kept
+
+
+def test_wait_is_zero_when_the_queue_fills_the_batch():
+    policy = fitted_policy(a=1.0, c=0.01, target_s=20.0)
+    assert policy.decide(queue_depth=16, num_running=0, num_steps=10, bytes_per_item=0).wait_s == 0.0
+    assert policy.decide(queue_depth=6, num_running=10, num_steps=10, bytes_per_item=0).wait_s == 0.0
+    policy.override(wait_s=0.04)
+    assert policy.decide(queue_depth=6, num_running=10, num_steps=10, bytes_per_item=0).wait_s == 0.0
+
+
+def test_wait_is_bounded_by_max_wait_and_by_the_slack():
+    policy = fitted_policy(a=1.0, c=0.01, target_s=20.0)
+    roomy = policy.decide(queue_depth=2, num_running=0, num_steps=10, bytes_per_item=0)
+    assert roomy.wait_s == policy.config.max_wait_s  # slack 20 - 11.6 s
+    tight = fitted_policy(a=1.0, c=0.01, target_s=11.62)
+    nothing_running = tight.decide(queue_depth=2, num_running=0, num_steps=10, bytes_per_item=0)
+    assert nothing_running.wait_s == pytest.approx(11.62 - 11.6)
+    # with requests running, a wait stalls each of their steps: the slack is shared by the 10 steps
+    running = tight.decide(queue_depth=0, num_running=3, num_steps=10, bytes_per_item=0)
+    assert running.wait_s == pytest.approx((11.62 - 11.6) / 10)
+    hopeless = fitted_policy(a=1.0, c=0.01, target_s=1.0)
+    assert hopeless.decide(queue_depth=0, num_running=1, num_steps=10, bytes_per_item=0).wait_s == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"latency_target_s": 0.0}, "latency_target_s"),
+        ({"latency_target_s": math.inf}, "latency_target_s"),
+        ({"latency_target_s": "10"}, "latency_target_s"),
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"max_batch_size": 4.0}, "max_batch_size"),
+        ({"max_batch_size": 100_000}, "max_batch_size"),
+        ({"max_wait_s": -0.01}, "max_wait_s"),
+        ({"max_wait_s": 60.0}, "max_wait_s"),  # longer than the 10 s target
+        ({"ewma_alpha": 0.0}, "ewma_alpha"),
+        ({"ewma_alpha": 1.5}, "ewma_alpha"),
+    ],
+)
+def test_bad_policy_config_raises_naming_the_field(kwargs, field):
+    values = {"latency_target_s": 10.0, "max_batch_size": 8, **kwargs}
+    with pytest.raises(UserError, match=field) as info:
+        PolicyConfig(**values)
+    assert isinstance(info.value, ValueError)
+
+
+def test_step_fit_recovers_fixed_and_per_item_cost_within_5_percent():
+    policy = BatchPolicy(PolicyConfig(latency_target_s=60.0, max_batch_size=32))
+    for b in (1, 2, 4, 8, 16, 3, 4):  # repeated sizes are averaged per size
+        policy.observe_step(b, 0.25 + 0.04 * b)
+    snap = policy.snapshot()
+    assert snap["step_fit"] == "least_squares"
+    assert snap["step_fixed_s"] == pytest.approx(0.25, rel=0.05)
+    assert snap["step_per_item_s"] == pytest.approx(0.04, rel=0.05)
+
+
+def test_step_fit_follows_a_change_in_step_time():
+    policy = BatchPolicy(PolicyConfig(latency_target_s=60.0, max_batch_size=32))
+    for b in (2, 8):
+        policy.observe_step(b, 1.0 + 0.1 * b)
+    for _ in range(30):  # the replica got faster (e.g. compiled kernels)
+        for b in (2, 8):
+            policy.observe_step(b, 0.5 + 0.05 * b)
+    snap = policy.snapshot()
+    assert snap["step_fixed_s"] == pytest.approx(0.5, rel=0.05)
+    assert snap["step_per_item_s"] == pytest.approx(0.05, rel=0.05)
+
+
+def test_one_measured_size_assumes_per_item_cost_is_fixed_cost_over_max_batch_size():
+    policy = BatchPolicy(PolicyConfig(latency_target_s=60.0, max_batch_size=8))
+    policy.observe_step(4, 1.5)  # a (1 + 4/8) = 1.5
+    snap = policy.snapshot()
+    assert snap["step_fit"] == "one_size_prior"
+    assert (snap["step_fixed_s"], snap["step_per_item_s"]) == (pytest.approx(1.0), pytest.approx(1.0 / 8))
+    assert "c assumed a/max_batch_size" in idle(policy).reason
+
+
+def test_transfer_fit_recovers_latency_and_throughput_and_ignores_lost_moves():
+    policy = fitted_policy(a=1.0, c=0.01, target_s=20.0)
+    for n in (MB, 3 * MB, 8 * MB):
+        policy.observe_transfer(n, 0.002 + n / 50e6)
+    policy.observe_transfer(MB, 30.0, lost=True)  # a timeout: not a measure of the link
+    snap = policy.snapshot()
+    assert snap["transfer_latency_s"] == pytest.approx(0.002, rel=0.05)
+    assert snap["transfer_bytes_per_s"] == pytest.approx(50e6, rel=0.05)
+    assert (snap["num_transfers_observed"], snap["num_transfers_lost"]) == (3, 1)
+    assert snap["transfer_loss_rate"] == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize(
+    ("method", "kwargs", "field"),
+    [
+        ("observe_step", {"batch_size": 0, "seconds": 1.0}, "batch_size"),
+        ("observe_step", {"batch_size": 2, "seconds": -1.0}, "seconds"),
+        ("observe_transfer", {"num_bytes": -1, "seconds": 1.0}, "num_bytes"),
+        ("observe_transfer", {"num_bytes": 1, "seconds": math.nan}, "seconds"),
+        ("observe_transfer", {"num_bytes": 1, "seconds": 1.0, "lost": "yes"}, "lost"),
+        ("decide", {"queue_depth": -1, "num_running": 0, "num_steps": 1, "bytes_per_item": 0}, "queue_depth"),
+        ("decide", {"queue_depth": 0, "num_running": 0, "num_steps": 0, "bytes_per_item": 0}, "num_steps"),
+        ("decide", {"queue_depth": 0, "num_running": 1.5, "num_steps": 1, "bytes_per_item": 0}, "num_running"),
+    ],
+)
+def test_bad_measurements_and_inputs_raise_naming_the_argument(method, kwargs, field):
+    policy = BatchPolicy(PolicyConfig(latency_target_s=10.0, max_batch_size=8))
+    with pytest.raises(ValueError, match=field):
+        getattr(policy, method)(**kwargs)
+    assert policy.snapshot()["num_steps_observed"] == 0 and policy.snapshot()["num_transfers_observed"] == 0
+
+
+def test_max_ongoing_requests_below_max_batch_size_is_rejected_with_the_fix():
+    config = PolicyConfig(latency_target_s=10.0, max_batch_size=8)
+    check_max_ongoing_requests(config, 8)
+    with pytest.raises(UserError, match="at least 8"):
+        check_max_ongoing_requests(config, 5)

@@ -1,0 +1,588 @@
+"""The OpenAI-compatible HTTP layer (`vidray.serve.api`): the real `openai` SDK against a real uvicorn server on
+127.0.0.1, Starlette's TestClient for auth and every 4xx, and `parse_video_request` rules directly.
+
+The service behind the routes is an in-memory fake (`FakeVideoService`) that records the `VideoRequest`s it gets.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+import uvicorn
+from PIL import Image
+from starlette.testclient import TestClient
+
+from vidray.serve.api import (
+    ApiLimits,
+    ModelSpec,
+    RequestError,
+    VideoRequest,
+    build_api,
+    check_bearer,
+    parse_video_request,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK's Sora retirement notice
+
+TOKEN = "s3cret-token"
+FAKE_MP4 = b"\x00\x00\x00\x18ftypmp42\x00\x00\x00\x00mp42isom" + bytes(range(256)) * 4
+
+
+def easyanimate_frames(num_frames: int) -> bool:
+    """EasyAnimate's rule: 1 frame or 4k+1 frames."""
+    return num_frames == 1 or num_frames % 4 == 1
+
+
+SPEC = ModelSpec(
+    name="vidray-tiny",
+    default_size=(64, 48),
+    default_num_frames=9,
+    fps=8.0,
+    size_multiple=16,
+    max_width=256,
+    max_height=128,
+    max_num_frames=49,
+    valid_num_frames=easyanimate_frames,
+    supports_image_to_video=True,
+    default_num_inference_steps=4,
+    default_guidance_scale=6.0,
+)
+T2V_SPEC = ModelSpec(**{**SPEC.__dict__, "name": "vidray-t2v", "supports_image_to_video": False})
+LIMITS = ApiLimits(max_body_bytes=64 * 1024, max_prompt_chars=100, max_image_bytes=16 * 1024, max_image_px=512,
+                   max_num_inference_steps=50)
+
+
+def png_bytes(width: int = 32, height: int = 24, color: tuple[int, int, int] = (200, 30, 90)) -> bytes:
+    """A real PNG, one solid colour."""
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(out, format="PNG")
+    return out.getvalue()
+
+
+class FakeVideoService:
+    """An in-memory `VideoService`: a dict of video objects; `submit` records each `VideoRequest`."""
+
+    def __init__(self, tmp_path: Path, *, spec: ModelSpec = SPEC, limits: ApiLimits = LIMITS,
+                 auth_token: str | None = TOKEN) -> None:
+        self.spec, self.limits, self.auth_token = spec, limits, auth_token
+        self.tmp_path = tmp_path
+        self.videos: dict[str, dict] = {}
+        self.files: dict[str, Path] = {}
+        self.requests: list[VideoRequest] = []
+
+    async def submit(self, request: VideoRequest) -> dict:
+        self.requests.append(request)
+        video_id = f"video_{len(self.requests):04d}"
+        self.videos[video_id] = {
+            "id": video_id, "object": "video", "created_at": 1_700_000_000 + len(self.requests),
+            "status": "queued", "progress": 0, "model": request.model, "seconds": request.seconds,
+            "size": request.size, "prompt": request.prompt,
+        }
+        return dict(self.videos[video_id])
+
+    def complete(self, video_id: str, data: bytes = FAKE_MP4) -> None:
+        path = self.tmp_path / f"{video_id}.mp4"
+        path.write_bytes(data)
+        self.files[video_id] = path
+        self.videos[video_id].update(status="completed", progress=100, completed_at=1_700_000_100)
+
+    def get(self, video_id: str) -> dict | None:
+        video = self.videos.get(video_id)
+        return dict(video) if video is not None else None
+
+    def list(self, *, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
+        ordered = sorted(self.videos.values(), key=lambda v: (v["created_at"], v["id"]), reverse=order == "desc")
+        ids = [v["id"] for v in ordered]
+        start = ids.index(after) + 1 if after in ids else 0
+        page = ordered[start:start + limit]
+        return [dict(v) for v in page], start + limit < len(ordered)
+
+    def delete(self, video_id: str) -> bool:
+        self.files.pop(video_id, None)
+        return self.videos.pop(video_id, None) is not None
+
+    def content_path(self, video_id: str) -> Path | None:
+        video = self.videos.get(video_id)
+        return self.files.get(video_id) if video and video["status"] == "completed" else None
+
+    def health(self) -> dict:
+        return {"status": "ok", "model": self.spec.name, "num_videos": len(self.videos)}
+
+
+class ServiceSlot:
+    """What `get_service` reads: tests swap the service (or set None) per test."""
+
+    service: FakeVideoService | None = None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Fixtures: one real uvicorn server per module, a fresh fake service per test
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slot() -> ServiceSlot:
+    return ServiceSlot()
+
+
+@pytest.fixture(scope="module")
+def server_url(slot: ServiceSlot):
+    """A real uvicorn server on 127.0.0.1 (a free port) serving `build_api`, in a thread; yields its base URL."""
+    app = build_api(lambda: slot.service)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start within 10 s")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=5)
+
+
+@pytest.fixture
+def service(slot: ServiceSlot, tmp_path: Path) -> FakeVideoService:
+    slot.service = FakeVideoService(tmp_path)
+    yield slot.service
+    slot.service = None
+
+
+@pytest.fixture
+def sdk(server_url: str, service: FakeVideoService) -> openai.OpenAI:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        client = openai.OpenAI(base_url=f"{server_url}/v1", api_key=TOKEN, max_retries=0, timeout=10)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def client(slot: ServiceSlot, service: FakeVideoService) -> TestClient:
+    with TestClient(build_api(lambda: slot.service), headers={"Authorization": f"Bearer {TOKEN}"}) as test_client:
+        yield test_client
+
+
+BOUNDARY = "vidray-b0undary"
+
+
+def multipart(fields: dict, image: tuple[str, str, bytes] | None = None) -> bytes:
+    """A multipart/form-data body (as the SDK sends it, even without a file): text fields, then the optional
+    `input_reference` file part (filename, content_type, bytes)."""
+    parts = [f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+             for name, value in fields.items()]
+    if image is not None:
+        filename, content_type, data = image
+        parts.append(f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="input_reference"; '
+                     f'filename="{filename}"\r\nContent-Type: {content_type}\r\n\r\n'.encode() + data + b"\r\n")
+    return b"".join(parts) + f"--{BOUNDARY}--\r\n".encode()
+
+
+def create(client: TestClient, fields: dict, image: tuple[str, str, bytes] | None = None, **kwargs):
+    """POST /v1/videos as multipart/form-data; `prompt` defaults to a valid one, a None value drops the field."""
+    data = {k: v for k, v in {"prompt": "a red ball rolling", **fields}.items() if v is not None}
+    headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}", **kwargs.pop("headers", {})}
+    return client.post("/v1/videos", content=multipart(data, image), headers=headers, **kwargs)
+
+
+def assert_error(response, status: int, param: str | None, *words: str) -> dict:
+    """The response is `status` with the OpenAI error shape naming `param`, and its message holds `words`."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+    for word in words:
+        assert word in error["message"], (word, error["message"])
+    return error
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The real openai SDK against a real uvicorn server
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_sdk_create_hands_the_parsed_request_with_extra_body_and_image_to_the_service(sdk, service):
+    image = png_bytes(40, 20, (10, 200, 30))
+    video = sdk.videos.create(
+        prompt="  a red ball rolling  ",
+        model="vidray-tiny",
+        size="64x32",
+        input_reference=("first.png", image, "image/png"),
+        extra_body={"num_frames": 17, "seed": 7, "num_inference_steps": 3, "guidance_scale": 4.5,
+                    "negative_prompt": "blurry"},
+    )
+    assert (video.id, video.object, video.status, video.size, video.seconds) == (
+        "video_0001", "video", "queued", "64x32", "2.125")  # 17 frames / 8 fps
+    [request] = service.requests
+    assert (request.prompt, request.model, request.width, request.height, request.num_frames) == (
+        "a red ball rolling", "vidray-tiny", 64, 32, 17)
+    assert (request.seed, request.num_inference_steps, request.guidance_scale, request.negative_prompt) == (
+        7, 3, 4.5, "blurry")
+    with Image.open(io.BytesIO(request.input_reference)) as decoded:
+        assert (decoded.format, decoded.size, decoded.getpixel((5, 5))) == ("PNG", (40, 20), (10, 200, 30))
+
+
+def test_sdk_create_with_defaults_maps_seconds_to_the_nearest_valid_frame_count(sdk, service):
+    video = sdk.videos.create(prompt="waves", seconds="4")  # 4 s * 8 fps = 32 -> 33 (4k+1)
+    [request] = service.requests
+    assert (request.num_frames, request.seconds, video.seconds) == (33, "4.125", "4.125")
+    assert (request.width, request.height, request.seed, request.num_inference_steps) == (64, 48, 0, 4)
+    assert (request.guidance_scale, request.negative_prompt, request.input_reference) == (6.0, "", None)
+
+
+def test_sdk_retrieve_polls_with_header_until_completed_then_downloads_the_mp4(sdk, service):
+    video = sdk.videos.create(prompt="waves")
+    raw = sdk.videos.with_raw_response.retrieve(video.id)
+    assert raw.headers["openai-poll-after-ms"] == "500"
+    assert raw.parse().status == "queued"
+    service.complete(video.id)
+    raw = sdk.videos.with_raw_response.retrieve(video.id)
+    assert "openai-poll-after-ms" not in raw.headers
+    done = raw.parse()
+    assert (done.status, done.progress, done.completed_at) == ("completed", 100, 1_700_000_100)
+    content = sdk.videos.download_content(video.id, variant="video")
+    assert content.content == FAKE_MP4
+    assert content.response.headers["content-type"] == "video/mp4"
+
+
+def test_sdk_list_pages_through_every_video_in_order(sdk, service):
+    ids = [sdk.videos.create(prompt=f"clip {i}").id for i in range(3)]
+    first = sdk.videos.list(limit=2, order="asc")
+    assert [v.id for v in first.data] == ids[:2] and first.has_more is True and first.last_id == ids[1]
+    assert [v.id for v in sdk.videos.list(limit=2, order="asc")] == ids  # auto-pagination follows `after`
+    assert [v.id for v in sdk.videos.list(order="desc")] == ids[::-1]
+
+
+def test_sdk_delete_removes_the_video_and_retrieve_then_raises_not_found(sdk, service):
+    video = sdk.videos.create(prompt="waves")
+    deleted = sdk.videos.delete(video.id)
+    assert (deleted.id, deleted.object, deleted.deleted) == (video.id, "video.deleted", True)
+    assert video.id not in service.videos
+    with pytest.raises(openai.NotFoundError) as info:
+        sdk.videos.retrieve(video.id)
+    assert info.value.param == "video_id"
+
+
+def test_sdk_raises_bad_request_naming_the_field_and_authentication_error_for_a_wrong_key(sdk, service,
+                                                                                         server_url):
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.videos.create(prompt="waves", size="65x64")
+    assert info.value.param == "size" and "multiple of 16" in info.value.message
+    wrong = openai.OpenAI(base_url=f"{server_url}/v1", api_key="wrong", max_retries=0, timeout=10)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.videos.retrieve("video_0001")
+    wrong.close()
+    assert service.requests == []
+
+
+def test_body_over_the_limit_is_refused_with_413_over_real_http_declared_or_chunked(server_url, service):
+    body = multipart({"prompt": "x" * (LIMITS.max_body_bytes + 1024)})
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+
+    def chunks():
+        for start in range(0, len(body), 8192):
+            yield body[start:start + 8192]
+
+    with httpx2.Client(base_url=server_url, timeout=10) as http:
+        declared = http.post("/v1/videos", content=body, headers=headers)
+        chunked = http.post("/v1/videos", content=chunks(), headers=headers)
+    assert "content-length" not in chunked.request.headers
+    assert chunked.request.headers["transfer-encoding"] == "chunked"
+    assert_error(declared, 413, None, f"{len(body)} bytes", f"limit {LIMITS.max_body_bytes} bytes")
+    assert_error(chunked, 413, None, f"limit {LIMITS.max_body_bytes} bytes")
+    assert service.requests == []
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Auth and availability
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_missing_or_wrong_bearer_token_is_401_but_healthz_needs_none(client, service):
+    for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
+                    {"Authorization": f"Bearer {TOKEN}x"}):
+        response = client.get("/v1/videos", headers=headers)
+        assert_error(response, 401, "authorization", "bearer token")
+        assert response.headers["www-authenticate"] == "Bearer"
+    assert_error(create(client, {}, headers={"Authorization": "Bearer nope"}), 401, "authorization")
+    assert service.requests == []
+    health = client.get("/healthz", headers={"Authorization": ""})
+    assert health.status_code == 200 and health.json() == {"status": "ok", "model": "vidray-tiny", "num_videos": 0}
+    assert client.get("/v1/videos").status_code == 200
+
+
+def test_auth_disabled_accepts_requests_without_a_token(client, service):
+    service.auth_token = None
+    response = create(client, {"prompt": "waves"}, headers={"Authorization": ""})
+    assert response.status_code == 200 and response.json()["status"] == "queued"
+    assert len(service.requests) == 1
+
+
+def test_check_bearer_compares_the_whole_header():
+    check_bearer(f"Bearer {TOKEN}", TOKEN)
+    check_bearer(None, None)
+    for header in (None, "", TOKEN, f"bearer {TOKEN}", f"Bearer {TOKEN} ", "Bearer é"):
+        with pytest.raises(RequestError) as info:
+            check_bearer(header, TOKEN)
+        assert info.value.status == 401
+
+
+def test_routes_answer_503_json_while_the_service_is_starting(client, slot):
+    slot.service = None
+    for response in (client.get("/healthz"), client.get("/v1/videos/video_0001"), create(client, {})):
+        error = assert_error(response, 503, None, "starting")
+        assert error["code"] == "service_unavailable" and response.headers["retry-after"] == "2"
+
+
+def test_unknown_routes_and_methods_answer_in_the_openai_error_shape(client):
+    assert_error(client.get("/v1/nothing"), 404, None, "/v1/nothing")
+    assert_error(client.put("/v1/videos"), 405, None, "PUT")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Every bad field: 4xx JSON naming it, and nothing reaches the service
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"prompt": "   "}, "prompt", ["must not be empty"]),
+        ({"prompt": None}, "prompt", ["required"]),
+        ({"prompt": "x" * 101}, "prompt", ["101 characters", "limit 100"]),
+        ({"negative_prompt": "x" * 101}, "negative_prompt", ["101 characters"]),
+        ({"model": "sora-2"}, "model", ["'sora-2'", "'vidray-tiny'"]),
+        ({"size": "64x"}, "size", ["'64x'", "WIDTHxHEIGHT"]),
+        ({"size": "65x64"}, "size", ["width 65", "multiple of 16", "64 or 80"]),
+        ({"size": "64x50"}, "size", ["height 50", "48 or 64"]),
+        ({"size": "512x64"}, "size", ["width 512", "maximum 256"]),
+        ({"size": "64x0"}, "size", ["height 0", "minimum 16"]),
+        ({"num_frames": "8"}, "num_frames", ["num_frames 8", "5 or 9"]),
+        ({"num_frames": "53"}, "num_frames", ["1..49", "nearest valid: 49"]),
+        ({"num_frames": "nine"}, "num_frames", ["integer", "'nine'"]),
+        ({"seconds": "7"}, "seconds", ["56 frames", "maximum 49", "at most 6.125 seconds"]),
+        ({"seconds": "0"}, "seconds", ["> 0"]),
+        ({"seconds": "nan"}, "seconds", ["finite"]),
+        ({"seconds": "4", "num_frames": "9"}, "seconds", ["33 frames", "num_frames is 9"]),
+        ({"seed": "-1"}, "seed", ["0..9223372036854775807", "-1"]),
+        ({"seed": str(2**63)}, "seed", ["0..9223372036854775807"]),
+        ({"seed": "1.5"}, "seed", ["integer"]),
+        ({"num_inference_steps": "0"}, "num_inference_steps", ["1..50", "got 0"]),
+        ({"num_inference_steps": "51"}, "num_inference_steps", ["1..50", "got 51"]),
+        ({"guidance_scale": "0.5"}, "guidance_scale", [">= 1.0", "0.5"]),
+        ({"guidance_scale": "inf"}, "guidance_scale", ["finite"]),
+        ({"steps": "4", "colour": "red"}, "colour", ["'colour'", "'steps'", "accepted fields"]),
+    ],
+)
+def test_bad_field_is_400_json_naming_it(client, service, fields, param, words):
+    assert_error(create(client, fields), 400, param, *words)
+    assert service.requests == []
+
+
+def test_field_given_twice_is_400(client, service):
+    body = (f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="seed"\r\n\r\n1\r\n'
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="seed"\r\n\r\n2\r\n').encode() + multipart(
+        {"prompt": "a"})
+    response = client.post("/v1/videos", content=body,
+                           headers={"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"})
+    assert_error(response, 400, "seed", "given twice")
+
+
+def test_undecodable_image_is_400_and_image_on_text_to_video_model_is_400(client, service, slot, tmp_path):
+    error = assert_error(create(client, {}, ("first.png", "image/png", b"\x89PNG not really")), 400,
+                         "input_reference", "'first.png'", "decode")
+    assert error["code"] == "invalid_image"
+    assert_error(create(client, {}, ("empty.png", "image/png", b"")), 400, "input_reference", "empty")
+    assert_error(create(client, {}, ("huge.png", "image/png", png_bytes(600, 20))), 400, "input_reference",
+                 "600x20", "limit 512")
+    slot.service = FakeVideoService(tmp_path, spec=T2V_SPEC)
+    assert_error(create(client, {}, ("first.png", "image/png", png_bytes())), 400, "input_reference",
+                 "text-to-video")
+    assert service.requests == [] and slot.service.requests == []
+
+
+def test_image_over_max_image_bytes_is_413(client, service):
+    noisy = Image.frombytes("RGB", (90, 90), random.Random(0).randbytes(90 * 90 * 3))  # incompressible
+    out = io.BytesIO()
+    noisy.save(out, format="PNG")
+    assert LIMITS.max_image_bytes < len(out.getvalue()) < LIMITS.max_body_bytes
+    error = assert_error(create(client, {}, ("noise.png", "image/png", out.getvalue())), 413, "input_reference",
+                         f"{len(out.getvalue())} bytes", f"limit {LIMITS.max_image_bytes}")
+    assert error["code"] == "request_too_large"
+
+
+def test_second_file_part_or_unexpected_file_field_is_400(client):
+    image = ("first.png", "image/png", png_bytes())
+    body = multipart({"prompt": "a"}, image)
+    other = body.replace(b'name="input_reference"', b'name="mask"')
+    headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+    assert_error(client.post("/v1/videos", content=other, headers=headers), 400, "mask", "only file part")
+    twice = body[: body.rindex(b"--" + BOUNDARY.encode() + b"--")] + multipart({}, image)
+    assert_error(client.post("/v1/videos", content=twice, headers=headers), 400, "input_reference", "once")
+
+
+def test_declared_content_length_over_the_limit_is_413_before_reading(client, service):
+    headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+    response = client.post("/v1/videos", content=b"x" * (LIMITS.max_body_bytes + 1), headers=headers)
+    assert_error(response, 413, None, f"{LIMITS.max_body_bytes + 1} bytes")
+    assert service.requests == []
+
+
+# --------------------------------------------------------------------------------------------------------------
+# JSON bodies, content, list parameters
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_json_body_with_numbers_and_a_data_url_image_is_accepted(client, service):
+    import base64
+
+    data_url = "data:image/png;base64," + base64.b64encode(png_bytes(16, 16)).decode()
+    response = client.post("/v1/videos", json={"prompt": "waves", "num_frames": 5, "seed": 3, "guidance_scale": 1,
+                                               "input_reference": {"image_url": data_url}})
+    assert response.status_code == 200, response.text
+    [request] = service.requests
+    assert (request.num_frames, request.seed, request.guidance_scale) == (5, 3, 1.0)
+    assert Image.open(io.BytesIO(request.input_reference)).size == (16, 16)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "word"),
+    [
+        (b"{not json", 400, None, "not valid JSON"),
+        (b"[1, 2]", 400, None, "JSON object"),
+        (b'{"prompt": "a", "seed": true}', 400, "seed", "string or a number"),
+        (b'{"prompt": "a", "input_reference": {"image_url": "https://example.com/a.png"}}', 400,
+         "input_reference", "fetches no URLs"),
+        (b'{"prompt": "a", "input_reference": {"file_id": "file_1"}}', 400, "input_reference", "file_id"),
+        (b'{"prompt": "a", "input_reference": "abc"}', 400, "input_reference", "JSON body"),
+        (b'{"prompt": "a", "frames": 9}', 400, "frames", "'frames'"),
+    ],
+)
+def test_bad_json_body_is_400_naming_the_field(client, service, body, status, param, word):
+    response = client.post("/v1/videos", content=body, headers={"Content-Type": "application/json"})
+    assert_error(response, status, param, word)
+    assert service.requests == []
+
+
+def test_unsupported_content_type_is_415(client):
+    response = client.post("/v1/videos", content=b"prompt", headers={"Content-Type": "text/plain"})
+    assert_error(response, 415, "content-type", "'text/plain'", "multipart/form-data")
+
+
+def test_content_of_an_unfinished_or_failed_video_is_409_naming_its_status(client, service):
+    video_id = create(client, {}).json()["id"]
+    assert_error(client.get(f"/v1/videos/{video_id}/content"), 409, "video_id", "queued", "0% done", "poll")
+    service.videos[video_id].update(status="in_progress", progress=40)
+    assert_error(client.get(f"/v1/videos/{video_id}/content"), 409, "video_id", "in_progress", "40% done")
+    service.videos[video_id].update(status="failed", error={"code": "replica_died", "message": "replica lost"})
+    assert_error(client.get(f"/v1/videos/{video_id}/content"), 409, "video_id", "failed", "replica lost")
+    assert_error(client.get("/v1/videos/video_9999/content"), 404, "video_id", "'video_9999'")
+    assert_error(client.get(f"/v1/videos/{video_id}/content?variant=thumbnail"), 400, "variant", "'thumbnail'")
+
+
+def test_completed_video_whose_file_is_gone_is_404(client, service):
+    video_id = create(client, {}).json()["id"]
+    service.complete(video_id)
+    assert client.get(f"/v1/videos/{video_id}/content").content == FAKE_MP4
+    service.files[video_id].unlink()
+    assert_error(client.get(f"/v1/videos/{video_id}/content"), 404, "video_id", "no longer stored")
+
+
+def test_unknown_video_id_is_404_for_retrieve_and_delete(client):
+    assert_error(client.get("/v1/videos/video_9999"), 404, "video_id", "'video_9999'")
+    assert_error(client.delete("/v1/videos/video_9999"), 404, "video_id", "'video_9999'")
+
+
+@pytest.mark.parametrize(
+    ("query", "param", "word"),
+    [("limit=0", "limit", "1..100"), ("limit=101", "limit", "got 101"), ("limit=ten", "limit", "integer"),
+     ("order=sideways", "order", "'sideways'")],
+)
+def test_bad_list_parameters_are_400(client, query, param, word):
+    assert_error(client.get(f"/v1/videos?{query}"), 400, param, word)
+
+
+def test_empty_list_has_null_first_and_last_ids(client):
+    assert client.get("/v1/videos").json() == {"object": "list", "data": [], "first_id": None, "last_id": None,
+                                               "has_more": False}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# parse_video_request rules, directly
+# --------------------------------------------------------------------------------------------------------------
+
+
+def parse(**fields: str) -> VideoRequest:
+    return parse_video_request({"prompt": "a cat", **fields}, None, spec=SPEC, limits=LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "num_frames", "text"),
+    [("1", 9, "1.125"), ("4", 33, "4.125"), ("0.5", 5, "0.625"), ("0.875", 5, "0.625"),  # 7 frames: tie 5|9 -> 5
+     ("0.01", 1, "0.125"), ("6.125", 49, "6.125"), ("0.1875", 1, "0.125")],  # 1.5 -> 2 (half up) -> 1
+)
+def test_seconds_give_the_nearest_valid_frame_count_ties_to_the_smaller(seconds, num_frames, text):
+    request = parse(seconds=seconds)
+    assert (request.num_frames, request.seconds) == (num_frames, text)
+
+
+def test_seconds_and_num_frames_that_agree_are_accepted():
+    assert parse(seconds="4", num_frames="33").num_frames == 33
+
+
+def test_defaults_come_from_the_model_spec():
+    request = parse()
+    assert (request.width, request.height, request.num_frames, request.seconds, request.seed) == (
+        64, 48, 9, "1.125", 0)
+    assert (request.num_inference_steps, request.guidance_scale, request.model, request.size) == (
+        4, 6.0, "vidray-tiny", "64x48")
+
+
+def test_empty_optional_fields_count_as_absent_and_model_may_be_empty():
+    request = parse(model="", size=" ", seed="", negative_prompt="  ")
+    assert (request.size, request.seed, request.negative_prompt) == ("64x48", 0, "")
+
+
+def test_first_problem_is_reported_in_a_fixed_order():
+    with pytest.raises(RequestError) as info:
+        parse_video_request({"prompt": "", "size": "1x1", "zzz": "1", "aaa": "2"}, None, spec=SPEC, limits=LIMITS)
+    assert (info.value.param, info.value.code) == ("aaa", "unknown_parameter")
+    assert "'aaa', 'zzz'" in info.value.message
+    with pytest.raises(RequestError) as info:
+        parse_video_request({"prompt": "", "size": "1x1"}, None, spec=SPEC, limits=LIMITS)
+    assert info.value.param == "prompt"
+
+
+def test_image_is_reencoded_as_rgb_png():
+    out = io.BytesIO()
+    Image.new("RGBA", (20, 10), (1, 2, 3, 128)).save(out, format="WEBP", lossless=True)
+    request = parse_video_request({"prompt": "a"}, ("a.webp", "image/webp", out.getvalue()), spec=SPEC,
+                                  limits=LIMITS)
+    with Image.open(io.BytesIO(request.input_reference)) as image:
+        assert (image.format, image.mode, image.size) == ("PNG", "RGB", (20, 10))
+
+
+def test_model_spec_with_an_invalid_default_is_refused():
+    with pytest.raises(ValueError, match="default_num_frames 8"):
+        ModelSpec(**{**SPEC.__dict__, "default_num_frames": 8})
+    with pytest.raises(ValueError, match="default_size 60x48"):
+        ModelSpec(**{**SPEC.__dict__, "default_size": (60, 48)})
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        ApiLimits(max_body_bytes=0)
+
+
+def test_request_error_json_has_the_openai_shape():
+    assert RequestError(400, "size", "bad size").to_json() == {
+        "error": {"message": "bad size", "type": "invalid_request_error", "param": "size", "code": "invalid_value"}}

@@ -1,0 +1,850 @@
+"""The HTTP layer of the serve plane: FastAPI routes compatible with the OpenAI Videos API, request validation and
+bearer auth.
+
+Every request is parsed and checked here, before any model work: a valid `POST /v1/videos` becomes a frozen
+`VideoRequest` that is handed to a `VideoService` (the job runner, built by `vidray.serve.app`); the model
+deployments never see HTTP. No Ray and no torch in this module, so it is tested over real HTTP on CPU.
+
+Routes (`build_api`), as the official `openai` SDK (3.57, `client.videos.*`) calls them with
+``base_url="http://HOST:PORT/v1"``:
+
+| route | SDK call | answer |
+|---|---|---|
+| `POST /v1/videos` | `create` (multipart/form-data) | the video object (status `queued`); JSON bodies too |
+| `GET /v1/videos/{id}` | `retrieve`, `poll` | the video object; header `openai-poll-after-ms` while unfinished |
+| `GET /v1/videos/{id}/content?variant=video` | `download_content` | `video/mp4` bytes; 409 until completed |
+| `DELETE /v1/videos/{id}` | `delete` | `{"id", "object": "video.deleted", "deleted": true}` |
+| `GET /v1/videos?after=&limit=&order=` | `list` | `{"object": "list", "data", "first_id", "last_id", "has_more"}` |
+| `GET /healthz` | (none) | `service.health()`; the only route without the bearer token |
+
+Every error, ours or the framework's (unknown route, wrong method), answers in the OpenAI error shape
+``{"error": {"message", "type", "param", "code"}}`` with a message naming the field, the value, the rule and the fix.
+
+Create fields beyond the SDK's (`prompt`, `model`, `size`, `seconds`, `input_reference`) are sent with
+``extra_body={"num_frames": 49, "seed": 7, ...}``; the SDK turns them into form fields. See
+`parse_video_request` for every field's rule.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import io
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Message, Receive
+
+__all__ = [
+    "ApiLimits",
+    "ModelSpec",
+    "RequestError",
+    "VideoRequest",
+    "VideoService",
+    "build_api",
+    "check_bearer",
+    "parse_video_request",
+]
+
+MAX_SEED = 2**63 - 1
+"""Largest accepted `seed` (seeds are 0 .. 2**63-1, what `torch.Generator.manual_seed` takes without wrapping)."""
+
+POLL_AFTER_MS = 500
+"""`openai-poll-after-ms` header value on unfinished jobs: the SDK's `poll` waits this long between retrieves."""
+
+CREATE_FIELDS = (
+    "prompt",
+    "model",
+    "size",
+    "seconds",
+    "num_frames",
+    "seed",
+    "num_inference_steps",
+    "guidance_scale",
+    "negative_prompt",
+)
+"""Text fields `POST /v1/videos` accepts (plus the `input_reference` image); any other field is a 400."""
+
+_UNFINISHED = ("queued", "in_progress")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Errors, limits, what the model can make, a validated request
+# --------------------------------------------------------------------------------------------------------------
+
+
+class RequestError(Exception):
+    """A request the server refuses, answered as JSON in the OpenAI error shape.
+
+    Args:
+        status: the HTTP status: 4xx for the client's mistakes (400 bad field, 401 auth, 404 unknown id, 409 not
+            ready, 413 too large, 415 content type), 503 while the service is starting.
+        param: the request field at fault (form field, query parameter or header name), or None.
+        message: what was wrong, naming the value, the rule and the fix.
+        code: a machine-readable code (`invalid_value`, `unknown_parameter`, `invalid_api_key`, ...).
+        headers: extra response headers (`WWW-Authenticate` on 401, `Retry-After` on 503).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        param: str | None,
+        message: str,
+        code: str = "invalid_value",
+        *,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.message = message
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def to_json(self) -> dict:
+        """The response body: ``{"error": {"message", "type", "param", "code"}}``; `type` is
+        `"invalid_request_error"` for 4xx and `"server_error"` for 5xx, as the OpenAI API answers."""
+        error_type = "server_error" if self.status >= 500 else "invalid_request_error"
+        return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.code}}
+
+    def to_response(self) -> JSONResponse:
+        """This error as a `JSONResponse` with its status and headers."""
+        return JSONResponse(self.to_json(), status_code=self.status, headers=self.headers)
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    """Size limits on requests, checked before anything is decoded or queued."""
+
+    max_body_bytes: int = 8 * 2**20
+    """Whole request body in bytes; larger -> 413 before the body is parsed (from `Content-Length`, or counted as
+    a chunked body streams in)."""
+    max_prompt_chars: int = 2000
+    """`prompt` and `negative_prompt`, in characters after stripping surrounding whitespace."""
+    max_image_bytes: int = 4 * 2**20
+    """`input_reference` image file, in bytes (as uploaded); larger -> 413."""
+    max_image_px: int = 4096
+    """`input_reference` width and height, each, in pixels."""
+    max_num_inference_steps: int = 100
+    """Upper bound on `num_inference_steps` (compute per request)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_prompt_chars", "max_image_bytes", "max_image_px",
+                     "max_num_inference_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ApiLimits.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the loaded model can make; requests are checked against it (filled from the model folder).
+
+    Raises ValueError at construction if the defaults are not themselves valid (a misconfigured server, not a bad
+    request).
+    """
+
+    name: str
+    """The `model` string video objects carry; a request's `model` must equal it or be empty/absent."""
+    default_size: tuple[int, int]
+    """(width, height) in pixels when a request gives no `size`."""
+    default_num_frames: int
+    """Frame count when a request gives neither `seconds` nor `num_frames`."""
+    fps: float
+    """Frames per second of the mp4s written; a clip's duration in seconds is num_frames / fps."""
+    size_multiple: int
+    """Width and height must be multiples of this, in pixels (16 for EasyAnimate: VAE 8x and patch 2)."""
+    max_width: int
+    """Largest width in pixels (memory bound)."""
+    max_height: int
+    """Largest height in pixels (memory bound)."""
+    max_num_frames: int
+    """Largest frame count (memory bound)."""
+    valid_num_frames: Callable[[int], bool]
+    """Which frame counts the model can make, e.g. EasyAnimate: 1 or 4k+1 (temporal VAE compression 4)."""
+    supports_image_to_video: bool
+    """Whether a first-frame `input_reference` image is accepted."""
+    default_num_inference_steps: int
+    """Denoising steps when a request gives no `num_inference_steps`."""
+    default_guidance_scale: float = 6.0
+    """Classifier-free guidance scale when a request gives no `guidance_scale` (1.0 = no guidance)."""
+
+    def __post_init__(self) -> None:
+        width, height = self.default_size
+        if self.size_multiple < 1 or self.fps <= 0 or self.max_num_frames < 1:
+            raise ValueError(
+                f"ModelSpec {self.name!r}: size_multiple, fps and max_num_frames must be positive, got "
+                f"{self.size_multiple}, {self.fps}, {self.max_num_frames}"
+            )
+        if _size_problem(width, height, self) is not None:
+            raise ValueError(f"ModelSpec {self.name!r}: default_size {width}x{height} is invalid: "
+                             f"{_size_problem(width, height, self)}")
+        if not self._frames_ok(self.default_num_frames):
+            raise ValueError(f"ModelSpec {self.name!r}: default_num_frames {self.default_num_frames} is not a "
+                             f"valid count within 1..{self.max_num_frames}")
+        if self.default_num_inference_steps < 1:
+            raise ValueError(f"ModelSpec {self.name!r}: default_num_inference_steps must be >= 1, got "
+                             f"{self.default_num_inference_steps}")
+
+    def _frames_ok(self, num_frames: int) -> bool:
+        return 1 <= num_frames <= self.max_num_frames and bool(self.valid_num_frames(num_frames))
+
+
+@dataclass(frozen=True)
+class VideoRequest:
+    """A validated `POST /v1/videos` request, ready for the job runner. Built only by `parse_video_request`."""
+
+    prompt: str
+    """Stripped, 1..max_prompt_chars characters."""
+    model: str
+    """Always the serving model's `ModelSpec.name`."""
+    width: int
+    """Pixels; a multiple of `ModelSpec.size_multiple`, <= max_width."""
+    height: int
+    """Pixels; a multiple of `ModelSpec.size_multiple`, <= max_height."""
+    num_frames: int
+    """A count the model can make (`ModelSpec.valid_num_frames`), <= max_num_frames."""
+    seconds: str
+    """The clip's actual duration num_frames / fps, as the video object's `seconds` string (e.g. "4.125")."""
+    seed: int
+    """0 .. 2**63-1; 0 when the request gives none (same request -> same video)."""
+    num_inference_steps: int
+    """1 .. ApiLimits.max_num_inference_steps."""
+    guidance_scale: float
+    """Finite, >= 1.0 (1.0 = no classifier-free guidance)."""
+    negative_prompt: str
+    """Stripped; "" when not given."""
+    input_reference: bytes | None = field(default=None, repr=False)
+    """The first-frame image re-encoded as RGB PNG bytes, or None for text-to-video."""
+
+    @property
+    def size(self) -> str:
+        """The video object's `size` string, "WxH"."""
+        return f"{self.width}x{self.height}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Parsing and validation (pure functions)
+# --------------------------------------------------------------------------------------------------------------
+
+_SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+_INT_RE = re.compile(r"^\s*[+-]?\d{1,30}\s*$")
+
+
+def _parse_int(name: str, text: str, what: str) -> int:
+    if not _INT_RE.match(text):
+        raise RequestError(400, name, f"{name} must be an integer ({what}), got {text!r}")
+    return int(text)
+
+
+def _parse_float(name: str, text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise RequestError(400, name, f"{name} must be a number ({what}), got {text!r}") from None
+    if not math.isfinite(value):
+        raise RequestError(400, name, f"{name} must be a finite number ({what}), got {text!r}")
+    return value
+
+
+def _size_problem(width: int, height: int, spec: ModelSpec) -> str | None:
+    """The first thing wrong with (width, height) for `spec`, as a sentence with the fix, or None if valid."""
+    m = spec.size_multiple
+    for side, value, largest in (("width", width, spec.max_width), ("height", height, spec.max_height)):
+        if value < m:
+            return f"{side} {value} is below the minimum {m}"
+        if value > largest:
+            return f"{side} {value} is above this model's maximum {largest}"
+        if value % m:
+            low, high = value // m * m, value // m * m + m
+            options = " or ".join(str(v) for v in (low, high) if m <= v <= largest)
+            return f"{side} {value} is not a multiple of {m}; use {options}"
+    return None
+
+
+def _valid_frames_near(spec: ModelSpec, num_frames: int) -> list[int]:
+    """The nearest valid frame counts below and above `num_frames` within 1..max_num_frames (0, 1 or 2 items)."""
+    near: list[int] = []
+    for n in range(min(num_frames - 1, spec.max_num_frames), 0, -1):
+        if spec.valid_num_frames(n):
+            near.append(n)
+            break
+    for n in range(max(num_frames + 1, 1), spec.max_num_frames + 1):
+        if spec.valid_num_frames(n):
+            near.append(n)
+            break
+    return near
+
+
+def _frames_from_seconds(seconds: float, spec: ModelSpec) -> int:
+    """The frame count for a duration: the valid count nearest round_half_up(seconds * fps) within
+    1..max_num_frames (a tie goes to the smaller count). Raises RequestError if round(seconds * fps) exceeds
+    max_num_frames."""
+    target = math.floor(seconds * spec.fps + 0.5)
+    if target > spec.max_num_frames:
+        max_seconds = spec.max_num_frames / spec.fps
+        raise RequestError(
+            400,
+            "seconds",
+            f"seconds {seconds:g} at {spec.fps:g} fps is {target} frames, above this model's maximum "
+            f"{spec.max_num_frames} frames; ask for at most {max_seconds:g} seconds",
+        )
+    if spec._frames_ok(target):
+        return target
+    near = _valid_frames_near(spec, target)
+    # Nearest by distance; on a tie the smaller count (less compute). `near` is sorted ascending.
+    return min(near, key=lambda n: (abs(n - target), n))
+
+
+def _format_seconds(num_frames: int, fps: float) -> str:
+    text = f"{num_frames / fps:.3f}".rstrip("0").rstrip(".")
+    return text or "0"
+
+
+def parse_video_request(
+    fields: Mapping[str, str],
+    image: tuple[str, str, bytes] | None,
+    *,
+    spec: ModelSpec,
+    limits: ApiLimits,
+) -> VideoRequest:
+    """Check a create request's fields and image against the model and limits; build the `VideoRequest`.
+
+    Args:
+        fields: the text form fields (name -> value, as the SDK's multipart body sends them, or JSON values as
+            strings). Accepted names are `CREATE_FIELDS`:
+            - `prompt` (required): stripped, non-empty, at most `limits.max_prompt_chars` characters.
+            - `model`: empty or `spec.name`.
+            - `size`: "WxH" in pixels, each a multiple of `spec.size_multiple` within `spec.max_width` x
+              `spec.max_height`; default `spec.default_size`.
+            - `seconds`: a positive number; the frame count is the valid count nearest round(seconds * fps)
+              (half up; a tie goes to the smaller count); round(seconds * fps) above `spec.max_num_frames` is a 400.
+            - `num_frames`: an exact frame count the model can make (else 400 naming the valid counts near it).
+              With `seconds`, both must give the same count. Default `spec.default_num_frames`.
+            - `seed`: integer 0 .. 2**63-1, default 0 (so a repeated request gives the same video).
+            - `num_inference_steps`: 1 .. `limits.max_num_inference_steps`, default
+              `spec.default_num_inference_steps`.
+            - `guidance_scale`: finite, >= 1.0, default `spec.default_guidance_scale`.
+            - `negative_prompt`: at most `limits.max_prompt_chars` characters, default "".
+        image: the `input_reference` upload as (filename, content_type, bytes), or None. Its content type is not
+            trusted; the bytes must decode with PIL (first frame of animated formats), each side at most
+            `limits.max_image_px`; re-encoded as RGB PNG.
+        spec: what the serving model can make.
+        limits: request size limits.
+
+    Returns:
+        The validated `VideoRequest`.
+
+    Raises:
+        RequestError: 400 with `param` = the first bad field, checked in a fixed order (unknown fields, then the
+            order above, then the image); 413 (`param="input_reference"`) for an image over
+            `limits.max_image_bytes`.
+    """
+    # 1. Unknown fields (sorted, so the message is deterministic).
+    unknown = sorted(set(fields) - set(CREATE_FIELDS))
+    if unknown:
+        raise RequestError(
+            400,
+            unknown[0],
+            f"unknown field(s) {', '.join(repr(u) for u in unknown)}; accepted fields: "
+            f"{', '.join(CREATE_FIELDS)} and the file part input_reference",
+            code="unknown_parameter",
+        )
+
+    def given(name: str) -> str | None:
+        value = fields.get(name)
+        return None if value is None or value.strip() == "" else value.strip()
+
+    # 2. Prompt.
+    prompt = (fields.get("prompt") or "").strip()
+    if not prompt:
+        raise RequestError(400, "prompt", "prompt is required and must not be empty or only whitespace",
+                           code="missing_required_parameter")
+    if len(prompt) > limits.max_prompt_chars:
+        raise RequestError(400, "prompt", f"prompt is {len(prompt)} characters, above the limit "
+                           f"{limits.max_prompt_chars}; shorten it")
+
+    # 3. Model.
+    model = given("model")
+    if model is not None and model != spec.name:
+        raise RequestError(400, "model", f"model {model!r} is not served here; this server serves {spec.name!r} "
+                           f"(send model={spec.name!r} or leave it out)", code="model_not_found")
+
+    # 4. Size.
+    size = given("size")
+    if size is None:
+        width, height = spec.default_size
+    else:
+        match = _SIZE_RE.match(size)
+        if match is None:
+            raise RequestError(400, "size", f"size {size!r} must be 'WIDTHxHEIGHT' in pixels, e.g. "
+                               f"'{spec.default_size[0]}x{spec.default_size[1]}'")
+        width, height = int(match[1]), int(match[2])
+        problem = _size_problem(width, height, spec)
+        if problem is not None:
+            raise RequestError(400, "size", f"size {size!r}: {problem} (sizes are multiples of "
+                               f"{spec.size_multiple} up to {spec.max_width}x{spec.max_height})")
+
+    # 5. Frames: `seconds` and/or `num_frames`.
+    seconds_text, num_frames_text = given("seconds"), given("num_frames")
+    frames_from_seconds = None
+    if seconds_text is not None:
+        seconds = _parse_float("seconds", seconds_text, "the clip duration")
+        if seconds <= 0:
+            raise RequestError(400, "seconds", f"seconds must be > 0, got {seconds_text!r}")
+        frames_from_seconds = _frames_from_seconds(seconds, spec)
+    if num_frames_text is not None:
+        num_frames = _parse_int("num_frames", num_frames_text, "a frame count")
+        if not spec._frames_ok(num_frames):
+            near = _valid_frames_near(spec, num_frames)
+            hint = f"nearest valid: {' or '.join(map(str, near))}" if near else "no valid count near it"
+            raise RequestError(400, "num_frames", f"num_frames {num_frames} is not a frame count this model can "
+                               f"make (valid counts are within 1..{spec.max_num_frames}); {hint}")
+        if frames_from_seconds is not None and frames_from_seconds != num_frames:
+            raise RequestError(400, "seconds", f"seconds {seconds_text} gives {frames_from_seconds} frames at "
+                               f"{spec.fps:g} fps but num_frames is {num_frames}; send only one of them")
+    else:
+        num_frames = frames_from_seconds if frames_from_seconds is not None else spec.default_num_frames
+
+    # 6. Seed, steps, guidance, negative prompt.
+    seed = 0
+    if (text := given("seed")) is not None:
+        seed = _parse_int("seed", text, f"0..{MAX_SEED}")
+        if not 0 <= seed <= MAX_SEED:
+            raise RequestError(400, "seed", f"seed must be within 0..{MAX_SEED} (2**63-1), got {seed}")
+    num_inference_steps = spec.default_num_inference_steps
+    if (text := given("num_inference_steps")) is not None:
+        num_inference_steps = _parse_int("num_inference_steps", text, f"1..{limits.max_num_inference_steps}")
+        if not 1 <= num_inference_steps <= limits.max_num_inference_steps:
+            raise RequestError(400, "num_inference_steps", f"num_inference_steps must be within "
+                               f"1..{limits.max_num_inference_steps}, got {num_inference_steps}")
+    guidance_scale = float(spec.default_guidance_scale)
+    if (text := given("guidance_scale")) is not None:
+        guidance_scale = _parse_float("guidance_scale", text, ">= 1.0")
+        if guidance_scale < 1.0:
+            raise RequestError(400, "guidance_scale", f"guidance_scale must be >= 1.0 (1.0 = no guidance), got "
+                               f"{text}")
+    negative_prompt = (fields.get("negative_prompt") or "").strip()
+    if len(negative_prompt) > limits.max_prompt_chars:
+        raise RequestError(400, "negative_prompt", f"negative_prompt is {len(negative_prompt)} characters, above "
+                           f"the limit {limits.max_prompt_chars}; shorten it")
+
+    # 7. Image.
+    input_reference = None
+    if image is not None:
+        input_reference = _check_image(image, spec=spec, limits=limits)
+
+    return VideoRequest(
+        prompt=prompt,
+        model=spec.name,
+        width=width,
+        height=height,
+        num_frames=num_frames,
+        seconds=_format_seconds(num_frames, spec.fps),
+        seed=seed,
+        num_inference_steps=num_inference_steps,
+        guidance_scale=guidance_scale,
+        negative_prompt=negative_prompt,
+        input_reference=input_reference,
+    )
+
+
+def _check_image(image: tuple[str, str, bytes], *, spec: ModelSpec, limits: ApiLimits) -> bytes:
+    """(filename, content_type, bytes) -> RGB PNG bytes. Raises RequestError 400/413 (param input_reference)."""
+    from PIL import Image  # Pillow is a core dependency; imported here to keep `import vidray.serve.api` light.
+
+    filename, _content_type, data = image
+    if not spec.supports_image_to_video:
+        raise RequestError(400, "input_reference", f"input_reference: {spec.name!r} is a text-to-video model and "
+                           "takes no image; send the request without input_reference")
+    if len(data) > limits.max_image_bytes:
+        raise RequestError(413, "input_reference", f"input_reference {filename!r} is {len(data)} bytes, above the "
+                           f"limit {limits.max_image_bytes} bytes; send a smaller (or compressed) image",
+                           code="request_too_large")
+    if not data:
+        raise RequestError(400, "input_reference", f"input_reference {filename!r} is empty; upload an image file")
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size  # from the header, before any pixels are decoded
+            if width > limits.max_image_px or height > limits.max_image_px:
+                raise RequestError(400, "input_reference", f"input_reference {filename!r} is {width}x{height} "
+                                   f"pixels, above the limit {limits.max_image_px} per side; resize it")
+            img.load()
+            rgb = img.convert("RGB")
+    except RequestError:
+        raise
+    except Exception as exc:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError, ValueError)
+        raise RequestError(400, "input_reference", f"input_reference {filename!r} is not an image PIL can decode "
+                           f"({type(exc).__name__}: {exc}); upload a PNG, JPEG or WebP file",
+                           code="invalid_image") from None
+    out = io.BytesIO()
+    rgb.save(out, format="PNG")
+    return out.getvalue()
+
+
+_DATA_URL_RE = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[^;,]*)*);base64,(.*)$", re.DOTALL)
+
+
+def _image_from_reference(image_url: str | None, file_id: str | None) -> tuple[str, str, bytes]:
+    """The SDK's `ImageInputReferenceParam` ({"image_url": ...} or {"file_id": ...}) -> an image tuple.
+    Only base64 `data:` URLs are accepted: this server fetches nothing. Raises RequestError 400."""
+    if file_id is not None:
+        raise RequestError(400, "input_reference", "input_reference.file_id is not supported here (no file "
+                           "store); upload the image as the input_reference file part")
+    url = (image_url or "").strip()
+    match = _DATA_URL_RE.match(url)
+    if match is None:
+        shown = url if len(url) <= 60 else url[:60] + "..."
+        raise RequestError(400, "input_reference", f"input_reference.image_url {shown!r} is not a base64 data "
+                           "URL; this server fetches no URLs: send 'data:image/png;base64,...' or upload the "
+                           "image as the input_reference file part")
+    try:
+        data = base64.b64decode(match[3], validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(400, "input_reference", "input_reference.image_url holds invalid base64 after "
+                           "';base64,'") from None
+    return ("image_url", match[1] or "application/octet-stream", data)
+
+
+def check_bearer(authorization: str | None, token: str | None) -> None:
+    """Check an `Authorization` header against the server's bearer token.
+
+    Args:
+        authorization: the header value (``"Bearer <token>"``), or None when absent.
+        token: the expected token; None disables auth (every request passes).
+
+    Raises:
+        RequestError: 401 (`param="authorization"`, header `WWW-Authenticate: Bearer`) when the header is missing
+            or differs from ``f"Bearer {token}"``; compared in constant time (`hmac.compare_digest`).
+    """
+    if token is None:
+        return
+    headers = {"WWW-Authenticate": "Bearer"}
+    if not authorization:
+        raise RequestError(401, "authorization", "missing bearer token: send the header 'Authorization: Bearer "
+                           "<token>' (the openai SDK sends api_key this way)", code="invalid_api_key",
+                           headers=headers)
+    expected = f"Bearer {token}".encode()
+    if not hmac.compare_digest(authorization.encode("utf-8", "surrogateescape"), expected):
+        raise RequestError(401, "authorization", "invalid bearer token in the Authorization header; use the "
+                           "token the server was started with", code="invalid_api_key", headers=headers)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The service the routes hand requests to
+# --------------------------------------------------------------------------------------------------------------
+
+
+class VideoService(Protocol):
+    """What the routes need from the job runner (`vidray.serve.app` implements it).
+
+    Its sync methods are called on the server's event loop: they must return quickly (a small database read).
+    Video objects are dicts in the OpenAI shape: `id`, `object: "video"`, `created_at` (unix s), `status`
+    (queued | in_progress | completed | failed), `progress` (0..100), `model`, `seconds`, `size`, optional
+    `completed_at`, `expires_at`, `prompt`, `error: {code, message}`.
+    """
+
+    auth_token: str | None
+    """Bearer token every route but /healthz requires; None disables auth."""
+    limits: ApiLimits
+    spec: ModelSpec
+
+    async def submit(self, request: VideoRequest) -> dict:
+        """Record a job for `request` durably and queue it; returns its video object (status `queued`)."""
+        ...
+
+    def get(self, video_id: str) -> dict | None:
+        """The video object, or None for an unknown (or deleted) id."""
+        ...
+
+    def list(self, *, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
+        """Up to `limit` video objects by `created_at` (`order` "asc" | "desc"), starting after the id `after`;
+        returns (objects, has_more)."""
+        ...
+
+    def delete(self, video_id: str) -> bool:
+        """Delete the job and its files; False for an unknown id."""
+        ...
+
+    def content_path(self, video_id: str) -> Path | None:
+        """The finished mp4's path, or None when the job is not completed (or its file is gone)."""
+        ...
+
+    def health(self) -> dict:
+        """A JSON-able health summary for /healthz."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------------------------
+# HTTP
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _counting_receive(receive: Receive, max_bytes: int) -> Receive:
+    """Wrap an ASGI `receive` so the request body raises `_BodyTooLarge` once it passes `max_bytes` (chunked
+    bodies carry no Content-Length to check up front)."""
+    seen = 0
+
+    async def wrapped() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > max_bytes:
+                raise _BodyTooLarge()
+        return message
+
+    return wrapped
+
+
+def _too_large(limits: ApiLimits, size: int | None) -> RequestError:
+    shown = f"{size} bytes" if size is not None else "more bytes"
+    return RequestError(413, None, f"request body is {shown}, above the limit {limits.max_body_bytes} bytes; "
+                        f"send a smaller input_reference image (at most {limits.max_image_bytes} bytes)",
+                        code="request_too_large")
+
+
+def _json_fields(body: bytes) -> tuple[dict[str, str], tuple[str, str, bytes] | None]:
+    """A JSON create body -> (text fields, image). Numbers become their decimal strings."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(400, None, f"request body is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise RequestError(400, None, f"request body must be a JSON object, got {type(data).__name__}")
+    fields: dict[str, str] = {}
+    image = None
+    for name, value in data.items():
+        if name == "input_reference":
+            if value is None:
+                continue
+            if not isinstance(value, dict) or set(value) - {"image_url", "file_id"}:
+                raise RequestError(400, "input_reference", "input_reference in a JSON body must be "
+                                   "{\"image_url\": \"data:image/png;base64,...\"}; or send multipart/form-data "
+                                   "with the image as the input_reference file part")
+            image = _image_from_reference(value.get("image_url"), value.get("file_id"))
+        elif value is None:
+            continue
+        elif isinstance(value, str):
+            fields[name] = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            fields[name] = str(value)
+        else:
+            raise RequestError(400, name, f"{name} must be a string or a number, got {json.dumps(value)[:60]}")
+    return fields, image
+
+
+async def _form_fields(request: Request) -> tuple[dict[str, str], tuple[str, str, bytes] | None]:
+    """A multipart/form-data or urlencoded create body -> (text fields, image)."""
+    try:
+        form = await request.form(max_files=4, max_fields=64)
+    except StarletteHTTPException as exc:  # starlette turns multipart syntax errors into 400s
+        raise RequestError(400, None, f"malformed form body: {exc.detail}") from None
+    try:
+        fields: dict[str, str] = {}
+        uploads: list[tuple[str, UploadFile]] = []
+        reference: dict[str, str] = {}
+        for name, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                uploads.append((name, value))
+            elif name in ("input_reference[image_url]", "input_reference[file_id]"):
+                reference[name[len("input_reference["):-1]] = value
+            elif name in fields:
+                raise RequestError(400, name, f"field {name!r} is given twice; send it once")
+            else:
+                fields[name] = value
+        for name, _ in uploads:
+            if name != "input_reference":
+                raise RequestError(400, name, f"unexpected file part {name!r}; the only file part accepted is "
+                                   "input_reference (the first-frame image)", code="unknown_parameter")
+        if len(uploads) + bool(reference) > 1:
+            raise RequestError(400, "input_reference", "input_reference is given more than once; send one image")
+        if uploads:
+            upload = uploads[0][1]
+            data = await upload.read()
+            image = (upload.filename or "input_reference", upload.content_type or "", data)
+        elif reference:
+            image = _image_from_reference(reference.get("image_url"), reference.get("file_id"))
+        else:
+            image = None
+        return fields, image
+    finally:
+        await form.close()
+
+
+def build_api(get_service: Callable[[], VideoService | None]) -> FastAPI:
+    """The FastAPI app with the OpenAI-compatible video routes (see the module docstring).
+
+    Args:
+        get_service: returns the job runner, or None while it is starting (routes then answer 503). Called on
+            every request, so the app can be built at import time (for `serve.ingress(app)`) before the service
+            exists.
+
+    Returns:
+        A FastAPI app whose every error answers ``{"error": {...}}`` JSON (RequestError's shape).
+    """
+    app = FastAPI(title="vidray video API", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+
+    # 1. Every error in the OpenAI error shape.
+    @app.exception_handler(RequestError)
+    async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
+        return exc.to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see /v1/videos"
+            code = "not_found"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+            code = "method_not_allowed"
+        else:
+            message, code = str(exc.detail), "invalid_request"
+        return RequestError(exc.status_code, None, message, code=code, headers=exc.headers).to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(part) for part in first.get("loc", ())]
+        param = loc[-1] if loc else None
+        return RequestError(400, param, f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid')}").to_response()
+
+    @app.exception_handler(Exception)
+    async def _server_error(_request: Request, exc: Exception) -> JSONResponse:
+        # Starlette logs the traceback and re-raises after sending this; the client sees no internals.
+        return RequestError(500, None, f"internal server error ({type(exc).__name__}); see the server log",
+                            code="server_error").to_response()
+
+    def service_or_503() -> VideoService:
+        service = get_service()
+        if service is None:
+            raise RequestError(503, None, "the video service is starting; retry in a few seconds",
+                               code="service_unavailable", headers={"Retry-After": "2"})
+        return service
+
+    def authorized(request: Request) -> VideoService:
+        service = service_or_503()
+        check_bearer(request.headers.get("authorization"), service.auth_token)
+        return service
+
+    def video_or_404(service: VideoService, video_id: str) -> dict:
+        video = service.get(video_id)
+        if video is None:
+            raise RequestError(404, "video_id", f"no video with id {video_id!r}; list them with GET /v1/videos",
+                               code="not_found")
+        return video
+
+    # 2. Routes.
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        return JSONResponse(service_or_503().health())
+
+    @app.post("/v1/videos")
+    async def create_video(request: Request) -> JSONResponse:
+        service = authorized(request)
+        limits = service.limits
+        # Size first, before any parser reads the body: the declared length, then a count as it streams in.
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                raise RequestError(400, "content-length", f"Content-Length {declared!r} is not a byte count")
+            if int(declared) > limits.max_body_bytes:
+                raise _too_large(limits, int(declared))
+        limited = Request(request.scope, _counting_receive(request.receive, limits.max_body_bytes))
+        content_type = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+        try:
+            if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
+                fields, image = await _form_fields(limited)
+            elif content_type == "application/json":
+                fields, image = _json_fields(await limited.body())
+            else:
+                raise RequestError(415, "content-type", f"Content-Type {content_type or '(none)'!r} is not "
+                                   "accepted; send multipart/form-data (as the openai SDK does) or "
+                                   "application/json", code="unsupported_media_type")
+        except _BodyTooLarge:
+            raise _too_large(limits, None) from None
+        if image is None:
+            video_request = parse_video_request(fields, None, spec=service.spec, limits=limits)
+        else:  # decoding an image can take ~100 ms: off the event loop, which serves every other request
+            video_request = await run_in_threadpool(
+                parse_video_request, fields, image, spec=service.spec, limits=limits
+            )
+        return JSONResponse(await service.submit(video_request))
+
+    @app.get("/v1/videos")
+    async def list_videos(
+        request: Request, after: str | None = None, limit: str | None = None, order: str | None = None
+    ) -> JSONResponse:
+        service = authorized(request)
+        count = 20
+        if limit is not None:
+            count = _parse_int("limit", limit, "1..100")
+            if not 1 <= count <= 100:
+                raise RequestError(400, "limit", f"limit must be within 1..100, got {count}")
+        order = order or "desc"
+        if order not in ("asc", "desc"):
+            raise RequestError(400, "order", f"order must be 'asc' or 'desc', got {order!r}")
+        data, has_more = service.list(after=after or None, limit=count, order=order)
+        return JSONResponse({
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": bool(has_more),
+        })
+
+    @app.get("/v1/videos/{video_id}")
+    async def retrieve_video(request: Request, video_id: str) -> JSONResponse:
+        service = authorized(request)
+        video = video_or_404(service, video_id)
+        headers = {"openai-poll-after-ms": str(POLL_AFTER_MS)} if video.get("status") in _UNFINISHED else None
+        return JSONResponse(video, headers=headers)
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def download_video(request: Request, video_id: str, variant: str | None = None) -> FileResponse:
+        service = authorized(request)
+        if variant not in (None, "", "video"):
+            raise RequestError(400, "variant", f"variant {variant!r} is not available; only 'video' (the mp4) is "
+                               "served here")
+        video = video_or_404(service, video_id)
+        status = video.get("status")
+        if status != "completed":
+            if status == "failed":
+                reason = (video.get("error") or {}).get("message") or "no reason recorded"
+                detail = f"failed ({reason}); it has no content; create a new video"
+            else:
+                detail = (f"{status} ({video.get('progress', 0)}% done); poll GET /v1/videos/{video_id} until "
+                          "its status is 'completed'")
+            raise RequestError(409, "video_id", f"video {video_id!r} is {detail}", code="video_not_ready")
+        path = service.content_path(video_id)
+        if path is None or not Path(path).is_file():
+            raise RequestError(404, "video_id", f"video {video_id!r} is completed but its mp4 is no longer "
+                               "stored (expired or deleted); create it again", code="not_found")
+        return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+
+    @app.delete("/v1/videos/{video_id}")
+    async def delete_video(request: Request, video_id: str) -> JSONResponse:
+        service = authorized(request)
+        if not service.delete(video_id):
+            raise RequestError(404, "video_id", f"no video with id {video_id!r}; list them with GET /v1/videos",
+                               code="not_found")
+        return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
+
+    return app

@@ -1,0 +1,417 @@
+"""The vidray Serve application: settings, the ingress deployment with its job runner, and `build_app`.
+
+```
+serve run serve/serve_config.yaml        # import path serve.app:build_app, args = ServeSettings
+```
+`build_app(args)` validates the settings and the model folder (config files only, no weights) before Serve
+reserves anything, then binds: `VideoIngress` (HTTP, `vidray.serve.api`) -> handles to `TextEncoder`, `Denoiser`,
+`VaeDecoder` (`vidray.serve.stages`).
+
+Jobs: `POST /v1/videos` writes a queued record to the job store (`vidray.serve.jobs`, sqlite under
+`store_dir`) and returns. Each ingress replica runs a job runner that claims queued jobs (up to
+`runner.max_concurrent_jobs` at once), runs text -> denoise -> decode through the stage handles, writes the mp4
+into the store and marks the job completed. Progress (0-100) moves with the denoising steps: 5 after the prompt is
+encoded, 5 + 90 * step / num_inference_steps while denoising, 100 when the mp4 is stored.
+
+Faults (documented outcome, tested): a stage replica that dies under a job (its actor is gone) hands the job back:
+it is queued again for one more attempt (`runner.max_attempts`, default 2), and a second death marks it failed with
+`error.code = "replica_died"`. An ingress replica that dies stops renewing its jobs' leases; any runner's sweep
+re-queues them (or fails them with `runner_lost` after the last attempt) once `runner.lease_s` has passed. Serve
+restarts dead replicas. A job deleted while running is dropped by its runner at the next progress update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray import serve
+
+from vidray.errors import UserError
+from vidray.serve.api import ApiLimits, ModelSpec, VideoRequest, build_api
+from vidray.serve.jobs import JobStore
+from vidray.serve.policy import PolicyConfig
+from vidray.serve.stages import Denoiser, TextEncoder, VaeDecoder
+
+__all__ = ["ServeSettings", "ServeSettingsError", "VideoIngress", "VideoJobService", "build_app", "model_spec"]
+
+logger = logging.getLogger("ray.serve")
+
+
+class ServeSettingsError(UserError):
+    """Application args that cannot work; raised by `build_app` before any replica starts."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AuthSettings(_Section):
+    token_env: str = "VIDRAY_API_TOKEN"
+    """Environment variable holding the bearer token (read by `build_app`)."""
+    token_file: str | None = None
+    """A file holding the token (e.g. a mounted secret); wins over token_env."""
+    disabled: bool = False
+    """True serves without authentication (say so explicitly; the default refuses to start without a token)."""
+
+
+class LimitSettings(_Section):
+    max_body_bytes: int = Field(8 * 2**20, ge=1024)
+    max_prompt_chars: int = Field(2000, ge=1)
+    max_image_bytes: int = Field(4 * 2**20, ge=1)
+    max_image_px: int = Field(4096, ge=16)
+    max_num_inference_steps: int = Field(100, ge=1)
+    max_width: int = Field(1024, ge=16)
+    """Largest video width in pixels a request may ask (memory)."""
+    max_height: int = Field(1024, ge=16)
+    max_num_frames: int = Field(129, ge=1)
+
+
+class RunnerSettings(_Section):
+    max_concurrent_jobs: int = Field(16, ge=1)
+    """Jobs one ingress replica runs at once (their denoising batches together in the Denoiser)."""
+    lease_s: float = Field(30.0, gt=0)
+    """A running job's lease; renewed every lease_s / 3 s; an expired lease means its runner died."""
+    max_attempts: int = Field(2, ge=1)
+    """Claims per job: 2 = one retry after a replica died under it."""
+    poll_s: float = Field(0.5, gt=0)
+    """How often an idle runner looks for queued jobs (submissions to this replica wake it at once)."""
+
+
+class PolicySettings(_Section):
+    latency_target_s: float = Field(120.0, gt=0)
+    max_batch_size: int = Field(8, ge=1)
+    max_wait_s: float = Field(0.05, ge=0)
+
+
+class ServeSettings(_Section):
+    """The application's `args` in `serve/serve_config.yaml` (unknown keys are refused)."""
+
+    model_path: str
+    """A diffusers folder written by training (`<run>/diffusers`) or a checkpoint folder; relative paths are taken
+    from the folder `serve run` / `serve deploy` ran in."""
+    model_name: str = "vidray"
+    """The `model` string of responses; requests may omit `model` or give exactly this."""
+    store_dir: str = "outputs/serve"
+    """Job records (sqlite) and finished mp4s; a local disk shared by this host's replicas."""
+    fps: float = Field(8.0, gt=0, le=240)
+    """Frame rate of the mp4s; `seconds` of a request = num_frames / fps."""
+    default_num_inference_steps: int = Field(16, ge=1)
+    default_guidance_scale: float = Field(1.0, ge=1.0)
+    auth: AuthSettings = AuthSettings()
+    limits: LimitSettings = LimitSettings()
+    policy: PolicySettings = PolicySettings()
+    runner: RunnerSettings = RunnerSettings()
+
+
+def _read_token(auth: AuthSettings) -> str | None:
+    if auth.disabled:
+        return None
+    if auth.token_file:
+        path = Path(auth.token_file).expanduser()
+        if not path.is_file():
+            raise ServeSettingsError(f"auth.token_file {path} does not exist; create it or set auth.token_env")
+        token = path.read_text().strip()
+        where = f"auth.token_file {path}"
+    else:
+        token = os.environ.get(auth.token_env, "").strip()
+        where = f"environment variable {auth.token_env}"
+    if len(token) < 16:
+        raise ServeSettingsError(
+            f"no bearer token: {where} is empty or shorter than 16 characters; set it (e.g. "
+            f"`export {auth.token_env}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')`), or "
+            "serve without authentication by setting auth.disabled: true"
+        )
+    return token
+
+
+def model_spec(settings: ServeSettings, info) -> ModelSpec:
+    """What the model folder (`vidray.models.export.ModelInfo`) can make, bounded by settings.limits."""
+    bucket = info.default_bucket()
+    if bucket is None:
+        raise ServeSettingsError(f"model_path {info.path} records no training bucket (a stock diffusers folder); "
+                                 "serve a folder exported by vidray training")
+    family = info.family
+
+    def valid_num_frames(num_frames: int) -> bool:
+        try:
+            family.latent_shape((num_frames, bucket.height, bucket.width), 1)
+        except ValueError:
+            return False
+        return True
+
+    probe_size = family.spatial_compression_ratio * 2  # VAE downsampling x DiT patch
+    return ModelSpec(
+        name=settings.model_name,
+        default_size=(bucket.width, bucket.height),
+        default_num_frames=bucket.num_frames,
+        fps=settings.fps,
+        size_multiple=probe_size,
+        max_width=settings.limits.max_width,
+        max_height=settings.limits.max_height,
+        max_num_frames=settings.limits.max_num_frames,
+        valid_num_frames=valid_num_frames,
+        supports_image_to_video=False,
+        default_num_inference_steps=settings.default_num_inference_steps,
+        default_guidance_scale=settings.default_guidance_scale,
+    )
+
+
+class VideoJobService:
+    """What the HTTP routes call (`vidray.serve.api.VideoService`), plus the job runner of one ingress replica."""
+
+    def __init__(self, settings: ServeSettings, auth_token: str | None, text, denoiser, vae):
+        from vidray.models.export import inspect_model
+
+        self.settings = settings
+        self.auth_token = auth_token
+        limits = settings.limits
+        self.limits = ApiLimits(max_body_bytes=limits.max_body_bytes, max_prompt_chars=limits.max_prompt_chars,
+                                max_image_bytes=limits.max_image_bytes, max_image_px=limits.max_image_px,
+                                max_num_inference_steps=limits.max_num_inference_steps)
+        self.info = inspect_model(settings.model_path)
+        self.spec = model_spec(settings, self.info)
+        self.store = JobStore(settings.store_dir, max_attempts=settings.runner.max_attempts)
+        self.text, self.denoiser, self.vae = text, denoiser, vae
+        self.owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._wake = asyncio.Event()
+        self._active: dict[str, asyncio.Task] = {}
+        self._runner_task: asyncio.Task | None = None
+
+    # --- routes -------------------------------------------------------------------------------------------------
+    async def submit(self, request: VideoRequest) -> dict:
+        params = {
+            "num_frames": request.num_frames, "width": request.width, "height": request.height,
+            "seed": request.seed, "num_inference_steps": request.num_inference_steps,
+            "guidance_scale": request.guidance_scale, "negative_prompt": request.negative_prompt,
+            "fps": self.spec.fps,
+        }
+        job = await asyncio.to_thread(
+            self.store.create, model=request.model or self.spec.name, prompt=request.prompt,
+            size=f"{request.width}x{request.height}", seconds=request.seconds, params=params,
+            input_reference=request.input_reference,
+        )
+        self.ensure_runner()
+        self._wake.set()
+        return job.to_openai()
+
+    def get(self, video_id: str) -> dict | None:
+        job = self.store.get(video_id)
+        return None if job is None else job.to_openai()
+
+    def list(self, *, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
+        jobs, has_more = self.store.list(after=after, limit=limit, order=order)
+        return [job.to_openai() for job in jobs], has_more
+
+    def delete(self, video_id: str) -> bool:
+        return self.store.delete(video_id)
+
+    def content_path(self, video_id: str) -> Path | None:
+        return self.store.video_path(video_id)
+
+    def health(self) -> dict:
+        self.ensure_runner()
+        return {"status": "ok", "model": self.spec.name, "jobs": self.store.counts(),
+                "running_here": len(self._active)}
+
+    # --- runner -------------------------------------------------------------------------------------------------
+    def ensure_runner(self) -> None:
+        """Start this replica's runner task (idempotent; needs the replica's event loop)."""
+        if self._runner_task is None or self._runner_task.done():
+            self._runner_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                for job_id, status in await asyncio.to_thread(self.store.recover_expired):
+                    logger.warning("job %s lost its runner (lease expired): now %s", job_id, status)
+                while len(self._active) < self.settings.runner.max_concurrent_jobs:
+                    job = await asyncio.to_thread(self.store.claim, self.owner, self.settings.runner.lease_s)
+                    if job is None:
+                        break
+                    task = asyncio.get_running_loop().create_task(self._execute(job))
+                    self._active[job.id] = task
+                    task.add_done_callback(lambda _t, job_id=job.id: self._active.pop(job_id, None))
+            except Exception:  # noqa: BLE001 - the runner must outlive a bad sweep (e.g. a locked disk)
+                logger.exception("job runner sweep failed; retrying")
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.settings.runner.poll_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _execute(self, job) -> None:
+        """Run one claimed job through the stages; every outcome ends in the store (completed, queued again,
+        failed), never left in_progress by a live runner."""
+        import ray.exceptions
+
+        lease_s = self.settings.runner.lease_s
+        progress = {"value": 0}
+        owned = {"value": True}
+
+        async def heartbeat():
+            while True:
+                await asyncio.sleep(lease_s / 3)
+                ok = await asyncio.to_thread(self.store.heartbeat, job.id, self.owner,
+                                             progress=progress["value"], lease_s=lease_s)
+                if not ok:
+                    owned["value"] = False
+                    return
+
+        beat = asyncio.get_running_loop().create_task(heartbeat())
+        try:
+            mp4 = await self._render(job, progress, owned)
+            if mp4 is None:
+                logger.info("job %s was deleted or re-claimed while running; dropped", job.id)
+                return
+            done = await asyncio.to_thread(self.store.complete, job.id, self.owner, mp4)
+            if not done:
+                mp4.unlink(missing_ok=True)
+        except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError,
+                ray.exceptions.RayActorError) as err:
+            status = await asyncio.to_thread(
+                self.store.release, job.id, self.owner, code="replica_died",
+                message=f"a stage replica died while rendering this video ({type(err).__name__})",
+            )
+            logger.warning("job %s: a stage replica died (%s); job now %s", job.id, type(err).__name__, status)
+        except Exception as err:  # noqa: BLE001 - any other failure fails this job with its reason
+            logger.exception("job %s failed", job.id)
+            await asyncio.to_thread(self.store.fail, job.id, self.owner, "internal_error",
+                                    f"{type(err).__name__}: {err}"[:500])
+        finally:
+            beat.cancel()
+
+    async def _render(self, job, progress: dict, owned: dict) -> Path | None:
+        """text -> denoise (streamed progress) -> decode -> mp4 in the store's folder; None if the job was lost."""
+        from vidray.data.video import write_mp4
+
+        params = job.params
+        num_frames, width, height = params["num_frames"], params["width"], params["height"]
+        guided = params["guidance_scale"] > 1.0
+        # 1. Encode the prompt (and the negative prompt for classifier-free guidance).
+        calls = [self.text.encode.remote(job.prompt)]
+        if guided:
+            calls.append(self.text.encode.remote(params.get("negative_prompt", "")))
+        encoded = [await call for call in calls]
+        progress["value"] = 5
+        # 2. Denoise, following the step events.
+        prompt_embeds, prompt_attention_mask = encoded[0]
+        request = {
+            "prompt_embeds": prompt_embeds, "prompt_attention_mask": prompt_attention_mask,
+            "negative_prompt_embeds": encoded[1][0] if guided else None,
+            "negative_prompt_attention_mask": encoded[1][1] if guided else None,
+            "guidance_scale": params["guidance_scale"],
+            "latent_shape": self.info.family.latent_shape((num_frames, height, width), 1),
+            "num_inference_steps": params["num_inference_steps"], "seed": params["seed"],
+            "sent_at": time.time(),
+        }
+        latents = None
+        async for event in self.denoiser.options(stream=True).denoise.remote(request):
+            if "latents" in event:
+                latents = event["latents"]
+            else:
+                progress["value"] = 5 + int(90 * event["step"] / event["num_inference_steps"])
+                now = time.monotonic()
+                if now - progress.get("written_at", 0.0) >= 0.2:  # progress reaches the store 5x/s at most
+                    progress["written_at"] = now
+                    owned["value"] = await asyncio.to_thread(
+                        self.store.heartbeat, job.id, self.owner, progress=progress["value"],
+                        lease_s=self.settings.runner.lease_s)
+            if not owned["value"]:
+                return None
+        if latents is None:
+            raise RuntimeError("the denoiser ended without latents")
+        # 3. Decode and write the mp4 next to the store (same filesystem: the store moves it in atomically).
+        frames = await self.vae.decode.remote(latents)
+        tmp_dir = Path(self.settings.store_dir) / "tmp"
+        tmp_dir.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(suffix=".mp4", dir=tmp_dir)
+        os.close(fd)
+        await asyncio.to_thread(write_mp4, frames, name, float(params["fps"]))
+        progress["value"] = 99
+        return Path(name) if owned["value"] else None
+
+
+_service: VideoJobService | None = None
+"""This replica's service (one ingress per replica process); None until the replica has started."""
+
+
+def current_service() -> VideoJobService | None:
+    """This replica's service. A module-level function on purpose: Serve pickles the ingress class and its app by
+    value, and cloudpickle sends named module functions by reference, so the routes read this module's global in
+    the replica (a lambda would carry a frozen copy of the globals)."""
+    return _service
+
+
+api = build_api(current_service)
+
+
+@serve.deployment(name="VideoIngress", max_ongoing_requests=256)
+@serve.ingress(api)
+class VideoIngress:
+    """HTTP ingress: the OpenAI-compatible routes of `vidray.serve.api` over this replica's `VideoJobService`."""
+
+    def __init__(self, settings: dict[str, Any], auth_token: str | None, text, denoiser, vae):
+        import vidray.serve.app as module  # this class arrives pickled by value: set the real module's global
+
+        self.service = VideoJobService(ServeSettings(**settings), auth_token, text, denoiser, vae)
+        module._service = self.service
+        try:
+            self.service.ensure_runner()
+        except RuntimeError:  # no running loop in this constructor: the first health check starts it
+            logger.info("job runner starts with the first health check or request")
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check (every 10 s); also (re)starts the runner, so queued jobs run after a
+        restart without any request."""
+        self.service.ensure_runner()
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """The application for `serve run` / `serve deploy` (import path `serve.app:build_app`).
+
+    `args` = ServeSettings. Checked here, before Serve starts any replica: unknown or out-of-range keys, the bearer
+    token (unless auth.disabled), the model folder (config files only), the policy against the Denoiser's
+    max_ongoing_requests. Raises ServeSettingsError naming the key and the fix.
+    """
+    from vidray.models.export import inspect_model
+
+    try:
+        settings = ServeSettings(**(args or {}))
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise ServeSettingsError(f"serve_config.yaml application args: {problems}") from None
+    auth_token = _read_token(settings.auth)
+    root = Path.cwd()
+    settings = settings.model_copy(update={
+        "model_path": str((root / settings.model_path).resolve()),
+        "store_dir": str((root / settings.store_dir).resolve()),
+    })
+    try:
+        info = inspect_model(settings.model_path)
+    except UserError as err:
+        raise ServeSettingsError(f"model_path: {err}") from None
+    model_spec(settings, info)
+    try:
+        policy = PolicyConfig(**settings.policy.model_dump())
+    except ValueError as err:
+        raise ServeSettingsError(f"policy: {err}") from None
+    Path(settings.store_dir).mkdir(parents=True, exist_ok=True)
+    JobStore(settings.store_dir, max_attempts=settings.runner.max_attempts)  # creates / checks the schema now
+    denoiser = Denoiser.options(max_ongoing_requests=max(16, 2 * policy.max_batch_size))
+    logger.info("vidray serve: model %s, store %s, auth %s", settings.model_path, settings.store_dir,
+                "off" if auth_token is None else "bearer token")
+    return VideoIngress.bind(
+        settings.model_dump(), auth_token,
+        TextEncoder.bind(settings.model_path),
+        denoiser.bind(settings.model_path, settings.policy.model_dump()),
+        VaeDecoder.bind(settings.model_path),
+    )

@@ -1,0 +1,660 @@
+"""The durable video-job store: job records in sqlite, finished videos and input images as files.
+
+Job records and videos live outside the Serve replicas, so a replica that crashes loses no job (issue 8 item 5).
+Several processes on one host share one store at once (the ingress replicas, the job runner): every call opens
+its own sqlite connection (WAL journal, 30 s busy timeout) and every write runs in a ``BEGIN IMMEDIATE``
+transaction, so writers queue for the lock instead of failing with "database is locked".
+
+Layout under the store's root folder::
+
+    root/jobs.sqlite3          the job table (one row per job)
+    root/videos/<id>.mp4       finished videos, moved in by `JobStore.complete`
+    root/inputs/<id>.<ext>     first-frame images given with `POST /v1/videos` (``input_reference``)
+
+A job's life::
+
+    create -> queued -claim-> in_progress -complete-> completed
+                 ^                 |  \\-fail-> failed
+                 |                 |
+                 +--release / recover_expired (attempts < max_attempts), else -> failed
+
+Rules the store enforces:
+
+- A ``completed`` or ``failed`` job never changes again, except that `JobStore.delete` removes it.
+- Every change to an ``in_progress`` job names its owner (the runner that claimed it); a runner whose lease
+  expired and whose job was re-claimed, released or deleted gets ``False`` and changes nothing.
+- ``progress`` never goes down within one attempt; a job put back to ``queued`` starts its next attempt at 0.
+- A job whose runner died (its lease ran out) is retried while ``attempts < max_attempts``, else marked
+  ``failed`` with code ``runner_lost``: never left ``in_progress``.
+
+The response object follows the OpenAI Videos API (`VideoJob.to_openai`; see NOTES.md "OpenAI Videos API").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import re
+import shutil
+import sqlite3
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "JOB_STATUSES",
+    "TERMINAL_STATUSES",
+    "JobStore",
+    "VideoJob",
+    "is_job_id",
+    "new_job_id",
+]
+
+JOB_STATUSES = ("queued", "in_progress", "completed", "failed")
+"""Every status a job can have, in the order a job goes through them (OpenAI Videos API terms)."""
+
+TERMINAL_STATUSES = ("completed", "failed")
+"""Statuses a job never leaves (except by deletion)."""
+
+_SCHEMA_VERSION = 1
+_JOB_ID_RE = re.compile(r"video_[0-9a-f]{32}")
+_SUFFIX_RE = re.compile(r"\.[A-Za-z0-9]{1,8}")
+_BUSY_TIMEOUT_S = 30.0
+_MAX_LIST_LIMIT = 100
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq             INTEGER PRIMARY KEY AUTOINCREMENT,
+    id              TEXT    NOT NULL UNIQUE,
+    created_at      INTEGER NOT NULL,
+    status          TEXT    NOT NULL,
+    progress        INTEGER NOT NULL,
+    model           TEXT    NOT NULL,
+    prompt          TEXT    NOT NULL,
+    size            TEXT    NOT NULL,
+    seconds         TEXT    NOT NULL,
+    params          TEXT    NOT NULL,
+    attempts        INTEGER NOT NULL,
+    owner           TEXT,
+    lease_until     REAL,
+    completed_at    INTEGER,
+    error           TEXT,
+    input_reference TEXT
+);
+CREATE INDEX IF NOT EXISTS jobs_status_order ON jobs (status, created_at, seq);
+CREATE INDEX IF NOT EXISTS jobs_order ON jobs (created_at, seq);
+"""
+
+_COLUMNS = (
+    "id, created_at, status, progress, model, prompt, size, seconds, params, attempts, owner, lease_until, "
+    "completed_at, error, input_reference"
+)
+
+
+def new_job_id() -> str:
+    """A fresh job id: ``"video_"`` + 32 lowercase hex digits (uuid4)."""
+    return "video_" + uuid.uuid4().hex
+
+
+def is_job_id(value: object) -> bool:
+    """True if `value` has the form of a job id made by `new_job_id` (so it is safe inside a file name)."""
+    return isinstance(value, str) and _JOB_ID_RE.fullmatch(value) is not None
+
+
+@dataclass(frozen=True)
+class VideoJob:
+    """One video generation job, as stored (a snapshot: later changes need another `JobStore.get`)."""
+
+    id: str
+    """``"video_"`` + uuid4 hex."""
+    created_at: int
+    """Unix time of `JobStore.create`, seconds."""
+    status: str
+    """One of `JOB_STATUSES`."""
+    progress: int
+    """Percent done, 0..100; never goes down within one attempt, back to 0 when the job is re-queued."""
+    model: str
+    prompt: str
+    size: str
+    """``"WxH"`` in pixels, e.g. ``"64x64"``."""
+    seconds: str
+    """Clip length as the OpenAI API gives it, a decimal string, e.g. ``"1.125"``."""
+    params: dict
+    """Generation parameters (JSON): num_frames, seed, num_inference_steps, guidance_scale, negative_prompt, fps..."""
+    attempts: int
+    """How many times a runner claimed the job."""
+    owner: str | None
+    """The runner id holding the job while ``in_progress`` (kept after it finishes, for the record)."""
+    lease_until: float | None
+    """Unix time, seconds, after which an ``in_progress`` job counts as lost; None when not ``in_progress``."""
+    completed_at: int | None
+    """Unix time, seconds, when the job became ``completed`` or ``failed``; None before."""
+    error: dict | None
+    """``{"code": str, "message": str}`` for a ``failed`` job (and the last retried failure of a re-queued
+    one); None otherwise."""
+    input_reference: str | None
+    """Path of the stored first-frame image, or None for text-to-video."""
+
+    def to_openai(self) -> dict:
+        """The OpenAI Videos API ``video`` object: exactly the keys ``id, object, created_at, status, progress,
+        model, seconds, size, prompt, completed_at, expires_at, error, remixed_from_video_id``.
+
+        ``error`` is shown only on a ``failed`` job (a re-queued job keeps its last error internally)."""
+        return {
+            "id": self.id,
+            "object": "video",
+            "created_at": self.created_at,
+            "status": self.status,
+            "progress": self.progress,
+            "model": self.model,
+            "seconds": self.seconds,
+            "size": self.size,
+            "prompt": self.prompt,
+            "completed_at": self.completed_at,
+            "expires_at": None,
+            "error": dict(self.error) if (self.error is not None and self.status == "failed") else None,
+            "remixed_from_video_id": None,
+        }
+
+
+def _row_to_job(row: tuple) -> VideoJob:
+    (id_, created_at, status, progress, model, prompt, size, seconds, params, attempts, owner, lease_until,
+     completed_at, error, input_reference) = row
+    return VideoJob(
+        id=id_,
+        created_at=int(created_at),
+        status=status,
+        progress=int(progress),
+        model=model,
+        prompt=prompt,
+        size=size,
+        seconds=seconds,
+        params=json.loads(params),
+        attempts=int(attempts),
+        owner=owner,
+        lease_until=lease_until,
+        completed_at=completed_at,
+        error=json.loads(error) if error is not None else None,
+        input_reference=input_reference,
+    )
+
+
+def _check_str(name: str, value: object, *, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    if not allow_empty and not value:
+        raise ValueError(f"{name} must be a non-empty string")
+    return value
+
+
+def _check_lease(lease_s: object) -> float:
+    if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not math.isfinite(lease_s) \
+            or lease_s <= 0:
+        raise ValueError(f"lease_s must be a finite number of seconds > 0, got {lease_s!r}")
+    return float(lease_s)
+
+
+def _check_progress(progress: object) -> int:
+    if isinstance(progress, bool) or not isinstance(progress, int) or not 0 <= progress <= 100:
+        raise ValueError(f"progress must be an int percentage in 0..100, got {progress!r}")
+    return progress
+
+
+class JobStore:
+    """The video-job table and its files under one root folder, shared safely by threads and processes.
+
+    Each method opens its own sqlite connection, so one `JobStore` may be used from many threads, and many
+    `JobStore` objects (in many processes on one host) may open the same root at once. Needs a local
+    filesystem: sqlite's WAL mode does not work over network filesystems (NFS), so give each host its own
+    root or use a server database.
+
+    Args:
+        root: the store's folder; created (with ``videos/`` and ``inputs/``) if missing.
+        max_attempts: how many times a job is claimed before a lost or released job is marked ``failed``
+            (2 = one retry). Must be >= 1.
+
+    Raises:
+        ValueError: `max_attempts` < 1, or ``jobs.sqlite3`` was written by another schema version.
+        sqlite3.DatabaseError: ``jobs.sqlite3`` exists but is not a sqlite database.
+    """
+
+    def __init__(self, root: str | Path, *, max_attempts: int = 2) -> None:
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ValueError(f"max_attempts must be an int >= 1 (2 = one retry), got {max_attempts!r}")
+        self.root = Path(root)
+        self.max_attempts = max_attempts
+        self.db_path = self.root / "jobs.sqlite3"
+        self.videos_dir = self.root / "videos"
+        self.inputs_dir = self.root / "inputs"
+        for folder in (self.root, self.videos_dir, self.inputs_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        self._init_db()
+
+    def __repr__(self) -> str:
+        return f"JobStore(root={str(self.root)!r}, max_attempts={self.max_attempts})"
+
+    # ------------------------------------------------------------------ connections
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        """A fresh autocommit connection (transactions are explicit), closed on exit."""
+        conn = sqlite3.connect(self.db_path, timeout=_BUSY_TIMEOUT_S, isolation_level=None)
+        try:
+            yield conn
+        finally:
+            conn.close()
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """A ``BEGIN IMMEDIATE`` transaction: takes the write lock up front (waiting up to 30 s for it), so a
+        read-then-write never fails half-way with "database is locked"; commits on success, rolls back on error."""
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def _init_db(self) -> None:
+        with self._connect() as conn:
+            # Switching to WAL needs a moment alone with the file; the busy timeout covers other processes opening
+            # it at the same time. The mode is stored in the file, so later connections get it for free.
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise RuntimeError(
+                    f"could not put {self.db_path} in WAL mode (got {mode!r}); the job store needs a local "
+                    "filesystem (not NFS) that supports shared memory"
+                )
+        with self._write() as conn:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0:
+                for statement in filter(str.strip, _SCHEMA.split(";")):
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+            elif version != _SCHEMA_VERSION:
+                raise ValueError(
+                    f"{self.db_path} has job-store schema version {version}, this vidray reads version "
+                    f"{_SCHEMA_VERSION}; point the store at a new root folder or upgrade vidray"
+                )
+
+    # ------------------------------------------------------------------ records
+
+    def create(
+        self,
+        *,
+        model: str,
+        prompt: str,
+        size: str,
+        seconds: str,
+        params: dict,
+        input_reference: bytes | None = None,
+        input_suffix: str = ".png",
+    ) -> VideoJob:
+        """Store a new job, ``queued`` with progress 0, and its first-frame image if given.
+
+        The fields are stored as given: the ingress validates them (size, frame count, prompt length, image)
+        before calling this.
+
+        Args:
+            model, prompt, size, seconds: as in the OpenAI request (``size`` ``"WxH"``, ``seconds`` a decimal
+                string).
+            params: JSON-serializable generation parameters (num_frames, seed, ...); stored as a copy.
+            input_reference: the first-frame image file's bytes, written to ``inputs/<id><input_suffix>``.
+            input_suffix: the image file's extension with its dot, e.g. ``".png"``, ``".jpg"``.
+
+        Returns:
+            The new job.
+
+        Raises:
+            TypeError: a field has the wrong type (model, prompt, size, seconds must be str; params a dict;
+                input_reference bytes).
+            ValueError: params is not JSON-serializable, or input_suffix is not a dot and 1-8 letters/digits.
+        """
+        for name, value in (("model", model), ("size", size), ("seconds", seconds)):
+            _check_str(name, value)
+        _check_str("prompt", prompt, allow_empty=True)
+        if not isinstance(params, dict):
+            raise TypeError(f"params must be a dict of generation parameters, got {type(params).__name__}")
+        try:
+            params_json = json.dumps(params, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"params must be JSON-serializable (str keys, finite numbers): {exc}") from exc
+        if input_reference is not None and not isinstance(input_reference, (bytes, bytearray, memoryview)):
+            raise TypeError(f"input_reference must be the image file's bytes, got {type(input_reference).__name__}")
+        if not isinstance(input_suffix, str) or _SUFFIX_RE.fullmatch(input_suffix) is None:
+            raise ValueError(f"input_suffix must be a dot and 1-8 letters or digits like '.png', got {input_suffix!r}")
+
+        job_id = new_job_id()
+        input_path: Path | None = None
+        if input_reference is not None:
+            # 1. The image first (temp file + rename), so a row never names a half-written file.
+            input_path = self.inputs_dir / f"{job_id}{input_suffix.lower()}"
+            tmp = input_path.with_name(f".{input_path.name}.{uuid.uuid4().hex}.tmp")
+            tmp.write_bytes(bytes(input_reference))
+            os.replace(tmp, input_path)
+        # 2. Then the row; if it cannot be written, the image goes too.
+        created_at = int(time.time())
+        try:
+            with self._write() as conn:
+                conn.execute(
+                    f"INSERT INTO jobs ({_COLUMNS}) VALUES (?, ?, 'queued', 0, ?, ?, ?, ?, ?, 0, NULL, NULL, NULL, "
+                    "NULL, ?)",
+                    (job_id, created_at, model, prompt, size, seconds, params_json,
+                     str(input_path) if input_path is not None else None),
+                )
+        except BaseException:
+            if input_path is not None:
+                input_path.unlink(missing_ok=True)
+            raise
+        job = self.get(job_id)
+        if job is None:  # deleted between our insert and this read: hand back what was stored
+            job = VideoJob(
+                id=job_id, created_at=created_at, status="queued", progress=0, model=model, prompt=prompt,
+                size=size, seconds=seconds, params=json.loads(params_json), attempts=0, owner=None,
+                lease_until=None, completed_at=None, error=None,
+                input_reference=str(input_path) if input_path is not None else None,
+            )
+        return job
+
+    def get(self, job_id: str) -> VideoJob | None:
+        """The job with this id, or None if there is none (also for a string that is not a job id)."""
+        if not is_job_id(job_id):
+            return None
+        with self._connect() as conn:
+            row = conn.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return _row_to_job(row) if row is not None else None
+
+    def list(
+        self, *, after: str | None = None, limit: int = 20, order: str = "desc"
+    ) -> tuple[list[VideoJob], bool]:
+        """One page of jobs in creation order (ties broken by insertion order), as ``GET /v1/videos`` pages.
+
+        Args:
+            after: the id of the last job of the previous page (the cursor); None for the first page.
+            limit: page size, 1..100.
+            order: ``"desc"`` (newest first) or ``"asc"`` (oldest first).
+
+        Returns:
+            ``(page, has_more)``: up to `limit` jobs, and whether more follow the page.
+
+        Raises:
+            ValueError: limit outside 1..100, order not asc/desc, or `after` is not the id of a stored job
+                (say to start again from the first page).
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= _MAX_LIST_LIMIT:
+            raise ValueError(f"limit must be an int in 1..{_MAX_LIST_LIMIT}, got {limit!r}")
+        if order == "desc":
+            cmp, direction = "<", "DESC"
+        elif order == "asc":
+            cmp, direction = ">", "ASC"
+        else:
+            raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
+        with self._connect() as conn:
+            # One read transaction, so the cursor lookup and the page see the same snapshot.
+            conn.execute("BEGIN")
+            try:
+                if after is None:
+                    rows = conn.execute(
+                        f"SELECT {_COLUMNS} FROM jobs ORDER BY created_at {direction}, seq {direction} LIMIT ?",
+                        (limit + 1,),
+                    ).fetchall()
+                else:
+                    cursor = conn.execute(
+                        "SELECT created_at, seq FROM jobs WHERE id = ?", (after,)
+                    ).fetchone() if is_job_id(after) else None
+                    if cursor is None:
+                        raise ValueError(
+                            f"after={after!r} is not the id of a stored video (deleted, or never existed); "
+                            "list again without 'after' to start from the first page"
+                        )
+                    rows = conn.execute(
+                        f"SELECT {_COLUMNS} FROM jobs WHERE (created_at, seq) {cmp} (?, ?) "
+                        f"ORDER BY created_at {direction}, seq {direction} LIMIT ?",
+                        (cursor[0], cursor[1], limit + 1),
+                    ).fetchall()
+            finally:
+                conn.execute("COMMIT")
+        page = [_row_to_job(row) for row in rows[:limit]]
+        return page, len(rows) > limit
+
+    def counts(self) -> dict[str, int]:
+        """How many jobs are in each status: ``{status: count}`` with every status of `JOB_STATUSES`."""
+        with self._connect() as conn:
+            rows = conn.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
+        counts = dict.fromkeys(JOB_STATUSES, 0)
+        counts.update({status: int(n) for status, n in rows})
+        return counts
+
+    def delete(self, job_id: str) -> bool:
+        """Remove a job's record, its video and its input image, whatever its status.
+
+        A runner working on the job then gets False from `heartbeat` (and `complete`, `fail`) and should stop.
+
+        Returns:
+            True if the job existed.
+        """
+        if not is_job_id(job_id):
+            return False
+        with self._write() as conn:
+            row = conn.execute("SELECT input_reference FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                return False
+            conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+        # After the commit: `complete` moves a video in only while the row exists, under the write lock, so no
+        # video can appear for this id from now on.
+        (self.videos_dir / f"{job_id}.mp4").unlink(missing_ok=True)
+        if row[0] is not None:
+            Path(row[0]).unlink(missing_ok=True)
+        return True
+
+    # ------------------------------------------------------------------ the runner's side
+
+    def claim(self, owner: str, lease_s: float) -> VideoJob | None:
+        """Take the oldest ``queued`` job for `owner`: it becomes ``in_progress``, attempts + 1, leased until
+        now + `lease_s` seconds. Exclusive across threads and processes: no two callers get the same job.
+
+        The runner renews the lease with `heartbeat` well within `lease_s`; a job whose lease ran out is
+        handed back by `recover_expired`.
+
+        Returns:
+            The claimed job, or None if no job is queued.
+
+        Raises:
+            ValueError: owner empty, or lease_s not a finite number > 0.
+        """
+        _check_str("owner", owner)
+        lease_s = _check_lease(lease_s)
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT id FROM jobs WHERE status = 'queued' ORDER BY created_at, seq LIMIT 1"
+            ).fetchone()
+            if row is None:
+                return None
+            conn.execute(
+                "UPDATE jobs SET status = 'in_progress', progress = 0, attempts = attempts + 1, owner = ?, "
+                "lease_until = ? WHERE id = ? AND status = 'queued'",
+                (owner, time.time() + lease_s, row[0]),
+            )
+            claimed = conn.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (row[0],)).fetchone()
+        return _row_to_job(claimed)
+
+    def heartbeat(self, job_id: str, owner: str, *, progress: int, lease_s: float) -> bool:
+        """Renew `owner`'s lease on a running job (until now + `lease_s` s) and report its progress.
+
+        Progress never goes down: a smaller value than the stored one keeps the stored one.
+
+        Returns:
+            True if `owner` still holds the job; False if it was deleted, re-claimed by another runner after
+            the lease ran out, or is no longer ``in_progress``: the runner should then stop work on it.
+
+        Raises:
+            ValueError: progress not an int in 0..100, or lease_s not a finite number > 0.
+        """
+        _check_progress(progress)
+        lease_s = _check_lease(lease_s)
+        with self._write() as conn:
+            cur = conn.execute(
+                "UPDATE jobs SET progress = MAX(progress, ?), lease_until = ? "
+                "WHERE id = ? AND owner = ? AND status = 'in_progress'",
+                (progress, time.time() + lease_s, job_id, owner),
+            )
+            return cur.rowcount == 1
+
+    def complete(self, job_id: str, owner: str, video_file: str | Path) -> bool:
+        """Finish `owner`'s job: move `video_file` to ``videos/<id>.mp4`` (atomically, `os.replace`; copied
+        first when it lies on another filesystem), progress 100, ``completed_at`` now.
+
+        Returns:
+            True if done. False if `owner` no longer holds the job (deleted, re-claimed, finished): then nothing
+            changes and `video_file` stays where it is, for the caller to remove.
+
+        Raises:
+            FileNotFoundError: video_file does not exist (the job is left unchanged).
+        """
+        video_file = Path(video_file)
+        if not video_file.is_file():
+            raise FileNotFoundError(f"video_file {video_file} does not exist; write the mp4 before complete()")
+        target = self.videos_dir / f"{job_id}.mp4"
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT 1 FROM jobs WHERE id = ? AND owner = ? AND status = 'in_progress'", (job_id, owner)
+            ).fetchone()
+            if row is None:
+                return False
+            # The move happens under the write lock, so `delete` cannot slip in between it and the update.
+            _move_file(video_file, target)
+            try:
+                conn.execute(
+                    "UPDATE jobs SET status = 'completed', progress = 100, completed_at = ?, lease_until = NULL, "
+                    "error = NULL WHERE id = ?",
+                    (int(time.time()), job_id),
+                )
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    _move_file(target, video_file)
+                raise
+        return True
+
+    def fail(self, job_id: str, owner: str, code: str, message: str) -> bool:
+        """Mark `owner`'s job ``failed`` for good with ``error = {code, message}`` (no retry), e.g. when the
+        request itself cannot be rendered.
+
+        Returns:
+            True if done; False if `owner` no longer holds the job (nothing changes).
+
+        Raises:
+            ValueError: code or message empty.
+        """
+        error = _error_json(code, message)
+        with self._write() as conn:
+            cur = conn.execute(
+                "UPDATE jobs SET status = 'failed', completed_at = ?, lease_until = NULL, error = ? "
+                "WHERE id = ? AND owner = ? AND status = 'in_progress'",
+                (int(time.time()), error, job_id, owner),
+            )
+            return cur.rowcount == 1
+
+    def release(self, job_id: str, owner: str, *, code: str, message: str) -> str | None:
+        """Hand back `owner`'s job after a stage died under it: ``queued`` again (progress 0, no owner) while
+        attempts < max_attempts, else ``failed`` with ``error = {code, message}``.
+
+        Returns:
+            The job's new status (``"queued"`` or ``"failed"``), or None if `owner` no longer holds the job
+            (deleted, re-claimed, finished): then nothing changes.
+
+        Raises:
+            ValueError: code or message empty.
+        """
+        error = _error_json(code, message)
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT attempts FROM jobs WHERE id = ? AND owner = ? AND status = 'in_progress'", (job_id, owner)
+            ).fetchone()
+            if row is None:
+                return None
+            return self._hand_back(conn, job_id, attempts=int(row[0]), error=error)
+
+    def recover_expired(self, *, now: float | None = None) -> list[tuple[str, str]]:
+        """Hand back every ``in_progress`` job whose lease ran out before `now` (its runner died or hung), by
+        the rule of `release` with code ``runner_lost``.
+
+        Args:
+            now: unix time, seconds; default the current time (tests pass a later one).
+
+        Returns:
+            ``[(job_id, new_status)]`` for each job handed back, oldest first; new_status is ``"queued"`` or
+            ``"failed"``.
+        """
+        now = time.time() if now is None else float(now)
+        recovered: list[tuple[str, str]] = []
+        with self._write() as conn:
+            rows = conn.execute(
+                "SELECT id, attempts, owner, lease_until FROM jobs WHERE status = 'in_progress' AND lease_until < ? "
+                "ORDER BY created_at, seq",
+                (now,),
+            ).fetchall()
+            for job_id, attempts, owner, lease_until in rows:
+                message = (
+                    f"the runner {owner!r} stopped renewing its lease on this job (expired "
+                    f"{now - lease_until:.1f} s ago) during attempt {attempts} of {self.max_attempts}"
+                )
+                error = _error_json("runner_lost", message)
+                status = self._hand_back(conn, job_id, attempts=int(attempts), error=error)
+                recovered.append((job_id, status))
+        return recovered
+
+    def _hand_back(self, conn: sqlite3.Connection, job_id: str, *, attempts: int, error: str) -> str:
+        """Inside a write transaction: re-queue the in_progress job, or fail it when its attempts are used up."""
+        if attempts < self.max_attempts:
+            # The error is kept (not shown while queued) so a later failure's record can tell what happened.
+            conn.execute(
+                "UPDATE jobs SET status = 'queued', progress = 0, owner = NULL, lease_until = NULL, error = ? "
+                "WHERE id = ?",
+                (error, job_id),
+            )
+            return "queued"
+        conn.execute(
+            "UPDATE jobs SET status = 'failed', completed_at = ?, lease_until = NULL, error = ? WHERE id = ?",
+            (int(time.time()), error, job_id),
+        )
+        return "failed"
+
+    # ------------------------------------------------------------------ files
+
+    def video_path(self, job_id: str) -> Path | None:
+        """The finished mp4 of a ``completed`` job, or None (not completed, deleted, or its file is gone)."""
+        job = self.get(job_id)
+        if job is None or job.status != "completed":
+            return None
+        path = self.videos_dir / f"{job.id}.mp4"
+        return path if path.is_file() else None
+
+
+def _error_json(code: str, message: str) -> str:
+    _check_str("code", code)
+    _check_str("message", message)
+    return json.dumps({"code": code, "message": message})
+
+
+def _move_file(src: Path, dst: Path) -> None:
+    """Move `src` to `dst` atomically; across filesystems, copy to a temp file beside `dst` then rename."""
+    try:
+        os.replace(src, dst)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        finally:
+            tmp.unlink(missing_ok=True)
+        src.unlink(missing_ok=True)
+

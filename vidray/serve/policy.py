@@ -1,0 +1,476 @@
+"""The DiT denoiser's batch policy: how many requests its running batch may hold, and how long to wait for arrivals.
+
+Pure: no Ray, no torch, no clock. The denoiser (`vidray.serve.stages`) times its own steps and tensor moves and
+passes the figures in; the policy fits a cost model to them and answers one `Decision` before every step.
+
+```python
+policy = BatchPolicy(PolicyConfig(latency_target_s=30.0, max_batch_size=8))
+decision = policy.decide(queue_depth=len(queue), num_running=len(running), num_steps=50, bytes_per_item=n)
+# admit queued requests while len(running) < decision.batch_size; if still below it and the queue is empty,
+# wait up to decision.wait_s for arrivals; then run one denoising step for the whole running batch
+t0 = time.perf_counter(); step(running); policy.observe_step(len(running), time.perf_counter() - t0)
+policy.observe_transfer(num_bytes, seconds)               # each prompt_embeds / latents move between stages
+policy.observe_transfer(num_bytes, seconds, lost=True)    # a move that failed and was sent again
+policy.override(batch_size=4, wait_s=None)                # from reconfigure(user_config); None = policy decides
+log.info(decision.reason); metrics.update(policy.snapshot())
+```
+
+## Setting: iteration-level batching
+The denoiser batches at the granularity of one denoising step, as Orca batches one decoding iteration (Yu et al.,
+"Orca: A Distributed Serving System for Transformer-Based Generative Models", OSDI 2022): requests of one shape
+join the running batch and leave it between steps, and each request needs `num_steps` steps. Before every step
+the denoiser asks for `batch_size` (how many requests the running batch may hold) and `wait_s` (how long to wait
+for arrivals when the batch is below `batch_size` and the queue is empty).
+
+## Model
+Notation: b batch size, N = `num_steps`, q = `queue_depth`, r = `num_running`, B = `max_batch_size`,
+T = `latency_target_s`, x = `bytes_per_item`. All times in seconds, sizes in bytes.
+
+1. **Step time** t(b) = a + c*b: a is the fixed cost of one step (weights read, kernel launches), c the cost per
+   request in the batch. Each batch size keeps an EWMA of its measured step times (`ewma_alpha` on the newest);
+   (a, c) is the least-squares line through the points (b, EWMA(b)), one point per size seen, constrained to
+   a >= 0 and c >= 0 (a negative slope gives the flat line c = 0 through the mean; a negative intercept gives
+   the line through the origin). With a single size b0 seen, the line is not identified: the policy then
+   **assumes c = a / B** (at the cap, per-request work equals the fixed cost: midway between "batching is free"
+   and "batching gains nothing"), i.e. a = EWMA(b0) / (1 + b0/B). The second size seen replaces the prior.
+   Sizes keep their EWMA for the policy's lifetime (compute cost does not drift with the network).
+2. **Transfer time.** A successful move of n bytes in s seconds is a point of s = L + n/W (L: latency,
+   W: throughput in bytes/s), fitted by least squares on exponentially weighted moments (weight `ewma_alpha` on
+   the newest point, so old points fade), with L >= 0 and 1/W >= 0. When all points have (nearly) the same
+   size, L and W cannot be told apart and all of the time is put on the bytes (L = 0, W = mean n / mean s): the
+   conservative choice, since bytes grow with the batch (below). A lost move (`lost=True`) does not enter the
+   fit (its time measures a failure, not the link); it updates the loss rate p, an EWMA of the lost flag over all
+   moves, capped at 0.99. A lost move is sent again, so a move takes 1/(1-p) attempts on average. The b
+   requests of a batch move their tensors over the same link of the replica at about the same time: their bytes
+   queue behind each other, the latency is paid once. Per request:
+   transfer(b) = (L + b*x/W) / (1 - p); 0 before any move is measured.
+3. **Queue wait** of a request arriving now behind q queued requests and r running ones: it gets a slot after
+   k = r + q + 1 - b requests leave the batch. k <= 0: it joins at the next step, wait 0. Otherwise the policy
+   assumes the batch turns over in rounds of b requests, each round taking N*t(b):
+   wait(b) = ceil(k / b) * N * t(b). This is an upper bound (in steady state the running requests started at
+   different steps and leave one by one), chosen so the policy errs on the side of the target. A bigger batch
+   drains the queue in fewer rounds but makes every round slower: when a dominates t(b) a queue grows the
+   batch; when c is a large share of t(b) (batching adds little throughput) it shrinks it.
+4. **Latency**: predicted_latency(b) = wait(b) + N*t(b) + transfer(b). It covers what the policy measures: the
+   denoiser's queue and steps and the moves passed to `observe_transfer`; the text encoder's and VAE decoder's
+   compute are not in it, so a target that is end to end should leave room for them.
+
+## Decision
+- `batch_size`: among b in [1, B] with predicted_latency(b) <= T, the one with the highest throughput b / t(b)
+  (with a > 0 the largest such b; ties go to the smaller b). When no b meets T, the b with the lowest predicted
+  latency, where sizes within 5 % of the lowest count as equal and the highest throughput among them wins
+  (under overload the queue only drains faster with more throughput; whole rounds make the queue term coarse):
+  with a dominant, a large batch.
+- `wait_s`: 0 when the queue can fill the batch (q >= b - r). Otherwise min(max_wait_s, budget) where
+  slack = max(0, T - predicted_latency(b)) and budget = slack with nothing running, slack / N with requests
+  running (a wait stalls their next step, and the denoiser may wait before each of their N steps).
+- **Before any step is measured**: `batch_size` = B, `wait_s` = `max_wait_s` (0 when the queue fills the
+  batch), `predicted_latency_s` = nan. B rather than 1: a burst reaching a cold replica is served together
+  instead of one request after another (each waiting N*t(1) per request ahead of it); B is the operator's own
+  statement of what fits in memory; and the first step then measures t at a size > 1, from which the fit above
+  predicts latencies at once, so the next decision shrinks the batch if the target needs it.
+- `override` (from the deployment's `reconfigure(user_config)`) replaces the computed `batch_size` and/or
+  `wait_s`; the batch is still capped at B and the wait at `max_wait_s`, and the wait is still 0 when the queue
+  fills the batch (the queued requests take every free slot; nothing that arrives could join).
+
+## Serve's own limit
+A Serve replica never holds more than `max_ongoing_requests` requests (NOTES.md; ray issue 43288), so a running
+batch silently stops there whatever the policy says: `check_max_ongoing_requests` raises unless
+`max_ongoing_requests >= max_batch_size`.
+
+Thread safety: one lock guards the state, so `observe_*` may run in a worker thread (`asyncio.to_thread`) while
+`decide` and `override` run on the replica's event loop.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from vidray.errors import UserError
+
+__all__ = ["BatchPolicy", "Decision", "PolicyConfig", "check_max_ongoing_requests", "MAX_BATCH_SIZE_LIMIT"]
+
+MAX_BATCH_SIZE_LIMIT = 1024
+"""Largest `max_batch_size` accepted: `decide` evaluates every size in [1, max_batch_size] before each step."""
+
+_MAX_LOSS_RATE = 0.99
+"""Loss rates above this are treated as this (1/(1-p) stays finite: at most 100 attempts per move)."""
+
+_SAME_SIZE_REL_VAR = 1e-6
+"""Transfer points whose size variance is below this fraction of the squared mean size count as one size."""
+
+_NEAR_LOWEST = 0.05
+"""When no size meets the target: sizes whose predicted latency is within this fraction of the lowest count as
+equal, and the one with the highest throughput wins (whole rounds make the queue term coarser than this)."""
+
+_MIN_STEP_S = 1e-12
+"""Floor of t(b) in throughput b / t(b), so measured zeros (a coarse clock) cannot divide by zero."""
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None, *, error: type = ValueError) -> int:
+    """`value` as an int in [low, high] (high None: no upper bound); else `error` naming `name` and the range."""
+    valid = f"[{low}, {high}]" if high is not None else f">= {low}"
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        raise error(f"{name} must be an int {valid}, got {value!r}")
+    return int(value)
+
+
+def _check_seconds(name: str, value: Any, *, error: type = ValueError) -> float:
+    """`value` as a finite float >= 0; else `error` naming `name`."""
+    if not _is_real(value) or not math.isfinite(value) or value < 0:
+        raise error(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """What the batch policy aims at and its hard limits. Raises `vidray.errors.UserError` (a `ValueError`)
+    naming the field and its valid range when a value is out of range."""
+
+    latency_target_s: float
+    """Per-request latency the policy aims at, in seconds, > 0 (see the module docstring for what it covers)."""
+    max_batch_size: int
+    """Hard cap on the running batch, in requests, in [1, MAX_BATCH_SIZE_LIMIT]. The deployment's
+    `max_ongoing_requests` must be >= it (`check_max_ongoing_requests`)."""
+    max_wait_s: float = 0.05
+    """Longest wait for arrivals before stepping a non-full batch, in seconds, in [0, latency_target_s]."""
+    ewma_alpha: float = 0.3
+    """Weight of the newest measurement in every moving average, in (0, 1]; 1 = only the newest counts."""
+
+    def __post_init__(self) -> None:
+        t = self.latency_target_s
+        if not _is_real(t) or not math.isfinite(t) or t <= 0:
+            raise UserError(f"latency_target_s must be a finite number of seconds > 0, got {t!r}")
+        _check_int("max_batch_size", self.max_batch_size, 1, MAX_BATCH_SIZE_LIMIT, error=UserError)
+        w = self.max_wait_s
+        if not _is_real(w) or not math.isfinite(w) or not 0 <= w <= t:
+            raise UserError(
+                f"max_wait_s must be in [0, latency_target_s={t}] seconds, got {w!r}: "
+                "a longer wait alone would miss the target"
+            )
+        alpha = self.ewma_alpha
+        if not _is_real(alpha) or not 0 < alpha <= 1:
+            raise UserError(f"ewma_alpha must be in (0, 1], got {alpha!r}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the denoiser does before its next step."""
+
+    batch_size: int
+    """Most requests the running batch may hold, in [1, max_batch_size]."""
+    wait_s: float
+    """Seconds to wait for arrivals when the batch is below `batch_size` and the queue is empty, in
+    [0, max_wait_s]; 0 when the queue can fill the batch."""
+    predicted_latency_s: float
+    """Predicted latency at `batch_size` of a request arriving now (queue + compute + transfer), in seconds; nan
+    before any step is measured."""
+    reason: str
+    """One line for a log: which term limited the batch, with the predicted terms in seconds."""
+
+
+@dataclass(frozen=True)
+class _Terms:
+    """The predicted latency of a request arriving now at batch size b, split into its terms (seconds)."""
+
+    batch_size: int
+    step_s: float
+    queue_s: float
+    compute_s: float
+    transfer_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.queue_s + self.compute_s + self.transfer_s
+
+    @property
+    def throughput(self) -> float:
+        """Requests stepped per second of compute, b / t(b)."""
+        return self.batch_size / max(self.step_s, _MIN_STEP_S)
+
+    def describe(self) -> str:
+        return (
+            f"queue {self.queue_s:.3g} s + compute {self.compute_s:.3g} s + transfer {self.transfer_s:.3g} s"
+        )
+
+
+class BatchPolicy:
+    """Picks the denoiser's running-batch size and arrival wait from measured step and transfer costs.
+
+    The model, the decision rule and its defaults are in the module docstring. Methods raise `ValueError`
+    naming the argument when a measurement or a decision input is out of range, and `UserError` (a
+    `ValueError`) for a bad override.
+    """
+
+    def __init__(self, config: PolicyConfig) -> None:
+        if not isinstance(config, PolicyConfig):
+            raise UserError(f"config must be a PolicyConfig, got {type(config).__name__}")
+        self.config = config
+        self._lock = threading.Lock()
+        # step time: EWMA of seconds per batch size, and the fit (a, c) recomputed lazily
+        self._step_ewma: dict[int, float] = {}
+        self._num_steps_observed = 0
+        self._fit: tuple[float, float] | None = None
+        self._fit_kind = "none"
+        self._fit_dirty = False
+        # transfers: exponentially weighted moments of (n bytes, s seconds) over successful moves
+        self._m1 = self._mx = self._my = self._mxx = self._mxy = 0.0
+        self._num_transfers = 0
+        self._num_transfers_lost = 0
+        self._loss_rate = 0.0
+        self._override_batch_size: int | None = None
+        self._override_wait_s: float | None = None
+
+    # ---------------------------------------------------------------- measurements
+    def observe_step(self, batch_size: int, seconds: float) -> None:
+        """Record that one denoising step of a batch of `batch_size` requests (int >= 1) took `seconds`
+        (finite, >= 0). Raises ValueError naming the argument otherwise."""
+        b = _check_int("batch_size", batch_size, 1)
+        s = _check_seconds("seconds", seconds)
+        alpha = self.config.ewma_alpha
+        with self._lock:
+            old = self._step_ewma.get(b)
+            self._step_ewma[b] = s if old is None else (1 - alpha) * old + alpha * s
+            self._num_steps_observed += 1
+            self._fit_dirty = True
+
+    def observe_transfer(self, num_bytes: int, seconds: float, *, lost: bool = False) -> None:
+        """Record one tensor move between stages (e.g. `prompt_embeds` in, `latents` out): `num_bytes` (int >= 0)
+        moved in `seconds` (finite, >= 0). `lost=True`: the move failed and was sent again; it counts in the loss
+        rate only. Raises ValueError naming the argument otherwise."""
+        n = _check_int("num_bytes", num_bytes, 0)
+        s = _check_seconds("seconds", seconds)
+        if not isinstance(lost, bool):
+            raise ValueError(f"lost must be a bool, got {lost!r}")
+        alpha = self.config.ewma_alpha
+        with self._lock:
+            self._loss_rate = (1 - alpha) * self._loss_rate + alpha * (1.0 if lost else 0.0)
+            if lost:
+                self._num_transfers_lost += 1
+                return
+            self._num_transfers += 1
+            keep = 1 - alpha
+            self._m1 = keep * self._m1 + alpha
+            self._mx = keep * self._mx + alpha * n
+            self._my = keep * self._my + alpha * s
+            self._mxx = keep * self._mxx + alpha * float(n) * n
+            self._mxy = keep * self._mxy + alpha * n * s
+
+    def override(self, *, batch_size: int | None = None, wait_s: float | None = None) -> None:
+        """Set (or, with None, clear) the operator's overrides from `reconfigure(user_config)`. Each call sets
+        both: pass the current value to keep one. `batch_size` (int >= 1) is capped at `max_batch_size`;
+        `wait_s` (finite seconds >= 0) at `max_wait_s`; the caps show in `Decision.reason`. Raises
+        `UserError` (a ValueError) naming the field when a value is out of range."""
+        b = None if batch_size is None else _check_int("batch_size", batch_size, 1, error=UserError)
+        w = None if wait_s is None else _check_seconds("wait_s", wait_s, error=UserError)
+        with self._lock:
+            self._override_batch_size = b
+            self._override_wait_s = w
+
+    # ---------------------------------------------------------------- the model
+    def _step_fit(self) -> tuple[float, float] | None:
+        """(a, c) in seconds, or None before any step is measured. Caller holds the lock."""
+        if not self._fit_dirty:
+            return self._fit
+        self._fit_dirty = False
+        points = sorted(self._step_ewma.items())
+        if len(points) == 1:
+            (b0, t0), = points
+            a = t0 / (1 + b0 / self.config.max_batch_size)
+            self._fit, self._fit_kind = (a, a / self.config.max_batch_size), "one_size_prior"
+            return self._fit
+        n = len(points)
+        mean_b = sum(b for b, _ in points) / n
+        mean_t = sum(t for _, t in points) / n
+        var_b = sum((b - mean_b) ** 2 for b, _ in points)
+        cov = sum((b - mean_b) * (t - mean_t) for b, t in points)
+        c = cov / var_b
+        a = mean_t - c * mean_b
+        if c < 0:  # noise or a warm-up outlier: no per-request cost is visible
+            a, c = mean_t, 0.0
+        elif a < 0:  # the line through the origin
+            a, c = 0.0, sum(b * t for b, t in points) / sum(b * b for b, _ in points)
+        self._fit, self._fit_kind = (a, c), "least_squares"
+        return self._fit
+
+    def _transfer_fit(self) -> tuple[float, float] | None:
+        """(latency L in s, seconds per byte 1/W), or None before any successful move. Caller holds the lock."""
+        if self._num_transfers == 0:
+            return None
+        mean_x, mean_y = self._mx / self._m1, self._my / self._m1
+        var_x = self._mxx / self._m1 - mean_x**2
+        if var_x <= _SAME_SIZE_REL_VAR * mean_x**2:  # one size: L and W not separable; put it on the bytes
+            if mean_x > 0:
+                return 0.0, mean_y / mean_x
+            return mean_y, 0.0
+        per_byte = (self._mxy / self._m1 - mean_x * mean_y) / var_x
+        latency = mean_y - per_byte * mean_x
+        if per_byte < 0:
+            return mean_y, 0.0
+        if latency < 0:
+            return 0.0, self._mxy / self._mxx
+        return latency, per_byte
+
+    def _terms(
+        self, b: int, fit: tuple[float, float], transfer: tuple[float, float] | None, *, q: int, r: int, n: int, x: int
+    ) -> _Terms:
+        a, c = fit
+        step = a + c * b
+        k = r + q + 1 - b  # requests that must leave before one arriving now gets a slot
+        rounds = -(-k // b) if k > 0 else 0
+        if transfer is None:
+            move = 0.0
+        else:
+            latency, per_byte = transfer
+            move = (latency + b * x * per_byte) / (1 - min(self._loss_rate, _MAX_LOSS_RATE))
+        return _Terms(b, step, rounds * n * step, n * step, move)
+
+    # ---------------------------------------------------------------- the decision
+    def decide(self, *, queue_depth: int, num_running: int, num_steps: int, bytes_per_item: int) -> Decision:
+        """The running batch's size and the arrival wait for the next step.
+
+        `queue_depth` (int >= 0): requests of this shape waiting to join; `num_running` (int >= 0): requests in
+        the running batch; `num_steps` (int >= 1): denoising steps a request needs; `bytes_per_item` (int >= 0):
+        bytes one request moves between stages (inputs in plus outputs out). Raises ValueError naming the
+        argument when one is out of range.
+        """
+        q = _check_int("queue_depth", queue_depth, 0)
+        r = _check_int("num_running", num_running, 0)
+        n = _check_int("num_steps", num_steps, 1)
+        x = _check_int("bytes_per_item", bytes_per_item, 0)
+        cfg = self.config
+        cap, target = cfg.max_batch_size, cfg.latency_target_s
+        with self._lock:
+            fit = self._step_fit()
+            transfer = self._transfer_fit()
+            prior = self._fit_kind == "one_size_prior"
+            fit_note = " [one batch size seen: c assumed a/max_batch_size]" if prior else ""
+            override_b, override_w = self._override_batch_size, self._override_wait_s
+
+            # 1. The batch size: the override, else max_batch_size before any measurement, else the model's pick.
+            terms: _Terms | None = None
+            if override_b is not None:
+                b = min(override_b, cap)
+                capped = f" capped to max_batch_size={cap}" if override_b > cap else ""
+                reason = f"override batch_size={override_b}{capped}"
+                if fit is not None:
+                    terms = self._terms(b, fit, transfer, q=q, r=r, n=n, x=x)
+                    reason += f": predicted {terms.total_s:.3g} s ({terms.describe()})"
+            elif fit is None:
+                b = cap
+                reason = f"no step measured yet: max_batch_size={cap} until the first step is timed"
+            else:
+                b, terms, reason = self._choose(fit, transfer, q=q, r=r, n=n, x=x)
+            reason += fit_note
+
+            # 2. The wait: 0 when the queue fills the batch; else the override or the slack, capped at max_wait_s.
+            if q >= b - r:
+                wait = 0.0
+            elif override_w is not None:
+                wait = min(override_w, cfg.max_wait_s)
+                reason += f"; override wait_s={override_w:g}" + (
+                    f" capped to max_wait_s={cfg.max_wait_s:g}" if override_w > cfg.max_wait_s else ""
+                )
+            elif terms is None:
+                wait = cfg.max_wait_s
+            else:
+                slack = max(0.0, target - terms.total_s)
+                wait = min(cfg.max_wait_s, slack / n if r > 0 else slack)
+        predicted = terms.total_s if terms is not None else math.nan
+        return Decision(batch_size=b, wait_s=wait, predicted_latency_s=predicted, reason=reason)
+
+    def _choose(
+        self, fit: tuple[float, float], transfer: tuple[float, float] | None, *, q: int, r: int, n: int, x: int
+    ) -> tuple[int, _Terms, str]:
+        """The model's batch size, its terms and the reason line. Caller holds the lock."""
+        cap, target = self.config.max_batch_size, self.config.latency_target_s
+        all_terms = [self._terms(b, fit, transfer, q=q, r=r, n=n, x=x) for b in range(1, cap + 1)]
+        feasible = [t for t in all_terms if t.total_s <= target]
+        if not feasible:  # the lowest latency; among sizes within _NEAR_LOWEST of it, the highest throughput
+            lowest = min(t.total_s for t in all_terms)
+            near = [t for t in all_terms if t.total_s <= lowest * (1 + _NEAR_LOWEST)]
+            best = max(near, key=lambda t: (t.throughput, -t.batch_size))
+            return best.batch_size, best, (
+                f"target {target:g} s unmeetable: lowest predicted latency {best.total_s:.3g} s "
+                f"at batch {best.batch_size} ({best.describe()})"
+            )
+        top = max(t.throughput for t in feasible)
+        best = min((t for t in feasible if t.throughput >= top * (1 - 1e-9)), key=lambda t: t.batch_size)
+        b = best.batch_size
+        summary = f"predicted {best.total_s:.3g} s <= target {target:g} s ({best.describe()})"
+        if b == cap:
+            return b, best, f"max_batch_size={cap} limits the batch: {summary}"
+        above = all_terms[b]  # batch b + 1
+        if above.total_s <= target:
+            return b, best, f"throughput: larger batches gain nothing; {summary}"
+        growth = {
+            "queue": above.queue_s - best.queue_s,
+            "transfer": above.transfer_s - best.transfer_s,
+            "compute": above.compute_s - best.compute_s,
+        }
+        term = max(growth, key=growth.__getitem__)  # ties: queue, then transfer, then compute
+        return b, best, (
+            f"{term} limits the batch: batch {b + 1} would take {above.total_s:.3g} s > target {target:g} s "
+            f"({above.describe()}); {summary}"
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        """The fitted terms and counters, for metrics and logs (base units; None = not measured yet).
+
+        Keys: `step_fit` ("none", "one_size_prior" or "least_squares"), `step_fixed_s` (a), `step_per_item_s`
+        (c), `step_seconds_by_batch_size` ({b: EWMA seconds}), `num_steps_observed`, `transfer_latency_s` (L),
+        `transfer_bytes_per_s` (W; inf when no per-byte cost is visible), `transfer_loss_rate` (p),
+        `num_transfers_observed` (successful), `num_transfers_lost`, `override_batch_size`, `override_wait_s`,
+        `latency_target_s`, `max_batch_size`, `max_wait_s`.
+        """
+        with self._lock:
+            fit = self._step_fit()
+            transfer = self._transfer_fit()
+            if transfer is None:
+                latency = bytes_per_s = None
+            else:
+                latency = transfer[0]
+                bytes_per_s = math.inf if transfer[1] == 0 else 1 / transfer[1]
+            return {
+                "step_fit": self._fit_kind,
+                "step_fixed_s": None if fit is None else fit[0],
+                "step_per_item_s": None if fit is None else fit[1],
+                "step_seconds_by_batch_size": dict(sorted(self._step_ewma.items())),
+                "num_steps_observed": self._num_steps_observed,
+                "transfer_latency_s": latency,
+                "transfer_bytes_per_s": bytes_per_s,
+                "transfer_loss_rate": self._loss_rate,
+                "num_transfers_observed": self._num_transfers,
+                "num_transfers_lost": self._num_transfers_lost,
+                "override_batch_size": self._override_batch_size,
+                "override_wait_s": self._override_wait_s,
+                "latency_target_s": self.config.latency_target_s,
+                "max_batch_size": self.config.max_batch_size,
+                "max_wait_s": self.config.max_wait_s,
+            }
+
+
+def check_max_ongoing_requests(config: PolicyConfig, max_ongoing_requests: int) -> None:
+    """Raise `UserError` unless a deployment's `max_ongoing_requests` >= `config.max_batch_size`.
+
+    A Serve replica never holds more than `max_ongoing_requests` requests, so a running batch would stop there
+    silently whatever the policy decides (NOTES.md; ray issue 43288). Run it on the driver, before deploying.
+    """
+    m = _check_int("max_ongoing_requests", max_ongoing_requests, 1, error=UserError)
+    if m < config.max_batch_size:
+        raise UserError(
+            f"max_ongoing_requests={m} is below the batch policy's max_batch_size={config.max_batch_size}: "
+            f"batches would stop at {m}; set max_ongoing_requests to at least {config.max_batch_size}"
+        )

@@ -1,0 +1,274 @@
+"""The model deployments of the serve plane: text encoder, step-batched DiT denoiser, VAE decoder.
+
+A request travels ingress -> `TextEncoder.encode` (prompt_embeds (1, L, D) + mask) -> `Denoiser.denoise` (a
+stream of progress events, then latents (1, C, F_lat, H_lat, W_lat)) -> `VaeDecoder.decode` (uint8 frames
+(F, H, W, 3)). Each deployment loads the model folder itself (`vidray.models.export.load_model`) and has its own
+`ray_actor_options` (label selector, GPUs, CPUs) and autoscaling in `serve/serve_config.yaml`.
+
+The denoiser runs continuous batching at the denoising step (iteration-level batching, Orca, Yu et al. OSDI 2022):
+requests of one latent shape share a running batch; between two steps finished requests leave and waiting ones
+join, so a request never waits for another request's whole denoising loop. How many may run at once and how long
+to wait for arrivals before stepping a fresh batch is decided before every step by `BatchPolicy`, from the step
+times, transfer costs and queue depth it measures; `reconfigure(user_config)` can pin either.
+Serve caps the requests inside one replica at `max_ongoing_requests`, so that must be >= the policy's
+`max_batch_size` (checked at start-up: ray issue 43288, NOTES.md).
+
+Transfer cost: every request to the denoiser carries `sent_at` (unix seconds, stamped by the caller) and the size of
+its tensors; the time from `sent_at` to arrival is one transfer measurement. `user_config.boundary_delay_s` and
+`boundary_bytes_per_s` inject a delay at this stage boundary (benchmarks; this kernel has no netem, NOTES.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from vidray.serve.policy import BatchPolicy, PolicyConfig
+
+__all__ = ["Denoiser", "TextEncoder", "VaeDecoder", "tensor_bytes"]
+
+logger = logging.getLogger("ray.serve")
+
+
+def tensor_bytes(*tensors) -> int:
+    """Total bytes of the given tensors (None entries count 0)."""
+    return sum(int(t.numel() * t.element_size()) for t in tensors if t is not None)
+
+
+def _max_ongoing_requests() -> int | None:
+    """This replica's max_ongoing_requests (None outside a replica). Reads Serve's replica context."""
+    try:
+        return int(serve.get_replica_context()._deployment_config.max_ongoing_requests)
+    except Exception:  # noqa: BLE001 - not in a replica, or Serve moved the field: skip the check
+        return None
+
+
+def _load(model_path: str):
+    from vidray.models.export import load_model
+
+    return load_model(model_path)
+
+
+@serve.deployment(name="TextEncoder", max_ongoing_requests=32)
+class TextEncoder:
+    """prompts -> prompt_embeds (1, L, D) float32 and prompt_attention_mask (1, L) bool, L the model's
+    max_sequence_length; prompts of concurrent requests are encoded in one batch (`@serve.batch`)."""
+
+    def __init__(self, model_path: str):
+        model = _load(model_path)
+        self.text_encoder = model.components.text_encoder
+        self.tokenizer = model.components.tokenizer
+        self.max_sequence_length = model.max_sequence_length
+        del model
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    async def _encode_batch(self, prompts: list[str]) -> list[tuple[Any, Any]]:
+        from vidray.models.text_encoder import encode_prompts
+
+        embeds, mask = await asyncio.to_thread(
+            encode_prompts, self.text_encoder, self.tokenizer, list(prompts),
+            max_sequence_length=self.max_sequence_length,
+        )  # (B, L, D), (B, L)
+        return [(embeds[i : i + 1].clone(), mask[i : i + 1].clone()) for i in range(len(prompts))]
+
+    async def encode(self, prompt: str) -> tuple[Any, Any]:
+        """One prompt -> (prompt_embeds (1, L, D) float32, prompt_attention_mask (1, L) bool) on CPU."""
+        return await self._encode_batch(prompt)
+
+
+@serve.deployment(name="VaeDecoder", max_ongoing_requests=8)
+class VaeDecoder:
+    """latents (1, C_lat, F_lat, H_lat, W_lat) -> uint8 frames (F, H, W, 3) RGB."""
+
+    def __init__(self, model_path: str):
+        model = _load(model_path)
+        self.vae = model.components.vae
+        del model
+
+    async def decode(self, latents) -> Any:
+        """Decode one request's latents (see class docstring); numpy uint8 (F, H, W, 3)."""
+        from vidray.models.vae import decode_latents, video_to_frames
+
+        def run():
+            return video_to_frames(decode_latents(self.vae, latents))[0]
+
+        return await asyncio.to_thread(run)
+
+
+@dataclass
+class _Request:
+    state: Any  # vidray.diffusion.sampler.DenoiseState
+    events: asyncio.Queue
+    arrived_at: float
+    last_step_at: float = 0.0
+    cancelled: bool = False
+    key: tuple = field(default=())
+
+
+@serve.deployment(name="Denoiser", max_ongoing_requests=16)
+class Denoiser:
+    """The DiT denoising loop of every request on this replica, batched across requests at each step.
+
+    `denoise(request)` streams `{"step": i, "num_inference_steps": n}` after each of the request's steps, then
+    `{"latents": (1, C, F_lat, H_lat, W_lat) float32}`. request keys: prompt_embeds (1, L, D),
+    prompt_attention_mask (1, L), negative_prompt_embeds / negative_prompt_attention_mask (or None),
+    guidance_scale (float >= 1), latent_shape (1, C, F_lat, H_lat, W_lat), num_inference_steps, seed, sent_at
+    (unix seconds). Noise is drawn as `vidray generate` draws it (`initial_noise(latent_shape, seed)`).
+    """
+
+    def __init__(self, model_path: str, policy: dict[str, Any]):
+        model = _load(model_path)
+        self.family, self.flow = model.family, model.flow
+        self.transformer = model.components.transformer.eval()
+        del model
+        self.policy_config = PolicyConfig(**policy)
+        self.policy = BatchPolicy(self.policy_config)
+        max_ongoing = _max_ongoing_requests()
+        if max_ongoing is not None and max_ongoing < self.policy_config.max_batch_size:
+            raise ValueError(
+                f"Denoiser max_ongoing_requests {max_ongoing} < policy.max_batch_size "
+                f"{self.policy_config.max_batch_size}: Serve would cap every batch at {max_ongoing} (ray issue "
+                "43288); raise max_ongoing_requests in serve_config.yaml or lower policy.max_batch_size"
+            )
+        self.boundary_delay_s = 0.0
+        self.boundary_bytes_per_s = 0.0
+        self._pending: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._stats = {"steps": 0, "items_stepped": 0, "completed": 0, "busy_s": 0.0, "started_at": time.time()}
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """user_config keys (all optional): batch_size / wait_s (pin the policy's choice; null = adaptive),
+        boundary_delay_s (seconds added to every request's arrival), boundary_bytes_per_s (a simulated link:
+        each request also waits its tensor bytes / this; 0 = off). Unknown keys raise ValueError."""
+        known = {"batch_size", "wait_s", "boundary_delay_s", "boundary_bytes_per_s"}
+        unknown = set(user_config) - known
+        if unknown:
+            raise ValueError(f"Denoiser user_config: unknown keys {sorted(unknown)}; valid: {sorted(known)}")
+        self.policy.override(batch_size=user_config.get("batch_size"), wait_s=user_config.get("wait_s"))
+        delay = float(user_config.get("boundary_delay_s") or 0.0)
+        rate = float(user_config.get("boundary_bytes_per_s") or 0.0)
+        if delay < 0 or rate < 0:
+            raise ValueError(f"Denoiser user_config: boundary_delay_s ({delay}) and boundary_bytes_per_s ({rate}) "
+                             "must be >= 0")
+        self.boundary_delay_s, self.boundary_bytes_per_s = delay, rate
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for benchmarks and logs: steps run, items stepped (sum of batch sizes), requests completed,
+        busy seconds, queue depth, running, and the policy's fitted terms."""
+        return {**self._stats, "pending": len(self._pending), "running": len(self._running),
+                "policy": self.policy.snapshot()}
+
+    async def denoise(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream progress events, then the latents (see the class docstring)."""
+        from vidray.diffusion.flow_matching import inference_sigmas
+        from vidray.diffusion.sampler import DenoiseState, initial_noise
+
+        # 1. The stage boundary: injected delay (benchmarks), then one transfer measurement.
+        num_bytes = tensor_bytes(request["prompt_embeds"], request.get("negative_prompt_embeds"))
+        delay = self.boundary_delay_s + (num_bytes / self.boundary_bytes_per_s if self.boundary_bytes_per_s else 0)
+        if delay:
+            await asyncio.sleep(delay)
+        self.policy.observe_transfer(num_bytes, max(0.0, time.time() - float(request["sent_at"])))
+
+        # 2. Queue the request's state for the step loop.
+        state = DenoiseState(
+            latents=initial_noise(tuple(request["latent_shape"]), int(request["seed"])),
+            sigmas=inference_sigmas(int(request["num_inference_steps"]), self.flow.shift,
+                                    num_train_timesteps=self.flow.num_train_timesteps),
+            prompt_embeds=request["prompt_embeds"],
+            prompt_attention_mask=request["prompt_attention_mask"],
+            guidance_scale=float(request.get("guidance_scale", 1.0)),
+            negative_prompt_embeds=request.get("negative_prompt_embeds"),
+            negative_prompt_attention_mask=request.get("negative_prompt_attention_mask"),
+        )
+        entry = _Request(state, asyncio.Queue(), time.monotonic(), key=state.batch_key())
+        self._pending.append(entry)
+        self._wake.set()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+
+        # 3. Relay its events until the latents come (or the caller goes away: then it leaves the batch).
+        try:
+            while True:
+                event = await entry.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if "latents" in event:
+                    return
+        finally:
+            entry.cancelled = True
+
+    async def _step_loop(self) -> None:
+        """Admit, step, release, forever (one task per replica)."""
+        while True:
+            self._drop_cancelled()
+            if not self._running and not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            decision = self._decide()
+            # A fresh batch waits up to wait_s for more arrivals (never while requests are mid-way).
+            if not self._running and len(self._pending) < decision.batch_size and decision.wait_s > 0:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=decision.wait_s)
+                except asyncio.TimeoutError:
+                    pass
+                decision = self._decide()
+            while self._pending and len(self._running) < decision.batch_size:
+                self._running.append(self._pending.popleft())
+            if not self._running:
+                continue
+            await self._step_once()
+
+    def _drop_cancelled(self) -> None:
+        self._running = [r for r in self._running if not r.cancelled]
+        self._pending = deque(r for r in self._pending if not r.cancelled)
+
+    def _decide(self):
+        remaining = [r.state.num_inference_steps - r.state.step for r in self._running + list(self._pending)]
+        num_steps = max(1, round(sum(remaining) / len(remaining))) if remaining else 1
+        nbytes = tensor_bytes(self._pending[0].state.prompt_embeds) if self._pending else 0
+        return self.policy.decide(queue_depth=len(self._pending), num_running=len(self._running),
+                                  num_steps=num_steps, bytes_per_item=nbytes)
+
+    async def _step_once(self) -> None:
+        """One denoising step for the running group that stepped least recently (round robin over shapes)."""
+        from vidray.diffusion.sampler import step_states
+
+        groups: dict[tuple, list[_Request]] = {}
+        for r in self._running:
+            groups.setdefault(r.key, []).append(r)
+        batch = min(groups.values(), key=lambda g: min(r.last_step_at for r in g))
+        start = time.perf_counter()
+        try:
+            await asyncio.to_thread(step_states, self.family, self.transformer, [r.state for r in batch],
+                                    num_train_timesteps=self.flow.num_train_timesteps)
+        except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the replica
+            logger.exception("denoising step failed for %d requests", len(batch))
+            for r in batch:
+                r.events.put_nowait(RuntimeError(f"denoising step failed: {type(err).__name__}: {err}"))
+                r.cancelled = True
+            return
+        seconds = time.perf_counter() - start
+        self.policy.observe_step(len(batch), seconds)
+        self._stats["steps"] += 1
+        self._stats["items_stepped"] += len(batch)
+        self._stats["busy_s"] += seconds
+        now = time.monotonic()
+        for r in batch:
+            r.last_step_at = now
+            r.events.put_nowait({"step": r.state.step, "num_inference_steps": r.state.num_inference_steps})
+            if r.state.done:
+                r.events.put_nowait({"latents": r.state.latents})
+                self._stats["completed"] += 1
+        self._running = [r for r in self._running if not r.state.done]
