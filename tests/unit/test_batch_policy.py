@@ -60,6 +60,32 @@ def test_batch_shrinks_when_transfer_throughput_drops():
     assert policy.snapshot()["transfer_bytes_per_s"] == pytest.approx(1e6, rel=1e-3)
 
 
+def test_transfers_of_one_size_count_as_latency_that_shrinks_the_batch_as_it_rises():
+    # A served request's tensors all have one size: time on the path is per request, not per byte of the batch.
+    policy = fitted_policy(a=1.0, c=0.01, target_s=20.0)
+    for _ in range(20):
+        policy.observe_transfer(4096, 0.08)
+    assert policy.snapshot()["transfer_latency_s"] == pytest.approx(0.08)
+    assert idle(policy, bytes_per_item=4096).batch_size == 16  # 80 ms per request leaves the target to compute
+    for _ in range(40):
+        policy.observe_transfer(4096, 9.5)  # the path slows down: a 9.5 s delay per request
+    slow = idle(policy, bytes_per_item=4096)
+    # 10 * (1 + 0.01 b) + 9.5 <= 20  <=>  b <= 5
+    assert slow.batch_size == 5
+    assert "transfer 9.5 s" in slow.reason
+
+
+def test_wait_is_skipped_when_arrivals_are_too_sparse_to_fill_it():
+    policy = fitted_policy(a=1.0, c=0.01, target_s=20.0)
+    unknown = policy.decide(queue_depth=1, num_running=0, num_steps=10, bytes_per_item=0)
+    busy = policy.decide(queue_depth=1, num_running=0, num_steps=10, bytes_per_item=0, arrival_rate_per_s=100.0)
+    sparse = policy.decide(queue_depth=1, num_running=0, num_steps=10, bytes_per_item=0, arrival_rate_per_s=2.0)
+    assert unknown.wait_s == busy.wait_s == policy.config.max_wait_s  # 100/s expects 5 arrivals in 50 ms
+    assert sparse.wait_s == 0.0 and "no wait" in sparse.reason  # 2/s expects 0.1 arrivals in 50 ms
+    with pytest.raises(ValueError, match="arrival_rate_per_s"):
+        policy.decide(queue_depth=1, num_running=0, num_steps=10, bytes_per_item=0, arrival_rate_per_s=-1.0)
+
+
 def test_batch_shrinks_when_transfer_loss_rises():
     policy = fitted_policy(a=1.0, c=0.01, target_s=20.0)
     for n in (1 * MB, 2 * MB):  # 20 MB/s: 16 requests of 7 MB move in 5.6 s
@@ -83,11 +109,12 @@ def test_batch_shrinks_when_queueing_threatens_the_target_and_per_item_cost_domi
     # t(b) = 0.05 + b: a bigger batch adds no throughput, only slower rounds for the queue
     policy = fitted_policy(a=0.05, c=1.0, target_s=192.6)
     empty = policy.decide(queue_depth=0, num_running=4, num_steps=10, bytes_per_item=0)
-    queued = policy.decide(queue_depth=12, num_running=4, num_steps=10, bytes_per_item=0)
+    queued = policy.decide(queue_depth=13, num_running=4, num_steps=10, bytes_per_item=0)
     assert empty.batch_size == 16
     assert queued.batch_size < empty.batch_size
     assert queued.predicted_latency_s <= 192.6
-    # batch 9: 4 + 12 + 1 - 9 = 8 requests must leave first -> one round of 10 steps of 9.05 s, then its own
+    # batch 9: 4 + 13 - 9 = 8 requests must leave before the last queued one -> one round of 10 steps of
+    # 9.05 s, then its own
     assert queued.batch_size == 9
     assert queued.predicted_latency_s == pytest.approx(2 * 10 * 9.05)
     assert "queue limits" in queued.reason

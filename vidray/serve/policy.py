@@ -37,15 +37,21 @@ T = `latency_target_s`, x = `bytes_per_item`. All times in seconds, sizes in byt
 2. **Transfer time.** A successful move of n bytes in s seconds is a point of s = L + n/W (L: latency,
    W: throughput in bytes/s), fitted by least squares on exponentially weighted moments (weight `ewma_alpha` on
    the newest point, so old points fade), with L >= 0 and 1/W >= 0. When all points have (nearly) the same
-   size, L and W cannot be told apart and all of the time is put on the bytes (L = 0, W = mean n / mean s): the
-   conservative choice, since bytes grow with the batch (below). A lost move (`lost=True`) does not enter the
+   size, L and W cannot be told apart and all of the time is put on the latency (L = mean s, 1/W = 0). Measured:
+   a served request's tensors are a few KB to MB moved one request at a time as it arrives, and the time from
+   send to arrival of one fixed size is dominated by per-message costs (routing, scheduling, a delay on the path);
+   charging it per byte would multiply it by b below and forbid batching for a cost that does not grow with the
+   batch (the first version did that: in `benchmarks/serve.py` it cut the adaptive batch to 2-4 where 8 met the
+   target). A rising latency still shrinks the batch: it eats the target that compute may use. A lost move (`lost=True`) does not enter the
    fit (its time measures a failure, not the link); it updates the loss rate p, an EWMA of the lost flag over all
    moves, capped at 0.99. A lost move is sent again, so a move takes 1/(1-p) attempts on average. The b
    requests of a batch move their tensors over the same link of the replica at about the same time: their bytes
    queue behind each other, the latency is paid once. Per request:
    transfer(b) = (L + b*x/W) / (1 - p); 0 before any move is measured.
-3. **Queue wait** of a request arriving now behind q queued requests and r running ones: it gets a slot after
-   k = r + q + 1 - b requests leave the batch. k <= 0: it joins at the next step, wait 0. Otherwise the policy
+3. **Queue wait** of the last of q queued requests (of a request arriving now when q = 0) with r running: it
+   gets a slot after k = r + max(q, 1) - b requests leave the batch. k <= 0: it joins at the next step, wait 0.
+   (The first version counted one more, hypothetical, arrival behind the queue: with 8 clients and batch 8 it
+   predicted a round of queueing that never happens, and the benchmark's adaptive batch stayed below 8.) Otherwise the policy
    assumes the batch turns over in rounds of b requests, each round taking N*t(b):
    wait(b) = ceil(k / b) * N * t(b). This is an upper bound (in steady state the running requests started at
    different steps and leave one by one), chosen so the policy errs on the side of the target. A bigger batch
@@ -61,7 +67,8 @@ T = `latency_target_s`, x = `bytes_per_item`. All times in seconds, sizes in byt
   latency, where sizes within 5 % of the lowest count as equal and the highest throughput among them wins
   (under overload the queue only drains faster with more throughput; whole rounds make the queue term coarse):
   with a dominant, a large batch.
-- `wait_s`: 0 when the queue can fill the batch (q >= b - r). Otherwise min(max_wait_s, budget) where
+- `wait_s`: 0 when the queue can fill the batch (q >= b - r), and 0 when the caller's measured arrival rate
+  expects less than one arrival within the wait. Otherwise min(max_wait_s, budget) where
   slack = max(0, T - predicted_latency(b)) and budget = slack with nothing running, slack / N with requests
   running (a wait stalls their next step, and the denoiser may wait before each of their N steps).
 - **Before any step is measured**: `batch_size` = B, `wait_s` = `max_wait_s` (0 when the queue fills the
@@ -311,9 +318,7 @@ class BatchPolicy:
             return None
         mean_x, mean_y = self._mx / self._m1, self._my / self._m1
         var_x = self._mxx / self._m1 - mean_x**2
-        if var_x <= _SAME_SIZE_REL_VAR * mean_x**2:  # one size: L and W not separable; put it on the bytes
-            if mean_x > 0:
-                return 0.0, mean_y / mean_x
+        if var_x <= _SAME_SIZE_REL_VAR * mean_x**2:  # one size: L and W not separable; put it on the latency
             return mean_y, 0.0
         per_byte = (self._mxy / self._m1 - mean_x * mean_y) / var_x
         latency = mean_y - per_byte * mean_x
@@ -328,7 +333,7 @@ class BatchPolicy:
     ) -> _Terms:
         a, c = fit
         step = a + c * b
-        k = r + q + 1 - b  # requests that must leave before one arriving now gets a slot
+        k = r + max(q, 1) - b  # requests that must leave before the last queued one (or a new one) gets a slot
         rounds = -(-k // b) if k > 0 else 0
         if transfer is None:
             move = 0.0
@@ -338,18 +343,25 @@ class BatchPolicy:
         return _Terms(b, step, rounds * n * step, n * step, move)
 
     # ---------------------------------------------------------------- the decision
-    def decide(self, *, queue_depth: int, num_running: int, num_steps: int, bytes_per_item: int) -> Decision:
+    def decide(self, *, queue_depth: int, num_running: int, num_steps: int, bytes_per_item: int,
+               arrival_rate_per_s: float | None = None) -> Decision:
         """The running batch's size and the arrival wait for the next step.
 
         `queue_depth` (int >= 0): requests of this shape waiting to join; `num_running` (int >= 0): requests in
         the running batch; `num_steps` (int >= 1): denoising steps a request needs; `bytes_per_item` (int >= 0):
-        bytes one request moves between stages (inputs in plus outputs out). Raises ValueError naming the
-        argument when one is out of range.
+        bytes one request moves between stages (inputs in plus outputs out); `arrival_rate_per_s` (finite >= 0 or
+        None = unknown): the measured rate of new requests. With a rate, a wait the model allows is skipped when
+        less than one arrival is expected within it (rate * wait < 1: the wait would delay the running batch
+        for nothing; Clipper, Crankshaw et al. NSDI 2017, adapts its batch wait to arrivals in the same spirit).
+        Raises ValueError naming the argument when one is out of range.
         """
         q = _check_int("queue_depth", queue_depth, 0)
         r = _check_int("num_running", num_running, 0)
         n = _check_int("num_steps", num_steps, 1)
         x = _check_int("bytes_per_item", bytes_per_item, 0)
+        rate = arrival_rate_per_s
+        if rate is not None and (not _is_real(rate) or not math.isfinite(rate) or rate < 0):
+            raise ValueError(f"arrival_rate_per_s must be a finite number of requests per second >= 0, got {rate!r}")
         cfg = self.config
         cap, target = cfg.max_batch_size, cfg.latency_target_s
         with self._lock:
@@ -388,6 +400,9 @@ class BatchPolicy:
             else:
                 slack = max(0.0, target - terms.total_s)
                 wait = min(cfg.max_wait_s, slack / n if r > 0 else slack)
+                if rate is not None and wait > 0 and rate * wait < 1.0:
+                    reason += f"; no wait: {rate:.3g} arrivals/s expect {rate * wait:.2g} in {wait:.3g} s"
+                    wait = 0.0
         predicted = terms.total_s if terms is not None else math.nan
         return Decision(batch_size=b, wait_s=wait, predicted_latency_s=predicted, reason=reason)
 

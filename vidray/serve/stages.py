@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from vidray.serve.policy import BatchPolicy, PolicyConfig
+from vidray.serve.policy import BatchPolicy, PolicyConfig, check_max_ongoing_requests
 
 __all__ = ["Denoiser", "TextEncoder", "VaeDecoder", "tensor_bytes"]
 
@@ -130,18 +130,16 @@ class Denoiser:
         self.policy_config = PolicyConfig(**policy)
         self.policy = BatchPolicy(self.policy_config)
         max_ongoing = _max_ongoing_requests()
-        if max_ongoing is not None and max_ongoing < self.policy_config.max_batch_size:
-            raise ValueError(
-                f"Denoiser max_ongoing_requests {max_ongoing} < policy.max_batch_size "
-                f"{self.policy_config.max_batch_size}: Serve would cap every batch at {max_ongoing} (ray issue "
-                "43288); raise max_ongoing_requests in serve_config.yaml or lower policy.max_batch_size"
-            )
+        if max_ongoing is not None:  # Serve caps a replica's requests there, and so every batch (NOTES.md)
+            check_max_ongoing_requests(self.policy_config, max_ongoing)
         self.boundary_delay_s = 0.0
         self.boundary_bytes_per_s = 0.0
         self._pending: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self._last_arrival: float | None = None
+        self._arrival_gap_s: float | None = None
         self._stats = {"steps": 0, "items_stepped": 0, "completed": 0, "busy_s": 0.0, "started_at": time.time()}
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -189,7 +187,12 @@ class Denoiser:
             negative_prompt_embeds=request.get("negative_prompt_embeds"),
             negative_prompt_attention_mask=request.get("negative_prompt_attention_mask"),
         )
-        entry = _Request(state, asyncio.Queue(), time.monotonic(), key=state.batch_key())
+        now = time.monotonic()
+        if self._last_arrival is not None:  # EWMA of the arrival rate, for the policy's wait
+            gap = max(now - self._last_arrival, 1e-6)
+            self._arrival_gap_s = gap if self._arrival_gap_s is None else 0.7 * self._arrival_gap_s + 0.3 * gap
+        self._last_arrival = now
+        entry = _Request(state, asyncio.Queue(), now, key=state.batch_key())
         self._pending.append(entry)
         self._wake.set()
         if self._loop_task is None or self._loop_task.done():
@@ -237,9 +240,12 @@ class Denoiser:
     def _decide(self):
         remaining = [r.state.num_inference_steps - r.state.step for r in self._running + list(self._pending)]
         num_steps = max(1, round(sum(remaining) / len(remaining))) if remaining else 1
-        nbytes = tensor_bytes(self._pending[0].state.prompt_embeds) if self._pending else 0
+        # Bytes one request moves: its conditioning in, its latents out.
+        first = self._pending[0].state if self._pending else (self._running[0].state if self._running else None)
+        nbytes = 0 if first is None else tensor_bytes(first.prompt_embeds, first.negative_prompt_embeds, first.latents)
+        rate = None if self._arrival_gap_s is None else 1.0 / self._arrival_gap_s
         return self.policy.decide(queue_depth=len(self._pending), num_running=len(self._running),
-                                  num_steps=num_steps, bytes_per_item=nbytes)
+                                  num_steps=num_steps, bytes_per_item=nbytes, arrival_rate_per_s=rate)
 
     async def _step_once(self) -> None:
         """One denoising step for the running group that stepped least recently (round robin over shapes)."""

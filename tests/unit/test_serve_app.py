@@ -1,0 +1,92 @@
+"""`build_app` checks the serve application's args before Serve starts anything: unknown keys, the bearer token,
+the model folder, and what the model can make (issue 8 items 1 and 6). No Ray is started here."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+from vidray.config import FlowConfig, ModelConfig, job_config_from_dict  # noqa: E402
+from vidray.models import get_family  # noqa: E402
+from vidray.models.export import inspect_model, write_job_file  # noqa: E402
+from vidray.serve.app import ServeSettings, ServeSettingsError, build_app, model_spec  # noqa: E402
+
+REPO_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "serve", "serve_config.yaml")
+TOKEN = "a-token-of-at-least-16-chars"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    family = get_family("easyanimate")
+    components = family.build(ModelConfig(text_encoder="tiny_random", max_sequence_length=16), seed=0)
+    out = family.save_pipeline(components, tmp_path_factory.mktemp("m") / "diffusers", FlowConfig(shift=3.0))
+    write_job_file(out, job_config_from_dict({"name": "t", "model": {"text_encoder": "tiny_random",
+                                                                     "max_sequence_length": 16},
+                                              "data": {"buckets": [[9, 64, 48]]}}))
+    return out
+
+
+def _args(model_dir, tmp_path, **extra):
+    return {"model_path": str(model_dir), "store_dir": str(tmp_path / "store"), **extra}
+
+
+def test_shipped_config_args_are_valid_settings():
+    config = yaml.safe_load(open(REPO_CONFIG))
+    app = config["applications"][0]
+    assert app["import_path"] == "serve.app:build_app"
+    assert config["http_options"]["host"] == "127.0.0.1"
+    ServeSettings(**app["args"])  # raises on an unknown or out-of-range key
+    names = {d["name"] for d in app["deployments"]}
+    assert names == {"VideoIngress", "TextEncoder", "Denoiser", "VaeDecoder"}
+    denoiser = next(d for d in app["deployments"] if d["name"] == "Denoiser")
+    assert denoiser["max_ongoing_requests"] >= app["args"]["policy"]["max_batch_size"]
+
+
+def test_unknown_or_out_of_range_keys_are_refused_naming_them(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("VIDRAY_API_TOKEN", TOKEN)
+    with pytest.raises(ServeSettingsError, match="policy.max_batch_sise"):
+        build_app(_args(model_dir, tmp_path, policy={"max_batch_sise": 4}))
+    with pytest.raises(ServeSettingsError, match="runner.lease_s"):
+        build_app(_args(model_dir, tmp_path, runner={"lease_s": 0}))
+    assert not (tmp_path / "store").exists()  # nothing was created before the args were found bad
+
+
+def test_without_a_token_the_app_refuses_to_start_and_names_both_fixes(model_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("VIDRAY_API_TOKEN", raising=False)
+    with pytest.raises(ServeSettingsError, match="VIDRAY_API_TOKEN.*auth.disabled: true"):
+        build_app(_args(model_dir, tmp_path))
+    monkeypatch.setenv("VIDRAY_API_TOKEN", "short")
+    with pytest.raises(ServeSettingsError, match="shorter than 16"):
+        build_app(_args(model_dir, tmp_path))
+
+
+def test_token_file_and_explicitly_disabled_auth_build_the_app(model_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("VIDRAY_API_TOKEN", raising=False)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    app = build_app(_args(model_dir, tmp_path, auth={"token_file": str(token_file)}))
+    ingress = app._bound_deployment
+    assert ingress.name == "VideoIngress"
+    assert ingress.init_args[1] == TOKEN  # the stripped token reaches the ingress
+    app = build_app(_args(model_dir, tmp_path, auth={"disabled": True}))
+    assert app._bound_deployment.init_args[1] is None
+    with pytest.raises(ServeSettingsError, match="auth.token_file .* does not exist"):
+        build_app(_args(model_dir, tmp_path, auth={"token_file": str(tmp_path / "missing")}))
+
+
+def test_a_model_path_that_is_not_a_model_is_refused_before_any_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("VIDRAY_API_TOKEN", TOKEN)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ServeSettingsError, match="model_path: .*neither a diffusers folder"):
+        build_app({"model_path": str(tmp_path / "empty"), "store_dir": str(tmp_path / "s")})
+
+
+def test_model_spec_follows_the_models_bucket_and_frame_rule(model_dir, tmp_path):
+    settings = ServeSettings(model_path=str(model_dir), fps=8.0)
+    spec = model_spec(settings, inspect_model(model_dir))
+    assert spec.default_size == (48, 64) and spec.default_num_frames == 9  # (width, height) of bucket 9x64x48
+    assert spec.size_multiple == 16
+    assert [n for n in range(1, 14) if spec.valid_num_frames(n)] == [1, 5, 9, 13]  # EasyAnimate: 1 or 4k + 1
+    assert spec.supports_image_to_video is False
