@@ -187,6 +187,11 @@ class CheckpointConfig:
     """Newest checkpoints kept by Ray Train (>= 1); null keeps all."""
     resume_from: str | None = None
     """A checkpoint folder to start from; by default the run resumes from its own latest checkpoint, if any."""
+    resume: Literal["auto", "never", "must"] = "auto"
+    """What a run whose name already has checkpoints does: `auto` resumes from the latest complete one (or
+    `resume_from`) and starts afresh when there is none; `never` refuses to start when the run folder holds any
+    checkpoint (nothing is overwritten: pick a new name); `must` refuses to start without a checkpoint to resume
+    (a re-submitted job that lost its run folder fails instead of silently training from step 1)."""
 
 
 @dataclass(config=_STRICT, kw_only=True)
@@ -309,6 +314,7 @@ RESUME_RULES: dict[str, str] = {
     "name": RESUME_CHANGEABLE,
     "storage.path": RESUME_CHANGEABLE,
     "checkpoint.resume_from": RESUME_CHANGEABLE,
+    "checkpoint.resume": RESUME_CHANGEABLE,
     # The model: the checkpoint's weights only fit the architecture, text encoder and prompt length they were
     # trained with (a changed text encoder fails as a tensor-shape error inside the workers).
     "model.family": RESUME_FIXED,

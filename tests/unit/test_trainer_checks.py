@@ -361,3 +361,26 @@ def test_prepare_refuses_a_max_sequence_length_above_the_text_encoder_limit_befo
     with pytest.raises(ValueError, match="model.max_sequence_length 1000 is above the text encoder's limit of 512"):
         prepare_data(job.data, job.model, progress=None)
     assert not (tmp_path / "shards" / "index.json").exists()
+
+
+def test_checkpoint_resume_never_refuses_existing_checkpoints_and_must_refuses_a_run_without(job_and_index,
+                                                                                               tmp_path):
+    job, index, _ = job_and_index
+    never = resumable_run(job_and_index, tmp_path, "modes", steps=(4,), **{"checkpoint.resume": "never"})
+    with pytest.raises(ConfigError, match=r"resume=never but the run .*modes already holds 1 checkpoint\(s\) "
+                                          r"\(checkpoint_000004\): nothing was overwritten.*name=modes-2"):
+        check_job_inputs(never)
+    assert (never.run_dir / "checkpoint_000004" / "manifest.json").is_file()
+
+    def run(name: str, mode: str):
+        return load_job_config(None, [f"data.shards_dir={job.data.shards_dir}", f"storage.path={tmp_path}",
+                                      f"name={name}", "train.max_steps=20", f"checkpoint.resume={mode}"])
+
+    assert check_job_inputs(run("modes", "must")).step == 4  # must + a checkpoint: resumes
+    assert check_job_inputs(run("modes", "auto")).step == 4
+    assert check_job_inputs(run("brand-new", "never")).step == 0  # never + an empty run: starts at step 1
+    with pytest.raises(ConfigError, match="resume=must but the run .*lost-folder has no complete checkpoint to "
+                                          "resume \\(none written yet\\)"):
+        check_job_inputs(run("lost-folder", "must"))
+    with pytest.raises(ConfigError, match="checkpoint.resume': 'sometimes'; valid choices: 'auto', 'never' or 'must'"):
+        run("modes", "sometimes")

@@ -50,9 +50,17 @@ def _max_ongoing_requests() -> int | None:
 
 
 def _load(model_path: str):
+    """The model folder's components, on this replica's GPU when it has one (`ray_actor_options.num_gpus`),
+    else the CPU."""
+    import torch
+
     from vidray.models.export import load_model
 
-    return load_model(model_path)
+    model = load_model(model_path)
+    if torch.cuda.is_available():
+        for module in (model.components.transformer, model.components.vae, model.components.text_encoder):
+            module.to("cuda")
+    return model
 
 
 @serve.deployment(name="TextEncoder", max_ongoing_requests=32)
@@ -73,8 +81,8 @@ class TextEncoder:
 
         embeds, mask = await asyncio.to_thread(
             encode_prompts, self.text_encoder, self.tokenizer, list(prompts),
-            max_sequence_length=self.max_sequence_length,
-        )  # (B, L, D), (B, L)
+            max_sequence_length=self.max_sequence_length, device="cpu",
+        )  # (B, L, D), (B, L) on the CPU: they travel to the Denoiser through Ray's object store
         return [(embeds[i : i + 1].clone(), mask[i : i + 1].clone()) for i in range(len(prompts))]
 
     async def encode(self, prompt: str) -> tuple[Any, Any]:
@@ -275,6 +283,6 @@ class Denoiser:
             r.last_step_at = now
             r.events.put_nowait({"step": r.state.step, "num_inference_steps": r.state.num_inference_steps})
             if r.state.done:
-                r.events.put_nowait({"latents": r.state.latents})
+                r.events.put_nowait({"latents": r.state.latents.float().cpu()})
                 self._stats["completed"] += 1
         self._running = [r for r in self._running if not r.state.done]

@@ -169,6 +169,38 @@ def _started_from(checkpoint: Path, start: Path) -> bool:
     return bool(saved) and Path(saved).expanduser().resolve() == start
 
 
+def _check_resume_mode(job: JobConfig, run_dir: Path | None, existing: list[Path], latest: Path | None) -> None:
+    """Refuse what `checkpoint.resume` forbids (see `vidray.config.CheckpointConfig.resume`). Raises ConfigError
+    naming the run folder, what it holds and the fix."""
+    from vidray.config import ConfigError
+
+    mode = job.checkpoint.resume
+    where = run_dir if run_dir is not None else f"{job.storage.path.rstrip('/')}/{job.name}"
+    if mode == "never":
+        if job.checkpoint.resume_from:
+            raise ConfigError(
+                f"checkpoint.resume=never contradicts checkpoint.resume_from={job.checkpoint.resume_from}: drop one"
+            )
+        if existing:
+            names = ", ".join(p.name for p in existing[-3:])
+            raise ConfigError(
+                f"checkpoint.resume=never but the run {where} already holds {len(existing)} checkpoint(s) ({names}): "
+                f"nothing was overwritten; start under a new name (name={job.name}-2) or continue it with "
+                "checkpoint.resume=auto"
+            )
+    elif mode == "must" and latest is None and not job.checkpoint.resume_from:
+        if run_dir is None:
+            raise ConfigError(
+                f"checkpoint.resume=must cannot check {where}: finding a run's checkpoints on a storage.path URI is "
+                "not supported yet; give checkpoint.resume_from or use checkpoint.resume=auto"
+            )
+        raise ConfigError(
+            f"checkpoint.resume=must but the run {where} has no complete checkpoint to resume "
+            f"({'its folders: ' + ', '.join(p.name for p in existing) if existing else 'none written yet'}): check "
+            "name and storage.path, or start it with checkpoint.resume=auto"
+        )
+
+
 def plan_resume(job: JobConfig) -> ResumePlan:
     """Decide and verify the checkpoint `job` starts from (the precedence in the module docstring).
 
@@ -183,6 +215,7 @@ def plan_resume(job: JobConfig) -> ResumePlan:
     existing = run_checkpoints(run_dir) if run_dir else []
     plan = ResumePlan(existing=[p.name for p in existing])
     latest = latest_checkpoint(run_dir) if run_dir else None
+    _check_resume_mode(job, run_dir, existing, latest)
     if job.checkpoint.resume_from:
         chosen = Path(job.checkpoint.resume_from).expanduser().resolve()
         if run_dir and latest is not None and latest != chosen and _started_from(latest, chosen):
