@@ -86,6 +86,23 @@ def test_wait_is_skipped_when_arrivals_are_too_sparse_to_fill_it():
         policy.decide(queue_depth=1, num_running=0, num_steps=10, bytes_per_item=0, arrival_rate_per_s=-1.0)
 
 
+def test_requests_slower_than_predicted_scale_the_prediction_and_shrink_the_batch():
+    # t(b) = 0.1 + 0.01 b over 10 steps: batch 16 predicts 2.6 s, within a 3 s target.
+    policy = fitted_policy(a=0.1, c=0.01, target_s=3.0)
+    before = idle(policy)
+    assert before.batch_size == 16 and before.predicted_compute_s == pytest.approx(2.6)
+    for _ in range(30):  # admitted requests really take 1.5x what the steps predicted
+        policy.observe_service(before.predicted_compute_s, 1.5 * before.predicted_compute_s)
+    after = idle(policy)
+    assert policy.snapshot()["service_scale"] == pytest.approx(1.5, rel=1e-3)
+    # 1.5 * 10 * (0.1 + 0.01 b) <= 3  <=>  b <= 10
+    assert after.batch_size == 10
+    assert after.predicted_latency_s == pytest.approx(1.5 * 10 * (0.1 + 0.01 * 10), rel=1e-3)
+    assert after.predicted_compute_s == pytest.approx(10 * (0.1 + 0.01 * 10))  # reported before calibration
+    policy.observe_service(float("nan"), 5.0)  # no prediction (cold start): ignored
+    assert policy.snapshot()["num_services_observed"] == 30
+
+
 def test_batch_shrinks_when_transfer_loss_rises():
     policy = fitted_policy(a=1.0, c=0.01, target_s=20.0)
     for n in (1 * MB, 2 * MB):  # 20 MB/s: 16 requests of 7 MB move in 5.6 s

@@ -57,7 +57,12 @@ T = `latency_target_s`, x = `bytes_per_item`. All times in seconds, sizes in byt
    different steps and leave one by one), chosen so the policy errs on the side of the target. A bigger batch
    drains the queue in fewer rounds but makes every round slower: when a dominates t(b) a queue grows the
    batch; when c is a large share of t(b) (batching adds little throughput) it shrinks it.
-4. **Latency**: predicted_latency(b) = wait(b) + N*t(b) + transfer(b). It covers what the policy measures: the
+4. **Calibration.** The caller reports, per finished request, the time from admission to its last step against
+   the N*t(b) predicted when it was admitted (`observe_service`); s, an EWMA of their ratio clamped to [0.5, 4],
+   multiplies the queue and compute terms. Step times alone miss what surrounds the steps (relaying each step's
+   progress event, a host shared with other processes): in `benchmarks/serve.py` requests took ~1.2x N*t(b), and
+   without s the policy chose batches whose real latency missed the target.
+5. **Latency**: predicted_latency(b) = s * (wait(b) + N*t(b)) + transfer(b). It covers what the policy measures: the
    denoiser's queue and steps and the moves passed to `observe_transfer`; the text encoder's and VAE decoder's
    compute are not in it, so a target that is end to end should leave room for them.
 
@@ -186,6 +191,9 @@ class Decision:
     before any step is measured."""
     reason: str
     """One line for a log: which term limited the batch, with the predicted terms in seconds."""
+    predicted_compute_s: float = math.nan
+    """The model's num_steps * t(batch_size) before calibration (seconds; nan before any step is measured): what
+    the caller compares with the time an admitted request actually takes (`observe_service`)."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +205,8 @@ class _Terms:
     queue_s: float
     compute_s: float
     transfer_s: float
+    raw_compute_s: float = 0.0
+    """N * t(b) before calibration."""
 
     @property
     def total_s(self) -> float:
@@ -239,8 +249,26 @@ class BatchPolicy:
         self._loss_rate = 0.0
         self._override_batch_size: int | None = None
         self._override_wait_s: float | None = None
+        # calibration: EWMA of (service time a request took) / (what the model predicted for it)
+        self._service_scale = 1.0
+        self._num_services_observed = 0
 
     # ---------------------------------------------------------------- measurements
+    def observe_service(self, predicted_s: float, actual_s: float) -> None:
+        """Record one request's time from admission to its last step (`actual_s`) against the model's
+        `Decision.predicted_compute_s` when it was admitted (`predicted_s`). Their ratio, an EWMA clamped to
+        [0.5, 4], scales the queue and compute terms of later predictions: what the step times miss (relaying
+        progress events, scheduling on a busy host) is learned from what requests really take. Non-finite or
+        non-positive predictions are ignored; ValueError for a bad `actual_s`."""
+        actual = _check_seconds("actual_s", actual_s)
+        if not _is_real(predicted_s) or not math.isfinite(predicted_s) or predicted_s <= 0:
+            return
+        ratio = min(4.0, max(0.5, actual / predicted_s))
+        alpha = self.config.ewma_alpha
+        with self._lock:
+            self._service_scale = (1 - alpha) * self._service_scale + alpha * ratio
+            self._num_services_observed += 1
+
     def observe_step(self, batch_size: int, seconds: float) -> None:
         """Record that one denoising step of a batch of `batch_size` requests (int >= 1) took `seconds`
         (finite, >= 0). Raises ValueError naming the argument otherwise."""
@@ -340,7 +368,8 @@ class BatchPolicy:
         else:
             latency, per_byte = transfer
             move = (latency + b * x * per_byte) / (1 - min(self._loss_rate, _MAX_LOSS_RATE))
-        return _Terms(b, step, rounds * n * step, n * step, move)
+        scale = self._service_scale
+        return _Terms(b, step, scale * rounds * n * step, scale * n * step, move, n * step)
 
     # ---------------------------------------------------------------- the decision
     def decide(self, *, queue_depth: int, num_running: int, num_steps: int, bytes_per_item: int,
@@ -404,7 +433,9 @@ class BatchPolicy:
                     reason += f"; no wait: {rate:.3g} arrivals/s expect {rate * wait:.2g} in {wait:.3g} s"
                     wait = 0.0
         predicted = terms.total_s if terms is not None else math.nan
-        return Decision(batch_size=b, wait_s=wait, predicted_latency_s=predicted, reason=reason)
+        compute = terms.raw_compute_s if terms is not None else math.nan
+        return Decision(batch_size=b, wait_s=wait, predicted_latency_s=predicted, reason=reason,
+                        predicted_compute_s=compute)
 
     def _choose(
         self, fit: tuple[float, float], transfer: tuple[float, float] | None, *, q: int, r: int, n: int, x: int
@@ -469,6 +500,8 @@ class BatchPolicy:
                 "transfer_loss_rate": self._loss_rate,
                 "num_transfers_observed": self._num_transfers,
                 "num_transfers_lost": self._num_transfers_lost,
+                "service_scale": self._service_scale,
+                "num_services_observed": self._num_services_observed,
                 "override_batch_size": self._override_batch_size,
                 "override_wait_s": self._override_wait_s,
                 "latency_target_s": self.config.latency_target_s,

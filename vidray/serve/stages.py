@@ -35,6 +35,9 @@ __all__ = ["Denoiser", "TextEncoder", "VaeDecoder", "tensor_bytes"]
 
 logger = logging.getLogger("ray.serve")
 
+PROGRESS_EVERY_S = 0.25
+"""Least seconds between two progress events of one request (each is a message back through Ray)."""
+
 
 def tensor_bytes(*tensors) -> int:
     """Total bytes of the given tensors (None entries count 0)."""
@@ -115,6 +118,9 @@ class _Request:
     events: asyncio.Queue
     arrived_at: float
     last_step_at: float = 0.0
+    admitted_at: float = 0.0
+    predicted_compute_s: float = float("nan")
+    last_event_at: float = 0.0
     cancelled: bool = False
     key: tuple = field(default=())
 
@@ -123,7 +129,8 @@ class _Request:
 class Denoiser:
     """The DiT denoising loop of every request on this replica, batched across requests at each step.
 
-    `denoise(request)` streams `{"step": i, "num_inference_steps": n}` after each of the request's steps, then
+    `denoise(request)` streams `{"step": i, "num_inference_steps": n}` after the request's steps (at most every
+    PROGRESS_EVERY_S seconds), then
     `{"latents": (1, C, F_lat, H_lat, W_lat) float32}`. request keys: prompt_embeds (1, L, D),
     prompt_attention_mask (1, L), negative_prompt_embeds / negative_prompt_attention_mask (or None),
     guidance_scale (float >= 1), latent_shape (1, C, F_lat, H_lat, W_lat), num_inference_steps, seed, sent_at
@@ -219,27 +226,39 @@ class Denoiser:
             entry.cancelled = True
 
     async def _step_loop(self) -> None:
-        """Admit, step, release, forever (one task per replica)."""
+        """Admit, step, release, forever (one task per replica). A failure outside a step (a bug) is logged and
+        the loop goes on, so the requests it holds are not stranded."""
         while True:
-            self._drop_cancelled()
-            if not self._running and not self._pending:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
+            try:
+                await self._loop_once()
+            except Exception:  # noqa: BLE001
+                logger.exception("denoiser step loop failed; continuing")
+                await asyncio.sleep(0.1)
+
+    async def _loop_once(self) -> None:
+        """One turn: wait for work, admit per the policy (waiting for arrivals when it says so), one step."""
+        self._drop_cancelled()
+        if not self._running and not self._pending:
+            self._wake.clear()
+            await self._wake.wait()
+            return
+        decision = self._decide()
+        # A fresh batch waits up to wait_s for more arrivals (never while requests are mid-way).
+        if not self._running and len(self._pending) < decision.batch_size and decision.wait_s > 0:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=decision.wait_s)
+            except asyncio.TimeoutError:
+                pass
             decision = self._decide()
-            # A fresh batch waits up to wait_s for more arrivals (never while requests are mid-way).
-            if not self._running and len(self._pending) < decision.batch_size and decision.wait_s > 0:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=decision.wait_s)
-                except asyncio.TimeoutError:
-                    pass
-                decision = self._decide()
-            while self._pending and len(self._running) < decision.batch_size:
-                self._running.append(self._pending.popleft())
-            if not self._running:
-                continue
-            await self._step_once()
+        while self._pending and len(self._running) < decision.batch_size:
+            entry = self._pending.popleft()
+            entry.admitted_at = time.monotonic()
+            entry.predicted_compute_s = decision.predicted_compute_s
+            self._running.append(entry)
+        if not self._running:
+            return
+        await self._step_once()
 
     def _drop_cancelled(self) -> None:
         self._running = [r for r in self._running if not r.cancelled]
@@ -281,8 +300,11 @@ class Denoiser:
         now = time.monotonic()
         for r in batch:
             r.last_step_at = now
-            r.events.put_nowait({"step": r.state.step, "num_inference_steps": r.state.num_inference_steps})
             if r.state.done:
                 r.events.put_nowait({"latents": r.state.latents.float().cpu()})
                 self._stats["completed"] += 1
+                self.policy.observe_service(r.predicted_compute_s, now - r.admitted_at)
+            elif now - r.last_event_at >= PROGRESS_EVERY_S:  # progress travels at most ~4x/s per request
+                r.last_event_at = now
+                r.events.put_nowait({"step": r.state.step, "num_inference_steps": r.state.num_inference_steps})
         self._running = [r for r in self._running if not r.state.done]
