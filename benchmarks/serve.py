@@ -12,8 +12,9 @@ One run, one local Ray (127.0.0.1), the tiny random EasyAnimate model exported t
 3. Calibration: one request alone gives L1 (s); the latency target (the SLO) is 5 x L1, and the adaptive policy is
    deployed with it (`policy.latency_target_s`).
 4. Grid: policies fixed batch 1, 2, 4, 8 (`reconfigure({"batch_size": b, "wait_s": 0.02})`) and adaptive
-   (`{"batch_size": null}`), concurrency 1, 4, 8, in two scenarios: no delay, and an injected delay at the stage
-   boundary (`boundary_delay_s` = 0.5 x L1 plus a 2 MB/s simulated link; this kernel has no netem, NOTES.md).
+   (`{"batch_size": null}`), concurrency 1, 4, 8, in three scenarios: no delay, and an injected delay at the stage
+   boundary (`boundary_delay_s` = 0.5 x L1, or 2.5 x L1 where it leaves the denoiser half the target, each plus a
+   2 MB/s simulated link; this kernel has no netem, NOTES.md).
 Each cell records throughput (requests/s), p50/p95 latency (s) and goodput (requests/s that met the target),
 pooled over `--rounds` rounds; a round runs every policy once, so a change in the machine's load hits all alike.
 
@@ -154,6 +155,7 @@ async def measure(args) -> dict:
         scenarios = {
             "no_delay": {"boundary_delay_s": 0.0, "boundary_bytes_per_s": 0.0},
             "delay": {"boundary_delay_s": 0.5 * l1, "boundary_bytes_per_s": 2e6},
+            "long_delay": {"boundary_delay_s": 2.5 * l1, "boundary_bytes_per_s": 2e6},
         }
         policies = {f"fixed_{b}": {"batch_size": b, "wait_s": 0.02} for b in FIXED_BATCHES}
         policies["adaptive"] = {"batch_size": None, "wait_s": None}
