@@ -65,14 +65,21 @@ class AuthSettings(_Section):
 
 class LimitSettings(_Section):
     max_body_bytes: int = Field(8 * 2**20, ge=1024)
+    """Largest request body in bytes (413 above it, refused before it is read)."""
     max_prompt_chars: int = Field(2000, ge=1)
+    """Longest prompt (and negative prompt) in characters (400 above it)."""
     max_image_bytes: int = Field(4 * 2**20, ge=1)
+    """Largest `input_reference` image file in bytes (413 above it)."""
     max_image_px: int = Field(4096, ge=16)
+    """Largest `input_reference` side in pixels (400 above it)."""
     max_num_inference_steps: int = Field(100, ge=1)
+    """Most denoising steps a request may ask (400 above it)."""
     max_width: int = Field(1024, ge=16)
     """Largest video width in pixels a request may ask (memory)."""
     max_height: int = Field(1024, ge=16)
+    """Largest video height in pixels a request may ask."""
     max_num_frames: int = Field(129, ge=1)
+    """Most frames a request may ask (`seconds` * fps is checked against it too)."""
 
 
 class RunnerSettings(_Section):
@@ -87,9 +94,14 @@ class RunnerSettings(_Section):
 
 
 class PolicySettings(_Section):
+    """The Denoiser's batch policy (`vidray.serve.policy.PolicyConfig`)."""
+
     latency_target_s: float = Field(120.0, gt=0)
+    """Seconds a request may spend in the Denoiser (queue + steps + transfer to it) that the policy aims at."""
     max_batch_size: int = Field(8, ge=1)
+    """Most requests in the running batch (memory); the Denoiser's max_ongoing_requests must be >= it."""
     max_wait_s: float = Field(0.05, ge=0)
+    """Longest wait for arrivals before a fresh batch's first step."""
 
 
 class ServeSettings(_Section):
@@ -375,6 +387,28 @@ class VideoIngress:
         self.service.ensure_runner()
 
 
+def _describe(err: ValidationError) -> str:
+    """Each problem as `key: what is wrong`; an unknown key also lists the valid keys of its section and the
+    closest one (a typo's fix)."""
+    import difflib
+
+    problems = []
+    for e in err.errors():
+        loc = [str(part) for part in e["loc"]]
+        text = f"{'.'.join(loc)}: {e['msg']}"
+        if e["type"] == "extra_forbidden":
+            section: type[BaseModel] = ServeSettings
+            for part in loc[:-1]:
+                field = section.model_fields.get(part)
+                section = field.annotation if field is not None else section
+            valid = sorted(section.model_fields)
+            close = difflib.get_close_matches(loc[-1], valid, n=1)
+            text = (f"{'.'.join(loc)}: unknown key" + (f" (did you mean {close[0]}?)" if close else "")
+                    + f"; valid: {', '.join(valid)}")
+        problems.append(text)
+    return "; ".join(problems)
+
+
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The application for `serve run` / `serve deploy` (import path `serve.app:build_app`).
 
@@ -387,8 +421,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     try:
         settings = ServeSettings(**(args or {}))
     except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-        raise ServeSettingsError(f"serve_config.yaml application args: {problems}") from None
+        raise ServeSettingsError(f"serve_config.yaml application args: {_describe(err)}") from None
     auth_token = _read_token(settings.auth)
     root = Path.cwd()
     settings = settings.model_copy(update={
