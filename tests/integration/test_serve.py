@@ -4,6 +4,7 @@ the official `openai` SDK and raw HTTP (issue 8)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -91,14 +92,11 @@ def served(exported_model, tmp_path_factory):
     from tests.integration.conftest import RayHead
 
     config = yaml.safe_load((REPO / "serve" / "serve_config.yaml").read_text())
-    port = free_port()
     store_dir = tmp_path_factory.mktemp("store")
-    config["http_options"]["port"] = port
     app = config["applications"][0]
     app["args"].update(model_path=str(exported_model), store_dir=str(store_dir), default_num_inference_steps=4)
     app["args"]["runner"]["lease_s"] = 6.0
     config_path = tmp_path_factory.mktemp("config") / "serve_config.yaml"
-    config_path.write_text(yaml.safe_dump(config))
 
     # The token lives in the cluster's environment (where Serve builds the app and runs the replicas), as a
     # secret-backed env var would on a real cluster.
@@ -107,6 +105,10 @@ def served(exported_model, tmp_path_factory):
     process = None
     try:
         head.wait_ready()
+        # The HTTP port is picked once the head runs, so that none of its processes takes it in between.
+        port = free_port()
+        config["http_options"]["port"] = port
+        config_path.write_text(yaml.safe_dump(config))
         env = dict(head.env)
         with open(log, "w") as out:
             process = subprocess.Popen(
@@ -116,13 +118,14 @@ def served(exported_model, tmp_path_factory):
         base_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
-            if process.poll() is not None or "DEPLOY_FAILED" in log.read_text() or "Error" in log.read_text():
+            text = log.read_text()
+            if process.poll() is not None or "DEPLOY_FAILED" in text or "ServeSettingsError" in text:
                 raise RuntimeError(f"serve run failed: {log.read_text()[-4000:]}")
             try:
                 code, _, _ = _request("GET", f"{base_url}/healthz", token=None)
                 if code == 200:
                     break
-            except OSError:
+            except (OSError, http.client.HTTPException):  # not up yet, or not yet our proxy on the port
                 pass
             time.sleep(1)
         else:
@@ -209,8 +212,6 @@ def test_missing_or_wrong_token_is_401_and_bad_fields_are_4xx_naming_the_field(s
     # A body over limits.max_body_bytes (8 MiB) is refused from its declared length, before it is read: send the
     # headers and a first chunk, then read the answer (sending all 9 MiB to a server that already answered races
     # with its closing the connection).
-    import http.client
-
     conn = http.client.HTTPConnection("127.0.0.1", int(served.base_url.rsplit(":", 1)[1]), timeout=30)
     conn.putrequest("POST", "/v1/videos")
     for key, value in {**json_headers, "Authorization": f"Bearer {TOKEN}", "Content-Length": str(9 * 2**20)}.items():
