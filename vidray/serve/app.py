@@ -287,8 +287,7 @@ class VideoJobService:
             done = await asyncio.to_thread(self.store.complete, job.id, self.owner, mp4)
             if not done:
                 mp4.unlink(missing_ok=True)
-        except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError,
-                ray.exceptions.RayActorError) as err:
+        except ray.exceptions.RayActorError as err:  # ActorDiedError, ActorUnavailableError: a replica is gone
             status = await asyncio.to_thread(
                 self.store.release, job.id, self.owner, code="replica_died",
                 message=f"a stage replica died while rendering this video ({type(err).__name__})",

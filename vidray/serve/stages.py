@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -122,7 +122,6 @@ class _Request:
     predicted_compute_s: float = float("nan")
     last_event_at: float = 0.0
     cancelled: bool = False
-    key: tuple = field(default=())
 
 
 @serve.deployment(name="Denoiser", max_ongoing_requests=16)
@@ -207,7 +206,7 @@ class Denoiser:
             gap = max(now - self._last_arrival, 1e-6)
             self._arrival_gap_s = gap if self._arrival_gap_s is None else 0.7 * self._arrival_gap_s + 0.3 * gap
         self._last_arrival = now
-        entry = _Request(state, asyncio.Queue(), now, key=state.batch_key())
+        entry = _Request(state, asyncio.Queue(), now)
         self._pending.append(entry)
         self._wake.set()
         if self._loop_task is None or self._loop_task.done():
@@ -280,7 +279,7 @@ class Denoiser:
 
         groups: dict[tuple, list[_Request]] = {}
         for r in self._running:
-            groups.setdefault(r.key, []).append(r)
+            groups.setdefault(r.state.batch_key(), []).append(r)
         batch = min(groups.values(), key=lambda g: min(r.last_step_at for r in g))
         start = time.perf_counter()
         try:
