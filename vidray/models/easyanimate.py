@@ -199,6 +199,7 @@ class EasyAnimateFamily(ModelFamily):
     latent_channels = LATENT_CHANNELS
     spatial_compression_ratio = SPATIAL_COMPRESSION_RATIO
     temporal_compression_ratio = TEMPORAL_COMPRESSION_RATIO
+    spatial_multiple = SPATIAL_COMPRESSION_RATIO * PATCH_SIZE
 
     def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
         """`init: random` -> the preset (only `tiny`) with `model_cfg.text_encoder`; `init: pretrained` ->
@@ -257,7 +258,7 @@ class EasyAnimateFamily(ModelFamily):
         Raises ValueError unless H, W are multiples of 16 (8x VAE, patch 2) and F is 1 or 4k+1."""
         validate_bucket(
             bucket,
-            spatial_multiple=SPATIAL_COMPRESSION_RATIO * PATCH_SIZE,
+            spatial_multiple=self.spatial_multiple,
             temporal_compression=TEMPORAL_COMPRESSION_RATIO,
         )
         if batch_size < 1:

@@ -44,6 +44,8 @@ class ModelFamily(abc.ABC):
     latent_channels: int
     spatial_compression_ratio: int
     temporal_compression_ratio: int
+    spatial_multiple: int
+    """Video height and width must be multiples of this (pixels): VAE downsampling x DiT patch size."""
 
     @abc.abstractmethod
     def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:

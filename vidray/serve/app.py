@@ -160,13 +160,12 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
             return False
         return True
 
-    probe_size = family.spatial_compression_ratio * 2  # VAE downsampling x DiT patch
     return ModelSpec(
         name=settings.model_name,
         default_size=(bucket.width, bucket.height),
         default_num_frames=bucket.num_frames,
         fps=settings.fps,
-        size_multiple=probe_size,
+        size_multiple=family.spatial_multiple,
         max_width=settings.limits.max_width,
         max_height=settings.limits.max_height,
         max_num_frames=settings.limits.max_num_frames,
