@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="write an mp4 from a trained model and a prompt")
-    p.add_argument("--model", required=True, help="a diffusers folder (<run>/diffusers) or a checkpoint folder")
+    p.add_argument("--model", required=True, help="a diffusers folder (<run>/diffusers) or a checkpoint folder, "
+                   "or its URI (s3://bucket/runs/<name>/diffusers: downloaded once into $VIDRAY_MODEL_CACHE, "
+                   "default ~/.cache/vidray/models)")
     p.add_argument("--prompt", required=True, help="the text to generate a video for (longer than the model's "
                    "max_sequence_length tokens: cut to it, with a warning)")
     p.add_argument("--output", required=True, help="mp4 path to write")

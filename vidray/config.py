@@ -173,6 +173,12 @@ class TrainConfig:
     """Autocast dtype of the DiT forward on GPU; CPU runs always use fp32."""
     max_failures: int = 2
     """Worker-group restarts (from the latest checkpoint) before the run fails; -1 retries forever."""
+    micro_batches_per_step: int | None = None
+    """The global batch, G micro-batches per optimizer step (each of its bucket's batch size); null: the (max)
+    worker count, `scaling.num_workers` (or its max). Rank r of W trains micro-batches r, r+W, ... of the step
+    with gradient accumulation, so the step's samples and loss (the mean over its real samples) do not depend on
+    W: an elastic run keeps its global batch when it shrinks or grows. Must be >= the max worker count (every
+    worker needs one micro-batch)."""
     metrics_port: int | None = None
     """Each training worker serves its Prometheus metrics (`vidray_*`, `vidray.metrics`) over HTTP on
     127.0.0.1:(metrics_port + rank); null: no endpoint. The metrics are also written to
@@ -192,15 +198,59 @@ class CheckpointConfig:
     `resume_from`) and starts afresh when there is none; `never` refuses to start when the run folder holds any
     checkpoint (nothing is overwritten: pick a new name); `must` refuses to start without a checkpoint to resume
     (a re-submitted job that lost its run folder fails instead of silently training from step 1)."""
+    upload: Literal["async", "sync"] = "async"
+    """How a checkpoint reaches `storage.path`: `async` blocks the step only while rank 0 writes the parts to a
+    local temp folder, then copies them to the run folder in the background (Ray Train's asynchronous upload; the
+    next checkpoint waits for the previous copy); `sync` blocks until the copy is done. Either way the copy is
+    retried, and the manifest goes last, so an interrupted copy is never taken for a complete checkpoint."""
 
 
 @dataclass(config=_STRICT, kw_only=True)
 class ScalingConfig:
-    num_workers: int = 2
-    """DDP workers (processes); gloo on CPU, NCCL on GPU."""
+    num_workers: int | tuple[int, int] = 2
+    """DDP workers (processes); gloo on CPU, NCCL on GPU. An int: that many, always. `[min, max]`: elastic (Ray
+    Train's elastic mode): the run starts with as many workers as the cluster can place, up to max, and at least
+    min; after a worker or node loss the group restarts from the latest checkpoint with the workers it can place
+    (>= min), and while healthy it grows back (restarting from the latest checkpoint) when more can be placed,
+    checked every `resize_check_s`. The global batch stays `train.micro_batches_per_step` micro-batches whatever
+    the count (`vidray.data.schedule`)."""
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     """Logical CPUs reserved per worker (fractions allowed)."""
+    resize_check_s: float = 60.0
+    """Elastic runs only: seconds between checks, while training, whether more workers can be placed (Ray Train's
+    `elastic_resize_monitor_interval_s`); growing restarts the group from the latest checkpoint."""
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _check_num_workers_shape(cls, value: Any) -> Any:
+        if isinstance(value, (list, tuple)) and (
+            len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ):
+            raise ValueError(f"scaling.num_workers must be an int or [min, max] of two ints, got {list(value)}: "
+                             "e.g. 2, or [2, 4] for an elastic run")
+        return value
+
+    @property
+    def min_workers(self) -> int:
+        """The fewest workers the run trains with (`num_workers`, or its min)."""
+        return self.num_workers if isinstance(self.num_workers, int) else int(self.num_workers[0])
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers the run trains with (`num_workers`, or its max)."""
+        return self.num_workers if isinstance(self.num_workers, int) else int(self.num_workers[1])
+
+    @property
+    def elastic(self) -> bool:
+        """True for a `[min, max]` range (even min == max: Ray Train's elastic mode)."""
+        return not isinstance(self.num_workers, int)
+
+    def describe_workers(self) -> str:
+        """'2 workers' or '2-4 workers (elastic)', for messages."""
+        if not self.elastic:
+            return f"{self.num_workers} workers"
+        return f"{self.min_workers}-{self.max_workers} workers (elastic)"
 
 
 @dataclass(config=_STRICT, kw_only=True)
@@ -228,7 +278,6 @@ class JobConfig:
             "train.max_steps": self.train.max_steps,
             "train.log_every_steps": self.train.log_every_steps,
             "checkpoint.every_steps": self.checkpoint.every_steps,
-            "scaling.num_workers": self.scaling.num_workers,
             "data.batch_size_per_worker": self.data.batch_size_per_worker,
             "data.samples_per_shard": self.data.samples_per_shard,
             "data.cache_bytes": self.data.cache_bytes,
@@ -256,6 +305,7 @@ class JobConfig:
             )
         if self.flow.shift <= 0:
             raise ValueError(f"flow.shift must be > 0, got {self.flow.shift}")
+        self._check_workers()
         if self.scaling.cpus_per_worker <= 0:
             raise ValueError(f"scaling.cpus_per_worker must be > 0, got {self.scaling.cpus_per_worker}")
         if self.data.tokens_per_batch is not None and self.data.tokens_per_batch < 1:
@@ -293,6 +343,35 @@ class JobConfig:
             raise ValueError(f"train.seed must be >= 0, got {self.train.seed}")
         return self
 
+    def _check_workers(self) -> None:
+        """scaling.num_workers (an int >= 1 or [min, max] with 1 <= min <= max), scaling.resize_check_s and
+        train.micro_batches_per_step (>= the max worker count)."""
+        workers = self.scaling.num_workers
+        if not isinstance(workers, int):
+            if any(isinstance(w, bool) for w in workers) or not 1 <= workers[0] <= workers[1]:
+                raise ValueError(f"scaling.num_workers must be an int >= 1 or [min, max] with 1 <= min <= max, got "
+                                 f"{list(workers)}: e.g. [2, 4]")
+        elif workers < 1:
+            raise ValueError(f"scaling.num_workers must be >= 1, got {workers}")
+        if not (self.scaling.resize_check_s >= 0 and math.isfinite(self.scaling.resize_check_s)):
+            raise ValueError(f"scaling.resize_check_s must be >= 0 seconds, got {self.scaling.resize_check_s} "
+                             "(default 60)")
+        given = self.train.micro_batches_per_step
+        if given is not None and given < self.scaling.max_workers:
+            raise ValueError(
+                f"train.micro_batches_per_step={given} is smaller than the max worker count "
+                f"scaling.num_workers={workers if isinstance(workers, int) else list(workers)}: every worker trains "
+                f"at least one micro-batch per step, so no allowed worker count above {given} could keep this "
+                f"global batch. Set train.micro_batches_per_step >= {self.scaling.max_workers} (or null: the max "
+                f"worker count), or lower the max of scaling.num_workers to {given}"
+            )
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """G: `train.micro_batches_per_step`, or the max worker count when it is null."""
+        given = self.train.micro_batches_per_step
+        return self.scaling.max_workers if given is None else int(given)
+
     @property
     def run_dir(self) -> Path:
         """`<storage.path>/<name>`: where this run's checkpoints, weights and samples live."""
@@ -315,6 +394,7 @@ RESUME_RULES: dict[str, str] = {
     "storage.path": RESUME_CHANGEABLE,
     "checkpoint.resume_from": RESUME_CHANGEABLE,
     "checkpoint.resume": RESUME_CHANGEABLE,
+    "checkpoint.upload": RESUME_CHANGEABLE,
     # The model: the checkpoint's weights only fit the architecture, text encoder and prompt length they were
     # trained with (a changed text encoder fails as a tensor-shape error inside the workers).
     "model.family": RESUME_FIXED,
@@ -371,7 +451,11 @@ RESUME_RULES: dict[str, str] = {
     "checkpoint.num_to_keep": RESUME_CHANGEABLE,
     # Resources: the schedule's position does not depend on the worker count; another count deals the rest of
     # the epoch to its ranks, each sample still exactly once (vidray.data.schedule).
-    "scaling.num_workers": RESUME_CHANGEABLE,
+    "scaling.num_workers": RESUME_CHANGEABLE,  # an int or [min, max]: either may change to the other
+    "scaling.resize_check_s": RESUME_CHANGEABLE,
+    # The global batch: the position counts micro-batches, whatever their grouping into steps, so another G
+    # continues the epoch with each sample still exactly once (a different effective batch from then on).
+    "train.micro_batches_per_step": RESUME_CHANGEABLE,
     "scaling.use_gpu": RESUME_CHANGEABLE,
     "scaling.cpus_per_worker": RESUME_CHANGEABLE,
 }

@@ -1,6 +1,7 @@
 """`vidray generate`: a trained model + a prompt -> an mp4, through the one sampler (`vidray.diffusion.sampler`).
 
-The model is a diffusers folder or a training checkpoint folder, read by `vidray.models.export` (see there).
+The model is a diffusers folder or a training checkpoint folder, local or on object storage (`s3://...`, copied
+into a local cache), read by `vidray.models.export` (see there).
 """
 
 from __future__ import annotations
@@ -95,8 +96,9 @@ def check_generate_args(
 
     Rules: prompt a non-empty string; output ends in .mp4 and its folder is (or can be created) writable;
     num_inference_steps an int >= 1; guidance_scale finite and >= 1 (1 = no guidance); fps finite within
-    FPS_RANGE frames/s; seed an int in 0..SEED_MAX; model_path an existing diffusers or checkpoint folder
-    (`inspect_model`); bucket ('9x64x64' or a Bucket; default the model's first training bucket) a shape the
+    FPS_RANGE frames/s; seed an int in 0..SEED_MAX; model_path an existing diffusers or checkpoint folder,
+    or a URI of one (`s3://bucket/runs/<name>/diffusers`: downloaded once into the local model cache in pass 2;
+    `inspect_model`); bucket ('9x64x64' or a Bucket; default the model's first training bucket) a shape the
     model's family can make (H, W multiples of 16, num_frames 1 or 4k+1 for EasyAnimate). A bucket the model
     was not trained at is allowed (`generate_to_file` then logs a warning).
 
@@ -129,7 +131,7 @@ def check_generate_args(
             problems.append(f"--bucket: {err}")
 
     try:
-        _check_model_kind(Path(model_path))
+        _check_model_kind(model_path)  # a folder, or a URI (a metadata request, no download)
     except UserError as err:
         problems.append(f"--model: {err}")
     if problems:

@@ -45,7 +45,7 @@ def trained(steps: int = 3, optim: OptimConfig = OLD_OPTIM, seed: int = 0):
 
 def write(directory: Path, steps: int = 3) -> Path:
     model, optimizer, scheduler = trained(steps)
-    return save_checkpoint(directory, transformer_state=model.state_dict(), optimizer=optimizer,
+    return save_checkpoint(directory, model=model, optimizer=optimizer,
                            lr_scheduler=scheduler, train_state=TrainState(steps, 0, steps - 1, 2, "sha256:abc"),
                            job_config={"optim": {"lr": 1e-3}})
 
@@ -57,7 +57,7 @@ def fresh(optim: OptimConfig = OLD_OPTIM):
 
 def test_round_trip_restores_weights_optimizer_and_schedule_exactly(tmp_path):
     model, optimizer, scheduler = trained(3)
-    save_checkpoint(tmp_path / "c", transformer_state=model.state_dict(), optimizer=optimizer, lr_scheduler=scheduler,
+    save_checkpoint(tmp_path / "c", model=model, optimizer=optimizer, lr_scheduler=scheduler,
                     train_state=TrainState(3, 0, 2, 2, "sha256:abc"), job_config={})
     model2, optimizer2, scheduler2 = fresh()
     state = load_checkpoint(tmp_path / "c", transformer=model2, optimizer=optimizer2, lr_scheduler=scheduler2)
@@ -69,7 +69,10 @@ def test_round_trip_restores_weights_optimizer_and_schedule_exactly(tmp_path):
     assert scheduler2.last_epoch == scheduler.last_epoch == 3
     assert scheduler2.get_last_lr() == scheduler.get_last_lr()
     manifest = json.loads((tmp_path / "c" / MANIFEST).read_text())
-    assert manifest["format_version"] == FORMAT_VERSION == 2
+    assert manifest["format_version"] == FORMAT_VERSION == 3
+    assert manifest["parts"] == ["transformer.safetensors", "optimizer.pt", "lr_scheduler.pt", "train_state.json", "config.yaml"]
+    saved_optimizer = torch.load(tmp_path / "c" / "optimizer.pt", weights_only=True)
+    assert set(saved_optimizer["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # by parameter name
     recorded = manifest["files"]["transformer.safetensors"]
     assert recorded["size_bytes"] == (tmp_path / "c" / "transformer.safetensors").stat().st_size
 

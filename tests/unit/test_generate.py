@@ -137,11 +137,14 @@ def test_load_model_of_a_checkpoint_rebuilds_components_and_loads_its_transforme
 
     components, _ = trained
     transformer = components.transformer
-    state = {k: v + 0.5 for k, v in transformer.state_dict().items()}  # weights unlike the random init
+    with torch.no_grad():
+        for param in transformer.parameters():
+            param.add_(0.5)  # weights unlike the random init
+    state = {k: v.clone() for k, v in transformer.state_dict().items()}
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-4)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     train_state = TrainState(step=5, epoch=0, batch_index=5, world_size=1, index_hash="not-used-by-generate")
-    checkpoint = save_checkpoint(tmp_path / "checkpoint_000005", transformer_state=state, optimizer=optimizer,
+    checkpoint = save_checkpoint(tmp_path / "checkpoint_000005", model=transformer, optimizer=optimizer,
                                  lr_scheduler=lr_scheduler, train_state=train_state,
                                  job_config=job_config_from_dict(JOB).to_dict())
     model = load_model(checkpoint)

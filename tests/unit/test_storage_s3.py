@@ -189,3 +189,183 @@ def test_a_shard_the_store_keeps_failing_to_serve_is_skipped_with_a_reason(local
     assert len(kept) == 6 - index["shards"][0]["num_samples"]
     with pytest.raises(OSError, match="connection reset"):
         load_samples(uri)
+
+
+def _folder(root: Path, files: dict[str, bytes]) -> Path:
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return root
+
+
+def test_upload_dir_copies_a_folder_to_s3_and_download_dir_copies_it_back(s3_env, tmp_path):
+    from vidray.data.storage import download_dir, upload_dir
+
+    files = {"model_index.json": b"{}", "transformer/weights.bin": bytes(range(256)) * 4096, "vae/config.json": b"1"}
+    local = _folder(tmp_path / "export", files)
+    uri = f"s3://vidray-test/{uuid.uuid4().hex[:8]}/diffusers"
+    assert upload_dir(local, uri, marker="model_index.json") == sum(map(len, files.values()))
+    assert open_storage(uri).files() == set(files)
+    back = tmp_path / "back"
+    assert download_dir(uri, back, marker="model_index.json") == sum(map(len, files.values()))
+    assert {rel: (back / rel).read_bytes() for rel in files} == files
+
+
+def test_upload_dir_writes_the_marker_last_and_removes_files_of_an_earlier_copy(s3_env, tmp_path, monkeypatch):
+    from vidray.data import storage as storage_mod
+    from vidray.data.storage import upload_dir
+
+    uri = f"s3://vidray-test/{uuid.uuid4().hex[:8]}/diffusers"
+    upload_dir(_folder(tmp_path / "v1", {"model_index.json": b"1", "old.bin": b"x", "a.bin": b"a1"}), uri,
+               marker="model_index.json")
+    order: list[tuple[str, bool]] = []
+    real_put = storage_mod._put_file
+
+    def recording_put(storage, rel, source):
+        order.append((rel, storage.is_file("model_index.json")))  # is the old copy still marked complete?
+        return real_put(storage, rel, source)
+
+    monkeypatch.setattr(storage_mod, "_put_file", recording_put)
+    upload_dir(_folder(tmp_path / "v2", {"model_index.json": b"22", "a.bin": b"a2", "b/c.bin": b"c"}), uri,
+               marker="model_index.json")
+    assert [rel for rel, _ in order] == ["a.bin", "b/c.bin", "model_index.json"]
+    assert not any(marked for _, marked in order)  # the earlier marker went first: no mix of copies looks complete
+    storage = open_storage(uri)
+    assert storage.files() == {"model_index.json", "a.bin", "b/c.bin"}
+    assert storage.read_bytes("a.bin") == b"a2" and storage.read_bytes("model_index.json") == b"22"
+
+
+def test_upload_dir_retries_a_failed_attempt_then_raises_naming_the_uri_without_the_marker(s3_env, tmp_path,
+                                                                                        monkeypatch):
+    from vidray.data import storage as storage_mod
+    from vidray.data.storage import StorageTransferError, upload_dir
+
+    local = _folder(tmp_path / "export", {"model_index.json": b"{}", "w.bin": b"w"})
+    uri = f"s3://vidray-test/{uuid.uuid4().hex[:8]}/diffusers"
+    real_put = storage_mod._put_file
+    failures = {"left": 1}
+
+    def flaky_put(storage, rel, source):
+        if rel == "w.bin" and failures["left"] > 0:
+            failures["left"] -= 1
+            raise OSError("AWS Error NETWORK_CONNECTION during PutObject operation: connection reset")
+        return real_put(storage, rel, source)
+
+    monkeypatch.setattr(storage_mod, "_put_file", flaky_put)
+    assert upload_dir(local, uri, marker="model_index.json", backoff_s=0.01) == 3  # the second attempt went through
+    assert open_storage(uri).files() == {"model_index.json", "w.bin"}
+
+    failures["left"] = 10
+    other = f"s3://vidray-test/{uuid.uuid4().hex[:8]}/diffusers"
+    with pytest.raises(StorageTransferError, match=rf"{other}.*failed 3 times.*connection reset") as err:
+        upload_dir(local, other, marker="model_index.json", backoff_s=0.01)
+    assert err.value.location.endswith(other) and failures["left"] == 7
+    assert not open_storage(other).is_file("model_index.json")
+
+
+def test_download_dir_refuses_a_folder_without_its_marker_or_without_files(s3_env, tmp_path):
+    from vidray.data.storage import download_dir, upload_dir
+
+    uri = f"s3://vidray-test/{uuid.uuid4().hex[:8]}/diffusers"
+    upload_dir(_folder(tmp_path / "export", {"w.bin": b"w"}), uri)  # no marker: an interrupted export
+    with pytest.raises(UserFileNotFound, match=rf"{uri} has no model_index.json"):
+        download_dir(uri, tmp_path / "back", marker="model_index.json")
+    with pytest.raises(UserFileNotFound, match="holds no file"):
+        download_dir(f"s3://vidray-test/{uuid.uuid4().hex[:8]}/nothing", tmp_path / "back2")
+
+
+def test_download_dir_repeats_a_download_when_the_folder_was_replaced_meanwhile(s3_env, tmp_path, monkeypatch):
+    from vidray.data import storage as storage_mod
+    from vidray.data.storage import download_dir, upload_dir
+
+    uri = f"s3://vidray-test/{uuid.uuid4().hex[:8]}/diffusers"
+    upload_dir(_folder(tmp_path / "v1", {"model_index.json": b"1", "w.bin": b"old"}), uri, marker="model_index.json")
+    real_get = storage_mod._get_file
+    replaced = {"done": False}
+
+    def get_then_replace(storage, rel, target):
+        size = real_get(storage, rel, target)
+        if rel == "w.bin" and not replaced["done"]:  # a new export lands while the old one is being read
+            replaced["done"] = True
+            upload_dir(_folder(tmp_path / "v2", {"model_index.json": b"22", "w.bin": b"new"}), uri,
+                       marker="model_index.json")
+        return size
+
+    monkeypatch.setattr(storage_mod, "_get_file", get_then_replace)
+    download_dir(uri, tmp_path / "back", marker="model_index.json", backoff_s=0.01)
+    assert (tmp_path / "back" / "w.bin").read_bytes() == b"new"
+    assert (tmp_path / "back" / "model_index.json").read_bytes() == b"22"
+
+
+def test_upload_dir_to_a_local_folder_gives_the_same_files(tmp_path):
+    from vidray.data.storage import download_dir, upload_dir
+
+    files = {"manifest.json": b"{}", "part.bin": b"p" * 1000}
+    upload_dir(_folder(tmp_path / "src", files), tmp_path / "dst", marker="manifest.json")
+    download_dir(tmp_path / "dst", tmp_path / "back", marker="manifest.json")
+    assert {rel: (tmp_path / "back" / rel).read_bytes() for rel in files} == files
+
+
+def test_a_model_uri_is_downloaded_once_and_fetched_again_after_a_new_export(s3_env, tmp_path, monkeypatch):
+    from vidray.data import storage as storage_mod
+    from vidray.data.storage import upload_dir
+    from vidray.models.export import fetch_model
+
+    monkeypatch.setenv("VIDRAY_MODEL_CACHE", str(tmp_path / "cache"))
+    uri = f"s3://vidray-test/{uuid.uuid4().hex[:8]}/diffusers"
+    upload_dir(_folder(tmp_path / "v1", {"model_index.json": b"{}", "transformer/w.bin": b"one"}), uri,
+               marker="model_index.json")
+    downloads = []
+    real_download = storage_mod.download_dir
+    monkeypatch.setattr(storage_mod, "download_dir", lambda *a, **k: downloads.append(a[0]) or real_download(*a, **k))
+    first = fetch_model(uri)
+    assert first.parent == tmp_path / "cache" and (first / "transformer" / "w.bin").read_bytes() == b"one"
+    assert fetch_model(uri) == first and downloads == [uri]  # unchanged: the cached copy, no second download
+    upload_dir(_folder(tmp_path / "v2", {"model_index.json": b'{"v": 2}', "transformer/w.bin": b"two"}), uri,
+               marker="model_index.json")
+    second = fetch_model(uri)
+    assert second != first and (second / "transformer" / "w.bin").read_bytes() == b"two" and len(downloads) == 2
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted([first.name, second.name])  # no temp
+
+
+def test_a_model_uri_without_a_model_is_refused_with_the_uri_before_any_download(s3_env, tmp_path, monkeypatch):
+    from vidray.data.storage import upload_dir
+    from vidray.generate import GenerateArgumentError, check_generate_args
+    from vidray.models.export import ModelFolderError, inspect_model
+
+    monkeypatch.setenv("VIDRAY_MODEL_CACHE", str(tmp_path / "cache"))
+    missing = f"s3://vidray-test/{uuid.uuid4().hex[:8]}/diffusers"
+    with pytest.raises(GenerateArgumentError, match=rf"--model: model {missing} does not exist"):
+        check_generate_args(missing, "a horse", tmp_path / "out.mp4")
+    unfinished = f"s3://vidray-test/{uuid.uuid4().hex[:8]}/diffusers"
+    upload_dir(_folder(tmp_path / "parts", {"transformer/w.bin": b"w"}), unfinished)  # the marker never arrived
+    with pytest.raises(ModelFolderError, match=rf"model {unfinished} is neither a diffusers folder"):
+        inspect_model(unfinished)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_an_unreachable_model_store_is_a_user_error_naming_the_uri(monkeypatch):
+    from vidray.models.export import ModelDownloadError, inspect_model
+
+    port = 1  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setattr("vidray.data.storage.S3_MAX_ATTEMPTS", 1)
+    with pytest.raises(ModelDownloadError,
+                       match=r"model s3://vidray-test/x/diffusers cannot be read.*AWS_ENDPOINT_URL"):
+        inspect_model("s3://vidray-test/x/diffusers")
+
+
+def test_an_s3_storage_path_gives_ray_train_vidrays_filesystem_and_the_path_without_its_scheme(s3_env, tmp_path):
+    from vidray.config import load_job_config
+    from vidray.train.trainer import build_trainer_configs
+
+    repo = Path(__file__).resolve().parents[2]
+    job = load_job_config(repo / "jobs/configs/tiny_t2v.yaml", ["storage.path=s3://vidray-test/runs"])
+    _, run = build_trainer_configs(job, "s3://vidray-test/runs")
+    assert run.storage_path == "vidray-test/runs" and isinstance(run.storage_filesystem, pafs.S3FileSystem)
+    assert run.storage_filesystem.__reduce__()[1][0]["endpoint_override"] == s3_env.split("://", 1)[1]
+    _, local_run = build_trainer_configs(job, str(tmp_path / "runs"))
+    assert local_run.storage_path == str(tmp_path / "runs") and local_run.storage_filesystem is None

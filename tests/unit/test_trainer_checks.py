@@ -17,7 +17,6 @@ from vidray.train.trainer import (
     build_trainer_configs,
     check_job_inputs,
     check_resources,
-    latest_checkpoint,
     local_cluster_resources,
     required_resources,
 )
@@ -43,7 +42,7 @@ def fake_checkpoint(directory: Path, *, step: int, index_hash: str, world_size: 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return save_checkpoint(directory, transformer_state=model.state_dict(), optimizer=optimizer,
+    return save_checkpoint(directory, model=model, optimizer=optimizer,
                            lr_scheduler=scheduler, train_state=TrainState(step, 0, 0, world_size, index_hash),
                            job_config=job_config or {})
 
@@ -77,7 +76,10 @@ def test_resume_past_max_steps_and_from_other_shards_are_refused(job_and_index):
     run_dir = job.run_dir
     fake_checkpoint(run_dir / "checkpoint_000004", step=4, index_hash=index["content_hash"])
     (run_dir / "checkpoint_000008").mkdir()  # an unfinished write: no manifest, never resumed from
-    assert latest_checkpoint(run_dir).name == "checkpoint_000004"
+    from vidray.train.checkpoint import CheckpointManager
+
+    assert CheckpointManager(run_dir).latest() == "checkpoint_000004"
+    assert CheckpointManager(run_dir).unfinished() == ["checkpoint_000008"]
     plan = check_job_inputs(job)  # step 4 < max_steps 10: resumes
     assert (plan.checkpoint.name, plan.step, plan.explicit) == ("checkpoint_000004", 4, False)
 
@@ -122,7 +124,7 @@ def test_damaged_latest_checkpoint_is_refused_naming_it_and_the_last_good_one(jo
                                    "name=damaged", "train.max_steps=20", f"checkpoint.resume_from={good}"])
     plan = check_job_inputs(fixed)
     assert (plan.checkpoint, plan.step, plan.explicit) == (good, 8, True)
-    assert [p.name for p in plan.set_aside] == ["checkpoint_000012"]
+    assert plan.set_aside == ["checkpoint_000012"]
 
 
 def test_no_good_checkpoint_left_says_start_afresh(job_and_index, tmp_path):
@@ -247,7 +249,7 @@ def test_deleting_a_damaged_checkpoint_resumes_from_the_previous_one_and_resets_
     shutil.rmtree(job.run_dir / "checkpoint_000008")  # the user removed the damaged one
     plan = check_job_inputs(job)
     assert (plan.checkpoint.name, plan.step, plan.reset_ray_snapshot) == ("checkpoint_000004", 4, True)
-    _set_aside(plan, job.run_dir.resolve())
+    _set_aside(plan)
     assert not (job.run_dir / RAY_SNAPSHOT).exists()  # Ray would refuse a list naming a missing folder
     assert list(job.run_dir.glob(f"set_aside/*/{RAY_SNAPSHOT}"))
     assert (job.run_dir / "checkpoint_000004" / "manifest.json").is_file()
@@ -269,7 +271,7 @@ def test_rerunning_the_same_resume_from_continues_instead_of_rewinding(job_and_i
                     job_config=run.to_dict())
     plan = check_job_inputs(resumed)
     assert (plan.checkpoint, plan.explicit) == (start, True)
-    assert [p.name for p in plan.set_aside] == ["checkpoint_000008", "checkpoint_000012"]
+    assert plan.set_aside == ["checkpoint_000008", "checkpoint_000012"]
 
 
 def test_resume_accepts_the_same_sources_prepared_again_and_refuses_another_dataset(job_and_index, tmp_path):
@@ -288,7 +290,7 @@ def test_resume_accepts_the_same_sources_prepared_again_and_refuses_another_data
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 
     def checkpoint(name: str, data_hash: str) -> None:
-        save_checkpoint(again.run_dir / name, transformer_state=model.state_dict(), optimizer=optimizer,
+        save_checkpoint(again.run_dir / name, model=model, optimizer=optimizer,
                         lr_scheduler=scheduler, job_config=again.to_dict(),
                         train_state=TrainState(2, 0, 0, 1, "sha256:content-of-the-deleted-prepare", None,
                                                data_hash, 6))

@@ -64,11 +64,13 @@ the loader's memory, seconds decoding and seconds fetching/reading shards."""
 
 @dataclass(frozen=True)
 class RankStep:
-    """One planned step of one rank.
+    """One planned micro-batch of one rank (a step has `num_micro` of them on this rank).
 
     step: optimizer step (1-based); epoch: the epoch it trains; bucket: its (F, H, W); rows: (B,) int64 rows of
     the sample table; weights: (B,) float32 loss weights (0 = padding or repeat); total_weight: sum of the step's
-    weights over every rank (`StepDeal.total_weight`); next_position: the data position after the step.
+    weights over all its micro-batches on every rank (`StepDeal.total_weight`); next_position: the data position
+    after the step; micro: this micro-batch's index among the rank's micro-batches of the step (0-based);
+    num_micro: how many the rank trains at this step (`StepDeal.rank_slots`; 1 when G = W).
     """
 
     step: int
@@ -78,27 +80,32 @@ class RankStep:
     weights: np.ndarray
     total_weight: float
     next_position: DataPosition
+    micro: int = 0
+    num_micro: int = 1
 
 
 def plan_rank_steps(schedule: SampleSchedule, position: DataPosition, *, world_size: int, rank: int,
-                    first_step: int, last_step: int) -> list[RankStep]:
-    """The steps `first_step..last_step` of `rank` dealt from `position` at `world_size` (`SampleSchedule.next_step`,
-    O(buckets) per step; the same deal on every rank). Raises ValueError for a rank outside [0, world_size)."""
+                    first_step: int, last_step: int, micro_batches: int | None = None) -> list[RankStep]:
+    """The micro-batches of `rank` for steps `first_step..last_step`, dealt from `position` with G =
+    `micro_batches` micro-batches per step (None: G = `world_size`) to `world_size` ranks
+    (`SampleSchedule.next_step`, O(buckets) per step; the same deal on every rank): per step, the rank's
+    `StepDeal.rank_slots` in order. Raises ValueError for a rank outside [0, world_size) or G < world_size."""
     return list(iter_rank_steps(schedule, position, world_size=world_size, rank=rank, first_step=first_step,
-                                last_step=last_step))
+                                last_step=last_step, micro_batches=micro_batches))
 
 
 def iter_rank_steps(schedule: SampleSchedule, position: DataPosition, *, world_size: int, rank: int,
-                    first_step: int, last_step: int) -> Iterator[RankStep]:
+                    first_step: int, last_step: int, micro_batches: int | None = None) -> Iterator[RankStep]:
     """`plan_rank_steps`, lazily: each step is dealt when it is asked for (what `RankLoader` streams for long
     runs: memory and start-up do not grow with `train.max_steps`)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     for step in range(first_step, last_step + 1):
-        deal = schedule.next_step(position, world_size)
-        rows, weights = deal.rank(rank)
-        yield RankStep(step, deal.epoch, deal.bucket, rows.astype(np.int64), weights.astype(np.float32),
-                       deal.total_weight, deal.next_position)
+        deal = schedule.next_step(position, world_size, micro_batches)
+        rows, weights = deal.rank(rank)  # (n_r, B) each
+        for micro in range(len(rows)):
+            yield RankStep(step, deal.epoch, deal.bucket, rows[micro].astype(np.int64),
+                           weights[micro].astype(np.float32), deal.total_weight, deal.next_position, micro, len(rows))
         position = deal.next_position
 
 
@@ -108,8 +115,8 @@ class TrainBatch:
 
     frames: uint8 (B, 3, F, H, W) RGB (`vidray.models.vae.uint8_to_video` gives the VAE input in [-1, 1]);
     captions: B strings; sample_ids: B strings; sample_keys: (B,) int64 (keys the per-sample noise); weights: (B,)
-    float32, 0 for padding, repeats and skipped clips; plus the plan's step, epoch, bucket, total_weight and
-    next_position. data_wait_s: seconds the trainer waited for this batch; prefetch_lead: batches that were ready
+    float32, 0 for padding, repeats and skipped clips; plus the plan's step, epoch, bucket, total_weight,
+    next_position, micro and num_micro (`RankStep`). data_wait_s: seconds the trainer waited for this batch; prefetch_lead: batches that were ready
     behind it when it was taken; stats: `STAT_KEYS` counters of this batch; skipped: [{"file" or "sample_id",
     "reason"}] first seen in this batch.
     """
@@ -128,6 +135,8 @@ class TrainBatch:
     prefetch_lead: int = 0
     stats: dict[str, float] = field(default_factory=dict)
     skipped: list[dict[str, str]] = field(default_factory=list)
+    micro: int = 0
+    num_micro: int = 1
 
 
 class ClipLoader:
@@ -370,13 +379,14 @@ class RankLoader:
 
     Args:
         shards_dir: folder or URI of the prepared shards; index: its `index.json` dict.
-        table: the sample table (`SampleIndex`); steps: this rank's `RankStep`s in order: a list
-            (`plan_rank_steps`) or a lazy iterable (`iter_rank_steps`, for long runs).
+        table: the sample table (`SampleIndex`); steps: this rank's `RankStep`s (micro-batches: several per
+            step when G > W) in order: a list (`plan_rank_steps`) or a lazy iterable (`iter_rank_steps`, for long
+            runs). One `TrainBatch` is delivered per `RankStep`.
         data: the job's `DataConfig` (cache_dir, cache_bytes, hot_bytes, prefetch_batches,
             prefetch_window_batches, loader_cpus, shuffle_block_shards).
         sample_ids: (N,) str ids of the table's rows (`table.sample_id.astype(str)`), or None to derive them.
         local_ranks: training ranks on this node (they share the warm cache's budget).
-        window_steps: steps per Ray Data dataset. The steps are streamed in windows of this many (one block per
+        window_steps: `RankStep`s (micro-batches) per Ray Data dataset. The steps are streamed in windows of this many (one block per
             step, planned when the window starts), so a run of 100 000 steps never plans or materialises them all
             at once; each window starts a fresh loader actor (a few seconds, overlapped with the previous window's
             queue) whose hot tier starts empty.
@@ -515,6 +525,8 @@ class RankLoader:
             prefetch_lead=lead,
             stats={k: float(batch[k][0]) for k in STAT_KEYS},
             skipped=json.loads(str(batch["skipped"][0])),
+            micro=plan.micro,
+            num_micro=plan.num_micro,
         )
 
     def close(self) -> None:

@@ -32,22 +32,31 @@ For epoch `e` (0-based), with `rng = np.random.default_rng([seed, e])`:
 the first `consumed[k]` of that bucket. Its sum is the epoch's batches consumed (`batches_consumed`). It does not
 depend on the world size. When every micro-batch of an epoch is consumed the position is `(epoch + 1, 0...)`.
 
-## Dealing a step to W ranks
-A step takes the bucket whose next micro-batch comes first in the global sequence and gives ranks 0..W-1 that
-bucket's next W micro-batches, in order: **all ranks of a step train the same bucket at the same batch size**
-(equal cost; nobody waits). When the bucket has r < W micro-batches left (its tail, once per bucket per epoch), ranks
-r..W-1 get a padded micro-batch (a copy of the step's first one) whose samples all have loss weight 0.
+## Dealing a step: G micro-batches to W ranks
+A step deals a global batch of G micro-batches (`train.micro_batches_per_step`; by default the configured
+(max) worker count, so that G = W in a fixed-size run). It takes the bucket whose next micro-batch comes first in
+the global sequence and deals that bucket's next G micro-batches, in order, as the step's slots 0..G-1: **every
+micro-batch of a step holds the same bucket at the same batch size**. When the bucket has r < G micro-batches left
+(its tail, once per bucket per epoch), slots r..G-1 are padding (a copy of the step's first micro-batch) whose
+samples all have loss weight 0. The slots, their samples and their weights do not depend on W.
 
-Guarantee: the step dealt at a position is a pure function of (seed, epoch, position, W), identical on every rank
-and process. Whatever sequence of world sizes a run uses (changed at any resume), every sample of an epoch is
-trained with weight 1 exactly once in that epoch: each bucket's micro-batches are consumed as a prefix, each once.
-With a constant W the steps of an epoch are the groups `(c_k, c_k+W, ...)` of each bucket sorted by the sequence
-position of their first micro-batch (`plan`, vectorised), and resuming from any position reached gives exactly the
-remaining steps of the uninterrupted run. Padding costs at most (W - 1) micro-batches per bucket per epoch.
+Rank r of W trains slots r, r+W, r+2W, ... (`StepDeal.rank_slots`: ceil((G - r) / W) micro-batches, at least one
+since G >= W), accumulating gradients over them (DDP synchronises on the last backward only). With G = W every
+rank trains one micro-batch, as before gradient accumulation existed; with W < G some ranks train one more than
+others. G < W is refused (a rank would have nothing to train: DDP's all-reduce would wait for it forever).
 
-Loss normalisation: a step's loss is the mean over its weighted samples across all ranks; each rank scales its
-weighted sum by `W / StepDeal.total_weight` (known to every rank from the plan, no communication), so DDP's
-gradient average gives exactly that mean.
+Guarantee: the step dealt at a position is a pure function of (seed, epoch, position, G), identical on every rank
+and process and for every W <= G. Whatever sequence of world sizes a run uses (changed at any resume or elastic
+restart), every sample of an epoch is trained with weight 1 exactly once in that epoch: each bucket's micro-batches
+are consumed as a prefix, each once. With a constant G the steps of an epoch are the groups `(c_k, c_k+G, ...)` of
+each bucket sorted by the sequence position of their first micro-batch (`plan`, vectorised), and resuming from any
+position reached, at any W <= G, gives exactly the remaining steps of the uninterrupted run. Padding costs at most
+(G - 1) micro-batches per bucket per epoch.
+
+Loss normalisation: a step's loss is the mean over its weighted samples across all slots; each micro-batch's
+weighted sum of per-sample losses is scaled by `W / StepDeal.total_weight` (known to every rank from the deal, no
+communication). A rank's accumulated gradient is the sum over its slots; DDP averages over the W ranks (divides
+by W), so the gradient is exactly the step's mean, whatever W is.
 """
 
 from __future__ import annotations
@@ -80,11 +89,12 @@ class DataPosition:
 
 @dataclass(frozen=True)
 class StepDeal:
-    """One optimizer step dealt to `world_size` ranks.
+    """One optimizer step: G micro-batches (slots) dealt to `world_size` ranks (module docstring).
 
-    bucket, batch_size: shared by every rank. batch_ids: (W,) micro-batch ids of the epoch (bucket-major numbering);
-    real: (W,) bool, False for a padded rank. sample_rows: (W, B) int rows of the sample index; weights: (W, B)
-    float32 loss weights (0 = padding: not trained, not seen). next_position: the position after this step.
+    bucket, batch_size: shared by every slot. micro_batches: G (>= W). batch_ids: (G,) micro-batch ids of the epoch
+    (bucket-major numbering); real: (G,) bool, False for a padded slot. sample_rows: (G, B) int rows of the sample
+    index; weights: (G, B) float32 loss weights (0 = padding: not trained, not seen). next_position: the position
+    after this step. Slot j is trained by rank j % W.
     """
 
     epoch: int
@@ -96,25 +106,39 @@ class StepDeal:
     sample_rows: np.ndarray
     weights: np.ndarray
     next_position: DataPosition
+    micro_batches: int = 0
+    """G; 0 (the default of older callers) means G = world_size."""
+
+    def __post_init__(self):
+        if not self.micro_batches:
+            object.__setattr__(self, "micro_batches", int(self.world_size))
 
     @property
     def total_weight(self) -> float:
-        """Sum of loss weights over every rank's batch (>= 1: a step always has a real micro-batch)."""
+        """Sum of loss weights over every slot (>= 1: a step always has a real micro-batch)."""
         return float(self.weights.sum())
 
-    def rank(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        """(sample_rows (B,), weights (B,)) of `rank`. Raises ValueError for a rank outside [0, W)."""
+    def rank_slots(self, rank: int) -> np.ndarray:
+        """(n_r,) slots trained by `rank`: rank, rank + W, ... < G (n_r = ceil((G - rank) / W) >= 1). Raises
+        ValueError for a rank outside [0, W)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
-        return self.sample_rows[rank], self.weights[rank]
+        return np.arange(rank, self.micro_batches, self.world_size)
+
+    def rank(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sample_rows (n_r, B), weights (n_r, B)) of the micro-batches `rank` trains (`rank_slots`), in slot
+        order. Raises ValueError for a rank outside [0, W)."""
+        slots = self.rank_slots(rank)
+        return self.sample_rows[slots], self.weights[slots]
 
 
 @dataclass(frozen=True)
 class EpochDeal:
-    """The remaining steps of one epoch dealt to `world_size` ranks from a position (`SampleSchedule.plan`).
+    """The remaining steps of one epoch from a position, G micro-batches per step (`SampleSchedule.plan`).
 
-    step_bucket: (S,) bucket index of each step; step_first: (S,) micro-batch id (epoch numbering) of rank 0;
-    step_count: (S,) real micro-batches of the step (<= W; the others are padded).
+    step_bucket: (S,) bucket index of each step; step_first: (S,) micro-batch id (epoch numbering) of slot 0;
+    step_count: (S,) real micro-batches of the step (<= G; the others are padded). world_size: the W it was
+    planned for (slot j goes to rank j % W); micro_batches: G.
     """
 
     epoch: int
@@ -122,17 +146,23 @@ class EpochDeal:
     step_bucket: np.ndarray
     step_first: np.ndarray
     step_count: np.ndarray
+    micro_batches: int = 0
+    """G; 0 means G = world_size."""
+
+    def __post_init__(self):
+        if not self.micro_batches:
+            object.__setattr__(self, "micro_batches", int(self.world_size))
 
     @property
     def num_steps(self) -> int:
         return int(len(self.step_bucket))
 
     def batch_ids(self) -> tuple[np.ndarray, np.ndarray]:
-        """((S, W) int micro-batch id of every rank at every step, (S, W) bool real mask). A padded rank gets the
+        """((S, G) int micro-batch id of every slot at every step, (S, G) bool real mask). A padded slot gets the
         step's first micro-batch, with every weight 0."""
-        ranks = np.arange(self.world_size, dtype=np.int64)
-        real = ranks[None, :] < self.step_count[:, None]
-        ids = self.step_first[:, None] + np.where(real, ranks[None, :], 0)
+        slots = np.arange(self.micro_batches, dtype=np.int64)
+        real = slots[None, :] < self.step_count[:, None]
+        ids = self.step_first[:, None] + np.where(real, slots[None, :], 0)
         return ids, real
 
 
@@ -257,9 +287,11 @@ class SampleSchedule:
             return self.start(position.epoch + 1)
         return position
 
-    def steps_per_epoch(self, world_size: int) -> int:
-        """Optimizer steps of a whole epoch at a constant `world_size`."""
-        return int((-(-self.num_batches // _check_world(world_size))).sum())
+    def steps_per_epoch(self, world_size: int, micro_batches: int | None = None) -> int:
+        """Optimizer steps of a whole epoch with G = `micro_batches` micro-batches per step (None: G =
+        `world_size`); the count depends on G only. Raises ValueError when G < world_size."""
+        g = _check_micro_batches(micro_batches, world_size)
+        return int((-(-self.num_batches // g)).sum())
 
     # -- the epoch's micro-batches ----------------------------------------------------------------------------
 
@@ -336,51 +368,68 @@ class SampleSchedule:
 
     # -- dealing --------------------------------------------------------------------------------------------
 
-    def next_step(self, position: DataPosition, world_size: int) -> StepDeal:
-        """The step dealt at `position` to `world_size` ranks (O(buckets); see the module docstring)."""
-        world_size = _check_world(world_size)
+    def next_step(self, position: DataPosition, world_size: int, micro_batches: int | None = None) -> StepDeal:
+        """The step dealt at `position`: G = `micro_batches` micro-batches (None: G = `world_size`) for
+        `world_size` ranks (O(buckets); see the module docstring). Raises ValueError for a world size < 1, G <
+        world_size, or a position that does not fit the schedule."""
+        micro_batches = _check_micro_batches(micro_batches, world_size)
+        world_size = int(world_size)
         position = self.check_position(position)
         e = self._epoch(position.epoch)
         c = np.asarray(position.consumed, dtype=np.int64)
         open_ = np.flatnonzero(c < self.num_batches)
         heads = e.seq_pos[self.batch_start[open_] + c[open_]]
         k = int(open_[np.argmin(heads)])
-        count = int(min(world_size, self.num_batches[k] - c[k]))
+        count = int(min(micro_batches, self.num_batches[k] - c[k]))
         first = int(self.batch_start[k] + c[k])
-        ranks = np.arange(world_size)
-        real = ranks < count
-        batch_ids = first + np.where(real, ranks, 0)
+        slots = np.arange(micro_batches)
+        real = slots < count
+        batch_ids = first + np.where(real, slots, 0)
         rows, weights = self.batch_samples(position.epoch, batch_ids)
         weights = weights * real[:, None]
         consumed = list(position.consumed)
         consumed[k] += count
         after = self.check_position(DataPosition(position.epoch, tuple(consumed)))
         return StepDeal(position.epoch, self.buckets[k], int(self.batch_sizes[k]), world_size, batch_ids, real,
-                        rows, weights.astype(np.float32), after)
+                        rows, weights.astype(np.float32), after, micro_batches)
 
-    def plan(self, position: DataPosition, world_size: int) -> EpochDeal:
-        """Every remaining step of `position`'s epoch at a constant `world_size`, vectorised: the same steps, in
-        the same order, as calling `next_step` repeatedly from `position`."""
-        world_size = _check_world(world_size)
+    def plan(self, position: DataPosition, world_size: int, micro_batches: int | None = None) -> EpochDeal:
+        """Every remaining step of `position`'s epoch with G = `micro_batches` (None: `world_size`) micro-batches
+        per step, vectorised: the same steps, in the same order, as calling `next_step` repeatedly from
+        `position`. Raises ValueError like `next_step`."""
+        micro_batches = _check_micro_batches(micro_batches, world_size)
         position = self.check_position(position)
         e = self._epoch(position.epoch)
         c = np.asarray(position.consumed, dtype=np.int64)
-        groups = -(-(self.num_batches - c) // world_size)  # (K,) steps left per bucket
+        groups = -(-(self.num_batches - c) // micro_batches)  # (K,) steps left per bucket
         group_bucket = np.repeat(np.arange(len(c)), groups)
         within = np.arange(int(groups.sum()), dtype=np.int64) - np.repeat(np.cumsum(groups) - groups, groups)
-        first_local = c[group_bucket] + within * world_size
+        first_local = c[group_bucket] + within * micro_batches
         first = self.batch_start[:-1][group_bucket] + first_local
         order = np.argsort(e.seq_pos[first], kind="stable")
         step_bucket = group_bucket[order]
         step_first = first[order]
-        step_count = np.minimum(world_size, self.num_batches[step_bucket] - first_local[order])
-        return EpochDeal(position.epoch, world_size, step_bucket, step_first, step_count)
+        step_count = np.minimum(micro_batches, self.num_batches[step_bucket] - first_local[order])
+        return EpochDeal(position.epoch, int(world_size), step_bucket, step_first, step_count, micro_batches)
 
 
 def _check_world(world_size: int) -> int:
     if int(world_size) < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     return int(world_size)
+
+
+def _check_micro_batches(micro_batches: int | None, world_size: int) -> int:
+    """G for `world_size` ranks: `micro_batches`, or `world_size` when None. Raises ValueError for G < W."""
+    world_size = _check_world(world_size)
+    if micro_batches is None:
+        return world_size
+    if int(micro_batches) < world_size:
+        raise ValueError(
+            f"micro_batches per step ({micro_batches}) must be >= world_size ({world_size}): every rank needs at "
+            "least one micro-batch; raise train.micro_batches_per_step or lower the worker count"
+        )
+    return int(micro_batches)
 
 
 def batch_sizes_for_buckets(

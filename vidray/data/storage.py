@@ -14,6 +14,10 @@ it, with what `vidray.data.shards` and `vidray.data.ingest` need (read, write wh
   MinIO or moto). Transient errors of S3 requests are retried with backoff by the AWS SDK's standard retry
   strategy (`pyarrow.fs.AwsStandardS3RetryStrategy`, `S3_MAX_ATTEMPTS` attempts). A URI with a query string
   (`s3://b/p?endpoint_override=...`) is passed to `pyarrow.fs.FileSystem.from_uri` as is.
+- Whole folders (a run's diffusers export, a checkpoint): `upload_dir(local, location, marker=...)` copies a local
+  folder there with its commit marker (`model_index.json`, `manifest.json`) written last, and `download_dir(location,
+  local, marker=...)` copies a committed one back; each retries the whole transfer on OSError
+  (`TRANSFER_ATTEMPTS`, exponential backoff) and then raises `StorageTransferError` naming the location.
 """
 
 from __future__ import annotations
@@ -147,10 +151,10 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def open_storage(location: str | Path) -> Storage:
-    """`data.shards_dir` (a folder, `file:///abs/path`, `s3://bucket/prefix`, `gs://bucket/prefix`, ...) as a
-    `Storage`. Local paths are made absolute. Raises UserError naming the setting for a URI pyarrow cannot open
-    (unknown scheme, missing bucket name)."""
+def open_storage(location: str | Path, *, setting: str = "data.shards_dir") -> Storage:
+    """A folder (a path, `file:///abs/path`, `s3://bucket/prefix`, `gs://bucket/prefix`, ...) as a `Storage`.
+    Local paths are made absolute. Raises UserError naming `setting` (the config key or argument the location came
+    from, e.g. `storage.path`) for a URI pyarrow cannot open (unknown scheme, missing bucket name)."""
     text = str(location)
     if not is_uri(text):
         return Storage(text, pafs.LocalFileSystem(), str(Path(text).expanduser().resolve()))
@@ -164,7 +168,171 @@ def open_storage(location: str | Path) -> Storage:
         fs, path = pafs.FileSystem.from_uri(text)
     except (ValueError, OSError) as err:
         raise UserError(
-            f"data.shards_dir {text!r} cannot be opened ({err}); give a local folder or a URI such as "
+            f"{setting} {text!r} cannot be opened ({err}); give a local folder or a URI such as "
             "s3://bucket/prefix, gs://bucket/prefix or file:///abs/path"
         ) from None
     return Storage(text, fs, path.rstrip("/") or path)
+
+
+TRANSFER_ATTEMPTS = 3
+"""Attempts of a whole `upload_dir` / `download_dir` (each S3 request inside one is retried by the SDK as well)."""
+TRANSFER_BACKOFF_S = 1.0
+"""Seconds to wait before the second attempt of a folder transfer, doubled before each later one."""
+_COPY_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+class StorageTransferError(OSError):
+    """A folder upload or download that failed on every attempt (`TRANSFER_ATTEMPTS`). The message names the
+    location and the last error; `location` is the URI or folder."""
+
+    def __init__(self, message: str, location: str):
+        super().__init__(message)
+        self.location = location
+
+    def __reduce__(self):  # survives pickling from a Ray worker to the driver
+        return (type(self), (str(self), self.location))
+
+
+def _local_files(local: Path) -> list[str]:
+    """Every file under `local`, as sorted `/`-separated relative paths."""
+    return sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+
+
+def _put_file(storage: Storage, rel: str, source: Path) -> int:
+    """Copy the local file `source` to `rel` in `storage` in 8 MiB chunks; returns its size in bytes. Locally a temp
+    file + fsync + rename; on an object store one streamed upload (multipart for large files), visible only once
+    complete."""
+    if storage.is_local:
+        target = Path(storage.path(rel))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        with open(source, "rb") as src, open(tmp, "wb") as out:
+            while chunk := src.read(_COPY_CHUNK_BYTES):
+                out.write(chunk)
+        fsync_path(tmp)
+        os.replace(tmp, target)
+        return target.stat().st_size
+    size = 0
+    with open(source, "rb") as src, storage.fs.open_output_stream(storage.path(rel)) as out:
+        while chunk := src.read(_COPY_CHUNK_BYTES):
+            out.write(chunk)
+            size += len(chunk)
+    return size
+
+
+def _get_file(storage: Storage, rel: str, target: Path) -> int:
+    """Copy `rel` of `storage` to the local file `target` in 8 MiB sized reads; returns its size in bytes."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    size = 0
+    with storage.open_input_file(rel) as src, open(target, "wb") as out:
+        while chunk := src.read(_COPY_CHUNK_BYTES):
+            out.write(chunk)
+            size += len(chunk)
+    return size
+
+
+def _with_retries(what: str, location: str, attempts: int, backoff_s: float, once, hint: str):
+    """Run `once()` up to `attempts` times while it raises OSError, sleeping backoff_s, 2*backoff_s, ... between
+    tries; raises StorageTransferError naming `what`, `location`, the attempts and the last error."""
+    import time
+
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+    for attempt in range(1, attempts + 1):
+        try:
+            return once()
+        except (StorageTransferError, UserError):  # UserFileNotFound is an OSError too: not retried
+            raise
+        except OSError as err:  # pyarrow's network and S3 errors are OSErrors; FileNotFoundError is one too
+            last = err
+            if attempt < attempts:
+                time.sleep(backoff_s * 2 ** (attempt - 1))
+    raise StorageTransferError(
+        f"{what} {location} failed {attempts} times (last error: {type(last).__name__}: {last}); {hint}", location
+    ) from last
+
+
+def upload_dir(local: str | Path, location: str | Path, *, marker: str | None = None,
+               attempts: int = TRANSFER_ATTEMPTS, backoff_s: float = TRANSFER_BACKOFF_S) -> int:
+    """Copy every file under the local folder `local` into `location` (a folder or a URI, see `open_storage`), so
+    that `location` then holds exactly those files. Returns the bytes copied.
+
+    With `marker` (a file of `local`, e.g. `model_index.json` or `manifest.json`) the copy is committed by that
+    file: an existing marker at `location` is deleted first, then the other files are copied, files of an earlier
+    copy that `local` lacks are deleted, and the marker is copied last. A reader that checks the marker never sees
+    a half-written folder as complete. An attempt that raises OSError (after the SDK's own per-request retries)
+    is repeated whole, up to `attempts` times with exponential backoff from `backoff_s` seconds.
+
+    Raises FileNotFoundError when `local` is not a folder, ValueError when `marker` is not one of its files,
+    UserError when `location` cannot be opened, StorageTransferError (an OSError naming `location`) when every
+    attempt failed: the marker is then absent there.
+    """
+    local = Path(local)
+    if not local.is_dir():
+        raise FileNotFoundError(f"upload_dir: {local} is not a folder")
+    files = _local_files(local)
+    if marker is not None and marker not in files:
+        raise ValueError(f"upload_dir: marker {marker!r} is not a file of {local} (files: {', '.join(files[:8])})")
+    storage = open_storage(location, setting="upload destination")
+    parts = [f for f in files if f != marker]
+
+    def once() -> int:
+        if marker is not None and storage.is_file(marker):
+            storage.delete_file(marker)  # uncommit the earlier copy before touching its parts
+        copied = sum(_put_file(storage, rel, local / rel) for rel in parts)
+        for stale in sorted(storage.files() - set(files)):
+            storage.delete_file(stale)
+        if marker is not None:
+            copied += _put_file(storage, marker, local / marker)
+        return copied
+
+    return _with_retries(
+        "uploading", f"{local} to {storage.display()}", attempts, backoff_s, once,
+        f"{storage.display()} is left without {marker} (incomplete); check the credentials, the bucket and "
+        "AWS_ENDPOINT_URL, then run it again" if marker else "check the credentials, the bucket and AWS_ENDPOINT_URL",
+    )
+
+
+def download_dir(location: str | Path, local: str | Path, *, marker: str | None = None,
+                 attempts: int = TRANSFER_ATTEMPTS, backoff_s: float = TRANSFER_BACKOFF_S) -> int:
+    """Copy every file under `location` (a folder or a URI, see `open_storage`) into the local folder `local`
+    (created; files already there with other names are kept, so give a fresh folder). Returns the bytes copied.
+
+    With `marker` only a committed folder is copied (see `upload_dir`): the marker must exist, is copied last, and
+    must be unchanged (size, modification time) after the other files were copied, else the attempt is repeated
+    (a writer replaced the folder meanwhile). An attempt that raises OSError is repeated whole, up to `attempts`
+    times with exponential backoff from `backoff_s` seconds.
+
+    Raises UserFileNotFound when `location` holds no file, or no `marker` (not retried), UserError when it cannot
+    be opened, StorageTransferError (an OSError naming `location`) when every attempt failed.
+    """
+    from vidray.errors import UserFileNotFound
+
+    local = Path(local)
+    storage = open_storage(location, setting="download source")
+
+    def marker_info() -> pafs.FileInfo:
+        info = storage.info(marker)
+        if info.type != pafs.FileType.File:
+            raise UserFileNotFound(f"{storage.display()} has no {marker}: it is not a complete folder")
+        return info
+
+    def once() -> int:
+        before = marker_info() if marker is not None else None
+        files = sorted(storage.files())
+        if not files:
+            raise UserFileNotFound(f"{storage.display()} holds no file")
+        if local.exists():
+            for rel in files:  # a failed attempt's leftovers
+                (local / rel).unlink(missing_ok=True)
+        local.mkdir(parents=True, exist_ok=True)
+        copied = sum(_get_file(storage, rel, local / rel) for rel in files if rel != marker)
+        if marker is not None:
+            copied += _get_file(storage, marker, local / marker)
+            after = marker_info()
+            if (after.size, after.mtime) != (before.size, before.mtime):
+                raise OSError(f"{storage.display(marker)} changed during the download (a new copy is being written)")
+        return copied
+
+    return _with_retries("downloading", f"{storage.display()} to {local}", attempts, backoff_s, once,
+                         "check the credentials, the bucket and AWS_ENDPOINT_URL, then run it again")

@@ -7,11 +7,15 @@ A model folder is either
   diffusers EasyAnimate folder (then prompts use the stock pipeline's 256 tokens and buckets must be given), or
 - a training checkpoint folder (`<run>/checkpoint_000200`): components are rebuilt from the saved config and
   the transformer weights are loaded from the checkpoint.
+Either may be given as a URI (`s3://bucket/runs/<name>/diffusers` when `storage.path` is on object storage): it is
+copied once into a local cache (`fetch_model`: `$VIDRAY_MODEL_CACHE`, else ~/.cache/vidray/models) and reused
+while its marker (`model_index.json`, `manifest.json`, uploaded last) is unchanged.
 
 Checkpoint folders (written by `vidray.train.checkpoint.save_checkpoint`) hold named parts and `manifest.json`,
-written last, with each part's size in bytes and sha256. Format versions: 2 records `files: {part: {size_bytes,
-sha256}}`; version 1 (vidray before per-file hashes) recorded only the part names and loads with a warning.
-Any other version is refused. torch, diffusers and safetensors are imported inside the functions that need them, so
+written last, with each part's size in bytes and sha256. Format versions: 3 lists the parts present in `parts`
+(the required `PARTS` plus any `OPTIONAL_PARTS`) and stores the optimizer state by parameter name; 2 records
+`files: {part: {size_bytes, sha256}}`; version 1 (vidray before per-file hashes) recorded only the part names and
+loads with a warning. Any other version is refused. `vidray.train.checkpoint` is the write side. torch, diffusers and safetensors are imported inside the functions that need them, so
 that `inspect_model` answers from config files in milliseconds.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -43,11 +48,18 @@ __all__ = [
     "JOB_FILE",
     "LoadedModel",
     "MANIFEST",
+    "OPTIONAL_PARTS",
+    "manifest_parts",
     "ModelFolderError",
     "ModelInfo",
     "PARTS",
     "READABLE_FORMAT_VERSIONS",
     "STOCK_MAX_SEQUENCE_LENGTH",
+    "MODEL_CACHE_ENV",
+    "MODEL_INDEX",
+    "ModelDownloadError",
+    "fetch_model",
+    "model_cache_dir",
     "file_sha256",
     "inspect_model",
     "load_model",
@@ -60,8 +72,12 @@ __all__ = [
 MANIFEST = "manifest.json"
 """The checkpoint's commit marker, written last."""
 PARTS = ("transformer.safetensors", "optimizer.pt", "lr_scheduler.pt", "train_state.json", "config.yaml")
-FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = (1, 2)
+"""The parts every checkpoint holds."""
+OPTIONAL_PARTS = ("ema.safetensors", "grad_scaler.pt")
+"""Parts a checkpoint holds when the run has them (an EMA of the transformer, a mixed-precision grad scaler);
+format 3 lists the parts present in the manifest's `parts`."""
+FORMAT_VERSION = 3
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 _HASH_CHUNK_BYTES = 8 * 1024 * 1024
 JOB_FILE = "vidray_job.yaml"
 """Name of the resolved job config written beside an exported diffusers pipeline."""
@@ -70,6 +86,17 @@ _PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate"}
 _PIPELINE_SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 STOCK_MAX_SEQUENCE_LENGTH = 256
 """diffusers EasyAnimatePipeline.encode_prompt's default prompt length (tokens)."""
+
+
+MODEL_INDEX = "model_index.json"
+"""A diffusers folder's marker; an export to object storage is uploaded with it last
+(`vidray.data.storage.upload_dir`)."""
+MODEL_CACHE_ENV = "VIDRAY_MODEL_CACHE"
+"""Environment variable: the local folder where models read from a URI are cached (default ~/.cache/vidray/models)."""
+
+
+class ModelDownloadError(UserError):
+    """A model URI whose store could not be reached or read (after the retries); the message names the URI."""
 
 
 class ModelFolderError(UserError):
@@ -142,6 +169,23 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def manifest_parts(manifest: dict[str, Any]) -> tuple[str, ...]:
+    """The parts a checkpoint's manifest says it holds: `PARTS`, plus the `OPTIONAL_PARTS` format 3 lists.
+    Raises DamagedCheckpointError when a format 3 manifest lacks a required part or names an unknown one."""
+    if manifest.get("format_version", 0) < 3:
+        return PARTS
+    listed = tuple(manifest.get("parts") or ())
+    unknown = [p for p in listed if p not in PARTS + OPTIONAL_PARTS]
+    absent = [p for p in PARTS if p not in listed]
+    if unknown or absent:
+        raise DamagedCheckpointError(
+            f"{MANIFEST} lists parts {list(listed)}: "
+            + (f"unknown {unknown}" if unknown else f"without the required {absent}")
+            + "; use an earlier checkpoint", part=MANIFEST,
+        )
+    return PARTS + tuple(p for p in OPTIONAL_PARTS if p in listed)
+
+
 def verify_checkpoint(directory: str | Path, *, hashes: bool = True) -> dict[str, Any]:
     """Check a checkpoint folder against its manifest; returns the manifest.
 
@@ -152,7 +196,8 @@ def verify_checkpoint(directory: str | Path, *, hashes: bool = True) -> dict[str
     """
     directory = Path(directory)
     manifest = _read_manifest(directory)
-    missing = [p for p in PARTS if not (directory / p).is_file()]
+    parts = manifest_parts(manifest)
+    missing = [p for p in parts if not (directory / p).is_file()]
     if missing:
         raise IncompleteCheckpointError(
             f"checkpoint {directory} is missing {', '.join(missing)}; use an earlier checkpoint",
@@ -164,7 +209,7 @@ def verify_checkpoint(directory: str | Path, *, hashes: bool = True) -> dict[str
         )
         return manifest
     files = manifest.get("files", {})
-    for part in PARTS:
+    for part in parts:
         recorded = files.get(part)
         if not recorded:
             raise DamagedCheckpointError(f"checkpoint {directory}: {MANIFEST} records nothing for {part}",
@@ -231,6 +276,8 @@ class ModelInfo:
     """Prompt length in tokens the model was trained with (STOCK_MAX_SEQUENCE_LENGTH for a stock folder)."""
     buckets: list[Bucket]
     """Training buckets (empty for a stock folder)."""
+    source: str | None = None
+    """The URI the model was given as (`path` is then its local cached copy, `fetch_model`); None for a folder."""
 
     @property
     def family(self) -> "ModelFamily":
@@ -260,11 +307,22 @@ def inspect_model(path: str | Path) -> ModelInfo:
     """Read a diffusers folder or a vidray checkpoint folder's configs (see the module docstring), loading no
     weights (a checkpoint's files are verified against its manifest).
 
+    `path` may be a URI (`s3://bucket/runs/<name>/diffusers`, a `checkpoint_NNNNNN` folder there, `file://...`):
+    the folder is first copied into the local model cache (`fetch_model`; reused while unchanged), then read
+    there: `ModelInfo.path` is the local copy, `ModelInfo.source` the URI.
+
     Raises UserFileNotFound when `path` does not exist, ModelFolderError when it is neither kind of folder,
     is a pipeline of an unsupported class, or lacks a component subfolder; ConfigError for a recorded job config
-    that no longer validates; the checkpoint module's errors for an incomplete checkpoint.
+    that no longer validates; the checkpoint module's errors for an incomplete checkpoint; ModelDownloadError
+    when a URI's store cannot be read.
     """
-    path = Path(path)
+    if "://" in str(path):
+        return dataclasses.replace(_inspect_folder(fetch_model(str(path))), source=str(path))
+    return _inspect_folder(Path(path))
+
+
+def _inspect_folder(path: Path) -> ModelInfo:
+    """`inspect_model` of a local folder."""
     _check_model_kind(path)
     if (path / MANIFEST).is_file():
         job = job_config_from_dict(read_job_config(path))
@@ -294,8 +352,15 @@ def inspect_model(path: str | Path) -> ModelInfo:
     return ModelInfo(path, "diffusers", _PIPELINE_FAMILIES[class_name], None, flow, STOCK_MAX_SEQUENCE_LENGTH, [])
 
 
-def _check_model_kind(path: Path) -> None:
-    """Raise unless `path` is a folder with a checkpoint manifest or a model_index.json (file checks only)."""
+def _check_model_kind(path: str | Path) -> None:
+    """Raise unless `path` is a folder with a checkpoint manifest or a model_index.json (file checks only; for a
+    URI one or two metadata requests to the store, no download)."""
+    if "://" in str(path):
+        from vidray.data.storage import open_storage
+
+        _stored_model_marker(open_storage(str(path), setting="model"))
+        return
+    path = Path(path)
     if not path.exists():
         raise UserFileNotFound(f"model {path} does not exist; give <run>/diffusers or <run>/checkpoint_NNNNNN")
     if not ((path / MANIFEST).is_file() or (path / "model_index.json").is_file()):
@@ -305,8 +370,97 @@ def _check_model_kind(path: Path) -> None:
         )
 
 
+def model_cache_dir() -> Path:
+    """Where models read from a URI are cached: `$VIDRAY_MODEL_CACHE`, else ~/.cache/vidray/models."""
+    import os
+
+    return Path(os.environ.get(MODEL_CACHE_ENV) or "~/.cache/vidray/models").expanduser()
+
+
+def _stored_model_marker(storage) -> tuple[str, Any]:
+    """(marker name, its pyarrow FileInfo) of a model folder in a `vidray.data.storage.Storage`: manifest.json (a
+    checkpoint) or model_index.json (a diffusers export). Raises as `fetch_model` does."""
+    import pyarrow.fs as pafs
+
+    where = storage.display()
+    try:
+        for marker in (MANIFEST, MODEL_INDEX):
+            info = storage.info(marker)
+            if info.type == pafs.FileType.File:
+                return marker, info
+        holds_anything = bool(storage.list())
+    except OSError as err:
+        raise ModelDownloadError(
+            f"model {where} cannot be read ({type(err).__name__}: {err}); check the bucket name, the credentials "
+            "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and AWS_ENDPOINT_URL"
+        ) from None
+    if not holds_anything:
+        raise UserFileNotFound(
+            f"model {where} does not exist (nothing is stored under it); give <storage.path>/<name>/diffusers or "
+            "<storage.path>/<name>/checkpoint_NNNNNN"
+        )
+    raise ModelFolderError(
+        f"model {where} is neither a diffusers folder ({MODEL_INDEX}) nor a vidray checkpoint ({MANIFEST}): an "
+        "export or checkpoint whose upload did not finish, or another folder; give <storage.path>/<name>/diffusers "
+        "or <storage.path>/<name>/checkpoint_NNNNNN"
+    )
+
+
+def fetch_model(uri: str) -> Path:
+    """The model folder at `uri` (a diffusers export or a vidray checkpoint on object storage, or `file://`) as a
+    local folder. `file://` folders are used in place. Others are downloaded once (`vidray.data.storage.
+    download_dir`, marker last and checked unchanged, whole download retried) into `model_cache_dir()/<key>`, key =
+    sha256 of the URI and its marker's name, size and modification time: an unchanged model is reused, a
+    re-exported one (its marker rewritten last) downloaded again. Old copies are not deleted (remove the cache
+    folder to free the space). Concurrent callers (e.g. serve replicas on one node) each download to a temp folder
+    and the first rename wins.
+
+    Raises UserFileNotFound when nothing is stored under `uri`; ModelFolderError when it holds neither marker
+    (model_index.json, manifest.json); ModelDownloadError when the store cannot be read or every download attempt
+    failed; UserError for a URI that cannot be opened.
+    """
+    import hashlib as _hashlib
+    import logging
+    import os
+    import shutil
+    import tempfile
+    import time
+
+    from vidray.data.storage import StorageTransferError, download_dir, open_storage
+
+    storage = open_storage(uri, setting="model")
+    marker, info = _stored_model_marker(storage)
+    if storage.is_local:
+        return storage.local_path
+    where = storage.display()
+    key = _hashlib.sha256(f"{where}\n{marker}\n{info.size}\n{info.mtime_ns}".encode()).hexdigest()[:24]
+    cache = model_cache_dir()
+    target = cache / key
+    if (target / marker).is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=cache))
+    try:
+        start = time.perf_counter()
+        try:
+            num_bytes = download_dir(uri, tmp, marker=marker)
+        except StorageTransferError as err:
+            raise ModelDownloadError(f"model {where} could not be downloaded: {err}") from None
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / marker).is_file():  # not another process that finished first
+                raise
+        logging.getLogger(__name__).info("downloaded model %s (%.1f MiB in %.1f s) to %s", where,
+                                         num_bytes / 2**20, time.perf_counter() - start, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def load_model(path: str | Path) -> LoadedModel:
-    """Load a diffusers folder or a vidray checkpoint folder for sampling (see the module docstring).
+    """Load a diffusers folder or a vidray checkpoint folder for sampling (see the module docstring); `path` may
+    be a URI (`s3://...`), read through the local model cache (`inspect_model`, `fetch_model`).
 
     Raises as `inspect_model` does (before any weights load).
     """

@@ -423,7 +423,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     auth_token = _read_token(settings.auth)
     root = Path.cwd()
     settings = settings.model_copy(update={
-        "model_path": str((root / settings.model_path).resolve()),
+        "model_path": (settings.model_path if "://" in settings.model_path  # a URI: fetched into the model cache
+                       else str((root / settings.model_path).resolve())),
         "store_dir": str((root / settings.store_dir).resolve()),
     })
     try:

@@ -1,29 +1,49 @@
-"""Training checkpoints made of named parts, complete, verified, or refused.
+"""Training checkpoints made of named parts, complete, verified, or refused; and the one owner of a run's checkpoints.
 
-A checkpoint folder holds:
+A checkpoint folder `<storage.path>/<name>/checkpoint_<step:06d>` holds:
 - `transformer.safetensors`: the trained transformer's state dict (unwrapped from DDP),
-- `optimizer.pt`, `lr_scheduler.pt`: their `state_dict()`s,
+- `optimizer.pt`: the optimizer state keyed by parameter name (`torch.distributed.checkpoint.state_dict`'s
+  `get_optimizer_state_dict`, so a sharded (FSDP) model saves and loads through the same helpers),
+- `lr_scheduler.pt`: its `state_dict()`,
+- `ema.safetensors`, `grad_scaler.pt`: when the run has an EMA of the transformer or a grad scaler,
 - `train_state.json`: step (1-based, the last step applied), data position (epoch, micro-batches consumed per
   bucket), world size, index hash,
 - `config.yaml`: the resolved job config,
 - `manifest.json`: written last; records every part's size in bytes and sha256. A folder without it is an
-  unfinished write and is refused; a part whose size or hash differs from the manifest is damaged and refused.
+  unfinished write and is passed over; a part whose size or hash differs from the manifest is damaged and refused.
 
-The folder is written to a fresh temp dir and only then handed to `ray.train.report`, so a crash while writing
-never replaces the previous checkpoint (torchtitan's "only resumable when complete"; STYLE.md rule 7).
+`CheckpointManager` owns everything about a run's checkpoints: the folder name of a step, which checkpoint is the
+latest complete one, writing a checkpoint's parts (`save_checkpoint`), copying it to the run folder on any storage
+(local or `s3://`, `CheckpointManager.upload`: parts first, manifest last, so a crash during the copy leaves the
+previous checkpoint the latest complete one), fetching one for loading, and loading it back (`load_checkpoint`).
+The driver (`vidray.train.trainer.plan_resume`) and the workers (`vidray.train.loop`) both ask it.
 
-Format versions: 2 (this one) records `files: {part: {size_bytes, sha256}}`. Version 1 (vidray before per-file
-hashes) recorded only the part names: such checkpoints still load, checked for presence only, with a warning
-that they cannot be verified. Any other version is refused.
+Writing is two-phase: rank 0 writes the parts to a fresh local temp folder (the snapshot: the only time the step is
+blocked with `checkpoint.upload: async`), then Ray Train's report calls `CheckpointManager.ray_upload_fn` (in a
+background thread when asynchronous) to copy it into the run folder; Ray registers the checkpoint only once that
+returns. A failed copy is retried (`UPLOAD_ATTEMPTS`), then fails the run attempt with the error; since the
+manifest goes last, a failed or killed copy never looks complete (torchtitan's "only resumable when complete";
+STYLE.md rule 7).
+
+Format versions: 3 (this one) lists the parts present in the manifest and stores the optimizer state by parameter
+name. 2 recorded `files: {part: {size_bytes, sha256}}` with the optimizer's own `state_dict()` (parameters by index);
+1 (vidray before per-file hashes) recorded only the part names: such checkpoints still load (format 1 checked for
+presence only, with a warning that it cannot be verified). Any other version is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 import yaml
@@ -41,12 +61,13 @@ from vidray.models.export import (  # the format's read side lives in the models
     _read_part,
     file_sha256,
     load_transformer_state,
+    manifest_parts,
     read_job_config,
     verify_checkpoint,
 )
 
 __all__ = [
-    "CheckpointError", "DamagedCheckpointError", "IncompleteCheckpointError", "TrainState", "dataset_mismatch",
+    "CheckpointManager", "CheckpointUploadError", "checkpoint_dir_name", "checkpoint_step", "CheckpointError", "DamagedCheckpointError", "IncompleteCheckpointError", "TrainState", "dataset_mismatch",
     "file_sha256", "load_checkpoint", "load_transformer_state", "read_job_config", "read_train_state",
     "save_checkpoint", "verify_checkpoint", "DATASET_ROWS", "FORMAT_VERSION", "MANIFEST", "PARTS",
     "READABLE_FORMAT_VERSIONS",
@@ -107,34 +128,57 @@ def dataset_mismatch(state: TrainState, shards_dir: str | Path, index: dict[str,
     return None
 
 
+def _state_dict_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
 def save_checkpoint(
     directory: str | Path,
     *,
-    transformer_state: dict[str, torch.Tensor],
+    model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
     train_state: TrainState,
     job_config: dict[str, Any],
     dataset: Any = None,
+    ema: torch.nn.Module | None = None,
+    grad_scaler: Any = None,
 ) -> Path:
-    """Write every part into `directory` (created if missing), then the manifest with each part's size and
-    sha256. Returns the folder. `dataset`: the shards' `vidray.data.index.dataset_rows` table, written as
-    `DATASET_ROWS` (optional, not a verified part: it only makes a refused resume say which samples differ)."""
+    """Write every part of a checkpoint into the local folder `directory` (created if missing), then the manifest
+    with each part's size and sha256. Returns the folder.
+
+    model: the transformer (plain or DDP-wrapped: `get_model_state_dict` unwraps it; the state is gathered to CPU in
+    full). optimizer: its state is saved by parameter name (`get_optimizer_state_dict`). ema, grad_scaler: saved as
+    `ema.safetensors` / `grad_scaler.pt` when given. `dataset`: the shards' `vidray.data.index.dataset_rows` table,
+    written as `DATASET_ROWS` (optional, not a verified part: it only makes a refused resume say which samples
+    differ). Raises OSError when the folder cannot be written.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in transformer_state.items()}
+    options = _state_dict_options()
+    state = {k: v.detach().to("cpu").contiguous() for k, v in get_model_state_dict(model, options=options).items()}
     save_file(state, str(directory / "transformer.safetensors"))
-    torch.save(optimizer.state_dict(), directory / "optimizer.pt")
+    torch.save(get_optimizer_state_dict(model, optimizer, options=options), directory / "optimizer.pt")
     torch.save(lr_scheduler.state_dict(), directory / "lr_scheduler.pt")
+    parts = list(PARTS)
+    if ema is not None:
+        ema_state = get_model_state_dict(ema, options=options)
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in ema_state.items()}, str(directory / "ema.safetensors"))
+        parts.append("ema.safetensors")
+    if grad_scaler is not None:
+        torch.save(grad_scaler.state_dict(), directory / "grad_scaler.pt")
+        parts.append("grad_scaler.pt")
     (directory / "train_state.json").write_text(json.dumps(asdict(train_state), indent=2))
     (directory / "config.yaml").write_text(yaml.safe_dump(job_config, sort_keys=False))
     if dataset is not None:
         pq.write_table(dataset, directory / DATASET_ROWS)
-    files = {
-        part: {"size_bytes": (directory / part).stat().st_size, "sha256": file_sha256(directory / part)}
-        for part in PARTS
-    }
-    manifest = {"format_version": FORMAT_VERSION, "parts": list(PARTS), "files": files, "step": train_state.step}
+    files = {part: {"size_bytes": (directory / part).stat().st_size, "sha256": file_sha256(directory / part)}
+             for part in parts}
+    manifest = {"format_version": FORMAT_VERSION, "parts": parts, "files": files, "step": train_state.step}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return directory
 
@@ -153,30 +197,261 @@ def load_checkpoint(
     transformer: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
+    ema: torch.nn.Module | None = None,
+    grad_scaler: Any = None,
     verify: bool = True,
 ) -> TrainState:
-    """Restore transformer, optimizer and lr scheduler in place from a checkpoint; return its TrainState.
+    """Restore transformer, optimizer and lr scheduler (and `ema` / `grad_scaler` when given and saved) in place
+    from a local checkpoint folder; return its TrainState.
 
     The folder is verified against its manifest first (`verify=False` skips the hashes, e.g. when the driver
-    has just verified it). Raises IncompleteCheckpointError / DamagedCheckpointError naming the folder and
-    file, and CheckpointError when the saved transformer does not fit `transformer` (another model config).
+    has just verified it). Format 3 loads through `torch.distributed.checkpoint.state_dict`'s
+    `set_model_state_dict` / `set_optimizer_state_dict` (optimizer state by parameter name); formats 1 and 2 hold
+    the optimizer's own `state_dict()`. Raises IncompleteCheckpointError / DamagedCheckpointError naming the folder
+    and file, and CheckpointError when the saved transformer does not fit `transformer` (another model config).
     """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
     directory = Path(directory)
-    verify_checkpoint(directory, hashes=verify)
+    manifest = verify_checkpoint(directory, hashes=verify)
+    parts = manifest_parts(manifest)
     train_state = read_train_state(directory)
-    state = _read_part(directory, "transformer.safetensors", lambda p: load_file(str(p)))
-    try:
-        transformer.load_state_dict(state)
-    except RuntimeError as err:
-        raise CheckpointError(
-            f"checkpoint {directory}: transformer.safetensors does not fit this model ({' '.join(str(err).split())[:300]}); "
-            "model.* must match the config the checkpoint was trained with",
-            directory=directory, part="transformer.safetensors",
-        ) from err
-    optimizer.load_state_dict(
-        _read_part(directory, "optimizer.pt", lambda p: torch.load(p, map_location="cpu", weights_only=True))
-    )
+
+    def load_module(module: torch.nn.Module, part: str) -> None:
+        state = _read_part(directory, part, lambda p: load_file(str(p)))
+        try:
+            set_model_state_dict(module, state, options=_state_dict_options())
+        except (RuntimeError, KeyError, ValueError) as err:
+            raise CheckpointError(
+                f"checkpoint {directory}: {part} does not fit this model ({' '.join(str(err).split())[:300]}); "
+                "model.* must match the config the checkpoint was trained with",
+                directory=directory, part=part,
+            ) from err
+
+    load_module(transformer, "transformer.safetensors")
+    optimizer_state = _read_part(directory, "optimizer.pt",
+                                 lambda p: torch.load(p, map_location="cpu", weights_only=True))
+    if manifest["format_version"] >= 3:
+        try:
+            set_optimizer_state_dict(transformer, optimizer, optimizer_state, options=_state_dict_options())
+        except (RuntimeError, KeyError, ValueError) as err:
+            raise CheckpointError(
+                f"checkpoint {directory}: optimizer.pt does not fit this model's optimizer "
+                f"({' '.join(str(err).split())[:300]}); model.* and optim.name must match the checkpoint's config",
+                directory=directory, part="optimizer.pt",
+            ) from err
+    else:
+        optimizer.load_state_dict(optimizer_state)
     lr_scheduler.load_state_dict(
         _read_part(directory, "lr_scheduler.pt", lambda p: torch.load(p, weights_only=True))
     )
+    if ema is not None and "ema.safetensors" in parts:
+        load_module(ema, "ema.safetensors")
+    if grad_scaler is not None and "grad_scaler.pt" in parts:
+        grad_scaler.load_state_dict(_read_part(directory, "grad_scaler.pt", lambda p: torch.load(p, weights_only=True)))
     return train_state
+
+
+CHECKPOINT_PREFIX = "checkpoint_"
+UPLOAD_ATTEMPTS = 3
+"""Tries of a whole checkpoint copy (each S3 request is also retried by the SDK: `vidray.data.storage`)."""
+UPLOAD_BACKOFF_S = 2.0
+"""Wait before the second try of a copy, doubled for each further one (seconds)."""
+FAULT_ENV = "VIDRAY_FAULT_KILL_DURING_CHECKPOINT"
+"""Fault injection for tests (never set in a real run): `<step>:<part>:<marker file>` makes the process copying
+checkpoint `<step>` SIGKILL itself right after copying `<part>`, once: the marker file is created first, and an
+existing marker disarms it."""
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """The folder name of the checkpoint written after optimizer step `step` (1-based): `checkpoint_000200`."""
+    return f"{CHECKPOINT_PREFIX}{step:06d}"
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint folder name (`checkpoint_000200` -> 200), or None for any other name."""
+    if not name.startswith(CHECKPOINT_PREFIX):
+        return None
+    digits = name[len(CHECKPOINT_PREFIX):]
+    return int(digits) if digits.isdigit() else None
+
+
+class CheckpointUploadError(CheckpointError):
+    """A checkpoint could not be copied to the run folder after `UPLOAD_ATTEMPTS` tries (it is not complete there)."""
+
+
+class CheckpointManager:
+    """The checkpoints of one run folder `<storage.path>/<name>`, local or on object storage (`s3://...`).
+
+    Complete means "has its manifest": the manifest is copied last (`upload`), so a folder without one is an
+    unfinished write (a crash or a kill during the copy) and is never taken as the latest. A complete folder whose
+    parts do not match the manifest is damaged: `verify` refuses it (it is not silently passed over).
+
+    ```python
+    manager = CheckpointManager("runs/tiny-t2v")          # or "s3://bucket/runs/tiny-t2v"
+    manager.latest()                                       # 'checkpoint_000200' or None
+    with manager.fetch("checkpoint_000200") as folder:     # a local folder (downloaded when remote)
+        state = load_checkpoint(folder, transformer=..., optimizer=..., lr_scheduler=...)
+    ```
+    """
+
+    def __init__(self, run_dir: str | Path):
+        from vidray.data.storage import open_storage
+
+        self.storage = open_storage(run_dir, setting="storage.path")
+
+    @property
+    def is_local(self) -> bool:
+        return self.storage.is_local
+
+    def location(self, name: str = "") -> str:
+        """A checkpoint folder (or the run folder) as a user reads it: a local path or a URI."""
+        return self.storage.display(name)
+
+    def names(self) -> list[str]:
+        """Every `checkpoint_<step>` folder of the run, complete or not, oldest step first."""
+        found = [n for n, is_dir in self.storage.rel_names() if is_dir and checkpoint_step(n) is not None]
+        return sorted(found, key=checkpoint_step)
+
+    def is_complete(self, name: str) -> bool:
+        """The folder has its manifest (every part was copied before it)."""
+        return self.storage.is_file(f"{name}/{MANIFEST}")
+
+    def complete(self) -> list[str]:
+        """The complete checkpoints, oldest first."""
+        return [n for n in self.names() if self.is_complete(n)]
+
+    def unfinished(self) -> list[str]:
+        """Folders without a manifest: writes that did not finish (passed over, overwritten when the step is
+        written again)."""
+        return [n for n in self.names() if not self.is_complete(n)]
+
+    def latest(self) -> str | None:
+        """The newest complete checkpoint's folder name, or None when the run has none."""
+        done = self.complete()
+        return done[-1] if done else None
+
+    @contextlib.contextmanager
+    def fetch(self, name: str, *, parts: tuple[str, ...] | None = None) -> Iterator[Path]:
+        """A local folder holding checkpoint `name`: the folder itself on local storage, else a temporary download
+        (removed on exit) of every file, or only of `parts` (those present; e.g. the manifest, `train_state.json`
+        and `config.yaml` to plan a resume without downloading the weights). Raises IncompleteCheckpointError when
+        a remote checkpoint has no manifest."""
+        if self.storage.is_local:
+            yield Path(self.storage.path(name))
+            return
+        if not self.is_complete(name):
+            raise IncompleteCheckpointError(
+                f"checkpoint {self.location(name)} has no {MANIFEST}: it was not finished; use an earlier checkpoint",
+                directory=self.location(name), part=MANIFEST,
+            )
+        with tempfile.TemporaryDirectory(prefix="vidray-ckpt-fetch-") as tmp:
+            local = Path(tmp) / name
+            local.mkdir()
+            if parts is None:
+                pafs.copy_files(self.storage.path(name), str(local), source_filesystem=self.storage.fs,
+                                destination_filesystem=pafs.LocalFileSystem())
+            else:
+                for part in parts:
+                    if self.storage.is_file(f"{name}/{part}"):
+                        (local / part).write_bytes(self.storage.read_bytes(f"{name}/{part}"))
+            yield local
+
+    def verify(self, name: str, *, hashes: bool = True) -> dict[str, Any]:
+        """`verify_checkpoint` of checkpoint `name`; returns its manifest. Remote checkpoints are checked without
+        downloading the parts when `hashes` is False (sizes from the listing), else fetched and hashed. Errors name
+        the storage location."""
+        if self.storage.is_local:
+            return verify_checkpoint(self.storage.path(name), hashes=hashes)
+        where = self.location(name)
+        if not hashes:
+            with self.fetch(name, parts=(MANIFEST,)) as local:
+                manifest = _read_manifest(local)
+            sizes = {i.base_name: i.size for i in self.storage.list(name) if i.type == pafs.FileType.File}
+            for part in manifest_parts(manifest):
+                if part not in sizes:
+                    raise IncompleteCheckpointError(f"checkpoint {where} is missing {part}; use an earlier checkpoint",
+                                                    directory=where, part=part)
+                recorded = (manifest.get("files") or {}).get(part, {}).get("size_bytes")
+                if recorded is not None and sizes[part] != recorded:
+                    raise DamagedCheckpointError(
+                        f"checkpoint {where}: {part} is {sizes[part]} bytes but {recorded} were written "
+                        "(truncated or overwritten)", directory=where, part=part)
+            return manifest
+        with self.fetch(name) as local:
+            try:
+                return verify_checkpoint(local, hashes=hashes)
+            except CheckpointError as err:
+                raise type(err)(str(err).replace(str(local), where), where, err.part) from None
+
+    def upload(self, local_dir: str | Path, name: str, *, fs: pafs.FileSystem | None = None,
+               base: str | None = None) -> str:
+        """Copy the finished local checkpoint folder `local_dir` to `<run>/<name>`: first remove what an earlier,
+        interrupted copy of the same step left there, then copy every file but the manifest, then the manifest,
+        then check each part's size at the destination. `fs`/`base`: the destination filesystem and run folder
+        path in it (Ray Train's storage context); the manager's own by default. Returns the folder's path in `fs`.
+
+        Each try that fails with OSError is retried after `UPLOAD_BACKOFF_S` (doubling), `UPLOAD_ATTEMPTS` tries in
+        all; then raises CheckpointUploadError naming the folder and the last error. Until the manifest is there,
+        the folder is not complete, so a failed copy is never mistaken for a checkpoint.
+        """
+        fs = fs or self.storage.fs
+        dest = f"{(base or self.storage.base).rstrip('/')}/{name}"
+        local_dir = Path(local_dir)
+        files = sorted(p.name for p in local_dir.iterdir() if p.is_file())
+        if MANIFEST not in files:
+            raise IncompleteCheckpointError(f"{local_dir} has no {MANIFEST}: write it with save_checkpoint first",
+                                            directory=local_dir, part=MANIFEST)
+        ordered = [f for f in files if f != MANIFEST] + [MANIFEST]
+        last_error: Exception | None = None
+        for attempt in range(UPLOAD_ATTEMPTS):
+            if attempt:
+                time.sleep(UPLOAD_BACKOFF_S * 2 ** (attempt - 1))
+            try:
+                if fs.get_file_info(dest).type != pafs.FileType.NotFound:
+                    fs.delete_dir(dest)
+                fs.create_dir(dest, recursive=True)
+                for part in ordered:
+                    pafs.copy_files(str(local_dir / part), f"{dest}/{part}",
+                                    source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+                    _maybe_inject_fault(name, part)
+                for part in ordered:
+                    size = fs.get_file_info(f"{dest}/{part}").size
+                    if size != (local_dir / part).stat().st_size:
+                        raise OSError(f"{part} is {size} bytes at the destination, {(local_dir / part).stat().st_size} locally")
+                return dest
+            except OSError as err:
+                last_error = err
+                print(f"[vidray] copying checkpoint {name} to {dest} failed (try {attempt + 1} of {UPLOAD_ATTEMPTS}): "
+                      f"{err}", flush=True)
+        raise CheckpointUploadError(
+            f"checkpoint {name} could not be copied to {dest} after {UPLOAD_ATTEMPTS} tries ({last_error}); it is not "
+            "complete there and the run keeps its previous checkpoint: check storage.path and its credentials",
+            directory=dest, part=None,
+        )
+
+    def ray_upload_fn(self):
+        """A `checkpoint_upload_fn` for `ray.train.report`: copies the reported local checkpoint with `upload` into
+        Ray Train's run folder (its storage filesystem and experiment path) and returns the `ray.train.Checkpoint`
+        there. Ray registers the checkpoint (and may rotate older ones away) only after this returns."""
+
+        def upload_fn(checkpoint, checkpoint_dir_name: str):
+            import ray.train
+
+            storage = ray.train.get_context().get_storage()
+            dest = self.upload(checkpoint.path, checkpoint_dir_name, fs=storage.storage_filesystem,
+                               base=storage.experiment_fs_path)
+            return ray.train.Checkpoint(dest, filesystem=storage.storage_filesystem)
+
+        return upload_fn
+
+
+def _maybe_inject_fault(name: str, part: str) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    step, fault_part, marker = spec.split(":", 2)
+    if checkpoint_step(name) != int(step) or part != fault_part or Path(marker).exists():
+        return
+    Path(marker).write_text(f"killed pid {os.getpid()} after copying {part} of {name}\n")
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -4,7 +4,8 @@ Steps: 1. build the model family's components; 2. load the sample table (not the
 world-size-independent sample schedule (`vidray.data.schedule`); 3. optimizer and lr schedule; 4. restore the checkpoint the driver chose (or this
 fit's own latest after a restart) with its data position, then re-apply this job's `optim` section to it;
 5. wrap the transformer in DDP; 6. plan this rank's steps from the data position at this run's world size (every
-rank the same bucket; noise and sigma keyed by (seed, step, sample)) and stream them through the rank's Ray Data
+rank the same bucket; G = `train.micro_batches_per_step` micro-batches per step, rank r training r, r+W, ... with
+gradient accumulation; noise and sigma keyed by (seed, step, sample)) and stream them through the rank's Ray Data
 loader (`vidray.data.pipeline`: cold -> warm -> hot, prefetched in schedule order); each step VAE-encodes its
 frames and text-encodes its captions with the frozen encoders, then trains; reporting loss, gradient norm and step time every
 `train.log_every_steps` and a checkpoint every `checkpoint.every_steps`; a NaN/Inf loss, gradient norm or weight
@@ -17,6 +18,8 @@ Errors that a retry cannot fix are raised as `vidray.errors.UserError`s: the dri
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import resource
 import sys
@@ -44,7 +47,14 @@ from vidray.data.storage import open_storage
 from vidray.models.registry import get_family
 from vidray.models.text_encoder import encode_prompts
 from vidray.models.vae import encode_video, uint8_to_video
-from vidray.train.checkpoint import TrainState, dataset_mismatch, load_checkpoint, save_checkpoint
+from vidray.train.checkpoint import (
+    CheckpointManager,
+    TrainState,
+    checkpoint_dir_name,
+    dataset_mismatch,
+    load_checkpoint,
+    save_checkpoint,
+)
 from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
 from vidray.train.step import (
     NonFiniteTrainingError,
@@ -74,13 +84,14 @@ def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_schedu
             state = load_checkpoint(directory, transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler)
         _log(rank, f"restarted from this run's checkpoint {Path(checkpoint.path).name} at step {state.step}")
         return state
-    if loop_config.get("resume_from"):
+    start = loop_config.get("resume_from")
+    if start:
         # The driver has just verified sizes and hashes: check sizes only here.
-        state = load_checkpoint(
-            loop_config["resume_from"], transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler,
-            verify=False,
-        )
-        _log(rank, f"started from checkpoint {loop_config['resume_from']} at step {state.step}")
+        parent, name = start.rstrip("/").rsplit("/", 1) if "://" in start else (Path(start).parent, Path(start).name)
+        with CheckpointManager(parent).fetch(name) as directory:
+            state = load_checkpoint(directory, transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                    verify=False)
+        _log(rank, f"started from checkpoint {start} at step {state.step}")
         return state
     return None
 
@@ -89,7 +100,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     """Ray Train entry point. `loop_config`: {"job": JobConfig.to_dict(), "run_dir": absolute path,
     "shards_dir": absolute path, "resume_from": checkpoint folder or None}.
 
-    Optional key "record_sample_ids": True to return what was trained.
+    Optional key "record_sample_ids": True to return what was trained, and to append it, step by step, to
+    `<run_dir>/trained_samples/<start ns>-rank<r>.jsonl` (`_record_path`: every attempt of an elastic or
+    restarted run leaves its own files, which `Result.return_value` of the last attempt alone cannot show).
 
     Returns (rank 0's is kept in `Result.return_value`): {"losses": [[step, loss], ...] for every step this run
     trained, "first_step", "last_step", "steps_per_s", "diffusers_dir", "reported_steps": steps at which metrics
@@ -99,7 +112,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     shards skipped because their checksum failed or the store kept failing (on any rank), "skipped_clips":
     [{sample_id, reason}] of clips that did not decode (any rank), "step_seconds": [[step, data_wait_s, encode_s,
     dit_s], ...] of this rank, "data": `TrainMetrics.summary()` of this rank (data wait, tier hits and misses,
-    bytes fetched), "peak_rss_bytes": this worker process's peak resident memory}.
+    bytes fetched), "checkpoint_blocked_s": [[step, seconds the loop stood still for that checkpoint]],
+    "first_step_done_unix": wall clock when this attempt's first step finished, "peak_rss_bytes": this worker
+    process's peak resident memory}.
     """
     job = job_config_from_dict(loop_config["job"])
     context = ray.train.get_context()
@@ -160,7 +175,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     position = _resume_position(schedule, state, rank)
     # This rank's steps, streamed by its Ray Data loader (started now: its actor warms up while DDP is set up).
     steps = iter_rank_steps(schedule, position, world_size=world_size, rank=rank, first_step=start_step,
-                            last_step=job.train.max_steps)  # dealt lazily, window by window
+                            last_step=job.train.max_steps, micro_batches=job.micro_batches_per_step)  # lazily
     loader = RankLoader(shards_dir, index, table, steps, job.data, sample_ids=sample_ids,
                         local_ranks=context.get_local_world_size())
 
@@ -172,8 +187,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     max_steps = job.train.max_steps
     sizes = ", ".join(f"{b} x{n}" for b, n in batch_sizes.items())
     _log(rank, f"training steps {start_step}..{max_steps} from epoch {position.epoch}, batch "
-         f"{position.batches_consumed}/{schedule.batches_per_epoch} ({schedule.steps_per_epoch(world_size)} "
-         f"steps/epoch at {world_size} workers; batch sizes {sizes})")
+         f"{position.batches_consumed}/{schedule.batches_per_epoch} "
+         f"({schedule.steps_per_epoch(world_size, job.micro_batches_per_step)} steps/epoch of "
+         f"{job.micro_batches_per_step} micro-batches at {world_size} workers; batch sizes {sizes})")
     record = bool(loop_config.get("record_sample_ids"))
     trained: list[list[Any]] = []  # [step, epoch, [sample_id, ...]] of this rank, when recording
     step_losses: list[torch.Tensor] = []
@@ -182,43 +198,80 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     history: list[list[float]] = []
     reported_steps: list[int] = []
     step_seconds: list[list[float]] = []  # [step, data_wait_s, encode_s, dit_s] of this rank
+    checkpoint_blocked_s: list[list[float]] = []  # [step, seconds the loop stood still for its checkpoint]
+    checkpoints = CheckpointManager(loop_config["run_dir"])
+    mode = (ray.train.CheckpointUploadMode.ASYNC if job.checkpoint.upload == "async"
+            else ray.train.CheckpointUploadMode.SYNC)
     skipped: list[dict[str, str]] = []
     metrics_log = TrainMetrics(rank=rank, run=job.name)
-    metrics_file = Path(loop_config["run_dir"]) / "metrics" / f"rank_{rank}.prom"
+    # The textfile needs a local folder: the run folder's, or for a run folder on object storage this node's temp
+    # folder (the Prometheus endpoint of `train.metrics_port` serves the same figures either way).
+    metrics_root = (Path(tempfile.gettempdir()) / "vidray-metrics" / job.name if "://" in loop_config["run_dir"]
+                    else Path(loop_config["run_dir"]) / "metrics")
+    metrics_file = metrics_root / f"rank_{rank}.prom"
     if job.train.metrics_port is not None:
         metrics_log.serve(job.train.metrics_port + rank)
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
-    for step, batch in zip(range(start_step, max_steps + 1), loader):
-        t_data = time.perf_counter()
-        _add_loader_stats(metrics_log, batch)
-        skipped.extend(batch.skipped)
-        with torch.no_grad():  # the frozen encoders: latents and prompt_embeds of this micro-batch
-            latents = encode_video(components.vae, uint8_to_video(batch.frames.to(device)))
-            prompt_embeds, prompt_attention_mask = encode_prompts(
-                components.text_encoder, components.tokenizer, batch.captions,
-                max_sequence_length=job.model.max_sequence_length, device=device,
-            )
-        t_encoded = time.perf_counter()
-        weights = batch.weights
-        # sum_i w_i mse_i * W / total weight: DDP's average over ranks is the mean over the step's real samples.
-        loss_weights = torch.from_numpy(weights) * (world_size / batch.total_weight)
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            loss = flow_matching_step_loss(
-                family,
-                model,
-                latents,
-                prompt_embeds,
-                prompt_attention_mask,
-                job.flow,
-                [sample_generator(job.train.seed, step, int(k)) for k in batch.sample_keys.tolist()],
-                loss_weights=loss_weights,
-            )
-        if record:
-            trained.append([step, batch.epoch, [i for i, w in zip(batch.sample_ids, weights) if w > 0]])
-        step_epoch, position = batch.epoch, batch.next_position
+    first_step_done_unix: float | None = None  # wall clock (time.time()) when this attempt's first step finished
+    batches = iter(loader)
+    record_path = _record_path(loop_config, rank) if record else None
+    for step in range(start_step, max_steps + 1):
+        # This rank's micro-batches of the step (slots rank, rank + W, ... of its G: `vidray.data.schedule`), with
+        # gradient accumulation: DDP all-reduces on the last backward only (no_sync on the others).
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = None  # (,) sum of this rank's micro-batch losses
+        data_wait_s = encode_s = dit_s = 0.0
+        step_ids: list[str] = []
+        micro, num_micro = 0, 1
+        while micro < num_micro:
+            batch = next(batches, None)
+            if batch is None or batch.step != step or batch.micro != micro:
+                got = "nothing" if batch is None else f"step {batch.step} micro-batch {batch.micro}"
+                raise RuntimeError(f"the loader delivered {got} where step {step} micro-batch {micro} was due")
+            num_micro = batch.num_micro
+            t_data = time.perf_counter()
+            _add_loader_stats(metrics_log, batch)
+            skipped.extend(batch.skipped)
+            with torch.no_grad():  # the frozen encoders: latents and prompt_embeds of this micro-batch
+                latents = encode_video(components.vae, uint8_to_video(batch.frames.to(device)))
+                prompt_embeds, prompt_attention_mask = encode_prompts(
+                    components.text_encoder, components.tokenizer, batch.captions,
+                    max_sequence_length=job.model.max_sequence_length, device=device,
+                )
+            t_encoded = time.perf_counter()
+            weights = batch.weights
+            # sum_i w_i mse_i * W / total weight (of all G micro-batches): summed over this rank's micro-batches
+            # and averaged over the W ranks by DDP, the gradient is the mean over the step's real samples.
+            loss_weights = torch.from_numpy(weights) * (world_size / batch.total_weight)
+            last = micro == num_micro - 1
+            no_sync = model.no_sync() if not last and hasattr(model, "no_sync") else contextlib.nullcontext()
+            with no_sync:
+                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    micro_loss = flow_matching_step_loss(
+                        family,
+                        model,
+                        latents,
+                        prompt_embeds,
+                        prompt_attention_mask,
+                        job.flow,
+                        [sample_generator(job.train.seed, step, int(k)) for k in batch.sample_keys.tolist()],
+                        loss_weights=loss_weights,
+                    )
+                micro_loss.backward()
+            loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
+            if record:
+                ids = [i for i, w in zip(batch.sample_ids, weights) if w > 0]
+                trained.append([step, batch.epoch, ids])
+                step_ids.extend(ids)
+            data_wait_s += batch.data_wait_s
+            encode_s += t_encoded - t_data
+            dit_s += time.perf_counter() - t_encoded
+            micro += 1
+        t_optim = time.perf_counter()
+        step_epoch, position = batch.epoch, batch.next_position
+        if record_path is not None:
+            _append_record(record_path, [step, step_epoch, world_size, rank, step_ids])
         if job.train.grad_clip_norm is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), job.train.grad_clip_norm)
         else:
@@ -226,12 +279,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         step_lrs.append(lr_scheduler.get_last_lr()[0])  # the lr this step uses (a host float: no sync)
         optimizer.step()
         lr_scheduler.step()
-        step_losses.append(loss.detach())
+        step_losses.append(loss)
         step_grad_norms.append(grad_norm.detach().float())
         window_steps += 1
-        t_done = time.perf_counter()
-        step_seconds.append([step, batch.data_wait_s, t_encoded - t_data, t_done - t_encoded])
-        metrics_log.observe_step(data_wait_s=batch.data_wait_s, step_s=t_done - t_data + batch.data_wait_s)
+        if first_step_done_unix is None:
+            first_step_done_unix = time.time()
+        dit_s += time.perf_counter() - t_optim
+        step_seconds.append([step, data_wait_s, encode_s, dit_s])
+        metrics_log.observe_step(data_wait_s=data_wait_s, step_s=data_wait_s + encode_s + dit_s)
         metrics_log.set_step(step)
 
         is_log = step % job.train.log_every_steps == 0 or step == max_steps
@@ -281,24 +336,31 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         metrics_log.write_textfile(metrics_file)
         reported_steps.append(step)
         if is_checkpoint:
-            with tempfile.TemporaryDirectory(prefix="vidray-ckpt-") as tmp:
-                checkpoint = None
-                if rank == 0:
-                    save_checkpoint(
-                        tmp,
-                        transformer_state=transformer.state_dict(),
-                        optimizer=optimizer,
-                        lr_scheduler=lr_scheduler,
-                        train_state=TrainState(step, position.epoch, position.batches_consumed, world_size,
-                                               index_hash, position.to_dict(schedule.buckets), data_hash,
-                                               len(table)),
-                        job_config=job.to_dict(),
-                        dataset=data_rows,
-                    )
-                    checkpoint = ray.train.Checkpoint.from_directory(tmp)
-                ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=f"checkpoint_{step:06d}")
+            # Rank 0 snapshots the parts into a local temp folder (the step waits only for this with
+            # checkpoint.upload=async); Ray Train copies it to the run folder with the manager's upload (manifest
+            # last, retried), in the background when asynchronous, and deletes the temp folder afterwards.
+            t_snapshot = time.perf_counter()
+            checkpoint = None
+            if rank == 0:
+                snapshot = save_checkpoint(
+                    tempfile.mkdtemp(prefix="vidray-ckpt-"),
+                    model=transformer,
+                    optimizer=optimizer,
+                    lr_scheduler=lr_scheduler,
+                    train_state=TrainState(step, position.epoch, position.batches_consumed, world_size,
+                                           index_hash, position.to_dict(schedule.buckets), data_hash,
+                                           len(table)),
+                    job_config=job.to_dict(),
+                    dataset=data_rows,
+                )
+                checkpoint = ray.train.Checkpoint.from_directory(str(snapshot))
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name(step),
+                             checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True,
+                             checkpoint_upload_fn=checkpoints.ray_upload_fn())
+            checkpoint_blocked_s.append([step, time.perf_counter() - t_snapshot])
         else:
-            ray.train.report(metrics)
+            # Asynchronous mode for plain reports too: a synchronous report would wait for the copy in flight.
+            ray.train.report(metrics, checkpoint_upload_mode=mode)
         window_start, window_steps = time.perf_counter(), 0
     loader.close()
     metrics_log.write_textfile(metrics_file)
@@ -312,13 +374,28 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     if skipped:
         _log(rank, f"skipped {len(skipped_shards)} shard(s) and {len(skipped_clips)} clip(s) that could not be read")
 
-    # 7. Rank 0 saves the trained pipeline in diffusers format (safetensors).
-    diffusers_dir = str(Path(loop_config["run_dir"]) / "diffusers")
+    # 7. Rank 0 saves the trained pipeline in diffusers format (safetensors) with the job file: into a local run
+    # folder directly; for a URI into a local temp folder, then uploaded with model_index.json last (`upload_dir`:
+    # a half-uploaded export never looks like a model; the whole upload is retried, then the worker fails with a
+    # StorageTransferError naming the URI, and Ray Train's restart exports again from the last checkpoint).
+    run_dir = str(loop_config["run_dir"])
+    remote = "://" in run_dir
+    diffusers_dir = f"{run_dir.rstrip('/')}/diffusers" if remote else str(Path(run_dir) / "diffusers")
     if rank == 0:
         components.transformer.eval()
-        family.save_pipeline(components, diffusers_dir, job.flow)
-        write_job_file(diffusers_dir, job)
-        _log(rank, f"saved diffusers pipeline to {diffusers_dir}")
+        if remote:
+            from vidray.data.storage import upload_dir
+            from vidray.models.export import MODEL_INDEX
+
+            with tempfile.TemporaryDirectory(prefix="vidray-export-") as tmp:
+                family.save_pipeline(components, tmp, job.flow)
+                write_job_file(tmp, job)
+                num_bytes = upload_dir(tmp, diffusers_dir, marker=MODEL_INDEX)
+            _log(rank, f"saved diffusers pipeline to {diffusers_dir} ({num_bytes / 2**20:.1f} MiB uploaded)")
+        else:
+            family.save_pipeline(components, diffusers_dir, job.flow)
+            write_job_file(diffusers_dir, job)
+            _log(rank, f"saved diffusers pipeline to {diffusers_dir}")
     return {
         "losses": history,
         "first_step": start_step,
@@ -330,6 +407,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         "skipped_shards": skipped_shards,
         "skipped_clips": skipped_clips,
         "step_seconds": step_seconds,
+        "checkpoint_blocked_s": checkpoint_blocked_s,
+        "first_step_done_unix": first_step_done_unix,
         "data": metrics_log.summary(),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
     }
@@ -373,6 +452,25 @@ def _add_loader_stats(metrics: TrainMetrics, batch: TrainBatch) -> None:
     for item in batch.skipped:
         metrics.add_skipped("shard" if "file" in item else "clip")
     metrics.set_prefetch_lead(batch.prefetch_lead)
+
+
+def _record_path(loop_config: dict[str, Any], rank: int) -> Path | None:
+    """`<run_dir>/trained_samples/<start ns>-rank<rank>.jsonl`: where this attempt's rank appends what it trained
+    (with "record_sample_ids"; local run folders only, else None). One file per rank per attempt, so that the
+    steps re-trained after a restart can be told apart: the record of a step that counts is the latest
+    attempt's."""
+    run_dir = str(loop_config["run_dir"])
+    if "://" in run_dir:
+        return None
+    path = Path(run_dir) / "trained_samples" / f"{time.time_ns()}-rank{rank}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _append_record(path: Path, record: list[Any]) -> None:
+    """Append one line `[step, epoch, world_size, rank, [sample_id, ...]]` (weight > 0 only)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def _gather_trained(trained: list[list[Any]], world_size: int) -> list[list[Any]]:

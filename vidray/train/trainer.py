@@ -23,6 +23,7 @@ Inside the workers, Ray Train's `get_checkpoint()` is used only for checkpoints 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -51,7 +52,8 @@ class TrainResult:
     (only with `run_training(..., record_sample_ids=True)`).
     """
 
-    run_dir: Path
+    run_dir: Path | str
+    """A local folder, or the URI string (`s3://bucket/runs/<name>`) when `storage.path` is one."""
     checkpoint_path: str | None
     diffusers_dir: str
     losses: list[list[float]]
@@ -72,6 +74,12 @@ class TrainResult:
     data: dict[str, float] = field(default_factory=dict)
     """Rank 0's data-plane totals (`vidray.metrics.TrainMetrics.summary`): data_wait_s, data_wait_fraction, hot and
     warm hits/misses, bytes_fetched, prefetch_lead, skipped counts."""
+    checkpoint_blocked_s: list[list[float]] = field(default_factory=list)
+    """[step, seconds] rank 0's loop stood still for each checkpoint of this run: the local snapshot with
+    `checkpoint.upload: async`, snapshot and copy to `storage.path` with `sync`."""
+    first_step_done_unix: float | None = None
+    """Wall clock (`time.time()`, s) when the first step of the run's last attempt finished on rank 0 (after a
+    worker failure: the first step after the restart); None when it trained no step."""
     peak_rss_bytes: int = 0
     """Peak resident memory (bytes) of the rank-0 worker process (`ru_maxrss`)."""
 
@@ -80,20 +88,22 @@ class TrainResult:
 class ResumePlan:
     """Where a run starts, as decided on the driver by `check_job_inputs`.
 
-    checkpoint: the verified checkpoint folder to load, or None (start at step 1). step: its step (0 if none).
-    explicit: it came from `checkpoint.resume_from`. set_aside: checkpoints of the run folder newer than it, to
-    move aside before Ray starts. reset_ray_snapshot: move Ray Train's checkpoint list aside too (the run no
-    longer continues from its own latest checkpoint). diff: config changes from the checkpoint's saved config.
-    existing: names of the checkpoint folders in the run folder before this run started.
+    checkpoint: the verified checkpoint folder to load (a Path, or a URI string on object storage), or None
+    (start at step 1). step: its step (0 if none). explicit: it came from `checkpoint.resume_from`. set_aside: names
+    of the run folder's checkpoints newer than it, to move aside before Ray starts. reset_ray_snapshot: move Ray
+    Train's checkpoint list aside too (the run no longer continues from its own latest checkpoint). diff: config
+    changes from the checkpoint's saved config. existing: names of the checkpoint folders in the run folder before
+    this run started. manager: the run folder's `CheckpointManager`.
     """
 
-    checkpoint: Path | None = None
+    checkpoint: Path | str | None = None
     step: int = 0
     explicit: bool = False
-    set_aside: list[Path] = field(default_factory=list)
+    set_aside: list[str] = field(default_factory=list)
     reset_ray_snapshot: bool = False
     diff: ResumeDiff | None = None
     existing: list[str] = field(default_factory=list)
+    manager: Any = None
 
 
 class RequestCannotBeMetError(UserError):
@@ -108,156 +118,167 @@ def _absolute(path: str) -> str:
     return path if "://" in path else str(Path(path).expanduser().resolve())
 
 
-def _checkpoint_step(path: Path) -> int:
-    return int(path.name.split("_", 1)[1])
+def _storage_uri(storage_path: str, fs_path: str) -> str:
+    """A path in the filesystem of `storage_path` as the user reads it: unchanged for a local `storage.path`, else
+    with the URI's scheme put back (`bucket/runs/x` -> `s3://bucket/runs/x`)."""
+    if "://" not in storage_path or "://" in fs_path:
+        return fs_path
+    return f"{storage_path.split('://', 1)[0]}://{fs_path}"
 
 
-def run_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Every `checkpoint_<step>` folder of a local run, complete or not, oldest first."""
-    return sorted(Path(run_dir).glob("checkpoint_[0-9]*"), key=_checkpoint_step)
+def _last_good_checkpoint(manager: Any, below: str) -> str | None:
+    """The newest complete checkpoint older than `below` that passes verification, or None."""
+    from vidray.train.checkpoint import CheckpointError, checkpoint_step
 
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint folder (`checkpoint_<step>` with its manifest) of a local run, or None."""
-    from vidray.train.checkpoint import MANIFEST
-
-    done = [p for p in run_checkpoints(run_dir) if (p / MANIFEST).is_file()]
-    return done[-1] if done else None
-
-
-def _last_good_checkpoint(run_dir: Path, below: Path) -> Path | None:
-    from vidray.train.checkpoint import CheckpointError, MANIFEST, verify_checkpoint
-
-    older = [p for p in run_checkpoints(run_dir)
-             if (p / MANIFEST).is_file() and _checkpoint_step(p) < _checkpoint_step(below)]
-    for candidate in reversed(older):
+    for candidate in reversed(manager.complete()):
+        if checkpoint_step(candidate) >= checkpoint_step(below):
+            continue
         try:
-            verify_checkpoint(candidate)
+            manager.verify(candidate)
             return candidate
         except CheckpointError:
             continue
     return None
 
 
-def _ray_snapshot_disagrees(run_dir: Path, chosen: Path | None) -> bool:
+def _ray_snapshot_disagrees(manager: Any, chosen: str | None) -> bool:
     """True when Ray Train's checkpoint list of the run names a folder that is gone (e.g. a damaged checkpoint the
     user deleted: Ray would refuse the whole run folder) or a latest checkpoint other than `chosen`."""
     import json
 
-    path = run_dir / RAY_SNAPSHOT
-    if not path.is_file():
+    storage = manager.storage
+    if not storage.is_file(RAY_SNAPSHOT):
         return False
     try:
-        snapshot = json.loads(path.read_text())
+        snapshot = json.loads(storage.read_bytes(RAY_SNAPSHOT))
         listed = [r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results", [])]
         latest = (snapshot.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return True  # unreadable: Ray could not use it either
-    if any(not (run_dir / name).is_dir() for name in listed):
+    if any(not storage.is_dir(name) for name in listed):
         return True
-    return latest is not None and (chosen is None or latest != chosen.name)
+    return latest is not None and latest != chosen
 
 
-def _started_from(checkpoint: Path, start: Path) -> bool:
-    """True when `checkpoint` was written by a run whose `checkpoint.resume_from` was `start`."""
+def _started_from(manager: Any, name: str, start: str) -> bool:
+    """True when checkpoint `name` was written by a run whose `checkpoint.resume_from` was `start`."""
     from vidray.train.checkpoint import CheckpointError, read_job_config
 
     try:
-        saved = (read_job_config(checkpoint).get("checkpoint") or {}).get("resume_from")
+        with manager.fetch(name, parts=_PLAN_PARTS) as local:
+            saved = (read_job_config(local).get("checkpoint") or {}).get("resume_from")
     except (CheckpointError, AttributeError):
         return False
-    return bool(saved) and Path(saved).expanduser().resolve() == start
+    return bool(saved) and _absolute(saved) == start
 
 
-def _check_resume_mode(job: JobConfig, run_dir: Path | None, existing: list[Path], latest: Path | None) -> None:
+def _check_resume_mode(job: JobConfig, where: str, existing: list[str], latest: str | None) -> None:
     """Refuse what `checkpoint.resume` forbids (see `vidray.config.CheckpointConfig.resume`). Raises ConfigError
     naming the run folder, what it holds and the fix."""
     from vidray.config import ConfigError
 
     mode = job.checkpoint.resume
-    where = run_dir if run_dir is not None else f"{job.storage.path.rstrip('/')}/{job.name}"
     if mode == "never":
         if job.checkpoint.resume_from:
             raise ConfigError(
                 f"checkpoint.resume=never contradicts checkpoint.resume_from={job.checkpoint.resume_from}: drop one"
             )
         if existing:
-            names = ", ".join(p.name for p in existing[-3:])
+            names = ", ".join(existing[-3:])
             raise ConfigError(
                 f"checkpoint.resume=never but the run {where} already holds {len(existing)} checkpoint(s) ({names}): "
                 f"nothing was overwritten; start under a new name (name={job.name}-2) or continue it with "
                 "checkpoint.resume=auto"
             )
     elif mode == "must" and latest is None and not job.checkpoint.resume_from:
-        if run_dir is None:
-            raise ConfigError(
-                f"checkpoint.resume=must cannot check {where}: finding a run's checkpoints on a storage.path URI is "
-                "not supported yet; give checkpoint.resume_from or use checkpoint.resume=auto"
-            )
         raise ConfigError(
             f"checkpoint.resume=must but the run {where} has no complete checkpoint to resume "
-            f"({'its folders: ' + ', '.join(p.name for p in existing) if existing else 'none written yet'}): check "
+            f"({'its folders: ' + ', '.join(existing) if existing else 'none written yet'}): check "
             "name and storage.path, or start it with checkpoint.resume=auto"
         )
 
 
+_PLAN_PARTS = ("manifest.json", "train_state.json", "config.yaml", "dataset_rows.parquet")
+"""The small files of a checkpoint the driver reads to plan a resume (remote checkpoints: only these download)."""
+
+
 def plan_resume(job: JobConfig) -> ResumePlan:
-    """Decide and verify the checkpoint `job` starts from (the precedence in the module docstring).
+    """Decide and verify the checkpoint `job` starts from (the precedence in the module docstring). The run folder
+    may be local or on object storage (`vidray.train.checkpoint.CheckpointManager`).
 
-    Raises UserFileNotFound when `checkpoint.resume_from` is not a folder, and CheckpointError subclasses
-    (naming the folder and the file) when the chosen checkpoint is incomplete or damaged; a damaged latest
-    checkpoint's message names the last good one and the `checkpoint.resume_from=` override that resumes from it.
+    Raises UserFileNotFound when `checkpoint.resume_from` is not a checkpoint folder, ConfigError for what
+    `checkpoint.resume` forbids, and CheckpointError subclasses (naming the folder and the file) when the chosen
+    checkpoint is incomplete or damaged; a damaged latest checkpoint's message names the last good one and the
+    `checkpoint.resume_from=` override that resumes from it. Local checkpoints are verified with their sha256;
+    remote ones by size here (the workers hash what they download).
     """
-    from vidray.train.checkpoint import CheckpointError, read_train_state, verify_checkpoint
+    from vidray.train.checkpoint import CheckpointError, CheckpointManager, read_train_state
 
-    local = "://" not in job.storage.path
-    run_dir = job.run_dir.expanduser().resolve() if local else None
-    existing = run_checkpoints(run_dir) if run_dir else []
-    plan = ResumePlan(existing=[p.name for p in existing])
-    latest = latest_checkpoint(run_dir) if run_dir else None
-    _check_resume_mode(job, run_dir, existing, latest)
+    manager = CheckpointManager(f"{_absolute(job.storage.path).rstrip('/')}/{job.name}")
+    local = manager.is_local
+    existing = manager.names()
+    plan = ResumePlan(existing=list(existing), manager=manager)
+    latest = manager.latest()
+    _check_resume_mode(job, manager.location(), existing, latest)
+
+    def step_of(name: str) -> int:
+        with manager.fetch(name, parts=_PLAN_PARTS) as folder:
+            return read_train_state(folder).step
+
+    def choose(name: str) -> None:
+        plan.checkpoint = Path(manager.location(name)) if local else manager.location(name)
+        plan.step = step_of(name)
+
     if job.checkpoint.resume_from:
-        chosen = Path(job.checkpoint.resume_from).expanduser().resolve()
-        if run_dir and latest is not None and latest != chosen and _started_from(latest, chosen):
+        start = _absolute(job.checkpoint.resume_from)
+        parent, chosen = start.rstrip("/").rsplit("/", 1)
+        in_run = parent == manager.location().rstrip("/") if not local else Path(parent) == Path(manager.location())
+        if latest is not None and not (in_run and latest == chosen) and _started_from(manager, latest, start):
             try:
-                verify_checkpoint(latest)
+                manager.verify(latest, hashes=local)
             except CheckpointError:
                 pass  # damaged: rewind to `chosen` below
             else:  # the same command re-run: continue, do not rewind what was trained since
-                print(f"[vidray] {latest} was trained from checkpoint.resume_from={chosen}: continuing from it",
-                      flush=True)
-                plan.checkpoint, plan.step = latest, read_train_state(latest).step
-                plan.reset_ray_snapshot = _ray_snapshot_disagrees(run_dir, latest)
+                print(f"[vidray] {manager.location(latest)} was trained from checkpoint.resume_from={start}: "
+                      "continuing from it", flush=True)
+                choose(latest)
+                plan.reset_ray_snapshot = _ray_snapshot_disagrees(manager, latest)
                 return plan
-        if not chosen.is_dir():
-            raise UserFileNotFound(f"checkpoint.resume_from {chosen} is not a folder: give a checkpoint_<step> folder")
-        verify_checkpoint(chosen)
-        plan.checkpoint, plan.explicit = chosen, True
-        plan.step = read_train_state(chosen).step
-        if run_dir and chosen != latest:
-            plan.set_aside = [p for p in existing if p != chosen and _checkpoint_step(p) > plan.step]
-            plan.reset_ray_snapshot = (run_dir / RAY_SNAPSHOT).is_file()
-        elif run_dir:
-            plan.reset_ray_snapshot = _ray_snapshot_disagrees(run_dir, chosen)
+        source = CheckpointManager(parent)
+        if not source.storage.is_dir(chosen):
+            raise UserFileNotFound(f"checkpoint.resume_from {start} is not a folder: give a checkpoint_<step> folder")
+        source.verify(chosen, hashes=source.is_local)
+        plan.checkpoint = Path(start) if source.is_local else start
+        plan.explicit = True
+        with source.fetch(chosen, parts=_PLAN_PARTS) as folder:
+            plan.step = read_train_state(folder).step
+        if in_run and chosen == latest:
+            plan.reset_ray_snapshot = _ray_snapshot_disagrees(manager, chosen)
+        else:
+            from vidray.train.checkpoint import checkpoint_step
+
+            plan.set_aside = [n for n in existing if not (in_run and n == chosen) and checkpoint_step(n) > plan.step]
+            plan.reset_ray_snapshot = manager.storage.is_file(RAY_SNAPSHOT)
         return plan
     if latest is None:
-        plan.reset_ray_snapshot = bool(run_dir) and _ray_snapshot_disagrees(run_dir, None)
+        plan.reset_ray_snapshot = _ray_snapshot_disagrees(manager, None)
         return plan
     try:
-        verify_checkpoint(latest)
+        manager.verify(latest, hashes=local)
     except CheckpointError as err:
-        good = _last_good_checkpoint(run_dir, latest)
+        good = _last_good_checkpoint(manager, latest)
         if good is None:
             raise type(err)(
-                f"{err}. The run {run_dir} has no good checkpoint before it: start afresh under a new name "
+                f"{err}. The run {manager.location()} has no good checkpoint before it: start afresh under a new name "
                 f"(name={job.name}-2)", err.directory, err.part,
             ) from None
         raise type(err)(
-            f"{err}. The last good checkpoint is {good}: resume from it with checkpoint.resume_from={good} "
-            f"(newer checkpoints of the run are then moved to {run_dir / 'set_aside'})", err.directory, err.part,
+            f"{err}. The last good checkpoint is {manager.location(good)}: resume from it with "
+            f"checkpoint.resume_from={manager.location(good)} (newer checkpoints of the run are then moved to "
+            f"{manager.location('set_aside')})", err.directory, err.part,
         ) from None
-    plan.checkpoint, plan.step = latest, read_train_state(latest).step
-    plan.reset_ray_snapshot = _ray_snapshot_disagrees(run_dir, latest)
+    choose(latest)
+    plan.reset_ray_snapshot = _ray_snapshot_disagrees(manager, latest)
     return plan
 
 
@@ -308,15 +329,36 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     plan = plan_resume(job)
     if plan.checkpoint is None:
         return plan
+    with _plan_files(plan.checkpoint) as folder:
+        return _check_resume(job, plan, folder, index)
+
+
+@contextlib.contextmanager
+def _plan_files(checkpoint: Path | str):
+    """A local folder with the checkpoint's small files (`_PLAN_PARTS`): the folder itself when local."""
+    from vidray.train.checkpoint import CheckpointManager
+
+    if isinstance(checkpoint, Path):
+        yield checkpoint
+        return
+    parent, name = checkpoint.rstrip("/").rsplit("/", 1)
+    with CheckpointManager(parent).fetch(name, parts=_PLAN_PARTS) as folder:
+        yield folder
+
+
+def _check_resume(job: JobConfig, plan: ResumePlan, folder: Path, index: dict[str, Any]) -> ResumePlan:
+    """The resume checks of `check_job_inputs` on the chosen checkpoint's files in the local `folder`."""
+    from vidray.train.checkpoint import read_job_config, read_train_state
+
     resume = plan.checkpoint
-    plan.diff = diff = diff_for_resume(read_job_config(resume), job)
+    plan.diff = diff = diff_for_resume(read_job_config(folder), job)
     if diff.fixed:
         changes = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in diff.fixed.items())
         raise ConfigError(
             f"resuming from {resume} changes keys fixed for the run: {changes}. Set them back to the checkpoint's "
             f"values, or start a new run under another name (the README lists what may change on resume)"
         )
-    state = read_train_state(resume)
+    state = read_train_state(folder)
     if state.step >= job.train.max_steps:
         raise ConfigError(
             f"{resume} is already at step {state.step} >= train.max_steps {job.train.max_steps}: raise "
@@ -324,15 +366,17 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
         )
     from vidray.train.checkpoint import dataset_mismatch
 
-    problem = dataset_mismatch(state, job.data.shards_dir, index, checkpoint_dir=resume)
+    problem = dataset_mismatch(state, job.data.shards_dir, index, checkpoint_dir=folder)
     if problem:
         raise ConfigError(f"{resume} {problem}")
     source = "checkpoint.resume_from" if plan.explicit else "the run's latest checkpoint"
     print(f"[vidray] resuming from {resume} ({source}) at step {state.step}; changed from the checkpoint: "
           f"{diff.summary() or 'nothing'}", flush=True)
     if state.consumed_per_bucket is not None:
-        workers = (f"{job.scaling.num_workers} workers (was {state.world_size})"
-                   if state.world_size != job.scaling.num_workers else f"{job.scaling.num_workers} workers")
+        workers = job.scaling.describe_workers()
+        if job.scaling.elastic or state.world_size != job.scaling.num_workers:
+            workers += f" (was {state.world_size})"
+        workers += f", {job.micro_batches_per_step} micro-batches per step"
         print(f"[vidray] data position: epoch {state.epoch}, {state.batch_index} micro-batches of it done; the rest "
               f"of the epoch is dealt to {workers}, each sample exactly once", flush=True)
     else:
@@ -341,13 +385,15 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     return plan
 
 
-def required_resources(job: JobConfig) -> dict[str, float]:
-    """Logical resources the run reserves: CPU = num_workers * (cpus_per_worker + data.loader_cpus: each worker's
-    Ray Data loader), GPU = num_workers when
-    use_gpu. Ray Train's controller actor reserves 0 CPUs, so it adds nothing."""
-    need = {"CPU": job.scaling.num_workers * (job.scaling.cpus_per_worker + job.data.loader_cpus)}
+def required_resources(job: JobConfig, num_workers: int | None = None) -> dict[str, float]:
+    """Logical resources the run reserves with `num_workers` workers (default: `scaling.num_workers`, or the min
+    of an elastic `[min, max]`: what it needs to run at all): CPU = workers * (cpus_per_worker + data.loader_cpus:
+    each worker's Ray Data loader), GPU = workers when use_gpu. Ray Train's controller actor reserves 0 CPUs, so
+    it adds nothing."""
+    workers = job.scaling.min_workers if num_workers is None else int(num_workers)
+    need = {"CPU": workers * (job.scaling.cpus_per_worker + job.data.loader_cpus)}
     if job.scaling.use_gpu:
-        need["GPU"] = float(job.scaling.num_workers)
+        need["GPU"] = float(workers)
     return need
 
 
@@ -357,9 +403,20 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
 
     `cluster`: total logical resources now (`ray.cluster_resources()`); `autoscaler_max`: what the autoscaler's
     node types could add up to, or None for a fixed cluster. Each worker needs its CPUs (and GPU) on one node;
-    this checks totals, which is necessary, not sufficient.
+    this checks totals, which is necessary, not sufficient. An elastic `scaling.num_workers: [min, max]` is
+    checked at its min (it can run at all); when the totals hold fewer than max workers a line says how many it
+    starts with.
     """
     problems = []
+    min_workers, max_workers = job.scaling.min_workers, job.scaling.max_workers
+    if job.scaling.elastic:
+        per_worker = required_resources(job, 1)
+        could_have = {r: float(max(cluster.get(r, 0), (autoscaler_max or {}).get(r, 0))) for r in per_worker}
+        fitting = min(int((could_have[r] + 1e-9) // need) for r, need in per_worker.items())
+        if min_workers <= fitting < max_workers:
+            print(f"[vidray] {where} holds the resources of {fitting} of scaling.num_workers={[min_workers, max_workers]} "
+                  f"workers now: the run starts with {fitting} and grows when more can be placed (checked every "
+                  f"scaling.resize_check_s={job.scaling.resize_check_s:g} s)", flush=True)
     for resource, need in required_resources(job).items():
         have = float(cluster.get(resource, 0))
         could = max(have, float((autoscaler_max or {}).get(resource, 0)))
@@ -367,14 +424,18 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
             if resource == "GPU":
                 fix = "set scaling.use_gpu=false, or run on a cluster with GPUs (RAY_ADDRESS)"
             else:
-                fitting = max(have / job.scaling.num_workers - job.data.loader_cpus, 0.1)
-                fix = (f"lower scaling.num_workers or scaling.cpus_per_worker (e.g. scaling.cpus_per_worker="
+                fitting = max(have / min_workers - job.data.loader_cpus, 0.1)
+                fix = (f"lower scaling.num_workers{' (its min)' if job.scaling.elastic else ''} or "
+                       f"scaling.cpus_per_worker (e.g. scaling.cpus_per_worker="
                        f"{fitting:.2g}), or data.loader_cpus")
             extra = f" (its autoscaler can reach {could:g})" if autoscaler_max else ""
+            workers = (f"{[min_workers, max_workers]} (at least {min_workers})" if job.scaling.elastic
+                       else f"{min_workers}")
             if resource == "GPU":
-                what = f"scaling.use_gpu=true with {job.scaling.num_workers} workers"
+                what = (f"scaling.use_gpu=true with scaling.num_workers={workers}" if job.scaling.elastic
+                        else f"scaling.use_gpu=true with {min_workers} workers")
             else:
-                what = (f"scaling.num_workers={job.scaling.num_workers} x (scaling.cpus_per_worker="
+                what = (f"scaling.num_workers={workers} x (scaling.cpus_per_worker="
                         f"{job.scaling.cpus_per_worker:g} + data.loader_cpus={job.data.loader_cpus:g})")
             problems.append(f"{what} needs {need:g} {resource}s; {where} has {have:g}{extra}: {fix}")
     if problems:
@@ -399,20 +460,31 @@ def _autoscaler_max_resources() -> dict[str, float] | None:
     return {k: float(v) for k, v in found.items()} if found else None
 
 
-def _set_aside(plan: ResumePlan, run_dir: Path) -> None:
+def _set_aside(plan: ResumePlan) -> None:
+    """Move the plan's `set_aside` checkpoints (and Ray Train's checkpoint list when `reset_ray_snapshot`) into
+    `<run>/set_aside/<time>/`, kept but never loaded. On object storage a move is a copy, then a delete."""
+    import pyarrow.fs as pafs
+
     if not (plan.set_aside or plan.reset_ray_snapshot):
         return
-    target = run_dir / "set_aside" / time.strftime("%Y%m%d-%H%M%S")
-    target.mkdir(parents=True, exist_ok=True)
+    storage = plan.manager.storage
+    target = f"set_aside/{time.strftime('%Y%m%d-%H%M%S')}"
+    storage.fs.create_dir(storage.path(target), recursive=True)
     moved = []
-    for path in plan.set_aside:
-        shutil.move(str(path), str(target / path.name))
-        moved.append(path.name)
-    if plan.reset_ray_snapshot and (run_dir / RAY_SNAPSHOT).is_file():
-        shutil.move(str(run_dir / RAY_SNAPSHOT), str(target / RAY_SNAPSHOT))
+    for name in plan.set_aside:
+        if storage.is_local:
+            shutil.move(storage.path(name), storage.path(f"{target}/{name}"))
+        else:
+            pafs.copy_files(storage.path(name), storage.path(f"{target}/{name}"), source_filesystem=storage.fs,
+                            destination_filesystem=storage.fs)
+            storage.delete_dir(name)
+        moved.append(name)
+    if plan.reset_ray_snapshot and storage.is_file(RAY_SNAPSHOT):
+        storage.write_bytes(f"{target}/{RAY_SNAPSHOT}", storage.read_bytes(RAY_SNAPSHOT))
+        storage.delete_file(RAY_SNAPSHOT)
         moved.append(RAY_SNAPSHOT)
     start = f"starting from {plan.checkpoint}" if plan.checkpoint else "starting at step 1"
-    print(f"[vidray] {start}: moved {', '.join(moved)} to {target} (kept, not loaded)", flush=True)
+    print(f"[vidray] {start}: moved {', '.join(moved)} to {storage.display(target)} (kept, not loaded)", flush=True)
 
 
 def _stop_on_user_errors_callback():
@@ -466,8 +538,9 @@ def _torch_trainer_class():
 
 def build_trainer_configs(job: JobConfig, storage_path: str) -> tuple[Any, Any]:
     """(ray.train.ScalingConfig, ray.train.RunConfig) for `job`: workers and their resources, run name and
-    storage, checkpoints kept, worker restarts (`train.max_failures`) and bounded worker-group start-up retries
-    (`vidray.runtime.WORKER_GROUP_START_RETRIES`)."""
+    storage (a `storage.path` URI with vidray's pyarrow filesystem), checkpoints kept, worker restarts
+    (`train.max_failures`) and bounded worker-group start-up retries (`vidray.runtime.WORKER_GROUP_START_RETRIES`;
+    elastic jobs add one per allowed worker failure, -1 when `train.max_failures` is -1)."""
     import ray.train
 
     from vidray.runtime import WORKER_GROUP_START_RETRIES
@@ -475,15 +548,36 @@ def build_trainer_configs(job: JobConfig, storage_path: str) -> tuple[Any, Any]:
     resources = {"CPU": job.scaling.cpus_per_worker}
     if job.scaling.use_gpu:
         resources["GPU"] = 1
+    elastic = job.scaling.elastic  # [min, max]: Ray Train's elastic mode, resize checks every resize_check_s
     scaling = ray.train.ScalingConfig(
-        num_workers=job.scaling.num_workers, use_gpu=job.scaling.use_gpu, resources_per_worker=resources
+        num_workers=(job.scaling.min_workers, job.scaling.max_workers) if elastic else job.scaling.num_workers,
+        use_gpu=job.scaling.use_gpu, resources_per_worker=resources,
+        **({"elastic_resize_monitor_interval_s": float(job.scaling.resize_check_s)} if elastic else {}),
     )
+    storage_filesystem = None
+    if "://" in storage_path:
+        # A URI: Ray Train gets vidray's own filesystem (AWS_ENDPOINT_URL, region, retries) and the path without its
+        # scheme (`s3://bucket/runs` -> `bucket/runs`), as RunConfig(storage_filesystem=) requires. The filesystem
+        # is pickled to the controller and workers without credentials (each resolves them from its environment)
+        # and without the retry strategy (they use pyarrow's default: AWS standard, 3 attempts).
+        from vidray.data.storage import open_storage
+
+        storage = open_storage(storage_path, setting="storage.path")
+        storage_filesystem, storage_path = storage.fs, storage.base
+    controller_failure_limit = WORKER_GROUP_START_RETRIES
+    if elastic:
+        # After a node is lost, Ray's AutoscalingCoordinator (2.60) refreshes its node view every 20 s, so the first
+        # restart may still ask for the lost node's workers and wait out RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S: each
+        # worker failure may cost one start-up failure on top of the bounded start-up retries.
+        retries = job.train.max_failures
+        controller_failure_limit = -1 if retries < 0 else WORKER_GROUP_START_RETRIES + retries
     run = ray.train.RunConfig(
         name=job.name,
         storage_path=storage_path,
+        storage_filesystem=storage_filesystem,
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.checkpoint.num_to_keep),
         failure_config=ray.train.FailureConfig(
-            max_failures=job.train.max_failures, controller_failure_limit=WORKER_GROUP_START_RETRIES
+            max_failures=job.train.max_failures, controller_failure_limit=controller_failure_limit
         ),
         callbacks=[_stop_on_user_errors_callback()],
     )
@@ -522,12 +616,12 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
 
     # 3. Move checkpoints newer than an explicit start point aside, then run.
     storage_path = _absolute(job.storage.path)
-    run_dir = Path(storage_path) / job.name
-    if "://" not in storage_path:
-        _set_aside(plan, run_dir)
+    remote = "://" in storage_path
+    run_dir = f"{storage_path.rstrip('/')}/{job.name}" if remote else Path(storage_path) / job.name  # URI: a str
+    _set_aside(plan)
     loop_config = {
         "job": job.to_dict(),
-        "run_dir": str(run_dir),
+        "run_dir": plan.manager.location(),  # a local path or the URI
         "shards_dir": _absolute(job.data.shards_dir),
         "resume_from": str(plan.checkpoint) if plan.checkpoint else None,
         "existing_checkpoints": plan.existing,
@@ -550,8 +644,8 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
     out = result.return_value or {}
     return TrainResult(
         run_dir=run_dir,
-        checkpoint_path=result.checkpoint.path if result.checkpoint else None,
-        diffusers_dir=out.get("diffusers_dir", str(run_dir / "diffusers")),
+        checkpoint_path=_storage_uri(storage_path, result.checkpoint.path) if result.checkpoint else None,
+        diffusers_dir=out.get("diffusers_dir", f"{run_dir}/diffusers"),
         losses=out.get("losses", []),
         first_step=out.get("first_step", 0),
         last_step=out.get("last_step", 0),
@@ -562,6 +656,8 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
         skipped_shards=out.get("skipped_shards", []),
         skipped_clips=out.get("skipped_clips", []),
         step_seconds=out.get("step_seconds", []),
+        checkpoint_blocked_s=out.get("checkpoint_blocked_s", []),
+        first_step_done_unix=out.get("first_step_done_unix"),
         data=out.get("data", {}),
         peak_rss_bytes=out.get("peak_rss_bytes", 0),
     )
