@@ -1,5 +1,7 @@
-"""A short 2-worker training run on shards in object storage (moto's S3 server on 127.0.0.1): the workers fetch
-the shards through the node's warm cache, skip a corrupted shard on every rank alike, and the result lists it."""
+"""Short 2-worker training runs against object storage (moto's S3 server on 127.0.0.1): shards in the bucket (the
+workers fetch them through the node's warm cache, skip a corrupted shard on every rank alike, and the result lists
+it), and a run whose `storage.path` is in the bucket (checkpoints and the diffusers export land there, and
+`vidray generate` samples from the exported URI)."""
 
 from __future__ import annotations
 
@@ -63,3 +65,58 @@ def test_training_reads_s3_shards_through_the_cache_and_skips_a_corrupted_shard(
     assert trained and trained <= good_ids  # nothing of the corrupted shard was trained on
     cached = {p.name for p in (tmp_path / "cache" / "shards").iterdir()}
     assert cached == {f"{index['shards'][i]['sha256']}.parquet" for i in (0, 2)}  # one file per shard per node
+
+
+def test_run_with_s3_storage_path_writes_checkpoints_and_export_to_the_bucket_and_generate_reads_them(
+        s3_ray, tmp_path, monkeypatch):
+    import uuid
+
+    import av
+
+    from vidray.cli import main
+    from vidray.models.export import inspect_model
+    from vidray.train.trainer import run_training
+
+    shards = tmp_path / "shards"
+    buckets = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml").data.buckets
+    prepare(REPO / "samples" / "metadata.json", shards, buckets=buckets, fps=8.0, samples_per_shard=4, progress=None,
+            scene_split=None)
+    name = f"s3-storage-{uuid.uuid4().hex[:6]}"
+    job = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
+        f"data.shards_dir={shards}", "storage.path=s3://vidray-test/runs", f"name={name}",
+        "model.text_encoder=tiny_random", "train.max_steps=2", "train.log_every_steps=2", "checkpoint.every_steps=2",
+    ])
+    result = run_training(job)
+    run_uri = f"s3://vidray-test/runs/{name}"
+    assert [int(s) for s, _ in result.losses] == [1, 2]
+    assert result.run_dir == run_uri and result.diffusers_dir == f"{run_uri}/diffusers"
+    assert result.checkpoint_path == f"{run_uri}/checkpoint_000002"
+    stored = open_storage(run_uri).files()
+    assert {"checkpoint_000002/manifest.json", "checkpoint_000002/transformer.safetensors"} <= stored
+    assert {"diffusers/model_index.json", "diffusers/vidray_job.yaml", "diffusers/scheduler/scheduler_config.json"} \
+        <= stored and any(f.startswith("diffusers/transformer/") for f in stored)
+
+    # Re-submitted with more steps (and resume=must): the driver finds the run's latest complete checkpoint in the
+    # bucket, verifies it there, and the workers download it and continue at step 3.
+    more = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
+        f"data.shards_dir={shards}", "storage.path=s3://vidray-test/runs", f"name={name}",
+        "model.text_encoder=tiny_random", "train.max_steps=4", "train.log_every_steps=2", "checkpoint.every_steps=2",
+        "checkpoint.resume=must",
+    ])
+    resumed = run_training(more)
+    assert resumed.first_step == 3 and [int(s) for s, _ in resumed.losses] == [3, 4]
+    from vidray.train.checkpoint import CheckpointManager
+
+    assert CheckpointManager(run_uri).complete() == ["checkpoint_000002", "checkpoint_000004"]
+
+    monkeypatch.setenv("VIDRAY_MODEL_CACHE", str(tmp_path / "model-cache"))
+    out = tmp_path / "horse.mp4"
+    assert main(["generate", "--model", f"{run_uri}/diffusers", "--prompt", "a horse galloping", "--output", str(out),
+                 "--bucket", "9x64x64", "--num-inference-steps", "2"]) == 0
+    with av.open(str(out)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == 9 and frames[0].shape == (64, 64, 3)
+    (cached,) = (tmp_path / "model-cache").iterdir()
+    info = inspect_model(f"{run_uri}/diffusers")  # unchanged in the bucket: the cached copy is used again
+    assert info.path == cached and info.source == f"{run_uri}/diffusers" and info.kind == "diffusers"
+    assert info.job.name == name and list((tmp_path / "model-cache").iterdir()) == [cached]
