@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(PY) jobs/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) outputs

@@ -26,15 +26,16 @@ CHUNK_BYTES = 64 * 1024
 class _TokenBucket:
     """Tokens are bytes; refilled at the proxy's current rate, at most `burst` banked. One event loop: no lock."""
 
-    def __init__(self, proxy: "ThrottledProxy", burst: int):
+    def __init__(self, proxy: "ThrottledProxy", burst: int, rate_attr: str = "rate_bytes_per_s"):
         self.proxy = proxy
+        self.rate_attr = rate_attr
         self.burst = burst
         self.tokens = float(burst)
         self.t = time.monotonic()
 
     async def take(self, n: int) -> None:
         while True:
-            rate = self.proxy.rate_bytes_per_s
+            rate = getattr(self.proxy, self.rate_attr)
             now = time.monotonic()
             if not rate:
                 self.t, self.tokens = now, float(self.burst)
@@ -49,12 +50,17 @@ class _TokenBucket:
 
 class ThrottledProxy:
     """TCP proxy 127.0.0.1:<port> -> upstream_host:upstream_port; responses limited to `rate_bytes_per_s` in total
-    (None or 0: unlimited; may be changed while it runs). `bytes_down` counts the response bytes forwarded."""
+    (None or 0: unlimited; may be changed while it runs). `bytes_down` counts the response bytes forwarded.
+    `upload_rate_bytes_per_s` limits the requests (uploads) the same way, through a bucket of their own (default
+    None: requests pass as they come); `bytes_up` counts them."""
 
-    def __init__(self, upstream_host: str, upstream_port: int, *, rate_bytes_per_s: float | None):
+    def __init__(self, upstream_host: str, upstream_port: int, *, rate_bytes_per_s: float | None,
+                 upload_rate_bytes_per_s: float | None = None):
         self.upstream = (upstream_host, int(upstream_port))
         self.rate_bytes_per_s = rate_bytes_per_s
+        self.upload_rate_bytes_per_s = upload_rate_bytes_per_s
         self.bytes_down = 0
+        self.bytes_up = 0
         self.port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -77,6 +83,7 @@ class ThrottledProxy:
         if not ready.wait(timeout_s):
             raise RuntimeError(f"the throttling proxy did not start within {timeout_s} s")
         self._bucket = _TokenBucket(self, CHUNK_BYTES)
+        self._upload_bucket = _TokenBucket(self, CHUNK_BYTES, "upload_rate_bytes_per_s")
         return int(self.port)
 
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
@@ -85,13 +92,16 @@ class ThrottledProxy:
         except OSError:
             client_writer.close()
             return
-        await asyncio.gather(self._pipe(client_reader, up_writer, throttle=False),
-                             self._pipe(up_reader, client_writer, throttle=True), return_exceptions=True)
+        await asyncio.gather(self._pipe(client_reader, up_writer, upload=True),
+                             self._pipe(up_reader, client_writer, upload=False), return_exceptions=True)
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, throttle: bool) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, upload: bool) -> None:
         try:
             while data := await reader.read(CHUNK_BYTES):
-                if throttle:
+                if upload:
+                    await self._upload_bucket.take(len(data))
+                    self.bytes_up += len(data)
+                else:
                     await self._bucket.take(len(data))
                     self.bytes_down += len(data)
                 writer.write(data)
