@@ -254,6 +254,33 @@ class ScalingConfig:
 
 
 @dataclass(config=_STRICT, kw_only=True)
+class StagePlacement:
+    label_selector: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Ray label selector of the nodes this stage may run on, `{label key: value}` with Ray's value syntax
+    (`"v"`, `"!v"`, `"in(a,b)"`, `"!in(a,b)"`), e.g. `{"vidray.io/stage": "dit"}`; empty: anywhere.
+    Checked against the cluster before anything is reserved (`vidray.placement.resolve_placement`)."""
+
+    @field_validator("label_selector")
+    @classmethod
+    def _check_selector(cls, value: dict[str, str]) -> dict[str, str]:
+        from vidray.placement import parse_selector
+
+        parse_selector(value)
+        return value
+
+
+@dataclass(config=_STRICT, kw_only=True)
+class PlacementConfig:
+    """Where each stage runs (`vidray.placement`). Resources stay in their sections: the DiT trainers'
+    in `scaling`, the decode operator's in `data.loader_cpus`."""
+
+    dit: StagePlacement = dataclasses.field(default_factory=StagePlacement)
+    """The Ray Train workers (DiT, and for now the VAE and text encoder they carry)."""
+    decode: StagePlacement = dataclasses.field(default_factory=StagePlacement)
+    """Each rank's Ray Data fetch + decode operator (`vidray.data.pipeline.ClipLoader`)."""
+
+
+@dataclass(config=_STRICT, kw_only=True)
 class StorageConfig:
     path: str = "outputs/runs"
     """Root of run outputs: `<path>/<name>/` holds Ray Train checkpoints, `diffusers/` weights and `samples/`."""
@@ -271,6 +298,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     scaling: ScalingConfig = dataclasses.field(default_factory=ScalingConfig)
     storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
+    placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self):
@@ -458,18 +486,26 @@ RESUME_RULES: dict[str, str] = {
     "train.micro_batches_per_step": RESUME_CHANGEABLE,
     "scaling.use_gpu": RESUME_CHANGEABLE,
     "scaling.cpus_per_worker": RESUME_CHANGEABLE,
+    # Where stages run: training is the same on any node.
+    "placement.dit.label_selector": RESUME_CHANGEABLE,
+    "placement.decode.label_selector": RESUME_CHANGEABLE,
 }
 """Resume rule of every leaf key (dotted) of `JobConfig`: `fixed` keys must equal the checkpoint's saved config
 (a change is refused on the driver), `changeable` keys take the new value. `tests/unit/test_config_resume.py`
 checks that every field is listed. Keys missing from a saved config (older vidray) compare as equal."""
 
 
+DICT_LEAVES = ("label_selector",)
+"""Config fields whose value is a dict (label keys contain dots): one leaf each, not a section."""
+
+
 def flatten_config(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}: leaf keys of a nested config dict, dotted."""
+    """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}: leaf keys of a nested config dict, dotted (a
+    `DICT_LEAVES` field stays one leaf with its dict value)."""
     out: dict[str, Any] = {}
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
+        if isinstance(value, dict) and key not in DICT_LEAVES:
             out.update(flatten_config(value, dotted + "."))
         else:
             out[dotted] = value

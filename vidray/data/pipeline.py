@@ -6,7 +6,8 @@ rank computes the same deal and keeps its row), and a `RankLoader` delivers them
 
 ```
 ray.data.from_items([{"i": 0}, {"i": 1}, ...])            one block per planned step of this rank
-  .map_batches(ClipLoader, concurrency=1, num_cpus=data.loader_cpus)   fetch + decode operator (one actor)
+  .map_batches(ClipLoader, concurrency=1, num_cpus=data.loader_cpus,    fetch + decode operator (one actor,
+               label_selector=placement.decode)                        on the nodes vidray.placement allows)
   .iter_batches(batch_size=None)                            in plan order (preserve_order), with backpressure
 -> background thread -> queue of data.prefetch_batches decoded micro-batches -> the training loop
 ```
@@ -118,7 +119,7 @@ class TrainBatch:
     float32, 0 for padding, repeats and skipped clips; plus the plan's step, epoch, bucket, total_weight,
     next_position, micro and num_micro (`RankStep`). data_wait_s: seconds the trainer waited for this batch; prefetch_lead: batches that were ready
     behind it when it was taken; stats: `STAT_KEYS` counters of this batch; skipped: [{"file" or "sample_id",
-    "reason"}] first seen in this batch.
+    "reason"}] first seen in this batch; loader_node: {"node_id", "labels"} of the node its decode operator ran on.
     """
 
     step: int
@@ -137,6 +138,7 @@ class TrainBatch:
     skipped: list[dict[str, str]] = field(default_factory=list)
     micro: int = 0
     num_micro: int = 1
+    loader_node: dict[str, Any] = field(default_factory=dict)
 
 
 class ClipLoader:
@@ -156,15 +158,22 @@ class ClipLoader:
             cache_bytes / (2 x local_ranks)).
 
     `__call__({"i": (1,) int64})` returns {"i", "frames" (1, B, F, H, W, 3) uint8, "captions" (1,) JSON list of B str,
-    "ok" (1, B) bool, "skipped" (1,) JSON str, and one (1,) column per `STAT_KEYS`}.
+    "ok" (1, B) bool, "skipped" (1,) JSON str, "node" (1,) JSON str {"node_id", "labels"} of the node this
+    operator runs on (`vidray.placement`), and one (1,) column per `STAT_KEYS`}.
     """
 
     def __init__(self, shards_dir: str, shard_entries: Sequence[dict[str, Any]], plan: dict[str, np.ndarray], *,
                  cache_dir: str, cache_bytes: int, hot_bytes: int, prefetch_window: int, open_shards: int,
                  local_ranks: int = 1):
+        import json
+
+        import ray
+
         from vidray.data.cache import ShardCache
         from vidray.data.storage import open_storage
 
+        runtime = ray.get_runtime_context()
+        self.node = json.dumps({"node_id": runtime.get_node_id(), "labels": runtime.get_node_labels()})
         self.storage = open_storage(shards_dir)
         self.entries = list(shard_entries)
         self.plan = plan
@@ -369,6 +378,7 @@ class ClipLoader:
             "captions": np.array([json.dumps([c[1] for c in clips])]),
             "ok": ok[None],
             "skipped": np.array([json.dumps(skipped)], dtype=object),
+            "node": np.array([self.node], dtype=object),
         }
         out.update({k: np.array([v], dtype=np.float64) for k, v in stats.items()})
         return out
@@ -386,6 +396,8 @@ class RankLoader:
             prefetch_window_batches, loader_cpus, shuffle_block_shards).
         sample_ids: (N,) str ids of the table's rows (`table.sample_id.astype(str)`), or None to derive them.
         local_ranks: training ranks on this node (they share the warm cache's budget).
+        label_selector: Ray label selector of the nodes the decode operator may run on (`placement.decode`,
+            resolved by `vidray.placement.resolve_placement`), or None: anywhere.
         window_steps: `RankStep`s (micro-batches) per Ray Data dataset. The steps are streamed in windows of this many (one block per
             step, planned when the window starts), so a run of 100 000 steps never plans or materialises them all
             at once; each window starts a fresh loader actor (a few seconds, overlapped with the previous window's
@@ -395,13 +407,15 @@ class RankLoader:
     """
 
     def __init__(self, shards_dir: str, index: dict[str, Any], table: Any, steps: Iterable[RankStep], data: Any,
-                 sample_ids: np.ndarray | None = None, local_ranks: int = 1, window_steps: int = 2048):
+                 sample_ids: np.ndarray | None = None, local_ranks: int = 1, window_steps: int = 2048,
+                 label_selector: dict[str, str] | None = None):
         self.sample_ids = table.sample_id.astype(str) if sample_ids is None else sample_ids
         self.sample_keys = table.sample_key
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(data.prefetch_batches)))
         self._stop = threading.Event()
         self._done = False
         self._args = (str(shards_dir), index, table, data, int(local_ranks))
+        self._label_selector = dict(label_selector) if label_selector else None
         self._steps = iter(steps)
         self._window_steps = max(1, int(window_steps))
         self._thread = threading.Thread(target=self._run, name="vidray-rank-loader", daemon=True)
@@ -425,10 +439,11 @@ class RankLoader:
             "key": table.sample_key[flat].astype(np.int64),
             "bucket": np.array([tuple(s.bucket) for s in window], dtype=np.int32),
         }
-        return self._build(shards_dir, index, plan, data, local_ranks)
+        return self._build(shards_dir, index, plan, data, local_ranks, self._label_selector)
 
     @staticmethod
-    def _build(shards_dir: str, index: dict[str, Any], plan: dict[str, np.ndarray], data: Any, local_ranks: int):
+    def _build(shards_dir: str, index: dict[str, Any], plan: dict[str, np.ndarray], data: Any, local_ranks: int,
+               label_selector: dict[str, str] | None = None):
         import ray.data
         from ray.data import DataContext
         from ray.data._internal.execution.interfaces import ExecutionResources
@@ -446,6 +461,7 @@ class RankLoader:
             batch_format="numpy",
             compute=ray.data.ActorPoolStrategy(size=1),
             num_cpus=float(data.loader_cpus),
+            **({"label_selector": label_selector} if label_selector else {}),
             zero_copy_batch=True,
             fn_constructor_args=(str(shards_dir), index["shards"], plan),
             fn_constructor_kwargs={
@@ -527,6 +543,7 @@ class RankLoader:
             skipped=json.loads(str(batch["skipped"][0])),
             micro=plan.micro,
             num_micro=plan.num_micro,
+            loader_node=json.loads(str(batch["node"][0])),
         )
 
     def close(self) -> None:

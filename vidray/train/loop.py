@@ -113,8 +113,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     [{sample_id, reason}] of clips that did not decode (any rank), "step_seconds": [[step, data_wait_s, encode_s,
     dit_s], ...] of this rank, "data": `TrainMetrics.summary()` of this rank (data wait, tier hits and misses,
     bytes fetched), "checkpoint_blocked_s": [[step, seconds the loop stood still for that checkpoint]],
-    "first_step_done_unix": wall clock when this attempt's first step finished, "peak_rss_bytes": this worker
+    "first_step_done_unix": wall clock when this attempt's first step finished, "placement": per rank, the nodes
+    (id, labels) its trainer and its decode operators ran on (`_gather_placement`), "peak_rss_bytes": this worker
     process's peak resident memory}.
+    Optional key "placement": {stage: label selector} (`vidray.placement.resolve_placement`); "decode" places
+    the decode operator.
     """
     job = job_config_from_dict(loop_config["job"])
     context = ray.train.get_context()
@@ -176,8 +179,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     # This rank's steps, streamed by its Ray Data loader (started now: its actor warms up while DDP is set up).
     steps = iter_rank_steps(schedule, position, world_size=world_size, rank=rank, first_step=start_step,
                             last_step=job.train.max_steps, micro_batches=job.micro_batches_per_step)  # lazily
+    placement = loop_config.get("placement") or {}  # {stage: label selector}, resolved on the driver
     loader = RankLoader(shards_dir, index, table, steps, job.data, sample_ids=sample_ids,
-                        local_ranks=context.get_local_world_size())
+                        local_ranks=context.get_local_world_size(), label_selector=placement.get("decode"))
+    runtime = ray.get_runtime_context()
+    trainer_node = {"node_id": runtime.get_node_id(), "labels": runtime.get_node_labels()}
+    loader_nodes: dict[str, dict[str, Any]] = {}  # node_id -> {"node_id", "labels"} of this rank's decode operators
 
     # 5. DDP (gloo on CPU, NCCL on GPU; Ray Train sets up the process group).
     model = ray.train.torch.prepare_model(transformer)
@@ -233,6 +240,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             t_data = time.perf_counter()
             _add_loader_stats(metrics_log, batch)
             skipped.extend(batch.skipped)
+            if batch.loader_node:
+                loader_nodes.setdefault(batch.loader_node["node_id"], batch.loader_node)
             with torch.no_grad():  # the frozen encoders: latents and prompt_embeds of this micro-batch
                 latents = encode_video(components.vae, uint8_to_video(batch.frames.to(device)))
                 prompt_embeds, prompt_attention_mask = encode_prompts(
@@ -369,6 +378,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     steps_per_s = num_trained / (time.perf_counter() - run_start) if num_trained else 0.0
     trained_samples = _gather_trained(trained, world_size) if record else []
     skipped = _agree_on_skipped(skipped, world_size)
+    nodes = _gather_placement({"rank": rank, "trainer": trainer_node, "loaders": list(loader_nodes.values())},
+                              world_size)
     skipped_shards = [s for s in skipped if "file" in s]
     skipped_clips = [s for s in skipped if "sample_id" in s]
     if skipped:
@@ -406,6 +417,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         "trained_samples": trained_samples,
         "skipped_shards": skipped_shards,
         "skipped_clips": skipped_clips,
+        "placement": nodes,
         "step_seconds": step_seconds,
         "checkpoint_blocked_s": checkpoint_blocked_s,
         "first_step_done_unix": first_step_done_unix,
@@ -430,6 +442,16 @@ def _resume_position(schedule: SampleSchedule, state: TrainState | None, rank: i
     except ValueError as err:
         raise UserError(f"the checkpoint's data position cannot continue on these shards: {err}; "
                         "use the original shards, data.buckets and batch sizes") from None
+
+
+def _gather_placement(mine: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+    """Every rank's {"rank", "trainer": {"node_id", "labels"}, "loaders": [{"node_id", "labels"}, ...]} (the
+    nodes its DiT worker and its decode operators ran on), by rank (one collective, at the end)."""
+    parts = [mine]
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        parts = [None] * world_size
+        dist.all_gather_object(parts, mine)
+    return sorted(parts, key=lambda p: p["rank"])
 
 
 def _agree_on_skipped(skipped: list[dict[str, str]], world_size: int) -> list[dict[str, str]]:

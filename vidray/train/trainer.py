@@ -34,6 +34,7 @@ from typing import Any
 
 from vidray.config import ConfigError, JobConfig, ResumeDiff, check_output_path, diff_for_resume
 from vidray.errors import UserError, UserFileNotFound
+from vidray.placement import alive_nodes, resolve_placement
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 """Ray Train V2's list of a run's reported checkpoints, in the run folder."""
@@ -78,6 +79,10 @@ class TrainResult:
     """[step, seconds] rank 0's loop stood still for each checkpoint of this run: the local snapshot with
     `checkpoint.upload: async`, snapshot and copy to `storage.path` with `sync`."""
     first_step_done_unix: float | None = None
+    placement: list[dict[str, Any]] = field(default_factory=list)
+    """Per rank {"rank", "trainer": {"node_id", "labels"}, "loaders": [{"node_id", "labels"}, ...]}: the nodes
+    (ids, labels) its DiT worker and its decode operators ran on, as each saw them from inside
+    (`ray.get_runtime_context()`), for the last attempt."""
     """Wall clock (`time.time()`, s) when the first step of the run's last attempt finished on rank 0 (after a
     worker failure: the first step after the restart); None when it trained no step."""
     peak_rss_bytes: int = 0
@@ -536,11 +541,13 @@ def _torch_trainer_class():
     return VidrayTorchTrainer
 
 
-def build_trainer_configs(job: JobConfig, storage_path: str) -> tuple[Any, Any]:
+def build_trainer_configs(job: JobConfig, storage_path: str, *,
+                          label_selector: dict[str, str] | None = None) -> tuple[Any, Any]:
     """(ray.train.ScalingConfig, ray.train.RunConfig) for `job`: workers and their resources, run name and
     storage (a `storage.path` URI with vidray's pyarrow filesystem), checkpoints kept, worker restarts
     (`train.max_failures`) and bounded worker-group start-up retries (`vidray.runtime.WORKER_GROUP_START_RETRIES`;
-    elastic jobs add one per allowed worker failure, -1 when `train.max_failures` is -1)."""
+    elastic jobs add one per allowed worker failure, -1 when `train.max_failures` is -1). `label_selector`: the
+    nodes the workers may run on (`placement.dit` as `vidray.placement.resolve_placement` resolved it)."""
     import ray.train
 
     from vidray.runtime import WORKER_GROUP_START_RETRIES
@@ -553,6 +560,7 @@ def build_trainer_configs(job: JobConfig, storage_path: str) -> tuple[Any, Any]:
         num_workers=(job.scaling.min_workers, job.scaling.max_workers) if elastic else job.scaling.num_workers,
         use_gpu=job.scaling.use_gpu, resources_per_worker=resources,
         **({"elastic_resize_monitor_interval_s": float(job.scaling.resize_check_s)} if elastic else {}),
+        **({"label_selector": dict(label_selector)} if label_selector else {}),
     )
     storage_filesystem = None
     if "://" in storage_path:
@@ -612,7 +620,9 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
 
     # 2. Join or start Ray, then check the cluster it found.
     init_ray()
-    check_resources(job, ray.cluster_resources(), autoscaler_max=_autoscaler_max_resources())
+    autoscaler_max = _autoscaler_max_resources()
+    check_resources(job, ray.cluster_resources(), autoscaler_max=autoscaler_max)
+    placement = resolve_placement(job, alive_nodes(), autoscaler=autoscaler_max is not None)
 
     # 3. Move checkpoints newer than an explicit start point aside, then run.
     storage_path = _absolute(job.storage.path)
@@ -626,8 +636,9 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
         "resume_from": str(plan.checkpoint) if plan.checkpoint else None,
         "existing_checkpoints": plan.existing,
         "record_sample_ids": record_sample_ids,
+        "placement": placement,
     }
-    scaling_config, run_config = build_trainer_configs(job, storage_path)
+    scaling_config, run_config = build_trainer_configs(job, storage_path, label_selector=placement.get("dit"))
     trainer = _torch_trainer_class()(
         train_loop_per_worker, train_loop_config=loop_config, scaling_config=scaling_config, run_config=run_config
     )
@@ -655,6 +666,7 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
         trained_samples=out.get("trained_samples", []),
         skipped_shards=out.get("skipped_shards", []),
         skipped_clips=out.get("skipped_clips", []),
+        placement=out.get("placement", []),
         step_seconds=out.get("step_seconds", []),
         checkpoint_blocked_s=out.get("checkpoint_blocked_s", []),
         first_step_done_unix=out.get("first_step_done_unix"),

@@ -1,0 +1,73 @@
+"""Stages placed by node label on a local multi-node Ray cluster (`ray.cluster_utils.Cluster`, all on 127.0.0.1):
+an unlabeled head, a node labeled `vidray.io/stage=vae` and one labeled `dit`. The DiT trainers and the decode
+operators report, from inside, the labels of the node they ran on (`ray.get_runtime_context().get_node_labels()`),
+and a selector no node satisfies is refused within seconds, before anything is reserved."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from vidray.config import load_job_config
+from vidray.placement import PlacementError
+from vidray.runtime import apply_ray_env_defaults
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
+STAGE = "vidray.io/stage"
+
+
+@pytest.fixture(scope="module")
+def labeled_cluster():
+    """Head: 0 CPUs, no labels (the driver and Ray Train's controller); `vae` node: 2 CPUs; `dit` node: 3 CPUs."""
+    apply_ray_env_defaults()  # loopback only, before ray is imported
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1"})
+    try:
+        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={STAGE: "vae"})
+        cluster.add_node(num_cpus=3, node_ip_address="127.0.0.1", labels={STAGE: "dit"})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def job(shards_dir, tmp_path, *overrides: str):
+    return load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
+        f"data.shards_dir={shards_dir}", f"storage.path={tmp_path / 'runs'}", "name=placed",
+        "model.text_encoder=tiny_random", "train.max_steps=3", "train.log_every_steps=1",
+        "checkpoint.every_steps=3", "scaling.num_workers=2", "scaling.cpus_per_worker=1", "data.loader_cpus=0.5",
+        *overrides])
+
+
+def test_trainers_run_on_dit_nodes_and_decode_operators_on_vae_nodes(labeled_cluster, shards_dir, tmp_path):
+    from vidray.train.trainer import run_training
+
+    result = run_training(job(shards_dir, tmp_path, f"placement.dit.label_selector={{{STAGE}: dit}}",
+                              f"placement.decode.label_selector={{{STAGE}: vae}}"))
+    assert result.last_step == 3
+    assert [p["rank"] for p in result.placement] == [0, 1]
+    for rank in result.placement:
+        assert rank["trainer"]["labels"].get(STAGE) == "dit", rank
+        assert rank["loaders"], rank  # every rank's micro-batches came from a decode operator that said where
+        assert {loader["labels"].get(STAGE) for loader in rank["loaders"]} == {"vae"}, rank
+
+
+def test_a_selector_no_node_satisfies_is_refused_within_seconds_naming_the_labels(labeled_cluster, shards_dir,
+                                                                                   tmp_path):
+    from vidray.train.trainer import run_training
+
+    started = time.monotonic()
+    with pytest.raises(PlacementError) as err:
+        run_training(job(shards_dir, tmp_path, f"placement.dit.label_selector={{{STAGE}: gpu-dit}}"))
+    assert time.monotonic() - started < 30
+    message = str(err.value)
+    assert f"no node satisfies placement.dit.label_selector={{'{STAGE}': 'gpu-dit'}}" in message
+    assert f"{STAGE}=dit" in message and f"{STAGE}=vae" in message and "no labels" in message
+    assert not (tmp_path / "runs" / "placed").exists() or not any((tmp_path / "runs" / "placed").iterdir())

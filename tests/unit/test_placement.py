@@ -1,0 +1,120 @@
+"""Stage placement by node label (`vidray.placement`): Ray's selector syntax, matching, and the driver's decision
+on a cluster's nodes (fail fast, or drop the selector on a cluster without such labels)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vidray.config import ConfigError, load_job_config
+from vidray.placement import NodeInfo, PlacementError, parse_selector, resolve_placement, selector_matches
+
+DIT = {"vidray.io/stage": "dit"}
+
+
+def node(name: str, cpus: float, gpus: float = 0, **labels: str) -> NodeInfo:
+    resources = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    return NodeInfo(name, {"ray.io/node-id": name, **{k.replace("__", "/").replace("_", "."): v
+                                                       for k, v in labels.items()}}, resources)
+
+
+CLUSTER = [node("head", 0), node("v1", 2, vidray_io__stage="vae"), node("d1", 2, vidray_io__stage="dit"),
+           node("d2", 2, vidray_io__stage="dit")]
+
+
+def job(*overrides: str):
+    return load_job_config(None, ["scaling.num_workers=2", "scaling.cpus_per_worker=1", "data.loader_cpus=0.5",
+                                  *overrides])
+
+
+@pytest.mark.parametrize("value, labels, expected", [
+    ("dit", {"vidray.io/stage": "dit"}, True),
+    ("dit", {"vidray.io/stage": "vae"}, False),
+    ("dit", {}, False),
+    ("!vae", {"vidray.io/stage": "dit"}, True),
+    ("!vae", {}, True),  # Ray: a negation also matches nodes without the key (NOTES.md)
+    ("!vae", {"vidray.io/stage": "vae"}, False),
+    ("in(vae,decode)", {"vidray.io/stage": "decode"}, True),
+    ("in(vae, decode)", {"vidray.io/stage": "dit"}, False),
+    ("!in(vae,decode)", {"vidray.io/stage": "dit"}, True),
+    ("!in(vae,decode)", {"vidray.io/stage": "vae"}, False),
+])
+def test_selector_values_match_as_ray_evaluates_them(value, labels, expected):
+    assert selector_matches({"vidray.io/stage": value}, labels) is expected
+
+
+def test_every_key_of_a_selector_must_hold():
+    selector = {"vidray.io/stage": "dit", "ray.io/accelerator-type": "in(H100,A100)"}
+    assert selector_matches(selector, {"vidray.io/stage": "dit", "ray.io/accelerator-type": "H100"})
+    assert not selector_matches(selector, {"vidray.io/stage": "dit", "ray.io/accelerator-type": "T4"})
+    assert selector_matches({}, {"anything": "x"})
+
+
+@pytest.mark.parametrize("value", ["-dit", "dit-", "in()", "in(a,", "!!dit", "in(a, b!c)", "", "x" * 64])
+def test_a_value_outside_rays_syntax_is_refused_at_config_load_naming_the_key(value):
+    with pytest.raises(ValueError, match="is not a label selector value"):
+        parse_selector({"vidray.io/stage": value})
+    with pytest.raises(ConfigError, match=r"placement\.dit\.label_selector.*vidray.io/stage.*not a label selector"):
+        load_job_config(None, [f"placement.dit.label_selector={{vidray.io/stage: '{value}'}}"])
+
+
+def test_a_stage_that_is_not_placed_yet_is_an_unknown_key_listing_the_stages():
+    with pytest.raises(ConfigError, match=r"unknown key 'placement.vae'; valid: dit, decode"):
+        load_job_config(None, ["placement.vae.label_selector={vidray.io/stage: vae}"])
+
+
+def test_satisfiable_selectors_are_passed_on_per_stage(capsys):
+    j = job("placement.dit.label_selector={vidray.io/stage: dit}",
+            "placement.decode.label_selector={vidray.io/stage: '!dit'}")
+    assert resolve_placement(j, CLUSTER) == {"dit": DIT, "decode": {"vidray.io/stage": "!dit"}}
+    out = capsys.readouterr().out
+    assert "placement.dit.label_selector={'vidray.io/stage': 'dit'}: 2 of the cluster's 4 node(s)" in out
+    assert resolve_placement(job(), CLUSTER) == {}  # no placement: Ray places every stage
+
+
+def test_a_selector_no_node_satisfies_fails_naming_stage_selector_and_the_labels_that_exist():
+    j = job("placement.dit.label_selector={vidray.io/stage: gpu-dit}")
+    with pytest.raises(PlacementError) as err:
+        resolve_placement(j, CLUSTER)
+    message = str(err.value)
+    assert "no node satisfies placement.dit.label_selector={'vidray.io/stage': 'gpu-dit'}" in message
+    assert "2 node(s) with vidray.io/stage=dit" in message and "1 node(s) with vidray.io/stage=vae" in message
+    assert "1 node(s) with no labels" in message  # the head (ray.io/node-id is not shown)
+    assert "remove placement.dit" in message
+
+
+def test_matching_nodes_too_small_for_the_stage_fail_with_the_numbers():
+    j = job("scaling.num_workers=5", "placement.dit.label_selector={vidray.io/stage: dit}")
+    with pytest.raises(PlacementError, match=r"the 2 node\(s\) satisfying .* hold 4 of the 5 dit unit\(s\) "
+                                             r"of \{'CPU': 1.0\}"):
+        resolve_placement(j, CLUSTER)
+    gpu = job("scaling.use_gpu=true", "placement.dit.label_selector={vidray.io/stage: dit}")
+    with pytest.raises(PlacementError, match=r"hold 0 of the 2 dit unit\(s\) of \{'CPU': 1.0, 'GPU': 1.0\}"):
+        resolve_placement(gpu, CLUSTER)
+    elastic = job("scaling.num_workers=[3, 8]", "train.micro_batches_per_step=8",
+                  "placement.dit.label_selector={vidray.io/stage: dit}")
+    assert resolve_placement(elastic, CLUSTER) == {"dit": DIT}  # its min fits
+
+
+def test_on_a_cluster_without_such_labels_the_selector_is_dropped_and_said(capsys):
+    laptop = [node("laptop", 8)]
+    j = job("placement.dit.label_selector={vidray.io/stage: dit}")
+    assert resolve_placement(j, laptop) == {}
+    assert "no node of the cluster has a label vidray.io/stage, so the dit stage runs wherever Ray places it" \
+        in capsys.readouterr().out
+
+
+def test_with_an_autoscaler_an_unmatched_selector_is_kept_with_a_warning(capsys):
+    j = job("placement.dit.label_selector={vidray.io/stage: gpu-dit}")
+    assert resolve_placement(j, CLUSTER, autoscaler=True) == {"dit": {"vidray.io/stage": "gpu-dit"}}
+    assert resolve_placement(j, [node("head", 0)], autoscaler=True) == {"dit": {"vidray.io/stage": "gpu-dit"}}
+    out = capsys.readouterr().out
+    assert "warning: no node satisfies" in out and "autoscaler" in out
+
+
+def test_the_driver_passes_the_dit_selector_to_ray_trains_scaling_config(tmp_path):
+    from vidray.train.trainer import build_trainer_configs
+
+    scaling, _ = build_trainer_configs(job(), str(tmp_path), label_selector=DIT)
+    assert scaling.label_selector == DIT
+    plain, _ = build_trainer_configs(job(), str(tmp_path))
+    assert plain.label_selector is None

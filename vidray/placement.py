@@ -1,0 +1,185 @@
+"""Stage placement by node label: which nodes a stage may run on, checked on the driver before Ray reserves anything.
+
+A job's `placement` section maps a stage to a Ray label selector (`{label key: selector value}`, all keys must
+hold); the stage's resources stay where they are configured (`scaling.*` for the DiT trainers, `data.loader_cpus`
+for the decode operator). Stages placed today:
+
+- `dit`: the Ray Train workers (`ScalingConfig(label_selector=...)`);
+- `decode`: each rank's Ray Data fetch + decode operator (`map_batches(label_selector=...)`,
+  `vidray.data.pipeline.RankLoader`).
+
+The VAE and the text encoder still run inside the DiT trainers (they become stages of their own with the VAE /
+text actor pools), so they have no key yet.
+
+Selector values use Ray's syntax (Ray 2.60, `ray._private.label_utils.LABEL_SELECTOR_REGEX`): `"v"` (the label
+equals v), `"!v"` (it does not, or the node lacks the key), `"in(a,b)"`, `"!in(a,b)"`. Nodes get labels from
+`ray start --labels "vidray.io/stage=vae"`, `Cluster.add_node(labels=...)`, or a cluster YAML's
+`available_node_types.<type>.labels`.
+
+Ray leaves a task or actor whose selector no node satisfies PENDING forever, with no error
+(../shared/NOTES.md), so `resolve_placement` decides on the driver, from the nodes alive now:
+
+- a selector whose keys no node carries, on a cluster without an autoscaler (a laptop, a fixed cluster without
+  labels), is dropped with a printed line: the stage runs wherever Ray puts it, same config;
+- otherwise a selector that no alive node satisfies, or whose nodes lack the stage's resources, raises
+  `PlacementError` naming the stage, the selector and the labels that exist;
+- with an autoscaler the check cannot see the labels of node types not yet started (Ray 2.60's autoscaler
+  state, `autoscaler_pb2.NodeGroupConfig`, carries no labels), so an unmatched selector is kept with a warning
+  and the worker group's bounded start-up (`vidray.runtime.WORKER_GROUP_START_RETRIES`) ends the wait.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from vidray.errors import UserError
+
+STAGES = ("dit", "decode")
+"""The stages a `placement` section may name, in the order they are checked."""
+
+_VALUE = r"[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"
+_SELECTOR_RE = re.compile(rf"^(?P<neg>!)?(?:in\((?P<set>{_VALUE}(?:, ?{_VALUE})*)\)|(?P<one>{_VALUE}))$")
+"""Ray 2.60's selector-value syntax (`ray._private.label_utils.LABEL_SELECTOR_REGEX`, with `in` its only
+operator), with named groups to evaluate it."""
+
+
+class PlacementError(UserError):
+    """A stage's label selector that no node of the cluster satisfies (or whose nodes cannot hold the stage)."""
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One `key: value` of a selector: the node's label `key` must (or, `negated`, must not) be in `values`."""
+
+    key: str
+    values: frozenset[str]
+    negated: bool
+
+    def holds(self, labels: dict[str, str]) -> bool:
+        """True if a node with these labels satisfies it (a missing key satisfies only a negated condition)."""
+        present = labels.get(self.key) in self.values
+        return not present if self.negated else present
+
+
+def parse_selector(selector: dict[str, str], *, setting: str = "label_selector") -> list[Condition]:
+    """The conditions of `{key: selector value}`.
+
+    Raises ValueError naming `setting`, the key and the syntax when a value is not Ray's selector syntax or a
+    key is empty (so a config fails at load, before Ray is started).
+    """
+    conditions = []
+    for key, value in selector.items():
+        if not isinstance(key, str) or not key.strip():
+            raise ValueError(f"{setting}: label keys must be non-empty strings, got {key!r}")
+        match = _SELECTOR_RE.match(str(value)) if isinstance(value, str) else None
+        if match is None:
+            raise ValueError(f"{setting}: {key}: {value!r} is not a label selector value; use 'v', '!v', "
+                             "'in(a,b)' or '!in(a,b)' (letters, digits, '-', '_', '.', at most 63 characters)")
+        values = match["set"].replace(" ", "").split(",") if match["set"] else [match["one"]]
+        conditions.append(Condition(key, frozenset(values), bool(match["neg"])))
+    return conditions
+
+
+def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    """True if a node with `labels` satisfies every condition of `selector` (an empty selector: every node)."""
+    return all(c.holds(labels) for c in parse_selector(selector))
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the placement check needs of a node: its id, labels and total logical resources."""
+
+    node_id: str
+    labels: dict[str, str]
+    resources: dict[str, float]
+
+    @classmethod
+    def from_ray(cls, node: dict[str, Any]) -> "NodeInfo":
+        """From one entry of `ray.nodes()` (keys NodeID, Labels, Resources)."""
+        return cls(str(node.get("NodeID", "")), dict(node.get("Labels") or {}),
+                   {k: float(v) for k, v in (node.get("Resources") or {}).items()})
+
+
+def alive_nodes() -> list[NodeInfo]:
+    """The alive nodes of the connected Ray cluster (`ray.nodes()`); Ray must be initialised."""
+    import ray
+
+    return [NodeInfo.from_ray(n) for n in ray.nodes() if n.get("Alive")]
+
+
+def _describe_labels(nodes: Iterable[NodeInfo]) -> str:
+    seen: dict[str, int] = {}
+    for node in nodes:
+        shown = {k: v for k, v in node.labels.items() if k != "ray.io/node-id"}
+        text = ", ".join(f"{k}={v}" for k, v in sorted(shown.items())) or "no labels"
+        seen[text] = seen.get(text, 0) + 1
+    return "; ".join(f"{n} node(s) with {text}" for text, n in sorted(seen.items()))
+
+
+def stage_needs(job: Any, stage: str) -> tuple[dict[str, float], int]:
+    """(logical resources of one unit of `stage`, units that must fit at least): the DiT trainers need
+    `scaling.cpus_per_worker` CPUs (and 1 GPU with `scaling.use_gpu`) each, `scaling.num_workers` (its min)
+    of them; a decode operator needs `data.loader_cpus` CPUs, one per trainer."""
+    if stage == "dit":
+        need = {"CPU": float(job.scaling.cpus_per_worker)}
+        if job.scaling.use_gpu:
+            need["GPU"] = 1.0
+        return need, job.scaling.min_workers
+    if stage == "decode":
+        return {"CPU": float(job.data.loader_cpus)}, job.scaling.min_workers
+    raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+
+
+def _units_that_fit(nodes: Iterable[NodeInfo], need: dict[str, float]) -> int:
+    total = 0
+    for node in nodes:
+        per_node = [int((node.resources.get(r, 0.0) + 1e-9) // amount) for r, amount in need.items() if amount > 0]
+        total += min(per_node) if per_node else 1 << 30
+    return total
+
+
+def resolve_placement(job: Any, nodes: list[NodeInfo], *, autoscaler: bool = False) -> dict[str, dict[str, str]]:
+    """{stage: label selector to pass to Ray} for the stages `job.placement` places, given the cluster's alive
+    `nodes`; stages without a selector, or whose selector is dropped (module docstring), are absent.
+
+    Counts each node's total resources for the stage alone (a node shared by two stages is counted for each: a
+    necessary check, not a packing). Raises PlacementError naming the stage, its selector, what it needs and the
+    labels the cluster's nodes carry: when no alive node satisfies the selector, or its nodes hold fewer units of
+    the stage than it needs (`stage_needs`). With `autoscaler=True` these become printed warnings.
+    """
+    resolved: dict[str, dict[str, str]] = {}
+    for stage in STAGES:
+        selector = dict(getattr(job.placement, stage).label_selector)
+        if not selector:
+            continue
+        setting = f"placement.{stage}.label_selector={selector}"
+        known_keys = {k for node in nodes for k in node.labels}
+        if not autoscaler and not known_keys & set(selector):
+            print(f"[vidray] {setting}: no node of the cluster has a label {' or '.join(sorted(selector))}, so "
+                  f"the {stage} stage runs wherever Ray places it (a cluster without labels)", flush=True)
+            continue
+        matching = [n for n in nodes if selector_matches(selector, n.labels)]
+        need, units = stage_needs(job, stage)
+        fit = _units_that_fit(matching, need)
+        problem = None
+        if not matching:
+            problem = f"no node satisfies {setting}"
+        elif fit < units:
+            problem = (f"the {len(matching)} node(s) satisfying {setting} hold {fit} of the {units} {stage} "
+                       f"unit(s) of {need} that the job needs")
+        if problem:
+            message = (f"{problem}; the cluster's {len(nodes)} alive node(s): {_describe_labels(nodes)}. Fix the "
+                       f"selector, label nodes (`ray start --labels vidray.io/stage=...`, or the cluster YAML's "
+                       f"available_node_types.<type>.labels), or remove placement.{stage} to run it anywhere")
+            if not autoscaler:
+                raise PlacementError(message)
+            print(f"[vidray] warning: {message}. The cluster has an autoscaler whose node types' labels Ray does "
+                  "not report: the run waits for such a node, within the worker group's start-up retries",
+                  flush=True)
+        else:
+            print(f"[vidray] {setting}: {len(matching)} of the cluster's {len(nodes)} node(s) satisfy it "
+                  f"({fit} {stage} unit(s) fit)", flush=True)
+        resolved[stage] = selector
+    return resolved
