@@ -1,4 +1,4 @@
-"""`vidray prepare | train | generate`: shard video clips, train a video diffusion model on Ray, sample from it.
+"""`vidray prepare [--encode] | train | generate`: shard video clips (and encode them into the latent cache), train a video diffusion model on Ray, sample from it.
 
 Every command checks all of its arguments (a job config: `CONFIG` plus `section.key=value` overrides) before
 doing anything expensive, so a typo fails in milliseconds, not after Ray has reserved workers or weights loaded.
@@ -29,7 +29,24 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     job = _load(args)
     summary = prepare_data(job.data, model=job.model)
     print(summary)
-    return 0 if summary.num_kept else 1
+    if not summary.num_kept:
+        return 1
+    if args.encode:
+        from vidray.data.encode import encode_to_cache
+        from vidray.runtime import init_ray
+
+        started = init_ray()
+        try:
+            done = encode_to_cache(job)
+        finally:
+            if started:
+                import ray
+
+                ray.shutdown()
+        print(f"latent cache {done['cache']}: {done['clips']} clips, latents {done['latent_misses']} encoded / "
+              f"{done['latent_hits']} cached, prompt_embeds {done['prompt_misses']} encoded / {done['prompt_hits']} "
+              f"cached, {len(done['skipped'])} skipped, {done['seconds']:.1f} s")
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -104,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare", help="probe, bucket and shard the clips listed in data.source")
     with_config(p)
+    p.add_argument("--encode", action="store_true", help="then fill the latent cache (data.latent_cache): every "
+                   "clip's latents and caption's prompt_embeds, encoded once by the vae / text stages on Ray")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("train", help="train with Ray Train (local Ray, or the cluster in RAY_ADDRESS)")

@@ -106,7 +106,7 @@ class DataConfig:
     per bucket in the warm cache at once."""
     hot_bytes: int = 256 * 2**20
     """Memory budget (bytes) of decoded clips each worker's loader keeps and reuses across epochs (the hot tier,
-    LRU); 0 turns it off."""
+    LRU), and of latents / prompt_embeds each encode stage keeps; 0 turns it off."""
     prefetch_batches: int = 4
     """Micro-batches the loader decodes ahead of the trainer (Ray Data's prefetch, in schedule order)."""
     prefetch_window_batches: int = 16
@@ -114,7 +114,13 @@ class DataConfig:
     only), within `cache_bytes`."""
     loader_cpus: float = 0.5
     """Logical CPUs that each worker's Ray Data loader (fetch + decode operators) may use; the trainers keep
-    `scaling.cpus_per_worker`. Ray Data on a CPU budget of 0 deadlocks: keep it > 0."""
+    `scaling.cpus_per_worker`, the encode stages `placement.vae|text.num_cpus`. Ray Data on a CPU budget of 0
+    deadlocks: keep it > 0."""
+    latent_cache: str = "auto"
+    """Where the encode stages keep each clip's latents and each caption's prompt_embeds, keyed by content,
+    bucket and encoder weights (`vidray.data.encode`): a folder or URI, `auto` (`<shards_dir>/latents`, beside
+    the shards) or `off` (encode every time). Filled online on first sight of a clip, or ahead by
+    `vidray encode`."""
 
     @field_validator("source", "shards_dir", mode="before")
     @classmethod
@@ -124,6 +130,18 @@ class DataConfig:
             example = "outputs/shards/<name>" if info.field_name == "shards_dir" else "samples/metadata.json"
             what = "a folder" if info.field_name == "shards_dir" else "a .json or .csv source list"
             raise ValueError(f"data.{info.field_name} is empty: give {what}, e.g. {example}")
+        return value
+
+    @field_validator("latent_cache", mode="before")
+    @classmethod
+    def _latent_cache_words(cls, value: Any) -> Any:
+        # YAML 1.1 reads `off`/`no`/`false` as False and `on`/`yes`/`true` as True: the words mean off and auto.
+        if value is False or value is None:
+            return "off"
+        if value is True:
+            return "auto"
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("data.latent_cache is empty: give auto, off, or a folder or URI")
         return value
 
     @field_validator("buckets")
@@ -270,14 +288,39 @@ class StagePlacement:
 
 
 @dataclass(config=_STRICT, kw_only=True)
+class EncodePlacement(StagePlacement):
+    num_cpus: float = 0.1
+    """Logical CPUs of each of the stage's actors (one per training rank); also its torch threads, rounded, at
+    least 1."""
+    num_gpus: float = 0.0
+    """GPUs (or a fraction) of each actor; > 0 encodes on CUDA."""
+    memory: int = 0
+    """Bytes of memory Ray reserves for each actor (its `memory` resource; 0: no reservation)."""
+
+    @model_validator(mode="after")
+    def _check_resources(self) -> "EncodePlacement":
+        if not self.num_cpus > 0:
+            raise ValueError(f"num_cpus must be > 0 logical CPUs (default 0.1), got {self.num_cpus}: Ray Data "
+                             "with no CPU never runs the stage")
+        if self.num_gpus < 0 or self.memory < 0:
+            raise ValueError(f"num_gpus and memory must be >= 0, got {self.num_gpus} and {self.memory}")
+        return self
+
+
+@dataclass(config=_STRICT, kw_only=True)
 class PlacementConfig:
-    """Where each stage runs (`vidray.placement`). Resources stay in their sections: the DiT trainers'
-    in `scaling`, the decode operator's in `data.loader_cpus`."""
+    """Where each stage runs (`vidray.placement`): a label selector per stage. Resources: the DiT trainers'
+    in `scaling`, the decode operator's in `data.loader_cpus`, the encode stages' here."""
 
     dit: StagePlacement = dataclasses.field(default_factory=StagePlacement)
-    """The Ray Train workers (DiT, and for now the VAE and text encoder they carry)."""
+    """The Ray Train workers (the DiT alone: they load neither the VAE nor the text encoder)."""
     decode: StagePlacement = dataclasses.field(default_factory=StagePlacement)
     """Each rank's Ray Data fetch + decode operator (`vidray.data.pipeline.ClipLoader`)."""
+    vae: EncodePlacement = dataclasses.field(default_factory=EncodePlacement)
+    """Each rank's VAE encode actor (`vidray.data.encode.EncodeStage`): frames -> latents."""
+    text: EncodePlacement = dataclasses.field(default_factory=EncodePlacement)
+    """Each rank's text encode actor: captions -> prompt_embeds (one actor with the VAE when both stages have
+    the same selector and resources)."""
 
 
 @dataclass(config=_STRICT, kw_only=True)
@@ -449,6 +492,7 @@ RESUME_RULES: dict[str, str] = {
     "data.prefetch_batches": RESUME_CHANGEABLE,
     "data.prefetch_window_batches": RESUME_CHANGEABLE,
     "data.loader_cpus": RESUME_CHANGEABLE,
+    "data.latent_cache": RESUME_CHANGEABLE,  # keyed by content and encoder weights: any cache gives the same latents
     "data.shuffle_block_shards": RESUME_FIXED,  # defines each epoch's sample order, which the position counts
     "data.buckets": RESUME_FIXED,
     "data.fps": RESUME_FIXED,
@@ -489,6 +533,14 @@ RESUME_RULES: dict[str, str] = {
     # Where stages run: training is the same on any node.
     "placement.dit.label_selector": RESUME_CHANGEABLE,
     "placement.decode.label_selector": RESUME_CHANGEABLE,
+    "placement.vae.label_selector": RESUME_CHANGEABLE,
+    "placement.vae.num_cpus": RESUME_CHANGEABLE,
+    "placement.vae.num_gpus": RESUME_CHANGEABLE,
+    "placement.vae.memory": RESUME_CHANGEABLE,
+    "placement.text.label_selector": RESUME_CHANGEABLE,
+    "placement.text.num_cpus": RESUME_CHANGEABLE,
+    "placement.text.num_gpus": RESUME_CHANGEABLE,
+    "placement.text.memory": RESUME_CHANGEABLE,
 }
 """Resume rule of every leaf key (dotted) of `JobConfig`: `fixed` keys must equal the checkpoint's saved config
 (a change is refused on the driver), `changeable` keys take the new value. `tests/unit/test_config_resume.py`

@@ -17,15 +17,20 @@ units (seconds, bytes); counters end in `_total`.
 |---|---|---|---|---|
 | `vidray_data_wait_seconds` | histogram | s | | time the trainer waited for its next batch, per step |
 | `vidray_train_step_seconds` | histogram | s | | wall time of one optimizer step, data wait included |
-| `vidray_cache_hits_total` | counter | shards or clips | `tier` (`hot`, `warm`) | lookups served by the tier |
-| `vidray_cache_misses_total` | counter | shards or clips | `tier` (`hot`, `warm`) | lookups the tier could not serve |
+| `vidray_cache_hits_total` | counter | shards or clips | `tier` (`hot`, `warm`, `latent`, `prompt`) | lookups served by the tier |
+| `vidray_cache_misses_total` | counter | shards or clips | `tier` (`hot`, `warm`, `latent`, `prompt`) | lookups the tier could not serve |
 | `vidray_data_fetched_bytes_total` | counter | bytes | | bytes fetched from the cold store (object storage) |
 | `vidray_samples_skipped_total` | counter | clips or shards | `kind` (`clip`, `shard`) | bad input skipped |
 | `vidray_prefetch_lead_batches` | gauge | batches | | batches ready ahead of the trainer; 0 = the trainer waits |
 | `vidray_train_step` | gauge | steps | | the last optimizer step (1-based) |
+| `vidray_stage_busy_seconds_total` | counter | s | `stage` (`decode`, `vae`, `text`, `dit`) | seconds the stage worked for this rank |
+| `vidray_stage_clips_total` | counter | clips | `stage` | clips the stage processed for this rank |
 
 Histogram buckets run from 1 ms to 60 s (data wait) and to 300 s (step time). The warm tier counts shards (a
-hit: the shard is on node-local disk), the hot tier counts decoded clips (a hit: the clip is in memory). A skipped
+hit: the shard is on node-local disk), the hot tier counts decoded clips (a hit: the clip is in memory), the
+latent and prompt tiers count clips and captions of the latent cache (a miss: encoded by the vae / text stage).
+`rate(vidray_stage_busy_seconds_total[1m])` is a stage's busy fraction: the stage nearest 1 is the bottleneck,
+and the queue ahead of the trainer is `vidray_prefetch_lead_batches`. A skipped
 shard failed its checksum or could not be fetched after retries; a skipped clip no longer decodes. As
 prometheus-client does by default, counters and histograms also expose a `<name>_created` gauge (Unix seconds).
 
@@ -63,9 +68,14 @@ from vidray.errors import UserError
 
 __all__ = ["TrainMetrics", "CACHE_TIERS", "SKIP_KINDS", "DATA_WAIT_BUCKETS_S", "STEP_BUCKETS_S"]
 
-CacheTier = Literal["hot", "warm"]
+CacheTier = Literal["hot", "warm", "latent", "prompt"]
 SkipKind = Literal["clip", "shard"]
-CACHE_TIERS: tuple[str, ...] = ("hot", "warm")
+CACHE_TIERS: tuple[str, ...] = ("hot", "warm", "latent", "prompt")
+"""hot: decoded clips in the loader's memory; warm: shards on the node's disk; latent: clips' latents and
+prompt: captions' prompt_embeds in the latent cache (`vidray.data.encode`: a miss is an encode)."""
+STAGES: tuple[str, ...] = ("decode", "vae", "text", "dit")
+"""The stages a micro-batch passes, whose busy seconds and clips `add_stage` counts (decode: fetch + decode in the
+loader; vae / text: the encode actors; dit: the trainer's forward, backward and optimizer step)."""
 SKIP_KINDS: tuple[str, ...] = ("clip", "shard")
 
 DATA_WAIT_BUCKETS_S: tuple[float, ...] = (
@@ -75,8 +85,9 @@ STEP_BUCKETS_S: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, math.inf)
 """Upper bounds (s) of `vidray_train_step_seconds`: 5 ms (a tiny model on CPU) to 300 s."""
 
-_SUMMARY_COUNTERS = ("data_wait_s", "step_s", "steps", "hot_hits", "hot_misses", "warm_hits", "warm_misses",
-                     "bytes_fetched", "skipped_clips", "skipped_shards")
+_SUMMARY_COUNTERS = ("data_wait_s", "step_s", "steps", *(f"{t}_{k}" for t in CACHE_TIERS for k in ("hits", "misses")),
+                     "bytes_fetched", "skipped_clips", "skipped_shards",
+                     *(f"{s}_{k}" for s in STAGES for k in ("busy_s", "clips")))
 """Keys of `summary()` that add up over time (a window is the difference of two totals)."""
 
 
@@ -119,6 +130,10 @@ class TrainMetrics:
         lead = Gauge("vidray_prefetch_lead_batches", "Batches ready ahead of the trainer; 0: the trainer waits.",
                      base, registry=reg)
         train_step = Gauge("vidray_train_step", "The last optimizer step (1-based).", base, registry=reg)
+        stage_busy = Counter("vidray_stage_busy_seconds_total", "Seconds a stage spent on this rank's micro-batches "
+                             "(rate() over wall time: its busy fraction).", (*base, "stage"), registry=reg)
+        stage_clips = Counter("vidray_stage_clips_total", "Clips a stage processed for this rank (rate(): clips/s).",
+                              (*base, "stage"), registry=reg)
 
         # Children bound once (labels() costs a dict lookup and a lock per call); every tier and kind exists at 0
         # from the start, so a rate() over them is defined before the first hit.
@@ -130,6 +145,8 @@ class TrainMetrics:
         self._skipped = {k: skipped.labels(**self._labels, kind=k) for k in SKIP_KINDS}
         self._lead = lead.labels(**self._labels)
         self._train_step = train_step.labels(**self._labels)
+        self._stage_busy = {s: stage_busy.labels(**self._labels, stage=s) for s in STAGES}
+        self._stage_clips = {s: stage_clips.labels(**self._labels, stage=s) for s in STAGES}
 
         self._lock = threading.Lock()
         self._totals = dict.fromkeys(_SUMMARY_COUNTERS, 0.0)
@@ -168,6 +185,21 @@ class TrainMetrics:
             self._totals[f"{tier}_hits"] += hits
             self._totals[f"{tier}_misses"] += misses
 
+    def add_stage(self, stage: str, *, busy_s: float, clips: int) -> None:
+        """Count `busy_s` seconds (>= 0) and `clips` (>= 0) of `stage` (`STAGES`) for one micro-batch. Raises
+        ValueError on another stage, a negative count or a negative or non-finite time."""
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
+        if not math.isfinite(busy_s) or busy_s < 0:
+            raise ValueError(f"busy_s must be a finite number of seconds >= 0, got {busy_s!r}")
+        clips = _check_count("clips", clips)
+        self._stage_busy[stage].inc(busy_s)
+        if clips:
+            self._stage_clips[stage].inc(clips)
+        with self._lock:
+            self._totals[f"{stage}_busy_s"] += busy_s
+            self._totals[f"{stage}_clips"] += clips
+
     def add_bytes_fetched(self, n: int) -> None:
         """Count `n` bytes (>= 0) fetched from the cold store (object storage). Raises ValueError if negative."""
         n = _check_count("n", n)
@@ -204,9 +236,11 @@ class TrainMetrics:
         """Totals since this object was made, for the training log and the end-of-run summary.
 
         Keys: `data_wait_s` (s, summed over steps), `data_wait_fraction` (data wait / step time, both summed;
-        0.0 before any step), `step_s` (s, summed), `steps`, `hot_hits`, `hot_misses`, `warm_hits`,
-        `warm_misses`, `bytes_fetched` (bytes), `prefetch_lead` (batches, the current value), `skipped_clips`,
-        `skipped_shards`.
+        0.0 before any step), `step_s` (s, summed), `steps`, `<tier>_hits` and `<tier>_misses` of each
+        `CACHE_TIERS`, `bytes_fetched` (bytes), `prefetch_lead` (batches, the current value), `skipped_clips`,
+        `skipped_shards`, and per stage of `STAGES` `<stage>_busy_s`, `<stage>_clips` and `<stage>_busy_fraction`
+        (busy seconds / step seconds: the share of the trainer's wall time the stage was working for it; the
+        largest names the bottleneck).
         """
         with self._lock:
             totals, lead = dict(self._totals), self._prefetch_lead
@@ -271,6 +305,8 @@ def _with_derived(counts: dict[str, float], prefetch_lead: int) -> dict[str, flo
     """`counts` as floats plus `data_wait_fraction` (0.0 without step time) and `prefetch_lead`."""
     out = {k: float(v) for k, v in counts.items()}
     out["data_wait_fraction"] = out["data_wait_s"] / out["step_s"] if out["step_s"] > 0 else 0.0
+    for stage in STAGES:
+        out[f"{stage}_busy_fraction"] = out[f"{stage}_busy_s"] / out["step_s"] if out["step_s"] > 0 else 0.0
     out["prefetch_lead"] = float(prefetch_lead)
     return out
 

@@ -6,10 +6,9 @@ for the decode operator). Stages placed today:
 
 - `dit`: the Ray Train workers (`ScalingConfig(label_selector=...)`);
 - `decode`: each rank's Ray Data fetch + decode operator (`map_batches(label_selector=...)`,
-  `vidray.data.pipeline.RankLoader`).
-
-The VAE and the text encoder still run inside the DiT trainers (they become stages of their own with the VAE /
-text actor pools), so they have no key yet.
+  `vidray.data.pipeline.RankLoader`);
+- `vae`, `text`: each rank's encode actors (`vidray.data.encode.EncodeStage`, `map_batches(label_selector=...)`),
+  with their resources in `placement.vae|text.num_cpus|num_gpus`.
 
 Selector values use Ray's syntax (Ray 2.60, `ray._private.label_utils.LABEL_SELECTOR_REGEX`): `"v"` (the label
 equals v), `"!v"` (it does not, or the node lacks the key), `"in(a,b)"`, `"!in(a,b)"`. Nodes get labels from
@@ -36,7 +35,7 @@ from typing import Any, Iterable
 
 from vidray.errors import UserError
 
-STAGES = ("dit", "decode")
+STAGES = ("dit", "decode", "vae", "text")
 """The stages a `placement` section may name, in the order they are checked."""
 
 _VALUE = r"[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"
@@ -121,7 +120,8 @@ def _describe_labels(nodes: Iterable[NodeInfo]) -> str:
 def stage_needs(job: Any, stage: str) -> tuple[dict[str, float], int]:
     """(logical resources of one unit of `stage`, units that must fit at least): the DiT trainers need
     `scaling.cpus_per_worker` CPUs (and 1 GPU with `scaling.use_gpu`) each, `scaling.num_workers` (its min)
-    of them; a decode operator needs `data.loader_cpus` CPUs, one per trainer."""
+    of them; a decode operator needs `data.loader_cpus` CPUs, one per trainer; a vae / text encode actor its
+    `placement.<stage>.num_cpus` CPUs (and `num_gpus`, `memory` bytes), one per trainer."""
     if stage == "dit":
         need = {"CPU": float(job.scaling.cpus_per_worker)}
         if job.scaling.use_gpu:
@@ -129,6 +129,14 @@ def stage_needs(job: Any, stage: str) -> tuple[dict[str, float], int]:
         return need, job.scaling.min_workers
     if stage == "decode":
         return {"CPU": float(job.data.loader_cpus)}, job.scaling.min_workers
+    if stage in ("vae", "text"):
+        cfg = getattr(job.placement, stage)
+        need = {"CPU": float(cfg.num_cpus)}
+        if cfg.num_gpus:
+            need["GPU"] = float(cfg.num_gpus)
+        if cfg.memory:
+            need["memory"] = float(cfg.memory)
+        return need, job.scaling.min_workers
     raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
 
 

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.integration
 
 NODE_CPUS = 4
 """Logical CPUs per worker node: with scaling.cpus_per_worker=1.5 Ray Train's elastic policy counts 4 // 1.5 = 2
-workers per node, and 2 x (1.5 + data.loader_cpus 0.5) = 4 CPUs also hold their Ray Data loaders."""
+workers per node, and 2 x (1.5 + data.loader_cpus 0.3 + 0.2 of encode actors) = 4 CPUs also hold their Ray Data
+loaders and encode stages."""
 
 
 @pytest.fixture
@@ -141,7 +142,7 @@ def test_elastic_run_shrinks_to_2_on_node_loss_grows_back_to_4_and_trains_the_un
         f"data.shards_dir={shards_dir}", f"storage.path={tmp_path / 'runs'}", "name=elastic",
         "model.text_encoder=tiny_random", f"train.max_steps={max_steps}", "train.log_every_steps=2",
         "checkpoint.every_steps=2", "checkpoint.num_to_keep=2", "scaling.num_workers=[2, 4]",
-        "scaling.cpus_per_worker=1.5", "data.loader_cpus=0.5", "scaling.resize_check_s=2", "train.max_failures=3",
+        "scaling.cpus_per_worker=1.5", "data.loader_cpus=0.3", "scaling.resize_check_s=2", "train.max_failures=3",
     ])
     assert job.micro_batches_per_step == 4  # the default global batch: the max worker count
     run_dir = tmp_path / "runs" / "elastic"

@@ -1,6 +1,6 @@
 """Stages placed by node label on a local multi-node Ray cluster (`ray.cluster_utils.Cluster`, all on 127.0.0.1):
-an unlabeled head, a node labeled `vidray.io/stage=vae` and one labeled `dit`. The DiT trainers and the decode
-operators report, from inside, the labels of the node they ran on (`ray.get_runtime_context().get_node_labels()`),
+an unlabeled head, a node labeled `vidray.io/stage=vae` and one labeled `dit`. The DiT trainers, the decode
+operators and the vae / text encode actors report, from inside, the labels of the node they ran on (`ray.get_runtime_context().get_node_labels()`),
 and a selector no node satisfies is refused within seconds, before anything is reserved."""
 
 from __future__ import annotations
@@ -46,17 +46,24 @@ def job(shards_dir, tmp_path, *overrides: str):
         *overrides])
 
 
-def test_trainers_run_on_dit_nodes_and_decode_operators_on_vae_nodes(labeled_cluster, shards_dir, tmp_path):
+def test_trainers_run_on_dit_nodes_and_decode_vae_and_text_actors_on_vae_nodes(labeled_cluster, shards_dir,
+                                                                                tmp_path):
+    """vae and text with different resources: two encode operators, each reporting its own node."""
     from vidray.train.trainer import run_training
 
     result = run_training(job(shards_dir, tmp_path, f"placement.dit.label_selector={{{STAGE}: dit}}",
-                              f"placement.decode.label_selector={{{STAGE}: vae}}"))
+                              f"placement.decode.label_selector={{{STAGE}: vae}}",
+                              f"placement.vae.label_selector={{{STAGE}: vae}}",
+                              f"placement.text.label_selector={{{STAGE}: vae}}", "placement.text.num_cpus=0.2",
+                              f"data.latent_cache={tmp_path / 'latents'}"))
     assert result.last_step == 3
     assert [p["rank"] for p in result.placement] == [0, 1]
     for rank in result.placement:
         assert rank["trainer"]["labels"].get(STAGE) == "dit", rank
-        assert rank["loaders"], rank  # every rank's micro-batches came from a decode operator that said where
-        assert {loader["labels"].get(STAGE) for loader in rank["loaders"]} == {"vae"}, rank
+        for stage in ("loaders", "vae", "text"):
+            assert rank[stage], (stage, rank)  # every micro-batch came through the stage, which said where it ran
+            assert {actor["labels"].get(STAGE) for actor in rank[stage]} == {"vae"}, (stage, rank)
+    assert list((tmp_path / "latents" / "vae").rglob("*.safetensors"))  # the encode actors filled the cache
 
 
 def test_a_selector_no_node_satisfies_is_refused_within_seconds_naming_the_labels(labeled_cluster, shards_dir,

@@ -163,7 +163,8 @@ def test_run_of_20_samples_resized_2_to_4_and_4_to_2_workers_mid_epoch_sees_ever
     runs, states = [], []
     for workers, max_steps in ((2, 2), (4, 5), (2, 11)):
         job = tiny_job(twenty_shards, tmp_path, train__max_steps=max_steps, scaling__num_workers=workers,
-                       scaling__cpus_per_worker=0.5, checkpoint__every_steps=100, train__log_every_steps=100)
+                       scaling__cpus_per_worker=0.5, data__loader_cpus=0.3, checkpoint__every_steps=100,
+                       train__log_every_steps=100)  # 4 x (0.5 + 0.3 + 0.2 encode) = the 4 CPUs
         runs.append(run_training(job, record_sample_ids=True))
         states.append(read_train_state(runs[-1].checkpoint_path))  # before num_to_keep rotates it away
     # 11 micro-batches per epoch (17 clips / 2 -> 9, 3 images / 2 -> 2): both resizes must cut an epoch.

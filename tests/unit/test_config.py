@@ -142,3 +142,10 @@ def test_max_sequence_length_above_the_text_encoder_limit_is_refused_on_the_driv
                                         "model.max_sequence_length=100"]).model
     with pytest.raises(ConfigError, match="limit of 64 tokens"):
         check_max_sequence_length(pretrained)
+
+
+@pytest.mark.parametrize("given, expected", [("off", "off"), ("no", "off"), ("false", "off"), ("null", "off"),
+                                             ("on", "auto"), ("true", "auto"), ("auto", "auto"),
+                                             ("s3://b/latents", "s3://b/latents")])
+def test_latent_cache_words_yaml_reads_as_booleans_keep_their_meaning(given, expected):
+    assert load_job_config(None, [f"data.latent_cache={given}"]).data.latent_cache == expected

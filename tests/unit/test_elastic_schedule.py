@@ -201,7 +201,7 @@ def test_driver_builds_an_elastic_scaling_config_and_checks_resources_at_the_min
         required_resources
 
     job = load_job_config(None, ["scaling.num_workers=[2, 4]", "scaling.resize_check_s=3",
-                                 "scaling.cpus_per_worker=1", "data.loader_cpus=0.5"])
+                                 "scaling.cpus_per_worker=1", "data.loader_cpus=0.3"])  # + 0.2 encode
     scaling, run = build_trainer_configs(job, str(tmp_path))
     assert scaling.num_workers == (2, 4) and scaling.elasticity_enabled
     assert scaling.elastic_resize_monitor_interval_s == 3.0

@@ -92,7 +92,7 @@ def test_every_series_is_vidray_prefixed_and_labelled_with_rank_and_run(metrics)
     names = {f.name for f in families}
     expected = {"vidray_data_wait_seconds", "vidray_train_step_seconds", "vidray_cache_hits", "vidray_cache_misses",
                 "vidray_data_fetched_bytes", "vidray_samples_skipped", "vidray_prefetch_lead_batches",
-                "vidray_train_step"}
+                "vidray_train_step", "vidray_stage_busy_seconds", "vidray_stage_clips"}
     assert expected <= names
     assert all(n.removesuffix("_created") in expected for n in names)   # prometheus-client's creation timestamps
     for family in families:
@@ -112,10 +112,13 @@ def test_summary_reports_totals_and_data_wait_fraction(metrics):
 
     summary = metrics.summary()
 
+    stages = {f"{stage}_{k}": 0.0 for stage in ("decode", "vae", "text", "dit")
+              for k in ("busy_s", "clips", "busy_fraction")}
     assert summary == pytest.approx({
         "data_wait_s": 0.4, "data_wait_fraction": 0.2, "step_s": 2.0, "steps": 2, "hot_hits": 7, "hot_misses": 2,
-        "warm_hits": 0, "warm_misses": 1, "bytes_fetched": 4096, "prefetch_lead": 3, "skipped_clips": 0,
-        "skipped_shards": 1})
+        "warm_hits": 0, "warm_misses": 1, "latent_hits": 0, "latent_misses": 0, "prompt_hits": 0,
+        "prompt_misses": 0, "bytes_fetched": 4096, "prefetch_lead": 3, "skipped_clips": 0, "skipped_shards": 1,
+        **stages})
     assert all(isinstance(v, float) for v in summary.values())
 
 
@@ -213,3 +216,20 @@ def test_two_ranks_in_one_registry_is_refused_but_separate_objects_are_independe
     a, b = TrainMetrics(rank=0, run="r"), TrainMetrics(rank=1, run="r")
     a.add_cache("hot", hits=1)
     assert (a.summary()["hot_hits"], b.summary()["hot_hits"]) == (1.0, 0.0)
+
+
+def test_stage_busy_seconds_give_busy_fractions_and_counters(metrics):
+    metrics.observe_step(data_wait_s=0.0, step_s=2.0)
+    metrics.add_stage("vae", busy_s=1.5, clips=4)
+    metrics.add_stage("dit", busy_s=0.5, clips=0)
+    metrics.add_cache("latent", hits=3, misses=1)
+    summary = metrics.summary()
+    assert summary["vae_busy_fraction"] == pytest.approx(0.75) and summary["dit_busy_fraction"] == pytest.approx(0.25)
+    assert summary["vae_clips"] == 4 and summary["latent_hits"] == 3
+    s = _samples(generate_latest(metrics.registry).decode())
+    assert _value(s, "vidray_stage_busy_seconds_total", stage="vae") == pytest.approx(1.5)
+    assert _value(s, "vidray_stage_clips_total", stage="vae") == 4
+    with pytest.raises(ValueError, match="unknown stage 'gpu'"):
+        metrics.add_stage("gpu", busy_s=1.0, clips=1)
+    with pytest.raises(ValueError, match="busy_s"):
+        metrics.add_stage("vae", busy_s=-1.0, clips=1)

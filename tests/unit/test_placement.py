@@ -57,9 +57,23 @@ def test_a_value_outside_rays_syntax_is_refused_at_config_load_naming_the_key(va
         load_job_config(None, [f"placement.dit.label_selector={{vidray.io/stage: '{value}'}}"])
 
 
-def test_a_stage_that_is_not_placed_yet_is_an_unknown_key_listing_the_stages():
-    with pytest.raises(ConfigError, match=r"unknown key 'placement.vae'; valid: dit, decode"):
-        load_job_config(None, ["placement.vae.label_selector={vidray.io/stage: vae}"])
+def test_an_unknown_stage_is_an_unknown_key_listing_the_stages():
+    with pytest.raises(ConfigError, match=r"unknown key 'placement.dat'; valid: dit, decode, vae, text"):
+        load_job_config(None, ["placement.dat.label_selector={vidray.io/stage: vae}"])
+
+
+def test_encode_stages_are_placed_and_checked_with_their_resources(capsys):
+    j = job("placement.vae.label_selector={vidray.io/stage: vae}", "placement.text.label_selector={vidray.io/stage: vae}",
+            "placement.vae.num_cpus=0.5")
+    assert resolve_placement(j, CLUSTER) == {"vae": {"vidray.io/stage": "vae"}, "text": {"vidray.io/stage": "vae"}}
+    with pytest.raises(PlacementError, match=r"placement\.vae.*hold 0 of the 2 vae unit\(s\) of \{'CPU': 0\.5, 'GPU': 1\.0\}"):
+        resolve_placement(job("placement.vae.label_selector={vidray.io/stage: vae}", "placement.vae.num_cpus=0.5",
+                              "placement.vae.num_gpus=1"), CLUSTER)
+    with pytest.raises(PlacementError, match=r"hold 0 of the 2 text unit\(s\) of \{'CPU': 0\.1, 'memory': 64000000000\.0\}"):
+        resolve_placement(job("placement.text.label_selector={vidray.io/stage: vae}", "placement.text.memory=64000000000"),
+                          CLUSTER)  # the vae node has no such memory
+    with pytest.raises(ConfigError, match=r"placement\.vae.*num_cpus must be > 0"):
+        load_job_config(None, ["placement.vae.num_cpus=0"])
 
 
 def test_satisfiable_selectors_are_passed_on_per_stage(capsys):

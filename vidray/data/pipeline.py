@@ -39,6 +39,8 @@ preserve_order=True)`; on 2 cores an unsized Ray Data run next to the trainers d
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 import queue
@@ -54,6 +56,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vidray.data.buckets import Bucket
+from vidray.data.encode import ENCODE_STAT_KEYS, EncodeStage
 from vidray.data.schedule import DataPosition, SampleSchedule
 
 STAT_KEYS = ("hot_hits", "hot_misses", "warm_hits", "warm_misses", "bytes_fetched", "shard_reads",
@@ -120,6 +123,11 @@ class TrainBatch:
     next_position, micro and num_micro (`RankStep`). data_wait_s: seconds the trainer waited for this batch; prefetch_lead: batches that were ready
     behind it when it was taken; stats: `STAT_KEYS` counters of this batch; skipped: [{"file" or "sample_id",
     "reason"}] first seen in this batch; loader_node: {"node_id", "labels"} of the node its decode operator ran on.
+
+    With the encode stages (`RankLoader(encode=...)`, `vidray.data.encode`) frames is None and the batch carries
+    latents (B, C_lat, F_lat, H_lat, W_lat) float32, prompt_embeds (B, L, D) float32 and prompt_attention_mask
+    (B, L) bool instead; stage_nodes: {"vae" | "text": {"node_id", "labels"}} of the nodes that encoded it, and
+    stats also has the `ENCODE_STAT_KEYS` counters.
     """
 
     step: int
@@ -139,6 +147,10 @@ class TrainBatch:
     micro: int = 0
     num_micro: int = 1
     loader_node: dict[str, Any] = field(default_factory=dict)
+    latents: Any = None
+    prompt_embeds: Any = None
+    prompt_attention_mask: Any = None
+    stage_nodes: dict[str, Any] = field(default_factory=dict)
 
 
 class ClipLoader:
@@ -158,6 +170,8 @@ class ClipLoader:
             cache_bytes / (2 x local_ranks)).
 
     `__call__({"i": (1,) int64})` returns {"i", "frames" (1, B, F, H, W, 3) uint8, "captions" (1,) JSON list of B str,
+    "clip_sha" (1,) JSON list of B sha256 hex of the clips' stored mp4 bytes ("" for black fill frames; the latent
+    cache's content key, `vidray.data.encode`),
     "ok" (1, B) bool, "skipped" (1,) JSON str, "node" (1,) JSON str {"node_id", "labels"} of the node this
     operator runs on (`vidray.placement`), and one (1,) column per `STAT_KEYS`}.
     """
@@ -179,7 +193,7 @@ class ClipLoader:
         self.plan = plan
         self.cache = None if self.storage.is_local else ShardCache(cache_dir, cache_bytes)
         self.hot_bytes = int(hot_bytes)
-        self.hot: OrderedDict[int, tuple[np.ndarray, str]] = OrderedDict()
+        self.hot: OrderedDict[int, tuple[np.ndarray, str, str]] = OrderedDict()  # key -> (frames, caption, sha256)
         self.hot_used = 0
         self.tables: OrderedDict[int, pa.Table] = OrderedDict()
         self.open_shards = max(1, int(open_shards))
@@ -280,7 +294,7 @@ class ClipLoader:
         return table
 
     def _lookup(self, key: int, shard: int, row: int, skipped: list[dict[str, str]]):
-        """The hot tier's (frames, caption) of a clip, else ("miss", sample_id, mp4 bytes, caption) read from its
+        """The hot tier's (frames, caption, mp4 sha256) of a clip, else ("miss", sample_id, mp4 bytes, caption) read from its
         shard, or None when the shard cannot be read (recorded in `skipped`)."""
         hit = self.hot.get(key)
         if hit is not None:
@@ -325,7 +339,7 @@ class ClipLoader:
                 self.stats["decode_s"] += time.perf_counter() - t0
 
     def _clips(self, keys, shards, rows, bucket: Bucket, skipped: list[dict[str, str]]) -> list:
-        """[(frames, caption) or None] of a micro-batch: hot hits first, then the misses decoded two at a time."""
+        """[(frames, caption, mp4 sha256) or None] of a micro-batch: hot hits first, then the misses decoded two at a time."""
         found: list = []
         first_slot: dict[int, int] = {}  # key -> the slot that decodes it (a clip repeated in the batch: once)
         for k, s, r in zip(keys, shards, rows):
@@ -340,15 +354,15 @@ class ClipLoader:
         misses = [j for j, f in enumerate(found) if isinstance(f, tuple) and len(f) == 4]  # ("miss", id, mp4, caption)
         decoded = self._pool.map(lambda j: self._decode(found[j][1], found[j][2], bucket, skipped), misses)
         for j, frames in zip(misses, list(decoded)):
-            caption = found[j][3]
-            found[j] = None if frames is None else (frames, caption)
+            caption, sha = found[j][3], hashlib.sha256(found[j][2]).hexdigest()
+            found[j] = None if frames is None else (frames, caption, sha)
             if frames is not None and self.hot_bytes and frames.nbytes <= self.hot_bytes:
                 key = int(keys[j])
                 if key not in self.hot:
                     self.hot[key] = found[j]
                     self.hot_used += frames.nbytes
                 while self.hot_used > self.hot_bytes:
-                    _, (old, _) = self.hot.popitem(last=False)
+                    _, (old, _, _) = self.hot.popitem(last=False)
                     self.hot_used -= old.nbytes
         return [found[f] if isinstance(f, int) else f for f in found]  # repeats take their first slot's clip
 
@@ -367,7 +381,7 @@ class ClipLoader:
         skipped: list[dict[str, str]] = []
         clips = self._clips(keys, shards, rows, bucket, skipped)
         ok = np.array([c is not None for c in clips])
-        fill = next((c for c in clips if c is not None), (np.zeros((*bucket, 3), np.uint8), ""))
+        fill = next((c for c in clips if c is not None), (np.zeros((*bucket, 3), np.uint8), "", ""))
         clips = [c if c is not None else fill for c in clips]
         frames = np.stack([c[0] for c in clips])  # (B, F, H, W, 3)
         with self.lock:
@@ -376,6 +390,7 @@ class ClipLoader:
             "i": np.array([i]),
             "frames": frames[None],
             "captions": np.array([json.dumps([c[1] for c in clips])]),
+            "clip_sha": np.array([json.dumps([c[2] for c in clips])]),
             "ok": ok[None],
             "skipped": np.array([json.dumps(skipped)], dtype=object),
             "node": np.array([self.node], dtype=object),
@@ -398,6 +413,10 @@ class RankLoader:
         local_ranks: training ranks on this node (they share the warm cache's budget).
         label_selector: Ray label selector of the nodes the decode operator may run on (`placement.decode`,
             resolved by `vidray.placement.resolve_placement`), or None: anywhere.
+        encode: None (deliver frames and captions), or the encode stages to chain after the decode operator
+            (`vidray.data.encode.EncodeStage`; deliver latents and prompt_embeds): {"model": ModelConfig dict,
+            "seed", "max_sequence_length", "latent_cache": root or "", "vae": {"label_selector", "num_cpus",
+            "num_gpus", "memory"}, "text": {same}} (`encode_spec`).
         window_steps: `RankStep`s (micro-batches) per Ray Data dataset. The steps are streamed in windows of this many (one block per
             step, planned when the window starts), so a run of 100 000 steps never plans or materialises them all
             at once; each window starts a fresh loader actor (a few seconds, overlapped with the previous window's
@@ -408,7 +427,7 @@ class RankLoader:
 
     def __init__(self, shards_dir: str, index: dict[str, Any], table: Any, steps: Iterable[RankStep], data: Any,
                  sample_ids: np.ndarray | None = None, local_ranks: int = 1, window_steps: int = 2048,
-                 label_selector: dict[str, str] | None = None):
+                 label_selector: dict[str, str] | None = None, encode: dict[str, Any] | None = None):
         self.sample_ids = table.sample_id.astype(str) if sample_ids is None else sample_ids
         self.sample_keys = table.sample_key
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(data.prefetch_batches)))
@@ -416,6 +435,7 @@ class RankLoader:
         self._done = False
         self._args = (str(shards_dir), index, table, data, int(local_ranks))
         self._label_selector = dict(label_selector) if label_selector else None
+        self._encode = encode
         self._steps = iter(steps)
         self._window_steps = max(1, int(window_steps))
         self._thread = threading.Thread(target=self._run, name="vidray-rank-loader", daemon=True)
@@ -439,23 +459,26 @@ class RankLoader:
             "key": table.sample_key[flat].astype(np.int64),
             "bucket": np.array([tuple(s.bucket) for s in window], dtype=np.int32),
         }
-        return self._build(shards_dir, index, plan, data, local_ranks, self._label_selector)
+        return self._build(shards_dir, index, plan, data, local_ranks, self._label_selector, self._encode)
 
     @staticmethod
     def _build(shards_dir: str, index: dict[str, Any], plan: dict[str, np.ndarray], data: Any, local_ranks: int,
-               label_selector: dict[str, str] | None = None):
+               label_selector: dict[str, str] | None = None, encode: dict[str, Any] | None = None):
         import ray.data
         from ray.data import DataContext
         from ray.data._internal.execution.interfaces import ExecutionResources
 
         ctx = DataContext.get_current()
         ctx.execution_options.preserve_order = True
-        ctx.execution_options.resource_limits = ExecutionResources(cpu=float(data.loader_cpus))
+        operators = encode_operators(encode) if encode else []
+        ctx.execution_options.resource_limits = ExecutionResources(
+            cpu=float(data.loader_cpus) + sum(op["num_cpus"] for op in operators),
+            gpu=sum(op["num_gpus"] for op in operators))
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
         num_steps = len(plan["offsets"]) - 1
         items = ray.data.from_items([{"i": i} for i in range(num_steps)], override_num_blocks=num_steps)
-        return items.map_batches(
+        dataset = items.map_batches(
             ClipLoader,
             batch_size=1,
             batch_format="numpy",
@@ -473,6 +496,27 @@ class RankLoader:
                 "local_ranks": int(local_ranks),
             },
         )
+        for op in operators:  # the encode stages, each one actor on the nodes its placement allows
+            dataset = dataset.map_batches(
+                EncodeStage,
+                batch_size=1,
+                batch_format="numpy",
+                compute=ray.data.ActorPoolStrategy(size=1),
+                num_cpus=op["num_cpus"],
+                **({"num_gpus": op["num_gpus"]} if op["num_gpus"] else {}),
+                **({"memory": op["memory"]} if op.get("memory") else {}),
+                **({"label_selector": op["label_selector"]} if op["label_selector"] else {}),
+                zero_copy_batch=True,
+                fn_constructor_args=(op["what"], encode["model"], int(encode["seed"])),
+                fn_constructor_kwargs={
+                    "max_sequence_length": int(encode["max_sequence_length"]),
+                    "latent_cache": str(encode.get("latent_cache") or ""),
+                    "hot_bytes": int(data.hot_bytes),
+                    "num_gpus": op["num_gpus"],
+                    "torch_threads": max(1, int(round(op["num_cpus"]))),
+                },
+            )
+        return dataset
 
     def _run(self) -> None:
         try:
@@ -523,9 +567,18 @@ class RankLoader:
             raise StopIteration
         plan, batch = item
         ok = batch["ok"][0]
+        frames = latents = prompt_embeds = prompt_attention_mask = None
         with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; the step never writes to them
             warnings.simplefilter("ignore", UserWarning)
-            frames = torch.from_numpy(batch["frames"][0]).permute(0, 4, 1, 2, 3)  # (B, 3, F, H, W), no copy
+            if "frames" in batch:
+                frames = torch.from_numpy(batch["frames"][0]).permute(0, 4, 1, 2, 3)  # (B, 3, F, H, W), no copy
+            if "latents" in batch:
+                latents = torch.from_numpy(batch["latents"][0])  # (B, C, F_lat, H_lat, W_lat)
+            if "prompt_embeds" in batch:
+                prompt_embeds = torch.from_numpy(batch["prompt_embeds"][0])  # (B, L, D)
+                prompt_attention_mask = torch.from_numpy(batch["prompt_attention_mask"][0])  # (B, L)
+        stage_nodes = {stage: json.loads(str(batch[f"{stage}_node"][0]))
+                       for stage in ("vae", "text") if f"{stage}_node" in batch}
         return TrainBatch(
             step=plan.step,
             epoch=plan.epoch,
@@ -539,11 +592,15 @@ class RankLoader:
             next_position=plan.next_position,
             data_wait_s=wait,
             prefetch_lead=lead,
-            stats={k: float(batch[k][0]) for k in STAT_KEYS},
+            stats={k: float(batch[k][0]) for k in (*STAT_KEYS, *ENCODE_STAT_KEYS) if k in batch},
             skipped=json.loads(str(batch["skipped"][0])),
             micro=plan.micro,
             num_micro=plan.num_micro,
             loader_node=json.loads(str(batch["node"][0])),
+            latents=latents,
+            prompt_embeds=prompt_embeds,
+            prompt_attention_mask=prompt_attention_mask,
+            stage_nodes=stage_nodes,
         )
 
     def close(self) -> None:
@@ -558,3 +615,30 @@ class RankLoader:
                 pass
             self._thread.join(timeout=10)
 
+
+
+def encode_spec(job: Any, placement: dict[str, Any] | None = None, *, latent_cache: str = "") -> dict[str, Any]:
+    """`RankLoader(encode=...)` of a job: its model section and seed, `model.max_sequence_length`, the latent cache
+    root (`latent_cache`, "" = none) and the vae / text stages' selectors (`placement`: {stage: selector},
+    resolved by `vidray.placement.resolve_placement`; else the job's own) and resources (`placement.vae|text`)."""
+    placement = placement if placement is not None else {
+        stage: getattr(job.placement, stage).label_selector for stage in ("vae", "text")}
+    spec: dict[str, Any] = {"model": dataclasses.asdict(job.model), "seed": int(job.train.seed),
+                            "max_sequence_length": int(job.model.max_sequence_length),
+                            "latent_cache": str(latent_cache or "")}
+    for stage in ("vae", "text"):
+        cfg = getattr(job.placement, stage)
+        spec[stage] = {"label_selector": dict(placement.get(stage) or {}), "num_cpus": float(cfg.num_cpus),
+                       "num_gpus": float(cfg.num_gpus), "memory": int(cfg.memory)}
+    return spec
+
+
+def encode_operators(encode: dict[str, Any]) -> list[dict[str, Any]]:
+    """The encode operators of a spec, in order: one "vae+text" when both stages ask for the same selector and
+    resources (one actor holding both stages' CPUs and GPUs: one process and one model load less), else "vae"
+    then "text". Each {"what", "label_selector", "num_cpus", "num_gpus", "memory"}."""
+    vae, text = encode["vae"], encode["text"]
+    if vae == text:
+        return [{"what": "vae+text", "label_selector": vae["label_selector"], "num_cpus": 2 * vae["num_cpus"],
+                 "num_gpus": 2 * vae["num_gpus"], "memory": 2 * vae["memory"]}]
+    return [{"what": "vae", **vae}, {"what": "text", **text}]

@@ -22,8 +22,9 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
-from vidray.models.registry import Components, ModelFamily
-from vidray.models.text_encoder import build_text_encoder, ensure_chat_template
+from vidray.models.registry import Components, Encoders, ModelFamily
+from vidray.models.text_encoder import build_text_encoder, encode_prompts, ensure_chat_template, text_hidden_size
+from vidray.models.vae import encode_video
 
 __all__ = [
     "EasyAnimateFamily",
@@ -82,6 +83,14 @@ def _check_layout(transformer: EasyAnimateTransformer3DModel, vae: AutoencoderKL
             f"{where}: (vae latent_channels, spatial ratio, temporal ratio, transformer in_channels, patch_size) = "
             f"{found}, but the easyanimate family expects {expected}"
         )
+
+
+def _check_vae(vae: AutoencoderKLMagvit, where: str) -> None:
+    found = (vae.config.latent_channels, vae.spatial_compression_ratio, vae.temporal_compression_ratio)
+    expected = (LATENT_CHANNELS, SPATIAL_COMPRESSION_RATIO, TEMPORAL_COMPRESSION_RATIO)
+    if found != expected:
+        raise ValueError(f"{where}: vae (latent_channels, spatial ratio, temporal ratio) = {found}, but the "
+                         f"easyanimate family expects {expected}")
 
 
 def build_tiny(text_encoder_kind: str = "tiny_random", *, seed: int = 0) -> Components:
@@ -213,6 +222,53 @@ class EasyAnimateFamily(ModelFamily):
         if model_cfg.preset == "tiny":
             return build_tiny(model_cfg.text_encoder, seed=seed)
         raise ValueError(f"unknown easyanimate preset {model_cfg.preset!r}; valid: tiny")
+
+    def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> EasyAnimateTransformer3DModel:
+        """The transformer alone, equal to `build(model_cfg, seed=seed).transformer` without loading the VAE or
+        the text encoder: the tiny preset is initialised first under `seed` (as in `build_tiny`), with
+        `text_embed_dim` from the text encoder's config; a pretrained folder's `transformer/` is loaded alone."""
+        if model_cfg.init == "pretrained":
+            if not model_cfg.pretrained_path:
+                raise ValueError("model.init is 'pretrained' but model.pretrained_path is empty")
+            path = Path(model_cfg.pretrained_path)
+            if not (path / "model_index.json").is_file():
+                return load_pretrained(path).transformer  # raises the FileNotFoundError that names the fix
+            transformer = EasyAnimateTransformer3DModel.from_pretrained(path, subfolder="transformer",
+                                                                        local_files_only=True)
+            return transformer.train()
+        if model_cfg.init != "random":
+            raise ValueError(f"unknown model.init {model_cfg.init!r}; valid: random, pretrained")
+        if model_cfg.preset != "tiny":
+            raise ValueError(f"unknown easyanimate preset {model_cfg.preset!r}; valid: tiny")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            transformer = EasyAnimateTransformer3DModel(
+                **TINY_TRANSFORMER, text_embed_dim=text_hidden_size(model_cfg.text_encoder))
+        return transformer.train()
+
+    def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
+        """The VAE, text encoder and tokenizer alone (frozen), equal to `build`'s: a pretrained folder is loaded
+        with `transformer=None` (diffusers skips that component); the tiny preset replays `build_tiny`."""
+        if model_cfg.init == "pretrained" and model_cfg.pretrained_path and \
+                (Path(model_cfg.pretrained_path) / "model_index.json").is_file():
+            pipe = EasyAnimatePipeline.from_pretrained(model_cfg.pretrained_path, transformer=None,
+                                                       local_files_only=True)
+            _check_vae(pipe.vae, str(model_cfg.pretrained_path))
+            return Encoders(vae=pipe.vae.eval().requires_grad_(False),
+                            text_encoder=pipe.text_encoder.eval().requires_grad_(False),
+                            tokenizer=ensure_chat_template(pipe.tokenizer))
+        c = self.build(model_cfg, seed=seed)
+        return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
+
+    def encode_video(self, vae: AutoencoderKLMagvit, video: torch.Tensor) -> torch.Tensor:
+        """`vidray.models.vae.encode_video`: posterior mode * scaling_factor, (B, 16, (F-1)//4+1, H//8, W//8)."""
+        return encode_video(vae, video)
+
+    def encode_prompt(self, text_encoder, tokenizer, prompts: list[str], *,
+                      max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`vidray.models.text_encoder.encode_prompts` (EasyAnimatePipeline.encode_prompt: chat template, right
+        padding, hidden_states[-2])."""
+        return encode_prompts(text_encoder, tokenizer, prompts, max_sequence_length=max_sequence_length)
 
     def predict(
         self,

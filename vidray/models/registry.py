@@ -20,7 +20,7 @@ import torch
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket
 
-__all__ = ["Components", "ModelFamily", "FAMILIES", "get_family"]
+__all__ = ["Components", "Encoders", "ModelFamily", "FAMILIES", "get_family"]
 
 
 @dataclass
@@ -29,6 +29,18 @@ class Components:
 
     transformer: torch.nn.Module
     """The DiT: the only trained module."""
+    vae: torch.nn.Module
+    """Frozen video VAE (eval, requires_grad False)."""
+    text_encoder: torch.nn.Module
+    """Frozen text encoder (eval, requires_grad False)."""
+    tokenizer: Any
+    """Its tokenizer (with a chat template; see `vidray.models.text_encoder`)."""
+
+
+@dataclass
+class Encoders:
+    """The frozen modules the encode stages run (`vidray.data.encode`): no transformer."""
+
     vae: torch.nn.Module
     """Frozen video VAE (eval, requires_grad False)."""
     text_encoder: torch.nn.Module
@@ -50,6 +62,28 @@ class ModelFamily(abc.ABC):
     @abc.abstractmethod
     def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
         """Random init of `model_cfg.preset` under `seed`, or load `model_cfg.pretrained_path` (local folder)."""
+
+    def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> torch.nn.Module:
+        """The trainable transformer alone (what a DiT trainer loads), equal to `build(...).transformer`.
+        Default: `build` and drop the rest; families override it to skip loading the VAE and text encoder."""
+        return self.build(model_cfg, seed=seed).transformer
+
+    def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
+        """The frozen VAE, text encoder and tokenizer alone (what the encode stages load), equal to `build`'s.
+        Default: `build` and drop the transformer."""
+        c = self.build(model_cfg, seed=seed)
+        return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
+
+    @abc.abstractmethod
+    def encode_video(self, vae: torch.nn.Module, video: torch.Tensor) -> torch.Tensor:
+        """video (B, 3, F, H, W) float in [-1, 1] -> latents (B, C_lat, F_lat, H_lat, W_lat) float32, normalised
+        as the family's pipeline expects them (deterministic: the posterior's mode)."""
+
+    @abc.abstractmethod
+    def encode_prompt(self, text_encoder: torch.nn.Module, tokenizer: Any, prompts: list[str], *,
+                      max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """B prompts -> prompt_embeds (B, L, D) float32 and prompt_attention_mask (B, L) bool, L =
+        max_sequence_length, as the family's pipeline encodes them."""
 
     @abc.abstractmethod
     def predict(

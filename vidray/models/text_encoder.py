@@ -32,6 +32,7 @@ __all__ = [
     "ensure_chat_template",
     "minilm_path",
     "shards_caption_truncation",
+    "text_hidden_size",
 ]
 
 TRIVIAL_CHAT_TEMPLATE = (
@@ -96,6 +97,18 @@ def build_text_encoder(
         raise ValueError(f"unknown text encoder {kind!r}; valid: minilm, tiny_random")
     text_encoder.eval().requires_grad_(False)
     return text_encoder, tokenizer
+
+
+def text_hidden_size(kind: Literal["minilm", "tiny_random"]) -> int:
+    """Hidden size D of `build_text_encoder(kind)`'s prompt_embeds (B, L, D), read from its config without
+    loading weights. Raises ValueError for an unknown `kind`."""
+    if kind == "tiny_random":
+        return TINY_RANDOM_HIDDEN_SIZE
+    if kind == "minilm":
+        from transformers import AutoConfig
+
+        return int(AutoConfig.from_pretrained(minilm_path(), local_files_only=True).hidden_size)
+    raise ValueError(f"unknown text encoder {kind!r}; valid: minilm, tiny_random")
 
 
 def build_tokenizer(model: "ModelConfig") -> PreTrainedTokenizerBase:

@@ -1,13 +1,14 @@
 """`train_loop_per_worker`: what every Ray Train worker runs.
 
-Steps: 1. build the model family's components; 2. load the sample table (not the clips) and build the
+Steps: 1. build the model family's transformer (alone: the VAE and text encoder run in the encode stages); 2. load the sample table (not the clips) and build the
 world-size-independent sample schedule (`vidray.data.schedule`); 3. optimizer and lr schedule; 4. restore the checkpoint the driver chose (or this
 fit's own latest after a restart) with its data position, then re-apply this job's `optim` section to it;
 5. wrap the transformer in DDP; 6. plan this rank's steps from the data position at this run's world size (every
 rank the same bucket; G = `train.micro_batches_per_step` micro-batches per step, rank r training r, r+W, ... with
 gradient accumulation; noise and sigma keyed by (seed, step, sample)) and stream them through the rank's Ray Data
-loader (`vidray.data.pipeline`: cold -> warm -> hot, prefetched in schedule order); each step VAE-encodes its
-frames and text-encodes its captions with the frozen encoders, then trains; reporting loss, gradient norm and step time every
+loader (`vidray.data.pipeline`: cold -> warm -> hot, prefetched in schedule order, then the vae and text encode
+stages of `vidray.data.encode` with the latent cache), which delivers latents and prompt_embeds; it trains on them,
+reporting loss, gradient norm and step time every
 `train.log_every_steps` and a checkpoint every `checkpoint.every_steps`; a NaN/Inf loss, gradient norm or weight
 stops the run (checked at each report and before each checkpoint, with no extra host sync per step);
 7. rank 0 saves the diffusers pipeline.
@@ -40,13 +41,11 @@ from vidray.models.export import write_job_file
 from vidray.metrics import TrainMetrics
 from vidray.data.cache import check_cache_budget
 from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
-from vidray.data.pipeline import RankLoader, TrainBatch, iter_rank_steps
+from vidray.data.pipeline import RankLoader, TrainBatch, encode_spec, iter_rank_steps
 from vidray.data.schedule import DataPosition, SampleSchedule, batch_sizes_for_buckets
 from vidray.data.shards import read_index
 from vidray.data.storage import open_storage
-from vidray.models.registry import get_family
-from vidray.models.text_encoder import encode_prompts
-from vidray.models.vae import encode_video, uint8_to_video
+from vidray.models.registry import Components, get_family
 from vidray.train.checkpoint import (
     CheckpointManager,
     TrainState,
@@ -126,12 +125,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     if device.type == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
-    # 1. Components: frozen VAE and text encoder, trainable transformer.
+    # 1. The trainable transformer alone: the frozen VAE and text encoder run in the encode stages.
     family = get_family(job.model.family)
-    components = family.build(job.model, seed=job.train.seed)
-    for frozen in (components.vae, components.text_encoder):
-        frozen.requires_grad_(False).eval().to(device)
-    transformer = components.transformer.to(device)
+    transformer = family.build_transformer(job.model, seed=job.train.seed).to(device)
 
     # 2. Data: the sample table and the schedule; the clips stay in the shards until the loader streams them.
     # Object-store shards come through this node's warm disk cache (one download per shard per node), whose
@@ -180,11 +176,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     steps = iter_rank_steps(schedule, position, world_size=world_size, rank=rank, first_step=start_step,
                             last_step=job.train.max_steps, micro_batches=job.micro_batches_per_step)  # lazily
     placement = loop_config.get("placement") or {}  # {stage: label selector}, resolved on the driver
+    encode = encode_spec(job, placement, latent_cache=loop_config.get("latent_cache", ""))
     loader = RankLoader(shards_dir, index, table, steps, job.data, sample_ids=sample_ids,
-                        local_ranks=context.get_local_world_size(), label_selector=placement.get("decode"))
+                        local_ranks=context.get_local_world_size(), label_selector=placement.get("decode"),
+                        encode=encode)
     runtime = ray.get_runtime_context()
     trainer_node = {"node_id": runtime.get_node_id(), "labels": runtime.get_node_labels()}
     loader_nodes: dict[str, dict[str, Any]] = {}  # node_id -> {"node_id", "labels"} of this rank's decode operators
+    stage_nodes: dict[str, dict[str, dict[str, Any]]] = {"vae": {}, "text": {}}  # the same, of its encode actors
 
     # 5. DDP (gloo on CPU, NCCL on GPU; Ray Train sets up the process group).
     model = ray.train.torch.prepare_model(transformer)
@@ -242,12 +241,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             skipped.extend(batch.skipped)
             if batch.loader_node:
                 loader_nodes.setdefault(batch.loader_node["node_id"], batch.loader_node)
-            with torch.no_grad():  # the frozen encoders: latents and prompt_embeds of this micro-batch
-                latents = encode_video(components.vae, uint8_to_video(batch.frames.to(device)))
-                prompt_embeds, prompt_attention_mask = encode_prompts(
-                    components.text_encoder, components.tokenizer, batch.captions,
-                    max_sequence_length=job.model.max_sequence_length, device=device,
-                )
+            for stage, node in batch.stage_nodes.items():
+                if node:
+                    stage_nodes[stage].setdefault(node["node_id"], node)
+            # latents and prompt_embeds of this micro-batch, from the encode stages (encoded there or cached)
+            latents = batch.latents.to(device)
+            prompt_embeds = batch.prompt_embeds.to(device)
+            prompt_attention_mask = batch.prompt_attention_mask.to(device)
             t_encoded = time.perf_counter()
             weights = batch.weights
             # sum_i w_i mse_i * W / total weight (of all G micro-batches): summed over this rank's micro-batches
@@ -274,8 +274,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                 trained.append([step, batch.epoch, ids])
                 step_ids.extend(ids)
             data_wait_s += batch.data_wait_s
-            encode_s += t_encoded - t_data
-            dit_s += time.perf_counter() - t_encoded
+            encode_s += batch.stats.get("vae_s", 0.0) + batch.stats.get("text_s", 0.0)  # in the stages, overlapped
+            dit_s += time.perf_counter() - t_data
             micro += 1
         t_optim = time.perf_counter()
         step_epoch, position = batch.epoch, batch.next_position
@@ -295,7 +295,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             first_step_done_unix = time.time()
         dit_s += time.perf_counter() - t_optim
         step_seconds.append([step, data_wait_s, encode_s, dit_s])
-        metrics_log.observe_step(data_wait_s=data_wait_s, step_s=data_wait_s + encode_s + dit_s)
+        metrics_log.observe_step(data_wait_s=data_wait_s, step_s=data_wait_s + dit_s)
+        metrics_log.add_stage("dit", busy_s=dit_s, clips=0)
         metrics_log.set_step(step)
 
         is_log = step % job.train.log_every_steps == 0 or step == max_steps
@@ -337,10 +338,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         metrics["data_wait_fraction"] = data["data_wait_fraction"]
         window_split = np.asarray(step_seconds[-len(window_losses):])[:, 1:].mean(axis=0)  # data, encode, dit
         metrics["encode_time_s"], metrics["dit_step_time_s"] = float(window_split[1]), float(window_split[2])
+        for stage in ("decode", "vae", "text", "dit"):
+            metrics[f"{stage}_busy_fraction"] = data[f"{stage}_busy_fraction"]
+        busy = " ".join(f"{stage} {100 * data[f'{stage}_busy_fraction']:.0f}%" for stage in ("decode", "vae", "text", "dit"))
         _log(rank, f"step {step}/{max_steps} loss {metrics['loss']:.4f} step_time {step_time_s:.3f} s "
              f"(encode {window_split[1]:.3f} s, dit {window_split[2]:.3f} s) lr {metrics['lr']:.2e} data_wait {data['data_wait_s']:.3f} s ({100 * data['data_wait_fraction']:.0f}%) "
-             f"hot {data['hot_hits']:.0f}/{data['hot_hits'] + data['hot_misses']:.0f} warm "
-             f"{data['warm_hits']:.0f}/{data['warm_hits'] + data['warm_misses']:.0f} fetched "
+             f"busy [{busy}] hot {data['hot_hits']:.0f}/{data['hot_hits'] + data['hot_misses']:.0f} warm "
+             f"{data['warm_hits']:.0f}/{data['warm_hits'] + data['warm_misses']:.0f} latent "
+             f"{data['latent_hits']:.0f}/{data['latent_hits'] + data['latent_misses']:.0f} fetched "
              f"{data['bytes_fetched'] / 2**20:.1f} MiB lead {batch.prefetch_lead}")
         metrics_log.write_textfile(metrics_file)
         reported_steps.append(step)
@@ -378,7 +383,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     steps_per_s = num_trained / (time.perf_counter() - run_start) if num_trained else 0.0
     trained_samples = _gather_trained(trained, world_size) if record else []
     skipped = _agree_on_skipped(skipped, world_size)
-    nodes = _gather_placement({"rank": rank, "trainer": trainer_node, "loaders": list(loader_nodes.values())},
+    nodes = _gather_placement({"rank": rank, "trainer": trainer_node, "loaders": list(loader_nodes.values()),
+                               **{stage: list(found.values()) for stage, found in stage_nodes.items()}},
                               world_size)
     skipped_shards = [s for s in skipped if "file" in s]
     skipped_clips = [s for s in skipped if "sample_id" in s]
@@ -393,7 +399,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     remote = "://" in run_dir
     diffusers_dir = f"{run_dir.rstrip('/')}/diffusers" if remote else str(Path(run_dir) / "diffusers")
     if rank == 0:
-        components.transformer.eval()
+        transformer.eval()
+        encoders = family.build_encoders(job.model, seed=job.train.seed)  # the export's VAE and text encoder
+        components = Components(transformer=transformer, vae=encoders.vae, text_encoder=encoders.text_encoder,
+                                tokenizer=encoders.tokenizer)
         if remote:
             from vidray.data.storage import upload_dir
             from vidray.models.export import MODEL_INDEX
@@ -445,8 +454,9 @@ def _resume_position(schedule: SampleSchedule, state: TrainState | None, rank: i
 
 
 def _gather_placement(mine: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
-    """Every rank's {"rank", "trainer": {"node_id", "labels"}, "loaders": [{"node_id", "labels"}, ...]} (the
-    nodes its DiT worker and its decode operators ran on), by rank (one collective, at the end)."""
+    """Every rank's {"rank", "trainer": {"node_id", "labels"}, "loaders": [{"node_id", "labels"}, ...], "vae": [...],
+    "text": [...]} (the nodes its DiT worker, its decode operators and its encode actors ran on), by rank (one
+    collective, at the end)."""
     parts = [mine]
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         parts = [None] * world_size
@@ -474,6 +484,12 @@ def _add_loader_stats(metrics: TrainMetrics, batch: TrainBatch) -> None:
     for item in batch.skipped:
         metrics.add_skipped("shard" if "file" in item else "clip")
     metrics.set_prefetch_lead(batch.prefetch_lead)
+    metrics.add_stage("decode", busy_s=float(s["decode_s"] + s["fetch_s"]), clips=int(s["hot_misses"]))
+    for stage, tier in (("vae", "latent"), ("text", "prompt")):
+        if f"{stage}_s" in s:
+            hits, misses = int(s[f"{stage}_hits"]), int(s[f"{stage}_misses"])
+            metrics.add_cache(tier, hits=hits, misses=misses)
+            metrics.add_stage(stage, busy_s=float(s[f"{stage}_s"]), clips=hits + misses)
 
 
 def _record_path(loop_config: dict[str, Any], rank: int) -> Path | None:

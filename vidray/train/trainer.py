@@ -70,18 +70,21 @@ class TrainResult:
     skipped_clips: list[dict[str, str]] = field(default_factory=list)
     """[{sample_id, reason}] of clips that no longer decode (not trained on)."""
     step_seconds: list[list[float]] = field(default_factory=list)
-    """[step, data_wait_s, encode_s, dit_s] of rank 0 for each step: seconds waiting for the loader, VAE/text
-    encoding the micro-batch, and the DiT step (forward, backward, optimizer)."""
+    """[step, data_wait_s, encode_s, dit_s] of rank 0 for each step: seconds waiting for the loader, seconds the
+    vae and text stages spent on the step's micro-batches (in their own actors, overlapped with training), and the
+    DiT step (forward, backward, optimizer)."""
     data: dict[str, float] = field(default_factory=dict)
-    """Rank 0's data-plane totals (`vidray.metrics.TrainMetrics.summary`): data_wait_s, data_wait_fraction, hot and
-    warm hits/misses, bytes_fetched, prefetch_lead, skipped counts."""
+    """Rank 0's data-plane totals (`vidray.metrics.TrainMetrics.summary`): data_wait_s, data_wait_fraction, hot,
+    warm, latent and prompt hits/misses, bytes_fetched, prefetch_lead, skipped counts, per-stage busy seconds,
+    clips and busy fractions."""
     checkpoint_blocked_s: list[list[float]] = field(default_factory=list)
     """[step, seconds] rank 0's loop stood still for each checkpoint of this run: the local snapshot with
     `checkpoint.upload: async`, snapshot and copy to `storage.path` with `sync`."""
     first_step_done_unix: float | None = None
     placement: list[dict[str, Any]] = field(default_factory=list)
-    """Per rank {"rank", "trainer": {"node_id", "labels"}, "loaders": [{"node_id", "labels"}, ...]}: the nodes
-    (ids, labels) its DiT worker and its decode operators ran on, as each saw them from inside
+    """Per rank {"rank", "trainer": {"node_id", "labels"}, "loaders": [{"node_id", "labels"}, ...], "vae": [...],
+    "text": [...]}: the nodes (ids, labels) its DiT worker, its decode operators and its encode actors ran on, as
+    each saw them from inside
     (`ray.get_runtime_context()`), for the last attempt."""
     """Wall clock (`time.time()`, s) when the first step of the run's last attempt finished on rank 0 (after a
     worker failure: the first step after the restart); None when it trained no step."""
@@ -392,13 +395,16 @@ def _check_resume(job: JobConfig, plan: ResumePlan, folder: Path, index: dict[st
 
 def required_resources(job: JobConfig, num_workers: int | None = None) -> dict[str, float]:
     """Logical resources the run reserves with `num_workers` workers (default: `scaling.num_workers`, or the min
-    of an elastic `[min, max]`: what it needs to run at all): CPU = workers * (cpus_per_worker + data.loader_cpus:
-    each worker's Ray Data loader), GPU = workers when use_gpu. Ray Train's controller actor reserves 0 CPUs, so
-    it adds nothing."""
+    of an elastic `[min, max]`: what it needs to run at all): CPU = workers * (cpus_per_worker + data.loader_cpus
+    + placement.vae.num_cpus + placement.text.num_cpus: each worker's Ray Data loader and encode actors), GPU =
+    workers * (1 when use_gpu + the encode actors' num_gpus). Ray Train's controller actor reserves 0 CPUs, so it
+    adds nothing."""
     workers = job.scaling.min_workers if num_workers is None else int(num_workers)
-    need = {"CPU": workers * (job.scaling.cpus_per_worker + job.data.loader_cpus)}
-    if job.scaling.use_gpu:
-        need["GPU"] = float(workers)
+    encoders = (job.placement.vae, job.placement.text)
+    need = {"CPU": workers * (job.scaling.cpus_per_worker + job.data.loader_cpus + sum(e.num_cpus for e in encoders))}
+    gpus = workers * ((1.0 if job.scaling.use_gpu else 0.0) + sum(e.num_gpus for e in encoders))
+    if gpus:
+        need["GPU"] = float(gpus)
     return need
 
 
@@ -427,9 +433,11 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
         could = max(have, float((autoscaler_max or {}).get(resource, 0)))
         if need > could + 1e-9:
             if resource == "GPU":
-                fix = "set scaling.use_gpu=false, or run on a cluster with GPUs (RAY_ADDRESS)"
+                fix = ("set scaling.use_gpu=false and placement.vae|text.num_gpus=0, or run on a cluster with GPUs "
+                       "(RAY_ADDRESS)")
             else:
-                fitting = max(have / min_workers - job.data.loader_cpus, 0.1)
+                others = job.data.loader_cpus + job.placement.vae.num_cpus + job.placement.text.num_cpus
+                fitting = max(have / min_workers - others, 0.1)
                 fix = (f"lower scaling.num_workers{' (its min)' if job.scaling.elastic else ''} or "
                        f"scaling.cpus_per_worker (e.g. scaling.cpus_per_worker="
                        f"{fitting:.2g}), or data.loader_cpus")
@@ -441,7 +449,9 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
                         else f"scaling.use_gpu=true with {min_workers} workers")
             else:
                 what = (f"scaling.num_workers={workers} x (scaling.cpus_per_worker="
-                        f"{job.scaling.cpus_per_worker:g} + data.loader_cpus={job.data.loader_cpus:g})")
+                        f"{job.scaling.cpus_per_worker:g} + data.loader_cpus={job.data.loader_cpus:g} + "
+                        f"placement.vae.num_cpus={job.placement.vae.num_cpus:g} + "
+                        f"placement.text.num_cpus={job.placement.text.num_cpus:g})")
             problems.append(f"{what} needs {need:g} {resource}s; {where} has {have:g}{extra}: {fix}")
     if problems:
         raise RequestCannotBeMetError("; ".join(problems))
@@ -637,6 +647,7 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
         "existing_checkpoints": plan.existing,
         "record_sample_ids": record_sample_ids,
         "placement": placement,
+        "latent_cache": latent_cache_root(job),
     }
     scaling_config, run_config = build_trainer_configs(job, storage_path, label_selector=placement.get("dit"))
     trainer = _torch_trainer_class()(
@@ -673,3 +684,15 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
         data=out.get("data", {}),
         peak_rss_bytes=out.get("peak_rss_bytes", 0),
     )
+
+
+def latent_cache_root(job: JobConfig) -> str:
+    """The latent cache of a job (`data.latent_cache`, `vidray.data.encode`): "" when `off`, `<shards_dir>/latents`
+    when `auto`, else the folder (absolute) or URI given."""
+    setting = str(job.data.latent_cache).strip()
+    if setting == "off":
+        return ""
+    if setting == "auto":
+        shards = _absolute(job.data.shards_dir)
+        return f"{shards.rstrip('/')}/latents" if "://" in shards else str(Path(shards) / "latents")
+    return _absolute(setting)

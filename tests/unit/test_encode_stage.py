@@ -1,0 +1,135 @@
+"""The encode stage and the latent cache with tiny real encoders (no Ray): keys, hits, misses, determinism, and the
+model-family seam (`build_transformer`, `build_encoders`) equal to `build`."""
+
+import dataclasses
+import hashlib
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from vidray.config import FlowConfig, ModelConfig  # noqa: E402
+from vidray.data.encode import ENCODE_STAT_KEYS, EncodeStage, LatentCache, module_identity  # noqa: E402
+from vidray.models import get_family  # noqa: E402
+
+MODEL = ModelConfig(text_encoder="tiny_random", max_sequence_length=16)
+F, H, W = 5, 32, 32
+
+
+def _frames(seed: int, n: int = 2) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(n, F, H, W, 3), dtype=np.uint8)
+
+
+def _batch(frames: np.ndarray, shas: list[str], captions: list[str]) -> dict[str, np.ndarray]:
+    return {"i": np.array([0]), "frames": frames[None], "clip_sha": np.array([json.dumps(shas)]),
+            "captions": np.array([json.dumps(captions)])}
+
+
+def _stage(cache: str = "", model: ModelConfig = MODEL, what: str = "vae+text", seed: int = 0) -> EncodeStage:
+    return EncodeStage(what, dataclasses.asdict(model), seed, max_sequence_length=model.max_sequence_length,
+                       latent_cache=cache, hot_bytes=0)
+
+
+def test_family_builds_transformer_and_encoders_alone_equal_to_build():
+    family = get_family("easyanimate")
+    full = family.build(MODEL, seed=3)
+    transformer = family.build_transformer(MODEL, seed=3)
+    encoders = family.build_encoders(MODEL, seed=3)
+    for name, value in full.transformer.state_dict().items():
+        assert torch.equal(value, transformer.state_dict()[name]), name
+    assert module_identity(encoders.vae) == module_identity(full.vae)
+    assert module_identity(encoders.text_encoder) == module_identity(full.text_encoder)
+    assert module_identity(encoders.vae) != module_identity(family.build_encoders(MODEL, seed=4).vae)
+
+
+def test_stage_outputs_shapes_and_the_cache_returns_the_same_bits(tmp_path):
+    frames = _frames(0)
+    shas = ["a" * 64, "b" * 64]
+    captions = ["a red ball", "waves on a beach"]
+    first = _stage(str(tmp_path))(_batch(frames, shas, captions))
+    assert "frames" not in first
+    assert first["latents"].shape == (1, 2, 16, 2, 4, 4) and first["latents"].dtype == np.float32
+    assert first["prompt_embeds"].shape == (1, 2, 16, 64) and first["prompt_attention_mask"].dtype == bool
+    assert (first["vae_misses"][0], first["vae_hits"][0]) == (2, 0)
+    assert (first["text_misses"][0], first["text_hits"][0]) == (2, 0)
+    assert len(list((tmp_path / "vae").rglob("*.safetensors"))) == 2
+    assert len(list((tmp_path / "text").rglob("*.safetensors"))) == 2
+
+    # A new stage (a later run): every clip and caption comes from the cache, bit for bit.
+    again = _stage(str(tmp_path))(_batch(np.zeros_like(frames), shas, captions))  # frames unused on hits
+    assert (again["vae_hits"][0], again["vae_misses"][0], again["text_hits"][0]) == (2, 0, 2)
+    np.testing.assert_array_equal(again["latents"], first["latents"])
+    np.testing.assert_array_equal(again["prompt_embeds"], first["prompt_embeds"])
+    assert set(ENCODE_STAT_KEYS) <= set(again)
+
+
+def test_a_clip_encodes_the_same_alone_or_with_others():
+    stage = _stage()
+    frames = _frames(1, 3)
+    together = stage(_batch(frames, ["", "", ""], ["x", "y", "z"]))["latents"][0]
+    alone = stage(_batch(frames[2:3], [""], ["z"]))["latents"][0]
+    np.testing.assert_array_equal(together[2], alone[0])
+
+
+def test_a_changed_clip_misses_and_is_encoded_again(tmp_path):
+    frames = _frames(2, 1)
+    _stage(str(tmp_path))(_batch(frames, ["c" * 64], ["cap"]))
+    new_frames = _frames(3, 1)
+    out = _stage(str(tmp_path))(_batch(new_frames, ["d" * 64], ["cap"]))  # same name, new bytes: new sha
+    assert (out["vae_misses"][0], out["vae_hits"][0]) == (1, 0)
+    expected = _stage()(_batch(new_frames, [""], ["cap"]))["latents"]
+    np.testing.assert_array_equal(out["latents"], expected)
+
+
+def test_a_changed_vae_misses_the_cache(tmp_path):
+    """Two pretrained folders that differ in one VAE weight: the second misses and encodes with its own VAE."""
+    family = get_family("easyanimate")
+    folder = tmp_path / "model"
+    family.save_pipeline(family.build(MODEL, seed=0), folder, FlowConfig())
+    cache = str(tmp_path / "cache")
+    pretrained = dataclasses.replace(MODEL, init="pretrained", pretrained_path=str(folder))
+    frames = _frames(4, 1)
+    first = _stage(cache, pretrained)(_batch(frames, ["e" * 64], ["cap"]))
+    assert first["vae_misses"][0] == 1
+    assert _stage(cache, pretrained)(_batch(frames, ["e" * 64], ["cap"]))["vae_hits"][0] == 1
+
+    weights = next((folder / "vae").glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = next(k for k in sorted(tensors) if k.startswith("encoder.conv_in") and k.endswith("weight"))
+    tensors[name] = tensors[name] + 0.5
+    save_file(tensors, weights)
+    changed = _stage(cache, pretrained)(_batch(frames, ["e" * 64], ["cap"]))
+    assert (changed["vae_misses"][0], changed["vae_hits"][0]) == (1, 0)
+    assert changed["text_hits"][0] == 1  # the text encoder did not change
+    assert not np.array_equal(changed["latents"], first["latents"])
+
+
+def test_a_damaged_entry_is_a_miss_and_is_rewritten(tmp_path):
+    frames = _frames(5, 1)
+    first = _stage(str(tmp_path), what="vae")(_batch(frames, ["f" * 64], ["cap"]))
+    entry = next((tmp_path / "vae").rglob("*.safetensors"))
+    entry.write_bytes(b"not safetensors")
+    out = _stage(str(tmp_path), what="vae")(_batch(frames, ["f" * 64], ["cap"]))
+    assert out["vae_misses"][0] == 1
+    np.testing.assert_array_equal(out["latents"], first["latents"])
+    assert hashlib.sha256(entry.read_bytes()).hexdigest()  # rewritten whole
+    assert load_file(entry)["latents"].shape == (16, 2, 4, 4)
+
+
+def test_cache_entry_names_key_content_bucket_and_encoder():
+    a = LatentCache.latents_entry("v" * 64, "a" * 64, (5, 32, 32))
+    assert a != LatentCache.latents_entry("v" * 64, "a" * 64, (9, 32, 32))
+    assert a != LatentCache.latents_entry("w" * 64, "a" * 64, (5, 32, 32))
+    assert a != LatentCache.latents_entry("v" * 64, "b" * 64, (5, 32, 32))
+    p = LatentCache.prompt_entry("t" * 64, 16, "cap")
+    assert p != LatentCache.prompt_entry("t" * 64, 32, "cap") and p != LatentCache.prompt_entry("t" * 64, 16, "cap2")
+
+
+def test_stage_rejects_an_unknown_kind():
+    with pytest.raises(ValueError, match="'vae', 'text' or 'vae\\+text'"):
+        _stage(what="dit")

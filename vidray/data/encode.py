@@ -1,0 +1,336 @@
+"""The encode stages: the frozen VAE and text encoder as Ray Data actor operators, with the latent cache.
+
+A rank's loader (`vidray.data.pipeline.RankLoader`) chains, per micro-batch:
+
+```
+ClipLoader (decode, placement.decode)  frames (B, F, H, W, 3) uint8, captions, clip_sha (sha256 of each mp4)
+  -> EncodeStage("vae", placement.vae)   latents (B, C_lat, F_lat, H_lat, W_lat) float32   (frames dropped)
+  -> EncodeStage("text", placement.text) prompt_embeds (B, L, D) float32, prompt_attention_mask (B, L) bool
+  -> the DiT trainer (placement.dit), which loads neither encoder
+```
+When `placement.vae` and `placement.text` ask for the same nodes and resources the two run as one operator
+(`EncodeStage("vae+text")`: one actor, one model load, one process less per rank).
+
+**Latent cache** (`data.latent_cache`; `LatentCache`). Each clip's latents and each caption's prompt embeddings
+are written once, as one safetensors file, under a key that names everything they depend on:
+
+- latents: `vae/<vae identity>/<sha256(clip sha256, bucket)>.safetensors`, the clip's sha256 being that of its
+  stored mp4 bytes (a clip replaced under the same name has new bytes, so a new key);
+- prompt embeddings: `text/<text encoder identity>-L<max_sequence_length>/<sha256(caption)>.safetensors`;
+- identity (`module_identity`): sha256 of the module's class, config and every weight tensor (name, dtype,
+  shape, bytes): another VAE, or the same VAE with one weight changed, never reads the old latents, and nobody
+  deletes caches by hand.
+
+Later epochs of a run and later runs read the cache instead of encoding. An in-memory LRU of the stage
+(`data.hot_bytes`) holds recent entries (the hot tier for latents). Files are written whole
+(`vidray.data.storage.Storage.write_bytes`: temp file + rename locally, one upload on object stores), so a reader
+never sees half an entry; two ranks writing the same key write the same bytes.
+
+**Determinism.** Latents are the posterior's mode (`ModelFamily.encode_video`, no sampling) and every clip and
+caption is encoded alone (batch of 1), so a clip's latents do not depend on which clips shared its micro-batch:
+cached and online training see bit-identical inputs (tests/integration/test_encode_stages.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+ENCODE_STAT_KEYS = ("vae_s", "vae_hits", "vae_misses", "text_s", "text_hits", "text_misses")
+"""Per-micro-batch counters of the encode stages: seconds busy (cache reads + encoding + writes), cache hits (hot
+or stored) and misses (encoded here)."""
+
+CACHE_FORMAT = 1
+"""Part of every identity: bump it when the stored layout or the encoding changes."""
+
+
+def module_identity(module: Any, *, extra: str = "") -> str:
+    """sha256 hex of a torch module's class, its `config` (diffusers / transformers; JSON) and every
+    `state_dict` tensor (name, dtype, shape, bytes), plus `extra` and `CACHE_FORMAT`. Same weights -> same id on
+    any machine; one changed weight -> another id. Takes about 1 s per GB of weights on a CPU."""
+    import torch
+
+    digest = hashlib.sha256(f"vidray-encoder/{CACHE_FORMAT}/{type(module).__name__}/{extra}".encode())
+    config = getattr(module, "config", None)
+    if config is not None:
+        as_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        as_dict = {k: v for k, v in as_dict.items() if not k.startswith("_")}  # _name_or_path, versions
+        digest.update(json.dumps(as_dict, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(module.state_dict().items()):
+        tensor = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+class LatentCache:
+    """Content-addressed store of encoder outputs under `root` (a local folder or a URI, `vidray.data.storage`).
+
+    `get(rel)` returns {name: tensor} or None (absent, or unreadable: a damaged entry is a miss and is rewritten);
+    `put(rel, tensors)` writes a safetensors file whole. Entry names come from `latents_entry` / `prompt_entry`.
+    """
+
+    def __init__(self, root: str):
+        from vidray.data.storage import open_storage
+
+        self.root = str(root)
+        self.storage = open_storage(root, setting="data.latent_cache")
+
+    @staticmethod
+    def latents_entry(vae_id: str, clip_sha256: str, bucket: tuple[int, int, int]) -> str:
+        """Relative name of a clip's latents: `vae/<vae_id[:32]>/<ab>/<sha256(clip, bucket)>.safetensors`."""
+        key = hashlib.sha256(f"{clip_sha256}|{tuple(int(x) for x in bucket)}".encode()).hexdigest()
+        return f"vae/{vae_id[:32]}/{key[:2]}/{key}.safetensors"
+
+    @staticmethod
+    def prompt_entry(text_id: str, max_sequence_length: int, caption: str) -> str:
+        """Relative name of a caption's prompt embeddings:
+        `text/<text_id[:32]>-L<max_sequence_length>/<ab>/<sha256(caption)>.safetensors`."""
+        key = hashlib.sha256(caption.encode()).hexdigest()
+        return f"text/{text_id[:32]}-L{int(max_sequence_length)}/{key[:2]}/{key}.safetensors"
+
+    def get(self, rel: str) -> dict[str, Any] | None:
+        from safetensors.torch import load
+
+        try:
+            return load(self.storage.read_bytes(rel))
+        except FileNotFoundError:
+            return None
+        except Exception:  # noqa: BLE001 - damaged or half-visible entry: a miss, re-encoded and rewritten
+            return None
+
+    def put(self, rel: str, tensors: dict[str, Any]) -> None:
+        from safetensors.torch import save
+
+        self.storage.write_bytes(rel, save({k: v.contiguous() for k, v in tensors.items()}))
+
+
+class EncodeStage:
+    """A Ray Data actor operator running the frozen encoder(s) of one stage on each micro-batch.
+
+    Args:
+        what: "vae" (frames -> latents), "text" (captions -> prompt_embeds + mask) or "vae+text".
+        model: `ModelConfig.to_dict()` of the job; seed: `train.seed` (random-init encoders are built under it,
+            `ModelFamily.build_encoders`).
+        max_sequence_length: L of prompt_embeds.
+        latent_cache: root of the latent cache (folder or URI), or "" for none.
+        hot_bytes: LRU budget of encoder outputs held in memory (0 = none).
+        num_gpus: > 0 runs the encoder(s) on this actor's GPU (`cuda`), else on the CPU.
+        torch_threads: intra-op threads of the CPU encoders.
+
+    `__call__` takes the previous operator's batch of one micro-batch: "vae" needs "frames" (1, B, F, H, W, 3)
+    uint8 and "clip_sha" (1,) JSON list of B sha256 hex ("" = not cacheable); "text" needs "captions" (1,) JSON
+    list of B str. It returns the batch without "frames" (after "vae"), with "latents" (1, B, C, F_lat, H_lat,
+    W_lat) float32 and/or "prompt_embeds" (1, B, L, D) float32 + "prompt_attention_mask" (1, B, L) bool, the
+    `ENCODE_STAT_KEYS` counters of this batch (added to those already present) and "<stage>_node" (1,) JSON
+    {"node_id", "labels"} of the node the actor runs on.
+    """
+
+    def __init__(self, what: str, model: dict[str, Any], seed: int, *, max_sequence_length: int,
+                 latent_cache: str = "", hot_bytes: int = 0, num_gpus: float = 0.0, torch_threads: int = 1):
+        import torch
+
+        from vidray.config import ModelConfig
+        from vidray.models.registry import get_family
+
+        if what not in ("vae", "text", "vae+text"):
+            raise ValueError(f"EncodeStage: what must be 'vae', 'text' or 'vae+text', got {what!r}")
+        self.do_vae, self.do_text = "vae" in what, "text" in what
+        self.device = torch.device("cuda" if num_gpus > 0 and torch.cuda.is_available() else "cpu")
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, int(torch_threads)))
+        model_cfg = ModelConfig(**model)
+        self.family = get_family(model_cfg.family)
+        encoders = self.family.build_encoders(model_cfg, seed=int(seed))
+        self.vae = encoders.vae.to(self.device) if self.do_vae else None
+        self.text_encoder = encoders.text_encoder.to(self.device) if self.do_text else None
+        self.tokenizer = encoders.tokenizer
+        self.max_sequence_length = int(max_sequence_length)
+        self.vae_id = module_identity(encoders.vae) if self.do_vae else ""
+        self.text_id = module_identity(encoders.text_encoder, extra=type(self.tokenizer).__name__) \
+            if self.do_text else ""
+        del encoders
+        self.cache = LatentCache(latent_cache) if latent_cache else None
+        self.hot_bytes = int(hot_bytes)
+        self.hot: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.hot_used = 0
+        self.node = json.dumps(_node_info())
+        self.lock = threading.Lock()
+
+    # -- the hot tier and the store -------------------------------------------------------------------------
+
+    def _lookup(self, rel: str) -> dict[str, Any] | None:
+        hit = self.hot.get(rel)
+        if hit is not None:
+            self.hot.move_to_end(rel)
+            return hit
+        found = self.cache.get(rel) if self.cache is not None else None
+        if found is not None:
+            self._keep(rel, found)
+        return found
+
+    def _keep(self, rel: str, tensors: dict[str, Any]) -> None:
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if not self.hot_bytes or size > self.hot_bytes or rel in self.hot:
+            return
+        self.hot[rel] = tensors
+        self.hot_used += size
+        while self.hot_used > self.hot_bytes:
+            _, old = self.hot.popitem(last=False)
+            self.hot_used -= sum(t.numel() * t.element_size() for t in old.values())
+
+    def _store(self, rel: str, tensors: dict[str, Any]) -> None:
+        self._keep(rel, tensors)
+        if self.cache is not None:
+            self.cache.put(rel, tensors)
+
+    # -- encoding -------------------------------------------------------------------------------------------
+
+    def latents(self, frames: np.ndarray, clip_sha: list[str], bucket: tuple[int, int, int]) -> tuple[Any, int, int]:
+        """latents (B, C, F_lat, H_lat, W_lat) float32 of uint8 frames (B, F, H, W, 3), each clip from the
+        cache or encoded alone (then stored); returns (latents, hits, misses)."""
+        import torch
+
+        from vidray.models.vae import frames_to_video
+
+        out, hits, misses, done = [], 0, 0, {}
+        for b in range(frames.shape[0]):
+            sha = clip_sha[b]
+            rel = LatentCache.latents_entry(self.vae_id, sha, bucket) if sha else None
+            if rel is not None and rel in done:
+                out.append(done[rel])
+                hits += 1
+                continue
+            found = self._lookup(rel) if rel is not None else None
+            if found is not None:
+                latents = found["latents"]
+                hits += 1
+            else:
+                video = frames_to_video(np.ascontiguousarray(frames[b:b + 1]))
+                with torch.no_grad():
+                    latents = self.family.encode_video(self.vae, video.to(self.device))[0].float().cpu()
+                misses += 1
+                if rel is not None:
+                    self._store(rel, {"latents": latents})
+            if rel is not None:
+                done[rel] = latents
+            out.append(latents)
+        return torch.stack(out), hits, misses
+
+    def prompts(self, captions: list[str]) -> tuple[Any, Any, int, int]:
+        """prompt_embeds (B, L, D) float32 and prompt_attention_mask (B, L) bool of B captions, each from the
+        cache or encoded alone (then stored); returns (prompt_embeds, mask, hits, misses)."""
+        import torch
+
+        embeds, masks, hits, misses = [], [], 0, 0
+        for caption in captions:
+            rel = LatentCache.prompt_entry(self.text_id, self.max_sequence_length, caption)
+            found = self._lookup(rel)
+            if found is None:
+                with torch.no_grad():
+                    e, m = self.family.encode_prompt(self.text_encoder, self.tokenizer, [caption],
+                                                     max_sequence_length=self.max_sequence_length)
+                found = {"prompt_embeds": e[0].float().cpu(), "prompt_attention_mask": m[0].cpu()}
+                self._store(rel, found)
+                misses += 1
+            else:
+                hits += 1
+            embeds.append(found["prompt_embeds"])
+            masks.append(found["prompt_attention_mask"].bool())
+        return torch.stack(embeds), torch.stack(masks), hits, misses
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = dict(batch)
+        stats = {k: float(out[k][0]) if k in out else 0.0 for k in ENCODE_STAT_KEYS}
+        if self.do_vae:
+            t0 = time.perf_counter()
+            frames = batch["frames"][0]  # (B, F, H, W, 3)
+            clip_sha = json.loads(str(batch["clip_sha"][0]))
+            latents, hits, misses = self.latents(frames, clip_sha, tuple(frames.shape[1:4]))
+            out.pop("frames")
+            out["latents"] = latents.numpy()[None]
+            stats["vae_hits"] += hits
+            stats["vae_misses"] += misses
+            stats["vae_s"] += time.perf_counter() - t0
+            out["vae_node"] = np.array([self.node], dtype=object)
+        if self.do_text:
+            t0 = time.perf_counter()
+            embeds, mask, hits, misses = self.prompts(json.loads(str(batch["captions"][0])))
+            out["prompt_embeds"] = embeds.numpy()[None]
+            out["prompt_attention_mask"] = mask.numpy()[None]
+            stats["text_hits"] += hits
+            stats["text_misses"] += misses
+            stats["text_s"] += time.perf_counter() - t0
+            out["text_node"] = np.array([self.node], dtype=object)
+        out.update({k: np.array([v], dtype=np.float64) for k, v in stats.items()})
+        return out
+
+
+def _node_info() -> dict[str, Any]:
+    """{"node_id", "labels"} of the node this process runs on ({} outside Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    runtime = ray.get_runtime_context()
+    return {"node_id": runtime.get_node_id(), "labels": runtime.get_node_labels()}
+
+
+def encode_to_cache(job: Any, *, shards_dir: str | None = None, latent_cache: str | None = None) -> dict[str, Any]:
+    """Fill the latent cache ahead of training (`vidray prepare --encode`): every sample of the prepared shards
+    passes the decode and encode stages once, in the job's buckets and batch sizes, on the nodes `job.placement`
+    selects (one decode and one encode pipeline, on the Ray this process is connected to; the caller starts it).
+
+    `shards_dir`, `latent_cache`: default the job's (`data.shards_dir`, `data.latent_cache` resolved by
+    `vidray.train.trainer.latent_cache_root`). Returns {"clips": clips seen, "latent_hits", "latent_misses"
+    (encoded now), "prompt_hits", "prompt_misses", "skipped": [{sample_id or file, reason}], "seconds", "cache"}.
+    Raises vidray.placement.PlacementError for a selector no node satisfies, UserError when the cache is `off`.
+    """
+    from vidray.data.index import load_sample_index
+    from vidray.data.pipeline import RankLoader, encode_spec, plan_rank_steps
+    from vidray.data.schedule import SampleSchedule, batch_sizes_for_buckets
+    from vidray.data.shards import read_index
+    from vidray.errors import UserError
+    from vidray.models.registry import get_family
+    from vidray.placement import alive_nodes, resolve_placement
+    from vidray.train.trainer import _absolute, latent_cache_root
+
+    shards_dir = _absolute(shards_dir or job.data.shards_dir)
+    cache = latent_cache if latent_cache is not None else latent_cache_root(job)
+    if not cache:
+        raise UserError("data.latent_cache is 'off': set it to 'auto' or a folder/URI to fill a latent cache")
+    started = time.perf_counter()
+    placement = resolve_placement(job, alive_nodes())
+    index = read_index(shards_dir)
+    table = load_sample_index(shards_dir)
+    family = get_family(job.model.family)
+    batch_sizes = batch_sizes_for_buckets(
+        table.buckets, batch_size_per_worker=job.data.batch_size_per_worker,
+        tokens_per_batch=job.data.tokens_per_batch,
+        latent_tokens=lambda bucket: int(np.prod(family.latent_shape(bucket, 1)[2:])))
+    schedule = SampleSchedule(table.bucket_id, table.buckets, batch_sizes=batch_sizes, seed=job.train.seed,
+                              shards=table.shard, shuffle_block_shards=job.data.shuffle_block_shards)
+    steps = plan_rank_steps(schedule, schedule.start(0), world_size=1, rank=0, first_step=1,
+                            last_step=schedule.steps_per_epoch(1, 1), micro_batches=1)
+    loader = RankLoader(shards_dir, index, table, steps, job.data, label_selector=placement.get("decode"),
+                        encode=encode_spec(job, placement, latent_cache=cache))
+    totals = dict.fromkeys(("latent_hits", "latent_misses", "prompt_hits", "prompt_misses"), 0)
+    seen: set[str] = set()
+    skipped: list[dict[str, str]] = []
+    try:
+        for batch in loader:
+            seen.update(i for i, w in zip(batch.sample_ids, batch.weights) if w > 0)
+            skipped.extend(batch.skipped)
+            for stage, tier in (("vae", "latent"), ("text", "prompt")):
+                totals[f"{tier}_hits"] += int(batch.stats.get(f"{stage}_hits", 0))
+                totals[f"{tier}_misses"] += int(batch.stats.get(f"{stage}_misses", 0))
+    finally:
+        loader.close()
+    return {"clips": len(seen), **totals, "skipped": skipped, "seconds": time.perf_counter() - started,
+            "cache": cache}
