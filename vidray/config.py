@@ -149,8 +149,8 @@ class DataConfig:
     def _check_buckets(cls, buckets: list[Bucket]) -> list[Bucket]:
         if not buckets:
             raise ValueError("at least one bucket is needed, e.g. [[9, 64, 64]]")
-        for bucket in buckets:
-            validate_bucket(bucket)
+        for bucket in buckets:  # positive sizes here; the model family's rules in JobConfig (`_cross_checks`)
+            validate_bucket(bucket, spatial_multiple=1, temporal_compression=1)
         return buckets
 
 
@@ -345,6 +345,14 @@ class JobConfig:
 
     @model_validator(mode="after")
     def _cross_checks(self):
+        from vidray.models.rules import check_bucket  # plain data: no torch
+
+        for bucket in self.data.buckets:
+            try:
+                check_bucket(bucket, self.model.family)
+            except ValueError as err:
+                raise ValueError(f"data.buckets: {err} (the rule of model.family={self.model.family}, "
+                                 "vidray.models.rules)") from None
         positive = {
             "train.max_steps": self.train.max_steps,
             "train.log_every_steps": self.train.log_every_steps,

@@ -62,7 +62,7 @@ def test_validate_bucket_accepts_vae_shapes(bucket):
     ("bucket", "message"),
     [
         (Bucket(9, 60, 64), "multiples of 16"),
-        (Bucket(9, 64, 0), "multiples of 16"),
+        (Bucket(9, 64, 0), "must be positive pixels, got 64x0"),
         (Bucket(8, 64, 64), r"1 or k\*4\+1"),
         (Bucket(0, 64, 64), r"1 or k\*4\+1"),
     ],
@@ -70,3 +70,19 @@ def test_validate_bucket_accepts_vae_shapes(bucket):
 def test_validate_bucket_names_the_problem(bucket, message):
     with pytest.raises(ValueError, match=message):
         validate_bucket(bucket)
+
+
+def test_bucket_rules_come_from_the_model_family():
+    from vidray.config import ConfigError, load_job_config
+    from vidray.models.rules import BucketRules, bucket_rules, check_bucket
+
+    assert bucket_rules("easyanimate") == BucketRules(spatial_multiple=16, temporal_compression=4)
+    check_bucket(Bucket(17, 64, 48), "easyanimate")
+    with pytest.raises(ValueError, match=r"num_frames must be 1 or k\*4\+1"):
+        check_bucket(Bucket(16, 64, 64), "easyanimate")  # AnimateDiff's 16 frames: not an EasyAnimate shape
+    with pytest.raises(ValueError, match="unknown model family 'wan'; valid: easyanimate"):
+        check_bucket(Bucket(17, 64, 64), "wan")
+    with pytest.raises(ConfigError, match=r"data.buckets: bucket 16x64x64: num_frames.*model.family=easyanimate"):
+        load_job_config(None, ["data.buckets=[[16, 64, 64]]"])
+    with pytest.raises(ConfigError, match="height and width must be positive pixels, got 0x64"):
+        load_job_config(None, ["data.buckets=[[9, 0, 64]]"])

@@ -28,13 +28,16 @@ def parse_bucket(text: str) -> Bucket:
 
 
 def validate_bucket(bucket: Bucket, *, spatial_multiple: int = 16, temporal_compression: int = 4) -> None:
-    """Raise ValueError unless `bucket` fits the VAE/DiT: H, W multiples of `spatial_multiple`,
+    """Raise ValueError unless `bucket` fits the VAE/DiT: H, W positive multiples of `spatial_multiple`,
     `num_frames` = 1 or `k * temporal_compression + 1` (the causal video VAE layout of EasyAnimate/Wan/CogVideoX).
+    The defaults are EasyAnimate's; a model family's own are in `vidray.models.rules` (`check_bucket`).
     """
     num_frames, height, width = bucket
-    if height <= 0 or width <= 0 or height % spatial_multiple or width % spatial_multiple:
+    if height <= 0 or width <= 0:
+        raise ValueError(f"bucket {bucket}: height and width must be positive pixels, got {height}x{width}")
+    if height % spatial_multiple or width % spatial_multiple:
         raise ValueError(
-            f"bucket {bucket}: height and width must be positive multiples of {spatial_multiple}, "
+            f"bucket {bucket}: height and width must be multiples of {spatial_multiple}, "
             f"got {height}x{width}"
         )
     if num_frames < 1 or (num_frames - 1) % temporal_compression:

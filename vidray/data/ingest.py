@@ -459,10 +459,12 @@ def prepare(
     caption_check: "Callable[[list[str]], TruncationStats] | None" = None,
     scene_split: SceneSplit | None = SceneSplit(),
     group_by_caption: bool = True,
+    family: str = "easyanimate",
 ) -> PrepareSummary:
     """Turn the files listed in `source` into Parquet shards in `shards_dir` (see `vidray.data.shards`).
 
-    `buckets`: [num_frames, height, width] triples; `fps`: sampling rate in frames/s; `samples_per_shard`: rows
+    `buckets`: [num_frames, height, width] triples, each within the bucket rules of the model `family`
+    (`vidray.models.rules`: EasyAnimate H, W multiples of 16 and num_frames 1 or 4k+1); `fps`: sampling rate in frames/s; `samples_per_shard`: rows
     per shard. Every shard holds samples of one bucket: rows are buffered per bucket. `group_by_caption`: each
     bucket buffers up to `samples_per_shard * SHARDS_PER_GROUPING` (8) rows, then writes them as 8 shards of
     similar captions (`vidray.data.grouping`: MiniLM caption embeddings, balanced principal-direction bisection);
@@ -489,11 +491,14 @@ def prepare(
     start = time.perf_counter()
     say = progress or (lambda _line: None)
     # 1. Check arguments and read the source list (nothing on disk changes if this fails).
+    from vidray.models.rules import bucket_rules
+
+    rules = bucket_rules(family)
     buckets = [Bucket(*b) for b in buckets]
     if not buckets:
         raise ValueError("at least one bucket is needed, e.g. [[9, 64, 64], [1, 64, 64]]")
     for bucket in buckets:
-        validate_bucket(bucket)
+        validate_bucket(bucket, spatial_multiple=rules.spatial_multiple, temporal_compression=rules.temporal_compression)
     if fps <= 0:
         raise ValueError(f"fps must be > 0 frames/s, got {fps}")
     if samples_per_shard < 1:
@@ -713,4 +718,5 @@ def prepare_data(
             max_clips_per_scene=data.max_clips_per_scene, max_clips_per_source=data.max_clips_per_source,
         ) if data.split_scenes else None,
         group_by_caption=data.group_by_caption,
+        **({"family": model.family} if model is not None else {}),
     )

@@ -22,7 +22,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
-from vidray.models.registry import Components, Encoders, ModelFamily
+from vidray.models.base import Components, Encoders, ModelFamily
+from vidray.models.rules import FAMILY_BUCKET_RULES
 from vidray.models.text_encoder import build_text_encoder, encode_prompts, ensure_chat_template, text_hidden_size
 from vidray.models.vae import encode_video
 
@@ -39,8 +40,9 @@ __all__ = [
 LATENT_CHANNELS = 16
 """EasyAnimate V5.x latent channels; the tiny preset uses the same so shapes do not depend on the preset."""
 SPATIAL_COMPRESSION_RATIO = 8
-TEMPORAL_COMPRESSION_RATIO = 4
+TEMPORAL_COMPRESSION_RATIO = FAMILY_BUCKET_RULES["easyanimate"].temporal_compression
 PATCH_SIZE = 2
+assert SPATIAL_COMPRESSION_RATIO * PATCH_SIZE == FAMILY_BUCKET_RULES["easyanimate"].spatial_multiple
 
 TINY_TRANSFORMER = dict(
     num_attention_heads=4,

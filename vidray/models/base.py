@@ -1,0 +1,115 @@
+"""The model-family protocol: what the stages, the trainer, the sampler and the exporter may ask of one
+DiT + VAE + text encoder stack. Nothing outside `vidray/models/` knows a family's quirks; each family is one file
+(`easyanimate.py`, ...) implementing `ModelFamily`, registered in `registry.py`.
+
+What a family owns: building its modules (`build`, `build_transformer`, `build_encoders`, `load_pretrained`),
+`encode_video` (latent normalisation included: EasyAnimate scales, Wan normalises per channel), `encode_prompt`,
+the transformer call (`predict`), its latent layout and bucket rules (`latent_shape`; the rules' numbers also in
+`vidray.models.rules`, which the config checks at load), and the diffusers pipeline it exports (`save_pipeline`).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vidray.config import FlowConfig, ModelConfig
+from vidray.data.buckets import Bucket
+
+__all__ = ["Components", "Encoders", "ModelFamily"]
+
+
+@dataclass
+class Components:
+    """The four modules of a text-to-video model, named as in diffusers pipelines."""
+
+    transformer: torch.nn.Module
+    """The DiT: the only trained module."""
+    vae: torch.nn.Module
+    """Frozen video VAE (eval, requires_grad False)."""
+    text_encoder: torch.nn.Module
+    """Frozen text encoder (eval, requires_grad False)."""
+    tokenizer: Any
+    """Its tokenizer (with a chat template; see `vidray.models.text_encoder`)."""
+
+
+@dataclass
+class Encoders:
+    """The frozen modules the encode stages run (`vidray.data.encode`): no transformer."""
+
+    vae: torch.nn.Module
+    """Frozen video VAE (eval, requires_grad False)."""
+    text_encoder: torch.nn.Module
+    """Frozen text encoder (eval, requires_grad False)."""
+    tokenizer: Any
+    """Its tokenizer (with a chat template; see `vidray.models.text_encoder`)."""
+
+
+class ModelFamily(abc.ABC):
+    """Interface of a model family. Instances are stateless; the latent layout is a family constant."""
+
+    name: str
+    latent_channels: int
+    spatial_compression_ratio: int
+    temporal_compression_ratio: int
+    spatial_multiple: int
+    """Video height and width must be multiples of this (pixels): VAE downsampling x DiT patch size."""
+
+    @abc.abstractmethod
+    def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
+        """Random init of `model_cfg.preset` under `seed`, or load `model_cfg.pretrained_path` (local folder)."""
+
+    def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> torch.nn.Module:
+        """The trainable transformer alone (what a DiT trainer loads), equal to `build(...).transformer`.
+        Default: `build` and drop the rest; families override it to skip loading the VAE and text encoder."""
+        return self.build(model_cfg, seed=seed).transformer
+
+    def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
+        """The frozen VAE, text encoder and tokenizer alone (what the encode stages load), equal to `build`'s.
+        Default: `build` and drop the transformer."""
+        c = self.build(model_cfg, seed=seed)
+        return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
+
+    @abc.abstractmethod
+    def encode_video(self, vae: torch.nn.Module, video: torch.Tensor) -> torch.Tensor:
+        """video (B, 3, F, H, W) float in [-1, 1] -> latents (B, C_lat, F_lat, H_lat, W_lat) float32, normalised
+        as the family's pipeline expects them (deterministic: the posterior's mode)."""
+
+    @abc.abstractmethod
+    def encode_prompt(self, text_encoder: torch.nn.Module, tokenizer: Any, prompts: list[str], *,
+                      max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """B prompts -> prompt_embeds (B, L, D) float32 and prompt_attention_mask (B, L) bool, L =
+        max_sequence_length, as the family's pipeline encodes them."""
+
+    @abc.abstractmethod
+    def predict(
+        self,
+        transformer: torch.nn.Module,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """noisy_latents (B, C, F, H, W), timesteps (B,), prompt_embeds (B, L, D), prompt_attention_mask (B, L)
+        -> model_pred (B, C, F, H, W): the velocity, called exactly as the family's stock diffusers pipeline does."""
+
+    @abc.abstractmethod
+    def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:
+        """(B, C_lat, F_lat, H_lat, W_lat) of a batch of `bucket` clips. Raises ValueError for a bucket the VAE/DiT
+        cannot take."""
+
+    @abc.abstractmethod
+    def no_grad_parameter_names(self, transformer: torch.nn.Module) -> list[str]:
+        """Trainable transformer parameters that get no gradient in a forward+backward (freeze them for DDP)."""
+
+    @abc.abstractmethod
+    def save_pipeline(self, components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
+        """Write a complete diffusers pipeline folder that the stock pipeline class loads offline."""
+
+    @abc.abstractmethod
+    def load_pretrained(self, path: str | Path) -> Components:
+        """Load components from a local diffusers folder (never a hub id)."""
