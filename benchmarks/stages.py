@@ -18,8 +18,10 @@ Figures:
 - `online_vae_busy_fraction`, `cached_vae_busy_fraction`, `*_decode_busy_fraction`, `*_dit_busy_fraction`: seconds
   each stage worked for rank 0 / rank 0's step seconds (> 1 is possible: the stages run beside the trainer).
 - `sixteen_nodes_placed`: on a `ray.cluster_utils.Cluster` of 16 nodes on this machine (an unlabeled head with no
-  CPUs, 3 `vae` nodes, 4 `dit` nodes, 8 `decode` nodes; fractional CPUs), the share of actors (trainers, decode,
-  vae, text) that ran on a node with their stage's label, read from inside each actor; goal >= 1.0.
+  CPUs, 3 `vae`, 4 `dit` and 8 `decode` nodes of 1 logical CPU each: 15 on 2 cores), the tiny job with 4 workers
+  (1 CPU each), decode operators of 0.5 CPU and vae+text actors of 0.25 + 0.25 CPU placed by label: the share of
+  actors (trainers, decode, vae, text) that ran on a node with their stage's label, read from inside each actor;
+  goal >= 1.0.
 
 The last stdout line is one JSON object: {"benchmark": "stages", "figures": {...}, "details": {...}}.
 """
@@ -107,8 +109,7 @@ def sixteen_nodes(args, tmp: Path) -> dict[str, object]:
     t0 = time.perf_counter()
     try:
         for kind in kinds:
-            cpus = {"dit": 0.75, "vae": 1.0, "decode": 0.5}[kind]
-            cluster.add_node(num_cpus=cpus, node_ip_address="127.0.0.1", labels={STAGE: kind})
+            cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", labels={STAGE: kind})  # Ray: whole CPUs
         cluster.wait_for_nodes()
         ray.init(address=cluster.address)
         say(f"{len(ray.nodes())} nodes up in {time.perf_counter() - t0:.0f} s")
@@ -117,7 +118,7 @@ def sixteen_nodes(args, tmp: Path) -> dict[str, object]:
         job16 = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
             f"data.shards_dir={shards}", f"storage.path={tmp / 'runs16'}", "name=sixteen",
             "model.text_encoder=tiny_random", "train.max_steps=4", "train.log_every_steps=2",
-            "checkpoint.every_steps=4", "scaling.num_workers=4", "scaling.cpus_per_worker=0.75",
+            "checkpoint.every_steps=4", "scaling.num_workers=4", "scaling.cpus_per_worker=1",
             "data.loader_cpus=0.5", "placement.vae.num_cpus=0.25", "placement.text.num_cpus=0.25",
             f"placement.dit.label_selector={{{STAGE}: dit}}", f"placement.decode.label_selector={{{STAGE}: decode}}",
             f"placement.vae.label_selector={{{STAGE}: vae}}", f"placement.text.label_selector={{{STAGE}: vae}}"])

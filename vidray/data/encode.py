@@ -212,7 +212,7 @@ class EncodeStage:
                 latents = found["latents"]
                 hits += 1
             else:
-                video = frames_to_video(np.ascontiguousarray(frames[b:b + 1]))
+                video = frames_to_video(np.array(frames[b:b + 1]))  # a writable copy of Ray's read-only block
                 with torch.no_grad():
                     latents = self.family.encode_video(self.vae, video.to(self.device))[0].float().cpu()
                 misses += 1
