@@ -95,3 +95,29 @@ def test_gradient_reaches_trainable_transformer_parameters_and_not_frozen_ones(f
     assert not no_grad
     assert sum(float(params[n].grad.abs().sum()) for n in trainable) > 0
     assert latents.grad is None  # the latents are data, not parameters
+
+
+def test_the_step_trains_the_familys_objective(family, transformer):
+    """The step asks the family for noisy_latents and the target: a family trained on epsilon (AnimateDiff's
+    objective) plugs in by overriding the two methods, without touching the step."""
+    from vidray.models.easyanimate import EasyAnimateFamily
+
+    class EpsilonFamily(EasyAnimateFamily):
+        objective = "epsilon"
+
+        def training_target(self, latents, noise, sigmas):
+            return noise
+
+    latents, prompt_embeds, mask = _batch(family, transformer)
+    eps = flow_matching_step_loss(EpsilonFamily(), transformer, latents, prompt_embeds, mask, FLOW,
+                                  step_generator(3, 7, 1))
+    g = step_generator(3, 7, 1)
+    noise = torch.randn(latents.shape, generator=g)
+    u = torch.randn(latents.shape[0], generator=g)
+    s = FLOW.shift * torch.sigmoid(u * FLOW.logit_std + FLOW.logit_mean)
+    s = (s / (1 + (FLOW.shift - 1) * torch.sigmoid(u * FLOW.logit_std + FLOW.logit_mean))).view(-1, 1, 1, 1, 1)
+    with torch.no_grad():
+        model_pred = transformer((1 - s) * latents + s * noise, s.flatten() * 1000,
+                                 encoder_hidden_states=prompt_embeds).sample
+    torch.testing.assert_close(eps.detach(), ((model_pred - noise) ** 2).mean(), rtol=1e-5, atol=1e-6)
+    assert family.objective == "flow_matching"

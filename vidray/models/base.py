@@ -4,7 +4,7 @@ DiT + VAE + text encoder stack. Nothing outside `vidray/models/` knows a family'
 
 What a family owns: building its modules (`build`, `build_transformer`, `build_encoders`, `load_pretrained`),
 `encode_video` (latent normalisation included: EasyAnimate scales, Wan normalises per channel), `encode_prompt`,
-the transformer call (`predict`), its latent layout and bucket rules (`latent_shape`; the rules' numbers also in
+the training objective (`noisy_latents`, `training_target`), the transformer call (`predict`), its latent layout and bucket rules (`latent_shape`; the rules' numbers also in
 `vidray.models.rules`, which the config checks at load), and the diffusers pipeline it exports (`save_pipeline`).
 """
 
@@ -19,6 +19,7 @@ import torch
 
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket
+from vidray.diffusion.flow_matching import add_noise, velocity_target
 
 __all__ = ["Components", "Encoders", "ModelFamily"]
 
@@ -58,6 +59,20 @@ class ModelFamily(abc.ABC):
     temporal_compression_ratio: int
     spatial_multiple: int
     """Video height and width must be multiples of this (pixels): VAE downsampling x DiT patch size."""
+    objective: str = "flow_matching"
+    """The training objective, as `noisy_latents` and `training_target` define it. The default is rectified flow
+    (EasyAnimate, Wan): target = noise - latents. A family trained otherwise (CogVideoX: v-prediction; AnimateDiff:
+    epsilon) overrides both methods (and its sampler); the training step calls only these."""
+
+    def noisy_latents(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+        """latents, noise (B, C, F, H, W) and sigmas (B,) in [0, 1] -> the transformer's input (B, C, F, H, W).
+        Flow matching: (1 - sigma) * latents + sigma * noise (`vidray.diffusion.flow_matching.add_noise`)."""
+        return add_noise(latents, noise, sigmas)
+
+    def training_target(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+        """What `predict` is trained to output, (B, C, F, H, W). Flow matching: the velocity noise - latents
+        (`vidray.diffusion.flow_matching.velocity_target`); sigmas are unused there."""
+        return velocity_target(latents, noise)
 
     @abc.abstractmethod
     def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:

@@ -11,11 +11,9 @@ import torch
 
 from vidray.config import FlowConfig
 from vidray.diffusion.flow_matching import (
-    add_noise,
     flow_matching_loss,
     sample_sigmas,
     timesteps_from_sigmas,
-    velocity_target,
 )
 from vidray.errors import UserError
 
@@ -49,14 +47,15 @@ def flow_matching_step_loss(
     """Rectified-flow loss of one batch (Esser et al. 2024, eq. 1-3; formulas in vidray.diffusion.flow_matching).
 
     Args:
-        family: the model family (its `predict` adapts the call to the transformer).
+        family: the model family: its `noisy_latents` and `training_target` define the objective (flow matching for
+            EasyAnimate), its `predict` adapts the call to the transformer.
         latents: (B, C_lat, F_lat, H_lat, W_lat) normalized VAE latents.
         prompt_embeds: (B, L, D); prompt_attention_mask: (B, L) bool.
         generator: one CPU generator for the whole batch's noise and sigmas (`step_generator`), or B generators,
             one per sample (`sample_generator`: each draws its sample's noise, then its sigma).
         loss_weights: (B,) per-sample weights (0 for the padding of `vidray.data.schedule`), or None.
     Returns:
-        scalar fp32 loss: without weights, mse(model_pred, noise - latents); with weights,
+        scalar fp32 loss: without weights, mse(model_pred, target) (flow matching: target = noise - latents); with weights,
         sum_i w_i * mse_i, mse_i being sample i's mean squared error (the caller normalises the sum).
     """
     batch_size = latents.shape[0]
@@ -69,10 +68,10 @@ def flow_matching_step_loss(
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=latents.dtype) for g in generator])
         noise = noise.to(latents.device)
         sigmas = torch.cat([sample_sigmas(1, flow, generator=g) for g in generator]).to(latents.device)  # (B,)
-    noisy_latents = add_noise(latents, noise, sigmas)
+    noisy_latents = family.noisy_latents(latents, noise, sigmas)  # the family's objective (flow matching here)
     timesteps = timesteps_from_sigmas(sigmas, flow.num_train_timesteps)
     model_pred = family.predict(transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask)
-    target = velocity_target(latents, noise)
+    target = family.training_target(latents, noise, sigmas)
     if loss_weights is None:
         return flow_matching_loss(model_pred, target)
     per_sample = (model_pred.float() - target.float()).pow(2).flatten(1).mean(dim=1)  # (B,)
