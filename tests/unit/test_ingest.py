@@ -49,6 +49,23 @@ def test_encode_decode_mp4_round_trips_shape_exactly_and_pixels_closely(shape):
     assert np.abs(decoded.astype(np.int16) - frames).mean() < 6.0
 
 
+def test_decode_mp4_into_a_batch_slot_equals_the_plain_decode_and_refuses_a_wrong_shape():
+    rng = np.random.default_rng(1)
+    frames = rng.integers(0, 255, (9, 64, 112, 3), dtype=np.uint8)
+    data = encode_mp4(frames, fps=8.0)
+    batch = np.full((2, 9, 64, 112, 3), 7, np.uint8)  # (B, F, H, W, 3)
+    result = decode_mp4(data, out=batch[1])
+    assert np.shares_memory(result, batch)  # written in place, no new array
+    np.testing.assert_array_equal(batch[1], decode_mp4(data))
+    assert (batch[0] == 7).all()  # the other slot is untouched
+    with pytest.raises(MediaError, match="9 frames, 10 expected"):
+        decode_mp4(data, out=np.empty((10, 64, 112, 3), np.uint8))
+    with pytest.raises(MediaError, match="more than the 8 frames expected"):
+        decode_mp4(data, out=np.empty((8, 64, 112, 3), np.uint8))
+    with pytest.raises(MediaError, match=r"frame shape \(64, 112, 3\) differs from the expected \(64, 64, 3\)"):
+        decode_mp4(data, out=np.empty((9, 64, 64, 3), np.uint8))
+
+
 def test_encode_mp4_rejects_odd_size_and_wrong_dtype():
     with pytest.raises(ValueError, match="even height and width"):
         encode_mp4(np.zeros((2, 63, 64, 3), np.uint8), fps=8.0)

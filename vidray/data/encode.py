@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import time
 from collections import OrderedDict
 from typing import Any
@@ -161,7 +160,6 @@ class EncodeStage:
         self.hot: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.hot_used = 0
         self.node = json.dumps(_node_info())
-        self.lock = threading.Lock()
 
     # -- the hot tier and the store -------------------------------------------------------------------------
 

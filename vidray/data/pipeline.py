@@ -168,17 +168,19 @@ class ClipLoader:
         open_shards: shards kept in memory while walking them.
         local_ranks: training ranks on this node sharing the warm cache (each prefetches within
             cache_bytes / (2 x local_ranks)).
+        hash_clips: compute each clip's sha256 (the latent cache's key); off when no encode stage follows.
 
-    `__call__({"i": (1,) int64})` returns {"i", "frames" (1, B, F, H, W, 3) uint8, "captions" (1,) JSON list of B str,
-    "clip_sha" (1,) JSON list of B sha256 hex of the clips' stored mp4 bytes ("" for black fill frames; the latent
-    cache's content key, `vidray.data.encode`),
+    `__call__({"i": (1,) int64})` returns {"i", "frames" (1, B, F, H, W, 3) uint8 (each clip decoded straight into
+    its slot), "captions" (1,) JSON list of B str, "clip_sha" (1,) JSON list of B sha256 hex of the clips' stored
+    mp4 bytes ("" for black fill frames or with `hash_clips` off; the latent cache's content key,
+    `vidray.data.encode`),
     "ok" (1, B) bool, "skipped" (1,) JSON str, "node" (1,) JSON str {"node_id", "labels"} of the node this
     operator runs on (`vidray.placement`), and one (1,) column per `STAT_KEYS`}.
     """
 
     def __init__(self, shards_dir: str, shard_entries: Sequence[dict[str, Any]], plan: dict[str, np.ndarray], *,
                  cache_dir: str, cache_bytes: int, hot_bytes: int, prefetch_window: int, open_shards: int,
-                 local_ranks: int = 1):
+                 local_ranks: int = 1, hash_clips: bool = True):
         import json
 
         import ray
@@ -193,6 +195,7 @@ class ClipLoader:
         self.plan = plan
         self.cache = None if self.storage.is_local else ShardCache(cache_dir, cache_bytes)
         self.hot_bytes = int(hot_bytes)
+        self.hash_clips = bool(hash_clips)  # the clips' sha256 keys the latent cache: only an encode stage needs it
         self.hot: OrderedDict[int, tuple[np.ndarray, str, str]] = OrderedDict()  # key -> (frames, caption, sha256)
         self.hot_used = 0
         self.tables: OrderedDict[int, pa.Table] = OrderedDict()
@@ -317,29 +320,30 @@ class ClipLoader:
         return ("miss", table.column("sample_id")[row].as_py(), table.column("video_mp4")[row].as_py(),
                 table.column("caption")[row].as_py())
 
-    def _decode(self, sample_id: str, data: bytes, bucket: Bucket, skipped: list[dict[str, str]]):
-        """uint8 (F, H, W, 3) frames of one clip's mp4 bytes, or None when they do not decode to its bucket
-        (recorded once). Runs on the loader's decode threads (PyAV releases the GIL while decoding)."""
+    def _decode(self, sample_id: str, data: bytes, out: np.ndarray, skipped: list[dict[str, str]]) -> bool:
+        """Decode one clip's mp4 bytes into `out`, uint8 (F, H, W, 3) of its bucket (its slot of the batch).
+        False when they do not decode to that shape (recorded once). Runs on the loader's decode threads (PyAV
+        releases the GIL while decoding)."""
         from vidray.data.video import decode_mp4
 
         t0 = time.perf_counter()
         try:
-            frames = decode_mp4(data)
-            if frames.shape != (*bucket, 3):
-                raise ValueError(f"decoded shape {frames.shape} differs from its bucket {bucket}")
-            return frames
-        except Exception as err:  # noqa: BLE001 - MediaError or a shape mismatch: skip the clip
+            decode_mp4(data, out=out)
+            return True
+        except Exception as err:  # noqa: BLE001 - MediaError (or a frame count or size off its bucket): skip
             with self.lock:
                 if sample_id not in self.reported:
                     self.reported.add(sample_id)
                     skipped.append({"sample_id": sample_id, "reason": f"{type(err).__name__}: {err}"})
-            return None
+            return False
         finally:
             with self.lock:
                 self.stats["decode_s"] += time.perf_counter() - t0
 
-    def _clips(self, keys, shards, rows, bucket: Bucket, skipped: list[dict[str, str]]) -> list:
-        """[(frames, caption, mp4 sha256) or None] of a micro-batch: hot hits first, then the misses decoded two at a time."""
+    def _clips(self, keys, shards, rows, frames: np.ndarray, skipped: list[dict[str, str]]) -> list:
+        """Fill `frames`, uint8 (B, F, H, W, 3), with a micro-batch's clips: hot hits copied, misses decoded into
+        their slots two at a time. Returns per slot (caption, mp4 sha256 or "") or None (not delivered: its
+        slot is left as it is)."""
         found: list = []
         first_slot: dict[int, int] = {}  # key -> the slot that decodes it (a clip repeated in the batch: once)
         for k, s, r in zip(keys, shards, rows):
@@ -351,20 +355,30 @@ class ClipLoader:
                 continue
             first_slot[k] = len(found)
             found.append(self._lookup(k, int(s), int(r), skipped))
+        for j, f in enumerate(found):
+            if isinstance(f, tuple) and len(f) == 3:  # a hot hit: (frames, caption, sha256)
+                frames[j] = f[0]
+                found[j] = f[1:]
         misses = [j for j, f in enumerate(found) if isinstance(f, tuple) and len(f) == 4]  # ("miss", id, mp4, caption)
-        decoded = self._pool.map(lambda j: self._decode(found[j][1], found[j][2], bucket, skipped), misses)
-        for j, frames in zip(misses, list(decoded)):
-            caption, sha = found[j][3], hashlib.sha256(found[j][2]).hexdigest()
-            found[j] = None if frames is None else (frames, caption, sha)
-            if frames is not None and self.hot_bytes and frames.nbytes <= self.hot_bytes:
+        decoded = self._pool.map(lambda j: self._decode(found[j][1], found[j][2], frames[j], skipped), misses)
+        for j, ok in zip(misses, list(decoded)):
+            caption, data = found[j][3], found[j][2]
+            sha = hashlib.sha256(data).hexdigest() if self.hash_clips else ""
+            found[j] = (caption, sha) if ok else None
+            if ok and self.hot_bytes and frames[j].nbytes <= self.hot_bytes:
                 key = int(keys[j])
                 if key not in self.hot:
-                    self.hot[key] = found[j]
-                    self.hot_used += frames.nbytes
+                    self.hot[key] = (frames[j].copy(), caption, sha)  # its own memory: the batch goes to Ray
+                    self.hot_used += frames[j].nbytes
                 while self.hot_used > self.hot_bytes:
                     _, (old, _, _) = self.hot.popitem(last=False)
                     self.hot_used -= old.nbytes
-        return [found[f] if isinstance(f, int) else f for f in found]  # repeats take their first slot's clip
+        for j, f in enumerate(found):
+            if isinstance(f, int):  # a repeat: its first slot's clip
+                if found[f] is not None:
+                    frames[j] = frames[f]
+                found[j] = found[f]
+        return found
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import json
@@ -379,18 +393,21 @@ class ClipLoader:
         keys = self.plan["key"][o[i]:o[i + 1]]
         bucket = Bucket(*(int(x) for x in self.plan["bucket"][i]))
         skipped: list[dict[str, str]] = []
-        clips = self._clips(keys, shards, rows, bucket, skipped)
+        frames = np.empty((len(keys), *bucket, 3), np.uint8)  # (B, F, H, W, 3), filled in place
+        clips = self._clips(keys, shards, rows, frames, skipped)
         ok = np.array([c is not None for c in clips])
-        fill = next((c for c in clips if c is not None), (np.zeros((*bucket, 3), np.uint8), "", ""))
+        good = int(np.argmax(ok)) if ok.any() else -1
+        for j in np.flatnonzero(~ok):  # a slot not delivered repeats a delivered clip (weight 0), else zeros
+            frames[j] = frames[good] if good >= 0 else 0
+        fill = clips[good] if good >= 0 else ("", "")  # its caption and key too: an encode stage then hits
         clips = [c if c is not None else fill for c in clips]
-        frames = np.stack([c[0] for c in clips])  # (B, F, H, W, 3)
         with self.lock:
             stats, self.stats = self.stats, dict.fromkeys(STAT_KEYS, 0.0)
         out = {
             "i": np.array([i]),
             "frames": frames[None],
-            "captions": np.array([json.dumps([c[1] for c in clips])]),
-            "clip_sha": np.array([json.dumps([c[2] for c in clips])]),
+            "captions": np.array([json.dumps([c[0] for c in clips])]),
+            "clip_sha": np.array([json.dumps([c[1] for c in clips])]),
             "ok": ok[None],
             "skipped": np.array([json.dumps(skipped)], dtype=object),
             "node": np.array([self.node], dtype=object),
@@ -494,6 +511,7 @@ class RankLoader:
                 "prefetch_window": int(data.prefetch_window_batches),
                 "open_shards": 2 * int(data.shuffle_block_shards) + 2,
                 "local_ranks": int(local_ranks),
+                "hash_clips": bool(operators),
             },
         )
         for op in operators:  # the encode stages, each one actor on the nodes its placement allows

@@ -607,14 +607,34 @@ def write_mp4(frames: np.ndarray, path: str | Path, fps: float, *, crf: int = 18
     return path
 
 
-def decode_mp4(data: bytes) -> np.ndarray:
-    """mp4 bytes -> uint8 (F, H, W, 3) RGB, every frame. Raises MediaError when the bytes do not decode."""
+def decode_mp4(data: bytes, out: np.ndarray | None = None) -> np.ndarray:
+    """mp4 bytes -> uint8 (F, H, W, 3) RGB, every frame.
+
+    out: None (a new array), or a writable uint8 (F, H, W, 3) array the frames are written into, each frame copied
+    once from PyAV's picture (a data loader decodes into its batch this way, without a stack of the frames).
+    Raises MediaError when the bytes do not decode, or when `out` is given and the stream's frame count or frame
+    size differs from its shape.
+    """
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
                 raise MediaError("mp4 bytes hold no video stream")
             stream = _video_stream(container)
-            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+            if out is None:
+                frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+            else:
+                count = 0
+                for frame in container.decode(stream):
+                    if count >= len(out):
+                        raise MediaError(f"mp4 bytes hold more than the {len(out)} frames expected")
+                    picture = frame.to_ndarray(format="rgb24")
+                    if picture.shape != out.shape[1:]:
+                        raise MediaError(f"frame shape {picture.shape} differs from the expected {out.shape[1:]}")
+                    out[count] = picture
+                    count += 1
+                if count != len(out):
+                    raise MediaError(f"mp4 bytes hold {count} frames, {len(out)} expected")
+                return out
     except av.FFmpegError as err:
         raise MediaError(f"mp4 bytes do not decode ({err})") from None
     if not frames:
