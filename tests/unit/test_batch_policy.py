@@ -103,6 +103,48 @@ def test_requests_slower_than_predicted_scale_the_prediction_and_shrink_the_batc
     assert policy.snapshot()["num_services_observed"] == 30
 
 
+def test_step_time_spread_raises_the_compute_term_to_the_quantile_and_shrinks_the_batch():
+    # t(b) = 0.1 + 0.01 b over 10 steps, target 2.6 s: with steady steps batch 16 just fits (10 * 0.26 = 2.6 s).
+    steady = fitted_policy(a=0.1, c=0.01, target_s=2.6)
+    assert idle(steady).batch_size == 16 and steady.snapshot()["step_relative_std"] == 0.0
+
+    def noisy(quantile: float) -> BatchPolicy:
+        policy = BatchPolicy(PolicyConfig(latency_target_s=2.6, max_batch_size=16, latency_quantile=quantile))
+        for _ in range(200):  # each size alternates +-20 % around t(b): the mean is unchanged
+            for b in (1, 4, 8):
+                for sign in (1, -1):
+                    policy.observe_step(b, (0.1 + 0.01 * b) * (1 + sign * 0.2))
+        return policy
+
+    p90, p50 = noisy(0.9), noisy(0.5)
+    spread = p90.snapshot()["step_relative_std"]
+    assert 0.2 < spread < 0.5  # deviations from a lagging EWMA: ~0.23 here
+    u = 1 + 1.2815515655 * spread  # z of the 0.9 quantile
+    decision = idle(p90)
+    # the largest b with 10 * (0.1 + 0.01 b) * u <= 2.6 (the fit of a, c stays within noise of the truth)
+    expected = max(b for b in range(1, 17) if 10 * (0.1 + 0.01 * b) * u <= 2.6)
+    assert decision.batch_size == pytest.approx(expected, abs=1) and decision.batch_size < 16
+    assert decision.predicted_latency_s <= 2.6 and "for the spread" in decision.reason
+    assert idle(p50).batch_size == 16  # the mean: the spread does not count
+    with pytest.raises(UserError, match="latency_quantile"):
+        PolicyConfig(latency_target_s=1.0, max_batch_size=4, latency_quantile=0.3)
+
+
+def test_a_queue_that_cannot_meet_the_target_does_not_grow_the_batch_past_what_meets_it():
+    # t(b) = 0.1 + 0.01 b over 10 steps; target 1.45 s: an admitted request meets it up to batch 4 (1.4 s).
+    policy = fitted_policy(a=0.1, c=0.01, target_s=1.45)
+    decision = policy.decide(queue_depth=3, num_running=4, num_steps=10, bytes_per_item=0)
+    # The last of 3 queued misses at every size (batch 7 admits it at once but takes 1.7 s; smaller batches make
+    # it wait a round). Growing to 7 would make all 7 miss; holding at 4 keeps the 4 running within the target.
+    assert decision.batch_size == 4
+    assert "admission held at batch 4" in decision.reason
+    assert decision.predicted_latency_s > 1.45 and decision.wait_s == 0.0
+    # A target one request alone cannot meet still gets the lowest-latency, highest-throughput size.
+    hopeless = fitted_policy(a=0.1, c=0.01, target_s=0.5).decide(queue_depth=3, num_running=4, num_steps=10,
+                                                                 bytes_per_item=0)
+    assert hopeless.batch_size == 7 and "unmeetable: lowest predicted latency" in hopeless.reason
+
+
 def test_batch_shrinks_when_transfer_loss_rises():
     policy = fitted_policy(a=1.0, c=0.01, target_s=20.0)
     for n in (1 * MB, 2 * MB):  # 20 MB/s: 16 requests of 7 MB move in 5.6 s

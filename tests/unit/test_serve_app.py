@@ -47,7 +47,7 @@ def test_shipped_config_args_are_valid_settings():
 def test_unknown_or_out_of_range_keys_are_refused_naming_them(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("VIDRAY_API_TOKEN", TOKEN)
     with pytest.raises(ServeSettingsError, match="policy.max_batch_sise: unknown key \\(did you mean max_batch_size"
-                                                 "\\?\\); valid: latency_target_s, max_batch_size, max_wait_s"):
+                                                 "\\?\\); valid: latency_quantile, latency_target_s, max_batch_size, max_wait_s"):
         build_app(_args(model_dir, tmp_path, policy={"max_batch_sise": 4}))
     with pytest.raises(ServeSettingsError, match="store_dri: unknown key \\(did you mean store_dir\\?\\)"):
         build_app({**_args(model_dir, tmp_path), "store_dri": "x"})

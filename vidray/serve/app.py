@@ -102,6 +102,9 @@ class PolicySettings(_Section):
     """Most requests in the running batch (memory); the Denoiser's max_ongoing_requests must be >= it."""
     max_wait_s: float = Field(0.05, ge=0)
     """Longest wait for arrivals before a fresh batch's first step."""
+    latency_quantile: float = Field(0.9, ge=0.5, le=0.999)
+    """Quantile of the Denoiser's latency that must meet `latency_target_s` (0.5: the mean); the policy widens
+    its prediction by the measured spread of step times."""
 
 
 class ServeSettings(_Section):

@@ -14,7 +14,8 @@ Serve caps the requests inside one replica at `max_ongoing_requests`, so that mu
 `max_batch_size` (checked at start-up: ray issue 43288, NOTES.md).
 
 Transfer cost: every request to the denoiser carries `sent_at` (unix seconds, stamped by the caller) and the size of
-its tensors; the time from `sent_at` to arrival is one transfer measurement. `user_config.boundary_delay_s` and
+its tensors; the time from `sent_at` to arrival is one transfer measurement. Each finished request also reports its
+time in the step loop against its steps' seconds (`observe_service`). `user_config.boundary_delay_s` and
 `boundary_bytes_per_s` inject a delay at this stage boundary (benchmarks; this kernel has no netem, NOTES.md).
 """
 
@@ -119,7 +120,8 @@ class _Request:
     arrived_at: float
     last_step_at: float = 0.0
     admitted_at: float = 0.0
-    predicted_compute_s: float = float("nan")
+    stepped_s: float = 0.0
+    """Seconds of the denoising steps this request ran in (the compute the policy's step times account for)."""
     last_event_at: float = 0.0
     cancelled: bool = False
 
@@ -253,7 +255,6 @@ class Denoiser:
         while self._pending and len(self._running) < decision.batch_size:
             entry = self._pending.popleft()
             entry.admitted_at = time.monotonic()
-            entry.predicted_compute_s = decision.predicted_compute_s
             self._running.append(entry)
         if not self._running:
             return
@@ -299,10 +300,11 @@ class Denoiser:
         now = time.monotonic()
         for r in batch:
             r.last_step_at = now
+            r.stepped_s += seconds
             if r.state.done:
                 r.events.put_nowait({"latents": r.state.latents.float().cpu()})
                 self._stats["completed"] += 1
-                self.policy.observe_service(r.predicted_compute_s, now - r.admitted_at)
+                self.policy.observe_service(r.stepped_s, now - r.admitted_at)
             elif now - r.last_event_at >= PROGRESS_EVERY_S:  # progress travels at most ~4x/s per request
                 r.last_event_at = now
                 r.events.put_nowait({"step": r.state.step, "num_inference_steps": r.state.num_inference_steps})
