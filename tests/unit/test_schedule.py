@@ -273,3 +273,22 @@ def test_shards_and_block_size_are_checked():
         SampleSchedule.from_buckets(SHARDED, batch_sizes=2, seed=0, shards=SHARD_OF, shuffle_block_shards=0)
     with pytest.raises(ValueError, match="one int per sample"):
         SampleSchedule.from_buckets(SHARDED, batch_sizes=2, seed=0, shards=SHARD_OF[:-1])
+
+
+def test_job_schedule_takes_batch_sizes_seed_and_shards_from_the_job():
+    from types import SimpleNamespace
+
+    from vidray.config import job_config_from_dict
+    from vidray.data.buckets import Bucket
+    from vidray.data.schedule import job_schedule
+    from vidray.models.registry import get_family
+
+    job = job_config_from_dict({"name": "sched", "data": {"buckets": [[9, 64, 64], [1, 64, 64]],
+                                                          "tokens_per_batch": 1536},
+                                "train": {"seed": 3}})
+    table = SimpleNamespace(bucket_id=np.array([0] * 16 + [1] * 48), buckets=(Bucket(9, 64, 64), Bucket(1, 64, 64)),
+                            shard=np.repeat(np.arange(8), 8))
+    schedule = job_schedule(job, table, get_family("easyanimate"))
+    # 1536 latent tokens: 9x64x64 -> 3x8x8 = 192 tokens -> 8 clips; 1x64x64 -> 64 tokens -> 24 images
+    assert schedule.batch_sizes.tolist() == [8, 24] and schedule.seed == 3
+    assert schedule.batches_per_epoch == 2 + 2

@@ -292,14 +292,15 @@ def encode_to_cache(job: Any, *, shards_dir: str | None = None, latent_cache: st
     """
     from vidray.data.index import load_sample_index
     from vidray.data.pipeline import RankLoader, encode_spec, plan_rank_steps
-    from vidray.data.schedule import SampleSchedule, batch_sizes_for_buckets
+    from vidray.data.schedule import job_schedule
     from vidray.data.shards import read_index
     from vidray.errors import UserError
     from vidray.models.registry import get_family
     from vidray.placement import alive_nodes, resolve_placement
-    from vidray.train.trainer import _absolute, latent_cache_root
+    from vidray.locations import absolute_location
+    from vidray.train.trainer import latent_cache_root
 
-    shards_dir = _absolute(shards_dir or job.data.shards_dir)
+    shards_dir = absolute_location(shards_dir or job.data.shards_dir)
     cache = latent_cache if latent_cache is not None else latent_cache_root(job)
     if not cache:
         raise UserError("data.latent_cache is 'off': set it to 'auto' or a folder/URI to fill a latent cache")
@@ -307,13 +308,7 @@ def encode_to_cache(job: Any, *, shards_dir: str | None = None, latent_cache: st
     placement = resolve_placement(job, alive_nodes())
     index = read_index(shards_dir)
     table = load_sample_index(shards_dir)
-    family = get_family(job.model.family)
-    batch_sizes = batch_sizes_for_buckets(
-        table.buckets, batch_size_per_worker=job.data.batch_size_per_worker,
-        tokens_per_batch=job.data.tokens_per_batch,
-        latent_tokens=lambda bucket: int(np.prod(family.latent_shape(bucket, 1)[2:])))
-    schedule = SampleSchedule(table.bucket_id, table.buckets, batch_sizes=batch_sizes, seed=job.train.seed,
-                              shards=table.shard, shuffle_block_shards=job.data.shuffle_block_shards)
+    schedule = job_schedule(job, table, get_family(job.model.family))
     steps = plan_rank_steps(schedule, schedule.start(0), world_size=1, rank=0, first_step=1,
                             last_step=schedule.steps_per_epoch(1, 1), micro_batches=1)
     loader = RankLoader(shards_dir, index, table, steps, job.data, label_selector=placement.get("decode"),

@@ -451,3 +451,22 @@ def batch_sizes_for_buckets(
     if tokens_per_batch < 1:
         raise ValueError(f"data.tokens_per_batch must be >= 1 latent tokens, got {tokens_per_batch}")
     return {Bucket(*b): max(1, int(tokens_per_batch) // int(latent_tokens(Bucket(*b)))) for b in buckets}
+
+
+def job_schedule(job, table, family) -> SampleSchedule:
+    """The sample schedule a job trains on (the training loop and `vidray prepare --encode` both plan with it).
+
+    job: a `vidray.config.JobConfig`; table: the shards' sample table (`vidray.data.index.SampleIndex`: bucket_id,
+    buckets, shard); family: the job's `ModelFamily` (its `latent_shape` gives the latent tokens of a bucket).
+    Per-bucket batch sizes come from `data.batch_size_per_worker` or `data.tokens_per_batch`
+    (`batch_sizes_for_buckets`), the order from `train.seed` and `data.shuffle_block_shards`. Raises ValueError
+    for a token budget < 1.
+    """
+    batch_sizes = batch_sizes_for_buckets(
+        table.buckets,
+        batch_size_per_worker=job.data.batch_size_per_worker,
+        tokens_per_batch=job.data.tokens_per_batch,
+        latent_tokens=lambda bucket: int(np.prod(family.latent_shape(bucket, 1)[2:])),
+    )
+    return SampleSchedule(table.bucket_id, table.buckets, batch_sizes=batch_sizes, seed=job.train.seed,
+                          shards=table.shard, shuffle_block_shards=job.data.shuffle_block_shards)

@@ -31,14 +31,10 @@ from urllib.parse import urlparse
 import pyarrow.fs as pafs
 
 from vidray.errors import UserError
+from vidray.locations import is_uri
 
 S3_MAX_ATTEMPTS = 5
 """Attempts per S3 request (the first plus retries, exponential backoff by the AWS SDK)."""
-
-
-def is_uri(location: str | Path) -> bool:
-    """True for `scheme://...` locations (`file://` included)."""
-    return "://" in str(location)
 
 
 def _s3_filesystem() -> pafs.S3FileSystem:

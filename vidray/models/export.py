@@ -34,6 +34,7 @@ import yaml
 from vidray.config import FlowConfig, JobConfig, job_config_from_dict
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError, UserFileNotFound
+from vidray.locations import is_uri
 
 if TYPE_CHECKING:
     import torch
@@ -316,7 +317,7 @@ def inspect_model(path: str | Path) -> ModelInfo:
     that no longer validates; the checkpoint module's errors for an incomplete checkpoint; ModelDownloadError
     when a URI's store cannot be read.
     """
-    if "://" in str(path):
+    if is_uri(path):
         return dataclasses.replace(_inspect_folder(fetch_model(str(path))), source=str(path))
     return _inspect_folder(Path(path))
 
@@ -355,7 +356,7 @@ def _inspect_folder(path: Path) -> ModelInfo:
 def _check_model_kind(path: str | Path) -> None:
     """Raise unless `path` is a folder with a checkpoint manifest or a model_index.json (file checks only; for a
     URI one or two metadata requests to the store, no download)."""
-    if "://" in str(path):
+    if is_uri(path):
         from vidray.data.storage import open_storage
 
         _stored_model_marker(open_storage(str(path), setting="model"))

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from vidray.errors import UserError
+from vidray.locations import is_uri
 from vidray.serve.api import ApiLimits, ModelSpec, VideoRequest, build_api
 from vidray.serve.jobs import JobStore
 from vidray.serve.policy import PolicyConfig
@@ -426,7 +427,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     auth_token = _read_token(settings.auth)
     root = Path.cwd()
     settings = settings.model_copy(update={
-        "model_path": (settings.model_path if "://" in settings.model_path  # a URI: fetched into the model cache
+        "model_path": (settings.model_path if is_uri(settings.model_path)  # a URI: fetched into the model cache
                        else str((root / settings.model_path).resolve())),
         "store_dir": str((root / settings.store_dir).resolve()),
     })

@@ -37,12 +37,13 @@ import torch.distributed as dist
 
 from vidray.config import job_config_from_dict
 from vidray.errors import UserError
+from vidray.locations import is_uri
 from vidray.models.export import write_job_file
 from vidray.metrics import TrainMetrics
 from vidray.data.cache import check_cache_budget
 from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
 from vidray.data.pipeline import RankLoader, TrainBatch, encode_spec, iter_rank_steps
-from vidray.data.schedule import DataPosition, SampleSchedule, batch_sizes_for_buckets
+from vidray.data.schedule import DataPosition, SampleSchedule, job_schedule
 from vidray.data.shards import read_index
 from vidray.data.storage import open_storage
 from vidray.models.registry import Components, get_family
@@ -86,7 +87,7 @@ def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_schedu
     start = loop_config.get("resume_from")
     if start:
         # The driver has just verified sizes and hashes: check sizes only here.
-        parent, name = start.rstrip("/").rsplit("/", 1) if "://" in start else (Path(start).parent, Path(start).name)
+        parent, name = start.rstrip("/").rsplit("/", 1) if is_uri(start) else (Path(start).parent, Path(start).name)
         with CheckpointManager(parent).fetch(name) as directory:
             state = load_checkpoint(directory, transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                     verify=False)
@@ -138,14 +139,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     if not open_storage(shards_dir).is_local:
         check_cache_budget(job.data.cache_bytes, index, local_ranks=context.get_local_world_size())
     sample_ids = table.sample_id.astype(str)
-    batch_sizes = batch_sizes_for_buckets(
-        table.buckets,
-        batch_size_per_worker=job.data.batch_size_per_worker,
-        tokens_per_batch=job.data.tokens_per_batch,
-        latent_tokens=lambda bucket: int(np.prod(family.latent_shape(bucket, 1)[2:])),
-    )
-    schedule = SampleSchedule(table.bucket_id, table.buckets, batch_sizes=batch_sizes, seed=job.train.seed,
-                              shards=table.shard, shuffle_block_shards=job.data.shuffle_block_shards)
+    schedule = job_schedule(job, table, family)
 
     # Parameters that never get a gradient break DDP's reducer ('Expected to have finished reduction'):
     # freeze them once, found by a probe step.
@@ -191,7 +185,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
 
     # 6. The loop.
     max_steps = job.train.max_steps
-    sizes = ", ".join(f"{b} x{n}" for b, n in batch_sizes.items())
+    sizes = ", ".join(f"{b} x{n}" for b, n in zip(schedule.buckets, schedule.batch_sizes.tolist()))
     _log(rank, f"training steps {start_step}..{max_steps} from epoch {position.epoch}, batch "
          f"{position.batches_consumed}/{schedule.batches_per_epoch} "
          f"({schedule.steps_per_epoch(world_size, job.micro_batches_per_step)} steps/epoch of "
@@ -212,7 +206,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     metrics_log = TrainMetrics(rank=rank, run=job.name)
     # The textfile needs a local folder: the run folder's, or for a run folder on object storage this node's temp
     # folder (the Prometheus endpoint of `train.metrics_port` serves the same figures either way).
-    metrics_root = (Path(tempfile.gettempdir()) / "vidray-metrics" / job.name if "://" in loop_config["run_dir"]
+    metrics_root = (Path(tempfile.gettempdir()) / "vidray-metrics" / job.name if is_uri(loop_config["run_dir"])
                     else Path(loop_config["run_dir"]) / "metrics")
     metrics_file = metrics_root / f"rank_{rank}.prom"
     if job.train.metrics_port is not None:
@@ -248,7 +242,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             latents = batch.latents.to(device)
             prompt_embeds = batch.prompt_embeds.to(device)
             prompt_attention_mask = batch.prompt_attention_mask.to(device)
-            t_encoded = time.perf_counter()
             weights = batch.weights
             # sum_i w_i mse_i * W / total weight (of all G micro-batches): summed over this rank's micro-batches
             # and averaged over the W ranks by DDP, the gradient is the mean over the step's real samples.
@@ -396,7 +389,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     # a half-uploaded export never looks like a model; the whole upload is retried, then the worker fails with a
     # StorageTransferError naming the URI, and Ray Train's restart exports again from the last checkpoint).
     run_dir = str(loop_config["run_dir"])
-    remote = "://" in run_dir
+    remote = is_uri(run_dir)
     diffusers_dir = f"{run_dir.rstrip('/')}/diffusers" if remote else str(Path(run_dir) / "diffusers")
     if rank == 0:
         transformer.eval()
@@ -498,7 +491,7 @@ def _record_path(loop_config: dict[str, Any], rank: int) -> Path | None:
     steps re-trained after a restart can be told apart: the record of a step that counts is the latest
     attempt's."""
     run_dir = str(loop_config["run_dir"])
-    if "://" in run_dir:
+    if is_uri(run_dir):
         return None
     path = Path(run_dir) / "trained_samples" / f"{time.time_ns()}-rank{rank}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ from typing import Any
 
 from vidray.config import ConfigError, JobConfig, ResumeDiff, check_output_path, diff_for_resume
 from vidray.errors import UserError, UserFileNotFound
+from vidray.locations import absolute_location, is_uri
 from vidray.placement import alive_nodes, resolve_placement
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
@@ -122,14 +123,10 @@ class NonRetryableTrainingError(UserError):
     """A worker raised a vidray user error (deterministic: a retry would fail the same way)."""
 
 
-def _absolute(path: str) -> str:
-    return path if "://" in path else str(Path(path).expanduser().resolve())
-
-
 def _storage_uri(storage_path: str, fs_path: str) -> str:
     """A path in the filesystem of `storage_path` as the user reads it: unchanged for a local `storage.path`, else
     with the URI's scheme put back (`bucket/runs/x` -> `s3://bucket/runs/x`)."""
-    if "://" not in storage_path or "://" in fs_path:
+    if not is_uri(storage_path) or is_uri(fs_path):
         return fs_path
     return f"{storage_path.split('://', 1)[0]}://{fs_path}"
 
@@ -177,7 +174,7 @@ def _started_from(manager: Any, name: str, start: str) -> bool:
             saved = (read_job_config(local).get("checkpoint") or {}).get("resume_from")
     except (CheckpointError, AttributeError):
         return False
-    return bool(saved) and _absolute(saved) == start
+    return bool(saved) and absolute_location(saved) == start
 
 
 def _check_resume_mode(job: JobConfig, where: str, existing: list[str], latest: str | None) -> None:
@@ -222,7 +219,7 @@ def plan_resume(job: JobConfig) -> ResumePlan:
     """
     from vidray.train.checkpoint import CheckpointError, CheckpointManager, read_train_state
 
-    manager = CheckpointManager(f"{_absolute(job.storage.path).rstrip('/')}/{job.name}")
+    manager = CheckpointManager(f"{absolute_location(job.storage.path).rstrip('/')}/{job.name}")
     local = manager.is_local
     existing = manager.names()
     plan = ResumePlan(existing=list(existing), manager=manager)
@@ -238,7 +235,7 @@ def plan_resume(job: JobConfig) -> ResumePlan:
         plan.step = step_of(name)
 
     if job.checkpoint.resume_from:
-        start = _absolute(job.checkpoint.resume_from)
+        start = absolute_location(job.checkpoint.resume_from)
         parent, chosen = start.rstrip("/").rsplit("/", 1)
         in_run = parent == manager.location().rstrip("/") if not local else Path(parent) == Path(manager.location())
         if latest is not None and not (in_run and latest == chosen) and _started_from(manager, latest, start):
@@ -304,15 +301,14 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     """
     from vidray.data.buckets import parse_bucket
     from vidray.data.shards import read_index, report_path
-    from vidray.train.checkpoint import read_job_config, read_train_state
 
-    if "://" not in job.storage.path:
+    if not is_uri(job.storage.path):
         check_output_path(job.storage.path, "storage.path")
     from vidray.models.text_encoder import check_max_sequence_length
 
     check_max_sequence_length(job.model)
     index = read_index(job.data.shards_dir)  # a folder or a URI (vidray.data.storage)
-    if "://" in job.data.shards_dir and not job.data.shards_dir.startswith("file://"):
+    if is_uri(job.data.shards_dir) and not job.data.shards_dir.startswith("file://"):
         from vidray.data.cache import check_cache_budget
 
         check_cache_budget(job.data.cache_bytes, index)  # object-store shards go through the warm cache
@@ -573,7 +569,7 @@ def build_trainer_configs(job: JobConfig, storage_path: str, *,
         **({"label_selector": dict(label_selector)} if label_selector else {}),
     )
     storage_filesystem = None
-    if "://" in storage_path:
+    if is_uri(storage_path):
         # A URI: Ray Train gets vidray's own filesystem (AWS_ENDPOINT_URL, region, retries) and the path without its
         # scheme (`s3://bucket/runs` -> `bucket/runs`), as RunConfig(storage_filesystem=) requires. The filesystem
         # is pickled to the controller and workers without credentials (each resolves them from its environment)
@@ -635,14 +631,14 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
     placement = resolve_placement(job, alive_nodes(), autoscaler=autoscaler_max is not None)
 
     # 3. Move checkpoints newer than an explicit start point aside, then run.
-    storage_path = _absolute(job.storage.path)
-    remote = "://" in storage_path
+    storage_path = absolute_location(job.storage.path)
+    remote = is_uri(storage_path)
     run_dir = f"{storage_path.rstrip('/')}/{job.name}" if remote else Path(storage_path) / job.name  # URI: a str
     _set_aside(plan)
     loop_config = {
         "job": job.to_dict(),
         "run_dir": plan.manager.location(),  # a local path or the URI
-        "shards_dir": _absolute(job.data.shards_dir),
+        "shards_dir": absolute_location(job.data.shards_dir),
         "resume_from": str(plan.checkpoint) if plan.checkpoint else None,
         "existing_checkpoints": plan.existing,
         "record_sample_ids": record_sample_ids,
@@ -693,6 +689,6 @@ def latent_cache_root(job: JobConfig) -> str:
     if setting == "off":
         return ""
     if setting == "auto":
-        shards = _absolute(job.data.shards_dir)
-        return f"{shards.rstrip('/')}/latents" if "://" in shards else str(Path(shards) / "latents")
-    return _absolute(setting)
+        shards = absolute_location(job.data.shards_dir)
+        return f"{shards.rstrip('/')}/latents" if is_uri(shards) else str(Path(shards) / "latents")
+    return absolute_location(setting)

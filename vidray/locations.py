@@ -1,0 +1,21 @@
+"""Where a setting points: a local path or a URI (`s3://bucket/prefix`, `gs://...`, `file://...`).
+
+Light on purpose (no pyarrow): the config, export and serve modules test locations without loading
+`vidray.data.storage`, which opens them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["absolute_location", "is_uri"]
+
+
+def is_uri(location: str | Path) -> bool:
+    """True for `scheme://...` locations (`file://` included)."""
+    return "://" in str(location)
+
+
+def absolute_location(location: str) -> str:
+    """A URI unchanged; a local path made absolute (`~` expanded, symlinks resolved), as a str."""
+    return location if is_uri(location) else str(Path(location).expanduser().resolve())
