@@ -160,8 +160,8 @@ async def measure(args) -> dict:
         }
         policies = {f"fixed_{b}": {"batch_size": b, "wait_s": 0.02} for b in FIXED_BATCHES}
         policies["adaptive"] = {"batch_size": None, "wait_s": None}
-        raw = {sc: {name: {c: [] for c in CONCURRENCY} for name in policies} for sc in scenarios}
         scenarios = {name: scenarios[name] for name in args.scenarios}
+        raw = {sc: {name: {c: [] for c in CONCURRENCY} for name in policies} for sc in scenarios}
         for scenario, delay in scenarios.items():
             for round_index in range(args.rounds):
                 for name, knobs in policies.items():

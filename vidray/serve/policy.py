@@ -484,8 +484,7 @@ class BatchPolicy:
             admitted = [self._terms(b, fit, transfer, q=0, r=0, n=n, x=x) for b in range(1, cap + 1)]
             within = [t for t in admitted if t.total_s <= target]
             if within:
-                top = max(t.throughput for t in within)
-                best = min((t for t in within if t.throughput >= top * (1 - 1e-9)), key=lambda t: t.batch_size)
+                best = _highest_throughput(within)
                 queued = all_terms[best.batch_size - 1]
                 return best.batch_size, queued, (
                     f"target {target:g} s unmeetable for the last of {q} queued: admission held at batch "
@@ -500,8 +499,7 @@ class BatchPolicy:
                 f"target {target:g} s unmeetable: lowest predicted latency {best.total_s:.3g} s "
                 f"at batch {best.batch_size} ({best.describe()})"
             )
-        top = max(t.throughput for t in feasible)
-        best = min((t for t in feasible if t.throughput >= top * (1 - 1e-9)), key=lambda t: t.batch_size)
+        best = _highest_throughput(feasible)
         b = best.batch_size
         summary = f"predicted {best.total_s:.3g} s <= target {target:g} s ({best.describe()})"
         if b == cap:
@@ -559,6 +557,12 @@ class BatchPolicy:
                 "max_batch_size": self.config.max_batch_size,
                 "max_wait_s": self.config.max_wait_s,
             }
+
+
+def _highest_throughput(terms: list[_Terms]) -> _Terms:
+    """The terms of highest throughput b / t(b); ties (within float noise) go to the smaller batch."""
+    top = max(t.throughput for t in terms)
+    return min((t for t in terms if t.throughput >= top * (1 - 1e-9)), key=lambda t: t.batch_size)
 
 
 def check_max_ongoing_requests(config: PolicyConfig, max_ongoing_requests: int) -> None:
