@@ -109,6 +109,12 @@ class DataConfig:
     LRU), and of latents / prompt_embeds each encode stage keeps; 0 turns it off."""
     prefetch_batches: int = 4
     """Micro-batches the loader decodes ahead of the trainer (Ray Data's prefetch, in schedule order)."""
+    block_batches: int = 8
+    """Most consecutive micro-batches of one bucket that travel through the loader's Ray Data operators as one
+    block (one operator call each), fewer where their frames would pass `vidray.data.pipeline.BLOCK_BYTES`; each
+    window of steps starts at 1 and doubles up to it, so the first step never waits for a whole block. Ray Data
+    spends milliseconds of the training process's CPU per block: with steps of tens of ms (small models, CPU)
+    that is a fifth of the step at one micro-batch per block. 1 = one block per micro-batch."""
     prefetch_window_batches: int = 16
     """The shards of the next this-many micro-batches are fetched cold -> warm in the background (object stores
     only), within `cache_bytes`."""
@@ -393,6 +399,9 @@ class JobConfig:
                            ("data.prefetch_window_batches", self.data.prefetch_window_batches)):
             if value < 0:
                 raise ValueError(f"{key} must be >= 0 (0 turns it off), got {value}")
+        if self.data.block_batches < 1:
+            raise ValueError(f"data.block_batches must be >= 1 micro-batches per Ray Data block (1: one block per "
+                             f"micro-batch), got {self.data.block_batches}")
         if not self.data.loader_cpus > 0:
             raise ValueError(f"data.loader_cpus must be > 0 logical CPUs (default 0.5), got {self.data.loader_cpus}: "
                              "Ray Data with no CPU never runs its operators")
@@ -499,6 +508,7 @@ RESUME_RULES: dict[str, str] = {
     "data.hot_bytes": RESUME_CHANGEABLE,  # loader budgets and prefetch depth: how fast, not what is trained
     "data.prefetch_batches": RESUME_CHANGEABLE,
     "data.prefetch_window_batches": RESUME_CHANGEABLE,
+    "data.block_batches": RESUME_CHANGEABLE,
     "data.loader_cpus": RESUME_CHANGEABLE,
     "data.latent_cache": RESUME_CHANGEABLE,  # keyed by content and encoder weights: any cache gives the same latents
     "data.shuffle_block_shards": RESUME_FIXED,  # defines each epoch's sample order, which the position counts

@@ -41,11 +41,13 @@ def _loader(shards_dir, *, world_size=1, rank=0, steps=6, window_steps=2048, **d
     return plan, RankLoader(str(shards_dir), index, table, plan, DataConfig(**data), window_steps=window_steps)
 
 
-def test_each_rank_gets_its_planned_clips_in_schedule_order_as_equal_shaped_batches(local_ray, shards_dir):
+@pytest.mark.parametrize("block_batches", [1, 8])  # a Ray Data block per micro-batch, or blocks of 1, 2, 4 ...
+def test_each_rank_gets_its_planned_clips_in_schedule_order_as_equal_shaped_batches(local_ray, shards_dir,
+                                                                                   block_batches):
     decoded = {s.sample_id: s for s in load_samples(shards_dir)}
     per_rank = []
     for rank in (0, 1):
-        plan, loader = _loader(shards_dir, world_size=2, rank=rank, steps=5)
+        plan, loader = _loader(shards_dir, world_size=2, rank=rank, steps=5, block_batches=block_batches)
         batches = list(loader)
         assert [b.step for b in batches] == [p.step for p in plan] == [1, 2, 3, 4, 5]
         for batch, planned in zip(batches, plan):

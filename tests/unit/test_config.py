@@ -98,6 +98,7 @@ def test_run_name_num_to_keep_bucket_arity_and_empty_file(tmp_path):
     ("flow.num_train_timesteps=0", r"flow.num_train_timesteps must be >= 1, got 0"),
     ("train.max_failures=-2", r"train.max_failures must be >= 0, or -1 to retry forever, got -2"),
     ("train.seed=-1", r"train.seed must be >= 0, got -1"),
+    ("data.block_batches=0", r"data.block_batches must be >= 1 micro-batches per Ray Data block .* got 0"),
     ("data.fps=.nan", r"'data.fps': nan is not a finite number"),
     ("optim.lr=.inf", r"'optim.lr': inf is not a finite number"),
 ])

@@ -244,6 +244,13 @@ class EncodeStage:
         return torch.stack(embeds), torch.stack(masks), hits, misses
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A block of S micro-batches (rows; `vidray.data.pipeline.ClipLoader`'s columns) -> the same S rows with
+        "latents" (S, B, C, F_lat, H_lat, W_lat) float32 instead of "frames" (vae), "prompt_embeds" (S, B, L, D)
+        float32 and "prompt_attention_mask" (S, B, L) bool (text), and the `ENCODE_STAT_KEYS` counters added."""
+        rows = [self._row({k: v[r:r + 1] for k, v in batch.items()}) for r in range(len(batch["i"]))]
+        return {k: np.concatenate([row[k] for row in rows]) for k in rows[0]}
+
+    def _row(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = dict(batch)
         stats = {k: float(out[k][0]) if k in out else 0.0 for k in ENCODE_STAT_KEYS}
         if self.do_vae:

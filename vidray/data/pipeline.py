@@ -5,12 +5,17 @@ and the schedule (`vidray.data.schedule`); from its data position it plans its o
 rank computes the same deal and keeps its row), and a `RankLoader` delivers them:
 
 ```
-ray.data.from_items([{"i": 0}, {"i": 1}, ...])            one block per planned step of this rank
+ray.data.from_items([{"i": 0, "n": 1}, {"i": 1, "n": 2}, {"i": 3, "n": 4}, ...])   blocks of this rank's
+                                                            planned steps (`plan_blocks`)
   .map_batches(ClipLoader, concurrency=1, num_cpus=data.loader_cpus,    fetch + decode operator (one actor,
                label_selector=placement.decode)                        on the nodes vidray.placement allows)
+  [.map_batches(EncodeStage, ...)]                          the encode stages (`vidray.data.encode`)
   .iter_batches(batch_size=None)                            in plan order (preserve_order), with backpressure
--> background thread -> queue of data.prefetch_batches decoded micro-batches -> the training loop
+-> background thread -> queue of data.prefetch_batches micro-batches -> the training loop
 ```
+A block carries up to `data.block_batches` consecutive micro-batches of one bucket (1, 2, 4, ... at the start of
+each window): Ray Data's executor runs in the training process and spends milliseconds of its CPU per block, so
+one block per micro-batch took ~40 % of a core beside a 50 ms CPU step (`benchmarks/train_overhead.py`).
 Steps are dealt lazily (`iter_rank_steps`) and streamed in windows of `RankLoader(window_steps=2048)` steps, one
 Ray Data dataset (and loader actor) per window, so start-up and memory do not grow with `train.max_steps`.
 
@@ -170,12 +175,13 @@ class ClipLoader:
             cache_bytes / (2 x local_ranks)).
         hash_clips: compute each clip's sha256 (the latent cache's key); off when no encode stage follows.
 
-    `__call__({"i": (1,) int64})` returns {"i", "frames" (1, B, F, H, W, 3) uint8 (each clip decoded straight into
-    its slot), "captions" (1,) JSON list of B str, "clip_sha" (1,) JSON list of B sha256 hex of the clips' stored
+    `__call__({"i": (R,) int64, "n": (R,) int64})` (a block of R rows, each the n planned steps i..i+n-1, all of
+    one bucket: `plan_blocks`) returns one row per step, (S,) columns with S = sum(n): {"i", "frames" (S, B, F, H, W, 3) uint8 (each clip decoded straight into
+    its slot), "captions" (S,) JSON lists of B str, "clip_sha" (S,) JSON lists of B sha256 hex of the clips' stored
     mp4 bytes ("" for black fill frames or with `hash_clips` off; the latent cache's content key,
     `vidray.data.encode`),
-    "ok" (1, B) bool, "skipped" (1,) JSON str, "node" (1,) JSON str {"node_id", "labels"} of the node this
-    operator runs on (`vidray.placement`), and one (1,) column per `STAT_KEYS`}.
+    "ok" (S, B) bool, "skipped" (S,) JSON str, "node" (S,) JSON str {"node_id", "labels"} of the node this
+    operator runs on (`vidray.placement`), and one (S,) column per `STAT_KEYS`}.
     """
 
     def __init__(self, shards_dir: str, shard_entries: Sequence[dict[str, Any]], plan: dict[str, np.ndarray], *,
@@ -381,9 +387,15 @@ class ClipLoader:
         return found
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One Ray Data block: rows {"i", "n"} (steps i..i+n-1 of the plan, one bucket) -> n output rows."""
+        parts = [self._step(i) for first, n in zip(batch["i"].tolist(), batch["n"].tolist())
+                 for i in range(int(first), int(first) + int(n))]
+        return {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+
+    def _step(self, i: int) -> dict[str, np.ndarray]:
+        """Planned step `i`: one output row (the class docstring's columns)."""
         import json
 
-        i = int(batch["i"][0])
         with self._cond:
             self._wanted = i
             self._cond.notify_all()
@@ -416,6 +428,39 @@ class ClipLoader:
         return out
 
 
+BLOCK_BYTES = 64 * 2**20
+"""Most bytes of decoded frames (uint8) in one Ray Data block of the loader (`plan_blocks`): a micro-batch larger
+than this travels alone."""
+
+
+def plan_blocks(buckets: np.ndarray, clips_per_step: np.ndarray, max_batches: int,
+                max_bytes: int = BLOCK_BYTES) -> list[tuple[int, int]]:
+    """Group a window's planned steps (micro-batches) into Ray Data blocks: [(first step, count), ...] in order.
+
+    A block holds consecutive steps of one bucket, at most `max_batches` of them and, beyond its first, only while
+    their frames (uint8 B x F x H x W x 3 per step) stay within `max_bytes`. Sizes start at 1 and double
+    (1, 2, 4, ... `max_batches`), so the first step waits for one micro-batch, not a whole block.
+
+    buckets: (S, 3) int [num_frames, height, width] per step; clips_per_step: (S,) int clips per micro-batch.
+    Raises ValueError when max_batches < 1.
+    """
+    if max_batches < 1:
+        raise ValueError(f"max_batches must be >= 1, got {max_batches}")
+    num_steps = len(buckets)
+    step_bytes = np.prod(np.asarray(buckets, np.int64), axis=1) * 3 * np.asarray(clips_per_step, np.int64)
+    blocks: list[tuple[int, int]] = []
+    first, size = 0, 1
+    while first < num_steps:
+        n = 1
+        while (n < size and first + n < num_steps and (buckets[first + n] == buckets[first]).all()
+               and int(step_bytes[first:first + n + 1].sum()) <= max_bytes):
+            n += 1
+        blocks.append((first, n))
+        first += n
+        size = min(2 * size, int(max_batches))
+    return blocks
+
+
 class RankLoader:
     """Iterator of this rank's `TrainBatch`es for the planned `steps`, streamed by Ray Data (module docstring).
 
@@ -434,8 +479,9 @@ class RankLoader:
             (`vidray.data.encode.EncodeStage`; deliver latents and prompt_embeds): {"model": ModelConfig dict,
             "seed", "max_sequence_length", "latent_cache": root or "", "vae": {"label_selector", "num_cpus",
             "num_gpus", "memory"}, "text": {same}} (`encode_spec`).
-        window_steps: `RankStep`s (micro-batches) per Ray Data dataset. The steps are streamed in windows of this many (one block per
-            step, planned when the window starts), so a run of 100 000 steps never plans or materialises them all
+        window_steps: `RankStep`s (micro-batches) per Ray Data dataset. The steps are streamed in windows of this
+            many (blocks of up to `data.block_batches` consecutive steps, `plan_blocks`, planned when the window
+            starts), so a run of 100 000 steps never plans or materialises them all
             at once; each window starts a fresh loader actor (a few seconds, overlapped with the previous window's
             queue) whose hot tier starts empty.
     Ray must be initialised (a Ray Train worker, or a driver after `ray.init`). Errors in the operator (other
@@ -493,11 +539,11 @@ class RankLoader:
             gpu=sum(op["num_gpus"] for op in operators))
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
-        num_steps = len(plan["offsets"]) - 1
-        items = ray.data.from_items([{"i": i} for i in range(num_steps)], override_num_blocks=num_steps)
+        blocks = plan_blocks(plan["bucket"], np.diff(plan["offsets"]), int(data.block_batches))
+        items = ray.data.from_items([{"i": first, "n": n} for first, n in blocks], override_num_blocks=len(blocks))
         dataset = items.map_batches(
             ClipLoader,
-            batch_size=1,
+            batch_size=1,  # one row of `items`: a block of n steps
             batch_format="numpy",
             compute=ray.data.ActorPoolStrategy(size=1),
             num_cpus=float(data.loader_cpus),
@@ -517,7 +563,7 @@ class RankLoader:
         for op in operators:  # the encode stages, each one actor on the nodes its placement allows
             dataset = dataset.map_batches(
                 EncodeStage,
-                batch_size=1,
+                batch_size=None,  # the decode operator's whole block
                 batch_format="numpy",
                 compute=ray.data.ActorPoolStrategy(size=1),
                 num_cpus=op["num_cpus"],
@@ -542,13 +588,15 @@ class RankLoader:
                 dataset = self._dataset(window)
                 batches = dataset.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)
                 i = -1
-                for i, batch in enumerate(batches):
-                    if self._stop.is_set():
-                        return
-                    if int(batch["i"][0]) != i:
-                        raise RuntimeError(f"the loader delivered batch {int(batch['i'][0])} of its window where "
-                                           f"{i} was due (Ray Data lost the order)")
-                    self._put(("batch", (window[i], batch)))
+                for block in batches:  # a block of consecutive micro-batches (`plan_blocks`): one row each
+                    for r in range(len(block["i"])):
+                        if self._stop.is_set():
+                            return
+                        i += 1
+                        if int(block["i"][r]) != i:
+                            raise RuntimeError(f"the loader delivered batch {int(block['i'][r])} of its window "
+                                               f"where {i} was due (Ray Data lost the order)")
+                        self._put(("batch", (window[i], {k: v[r:r + 1] for k, v in block.items()})))
                 if i != len(window) - 1:
                     raise RuntimeError(f"the loader ended after {i + 1} of {len(window)} planned batches")
             self._put(("end", None))
