@@ -428,7 +428,7 @@ class ClipLoader:
         return out
 
 
-BLOCK_BYTES = 64 * 2**20
+BLOCK_BYTES = 32 * 2**20
 """Most bytes of decoded frames (uint8) in one Ray Data block of the loader (`plan_blocks`): a micro-batch larger
 than this travels alone."""
 
@@ -539,6 +539,10 @@ class RankLoader:
             gpu=sum(op["num_gpus"] for op in operators))
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
+        # Ray Data starts a thread per map task that polls the process's USS (psutil reads /proc/<pid>/smaps), for
+        # its stats only; with one small block per few steps that polling cost the operators' processes more CPU
+        # than the blocks' own work (py-spy of an encode stage actor). Off (DataContext: None = not recorded).
+        ctx.memory_usage_poll_interval_s = None
         blocks = plan_blocks(plan["bucket"], np.diff(plan["offsets"]), int(data.block_batches))
         items = ray.data.from_items([{"i": first, "n": n} for first, n in blocks], override_num_blocks=len(blocks))
         dataset = items.map_batches(
