@@ -540,8 +540,8 @@ class RankLoader:
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
         # Ray Data starts a thread per map task that polls the process's USS (psutil reads /proc/<pid>/smaps), for
-        # its stats only; with one small block per few steps that polling cost the operators' processes more CPU
-        # than the blocks' own work (py-spy of an encode stage actor). Off (DataContext: None = not recorded).
+        # its stats only; on cached latents that polling took more of an encode stage actor's samples (py-spy)
+        # than the stage's own calls. Off (DataContext: None = map tasks record no memory stats).
         ctx.memory_usage_poll_interval_s = None
         blocks = plan_blocks(plan["bucket"], np.diff(plan["offsets"]), int(data.block_batches))
         items = ray.data.from_items([{"i": first, "n": n} for first, n in blocks], override_num_blocks=len(blocks))
