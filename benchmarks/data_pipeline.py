@@ -433,7 +433,7 @@ def figure_g(tmp: Path, steps: int, warmup: int) -> tuple[dict, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clips", type=int, default=160, help="samples of the loader benchmarks (default: %(default)s)")
-    ap.add_argument("--skip-train-overhead", action="store_true", help="leave (g) out (it takes ~2-3 min)")
+    ap.add_argument("--skip-train-overhead", action="store_true", help="leave (g) out (it takes ~4 min)")
     ap.add_argument("--g-steps", type=int, default=300, help="(g): timed steps (default: %(default)s)")
     ap.add_argument("--g-warmup", type=int, default=100, help="(g): untimed first steps (default: %(default)s)")
     ap.add_argument("--figures", default="abcdefg", help="which figures to measure (default: all, %(default)s)")

@@ -49,6 +49,16 @@ CACHE_FORMAT = 1
 """Part of every identity: bump it when the stored layout or the encoding changes."""
 
 
+def block_rows(block: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """The rows of a Ray Data numpy block ({column: (S, ...) array}), each {column: (1, ...) view}."""
+    return [{k: v[r:r + 1] for k, v in block.items()} for r in range(len(next(iter(block.values()))))]
+
+
+def concat_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One numpy block of rows ({column: (n_i, ...) array} each, same columns): {column: (sum n_i, ...)}."""
+    return {k: np.concatenate([row[k] for row in rows]) for k in rows[0]}
+
+
 def module_identity(module: Any, *, extra: str = "") -> str:
     """sha256 hex of a torch module's class, its `config` (diffusers / transformers; JSON) and every
     `state_dict` tensor (name, dtype, shape, bytes), plus `extra` and `CACHE_FORMAT`. Same weights -> same id on
@@ -247,8 +257,7 @@ class EncodeStage:
         """A block of S micro-batches (rows; `vidray.data.pipeline.ClipLoader`'s columns) -> the same S rows with
         "latents" (S, B, C, F_lat, H_lat, W_lat) float32 instead of "frames" (vae), "prompt_embeds" (S, B, L, D)
         float32 and "prompt_attention_mask" (S, B, L) bool (text), and the `ENCODE_STAT_KEYS` counters added."""
-        rows = [self._row({k: v[r:r + 1] for k, v in batch.items()}) for r in range(len(batch["i"]))]
-        return {k: np.concatenate([row[k] for row in rows]) for k in rows[0]}
+        return concat_rows([self._row(row) for row in block_rows(batch)])
 
     def _row(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = dict(batch)

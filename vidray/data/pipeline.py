@@ -61,7 +61,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vidray.data.buckets import Bucket
-from vidray.data.encode import ENCODE_STAT_KEYS, EncodeStage
+from vidray.data.encode import ENCODE_STAT_KEYS, EncodeStage, block_rows, concat_rows
 from vidray.data.schedule import DataPosition, SampleSchedule
 
 STAT_KEYS = ("hot_hits", "hot_misses", "warm_hits", "warm_misses", "bytes_fetched", "shard_reads",
@@ -388,9 +388,8 @@ class ClipLoader:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One Ray Data block: rows {"i", "n"} (steps i..i+n-1 of the plan, one bucket) -> n output rows."""
-        parts = [self._step(i) for first, n in zip(batch["i"].tolist(), batch["n"].tolist())
-                 for i in range(int(first), int(first) + int(n))]
-        return {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+        return concat_rows([self._step(i) for first, n in zip(batch["i"].tolist(), batch["n"].tolist())
+                            for i in range(int(first), int(first) + int(n))])
 
     def _step(self, i: int) -> dict[str, np.ndarray]:
         """Planned step `i`: one output row (the class docstring's columns)."""
@@ -593,14 +592,14 @@ class RankLoader:
                 batches = dataset.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)
                 i = -1
                 for block in batches:  # a block of consecutive micro-batches (`plan_blocks`): one row each
-                    for r in range(len(block["i"])):
+                    for row in block_rows(block):
                         if self._stop.is_set():
                             return
                         i += 1
-                        if int(block["i"][r]) != i:
-                            raise RuntimeError(f"the loader delivered batch {int(block['i'][r])} of its window "
+                        if int(row["i"][0]) != i:
+                            raise RuntimeError(f"the loader delivered batch {int(row['i'][0])} of its window "
                                                f"where {i} was due (Ray Data lost the order)")
-                        self._put(("batch", (window[i], {k: v[r:r + 1] for k, v in block.items()})))
+                        self._put(("batch", (window[i], row)))
                 if i != len(window) - 1:
                     raise RuntimeError(f"the loader ended after {i + 1} of {len(window)} planned batches")
             self._put(("end", None))
