@@ -145,6 +145,37 @@ def test_a_queue_that_cannot_meet_the_target_does_not_grow_the_batch_past_what_m
     assert hopeless.batch_size == 7 and "unmeetable: lowest predicted latency" in hopeless.reason
 
 
+def test_a_held_queue_admits_the_batch_of_highest_expected_goodput_past_the_quantile():
+    # Steps spread +-20 % around t(b) = 0.1 + 0.01 b, 10 steps, target 1.5 s, 3 queued behind 4 running: the
+    # queued one misses at every size. At the 0.9 quantile only batch 1 meets the target, but holding admission
+    # there leaves the queue a tenth of the throughput; b / t(b) * P(latency <= target) is highest at batch 4.
+    from statistics import NormalDist
+
+    policy = BatchPolicy(PolicyConfig(latency_target_s=1.5, max_batch_size=16))
+    for _ in range(200):
+        for b in (1, 4, 8):
+            for sign in (1, -1):
+                policy.observe_step(b, (0.1 + 0.01 * b) * (1 + sign * 0.2))
+    snap = policy.snapshot()
+    a, c, spread = snap["step_fixed_s"], snap["step_per_item_s"], snap["step_relative_std"]
+    u = 1 + NormalDist().inv_cdf(0.9) * spread
+
+    def goodput(b: int) -> float:  # requests/s of compute within the target, for a request admitted at once
+        compute = 10 * (a + c * b)
+        return b / (a + c * b) * NormalDist(compute, compute * spread).cdf(1.5)
+
+    assert [b for b in range(1, 17) if 10 * (a + c * b) * u <= 1.5] == [1]
+    expected = max(range(1, 17), key=goodput)
+    assert expected == 4 and goodput(4) > 1.5 * goodput(1)
+    decision = policy.decide(queue_depth=3, num_running=4, num_steps=10, bytes_per_item=0)
+    assert decision.batch_size == expected
+    assert "admission held at batch 4, the highest expected goodput" in decision.reason
+    # Without a measured spread the same rule is the highest-throughput size that meets the target.
+    steady = fitted_policy(a=0.1, c=0.01, target_s=1.55).decide(queue_depth=3, num_running=4, num_steps=10,
+                                                                bytes_per_item=0)
+    assert steady.batch_size == 5  # 10 * (0.1 + 0.01 b) <= 1.55  <=>  b <= 5
+
+
 def test_batch_shrinks_when_transfer_loss_rises():
     policy = fitted_policy(a=1.0, c=0.01, target_s=20.0)
     for n in (1 * MB, 2 * MB):  # 20 MB/s: 16 requests of 7 MB move in 5.6 s
