@@ -145,10 +145,11 @@ def test_a_queue_that_cannot_meet_the_target_does_not_grow_the_batch_past_what_m
     assert hopeless.batch_size == 7 and "unmeetable: lowest predicted latency" in hopeless.reason
 
 
-def test_a_held_queue_admits_the_batch_of_highest_expected_goodput_past_the_quantile():
+def test_a_held_queue_admits_the_batch_where_most_requests_are_expected_within_the_target():
     # Steps spread +-20 % around t(b) = 0.1 + 0.01 b, 10 steps, target 1.5 s, 3 queued behind 4 running: the
-    # queued one misses at every size. At the 0.9 quantile only batch 1 meets the target, but holding admission
-    # there leaves the queue a tenth of the throughput; b / t(b) * P(latency <= target) is highest at batch 4.
+    # last queued misses at every size. At the 0.9 quantile only batch 1 meets the target, but holding admission
+    # there makes the 6 others wait whole rounds and miss; the batch where the most of the 7 are expected within
+    # the target (normal model: each round of N steps adds N * t(b), spread N * t(b) * sqrt(v)) is 5.
     from statistics import NormalDist
 
     policy = BatchPolicy(PolicyConfig(latency_target_s=1.5, max_batch_size=16))
@@ -160,17 +161,17 @@ def test_a_held_queue_admits_the_batch_of_highest_expected_goodput_past_the_quan
     a, c, spread = snap["step_fixed_s"], snap["step_per_item_s"], snap["step_relative_std"]
     u = 1 + NormalDist().inv_cdf(0.9) * spread
 
-    def goodput(b: int) -> float:  # requests/s of compute within the target, for a request admitted at once
-        compute = 10 * (a + c * b)
-        return b / (a + c * b) * NormalDist(compute, compute * spread).cdf(1.5)
+    def expected_met(b: int, backlog: int = 7) -> float:  # position j is served in round ceil(j / b)
+        rounds = [(j + b - 1) // b for j in range(1, backlog + 1)]
+        return sum(NormalDist(k * 10 * (a + c * b), k * 10 * (a + c * b) * spread).cdf(1.5) for k in rounds)
 
     assert [b for b in range(1, 17) if 10 * (a + c * b) * u <= 1.5] == [1]
-    expected = max(range(1, 17), key=goodput)
-    assert expected == 4 and goodput(4) > 1.5 * goodput(1)
+    expected = max(range(1, 17), key=expected_met)
+    assert expected == 5 and expected_met(5) > 2.5 * expected_met(1)
     decision = policy.decide(queue_depth=3, num_running=4, num_steps=10, bytes_per_item=0)
     assert decision.batch_size == expected
-    assert "admission held at batch 4, the highest expected goodput" in decision.reason
-    # Without a measured spread the same rule is the highest-throughput size that meets the target.
+    assert "admission held at batch 5, where 2.85 of the 7 requests are expected" in decision.reason
+    # Without a measured spread the same rule keeps the highest-throughput size that meets the target.
     steady = fitted_policy(a=0.1, c=0.01, target_s=1.55).decide(queue_depth=3, num_running=4, num_steps=10,
                                                                 bytes_per_item=0)
     assert steady.batch_size == 5  # 10 * (0.1 + 0.01 b) <= 1.55  <=>  b <= 5

@@ -83,22 +83,20 @@ T = `latency_target_s`, x = `bytes_per_item`. All times in seconds, sizes in byt
 - `batch_size`: among b in [1, B] with predicted_latency(b) <= T, the one with the highest throughput b / t(b)
   (with a > 0 the largest such b; ties go to the smaller b). When no b meets T for the last queued request, but
   some b meets it for a request admitted at once (no queue term: compute + transfer <= T), admission holds at the
-  b of highest **expected goodput** for a request admitted at once, b / t(b) * P(latency <= T), over all b in
-  [1, B]: the requests in the batch meet the target with probability P, and the queue waits for slots. P comes
-  from a normal model of the latency: mean s * N * t(b) + transfer(b) (the compute term at u = 1), standard
-  deviation s * N * t(b) * sqrt(v) (Spread); with no measured spread P is 1 or 0, and the pick is the
-  highest-throughput b that meets T. Where the batch's capacity is what the queue needs, a size just past the
-  quantile's edge is worth more than the one inside it. (The first version took the b with the lowest latency
-  for the last queued request: admitting it at once always beat waiting a round, so under a steady queue the
-  batch crept up to B and made every request in it miss; in `benchmarks/serve.py` with the delay taking half
-  the target it kept 4.7 requests/s within the target where a fixed batch 4 kept 10.2. The second took the
-  highest-throughput b whose requests meet T at `latency_quantile`: with the delay taking half the target and 8
-  clients that arrive in two cohorts of 4, batch 4 was predicted 0.755 s at the 0.9 quantile against a 0.751 s
-  target, so admission held at 3, a capacity of 12.2 requests/s below the clients' demand; the queue grew and
-  the policy kept 0.80-0.92x the goodput of a fixed batch 4, whose requests met the target 92 % of the time.) When not even that is possible (one request alone misses T), the b with the lowest
-  predicted latency, where sizes within 5 % of the lowest count as equal and the highest throughput among them
-  wins (under overload the queue only drains faster with more throughput; whole rounds make the queue term
-  coarse): with a dominant, a large batch.
+  b where the most of the r + q requests are **expected to meet T**: served in rounds of b (running first, then
+  queued in order), a request of round k has latency mean k * s * N * t(b) + transfer(b) (compute at u = 1) and
+  standard deviation k * s * N * t(b) * sqrt(v) (Spread), normal; the expected count is the sum of their
+  P(latency <= T). Ties go to the higher throughput, then the smaller b. With no measured spread the
+  probabilities are 1 or 0 and the pick is the largest b whose first round meets T. The queue waits for slots.
+  (The first version took the b with the lowest latency for the last queued request: admitting it at once
+  always beat waiting a round, so under a steady queue the batch crept up to B and made every request in it
+  miss; in `benchmarks/serve.py` with the delay taking half the target it kept 4.7 requests/s within the target
+  where a fixed batch 4 kept 10.2. The second took the highest-throughput b whose requests meet T at
+  `latency_quantile`: with the delay taking half the target, 8 clients arrive in two cohorts of 4, and batch 4
+  was predicted 0.755 s at the 0.9 quantile against a 0.751 s target; admission held at 3 split each cohort, the
+  request left over waited a whole round and missed, and the policy kept 0.80-0.92x the goodput of a fixed
+  batch 4, whose requests met the target 92 % of the time. Admitting the whole cohort gives each of its
+  requests a good chance instead of one of them none.)
 - `wait_s`: 0 when the queue can fill the batch (q >= b - r), and 0 when the caller's measured arrival rate
   expects less than one arrival within the wait. Otherwise min(max_wait_s, budget) where
   slack = max(0, T - predicted_latency(b)) and budget = slack with nothing running, slack / N with requests
@@ -258,19 +256,29 @@ class _Terms:
         """Requests stepped per second of compute, b / t(b)."""
         return self.batch_size / max(self.step_s, _MIN_STEP_S)
 
-    def meet_probability(self, target_s: float) -> float:
-        """P(latency <= target_s) under the normal model of the module docstring (Decision): mean = the total
-        with the compute term at its mean (u = 1), standard deviation = that compute term * sqrt(v)."""
-        mean_compute = self.compute_s / self.tail
+    def meet_probability(self, target_s: float, rounds: int = 1) -> float:
+        """P(latency <= target_s) of a request served in the `rounds`-th round of this batch size (1: admitted at
+        once) under the normal model of the module docstring (Decision): mean = the queue and transfer terms
+        plus `rounds` times the compute term at its mean (u = 1), standard deviation = that compute * sqrt(v)."""
+        mean_compute = rounds * self.compute_s / self.tail
         mean = self.queue_s + mean_compute + self.transfer_s
         std = mean_compute * self.rel_std
         if std <= 0:
             return 1.0 if mean <= target_s else 0.0
         return _STANDARD_NORMAL.cdf((target_s - mean) / std)
 
-    def expected_goodput(self, target_s: float) -> float:
-        """Requests per second of compute expected to meet `target_s`: b / t(b) * `meet_probability`."""
-        return self.throughput * self.meet_probability(target_s)
+    def expected_met(self, target_s: float, backlog: int) -> float:
+        """Expected number of `backlog` requests (running first, then queued) that meet `target_s` when served
+        in rounds of this batch size: b per round, round k taking k times the compute term."""
+        met, left, k = 0.0, backlog, 1
+        while left > 0:
+            p = self.meet_probability(target_s, k)
+            met += min(left, self.batch_size) * p
+            if p < 1e-9:
+                break
+            left -= self.batch_size
+            k += 1
+        return met
 
     def describe(self) -> str:
         spread = f" (x{self.tail:.3g} for the spread)" if self.tail > 1 else ""
@@ -510,16 +518,19 @@ class BatchPolicy:
         if not feasible and (q > 0 or r > 0):  # hold admission at the sizes whose admitted requests meet the target
             admitted = [self._terms(b, fit, transfer, q=0, r=0, n=n, x=x) for b in range(1, cap + 1)]
             if any(t.total_s <= target for t in admitted):
-                # the highest expected goodput; ties (within float noise) go to the smaller batch
-                top = max(t.expected_goodput(target) for t in admitted)
-                best = min((t for t in admitted if t.expected_goodput(target) >= top * (1 - 1e-9)),
-                           key=lambda t: t.batch_size)
+                # the most of the r + q requests expected within the target; ties (within float noise) go to the
+                # higher throughput, then the smaller batch
+                met = {t.batch_size: t.expected_met(target, r + q) for t in admitted}
+                top = max(met.values())
+                best = max((t for t in admitted if met[t.batch_size] >= top * (1 - 1e-9)),
+                           key=lambda t: (t.throughput, -t.batch_size))
                 queued = all_terms[best.batch_size - 1]
                 return best.batch_size, queued, (
                     f"target {target:g} s unmeetable for the last of {q} queued: admission held at batch "
-                    f"{best.batch_size}, the highest expected goodput ({best.meet_probability(target):.0%} of its "
-                    f"requests within the target; they take {best.total_s:.3g} s at the quantile: "
-                    f"{best.describe()}); the queued one is predicted {queued.total_s:.3g} s"
+                    f"{best.batch_size}, where {met[best.batch_size]:.3g} of the {r + q} requests are expected "
+                    f"within the target ({best.meet_probability(target):.0%} of a round; they take "
+                    f"{best.total_s:.3g} s at the quantile: {best.describe()}); the queued one is predicted "
+                    f"{queued.total_s:.3g} s"
                 )
         if not feasible:  # the lowest latency; among sizes within _NEAR_LOWEST of it, the highest throughput
             lowest = min(t.total_s for t in all_terms)
