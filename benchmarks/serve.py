@@ -16,7 +16,8 @@ One run, one local Ray (127.0.0.1), the tiny random EasyAnimate model exported t
    boundary (`boundary_delay_s` = 0.5 x L1, or 2.5 x L1 where it leaves the denoiser half the target, each plus a
    2 MB/s simulated link; this kernel has no netem, NOTES.md).
 Each cell records throughput (requests/s), p50/p95 latency (s) and goodput (requests/s that met the target),
-pooled over `--rounds` rounds, and the mean running batch (requests per step) of each round; a round runs every policy once, so a change in the machine's load hits all alike.
+pooled over `--rounds` rounds, and the mean running batch (requests per step) and the steps run per batch size
+of each round; a round runs every policy once, so a change in the machine's load hits all alike.
 
 Figures (the last stdout line, one JSON object):
 - `batched_vs_batch1_throughput`: best fixed batch's throughput / batch 1's, no delay, concurrency 8 (goal >= 2),
@@ -163,6 +164,7 @@ async def measure(args) -> dict:
         scenarios = {name: scenarios[name] for name in args.scenarios}
         raw = {sc: {name: {c: [] for c in CONCURRENCY} for name in policies} for sc in scenarios}
         batch_sizes = {sc: {name: {c: [] for c in CONCURRENCY} for name in policies} for sc in scenarios}
+        histograms = {sc: {name: {c: [] for c in CONCURRENCY} for name in policies} for sc in scenarios}
         for scenario, delay in scenarios.items():
             for round_index in range(args.rounds):
                 for name, knobs in policies.items():
@@ -176,6 +178,10 @@ async def measure(args) -> dict:
                         steps = after["steps"] - before["steps"]
                         mean_batch = (after["items_stepped"] - before["items_stepped"]) / max(steps, 1)
                         batch_sizes[scenario][name][concurrency].append(mean_batch)
+                        hist_before = before["steps_by_batch_size"]
+                        histograms[scenario][name][concurrency].append(
+                            {b: n - hist_before.get(b, 0) for b, n in after["steps_by_batch_size"].items()
+                             if n > hist_before.get(b, 0)})
                         print(f"{scenario:9s} round {round_index} {name:9s} C={concurrency}: "
                               f"{len(latencies) / duration:.2f} req/s, p50 {percentile(latencies, 0.5):.3f} s, "
                               f"mean batch {mean_batch:.2f}", flush=True)
@@ -185,6 +191,7 @@ async def measure(args) -> dict:
             for name in policies:
                 for row in cells[sc][name]:
                     row["mean_batch_by_round"] = [round(x, 2) for x in batch_sizes[sc][name][row["concurrency"]]]
+                    row["steps_by_batch_size_by_round"] = histograms[sc][name][row["concurrency"]]
         for scenario in scenarios:
             for name in policies:
                 for row in cells[scenario][name]:
