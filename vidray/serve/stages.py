@@ -266,8 +266,11 @@ class Denoiser:
         self._pending = deque(r for r in self._pending if not r.cancelled)
 
     def _decide(self):
+        # The steps of the request the decision admits (a queued one, or the next arrival): the most any request
+        # has left. (The mean over running and queued requests undercounted it: next to requests near their end,
+        # a fresh one looked half as long, and the policy admitted it into batches whose 16 steps missed.)
         remaining = [r.state.num_inference_steps - r.state.step for r in self._running + list(self._pending)]
-        num_steps = max(1, round(sum(remaining) / len(remaining))) if remaining else 1
+        num_steps = max(1, max(remaining)) if remaining else 1
         # Bytes one request moves: its conditioning in, its latents out.
         first = self._pending[0].state if self._pending else (self._running[0].state if self._running else None)
         nbytes = 0 if first is None else tensor_bytes(first.prompt_embeds, first.negative_prompt_embeds, first.latents)
