@@ -9,7 +9,8 @@ The denoiser runs continuous batching at the denoising step (iteration-level bat
 requests of one latent shape share a running batch; between two steps finished requests leave and waiting ones
 join, so a request never waits for another request's whole denoising loop. How many may run at once and how long
 to wait for arrivals before stepping a fresh batch is decided before every step by `BatchPolicy`, from the step
-times, transfer costs and queue depth it measures; `reconfigure(user_config)` can pin either.
+times, transfer costs and queue depth it measures, for a request of the most steps any running or queued request
+has left (the one an admission is about); `reconfigure(user_config)` can pin either.
 Serve caps the requests inside one replica at `max_ongoing_requests`, so that must be >= the policy's
 `max_batch_size` (checked at start-up: ray issue 43288, NOTES.md).
 
