@@ -130,6 +130,31 @@ def test_step_time_spread_raises_the_compute_term_to_the_quantile_and_shrinks_th
         PolicyConfig(latency_target_s=1.0, max_batch_size=4, latency_quantile=0.3)
 
 
+def test_request_level_spread_replaces_the_step_level_spread_once_requests_report_it():
+    # Steps alternate +-20 % (step-level sqrt(v) ~0.23), but over a request's 10 steps the noise cancels: requests
+    # take their model seconds within +-2 %. Target 2.6 s: batch 16 takes 10 * 0.26 = 2.6 s at the mean.
+    policy = BatchPolicy(PolicyConfig(latency_target_s=2.7, max_batch_size=16))
+    for _ in range(200):
+        for b in (1, 4, 8):
+            for sign in (1, -1):
+                policy.observe_step(b, (0.1 + 0.01 * b) * (1 + sign * 0.2))
+    step_level = idle(policy)
+    assert step_level.batch_size < 16 and policy.snapshot()["relative_std"] > 0.2
+    model_s = 10 * policy.predict_step_s(8)
+    for i in range(9):  # fewer than _MIN_REQUESTS_FOR_SPREAD: the step-level spread still counts
+        policy.observe_service(model_s, model_s * (1.02 if i % 2 else 0.98), model_s=model_s)
+    assert idle(policy).batch_size == step_level.batch_size
+    for i in range(40):
+        policy.observe_service(model_s, model_s * (1.02 if i % 2 else 0.98), model_s=model_s)
+    snap = policy.snapshot()
+    assert snap["relative_std"] == pytest.approx(0.02, rel=0.1)
+    assert snap["num_requests_spread_observed"] == 49
+    assert idle(policy).batch_size == 16  # 10 * 0.26 * (1 + 1.28 * 0.02) = 2.67 s <= 2.7 s
+    assert policy.predict_step_s(4) == pytest.approx(0.14, rel=0.05)
+    with pytest.raises(ValueError, match="batch_size"):
+        policy.predict_step_s(0)
+
+
 def test_a_queue_that_cannot_meet_the_target_does_not_grow_the_batch_past_what_meets_it():
     # t(b) = 0.1 + 0.01 b over 10 steps; target 1.45 s: an admitted request meets it up to batch 4 (1.4 s).
     policy = fitted_policy(a=0.1, c=0.01, target_s=1.45)

@@ -75,6 +75,13 @@ T = `latency_target_s`, x = `bytes_per_item`. All times in seconds, sizes in byt
    target, the version aiming at the mean (u = 1) predicted 0.89 s for batch 8 against a 0.90 s target, and the
    real p50/p95 were 0.85/1.00 s: a third of the requests missed the target, and batch 4 gave more goodput.
    `latency_quantile` 0.5 gives u = 1, the mean.
+   Once `_MIN_REQUESTS_FOR_SPREAD` requests have finished with the model's seconds for their steps
+   (`observe_service(..., model_s=)`: the sum of `predict_step_s` over the steps each ran in), sqrt(v) is their
+   own relative spread instead: std / mean of actual_s / model_s over requests, from EWMA moments (bias-corrected
+   for the first few). It measures what the target is about, a whole request, with however much its steps'
+   noise is correlated and what surrounds the steps. Measured: with step-level v (sqrt(v) ~0.24, u ~1.31) the
+   policy predicted batch 8 over a 0.70 s target where a fixed batch 8 ran p95 0.48 s, and kept 0.89x its goodput
+   with no delay.
 6. **Latency**: predicted_latency(b) = s * (wait(b) + u*N*t(b)) + transfer(b). It covers what the policy measures: the
    denoiser's queue and steps and the moves passed to `observe_transfer`; the text encoder's and VAE decoder's
    compute are not in it, so a target that is end to end should leave room for them.
@@ -146,6 +153,9 @@ _NEAR_LOWEST = 0.05
 equal, and the one with the highest throughput wins (whole rounds make the queue term coarser than this)."""
 
 _STANDARD_NORMAL = statistics.NormalDist()
+
+_MIN_REQUESTS_FOR_SPREAD = 10
+"""Requests that must report their model seconds before their spread replaces the step-level one."""
 
 _MIN_STEP_S = 1e-12
 """Floor of t(b) in throughput b / t(b), so measured zeros (a coarse clock) cannot divide by zero."""
@@ -318,22 +328,51 @@ class BatchPolicy:
         # calibration: EWMA of (service time a request took) / (what the model predicted for it)
         self._service_scale = 1.0
         self._num_services_observed = 0
+        # request-level spread: EWMA moments of (a request's time) / (the model's seconds for its steps)
+        self._req_m1 = self._req_m2 = 0.0
+        self._num_requests_spread = 0
 
     # ---------------------------------------------------------------- measurements
-    def observe_service(self, predicted_s: float, actual_s: float) -> None:
+    def observe_service(self, predicted_s: float, actual_s: float, *, model_s: float | None = None) -> None:
         """Record one request's time from admission to its last step (`actual_s`) against the summed seconds of
         the denoising steps it ran in (`predicted_s`: the compute the step-time model accounts for). Their ratio,
         an EWMA clamped to [0.5, 4], scales the queue and compute terms of later predictions: what the step times
         miss (relaying progress events, scheduling on a busy host) is learned from what requests really take.
-        Non-finite or non-positive predictions are ignored; ValueError for a bad `actual_s`."""
+        `model_s`: what the step-time model predicted for those steps (the sum of `predict_step_s` of the batch
+        size of each step the request ran in); the spread of actual_s / model_s over requests is the request-level
+        spread the quantile uses (module docstring, Spread). Non-finite or non-positive predictions are ignored;
+        ValueError for a bad `actual_s`."""
         actual = _check_seconds("actual_s", actual_s)
+        alpha = self.config.ewma_alpha
+        if model_s is not None and _is_real(model_s) and math.isfinite(model_s) and model_s > 0:
+            r = min(4.0, actual / model_s)
+            with self._lock:
+                self._req_m1 = (1 - alpha) * self._req_m1 + alpha * r
+                self._req_m2 = (1 - alpha) * self._req_m2 + alpha * r * r
+                self._num_requests_spread += 1
         if not _is_real(predicted_s) or not math.isfinite(predicted_s) or predicted_s <= 0:
             return
         ratio = min(4.0, max(0.5, actual / predicted_s))
-        alpha = self.config.ewma_alpha
         with self._lock:
             self._service_scale = (1 - alpha) * self._service_scale + alpha * ratio
             self._num_services_observed += 1
+
+    def predict_step_s(self, batch_size: int) -> float | None:
+        """The model's seconds for one step of `batch_size` requests, a + c * batch_size; None before any step is
+        measured. For the caller's `model_s` of `observe_service`."""
+        b = _check_int("batch_size", batch_size, 1)
+        with self._lock:
+            fit = self._step_fit()
+        return None if fit is None else fit[0] + fit[1] * b
+
+    def _relative_std(self) -> float:
+        """sqrt(v) of the module docstring (Spread): request-level once `_MIN_REQUESTS_FOR_SPREAD` requests have
+        reported their model seconds, else step-level. Caller holds the lock."""
+        if self._num_requests_spread >= _MIN_REQUESTS_FOR_SPREAD:
+            debias = 1 - (1 - self.config.ewma_alpha) ** self._num_requests_spread
+            m1, m2 = self._req_m1 / debias, self._req_m2 / debias
+            return math.sqrt(max(0.0, m2 - m1 * m1)) / m1 if m1 > 0 else 0.0
+        return math.sqrt(self._step_rel_var)
 
     def observe_step(self, batch_size: int, seconds: float) -> None:
         """Record that one denoising step of a batch of `batch_size` requests (int >= 1) took `seconds`
@@ -438,7 +477,7 @@ class BatchPolicy:
             latency, per_byte = transfer
             move = (latency + b * x * per_byte) / (1 - min(self._loss_rate, _MAX_LOSS_RATE))
         scale = self._service_scale
-        rel_std = math.sqrt(self._step_rel_var)
+        rel_std = self._relative_std()
         tail = 1.0 + max(0.0, self._tail_z) * rel_std
         return _Terms(b, step, scale * rounds * n * step, scale * tail * n * step, move, n * step, tail, rel_std)
 
@@ -590,6 +629,8 @@ class BatchPolicy:
                 "num_transfers_lost": self._num_transfers_lost,
                 "service_scale": self._service_scale,
                 "step_relative_std": math.sqrt(self._step_rel_var),
+                "relative_std": self._relative_std(),
+                "num_requests_spread_observed": self._num_requests_spread,
 
                 "num_services_observed": self._num_services_observed,
                 "override_batch_size": self._override_batch_size,

@@ -123,6 +123,9 @@ class _Request:
     admitted_at: float = 0.0
     stepped_s: float = 0.0
     """Seconds of the denoising steps this request ran in (the compute the policy's step times account for)."""
+    model_s: float | None = 0.0
+    """The policy's predicted seconds for those steps (`BatchPolicy.predict_step_s`); None when a step ran before
+    any was measured."""
     last_event_at: float = 0.0
     cancelled: bool = False
 
@@ -287,6 +290,7 @@ class Denoiser:
         for r in self._running:
             groups.setdefault(r.state.batch_key(), []).append(r)
         batch = min(groups.values(), key=lambda g: min(r.last_step_at for r in g))
+        predicted = self.policy.predict_step_s(len(batch))
         start = time.perf_counter()
         try:
             await asyncio.to_thread(step_states, self.family, self.transformer, [r.state for r in batch],
@@ -307,10 +311,11 @@ class Denoiser:
         for r in batch:
             r.last_step_at = now
             r.stepped_s += seconds
+            r.model_s = None if predicted is None or r.model_s is None else r.model_s + predicted
             if r.state.done:
                 r.events.put_nowait({"latents": r.state.latents.float().cpu()})
                 self._stats["completed"] += 1
-                self.policy.observe_service(r.stepped_s, now - r.admitted_at)
+                self.policy.observe_service(r.stepped_s, now - r.admitted_at, model_s=r.model_s)
             elif now - r.last_event_at >= PROGRESS_EVERY_S:  # progress travels at most ~4x/s per request
                 r.last_event_at = now
                 r.events.put_nowait({"step": r.state.step, "num_inference_steps": r.state.num_inference_steps})
