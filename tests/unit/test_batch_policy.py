@@ -22,6 +22,17 @@ def fitted_policy(a: float, c: float, *, target_s: float, max_batch_size: int = 
     return policy
 
 
+def noisy_policy(target_s: float, *, latency_quantile: float = 0.9) -> BatchPolicy:
+    """A policy (max_batch_size 16) that has seen steps of sizes 1, 4, 8 alternate +-20 % around
+    t(b) = 0.1 + 0.01 b: the mean is unchanged, the step-level spread sqrt(v) is ~0.23."""
+    policy = BatchPolicy(PolicyConfig(latency_target_s=target_s, max_batch_size=16, latency_quantile=latency_quantile))
+    for _ in range(200):
+        for b in (1, 4, 8):
+            for sign in (1, -1):
+                policy.observe_step(b, (0.1 + 0.01 * b) * (1 + sign * 0.2))
+    return policy
+
+
 def idle(policy: BatchPolicy, *, num_steps: int = 10, bytes_per_item: int = 0, queue_depth: int = 0):
     return policy.decide(queue_depth=queue_depth, num_running=0, num_steps=num_steps, bytes_per_item=bytes_per_item)
 
@@ -108,15 +119,7 @@ def test_step_time_spread_raises_the_compute_term_to_the_quantile_and_shrinks_th
     steady = fitted_policy(a=0.1, c=0.01, target_s=2.6)
     assert idle(steady).batch_size == 16 and steady.snapshot()["step_relative_std"] == 0.0
 
-    def noisy(quantile: float) -> BatchPolicy:
-        policy = BatchPolicy(PolicyConfig(latency_target_s=2.6, max_batch_size=16, latency_quantile=quantile))
-        for _ in range(200):  # each size alternates +-20 % around t(b): the mean is unchanged
-            for b in (1, 4, 8):
-                for sign in (1, -1):
-                    policy.observe_step(b, (0.1 + 0.01 * b) * (1 + sign * 0.2))
-        return policy
-
-    p90, p50 = noisy(0.9), noisy(0.5)
+    p90, p50 = noisy_policy(2.6, latency_quantile=0.9), noisy_policy(2.6, latency_quantile=0.5)
     spread = p90.snapshot()["step_relative_std"]
     assert 0.2 < spread < 0.5  # deviations from a lagging EWMA: ~0.23 here
     u = 1 + 1.2815515655 * spread  # z of the 0.9 quantile
@@ -133,11 +136,7 @@ def test_step_time_spread_raises_the_compute_term_to_the_quantile_and_shrinks_th
 def test_request_level_spread_replaces_the_step_level_spread_once_requests_report_it():
     # Steps alternate +-20 % (step-level sqrt(v) ~0.23), but over a request's 10 steps the noise cancels: requests
     # take their model seconds within +-2 %. Target 2.6 s: batch 16 takes 10 * 0.26 = 2.6 s at the mean.
-    policy = BatchPolicy(PolicyConfig(latency_target_s=2.7, max_batch_size=16))
-    for _ in range(200):
-        for b in (1, 4, 8):
-            for sign in (1, -1):
-                policy.observe_step(b, (0.1 + 0.01 * b) * (1 + sign * 0.2))
+    policy = noisy_policy(2.7)
     step_level = idle(policy)
     assert step_level.batch_size < 16 and policy.snapshot()["relative_std"] > 0.2
     model_s = 10 * policy.predict_step_s(8)
@@ -177,11 +176,7 @@ def test_a_held_queue_admits_the_batch_where_most_requests_are_expected_within_t
     # the target (normal model: each round of N steps adds N * t(b), spread N * t(b) * sqrt(v)) is 5.
     from statistics import NormalDist
 
-    policy = BatchPolicy(PolicyConfig(latency_target_s=1.5, max_batch_size=16))
-    for _ in range(200):
-        for b in (1, 4, 8):
-            for sign in (1, -1):
-                policy.observe_step(b, (0.1 + 0.01 * b) * (1 + sign * 0.2))
+    policy = noisy_policy(1.5)
     snap = policy.snapshot()
     a, c, spread = snap["step_fixed_s"], snap["step_per_item_s"], snap["step_relative_std"]
     u = 1 + NormalDist().inv_cdf(0.9) * spread
