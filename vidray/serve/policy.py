@@ -232,8 +232,8 @@ class Decision:
     [0, max_wait_s]; 0 when the queue can fill the batch."""
     predicted_latency_s: float
     """Predicted latency at `batch_size` of a request arriving now (queue + compute + transfer), in seconds, at
-    the config's `latency_quantile` (the compute term includes the spread of step times); nan before any step is
-    measured."""
+    the config's `latency_quantile` (the compute term includes the measured spread, module docstring Spread); nan
+    before any step is measured."""
     reason: str
     """One line for a log: which term limited the batch, with the predicted terms in seconds."""
     predicted_compute_s: float = math.nan
@@ -255,7 +255,8 @@ class _Terms:
     tail: float = 1.0
     """The tail factor u the compute term includes (module docstring, Spread)."""
     rel_std: float = 0.0
-    """sqrt(v): the measured relative spread of step times (module docstring, Spread)."""
+    """sqrt(v): the measured relative spread, of requests or (before enough requests) of steps (module docstring,
+    Spread)."""
 
     @property
     def total_s(self) -> float:
@@ -602,7 +603,9 @@ class BatchPolicy:
         """The fitted terms and counters, for metrics and logs (base units; None = not measured yet).
 
         Keys: `step_fit` ("none", "one_size_prior" or "least_squares"), `step_fixed_s` (a), `step_per_item_s`
-        (c), `step_seconds_by_batch_size` ({b: EWMA seconds}), `step_relative_std` (sqrt v), `num_steps_observed`,
+        (c), `step_seconds_by_batch_size` ({b: EWMA seconds}), `step_relative_std` (the step-level spread),
+        `relative_std` (sqrt v, the spread the quantile uses: request-level once `_MIN_REQUESTS_FOR_SPREAD`
+        requests reported it, else step-level), `num_requests_spread_observed`, `num_steps_observed`,
         `transfer_latency_s` (L), `transfer_bytes_per_s` (W; inf when no per-byte cost is visible),
         `transfer_loss_rate` (p), `num_transfers_observed` (successful), `num_transfers_lost`, `service_scale` (s),
         `num_services_observed`, `override_batch_size`, `override_wait_s`, `latency_target_s`, `max_batch_size`,
