@@ -406,3 +406,62 @@ def test_max_ongoing_requests_below_max_batch_size_is_rejected_with_the_fix():
     check_max_ongoing_requests(config, 8)
     with pytest.raises(UserError, match="at least 8"):
         check_max_ongoing_requests(config, 5)
+
+
+def test_admission_never_makes_a_running_request_miss_the_target():
+    # t(b) = 0.1 + 0.01 b, 10 steps, target 2 s; 4 running, each 0.8 s in with 8 steps left: 1.92 s at batch 4,
+    # 2.0 s at batch 5, 2.08 s at batch 6. 4 queued.
+    policy = fitted_policy(a=0.1, c=0.01, target_s=2.0)
+    blind = policy.decide(queue_depth=4, num_running=4, num_steps=10, bytes_per_item=0)
+    assert blind.batch_size == 10  # without progress: all 8 in one batch of 1.8 s, as if the 4 had just started
+    decision = policy.decide(queue_depth=4, num_running=4, num_steps=10, bytes_per_item=0,
+                             running_progress=[(0.8, 8)] * 4)
+    # Batches of 6 or more are not allowed; every allowed batch leaves the last queued one a round behind, so
+    # admission is held where the most requests are expected within the target: batch 5 (one queued joins).
+    assert decision.batch_size == 5
+    assert "batch 6 would make 4 of the 4 running requests miss the target" in decision.reason
+    # A running request that misses anyway (already 5 s in) or has the slack does not hold admission back.
+    assert policy.decide(queue_depth=4, num_running=2, num_steps=10, bytes_per_item=0,
+                         running_progress=[(5.0, 8), (0.1, 8)]).batch_size == 10
+    # With nothing queued nothing is admitted now: the running ones limit nothing.
+    assert policy.decide(queue_depth=0, num_running=4, num_steps=10, bytes_per_item=0,
+                         running_progress=[(0.8, 8)] * 4).batch_size == 10
+
+
+@pytest.mark.parametrize("progress, match", [
+    ([(0.1, 3)], "one \\(elapsed_s, steps_left\\) per running request: got 1 for num_running=2"),
+    ([(0.1, 3), (-1.0, 3)], "running_progress\\[1\\] elapsed_s"),
+    ([(0.1, 3), (math.nan, 3)], "running_progress\\[1\\] elapsed_s"),
+    ([(0.1, 3), (0.1, -2)], "running_progress\\[1\\] steps_left"),
+    ([(0.1, 3), 7], "running_progress\\[1\\] must be an \\(elapsed_s, steps_left\\) pair"),
+])
+def test_bad_running_progress_is_rejected(progress, match):
+    policy = fitted_policy(a=0.1, c=0.01, target_s=2.0)
+    with pytest.raises(ValueError, match=match):
+        policy.decide(queue_depth=1, num_running=2, num_steps=10, bytes_per_item=0, running_progress=progress)
+
+
+def test_denoiser_asks_the_policy_about_the_admitted_request_and_how_far_the_running_ones_are():
+    # Two requests at step 14 of 16 and a fresh one queued: the admission is about 16 steps (the mean, 6, made the
+    # fresh request look short), and each running request reports its seconds since arrival and steps left.
+    import asyncio
+
+    import torch
+
+    from vidray.diffusion.sampler import DenoiseState
+    from vidray.serve.stages import _Request, policy_inputs
+
+    def request(step: int, arrived_at: float) -> _Request:
+        state = DenoiseState(latents=torch.zeros(1, 4, 2, 4, 4), sigmas=torch.linspace(1.0, 0.0, 17),
+                             prompt_embeds=torch.zeros(1, 8, 16),
+                             prompt_attention_mask=torch.ones(1, 8, dtype=torch.bool), step=step)
+        return _Request(state, asyncio.Queue(), arrived_at)
+
+    running = [request(14, 100.0), request(14, 100.5)]
+    inputs = policy_inputs(running, [request(0, 101.0)], now=102.0)
+    assert inputs["num_steps"] == 16
+    assert inputs["queue_depth"] == 1 and inputs["num_running"] == 2
+    assert inputs["running_progress"] == [(2.0, 2), (1.5, 2)]
+    assert inputs["bytes_per_item"] == (8 * 16 + 4 * 2 * 4 * 4) * 4  # prompt_embeds + latents, float32
+    assert policy_inputs([], [], now=0.0) == {"queue_depth": 0, "num_running": 0, "num_steps": 1,
+                                              "bytes_per_item": 0, "running_progress": []}

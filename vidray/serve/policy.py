@@ -85,8 +85,19 @@ T = `latency_target_s`, x = `bytes_per_item`. All times in seconds, sizes in byt
 6. **Latency**: predicted_latency(b) = s * (wait(b) + u*N*t(b)) + transfer(b). It covers what the policy measures: the
    denoiser's queue and steps and the moves passed to `observe_transfer`; the text encoder's and VAE decoder's
    compute are not in it, so a target that is end to end should leave room for them.
+7. **Running requests.** Admitting queued requests makes every step slower for the requests already running:
+   their remaining steps run at t(b') with b' = min(b, r + q) instead of t(r). When the caller passes each running
+   request's seconds since arrival e and steps left m (`running_progress`), its latency is predicted as
+   e + transfer(r) + s * u * m * t(size), and a size b is **not allowed** when it would make a running request
+   that meets T at t(r) miss it at t(b') (sizes b <= r admit nothing and are always allowed). This is admission
+   control as SLO-aware schedulers do it (Clockwork, Gujarati et al. OSDI 2020, admits a request only if it
+   makes no admitted one miss its deadline). Measured: in `benchmarks/serve.py` with the delay taking half the
+   target, 8 closed-loop clients arrive in two cohorts of 4; without the rule the second cohort joined the
+   first mid-way, batches of 5-8 slowed the first cohort past the target, and the adaptive policy kept
+   0.87-1.01x the goodput of a fixed batch 4 (which admits the second cohort only when the first has left).
 
 ## Decision
+Every rule below chooses among the allowed sizes (Running requests); without `running_progress` all are allowed.
 - `batch_size`: among b in [1, B] with predicted_latency(b) <= T, the one with the highest throughput b / t(b)
   (with a > 0 the largest such b; ties go to the smaller b). When no b meets T for the last queued request, but
   some b meets it for a request admitted at once (no queue term: compute + transfer <= T), admission holds at the
@@ -133,7 +144,7 @@ import numbers
 import statistics
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from vidray.errors import UserError
 
@@ -472,19 +483,48 @@ class BatchPolicy:
         step = a + c * b
         k = r + max(q, 1) - b  # requests that must leave before the last queued one (or a new one) gets a slot
         rounds = -(-k // b) if k > 0 else 0
-        if transfer is None:
-            move = 0.0
-        else:
-            latency, per_byte = transfer
-            move = (latency + b * x * per_byte) / (1 - min(self._loss_rate, _MAX_LOSS_RATE))
+        move = self._move_s(b, transfer, x)
         scale = self._service_scale
         rel_std = self._relative_std()
-        tail = 1.0 + max(0.0, self._tail_z) * rel_std
+        tail = self._tail(rel_std)
         return _Terms(b, step, scale * rounds * n * step, scale * tail * n * step, move, n * step, tail, rel_std)
+
+    def _move_s(self, b: int, transfer: tuple[float, float] | None, x: int) -> float:
+        """transfer(b) of the module docstring: one request's move at batch b (s); 0 before any move is measured."""
+        if transfer is None:
+            return 0.0
+        latency, per_byte = transfer
+        return (latency + b * x * per_byte) / (1 - min(self._loss_rate, _MAX_LOSS_RATE))
+
+    def _tail(self, rel_std: float) -> float:
+        """The tail factor u = 1 + z * sqrt(v) (module docstring, Spread)."""
+        return 1.0 + max(0.0, self._tail_z) * rel_std
+
+    def _running_at_risk(
+        self, b: int, fit: tuple[float, float], transfer: tuple[float, float] | None, *, q: int, r: int, x: int,
+        progress: tuple[tuple[float, int], ...],
+    ) -> int:
+        """How many running requests predicted within the target at their batch r would miss it if batch size b
+        admitted queued ones: their remaining steps at t(min(b, r + q)) instead of t(r) (module docstring,
+        Running requests). Caller holds the lock."""
+        grown = min(b, r + q)
+        if not progress or grown <= r:
+            return 0
+        a, c = fit
+        target = self.config.latency_target_s
+        factor = self._service_scale * self._tail(self._relative_std())
+        move = self._move_s(r, transfer, x)
+        at_risk = 0
+        for elapsed_s, steps_left in progress:
+            base = elapsed_s + move
+            if base + factor * steps_left * (a + c * r) <= target < base + factor * steps_left * (a + c * grown):
+                at_risk += 1
+        return at_risk
 
     # ---------------------------------------------------------------- the decision
     def decide(self, *, queue_depth: int, num_running: int, num_steps: int, bytes_per_item: int,
-               arrival_rate_per_s: float | None = None) -> Decision:
+               arrival_rate_per_s: float | None = None,
+               running_progress: Sequence[tuple[float, int]] | None = None) -> Decision:
         """The running batch's size and the arrival wait for the next step.
 
         `queue_depth` (int >= 0): requests of this shape waiting to join; `num_running` (int >= 0): requests in
@@ -493,6 +533,10 @@ class BatchPolicy:
         None = unknown): the measured rate of new requests. With a rate, a wait the model allows is skipped when
         less than one arrival is expected within it (rate * wait < 1: the wait would delay the running batch
         for nothing; Clipper, Crankshaw et al. NSDI 2017, adapts its batch wait to arrivals in the same spirit).
+        `running_progress` (None = unknown): one `(elapsed_s, steps_left)` per running request, its seconds since
+        it arrived at the denoiser (finite >= 0) and the denoising steps it has left (int >= 0); with it, no
+        admission makes a running request that is predicted within the target miss it (module docstring,
+        Running requests). Its length must equal `num_running`.
         Raises ValueError naming the argument when one is out of range.
         """
         q = _check_int("queue_depth", queue_depth, 0)
@@ -502,6 +546,7 @@ class BatchPolicy:
         rate = arrival_rate_per_s
         if rate is not None and (not _is_real(rate) or not math.isfinite(rate) or rate < 0):
             raise ValueError(f"arrival_rate_per_s must be a finite number of requests per second >= 0, got {rate!r}")
+        progress = _check_progress(running_progress, r)
         cfg = self.config
         cap, target = cfg.max_batch_size, cfg.latency_target_s
         with self._lock:
@@ -524,7 +569,7 @@ class BatchPolicy:
                 b = cap
                 reason = f"no step measured yet: max_batch_size={cap} until the first step is timed"
             else:
-                b, terms, reason = self._choose(fit, transfer, q=q, r=r, n=n, x=x)
+                b, terms, reason = self._choose(fit, transfer, q=q, r=r, n=n, x=x, progress=progress)
             reason += fit_note
 
             # 2. The wait: 0 when the queue fills the batch; else the override or the slack, capped at max_wait_s.
@@ -549,14 +594,23 @@ class BatchPolicy:
                         predicted_compute_s=compute)
 
     def _choose(
-        self, fit: tuple[float, float], transfer: tuple[float, float] | None, *, q: int, r: int, n: int, x: int
+        self, fit: tuple[float, float], transfer: tuple[float, float] | None, *, q: int, r: int, n: int, x: int,
+        progress: tuple[tuple[float, int], ...] = (),
     ) -> tuple[int, _Terms, str]:
         """The model's batch size, its terms and the reason line. Caller holds the lock."""
         cap, target = self.config.max_batch_size, self.config.latency_target_s
-        all_terms = [self._terms(b, fit, transfer, q=q, r=r, n=n, x=x) for b in range(1, cap + 1)]
+        # sizes whose admissions leave every running request that meets the target meeting it (always b <= r)
+        at_risk = {b: self._running_at_risk(b, fit, transfer, q=q, r=r, x=x, progress=progress)
+                   for b in range(1, cap + 1)}
+        protect = "" if not any(at_risk.values()) else (
+            f"; batch {min(b for b, n_risk in at_risk.items() if n_risk)} would make "
+            f"{max(at_risk.values())} of the {r} running requests miss the target")
+        all_terms = [self._terms(b, fit, transfer, q=q, r=r, n=n, x=x) for b in range(1, cap + 1)
+                     if not at_risk[b]]
         feasible = [t for t in all_terms if t.total_s <= target]
         if not feasible and (q > 0 or r > 0):  # hold admission at the sizes whose admitted requests meet the target
-            admitted = [self._terms(b, fit, transfer, q=0, r=0, n=n, x=x) for b in range(1, cap + 1)]
+            admitted = [self._terms(b, fit, transfer, q=0, r=0, n=n, x=x) for b in range(1, cap + 1)
+                        if not at_risk[b]]
             if any(t.total_s <= target for t in admitted):
                 # the most of the r + q requests expected within the target; ties (within float noise) go to the
                 # higher throughput, then the smaller batch
@@ -564,13 +618,13 @@ class BatchPolicy:
                 top = max(met.values())
                 best = max((t for t in admitted if met[t.batch_size] >= top * (1 - 1e-9)),
                            key=lambda t: (t.throughput, -t.batch_size))
-                queued = all_terms[best.batch_size - 1]
+                queued = next(t for t in all_terms if t.batch_size == best.batch_size)
                 return best.batch_size, queued, (
                     f"target {target:g} s unmeetable for the last of {q} queued: admission held at batch "
                     f"{best.batch_size}, where {met[best.batch_size]:.3g} of the {r + q} requests are expected "
                     f"within the target ({best.meet_probability(target):.0%} of a round; they take "
                     f"{best.total_s:.3g} s at the quantile: {best.describe()}); the queued one is predicted "
-                    f"{queued.total_s:.3g} s"
+                    f"{queued.total_s:.3g} s{protect}"
                 )
         if not feasible:  # the lowest latency; among sizes within _NEAR_LOWEST of it, the highest throughput
             lowest = min(t.total_s for t in all_terms)
@@ -578,14 +632,16 @@ class BatchPolicy:
             best = max(near, key=lambda t: (t.throughput, -t.batch_size))
             return best.batch_size, best, (
                 f"target {target:g} s unmeetable: lowest predicted latency {best.total_s:.3g} s "
-                f"at batch {best.batch_size} ({best.describe()})"
+                f"at batch {best.batch_size} ({best.describe()}){protect}"
             )
         best = _highest_throughput(feasible)
         b = best.batch_size
         summary = f"predicted {best.total_s:.3g} s <= target {target:g} s ({best.describe()})"
         if b == cap:
             return b, best, f"max_batch_size={cap} limits the batch: {summary}"
-        above = all_terms[b]  # batch b + 1
+        if at_risk[b + 1]:
+            return b, best, f"running requests limit the batch: {summary}{protect}"
+        above = all_terms[b]  # batch b + 1 (sizes up to b + 1 are all in all_terms: at_risk grows with b)
         if above.total_s <= target:
             return b, best, f"throughput: larger batches gain nothing; {summary}"
         growth = {
@@ -642,6 +698,26 @@ class BatchPolicy:
                 "max_batch_size": self.config.max_batch_size,
                 "max_wait_s": self.config.max_wait_s,
             }
+
+
+def _check_progress(progress: Sequence[tuple[float, int]] | None, num_running: int) -> tuple[tuple[float, int], ...]:
+    """`decide`'s `running_progress` as a tuple of (elapsed_s, steps_left); () for None. ValueError naming it."""
+    if progress is None:
+        return ()
+    pairs = tuple(progress)
+    if len(pairs) != num_running:
+        raise ValueError(f"running_progress must have one (elapsed_s, steps_left) per running request: got "
+                         f"{len(pairs)} for num_running={num_running}")
+    checked = []
+    for i, pair in enumerate(pairs):
+        try:
+            elapsed, left = pair
+        except (TypeError, ValueError):
+            raise ValueError(f"running_progress[{i}] must be an (elapsed_s, steps_left) pair, got {pair!r}") from None
+        if not _is_real(elapsed) or not math.isfinite(elapsed) or elapsed < 0:
+            raise ValueError(f"running_progress[{i}] elapsed_s must be finite seconds >= 0, got {elapsed!r}")
+        checked.append((float(elapsed), _check_int(f"running_progress[{i}] steps_left", left, 0)))
+    return tuple(checked)
 
 
 def _highest_throughput(terms: list[_Terms]) -> _Terms:

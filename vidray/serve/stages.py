@@ -10,7 +10,8 @@ requests of one latent shape share a running batch; between two steps finished r
 join, so a request never waits for another request's whole denoising loop. How many may run at once and how long
 to wait for arrivals before stepping a fresh batch is decided before every step by `BatchPolicy`, from the step
 times, transfer costs and queue depth it measures, for a request of the most steps any running or queued request
-has left (the one an admission is about); `reconfigure(user_config)` can pin either.
+has left (the one an admission is about) and how far each running request has got (so no admission makes a
+running request miss the target; `policy_inputs`); `reconfigure(user_config)` can pin either.
 Serve caps the requests inside one replica at `max_ongoing_requests`, so that must be >= the policy's
 `max_batch_size` (checked at start-up: ray issue 43288, NOTES.md).
 
@@ -33,7 +34,7 @@ from ray import serve
 
 from vidray.serve.policy import BatchPolicy, PolicyConfig, check_max_ongoing_requests
 
-__all__ = ["Denoiser", "TextEncoder", "VaeDecoder", "tensor_bytes"]
+__all__ = ["Denoiser", "TextEncoder", "VaeDecoder", "policy_inputs", "tensor_bytes"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -128,6 +129,28 @@ class _Request:
     any was measured."""
     last_event_at: float = 0.0
     cancelled: bool = False
+
+
+def policy_inputs(running: list[_Request], pending: deque[_Request] | list[_Request], now: float) -> dict[str, Any]:
+    """`BatchPolicy.decide`'s keyword arguments for the next step from the running batch and the queue:
+    queue_depth, num_running, num_steps, bytes_per_item and running_progress. `now`: `time.monotonic()` seconds.
+
+    - `num_steps`: the most steps any running or queued request has left (1 when there is none): the request an
+      admission is about. (The mean undercounted it: next to requests near their end, a fresh one looked half as
+      long, and the policy admitted it into batches whose 16 steps missed the target.)
+    - `bytes_per_item`: one request's conditioning in plus its latents out (the first queued one, else the first
+      running one; 0 when there is none).
+    - `running_progress`: per running request, (seconds since it arrived, steps left).
+    """
+    remaining = [r.state.num_inference_steps - r.state.step for r in [*running, *pending]]
+    first = pending[0].state if pending else (running[0].state if running else None)
+    nbytes = 0 if first is None else tensor_bytes(first.prompt_embeds, first.negative_prompt_embeds, first.latents)
+    return {
+        "queue_depth": len(pending), "num_running": len(running),
+        "num_steps": max(1, max(remaining)) if remaining else 1, "bytes_per_item": nbytes,
+        "running_progress": [(max(0.0, now - r.arrived_at), r.state.num_inference_steps - r.state.step)
+                             for r in running],
+    }
 
 
 @serve.deployment(name="Denoiser", max_ongoing_requests=16)
@@ -270,17 +293,9 @@ class Denoiser:
         self._pending = deque(r for r in self._pending if not r.cancelled)
 
     def _decide(self):
-        # The steps of the request the decision admits (a queued one, or the next arrival): the most any request
-        # has left. (The mean over running and queued requests undercounted it: next to requests near their end,
-        # a fresh one looked half as long, and the policy admitted it into batches whose 16 steps missed.)
-        remaining = [r.state.num_inference_steps - r.state.step for r in self._running + list(self._pending)]
-        num_steps = max(1, max(remaining)) if remaining else 1
-        # Bytes one request moves: its conditioning in, its latents out.
-        first = self._pending[0].state if self._pending else (self._running[0].state if self._running else None)
-        nbytes = 0 if first is None else tensor_bytes(first.prompt_embeds, first.negative_prompt_embeds, first.latents)
         rate = None if self._arrival_gap_s is None else 1.0 / self._arrival_gap_s
-        return self.policy.decide(queue_depth=len(self._pending), num_running=len(self._running),
-                                  num_steps=num_steps, bytes_per_item=nbytes, arrival_rate_per_s=rate)
+        return self.policy.decide(**policy_inputs(self._running, self._pending, time.monotonic()),
+                                  arrival_rate_per_s=rate)
 
     async def _step_once(self) -> None:
         """One denoising step for the running group that stepped least recently (round robin over shapes)."""
