@@ -38,6 +38,9 @@ __all__ = ["Denoiser", "TextEncoder", "VaeDecoder", "policy_inputs", "tensor_byt
 
 logger = logging.getLogger("ray.serve")
 
+ARRIVAL_GAPS_KEPT = 32
+"""Most recent gaps between arrivals the denoiser keeps for the policy's wait (`BatchPolicy.decide`)."""
+
 PROGRESS_EVERY_S = 0.25
 """Least seconds between two progress events of one request (each is a message back through Ray)."""
 
@@ -182,7 +185,7 @@ class Denoiser:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._last_arrival: float | None = None
-        self._arrival_gap_s: float | None = None
+        self._arrival_gaps_s: deque[float] = deque(maxlen=ARRIVAL_GAPS_KEPT)
         self._stats = {"steps": 0, "items_stepped": 0, "completed": 0, "busy_s": 0.0, "started_at": time.time()}
         self._steps_by_batch_size: dict[int, int] = {}
 
@@ -232,9 +235,8 @@ class Denoiser:
             negative_prompt_attention_mask=request.get("negative_prompt_attention_mask"),
         )
         now = time.monotonic()
-        if self._last_arrival is not None:  # EWMA of the arrival rate, for the policy's wait
-            gap = max(now - self._last_arrival, 1e-6)
-            self._arrival_gap_s = gap if self._arrival_gap_s is None else 0.7 * self._arrival_gap_s + 0.3 * gap
+        if self._last_arrival is not None:  # the recent gaps between arrivals, for the policy's wait
+            self._arrival_gaps_s.append(now - self._last_arrival)
         self._last_arrival = now
         entry = _Request(state, asyncio.Queue(), now)
         self._pending.append(entry)
@@ -272,14 +274,21 @@ class Denoiser:
             await self._wake.wait()
             return
         decision = self._decide()
-        # A fresh batch waits up to wait_s for more arrivals (never while requests are mid-way).
+        # A fresh batch waits up to wait_s for arrivals until it is full (never while requests are mid-way),
+        # deciding again at each arrival. (Stepping at the first arrival started a burst's requests a step or more
+        # apart: they left and came back staggered, and the batch never filled again.)
         if not self._running and len(self._pending) < decision.batch_size and decision.wait_s > 0:
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=decision.wait_s)
-            except asyncio.TimeoutError:
-                pass
-            decision = self._decide()
+            deadline = time.monotonic() + decision.wait_s
+            while len(self._pending) < decision.batch_size and decision.wait_s > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=left)
+                except asyncio.TimeoutError:
+                    pass
+                decision = self._decide()
         while self._pending and len(self._running) < decision.batch_size:
             entry = self._pending.popleft()
             entry.admitted_at = time.monotonic()
@@ -293,9 +302,8 @@ class Denoiser:
         self._pending = deque(r for r in self._pending if not r.cancelled)
 
     def _decide(self):
-        rate = None if self._arrival_gap_s is None else 1.0 / self._arrival_gap_s
         return self.policy.decide(**policy_inputs(self._running, self._pending, time.monotonic()),
-                                  arrival_rate_per_s=rate)
+                                  arrival_gaps_s=self._arrival_gaps_s)
 
     async def _step_once(self) -> None:
         """One denoising step for the running group that stepped least recently (round robin over shapes)."""
