@@ -92,9 +92,9 @@ T = `latency_target_s`, x = `bytes_per_item`. All times in seconds, sizes in byt
    that meets T at t(r) miss it at t(b') (sizes b <= r admit nothing and are always allowed). This is admission
    control as SLO-aware schedulers do it (Clockwork, Gujarati et al. OSDI 2020, admits a request only if it
    makes no admitted one miss its deadline). Measured in `benchmarks/serve.py` with the delay taking half the
-   target (8 closed-loop clients in two cohorts of 4): the adaptive policy kept 1.014x (that scenario alone) and
-   0.923x (full run) the goodput of a fixed batch 4, against 1.011x and 0.873x in the last two full runs
-   without the rule; within that scenario's run-to-run noise, not a clear gain. The rule stays because without
+   target (8 closed-loop clients in two cohorts of 4): the adaptive policy kept 1.014x (that scenario alone),
+   0.923x and 0.970x (two full runs) the goodput of a fixed batch 4, against 1.011x and 0.873x in the last two
+   full runs without the rule; within that scenario's run-to-run noise, not a clear gain. The rule stays because without
    it the policy trades a running request's deadline for a queued one's without counting the loss.
 
 ## Decision
@@ -147,6 +147,7 @@ Thread safety: one lock guards the state, so `observe_*` may run in a worker thr
 
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
 import statistics
@@ -514,26 +515,22 @@ class BatchPolicy:
         """The tail factor u = 1 + z * sqrt(v) (module docstring, Spread)."""
         return 1.0 + max(0.0, self._tail_z) * rel_std
 
-    def _running_at_risk(
-        self, b: int, fit: tuple[float, float], transfer: tuple[float, float] | None, *, q: int, r: int, x: int,
+    def _running_step_limits(
+        self, fit: tuple[float, float], transfer: tuple[float, float] | None, *, r: int, x: int,
         progress: tuple[tuple[float, int], ...],
-    ) -> int:
-        """How many running requests predicted within the target at their batch r would miss it if batch size b
-        admitted queued ones: their remaining steps at t(min(b, r + q)) instead of t(r) (module docstring,
-        Running requests). Caller holds the lock."""
-        grown = min(b, r + q)
-        if not progress or grown <= r:
-            return 0
+    ) -> list[float]:
+        """Sorted, per running request predicted within the target at batch r: the longest step time t that keeps
+        it there, (T - e - transfer(r)) / (s * u * m) (module docstring, Running requests). A batch whose steps
+        take longer than a limit makes that request miss. Caller holds the lock."""
         a, c = fit
         target = self.config.latency_target_s
         factor = self._service_scale * self._tail(self._relative_std())
         move = self._move_s(r, transfer, x)
-        at_risk = 0
+        limits = []
         for elapsed_s, steps_left in progress:
-            base = elapsed_s + move
-            if base + factor * steps_left * (a + c * r) <= target < base + factor * steps_left * (a + c * grown):
-                at_risk += 1
-        return at_risk
+            if steps_left > 0 and elapsed_s + move + factor * steps_left * (a + c * r) <= target:
+                limits.append((target - elapsed_s - move) / (factor * steps_left))
+        return sorted(limits)
 
     # ---------------------------------------------------------------- the decision
     def decide(self, *, queue_depth: int, num_running: int, num_steps: int, bytes_per_item: int,
@@ -623,8 +620,11 @@ class BatchPolicy:
     ) -> tuple[int, _Terms, str]:
         """The model's batch size, its terms and the reason line. Caller holds the lock."""
         cap, target = self.config.max_batch_size, self.config.latency_target_s
-        # sizes whose admissions leave every running request that meets the target meeting it (always b <= r)
-        at_risk = {b: self._running_at_risk(b, fit, transfer, q=q, r=r, x=x, progress=progress)
+        # sizes whose admissions leave every running request that meets the target meeting it (always b <= r):
+        # at_risk[b] = the running requests whose step-time limit t(min(b, r + q)) exceeds (beyond float noise)
+        limits = self._running_step_limits(fit, transfer, r=r, x=x, progress=progress)
+        a, c = fit
+        at_risk = {b: 0 if min(b, r + q) <= r else bisect.bisect_left(limits, (a + c * min(b, r + q)) * (1 - 1e-9))
                    for b in range(1, cap + 1)}
         protect = "" if not any(at_risk.values()) else (
             f"; batch {min(b for b, n_risk in at_risk.items() if n_risk)} would make "
