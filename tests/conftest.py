@@ -80,3 +80,20 @@ def s3_env(s3_server):
             mp.setenv(key, value)
         mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
         yield s3_server
+
+
+@pytest.fixture(scope="session")
+def tiny_serve_model_dir(tmp_path_factory) -> Path:
+    """The tiny random EasyAnimate model (`tiny_random` text encoder, 16 tokens) exported as a diffusers folder
+    with its job file (bucket 9x64x48, flow shift 3): what `serve/` loads. Built once per session."""
+    from vidray.config import FlowConfig, ModelConfig, job_config_from_dict
+    from vidray.models import get_family
+    from vidray.models.export import write_job_file
+
+    family = get_family("easyanimate")
+    components = family.build(ModelConfig(text_encoder="tiny_random", max_sequence_length=16), seed=0)
+    out = family.save_pipeline(components, tmp_path_factory.mktemp("m") / "diffusers", FlowConfig(shift=3.0))
+    write_job_file(out, job_config_from_dict({"name": "t", "model": {"text_encoder": "tiny_random",
+                                                                     "max_sequence_length": 16},
+                                              "data": {"buckets": [[9, 64, 48]]}}))
+    return out

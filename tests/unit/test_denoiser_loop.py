@@ -10,30 +10,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-from vidray.config import FlowConfig, ModelConfig, job_config_from_dict  # noqa: E402
 from vidray.models import get_family  # noqa: E402
-from vidray.models.export import load_model, write_job_file  # noqa: E402
+from vidray.models.export import load_model  # noqa: E402
 from vidray.models.text_encoder import encode_prompts  # noqa: E402
 from vidray.serve.stages import Denoiser  # noqa: E402
 
-BUCKET = (9, 64, 64)
+BUCKET = (9, 64, 48)  # the tiny model's job file's bucket
 NUM_STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    family = get_family("easyanimate")
-    components = family.build(ModelConfig(text_encoder="tiny_random", max_sequence_length=16), seed=0)
-    out = family.save_pipeline(components, tmp_path_factory.mktemp("m") / "diffusers", FlowConfig(shift=3.0))
-    write_job_file(out, job_config_from_dict({"name": "t", "model": {"text_encoder": "tiny_random",
-                                                                     "max_sequence_length": 16},
-                                              "data": {"buckets": [list(BUCKET)]}}))
-    return out
-
-
-@pytest.fixture(scope="module")
-def base_request(model_dir):
-    model = load_model(str(model_dir))
+def base_request(tiny_serve_model_dir):
+    model = load_model(str(tiny_serve_model_dir))
     embeds, mask = encode_prompts(model.components.text_encoder, model.components.tokenizer, ["a red ball"],
                                   max_sequence_length=model.max_sequence_length, device="cpu")
     return {"prompt_embeds": embeds, "prompt_attention_mask": mask, "negative_prompt_embeds": None,
@@ -60,10 +48,10 @@ def _burst(denoiser, base_request, arrivals_s: list[float]) -> float:
     return asyncio.run(run())
 
 
-def test_a_fresh_batch_waits_for_a_burst_to_fill_it(model_dir, base_request):
+def test_a_fresh_batch_waits_for_a_burst_to_fill_it(tiny_serve_model_dir, base_request):
     # Three requests 10 ms apart, batch 3 and a 2 s wait pinned: all three start together and step as one batch.
     # (Stepping at the first arrival after the wait began started the first two a step ahead of the third.)
-    denoiser = Denoiser.func_or_class(str(model_dir), {"latency_target_s": 60.0, "max_batch_size": 4,
+    denoiser = Denoiser.func_or_class(str(tiny_serve_model_dir), {"latency_target_s": 60.0, "max_batch_size": 4,
                                                        "max_wait_s": 2.0})
     denoiser.reconfigure({"batch_size": 3, "wait_s": 2.0})
     elapsed = _burst(denoiser, base_request, [0.0, 0.01, 0.02])
@@ -71,8 +59,8 @@ def test_a_fresh_batch_waits_for_a_burst_to_fill_it(model_dir, base_request):
     assert elapsed < 2.0  # the full batch ended the wait
 
 
-def test_a_fresh_batch_waits_no_longer_than_the_wait(model_dir, base_request):
-    denoiser = Denoiser.func_or_class(str(model_dir), {"latency_target_s": 60.0, "max_batch_size": 4,
+def test_a_fresh_batch_waits_no_longer_than_the_wait(tiny_serve_model_dir, base_request):
+    denoiser = Denoiser.func_or_class(str(tiny_serve_model_dir), {"latency_target_s": 60.0, "max_batch_size": 4,
                                                        "max_wait_s": 0.3})
     denoiser.reconfigure({"batch_size": 3, "wait_s": 0.3})
     elapsed = _burst(denoiser, base_request, [0.0, 0.01])

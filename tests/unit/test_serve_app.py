@@ -8,9 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import yaml  # noqa: E402
 
-from vidray.config import FlowConfig, ModelConfig, job_config_from_dict  # noqa: E402
-from vidray.models import get_family  # noqa: E402
-from vidray.models.export import inspect_model, write_job_file  # noqa: E402
+from vidray.models.export import inspect_model  # noqa: E402
 from vidray.serve.app import ServeSettings, ServeSettingsError, build_app, model_spec  # noqa: E402
 
 REPO_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "serve", "serve_config.yaml")
@@ -18,14 +16,8 @@ TOKEN = "a-token-of-at-least-16-chars"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    family = get_family("easyanimate")
-    components = family.build(ModelConfig(text_encoder="tiny_random", max_sequence_length=16), seed=0)
-    out = family.save_pipeline(components, tmp_path_factory.mktemp("m") / "diffusers", FlowConfig(shift=3.0))
-    write_job_file(out, job_config_from_dict({"name": "t", "model": {"text_encoder": "tiny_random",
-                                                                     "max_sequence_length": 16},
-                                              "data": {"buckets": [[9, 64, 48]]}}))
-    return out
+def model_dir(tiny_serve_model_dir):
+    return tiny_serve_model_dir
 
 
 def _args(model_dir, tmp_path, **extra):
