@@ -489,5 +489,5 @@ def test_a_burst_of_arrivals_is_waited_for_although_the_mean_rate_is_low():
     # Fewer than 8 gaps: the rate decides, and without one the wait stays.
     assert fresh(arrival_gaps_s=[0.3] * 7).wait_s == 0.02
     assert fresh(arrival_gaps_s=[0.3] * 7, arrival_rate_per_s=2.0).wait_s == 0.0
-    with pytest.raises(ValueError, match=r"arrival_gaps_s\[1\] must be finite seconds >= 0"):
+    with pytest.raises(ValueError, match=r"arrival_gaps_s\[1\] must be a finite number of seconds >= 0"):
         fresh(arrival_gaps_s=[0.1, -0.5])

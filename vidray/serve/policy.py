@@ -203,6 +203,11 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None, *, erro
     return int(value)
 
 
+def _is_positive_seconds(value: Any) -> bool:
+    """True for a finite real number > 0 (a usable prediction); False for None, nan, inf, 0 or a negative."""
+    return _is_real(value) and math.isfinite(value) and value > 0
+
+
 def _check_seconds(name: str, value: Any, *, error: type = ValueError) -> float:
     """`value` as a finite float >= 0; else `error` naming `name`."""
     if not _is_real(value) or not math.isfinite(value) or value < 0:
@@ -371,13 +376,13 @@ class BatchPolicy:
         ValueError for a bad `actual_s`."""
         actual = _check_seconds("actual_s", actual_s)
         alpha = self.config.ewma_alpha
-        if model_s is not None and _is_real(model_s) and math.isfinite(model_s) and model_s > 0:
+        if _is_positive_seconds(model_s):
             r = min(4.0, actual / model_s)
             with self._lock:
                 self._req_m1 = (1 - alpha) * self._req_m1 + alpha * r
                 self._req_m2 = (1 - alpha) * self._req_m2 + alpha * r * r
                 self._num_requests_spread += 1
-        if not _is_real(predicted_s) or not math.isfinite(predicted_s) or predicted_s <= 0:
+        if not _is_positive_seconds(predicted_s):
             return
         ratio = min(4.0, max(0.5, actual / predicted_s))
         with self._lock:
@@ -738,9 +743,8 @@ def _check_progress(progress: Sequence[tuple[float, int]] | None, num_running: i
             elapsed, left = pair
         except (TypeError, ValueError):
             raise ValueError(f"running_progress[{i}] must be an (elapsed_s, steps_left) pair, got {pair!r}") from None
-        if not _is_real(elapsed) or not math.isfinite(elapsed) or elapsed < 0:
-            raise ValueError(f"running_progress[{i}] elapsed_s must be finite seconds >= 0, got {elapsed!r}")
-        checked.append((float(elapsed), _check_int(f"running_progress[{i}] steps_left", left, 0)))
+        checked.append((_check_seconds(f"running_progress[{i}] elapsed_s", elapsed),
+                        _check_int(f"running_progress[{i}] steps_left", left, 0)))
     return tuple(checked)
 
 
@@ -748,11 +752,7 @@ def _check_gaps(gaps: Sequence[float] | None) -> tuple[float, ...]:
     """`decide`'s `arrival_gaps_s` as a tuple of seconds; () for None. ValueError naming it."""
     if gaps is None:
         return ()
-    checked = tuple(gaps)
-    for i, gap in enumerate(checked):
-        if not _is_real(gap) or not math.isfinite(gap) or gap < 0:
-            raise ValueError(f"arrival_gaps_s[{i}] must be finite seconds >= 0, got {gap!r}")
-    return checked
+    return tuple(_check_seconds(f"arrival_gaps_s[{i}]", gap) for i, gap in enumerate(gaps))
 
 
 def _highest_throughput(terms: list[_Terms]) -> _Terms:
