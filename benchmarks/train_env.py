@@ -14,10 +14,18 @@ rank, 32 text tokens, 2 workers, 1 thread each):
 `--pairs` alternations of (peer, Ray), then one more peer run: each Ray run is compared with the mean of the peer
 runs before and after it (one peer run's median moves by up to 30 % on this shared 2-core machine).
 
+Each run is also sampled once at its steady state (`benchmarks/_schedstat.py`: 5 s of every thread's scheduling
+counters once a rank has used 8 s of CPU): a line per run gives the machine's time slices per second and how often
+the ranks' compute threads were preempted and how long they waited for a CPU; `details.sched` has them, with the
+processes that woke most.
+
 Figures (the last stdout line, one JSON object): `ray_env_step_ratio`, the median over the pairs of (Ray run's
 median step / the mean of its neighbouring peer runs' medians). Measured on the 2-core machine: 1.169 (pairs
 1.12 and 1.22); over 12 Ray runs of this loop and 10 peer runs (this script and a first version of it), medians
-0.0442-0.0608 s (mean 0.0502) against 0.0417-0.0520 s (mean 0.0467): ~5-8 % on average, from 1.00 to 1.22.
+0.0442-0.0608 s (mean 0.0502) against 0.0417-0.0520 s (mean 0.0467): ~5-8 % on average, from 1.00 to 1.22. With
+the sampler (`--pairs 2`: 1.084): 5886-5970 slices/s on the machine under Ray against 1821-2173 for the peer, the
+ranks' compute threads preempted 627-691/s against 140-183/s and waiting for a CPU 0.114-0.137 s/s against
+0.044-0.070 s/s (README, (g) notes).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import vidray  # noqa: E402,F401  (Ray env defaults before ray is imported)
 import train_overhead  # noqa: E402
+from _schedstat import SteadyStateSampler  # noqa: E402
 
 
 def peer_loop_in_worker(config: dict) -> None:
@@ -113,15 +122,34 @@ def main() -> None:
         job = train_overhead._write_job(tmp, 10, 2)
         config, latents, text_len, threads = train_overhead._peer_inputs(job, tmp)
 
+        sched: dict[str, list] = {"peer": [], "ray": []}
+
+        def sampled(kind: str, pattern: str, run):
+            """run() with the machine's scheduling counts sampled at its steady state (`schedstat`)."""
+            sampler = SteadyStateSampler(pattern)
+            sampler.start()
+            try:
+                return run()
+            finally:
+                sampler.stop()
+                sched[kind].append(sampler.result)
+                if sampler.result:
+                    ranks = sampler.result["compute_threads"]
+                    print(f"{kind} run: {sampler.result['slices_per_s']} time slices/s on the machine; the ranks' "
+                          f"compute threads preempted {[t['nonvoluntary_switches_per_s'] for t in ranks]}/s, "
+                          f"waiting for a CPU {[t['runqueue_wait_s_per_s'] for t in ranks]} s/s", flush=True)
+
         def peer(i: int) -> float:
-            return train_overhead.run_peer(config, latents, text_len, threads, 2, a.steps, a.warmup, tmp,
-                                           start_up=False, name=f"peer_{i}")["median_step_s"]
+            return sampled("peer", r"torchrun_ddp_peer\.py", lambda: train_overhead.run_peer(
+                config, latents, text_len, threads, 2, a.steps, a.warmup, tmp, start_up=False,
+                name=f"peer_{i}")["median_step_s"])
 
         peers, rays = [peer(0)], []
         for i in range(a.pairs):
             started = init_ray()  # a fresh local Ray per run, as `vidray train` starts one
             try:
-                rays.append(run_in_ray(config, latents, text_len, a.steps, a.warmup, tmp, f"ray_{i}"))
+                rays.append(sampled("ray", "RayTrainWorker", lambda: run_in_ray(
+                    config, latents, text_len, a.steps, a.warmup, tmp, f"ray_{i}")))
             finally:
                 if started:
                     ray.shutdown()
@@ -133,7 +161,7 @@ def main() -> None:
         "ray_env_step_ratio": {"value": round(statistics.median(ratios), 3), "unit": "x", "goal": "<= 1.05"}},
         "details": {"ray_median_step_s": rays, "peer_median_step_s": peers, "ratios": [round(x, 3) for x in ratios],
                     "latents": latents, "text_len": text_len, "threads_per_worker": threads,
-                    "steps": a.steps, "warmup": a.warmup, "load_avg_1m": os.getloadavg()[0]}}))
+                    "steps": a.steps, "warmup": a.warmup, "load_avg_1m": os.getloadavg()[0], "sched": sched}}))
 
 
 if __name__ == "__main__":
