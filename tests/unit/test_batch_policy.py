@@ -441,32 +441,6 @@ def test_bad_running_progress_is_rejected(progress, match):
         policy.decide(queue_depth=1, num_running=2, num_steps=10, bytes_per_item=0, running_progress=progress)
 
 
-def test_denoiser_asks_the_policy_about_the_admitted_request_and_how_far_the_running_ones_are():
-    # Two requests at step 14 of 16 and a fresh one queued: the admission is about 16 steps (the mean, 6, made the
-    # fresh request look short), and each running request reports its seconds since arrival and steps left.
-    import asyncio
-
-    import torch
-
-    from vidray.diffusion.sampler import DenoiseState
-    from vidray.serve.stages import _Request, policy_inputs
-
-    def request(step: int, arrived_at: float) -> _Request:
-        state = DenoiseState(latents=torch.zeros(1, 4, 2, 4, 4), sigmas=torch.linspace(1.0, 0.0, 17),
-                             prompt_embeds=torch.zeros(1, 8, 16),
-                             prompt_attention_mask=torch.ones(1, 8, dtype=torch.bool), step=step)
-        return _Request(state, asyncio.Queue(), arrived_at)
-
-    running = [request(14, 100.0), request(14, 100.5)]
-    inputs = policy_inputs(running, [request(0, 101.0)], now=102.0)
-    assert inputs["num_steps"] == 16
-    assert inputs["queue_depth"] == 1 and inputs["num_running"] == 2
-    assert inputs["running_progress"] == [(2.0, 2), (1.5, 2)]
-    assert inputs["bytes_per_item"] == (8 * 16 + 4 * 2 * 4 * 4) * 4  # prompt_embeds + latents, float32
-    assert policy_inputs([], [], now=0.0) == {"queue_depth": 0, "num_running": 0, "num_steps": 1,
-                                              "bytes_per_item": 0, "running_progress": []}
-
-
 def test_a_burst_of_arrivals_is_waited_for_although_the_mean_rate_is_low():
     # The reported case (benchmarks/serve.py, delay 0.5x, 4 closed-loop clients): ~11.4 arrivals/s, but in bursts:
     # 3 of every 4 gaps are a few ms. The rate rule skips the 20 ms wait (11.4 * 0.02 = 0.23 arrivals expected);

@@ -1,6 +1,7 @@
 """The `Denoiser`'s step loop outside Serve: its class over the tiny exported model, driven with real asyncio. A
 fresh batch waits up to the wait for a burst of arrivals to fill it, and no longer than the wait (issue 8,
-step-level batching). No Ray is started: the class is used directly."""
+step-level batching); what the loop asks the policy before each step (`policy_inputs`). No Ray is started: the class
+is used directly."""
 
 import asyncio
 import os
@@ -9,11 +10,13 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
+from vidray.diffusion.sampler import DenoiseState  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import load_model  # noqa: E402
 from vidray.models.text_encoder import encode_prompts  # noqa: E402
-from vidray.serve.stages import Denoiser  # noqa: E402
+from vidray.serve.stages import Denoiser, _Request, policy_inputs  # noqa: E402
 
 BUCKET = (9, 64, 48)  # the tiny model's job file's bucket
 NUM_STEPS = 4
@@ -66,3 +69,22 @@ def test_a_fresh_batch_waits_no_longer_than_the_wait(tiny_serve_model_dir, base_
     elapsed = _burst(denoiser, base_request, [0.0, 0.01])
     assert denoiser.stats()["steps_by_batch_size"] == {2: NUM_STEPS}  # the third never came: two stepped together
     assert elapsed >= 0.3
+
+
+def test_denoiser_asks_the_policy_about_the_admitted_request_and_how_far_the_running_ones_are():
+    # Two requests at step 14 of 16 and a fresh one queued: the admission is about 16 steps (the mean, 6, made the
+    # fresh request look short), and each running request reports its seconds since arrival and steps left.
+    def request(step: int, arrived_at: float) -> _Request:
+        state = DenoiseState(latents=torch.zeros(1, 4, 2, 4, 4), sigmas=torch.linspace(1.0, 0.0, 17),
+                             prompt_embeds=torch.zeros(1, 8, 16),
+                             prompt_attention_mask=torch.ones(1, 8, dtype=torch.bool), step=step)
+        return _Request(state, asyncio.Queue(), arrived_at)
+
+    running = [request(14, 100.0), request(14, 100.5)]
+    inputs = policy_inputs(running, [request(0, 101.0)], now=102.0)
+    assert inputs["num_steps"] == 16
+    assert inputs["queue_depth"] == 1 and inputs["num_running"] == 2
+    assert inputs["running_progress"] == [(2.0, 2), (1.5, 2)]
+    assert inputs["bytes_per_item"] == (8 * 16 + 4 * 2 * 4 * 4) * 4  # prompt_embeds + latents, float32
+    assert policy_inputs([], [], now=0.0) == {"queue_depth": 0, "num_running": 0, "num_steps": 1,
+                                              "bytes_per_item": 0, "running_progress": []}
