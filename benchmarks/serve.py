@@ -64,6 +64,12 @@ def export_tiny_model(out: Path) -> Path:
     return path
 
 
+def mean_batch_size(steps_by_batch_size: dict) -> float:
+    """Requests per step of a {batch size: steps} histogram (0 with no step)."""
+    steps = sum(steps_by_batch_size.values())
+    return sum(int(b) * n for b, n in steps_by_batch_size.items()) / steps if steps else 0.0
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:
@@ -163,7 +169,6 @@ async def measure(args) -> dict:
         policies["adaptive"] = {"batch_size": None, "wait_s": None}
         scenarios = {name: scenarios[name] for name in args.scenarios}
         raw = {sc: {name: {c: [] for c in CONCURRENCY} for name in policies} for sc in scenarios}
-        batch_sizes = {sc: {name: {c: [] for c in CONCURRENCY} for name in policies} for sc in scenarios}
         histograms = {sc: {name: {c: [] for c in CONCURRENCY} for name in policies} for sc in scenarios}
         for scenario, delay in scenarios.items():
             for round_index in range(args.rounds):
@@ -175,13 +180,11 @@ async def measure(args) -> dict:
                                                              seconds=args.seconds)
                         after = await handle.stats.remote()
                         raw[scenario][name][concurrency].append((latencies, duration))
-                        steps = after["steps"] - before["steps"]
-                        mean_batch = (after["items_stepped"] - before["items_stepped"]) / max(steps, 1)
-                        batch_sizes[scenario][name][concurrency].append(mean_batch)
                         hist_before = before["steps_by_batch_size"]
-                        histograms[scenario][name][concurrency].append(
-                            {b: n - hist_before.get(b, 0) for b, n in after["steps_by_batch_size"].items()
-                             if n > hist_before.get(b, 0)})
+                        hist = {b: n - hist_before.get(b, 0) for b, n in after["steps_by_batch_size"].items()
+                                if n > hist_before.get(b, 0)}
+                        histograms[scenario][name][concurrency].append(hist)
+                        mean_batch = mean_batch_size(hist)
                         print(f"{scenario:9s} round {round_index} {name:9s} C={concurrency}: "
                               f"{len(latencies) / duration:.2f} req/s, p50 {percentile(latencies, 0.5):.3f} s, "
                               f"mean batch {mean_batch:.2f}", flush=True)
@@ -190,8 +193,9 @@ async def measure(args) -> dict:
         for sc in scenarios:  # the mean running batch (requests per step), per round
             for name in policies:
                 for row in cells[sc][name]:
-                    row["mean_batch_by_round"] = [round(x, 2) for x in batch_sizes[sc][name][row["concurrency"]]]
-                    row["steps_by_batch_size_by_round"] = histograms[sc][name][row["concurrency"]]
+                    rounds = histograms[sc][name][row["concurrency"]]
+                    row["mean_batch_by_round"] = [round(mean_batch_size(h), 2) for h in rounds]
+                    row["steps_by_batch_size_by_round"] = rounds
         for scenario in scenarios:
             for name in policies:
                 for row in cells[scenario][name]:

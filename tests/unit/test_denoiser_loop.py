@@ -58,7 +58,9 @@ def test_a_fresh_batch_waits_for_a_burst_to_fill_it(tiny_serve_model_dir, base_r
                                                        "max_wait_s": 2.0})
     denoiser.reconfigure({"batch_size": 3, "wait_s": 2.0})
     elapsed = _burst(denoiser, base_request, [0.0, 0.01, 0.02])
-    assert denoiser.stats()["steps_by_batch_size"] == {3: NUM_STEPS}
+    stats = denoiser.stats()
+    assert stats["steps_by_batch_size"] == {3: NUM_STEPS}
+    assert (stats["steps"], stats["items_stepped"], stats["completed"]) == (NUM_STEPS, 3 * NUM_STEPS, 3)
     assert elapsed < 2.0  # the full batch ended the wait
 
 

@@ -186,8 +186,8 @@ class Denoiser:
         self._loop_task: asyncio.Task | None = None
         self._last_arrival: float | None = None
         self._arrival_gaps_s: deque[float] = deque(maxlen=ARRIVAL_GAPS_KEPT)
-        self._stats = {"steps": 0, "items_stepped": 0, "completed": 0, "busy_s": 0.0, "started_at": time.time()}
-        self._steps_by_batch_size: dict[int, int] = {}
+        self._stats = {"completed": 0, "busy_s": 0.0, "started_at": time.time()}
+        self._steps_by_batch_size: dict[int, int] = {}  # steps run per batch size; `stats` derives the totals
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """user_config keys (all optional): batch_size / wait_s (pin the policy's choice; null = adaptive),
@@ -206,9 +206,12 @@ class Denoiser:
         self.boundary_delay_s, self.boundary_bytes_per_s = delay, rate
 
     def stats(self) -> dict[str, Any]:
-        """Counters for benchmarks and logs: steps run, items stepped (sum of batch sizes), steps run per batch
-        size ({b: steps}), requests completed, busy seconds, queue depth, running, and the policy's fitted terms."""
-        return {**self._stats, "steps_by_batch_size": dict(sorted(self._steps_by_batch_size.items())),
+        """Counters for benchmarks and logs: steps run per batch size ({b: steps}) and, derived from it, steps run
+        and items stepped (sum of batch sizes); requests completed, busy seconds, queue depth, running, and the
+        policy's fitted terms."""
+        hist = dict(sorted(self._steps_by_batch_size.items()))
+        return {**self._stats, "steps": sum(hist.values()), "items_stepped": sum(b * n for b, n in hist.items()),
+                "steps_by_batch_size": hist,
                 "pending": len(self._pending), "running": len(self._running), "policy": self.policy.snapshot()}
 
     async def denoise(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -326,8 +329,6 @@ class Denoiser:
             return
         seconds = time.perf_counter() - start
         self.policy.observe_step(len(batch), seconds)
-        self._stats["steps"] += 1
-        self._stats["items_stepped"] += len(batch)
         self._steps_by_batch_size[len(batch)] = self._steps_by_batch_size.get(len(batch), 0) + 1
         self._stats["busy_s"] += seconds
         now = time.monotonic()
