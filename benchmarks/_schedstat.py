@@ -5,6 +5,7 @@ wake-up of another thread can preempt a compute thread, and with ranks in lockst
 the others at the next all-reduce. Both the number of wake-ups and their CPU are visible per thread in
 `/proc/<pid>/task/<tid>/schedstat` (run ns, run-queue wait ns, time slices; kernel docs,
 Documentation/scheduler/sched-stats.rst) and `status` (`nonvoluntary_ctxt_switches`: the thread was preempted).
+psutil has no per-thread run-queue wait or slice counts, so those are read from `/proc`; it finds the processes.
 
 `SteadyStateSampler(pattern)` is a thread that waits until a process whose command line matches `pattern` has used
 `after_cpu_s` seconds of CPU (past its start-up and warmup), then takes two snapshots of every thread on the
@@ -25,6 +26,8 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+
+import psutil
 
 __all__ = ["SteadyStateSampler", "available", "sample"]
 
@@ -71,26 +74,15 @@ def _snapshot() -> dict[tuple[int, int], _Thread]:
     return threads
 
 
-def _matching_pids(pattern: re.Pattern) -> list[int]:
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = _read(f"/proc/{pid}/cmdline").replace("\0", " ")
-        except OSError:
-            continue
-        if int(pid) != os.getpid() and pattern.search(cmdline):
-            pids.append(int(pid))
-    return pids
-
-
-def _cpu_s(pid: int) -> float:
-    """utime + stime of `pid` in seconds (0 when it is gone)."""
-    try:
-        stat = _read(f"/proc/{pid}/stat")
-    except OSError:
-        return 0.0
-    fields = stat[stat.rfind(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _matching(pattern: re.Pattern) -> dict[int, float]:
+    """{pid: CPU seconds used (user + system)} of the processes (other than this one) whose command line matches
+    `pattern`; psutil reads them."""
+    found = {}
+    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
+        cmdline, cpu = proc.info["cmdline"], proc.info["cpu_times"]
+        if proc.pid != os.getpid() and cmdline and cpu and pattern.search(" ".join(cmdline)):
+            found[proc.pid] = cpu.user + cpu.system
+    return found
 
 
 def sample(window_s: float, focus_pids: list[int]) -> dict:
@@ -151,8 +143,8 @@ class SteadyStateSampler(threading.Thread):
             return
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline and not self._stopped.is_set():
-            pids = _matching_pids(self.pattern)
-            if any(_cpu_s(pid) >= self.after_cpu_s for pid in pids):
-                self.result = sample(self.window_s, pids)
+            cpu_s = _matching(self.pattern)
+            if any(seconds >= self.after_cpu_s for seconds in cpu_s.values()):
+                self.result = sample(self.window_s, list(cpu_s))
                 return
             self._stopped.wait(0.5)
