@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import vidray.diffusion.sampler  # noqa: E402
 import vidray.generate  # noqa: E402
 from vidray.cli import main  # noqa: E402
 from vidray.config import FlowConfig, ModelConfig, job_config_from_dict  # noqa: E402
@@ -29,7 +30,7 @@ from vidray.generate import (  # noqa: E402
 )
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import ModelFolderError  # noqa: E402
-from vidray.models.text_encoder import count_prompt_tokens  # noqa: E402
+from vidray.models.text_encoder import count_prompt_tokens, encode_prompts  # noqa: E402
 
 MAX_SEQUENCE_LENGTH = 32
 FLOW = FlowConfig(shift=3.0)
@@ -94,9 +95,17 @@ def _video(path: Path):
 
 
 def test_prompt_longer_than_max_sequence_length_warns_with_dropped_tokens_and_extra_words_change_nothing(
-    trained, tmp_path, caplog
+    trained, tmp_path, caplog, monkeypatch
 ):
     components, out_dir = trained
+    conditioning = []  # what generate_to_file's sampler actually fed the transformer, per call
+
+    def recording_encode_prompts(*args, **kwargs):
+        prompt_embeds, prompt_attention_mask = encode_prompts(*args, **kwargs)
+        conditioning.append((prompt_embeds.clone(), prompt_attention_mask.clone()))
+        return prompt_embeds, prompt_attention_mask
+
+    monkeypatch.setattr(vidray.diffusion.sampler, "encode_prompts", recording_encode_prompts)
     n_long, n_dragon, n_short = count_prompt_tokens(
         components.tokenizer, [PROMPT_100_WORDS, PROMPT_100_WORDS + " dragon", "a red ball"]
     )
@@ -113,8 +122,16 @@ def test_prompt_longer_than_max_sequence_length_warns_with_dropped_tokens_and_ex
         caplog.clear()
         short_video = _video(generate_to_file(out_dir, "a red ball", tmp_path / "short.mp4", **kwargs))
         short_warnings = [r.getMessage() for r in caplog.records if "prompt" in r.getMessage()]
-    assert (long_video == dragon_video).all()  # " dragon" falls beyond the window: identical videos ...
-    assert not (long_video == short_video).all()  # ... while the prompt does steer the video
+    # " dragon" falls beyond the window: the transformer got the same prompt_embeds and mask for both prompts ...
+    (long_embeds, long_mask), (dragon_embeds, dragon_mask), (short_embeds, _) = conditioning
+    assert torch.equal(long_mask, dragon_mask) and torch.allclose(long_embeds, dragon_embeds, rtol=0, atol=1e-6)
+    assert not torch.allclose(long_embeds, short_embeds, rtol=0, atol=1e-3)
+    assert not (long_video == short_video).all()  # ... while the prompt does steer the video.
+    # The long and dragon videos are not compared bit for bit: they were equal in every run but one CI run (1 of
+    # ~20), where they differed by a few uint8 levels from the same conditioning and seed; 40 reruns here under
+    # load did not reproduce it. A float reduction order on CPU can flip a uint8 rounding that x264 then codes
+    # differently, and with this tiny random model a whole different prompt moves the mp4 by only ~1.7 levels.
+    assert long_video.shape == dragon_video.shape == short_video.shape
     assert len(long_warnings) == 1 and len(dragon_warnings) == 1 and short_warnings == []
     dropped = n_dragon - MAX_SEQUENCE_LENGTH
     assert f"the prompt is {n_dragon} tokens" in dragon_warnings[0]
