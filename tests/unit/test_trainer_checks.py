@@ -192,6 +192,19 @@ def test_cpu_request_beyond_the_cluster_is_refused_unless_its_autoscaler_can_add
         check_resources(job, {"CPU": 4.0}, autoscaler_max={"CPU": 6.0})
 
 
+def test_too_many_workers_for_any_trainer_share_are_told_how_many_fit_not_a_cpus_per_worker_that_cannot_help():
+    # The reported case: 64 workers on the 4 CPUs of the local Ray a 2-core machine gets. Each worker also holds its
+    # loader and encode actor (0.5 + 0.1 + 0.1 CPUs), so no scaling.cpus_per_worker fits 64 in 4 CPUs.
+    job = load_job_config(None, ["scaling.num_workers=64"])
+    assert required_resources(job) == pytest.approx({"CPU": 108.8})  # 64 x (1 + 0.5 + 0.1 + 0.1)
+    with pytest.raises(RequestCannotBeMetError) as caught:
+        check_resources(job, {"CPU": 4.0}, where="the local Ray cluster vidray starts here")
+    message = str(caught.value)
+    assert "needs 108.8 CPUs; the local Ray cluster vidray starts here has 4: lower scaling.num_workers to at most " \
+           "2 (each worker also holds data.loader_cpus + placement.vae|text.num_cpus = 0.7 CPUs)" in message
+    assert "scaling.cpus_per_worker=" not in message.split(": ", 1)[1]  # no fix that cannot fit
+
+
 def test_changeable_run_keys_reach_ray_train_configs(tmp_path):
     """train.max_failures, checkpoint.num_to_keep and scaling.* take the resumed job's values (they are read from
     the job, never from the checkpoint); start-up retries are bounded."""

@@ -433,10 +433,15 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
                        "(RAY_ADDRESS)")
             else:
                 others = job.data.loader_cpus + job.placement.vae.num_cpus + job.placement.text.num_cpus
-                fitting = max(have / min_workers - others, 0.1)
-                fix = (f"lower scaling.num_workers{' (its min)' if job.scaling.elastic else ''} or "
-                       f"scaling.cpus_per_worker (e.g. scaling.cpus_per_worker="
-                       f"{fitting:.2g}), or data.loader_cpus")
+                per_worker_cpus = have / min_workers - others  # what each worker's trainer could have
+                most_workers = int((have + 1e-9) // (job.scaling.cpus_per_worker + others))
+                lower = f"lower scaling.num_workers{' (its min)' if job.scaling.elastic else ''}"
+                if per_worker_cpus >= 0.1:
+                    fix = (f"{lower} or scaling.cpus_per_worker (e.g. scaling.cpus_per_worker="
+                           f"{per_worker_cpus:.2g}), or data.loader_cpus")
+                else:  # no trainer share fits beside the loaders and encode actors: only fewer workers help
+                    fix = (f"{lower} to at most {most_workers}" if most_workers >= 1 else lower) + (
+                        f" (each worker also holds data.loader_cpus + placement.vae|text.num_cpus = {others:g} CPUs)")
             extra = f" (its autoscaler can reach {could:g})" if autoscaler_max else ""
             workers = (f"{[min_workers, max_workers]} (at least {min_workers})" if job.scaling.elastic
                        else f"{min_workers}")
@@ -622,7 +627,7 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
 
     apply_ray_env_defaults()
     if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
-        check_resources(job, local_cluster_resources(), where="this machine")
+        check_resources(job, local_cluster_resources(), where="the local Ray cluster vidray starts here")
 
     # 2. Join or start Ray, then check the cluster it found.
     init_ray()
