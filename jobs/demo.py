@@ -51,7 +51,7 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
     started = time.perf_counter()
 
     if resume and (Path(job.data.shards_dir) / INDEX_NAME).is_file():
-        # A re-prepare writes a new shard generation (new content hash), which a resume refuses as other shards.
+        # The resumed run's shards as they are: no prepare step (a re-prepare of the same sources would resume too).
         print(f"== 1. prepare: keeping the shards in {job.data.shards_dir} that the resumed run was trained on",
               flush=True)
         report = read_report(job.data.shards_dir)
