@@ -203,6 +203,9 @@ def test_too_many_workers_for_any_trainer_share_are_told_how_many_fit_not_a_cpus
     assert "needs 108.8 CPUs; the local Ray cluster vidray starts here has 4: lower scaling.num_workers to at most " \
            "2 (each worker also holds data.loader_cpus + placement.vae|text.num_cpus = 0.7 CPUs)" in message
     assert "scaling.cpus_per_worker=" not in message.split(": ", 1)[1]  # no fix that cannot fit
+    with pytest.raises(RequestCannotBeMetError,
+                       match=r"autoscaler can reach 6\): lower scaling.num_workers to at most 3 "):
+        check_resources(job, {"CPU": 4.0}, autoscaler_max={"CPU": 6.0})  # counted in what the cluster can reach
 
 
 def test_changeable_run_keys_reach_ray_train_configs(tmp_path):

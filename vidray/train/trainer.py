@@ -433,8 +433,9 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
                        "(RAY_ADDRESS)")
             else:
                 others = job.data.loader_cpus + job.placement.vae.num_cpus + job.placement.text.num_cpus
-                per_worker_cpus = have / min_workers - others  # what each worker's trainer could have
-                most_workers = int((have + 1e-9) // (job.scaling.cpus_per_worker + others))
+                # what each worker's trainer could have, and how many workers fit, in the most the cluster can reach
+                per_worker_cpus = could / min_workers - others
+                most_workers = int((could + 1e-9) // (job.scaling.cpus_per_worker + others))
                 lower = f"lower scaling.num_workers{' (its min)' if job.scaling.elastic else ''}"
                 if per_worker_cpus >= 0.1:
                     fix = (f"{lower} or scaling.cpus_per_worker (e.g. scaling.cpus_per_worker="
