@@ -416,8 +416,8 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
     """
     problems = []
     min_workers, max_workers = job.scaling.min_workers, job.scaling.max_workers
+    per_worker = required_resources(job, 1)
     if job.scaling.elastic:
-        per_worker = required_resources(job, 1)
         could_have = {r: float(max(cluster.get(r, 0), (autoscaler_max or {}).get(r, 0))) for r in per_worker}
         fitting = min(int((could_have[r] + 1e-9) // need) for r, need in per_worker.items())
         if min_workers <= fitting < max_workers:
@@ -432,10 +432,11 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
                 fix = ("set scaling.use_gpu=false and placement.vae|text.num_gpus=0, or run on a cluster with GPUs "
                        "(RAY_ADDRESS)")
             else:
-                others = job.data.loader_cpus + job.placement.vae.num_cpus + job.placement.text.num_cpus
-                # what each worker's trainer could have, and how many workers fit, in the most the cluster can reach
+                # each worker's loader and encode actor; what its trainer could have, and how many workers fit, in
+                # the most the cluster can reach
+                others = per_worker["CPU"] - job.scaling.cpus_per_worker
                 per_worker_cpus = could / min_workers - others
-                most_workers = int((could + 1e-9) // (job.scaling.cpus_per_worker + others))
+                most_workers = int((could + 1e-9) // per_worker["CPU"])
                 lower = f"lower scaling.num_workers{' (its min)' if job.scaling.elastic else ''}"
                 if per_worker_cpus >= 0.1:
                     fix = (f"{lower} or scaling.cpus_per_worker (e.g. scaling.cpus_per_worker="
