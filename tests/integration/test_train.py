@@ -17,6 +17,8 @@ from vidray.data.ingest import prepare
 from vidray.train.checkpoint import read_train_state
 from vidray.train.trainer import run_training
 
+from tests.integration.conftest import uninterrupted_losses
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
 
@@ -34,7 +36,10 @@ def tiny_job(shards_dir, storage, **steps):
     return load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", overrides)
 
 
-def test_two_workers_train_checkpoint_and_resume_at_next_step(local_ray, shards_dir, tmp_path):
+def test_two_workers_train_checkpoint_and_resume_at_next_step_with_the_uninterrupted_losses(local_ray, shards_dir,
+                                                                                               tmp_path):
+    """6 steps, then the same run name resumed to step 9: the resumed steps continue at 7 and both runs' losses
+    are those of one uninterrupted run (exact resume)."""
     # 1. A first run of 6 steps: checkpoints at 3 and 6, diffusers weights at the end; its workers serve
     # Prometheus metrics on 127.0.0.1 while it runs (scraped here) and leave them in <run_dir>/metrics.
     with socket.socket() as sock:
@@ -84,16 +89,10 @@ def test_two_workers_train_checkpoint_and_resume_at_next_step(local_ray, shards_
     kept = sorted(p.name for p in (tmp_path / "test-run").glob("checkpoint_0*"))
     assert kept == ["checkpoint_000006", "checkpoint_000009"]  # num_to_keep=2
 
-
-def test_resume_reproduces_the_uninterrupted_run(local_ray, shards_dir, tmp_path):
-    """Exact resume: 3 steps + 3 resumed steps give the same losses as 6 steps in one go."""
-    straight = run_training(tiny_job(shards_dir, tmp_path / "a", train__max_steps=6))
-    run_training(tiny_job(shards_dir, tmp_path / "b", train__max_steps=3))
-    resumed = run_training(tiny_job(shards_dir, tmp_path / "b", train__max_steps=6))
-    assert [s for s, _ in resumed.losses] == [4, 5, 6]
-    expected = dict((int(s), v) for s, v in straight.losses)
-    for step, loss in resumed.losses:
-        assert loss == pytest.approx(expected[int(step)], rel=1e-4, abs=1e-5)
+    # 3. Exact resume: steps 1-6 and the resumed 7-9 have the losses of steps 1-9 trained in one go.
+    expected = uninterrupted_losses(shards_dir)
+    for step, loss in first.losses + second.losses:
+        assert loss == pytest.approx(expected[int(step)], rel=1e-4, abs=1e-5), step
 
 
 def test_worker_killed_mid_run_restarts_from_checkpoint_and_matches_uninterrupted_run(local_ray, shards_dir, tmp_path):
@@ -129,8 +128,7 @@ def test_worker_killed_mid_run_restarts_from_checkpoint_and_matches_uninterrupte
     assert killed, "no worker was alive to kill: the run finished before its first checkpoint was seen"
     assert interrupted.first_step > 1  # the final attempt started from a checkpoint, not from scratch
 
-    straight = run_training(tiny_job(shards_dir, tmp_path / "a", train__max_steps=40, checkpoint__every_steps=5))
-    expected = {int(s): v for s, v in straight.losses}
+    expected = uninterrupted_losses(shards_dir)  # steps 1..40 of the same job trained in one go
     assert [int(s) for s, _ in interrupted.losses] == list(range(interrupted.first_step, 41))
     for step, loss in interrupted.losses:
         assert loss == pytest.approx(expected[int(step)], rel=1e-4, abs=1e-5)
