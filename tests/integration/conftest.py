@@ -82,15 +82,14 @@ _UNINTERRUPTED: dict[str, dict[int, float]] = {}
 
 def uninterrupted_losses(shards_dir: Path) -> dict[int, float]:
     """{step: loss} for steps 1..`REFERENCE_STEPS` of the tiny job (2 workers, `tiny_random` text encoder, seed 0,
-    `jobs/configs/tiny_t2v.yaml`'s optimizer) trained straight through on `shards_dir`: the run that the resume and
-    restart tests (a worker killed, a driver killed, a kill during a checkpoint copy, a plain resume) must match.
+    `jobs/configs/tiny_t2v.yaml`'s optimizer) trained straight through on `shards_dir`, in the Ray this process
+    has initialized (the calling test's `local_ray`): the run that a resumed run and a run whose worker was killed
+    must match (`test_train.py`).
 
     Run once per pytest session and prepared folder, keyed by `index.json`'s content_hash (the shards' bytes:
-    libx264 does not always encode a clip to the same bytes twice, so each module's `shards_dir` needs its own).
+    libx264 does not always encode a clip to the same bytes twice, so another module's `shards_dir` needs its own).
     A step's loss does not depend on `train.max_steps` (10 warmup steps, then a constant lr), the checkpoint
     cadence or the logging, so one 40-step run serves tests that train 6, 9 or 40 steps with other cadences.
-    Runs in the Ray this process has initialized (the calling module's cluster), else in a local one started
-    and shut down here.
     """
     import shutil
 
@@ -98,25 +97,19 @@ def uninterrupted_losses(shards_dir: Path) -> dict[int, float]:
 
     from vidray.config import load_job_config
     from vidray.data.shards import read_index
-    from vidray.runtime import init_ray
     from vidray.train.trainer import run_training
 
+    assert ray.is_initialized(), "uninterrupted_losses runs in the calling test's Ray (the local_ray fixture)"
     key = read_index(shards_dir)["content_hash"]
     if key not in _UNINTERRUPTED:
         storage = tempfile.mkdtemp(prefix="vidray-reference-")
-        started = False
         try:
-            if not ray.is_initialized():
-                apply_ray_env_defaults()
-                started = init_ray(num_cpus=4)
             job = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
                 f"data.shards_dir={shards_dir}", f"storage.path={storage}", "name=reference",
                 "model.text_encoder=tiny_random", f"train.max_steps={REFERENCE_STEPS}",
                 f"train.log_every_steps={REFERENCE_STEPS}", f"checkpoint.every_steps={REFERENCE_STEPS}"])
             result = run_training(job)
         finally:
-            if started:
-                ray.shutdown()
             shutil.rmtree(storage, ignore_errors=True)
         losses = {int(step): float(loss) for step, loss in result.losses}
         assert sorted(losses) == list(range(1, REFERENCE_STEPS + 1)), sorted(losses)
