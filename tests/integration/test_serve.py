@@ -184,7 +184,9 @@ def test_served_video_is_the_video_vidray_generate_makes_with_the_same_seed(serv
                              num_inference_steps=3, seed=11, fps=8.0)
     local_frames = decode_mp4(local.read_bytes())
     assert served_frames.shape == local_frames.shape
-    # Same latents -> same frames; H.264 of identical input is identical.
+    # Same latents -> same frames. libx264 (PyAV 18.1) does not always encode the same frames to the same bytes
+    # (200 encodes of one 9x64x64 clip gave 3 byte strings; tests/unit/test_generate.py), but 200 encodes of
+    # 5x32x32 frames gave one.
     assert abs(served_frames.astype(int) - local_frames.astype(int)).max() <= 1
 
 
