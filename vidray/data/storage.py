@@ -23,6 +23,7 @@ it, with what `vidray.data.shards` and `vidray.data.ingest` need (read, write wh
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -104,14 +105,22 @@ class Storage:
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Replace `rel` with `data` all at once: locally temp file + fsync + rename (+ fsync of the folder); on an
-        object store one whole-object upload (an object is never visible half written)."""
+        object store one whole-object upload (an object is never visible half written).
+
+        Several processes may write the same `rel` at once (two ranks' encode stages caching the latents of one
+        caption): each writes its own temp file (`.<name>.<pid>-<random>.tmp`) and the last rename wins. With one
+        temp name for all, the second rename found the file already renamed away and failed (FileNotFoundError).
+        """
         if self.is_local:
             path = Path(self.path(rel))
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_bytes(data)
-            fsync_path(tmp)
-            os.replace(tmp, path)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
+            try:
+                tmp.write_bytes(data)
+                fsync_path(tmp)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)  # only left when the write or the rename failed
             fsync_path(path.parent)
             return
         with self.fs.open_output_stream(self.path(rel)) as f:
