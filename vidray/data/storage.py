@@ -107,14 +107,13 @@ class Storage:
         """Replace `rel` with `data` all at once: locally temp file + fsync + rename (+ fsync of the folder); on an
         object store one whole-object upload (an object is never visible half written).
 
-        Several processes may write the same `rel` at once (two ranks' encode stages caching the latents of one
-        caption): each writes its own temp file (`.<name>.<pid>-<random>.tmp`) and the last rename wins. With one
-        temp name for all, the second rename found the file already renamed away and failed (FileNotFoundError).
+        Several processes may write the same `rel` at once (two ranks' encode stages caching the prompt_embeds of
+        one caption): each writes its own temp file (`_temp_beside`) and the last rename wins.
         """
         if self.is_local:
             path = Path(self.path(rel))
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
+            tmp = _temp_beside(path)
             try:
                 tmp.write_bytes(data)
                 fsync_path(tmp)
@@ -203,6 +202,14 @@ def _local_files(local: Path) -> list[str]:
     return sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
 
 
+def _temp_beside(path: Path) -> Path:
+    """A temp file name next to `path` that no other writer uses: `.<name>.<pid>-<random>.tmp`. Writers of one
+    target each rename their own temp file over it (the last rename wins); with one temp name for all, a second
+    writer's rename found the file already renamed away and raised FileNotFoundError (two ranks caching one
+    caption's prompt_embeds in a CI run)."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
+
+
 def _put_file(storage: Storage, rel: str, source: Path) -> int:
     """Copy the local file `source` to `rel` in `storage` in 8 MiB chunks; returns its size in bytes. Locally a temp
     file + fsync + rename; on an object store one streamed upload (multipart for large files), visible only once
@@ -210,12 +217,15 @@ def _put_file(storage: Storage, rel: str, source: Path) -> int:
     if storage.is_local:
         target = Path(storage.path(rel))
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
-        with open(source, "rb") as src, open(tmp, "wb") as out:
-            while chunk := src.read(_COPY_CHUNK_BYTES):
-                out.write(chunk)
-        fsync_path(tmp)
-        os.replace(tmp, target)
+        tmp = _temp_beside(target)
+        try:
+            with open(source, "rb") as src, open(tmp, "wb") as out:
+                while chunk := src.read(_COPY_CHUNK_BYTES):
+                    out.write(chunk)
+            fsync_path(tmp)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)  # only left when the copy or the rename failed
         return target.stat().st_size
     size = 0
     with open(source, "rb") as src, storage.fs.open_output_stream(storage.path(rel)) as out:
