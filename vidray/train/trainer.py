@@ -417,26 +417,28 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
     problems = []
     min_workers, max_workers = job.scaling.min_workers, job.scaling.max_workers
     per_worker = required_resources(job, 1)
+    # the most of each resource the cluster can reach (its autoscaler's limit when it reports one), and how many
+    # workers (each with its loader and encode actor) fit in it
+    could_have = {r: float(max(cluster.get(r, 0), (autoscaler_max or {}).get(r, 0))) for r in per_worker}
+    workers_fit = {r: int((could_have[r] + 1e-9) // need) for r, need in per_worker.items()}
     if job.scaling.elastic:
-        could_have = {r: float(max(cluster.get(r, 0), (autoscaler_max or {}).get(r, 0))) for r in per_worker}
-        fitting = min(int((could_have[r] + 1e-9) // need) for r, need in per_worker.items())
+        fitting = min(workers_fit.values())
         if min_workers <= fitting < max_workers:
             print(f"[vidray] {where} holds the resources of {fitting} of scaling.num_workers={[min_workers, max_workers]} "
                   f"workers now: the run starts with {fitting} and grows when more can be placed (checked every "
                   f"scaling.resize_check_s={job.scaling.resize_check_s:g} s)", flush=True)
     for resource, need in required_resources(job).items():
         have = float(cluster.get(resource, 0))
-        could = max(have, float((autoscaler_max or {}).get(resource, 0)))
+        could = could_have[resource]
         if need > could + 1e-9:
             if resource == "GPU":
                 fix = ("set scaling.use_gpu=false and placement.vae|text.num_gpus=0, or run on a cluster with GPUs "
                        "(RAY_ADDRESS)")
             else:
-                # each worker's loader and encode actor; what its trainer could have, and how many workers fit, in
-                # the most the cluster can reach
+                # each worker's loader and encode actor, and what its trainer could have beside them
                 others = per_worker["CPU"] - job.scaling.cpus_per_worker
                 per_worker_cpus = could / min_workers - others
-                most_workers = int((could + 1e-9) // per_worker["CPU"])
+                most_workers = workers_fit["CPU"]
                 lower = f"lower scaling.num_workers{' (its min)' if job.scaling.elastic else ''}"
                 if per_worker_cpus >= 0.1:
                     fix = (f"{lower} or scaling.cpus_per_worker (e.g. scaling.cpus_per_worker="
