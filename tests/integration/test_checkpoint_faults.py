@@ -1,11 +1,12 @@
 """A worker killed while it copies a checkpoint into the run folder: the previous checkpoint stays the latest
-complete one, and the run re-run from it ends as an uninterrupted run does. (A restart inside the run takes the
-same path: Ray Train registers a checkpoint only once the copy returned, so it restarts from the previous one, as
-`tests/integration/test_train.py` shows for a worker killed between checkpoints.)
+complete one, and the run re-run from it ends as an uninterrupted run does. Killed right after the copy's last
+file (the manifest), before Ray Train registered the checkpoint: the restart inside the run continues from that
+complete checkpoint, not from Ray's previous one, and the unregistered folder does not outlive
+`checkpoint.num_to_keep`.
 
-The kill is real (SIGKILL of the Ray Train worker process) and lands at a chosen point of the copy: after
-`optimizer.pt` of `checkpoint_000004` is in the run folder and before its manifest (the fault-injection variable
-`vidray.train.checkpoint.FAULT_ENV`, armed by deleting its marker file)."""
+The kills are real (SIGKILL of the Ray Train worker process) and land at chosen points of the copy of
+`checkpoint_000004`: after `optimizer.pt` (before the manifest), or after `manifest.json` (the fault-injection
+variable `vidray.train.checkpoint.FAULT_ENV`, each fault armed by deleting its marker file)."""
 
 from __future__ import annotations
 
@@ -28,16 +29,26 @@ def fault_ray(tmp_path_factory):
 
     from vidray.runtime import apply_ray_env_defaults, init_ray
 
-    marker = tmp_path_factory.mktemp("fault") / "killed"
-    marker.write_text("disarmed")
+    folder = tmp_path_factory.mktemp("fault")
+    markers = {part: folder / f"killed-after-{part}" for part in ("optimizer.pt", "manifest.json")}
+    for marker in markers.values():
+        marker.write_text("disarmed")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(FAULT_ENV, f"4:optimizer.pt:{marker}")
+        mp.setenv(FAULT_ENV, ";".join(f"4:{part}:{marker}" for part, marker in markers.items()))
         apply_ray_env_defaults()
         if ray.is_initialized():
             ray.shutdown()
         init_ray(num_cpus=4)
-        yield marker
+        yield markers
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def straight_losses(fault_ray, shards_dir, tmp_path_factory) -> dict[int, float]:
+    """{step: loss} of the job run without a fault (both faults disarmed)."""
+    straight = run_training(job(shards_dir, tmp_path_factory.mktemp("straight")))
+    assert all(m.read_text() == "disarmed" for m in fault_ray.values())  # the uninterrupted run was not touched
+    return {int(s): v for s, v in straight.losses}
 
 
 def job(shards_dir, storage: Path, **extra):
@@ -49,11 +60,8 @@ def job(shards_dir, storage: Path, **extra):
 
 
 def test_kill_during_checkpoint_copy_keeps_the_previous_checkpoint_and_the_run_ends_as_uninterrupted(
-        fault_ray, shards_dir, tmp_path):
-    marker = fault_ray
-    straight = run_training(job(shards_dir, tmp_path / "straight"))
-    assert marker.read_text() == "disarmed"  # the uninterrupted run was not touched
-    expected = {int(s): v for s, v in straight.losses}
+        fault_ray, straight_losses, shards_dir, tmp_path):
+    marker, expected = fault_ray["optimizer.pt"], straight_losses
 
     # Killed with no restart allowed (train.max_failures=0): the run fails, the folder holds the unfinished copy
     # without a manifest, and re-running the same command resumes from checkpoint 2 and overwrites that folder.
@@ -72,3 +80,22 @@ def test_kill_during_checkpoint_copy_keeps_the_previous_checkpoint_and_the_run_e
         assert loss == pytest.approx(expected[int(step)], rel=1e-4, abs=1e-5)
     assert run.complete() == ["checkpoint_000002", "checkpoint_000004", "checkpoint_000006"]
     verify_checkpoint(partial)  # rewritten whole
+
+
+def test_kill_after_the_copy_before_ray_registers_it_restarts_from_that_checkpoint_and_keeps_num_to_keep(
+        fault_ray, straight_losses, shards_dir, tmp_path, capfd):
+    # The copy of checkpoint 4 is whole (its manifest is in) but the worker dies before Ray Train registers it, so
+    # Ray's latest is checkpoint 2. The restart (train.max_failures=1) must continue at step 5, not retrain 3-4.
+    marker, expected = fault_ray["manifest.json"], straight_losses
+    marker.unlink()
+    run = run_training(job(shards_dir, tmp_path, train__max_failures=1, checkpoint__num_to_keep=2))
+    assert "after copying manifest.json of checkpoint_000004" in marker.read_text()
+    out = capfd.readouterr().out
+    assert "restarted from this run's checkpoint checkpoint_000004 at step 4 (the run folder's latest complete)" in out
+    assert run.first_step == 5
+    assert [int(s) for s, _ in run.losses] == [5, 6]
+    for step, loss in run.losses:
+        assert loss == pytest.approx(expected[int(step)], rel=1e-4, abs=1e-5)
+    # Ray kept its two newest, 2 and 6; checkpoint 4, which it never registered, is removed after the run.
+    assert CheckpointManager(tmp_path / "faults").complete() == ["checkpoint_000002", "checkpoint_000006"]
+    assert "removed checkpoint_000004" in out

@@ -260,7 +260,7 @@ UPLOAD_BACKOFF_S = 2.0
 FAULT_ENV = "VIDRAY_FAULT_KILL_DURING_CHECKPOINT"
 """Fault injection for tests (never set in a real run): `<step>:<part>:<marker file>` makes the process copying
 checkpoint `<step>` SIGKILL itself right after copying `<part>`, once: the marker file is created first, and an
-existing marker disarms it."""
+existing marker disarms it. Several faults, each with its own marker, are separated by `;`."""
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -450,8 +450,8 @@ def _maybe_inject_fault(name: str, part: str) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
-    step, fault_part, marker = spec.split(":", 2)
-    if checkpoint_step(name) != int(step) or part != fault_part or Path(marker).exists():
-        return
-    Path(marker).write_text(f"killed pid {os.getpid()} after copying {part} of {name}\n")
-    os.kill(os.getpid(), signal.SIGKILL)
+    for fault in filter(None, spec.split(";")):
+        step, fault_part, marker = fault.split(":", 2)
+        if checkpoint_step(name) == int(step) and part == fault_part and not Path(marker).exists():
+            Path(marker).write_text(f"killed pid {os.getpid()} after copying {part} of {name}\n")
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -51,6 +51,7 @@ from vidray.train.checkpoint import (
     CheckpointManager,
     TrainState,
     checkpoint_dir_name,
+    checkpoint_step,
     dataset_mismatch,
     load_checkpoint,
     save_checkpoint,
@@ -74,15 +75,29 @@ def _log(rank: int, message: str) -> None:
 def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_scheduler, rank: int) -> TrainState | None:
     """Load the checkpoint this attempt starts from (precedence: `vidray.train.trainer` module docstring).
 
-    Ray Train's `get_checkpoint()` wins only for a checkpoint written during this `fit()` (a restart after a
-    worker failure); otherwise the driver's verified choice `loop_config["resume_from"]` is loaded.
+    A checkpoint written during this `fit()` (any step after the driver's start point `loop_config["start_step"]`,
+    so on a restart after a worker or node failure) wins: the newer of Ray Train's `get_checkpoint()` and the run
+    folder's latest complete checkpoint. The folder's can be newer: Ray registers a checkpoint only once every rank's
+    report of it has reached the controller, so a node lost after rank 0 finished the copy (manifest last: complete
+    means whole) but before that would otherwise send the run back a whole checkpoint interval. Rank 0's choice is
+    broadcast, so every rank loads the same one. Otherwise the driver's verified `loop_config["resume_from"]` is
+    loaded, or None is returned (step 1).
     """
-    checkpoint = ray.train.get_checkpoint()
-    existing = set(loop_config.get("existing_checkpoints") or [])
-    if checkpoint is not None and Path(checkpoint.path).name not in existing:
-        with checkpoint.as_directory() as directory:
+    start_step = int(loop_config.get("start_step") or 0)
+    name = None
+    if rank == 0:
+        candidates = [c for c in (_ray_checkpoint_name(), CheckpointManager(loop_config["run_dir"]).latest())
+                      if c is not None and checkpoint_step(c) > start_step]
+        name = max(candidates, key=checkpoint_step, default=None)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        chosen = [name]
+        dist.broadcast_object_list(chosen, src=0)
+        name = chosen[0]
+    if name is not None:
+        with CheckpointManager(loop_config["run_dir"]).fetch(name) as directory:
             state = load_checkpoint(directory, transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler)
-        _log(rank, f"restarted from this run's checkpoint {Path(checkpoint.path).name} at step {state.step}")
+        source = "Ray Train's latest" if name == _ray_checkpoint_name() else "the run folder's latest complete"
+        _log(rank, f"restarted from this run's checkpoint {name} at step {state.step} ({source})")
         return state
     start = loop_config.get("resume_from")
     if start:
@@ -94,6 +109,12 @@ def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_schedu
         _log(rank, f"started from checkpoint {start} at step {state.step}")
         return state
     return None
+
+
+def _ray_checkpoint_name() -> str | None:
+    """The folder name of Ray Train's latest registered checkpoint of this `fit()`, or None."""
+    checkpoint = ray.train.get_checkpoint()
+    return None if checkpoint is None else Path(checkpoint.path).name
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:

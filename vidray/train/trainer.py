@@ -17,8 +17,11 @@ Which checkpoint a run starts from (the precedence, decided here and passed to t
 Ray Train's own checkpoint list (`checkpoint_manager_snapshot.json`) is moved aside with them whenever it names a
 folder that is gone or another latest checkpoint: Ray would otherwise refuse the run folder, or rotate away the
 wrong checkpoints.
-Inside the workers, Ray Train's `get_checkpoint()` is used only for checkpoints written during this `fit()`
-(after a worker failure); a checkpoint that existed before is loaded only when it is the one chosen above.
+Inside the workers, a restart after a worker or node failure loads the newest checkpoint written during this `fit()`
+(a step after the chosen one's; none newer is left in the folder once the above is applied): Ray Train's
+`get_checkpoint()`, or the run folder's latest complete checkpoint when that is newer (a node lost after the copy
+finished but before Ray registered it; `vidray.train.loop._resume_state`). A checkpoint that existed before is
+loaded only when it is the one chosen above.
 """
 
 from __future__ import annotations
@@ -101,8 +104,7 @@ class ResumePlan:
     (start at step 1). step: its step (0 if none). explicit: it came from `checkpoint.resume_from`. set_aside: names
     of the run folder's checkpoints newer than it, to move aside before Ray starts. reset_ray_snapshot: move Ray
     Train's checkpoint list aside too (the run no longer continues from its own latest checkpoint). diff: config
-    changes from the checkpoint's saved config. existing: names of the checkpoint folders in the run folder before
-    this run started. manager: the run folder's `CheckpointManager`.
+    changes from the checkpoint's saved config. manager: the run folder's `CheckpointManager`.
     """
 
     checkpoint: Path | str | None = None
@@ -111,7 +113,6 @@ class ResumePlan:
     set_aside: list[str] = field(default_factory=list)
     reset_ray_snapshot: bool = False
     diff: ResumeDiff | None = None
-    existing: list[str] = field(default_factory=list)
     manager: Any = None
 
 
@@ -222,7 +223,7 @@ def plan_resume(job: JobConfig) -> ResumePlan:
     manager = CheckpointManager(f"{absolute_location(job.storage.path).rstrip('/')}/{job.name}")
     local = manager.is_local
     existing = manager.names()
-    plan = ResumePlan(existing=list(existing), manager=manager)
+    plan = ResumePlan(manager=manager)
     latest = manager.latest()
     _check_resume_mode(job, manager.location(), existing, latest)
 
@@ -507,6 +508,29 @@ def _set_aside(plan: ResumePlan) -> None:
     print(f"[vidray] {start}: moved {', '.join(moved)} to {storage.display(target)} (kept, not loaded)", flush=True)
 
 
+def _remove_unregistered_checkpoints(plan: ResumePlan, job: JobConfig, result: Any) -> list[str]:
+    """`checkpoint.num_to_keep` for the checkpoints Ray Train's rotation does not know: after a successful `fit()`,
+    delete the complete checkpoints written during it (steps after the plan's start) that Ray never registered and
+    that are older than Ray's latest one. Ray registers a checkpoint only once every rank's report of it reached
+    the controller; a restart that continued from such a checkpoint (`vidray.train.loop._resume_state`) leaves it
+    unregistered, so Ray's rotation would keep it forever. Nothing is deleted when `num_to_keep` is None (keep
+    all) or Ray kept no checkpoint. Returns the deleted folder names."""
+    from vidray.train.checkpoint import checkpoint_step
+
+    if job.checkpoint.num_to_keep is None or not result.best_checkpoints:
+        return []
+    registered = {Path(checkpoint.path).name for checkpoint, _ in result.best_checkpoints}
+    newest = max(checkpoint_step(name) for name in registered)
+    stale = [name for name in plan.manager.complete()
+             if name not in registered and plan.step < checkpoint_step(name) < newest]
+    for name in stale:
+        plan.manager.storage.delete_dir(name)
+    if stale:
+        print(f"[vidray] removed {', '.join(stale)}: restarts continued from them before Ray Train registered them, "
+              f"so its rotation (checkpoint.num_to_keep={job.checkpoint.num_to_keep}) did not", flush=True)
+    return stale
+
+
 def _stop_on_user_errors_callback():
     """A Ray Train callback (runs on the controller) that ends the run at the first worker `UserError`.
 
@@ -649,7 +673,7 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
         "run_dir": plan.manager.location(),  # a local path or the URI
         "shards_dir": absolute_location(job.data.shards_dir),
         "resume_from": str(plan.checkpoint) if plan.checkpoint else None,
-        "existing_checkpoints": plan.existing,
+        "start_step": plan.step,  # checkpoints of later steps were written during this fit (a restart's own)
         "record_sample_ids": record_sample_ids,
         "placement": placement,
         "latent_cache": latent_cache_root(job),
@@ -668,6 +692,7 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
         print(f"[vidray] interrupted (Ctrl-C): the run stopped; its checkpoints so far are kept in {run_dir}; "
               "run the same command again to resume", file=sys.stderr, flush=True)
         raise
+    _remove_unregistered_checkpoints(plan, job, result)
     out = result.return_value or {}
     return TrainResult(
         run_dir=run_dir,
