@@ -24,7 +24,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def fault_ray(tmp_path_factory):
-    """A local Ray whose workers inherit the fault variable (disarmed: its marker exists); yields the marker."""
+    """A local Ray whose workers inherit the fault variable, both faults disarmed (their markers exist); yields
+    {part: marker file}."""
     import ray
 
     from vidray.runtime import apply_ray_env_defaults, init_ray
@@ -45,7 +46,9 @@ def fault_ray(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def straight_losses(fault_ray, shards_dir, tmp_path_factory) -> dict[int, float]:
-    """{step: loss} of the job run without a fault (both faults disarmed)."""
+    """{step: loss} of the job run without a fault (both faults disarmed). Its own run, not the session's
+    reference run (`conftest.uninterrupted_losses`): that is keyed by the shards' bytes, which another module's
+    prepare of the same clips does not always reproduce, and a 6-step run costs less than a 40-step one."""
     straight = run_training(job(shards_dir, tmp_path_factory.mktemp("straight")))
     assert all(m.read_text() == "disarmed" for m in fault_ray.values())  # the uninterrupted run was not touched
     return {int(s): v for s, v in straight.losses}

@@ -164,9 +164,12 @@ def test_elastic_run_shrinks_to_2_on_node_loss_grows_back_to_4_and_trains_the_un
     started = time.monotonic()
     trainer.start()
     # 1. Past the first checkpoint (step 2) at 4 workers, once it is complete: remove the second worker node. Ray
-    # Train restarts the group from the latest checkpoint with the 2 workers the remaining node holds. (Step 3 in
-    # the records alone was not enough: in one CI run on a loaded machine the node went before checkpoint 2 was
-    # complete, the 2 workers started over from step 1, and no step of the final history was trained at 4.)
+    # Train restarts the group from the latest complete checkpoint with the 2 workers the remaining node holds.
+    # (Step 3 in the records alone was not enough: in one CI run on a loaded machine the node went before
+    # checkpoint 2 was complete, the 2 workers started over from step 1, and no step of the final history was
+    # trained at 4. In the next, it went after checkpoint 2 was complete but before Ray Train had registered it,
+    # with the same result: the restart now takes the run folder's latest complete checkpoint,
+    # `test_checkpoint_faults.py`.)
     def past_first_checkpoint() -> bool:
         return any(s >= 3 for s in steps_at(4)) and bool(CheckpointManager(run_dir).complete())
 

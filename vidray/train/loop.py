@@ -119,7 +119,7 @@ def _ray_checkpoint_name() -> str | None:
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     """Ray Train entry point. `loop_config`: {"job": JobConfig.to_dict(), "run_dir": absolute path,
-    "shards_dir": absolute path, "resume_from": checkpoint folder or None}.
+    "shards_dir": absolute path, "resume_from": checkpoint folder or None, "start_step": its step (0 if none)}.
 
     Optional key "record_sample_ids": True to return what was trained, and to append it, step by step, to
     `<run_dir>/trained_samples/<start ns>-rank<r>.jsonl` (`_record_path`: every attempt of an elastic or
