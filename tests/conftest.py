@@ -10,6 +10,40 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_at_once(action, *, repeats: int, processes: int = 3, timeout_s: float = 120) -> list[str]:
+    """Fork `processes` processes that each call `action()` `repeats` times, all released together by one event
+    (a race between processes, e.g. writers of one file). Returns the problems: each process's first error (its
+    repr; that process then stops) and a line for each process that did not exit 0 within `timeout_s`."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")  # `action` may be a closure: nothing is pickled
+    start, errors = ctx.Event(), ctx.Queue()
+
+    def repeat() -> None:
+        start.wait()
+        for _ in range(repeats):
+            try:
+                action()
+            except Exception as err:  # noqa: BLE001 - reported to the caller
+                errors.put(repr(err))
+                return
+
+    workers = [ctx.Process(target=repeat) for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+    start.set()
+    for worker in workers:
+        worker.join(timeout=timeout_s)
+    problems = []
+    while not errors.empty():
+        problems.append(errors.get())
+    for worker in workers:
+        if worker.exitcode != 0:
+            worker.kill()
+            problems.append(f"process {worker.pid} exit code {worker.exitcode}")
+    return problems
+
+
 @pytest.fixture(scope="session")
 def samples_dir() -> Path:
     """The repo's `samples/` folder: six small real clips/stills and their EasyAnimate `metadata.json`."""

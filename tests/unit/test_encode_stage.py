@@ -17,6 +17,8 @@ from vidray.config import FlowConfig, ModelConfig  # noqa: E402
 from vidray.data.encode import ENCODE_STAT_KEYS, EncodeStage, LatentCache, module_identity  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 
+from tests.conftest import run_at_once  # noqa: E402
+
 MODEL = ModelConfig(text_encoder="tiny_random", max_sequence_length=16)
 F, H, W = 5, 32, 32
 
@@ -135,34 +137,12 @@ def test_stage_rejects_an_unknown_kind():
         _stage(what="dit")
 
 
-def _put_many(root: str, rel: str, start, repeats: int, errors) -> None:
-    cache = LatentCache(root)
-    tensors = {"prompt_embeds": torch.ones(4, 8)}
-    start.wait()
-    for _ in range(repeats):
-        try:
-            cache.put(rel, tensors)
-        except Exception as err:  # noqa: BLE001 - reported to the test
-            errors.put(repr(err))
-            return
-
-
 def test_two_processes_caching_the_same_caption_at_once_both_succeed(tmp_path):
     """The reported case (a CI run): two ranks' encode stages cached the prompt embeddings of one caption at the
     same moment; both wrote the same temp file, and the second rename failed with FileNotFoundError, which failed
     the worker. Here 3 processes put one entry 300 times each, started together."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
+    cache = LatentCache(str(tmp_path))
     rel = LatentCache.prompt_entry("t" * 32, 32, "a caption two ranks share")
-    start, errors = ctx.Event(), ctx.Queue()
-    workers = [ctx.Process(target=_put_many, args=(str(tmp_path), rel, start, 300, errors)) for _ in range(3)]
-    for worker in workers:
-        worker.start()
-    start.set()
-    for worker in workers:
-        worker.join(timeout=120)
-    assert [w.exitcode for w in workers] == [0, 0, 0]
-    assert errors.empty(), errors.get()
+    assert run_at_once(lambda: cache.put(rel, {"prompt_embeds": torch.ones(4, 8)}), repeats=300) == []
     assert torch.equal(LatentCache(str(tmp_path)).get(rel)["prompt_embeds"], torch.ones(4, 8))
     assert [p.name for p in (tmp_path / rel).parent.iterdir()] == [(tmp_path / rel).name]  # no temp file left

@@ -25,6 +25,8 @@ from vidray.data.shards import (
 from vidray.data.storage import open_storage
 from vidray.errors import UserFileNotFound
 
+from tests.conftest import run_at_once
+
 BUCKETS = [[9, 64, 64], [1, 64, 64]]
 FPS = 8.0
 
@@ -306,39 +308,17 @@ def test_upload_dir_to_a_local_folder_gives_the_same_files(tmp_path):
     assert {rel: (tmp_path / "back" / rel).read_bytes() for rel in files} == files
 
 
-def _copy_many(target_dir: str, source: str, start, repeats: int, errors) -> None:
-    from vidray.data.storage import _put_file, open_storage
-
-    storage = open_storage(target_dir)
-    start.wait()
-    for _ in range(repeats):
-        try:
-            _put_file(storage, "part.bin", Path(source))
-        except Exception as err:  # noqa: BLE001 - reported to the test
-            errors.put(repr(err))
-            return
-
-
 def test_local_copies_of_one_file_by_several_processes_at_once_all_succeed(tmp_path):
     """The other local writer of `vidray.data.storage` (`upload_dir`'s copies) with the fault of the latent
     cache's writes (one temp name for every writer: a second rename raised FileNotFoundError): 3 processes copy
     one file to the same target 200 times each, started together."""
-    import multiprocessing
+    from vidray.data.storage import _put_file, open_storage
 
     source = tmp_path / "source.bin"
     source.write_bytes(b"p" * 4096)
     (tmp_path / "dst").mkdir()
-    ctx = multiprocessing.get_context("fork")
-    start, errors = ctx.Event(), ctx.Queue()
-    workers = [ctx.Process(target=_copy_many, args=(str(tmp_path / "dst"), str(source), start, 200, errors))
-               for _ in range(3)]
-    for worker in workers:
-        worker.start()
-    start.set()
-    for worker in workers:
-        worker.join(timeout=120)
-    assert [w.exitcode for w in workers] == [0, 0, 0]
-    assert errors.empty(), errors.get()
+    storage = open_storage(tmp_path / "dst")
+    assert run_at_once(lambda: _put_file(storage, "part.bin", source), repeats=200) == []
     assert [p.name for p in (tmp_path / "dst").iterdir()] == ["part.bin"]  # no temp file left
     assert (tmp_path / "dst" / "part.bin").read_bytes() == b"p" * 4096
 
