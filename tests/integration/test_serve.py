@@ -226,14 +226,61 @@ def test_missing_or_wrong_token_is_401_and_bad_fields_are_4xx_naming_the_field(s
     conn.close()
 
 
-def test_a_denoiser_replica_killed_mid_job_leaves_the_job_retried_and_completed(served):
-    """Documented outcome: a job whose stage replica died is queued again once (attempts 2) and completes."""
-    from vidray.serve.jobs import JobStore
-
+def _denoiser_pid(served) -> int:
     actors = json.loads(served.ray_cli("list", "actors", "--format", "json", "--limit", "1000",
                                        "--address", served.head.dashboard_url, "--filter", "state=ALIVE"))
     pids = [a["pid"] for a in actors if "Denoiser" in (a.get("class_name") or "")]
     assert len(pids) == 1, actors
+    return pids[0]
+
+
+def _busy_cores(process, seconds: float = 1.0) -> float:
+    """CPU seconds per second the process used over the next `seconds`."""
+    before = sum(process.cpu_times()[:2])
+    time.sleep(seconds)
+    return (sum(process.cpu_times()[:2]) - before) / seconds
+
+
+def test_deleting_a_running_job_stops_its_denoising_at_once(served):
+    """The reported case (a new user's trial): DELETE of a job in denoising answered 200, but the Denoiser went on
+    stepping it to its end (8.7 min for 100 steps of 49x512x512 on 2 cores), and every other request waited behind
+    it. Now the ingress cancels the job's Denoiser stream, and the request leaves the batch after its step."""
+    import psutil
+
+    denoiser = psutil.Process(_denoiser_pid(served))
+    client = served.client()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        video = client.videos.create(prompt="a long slow pan", size="512x512",
+                                     extra_body={"num_frames": 49, "seed": 3, "num_inference_steps": 100})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        current = json.loads(_request("GET", f"{served.base_url}/v1/videos/{video.id}")[1])
+        if current["status"] == "in_progress" and current["progress"] > 5:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"job never got into denoising: {current}")
+    assert _busy_cores(denoiser) > 0.5  # stepping it
+    code, body, _ = _request("DELETE", f"{served.base_url}/v1/videos/{video.id}")
+    assert code == 200 and json.loads(body)["deleted"] is True, body
+    deleted_at = time.monotonic()
+    # The step in flight finishes (about a second here); then the replica idles.
+    while _busy_cores(denoiser) > 0.2:
+        assert time.monotonic() - deleted_at < 20, "the Denoiser still steps the deleted job 20 s after its DELETE"
+    assert _request("GET", f"{served.base_url}/v1/videos/{video.id}")[0] == 404
+    # The next request is served at its own pace, not behind the deleted one.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        small = client.videos.create(prompt="a quick one", size="32x32", extra_body={"num_frames": 5, "seed": 4})
+    assert served.wait_for(small.id, ("completed", "failed"), timeout_s=30)["status"] == "completed"
+
+
+def test_a_denoiser_replica_killed_mid_job_leaves_the_job_retried_and_completed(served):
+    """Documented outcome: a job whose stage replica died is queued again once (attempts 2) and completes."""
+    from vidray.serve.jobs import JobStore
+
+    pid = _denoiser_pid(served)
     client = served.client()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -248,7 +295,7 @@ def test_a_denoiser_replica_killed_mid_job_leaves_the_job_retried_and_completed(
     else:
         pytest.fail(f"job never got into denoising: {current}")
     assert current["progress"] < 90, current  # killed mid-way through denoising
-    os.kill(pids[0], signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
     done = served.wait_for(video.id, ("completed", "failed"), timeout_s=180)
     assert done["status"] == "completed", done
     record = JobStore(served.store_dir).get(video.id)

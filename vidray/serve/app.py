@@ -199,6 +199,8 @@ class VideoJobService:
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._wake = asyncio.Event()
         self._active: dict[str, asyncio.Task] = {}
+        self._renders: dict[str, tuple[asyncio.Task, dict]] = {}
+        """job id -> (its render task, its `owned` flag) while this replica renders it (`_drop` stops one)."""
         self._runner_task: asyncio.Task | None = None
 
     # --- routes -------------------------------------------------------------------------------------------------
@@ -227,7 +229,13 @@ class VideoJobService:
         return [job.to_openai() for job in jobs], has_more
 
     def delete(self, video_id: str) -> bool:
-        return self.store.delete(video_id)
+        """Delete the job (`JobStore.delete`). A render of it in this replica stops at once, and its Denoiser
+        request leaves the running batch after the step in flight; a render in another ingress replica stops at
+        its next progress event or heartbeat (`runner.lease_s` / 3 at most)."""
+        deleted = self.store.delete(video_id)
+        if deleted:
+            self._drop(video_id)
+        return deleted
 
     def content_path(self, video_id: str) -> Path | None:
         return self.store.video_path(video_id)
@@ -263,14 +271,26 @@ class VideoJobService:
             except asyncio.TimeoutError:
                 pass
 
+    def _drop(self, job_id: str) -> None:
+        """Stop this replica's render of a job it no longer owns (deleted, or its lease lost): the render task is
+        cancelled, which cancels its Denoiser stream (`_render`)."""
+        entry = self._renders.get(job_id)
+        if entry is not None:
+            render, owned = entry
+            owned["value"] = False
+            render.cancel()
+
     async def _execute(self, job) -> None:
         """Run one claimed job through the stages; every outcome ends in the store (completed, queued again,
-        failed), never left in_progress by a live runner."""
+        failed), never left in_progress by a live runner. A job this runner no longer owns (deleted, or its lease
+        lost) is dropped at once: its render is cancelled (`_drop`), not left to finish."""
         import ray.exceptions
 
         lease_s = self.settings.runner.lease_s
         progress = {"value": 0}
         owned = {"value": True}
+        render = asyncio.get_running_loop().create_task(self._render(job, progress, owned))
+        self._renders[job.id] = (render, owned)
 
         async def heartbeat():
             while True:
@@ -278,12 +298,17 @@ class VideoJobService:
                 ok = await asyncio.to_thread(self.store.heartbeat, job.id, self.owner,
                                              progress=progress["value"], lease_s=lease_s)
                 if not ok:
-                    owned["value"] = False
+                    self._drop(job.id)
                     return
 
         beat = asyncio.get_running_loop().create_task(heartbeat())
         try:
-            mp4 = await self._render(job, progress, owned)
+            try:
+                mp4 = await render
+            except asyncio.CancelledError:
+                if owned["value"]:  # this task itself was cancelled (the replica is stopping)
+                    raise
+                mp4 = None
             if mp4 is None:
                 logger.info("job %s was deleted or re-claimed while running; dropped", job.id)
                 return
@@ -302,6 +327,7 @@ class VideoJobService:
                                     f"{type(err).__name__}: {err}"[:500])
         finally:
             beat.cancel()
+            self._renders.pop(job.id, None)
 
     async def _render(self, job, progress: dict, owned: dict) -> Path | None:
         """text -> denoise (streamed progress) -> decode -> mp4 in the store's folder; None if the job was lost."""
@@ -328,19 +354,30 @@ class VideoJobService:
             "sent_at": time.time(),
         }
         latents = None
-        async for event in self.denoiser.options(stream=True).denoise.remote(request):
-            if "latents" in event:
-                latents = event["latents"]
-            else:
-                progress["value"] = 5 + int(90 * event["step"] / event["num_inference_steps"])
-                now = time.monotonic()
-                if now - progress.get("written_at", 0.0) >= 0.2:  # progress reaches the store 5x/s at most
-                    progress["written_at"] = now
-                    owned["value"] = await asyncio.to_thread(
-                        self.store.heartbeat, job.id, self.owner, progress=progress["value"],
-                        lease_s=self.settings.runner.lease_s)
-            if not owned["value"]:
-                return None
+        stream = self.denoiser.options(stream=True).denoise.remote(request)
+        try:
+            async for event in stream:
+                if "latents" in event:
+                    latents = event["latents"]
+                else:
+                    progress["value"] = 5 + int(90 * event["step"] / event["num_inference_steps"])
+                    now = time.monotonic()
+                    if now - progress.get("written_at", 0.0) >= 0.2:  # progress reaches the store 5x/s at most
+                        progress["written_at"] = now
+                        owned["value"] = await asyncio.to_thread(
+                            self.store.heartbeat, job.id, self.owner, progress=progress["value"],
+                            lease_s=self.settings.runner.lease_s)
+                if not owned["value"]:
+                    return None
+        finally:
+            if latents is None:
+                # Left early (the job was dropped, or this task cancelled): an unconsumed stream is not cancelled
+                # by Serve, and the Denoiser would step the request to its end for nobody. Best effort: a failure
+                # here must not replace the error that ended the stream (a dead replica is handled by the caller).
+                try:
+                    stream.cancel()
+                except Exception:  # noqa: BLE001
+                    logger.warning("job %s: cancelling its denoise request failed", job.id, exc_info=True)
         if latents is None:
             raise RuntimeError("the denoiser ended without latents")
         # 3. Decode and write the mp4 next to the store (same filesystem: the store moves it in atomically).
