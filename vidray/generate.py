@@ -28,6 +28,7 @@ from vidray.models.export import (  # re-exported: these lived here before the s
 
 __all__ = [
     "GenerateArgumentError",
+    "GenerateOutputError",
     "JOB_FILE",
     "LoadedModel",
     "ModelInfo",
@@ -51,6 +52,11 @@ SEED_MAX = 2**63 - 1
 class GenerateArgumentError(UserError):
     """`generate` arguments that cannot work (bad fps, steps, guidance, seed, bucket, prompt, output or model
     path). Raised before any weights load; the message lists every bad argument with the fix."""
+
+
+class GenerateOutputError(UserError):
+    """The mp4 could not be written at `--output` although the path passed the checks before sampling (a
+    filesystem that refuses the file, e.g. `/proc`, or one that fills up)."""
 
 
 def _is_int(value) -> bool:
@@ -189,6 +195,7 @@ def generate_to_file(
     `bucket` ('9x64x64' or a Bucket) defaults to the model's first multi-frame training bucket. Every argument
     is checked first (`check_generate_args`, which lists the rules), before any weights load. A prompt longer
     than the model's `max_sequence_length` tokens is cut to it, with a logged warning naming the dropped count.
+    Raises GenerateArgumentError (before any weights load) and GenerateOutputError when the mp4 cannot be written.
     """
     # 1. Check every argument (no weights yet).
     info, bucket = check_generate_args(
@@ -213,4 +220,10 @@ def generate_to_file(
             num_inference_steps=num_inference_steps, guidance_scale=float(guidance_scale),
             max_sequence_length=model.max_sequence_length, seed=seed,
         )  # (1, F, H, W, 3) uint8
-    return write_mp4(frames[0], Path(output), float(fps))
+    try:
+        return write_mp4(frames[0], Path(output), float(fps))
+    except OSError as err:  # PyAV's FileNotFoundError, PermissionError, ... are OSErrors; so is a full disk
+        raise GenerateOutputError(
+            f"--output {output} could not be written ({type(err).__name__}: {err}); the video was generated but "
+            "not saved: choose a path on a writable local filesystem"
+        ) from None

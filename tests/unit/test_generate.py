@@ -22,6 +22,7 @@ from vidray.data.video import decode_mp4  # noqa: E402
 from vidray.errors import UserError, UserFileNotFound  # noqa: E402
 from vidray.generate import (  # noqa: E402
     GenerateArgumentError,
+    GenerateOutputError,
     check_generate_args,
     generate_to_file,
     inspect_model,
@@ -92,6 +93,14 @@ def test_generate_to_file_writes_an_mp4_with_the_buckets_frame_count_and_size(tr
 
 def _video(path: Path):
     return decode_mp4(path.read_bytes())
+
+
+def test_an_output_the_filesystem_refuses_is_a_user_error_naming_the_output(trained, tmp_path):
+    # The reported case (a new user's trial): `--output /proc/a.mp4` passes the checks before sampling (root may
+    # write in /proc), then PyAV's open failed with a raw av.error.FileNotFoundError traceback.
+    _, out_dir = trained
+    with pytest.raises(GenerateOutputError, match=r"--output /proc/vidray-test\.mp4 could not be written"):
+        generate_to_file(out_dir, "a red ball", "/proc/vidray-test.mp4", num_inference_steps=1)
 
 
 def test_prompt_longer_than_max_sequence_length_warns_with_dropped_tokens_and_extra_words_change_nothing(
