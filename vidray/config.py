@@ -747,12 +747,16 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 def load_job_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
     """Read a job YAML (or start from defaults when `path` is None), apply overrides, validate.
 
-    Raises FileNotFoundError for a missing file and ConfigError for bad YAML or bad values; all of it on the
-    caller's process, before any Ray resource is reserved.
+    Raises UserFileNotFound for a missing file, UserError for a folder, and ConfigError for bad YAML or bad
+    values; all of it on the caller's process, before any Ray resource is reserved.
     """
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            examples = ", ".join(sorted(p.name for p in path.glob("*.yaml"))[:5])
+            raise UserError(f"job config {path} is a folder, not a YAML file; give one file"
+                            + (f" (it holds {examples})" if examples else ""))
         if not path.is_file():
             raise UserFileNotFound(f"job config {path} does not exist; the examples live in jobs/configs/")
         try:

@@ -109,6 +109,13 @@ def test_missing_config_file_is_a_user_error(tmp_path, capsys):
     assert err.startswith("vidray train: error: ") and "nope.yaml" in err
 
 
+def test_a_folder_given_as_the_config_is_named_a_folder_not_missing(capsys):
+    # The reported case (a new user's trial): `vidray prepare jobs/configs` said the folder does not exist.
+    assert main(["prepare", str(REPO / "jobs" / "configs")]) == 2
+    err = capsys.readouterr().err
+    assert "is a folder, not a YAML file" in err and "tiny_t2v.yaml" in err and err.count("\n") == 1
+
+
 def test_generate_argument_errors_exit_2_naming_each_argument(tmp_path, capsys):
     code = main(["generate", "--model", str(tmp_path / "missing"), "--prompt", " ", "--output", str(tmp_path / "o.gif"),
                  "--num-inference-steps", "0", "--guidance-scale", "0.5", "--seed", "-1", "--bucket", "9x60x64"])

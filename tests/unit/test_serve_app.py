@@ -69,6 +69,8 @@ def test_token_file_and_explicitly_disabled_auth_build_the_app(model_dir, tmp_pa
     assert app._bound_deployment.init_args[1] is None
     with pytest.raises(ServeSettingsError, match="auth.token_file .* does not exist"):
         build_app(_args(model_dir, tmp_path, auth={"token_file": str(tmp_path / "missing")}))
+    with pytest.raises(ServeSettingsError, match="auth.token_file .* is a folder"):
+        build_app(_args(model_dir, tmp_path, auth={"token_file": str(tmp_path)}))
 
 
 def test_a_model_path_that_is_not_a_model_is_refused_before_any_weights(tmp_path, monkeypatch):

@@ -133,6 +133,8 @@ def _read_token(auth: AuthSettings) -> str | None:
         return None
     if auth.token_file:
         path = Path(auth.token_file).expanduser()
+        if path.is_dir():
+            raise ServeSettingsError(f"auth.token_file {path} is a folder; give the file that holds the token")
         if not path.is_file():
             raise ServeSettingsError(f"auth.token_file {path} does not exist; create it or set auth.token_env")
         token = path.read_text().strip()
