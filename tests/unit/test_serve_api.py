@@ -463,6 +463,10 @@ def test_json_body_with_numbers_and_a_data_url_image_is_accepted(client, service
         (b"{not json", 400, None, "not valid JSON"),
         (b"[1, 2]", 400, None, "JSON object"),
         (b'{"prompt": "a", "seed": true}', 400, "seed", "string or a number"),
+        (b'{"prompt": 5}', 400, "prompt", "must be a JSON string, got 5"),  # a new user's trial: was prompt "5"
+        (b'{"prompt": "a", "negative_prompt": 1.5}', 400, "negative_prompt", "JSON string"),
+        (b'{"prompt": "a", "size": 64}', 400, "size", "JSON string"),
+        (b'{"prompt": "a", "model": 0}', 400, "model", "JSON string"),
         (b'{"prompt": "a", "input_reference": {"image_url": "https://example.com/a.png"}}', 400,
          "input_reference", "fetches no URLs"),
         (b'{"prompt": "a", "input_reference": {"file_id": "file_1"}}', 400, "input_reference", "file_id"),

@@ -620,8 +620,13 @@ def _too_large(limits: ApiLimits, size: int | None) -> RequestError:
                         code="request_too_large")
 
 
+TEXT_FIELDS = ("prompt", "negative_prompt", "model", "size")
+"""Create fields that are text: a JSON body must give them as strings (a number there is a client bug, not text)."""
+
+
 def _json_fields(body: bytes) -> tuple[dict[str, str], tuple[str, str, bytes] | None]:
-    """A JSON create body -> (text fields, image). Numbers become their decimal strings."""
+    """A JSON create body -> (text fields, image). Numbers become their decimal strings, except in `TEXT_FIELDS`,
+    which must be strings (400 naming the field)."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -643,6 +648,8 @@ def _json_fields(body: bytes) -> tuple[dict[str, str], tuple[str, str, bytes] | 
             continue
         elif isinstance(value, str):
             fields[name] = value
+        elif name in TEXT_FIELDS:
+            raise RequestError(400, name, f"{name} must be a JSON string, got {json.dumps(value)[:60]}")
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             fields[name] = str(value)
         else:
