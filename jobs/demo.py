@@ -23,6 +23,7 @@ from vidray.data.ingest import prepare_data
 from vidray.data.shards import INDEX_NAME, read_report, report_path
 from vidray.errors import UserError
 from vidray.generate import generate_to_file
+from vidray.locations import absolute_location
 from vidray.train.trainer import run_training
 
 
@@ -32,7 +33,7 @@ def main() -> int:
     parser.add_argument("--prompt", default="A hiker standing at the top of a mountain, triumphantly, high quality")
     parser.add_argument("--resume", action="store_true",
                         help="keep an earlier demo run and continue it (default: start the run afresh)")
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     args = parser.parse_args()
     try:
         job = load_job_config(args.config, args.overrides)
@@ -80,11 +81,13 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
         first, last = losses[:10].mean(), losses[-10:].mean()
         print(f"mean loss, first 10 steps: {first:.4f}   last 10 steps: {last:.4f}   ({last / first:.0%} of the first)")
     elif len(losses):
-        print(f"trained only {len(losses)} steps this run (resumed?): mean loss {losses.mean():.4f}")
+        resumed = f"resumed at step {result.first_step}, " if result.first_step > 1 else ""
+        print(f"{resumed}trained {len(losses)} steps this run (too few for a first/last 10 comparison): "
+              f"mean loss {losses.mean():.4f}")
     print(f"steps {result.first_step}..{result.last_step} at {result.steps_per_s:.2f} steps/s "
           f"({job.scaling.num_workers} workers)")
     print(f"kept {num_kept} files as {num_samples} clips, skipped {num_skipped} "
-          f"(report: {report_path(job.data.shards_dir)})")
+          f"(report: {report_path(absolute_location(job.data.shards_dir))})")
     print(f"checkpoint:         {result.checkpoint_path}")
     print(f"diffusers pipeline: {result.diffusers_dir}")
     print(f"generated video:    {video_path}")

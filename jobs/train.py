@@ -15,7 +15,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="job YAML in jobs/configs/")
     parser.add_argument("--prepare", action="store_true", help="prepare the shards first when they have no index")
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     args = parser.parse_args()
     return vidray_main(["train", args.config, *args.overrides, *(["--prepare"] if args.prepare else [])])
 

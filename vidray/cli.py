@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def with_config(p: argparse.ArgumentParser) -> None:
         p.add_argument("config", help="job YAML, e.g. jobs/configs/tiny_t2v.yaml")
-        p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.max_steps=20")
+        p.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides, e.g. train.max_steps=20")
 
     p = sub.add_parser("prepare", help="probe, bucket and shard the clips listed in data.source")
     with_config(p)
