@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -234,6 +235,23 @@ def _denoiser_pid(served) -> int:
     return pids[0]
 
 
+def _create_and_wait_for_denoising(served, client, **create) -> tuple[Any, dict]:
+    """`client.videos.create(**create)`, then poll until the job is in its denoising steps (progress > 5);
+    returns (the created video, its last polled record)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        video = client.videos.create(**create)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        current = json.loads(_request("GET", f"{served.base_url}/v1/videos/{video.id}")[1])
+        if current["status"] == "in_progress" and current["progress"] > 5:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"job never got into denoising: {current}")
+    return video, current
+
+
 def _busy_cores(process, seconds: float = 1.0) -> float:
     """CPU seconds per second the process used over the next `seconds`."""
     before = sum(process.cpu_times()[:2])
@@ -249,23 +267,13 @@ def test_deleting_a_running_job_stops_its_denoising_at_once(served):
 
     denoiser = psutil.Process(_denoiser_pid(served))
     client = served.client()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        video = client.videos.create(prompt="a long slow pan", size="512x512",
-                                     extra_body={"num_frames": 49, "seed": 3, "num_inference_steps": 100})
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        current = json.loads(_request("GET", f"{served.base_url}/v1/videos/{video.id}")[1])
-        if current["status"] == "in_progress" and current["progress"] > 5:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"job never got into denoising: {current}")
+    video, _ = _create_and_wait_for_denoising(served, client, prompt="a long slow pan", size="512x512",
+                                              extra_body={"num_frames": 49, "seed": 3, "num_inference_steps": 100})
     assert _busy_cores(denoiser) > 0.5  # stepping it
     code, body, _ = _request("DELETE", f"{served.base_url}/v1/videos/{video.id}")
     assert code == 200 and json.loads(body)["deleted"] is True, body
     deleted_at = time.monotonic()
-    # The step in flight finishes (about a second here); then the replica idles.
+    # The step in flight finishes (about 5 s at this size on 2 cores); then the replica idles.
     while _busy_cores(denoiser) > 0.2:
         assert time.monotonic() - deleted_at < 20, "the Denoiser still steps the deleted job 20 s after its DELETE"
     assert _request("GET", f"{served.base_url}/v1/videos/{video.id}")[0] == 404
@@ -282,18 +290,9 @@ def test_a_denoiser_replica_killed_mid_job_leaves_the_job_retried_and_completed(
 
     pid = _denoiser_pid(served)
     client = served.client()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        video = client.videos.create(prompt="a slow sunset", size="64x64",
-                                     extra_body={"num_frames": 9, "seed": 1, "num_inference_steps": 100})
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        current = json.loads(_request("GET", f"{served.base_url}/v1/videos/{video.id}")[1])
-        if current["status"] == "in_progress" and current["progress"] > 5:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"job never got into denoising: {current}")
+    video, current = _create_and_wait_for_denoising(
+        served, client, prompt="a slow sunset", size="64x64",
+        extra_body={"num_frames": 9, "seed": 1, "num_inference_steps": 100})
     assert current["progress"] < 90, current  # killed mid-way through denoising
     os.kill(pid, signal.SIGKILL)
     done = served.wait_for(video.id, ("completed", "failed"), timeout_s=180)
