@@ -101,11 +101,19 @@ class TextEncoder:
 
 @serve.deployment(name="VaeDecoder", max_ongoing_requests=8)
 class VaeDecoder:
-    """latents (1, C_lat, F_lat, H_lat, W_lat) -> uint8 frames (F, H, W, 3) RGB."""
+    """latents (1, C_lat, F_lat, H_lat, W_lat) -> uint8 frames (F, H, W, 3) RGB.
+
+    One decode at a time per replica: the VAE is not re-entrant. diffusers' `AutoencoderKLMagvit` (EasyAnimate)
+    keeps each call's causal-convolution state in its modules (`prev_features`, carried from one temporal chunk to
+    the next), so two decodes in two threads mixed each other's chunks: wrong videos, wrong frame counts, or
+    "Sizes of tensors must match" for two sizes (a new user's trial). Requests beyond the one decoding wait on an
+    `asyncio.Lock`, not in threads; more throughput comes from more replicas (`autoscaling_config`).
+    """
 
     def __init__(self, model_path: str):
         model = _load(model_path)
         self.vae = model.components.vae
+        self._decoding = asyncio.Lock()
         del model
 
     async def decode(self, latents) -> Any:
@@ -115,7 +123,8 @@ class VaeDecoder:
         def run():
             return video_to_frames(decode_latents(self.vae, latents))[0]
 
-        return await asyncio.to_thread(run)
+        async with self._decoding:
+            return await asyncio.to_thread(run)
 
 
 @dataclass
