@@ -87,3 +87,18 @@ def test_model_spec_follows_the_models_bucket_and_frame_rule(model_dir, tmp_path
     assert spec.size_multiple == 16
     assert [n for n in range(1, 14) if spec.valid_num_frames(n)] == [1, 5, 9, 13]  # EasyAnimate: 1 or 4k + 1
     assert spec.supports_image_to_video is False
+
+
+def test_a_stage_error_reaches_the_client_as_its_own_type_and_message_without_the_remote_traceback():
+    # A new user's trial: a stage's RuntimeError reached GET /v1/videos/{id} as Ray's remote traceback with
+    # terminal colour codes. Ray raises the stage's error as RayTaskError(<its type>); its cause is what is named.
+    from ray.exceptions import RayTaskError
+
+    from vidray.serve.app import failure_message
+
+    cause = RuntimeError("Sizes of tensors must match except in dimension 2")
+    remote = RayTaskError("VaeDecoder.decode", "Traceback (most recent call last):\n\x1b[36m  File ...\x1b[39m",
+                          cause).as_instanceof_cause()
+    assert isinstance(remote, RuntimeError)  # what a handle call raises
+    assert failure_message(remote) == "RuntimeError: Sizes of tensors must match except in dimension 2"
+    assert failure_message(ValueError("x" * 600)) == "ValueError: " + "x" * 488  # 500 characters at most

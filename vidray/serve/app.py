@@ -325,8 +325,7 @@ class VideoJobService:
             logger.warning("job %s: a stage replica died (%s); job now %s", job.id, type(err).__name__, status)
         except Exception as err:  # noqa: BLE001 - any other failure fails this job with its reason
             logger.exception("job %s failed", job.id)
-            await asyncio.to_thread(self.store.fail, job.id, self.owner, "internal_error",
-                                    f"{type(err).__name__}: {err}"[:500])
+            await asyncio.to_thread(self.store.fail, job.id, self.owner, "internal_error", failure_message(err))
         finally:
             beat.cancel()
             self._renders.pop(job.id, None)
@@ -395,6 +394,17 @@ class VideoJobService:
 
 _service: VideoJobService | None = None
 """This replica's service (one ingress per replica process); None until the replica has started."""
+
+
+def failure_message(err: BaseException, limit: int = 500) -> str:
+    """A failed job's `error.message` for the client: "<type>: <message>" of the exception a stage raised, at most
+    `limit` characters. An error inside a stage reaches the ingress as a `ray.exceptions.RayTaskError`, whose text
+    is the remote traceback with terminal colour codes; its `cause`, the stage's own exception, is what is named."""
+    import ray
+
+    if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
+        err = err.cause
+    return f"{type(err).__name__}: {err}"[:limit]
 
 
 def current_service() -> VideoJobService | None:
