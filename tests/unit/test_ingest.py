@@ -94,6 +94,31 @@ def test_read_clip_falls_back_to_a_frame_stride_when_the_source_is_short_in_time
     assert sampled_fps(info, Bucket(9, 64, 64), 8.0) == 12.0
 
 
+@pytest.mark.parametrize("end_s", [None, 1.05])  # the whole source (the reported case), or that window given
+def test_a_source_that_holds_the_last_sample_time_by_a_little_is_sampled_by_timestamps(tmp_path, end_s):
+    # A new user's trial: a 21-frame 20 fps clip (1.05 s) was skipped by prepare with "unexpected error:
+    # ValueError: window [0.000, 1.050] s ... shorter than bucket 9x64x64 at 8 fps (1.125 s)": read_clip chose
+    # timestamps because the last sample time, 8/8 = 1.0 s, is inside the source, and read_clips then asked for
+    # 9/8 s. Every clip of 1.0-1.125 s failed so under the default config.
+    path = write_mp4(_gray_ramp(21, step=10), tmp_path / "clip.mp4", fps=20.0)  # 1.05 s
+    info = probe_media(path)
+    assert info.duration_s == pytest.approx(1.05)
+    clip = read_clip(path, info, Bucket(9, 64, 64), fps=8.0, end_s=end_s)
+    # Frame i: the source frame on screen at i / 8 s, index floor(2.5 i).
+    np.testing.assert_allclose(clip.reshape(9, -1).mean(axis=1), 10 * np.floor(2.5 * np.arange(9)), atol=4)
+    assert sampled_fps(info, Bucket(9, 64, 64), 8.0) == 8.0
+
+
+def test_prepare_keeps_a_shipped_gif_of_2_08_s_in_a_17_frame_bucket_at_8_fps(tmp_path, samples_dir):
+    # The same fault with a shipped sample: 48 frames over 2.08 s hold the 17th sample time (2.0 s) but not 17/8 s.
+    meta = [e for e in json.loads((samples_dir / "metadata.json").read_text())
+            if e["file_path"].endswith("animatediff_toonyou_256.gif")]
+    shutil.copy(samples_dir / "animatediff_toonyou_256.gif", tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    summary = prepare(tmp_path / "meta.json", tmp_path / "shards", [[17, 64, 64]], FPS, 8, progress=None)
+    assert (summary.num_kept, summary.skipped) == (1, [])
+
+
 def test_read_clip_too_short_raises_media_error(tmp_path):
     path = write_mp4(_gray_ramp(6, step=10), tmp_path / "tiny.mp4", fps=8.0)
     with pytest.raises(MediaError, match="too short: 6 frames at 8.00 fps"):

@@ -377,8 +377,10 @@ def display_frame(frame: np.ndarray, info: MediaInfo, height: int, width: int) -
 
 
 class ClipWindow(NamedTuple):
-    """One clip to read: `bucket`, and its window [`start_s`, `end_s`] in seconds after the source's first frame
-    (the window must last at least `bucket.num_frames / fps`)."""
+    """One clip to read: `bucket`, and its window [`start_s`, `end_s`] in seconds after the source's first frame.
+    The window must hold every sample time `start_s + i / fps`, i < `bucket.num_frames`: it lasts more than
+    `(num_frames - 1) / fps` (the rule `read_clip` samples by timestamps with; scene planning gives clips
+    `num_frames / fps`, each frame's whole time on screen)."""
 
     bucket: Bucket
     start_s: float
@@ -482,18 +484,21 @@ def read_clips(path: str | Path, info: MediaInfo, windows: Sequence[ClipWindow],
     Returns one uint8 (F, H, W, 3) array per window, in the order given, upright at square pixels. Seeks to the
     key frame at or before the earliest window start, then decodes up to the last sample time (a 30 s trailer
     with one key frame decodes from its start). Raises ValueError for fps <= 0 or a window that starts before 0
-    or lasts less than `num_frames / fps` (1-frame windows: any length > 0); MediaError for an image with a
+    or does not hold its last sample time (lasts no more than `(num_frames - 1) / fps`; 1-frame windows: any length
+    > 0); MediaError for an image with a
     multi-frame window, or when decoding fails or ends before the last window does.
     """
     path = Path(path)
     if fps <= 0:
         raise ValueError(f"fps must be > 0 frames/s, got {fps}")
     for window in windows:
-        needed_s = window.bucket.num_frames / fps if window.bucket.num_frames > 1 else 0.0
-        if window.start_s < 0 or window.end_s - window.start_s < needed_s - _EPS_S or window.end_s <= window.start_s:
+        last_sample_s = (window.bucket.num_frames - 1) / fps  # after start_s (`_uses_timestamps`' rule)
+        if window.start_s < 0 or window.end_s - window.start_s <= last_sample_s - _EPS_S or \
+                window.end_s <= window.start_s:
             raise ValueError(
                 f"window [{window.start_s:.3f}, {window.end_s:.3f}] s of {path.name} ({info.duration_s:.2f} s) is "
-                f"outside the source or shorter than bucket {window.bucket} at {fps:g} fps ({needed_s:.3f} s)"
+                f"outside the source or does not hold bucket {window.bucket}'s last sample time at {fps:g} fps "
+                f"({last_sample_s:.3f} s after its start)"
             )
         if info.is_image and window.bucket.num_frames != 1:
             raise MediaError(f"{path}: an image gives 1 frame, bucket {window.bucket} needs {window.bucket.num_frames}")
