@@ -724,14 +724,21 @@ def _scalar_type_errors(raw: dict[str, Any]) -> list[str]:
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Apply `key.sub=value` overrides (value parsed as YAML: `3e-4`, `true`, `[[9,64,64]]`) to a nested dict.
 
-    Raises ConfigError for an override without '=' or one that descends into a non-section value.
+    Raises ConfigError for an override without '=', one whose value is not valid YAML (e.g. an unclosed `[`), or one
+    that descends into a non-section value.
     """
     out = dict(raw)
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. optim.lr=3e-4")
-        value = yaml.safe_load(text) if text.strip() else None
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem}); close its brackets, e.g. "
+                              "'data.buckets=[[17, 64, 64]]', and quote a text that holds ': ' or '#', e.g. "
+                              "'name=\"a: b\"'") from None
         parts = key.strip().split(".")
         node = out
         for depth, part in enumerate(parts[:-1]):

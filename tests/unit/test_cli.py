@@ -103,6 +103,17 @@ def test_missing_source_file_is_a_user_error(config, capsys):
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize("override, problem", [
+    ("data.buckets=[[17,64,64]", "expected ',' or ']'"),  # a new user's trial: a YAML traceback and exit 1
+    ("name=a: b: c", "mapping values are not allowed here"),
+])
+def test_an_override_whose_value_is_not_yaml_is_one_line_naming_it_and_exits_2(config, capsys, override, problem):
+    assert main(["train", str(config), override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vidray train: error: override {override!r}: the value is not valid YAML ({problem}")
+    assert err.count("\n") == 1
+
+
 def test_missing_config_file_is_a_user_error(tmp_path, capsys):
     assert main(["train", str(tmp_path / "nope.yaml")]) == 2
     err = capsys.readouterr().err
