@@ -26,6 +26,10 @@ from vidray.generate import generate_to_file
 from vidray.locations import absolute_location
 from vidray.train.trainer import run_training
 
+RESUME_HINT = ("resume with `.venv/bin/python jobs/demo.py --resume` (and the same overrides); `make demo` starts the "
+               "run afresh")
+"""Told after Ctrl-C during training: running the demo's command again removes the earlier run."""
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,6 +49,9 @@ def main() -> int:
     except UserError as err:  # a refused resume, unusable shards...: one line; a bug shows its traceback
         print(f"jobs/demo.py: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: training said where its checkpoints are and how to resume; no traceback
+        print("jobs/demo.py: interrupted", file=sys.stderr)
+        return 130
 
 
 def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
@@ -69,7 +76,7 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
         print(f"removing the previous demo run {job.run_dir} (pass --resume to continue it instead)", flush=True)
         shutil.rmtree(job.run_dir)
     print(f"== 2. train {job.name}: {job.scaling.num_workers} workers, {job.train.max_steps} steps", flush=True)
-    result = run_training(job)
+    result = run_training(job, resume_hint=RESUME_HINT)
 
     print("== 3. generate", flush=True)
     video_path = result.run_dir / "samples" / "demo.mp4"

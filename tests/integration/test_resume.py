@@ -83,11 +83,19 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_ctrl_c_stops_vidray_train_within_seconds_and_leaves_no_process(shards_dir, tmp_path):
+@pytest.mark.parametrize("command, resume_hint, interrupted", [
+    (["-m", "vidray.cli", "train"], "run the same command again to resume", "vidray train: interrupted"),
+    # A new user's trial: the demo printed a KeyboardInterrupt traceback and told to run the same command again,
+    # which starts the demo afresh (removing the run); --resume keeps it. (--resume with these shards: no prepare.)
+    ([str(REPO / "jobs/demo.py"), "--resume", "--config"], "resume with `.venv/bin/python jobs/demo.py --resume`",
+     "jobs/demo.py: interrupted"),
+], ids=["vidray-train", "demo"])
+def test_ctrl_c_stops_vidray_train_within_seconds_and_leaves_no_process(shards_dir, tmp_path, command, resume_hint,
+                                                                        interrupted):
     ray_tmp = tempfile.mkdtemp(prefix="/tmp/vrc")  # short: Ray's socket paths are length-limited
     env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "vidray.cli", "train", str(REPO / "jobs/configs/tiny_t2v.yaml"),
+    cmd = [sys.executable, *command, str(REPO / "jobs/configs/tiny_t2v.yaml"),
            f"data.shards_dir={shards_dir}", f"storage.path={tmp_path}", "name=ctrlc", "model.text_encoder=tiny_random",
            "train.max_steps=100000", "train.log_every_steps=1", "checkpoint.every_steps=100000"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
@@ -113,7 +121,9 @@ def test_ctrl_c_stops_vidray_train_within_seconds_and_leaves_no_process(shards_d
         print(f"exited {time.monotonic() - sent:.1f} s after SIGINT with status {proc.returncode}")
         drain.join(timeout=5)
         assert proc.returncode == 130, "".join(lines[-20:])
-        assert any("[vidray] interrupted (Ctrl-C): the run stopped" in line for line in lines)
+        assert any("[vidray] interrupted (Ctrl-C): the run stopped" in line and resume_hint in line for line in lines)
+        assert any(line.strip() == interrupted for line in lines), "".join(lines[-20:])
+        assert not any("Traceback" in line for line in lines), "".join(lines)
         left: list[int] = []
         for _ in range(20):  # Ray's processes of the local cluster end once their driver has gone
             left = sorted(p for p in spawned | set(pids_mentioning(ray_tmp)) if _alive(p))

@@ -631,7 +631,11 @@ def build_trainer_configs(job: JobConfig, storage_path: str, *,
     return scaling, run
 
 
-def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainResult:
+RESUME_HINT = "run the same command again to resume"
+"""What `run_training` tells a user after Ctrl-C, unless the caller knows its own resume command."""
+
+
+def run_training(job: JobConfig, *, record_sample_ids: bool = False, resume_hint: str = RESUME_HINT) -> TrainResult:
     """Train `job` with Ray Train: starts a local Ray (or joins `RAY_ADDRESS`) if Ray is not initialized.
 
     A run whose `<storage.path>/<name>` already holds checkpoints resumes from the latest one, unless
@@ -640,6 +644,8 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
     loss, a damaged checkpoint) is raised as is, without Ray Train retries; ray.train.TrainingFailedError when
     the worker group fails more than `train.max_failures` times. `record_sample_ids`: also return the sample_ids
     trained at each step (`TrainResult.trained_samples`; for tests and audits, it grows with the run).
+    `resume_hint`: how to resume, printed after Ctrl-C (KeyboardInterrupt is re-raised), e.g. the demo's
+    `--resume` (running its command again starts over).
     """
     # 1. Checks that need no Ray: config against shards and checkpoint, output folder, local resources.
     plan = check_job_inputs(job)
@@ -690,7 +696,7 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False) -> TrainRes
         raise
     except KeyboardInterrupt:
         print(f"[vidray] interrupted (Ctrl-C): the run stopped; its checkpoints so far are kept in {run_dir}; "
-              "run the same command again to resume", file=sys.stderr, flush=True)
+              f"{resume_hint}", file=sys.stderr, flush=True)
         raise
     _remove_unregistered_checkpoints(plan, job, result)
     out = result.return_value or {}
