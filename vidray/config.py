@@ -660,11 +660,11 @@ def _format_errors(err: ValidationError) -> str:
 def check_output_path(path: str | Path, key: str) -> Path:
     """Refuse an output folder that cannot be created or written, naming `key` (e.g. `storage.path`).
 
-    Walks up to the nearest existing ancestor: it must be a folder, and writable by this user. Returns the
-    resolved path (not created). Raises ConfigError, e.g. "storage.path /etc/hostname/runs cannot be created:
-    /etc/hostname is a file, not a folder".
+    Walks up to the nearest existing ancestor: it must be a folder in which this process can create a folder
+    (`vidray.locations.folder_write_problem`: tried, not read from permission bits). Returns the resolved path (not created). Raises ConfigError, e.g. "storage.path /etc/hostname/runs
+    cannot be created: /etc/hostname is a file, not a folder".
     """
-    import os
+    from vidray.locations import folder_write_problem
 
     target = Path(path).expanduser().resolve()
     probe = target
@@ -674,9 +674,10 @@ def check_output_path(path: str | Path, key: str) -> Path:
         probe = probe.parent
     if not probe.is_dir():
         raise ConfigError(f"{key} {target} cannot be created: {probe} is a file, not a folder; choose another {key}")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key} {target} cannot be written: {probe} is not writable by this user; choose another "
-                          f"{key} or fix its permissions")
+    problem = folder_write_problem(probe)
+    if problem:
+        raise ConfigError(f"{key} {target} cannot be written: no folder can be created in {probe} ({problem}); "
+                          f"choose another {key} or fix its permissions")
     return target
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from vidray.data.buckets import Bucket, parse_bucket
 from vidray.errors import UserError
+from vidray.locations import folder_write_problem
 from vidray.models.export import (  # re-exported: these lived here before the serve plane needed them
     JOB_FILE,
     LoadedModel,
@@ -69,7 +70,8 @@ def _is_number(value) -> bool:
 
 def _output_problem(output: Path) -> str | None:
     """Why `output` cannot be written as an mp4 (None when it can): suffix, an existing folder, or a parent that
-    is not a writable folder (the nearest existing ancestor is checked, as missing parents are created)."""
+    is not a writable folder (the nearest existing ancestor is tried, `folder_write_problem`, as missing parents are
+    created)."""
     if output.suffix.lower() != ".mp4":
         return f"--output {output} must end in .mp4 (vidray writes H.264 mp4)"
     if output.is_dir():
@@ -81,8 +83,10 @@ def _output_problem(output: Path) -> str | None:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         return f"--output {output}: {ancestor} is a file, not a folder; choose another path"
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"--output {output}: folder {ancestor} is not writable; choose a folder you can write to"
+    problem = folder_write_problem(ancestor)
+    if problem:
+        return f"--output {output}: nothing can be created in folder {ancestor} ({problem}); choose a folder you can " \
+               "write to"
     return None
 
 

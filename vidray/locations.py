@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["absolute_location", "is_uri"]
+__all__ = ["absolute_location", "folder_write_problem", "is_uri"]
 
 
 def is_uri(location: str | Path) -> bool:
@@ -19,3 +19,16 @@ def is_uri(location: str | Path) -> bool:
 def absolute_location(location: str) -> str:
     """A URI unchanged; a local path made absolute (`~` expanded, symlinks resolved), as a str."""
     return location if is_uri(location) else str(Path(location).expanduser().resolve())
+
+
+def folder_write_problem(folder: str | Path) -> str | None:
+    """Why nothing can be created in the existing local folder `folder` (the OS's reason, e.g. "Permission denied"),
+    or None when something can. Tried, not read from permission bits, which say nothing for root or for
+    filesystems such as /proc: a temporary folder is made there and removed at once."""
+    import tempfile
+
+    try:
+        Path(tempfile.mkdtemp(prefix=".vidray-write-check-", dir=folder)).rmdir()
+    except OSError as err:
+        return err.strerror or str(err)
+    return None

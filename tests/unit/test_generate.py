@@ -96,11 +96,18 @@ def _video(path: Path):
 
 
 def test_an_output_the_filesystem_refuses_is_a_user_error_naming_the_output(trained, tmp_path):
-    # The reported case (a new user's trial): `--output /proc/a.mp4` passes the checks before sampling (root may
-    # write in /proc), then PyAV's open failed with a raw av.error.FileNotFoundError traceback.
+    # The reported case (a new user's trial): `--output /proc/a.mp4` passed the permission-bit check before
+    # sampling (root may write anywhere by the bits), then PyAV's open failed with a raw FileNotFoundError
+    # traceback. The check now tries to create something in the folder: refused before any weights load.
     _, out_dir = trained
-    with pytest.raises(GenerateOutputError, match=r"--output /proc/vidray-test\.mp4 could not be written"):
+    with pytest.raises(GenerateArgumentError, match=r"--output /proc/vidray-test\.mp4: nothing can be created in "
+                                                    r"folder /proc \("):
         generate_to_file(out_dir, "a red ball", "/proc/vidray-test.mp4", num_inference_steps=1)
+    # A disk that fills while the mp4 is written (a path to /dev/full) is only found then: a user error too.
+    full = tmp_path / "full.mp4"
+    full.symlink_to("/dev/full")
+    with pytest.raises(GenerateOutputError, match=r"full\.mp4 could not be written .*No space left on device"):
+        generate_to_file(out_dir, "a red ball", full, num_inference_steps=1)
 
 
 def test_prompt_longer_than_max_sequence_length_warns_with_dropped_tokens_and_extra_words_change_nothing(

@@ -170,6 +170,20 @@ def test_storage_path_under_a_file_is_refused_before_ray(job_and_index):
         check_job_inputs(bad)
 
 
+def test_storage_path_where_no_folder_can_be_created_is_refused_before_ray_and_the_check_leaves_nothing(
+        job_and_index, tmp_path):
+    # A new user's trial (as root): storage.path=/proc/runs passed the permission-bit check, Ray started, and the
+    # run ended in an 85-line FileNotFoundError traceback. The check now tries to create a folder there.
+    job, _, _ = job_and_index
+    bad = load_job_config(None, [f"data.shards_dir={job.data.shards_dir}", "storage.path=/proc/runs"])
+    with pytest.raises(ConfigError, match=r"storage.path /proc/runs cannot be written: no folder can be created in "
+                                          r"/proc \("):
+        check_job_inputs(bad)
+    good = load_job_config(None, [f"data.shards_dir={job.data.shards_dir}", f"storage.path={tmp_path / 'runs'}"])
+    check_job_inputs(good)
+    assert list(tmp_path.iterdir()) == []  # nothing created by the check
+
+
 def test_gpu_request_on_a_machine_without_gpus_is_refused_with_the_numbers():
     job = load_job_config(None, ["scaling.use_gpu=true", "scaling.num_workers=2"])
     with pytest.raises(RequestCannotBeMetError,
