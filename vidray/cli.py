@@ -43,9 +43,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                 import ray
 
                 ray.shutdown()
-        print(f"latent cache {done['cache']}: {done['clips']} clips, latents {done['latent_misses']} encoded / "
-              f"{done['latent_hits']} cached, prompt_embeds {done['prompt_misses']} encoded / {done['prompt_hits']} "
-              f"cached, {len(done['skipped'])} skipped, {done['seconds']:.1f} s")
+        slots = done["latent_hits"] + done["latent_misses"]  # per batch slot: a padded batch repeats clips
+        padded = f" in {slots} batch slots (repeats that fill a bucket's last batch count as cached)" \
+            if slots > done["clips"] else ""
+        print(f"latent cache {done['cache']}: {done['clips']} clips{padded}; latents {done['latent_misses']} "
+              f"encoded / {done['latent_hits']} cached, prompt_embeds {done['prompt_misses']} encoded / "
+              f"{done['prompt_hits']} cached, {len(done['skipped'])} skipped, {done['seconds']:.1f} s")
     return 0
 
 
