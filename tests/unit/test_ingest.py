@@ -365,6 +365,8 @@ def test_prepare_reports_too_short_videos_and_missing_bucket_kinds(tmp_path):
     assert summary.num_kept == 0
     assert "too short: 6 frames at 8.00 fps" in summary.skipped[0][1]
     assert "No sample was kept: nothing committed; check" in str(summary)  # no previous dataset to mention
+    # Not "Prepared 0 of 1 files into 0 shard(s) of one bucket and similar captions each" (a new user's trial).
+    assert str(summary).startswith(f"Kept none of 1 files for {tmp_path / 'shards'} at 8 fps (")
     assert not (tmp_path / "shards" / "index.json").exists()  # a first prepare keeping nothing commits nothing
     assert not list((tmp_path / "shards").glob("gen.*"))
     report = json.loads((tmp_path / "shards" / "last_failed_report.json").read_text())

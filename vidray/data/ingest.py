@@ -323,14 +323,17 @@ class PrepareSummary:
     def __str__(self) -> str:
         total = self.num_kept + self.num_skipped
         buckets = ", ".join(f"{b}: {n}" for b, n in self.bucket_counts.items())
-        text = (
-            f"Prepared {self.num_kept} of {total} files"
-            + (f" as {self.num_samples} clips" if self.num_samples != self.num_kept else "")
-            + f" into {self.num_shards} shard(s)"
-            + (" of one bucket and similar captions each" if self.grouped_by_caption else " of one bucket each")
-            + f" in {self.shards_dir} "
-            f"at {self.fps:g} fps in {self.elapsed_s:.1f} s; samples per bucket: {buckets}."
-        )
+        if not self.num_kept:  # "into 0 shard(s) of one bucket ... samples per bucket: ." said nothing true
+            text = f"Kept none of {total} files for {self.shards_dir} at {self.fps:g} fps ({self.elapsed_s:.1f} s)."
+        else:
+            text = (
+                f"Prepared {self.num_kept} of {total} files"
+                + (f" as {self.num_samples} clips" if self.num_samples != self.num_kept else "")
+                + f" into {self.num_shards} shard(s)"
+                + (" of one bucket and similar captions each" if self.grouped_by_caption else " of one bucket each")
+                + f" in {self.shards_dir} "
+                f"at {self.fps:g} fps in {self.elapsed_s:.1f} s; samples per bucket: {buckets}."
+            )
         if self.skipped:
             reasons = "; ".join(f"{Path(p).name}: {r}" for p, r in self.skipped[:5])
             more = f" (and {len(self.skipped) - 5} more)" if len(self.skipped) > 5 else ""
@@ -701,7 +704,8 @@ def prepare_data(
         def check_captions(captions: list[str]) -> "TruncationStats":
             from vidray.models.text_encoder import build_tokenizer, caption_truncation  # transformers: import late
 
-            return caption_truncation(build_tokenizer(model), captions, model.max_sequence_length)
+            return caption_truncation(build_tokenizer(model), captions, model.max_sequence_length,
+                                      counted="kept files' captions")
 
         caption_check = check_captions
 
