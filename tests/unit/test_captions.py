@@ -86,7 +86,9 @@ def test_prepare_reports_cut_captions_of_kept_clips_in_summary_and_report_json(p
     stats = summary.captions_truncated
     # The skipped file's caption is not counted.
     assert (stats.num_captions, stats.num_truncated, stats.max_tokens_over) == (2, 1, 36)
-    assert "1 of 2 captions are longer than model.max_sequence_length=32 tokens" in str(summary)
+    # Named per kept file: training counts per clip (a file cut into several clips counts several times), and the
+    # two counts side by side read as a disagreement (a new user's trial: "3 of 22 captions", then "10 of 30").
+    assert "1 of 2 kept files' captions are longer than model.max_sequence_length=32 tokens" in str(summary)
     report_path = next(Path(data.shards_dir).rglob("report.json"))
     report = json.loads(report_path.read_text())
     assert report["captions_truncated"] == {
@@ -135,7 +137,7 @@ def test_train_prints_the_caption_line_on_the_driver_before_ray_starts(prepared,
         run_training(job)
     lines = [line for line in capsys.readouterr().out.splitlines() if "captions" in line]
     assert lines == [
-        "[vidray] captions: 1 of 2 captions are longer than model.max_sequence_length=32 tokens and are cut: up to 36 "
+        "[vidray] captions: 1 of 2 clips' captions are longer than model.max_sequence_length=32 tokens and are cut: up to 36 "
         "tokens dropped (mean 36.0); only their first 32 tokens (special tokens included) reach the model; raise "
         "model.max_sequence_length or shorten the captions"
     ]

@@ -8,7 +8,7 @@ Two offline choices, neither touches a model hub:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
@@ -166,6 +166,9 @@ class TruncationStats:
     """Tokens dropped over all captions."""
     max_sequence_length: int
     """The limit (`model.max_sequence_length`), in tokens including the special tokens."""
+    counted: str = field(default="captions", compare=False)
+    """What was counted, as the summary names it: "kept files' captions" (`vidray prepare`: one per listed file)
+    or "clips' captions" (training: one per clip, so a file cut into several clips counts several times)."""
 
     @property
     def mean_tokens_over(self) -> float:
@@ -186,10 +189,11 @@ class TruncationStats:
     def __str__(self) -> str:
         if not self.num_truncated:
             return (
-                f"all {self.num_captions} captions fit in model.max_sequence_length={self.max_sequence_length} tokens"
+                f"all {self.num_captions} {self.counted} fit in model.max_sequence_length={self.max_sequence_length} "
+                "tokens"
             )
         return (
-            f"{self.num_truncated} of {self.num_captions} captions are longer than model.max_sequence_length="
+            f"{self.num_truncated} of {self.num_captions} {self.counted} are longer than model.max_sequence_length="
             f"{self.max_sequence_length} tokens and are cut: up to {self.max_tokens_over} tokens dropped "
             f"(mean {self.mean_tokens_over:.1f}); only their first {self.max_sequence_length} tokens (special tokens "
             f"included) reach the model; raise model.max_sequence_length or shorten the captions"
@@ -197,10 +201,12 @@ class TruncationStats:
 
 
 def caption_truncation(
-    tokenizer: PreTrainedTokenizerBase, captions: Sequence[str], max_sequence_length: int, *, batch_size: int = 1024
+    tokenizer: PreTrainedTokenizerBase, captions: Sequence[str], max_sequence_length: int, *, batch_size: int = 1024,
+    counted: str = "captions",
 ) -> TruncationStats:
     """Count the `captions` that `encode_prompts(..., max_sequence_length=...)` truncates, with the same
     tokenization (see `count_prompt_tokens`). Tokenizes in batches of `batch_size` captions (no model runs).
+    `counted`: what they are, for the summary (`TruncationStats.counted`).
 
     Raises ValueError for max_sequence_length < 1.
     """
@@ -216,6 +222,7 @@ def caption_truncation(
         max_tokens_over=max(over, default=0),
         total_tokens_over=sum(over),
         max_sequence_length=max_sequence_length,
+        counted=counted,
     )
 
 
@@ -229,7 +236,7 @@ def shards_caption_truncation(shards_dir: str | Path, model: "ModelConfig") -> T
 
     # Shards failing their checksum are left out here; training skips and reports them.
     captions = [row["caption"] for row in iter_samples(shards_dir, columns=["caption"], skipped=[])]
-    return caption_truncation(build_tokenizer(model), captions, model.max_sequence_length)
+    return caption_truncation(build_tokenizer(model), captions, model.max_sequence_length, counted="clips' captions")
 
 
 def text_encoder_max_tokens(model: "ModelConfig") -> int:
