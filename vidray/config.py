@@ -661,8 +661,9 @@ def check_output_path(path: str | Path, key: str) -> Path:
     """Refuse an output folder that cannot be created or written, naming `key` (e.g. `storage.path`).
 
     Walks up to the nearest existing ancestor: it must be a folder in which this process can create a folder
-    (`vidray.locations.folder_write_problem`: tried, not read from permission bits). Returns the resolved path (not created). Raises ConfigError, e.g. "storage.path /etc/hostname/runs
-    cannot be created: /etc/hostname is a file, not a folder".
+    (`vidray.locations.folder_write_problem`: tried, not read from permission bits). Returns the resolved path
+    (not created). Raises ConfigError, e.g. "storage.path /etc/hostname/runs cannot be created: /etc/hostname is a
+    file, not a folder".
     """
     from vidray.locations import folder_write_problem
 

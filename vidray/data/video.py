@@ -485,8 +485,8 @@ def read_clips(path: str | Path, info: MediaInfo, windows: Sequence[ClipWindow],
     key frame at or before the earliest window start, then decodes up to the last sample time (a 30 s trailer
     with one key frame decodes from its start). Raises ValueError for fps <= 0 or a window that starts before 0
     or does not hold its last sample time (lasts no more than `(num_frames - 1) / fps`; 1-frame windows: any length
-    > 0); MediaError for an image with a
-    multi-frame window, or when decoding fails or ends before the last window does.
+    > 0); MediaError for an image with a multi-frame window, or when decoding fails or ends before the last window
+    does.
     """
     path = Path(path)
     if fps <= 0:
