@@ -125,7 +125,7 @@ def test_list_orders_by_created_at_before_insertion_order(tmp_path):
 def test_list_rejects_unknown_cursor_bad_limit_and_bad_order(tmp_path):
     store = JobStore(tmp_path)
     _create(store)
-    with pytest.raises(ValueError, match="after='video_0+' is not the id of a stored video"):
+    with pytest.raises(LookupError, match="after='video_0+' is not the id of a stored video"):
         store.list(after="video_" + "0" * 32)
     with pytest.raises(ValueError, match=r"limit must be an int in 1\.\.100, got 0"):
         store.list(limit=0)

@@ -101,6 +101,8 @@ class FakeVideoService:
     def list(self, *, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
         ordered = sorted(self.videos.values(), key=lambda v: (v["created_at"], v["id"]), reverse=order == "desc")
         ids = [v["id"] for v in ordered]
+        if after is not None and after not in ids:  # as JobStore.list does
+            raise LookupError(f"after={after!r} is not the id of a stored video (deleted, or never existed)")
         start = ids.index(after) + 1 if after in ids else 0
         page = ordered[start:start + limit]
         return [dict(v) for v in page], start + limit < len(ordered)
@@ -512,7 +514,8 @@ def test_unknown_video_id_is_404_for_retrieve_and_delete(client):
 @pytest.mark.parametrize(
     ("query", "param", "word"),
     [("limit=0", "limit", "1..100"), ("limit=101", "limit", "got 101"), ("limit=ten", "limit", "integer"),
-     ("order=sideways", "order", "'sideways'")],
+     ("order=sideways", "order", "'sideways'"),
+     ("after=video_nope", "after", "after='video_nope' is not the id of a stored video")],  # was a 500 (a trial)
 )
 def test_bad_list_parameters_are_400(client, query, param, word):
     assert_error(client.get(f"/v1/videos?{query}"), 400, param, word)

@@ -571,7 +571,7 @@ class VideoService(Protocol):
 
     def list(self, *, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
         """Up to `limit` video objects by `created_at` (`order` "asc" | "desc"), starting after the id `after`;
-        returns (objects, has_more)."""
+        returns (objects, has_more). Raises LookupError when `after` is not a stored id (a 400 naming it)."""
         ...
 
     def delete(self, video_id: str) -> bool:
@@ -808,7 +808,10 @@ def build_api(get_service: Callable[[], VideoService | None]) -> FastAPI:
         order = order or "desc"
         if order not in ("asc", "desc"):
             raise RequestError(400, "order", f"order must be 'asc' or 'desc', got {order!r}")
-        data, has_more = service.list(after=after or None, limit=count, order=order)
+        try:
+            data, has_more = service.list(after=after or None, limit=count, order=order)
+        except LookupError as err:  # an unknown cursor (was a 500: a new user's trial)
+            raise RequestError(400, "after", str(err)) from None
         return JSONResponse({
             "object": "list",
             "data": data,

@@ -385,8 +385,9 @@ class JobStore:
             ``(page, has_more)``: up to `limit` jobs, and whether more follow the page.
 
         Raises:
-            ValueError: limit outside 1..100, order not asc/desc, or `after` is not the id of a stored job
-                (say to start again from the first page).
+            ValueError: limit outside 1..100, order not asc/desc.
+            LookupError: `after` is not the id of a stored job (the message says to start again from the first
+                page; the HTTP layer answers it with a 400 naming `after`).
         """
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= _MAX_LIST_LIMIT:
             raise ValueError(f"limit must be an int in 1..{_MAX_LIST_LIMIT}, got {limit!r}")
@@ -410,7 +411,7 @@ class JobStore:
                         "SELECT created_at, seq FROM jobs WHERE id = ?", (after,)
                     ).fetchone() if is_job_id(after) else None
                     if cursor is None:
-                        raise ValueError(
+                        raise LookupError(
                             f"after={after!r} is not the id of a stored video (deleted, or never existed); "
                             "list again without 'after' to start from the first page"
                         )
