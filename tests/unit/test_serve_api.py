@@ -375,6 +375,7 @@ def test_unknown_routes_and_methods_answer_in_the_openai_error_shape(client):
         ({"num_frames": "53"}, "num_frames", ["1..49", "nearest valid: 49"]),
         ({"num_frames": "nine"}, "num_frames", ["integer", "'nine'"]),
         ({"seconds": "7"}, "seconds", ["56 frames", "maximum 49", "at most 6.125 seconds"]),
+        ({"seconds": "1e308"}, "seconds", ["inf frames", "at most 6.125 seconds"]),  # was a 500 (OverflowError)
         ({"seconds": "0"}, "seconds", ["> 0"]),
         ({"seconds": "nan"}, "seconds", ["finite"]),
         ({"seconds": "4", "num_frames": "9"}, "seconds", ["33 frames", "num_frames is 9"]),

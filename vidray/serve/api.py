@@ -292,15 +292,16 @@ def _frames_from_seconds(seconds: float, spec: ModelSpec) -> int:
     """The frame count for a duration: the valid count nearest round_half_up(seconds * fps) within
     1..max_num_frames (a tie goes to the smaller count). Raises RequestError if round(seconds * fps) exceeds
     max_num_frames."""
-    target = math.floor(seconds * spec.fps + 0.5)
-    if target > spec.max_num_frames:
+    frames = seconds * spec.fps  # inf for a finite but huge seconds (1e308: floor() raised OverflowError, a 500)
+    if frames >= spec.max_num_frames + 0.5:  # round half up above the maximum
         max_seconds = spec.max_num_frames / spec.fps
         raise RequestError(
             400,
             "seconds",
-            f"seconds {seconds:g} at {spec.fps:g} fps is {target} frames, above this model's maximum "
+            f"seconds {seconds:g} at {spec.fps:g} fps is {frames:.0f} frames, above this model's maximum "
             f"{spec.max_num_frames} frames; ask for at most {max_seconds:g} seconds",
         )
+    target = math.floor(frames + 0.5)
     if spec._frames_ok(target):
         return target
     near = _valid_frames_near(spec, target)
