@@ -112,3 +112,29 @@ def test_concurrent_vae_decodes_give_each_request_its_own_video(tiny_serve_model
     for frames, expected in zip(asyncio.run(together()), alone):
         assert frames.shape == expected.shape
         assert (frames == expected).all()
+
+
+def test_a_request_whose_latents_overflow_fails_alone_and_its_batch_mate_completes(tiny_serve_model_dir,
+                                                                                 base_request):
+    # A new user's trial: guidance_scale 1e300 "completed" an all-black video through serving.
+    from vidray.diffusion.sampler import NonFiniteLatentsError
+
+    model = load_model(str(tiny_serve_model_dir))
+    negative = encode_prompts(model.components.text_encoder, model.components.tokenizer, [""],
+                              max_sequence_length=model.max_sequence_length, device="cpu")
+    guided = dict(base_request, negative_prompt_embeds=negative[0], negative_prompt_attention_mask=negative[1])
+    denoiser = Denoiser.func_or_class(str(tiny_serve_model_dir), {"latency_target_s": 60.0, "max_batch_size": 4})
+
+    async def run(request: dict):
+        async for event in denoiser.denoise(dict(request, sent_at=time.time())):
+            if "latents" in event:
+                return event["latents"]
+
+    async def both():
+        return await asyncio.gather(run(dict(guided, seed=1, guidance_scale=1e300)),
+                                    run(dict(guided, seed=2, guidance_scale=6.0)), return_exceptions=True)
+
+    overflowed, fine = asyncio.run(both())
+    assert isinstance(overflowed, NonFiniteLatentsError), overflowed
+    assert "guidance_scale 1e+300" in str(overflowed)
+    assert isinstance(fine, torch.Tensor) and bool(torch.isfinite(fine).all())

@@ -293,3 +293,14 @@ def test_cli_generate_with_fps_0_exits_2_with_one_line_before_loading_weights(tr
     assert code == 2
     assert err.startswith("vidray generate: error: --fps must be a finite frame rate in [0.01, 1000] frames/s, got 0.0")
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_guidance_scale_that_overflows_the_latents_is_an_error_not_a_black_video(trained, tmp_path):
+    # A new user's trial: --guidance-scale 1e300 "completed" an all-black mp4 (NaN latents), here and in serving.
+    from vidray.diffusion.sampler import NonFiniteLatentsError
+
+    _, out_dir = trained
+    with pytest.raises(NonFiniteLatentsError, match=r"NaN or inf \(guidance_scale 1e\+300\)"):
+        generate_to_file(out_dir, "a red ball", tmp_path / "black.mp4", num_inference_steps=1, guidance_scale=1e300)
+    assert not (tmp_path / "black.mp4").exists()
+    generate_to_file(out_dir, "a red ball", tmp_path / "ok.mp4", num_inference_steps=1, guidance_scale=6.0)

@@ -22,12 +22,32 @@ import torch
 
 from vidray.config import FlowConfig
 from vidray.data.buckets import Bucket
+from vidray.errors import UserError
 from vidray.diffusion.flow_matching import euler_step, inference_sigmas, timesteps_from_sigmas
 from vidray.models.registry import Components, ModelFamily
 from vidray.models.text_encoder import encode_prompts
 from vidray.models.vae import decode_latents, video_to_frames
 
-__all__ = ["DenoiseState", "denoise_step", "generate_video", "initial_noise", "sample_latents", "step_states"]
+__all__ = ["DenoiseState", "NonFiniteLatentsError", "check_finite_latents", "denoise_step", "generate_video",
+           "initial_noise", "sample_latents", "step_states"]
+
+
+class NonFiniteLatentsError(UserError):
+    """The denoised latents hold NaN or inf, so the decoded video would be meaningless (e.g. all black): raised
+    instead of returning it. Usually a guidance_scale far too large for the model."""
+
+
+def check_finite_latents(latents: torch.Tensor, guidance_scale: float | torch.Tensor) -> None:
+    """Raise NonFiniteLatentsError when `latents` (any shape) hold NaN or inf, naming the guidance_scale used.
+
+    A user's trial: guidance_scale 1e300 "completed" an all-black video, through `vidray generate` and serving.
+    """
+    if not bool(torch.isfinite(latents).all()):
+        scale = float(guidance_scale.max()) if isinstance(guidance_scale, torch.Tensor) else float(guidance_scale)
+        raise NonFiniteLatentsError(
+            f"the denoised latents hold NaN or inf (guidance_scale {scale:g}): the video would be meaningless, so "
+            "none is made; use a guidance_scale the model was tuned for (EasyAnimate's default is 6; 1 = none)"
+        )
 
 
 @torch.inference_mode()
@@ -181,6 +201,7 @@ def sample_latents(
     guidance_scale > 1 needs negative_prompt_embeds/mask of the same shapes (e.g. the empty prompt).
     `callback(i, sigma, latents)` runs after step i (0-based), sigma being the step's starting noise level.
     The transformer runs in eval mode (its previous mode is restored) under torch.inference_mode.
+    Raises NonFiniteLatentsError when the result holds NaN or inf (`check_finite_latents`).
     """
     # 1. Check inputs
     batch_size = latent_shape[0]
@@ -229,6 +250,7 @@ def sample_latents(
                 callback(i, float(sigmas[i]), latents)
     finally:
         transformer.train(was_training)
+    check_finite_latents(latents, guidance_scale)
     return latents
 
 

@@ -319,7 +319,7 @@ class Denoiser:
 
     async def _step_once(self) -> None:
         """One denoising step for the running group that stepped least recently (round robin over shapes)."""
-        from vidray.diffusion.sampler import step_states
+        from vidray.diffusion.sampler import NonFiniteLatentsError, check_finite_latents, step_states
 
         groups: dict[tuple, list[_Request]] = {}
         for r in self._running:
@@ -346,7 +346,11 @@ class Denoiser:
             r.stepped_s += seconds
             r.model_s = None if predicted is None or r.model_s is None else r.model_s + predicted
             if r.state.done:
-                r.events.put_nowait({"latents": r.state.latents.float().cpu()})
+                try:
+                    check_finite_latents(r.state.latents, r.state.guidance_scale)
+                    r.events.put_nowait({"latents": r.state.latents.float().cpu()})
+                except NonFiniteLatentsError as err:  # the request fails with it; the others go on
+                    r.events.put_nowait(err)
                 self._stats["completed"] += 1
                 self.policy.observe_service(r.stepped_s, now - r.admitted_at, model_s=r.model_s)
             elif now - r.last_event_at >= PROGRESS_EVERY_S:  # progress travels at most ~4x/s per request
