@@ -303,7 +303,10 @@ def test_body_over_the_limit_is_refused_with_413_over_real_http_declared_or_chun
     assert "content-length" not in chunked.request.headers
     assert chunked.request.headers["transfer-encoding"] == "chunked"
     assert_error(declared, 413, None, f"{len(body)} bytes", f"limit {LIMITS.max_body_bytes} bytes")
-    assert_error(chunked, 413, None, f"limit {LIMITS.max_body_bytes} bytes")
+    # Not "request body is more bytes" (a new user's trial); both name every part that can be large.
+    assert_error(chunked, 413, None, f"(sent without a Content-Length) is larger than the limit "
+                 f"{LIMITS.max_body_bytes} bytes", f"prompt may hold at most {LIMITS.max_prompt_chars} characters",
+                 f"input_reference image at most {LIMITS.max_image_bytes} bytes")
     assert service.requests == []
 
 

@@ -615,10 +615,11 @@ def _counting_receive(receive: Receive, max_bytes: int) -> Receive:
 
 
 def _too_large(limits: ApiLimits, size: int | None) -> RequestError:
-    shown = f"{size} bytes" if size is not None else "more bytes"
-    return RequestError(413, None, f"request body is {shown}, above the limit {limits.max_body_bytes} bytes; "
-                        f"send a smaller input_reference image (at most {limits.max_image_bytes} bytes)",
-                        code="request_too_large")
+    # A chunked body (no Content-Length) is read only up to the limit, so its size is unknown.
+    shown = f"is {size} bytes, above" if size is not None else "(sent without a Content-Length) is larger than"
+    return RequestError(413, None, f"request body {shown} the limit {limits.max_body_bytes} bytes; "
+                        f"a prompt may hold at most {limits.max_prompt_chars} characters and an input_reference "
+                        f"image at most {limits.max_image_bytes} bytes", code="request_too_large")
 
 
 TEXT_FIELDS = ("prompt", "negative_prompt", "model", "size")
