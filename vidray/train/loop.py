@@ -84,9 +84,10 @@ def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_schedu
     loaded, or None is returned (step 1).
     """
     start_step = int(loop_config.get("start_step") or 0)
+    ray_name = _ray_checkpoint_name()  # every rank's: it names the source in the log line below
     name = None
     if rank == 0:
-        candidates = [c for c in (_ray_checkpoint_name(), CheckpointManager(loop_config["run_dir"]).latest())
+        candidates = [c for c in (ray_name, CheckpointManager(loop_config["run_dir"]).latest())
                       if c is not None and checkpoint_step(c) > start_step]
         name = max(candidates, key=checkpoint_step, default=None)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -96,7 +97,7 @@ def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_schedu
     if name is not None:
         with CheckpointManager(loop_config["run_dir"]).fetch(name) as directory:
             state = load_checkpoint(directory, transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler)
-        source = "Ray Train's latest" if name == _ray_checkpoint_name() else "the run folder's latest complete"
+        source = "Ray Train's latest" if name == ray_name else "the run folder's latest complete"
         _log(rank, f"restarted from this run's checkpoint {name} at step {state.step} ({source})")
         return state
     start = loop_config.get("resume_from")
