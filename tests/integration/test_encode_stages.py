@@ -76,3 +76,6 @@ def test_cached_latents_train_the_losses_of_online_encoding(local_ray, shards_di
     assert cached.data["prompt_misses"] == 0
     assert cached.losses == online.losses
     assert cached.data["vae_busy_s"] < online.data["vae_busy_s"]
+    # No clip decoded: the driver's task named the VAE while the workers started, and every clip's latents were
+    # cached, so the loaders read them instead (`vidray.data.pipeline`, the latents tier).
+    assert online.data["decode_clips"] > 0 and cached.data["decode_clips"] == 0

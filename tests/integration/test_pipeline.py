@@ -175,3 +175,53 @@ def test_a_shard_the_store_no_longer_delivers_is_skipped_and_its_clips_weigh_zer
     assert [s.get("file") for s in skipped] == [gone["file"]] and "unreadable" in skipped[0]["reason"]
     for batch in batches:
         assert all(w == 0 for sid, w in zip(batch.sample_ids, batch.weights) if sid in gone_ids)
+
+
+def test_a_clip_whose_latents_are_cached_is_not_decoded(local_ray, shards_dir, tmp_path):
+    """With the encode stage and a latent cache: a pass fills the cache (every clip decoded); a later pass reads
+    each clip's latents from the cache without decoding it, bit for bit the first pass's, and a damaged entry
+    makes its clip decode again (and be re-encoded) rather than train on the zeros that stand in for frames."""
+    import dataclasses
+
+    import ray
+
+    from vidray.data.encode import vae_identity
+    from vidray.data.pipeline import encode_spec, vae_identity_ref
+
+    job = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", ["model.text_encoder=tiny_random"])
+    cache = tmp_path / "latents"
+    spec = encode_spec(job, {}, latent_cache=str(cache))
+    vae_id = vae_identity(dataclasses.asdict(job.model), job.train.seed)
+    # The identity the loader's task computes is the encode stage's (`EncodeStage.vae_id`, its entries' folder).
+    assert ray.get(vae_identity_ref(spec)[0]) == vae_id
+
+    def run(**extra):
+        index = read_index(shards_dir)
+        table = load_sample_index(shards_dir)
+        schedule = SampleSchedule(table.bucket_id, table.buckets, batch_sizes=2, seed=0, shards=table.shard,
+                                  shuffle_block_shards=2)
+        plan = plan_rank_steps(schedule, schedule.start(0), world_size=1, rank=0, first_step=1, last_step=3)
+        return list(RankLoader(str(shards_dir), index, table, plan, DataConfig(hot_bytes=0),
+                               encode={**spec, **extra}))
+
+    def total(batches, key):
+        return sum(b.stats[key] for b in batches)
+
+    first = run(vae_id=vae_id)
+    assert total(first, "decodes_skipped") == 0 and total(first, "vae_misses") > 0
+    assert {p.parent.parent.name for p in cache.glob("vae/*/*/*.safetensors")} == {vae_id[:32]}
+
+    second = run(vae_id=vae_id)
+    slots = sum(len(set(b.sample_ids)) for b in second)  # clips per batch (a repeat within a batch: one read)
+    assert total(second, "hot_misses") == slots and total(second, "decodes_skipped") == slots
+    assert total(second, "vae_misses") == 0
+    for a, b in zip(first, second):
+        assert a.sample_ids == b.sample_ids and b.frames is None
+        np.testing.assert_array_equal(a.latents.numpy(), b.latents.numpy())
+
+    for entry in cache.glob("vae/*/*/*.safetensors"):
+        entry.write_bytes(b"damaged")
+    third = run(vae_id=vae_id)
+    assert total(third, "decodes_skipped") == 0 and total(third, "vae_misses") > 0
+    for a, b in zip(first, third):
+        np.testing.assert_array_equal(a.latents.numpy(), b.latents.numpy())

@@ -146,3 +146,46 @@ def test_two_processes_caching_the_same_caption_at_once_both_succeed(tmp_path):
     assert run_at_once(lambda: cache.put(rel, {"prompt_embeds": torch.ones(4, 8)}), repeats=300) == []
     assert torch.equal(LatentCache(str(tmp_path)).get(rel)["prompt_embeds"], torch.ones(4, 8))
     assert [p.name for p in (tmp_path / rel).parent.iterdir()] == [(tmp_path / rel).name]  # no temp file left
+
+
+def test_vae_identity_is_the_stage_vae_id_without_loading_the_text_encoder(tmp_path, monkeypatch):
+    from vidray.data.encode import vae_identity
+    from vidray.models import easyanimate
+
+    assert vae_identity(dataclasses.asdict(MODEL), 0) == _stage(what="vae").vae_id
+    assert vae_identity(dataclasses.asdict(MODEL), 1) != _stage(what="vae").vae_id
+    family = get_family("easyanimate")
+    folder = tmp_path / "model"
+    family.save_pipeline(family.build(MODEL, seed=5), folder, FlowConfig())
+    pretrained = dataclasses.replace(MODEL, init="pretrained", pretrained_path=str(folder))
+    stage_id = _stage(model=pretrained, what="vae").vae_id
+
+    def no_pipeline(*args, **kwargs):
+        raise AssertionError("vae_identity loaded the whole pipeline")
+
+    monkeypatch.setattr(easyanimate.EasyAnimatePipeline, "from_pretrained", no_pipeline)
+    assert vae_identity(dataclasses.asdict(pretrained), 0) == stage_id
+
+
+def test_latents_the_decode_operator_read_from_the_cache_are_used_as_they_are(tmp_path):
+    """A slot whose clip the decode operator did not decode (its latents were cached: zeros for frames) gets those
+    latents, counted as a hit; latents read for another VAE are an error, never trained on."""
+    from vidray.data.encode import pack_cached_latents, unpack_cached_latents
+
+    frames = _frames(6, 2)
+    stage = _stage(what="vae")
+    encoded = stage(_batch(frames, ["", ""], ["x", "y"]))["latents"][0]
+    cached = {1: encoded[1]}
+    blank = frames.copy()
+    blank[1] = 0
+    batch = {**_batch(blank, ["", ""], ["x", "y"]),
+             "cached_latents": np.array([pack_cached_latents(stage.vae_id, cached)], dtype=object)}
+    out = stage(batch)
+    assert (out["vae_hits"][0], out["vae_misses"][0]) == (1, 1) and "cached_latents" not in out
+    np.testing.assert_array_equal(out["latents"][0], encoded)
+    # a clip repeated in a batch: one tensor in two slots
+    assert set(unpack_cached_latents(pack_cached_latents(stage.vae_id, {0: cached[1], 1: cached[1]}))[1]) == {0, 1}
+    assert unpack_cached_latents(b"") == ("", {})
+    batch["cached_latents"] = np.array([pack_cached_latents("0" * 64, cached)], dtype=object)
+    with pytest.raises(RuntimeError, match="VAE files changed"):
+        stage(batch)

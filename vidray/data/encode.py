@@ -104,8 +104,13 @@ class LatentCache:
         key = hashlib.sha256(caption.encode()).hexdigest()
         return f"text/{text_id[:32]}-L{int(max_sequence_length)}/{key[:2]}/{key}.safetensors"
 
-    def get(self, rel: str) -> dict[str, Any] | None:
-        from safetensors.torch import load
+    def get(self, rel: str, *, as_numpy: bool = False) -> dict[str, Any] | None:
+        """{name: torch tensor} of entry `rel` (numpy arrays with `as_numpy`: no torch import, for the decode
+        operator), or None."""
+        if as_numpy:
+            from safetensors.numpy import load
+        else:
+            from safetensors.torch import load
 
         try:
             return load(self.storage.read_bytes(rel))
@@ -200,14 +205,18 @@ class EncodeStage:
 
     # -- encoding -------------------------------------------------------------------------------------------
 
-    def latents(self, frames: np.ndarray, clip_sha: list[str], bucket: tuple[int, int, int]) -> tuple[Any, int, int]:
+    def latents(self, frames: np.ndarray, clip_sha: list[str], bucket: tuple[int, int, int],
+                cached: dict[int, Any] | None = None) -> tuple[Any, int, int]:
         """latents (B, C, F_lat, H_lat, W_lat) float32 of uint8 frames (B, F, H, W, 3), each clip from the
-        cache or encoded alone (then stored); returns (latents, hits, misses)."""
+        cache or encoded alone (then stored); returns (latents, hits, misses). `cached`: {slot: latents (C, F_lat,
+        H_lat, W_lat) float32} the decode operator already read from this cache (those clips were not decoded:
+        their frames are zeros), counted as hits."""
         import torch
 
         from vidray.models.vae import frames_to_video
 
         out, hits, misses, done = [], 0, 0, {}
+        cached = cached or {}
         for b in range(frames.shape[0]):
             sha = clip_sha[b]
             rel = LatentCache.latents_entry(self.vae_id, sha, bucket) if sha else None
@@ -215,7 +224,12 @@ class EncodeStage:
                 out.append(done[rel])
                 hits += 1
                 continue
-            found = self._lookup(rel) if rel is not None else None
+            if b in cached:
+                found = {"latents": cached[b]}
+                if rel is not None:
+                    self._keep(rel, found)
+            else:
+                found = self._lookup(rel) if rel is not None else None
             if found is not None:
                 latents = found["latents"]
                 hits += 1
@@ -266,7 +280,13 @@ class EncodeStage:
             t0 = time.perf_counter()
             frames = batch["frames"][0]  # (B, F, H, W, 3)
             clip_sha = json.loads(str(batch["clip_sha"][0]))
-            latents, hits, misses = self.latents(frames, clip_sha, tuple(frames.shape[1:4]))
+            vae_id, cached = unpack_cached_latents(out.pop("cached_latents")[0]) if "cached_latents" in out \
+                else ("", {})
+            if cached and vae_id != self.vae_id:  # both hash the same config and files: only a VAE changed mid-run
+                raise RuntimeError(f"the decode operator read cached latents of VAE {vae_id[:12]} but this encode "
+                                   f"stage runs VAE {self.vae_id[:12]}: the model's VAE files changed while the "
+                                   "loader ran; restart the run")
+            latents, hits, misses = self.latents(frames, clip_sha, tuple(frames.shape[1:4]), cached)
             out.pop("frames")
             out["latents"] = latents.numpy()[None]
             stats["vae_hits"] += hits
@@ -284,6 +304,41 @@ class EncodeStage:
             out["text_node"] = np.array([self.node], dtype=object)
         out.update({k: np.array([v], dtype=np.float64) for k, v in stats.items()})
         return out
+
+
+def pack_cached_latents(vae_id: str, cached: dict[int, np.ndarray]) -> bytes:
+    """{slot: latents (C, F_lat, H_lat, W_lat) float32 numpy array} read from the entries of VAE `vae_id` -> one
+    safetensors byte string (b"" for none): the decode operator's "cached_latents" cell of a micro-batch
+    (`vidray.data.pipeline.ClipLoader`, which never imports torch)."""
+    from safetensors.numpy import save
+
+    if not cached:
+        return b""
+    return save({str(slot): np.ascontiguousarray(a) for slot, a in cached.items()}, metadata={"vae_id": vae_id})
+
+
+def unpack_cached_latents(cell: Any) -> tuple[str, dict[int, Any]]:
+    """The inverse of `pack_cached_latents`: (vae_id, {slot: latents torch tensor}); ("", {}) for b"" or None."""
+    from safetensors.torch import load
+
+    if not cell:
+        return "", {}
+    data = bytes(cell)
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])  # the safetensors header (its spec)
+    return str(header.get("__metadata__", {}).get("vae_id", "")), {int(k): v for k, v in load(data).items()}
+
+
+def vae_identity(model: dict[str, Any], seed: int) -> str:
+    """The `module_identity` of the VAE an `EncodeStage` of this model section (`ModelConfig` as a dict) and
+    `train.seed` loads: the `vae_id` of its latent cache entries, with the VAE built alone
+    (`ModelFamily.build_vae`: a pretrained folder's `vae/` only, never the text encoder). The decode operator
+    uses it to find cached latents before it decodes a clip (`vidray.data.pipeline.ClipLoader`). Raises what
+    `build_vae` raises for a bad model section."""
+    from vidray.config import ModelConfig
+    from vidray.models.registry import get_family
+
+    model_cfg = ModelConfig(**model)
+    return module_identity(get_family(model_cfg.family).build_vae(model_cfg, seed=int(seed)))
 
 
 def _node_info() -> dict[str, Any]:

@@ -31,6 +31,11 @@ The tiers a clip goes through on its way to the trainer (`ClipLoader`):
   epochs; a micro-batch's misses are decoded on two threads (PyAV releases the GIL), which keeps the loader at the
   plain single-process PyAV loop's clips/s despite Ray Data's per-batch plumbing (`benchmarks/data_pipeline.py`
   (a)); the Ray resource request stays `data.loader_cpus`;
+- **latents** (with the encode stages and a latent cache, `vidray.data.encode`): a clip whose latents the cache
+  holds for the stage's VAE is not decoded at all. The loader reads its mp4 bytes only to hash them (the cache
+  key), reads the cached latents and hands them to the encode stage with zeros for frames. It learns the VAE's
+  identity from a task started with the first window (`vae_identity_ref`), without waiting for it: clips are
+  decoded until the identity arrives;
 - the queue of `data.prefetch_batches` decoded micro-batches ahead of the trainer (Ray Data's streaming executor
   decodes ahead of the queue within its object-store budget).
 
@@ -61,14 +66,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vidray.data.buckets import Bucket
-from vidray.data.encode import ENCODE_STAT_KEYS, EncodeStage, block_rows, concat_rows
+from vidray.data.encode import (ENCODE_STAT_KEYS, EncodeStage, LatentCache, block_rows, concat_rows,
+                                pack_cached_latents, vae_identity)
 from vidray.data.schedule import DataPosition, SampleSchedule
 
 STAT_KEYS = ("hot_hits", "hot_misses", "warm_hits", "warm_misses", "bytes_fetched", "shard_reads",
-             "decode_s", "fetch_s")
+             "decode_s", "fetch_s", "decodes_skipped")
 """Per-micro-batch counters a `ClipLoader` reports (deltas): hot-tier hits/misses (clips), warm-tier hits/misses
 (shard opens from an object store: a miss is a download), bytes read from the cold store, shard files read into
-the loader's memory, seconds decoding and seconds fetching/reading shards."""
+the loader's memory, seconds decoding (and reading cached latents) and seconds fetching/reading shards, and clips
+not decoded because their latents were found in the latent cache (hot misses that skipped the decoder)."""
 
 
 @dataclass(frozen=True)
@@ -174,19 +181,24 @@ class ClipLoader:
         local_ranks: training ranks on this node sharing the warm cache (each prefetches within
             cache_bytes / (2 x local_ranks)).
         hash_clips: compute each clip's sha256 (the latent cache's key); off when no encode stage follows.
+        latent_cache: root of the latent cache the encode stage reads ("" = none), and vae_id: the identity of its
+            VAE (`vidray.data.encode.vae_identity`): a str, or a one-item list holding the ObjectRef of the task
+            computing it (never waited for: clips are decoded until it is ready). With both, a clip whose latents
+            are cached is not decoded: its latents travel in "cached_latents" and its frames are zeros.
 
     `__call__({"i": (R,) int64, "n": (R,) int64})` (a block of R rows, each the n planned steps i..i+n-1, all of
     one bucket: `plan_blocks`) returns one row per step, (S,) columns with S = sum(n): {"i", "frames" (S, B, F, H, W, 3) uint8 (each clip decoded straight into
     its slot), "captions" (S,) JSON lists of B str, "clip_sha" (S,) JSON lists of B sha256 hex of the clips' stored
     mp4 bytes ("" for black fill frames or with `hash_clips` off; the latent cache's content key,
-    `vidray.data.encode`),
+    `vidray.data.encode`), with `latent_cache` "cached_latents" (S,) bytes (`vidray.data.encode.pack_cached_latents`
+    of the slots read from the cache, b"" for none),
     "ok" (S, B) bool, "skipped" (S,) JSON str, "node" (S,) JSON str {"node_id", "labels"} of the node this
     operator runs on (`vidray.placement`), and one (S,) column per `STAT_KEYS`}.
     """
 
     def __init__(self, shards_dir: str, shard_entries: Sequence[dict[str, Any]], plan: dict[str, np.ndarray], *,
                  cache_dir: str, cache_bytes: int, hot_bytes: int, prefetch_window: int, open_shards: int,
-                 local_ranks: int = 1, hash_clips: bool = True):
+                 local_ranks: int = 1, hash_clips: bool = True, latent_cache: str = "", vae_id: Any = None):
         import json
 
         import ray
@@ -202,6 +214,9 @@ class ClipLoader:
         self.cache = None if self.storage.is_local else ShardCache(cache_dir, cache_bytes)
         self.hot_bytes = int(hot_bytes)
         self.hash_clips = bool(hash_clips)  # the clips' sha256 keys the latent cache: only an encode stage needs it
+        self.latent_cache = LatentCache(latent_cache) if latent_cache and self.hash_clips else None
+        self.vae_id = vae_id if isinstance(vae_id, str) and vae_id else None
+        self._vae_id_ref = vae_id[0] if isinstance(vae_id, (list, tuple)) and vae_id else None
         self.hot: OrderedDict[int, tuple[np.ndarray, str, str]] = OrderedDict()  # key -> (frames, caption, sha256)
         self.hot_used = 0
         self.tables: OrderedDict[int, pa.Table] = OrderedDict()
@@ -276,6 +291,31 @@ class ClipLoader:
 
     # -- reading ---------------------------------------------------------------------------------------------
 
+    def _known_vae_id(self) -> str | None:
+        """The encode stage's VAE identity, once known (never waits for the task computing it; a task that failed
+        leaves it unknown: every clip is decoded, and the encode stage reports the model's error itself)."""
+        if self.vae_id is None and self._vae_id_ref is not None:
+            import ray
+
+            ready, _ = ray.wait([self._vae_id_ref], timeout=0)
+            if ready:
+                self._vae_id_ref = None
+                try:
+                    self.vae_id = str(ray.get(ready[0]))
+                except Exception:  # noqa: BLE001 - only an optimisation is lost
+                    self.vae_id = None
+        return self.vae_id
+
+    def _cached_latents(self, rel: str) -> np.ndarray | None:
+        """The latents (C, F_lat, H_lat, W_lat) float32 (numpy: this operator never imports torch) of cache entry
+        `rel`, or None (absent or damaged: the
+        clip is decoded and the encode stage rewrites the entry)."""
+        t0 = time.perf_counter()
+        found = self.latent_cache.get(rel, as_numpy=True)
+        with self.lock:
+            self.stats["decode_s"] += time.perf_counter() - t0
+        return None if found is None else found.get("latents")
+
     def _table(self, shard: int) -> pa.Table:
         """The shard's (sample_id, caption, video_mp4) columns in memory (checksum verified when fetched)."""
         from vidray.data.shards import fetch_verified
@@ -346,9 +386,11 @@ class ClipLoader:
             with self.lock:
                 self.stats["decode_s"] += time.perf_counter() - t0
 
-    def _clips(self, keys, shards, rows, frames: np.ndarray, skipped: list[dict[str, str]]) -> list:
-        """Fill `frames`, uint8 (B, F, H, W, 3), with a micro-batch's clips: hot hits copied, misses decoded into
-        their slots two at a time. Returns per slot (caption, mp4 sha256 or "") or None (not delivered: its
+    def _clips(self, keys, shards, rows, frames: np.ndarray, skipped: list[dict[str, str]],
+               cached: dict[int, Any]) -> list:
+        """Fill `frames`, uint8 (B, F, H, W, 3), with a micro-batch's clips: hot hits copied, misses whose latents
+        the latent cache holds put in `cached` ({slot: latents}, their frames zeroed), the other misses decoded
+        into their slots two at a time. Returns per slot (caption, mp4 sha256 or "") or None (not delivered: its
         slot is left as it is)."""
         found: list = []
         first_slot: dict[int, int] = {}  # key -> the slot that decodes it (a clip repeated in the batch: once)
@@ -366,15 +408,29 @@ class ClipLoader:
                 frames[j] = f[0]
                 found[j] = f[1:]
         misses = [j for j, f in enumerate(found) if isinstance(f, tuple) and len(f) == 4]  # ("miss", id, mp4, caption)
+        sha = {j: hashlib.sha256(found[j][2]).hexdigest() if self.hash_clips else "" for j in misses}
+        vae_id = self._known_vae_id() if self.latent_cache is not None else None
+        if vae_id and misses:
+    
+            bucket = tuple(frames.shape[1:4])
+            hits = self._pool.map(lambda j: self._cached_latents(LatentCache.latents_entry(vae_id, sha[j], bucket)),
+                                  misses)
+            for j, latents in zip(misses, list(hits)):
+                if latents is not None:
+                    cached[j] = latents
+                    frames[j] = 0
+                    found[j] = (found[j][3], sha[j])
+            with self.lock:
+                self.stats["decodes_skipped"] += sum(j in cached for j in misses)
+            misses = [j for j in misses if j not in cached]
         decoded = self._pool.map(lambda j: self._decode(found[j][1], found[j][2], frames[j], skipped), misses)
         for j, ok in zip(misses, list(decoded)):
-            caption, data = found[j][3], found[j][2]
-            sha = hashlib.sha256(data).hexdigest() if self.hash_clips else ""
-            found[j] = (caption, sha) if ok else None
+            caption = found[j][3]
+            found[j] = (caption, sha[j]) if ok else None
             if ok and self.hot_bytes and frames[j].nbytes <= self.hot_bytes:
                 key = int(keys[j])
                 if key not in self.hot:
-                    self.hot[key] = (frames[j].copy(), caption, sha)  # its own memory: the batch goes to Ray
+                    self.hot[key] = (frames[j].copy(), caption, sha[j])  # its own memory: the batch goes to Ray
                     self.hot_used += frames[j].nbytes
                 while self.hot_used > self.hot_bytes:
                     _, (old, _, _) = self.hot.popitem(last=False)
@@ -383,6 +439,8 @@ class ClipLoader:
             if isinstance(f, int):  # a repeat: its first slot's clip
                 if found[f] is not None:
                     frames[j] = frames[f]
+                if f in cached:
+                    cached[j] = cached[f]
                 found[j] = found[f]
         return found
 
@@ -405,11 +463,14 @@ class ClipLoader:
         bucket = Bucket(*(int(x) for x in self.plan["bucket"][i]))
         skipped: list[dict[str, str]] = []
         frames = np.empty((len(keys), *bucket, 3), np.uint8)  # (B, F, H, W, 3), filled in place
-        clips = self._clips(keys, shards, rows, frames, skipped)
+        cached: dict[int, Any] = {}  # slot -> latents read from the latent cache (its clip was not decoded)
+        clips = self._clips(keys, shards, rows, frames, skipped, cached)
         ok = np.array([c is not None for c in clips])
         good = int(np.argmax(ok)) if ok.any() else -1
         for j in np.flatnonzero(~ok):  # a slot not delivered repeats a delivered clip (weight 0), else zeros
             frames[j] = frames[good] if good >= 0 else 0
+            if good in cached:
+                cached[int(j)] = cached[good]
         fill = clips[good] if good >= 0 else ("", "")  # its caption and key too: an encode stage then hits
         clips = [c if c is not None else fill for c in clips]
         with self.lock:
@@ -423,6 +484,8 @@ class ClipLoader:
             "skipped": np.array([json.dumps(skipped)], dtype=object),
             "node": np.array([self.node], dtype=object),
         }
+        if self.latent_cache is not None:
+            out["cached_latents"] = np.array([pack_cached_latents(self.vae_id or "", cached)], dtype=object)
         out.update({k: np.array([v], dtype=np.float64) for k, v in stats.items()})
         return out
 
@@ -477,7 +540,11 @@ class RankLoader:
         encode: None (deliver frames and captions), or the encode stages to chain after the decode operator
             (`vidray.data.encode.EncodeStage`; deliver latents and prompt_embeds): {"model": ModelConfig dict,
             "seed", "max_sequence_length", "latent_cache": root or "", "vae": {"label_selector", "num_cpus",
-            "num_gpus", "memory"}, "text": {same}} (`encode_spec`).
+            "num_gpus", "memory"}, "text": {same}} (`encode_spec`), optionally "vae_id" (the VAE's identity, or
+            `vae_identity_ref` of it, when the caller has it; else, with a latent cache, a task on a `vae` node
+            computes it,
+            `vidray.data.encode.vae_identity`, and the decode operator skips clips whose latents are cached from
+            then on).
         window_steps: `RankStep`s (micro-batches) per Ray Data dataset. The steps are streamed in windows of this
             many (blocks of up to `data.block_batches` consecutive steps, `plan_blocks`, planned when the window
             starts), so a run of 100 000 steps never plans or materialises them all
@@ -499,6 +566,7 @@ class RankLoader:
         self._label_selector = dict(label_selector) if label_selector else None
         self._encode = encode
         self._steps = iter(steps)
+        self._vae_id: Any = None  # str, or [ObjectRef] of the identity task: set when the first window starts
         self._window_steps = max(1, int(window_steps))
         self._thread = threading.Thread(target=self._run, name="vidray-rank-loader", daemon=True)
         self._thread.start()
@@ -521,11 +589,13 @@ class RankLoader:
             "key": table.sample_key[flat].astype(np.int64),
             "bucket": np.array([tuple(s.bucket) for s in window], dtype=np.int32),
         }
-        return self._build(shards_dir, index, plan, data, local_ranks, self._label_selector, self._encode)
+        return self._build(shards_dir, index, plan, data, local_ranks, self._label_selector, self._encode,
+                           self._vae_id)
 
     @staticmethod
     def _build(shards_dir: str, index: dict[str, Any], plan: dict[str, np.ndarray], data: Any, local_ranks: int,
-               label_selector: dict[str, str] | None = None, encode: dict[str, Any] | None = None):
+               label_selector: dict[str, str] | None = None, encode: dict[str, Any] | None = None,
+               vae_id: Any = None):
         import ray.data
         from ray.data import DataContext
         from ray.data._internal.execution.interfaces import ExecutionResources
@@ -561,6 +631,8 @@ class RankLoader:
                 "open_shards": 2 * int(data.shuffle_block_shards) + 2,
                 "local_ranks": int(local_ranks),
                 "hash_clips": bool(operators),
+                "latent_cache": str(encode.get("latent_cache") or "") if encode else "",
+                "vae_id": vae_id,
             },
         )
         for op in operators:  # the encode stages, each one actor on the nodes its placement allows
@@ -587,6 +659,8 @@ class RankLoader:
 
     def _run(self) -> None:
         try:
+            if self._encode and self._encode.get("latent_cache"):
+                self._vae_id = self._encode.get("vae_id") or vae_identity_ref(self._encode)
             for window in self._windows():
                 dataset = self._dataset(window)
                 batches = dataset.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)
@@ -700,6 +774,19 @@ def encode_spec(job: Any, placement: dict[str, Any] | None = None, *, latent_cac
         spec[stage] = {"label_selector": dict(placement.get(stage) or {}), "num_cpus": float(cfg.num_cpus),
                        "num_gpus": float(cfg.num_gpus), "memory": int(cfg.memory)}
     return spec
+
+
+def vae_identity_ref(encode: dict[str, Any]) -> list[Any]:
+    """[ObjectRef of the str `vidray.data.encode.vae_identity`] of an encode spec's VAE, computed by a Ray task on
+    the nodes `encode["vae"]["label_selector"]` allows (those hold the model files). The task asks for no CPU: it
+    runs once per loader, for a few seconds (it loads the VAE alone, never the text encoder), and must not wait
+    behind the stage actors that hold the CPUs."""
+    import ray
+
+    selector = encode["vae"].get("label_selector") or {}
+    task = ray.remote(num_cpus=0, max_retries=0)(vae_identity)
+    return [task.options(**({"label_selector": selector} if selector else {})).remote(encode["model"],
+                                                                                       int(encode["seed"]))]
 
 
 def encode_operators(encode: dict[str, Any]) -> list[dict[str, Any]]:

@@ -89,6 +89,12 @@ class ModelFamily(abc.ABC):
         c = self.build(model_cfg, seed=seed)
         return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
 
+    def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> torch.nn.Module:
+        """The frozen VAE alone, equal to `build_encoders(...).vae` (what `vidray.data.encode.vae_identity` hashes
+        to name the latent cache's entries). Default: `build_encoders` and drop the text encoder; families
+        override it to skip loading the text encoder."""
+        return self.build_encoders(model_cfg, seed=seed).vae
+
     @abc.abstractmethod
     def encode_video(self, vae: torch.nn.Module, video: torch.Tensor) -> torch.Tensor:
         """video (B, 3, F, H, W) float in [-1, 1] -> latents (B, C_lat, F_lat, H_lat, W_lat) float32, normalised

@@ -262,6 +262,17 @@ class EasyAnimateFamily(ModelFamily):
         c = self.build(model_cfg, seed=seed)
         return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
 
+    def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLMagvit:
+        """The frozen VAE alone, equal to `build_encoders(...).vae`: a pretrained folder's `vae/` is loaded by
+        itself (no text encoder read); the tiny preset replays `build_tiny`."""
+        if model_cfg.init == "pretrained" and model_cfg.pretrained_path and \
+                (Path(model_cfg.pretrained_path) / "model_index.json").is_file():
+            vae = AutoencoderKLMagvit.from_pretrained(model_cfg.pretrained_path, subfolder="vae",
+                                                      local_files_only=True)
+            _check_vae(vae, str(model_cfg.pretrained_path))
+            return vae.eval().requires_grad_(False)
+        return self.build_encoders(model_cfg, seed=seed).vae
+
     def encode_video(self, vae: AutoencoderKLMagvit, video: torch.Tensor) -> torch.Tensor:
         """`vidray.models.vae.encode_video`: posterior mode * scaling_factor, (B, 16, (F-1)//4+1, H//8, W//8)."""
         return encode_video(vae, video)

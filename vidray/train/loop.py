@@ -193,6 +193,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                             last_step=job.train.max_steps, micro_batches=job.micro_batches_per_step)  # lazily
     placement = loop_config.get("placement") or {}  # {stage: label selector}, resolved on the driver
     encode = encode_spec(job, placement, latent_cache=loop_config.get("latent_cache", ""))
+    if loop_config.get("vae_id"):
+        encode["vae_id"] = loop_config["vae_id"]  # [ObjectRef] of the driver's identity task (vidray.train.trainer)
     loader = RankLoader(shards_dir, index, table, steps, job.data, sample_ids=sample_ids,
                         local_ranks=context.get_local_world_size(), label_selector=placement.get("decode"),
                         encode=encode)
@@ -499,7 +501,8 @@ def _add_loader_stats(metrics: TrainMetrics, batch: TrainBatch) -> None:
     for item in batch.skipped:
         metrics.add_skipped("shard" if "file" in item else "clip")
     metrics.set_prefetch_lead(batch.prefetch_lead)
-    metrics.add_stage("decode", busy_s=float(s["decode_s"] + s["fetch_s"]), clips=int(s["hot_misses"]))
+    decoded = int(s["hot_misses"]) - int(s.get("decodes_skipped", 0))  # a miss whose latents were cached: no decode
+    metrics.add_stage("decode", busy_s=float(s["decode_s"] + s["fetch_s"]), clips=decoded)
     for stage, tier in (("vae", "latent"), ("text", "prompt")):
         if f"{stage}_s" in s:
             hits, misses = int(s[f"{stage}_hits"]), int(s[f"{stage}_misses"])
