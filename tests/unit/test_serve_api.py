@@ -390,6 +390,10 @@ def test_unknown_routes_and_methods_answer_in_the_openai_error_shape(client):
         ({"guidance_scale": "0.5"}, "guidance_scale", [">= 1.0", "0.5"]),
         ({"guidance_scale": "inf"}, "guidance_scale", ["finite"]),
         ({"steps": "4", "colour": "red"}, "colour", ["'colour'", "'steps'", "accepted fields"]),
+        ({"prompt": "a red\x00 ball"}, "prompt", ["U+0000", "character 5"]),  # was accepted, NUL and all
+        ({"negative_prompt": "blur\x1b[31m"}, "negative_prompt", ["U+001B"]),
+        ({"size": "64x64\x00"}, "size", ["U+0000"]),
+        ({"seed": "\x7f1"}, "seed", ["U+007F", "character 0"]),
     ],
 )
 def test_bad_field_is_400_json_naming_it(client, service, fields, param, words):
@@ -478,6 +482,8 @@ def test_json_body_with_numbers_and_a_data_url_image_is_accepted(client, service
         (b'{"prompt": "a", "input_reference": {"file_id": "file_1"}}', 400, "input_reference", "file_id"),
         (b'{"prompt": "a", "input_reference": "abc"}', 400, "input_reference", "JSON body"),
         (b'{"prompt": "a", "frames": 9}', 400, "frames", "'frames'"),
+        # JSON's \ud800 decodes to a lone surrogate, which no UTF-8 encoder takes (sqlite, the job store, raises)
+        (b'{"prompt": "a red \\ud800ball"}', 400, "prompt", "U+D800 at character 6"),
     ],
 )
 def test_bad_json_body_is_400_naming_the_field(client, service, body, status, param, word):
@@ -564,6 +570,11 @@ def test_defaults_come_from_the_model_spec():
 def test_empty_optional_fields_count_as_absent_and_model_may_be_empty():
     request = parse(model="", size=" ", seed="", negative_prompt="  ")
     assert (request.size, request.seed, request.negative_prompt) == ("64x48", 0, "")
+
+
+def test_tabs_and_newlines_are_prompt_text():
+    request = parse_video_request({"prompt": "a red ball\n\tbouncing\r\n"}, None, spec=SPEC, limits=LIMITS)
+    assert request.prompt == "a red ball\n\tbouncing"
 
 
 def test_first_problem_is_reported_in_a_fixed_order():

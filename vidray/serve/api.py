@@ -240,6 +240,9 @@ class VideoRequest:
 # --------------------------------------------------------------------------------------------------------------
 
 _SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+"""Unicode control characters (category Cc) other than tab, LF and CR, and unpaired surrogates (JSON's "\\ud800"
+decodes to one; it cannot be encoded as UTF-8, for the tokenizer or the job store)."""
 _INT_RE = re.compile(r"^\s*[+-]?\d{1,30}\s*$")
 
 
@@ -350,7 +353,8 @@ def parse_video_request(
 
     Raises:
         RequestError: 400 with `param` = the first bad field, checked in a fixed order (unknown fields, then the
-            order above, then the image); 413 (`param="input_reference"`) for an image over
+            order above, then the image; a control character other than tab, LF and CR, or an unpaired
+            surrogate, in any field comes right after the unknown fields); 413 (`param="input_reference"`) for an image over
             `limits.max_image_bytes`.
     """
     # 1. Unknown fields (sorted, so the message is deterministic).
@@ -363,6 +367,14 @@ def parse_video_request(
             f"{', '.join(CREATE_FIELDS)} and the file part input_reference",
             code="unknown_parameter",
         )
+
+    # 1b. Control characters (NUL, ESC, ...; tab and newlines are text) in any field: a client bug, never a prompt.
+    for name in sorted(fields):
+        bad = _CONTROL_RE.search(fields[name] or "")
+        if bad:
+            raise RequestError(400, name, f"{name} contains U+{ord(bad.group()):04X} at character {bad.start()}, "
+                               "which is not text (a control character or an unpaired surrogate); remove it (tab "
+                               "and newlines are allowed)")
 
     def given(name: str) -> str | None:
         value = fields.get(name)
