@@ -149,22 +149,29 @@ def twenty_shards(tmp_path_factory):
 
 
 def test_run_of_20_samples_resized_2_to_4_and_4_to_2_workers_mid_epoch_sees_every_sample_once_per_epoch(
-        local_ray, twenty_shards, tmp_path):
+        local_ray, twenty_shards, tmp_path, capsys):
     """2 workers for 2 steps, 4 workers for 3 more, 2 workers again to step 11: the sample_ids trained with weight
-    > 0 in each finished epoch are all 20, each exactly once (multisets), and both resizes fall mid-epoch."""
+    > 0 in each finished epoch are all 20, each exactly once (multisets), and both resizes fall mid-epoch. The
+    global batch follows the worker count (train.micro_batches_per_step null), and the driver says so."""
     import collections
 
     from vidray.data.index import load_sample_index
 
     everyone = collections.Counter(load_sample_index(twenty_shards).sample_id.astype(str).tolist())
     assert len(everyone) == 20
-    runs, states = [], []
+    runs, states, outputs = [], [], []
     for workers, max_steps in ((2, 2), (4, 5), (2, 11)):
         job = tiny_job(twenty_shards, tmp_path, train__max_steps=max_steps, scaling__num_workers=workers,
                        scaling__cpus_per_worker=0.5, data__loader_cpus=0.3, checkpoint__every_steps=100,
                        train__log_every_steps=100)  # 4 x (0.5 + 0.3 + 0.2 encode) = the 4 CPUs
         runs.append(run_training(job, record_sample_ids=True))
         states.append(read_train_state(runs[-1].checkpoint_path))  # before num_to_keep rotates it away
+        outputs.append(capsys.readouterr().out)
+    assert "global batch:" not in outputs[0]
+    assert ("[vidray] global batch: 4 micro-batches per step, was 2 in the checkpoint (train.micro_batches_per_step "
+            "is null: it follows the max worker count)") in outputs[1]
+    assert ("[vidray] global batch: 2 micro-batches per step, was 4 in the checkpoint (train.micro_batches_per_step "
+            "is null: it follows the max worker count; set it to 4 to keep the checkpoint's)") in outputs[2]
     # 11 micro-batches per epoch (17 clips / 2 -> 9, 3 images / 2 -> 2): both resizes must cut an epoch.
     after_first, after_second, last = states
     assert (after_first.world_size, after_second.world_size) == (2, 4)

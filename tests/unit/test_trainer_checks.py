@@ -417,3 +417,36 @@ def test_checkpoint_resume_never_refuses_existing_checkpoints_and_must_refuses_a
         check_job_inputs(run("lost-folder", "must"))
     with pytest.raises(ConfigError, match="checkpoint.resume': 'sometimes'; valid choices: 'auto', 'never' or 'must'"):
         run("modes", "sometimes")
+
+
+@pytest.mark.parametrize("saved, resumed, line", [
+    ({"scaling": {"num_workers": 4}, "train": {"micro_batches_per_step": None}}, ["scaling.num_workers=2"],
+     "global batch: 2 micro-batches per step, was 4 in the checkpoint (train.micro_batches_per_step is null: it "
+     "follows the max worker count; set it to 4 to keep the checkpoint's)"),
+    ({"scaling": {"num_workers": [1, 2]}, "train": {}}, ["scaling.num_workers=4"],
+     "global batch: 4 micro-batches per step, was 2 in the checkpoint (train.micro_batches_per_step is null: it "
+     "follows the max worker count)"),
+    ({"scaling": {"num_workers": 2}, "train": {"micro_batches_per_step": 6}},
+     ["scaling.num_workers=2", "train.micro_batches_per_step=4"],
+     "global batch: 4 micro-batches per step, was 6 in the checkpoint"),
+    ({"scaling": {"num_workers": 2}, "train": {"micro_batches_per_step": None}},
+     ["scaling.num_workers=1", "train.micro_batches_per_step=2"], None),
+])
+def test_a_resume_that_changes_the_global_batch_says_so(job_and_index, tmp_path, capsys, saved, resumed, line):
+    """The global batch G (micro-batches per step) follows the max worker count when train.micro_batches_per_step
+    is null: a resume on another worker count changes it, and the driver says by how much and how to keep it."""
+    job, index, _ = job_and_index
+    run = tmp_path / "g"
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    save_checkpoint(run / "checkpoint_000004", model=model, optimizer=optimizer,
+                    lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+                    train_state=TrainState(4, 0, 3, 2, index["content_hash"], consumed_per_bucket={}),
+                    job_config=saved)
+    check_job_inputs(load_job_config(None, [f"data.shards_dir={job.data.shards_dir}", f"storage.path={tmp_path}",
+                                            "name=g", "train.max_steps=30", *resumed]))
+    out = capsys.readouterr().out
+    if line is None:
+        assert "global batch" not in out, out
+    else:
+        assert f"[vidray] {line}\n" in out, out

@@ -356,7 +356,8 @@ def _check_resume(job: JobConfig, plan: ResumePlan, folder: Path, index: dict[st
     from vidray.train.checkpoint import read_job_config, read_train_state
 
     resume = plan.checkpoint
-    plan.diff = diff = diff_for_resume(read_job_config(folder), job)
+    saved = read_job_config(folder)
+    plan.diff = diff = diff_for_resume(saved, job)
     if diff.fixed:
         changes = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in diff.fixed.items())
         raise ConfigError(
@@ -384,10 +385,33 @@ def _check_resume(job: JobConfig, plan: ResumePlan, folder: Path, index: dict[st
         workers += f", {job.micro_batches_per_step} micro-batches per step"
         print(f"[vidray] data position: epoch {state.epoch}, {state.batch_index} micro-batches of it done; the rest "
               f"of the epoch is dealt to {workers}, each sample exactly once", flush=True)
+        saved_g = _saved_micro_batches_per_step(saved)
+        if saved_g is not None and saved_g != job.micro_batches_per_step:
+            why = ""
+            if job.train.micro_batches_per_step is None:
+                why = " (train.micro_batches_per_step is null: it follows the max worker count"
+                why += f"; set it to {saved_g} to keep the checkpoint's)" if saved_g >= job.scaling.max_workers \
+                    else ")"
+            print(f"[vidray] global batch: {job.micro_batches_per_step} micro-batches per step, was {saved_g} in the "
+                  f"checkpoint{why}", flush=True)
     else:
         print(f"[vidray] {resume} predates the world-size-independent schedule: the run continues at the start of "
               f"epoch {state.epoch + 1}", flush=True)
     return plan
+
+
+def _saved_micro_batches_per_step(saved: dict[str, Any]) -> int | None:
+    """G of a checkpoint's saved job config (`JobConfig.micro_batches_per_step`: train.micro_batches_per_step, else
+    the max of scaling.num_workers), or None when the saved config does not say (older vidray)."""
+    given = (saved.get("train") or {}).get("micro_batches_per_step")
+    if given is not None:
+        return int(given)
+    workers = (saved.get("scaling") or {}).get("num_workers")
+    if isinstance(workers, int) and not isinstance(workers, bool):
+        return workers
+    if isinstance(workers, (list, tuple)) and len(workers) == 2:
+        return int(workers[1])
+    return None
 
 
 def required_resources(job: JobConfig, num_workers: int | None = None) -> dict[str, float]:
