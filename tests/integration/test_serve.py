@@ -299,3 +299,20 @@ def test_a_denoiser_replica_killed_mid_job_leaves_the_job_retried_and_completed(
     assert done["status"] == "completed", done
     record = JobStore(served.store_dir).get(video.id)
     assert record.attempts == 2
+
+
+def test_ctrl_c_on_serve_run_hands_a_running_job_back_without_using_an_attempt(served):
+    """Last in the module: it stops the app. `serve run` interrupted (Ctrl-C) stops the replicas in good order;
+    the ingress hands its running job back to the store, queued with its attempt uncounted, for the next start of
+    the app (it was left in_progress until its lease ran out, and then had used an attempt)."""
+    from vidray.serve.jobs import JobStore
+
+    client = served.client()
+    video, current = _create_and_wait_for_denoising(
+        served, client, prompt="a boat at dawn", size="128x128",
+        extra_body={"num_frames": 49, "seed": 5, "num_inference_steps": 100})
+    assert current["progress"] < 90, current
+    served.process.send_signal(signal.SIGINT)
+    served.process.wait(timeout=120)
+    record = JobStore(served.store_dir).get(video.id)
+    assert (record.status, record.owner, record.attempts, record.progress) == ("queued", None, 0, 0), record

@@ -381,6 +381,23 @@ def test_release_fails_at_once_when_max_attempts_is_one(tmp_path):
         JobStore(tmp_path, max_attempts=0)
 
 
+def test_requeue_hands_a_running_job_back_without_using_an_attempt(tmp_path):
+    """A runner stopping in good order (its replica shut down) gives its job back whole: even on its last attempt
+    the job is queued again, never failed, and the next claim is attempt 1 again."""
+    store = JobStore(tmp_path, max_attempts=1)
+    job_id = _create(store).id
+    store.claim("runner-a", lease_s=30)
+    store.heartbeat(job_id, "runner-a", progress=40, lease_s=30)
+    assert store.requeue(job_id, "runner-b") is False  # not its job
+    assert store.requeue(job_id, "runner-a") is True
+    job = store.get(job_id)
+    assert (job.status, job.progress, job.owner, job.lease_until, job.attempts) == ("queued", 0, None, None, 0)
+    assert store.requeue(job_id, "runner-a") is False  # no longer running
+    assert store.claim("runner-b", lease_s=30).attempts == 1
+    store.complete(job_id, "runner-b", _write_mp4(tmp_path / "done.mp4"))
+    assert store.requeue(job_id, "runner-b") is False and store.get(job_id).status == "completed"
+
+
 def test_recover_expired_requeues_then_fails_jobs_past_their_lease(tmp_path):
     store = JobStore(tmp_path, max_attempts=2)
     lost_id, alive_id = _create(store).id, _create(store).id

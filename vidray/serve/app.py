@@ -204,6 +204,7 @@ class VideoJobService:
         self._renders: dict[str, tuple[asyncio.Task, dict]] = {}
         """job id -> (its render task, its `owned` flag) while this replica renders it (`_drop` stops one)."""
         self._runner_task: asyncio.Task | None = None
+        self._stopping = False
 
     # --- routes -------------------------------------------------------------------------------------------------
     async def submit(self, request: VideoRequest) -> dict:
@@ -249,7 +250,9 @@ class VideoJobService:
 
     # --- runner -------------------------------------------------------------------------------------------------
     def ensure_runner(self) -> None:
-        """Start this replica's runner task (idempotent; needs the replica's event loop)."""
+        """Start this replica's runner task (idempotent; needs the replica's event loop); never after `shutdown`."""
+        if self._stopping:
+            return
         if self._runner_task is None or self._runner_task.done():
             self._runner_task = asyncio.get_running_loop().create_task(self._run())
 
@@ -272,6 +275,26 @@ class VideoJobService:
                 await asyncio.wait_for(self._wake.wait(), timeout=self.settings.runner.poll_s)
             except asyncio.TimeoutError:
                 pass
+
+    async def shutdown(self, timeout_s: float = 10.0) -> list[str]:
+        """Stop this replica's runner in good order (Serve calls it as the replica stops: `VideoIngress.__del__`):
+        claim nothing more, hand every job it is rendering back to the store as ``queued`` without counting the
+        attempt (`JobStore.requeue`), so another replica (or this app after a restart) renders it at once, then
+        stop those renders (their Denoiser requests leave the batch), waiting at most `timeout_s` seconds.
+        Returns the ids handed back."""
+        self._stopping = True
+        if self._runner_task is not None:
+            self._runner_task.cancel()
+        handed_back = []
+        for job_id in list(self._renders):
+            if await asyncio.to_thread(self.store.requeue, job_id, self.owner):
+                handed_back.append(job_id)
+                logger.info("job %s handed back (queued, attempt not counted): this replica is stopping", job_id)
+            self._drop(job_id)
+        active = [task for task in self._active.values() if not task.done()]
+        if active:
+            await asyncio.wait(active, timeout=timeout_s)
+        return handed_back
 
     def _drop(self, job_id: str) -> None:
         """Stop this replica's render of a job it no longer owns (deleted, or its lease lost): the render task is
@@ -436,6 +459,12 @@ class VideoIngress:
         """Serve's periodic health check (every 10 s); also (re)starts the runner, so queued jobs run after a
         restart without any request."""
         self.service.ensure_runner()
+
+    async def __del__(self) -> None:
+        """Serve's graceful stop of this replica (scale-down, redeploy, `serve run` interrupted, `serve shutdown`):
+        its running jobs go back to the queue without using an attempt (`VideoJobService.shutdown`). A replica
+        that dies instead leaves them to the lease rule (`JobStore.recover_expired`)."""
+        await self.service.shutdown()
 
 
 def _describe(err: ValidationError) -> str:

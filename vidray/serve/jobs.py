@@ -582,6 +582,23 @@ class JobStore:
                 return None
             return self._hand_back(conn, job_id, attempts=int(row[0]), error=error)
 
+    def requeue(self, job_id: str, owner: str) -> bool:
+        """Hand back `owner`'s running job without counting its attempt: ``queued`` again (progress 0, no owner,
+        attempts - 1). For a runner that stops in good order (its replica scaled down, redeployed or shut down by
+        `serve run`'s Ctrl-C) and did not fail the job: another runner claims it at once, with all its attempts.
+
+        Returns:
+            True if the job was handed back; False if `owner` no longer holds it (deleted, re-claimed, finished).
+        """
+        _check_str("owner", owner)
+        with self._write() as conn:
+            cur = conn.execute(
+                "UPDATE jobs SET status = 'queued', progress = 0, owner = NULL, lease_until = NULL, "
+                "attempts = MAX(attempts - 1, 0) WHERE id = ? AND owner = ? AND status = 'in_progress'",
+                (job_id, owner),
+            )
+            return cur.rowcount == 1
+
     def recover_expired(self, *, now: float | None = None) -> list[tuple[str, str]]:
         """Hand back every ``in_progress`` job whose lease ran out before `now` (its runner died or hung), by
         the rule of `release` with code ``runner_lost``.
