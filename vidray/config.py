@@ -661,21 +661,16 @@ def check_output_path(path: str | Path, key: str) -> Path:
     """Refuse an output folder that cannot be created or written, naming `key` (e.g. `storage.path`).
 
     Walks up to the nearest existing ancestor: it must be a folder in which this process can create a folder
-    (`vidray.locations.folder_write_problem`: tried, not read from permission bits). Returns the resolved path
+    (`vidray.locations.creation_problem`: tried, not read from permission bits). Returns the resolved path
     (not created). Raises ConfigError, e.g. "storage.path /etc/hostname/runs cannot be created: /etc/hostname is a
     file, not a folder".
     """
-    from vidray.locations import folder_write_problem
+    from vidray.locations import NOT_A_FOLDER, creation_problem
 
     target = Path(path).expanduser().resolve()
-    probe = target
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
+    probe, problem = creation_problem(target)
+    if problem == NOT_A_FOLDER:
         raise ConfigError(f"{key} {target} cannot be created: {probe} is a file, not a folder; choose another {key}")
-    problem = folder_write_problem(probe)
     if problem:
         raise ConfigError(f"{key} {target} cannot be written: no folder can be created in {probe} ({problem}); "
                           f"choose another {key} or fix its permissions")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from vidray.data.buckets import Bucket, parse_bucket
 from vidray.errors import UserError
-from vidray.locations import folder_write_problem
+from vidray.locations import NOT_A_FOLDER, creation_problem
 from vidray.models.export import (  # re-exported: these lived here before the serve plane needed them
     JOB_FILE,
     LoadedModel,
@@ -70,20 +70,17 @@ def _is_number(value) -> bool:
 
 def _output_problem(output: Path) -> str | None:
     """Why `output` cannot be written as an mp4 (None when it can): suffix, an existing folder, or a parent that
-    is not a writable folder (the nearest existing ancestor is tried, `folder_write_problem`, as missing parents are
-    created)."""
+    is not a writable folder (the nearest existing ancestor is tried, `vidray.locations.creation_problem`, as
+    missing parents are created)."""
     if output.suffix.lower() != ".mp4":
         return f"--output {output} must end in .mp4 (vidray writes H.264 mp4)"
     if output.is_dir():
         return f"--output {output} is a folder; give a file path ending in .mp4"
     if output.exists() and not os.access(output, os.W_OK):
         return f"--output {output} exists and is not writable; choose another path or fix its permissions"
-    ancestor = output.absolute().parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
+    ancestor, problem = creation_problem(output.absolute().parent)
+    if problem == NOT_A_FOLDER:
         return f"--output {output}: {ancestor} is a file, not a folder; choose another path"
-    problem = folder_write_problem(ancestor)
     if problem:
         return f"--output {output}: nothing can be created in folder {ancestor} ({problem}); choose a folder you can " \
                "write to"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["absolute_location", "folder_write_problem", "is_uri"]
+__all__ = ["NOT_A_FOLDER", "absolute_location", "creation_problem", "folder_write_problem", "is_uri"]
 
 
 def is_uri(location: str | Path) -> bool:
@@ -32,3 +32,19 @@ def folder_write_problem(folder: str | Path) -> str | None:
     except OSError as err:
         return err.strerror or str(err)
     return None
+
+
+NOT_A_FOLDER = "a file, not a folder"
+"""`creation_problem`'s reason when the nearest existing ancestor is a file."""
+
+
+def creation_problem(path: str | Path) -> tuple[Path, str | None]:
+    """Whether the local `path` (a file or folder, existing or not, with any missing parents) can be created:
+    (the nearest existing ancestor of `path`, or `path` itself when it exists; why nothing can be created there,
+    or None). The reason is `NOT_A_FOLDER` or `folder_write_problem`'s."""
+    probe = Path(path).expanduser().absolute()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        return probe, NOT_A_FOLDER
+    return probe, folder_write_problem(probe)
