@@ -147,7 +147,7 @@ class RayHead:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"ray start exited early: {Path(self.log.name).read_text()[-3000:]}")
+                raise RayHeadExitedEarly(f"ray start exited early: {Path(self.log.name).read_text()[-3000:]}")
             try:
                 urllib.request.urlopen(f"{self.dashboard_url}/api/version", timeout=2)
                 return
@@ -178,13 +178,36 @@ class RayHead:
         self.log.close()
 
 
+class RayHeadExitedEarly(RuntimeError):
+    """`ray start --head` ended before its dashboard answered."""
+
+
+def start_ray_head(prefix: str, extra_env: dict[str, str] | None = None, attempts: int = 2) -> RayHead:
+    """A ready `RayHead` in a new temp dir under `prefix` (short: Ray's socket paths are length-limited). A head
+    that exits early is started again once, on new ports: `free_port` hands out a port that is free when asked,
+    and another process can take it before Ray binds it (the suite saw one such early exit, right after a busy
+    Serve test). The first failure's log is printed to stderr. Other failures are raised at once."""
+    for attempt in range(1, attempts + 1):
+        head = RayHead(tempfile.mkdtemp(prefix=prefix), extra_env=extra_env)
+        try:
+            head.wait_ready()
+            return head
+        except RayHeadExitedEarly as err:
+            head.stop()
+            if attempt == attempts:
+                raise
+            print(f"[tests] {err}; starting the head again on other ports", file=sys.stderr, flush=True)
+        except BaseException:
+            head.stop()
+            raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture
 def ray_head():
     """A Ray head node started with `ray start --head` on 127.0.0.1, stopped by PID at the end of the test."""
-    tmp_root = tempfile.mkdtemp(prefix="/tmp/vrh")  # short: Ray's socket paths are length-limited
-    head = RayHead(tmp_root)
+    head = start_ray_head("/tmp/vrh")
     try:
-        head.wait_ready()
         yield head
     finally:
         head.stop()

@@ -88,9 +88,8 @@ class Served:
 @pytest.fixture(scope="module")
 def served(exported_model, tmp_path_factory):
     """`serve run` of the shipped config with model, store and port replaced; stopped by PID at the end."""
-    import tempfile
 
-    from tests.integration.conftest import RayHead
+    from tests.integration.conftest import start_ray_head
 
     config = yaml.safe_load((REPO / "serve" / "serve_config.yaml").read_text())
     store_dir = tmp_path_factory.mktemp("store")
@@ -101,11 +100,10 @@ def served(exported_model, tmp_path_factory):
 
     # The token lives in the cluster's environment (where Serve builds the app and runs the replicas), as a
     # secret-backed env var would on a real cluster.
-    head = RayHead(tempfile.mkdtemp(prefix="/tmp/vrs"), extra_env={"VIDRAY_API_TOKEN": TOKEN})
+    head = start_ray_head("/tmp/vrs", extra_env={"VIDRAY_API_TOKEN": TOKEN})
     log = Path(head.temp_dir) / "serve_run.log"
     process = None
     try:
-        head.wait_ready()
         # The HTTP port is picked once the head runs, so that none of its processes takes it in between.
         port = free_port()
         config["http_options"]["port"] = port
