@@ -1,0 +1,110 @@
+"""The cluster configs in cluster_configs/: the launcher YAML passes Ray's own schema, both configs give every
+stage's label selector (the overrides their headers document) exactly one node type, and images, Ray versions and
+labels agree with what vidray pins and places on."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+
+from vidray.config import load_job_config
+from vidray.placement import STAGES, selector_matches
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "cluster_configs"
+
+
+def _launcher() -> dict:
+    return yaml.safe_load((CONFIGS / "aws.yaml").read_text())
+
+
+def _kuberay() -> dict:
+    return yaml.safe_load((CONFIGS / "kuberay.yaml").read_text())
+
+
+def _node_type_labels(name: str) -> dict[str, dict[str, str]]:
+    """{node type or worker group: its Ray node labels} of a config (the head has none)."""
+    if name == "aws.yaml":
+        return {t: dict(spec.get("labels") or {}) for t, spec in _launcher()["available_node_types"].items()}
+    spec = _kuberay()["spec"]
+    return {"head": {}, **{g["groupName"]: dict(g.get("labels") or {}) for g in spec["workerGroupSpecs"]}}
+
+
+def _documented_overrides(name: str) -> list[str]:
+    """The `section.key=value` overrides of the `ray job submit` command in a config's header comment."""
+    header = [line[1:].strip() for line in (CONFIGS / name).read_text().splitlines() if line.startswith("#")]
+    start = next(i for i, line in enumerate(header) if "ray job submit" in line)
+    command = ""
+    for line in header[start:]:
+        command += " " + line.rstrip("\\").strip()
+        if not line.endswith("\\"):
+            break
+    words = shlex.split(command)
+    return [w for w in words[words.index("--config") + 2:] if "=" in w]
+
+
+def test_launcher_config_passes_rays_own_schema():
+    import jsonschema
+
+    schema = json.loads(resources.files("ray.autoscaler").joinpath("ray-schema.json").read_text())
+    jsonschema.validate(_launcher(), schema)
+    # What `ray up` runs on it (ray.autoscaler._private: private, so a Ray upgrade that changes it fails here).
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(_launcher()))
+    config = _launcher()
+    assert config["head_node_type"] in config["available_node_types"]
+    assert config["available_node_types"]["head"]["resources"] == {"CPU": 0}  # no stage work on the head
+
+
+@pytest.mark.parametrize("name", ["aws.yaml", "kuberay.yaml"])
+def test_each_stage_of_the_documented_job_lands_on_exactly_one_node_type(name):
+    overrides = _documented_overrides(name)
+    assert any(o.startswith("placement.dit.label_selector=") for o in overrides), overrides
+    job = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", overrides)
+    labels = _node_type_labels(name)
+    expected = {"dit": "dit", "vae": "vae", "text": "vae", "decode": "decode"}
+    for stage in STAGES:
+        selector = getattr(job.placement, stage).label_selector
+        matched = [t for t, node_labels in labels.items() if selector_matches(selector, node_labels)]
+        assert matched == [expected[stage]], (stage, selector, matched)
+    # Serve's documented pin of a stage (serve/serve_config.yaml) selects the dit node type too.
+    pinned = re.search(r'label_selector: (\{"vidray.io/stage": "dit"\})', (REPO / "serve/serve_config.yaml").read_text())
+    assert pinned, "serve_config.yaml no longer shows a label_selector example"
+    selector = json.loads(pinned.group(1))
+    assert [t for t, node_labels in labels.items() if selector_matches(selector, node_labels)] == ["dit"]
+
+
+def test_kuberay_groups_carry_stage_labels_gpus_and_one_image():
+    spec = _kuberay()["spec"]
+    assert _kuberay()["apiVersion"] == "ray.io/v1" and _kuberay()["kind"] == "RayCluster"
+    assert spec["rayVersion"] == ray.__version__
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    images = {c["image"] for c in spec["headGroupSpec"]["template"]["spec"]["containers"]}
+    gpus = {}
+    for group in spec["workerGroupSpecs"]:
+        assert 0 == group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], group["groupName"]
+        assert group["labels"] == {"vidray.io/stage": group["groupName"]}
+        (container,) = group["template"]["spec"]["containers"]
+        images.add(container["image"])
+        requests = container["resources"]["requests"]
+        assert requests == container["resources"]["limits"], group["groupName"]  # guaranteed QoS: no eviction
+        gpus[group["groupName"]] = int(requests.get("nvidia.com/gpu", 0))
+    assert len(images) == 1, images
+    assert gpus["dit"] >= 1 and gpus["vae"] >= 1 and gpus["decode"] == 0
+
+
+def test_images_are_rays_at_the_pinned_version():
+    base = re.search(r"^FROM (\S+)$", (CONFIGS / "Dockerfile").read_text(), re.M).group(1)
+    assert base == _launcher()["docker"]["image"] == f"rayproject/ray:{ray.__version__}-py311-gpu"
+    pinned = re.search(r'"ray\[[a-z,]+\]==([0-9.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
+    assert pinned == ray.__version__
+    for path in ("pyproject.toml", "README.md", "vidray", "jobs", "serve"):  # what the Dockerfile copies
+        assert (REPO / path).exists(), path
