@@ -337,8 +337,10 @@ def test_auth_disabled_accepts_requests_without_a_token(client, service):
 
 def test_check_bearer_compares_the_whole_header():
     check_bearer(f"Bearer {TOKEN}", TOKEN)
+    check_bearer(f"bearer {TOKEN}", TOKEN)  # the scheme is case-insensitive (RFC 7235); a new user's trial: was 401
+    check_bearer(f"BEARER {TOKEN}", TOKEN)
     check_bearer(None, None)
-    for header in (None, "", TOKEN, f"bearer {TOKEN}", f"Bearer {TOKEN} ", "Bearer é"):
+    for header in (None, "", TOKEN, f"bearer {TOKEN.upper()}", f"Bearer {TOKEN} ", "Bearer é", f"Bearer  {TOKEN}"):
         with pytest.raises(RequestError) as info:
             check_bearer(header, TOKEN)
         assert info.value.status == 401
@@ -394,6 +396,12 @@ def test_unknown_routes_and_methods_answer_in_the_openai_error_shape(client):
         ({"negative_prompt": "blur\x1b[31m"}, "negative_prompt", ["U+001B"]),
         ({"size": "64x64\x00"}, "size", ["U+0000"]),
         ({"seed": "\x7f1"}, "seed", ["U+007F", "character 0"]),
+        # Numbers are ASCII: float() and \d took other scripts' digits and underscores (a new user's trial)
+        ({"size": "\uff1064x64"}, "size", ["WIDTHxHEIGHT"]),
+        ({"seconds": "\u0661"}, "seconds", ["must be a number"]),
+        ({"seconds": "1_0"}, "seconds", ["must be a number", "'1_0'"]),
+        ({"num_frames": "\uff19"}, "num_frames", ["integer"]),
+        ({"prompt": "\u200b\u200b"}, "prompt", ["must not be empty"]),  # zero-width spaces only: blank
     ],
 )
 def test_bad_field_is_400_json_naming_it(client, service, fields, param, words):
@@ -484,6 +492,9 @@ def test_json_body_with_numbers_and_a_data_url_image_is_accepted(client, service
         (b'{"prompt": "a", "frames": 9}', 400, "frames", "'frames'"),
         # JSON's \ud800 decodes to a lone surrogate, which no UTF-8 encoder takes (sqlite, the job store, raises)
         (b'{"prompt": "a red \\ud800ball"}', 400, "prompt", "U+D800 at character 6"),
+        # 1000 levels of [ in 2 KB: json's recursive parser raised RecursionError, a 500 (a new user's trial)
+        (b'{"prompt": "x", "seed": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, None, "nests"),
+        (b'{"prompt": "x", "prompt": "y"}', 400, "prompt", "given twice"),  # json.loads kept the last
     ],
 )
 def test_bad_json_body_is_400_naming_the_field(client, service, body, status, param, word):

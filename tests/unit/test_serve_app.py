@@ -102,3 +102,17 @@ def test_a_stage_error_reaches_the_client_as_its_own_type_and_message_without_th
     assert isinstance(remote, RuntimeError)  # what a handle call raises
     assert failure_message(remote) == "RuntimeError: Sizes of tensors must match except in dimension 2"
     assert failure_message(ValueError("x" * 600)) == "ValueError: " + "x" * 488  # 500 characters at most
+
+
+def test_a_job_failed_by_what_it_asked_for_is_invalid_request_not_internal_error():
+    # A new user's trial: guidance_scale=1e300 failed as internal_error, though resending it fails the same way.
+    from ray.exceptions import RayTaskError
+
+    from vidray.diffusion.sampler import NonFiniteLatentsError
+    from vidray.serve.app import failure_code
+
+    cause = NonFiniteLatentsError("the denoised latents hold NaN (guidance_scale 1e+300)")
+    remote = RayTaskError("Denoiser.denoise", "Traceback ...", cause).as_instanceof_cause()
+    assert failure_code(remote) == failure_code(cause) == "invalid_request"
+    bug = RayTaskError("Denoiser.denoise", "Traceback ...", RuntimeError("CUDA error")).as_instanceof_cause()
+    assert failure_code(bug) == failure_code(ValueError("x")) == "internal_error"

@@ -34,10 +34,11 @@ import io
 import json
 import math
 import re
+import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -239,11 +240,20 @@ class VideoRequest:
 # Parsing and validation (pure functions)
 # --------------------------------------------------------------------------------------------------------------
 
-_SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+_SIZE_RE = re.compile(r"^\s*([0-9]{1,6})\s*[xX]\s*([0-9]{1,6})\s*$")
 _CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 """Unicode control characters (category Cc) other than tab, LF and CR, and unpaired surrogates (JSON's "\\ud800"
 decodes to one; it cannot be encoded as UTF-8, for the tokenizer or the job store)."""
-_INT_RE = re.compile(r"^\s*[+-]?\d{1,30}\s*$")
+_INT_RE = re.compile(r"^\s*[+-]?[0-9]{1,30}\s*$")
+_FLOAT_RE = re.compile(r"^\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*$|^\s*[+-]?(?:inf|infinity|nan)\s*$",
+                       re.IGNORECASE)
+"""What a number field may hold: ASCII decimal or exponent notation (float() also takes other scripts' digits and
+underscores: "1_0" read as 10, a fullwidth "１" as 1); inf and nan pass here and are refused as not finite."""
+
+
+def _is_blank(text: str) -> bool:
+    """Only whitespace and invisible format characters (Unicode Cf: zero-width space, joiners, BOM), or empty."""
+    return all(ch.isspace() or unicodedata.category(ch) == "Cf" for ch in text)
 
 
 def _parse_int(name: str, text: str, what: str) -> int:
@@ -254,6 +264,8 @@ def _parse_int(name: str, text: str, what: str) -> int:
 
 def _parse_float(name: str, text: str, what: str) -> float:
     try:
+        if not _FLOAT_RE.match(text):
+            raise ValueError(text)
         value = float(text)
     except ValueError:
         raise RequestError(400, name, f"{name} must be a number ({what}), got {text!r}") from None
@@ -378,11 +390,11 @@ def parse_video_request(
 
     def given(name: str) -> str | None:
         value = fields.get(name)
-        return None if value is None or value.strip() == "" else value.strip()
+        return None if value is None or _is_blank(value) else value.strip()
 
     # 2. Prompt.
     prompt = (fields.get("prompt") or "").strip()
-    if not prompt:
+    if _is_blank(prompt):
         raise RequestError(400, "prompt", "prompt is required and must not be empty or only whitespace",
                            code="missing_required_parameter")
     if len(prompt) > limits.max_prompt_chars:
@@ -449,7 +461,7 @@ def parse_video_request(
         if guidance_scale < 1.0:
             raise RequestError(400, "guidance_scale", f"guidance_scale must be >= 1.0 (1.0 = no guidance), got "
                                f"{text}")
-    negative_prompt = (fields.get("negative_prompt") or "").strip()
+    negative_prompt = "" if _is_blank(fields.get("negative_prompt") or "") else fields["negative_prompt"].strip()
     if len(negative_prompt) > limits.max_prompt_chars:
         raise RequestError(400, "negative_prompt", f"negative_prompt is {len(negative_prompt)} characters, above "
                            f"the limit {limits.max_prompt_chars}; shorten it")
@@ -540,7 +552,8 @@ def check_bearer(authorization: str | None, token: str | None) -> None:
 
     Raises:
         RequestError: 401 (`param="authorization"`, header `WWW-Authenticate: Bearer`) when the header is missing
-            or differs from ``f"Bearer {token}"``; compared in constant time (`hmac.compare_digest`).
+            or differs from ``f"Bearer {token}"`` (the scheme in any case, RFC 7235); compared in constant time
+            (`hmac.compare_digest`).
     """
     if token is None:
         return
@@ -549,8 +562,9 @@ def check_bearer(authorization: str | None, token: str | None) -> None:
         raise RequestError(401, "authorization", "missing bearer token: send the header 'Authorization: Bearer "
                            "<token>' (the openai SDK sends api_key this way)", code="invalid_api_key",
                            headers=headers)
-    expected = f"Bearer {token}".encode()
-    if not hmac.compare_digest(authorization.encode("utf-8", "surrogateescape"), expected):
+    scheme, _, credentials = authorization.partition(" ")
+    given = (scheme.lower() + " " + credentials).encode("utf-8", "surrogateescape")  # the scheme is case-insensitive
+    if not hmac.compare_digest(given, f"bearer {token}".encode()):
         raise RequestError(401, "authorization", "invalid bearer token in the Authorization header; use the "
                            "token the server was started with", code="invalid_api_key", headers=headers)
 
@@ -638,13 +652,26 @@ TEXT_FIELDS = ("prompt", "negative_prompt", "model", "size")
 """Create fields that are text: a JSON body must give them as strings (a number there is a client bug, not text)."""
 
 
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads`'s object hook: a key given twice is a 400, as a form field given twice is (json keeps the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise RequestError(400, key, f"field {key!r} is given twice; send it once")
+        out[key] = value
+    return out
+
+
 def _json_fields(body: bytes) -> tuple[dict[str, str], tuple[str, str, bytes] | None]:
     """A JSON create body -> (text fields, image). Numbers become their decimal strings, except in `TEXT_FIELDS`,
     which must be strings (400 naming the field)."""
     try:
-        data = json.loads(body)
+        data = json.loads(body, object_pairs_hook=_no_duplicate_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(400, None, f"request body is not valid JSON ({exc})") from None
+    except RecursionError:  # json's parser recurses per nesting level: ~1000 levels of [ in a 2 KB body
+        raise RequestError(400, None, "request body nests JSON arrays or objects too deeply; the create fields are "
+                           "strings and numbers") from None
     if not isinstance(data, dict):
         raise RequestError(400, None, f"request body must be a JSON object, got {type(data).__name__}")
     fields: dict[str, str] = {}

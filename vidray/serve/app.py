@@ -347,8 +347,12 @@ class VideoJobService:
             )
             logger.warning("job %s: a stage replica died (%s); job now %s", job.id, type(err).__name__, status)
         except Exception as err:  # noqa: BLE001 - any other failure fails this job with its reason
-            logger.exception("job %s failed", job.id)
-            await asyncio.to_thread(self.store.fail, job.id, self.owner, "internal_error", failure_message(err))
+            code = failure_code(err)
+            if code == "internal_error":
+                logger.exception("job %s failed", job.id)
+            else:
+                logger.warning("job %s failed (%s): %s", job.id, code, failure_message(err))
+            await asyncio.to_thread(self.store.fail, job.id, self.owner, code, failure_message(err))
         finally:
             beat.cancel()
             self._renders.pop(job.id, None)
@@ -419,15 +423,29 @@ _service: VideoJobService | None = None
 """This replica's service (one ingress per replica process); None until the replica has started."""
 
 
-def failure_message(err: BaseException, limit: int = 500) -> str:
-    """A failed job's `error.message` for the client: "<type>: <message>" of the exception a stage raised, at most
-    `limit` characters. An error inside a stage reaches the ingress as a `ray.exceptions.RayTaskError`, whose text
-    is the remote traceback with terminal colour codes; its `cause`, the stage's own exception, is what is named."""
+def _stage_error(err: BaseException) -> BaseException:
+    """The exception a stage raised: an error inside a stage reaches the ingress as a
+    `ray.exceptions.RayTaskError`, whose `cause` is the stage's own exception."""
     import ray
 
     if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
-        err = err.cause
+        return err.cause
+    return err
+
+
+def failure_message(err: BaseException, limit: int = 500) -> str:
+    """A failed job's `error.message` for the client: "<type>: <message>" of the exception a stage raised, at most
+    `limit` characters (`_stage_error`: not the RayTaskError's text, the remote traceback with terminal colour
+    codes)."""
+    err = _stage_error(err)
     return f"{type(err).__name__}: {err}"[:limit]
+
+
+def failure_code(err: BaseException) -> str:
+    """A failed job's `error.code`: "invalid_request" when the stage's error is a vidray `UserError` (what the
+    request asked for cannot be made, e.g. `NonFiniteLatentsError` from a huge guidance_scale: resending it fails
+    again), else "internal_error"."""
+    return "invalid_request" if isinstance(_stage_error(err), UserError) else "internal_error"
 
 
 def current_service() -> VideoJobService | None:
