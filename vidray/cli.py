@@ -1,4 +1,4 @@
-"""`vidray prepare [--encode] | train | generate`: shard video clips (and encode them into the latent cache), train a video diffusion model on Ray, sample from it.
+"""`vidray prepare [--encode] | encode | train | generate`: shard video clips (and encode them into the latent cache), train a video diffusion model on Ray, sample from it.
 
 Every command checks all of its arguments (a job config: `CONFIG` plus `section.key=value` overrides) before
 doing anything expensive, so a typo fails in milliseconds, not after Ray has reserved workers or weights loaded.
@@ -27,28 +27,62 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from vidray.data.ingest import prepare_data
 
     job = _load(args)
+    if args.encode:
+        _check_encode(job)  # before the prepare: its errors must not wait for a whole dataset
     summary = prepare_data(job.data, model=job.model)
     print(summary)
     if not summary.num_kept:
         return 1
-    if args.encode:
-        from vidray.data.encode import encode_to_cache
-        from vidray.runtime import init_ray
+    return _encode(job) if args.encode else 0
 
-        started = init_ray()
-        try:
-            done = encode_to_cache(job)
-        finally:
-            if started:
-                import ray
 
-                ray.shutdown()
-        slots = done["latent_hits"] + done["latent_misses"]  # per batch slot: a padded batch repeats clips
-        padded = f" in {slots} batch slots (repeats that fill a bucket's last batch count as cached)" \
-            if slots > done["clips"] else ""
-        print(f"latent cache {done['cache']}: {done['clips']} clips{padded}; latents {done['latent_misses']} "
-              f"encoded / {done['latent_hits']} cached, prompt_embeds {done['prompt_misses']} encoded / "
-              f"{done['prompt_hits']} cached, {len(done['skipped'])} skipped, {done['seconds']:.1f} s")
+def cmd_encode(args: argparse.Namespace) -> int:
+    from vidray.data.shards import INDEX_NAME
+    from vidray.data.storage import open_storage
+
+    job = _load(args)
+    _check_encode(job)
+    if not open_storage(job.data.shards_dir).is_file(INDEX_NAME):
+        raise UserError(f"no prepared shards in {job.data.shards_dir} (no {INDEX_NAME}): run `vidray prepare "
+                        f"{args.config}` first, or `vidray prepare --encode {args.config}` to do both")
+    return _encode(job)
+
+
+def _check_encode(job: JobConfig) -> None:
+    """What `_encode` needs that no Ray is needed to check: a latent cache, and (when vidray will start a local Ray)
+    the resources of one decode + encode pipeline."""
+    import os
+
+    import ray
+
+    from vidray.data.encode import check_encode_resources, encode_cache_root
+
+    encode_cache_root(job)
+    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+        from vidray.train.trainer import local_cluster_resources
+
+        check_encode_resources(job, local_cluster_resources(), where="the local Ray cluster vidray starts here")
+
+
+def _encode(job: JobConfig) -> int:
+    """Fill the latent cache from the prepared shards (`vidray.data.encode.encode_to_cache`) and print the counts."""
+    from vidray.data.encode import encode_to_cache
+    from vidray.runtime import init_ray
+
+    started = init_ray()
+    try:
+        done = encode_to_cache(job)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    slots = done["latent_hits"] + done["latent_misses"]  # per batch slot: a padded batch repeats clips
+    padded = f" in {slots} batch slots (repeats that fill a bucket's last batch count as cached)" \
+        if slots > done["clips"] else ""
+    print(f"latent cache {done['cache']}: {done['clips']} clips{padded}; latents {done['latent_misses']} "
+          f"encoded / {done['latent_hits']} cached, prompt_embeds {done['prompt_misses']} encoded / "
+          f"{done['prompt_hits']} cached, {len(done['skipped'])} skipped, {done['seconds']:.1f} s")
     return 0
 
 
@@ -127,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encode", action="store_true", help="then fill the latent cache (data.latent_cache): every "
                    "clip's latents and caption's prompt_embeds, encoded once by the vae / text stages on Ray")
     p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("encode", help="fill the latent cache (data.latent_cache) from the prepared shards in "
+                       "data.shards_dir, without preparing them again (what `prepare --encode` does after preparing)")
+    with_config(p)
+    p.set_defaults(func=cmd_encode)
 
     p = sub.add_parser("train", help="train with Ray Train (local Ray, or the cluster in RAY_ADDRESS)")
     with_config(p)

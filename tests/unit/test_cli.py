@@ -149,3 +149,24 @@ def test_generate_argument_errors_answer_before_torch_is_imported(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "heavy modules: []" in result.stdout
     assert "--fps must be a finite frame rate" in result.stderr and "is neither a diffusers folder" in result.stderr
+
+
+@pytest.mark.parametrize("command", [["prepare", "--encode"], ["encode"]])
+@pytest.mark.parametrize("overrides, words", [
+    (["data.latent_cache=off"], ["data.latent_cache is 'off'"]),
+    # a new user's trial: `prepare --encode` prepared, started Ray, then waited forever for 16 CPUs on 4
+    (["placement.vae.num_cpus=8", "placement.text.num_cpus=8"],
+     ["needs 16.5 CPUs", "placement.vae.num_cpus", "the local Ray cluster vidray starts here has"]),
+])
+def test_encode_checks_cache_and_resources_before_preparing_or_starting_ray(config, tmp_path, capsys, command,
+                                                                           overrides, words):
+    assert main([command[0], str(config), *overrides, *command[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vidray {command[0]}: error: ") and all(w in err for w in words), err
+    assert not (tmp_path / "shards").exists()  # nothing prepared
+
+
+def test_encode_without_prepared_shards_says_run_prepare_before_starting_ray(config, tmp_path, capsys):
+    assert main(["encode", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"no prepared shards in {tmp_path / 'shards'}" in err and "vidray prepare" in err, err

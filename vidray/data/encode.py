@@ -351,6 +351,42 @@ def _node_info() -> dict[str, Any]:
     return {"node_id": runtime.get_node_id(), "labels": runtime.get_node_labels()}
 
 
+def encode_cache_root(job: Any) -> str:
+    """The latent cache `encode_to_cache` fills for `job` (`data.latent_cache` resolved,
+    `vidray.train.trainer.latent_cache_root`). Raises UserError when it is `off`: checked before anything is
+    prepared or started."""
+    from vidray.errors import UserError
+    from vidray.train.trainer import latent_cache_root
+
+    cache = latent_cache_root(job)
+    if not cache:
+        raise UserError("data.latent_cache is 'off': set it to 'auto' or a folder/URI to fill a latent cache")
+    return cache
+
+
+def check_encode_resources(job: Any, cluster: dict[str, float], *, autoscaler_max: dict[str, float] | None = None,
+                           where: str = "the cluster") -> None:
+    """Refuse an `encode_to_cache` run whose one decode + encode pipeline cannot be placed, before it starts (Ray
+    Data would wait for the resources forever): it needs data.loader_cpus plus the encode actors' CPUs and GPUs
+    (`placement.vae|text.num_cpus|num_gpus`; one actor for both when they match, `encode_operators`).
+    `cluster`: the logical resources now; `autoscaler_max`: what the autoscaler could reach, or None.
+    Raises vidray.train.trainer.RequestCannotBeMetError naming the numbers and the keys to lower."""
+    from vidray.data.pipeline import encode_operators, encode_spec
+    from vidray.train.trainer import RequestCannotBeMetError
+
+    operators = encode_operators(encode_spec(job, {}))
+    need = {"CPU": float(job.data.loader_cpus) + sum(op["num_cpus"] for op in operators),
+            "GPU": sum(op["num_gpus"] for op in operators)}
+    for resource, amount in need.items():
+        could = max(float(cluster.get(resource, 0)), float((autoscaler_max or {}).get(resource, 0)))
+        if amount > could + 1e-9:
+            keys = ("data.loader_cpus, placement.vae.num_cpus and placement.text.num_cpus" if resource == "CPU"
+                    else "placement.vae.num_gpus and placement.text.num_gpus")
+            raise RequestCannotBeMetError(
+                f"filling the latent cache needs {amount:g} {resource}s (one decode operator and its encode "
+                f"actors: {keys}); {where} has {could:g}. Lower {keys}, or run on a bigger cluster (RAY_ADDRESS)")
+
+
 def encode_to_cache(job: Any, *, shards_dir: str | None = None, latent_cache: str | None = None) -> dict[str, Any]:
     """Fill the latent cache ahead of training (`vidray prepare --encode`): every sample of the prepared shards
     passes the decode and encode stages once, in the job's buckets and batch sizes, on the nodes `job.placement`
@@ -359,24 +395,29 @@ def encode_to_cache(job: Any, *, shards_dir: str | None = None, latent_cache: st
     `shards_dir`, `latent_cache`: default the job's (`data.shards_dir`, `data.latent_cache` resolved by
     `vidray.train.trainer.latent_cache_root`). Returns {"clips": clips seen, "latent_hits", "latent_misses"
     (encoded now), "prompt_hits", "prompt_misses", "skipped": [{sample_id or file, reason}], "seconds", "cache"}.
-    Raises vidray.placement.PlacementError for a selector no node satisfies, UserError when the cache is `off`.
+    Raises vidray.placement.PlacementError for a selector no node satisfies, UserError when the cache is `off`,
+    RequestCannotBeMetError when the connected cluster cannot hold the pipeline (`check_encode_resources`).
     """
     from vidray.data.index import load_sample_index
     from vidray.data.pipeline import RankLoader, encode_spec, plan_rank_steps
     from vidray.data.schedule import job_schedule
     from vidray.data.shards import read_index
+    import ray
+
     from vidray.errors import UserError
     from vidray.models.registry import get_family
     from vidray.placement import alive_nodes, resolve_placement
     from vidray.locations import absolute_location
-    from vidray.train.trainer import latent_cache_root
+    from vidray.train.trainer import _autoscaler_max_resources
 
     shards_dir = absolute_location(shards_dir or job.data.shards_dir)
-    cache = latent_cache if latent_cache is not None else latent_cache_root(job)
+    cache = latent_cache if latent_cache is not None else encode_cache_root(job)
     if not cache:
         raise UserError("data.latent_cache is 'off': set it to 'auto' or a folder/URI to fill a latent cache")
     started = time.perf_counter()
-    placement = resolve_placement(job, alive_nodes())
+    autoscaler_max = _autoscaler_max_resources()
+    check_encode_resources(job, ray.cluster_resources(), autoscaler_max=autoscaler_max)
+    placement = resolve_placement(job, alive_nodes(), autoscaler=autoscaler_max is not None)
     index = read_index(shards_dir)
     table = load_sample_index(shards_dir)
     schedule = job_schedule(job, table, get_family(job.model.family))
