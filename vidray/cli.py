@@ -116,10 +116,12 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
         print(f"[vidray] skipped clip {clip['sample_id']}: {clip['reason']}")
     if result.data:
         d = result.data
+        latents = f"; {d['decode_clips']:.0f} clips decoded; latents {d['latent_hits']:.0f} reused / " \
+                  f"{d['latent_misses']:.0f} encoded"
         print(f"[vidray] data (rank 0): waited {d['data_wait_s']:.1f} s ({100 * d['data_wait_fraction']:.1f}% of "
               f"step time); hot tier {d['hot_hits']:.0f} hits / {d['hot_misses']:.0f} misses; warm tier "
               f"{d['warm_hits']:.0f} hits / {d['warm_misses']:.0f} downloads; {d['bytes_fetched'] / 2**20:.1f} MiB "
-              "fetched from the shard store")
+              f"fetched from the shard store{latents}")
     return 0
 
 

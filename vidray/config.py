@@ -271,9 +271,9 @@ class ScalingConfig:
         return not isinstance(self.num_workers, int)
 
     def describe_workers(self) -> str:
-        """'2 workers' or '2-4 workers (elastic)', for messages."""
+        """'1 worker', '2 workers' or '2-4 workers (elastic)', for messages."""
         if not self.elastic:
-            return f"{self.num_workers} workers"
+            return f"{self.num_workers} worker{'' if self.num_workers == 1 else 's'}"
         return f"{self.min_workers}-{self.max_workers} workers (elastic)"
 
 
@@ -594,7 +594,20 @@ class ResumeDiff:
 
     def summary(self) -> str:
         """One line, e.g. `optim.lr: 0.001 -> 1e-05, train.max_steps: 10 -> 20` (empty when nothing changed)."""
-        return ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in self.changeable.items())
+        return ", ".join(f"{key}: {_shown(old)} -> {_shown(new)}" for key, (old, new) in self.changeable.items())
+
+    def fixed_summary(self) -> str:
+        """`summary` of the fixed keys, joined by "; " (what a refused resume names)."""
+        return "; ".join(f"{key}: {_shown(old)} -> {_shown(new)}" for key, (old, new) in self.fixed.items())
+
+
+def _shown(value: Any) -> str:
+    """A config value as YAML writes it where Python differs (null, true, false), else its repr."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
 
 
 def _same(old: Any, new: Any) -> bool:

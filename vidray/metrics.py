@@ -75,7 +75,9 @@ CACHE_TIERS: tuple[str, ...] = ("hot", "warm", "latent", "prompt")
 prompt: captions' prompt_embeds in the latent cache (`vidray.data.encode`: a miss is an encode)."""
 STAGES: tuple[str, ...] = ("decode", "vae", "text", "dit")
 """The stages a micro-batch passes, whose busy seconds and clips `add_stage` counts (decode: fetch + decode in the
-loader; vae / text: the encode actors; dit: the trainer's forward, backward and optimizer step)."""
+loader, its clips those actually decoded (not those whose cached latents it read); vae / text: the encode actors,
+their clips the batch slots they served, encoded or reused; dit: the trainer's forward, backward and optimizer
+step, its clips the batch slots trained)."""
 SKIP_KINDS: tuple[str, ...] = ("clip", "shard")
 
 DATA_WAIT_BUCKETS_S: tuple[float, ...] = (

@@ -79,3 +79,4 @@ def test_cached_latents_train_the_losses_of_online_encoding(local_ray, shards_di
     # No clip decoded: the driver's task named the VAE while the workers started, and every clip's latents were
     # cached, so the loaders read them instead (`vidray.data.pipeline`, the latents tier).
     assert online.data["decode_clips"] > 0 and cached.data["decode_clips"] == 0
+    assert cached.data["dit_clips"] == online.data["dit_clips"] > 0  # batch slots trained (was always 0)

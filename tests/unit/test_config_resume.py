@@ -87,3 +87,15 @@ def test_unwritable_output_paths_are_refused_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="data.shards_dir"):
         check_output_path(blocker / "x" / "y", "data.shards_dir")
     assert check_output_path(tmp_path / "new" / "deeper", "storage.path") == (tmp_path / "new" / "deeper").resolve()
+
+
+def test_resume_lines_show_values_as_yaml_writes_them():
+    # A new user's trial: "train.micro_batches_per_step: 2 -> None" where the config says null.
+    from vidray.config import ResumeDiff
+
+    diff = ResumeDiff(fixed={"train.mixed_precision": (None, "bf16")},
+                      changeable={"train.micro_batches_per_step": (2, None), "scaling.use_gpu": (False, True),
+                                  "optim.lr": (0.001, 1e-05), "name": ("a", "b")})
+    assert diff.summary() == ("train.micro_batches_per_step: 2 -> null, scaling.use_gpu: false -> true, "
+                              "optim.lr: 0.001 -> 1e-05, name: 'a' -> 'b'")
+    assert diff.fixed_summary() == "train.mixed_precision: null -> 'bf16'"

@@ -246,6 +246,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         loss = None  # (,) sum of this rank's micro-batch losses
         data_wait_s = encode_s = dit_s = 0.0
+        step_clips = 0
         step_ids: list[str] = []
         micro, num_micro = 0, 1
         while micro < num_micro:
@@ -291,6 +292,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                 trained.append([step, batch.epoch, ids])
                 step_ids.extend(ids)
             data_wait_s += batch.data_wait_s
+            step_clips += len(batch.sample_ids)  # batch slots the DiT trained (padding and repeats included)
             encode_s += batch.stats.get("vae_s", 0.0) + batch.stats.get("text_s", 0.0)  # in the stages, overlapped
             dit_s += time.perf_counter() - t_data
             micro += 1
@@ -313,7 +315,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         dit_s += time.perf_counter() - t_optim
         step_seconds.append([step, data_wait_s, encode_s, dit_s])
         metrics_log.observe_step(data_wait_s=data_wait_s, step_s=data_wait_s + dit_s)
-        metrics_log.add_stage("dit", busy_s=dit_s, clips=0)
+        metrics_log.add_stage("dit", busy_s=dit_s, clips=step_clips)
         metrics_log.set_step(step)
 
         is_log = step % job.train.log_every_steps == 0 or step == max_steps
@@ -358,11 +360,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         for stage in ("decode", "vae", "text", "dit"):
             metrics[f"{stage}_busy_fraction"] = data[f"{stage}_busy_fraction"]
         busy = " ".join(f"{stage} {100 * data[f'{stage}_busy_fraction']:.0f}%" for stage in ("decode", "vae", "text", "dit"))
+        # Per step (means over the window): step_time, encode, dit, data_wait. Counts (over the window): hot-tier
+        # hits/lookups, warm-tier hits/shard opens, clips decoded, latents reused (latent cache or the encode
+        # stage's memory) / needed, MiB fetched from the shard store.
         _log(rank, f"step {step}/{max_steps} loss {metrics['loss']:.4f} step_time {step_time_s:.3f} s "
-             f"(encode {window_split[1]:.3f} s, dit {window_split[2]:.3f} s) lr {metrics['lr']:.2e} data_wait {data['data_wait_s']:.3f} s ({100 * data['data_wait_fraction']:.0f}%) "
+             f"(encode {window_split[1]:.3f} s, dit {window_split[2]:.3f} s) lr {metrics['lr']:.2e} data_wait "
+             f"{window_split[0]:.3f} s ({100 * data['data_wait_fraction']:.0f}%) "
              f"busy [{busy}] hot {data['hot_hits']:.0f}/{data['hot_hits'] + data['hot_misses']:.0f} warm "
-             f"{data['warm_hits']:.0f}/{data['warm_hits'] + data['warm_misses']:.0f} latent "
-             f"{data['latent_hits']:.0f}/{data['latent_hits'] + data['latent_misses']:.0f} fetched "
+             f"{data['warm_hits']:.0f}/{data['warm_hits'] + data['warm_misses']:.0f} decoded "
+             f"{data['decode_clips']:.0f} latents reused {data['latent_hits']:.0f}/"
+             f"{data['latent_hits'] + data['latent_misses']:.0f} fetched "
              f"{data['bytes_fetched'] / 2**20:.1f} MiB lead {batch.prefetch_lead}")
         metrics_log.write_textfile(metrics_file)
         reported_steps.append(step)

@@ -359,7 +359,7 @@ def _check_resume(job: JobConfig, plan: ResumePlan, folder: Path, index: dict[st
     saved = read_job_config(folder)
     plan.diff = diff = diff_for_resume(saved, job)
     if diff.fixed:
-        changes = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in diff.fixed.items())
+        changes = diff.fixed_summary()
         raise ConfigError(
             f"resuming from {resume} changes keys fixed for the run: {changes}. Set them back to the checkpoint's "
             f"values, or start a new run under another name (the README lists what may change on resume)"
@@ -379,10 +379,10 @@ def _check_resume(job: JobConfig, plan: ResumePlan, folder: Path, index: dict[st
     print(f"[vidray] resuming from {resume} ({source}) at step {state.step}; changed from the checkpoint: "
           f"{diff.summary() or 'nothing'}", flush=True)
     if state.consumed_per_bucket is not None:
-        workers = job.scaling.describe_workers()
+        workers = job.scaling.describe_workers()  # "1 worker", "2 workers", "2-4 workers (elastic)"
         if job.scaling.elastic or state.world_size != job.scaling.num_workers:
             workers += f" (was {state.world_size})"
-        workers += f", {job.micro_batches_per_step} micro-batches per step"
+        workers += f", {_plural(job.micro_batches_per_step, 'micro-batch', 'micro-batches')} per step"
         print(f"[vidray] data position: epoch {state.epoch}, {state.batch_index} micro-batches of it done; the rest "
               f"of the epoch is dealt to {workers}, each sample exactly once", flush=True)
         saved_g = _saved_micro_batches_per_step(saved)
@@ -392,12 +392,17 @@ def _check_resume(job: JobConfig, plan: ResumePlan, folder: Path, index: dict[st
                 why = " (train.micro_batches_per_step is null: it follows the max worker count"
                 why += f"; set it to {saved_g} to keep the checkpoint's)" if saved_g >= job.scaling.max_workers \
                     else ")"
-            print(f"[vidray] global batch: {job.micro_batches_per_step} micro-batches per step, was {saved_g} in the "
-                  f"checkpoint{why}", flush=True)
+            print(f"[vidray] global batch: {_plural(job.micro_batches_per_step, 'micro-batch', 'micro-batches')} "
+                  f"per step, was {saved_g} in the checkpoint{why}", flush=True)
     else:
         print(f"[vidray] {resume} predates the world-size-independent schedule: the run continues at the start of "
               f"epoch {state.epoch + 1}", flush=True)
     return plan
+
+
+def _plural(n: int, one: str, many: str) -> str:
+    """'1 micro-batch', '2 micro-batches'."""
+    return f"{n} {one if n == 1 else many}"
 
 
 def _saved_micro_batches_per_step(saved: dict[str, Any]) -> int | None:
@@ -671,12 +676,8 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False, resume_hint
     `resume_hint`: how to resume, printed after Ctrl-C (KeyboardInterrupt is re-raised), e.g. the demo's
     `--resume` (running its command again starts over).
     """
-    # 1. Checks that need no Ray: config against shards and checkpoint, output folder, local resources.
-    plan = check_job_inputs(job)
-    from vidray.models.text_encoder import shards_caption_truncation  # caption column + tokenizer only: ~1 s
-
-    print(f"[vidray] captions: {shards_caption_truncation(job.data.shards_dir, job.model)}", flush=True)
-
+    # 1. Checks that need no Ray: local resources (first: a run that cannot start says so before the resume
+    #    lines), config against shards and checkpoint, output folder.
     import ray
     import ray.train
 
@@ -686,6 +687,10 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False, resume_hint
     apply_ray_env_defaults()
     if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
         check_resources(job, local_cluster_resources(), where="the local Ray cluster vidray starts here")
+    plan = check_job_inputs(job)
+    from vidray.models.text_encoder import shards_caption_truncation  # caption column + tokenizer only: ~1 s
+
+    print(f"[vidray] captions: {shards_caption_truncation(job.data.shards_dir, job.model)}", flush=True)
 
     # 2. Join or start Ray, then check the cluster it found.
     init_ray()
