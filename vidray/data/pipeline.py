@@ -34,8 +34,8 @@ The tiers a clip goes through on its way to the trainer (`ClipLoader`):
 - **latents** (with the encode stages and a latent cache, `vidray.data.encode`): a clip whose latents the cache
   holds for the stage's VAE is not decoded at all. The loader reads its mp4 bytes only to hash them (the cache
   key), reads the cached latents and hands them to the encode stage with zeros for frames. It learns the VAE's
-  identity from a task started with the first window (`vae_identity_ref`), without waiting for it: clips are
-  decoded until the identity arrives;
+  identity from a task (`vae_identity_ref`; training's driver starts it while the workers start, else the loader
+  with its first window), without waiting for it: clips are decoded until the identity arrives;
 - the queue of `data.prefetch_batches` decoded micro-batches ahead of the trainer (Ray Data's streaming executor
   decodes ahead of the queue within its object-store budget).
 
@@ -308,8 +308,7 @@ class ClipLoader:
 
     def _cached_latents(self, rel: str) -> np.ndarray | None:
         """The latents (C, F_lat, H_lat, W_lat) float32 (numpy: this operator never imports torch) of cache entry
-        `rel`, or None (absent or damaged: the
-        clip is decoded and the encode stage rewrites the entry)."""
+        `rel`, or None (absent or damaged: the clip is decoded and the encode stage rewrites the entry)."""
         t0 = time.perf_counter()
         found = self.latent_cache.get(rel, as_numpy=True)
         with self.lock:
@@ -411,7 +410,6 @@ class ClipLoader:
         sha = {j: hashlib.sha256(found[j][2]).hexdigest() if self.hash_clips else "" for j in misses}
         vae_id = self._known_vae_id() if self.latent_cache is not None else None
         if vae_id and misses:
-    
             bucket = tuple(frames.shape[1:4])
             hits = self._pool.map(lambda j: self._cached_latents(LatentCache.latents_entry(vae_id, sha[j], bucket)),
                                   misses)
@@ -541,10 +539,8 @@ class RankLoader:
             (`vidray.data.encode.EncodeStage`; deliver latents and prompt_embeds): {"model": ModelConfig dict,
             "seed", "max_sequence_length", "latent_cache": root or "", "vae": {"label_selector", "num_cpus",
             "num_gpus", "memory"}, "text": {same}} (`encode_spec`), optionally "vae_id" (the VAE's identity, or
-            `vae_identity_ref` of it, when the caller has it; else, with a latent cache, a task on a `vae` node
-            computes it,
-            `vidray.data.encode.vae_identity`, and the decode operator skips clips whose latents are cached from
-            then on).
+            `vae_identity_ref` of it, when the caller has it; else, with a latent cache, the loader starts that
+            task itself). Once the identity is known, the decode operator skips clips whose latents are cached.
         window_steps: `RankStep`s (micro-batches) per Ray Data dataset. The steps are streamed in windows of this
             many (blocks of up to `data.block_batches` consecutive steps, `plan_blocks`, planned when the window
             starts), so a run of 100 000 steps never plans or materialises them all
