@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from pathlib import Path
 
 from vidray.data.buckets import Bucket, parse_bucket
@@ -68,10 +69,18 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+MAX_NUM_INFERENCE_STEPS = 1000
+"""Most denoising steps `generate` takes: the flow's training timesteps (1000 for the shipped models; more steps
+than that only re-evaluate the same noise levels). A larger value used to fail allocating the sigmas (800 GB for
+1e11 steps)."""
+
+
 def _output_problem(output: Path) -> str | None:
     """Why `output` cannot be written as an mp4 (None when it can): suffix, an existing folder, or a parent that
     is not a writable folder (the nearest existing ancestor is tried, `vidray.locations.creation_problem`, as
     missing parents are created)."""
+    if output.name.lower() == ".mp4":
+        return f"--output {output} has no file name before .mp4; give e.g. outputs/video.mp4"
     if output.suffix.lower() != ".mp4":
         return f"--output {output} must end in .mp4 (vidray writes H.264 mp4)"
     if output.is_dir():
@@ -102,7 +111,7 @@ def check_generate_args(
     bucket to sample.
 
     Rules: prompt a non-empty string; output ends in .mp4 and its folder is (or can be created) writable;
-    num_inference_steps an int >= 1; guidance_scale finite and >= 1 (1 = no guidance); fps finite within
+    num_inference_steps an int in 1..MAX_NUM_INFERENCE_STEPS; guidance_scale finite and >= 1 (1 = no guidance); fps finite within
     FPS_RANGE frames/s; seed an int in 0..SEED_MAX; model_path an existing diffusers or checkpoint folder,
     or a URI of one (`s3://bucket/runs/<name>/diffusers`: downloaded once into the local model cache in pass 2;
     `inspect_model`); bucket ('9x64x64' or a Bucket; default the model's first training bucket) a shape the
@@ -120,8 +129,9 @@ def check_generate_args(
     output_problem = _output_problem(Path(output))
     if output_problem:
         problems.append(output_problem)
-    if not _is_int(num_inference_steps) or num_inference_steps < 1:
-        problems.append(f"--num-inference-steps must be an integer >= 1, got {num_inference_steps!r}")
+    if not _is_int(num_inference_steps) or not 1 <= num_inference_steps <= MAX_NUM_INFERENCE_STEPS:
+        problems.append(f"--num-inference-steps must be an integer in 1..{MAX_NUM_INFERENCE_STEPS}, got "
+                        f"{num_inference_steps!r}")
     if not _is_number(guidance_scale) or guidance_scale < 1.0:
         problems.append(
             f"--guidance-scale must be a finite number >= 1 (1 = no classifier-free guidance), got {guidance_scale!r}"
@@ -215,11 +225,21 @@ def generate_to_file(
 
     model = load_model(model_path)
     warn_if_prompt_truncated(model.components.tokenizer, prompt, model.max_sequence_length)
+    started = time.monotonic()
+    last_shown = [started]
+
+    def progress(i: int, sigma: float, latents) -> None:  # a large bucket takes minutes per step: show that it moves
+        now = time.monotonic()
+        if i == 0 or i == num_inference_steps - 1 or now - last_shown[0] >= 5.0:
+            last_shown[0] = now
+            logger.info("denoising step %d/%d of %s done (%.1f s)", i + 1, num_inference_steps, bucket,
+                        now - started)
+
     with torch.inference_mode():
         frames = generate_video(
             model.family, model.components, [prompt], bucket, flow=model.flow,
             num_inference_steps=num_inference_steps, guidance_scale=float(guidance_scale),
-            max_sequence_length=model.max_sequence_length, seed=seed,
+            max_sequence_length=model.max_sequence_length, seed=seed, callback=progress,
         )  # (1, F, H, W, 3) uint8
     try:
         return write_mp4(frames[0], Path(output), float(fps))

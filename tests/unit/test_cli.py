@@ -154,6 +154,8 @@ def test_generate_argument_errors_answer_before_torch_is_imported(tmp_path):
 @pytest.mark.parametrize("command", [["prepare", "--encode"], ["encode"]])
 @pytest.mark.parametrize("overrides, words", [
     (["data.latent_cache=off"], ["data.latent_cache is 'off'"]),
+    # a new user's trial: a file as the cache folder failed inside Ray with a traceback
+    (["data.latent_cache=/etc/hostname"], ["data.latent_cache /etc/hostname cannot be created", "is a file"]),
     # a new user's trial: `prepare --encode` prepared, started Ray, then waited forever for 16 CPUs on 4
     (["placement.vae.num_cpus=8", "placement.text.num_cpus=8"],
      ["needs 16.5 CPUs", "placement.vae.num_cpus", "the local Ray cluster vidray starts here has"]),

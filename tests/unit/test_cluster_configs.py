@@ -60,6 +60,7 @@ def test_launcher_config_passes_rays_own_schema():
 
     validate_config(prepare_config(_launcher()))
     config = _launcher()
+    assert ".gitignore" in config["rsync_filter"]  # `ray up` would copy .venv/ and outputs/ to every node
     assert config["head_node_type"] in config["available_node_types"]
     assert config["available_node_types"]["head"]["resources"] == {"CPU": 0}  # no stage work on the head
 
@@ -70,6 +71,7 @@ def test_each_stage_of_the_documented_job_lands_on_exactly_one_node_type(name):
     assert any(o.startswith("placement.dit.label_selector=") for o in overrides), overrides
     job = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", overrides)
     labels = _node_type_labels(name)
+    assert job.scaling.use_gpu and job.placement.vae.num_gpus > 0 and job.placement.text.num_gpus > 0  # on the GPUs
     expected = {"dit": "dit", "vae": "vae", "text": "vae", "decode": "decode"}
     for stage in STAGES:
         selector = getattr(job.placement, stage).label_selector

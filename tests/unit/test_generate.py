@@ -89,6 +89,9 @@ def test_generate_to_file_writes_an_mp4_with_the_buckets_frame_count_and_size(tr
         other = generate_to_file(out_dir, "a red ball", tmp_path / "other.mp4", bucket="1x16x48", num_inference_steps=1)
     assert decode_mp4(other.read_bytes()).shape == (1, 16, 48, 3)
     assert "bucket 1x16x48 is not one the model was trained at (5x32x32, 1x32x32)" in caplog.text
+    with caplog.at_level(logging.INFO, logger="vidray"):  # progress: a large bucket looked hung for minutes
+        generate_to_file(out_dir, "a red ball", tmp_path / "steps.mp4", num_inference_steps=3)
+    assert "denoising step 1/3 of 5x32x32 done" in caplog.text and "denoising step 3/3 of 5x32x32 done" in caplog.text
 
 
 def _video(path: Path):
@@ -198,7 +201,9 @@ BAD_ARGUMENTS = [
     ({"fps": math.nan}, "--fps"),
     ({"fps": math.inf}, "--fps"),
     ({"fps": 5000.0}, "--fps"),
-    ({"num_inference_steps": 0}, "--num-inference-steps must be an integer >= 1, got 0"),
+    ({"num_inference_steps": 0}, "--num-inference-steps must be an integer in 1..1000, got 0"),
+    # a new user's trial: 1e11 steps failed allocating 800 GB of sigmas, with a traceback
+    ({"num_inference_steps": 100_000_000_000}, "--num-inference-steps must be an integer in 1..1000"),
     ({"num_inference_steps": 2.5}, "--num-inference-steps"),
     ({"guidance_scale": 0.5}, "--guidance-scale must be a finite number >= 1"),
     ({"guidance_scale": math.nan}, "--guidance-scale"),
@@ -207,6 +212,7 @@ BAD_ARGUMENTS = [
     ({"prompt": ""}, "--prompt is empty"),
     ({"prompt": "   "}, "--prompt is empty"),
     ({"output": "video.avi"}, "must end in .mp4"),
+    ({"output": ".mp4"}, ".mp4 has no file name before .mp4"),  # it read "must end in .mp4"
     ({"bucket": "9x64"}, "--bucket: bucket must look like NUM_FRAMESxHEIGHTxWIDTH"),
     ({"bucket": "8x32x32"}, "num_frames must be 1 or k*4+1"),
     ({"bucket": "9x40x32"}, "multiples of 16"),

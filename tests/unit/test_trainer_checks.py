@@ -170,6 +170,16 @@ def test_storage_path_under_a_file_is_refused_before_ray(job_and_index):
         check_job_inputs(bad)
 
 
+@pytest.mark.parametrize("setting", ["/etc/hostname", "/etc/hostname/latents"])
+def test_a_local_latent_cache_that_cannot_be_written_is_refused_before_ray(job_and_index, tmp_path, setting):
+    # A new user's trial: the encode actors failed on it inside Ray (NotADirectoryError, a 154-line traceback).
+    job, _, _ = job_and_index
+    bad = load_job_config(None, [f"data.shards_dir={job.data.shards_dir}", f"storage.path={tmp_path}",
+                                 f"data.latent_cache={setting}"])
+    with pytest.raises(ConfigError, match=f"data.latent_cache {setting} cannot be created: /etc/hostname is a file"):
+        check_job_inputs(bad)
+
+
 def test_storage_path_where_no_folder_can_be_created_is_refused_before_ray_and_the_check_leaves_nothing(
         job_and_index, tmp_path):
     # A new user's trial (as root): storage.path=/proc/runs passed the permission-bit check, Ray started, and the

@@ -267,12 +267,14 @@ def generate_video(
     max_sequence_length: int = 32,
     seed: int = 0,
     negative_prompt: str = "",
+    callback: Callable[[int, float, torch.Tensor], None] | None = None,
 ) -> np.ndarray:
     """prompts (B strings) -> uint8 frames (B, F, H, W, 3) at `bucket` (num_frames, height, width).
 
     Encode prompts -> `sample_latents` (noise from a CPU generator seeded with `seed`, so the same seed gives
     the same video on any device) -> `decode_latents` -> uint8 frames. With guidance_scale > 1 the
-    unconditional branch uses `negative_prompt` (default '').
+    unconditional branch uses `negative_prompt` (default ''). `callback(i, sigma, latents)`: `sample_latents`'s,
+    after each denoising step.
     """
     # 1. Check inputs and shapes
     if isinstance(prompts, str) or not prompts:
@@ -309,6 +311,7 @@ def generate_video(
         negative_prompt_embeds=negative_prompt_embeds,
         negative_prompt_attention_mask=negative_prompt_attention_mask,
         generator=generator,
+        callback=callback,
     )
 
     # 4. Decode to uint8 frames

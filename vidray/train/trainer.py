@@ -294,7 +294,7 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     Raises UserFileNotFound when the shards have no index (run `vidray prepare`) or `checkpoint.resume_from`
     is not a folder; UserError when the shards hold no samples, a bucket that is not in `data.buckets` or
     another fps; CheckpointError when the checkpoint to start from is incomplete or damaged; ConfigError when
-    `storage.path` cannot be written, or when resuming changes a key fixed for the run (naming each key and both values),
+    `storage.path` or a local `data.latent_cache` cannot be written, or when resuming changes a key fixed for the run (naming each key and both values),
     trains on another dataset (`vidray.train.checkpoint.dataset_mismatch`), or is already at `train.max_steps`, and
     when `model.max_sequence_length` exceeds the text encoder's limit. Prints one line listing the changeable keys that
     differ from the checkpoint, and the data position the run continues from (world-size independent: another
@@ -305,6 +305,9 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
 
     if not is_uri(job.storage.path):
         check_output_path(job.storage.path, "storage.path")
+    latent_cache = latent_cache_root(job)
+    if latent_cache and not is_uri(latent_cache):  # else the encode actors fail on it inside Ray, with a traceback
+        check_output_path(latent_cache, "data.latent_cache")
     from vidray.models.text_encoder import check_max_sequence_length
 
     check_max_sequence_length(job.model)
