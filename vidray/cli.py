@@ -120,7 +120,8 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
                   f"{d['latent_misses']:.0f} encoded"
         first = result.step_seconds[0][1] if result.step_seconds else 0.0  # [step, data_wait_s, encode_s, dit_s]
         print(f"[vidray] data (rank 0): waited {d['data_wait_s']:.1f} s ({100 * d['data_wait_fraction']:.1f}% of "
-              f"step time; {first:.1f} s of it for the first step, the loader's start-up); hot tier {d['hot_hits']:.0f} hits / {d['hot_misses']:.0f} misses; warm tier "
+              f"step time; {first:.1f} s of it for the first step, the loader's start-up); hot tier "
+              f"{d['hot_hits']:.0f} hits / {d['hot_misses']:.0f} misses; warm tier "
               f"{d['warm_hits']:.0f} hits / {d['warm_misses']:.0f} downloads; {d['bytes_fetched'] / 2**20:.1f} MiB "
               f"fetched from the shard store{latents}")
     return 0
