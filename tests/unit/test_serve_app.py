@@ -116,3 +116,72 @@ def test_a_job_failed_by_what_it_asked_for_is_invalid_request_not_internal_error
     assert failure_code(remote) == failure_code(cause) == "invalid_request"
     bug = RayTaskError("Denoiser.denoise", "Traceback ...", RuntimeError("CUDA error")).as_instanceof_cause()
     assert failure_code(bug) == failure_code(ValueError("x")) == "internal_error"
+
+
+class _Hang:
+    """A stage handle whose every call waits until cancelled (a render in progress)."""
+
+    def __init__(self):
+        self.started = None
+
+    def __getattr__(self, name):
+        return self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args, **kwargs):
+        import asyncio
+
+        self.started.set()
+        return asyncio.get_running_loop().create_future()  # never resolved
+
+
+def test_shutdown_hands_running_and_just_claimed_jobs_back_and_stops_the_runner(model_dir, tmp_path):
+    """The ingress's clean stop (`VideoIngress.__del__`): a job mid-render and one the runner claims during the
+    stop both end `queued` with no attempt used, and the runner ends (it is not cancelled mid-claim, which left a
+    claimed job to wait out its lease)."""
+    import asyncio
+    import threading
+    import time
+
+    from vidray.serve.app import VideoJobService
+
+    settings = ServeSettings(model_path=str(model_dir), store_dir=str(tmp_path / "store"), fps=8.0,
+                             runner={"max_concurrent_jobs": 2, "lease_s": 30.0, "poll_s": 0.05})
+    stage = _Hang()
+
+    async def scenario():
+        stage.started = asyncio.Event()
+        service = VideoJobService(settings, None, stage, stage, stage)
+        params = {"num_frames": 9, "width": 48, "height": 64, "seed": 0, "num_inference_steps": 2,
+                  "guidance_scale": 1.0, "negative_prompt": "", "fps": 8.0}
+        first = service.store.create(model="m", prompt="a", size="48x64", seconds="1", params=params)
+        service.ensure_runner()
+        await asyncio.wait_for(stage.started.wait(), 10)  # the first job is rendering
+        # The runner's next claim is in its thread when the stop begins, and completes after it.
+        claim, claiming = service.store.claim, threading.Event()
+
+        def claim_during_the_stop(owner, lease_s):
+            claiming.set()
+            deadline = time.monotonic() + 5
+            while not service._stopping and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            return claim(owner, lease_s)
+
+        service.store.claim = claim_during_the_stop
+        second = service.store.create(model="m", prompt="b", size="48x64", seconds="1", params=params)
+        service._wake.set()
+        assert await asyncio.to_thread(claiming.wait, 5)
+        handed_back = await service.shutdown(timeout_s=5)
+        assert service._runner_task.done()
+        service.ensure_runner()  # a health check after the stop starts nothing
+        assert service._runner_task.done()
+        return first.id, second.id, handed_back, service.store
+
+    first, second, handed_back, store = asyncio.run(scenario())
+    assert first in handed_back
+    for job_id in (first, second):
+        job = store.get(job_id)
+        assert (job.status, job.attempts, job.owner) == ("queued", 0, None), job

@@ -257,13 +257,16 @@ class VideoJobService:
             self._runner_task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 for job_id, status in await asyncio.to_thread(self.store.recover_expired):
                     logger.warning("job %s lost its runner (lease expired): now %s", job_id, status)
-                while len(self._active) < self.settings.runner.max_concurrent_jobs:
+                while not self._stopping and len(self._active) < self.settings.runner.max_concurrent_jobs:
                     job = await asyncio.to_thread(self.store.claim, self.owner, self.settings.runner.lease_s)
                     if job is None:
+                        break
+                    if self._stopping:  # claimed while the replica began to stop: straight back to the queue
+                        await asyncio.to_thread(self.store.requeue, job.id, self.owner)
                         break
                     task = asyncio.get_running_loop().create_task(self._execute(job))
                     self._active[job.id] = task
@@ -271,6 +274,8 @@ class VideoJobService:
             except Exception:  # noqa: BLE001 - the runner must outlive a bad sweep (e.g. a locked disk)
                 logger.exception("job runner sweep failed; retrying")
             self._wake.clear()
+            if self._stopping:
+                break
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=self.settings.runner.poll_s)
             except asyncio.TimeoutError:
@@ -283,14 +288,22 @@ class VideoJobService:
         stop those renders (their Denoiser requests leave the batch), waiting at most `timeout_s` seconds.
         Returns the ids handed back."""
         self._stopping = True
-        if self._runner_task is not None:
-            self._runner_task.cancel()
+        self._wake.set()
+        if self._runner_task is not None and not self._runner_task.done():
+            # Not cancelled: a claim in flight runs in a thread and would complete unseen; the runner ends its sweep
+            # (handing back what it claims from now on) and stops.
+            done, _ = await asyncio.wait([self._runner_task], timeout=timeout_s)
+            if not done:
+                self._runner_task.cancel()
         handed_back = []
-        for job_id in list(self._renders):
+        for job_id, task in list(self._active.items()):
             if await asyncio.to_thread(self.store.requeue, job_id, self.owner):
                 handed_back.append(job_id)
                 logger.info("job %s handed back (queued, attempt not counted): this replica is stopping", job_id)
-            self._drop(job_id)
+            if job_id in self._renders:
+                self._drop(job_id)
+            else:
+                task.cancel()  # its render has not started yet
         active = [task for task in self._active.values() if not task.done()]
         if active:
             await asyncio.wait(active, timeout=timeout_s)
