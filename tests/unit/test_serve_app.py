@@ -156,32 +156,37 @@ def test_shutdown_hands_running_and_just_claimed_jobs_back_and_stops_the_runner(
         service = VideoJobService(settings, None, stage, stage, stage)
         params = {"num_frames": 9, "width": 48, "height": 64, "seed": 0, "num_inference_steps": 2,
                   "guidance_scale": 1.0, "negative_prompt": "", "fps": 8.0}
-        first = service.store.create(model="m", prompt="a", size="48x64", seconds="1", params=params)
-        service.ensure_runner()
-        await asyncio.wait_for(stage.started.wait(), 10)  # the first job is rendering
-        # The runner's next claim is in its thread when the stop begins, and completes after it.
-        claim, claiming = service.store.claim, threading.Event()
+        # Once `block` is set, the runner's next claim waits in its thread until the stop has begun, then a second
+        # job arrives and that claim takes it: a claim in flight across the stop. (The second job is created only
+        # then, so no claim that began earlier can take it.)
+        claim, block, claiming, second = service.store.claim, threading.Event(), threading.Event(), []
 
         def claim_during_the_stop(owner, lease_s):
-            claiming.set()
-            deadline = time.monotonic() + 5
-            while not service._stopping and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.2)
+            if block.is_set() and not claiming.is_set():
+                claiming.set()
+                deadline = time.monotonic() + 10
+                while not service._stopping and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.2)
+                second.append(service.store.create(model="m", prompt="b", size="48x64", seconds="1",
+                                                   params=params).id)
             return claim(owner, lease_s)
 
         service.store.claim = claim_during_the_stop
-        second = service.store.create(model="m", prompt="b", size="48x64", seconds="1", params=params)
+        first = service.store.create(model="m", prompt="a", size="48x64", seconds="1", params=params)
+        service.ensure_runner()
+        await asyncio.wait_for(stage.started.wait(), 10)  # the first job is rendering
+        block.set()
         service._wake.set()
-        assert await asyncio.to_thread(claiming.wait, 5)
+        assert await asyncio.to_thread(claiming.wait, 10)
         handed_back = await service.shutdown(timeout_s=5)
         assert service._runner_task.done()
         service.ensure_runner()  # a health check after the stop starts nothing
         assert service._runner_task.done()
-        return first.id, second.id, handed_back, service.store
+        return first.id, second, handed_back, service.store
 
-    first, second, handed_back, store = asyncio.run(scenario())
-    assert first in handed_back
-    for job_id in (first, second):
+    first, second, handed_back, store = asyncio.run(scenario())  # its end joins the claim's thread
+    assert first in handed_back and len(second) == 1
+    for job_id in (first, second[0]):
         job = store.get(job_id)
         assert (job.status, job.attempts, job.owner) == ("queued", 0, None), job
