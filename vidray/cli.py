@@ -51,17 +51,11 @@ def cmd_encode(args: argparse.Namespace) -> int:
 def _check_encode(job: JobConfig) -> None:
     """What `_encode` needs that no Ray is needed to check: a latent cache, and (when vidray will start a local Ray)
     the resources of one decode + encode pipeline."""
-    import os
-
-    import ray
-
     from vidray.data.encode import check_encode_resources, encode_cache_root
+    from vidray.runtime import check_local_ray
 
     encode_cache_root(job)
-    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
-        from vidray.train.trainer import local_cluster_resources
-
-        check_encode_resources(job, local_cluster_resources(), where="the local Ray cluster vidray starts here")
+    check_local_ray(job, check_encode_resources)
 
 
 def _encode(job: JobConfig) -> int:

@@ -11,7 +11,7 @@ key, argument or file, the value found and the fix.
 
 from __future__ import annotations
 
-__all__ = ["UserError", "UserFileNotFound"]
+__all__ = ["RequestCannotBeMetError", "UserError", "UserFileNotFound"]
 
 
 class UserError(ValueError):
@@ -27,3 +27,9 @@ class UserFileNotFound(UserError, FileNotFoundError):
 
     Both a `UserError` (printed as one line by the CLI) and a `FileNotFoundError` (for callers that catch that).
     """
+
+
+class RequestCannotBeMetError(UserError):
+    """The job asks for resources (GPUs, CPUs, memory) that the cluster neither has nor can add (its autoscaler's
+    limit included). Raised before Ray reserves anything (`vidray.train.trainer.check_resources`,
+    `vidray.data.encode.check_encode_resources`); the message names the numbers and the keys to lower."""

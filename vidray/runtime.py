@@ -14,6 +14,7 @@ when `ray` is first imported: `import vidray` applies these defaults, so import 
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 RAY_ENV_DEFAULTS = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -61,9 +62,55 @@ def init_ray(*, num_cpus: int | None = None) -> bool:
         ray.init(log_to_driver=True)
     else:
         ray.init(
-            num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+            num_cpus=num_cpus or local_num_cpus(),
             include_dashboard=True,
             dashboard_host="127.0.0.1",
             _node_ip_address="127.0.0.1",
         )
     return True
+
+
+LOCAL_RAY = "the local Ray cluster vidray starts here"
+"""How resource errors name the cluster `init_ray` would start (the `where` of the resource checks)."""
+
+
+def local_num_cpus() -> int:
+    """Logical CPUs of a local cluster `init_ray` starts: max(4, os.cpu_count())."""
+    return max(4, os.cpu_count() or 1)
+
+
+def local_cluster_resources() -> dict[str, float]:
+    """What `init_ray` gives a new local cluster: {"CPU": `local_num_cpus()`, "GPU": the GPUs torch sees}."""
+    import torch
+
+    return {"CPU": float(local_num_cpus()), "GPU": float(torch.cuda.device_count())}
+
+
+def will_start_local_ray() -> bool:
+    """True when `init_ray` would start a new local cluster: Ray is not initialized in this process and no
+    `RAY_ADDRESS` names a cluster to join."""
+    import ray
+
+    return not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+
+
+def check_local_ray(job: Any, check: Callable[..., None]) -> None:
+    """Run a resource check against the local cluster `init_ray` would start, before it starts (and before
+    anything else is touched), when it would start one: `check(job, local_cluster_resources(), where=LOCAL_RAY)`.
+    `check` raises (`vidray.errors.RequestCannotBeMetError`) when the job cannot run there; a cluster that is
+    joined instead is checked after joining, with its autoscaler's limit (`autoscaler_max_resources`)."""
+    if will_start_local_ray():
+        check(job, local_cluster_resources(), where=LOCAL_RAY)
+
+
+def autoscaler_max_resources() -> dict[str, float] | None:
+    """The most of each logical resource the connected cluster's autoscaler can reach ({"CPU": ..., "GPU": ...}),
+    or None for a fixed cluster (no autoscaler config, or Ray's private state API unavailable: read through
+    `ray._private.state.state.get_max_resources_from_cluster_config`, so it is read defensively)."""
+    try:
+        from ray._private.state import state
+
+        found = state.get_max_resources_from_cluster_config()
+    except Exception:  # noqa: BLE001 - private API; no autoscaler info means a fixed cluster
+        return None
+    return {k: float(v) for k, v in found.items()} if found else None

@@ -17,9 +17,9 @@ from vidray.train.trainer import (
     build_trainer_configs,
     check_job_inputs,
     check_resources,
-    local_cluster_resources,
     required_resources,
 )
+from vidray.runtime import local_cluster_resources
 
 REPO = Path(__file__).resolve().parents[2]
 

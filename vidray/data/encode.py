@@ -375,9 +375,9 @@ def check_encode_resources(job: Any, cluster: dict[str, float], *, autoscaler_ma
     Data would wait for the resources forever): it needs data.loader_cpus plus the encode actors' CPUs and GPUs
     (`placement.vae|text.num_cpus|num_gpus`; one actor for both when they match, `encode_operators`).
     `cluster`: the logical resources now; `autoscaler_max`: what the autoscaler could reach, or None.
-    Raises vidray.train.trainer.RequestCannotBeMetError naming the numbers and the keys to lower."""
+    Raises vidray.errors.RequestCannotBeMetError naming the numbers and the keys to lower."""
     from vidray.data.pipeline import encode_operators, encode_spec
-    from vidray.train.trainer import RequestCannotBeMetError
+    from vidray.errors import RequestCannotBeMetError
 
     operators = encode_operators(encode_spec(job, {}))
     need = {"CPU": float(job.data.loader_cpus) + sum(op["num_cpus"] for op in operators),
@@ -397,11 +397,12 @@ def encode_to_cache(job: Any, *, shards_dir: str | None = None, latent_cache: st
     passes the decode and encode stages once, in the job's buckets and batch sizes, on the nodes `job.placement`
     selects (one decode and one encode pipeline, on the Ray this process is connected to; the caller starts it).
 
-    `shards_dir`, `latent_cache`: default the job's (`data.shards_dir`, `data.latent_cache` resolved by
-    `vidray.train.trainer.latent_cache_root`). Returns {"clips": clips seen, "latent_hits", "latent_misses"
+    `shards_dir`, `latent_cache`: default (when None or empty) the job's (`data.shards_dir`, `data.latent_cache`
+    resolved by `encode_cache_root`). Returns {"clips": clips seen, "latent_hits", "latent_misses"
     (encoded now), "prompt_hits", "prompt_misses", "skipped": [{sample_id or file, reason}], "seconds", "cache"}.
     Raises vidray.placement.PlacementError for a selector no node satisfies, UserError when the cache is `off`,
-    RequestCannotBeMetError when the connected cluster cannot hold the pipeline (`check_encode_resources`).
+    vidray.errors.RequestCannotBeMetError when the connected cluster cannot hold the pipeline
+    (`check_encode_resources`).
     """
     from vidray.data.index import load_sample_index
     from vidray.data.pipeline import RankLoader, encode_spec, plan_rank_steps
@@ -409,18 +410,15 @@ def encode_to_cache(job: Any, *, shards_dir: str | None = None, latent_cache: st
     from vidray.data.shards import read_index
     import ray
 
-    from vidray.errors import UserError
     from vidray.models.registry import get_family
     from vidray.placement import alive_nodes, resolve_placement
     from vidray.locations import absolute_location
-    from vidray.train.trainer import _autoscaler_max_resources
+    from vidray.runtime import autoscaler_max_resources
 
     shards_dir = absolute_location(shards_dir or job.data.shards_dir)
-    cache = latent_cache if latent_cache is not None else encode_cache_root(job)
-    if not cache:
-        raise UserError("data.latent_cache is 'off': set it to 'auto' or a folder/URI to fill a latent cache")
+    cache = latent_cache or encode_cache_root(job)
     started = time.perf_counter()
-    autoscaler_max = _autoscaler_max_resources()
+    autoscaler_max = autoscaler_max_resources()
     check_encode_resources(job, ray.cluster_resources(), autoscaler_max=autoscaler_max)
     placement = resolve_placement(job, alive_nodes(), autoscaler=autoscaler_max is not None)
     index = read_index(shards_dir)

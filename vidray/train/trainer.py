@@ -27,7 +27,6 @@ loaded only when it is the one chosen above.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import sys
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from vidray.config import ConfigError, JobConfig, ResumeDiff, check_output_path, diff_for_resume
-from vidray.errors import UserError, UserFileNotFound
+from vidray.errors import RequestCannotBeMetError, UserError, UserFileNotFound  # noqa: F401 (re-exported)
 from vidray.locations import absolute_location, is_uri
 from vidray.placement import alive_nodes, resolve_placement
 
@@ -114,10 +113,6 @@ class ResumePlan:
     reset_ray_snapshot: bool = False
     diff: ResumeDiff | None = None
     manager: Any = None
-
-
-class RequestCannotBeMetError(UserError):
-    """The job asks for resources (GPUs, CPUs, memory) that the cluster neither has nor can add."""
 
 
 class NonRetryableTrainingError(UserError):
@@ -495,24 +490,6 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
         raise RequestCannotBeMetError("; ".join(problems))
 
 
-def local_cluster_resources() -> dict[str, float]:
-    """What `vidray.runtime.init_ray` gives a new local cluster: max(4, cpu count) logical CPUs, and the GPUs
-    torch sees."""
-    import torch
-
-    return {"CPU": float(max(4, os.cpu_count() or 1)), "GPU": float(torch.cuda.device_count())}
-
-
-def _autoscaler_max_resources() -> dict[str, float] | None:
-    try:
-        from ray._private.state import state
-
-        found = state.get_max_resources_from_cluster_config()
-    except Exception:  # noqa: BLE001 - private API; no autoscaler info means a fixed cluster
-        return None
-    return {k: float(v) for k, v in found.items()} if found else None
-
-
 def _set_aside(plan: ResumePlan) -> None:
     """Move the plan's `set_aside` checkpoints (and Ray Train's checkpoint list when `reset_ray_snapshot`) into
     `<run>/set_aside/<time>/`, kept but never loaded. On object storage a move is a copy, then a delete."""
@@ -684,12 +661,11 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False, resume_hint
     import ray
     import ray.train
 
-    from vidray.runtime import apply_ray_env_defaults, init_ray
+    from vidray.runtime import apply_ray_env_defaults, autoscaler_max_resources, init_ray, check_local_ray
     from vidray.train.entry import train_loop_per_worker  # the worker's stack (diffusers) stays out of the driver
 
     apply_ray_env_defaults()
-    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
-        check_resources(job, local_cluster_resources(), where="the local Ray cluster vidray starts here")
+    check_local_ray(job, check_resources)
     plan = check_job_inputs(job)
     from vidray.models.text_encoder import shards_caption_truncation  # caption column + tokenizer only: ~1 s
 
@@ -697,7 +673,7 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False, resume_hint
 
     # 2. Join or start Ray, then check the cluster it found.
     init_ray()
-    autoscaler_max = _autoscaler_max_resources()
+    autoscaler_max = autoscaler_max_resources()
     check_resources(job, ray.cluster_resources(), autoscaler_max=autoscaler_max)
     placement = resolve_placement(job, alive_nodes(), autoscaler=autoscaler_max is not None)
 
