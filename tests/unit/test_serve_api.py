@@ -12,6 +12,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx2
 import openai
@@ -416,6 +417,46 @@ def test_field_given_twice_is_400(client, service):
     response = client.post("/v1/videos", content=body,
                            headers={"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"})
     assert_error(response, 400, "seed", "given twice")
+
+
+MULTIPART = f"multipart/form-data; boundary={BOUNDARY}"
+URLENCODED = "application/x-www-form-urlencoded"
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body", "status", "param", "words"),
+    [
+        # Starlette decoded a text part that is not UTF-8 as Latin-1: this prompt was queued as "café ÿþ ok"
+        (MULTIPART, multipart({"prompt": "@"}).replace(b"@", b"caf\xe9 \xff\xfe ok"), 400, "prompt",
+         ["'prompt' is not UTF-8", "byte 0xe9 at byte 3"]),
+        (MULTIPART, multipart({"prompt": "a"}).replace(b'name="prompt"', b'name="pr\xffompt"'), 400, None,
+         ["field's name is not UTF-8", "0xff"]),
+        (URLENCODED, b"prompt=caf%E9+x", 400, "prompt", ["not UTF-8"]),  # was queued as "caf\ufffd x"
+        (URLENCODED, b"prompt=caf\xe9+x", 400, "prompt", ["not UTF-8"]),  # was queued as "café x"
+        (URLENCODED, b"pr%FFompt=x", 400, None, ["field's name"]),
+        # the body's charset was used for part names: a UTF-16 body gave "unknown field(s) '牰浯瑰'"
+        (f"{MULTIPART}; charset=utf-16", multipart({"prompt": "a"}), 415, "content-type", ["'utf-16'", "UTF-8"]),
+        (f"{URLENCODED}; charset=latin-1", b"prompt=a", 415, "content-type", ["'latin-1'"]),
+    ],
+)
+def test_form_text_that_is_not_utf8_is_refused_naming_the_field(client, service, content_type, body, status,
+                                                                param, words):
+    assert_error(client.post("/v1/videos", content=body, headers={"Content-Type": content_type}), status, param,
+                 *words)
+    assert service.requests == []
+
+
+def test_utf8_form_text_reaches_the_service_unchanged(client, service):
+    prompt = "café über 東京の夜 🎬"
+    for content_type, body in (
+        (MULTIPART, multipart({"prompt": prompt})),
+        (f"{MULTIPART}; charset=UTF-8", multipart({"prompt": prompt})),
+        (URLENCODED, "prompt=".encode() + prompt.encode().replace(b" ", b"+")),  # raw UTF-8: was read as Latin-1
+        (f"{URLENCODED}; charset=utf-8", b"prompt=" + quote(prompt).encode()),
+    ):
+        response = client.post("/v1/videos", content=body, headers={"Content-Type": content_type})
+        assert response.status_code == 200, (content_type, response.text)
+    assert [request.prompt for request in service.requests] == [prompt] * 4
 
 
 def test_undecodable_image_is_400_and_image_on_text_to_video_model_is_400(client, service, slot, tmp_path):

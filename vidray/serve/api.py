@@ -35,17 +35,21 @@ import json
 import math
 import re
 import unicodedata
+from contextlib import aclosing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from urllib.parse import unquote_to_bytes
 from pathlib import Path
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
+from python_multipart.multipart import parse_options_header
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 from starlette.types import Message, Receive
 
 __all__ = [
@@ -698,12 +702,65 @@ def _json_fields(body: bytes) -> tuple[dict[str, str], tuple[str, str, bytes] | 
     return fields, image
 
 
-async def _form_fields(request: Request) -> tuple[dict[str, str], tuple[str, str, bytes] | None]:
-    """A multipart/form-data or urlencoded create body -> (text fields, image)."""
+def _utf8_text(data: bytes, name: str | None) -> str:
+    """A form field's bytes (`name`, or the field's name itself when None) as text; not UTF-8 -> RequestError 400.
+    Starlette decodes such bytes as Latin-1 (`starlette.formparsers._user_safe_decode`, and every urlencoded
+    name and value), and a prompt would silently change."""
     try:
-        form = await request.form(max_files=4, max_fields=64)
-    except StarletteHTTPException as exc:  # starlette turns multipart syntax errors into 400s
-        raise RequestError(400, None, f"malformed form body: {exc.detail}") from None
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        what = f"form field {name!r}" if name is not None else "a form field's name"
+        raise RequestError(400, name, f"{what} is not UTF-8 text (byte 0x{data[exc.start]:02x} at byte "
+                           f"{exc.start}); send text fields UTF-8 encoded, as the openai SDK and browsers do") from None
+
+
+class _UTF8MultiPartParser(MultiPartParser):
+    """Starlette's multipart parser, but a text part or part name that is not UTF-8 is a 400 (`_utf8_text`), where
+    Starlette would decode it as Latin-1 or as the body's `charset`. File parts stay bytes."""
+
+    def on_headers_finished(self) -> None:
+        super().on_headers_finished()
+        self._current_part.field_name = _utf8_text(_disposition_name(self._current_part.content_disposition), None)
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        super().on_part_end()
+        if part.file is None:
+            self.items[-1] = (part.field_name, _utf8_text(part.data, part.field_name))
+
+
+def _disposition_name(content_disposition: bytes) -> bytes:
+    return parse_options_header(content_disposition)[1][b"name"]
+
+
+class _UTF8FormParser(FormParser):
+    """Starlette's urlencoded parser, but names and values are UTF-8 after percent-decoding (not UTF-8 -> 400):
+    Starlette reads raw bytes as Latin-1 and replaces bad %-escapes with U+FFFD."""
+
+    def on_field_end(self) -> None:
+        raw_name, raw_value = bytes(self._field_name), bytes(self._field_value)
+        super().on_field_end()
+        name = _utf8_text(unquote_to_bytes(raw_name.replace(b"+", b" ")), None)
+        self._items[-1] = (name, _utf8_text(unquote_to_bytes(raw_value.replace(b"+", b" ")), name))
+
+
+async def _form_fields(request: Request) -> tuple[dict[str, str], tuple[str, str, bytes] | None]:
+    """A multipart/form-data or urlencoded create body -> (text fields, image). Text must be UTF-8 (400 otherwise,
+    naming the field); a `charset` other than UTF-8 in the Content-Type is a 415."""
+    content_type = request.headers.get("content-type") or ""
+    charset = re.search(r";\s*charset\s*=\s*\"?([^\s;\"]*)", content_type, re.IGNORECASE)
+    if charset and charset.group(1).lower().replace("-", "").replace("_", "") != "utf8":
+        raise RequestError(415, "content-type", f"charset {charset.group(1)!r} is not accepted: send the form's "
+                           "text UTF-8 encoded, with no charset or charset=utf-8", code="unsupported_media_type")
+    multipart = content_type.split(";")[0].strip().lower() == "multipart/form-data"
+    try:
+        async with aclosing(request.stream()) as stream:
+            if multipart:
+                form = await _UTF8MultiPartParser(request.headers, stream, max_files=4, max_fields=64).parse()
+            else:
+                form = await _UTF8FormParser(request.headers, stream, max_fields=64).parse()
+    except MultiPartException as exc:  # multipart syntax errors, too many fields or files, a part over 1 MB
+        raise RequestError(400, None, f"malformed form body: {exc.message}") from None
     try:
         fields: dict[str, str] = {}
         uploads: list[tuple[str, UploadFile]] = []
