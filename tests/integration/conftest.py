@@ -125,6 +125,8 @@ class RayHead:
         self.gcs_port = free_port()
         self.dashboard_port = free_port()
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
+        self.metrics_port = free_port()
+        """The node's Prometheus endpoint (`--metrics-export-port`): http://127.0.0.1:<metrics_port>/metrics."""
         # On SIGTERM `ray start --block` (Ray 2.60) first drains its node for up to 30 s, waiting for leases to be
         # returned so that Serve can move traffic off it; after a training job that wait ran out every time and
         # took 32 s of this fixture's teardown. These heads are stopped at the end of a test: no draining.
@@ -134,7 +136,7 @@ class RayHead:
             "--node-ip-address=127.0.0.1", f"--port={self.gcs_port}",
             "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+            f"--metrics-export-port={self.metrics_port}", f"--runtime-env-agent-port={free_port()}",
             "--num-cpus=4", f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
         ]
         self.log = open(Path(self.temp_dir) / "ray_start.log", "w")

@@ -138,3 +138,36 @@ def test_a_request_whose_latents_overflow_fails_alone_and_its_batch_mate_complet
     assert isinstance(overflowed, NonFiniteLatentsError), overflowed
     assert "guidance_scale 1e+300" in str(overflowed)
     assert isinstance(fine, torch.Tensor) and bool(torch.isfinite(fine).all())
+
+
+def test_denoiser_counts_each_request_once_by_outcome_and_every_step_in_its_metrics(tiny_serve_model_dir,
+                                                                                   base_request):
+    # `vidray.serve.metrics.DenoiserMetrics` as the Denoiser reports to it: a request whose latents were sent is
+    # `completed`, one whose step raised is `failed`, one whose caller left mid-way is `cancelled`.
+    from contextlib import aclosing
+
+    denoiser = Denoiser.func_or_class(str(tiny_serve_model_dir), {"latency_target_s": 60.0, "max_batch_size": 4})
+    denoiser.reconfigure({"batch_size": 1, "wait_s": 0.0})  # one request per step: each step is one request's
+    outcomes: list[str] = []
+    steps: list[int] = []
+    denoiser.metrics.count_request = outcomes.append
+    denoiser.metrics.observe_step = lambda batch_size, seconds: steps.append(batch_size)
+
+    async def run():
+        async with aclosing(denoiser.denoise(dict(base_request, seed=1, sent_at=time.time()))) as stream:
+            assert "latents" in [event async for event in stream][-1]
+        long = dict(base_request, seed=2, sent_at=time.time(), num_inference_steps=200)
+        async with aclosing(denoiser.denoise(long)) as stream:
+            async for event in stream:
+                assert "step" in event  # the first progress event: the caller leaves
+                break
+        bad = dict(base_request, seed=3, sent_at=time.time(),
+                   prompt_embeds=torch.zeros(1, 4, base_request["prompt_embeds"].shape[-1] + 1))
+        with pytest.raises(RuntimeError, match="denoising step failed"):
+            async with aclosing(denoiser.denoise(bad)) as stream:
+                async for _ in stream:
+                    pass
+
+    asyncio.run(run())
+    assert outcomes == ["completed", "cancelled", "failed"]
+    assert steps[:NUM_STEPS] == [1] * NUM_STEPS and 1 <= len(steps) - NUM_STEPS < 200

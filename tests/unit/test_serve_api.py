@@ -329,6 +329,28 @@ def test_missing_or_wrong_bearer_token_is_401_but_healthz_needs_none(client, ser
     assert client.get("/v1/videos").status_code == 200
 
 
+def test_every_error_answer_is_reported_to_on_error_and_a_failing_hook_changes_nothing(slot, service):
+    # `on_error` feeds `ray_vidray_serve_http_errors_total` (vidray.serve.app.count_http_error).
+    seen: list[tuple[int, str]] = []
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(build_api(lambda: slot.service, on_error=lambda status, code: seen.append((status, code))),
+                    headers=headers) as counted:
+        assert create(counted, {"size": "33x32"}).status_code == 400
+        assert counted.get("/v1/videos", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert counted.get("/v1/videos/video_9999").status_code == 404
+        assert counted.get("/nowhere").status_code == 404
+        assert counted.post("/v1/videos", content=b"x", headers={"Content-Type": "text/plain"}).status_code == 415
+        assert counted.get("/v1/videos").status_code == 200  # not an error: not reported
+    assert seen == [(400, "invalid_value"), (401, "invalid_api_key"), (404, "not_found"), (404, "not_found"),
+                    (415, "unsupported_media_type")]
+
+    def broken(status: int, code: str) -> None:
+        raise RuntimeError("metrics backend down")
+
+    with TestClient(build_api(lambda: slot.service, on_error=broken), headers=headers) as hooked:
+        assert_error(create(hooked, {"size": "33x32"}), 400, "size")
+
+
 def test_auth_disabled_accepts_requests_without_a_token(client, service):
     service.auth_token = None
     response = create(client, {"prompt": "waves"}, headers={"Authorization": ""})

@@ -190,3 +190,15 @@ def test_shutdown_hands_running_and_just_claimed_jobs_back_and_stops_the_runner(
     for job_id in (first, second[0]):
         job = store.get(job_id)
         assert (job.status, job.attempts, job.owner) == ("queued", 0, None), job
+
+
+@pytest.mark.parametrize(("interval_ms", "refresh_s"), [(None, 5.0), ("10000", 5.0), ("1000", 0.5), ("100", 0.25),
+                                                        ("60000", 5.0), ("soon", 5.0)])
+def test_gauges_are_re_set_within_rays_metrics_report_interval(monkeypatch, interval_ms, refresh_s):
+    from vidray.serve.metrics import gauge_refresh_s
+
+    if interval_ms is None:
+        monkeypatch.delenv("RAY_metrics_report_interval_ms", raising=False)
+    else:
+        monkeypatch.setenv("RAY_metrics_report_interval_ms", interval_ms)
+    assert gauge_refresh_s() == refresh_s

@@ -32,6 +32,7 @@ import binascii
 import hmac
 import io
 import json
+import logging
 import math
 import re
 import unicodedata
@@ -793,23 +794,34 @@ async def _form_fields(request: Request) -> tuple[dict[str, str], tuple[str, str
         await form.close()
 
 
-def build_api(get_service: Callable[[], VideoService | None]) -> FastAPI:
+def build_api(get_service: Callable[[], VideoService | None],
+              on_error: Callable[[int, str], None] | None = None) -> FastAPI:
     """The FastAPI app with the OpenAI-compatible video routes (see the module docstring).
 
     Args:
         get_service: returns the job runner, or None while it is starting (routes then answer 503). Called on
             every request, so the app can be built at import time (for `serve.ingress(app)`) before the service
             exists.
+        on_error: called with (HTTP status, error code) for every error answer (metrics:
+            `vidray.serve.metrics.JobMetrics.count_http_error`); its own failure never changes the answer.
 
     Returns:
         A FastAPI app whose every error answers ``{"error": {...}}`` JSON (RequestError's shape).
     """
     app = FastAPI(title="vidray video API", version="1", docs_url=None, redoc_url=None, openapi_url=None)
 
+    def respond(exc: RequestError) -> JSONResponse:
+        if on_error is not None:
+            try:
+                on_error(exc.status, exc.code)
+            except Exception:  # noqa: BLE001 - counting must not change the answer
+                logging.getLogger(__name__).warning("on_error failed", exc_info=True)
+        return exc.to_response()
+
     # 1. Every error in the OpenAI error shape.
     @app.exception_handler(RequestError)
     async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
-        return exc.to_response()
+        return respond(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -821,7 +833,7 @@ def build_api(get_service: Callable[[], VideoService | None]) -> FastAPI:
             code = "method_not_allowed"
         else:
             message, code = str(exc.detail), "invalid_request"
-        return RequestError(exc.status_code, None, message, code=code, headers=exc.headers).to_response()
+        return respond(RequestError(exc.status_code, None, message, code=code, headers=exc.headers))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -829,13 +841,13 @@ def build_api(get_service: Callable[[], VideoService | None]) -> FastAPI:
         first = errors[0] if errors else {}
         loc = [str(part) for part in first.get("loc", ())]
         param = loc[-1] if loc else None
-        return RequestError(400, param, f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid')}").to_response()
+        return respond(RequestError(400, param, f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid')}"))
 
     @app.exception_handler(Exception)
     async def _server_error(_request: Request, exc: Exception) -> JSONResponse:
         # Starlette logs the traceback and re-raises after sending this; the client sees no internals.
-        return RequestError(500, None, f"internal server error ({type(exc).__name__}); see the server log",
-                            code="server_error").to_response()
+        return respond(RequestError(500, None, f"internal server error ({type(exc).__name__}); see the server log",
+                                    code="server_error"))
 
     def service_or_503() -> VideoService:
         service = get_service()

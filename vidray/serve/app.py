@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -38,6 +39,7 @@ from ray import serve
 from vidray.errors import UserError
 from vidray.locations import is_uri
 from vidray.serve.api import ApiLimits, ModelSpec, VideoRequest, build_api
+from vidray.serve.metrics import JobMetrics, gauge_refresh_s
 from vidray.serve.jobs import JobStore
 from vidray.serve.policy import PolicyConfig
 from vidray.serve.stages import Denoiser, TextEncoder, VaeDecoder
@@ -205,6 +207,8 @@ class VideoJobService:
         """job id -> (its render task, its `owned` flag) while this replica renders it (`_drop` stops one)."""
         self._runner_task: asyncio.Task | None = None
         self._stopping = False
+        self.metrics = JobMetrics()
+        self._store_counted_at = -math.inf  # monotonic seconds of the last `store.counts()` for the gauge
 
     # --- routes -------------------------------------------------------------------------------------------------
     async def submit(self, request: VideoRequest) -> dict:
@@ -261,6 +265,10 @@ class VideoJobService:
             try:
                 for job_id, status in await asyncio.to_thread(self.store.recover_expired):
                     logger.warning("job %s lost its runner (lease expired): now %s", job_id, status)
+                    self.metrics.count_job("retried" if status == "queued" else "failed")
+                if time.monotonic() - self._store_counted_at >= gauge_refresh_s():
+                    self._store_counted_at = time.monotonic()
+                    self.metrics.set_jobs(await asyncio.to_thread(self.store.counts))
                 while not self._stopping and len(self._active) < self.settings.runner.max_concurrent_jobs:
                     job = await asyncio.to_thread(self.store.claim, self.owner, self.settings.runner.lease_s)
                     if job is None:
@@ -299,6 +307,7 @@ class VideoJobService:
         for job_id, task in list(self._active.items()):
             if await asyncio.to_thread(self.store.requeue, job_id, self.owner):
                 handed_back.append(job_id)
+                self.metrics.count_job("handed_back")
                 logger.info("job %s handed back (queued, attempt not counted): this replica is stopping", job_id)
             if job_id in self._renders:
                 self._drop(job_id)
@@ -351,7 +360,9 @@ class VideoJobService:
                 logger.info("job %s was deleted or re-claimed while running; dropped", job.id)
                 return
             done = await asyncio.to_thread(self.store.complete, job.id, self.owner, mp4)
-            if not done:
+            if done:
+                self.metrics.count_job("completed", seconds=time.time() - job.created_at)
+            else:
                 mp4.unlink(missing_ok=True)
         except ray.exceptions.RayActorError as err:  # ActorDiedError, ActorUnavailableError: a replica is gone
             status = await asyncio.to_thread(
@@ -359,13 +370,16 @@ class VideoJobService:
                 message=f"a stage replica died while rendering this video ({type(err).__name__})",
             )
             logger.warning("job %s: a stage replica died (%s); job now %s", job.id, type(err).__name__, status)
+            if status is not None:
+                self.metrics.count_job("retried" if status == "queued" else "failed")
         except Exception as err:  # noqa: BLE001 - any other failure fails this job with its reason
             code = failure_code(err)
             if code == "internal_error":
                 logger.exception("job %s failed", job.id)
             else:
                 logger.warning("job %s failed (%s): %s", job.id, code, failure_message(err))
-            await asyncio.to_thread(self.store.fail, job.id, self.owner, code, failure_message(err))
+            if await asyncio.to_thread(self.store.fail, job.id, self.owner, code, failure_message(err)):
+                self.metrics.count_job("failed")
         finally:
             beat.cancel()
             self._renders.pop(job.id, None)
@@ -468,7 +482,14 @@ def current_service() -> VideoJobService | None:
     return _service
 
 
-api = build_api(current_service)
+def count_http_error(status: int, code: str) -> None:
+    """`build_api`'s `on_error`: counts an error answer in this replica's metrics (module-level, as
+    `current_service`). Errors before the service exists (503 while starting) are not counted."""
+    if _service is not None:
+        _service.metrics.count_http_error(status, code)
+
+
+api = build_api(current_service, on_error=count_http_error)
 
 
 @serve.deployment(name="VideoIngress", max_ongoing_requests=256)

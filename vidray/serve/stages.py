@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
+from vidray.serve.metrics import DenoiserMetrics, gauge_refresh_s
 from vidray.serve.policy import BatchPolicy, PolicyConfig, check_max_ongoing_requests
 
 __all__ = ["Denoiser", "TextEncoder", "VaeDecoder", "policy_inputs", "tensor_bytes"]
@@ -141,6 +142,8 @@ class _Request:
     any was measured."""
     last_event_at: float = 0.0
     cancelled: bool = False
+    outcome: str | None = None
+    """`completed` or `failed` once the step loop is done with it (counted in `DenoiserMetrics`)."""
 
 
 def policy_inputs(running: list[_Request], pending: deque[_Request] | list[_Request], now: float) -> dict[str, Any]:
@@ -197,6 +200,8 @@ class Denoiser:
         self._arrival_gaps_s: deque[float] = deque(maxlen=ARRIVAL_GAPS_KEPT)
         self._stats = {"completed": 0, "busy_s": 0.0, "started_at": time.time()}
         self._steps_by_batch_size: dict[int, int] = {}  # steps run per batch size; `stats` derives the totals
+        self.metrics = DenoiserMetrics()
+        self._last_decision = None  # the policy's last `Decision`, re-set in the gauges while idle
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """user_config keys (all optional): batch_size / wait_s (pin the policy's choice; null = adaptive),
@@ -233,7 +238,9 @@ class Denoiser:
         delay = self.boundary_delay_s + (num_bytes / self.boundary_bytes_per_s if self.boundary_bytes_per_s else 0)
         if delay:
             await asyncio.sleep(delay)
-        self.policy.observe_transfer(num_bytes, max(0.0, time.time() - float(request["sent_at"])))
+        transfer_s = max(0.0, time.time() - float(request["sent_at"]))
+        self.policy.observe_transfer(num_bytes, transfer_s)
+        self.metrics.observe_transfer(transfer_s)
 
         # 2. Queue the request's state for the step loop.
         state = DenoiseState(
@@ -267,6 +274,7 @@ class Denoiser:
                     return
         finally:
             entry.cancelled = True
+            self.metrics.count_request(entry.outcome or "cancelled")
 
     async def _step_loop(self) -> None:
         """Admit, step, release, forever (one task per replica). A failure outside a step (a bug) is logged and
@@ -282,8 +290,12 @@ class Denoiser:
         """One turn: wait for work, admit per the policy (waiting for arrivals when it says so), one step."""
         self._drop_cancelled()
         if not self._running and not self._pending:
+            self._publish_queue()
             self._wake.clear()
-            await self._wake.wait()
+            try:  # woken by an arrival; else the gauges are set again (Ray drops one unset for 2 report intervals)
+                await asyncio.wait_for(self._wake.wait(), timeout=gauge_refresh_s())
+            except asyncio.TimeoutError:
+                pass
             return
         decision = self._decide()
         # A fresh batch waits up to wait_s for arrivals until it is full (never while requests are mid-way),
@@ -305,9 +317,18 @@ class Denoiser:
             entry = self._pending.popleft()
             entry.admitted_at = time.monotonic()
             self._running.append(entry)
+        self._last_decision = decision
+        self._publish_queue()
         if not self._running:
             return
         await self._step_once()
+
+    def _publish_queue(self) -> None:
+        """The queue, running batch and last policy decision into the gauges (`DenoiserMetrics.set_queue`)."""
+        decision = self._last_decision
+        self.metrics.set_queue(pending=len(self._pending), running=len(self._running),
+                               policy_batch_size=None if decision is None else decision.batch_size,
+                               policy_wait_s=None if decision is None else decision.wait_s)
 
     def _drop_cancelled(self) -> None:
         self._running = [r for r in self._running if not r.cancelled]
@@ -335,9 +356,11 @@ class Denoiser:
             for r in batch:
                 r.events.put_nowait(RuntimeError(f"denoising step failed: {type(err).__name__}: {err}"))
                 r.cancelled = True
+                r.outcome = "failed"
             return
         seconds = time.perf_counter() - start
         self.policy.observe_step(len(batch), seconds)
+        self.metrics.observe_step(len(batch), seconds)
         self._steps_by_batch_size[len(batch)] = self._steps_by_batch_size.get(len(batch), 0) + 1
         self._stats["busy_s"] += seconds
         now = time.monotonic()
@@ -349,8 +372,10 @@ class Denoiser:
                 try:
                     check_finite_latents(r.state.latents, r.state.guidance_scale)
                     r.events.put_nowait({"latents": r.state.latents.float().cpu()})
+                    r.outcome = "completed"
                 except NonFiniteLatentsError as err:  # the request fails with it; the others go on
                     r.events.put_nowait(err)
+                    r.outcome = "failed"
                 self._stats["completed"] += 1
                 self.policy.observe_service(r.stepped_s, now - r.admitted_at, model_s=r.model_s)
             elif now - r.last_event_at >= PROGRESS_EVERY_S:  # progress travels at most ~4x/s per request
