@@ -32,7 +32,8 @@ them from the same Prometheus. As Ray exports every custom series, the names gai
 for quantiles: Ray 2.60 exports a histogram's `_sum` estimated from its bucket midpoints
 (`ray/_private/telemetry/open_telemetry_metric_recorder.py`), not the exact sum of what was observed.
 Gauges are set at every step and re-set every `gauge_refresh_s()` (half of Ray's metrics report interval) while
-idle: Ray's metrics agent shows a gauge only for two report intervals after it was last set. Outside a Serve replica (unit tests) the metrics record nothing anyone reads.
+idle: Ray's metrics agent shows a gauge only for two report intervals after it was last set. Outside a Serve
+replica (unit tests) the metrics record nothing anyone reads.
 """
 
 from __future__ import annotations
