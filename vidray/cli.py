@@ -1,10 +1,12 @@
-"""`vidray prepare [--encode] | encode | train | generate`: shard video clips (and encode them into the latent cache), train a video diffusion model on Ray, sample from it.
+"""`vidray prepare [--encode] | encode | train | generate | doctor`: shard video clips (and encode them into the latent
+cache), train a video diffusion model on Ray, sample from it, check a machine, job and cluster before a run.
 
 Every command checks all of its arguments (a job config: `CONFIG` plus `section.key=value` overrides) before
 doing anything expensive, so a typo fails in milliseconds, not after Ray has reserved workers or weights loaded.
 
-Exit status: 0 success; 1 a command that ran but produced nothing usable (e.g. `prepare` kept no clip), or a bug
-(an unexpected exception, shown with its traceback: please report it); 2 an error in what the user gave
+Exit status: 0 success; 1 a command that ran but produced nothing usable (e.g. `prepare` kept no clip, `doctor`
+found a FAIL), or a bug (an unexpected exception, shown with its traceback: please report it); 2 an error in what
+the user gave
 (`vidray.errors.UserError`: config, arguments, input files, checkpoints), printed as one line
 `vidray <cmd>: error: <message>`.
 """
@@ -143,6 +145,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Print the doctor's findings (`vidray.doctor`); 1 when any is FAIL. A config that does not load is a FAIL
+    finding, not a usage error: the environment and cluster checks still run."""
+    from vidray.doctor import Finding, check_cluster, check_environment, check_job
+
+    if args.config is None and args.overrides:
+        raise UserError(f"overrides {args.overrides} need a CONFIG: vidray doctor CONFIG section.key=value ...")
+    findings = check_environment()
+    for finding in findings:
+        print(finding, flush=True)
+    job = None
+    if args.config is not None:
+        try:
+            job = _load(args)
+            job_findings = check_job(job)
+        except UserError as err:
+            job_findings = [Finding("fail", "config", str(err))]
+        for finding in job_findings:
+            print(finding, flush=True)
+        findings += job_findings
+    cluster = check_cluster(job)
+    for finding in cluster:
+        print(finding, flush=True)
+    findings += cluster
+    failed = [f for f in findings if f.level == "fail"]
+    warned = [f for f in findings if f.level == "warn"]
+    passed = len(findings) - len(failed) - len(warned)
+    print(f"vidray doctor: {len(failed)} failed, {len(warned)} warning(s), {passed} ok")
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from vidray import __version__
 
@@ -185,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frame rate of the written mp4 in frames/s, 0.01..1000 (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="noise seed, 0..2**63-1 (default: %(default)s)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("doctor", help="check this machine (libraries, devices), a job config (inputs, outputs, "
+                       "where train would start) and the Ray cluster (RAY_ADDRESS, or the local one) before a run")
+    p.add_argument("config", nargs="?", help="job YAML to check as well (optional)")
+    p.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides, e.g. scaling.use_gpu=true")
+    p.set_defaults(func=cmd_doctor)
     return parser
 
 

@@ -120,7 +120,7 @@ def uninterrupted_losses(shards_dir: Path) -> dict[int, float]:
 class RayHead:
     """A `ray start --head --block` child process with its own ports and temp dir."""
 
-    def __init__(self, tmp_root: str, extra_env: dict[str, str] | None = None):
+    def __init__(self, tmp_root: str, extra_env: dict[str, str] | None = None, labels: dict[str, str] | None = None):
         self.temp_dir = tmp_root
         self.gcs_port = free_port()
         self.dashboard_port = free_port()
@@ -139,6 +139,8 @@ class RayHead:
             f"--metrics-export-port={self.metrics_port}", f"--runtime-env-agent-port={free_port()}",
             "--num-cpus=4", f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
         ]
+        if labels:
+            cmd.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
         self.log = open(Path(self.temp_dir) / "ray_start.log", "w")
         self.process = subprocess.Popen(cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -184,13 +186,14 @@ class RayHeadExitedEarly(RuntimeError):
     """`ray start --head` ended before its dashboard answered."""
 
 
-def start_ray_head(prefix: str, extra_env: dict[str, str] | None = None, attempts: int = 2) -> RayHead:
+def start_ray_head(prefix: str, extra_env: dict[str, str] | None = None, attempts: int = 2,
+                   labels: dict[str, str] | None = None) -> RayHead:
     """A ready `RayHead` in a new temp dir under `prefix` (short: Ray's socket paths are length-limited). A head
     that exits early is started again once, on new ports: `free_port` hands out a port that is free when asked,
     and another process can take it before Ray binds it (the suite saw one such early exit, right after a busy
     Serve test). The first failure's log is printed to stderr. Other failures are raised at once."""
     for attempt in range(1, attempts + 1):
-        head = RayHead(tempfile.mkdtemp(prefix=prefix), extra_env=extra_env)
+        head = RayHead(tempfile.mkdtemp(prefix=prefix), extra_env=extra_env, labels=labels)
         try:
             head.wait_ready()
             return head
@@ -207,8 +210,9 @@ def start_ray_head(prefix: str, extra_env: dict[str, str] | None = None, attempt
 
 @pytest.fixture
 def ray_head():
-    """A Ray head node started with `ray start --head` on 127.0.0.1, stopped by PID at the end of the test."""
-    head = start_ray_head("/tmp/vrh")
+    """A Ray head node started with `ray start --head` on 127.0.0.1, labeled `vidray.io/stage=dit` (what a DiT node
+    of a labeled cluster carries), stopped by PID at the end of the test."""
+    head = start_ray_head("/tmp/vrh", labels={"vidray.io/stage": "dit"})
     try:
         yield head
     finally:

@@ -1,4 +1,5 @@
-"""`ray job submit` of jobs/train.py against a head node started with `ray start --head`, as the README shows."""
+"""`ray job submit` of jobs/train.py against a head node started with `ray start --head`, as the README shows; then
+`vidray doctor` joined to the same cluster (RAY_ADDRESS) checks it against the job's placement."""
 
 from __future__ import annotations
 
@@ -46,3 +47,24 @@ def test_ray_job_submit_trains_to_succeeded(ray_head, tmp_path):
     assert "step 4/4" in logs
     assert (tmp_path / "runs" / "tiny-t2v" / "checkpoint_000004" / "manifest.json").is_file()
     assert (tmp_path / "runs" / "tiny-t2v" / "diffusers" / "model_index.json").is_file()
+
+    # 2. `vidray doctor` joins the cluster (nothing reserved) and checks the job against its node and label.
+    env = {**ray_head.env, "RAY_ADDRESS": f"127.0.0.1:{ray_head.gcs_port}"}
+    doctor = [str(Path(sys.executable).parent / "vidray"), "doctor", "jobs/configs/tiny_t2v.yaml",
+              f"data.shards_dir={tmp_path / 'shards'}", f"storage.path={tmp_path / 'runs'}",
+              "model.text_encoder=tiny_random", "train.max_steps=8",
+              "placement.dit.label_selector={vidray.io/stage: dit}"]
+    checked = subprocess.run(doctor, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    lines = checked.stdout.splitlines()
+    assert any(line.startswith("ok    cluster: 127.0.0.1:") and "1 alive node(s), 4 CPUs" in line
+               and "vidray labels: vidray.io/stage=dit" in line for line in lines), checked.stdout
+    assert any(line.startswith("ok    placement: placement.dit.label_selector={'vidray.io/stage': 'dit'}: 1 of the "
+                               "cluster's 1 node(s) satisfy it") for line in lines), checked.stdout
+    assert any(line.startswith("ok    train: resuming from ") and "checkpoint_000004" in line for line in lines)
+    # A selector no node satisfies is what `vidray train` refuses before reserving anything: a FAIL, with its fix.
+    vae = subprocess.run([*doctor, "placement.vae.label_selector={vidray.io/stage: vae}"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert vae.returncode == 1, vae.stdout + vae.stderr
+    assert any(line.startswith("FAIL  placement: no node satisfies placement.vae.label_selector=") and
+               "1 node(s) with vidray.io/stage=dit" in line for line in vae.stdout.splitlines()), vae.stdout

@@ -1,0 +1,105 @@
+"""`vidray doctor`: real checks of this machine, a job config (real prepared shards and a real checkpoint) and the
+local cluster `vidray train` would start, printed as findings with a fix; exit 1 on any FAIL. The joined-cluster
+path (RAY_ADDRESS, node labels) is in tests/integration/test_job_submit.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vidray.cli import main
+from vidray.config import load_job_config
+from vidray.data.ingest import prepare_data
+from vidray.data.index import dataset_hash
+from vidray.train.checkpoint import TrainState, save_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = str(REPO / "jobs/configs/tiny_t2v.yaml")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("doctor")
+    job = load_job_config(CONFIG, [f"data.shards_dir={root / 'shards'}"])
+    assert prepare_data(job.data, progress=None).num_kept == 6
+    return root / "shards"
+
+
+def doctor(capsys, *argv: str) -> tuple[int, dict[str, list[str]]]:
+    """Run `vidray doctor ARGV`; (exit status, {topic: ["level message", ...]})."""
+    code = main(["doctor", *argv])
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("vidray doctor: ")
+    findings: dict[str, list[str]] = {}
+    for line in out[:-1]:
+        level, rest = line.split(None, 1)
+        topic, message = rest.split(": ", 1)
+        assert level in ("ok", "warn", "FAIL"), line
+        findings.setdefault(topic, []).append(f"{level} {message}")
+    return code, findings
+
+
+def test_machine_alone_reports_libraries_devices_and_the_local_cluster(capsys, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, found = doctor(capsys)
+    assert code == 0
+    assert found["torch"][0].startswith(f"ok {torch.__version__}")
+    assert found["av"] == [found["av"][0]] and "libx264" in found["av"][0]
+    assert found["ray"][0].startswith("ok 2.60")
+    assert "local Ray cluster" in found["cluster"][0] and "127.0.0.1" in found["cluster"][0]
+    assert set(found) == {"python", "torch", "ray", "diffusers", "av", "cluster"}
+
+
+def test_unprepared_job_warns_to_run_prepare_and_checks_its_outputs(capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, found = doctor(capsys, CONFIG, f"data.shards_dir={tmp_path / 'none'}", f"storage.path={tmp_path / 'runs'}")
+    assert code == 0
+    assert found["data.shards_dir"] == [f"warn {tmp_path / 'none'} holds no prepared shards (no index.json): run "
+                                        "`vidray prepare CONFIG` (or `vidray train --prepare`)"]
+    assert found["data.source"][0].startswith("ok ") and "6 file(s) listed" in found["data.source"][0]
+    assert found["storage.path"] == [f"ok {tmp_path / 'runs'}: writable"]
+    assert found["resources"][0].startswith("ok ")
+
+
+def test_prepared_job_says_where_train_starts_and_fails_on_what_train_would_refuse(capsys, monkeypatch, shards,
+                                                                                   tmp_path):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    base = [CONFIG, f"data.shards_dir={shards}", f"storage.path={tmp_path}", "name=doc", "train.max_steps=10"]
+    code, found = doctor(capsys, *base)
+    assert code == 0
+    assert found["data.shards_dir"] == [f"ok {shards}: 6 sample(s) in 2 shard(s), buckets [[9, 64, 64], [1, 64, 64]]"]
+    assert found["train"] == ["ok `vidray train` starts at step 1"]
+
+    # A checkpoint at step 4 of this job: train resumes from it (and says which settings changed).
+    job = load_job_config(CONFIG, base[1:])
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    save_checkpoint(tmp_path / "doc" / "checkpoint_000004", model=model, optimizer=optimizer,
+                    lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+                    job_config=job.to_dict(),
+                    train_state=TrainState(4, 0, 2, 2, "sha256:x", None, dataset_hash(str(shards)), 6))
+    code, found = doctor(capsys, *base, "optim.lr=0.0005")
+    assert code == 0
+    [train] = found["train"]
+    # `vidray train`'s own lines: the checkpoint it resumes from and the setting that changed
+    assert train.startswith(f"ok resuming from {tmp_path / 'doc' / 'checkpoint_000004'} (the run's latest "
+                            "checkpoint) at step 4")
+    assert "optim.lr: 0.001 -> 0.0005" in train
+
+    # What train would refuse is a FAIL with train's own message; so are resources the local cluster lacks.
+    code, found = doctor(capsys, *base, "train.max_steps=4", "scaling.use_gpu=true")
+    assert code == 1
+    assert found["train"][0].startswith("FAIL `vidray train` would refuse: ") and "max_steps" in found["train"][0]
+    assert found["resources"][0].startswith("FAIL scaling.use_gpu=true with 2 workers needs 2 GPUs")
+
+
+def test_a_config_that_does_not_load_is_a_fail_and_the_other_checks_still_run(capsys, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, found = doctor(capsys, CONFIG, "train.max_stepz=3")
+    assert code == 1
+    assert found["config"][0].startswith("FAIL ") and "max_stepz" in found["config"][0]
+    assert found["torch"][0].startswith("ok ") and found["cluster"][0].startswith("ok ")
+    assert main(["doctor", "train.max_steps=3"]) == 1  # an override alone is read as the config: not found
+    assert "FAIL" in capsys.readouterr().out

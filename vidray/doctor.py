@@ -1,0 +1,279 @@
+"""`vidray doctor [CONFIG [overrides]]`: what this machine, a job config and the Ray cluster it would run on say
+about a run, before it is started (the operations plane of `../shared/DESIGN.md`).
+
+Every check calls the code the real commands run (`vidray.train.trainer.check_job_inputs`, `check_resources`,
+`vidray.placement.resolve_placement`, `vidray.data.encode.check_encode_resources`), so what the doctor reports is
+what `vidray train` would do or refuse, without reserving anything or training:
+
+- environment: Python, torch (CUDA devices, NCCL / gloo), Ray (against the version `pyproject.toml` pins),
+  diffusers, transformers, PyAV with the H.264 decoder and the libx264 encoder vidray writes clips with, the
+  CPU count and memory, Ray's token for CLI clients;
+- the job (with CONFIG): the config and overrides, `data.source`, the prepared shards in `data.shards_dir` (or
+  that `prepare` has not run), `storage.path`, `data.latent_cache`, and where `train` would start (step 1, or the
+  checkpoint it resumes from; or why it would refuse);
+- the cluster: with `RAY_ADDRESS`, it joins the cluster (no resources reserved) and checks its nodes, labels and
+  resources (the autoscaler's limit included) against the job; without it, the local cluster `vidray train`
+  would start here.
+
+Each finding is one line, `ok`, `warn` or `FAIL`, with the fix for the last two. `run_doctor` returns them;
+the CLI prints them and exits 1 when any is `FAIL`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import io
+import os
+import platform
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+__all__ = ["Finding", "check_cluster", "check_environment", "check_job", "run_doctor"]
+
+Level = Literal["ok", "warn", "fail"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One line of the doctor's report: `level` (`ok`, `warn`, `fail`), the `topic` it is about (a setting, a
+    library, `cluster`) and the `message`, which for `warn` and `fail` says what to do."""
+
+    level: Level
+    topic: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{'FAIL' if self.level == 'fail' else self.level:<4}  {self.topic}: {self.message}"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _pinned_ray() -> str | None:
+    """The Ray version `pyproject.toml` pins (`ray[...]==X`), read from the installed vidray's metadata."""
+    for requirement in importlib.metadata.requires("vidray") or []:
+        name, _, rest = requirement.partition("==")
+        if name.split("[")[0].strip() == "ray" and rest:
+            return rest.split(";")[0].strip()
+    return None
+
+
+def _captured(check: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """Run `check`, returning (its result, the `[vidray] ...` lines it printed) so they can be reported."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = check()
+    lines = [line.removeprefix("[vidray] ").strip() for line in out.getvalue().splitlines() if line.strip()]
+    return result, lines
+
+
+def check_environment() -> list[Finding]:
+    """The libraries and hardware a run uses (module docstring). Never raises."""
+    found: list[Finding] = [Finding("ok", "python", f"{platform.python_version()} ({platform.machine()}), "
+                                    f"{os.cpu_count()} CPU(s), {_memory_gib():.1f} GiB memory")]
+    import torch
+    import torch.distributed as dist
+
+    backends = [name for name, ok in (("nccl", dist.is_nccl_available()), ("gloo", dist.is_gloo_available())) if ok]
+    if torch.cuda.is_available():
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        found.append(Finding("ok", "torch", f"{torch.__version__}, {torch.cuda.device_count()} CUDA device(s) "
+                             f"({', '.join(names)}), backends {', '.join(backends) or 'none'}"))
+        if "nccl" not in backends:
+            found.append(Finding("warn", "torch", "NCCL is not available: multi-GPU training falls back to gloo "
+                                 "(slow); install a CUDA build of torch (README, 'Installing torch')"))
+    else:
+        found.append(Finding("ok", "torch", f"{torch.__version__}, no CUDA device: training uses gloo on CPU "
+                             f"(scaling.use_gpu must be false here), backends {', '.join(backends) or 'none'}"))
+    ray_version, pinned = _version("ray"), _pinned_ray()
+    if pinned and ray_version != pinned:
+        found.append(Finding("warn", "ray", f"{ray_version} installed, vidray pins {pinned}: its Ray workarounds "
+                             f"(../shared/NOTES.md) are measured on {pinned}; `make install` installs it"))
+    else:
+        found.append(Finding("ok", "ray", str(ray_version)))
+    found.append(Finding("ok", "diffusers", f"{_version('diffusers')}, transformers {_version('transformers')}"))
+    found.extend(_check_pyav())
+    token = os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_ADDRESS") and not os.path.exists(token):
+        found.append(Finding("warn", "ray auth", f"RAY_ADDRESS is set but {token} does not exist: a cluster with "
+                             "token auth refuses this client; copy the cluster's token there"))
+    return found
+
+
+def _memory_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return float("nan")
+
+
+def _check_pyav() -> list[Finding]:
+    try:
+        import av
+    except ImportError as err:
+        return [Finding("fail", "av", f"PyAV does not import ({err}): `make install` installs it")]
+    missing = []
+    for name, mode, use in (("h264", "r", "decode the shards' clips"), ("libx264", "w", "write clips and videos")):
+        try:
+            av.codec.Codec(name, mode)
+        except Exception:  # noqa: BLE001 - av.codec.codec.UnknownCodecError and friends
+            missing.append(f"{name} ({'decoder' if mode == 'r' else 'encoder'}, to {use})")
+    if missing:
+        return [Finding("fail", "av", f"PyAV {av.__version__} lacks {', '.join(missing)}: install the PyAV wheel "
+                        "from PyPI (it bundles FFmpeg with them)")]
+    return [Finding("ok", "av", f"{av.__version__}, FFmpeg with the h264 decoder and the libx264 encoder")]
+
+
+def check_job(job: Any) -> list[Finding]:
+    """The job's inputs and outputs, as `vidray prepare` and `vidray train` would find them (module docstring).
+    Writes nothing but what `check_job_inputs` checks by creating (the `storage.path` folder)."""
+    from vidray.data.ingest import read_source
+    from vidray.data.shards import INDEX_NAME, read_index
+    from vidray.data.storage import open_storage
+    from vidray.errors import UserError, UserFileNotFound
+    from vidray.train.trainer import check_job_inputs
+
+    found = [Finding("ok", "config", f"job {job.name!r}: {job.model.family} ({job.model.init}, text encoder "
+                     f"{job.model.text_encoder}), {len(job.data.buckets)} bucket(s), scaling.num_workers="
+                     f"{job.scaling.num_workers}, train.max_steps={job.train.max_steps}")]
+    prepared = open_storage(job.data.shards_dir).is_file(INDEX_NAME)
+    try:
+        items = read_source(job.data.source)
+        found.append(Finding("ok", "data.source", f"{job.data.source}: {len(items)} file(s) listed"))
+    except UserError as err:
+        note = " (the shards are prepared already: only a new prepare needs it)" if prepared else ""
+        found.append(Finding("warn" if prepared else "fail", "data.source", f"{err}{note}"))
+    if not prepared:
+        found.append(Finding("warn", "data.shards_dir", f"{job.data.shards_dir} holds no prepared shards (no "
+                             f"{INDEX_NAME}): run `vidray prepare CONFIG` (or `vidray train --prepare`)"))
+    else:
+        try:
+            index = read_index(job.data.shards_dir)
+            found.append(Finding("ok", "data.shards_dir", f"{job.data.shards_dir}: {index['num_samples']} "
+                                 f"sample(s) in {len(index['shards'])} shard(s), buckets {index['buckets']}"))
+        except UserError as err:
+            found.append(Finding("fail", "data.shards_dir", str(err)))
+            prepared = False
+    if prepared:
+        try:
+            plan, lines = _captured(lambda: check_job_inputs(job))
+            if plan.checkpoint is None and not lines:
+                lines = ["`vidray train` starts at step 1"]
+            found.append(Finding("ok", "train", "; ".join(lines)))  # train's own lines: where it resumes, changes
+        except UserFileNotFound as err:
+            found.append(Finding("fail", "train", str(err)))
+        except UserError as err:
+            found.append(Finding("fail", "train", f"`vidray train` would refuse: {err}"))
+    else:
+        found.extend(_check_outputs(job))
+    return found
+
+
+def _check_outputs(job: Any) -> list[Finding]:
+    """`storage.path` and a local `data.latent_cache` writable (what `check_job_inputs` checks first), for a job
+    whose shards are not prepared yet."""
+    from vidray.config import check_output_path
+    from vidray.errors import UserError
+    from vidray.locations import is_uri
+    from vidray.train.trainer import latent_cache_root
+
+    found = []
+    for key, path in (("storage.path", job.storage.path), ("data.latent_cache", latent_cache_root(job))):
+        if not path:
+            continue
+        if is_uri(path):
+            found.append(Finding("ok", key, f"{path} (object storage: checked when the run starts)"))
+            continue
+        try:
+            check_output_path(path, key)
+            found.append(Finding("ok", key, f"{path}: writable"))
+        except UserError as err:
+            found.append(Finding("fail", key, str(err)))
+    return found
+
+
+def check_cluster(job: Any | None) -> list[Finding]:
+    """The Ray cluster a run would use: joined (`RAY_ADDRESS`; nothing is reserved, and this process leaves it
+    again) or the local one `vidray train` would start; with a job, its resources and stage placement."""
+    import ray
+
+    from vidray.data.encode import check_encode_resources
+    from vidray.errors import UserError
+    from vidray.placement import alive_nodes, resolve_placement
+    from vidray.runtime import (LOCAL_RAY, autoscaler_max_resources, init_ray, local_cluster_resources,
+                                will_start_local_ray)
+    from vidray.train.trainer import check_resources, latent_cache_root
+
+    found: list[Finding] = []
+    if will_start_local_ray():
+        resources = local_cluster_resources()
+        found.append(Finding("ok", "cluster", f"no RAY_ADDRESS: `vidray train` starts a local Ray cluster with "
+                             f"{resources['CPU']:g} CPUs and {resources['GPU']:g} GPUs, on 127.0.0.1"))
+        if job is not None:
+            found.extend(_resource_findings(job, resources, None, LOCAL_RAY, check_resources,
+                                            check_encode_resources if latent_cache_root(job) else None))
+            if any(getattr(job.placement, s).label_selector for s in ("dit", "decode", "vae", "text")):
+                found.append(Finding("ok", "placement", "the local node has no vidray labels: every stage runs on "
+                                     "it, its label_selector dropped (`vidray.placement`)"))
+        return found
+    address = os.environ.get("RAY_ADDRESS") or "the Ray this process is connected to"
+    try:
+        started = init_ray()
+    except Exception as err:  # noqa: BLE001 - ConnectionError, auth errors, ...: reported, not raised
+        return [Finding("fail", "cluster", f"cannot join {address}: {type(err).__name__}: {err}. Check the "
+                        "address (ray status on the head prints it) and the auth token")]
+    try:
+        nodes = alive_nodes()
+        resources = ray.cluster_resources()
+        autoscaler_max = autoscaler_max_resources()
+        labels = sorted({f"{k}={v}" for n in nodes for k, v in n.labels.items() if k.startswith("vidray.io/")})
+        found.append(Finding("ok", "cluster", f"{address}: {len(nodes)} alive node(s), {resources.get('CPU', 0):g} "
+                             f"CPUs, {resources.get('GPU', 0):g} GPUs"
+                             + (f" (its autoscaler can reach {autoscaler_max})" if autoscaler_max else "")
+                             + f"; vidray labels: {', '.join(labels) or 'none'}"))
+        if job is not None:
+            found.extend(_resource_findings(job, resources, autoscaler_max, "the cluster", check_resources,
+                                            check_encode_resources if latent_cache_root(job) else None))
+            try:
+                _, lines = _captured(lambda: resolve_placement(job, nodes, autoscaler=autoscaler_max is not None))
+                level: Level = "warn" if any(line.startswith("warning") for line in lines) else "ok"
+                found.extend(Finding(level if line.startswith("warning") else "ok", "placement", line)
+                             for line in lines)
+            except UserError as err:
+                found.append(Finding("fail", "placement", str(err)))
+    finally:
+        if started:
+            ray.shutdown()
+    return found
+
+
+def _resource_findings(job: Any, resources: dict[str, float], autoscaler_max: dict[str, float] | None, where: str,
+                       check_train: Callable[..., None], check_encode: Callable[..., None] | None) -> list[Finding]:
+    from vidray.errors import UserError
+
+    found = []
+    for topic, check in (("resources", check_train), ("vidray encode", check_encode)):
+        if check is None:
+            continue
+        try:
+            _, lines = _captured(lambda: check(job, resources, autoscaler_max=autoscaler_max, where=where))
+            what = ("workers, with their loaders and encode actors, fit" if topic == "resources"
+                    else "encode pipeline fits")
+            found.append(Finding("ok", topic, "; ".join(lines) or f"the job's {what} in {where}"))
+        except UserError as err:
+            found.append(Finding("fail", topic, str(err)))
+    return found
+
+
+def run_doctor(job: Any | None = None) -> list[Finding]:
+    """Every check of the module docstring, in order: environment, then (with `job`) the job, then the cluster."""
+    found = check_environment()
+    if job is not None:
+        found.extend(check_job(job))
+    found.extend(check_cluster(job))
+    return found
