@@ -27,6 +27,7 @@ loaded only when it is the one chosen above.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import sys
 import time
@@ -648,8 +649,9 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False, resume_hint
     """Train `job` with Ray Train: starts a local Ray (or joins `RAY_ADDRESS`) if Ray is not initialized.
 
     A run whose `<storage.path>/<name>` already holds checkpoints resumes from the latest one, unless
-    `checkpoint.resume_from` names another (see the module docstring). Raises the errors of `check_job_inputs`
-    and RequestCannotBeMetError before Ray reserves anything; a vidray UserError raised in a worker (a diverged
+    `checkpoint.resume_from` names another (see the module docstring). Raises UserError when another driver is
+    training the same run folder (`run_folder_lock`), the errors of `check_job_inputs` and RequestCannotBeMetError,
+    all before Ray reserves anything; a vidray UserError raised in a worker (a diverged
     loss, a damaged checkpoint) is raised as is, without Ray Train retries; ray.train.TrainingFailedError when
     the worker group fails more than `train.max_failures` times. `record_sample_ids`: also return the sample_ids
     trained at each step (`TrainResult.trained_samples`; for tests and audits, it grows with the run).
@@ -657,15 +659,76 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False, resume_hint
     `--resume` (running its command again starts over).
     """
     # 1. Checks that need no Ray: local resources (first: a run that cannot start says so before the resume
-    #    lines), config against shards and checkpoint, output folder.
-    import ray
-    import ray.train
-
-    from vidray.runtime import apply_ray_env_defaults, autoscaler_max_resources, init_ray, check_local_ray
-    from vidray.train.entry import train_loop_per_worker  # the worker's stack (diffusers) stays out of the driver
+    #    lines), the run folder not in use, config against shards and checkpoint, output folder.
+    from vidray.runtime import apply_ray_env_defaults, check_local_ray
 
     apply_ray_env_defaults()
     check_local_ray(job, check_resources)
+    with run_folder_lock(job):
+        return _run_training(job, record_sample_ids=record_sample_ids, resume_hint=resume_hint)
+
+
+RUN_LOCK_NAME = ".vidray-train.lock"
+"""The file in a local run folder that a training driver holds an exclusive `flock` on while it trains."""
+
+
+@contextlib.contextmanager
+def run_folder_lock(job: JobConfig):
+    """Hold an exclusive lock on the run folder `<storage.path>/<name>` for as long as one driver trains it: a
+    second `vidray train` (or `ray job submit`) of the same run, which would write its checkpoints over the
+    first's and remove them in its own rotation (a new user's trial: the second died with Ray's "Path not found"
+    traceback), is refused at once, before it checks or reserves anything.
+
+    An `flock` on `<run>/.vidray-train.lock`: per open file, so a second run in the same process is refused too,
+    and released by the kernel when the driver dies, even by SIGKILL. A run that ends having written nothing (refused
+    by a later check) leaves no folder. Raises UserError naming the run and the fix.
+    A run folder on object storage (`storage.path` a URI) has no lock: two drivers of one run there are not
+    detected. A folder that cannot be created is left to `check_job_inputs`, which names the setting.
+    """
+    import errno
+    import fcntl
+
+    storage_path = absolute_location(job.storage.path)
+    if is_uri(storage_path):
+        yield
+        return
+    run_dir = Path(storage_path) / job.name
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / RUN_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # unwritable storage.path: check_job_inputs says so, naming the key
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise UserError(
+                    f"another `vidray train` is training the run {run_dir} (it holds {RUN_LOCK_NAME}): its "
+                    f"checkpoints would be overwritten. Wait for it to finish, or give this run another name "
+                    f"(name={job.name}-2)"
+                ) from None
+            raise
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):  # a run that wrote nothing leaves nothing
+                if [p.name for p in run_dir.iterdir()] == [RUN_LOCK_NAME]:
+                    (run_dir / RUN_LOCK_NAME).unlink()
+                    run_dir.rmdir()
+    finally:
+        os.close(fd)
+
+
+def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) -> TrainResult:
+    """`run_training` once the run folder is locked (`run_folder_lock`)."""
+    import ray
+    import ray.train
+
+    from vidray.runtime import autoscaler_max_resources, init_ray
+    from vidray.train.entry import train_loop_per_worker  # the worker's stack (diffusers) stays out of the driver
+
     plan = check_job_inputs(job)
     from vidray.models.text_encoder import shards_caption_truncation  # caption column + tokenizer only: ~1 s
 
