@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from vidray.config import ConfigError, load_job_config
+from vidray.errors import UserError
 from vidray.data.ingest import prepare_data
 from vidray.train.checkpoint import TrainState, save_checkpoint
 from vidray.train.trainer import (
@@ -460,3 +461,64 @@ def test_a_resume_that_changes_the_global_batch_says_so(job_and_index, tmp_path,
         assert "global batch" not in out, out
     else:
         assert f"[vidray] {line}\n" in out, out
+
+
+def test_a_run_folder_another_driver_trains_is_refused_before_anything_starts(job_and_index, tmp_path):
+    # A new user's trial: two `vidray train` of one run name both trained into its folder, overwriting each other's
+    # checkpoints, until one died with Ray's "Path not found" traceback. The run folder's lock refuses the second.
+    import signal
+    import subprocess
+    import sys
+
+    import ray
+
+    from vidray.train.trainer import RUN_LOCK_NAME, run_training
+
+    job, _, _ = job_and_index
+    job = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
+        f"data.shards_dir={job.data.shards_dir}", f"storage.path={tmp_path}", "name=busy", "train.max_steps=10"])
+    (tmp_path / "busy").mkdir()
+    holder = subprocess.Popen(  # another driver: a real process holding the run folder's lock
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         f"fd = os.open({str(tmp_path / 'busy' / RUN_LOCK_NAME)!r}, os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(600)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UserError, match=rf"another `vidray train` is training the run {tmp_path / 'busy'} "
+                                            rf"\(it holds {RUN_LOCK_NAME}\).*name=busy-2"):
+            run_training(job)
+        assert not ray.is_initialized()  # refused before Ray started
+    finally:
+        holder.send_signal(signal.SIGKILL)  # the kernel releases a dead driver's lock
+        holder.wait()
+    from vidray.train.trainer import run_folder_lock
+
+    with run_folder_lock(job):
+        with pytest.raises(UserError, match="another `vidray train`"):  # a second run in this very process, too
+            with run_folder_lock(job):
+                pass
+    assert not (tmp_path / "busy").exists()  # a run that wrote nothing leaves no folder (nor lock file)
+
+
+def test_the_same_files_listed_by_absolute_paths_are_named_as_such_when_a_resume_is_refused(job_and_index, tmp_path):
+    # A new user's trial: the same two files re-listed with absolute paths were refused as "2 samples added, 2
+    # removed" (a sample_id hashes the path as the list writes it, so the resume is still refused: its schedule and
+    # noise are keyed by sample_id). The message now says what happened and how to list them.
+    import json
+
+    from vidray.data.index import dataset_rows, describe_dataset_change
+
+    job, _, _ = job_and_index
+    listed = json.loads((REPO / "samples/metadata.json").read_text())
+    assert not any(Path(item["file_path"]).is_absolute() for item in listed)
+    for item in listed:
+        item["file_path"] = str(REPO / "samples" / item["file_path"])
+    (tmp_path / "absolute.json").write_text(json.dumps(listed))
+    again = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
+        f"data.source={tmp_path / 'absolute.json'}", f"data.shards_dir={tmp_path / 'shards'}"])
+    assert prepare_data(again.data, progress=None).num_kept == 6
+    change = describe_dataset_change(dataset_rows(job.data.shards_dir), dataset_rows(again.data.shards_dir))
+    assert change == ("6 samples of the same source files listed under other paths (a sample_id hashes the path as "
+                      "data.source writes it: list the files as this run's prepare did, e.g. relative or absolute as "
+                      "then)")

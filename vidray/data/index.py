@@ -24,6 +24,7 @@ shard once; `source_sha256` is unknown then: zeros) and says so in `SampleIndex.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,7 +274,13 @@ def dataset_hash(shards_dir_or_rows: str | Path | pa.Table) -> str:
 
 def describe_dataset_change(old: pa.Table, new: pa.Table) -> str:
     """What differs between two `dataset_rows` tables, e.g. "3 samples added, 1 removed, 2 changed source, 1
-    changed caption, bucket or clip window" ("no sample differs" when none)."""
+    changed caption, bucket or clip window" ("no sample differs" when none).
+
+    A sample_id hashes a file's path as `data.source` writes it (`vidray.data.ingest`), so the same file listed
+    another way (relative instead of absolute, another folder) is a removed and an added sample. Removed and added
+    samples of the same source file (equal `source_sha256`, known) are counted as such instead: "2 samples of the
+    same source files listed under other paths (a sample_id hashes the path as data.source writes it: list the
+    files as this run's prepare did)"."""
     before = dict(zip(old["sample_id"].to_pylist(), zip(old["source_sha256"].to_pylist(),
                                                          old["row_sha256"].to_pylist())))
     after = dict(zip(new["sample_id"].to_pylist(), zip(new["source_sha256"].to_pylist(),
@@ -281,11 +288,22 @@ def describe_dataset_change(old: pa.Table, new: pa.Table) -> str:
     common = before.keys() & after.keys()
     source = sum(1 for k in common if before[k][0] != after[k][0])
     other = sum(1 for k in common if before[k][0] == after[k][0] and before[k][1] != after[k][1])
-    added = len(after.keys() - before.keys())
+    unknown = bytes(32)
+
+    def sources(ids) -> collections.Counter:
+        return collections.Counter(src for src in ids if src and src != unknown)
+
+    relisted = sum((sources(before[k][0] for k in before.keys() - after.keys())
+                    & sources(after[k][0] for k in after.keys() - before.keys())).values())
+    added = len(after.keys() - before.keys()) - relisted
     parts = [f"{n} {what}" for n, what in ((added, "sample added" if added == 1 else "samples added"),
-                                           (len(before.keys() - after.keys()), "removed"),
+                                           (len(before.keys() - after.keys()) - relisted, "removed"),
                                            (source, "changed source"),
                                            (other, "changed caption, bucket or clip window")) if n]
+    if relisted:
+        parts.append(f"{relisted} {'sample' if relisted == 1 else 'samples'} of the same source files listed under "
+                     "other paths (a sample_id hashes the path as data.source writes it: list the files as this "
+                     "run's prepare did, e.g. relative or absolute as then)")
     return ", ".join(parts) or "no sample differs"
 
 
