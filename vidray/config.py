@@ -649,11 +649,40 @@ def _section_fields(path: Sequence[str | int]) -> list[str] | None:
     return None
 
 
+def _field_hint(path: Sequence[str]) -> Any:
+    """The type hint of the setting at a dotted location (`["optim", "betas"]` -> tuple[float, float]), or None."""
+    cls: Any = JobConfig
+    for part in path:
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+        if part not in hints:
+            return None
+        cls = hints[part]
+    return cls
+
+
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         loc = [str(p) for p in e["loc"]]
         key = ".".join(loc) or "<root>"
+        parent = _field_hint(loc[:-1]) if loc and loc[-1].isdigit() else None
+        if typing.get_origin(parent) is tuple and e["type"] in ("missing", "too_long", "too_short"):
+            # a fixed-length list setting (optim.betas): name it, not its element ('optim.betas.1')
+            lines.append(f"'{'.'.join(loc[:-1])}' must be a list of {len(typing.get_args(parent))} values, got "
+                         f"{e['input']!r}")
+            continue
+        if typing.get_origin(parent) is tuple:  # one element of it is wrong: 'optim.betas' value 2 of 2
+            lines.append(f"wrong value {e['input']!r} for '{'.'.join(loc[:-1])}' (value {int(loc[-1]) + 1} of "
+                         f"{len(typing.get_args(parent))}): {e['msg']}")
+            continue
+        if e["type"] in ("too_long", "too_short") and typing.get_origin(_field_hint(loc)) is tuple:
+            args = typing.get_args(_field_hint(loc))
+            lines.append(f"'{key}' must be a list of {len(args)} values, got {e['input']!r}")
+            continue
+        if e["input"] is None and e["type"] not in ("missing", "extra_forbidden", "unexpected_keyword_argument"):
+            lines.append(f"'{key}' is empty (an empty YAML value or `{key}=` override reads as null): give it a "
+                         f"value ({e['msg']})")
+            continue
         if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             valid = _section_fields(loc[:-1]) or []
             lines.append(f"unknown key '{key}'; valid: {', '.join(valid)}")

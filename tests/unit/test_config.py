@@ -150,3 +150,20 @@ def test_max_sequence_length_above_the_text_encoder_limit_is_refused_on_the_driv
                                              ("s3://b/latents", "s3://b/latents")])
 def test_latent_cache_words_yaml_reads_as_booleans_keep_their_meaning(given, expected):
     assert load_job_config(None, [f"data.latent_cache={given}"]).data.latent_cache == expected
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    # A new user's trial: "wrong value for 'optim.betas.1': [0.9] (Field required)", a key no one can set
+    ("optim.betas=[0.9]", "'optim.betas' must be a list of 2 values, got [0.9]"),
+    ("optim.betas=[0.9, 0.99, 0.5]", "'optim.betas' must be a list of 2 values, got [0.9, 0.99, 0.5]"),
+    ("optim.betas=[0.9, x]", "wrong value 'x' for 'optim.betas' (value 2 of 2): Input should be a valid number"),
+    # ... and "wrong value for 'train.max_steps': None" where the user typed nothing
+    ("train.max_steps=", "'train.max_steps' is empty (an empty YAML value or `train.max_steps=` override reads as "
+                         "null): give it a value"),
+    ("name=", "'name' is empty"),
+])
+def test_list_settings_of_a_fixed_length_and_empty_values_are_named_as_the_user_wrote_them(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_job_config(None, [override])
+    assert message in str(err.value)
+    assert "betas.1" not in str(err.value) and "None" not in str(err.value)
