@@ -10,7 +10,7 @@ what `vidray train` would do or refuse, without reserving anything or training:
   CPU count and memory, Ray's token for CLI clients;
 - the job (with CONFIG): the config and overrides, `data.source`, the prepared shards in `data.shards_dir` (or
   that `prepare` has not run), `storage.path`, `data.latent_cache`, and where `train` would start (step 1, or the
-  checkpoint it resumes from; or why it would refuse);
+  checkpoint it resumes from; or why it would refuse, e.g. another driver training the run now);
 - the cluster: with `RAY_ADDRESS`, it joins the cluster (no resources reserved) and checks its nodes, labels and
   resources (the autoscaler's limit included) against the job; without it, the local cluster `vidray train`
   would start here.
@@ -136,7 +136,7 @@ def check_job(job: Any) -> list[Finding]:
     from vidray.data.shards import INDEX_NAME, read_index
     from vidray.data.storage import open_storage
     from vidray.errors import UserError, UserFileNotFound
-    from vidray.train.trainer import check_job_inputs
+    from vidray.train.trainer import check_job_inputs, run_folder_lock
 
     found = [Finding("ok", "config", f"job {job.name!r}: {job.model.family} ({job.model.init}, text encoder "
                      f"{job.model.text_encoder}), {len(job.data.buckets)} bucket(s), scaling.num_workers="
@@ -159,6 +159,11 @@ def check_job(job: Any) -> list[Finding]:
         except UserError as err:
             found.append(Finding("fail", "data.shards_dir", str(err)))
             prepared = False
+    try:  # a driver training this run now: `vidray train` would be refused at once
+        with run_folder_lock(job):
+            pass
+    except UserError as err:
+        return [*found, Finding("fail", "train", f"`vidray train` would refuse: {err}")]
     if prepared:
         try:
             plan, lines = _captured(lambda: check_job_inputs(job))

@@ -103,3 +103,18 @@ def test_a_config_that_does_not_load_is_a_fail_and_the_other_checks_still_run(ca
     assert found["torch"][0].startswith("ok ") and found["cluster"][0].startswith("ok ")
     assert main(["doctor", "train.max_steps=3"]) == 1  # an override alone is read as the config: not found
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_a_run_another_driver_is_training_is_a_fail(capsys, monkeypatch, shards, tmp_path):
+    from vidray.train.trainer import run_folder_lock
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    argv = [CONFIG, f"data.shards_dir={shards}", f"storage.path={tmp_path}", "name=busy"]
+    with run_folder_lock(load_job_config(CONFIG, argv[1:])):  # as a training driver holds it
+        code, found = doctor(capsys, *argv)
+    assert code == 1
+    assert found["train"] == [f"FAIL `vidray train` would refuse: another `vidray train` is training the run "
+                              f"{tmp_path / 'busy'} (it holds .vidray-train.lock): its checkpoints would be "
+                              "overwritten. Wait for it to finish, or give this run another name (name=busy-2)"]
+    code, found = doctor(capsys, *argv)  # released: train starts
+    assert code == 0 and found["train"] == ["ok `vidray train` starts at step 1"]
