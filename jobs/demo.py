@@ -77,6 +77,10 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
         shutil.rmtree(job.run_dir)
     print(f"== 2. train {job.name}: {job.scaling.num_workers} workers, {job.train.max_steps} steps", flush=True)
     result = run_training(job, resume_hint=RESUME_HINT)
+    import ray
+
+    if ray.is_initialized():  # done with Ray: its workers' last log lines print now, not after the summary
+        ray.shutdown()
 
     print("== 3. generate", flush=True)
     video_path = result.run_dir / "samples" / "demo.mp4"

@@ -131,7 +131,8 @@ def _check_pyav() -> list[Finding]:
 
 def check_job(job: Any) -> list[Finding]:
     """The job's inputs and outputs, as `vidray prepare` and `vidray train` would find them (module docstring).
-    Writes nothing but what `check_job_inputs` checks by creating (the `storage.path` folder)."""
+    Writes nothing, except that trying the run folder's lock (`run_folder_lock`) creates a missing local
+    `storage.path` folder (the run folder in it is removed again)."""
     from vidray.data.ingest import read_source
     from vidray.data.shards import INDEX_NAME, read_index
     from vidray.data.storage import open_storage
