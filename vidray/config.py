@@ -636,21 +636,9 @@ def diff_for_resume(saved: dict[str, Any], job: JobConfig) -> ResumeDiff:
     return ResumeDiff(fixed, changeable)
 
 
-def _section_fields(path: Sequence[str | int]) -> list[str] | None:
-    """Valid keys at a dotted location (for 'unknown key' messages), or None if not a section."""
-    cls: Any = JobConfig
-    for part in path:
-        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
-        if part not in hints:
-            return None
-        cls = hints[part]
-    if dataclasses.is_dataclass(cls):
-        return [f.name for f in dataclasses.fields(cls)]
-    return None
-
-
-def _field_hint(path: Sequence[str]) -> Any:
-    """The type hint of the setting at a dotted location (`["optim", "betas"]` -> tuple[float, float]), or None."""
+def _field_hint(path: Sequence[str | int]) -> Any:
+    """The type hint of the setting at a dotted location (`["optim", "betas"]` -> tuple[float, float]; `[]` ->
+    JobConfig), or None when there is no such setting."""
     cls: Any = JobConfig
     for part in path:
         hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
@@ -658,6 +646,14 @@ def _field_hint(path: Sequence[str]) -> Any:
             return None
         cls = hints[part]
     return cls
+
+
+def _section_fields(path: Sequence[str | int]) -> list[str] | None:
+    """Valid keys at a dotted location (for 'unknown key' messages), or None if not a section."""
+    cls = _field_hint(path)
+    if cls is not None and dataclasses.is_dataclass(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+    return None
 
 
 def _format_errors(err: ValidationError) -> str:
