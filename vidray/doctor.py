@@ -211,8 +211,8 @@ def check_cluster(job: Any | None) -> list[Finding]:
     from vidray.data.encode import check_encode_resources
     from vidray.errors import UserError
     from vidray.placement import alive_nodes, resolve_placement
-    from vidray.runtime import (LOCAL_RAY, autoscaler_max_resources, init_ray, local_cluster_resources,
-                                will_start_local_ray)
+    from vidray.runtime import (LOCAL_RAY, apply_ray_env_defaults, autoscaler_max_resources,
+                                local_cluster_resources, will_start_local_ray)
     from vidray.train.trainer import check_resources, latent_cache_root
 
     found: list[Finding] = []
@@ -229,7 +229,14 @@ def check_cluster(job: Any | None) -> list[Finding]:
         return found
     address = os.environ.get("RAY_ADDRESS") or "the Ray this process is connected to"
     try:
-        started = init_ray()
+        if ray.is_initialized():
+            started = False
+        else:  # joined quietly: Ray's INFO lines would break the one-line-per-check report
+            import logging
+
+            apply_ray_env_defaults()
+            ray.init(logging_level=logging.WARNING, log_to_driver=False)
+            started = True
     except Exception as err:  # noqa: BLE001 - ConnectionError, auth errors, ...: reported, not raised
         return [Finding("fail", "cluster", f"cannot join {address}: {type(err).__name__}: {err}. Check the "
                         "address (ray status on the head prints it) and the auth token")]

@@ -39,6 +39,7 @@ from vidray.config import ConfigError, JobConfig, ResumeDiff, check_output_path,
 from vidray.errors import RequestCannotBeMetError, UserError, UserFileNotFound  # noqa: F401 (re-exported)
 from vidray.locations import absolute_location, is_uri
 from vidray.placement import alive_nodes, resolve_placement
+from vidray.runtime import LOCAL_RAY
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 """Ray Train V2's list of a run's reported checkpoints, in the run folder."""
@@ -462,7 +463,7 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
         if need > could + 1e-9:
             if resource == "GPU":
                 fix = ("set scaling.use_gpu=false and placement.vae|text.num_gpus=0, or run on a cluster with GPUs "
-                       "(RAY_ADDRESS)")
+                       + ("(RAY_ADDRESS)" if where == LOCAL_RAY else "(add GPU nodes, or point RAY_ADDRESS at one)"))
             else:
                 # each worker's loader and encode actor, and what its trainer could have beside them
                 others = per_worker["CPU"] - job.scaling.cpus_per_worker
