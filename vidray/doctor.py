@@ -15,8 +15,8 @@ what `vidray train` would do or refuse, without reserving anything or training:
   resources (the autoscaler's limit included) against the job; without it, the local cluster `vidray train`
   would start here.
 
-Each finding is one line, `ok`, `warn` or `FAIL`, with the fix for the last two. `run_doctor` returns them;
-the CLI prints them and exits 1 when any is `FAIL`.
+Each finding is one line, `ok`, `warn` or `FAIL`, with the fix for the last two. `check_environment`, `check_job` and
+`check_cluster` return them; the CLI (`vidray.cli.cmd_doctor`) prints them and exits 1 when any is `FAIL`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import platform
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-__all__ = ["Finding", "check_cluster", "check_environment", "check_job", "run_doctor"]
+__all__ = ["Finding", "check_cluster", "check_environment", "check_job"]
 
 Level = Literal["ok", "warn", "fail"]
 
@@ -254,8 +254,7 @@ def check_cluster(job: Any | None) -> list[Finding]:
                                             check_encode_resources if latent_cache_root(job) else None))
             try:
                 _, lines = _captured(lambda: resolve_placement(job, nodes, autoscaler=autoscaler_max is not None))
-                level: Level = "warn" if any(line.startswith("warning") for line in lines) else "ok"
-                found.extend(Finding(level if line.startswith("warning") else "ok", "placement", line)
+                found.extend(Finding("warn" if line.startswith("warning") else "ok", "placement", line)
                              for line in lines)
             except UserError as err:
                 found.append(Finding("fail", "placement", str(err)))
@@ -282,11 +281,3 @@ def _resource_findings(job: Any, resources: dict[str, float], autoscaler_max: di
             found.append(Finding("fail", topic, str(err)))
     return found
 
-
-def run_doctor(job: Any | None = None) -> list[Finding]:
-    """Every check of the module docstring, in order: environment, then (with `job`) the job, then the cluster."""
-    found = check_environment()
-    if job is not None:
-        found.extend(check_job(job))
-    found.extend(check_cluster(job))
-    return found
