@@ -102,3 +102,28 @@ def test_kill_after_the_copy_before_ray_registers_it_restarts_from_that_checkpoi
     # Ray kept its two newest, 2 and 6; checkpoint 4, which it never registered, is removed after the run.
     assert CheckpointManager(tmp_path / "faults").complete() == ["checkpoint_000002", "checkpoint_000006"]
     assert "removed checkpoint_000004" in out
+
+
+def test_run_stopped_before_ray_registers_its_last_checkpoint_then_rerun_keeps_num_to_keep(
+        fault_ray, straight_losses, shards_dir, tmp_path, capfd):
+    # A new user's trial: a run stopped (Ctrl-C there; here its worker killed with no restart allowed) after the copy
+    # of checkpoint 4 but before Ray registered it. Ray's checkpoint list names checkpoint 2 as the latest, the run
+    # folder's latest complete one is 4: the same command re-run resumes from 4 and sets Ray's list aside, so Ray's
+    # rotation knows only the checkpoints of the re-run. checkpoint.num_to_keep=2 must still hold when it ends (it
+    # left checkpoints 2, 4 and 6 before).
+    marker, expected = fault_ray["manifest.json"], straight_losses
+    marker.unlink()
+    with pytest.raises(Exception):  # noqa: B017 - Ray's TrainingFailedError wrapping the dead worker
+        run_training(job(shards_dir, tmp_path, train__max_failures=0, checkpoint__num_to_keep=2))
+    assert "after copying manifest.json of checkpoint_000004" in marker.read_text()
+    run = CheckpointManager(tmp_path / "faults")
+    assert run.complete() == ["checkpoint_000002", "checkpoint_000004"]
+    capfd.readouterr()
+    rerun = run_training(job(shards_dir, tmp_path, checkpoint__num_to_keep=2))
+    out = capfd.readouterr().out
+    assert rerun.first_step == 5
+    for step, loss in rerun.losses:
+        assert loss == pytest.approx(expected[int(step)], rel=1e-4, abs=1e-5)
+    assert run.complete() == ["checkpoint_000004", "checkpoint_000006"]
+    assert "Ray Train's checkpoint list (checkpoint_manager_snapshot.json) named another latest checkpoint" in out
+    assert "removed checkpoint_000002 (checkpoint.num_to_keep=2" in out

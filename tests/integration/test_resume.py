@@ -179,6 +179,10 @@ def test_changed_settings_take_effect_and_a_damaged_checkpoint_is_recovered_from
     assert third.first_step == 17 and [int(s) for s, _ in third.losses] == list(range(17, 25))
     verify_checkpoint(run_dir / "checkpoint_000020")  # rewritten by this run, whole
     assert read_train_state(third.checkpoint_path).step == 24
+    # Ray's rotation knew only 20 and 24 (its list was set aside with the damaged checkpoint); num_to_keep=3 still
+    # holds in the run folder: the newest older checkpoint, 16, stays, 12 goes.
+    assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == [
+        "checkpoint_000016", "checkpoint_000020", "checkpoint_000024"]
     damaged = list((run_dir / "set_aside").glob("*/checkpoint_000020"))
     assert len(damaged) == 1
     with pytest.raises(DamagedCheckpointError):

@@ -16,7 +16,8 @@ Which checkpoint a run starts from (the precedence, decided here and passed to t
 3. Otherwise the run starts at step 1.
 Ray Train's own checkpoint list (`checkpoint_manager_snapshot.json`) is moved aside with them whenever it names a
 folder that is gone or another latest checkpoint: Ray would otherwise refuse the run folder, or rotate away the
-wrong checkpoints.
+wrong checkpoints. Ray's rotation then knows only this `fit()`'s checkpoints, so `checkpoint.num_to_keep` is applied to
+the run folder's other complete checkpoints when the run ends (`_apply_num_to_keep`).
 Inside the workers, a restart after a worker or node failure loads the newest checkpoint written during this `fit()`
 (a step after the chosen one's; none newer is left in the folder once the above is applied): Ray Train's
 `get_checkpoint()`, or the run folder's latest complete checkpoint when that is newer (a node lost after the copy
@@ -516,29 +517,42 @@ def _set_aside(plan: ResumePlan) -> None:
         storage.delete_file(RAY_SNAPSHOT)
         moved.append(RAY_SNAPSHOT)
     start = f"starting from {plan.checkpoint}" if plan.checkpoint else "starting at step 1"
+    if moved == [RAY_SNAPSHOT] and not plan.explicit:  # a plain resume (e.g. after a Ctrl-C) or a fresh start
+        print(f"[vidray] {start}; Ray Train's checkpoint list ({RAY_SNAPSHOT}) named another latest checkpoint or a "
+              f"folder that is gone (a run stopped before Ray registered its last checkpoint), so it was moved to "
+              f"{storage.display(target)}; checkpoint.num_to_keep is applied to the run folder when this run ends",
+              flush=True)
+        return
     print(f"[vidray] {start}: moved {', '.join(moved)} to {storage.display(target)} (kept, not loaded)", flush=True)
 
 
-def _remove_unregistered_checkpoints(plan: ResumePlan, job: JobConfig, result: Any) -> list[str]:
-    """`checkpoint.num_to_keep` for the checkpoints Ray Train's rotation does not know: after a successful `fit()`,
-    delete the complete checkpoints written during it (steps after the plan's start) that Ray never registered and
-    that are older than Ray's latest one. Ray registers a checkpoint only once every rank's report of it reached
-    the controller; a restart that continued from such a checkpoint (`vidray.train.loop._resume_state`) leaves it
-    unregistered, so Ray's rotation would keep it forever. Nothing is deleted when `num_to_keep` is None (keep
-    all) or Ray kept no checkpoint. Returns the deleted folder names."""
+def _apply_num_to_keep(plan: ResumePlan, job: JobConfig, result: Any) -> list[str]:
+    """`checkpoint.num_to_keep` over the whole run folder, for the checkpoints Ray Train's rotation does not know.
+    After a successful `fit()`, the folder keeps every checkpoint Ray registered (its rotation already kept
+    `num_to_keep` of them) and, when Ray registered fewer than `num_to_keep`, the newest other complete checkpoints
+    up to that number; every other complete checkpoint older than Ray's newest is deleted. Ray does not know:
+    - a checkpoint a restart continued from before Ray registered it (Ray registers one only once every rank's
+      report of it reached the controller; `vidray.train.loop._resume_state`);
+    - the run's checkpoints from before this `fit()` when Ray's checkpoint list was set aside at the start (a run
+      stopped by Ctrl-C between a checkpoint's copy and its registration, then resumed; a `checkpoint.resume_from`
+      rewind), which Ray's rotation would otherwise keep forever.
+    Checkpoints in `set_aside/` and folders without a manifest are not touched. Nothing is deleted when
+    `num_to_keep` is None (keep all) or Ray kept no checkpoint. Returns the deleted folder names, oldest first."""
     from vidray.train.checkpoint import checkpoint_step
 
-    if job.checkpoint.num_to_keep is None or not result.best_checkpoints:
+    keep_n = job.checkpoint.num_to_keep
+    if keep_n is None or not result.best_checkpoints:
         return []
     registered = {Path(checkpoint.path).name for checkpoint, _ in result.best_checkpoints}
     newest = max(checkpoint_step(name) for name in registered)
-    stale = [name for name in plan.manager.complete()
-             if name not in registered and plan.step < checkpoint_step(name) < newest]
+    others = [name for name in plan.manager.complete() if name not in registered and checkpoint_step(name) < newest]
+    room = max(0, keep_n - len(registered))
+    stale = others[:len(others) - room]
     for name in stale:
         plan.manager.storage.delete_dir(name)
     if stale:
-        print(f"[vidray] removed {', '.join(stale)}: restarts continued from them before Ray Train registered them, "
-              f"so its rotation (checkpoint.num_to_keep={job.checkpoint.num_to_keep}) did not", flush=True)
+        print(f"[vidray] removed {', '.join(stale)} (checkpoint.num_to_keep={keep_n}; Ray Train's rotation did not "
+              f"know them: written before this run's restart or start registered them)", flush=True)
     return stale
 
 
@@ -777,7 +791,7 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
         print(f"[vidray] interrupted (Ctrl-C): the run stopped; its checkpoints so far are kept in {run_dir}; "
               f"{resume_hint}", file=sys.stderr, flush=True)
         raise
-    _remove_unregistered_checkpoints(plan, job, result)
+    _apply_num_to_keep(plan, job, result)
     out = result.return_value or {}
     return TrainResult(
         run_dir=run_dir,
