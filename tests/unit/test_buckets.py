@@ -32,6 +32,17 @@ def test_assign_bucket_prefers_buckets_the_video_can_fill():
     assert assign_bucket(num_frames=12, height=480, width=854, buckets=BUCKETS) == Bucket(9, 64, 112)
 
 
+def test_assign_bucket_prefers_a_bucket_filled_at_data_fps_over_a_longer_one_at_a_higher_rate():
+    # 20 frames in 1.2 s at 8 fps hold 10 frames by time: 17 would need the stride fallback (every frame, 16.7 fps).
+    assert assign_bucket(num_frames=20, height=480, width=854, buckets=BUCKETS, num_frames_at_fps=10) == Bucket(
+        9, 64, 112)
+    # Aspect ratio still comes first, and with no bucket of the rate the longer one is taken (stride fallback).
+    assert assign_bucket(num_frames=20, height=480, width=854, buckets=[Bucket(17, 64, 112), Bucket(9, 64, 64)],
+                         num_frames_at_fps=10) == Bucket(17, 64, 112)
+    assert assign_bucket(num_frames=20, height=480, width=854, buckets=BUCKETS, num_frames_at_fps=20) == Bucket(
+        17, 64, 112)
+
+
 def test_images_go_to_single_frame_buckets():
     assert assign_bucket(num_frames=1, height=382, width=600, buckets=BUCKETS, is_image=True) == Bucket(1, 64, 64)
 

@@ -119,6 +119,23 @@ def test_prepare_keeps_a_shipped_gif_of_2_08_s_in_a_17_frame_bucket_at_8_fps(tmp
     assert (summary.num_kept, summary.skipped) == (1, [])
 
 
+def test_prepare_puts_a_short_clip_in_the_bucket_it_fills_at_data_fps_rather_than_a_longer_one_above_it(
+        tmp_path, samples_dir):
+    # A new user's trial: Newton's cradle (36 frames at 43.9 fps, 0.82 s: 7 frames at 8 fps by time) went to a
+    # 9-frame bucket by the stride fallback (every 4th frame: 11 fps), though a 5-frame bucket holds it at the
+    # configured 8 fps. The 5-frame bucket wins; alone, the 9-frame bucket still takes it above 8 fps.
+    meta = [e for e in json.loads((samples_dir / "metadata.json").read_text())
+            if e["file_path"].endswith("newtonscradle_200x150.gif")]
+    shutil.copy(samples_dir / "newtonscradle_200x150.gif", tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    prepare(tmp_path / "meta.json", tmp_path / "both", [[9, 64, 64], [5, 64, 64]], FPS, 8, progress=None)
+    (row,) = iter_samples(tmp_path / "both")
+    assert (row["num_frames"], row["fps"]) == (5, FPS)
+    prepare(tmp_path / "meta.json", tmp_path / "nine", [[9, 64, 64]], FPS, 8, progress=None)
+    (row,) = iter_samples(tmp_path / "nine")
+    assert row["num_frames"] == 9 and row["fps"] > FPS
+
+
 def test_read_clip_too_short_raises_media_error(tmp_path):
     path = write_mp4(_gray_ramp(6, step=10), tmp_path / "tiny.mp4", fps=8.0)
     with pytest.raises(MediaError, match="too short: 6 frames at 8.00 fps"):

@@ -47,14 +47,20 @@ def validate_bucket(bucket: Bucket, *, spatial_multiple: int = 16, temporal_comp
 
 
 def assign_bucket(
-    *, num_frames: int, height: int, width: int, buckets: Sequence[Bucket], is_image: bool = False
+    *, num_frames: int, height: int, width: int, buckets: Sequence[Bucket], is_image: bool = False,
+    num_frames_at_fps: int | None = None,
 ) -> Bucket | None:
     """Pick the bucket for a source of `num_frames` frames at `height` x `width` px.
 
     Images (`is_image=True`) go to single-frame buckets, videos to multi-frame ones. Among the buckets whose
-    `num_frames` the source can fill, the one whose aspect ratio (H/W) is closest to the source's wins (ties: the
-    larger frame count, then the larger area), so the center crop drops the least. Returns None when no bucket
-    fits (a video too short for every multi-frame bucket, or no bucket of the right kind).
+    `num_frames` the source can fill, the one whose aspect ratio (H/W) is closest to the source's wins, so the
+    center crop drops the least. Ties go to a bucket the source fills at `data.fps` (`num_frames_at_fps`: the most
+    frames it holds at that rate by time; None: every bucket it can fill), then to the larger frame count, then
+    the larger area. A longer bucket the source fills only by taking consecutive frames (the stride fallback of
+    `vidray.data.video`, a rate above `data.fps`) is thus picked only when no bucket of that aspect ratio fits at
+    `data.fps`: as EasyAnimate's loader keeps its sample stride and shortens the clip, the rate the model learns
+    motion at stays the configured one. Returns None when no bucket fits (a video too short for every
+    multi-frame bucket, or no bucket of the right kind).
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"source size must be positive, got {height}x{width}")
@@ -66,5 +72,7 @@ def assign_bucket(
         return None
     return min(
         candidates,
-        key=lambda b: (abs(b.height / b.width - aspect), -b.num_frames, -(b.height * b.width)),
+        key=lambda b: (abs(b.height / b.width - aspect),
+                       num_frames_at_fps is not None and b.num_frames > num_frames_at_fps,
+                       -b.num_frames, -(b.height * b.width)),
     )

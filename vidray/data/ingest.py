@@ -45,6 +45,7 @@ from vidray.data.video import (
     MediaError,
     MediaInfo,
     encode_mp4,
+    num_frames_at_fps,
     num_frames_available,
     probe_media,
     read_clip,
@@ -558,7 +559,7 @@ def prepare(
             is_image = item.is_image or info.is_image
             bucket = assign_bucket(
                 num_frames=num_frames_available(info, fps), height=info.height, width=info.width,
-                buckets=buckets, is_image=is_image,
+                buckets=buckets, is_image=is_image, num_frames_at_fps=num_frames_at_fps(info, fps),
             )
             if bucket is None:
                 raise MediaError(_no_bucket_reason(info, is_image, buckets, fps))

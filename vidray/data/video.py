@@ -316,6 +316,22 @@ def num_frames_available(info: MediaInfo, fps: float) -> int:
     return max(info.num_frames, by_time)
 
 
+def num_frames_at_fps(info: MediaInfo, fps: float) -> int:
+    """Most frames a clip of the whole source holds at `fps` (frames/s) by timestamps, without the stride fallback:
+    the largest n with `(n - 1) / fps` inside the source's duration (see `read_clip`). Images give 1; a source
+    with no known duration gives 0."""
+    if info.is_image:
+        return 1
+    if info.duration_s <= 0:
+        return 0
+    n = max(1, math.ceil((info.duration_s - _EPS_S) * fps))
+    while n > 1 and not _uses_timestamps(info, n, fps):
+        n -= 1
+    while _uses_timestamps(info, n + 1, fps):
+        n += 1
+    return n
+
+
 def _uses_timestamps(info: MediaInfo, num_frames: int, fps: float) -> bool:
     return (num_frames - 1) / fps < info.duration_s - _EPS_S
 
