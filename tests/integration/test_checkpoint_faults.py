@@ -2,7 +2,8 @@
 complete one, and the run re-run from it ends as an uninterrupted run does. Killed right after the copy's last
 file (the manifest), before Ray Train registered the checkpoint: the restart inside the run continues from that
 complete checkpoint, not from Ray's previous one, and the unregistered folder does not outlive
-`checkpoint.num_to_keep`.
+`checkpoint.num_to_keep`; with no restart allowed (as a Ctrl-C there), the same command re-run resumes from it and
+`checkpoint.num_to_keep` still holds in the run folder when it ends.
 
 The kills are real (SIGKILL of the Ray Train worker process) and land at chosen points of the copy of
 `checkpoint_000004`: after `optimizer.pt` (before the manifest), or after `manifest.json` (the fault-injection
