@@ -126,5 +126,7 @@ def test_run_stopped_before_ray_registers_its_last_checkpoint_then_rerun_keeps_n
     for step, loss in rerun.losses:
         assert loss == pytest.approx(expected[int(step)], rel=1e-4, abs=1e-5)
     assert run.complete() == ["checkpoint_000004", "checkpoint_000006"]
-    assert "Ray Train's checkpoint list (checkpoint_manager_snapshot.json) named another latest checkpoint" in out
+    assert ("Ray Train's checkpoint list (checkpoint_manager_snapshot.json) disagrees with the run folder: it names "
+            "checkpoint_000002 as the latest checkpoint, not checkpoint_000004 (a run stopped after "
+            "checkpoint_000004's copy, before Ray registered it)") in out
     assert "removed checkpoint_000002 (checkpoint.num_to_keep=2" in out

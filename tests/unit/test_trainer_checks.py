@@ -277,7 +277,8 @@ def test_non_finite_window_names_the_first_bad_step_and_its_lr():
     assert non_finite_parameters(layer) == ["bias"]
 
 
-def test_deleting_a_damaged_checkpoint_resumes_from_the_previous_one_and_resets_rays_list(job_and_index, tmp_path):
+def test_deleting_a_damaged_checkpoint_resumes_from_the_previous_one_and_resets_rays_list(job_and_index, tmp_path,
+                                                                                          capsys):
     import json
 
     from vidray.train.trainer import RAY_SNAPSHOT, _set_aside
@@ -291,7 +292,11 @@ def test_deleting_a_damaged_checkpoint_resumes_from_the_previous_one_and_resets_
     shutil.rmtree(job.run_dir / "checkpoint_000008")  # the user removed the damaged one
     plan = check_job_inputs(job)
     assert (plan.checkpoint.name, plan.step, plan.reset_ray_snapshot) == ("checkpoint_000004", 4, True)
+    assert plan.ray_snapshot_reason == "it names checkpoint_000008, which is gone"
+    capsys.readouterr()
     _set_aside(plan)
+    assert "disagrees with the run folder: it names checkpoint_000008, which is gone; it was moved to " in (
+        capsys.readouterr().out)
     assert not (job.run_dir / RAY_SNAPSHOT).exists()  # Ray would refuse a list naming a missing folder
     assert list(job.run_dir.glob(f"set_aside/*/{RAY_SNAPSHOT}"))
     assert (job.run_dir / "checkpoint_000004" / "manifest.json").is_file()

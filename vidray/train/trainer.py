@@ -105,7 +105,8 @@ class ResumePlan:
     checkpoint: the verified checkpoint folder to load (a Path, or a URI string on object storage), or None
     (start at step 1). step: its step (0 if none). explicit: it came from `checkpoint.resume_from`. set_aside: names
     of the run folder's checkpoints newer than it, to move aside before Ray starts. reset_ray_snapshot: move Ray
-    Train's checkpoint list aside too (the run no longer continues from its own latest checkpoint). diff: config
+    Train's checkpoint list aside too (the run no longer continues from its own latest checkpoint);
+    ray_snapshot_reason: why, when the list disagrees with the run folder. diff: config
     changes from the checkpoint's saved config. manager: the run folder's `CheckpointManager`.
     """
 
@@ -114,6 +115,7 @@ class ResumePlan:
     explicit: bool = False
     set_aside: list[str] = field(default_factory=list)
     reset_ray_snapshot: bool = False
+    ray_snapshot_reason: str = ""
     diff: ResumeDiff | None = None
     manager: Any = None
 
@@ -145,23 +147,30 @@ def _last_good_checkpoint(manager: Any, below: str) -> str | None:
     return None
 
 
-def _ray_snapshot_disagrees(manager: Any, chosen: str | None) -> bool:
-    """True when Ray Train's checkpoint list of the run names a folder that is gone (e.g. a damaged checkpoint the
-    user deleted: Ray would refuse the whole run folder) or a latest checkpoint other than `chosen`."""
+def _ray_snapshot_disagrees(manager: Any, chosen: str | None) -> str:
+    """Why Ray Train's checkpoint list of the run cannot be kept, or "" when it can: it names a folder that is gone
+    (e.g. a damaged checkpoint the user deleted: Ray would refuse the whole run folder), or a latest checkpoint other
+    than `chosen` (e.g. a run stopped after `chosen`'s copy, before Ray registered it), or it cannot be read."""
     import json
 
     storage = manager.storage
     if not storage.is_file(RAY_SNAPSHOT):
-        return False
+        return ""
     try:
         snapshot = json.loads(storage.read_bytes(RAY_SNAPSHOT))
         listed = [r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results", [])]
         latest = (snapshot.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return True  # unreadable: Ray could not use it either
-    if any(not storage.is_dir(name) for name in listed):
-        return True
-    return latest is not None and latest != chosen
+        return "it cannot be read"  # Ray could not use it either
+    gone = [name for name in listed if not storage.is_dir(name)]
+    if gone:
+        return f"it names {', '.join(gone)}, which {'is' if len(gone) == 1 else 'are'} gone"
+    if latest is not None and latest != chosen:
+        if chosen is None:
+            return f"it names {latest} as the latest checkpoint, and the run starts at step 1"
+        return (f"it names {latest} as the latest checkpoint, not {chosen} (a run stopped after {chosen}'s copy, "
+                "before Ray registered it)")
+    return ""
 
 
 def _started_from(manager: Any, name: str, start: str) -> bool:
@@ -246,7 +255,8 @@ def plan_resume(job: JobConfig) -> ResumePlan:
                 print(f"[vidray] {manager.location(latest)} was trained from checkpoint.resume_from={start}: "
                       "continuing from it", flush=True)
                 choose(latest)
-                plan.reset_ray_snapshot = _ray_snapshot_disagrees(manager, latest)
+                plan.ray_snapshot_reason = _ray_snapshot_disagrees(manager, latest)
+                plan.reset_ray_snapshot = bool(plan.ray_snapshot_reason)
                 return plan
         source = CheckpointManager(parent)
         if not source.storage.is_dir(chosen):
@@ -257,7 +267,8 @@ def plan_resume(job: JobConfig) -> ResumePlan:
         with source.fetch(chosen, parts=_PLAN_PARTS) as folder:
             plan.step = read_train_state(folder).step
         if in_run and chosen == latest:
-            plan.reset_ray_snapshot = _ray_snapshot_disagrees(manager, chosen)
+            plan.ray_snapshot_reason = _ray_snapshot_disagrees(manager, chosen)
+            plan.reset_ray_snapshot = bool(plan.ray_snapshot_reason)
         else:
             from vidray.train.checkpoint import checkpoint_step
 
@@ -265,7 +276,8 @@ def plan_resume(job: JobConfig) -> ResumePlan:
             plan.reset_ray_snapshot = manager.storage.is_file(RAY_SNAPSHOT)
         return plan
     if latest is None:
-        plan.reset_ray_snapshot = _ray_snapshot_disagrees(manager, None)
+        plan.ray_snapshot_reason = _ray_snapshot_disagrees(manager, None)
+        plan.reset_ray_snapshot = bool(plan.ray_snapshot_reason)
         return plan
     try:
         manager.verify(latest, hashes=local)
@@ -282,7 +294,8 @@ def plan_resume(job: JobConfig) -> ResumePlan:
             f"{manager.location('set_aside')})", err.directory, err.part,
         ) from None
     choose(latest)
-    plan.reset_ray_snapshot = _ray_snapshot_disagrees(manager, latest)
+    plan.ray_snapshot_reason = _ray_snapshot_disagrees(manager, latest)
+    plan.reset_ray_snapshot = bool(plan.ray_snapshot_reason)
     return plan
 
 
@@ -518,10 +531,9 @@ def _set_aside(plan: ResumePlan) -> None:
         moved.append(RAY_SNAPSHOT)
     start = f"starting from {plan.checkpoint}" if plan.checkpoint else "starting at step 1"
     if moved == [RAY_SNAPSHOT] and not plan.explicit:  # a plain resume (e.g. after a Ctrl-C) or a fresh start
-        print(f"[vidray] {start}; Ray Train's checkpoint list ({RAY_SNAPSHOT}) named another latest checkpoint or a "
-              f"folder that is gone (a run stopped before Ray registered its last checkpoint), so it was moved to "
-              f"{storage.display(target)}; checkpoint.num_to_keep is applied to the run folder when this run ends",
-              flush=True)
+        print(f"[vidray] {start}; Ray Train's checkpoint list ({RAY_SNAPSHOT}) disagrees with the run folder: "
+              f"{plan.ray_snapshot_reason or 'it was set aside'}; it was moved to {storage.display(target)}, and "
+              "checkpoint.num_to_keep is applied to the run folder when this run ends", flush=True)
         return
     print(f"[vidray] {start}: moved {', '.join(moved)} to {storage.display(target)} (kept, not loaded)", flush=True)
 
