@@ -28,6 +28,18 @@ def test_assign_bucket_picks_the_closest_aspect(height, width, expected):
     assert assign_bucket(num_frames=49, height=height, width=width, buckets=BUCKETS) == expected
 
 
+def test_a_portrait_source_and_its_landscape_mirror_get_mirror_image_buckets():
+    # A new user's trial: 320x240 went to 64x112 (the crop keeps 76 %) but its 240x320 mirror to the square bucket
+    # (75 %) instead of 112x64 (76 %): the distance was linear in H/W. Compared as log(H/W), the crop that keeps
+    # the most wins both ways.
+    assert assign_bucket(num_frames=49, height=240, width=320, buckets=BUCKETS) == Bucket(17, 64, 112)
+    assert assign_bucket(num_frames=49, height=320, width=240, buckets=BUCKETS) == Bucket(9, 112, 64)
+    for height, width in ((480, 854), (300, 400), (1000, 1100)):
+        landscape = assign_bucket(num_frames=9, height=height, width=width, buckets=BUCKETS)
+        portrait = assign_bucket(num_frames=9, height=width, width=height, buckets=BUCKETS)
+        assert (portrait.height, portrait.width) == (landscape.width, landscape.height)
+
+
 def test_assign_bucket_prefers_buckets_the_video_can_fill():
     assert assign_bucket(num_frames=12, height=480, width=854, buckets=BUCKETS) == Bucket(9, 64, 112)
 

@@ -149,3 +149,17 @@ def test_sintel_trailer_becomes_several_clips_inside_its_scenes(real_data_dir, t
         inside = [s for s in scenes if s.start_s - 1e-4 <= row["clip_start_s"] and row["clip_end_s"] <= s.end_s + 1e-4]
         assert len(inside) == 1, (row["clip_start_s"], row["clip_end_s"])  # no clip straddles a cut
         assert (row["num_frames"], row["height"], row["width"]) == (9, 64, 112)
+
+
+def test_every_scene_clip_of_a_source_keeps_the_aspect_ratio_of_its_bucket(real_data_dir, tmp_path):
+    # A new user's trial: with buckets of several lengths and aspect ratios, two short scenes of the 427x256 (H/W
+    # 0.6) arm-wrestling clip were cut as 5x64x64 (a square crop dropping 40 % of the width) because no 9x64x112
+    # clip fits them at 8 fps; the file's other clips were 9x64x112. A scene too short for every bucket of the
+    # file's aspect ratio now gives no clip.
+    path = real_data_dir / "mmaction2_armwrestling_340x256.mp4"
+    (tmp_path / "meta.json").write_text(json.dumps([{"file_path": str(path), "text": "arm wrestling"}]))
+    buckets = [[17, 64, 64], [9, 64, 64], [5, 64, 64], [9, 64, 112], [9, 112, 64], [1, 64, 64]]
+    summary = prepare(tmp_path / "meta.json", tmp_path / "shards", buckets, FPS, 64, progress=None)
+    rows = list(iter_samples(tmp_path / "shards"))
+    assert summary.num_samples == len(rows) >= 3
+    assert {(row["num_frames"], row["height"], row["width"], row["fps"]) for row in rows} == {(9, 64, 112, FPS)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Sequence
 
 
@@ -54,7 +55,9 @@ def assign_bucket(
 
     Images (`is_image=True`) go to single-frame buckets, videos to multi-frame ones. Among the buckets whose
     `num_frames` the source can fill, the one whose aspect ratio (H/W) is closest to the source's wins, so the
-    center crop drops the least. Ties go to a bucket the source fills at `data.fps` (`num_frames_at_fps`: the most
+    center crop drops the least: the distance is `|log(h/w) - log(H/W)|`, since the crop keeps the fraction
+    `min(a/b, b/a)` of the frame for aspect ratios a and b (symmetric: a portrait source and its landscape mirror
+    image get mirror-image buckets). Ties go to a bucket the source fills at `data.fps` (`num_frames_at_fps`: the most
     frames it holds at that rate by time; None: every bucket it can fill), then to the larger frame count, then
     the larger area. A longer bucket the source fills only by taking consecutive frames (the stride fallback of
     `vidray.data.video`, a rate above `data.fps`) is thus picked only when no bucket of that aspect ratio fits at
@@ -64,7 +67,7 @@ def assign_bucket(
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"source size must be positive, got {height}x{width}")
-    aspect = height / width
+    log_aspect = math.log(height / width)
     candidates = [
         b for b in buckets if (b.num_frames == 1) == is_image and (is_image or b.num_frames <= num_frames)
     ]
@@ -72,7 +75,7 @@ def assign_bucket(
         return None
     return min(
         candidates,
-        key=lambda b: (abs(b.height / b.width - aspect),
+        key=lambda b: (round(abs(math.log(b.height / b.width) - log_aspect), 12),
                        num_frames_at_fps is not None and b.num_frames > num_frames_at_fps,
                        -b.num_frames, -(b.height * b.width)),
     )

@@ -414,7 +414,8 @@ def _read_clips(
 
     A video lasting at least two clips of `bucket` (`needs_scene_split`), with `scene_split` given, is scanned
     for cuts; when it has several scenes (or `max_clips_per_scene` > 1), the clips are those
-    `plan_scene_clips` lays inside the scenes, each read from its window. Otherwise one clip from the start, as
+    `plan_scene_clips` lays inside the scenes with the buckets of `bucket`'s aspect ratio, each read from its
+    window. Otherwise one clip from the start, as
     `read_clip` samples it (images: their one frame). Raises MediaError when the source cannot fill a clip, or
     when it has several scenes and none is long enough for a multi-frame bucket (every clip would straddle a cut).
     """
@@ -428,16 +429,20 @@ def _read_clips(
         except MediaError as err:
             scenes, note = [], f"scene detection failed ({_short_reason(err, path)}), one clip from the start"
         if len(scenes) > 1 or (scenes and scene_split.max_clips_per_scene > 1):
+            # Every clip of the source keeps the aspect ratio of the bucket the whole file got: a short scene
+            # takes a shorter bucket of that aspect ratio, never another one's crop.
+            same_aspect = [b for b in buckets if b.height * bucket.width == b.width * bucket.height]
             planned = plan_scene_clips(
-                scenes, info, buckets, fps, max_clips_per_scene=scene_split.max_clips_per_scene,
+                scenes, info, same_aspect, fps, max_clips_per_scene=scene_split.max_clips_per_scene,
                 max_clips_per_source=scene_split.max_clips_per_source,
             )
             if not planned:
                 longest_s = max(scene.duration_s for scene in scenes)
                 raise MediaError(
                     f"{len(scenes)} scenes, the longest {longest_s:.2f} s: none holds the smallest multi-frame "
-                    f"bucket at {fps:g} fps, so every clip would straddle a scene cut (set data.split_scenes: false "
-                    "to keep such files, or raise data.min_scene_s)"
+                    f"bucket of its aspect ratio ({bucket.height}x{bucket.width}) at {fps:g} fps, so every clip would "
+                    "straddle a scene cut (set data.split_scenes: false to keep such files, or raise "
+                    "data.min_scene_s)"
                 )
             windows = [ClipWindow(c.bucket, c.start_s, c.end_s) for c in planned]
             videos = read_clips(path, info, windows, fps)  # one decode pass; each (F, H, W, 3) uint8

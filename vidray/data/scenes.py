@@ -13,8 +13,10 @@ default, cuts closer than `min_scene_s` merged) on every frame, decoded by PyAV 
 `analysis_width_px` (160 px wide): the 30 s 854x480 Sintel trailer takes about 1.5 s on one core.
 
 Clip rule (`plan_scene_clips`): each scene gets the bucket `assign_bucket` picks for a source of the scene's
-length (aspect closest to the source's display aspect, then the most frames); a scene shorter than every
-multi-frame bucket at `fps` gets no clip. A scene gets `min(max_clips_per_scene, floor(scene_s / clip_s))`
+length at `fps` (aspect closest to the source's display aspect, then the most frames); a scene shorter than every
+multi-frame bucket at `fps` gets no clip. `vidray.data.ingest` passes only the buckets of the aspect ratio the whole
+source got, so every clip of a source has one aspect ratio and a short scene takes a shorter bucket of it (or none),
+never another aspect ratio's crop. A scene gets `min(max_clips_per_scene, floor(scene_s / clip_s))`
 consecutive, non-overlapping clips of `clip_s = num_frames / fps` seconds, centred in the scene (the spare time
 split before and after, which also keeps clips away from the cut frames). With more clips than
 `max_clips_per_source`, clips are taken round by round (every scene's first clip, then every scene's second...)
