@@ -527,3 +527,26 @@ def test_the_same_files_listed_by_absolute_paths_are_named_as_such_when_a_resume
     assert change == ("6 samples of the same source files listed under other paths (a sample_id hashes the path as "
                       "data.source writes it: list the files as this run's prepare did, e.g. relative or absolute as "
                       "then)")
+
+
+def test_ctrl_c_that_lands_as_the_run_ends_does_not_ask_for_a_resume_that_would_be_refused(job_and_index, tmp_path):
+    # A new user's trial: Ctrl-C at step 30 of a 60-step run took effect only after the run had reached step 60;
+    # the driver still said "run the same command again to resume", which is refused ("already at step 60").
+    from vidray.train.trainer import interrupted_note
+
+    job = resumable_run(job_and_index, tmp_path, "ending", steps=(4, 8))
+    _, index, _ = job_and_index
+    plan = check_job_inputs(job)  # the run resumes from 8 towards train.max_steps=20
+    fake_checkpoint(job.run_dir / "checkpoint_000012", step=12, index_hash=index["content_hash"],
+                    job_config=job.to_dict())
+    stopped = interrupted_note(plan, job, "run the same command again to resume")
+    assert stopped == (f"[vidray] interrupted (Ctrl-C): the run stopped; its checkpoints so far are kept in "
+                       f"{job.run_dir}; run the same command again to resume")
+    fake_checkpoint(job.run_dir / "checkpoint_000020", step=20, index_hash=index["content_hash"],
+                    job_config=job.to_dict())
+    ended = interrupted_note(plan, job, "run the same command again to resume")
+    assert ended.startswith(f"[vidray] interrupted (Ctrl-C) as the run ended: {job.run_dir}/checkpoint_000020 "
+                            "already holds step 20 (train.max_steps=20), so there is nothing to resume")
+    assert "run the same command again" not in ended
+    with pytest.raises(ConfigError, match=r"already at step 20 >= train.max_steps 20"):
+        check_job_inputs(job)  # what a re-run would say

@@ -563,9 +563,33 @@ def _apply_num_to_keep(plan: ResumePlan, job: JobConfig, result: Any) -> list[st
     for name in stale:
         plan.manager.storage.delete_dir(name)
     if stale:
-        print(f"[vidray] removed {', '.join(stale)} (checkpoint.num_to_keep={keep_n}; Ray Train's rotation did not "
-              f"know them: written before this run's restart or start registered them)", flush=True)
+        print(f"[vidray] removed {', '.join(stale)} (checkpoint.num_to_keep={keep_n}: they were not in Ray Train's "
+              "checkpoint list of this run, so its rotation did not remove them)", flush=True)
     return stale
+
+
+def interrupted_note(plan: ResumePlan, job: JobConfig, resume_hint: str) -> str:
+    """What the driver prints after a Ctrl-C (KeyboardInterrupt) ended `fit()`. A Ctrl-C that lands while a short
+    run finishes its last steps may take effect only once the run reached `train.max_steps`: then the run folder's
+    latest complete checkpoint already holds the last step, a re-run would be refused ("already at step N"), and
+    the note says so instead of `resume_hint`."""
+    from vidray.train.checkpoint import CheckpointError, read_train_state
+
+    manager = plan.manager
+    try:
+        latest, step = manager.latest(), 0
+        if latest:
+            with manager.fetch(latest, parts=_PLAN_PARTS) as folder:
+                step = read_train_state(folder).step
+    except (CheckpointError, OSError, ValueError, KeyError):  # unreadable: say what a stopped run says
+        latest, step = None, 0
+    if latest and step >= job.train.max_steps:
+        return (f"[vidray] interrupted (Ctrl-C) as the run ended: {manager.location(latest)} already holds step "
+                f"{step} (train.max_steps={job.train.max_steps}), so there is nothing to resume. If the Ctrl-C cut "
+                f"the export of {manager.location('diffusers')} short, `vidray generate --model "
+                f"{manager.location(latest)}` samples from the checkpoint itself; to train on, raise train.max_steps")
+    return (f"[vidray] interrupted (Ctrl-C): the run stopped; its checkpoints so far are kept in {manager.location()}; "
+            f"{resume_hint}")
 
 
 def _stop_on_user_errors_callback():
@@ -800,8 +824,7 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
             raise err.controller_failure from None
         raise
     except KeyboardInterrupt:
-        print(f"[vidray] interrupted (Ctrl-C): the run stopped; its checkpoints so far are kept in {run_dir}; "
-              f"{resume_hint}", file=sys.stderr, flush=True)
+        print(interrupted_note(plan, job, resume_hint), file=sys.stderr, flush=True)
         raise
     _apply_num_to_keep(plan, job, result)
     out = result.return_value or {}
