@@ -8,7 +8,8 @@ what `vidray train` would do or refuse, without reserving anything or training:
 - environment: Python, torch (CUDA devices, NCCL / gloo), Ray (against the version `pyproject.toml` pins),
   diffusers, transformers, PyAV with the H.264 decoder and the libx264 encoder vidray writes clips with, the
   CPU count and memory, Ray's token for CLI clients;
-- the job (with CONFIG): the config and overrides, `data.source`, the prepared shards in `data.shards_dir` (or
+- the job (with CONFIG): the config and overrides, `data.source` (its listed files that are missing; the source
+  the shards were prepared from when it is another file), the prepared shards in `data.shards_dir` (or
   that `prepare` has not run), `storage.path`, `data.latent_cache`, and where `train` would start (step 1, or the
   checkpoint it resumes from; or why it would refuse, e.g. another driver training the run now);
 - the cluster: with `RAY_ADDRESS`, it joins the cluster (no resources reserved) and checks its nodes, labels and
@@ -28,6 +29,8 @@ import os
 import platform
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
+
+from vidray.locations import is_uri
 
 __all__ = ["Finding", "check_cluster", "check_environment", "check_job"]
 
@@ -145,10 +148,18 @@ def check_job(job: Any) -> list[Finding]:
     prepared = open_storage(job.data.shards_dir).is_file(INDEX_NAME)
     try:
         items = read_source(job.data.source)
-        found.append(Finding("ok", "data.source", f"{job.data.source}: {len(items)} file(s) listed"))
+        missing = [str(it.file_path) for it in items if not is_uri(str(it.file_path)) and not it.file_path.exists()]
+        if missing:
+            found.append(Finding("warn", "data.source", f"{job.data.source}: {len(items)} file(s) listed, "
+                                 f"{len(missing)} missing (e.g. {missing[0]}): `vidray prepare` skips and reports "
+                                 "them; fix the paths to keep them"))
+        else:
+            found.append(Finding("ok", "data.source", f"{job.data.source}: {len(items)} file(s) listed"))
     except UserError as err:
         note = " (the shards are prepared already: only a new prepare needs it)" if prepared else ""
         found.append(Finding("warn" if prepared else "fail", "data.source", f"{err}{note}"))
+    if prepared:
+        found.extend(_check_prepared_source(job))
     if not prepared:
         found.append(Finding("warn", "data.shards_dir", f"{job.data.shards_dir} holds no prepared shards (no "
                              f"{INDEX_NAME}): run `vidray prepare CONFIG` (or `vidray train --prepare`)"))
@@ -160,6 +171,10 @@ def check_job(job: Any) -> list[Finding]:
         except UserError as err:
             found.append(Finding("fail", "data.shards_dir", str(err)))
             prepared = False
+    outputs = _check_outputs(job)
+    found.extend(outputs)
+    if any(f.level == "fail" for f in outputs):
+        return found  # `vidray train` stops at the same check first
     try:  # a driver training this run now: `vidray train` would be refused at once
         with run_folder_lock(job):
             pass
@@ -175,17 +190,32 @@ def check_job(job: Any) -> list[Finding]:
             found.append(Finding("fail", "train", str(err)))
         except UserError as err:
             found.append(Finding("fail", "train", f"`vidray train` would refuse: {err}"))
-    else:
-        found.extend(_check_outputs(job))
     return found
 
 
+def _check_prepared_source(job: Any) -> list[Finding]:
+    """A warning when the committed prepare of `data.shards_dir` read another source file than `data.source`
+    (`vidray train` trains on the shards as they are; compared by real path, local files only)."""
+    from vidray.data.shards import read_report
+    from vidray.errors import UserError
+
+    try:
+        prepared_from = read_report(job.data.shards_dir).get("source")
+    except UserError:
+        return []  # an old prepare without a report: nothing to compare
+    if not prepared_from or is_uri(prepared_from) or is_uri(str(job.data.source)):
+        return []
+    if os.path.realpath(prepared_from) == os.path.realpath(job.data.source):
+        return []
+    return [Finding("warn", "data.source", f"the shards in {job.data.shards_dir} were prepared from {prepared_from}, "
+                    f"not {job.data.source}: `vidray train` trains on the shards as they are; run `vidray prepare` "
+                    "to train on data.source's files")]
+
+
 def _check_outputs(job: Any) -> list[Finding]:
-    """`storage.path` and a local `data.latent_cache` writable (what `check_job_inputs` checks first), for a job
-    whose shards are not prepared yet."""
+    """`storage.path` and a local `data.latent_cache` writable (what `check_job_inputs` checks first)."""
     from vidray.config import check_output_path
     from vidray.errors import UserError
-    from vidray.locations import is_uri
     from vidray.train.trainer import latent_cache_root
 
     found = []

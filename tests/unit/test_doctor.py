@@ -4,6 +4,7 @@ path (RAY_ADDRESS, node labels) is in tests/integration/test_job_submit.py."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,41 @@ def test_a_run_another_driver_is_training_is_a_fail(capsys, monkeypatch, shards,
                               "overwritten. Wait for it to finish, or give this run another name (name=busy-2)"]
     code, found = doctor(capsys, *argv)  # released: train starts
     assert code == 0 and found["train"] == ["ok `vidray train` starts at step 1"]
+
+
+def test_prepared_job_still_checks_its_outputs_missing_source_files_and_the_source_it_was_prepared_from(
+        capsys, monkeypatch, shards, tmp_path):
+    # A new user's trial: with the shards prepared, storage.path had no line of its own (an unwritable one showed
+    # only inside the `train` line), a source listing a missing file read "ok", and so did a data.source other
+    # than the one the shards were prepared from.
+    import json
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    base = [CONFIG, f"data.shards_dir={shards}", "name=doc2"]
+    code, found = doctor(capsys, *base, f"storage.path={tmp_path / 'runs'}")
+    assert code == 0
+    assert found["storage.path"] == [f"ok {tmp_path / 'runs'}: writable"]
+    source = load_job_config(CONFIG).data.source  # as the config writes it
+    assert found["data.source"] == [f"ok {source}: 6 file(s) listed"]
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    code, found = doctor(capsys, *base, f"storage.path={blocker / 'runs'}")
+    assert code == 1
+    assert found["storage.path"] == [f"FAIL storage.path {blocker / 'runs'} cannot be created: {blocker} is a file, "
+                                     "not a folder; choose another storage.path"]
+    assert "train" not in found  # the same refusal once, on its own line
+
+    entries = json.loads((REPO / "samples/metadata.json").read_text())
+    for entry in entries:
+        entry["file_path"] = str(REPO / "samples" / entry["file_path"])
+    entries.append({"file_path": str(tmp_path / "gone.mp4"), "text": "gone", "type": "video"})
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(entries))
+    code, found = doctor(capsys, *base, f"storage.path={tmp_path / 'runs'}", f"data.source={other}")
+    assert code == 0
+    assert found["data.source"] == [
+        f"warn {other}: 7 file(s) listed, 1 missing (e.g. {tmp_path / 'gone.mp4'}): `vidray prepare` skips and "
+        "reports them; fix the paths to keep them",
+        f"warn the shards in {shards} were prepared from {os.path.abspath(source)}, not {other}: `vidray "
+        "train` trains on the shards as they are; run `vidray prepare` to train on data.source's files"]

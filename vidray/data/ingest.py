@@ -648,7 +648,7 @@ def prepare(
             duplicate_listings.append(str(it.file_path))
     captions = caption_check([it.text for it in items if str(it.file_path) in kept_paths]) if caption_check else None
     report = {
-        "source": str(Path(source).resolve()),
+        "source": os.path.abspath(source),  # as the kept paths: absolute, symlinks kept
         "num_kept": num_files_kept,
         "num_samples": len(kept),
         "num_skipped": len(skipped),
