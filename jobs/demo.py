@@ -60,8 +60,8 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
 
     if resume and (Path(job.data.shards_dir) / INDEX_NAME).is_file():
         # The resumed run's shards as they are: no prepare step (a re-prepare of the same sources would resume too).
-        print(f"== 1. prepare: keeping the shards in {job.data.shards_dir} that the resumed run was trained on",
-              flush=True)
+        print(f"== 1. prepare: keeping the shards in {job.data.shards_dir} as they are (a resumed run trains on the "
+              "dataset it started on; a changed one is refused)", flush=True)
         report = read_report(job.data.shards_dir)
         num_kept, num_samples, num_skipped = report["num_kept"], report["num_samples"], report["num_skipped"]
     else:

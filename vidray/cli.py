@@ -179,7 +179,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from vidray import __version__
 
-    parser = argparse.ArgumentParser(prog="vidray", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="vidray", description=" ".join(__doc__.split("\n\n", 1)[0].split()))
     parser.add_argument("--version", action="version", version=f"vidray {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
