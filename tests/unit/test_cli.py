@@ -172,3 +172,12 @@ def test_encode_without_prepared_shards_says_run_prepare_before_starting_ray(con
     assert main(["encode", str(config)]) == 2
     err = capsys.readouterr().err
     assert f"no prepared shards in {tmp_path / 'shards'}" in err and "vidray prepare" in err, err
+
+
+def test_help_describes_every_command_in_a_whole_sentence(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("shard video clips (and encode them into the latent cache), train a video diffusion model on Ray, sample "
+            "from it, check a machine, job and cluster before a run.") in text
