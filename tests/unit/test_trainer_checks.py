@@ -550,3 +550,20 @@ def test_ctrl_c_that_lands_as_the_run_ends_does_not_ask_for_a_resume_that_would_
     assert "run the same command again" not in ended
     with pytest.raises(ConfigError, match=r"already at step 20 >= train.max_steps 20"):
         check_job_inputs(job)  # what a re-run would say
+
+
+def test_num_to_keep_at_the_end_of_a_run_keeps_rays_checkpoints_and_the_newest_others_up_to_the_number(
+        job_and_index, tmp_path):
+    from vidray.train.trainer import _apply_num_to_keep
+
+    # Ray's list was set aside at the start: it registered only 100 of this run; 70, 80 and 90 came before.
+    job = resumable_run(job_and_index, tmp_path, "keep5", steps=(70, 80, 90, 100), **{"checkpoint.num_to_keep": 5})
+    plan = check_job_inputs(load_job_config(None, [f"data.shards_dir={job.data.shards_dir}",
+                                                   f"storage.path={tmp_path}", "name=keep5", "train.max_steps=200"]))
+    assert _apply_num_to_keep(plan, job, {"checkpoint_000100"}) == []  # 4 <= 5: nothing goes
+    job2 = resumable_run(job_and_index, tmp_path, "keep2", steps=(70, 80, 90, 100), **{"checkpoint.num_to_keep": 2})
+    plan2 = check_job_inputs(load_job_config(None, [f"data.shards_dir={job.data.shards_dir}",
+                                                    f"storage.path={tmp_path}", "name=keep2", "train.max_steps=200"]))
+    assert _apply_num_to_keep(plan2, job2, {"checkpoint_000100"}) == ["checkpoint_000070", "checkpoint_000080"]
+    assert plan2.manager.complete() == ["checkpoint_000090", "checkpoint_000100"]
+    assert _apply_num_to_keep(plan2, load_job_config(None, ["checkpoint.num_to_keep=null"]), {"checkpoint_000100"}) == []

@@ -538,7 +538,7 @@ def _set_aside(plan: ResumePlan) -> None:
     print(f"[vidray] {start}: moved {', '.join(moved)} to {storage.display(target)} (kept, not loaded)", flush=True)
 
 
-def _apply_num_to_keep(plan: ResumePlan, job: JobConfig, result: Any) -> list[str]:
+def _apply_num_to_keep(plan: ResumePlan, job: JobConfig, registered: set[str]) -> list[str]:
     """`checkpoint.num_to_keep` over the whole run folder, for the checkpoints Ray Train's rotation does not know.
     After a successful `fit()`, the folder keeps every checkpoint Ray registered (its rotation already kept
     `num_to_keep` of them) and, when Ray registered fewer than `num_to_keep`, the newest other complete checkpoints
@@ -549,17 +549,17 @@ def _apply_num_to_keep(plan: ResumePlan, job: JobConfig, result: Any) -> list[st
       stopped by Ctrl-C between a checkpoint's copy and its registration, then resumed; a `checkpoint.resume_from`
       rewind), which Ray's rotation would otherwise keep forever.
     Checkpoints in `set_aside/` and folders without a manifest are not touched. Nothing is deleted when
-    `num_to_keep` is None (keep all) or Ray kept no checkpoint. Returns the deleted folder names, oldest first."""
+    `num_to_keep` is None (keep all) or Ray kept no checkpoint. `registered`: the folder names of Ray's checkpoints
+    (`Result.best_checkpoints`). Returns the deleted folder names, oldest first."""
     from vidray.train.checkpoint import checkpoint_step
 
     keep_n = job.checkpoint.num_to_keep
-    if keep_n is None or not result.best_checkpoints:
+    if keep_n is None or not registered:
         return []
-    registered = {Path(checkpoint.path).name for checkpoint, _ in result.best_checkpoints}
     newest = max(checkpoint_step(name) for name in registered)
     others = [name for name in plan.manager.complete() if name not in registered and checkpoint_step(name) < newest]
     room = max(0, keep_n - len(registered))
-    stale = others[:len(others) - room]
+    stale = others[:max(0, len(others) - room)]  # oldest first: the newest `room` of them stay
     for name in stale:
         plan.manager.storage.delete_dir(name)
     if stale:
@@ -826,7 +826,7 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
     except KeyboardInterrupt:
         print(interrupted_note(plan, job, resume_hint), file=sys.stderr, flush=True)
         raise
-    _apply_num_to_keep(plan, job, result)
+    _apply_num_to_keep(plan, job, {Path(checkpoint.path).name for checkpoint, _ in result.best_checkpoints or []})
     out = result.return_value or {}
     return TrainResult(
         run_dir=run_dir,
