@@ -16,7 +16,7 @@ def main() -> int:
     parser.add_argument("--config", required=True, help="job YAML in jobs/configs/")
     parser.add_argument("--prepare", action="store_true", help="prepare the shards first when they have no index")
     parser.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # overrides on both sides of --prepare, as `vidray train` takes them
     return vidray_main(["train", args.config, *args.overrides, *(["--prepare"] if args.prepare else [])])
 
 

@@ -44,7 +44,9 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
     job = _load(args)
     _check_encode(job)
-    if not open_storage(job.data.shards_dir).is_file(INDEX_NAME):
+    shards = open_storage(job.data.shards_dir)
+    shards.check_reachable("data.shards_dir")
+    if not shards.is_file(INDEX_NAME):
         raise UserError(f"no prepared shards in {job.data.shards_dir} (no {INDEX_NAME}): run `vidray prepare "
                         f"{args.config}` first, or `vidray prepare --encode {args.config}` to do both")
     return _encode(job)
@@ -89,13 +91,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     """Prepare the shards when asked and missing, train, and print where the outputs are. Returns an exit code."""
-    from vidray.train.trainer import run_training
-
     from vidray.data.shards import INDEX_NAME
-
     from vidray.data.storage import open_storage
+    from vidray.train.trainer import check_job_outputs, run_training
 
-    if prepare_if_missing and not open_storage(job.data.shards_dir).is_file(INDEX_NAME):
+    shards = open_storage(job.data.shards_dir)
+    shards.check_reachable("data.shards_dir")  # and ShardWriter checks it can write there when --prepare prepares
+    check_job_outputs(job)  # a bad storage.path is refused before --prepare encodes every clip
+    if prepare_if_missing and not shards.is_file(INDEX_NAME):
         from vidray.data.ingest import prepare_data
 
         summary = prepare_data(job.data, model=job.model)
@@ -227,6 +230,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """`build_parser().parse_args(argv)`, except that `section.key=value` overrides may also follow a flag
+    (`vidray train CONFIG a=1 --prepare b=2`): argparse ends a positional list at the first flag and would call
+    `b=2` an unrecognized argument. (`parse_intermixed_args` would do this, but it refuses parsers with
+    subcommands.) Exits 2 with argparse's usage message for anything else it does not know."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extras):
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        if getattr(args, "config", "") is None:  # doctor's optional CONFIG
+            parser.error(f"overrides {' '.join(extras)} need a CONFIG to apply to")
+        args.overrides = [*args.overrides, *extras]
+    return args
+
+
 class _StderrHandler(logging.StreamHandler):
     """A StreamHandler writing to whatever `sys.stderr` is at emit time (not the stream at setup)."""
 
@@ -255,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     Only `UserError`s (the user's input was wrong) become a one-line message and status 2; any other exception
     propagates with its traceback, since it is a bug to fix, not something the user can correct.
     """
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     _setup_logging()
     try:
         return args.func(args)

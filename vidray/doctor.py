@@ -135,7 +135,9 @@ def _check_pyav() -> list[Finding]:
 def check_job(job: Any) -> list[Finding]:
     """The job's inputs and outputs, as `vidray prepare` and `vidray train` would find them (module docstring).
     Writes nothing, except that trying the run folder's lock (`run_folder_lock`) creates a missing local
-    `storage.path` folder (the run folder in it is removed again)."""
+    `storage.path` folder (the run folder in it is removed again), and that an object-store `storage.path` or
+    `data.latent_cache` gets an empty probe object written and deleted (`Storage.check_reachable`). Never raises:
+    an object store that does not answer is a FAIL line."""
     from vidray.data.ingest import read_source
     from vidray.data.shards import INDEX_NAME, read_index
     from vidray.data.storage import open_storage
@@ -145,7 +147,14 @@ def check_job(job: Any) -> list[Finding]:
     found = [Finding("ok", "config", f"job {job.name!r}: {job.model.family} ({job.model.init}, text encoder "
                      f"{job.model.text_encoder}), {len(job.data.buckets)} bucket(s), scaling.num_workers="
                      f"{job.scaling.num_workers}, train.max_steps={job.train.max_steps}")]
-    prepared = open_storage(job.data.shards_dir).is_file(INDEX_NAME)
+    reachable = True
+    try:
+        shards = open_storage(job.data.shards_dir)
+        shards.check_reachable("data.shards_dir")
+        prepared = shards.is_file(INDEX_NAME)
+    except (UserError, OSError) as err:  # an S3 endpoint that does not answer, a missing bucket, a bad URI
+        found.append(Finding("fail", "data.shards_dir", str(err)))
+        reachable = prepared = False
     try:
         items = read_source(job.data.source)
         missing = [str(it.file_path) for it in items if not is_uri(str(it.file_path)) and not it.file_path.exists()]
@@ -160,7 +169,9 @@ def check_job(job: Any) -> list[Finding]:
         found.append(Finding("warn" if prepared else "fail", "data.source", f"{err}{note}"))
     if prepared:
         found.extend(_check_prepared_source(job))
-    if not prepared:
+    if not reachable:
+        pass  # said above
+    elif not prepared:
         found.append(Finding("warn", "data.shards_dir", f"{job.data.shards_dir} holds no prepared shards (no "
                              f"{INDEX_NAME}): run `vidray prepare CONFIG` (or `vidray train --prepare`)"))
     else:
@@ -190,6 +201,8 @@ def check_job(job: Any) -> list[Finding]:
             found.append(Finding("fail", "train", str(err)))
         except UserError as err:
             found.append(Finding("fail", "train", f"`vidray train` would refuse: {err}"))
+        except OSError as err:  # the store failed between the checks above and this one
+            found.append(Finding("fail", "train", f"reading the run's checkpoints or shards failed: {err}"))
     return found
 
 
@@ -213,22 +226,19 @@ def _check_prepared_source(job: Any) -> list[Finding]:
 
 
 def _check_outputs(job: Any) -> list[Finding]:
-    """`storage.path` and a local `data.latent_cache` writable (what `check_job_inputs` checks first)."""
-    from vidray.config import check_output_path
+    """`storage.path` and `data.latent_cache` writable: what `check_job_inputs` checks first
+    (`vidray.train.trainer.check_output_location`), one line per location."""
     from vidray.errors import UserError
-    from vidray.train.trainer import latent_cache_root
+    from vidray.train.trainer import check_output_location, output_locations
 
     found = []
-    for key, path in (("storage.path", job.storage.path), ("data.latent_cache", latent_cache_root(job))):
-        if not path:
-            continue
-        if is_uri(path):
-            found.append(Finding("ok", key, f"{path} (object storage: checked when the run starts)"))
-            continue
+    for key, path in output_locations(job):
         try:
-            check_output_path(path, key)
-            found.append(Finding("ok", key, f"{path}: writable"))
-        except UserError as err:
+            check_output_location(key, path)
+            how = "the store answers, the bucket exists, a probe object was written and deleted" if is_uri(path) \
+                else "writable"
+            found.append(Finding("ok", key, f"{path}: {how}"))
+        except (UserError, OSError) as err:
             found.append(Finding("fail", key, str(err)))
     return found
 

@@ -181,3 +181,30 @@ def test_help_describes_every_command_in_a_whole_sentence(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert ("shard video clips (and encode them into the latent cache), train a video diffusion model on Ray, sample "
             "from it, check a machine, job and cluster before a run.") in text
+
+
+def test_overrides_may_follow_a_flag_and_keep_their_order_and_other_extras_are_refused(capsys):
+    # A new user's trial: `vidray train CONFIG a=1 --prepare b=2` called b=2 an unrecognized argument.
+    from vidray.cli import parse_args
+
+    args = parse_args(["train", "c.yaml", "train.max_steps=1", "--prepare", "train.max_steps=2", "name=x"])
+    assert args.prepare and args.config == "c.yaml"
+    assert args.overrides == ["train.max_steps=1", "train.max_steps=2", "name=x"]  # the last one wins, as typed
+    args = parse_args(["prepare", "c.yaml", "--encode", "data.fps=4"])
+    assert args.encode and args.overrides == ["data.fps=4"]
+    for argv, extra in ((["train", "c.yaml", "--prepare", "--bogus"], "--bogus"),
+                        (["generate", "--model", "m", "--prompt", "p", "--output", "o.mp4", "a=1"], "a=1"),
+                        (["train", "c.yaml", "--prepare", "stray"], "stray")):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"vidray: error: unrecognized arguments: {extra}"
+
+
+def test_the_ray_job_submit_entry_point_takes_overrides_on_both_sides_of_prepare(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(root / "jobs/train.py"), "--config", str(tmp_path / "none.yaml"),
+                           "a=1", "--prepare", "b=2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2  # the config is missing: argparse accepted the arguments
+    assert done.stderr.strip().splitlines()[-1] == (f"vidray train: error: job config {tmp_path / 'none.yaml'} does "
+                                                    "not exist; the examples live in jobs/configs/")

@@ -157,3 +157,36 @@ def test_prepared_job_still_checks_its_outputs_missing_source_files_and_the_sour
         "reports them; fix the paths to keep them",
         f"warn the shards in {shards} were prepared from {os.path.abspath(source)}, not {other}: `vidray "
         "train` trains on the shards as they are; run `vidray prepare` to train on data.source's files"]
+
+
+def test_an_object_store_that_does_not_answer_is_a_fail_per_location_not_a_traceback(capsys, monkeypatch):
+    # A new user's trial: with AWS_ENDPOINT_URL mistyped, the doctor died in an OSError traceback (its docstring
+    # says it never raises), and a storage.path in a missing bucket read "ok".
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # nothing listens there
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr("vidray.data.storage.S3_MAX_ATTEMPTS", 1)
+    code, found = doctor(capsys, CONFIG, "data.shards_dir=s3://b/shards", "storage.path=s3://b/runs")
+    assert code == 1
+    for key, uri in (("data.shards_dir", "s3://b/shards"), ("storage.path", "s3://b/runs"),
+                     ("data.latent_cache", "s3://b/shards/latents")):
+        assert len(found[key]) == 1 and found[key][0].startswith(f"FAIL {key} {uri}: cannot reach the object store ")
+        assert found[key][0].endswith("check the endpoint (http://127.0.0.1:1, from AWS_ENDPOINT_URL), the network "
+                                      "and the credentials")
+    assert found["data.source"][0].startswith("ok ") and "cluster" in found  # the other checks still ran
+
+
+def test_an_s3_storage_path_in_a_missing_bucket_is_a_fail(capsys, monkeypatch, s3_env, shards):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, found = doctor(capsys, CONFIG, f"data.shards_dir={shards}", "storage.path=s3://nobucket-x/runs",
+                         "name=doc3")
+    assert code == 1
+    assert found["storage.path"] == [f"FAIL storage.path s3://nobucket-x/runs: bucket 'nobucket-x' does not exist (or "
+                                     f"these credentials cannot see it) at {s3_env}, from AWS_ENDPOINT_URL; create "
+                                     "the bucket or fix the URI"]
+    code, found = doctor(capsys, CONFIG, f"data.shards_dir={shards}", "storage.path=s3://vidray-test/doc3-runs",
+                         "name=doc3")
+    assert found["storage.path"] == ["ok s3://vidray-test/doc3-runs: the store answers, the bucket exists, a probe "
+                                     "object was written and deleted"]

@@ -386,3 +386,60 @@ def test_an_s3_storage_path_gives_ray_train_vidrays_filesystem_and_the_path_with
     assert run.storage_filesystem.__reduce__()[1][0]["endpoint_override"] == s3_env.split("://", 1)[1]
     _, local_run = build_trainer_configs(job, str(tmp_path / "runs"))
     assert local_run.storage_path == str(tmp_path / "runs") and local_run.storage_filesystem is None
+
+
+def test_check_reachable_names_the_setting_and_the_fault_and_leaves_no_probe_object(s3_env):
+    from vidray.errors import UserError
+
+    uri = _fresh_uri()
+    open_storage(uri).check_reachable("storage.path", write=True)
+    assert open_storage(uri).files() == set()  # the probe object was deleted again
+    with pytest.raises(UserError, match=rf"^storage.path s3://nobucket-x/runs: bucket 'nobucket-x' does not exist "
+                                        rf"\(or these credentials cannot see it\) at {s3_env}, from AWS_ENDPOINT_URL; "
+                                        "create the bucket or fix the URI$"):
+        open_storage("s3://nobucket-x/runs").check_reachable("storage.path")
+
+
+def test_an_unreachable_endpoint_is_one_line_naming_the_setting_and_the_endpoint(monkeypatch):
+    from vidray.errors import UserError
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # nothing listens there
+    monkeypatch.setattr("vidray.data.storage.S3_MAX_ATTEMPTS", 1)
+    with pytest.raises(UserError, match=r"^data.shards_dir s3://vidray-test/shards: cannot reach the object store "
+                                        r"\(.*NETWORK_CONNECTION.*\); check the endpoint \(http://127.0.0.1:1, from "
+                                        r"AWS_ENDPOINT_URL\), the network and the credentials$"):
+        open_storage("s3://vidray-test/shards").check_reachable("data.shards_dir")
+
+
+def test_prepare_to_a_missing_bucket_is_refused_before_any_clip_is_probed(samples_dir, s3_env, capsys):
+    from vidray.cli import main
+
+    repo = Path(__file__).resolve().parents[2]
+    code = main(["prepare", str(repo / "jobs/configs/tiny_t2v.yaml"), f"data.source={samples_dir / 'metadata.json'}",
+                 "data.shards_dir=s3://nobucket-x/shards"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "kept" not in out  # no `[1/6] kept ...` line: nothing was probed or encoded
+    assert err.strip() == (f"vidray prepare: error: data.shards_dir s3://nobucket-x/shards: bucket 'nobucket-x' does "
+                           f"not exist (or these credentials cannot see it) at {s3_env}, from AWS_ENDPOINT_URL; "
+                           "create the bucket or fix the URI")
+
+
+def test_train_refuses_an_s3_storage_path_in_a_missing_bucket_before_preparing_or_starting_ray(
+        local_and_s3, s3_env, capsys, tmp_path):
+    import ray
+
+    from vidray.cli import main
+
+    _, uri, _ = local_and_s3
+    repo = Path(__file__).resolve().parents[2]
+    fresh = _fresh_uri()
+    code = main(["train", str(repo / "jobs/configs/tiny_t2v.yaml"), "--prepare", f"data.shards_dir={fresh}",
+                 "storage.path=s3://nobucket-x/runs", "train.max_steps=1"])
+    out, err = capsys.readouterr()
+    assert code == 2 and not ray.is_initialized()
+    assert "kept" not in out and not open_storage(fresh).is_file(INDEX_NAME)  # refused before --prepare prepared
+    assert err.startswith("vidray train: error: storage.path s3://nobucket-x/runs: bucket 'nobucket-x' does not exist")
+    code = main(["train", str(repo / "jobs/configs/tiny_t2v.yaml"), f"data.shards_dir={uri}",
+                 f"data.latent_cache={tmp_path / 'latents'}", "storage.path=s3://nobucket-x/runs"])
+    assert code == 2 and not ray.is_initialized()
+    assert "storage.path s3://nobucket-x/runs: bucket 'nobucket-x' does not exist" in capsys.readouterr().err

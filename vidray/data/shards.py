@@ -263,7 +263,8 @@ class ShardWriter:
     uploaded whole as they are finished and `index.json` last; there is no lock on object storage (run one
     prepare per URI at a time).
 
-    Raises UserError when another prepare holds the folder's lock, or when `shards_dir` cannot be created.
+    Raises UserError when another prepare holds the folder's lock, or when `shards_dir` cannot be created (for a
+    URI: its store does not answer, its bucket does not exist or an object cannot be written there).
     """
 
     def __init__(self, shards_dir: str | Path):
@@ -299,6 +300,7 @@ class ShardWriter:
 
     def _init_remote(self) -> None:
         """Object store: no lock (see the class docstring); the generation's objects are uploaded as written."""
+        self.storage.check_reachable("data.shards_dir", write=True)  # before prepare probes and encodes any clip
         self.shards_dir = self.storage.location
         self._unlock = weakref.finalize(self, lambda: None)
         existing = [int(m.group(1)) for name, _ in self.storage.rel_names()

@@ -140,10 +140,60 @@ class Storage:
     def delete_dir(self, rel: str) -> None:
         self.fs.delete_dir(self.path(rel))
 
+    def check_reachable(self, setting: str, *, write: bool = False) -> None:
+        """Fail early, in one line, when this object-store folder cannot be used: the endpoint does not answer,
+        the bucket does not exist, or (with `write`) an object cannot be written under the folder (a probe object
+        `.vidray-write-probe-<uuid>` is written and deleted). Local folders are not touched (their callers check
+        them with `vidray.config.check_output_path`, or read them and say what is missing).
+
+        Raises UserError naming `setting` (the config key, e.g. `storage.path`), the location, the store's error
+        and the fix. Without this, the same faults surface later as an OSError traceback from pyarrow (after
+        `prepare` encoded every clip, or inside Ray Train's controller).
+        """
+        if self.is_local:
+            return
+        bucket = self.base.split("/", 1)[0]
+        where = self.display()
+        try:
+            found = self.fs.get_file_info(bucket).type
+        except OSError as err:
+            raise UserError(
+                f"{setting} {where}: cannot reach the object store ({err}); check the endpoint "
+                f"({_endpoint_text(self.fs)}), the network and the credentials"
+            ) from None
+        if found == pafs.FileType.NotFound:
+            raise UserError(
+                f"{setting} {where}: bucket {bucket!r} does not exist (or these credentials cannot see it) at "
+                f"{_endpoint_text(self.fs)}; create the bucket or fix the URI"
+            )
+        if not write:
+            return
+        probe = f".vidray-write-probe-{uuid.uuid4().hex}"
+        try:
+            self.write_bytes(probe, b"")
+        except OSError as err:
+            raise UserError(
+                f"{setting} {where}: cannot write there ({err}); give a location these credentials may write to"
+            ) from None
+        try:
+            self.delete_file(probe)
+        except OSError:  # written but not deletable: the write check passed; the empty probe object stays
+            pass
+
     def rel_names(self, rel: str = "") -> Iterator[tuple[str, bool]]:
         """(name, is_dir) of the entries directly under `rel`."""
         for entry in self.list(rel):
             yield entry.base_name, entry.type == pafs.FileType.Directory
+
+
+def _endpoint_text(fs: pafs.FileSystem) -> str:
+    """The endpoint `fs` talks to, for messages: for S3 the one the AWS variables select."""
+    if not isinstance(fs, pafs.S3FileSystem):
+        return f"the {fs.type_name} store's endpoint"
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if os.environ.get(name):
+            return f"{os.environ[name]}, from {name}"
+    return "AWS's default endpoint: set AWS_ENDPOINT_URL for another S3 server"
 
 
 def fsync_path(path: Path) -> None:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from vidray.config import ConfigError, JobConfig, ResumeDiff, check_output_path, diff_for_resume
+from vidray.data.storage import open_storage
 from vidray.errors import RequestCannotBeMetError, UserError, UserFileNotFound  # noqa: F401 (re-exported)
 from vidray.locations import absolute_location, is_uri
 from vidray.placement import alive_nodes, resolve_placement
@@ -299,13 +300,40 @@ def plan_resume(job: JobConfig) -> ResumePlan:
     return plan
 
 
+def output_locations(job: JobConfig) -> list[tuple[str, str]]:
+    """(config key, location) of what a run writes: `storage.path`, and `data.latent_cache` unless it is off."""
+    locations = [("storage.path", job.storage.path)]
+    if latent_cache := latent_cache_root(job):
+        locations.append(("data.latent_cache", latent_cache))
+    return locations
+
+
+def check_output_location(key: str, location: str) -> None:
+    """Refuse an output location that cannot be written, naming `key`: a local folder by
+    `vidray.config.check_output_path`; a URI by `Storage.check_reachable(write=True)` (the endpoint answers, the
+    bucket exists, a probe object can be written). Raises ConfigError / UserError."""
+    if is_uri(location):
+        open_storage(location, setting=key).check_reachable(key, write=True)
+    else:
+        check_output_path(location, key)
+
+
+def check_job_outputs(job: JobConfig) -> None:
+    """`check_output_location` for each of `output_locations(job)`; before any Ray resource is reserved and
+    before `vidray train --prepare` prepares (else a bad `storage.path` on S3 ends in a traceback from Ray Train's
+    controller, and a bad latent cache in one from the encode actors)."""
+    for key, location in output_locations(job):
+        check_output_location(key, location)
+
+
 def check_job_inputs(job: JobConfig) -> ResumePlan:
     """Driver-side checks before any Ray resource is reserved; returns where the run starts.
 
     Raises UserFileNotFound when the shards have no index (run `vidray prepare`) or `checkpoint.resume_from`
     is not a folder; UserError when the shards hold no samples, a bucket that is not in `data.buckets` or
     another fps; CheckpointError when the checkpoint to start from is incomplete or damaged; ConfigError when
-    `storage.path` or a local `data.latent_cache` cannot be written, or when resuming changes a key fixed for the run (naming each key and both values),
+    `storage.path` or `data.latent_cache` cannot be written (`check_job_outputs`; for a URI, also when its store
+    does not answer or its bucket does not exist, and likewise for `data.shards_dir`), or when resuming changes a key fixed for the run (naming each key and both values),
     trains on another dataset (`vidray.train.checkpoint.dataset_mismatch`), or is already at `train.max_steps`, and
     when `model.max_sequence_length` exceeds the text encoder's limit. Prints one line listing the changeable keys that
     differ from the checkpoint, and the data position the run continues from (world-size independent: another
@@ -314,14 +342,11 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     from vidray.data.buckets import parse_bucket
     from vidray.data.shards import read_index, report_path
 
-    if not is_uri(job.storage.path):
-        check_output_path(job.storage.path, "storage.path")
-    latent_cache = latent_cache_root(job)
-    if latent_cache and not is_uri(latent_cache):  # else the encode actors fail on it inside Ray, with a traceback
-        check_output_path(latent_cache, "data.latent_cache")
+    check_job_outputs(job)
     from vidray.models.text_encoder import check_max_sequence_length
 
     check_max_sequence_length(job.model)
+    open_storage(job.data.shards_dir).check_reachable("data.shards_dir")  # an S3 fault in one line, not a traceback
     index = read_index(job.data.shards_dir)  # a folder or a URI (vidray.data.storage)
     if is_uri(job.data.shards_dir) and not job.data.shards_dir.startswith("file://"):
         from vidray.data.cache import check_cache_budget
