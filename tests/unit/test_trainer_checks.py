@@ -206,6 +206,23 @@ def test_gpu_request_on_a_machine_without_gpus_is_refused_with_the_numbers():
             check_resources(job, local_cluster_resources())
 
 
+def test_a_gpu_shortage_names_only_the_keys_that_ask_for_gpus():
+    # A new user's trial: GPUs asked by placement.vae.num_gpus alone were blamed on "scaling.use_gpu=true", whose
+    # advice (set it false) was already followed.
+    job = load_job_config(None, ["scaling.num_workers=2", "placement.vae.num_gpus=0.25"])
+    with pytest.raises(RequestCannotBeMetError) as caught:
+        check_resources(job, {"CPU": 8.0, "GPU": 0.0}, where="the cluster")
+    assert str(caught.value) == ("placement.vae.num_gpus=0.25 with 2 workers needs 0.5 GPUs; the cluster has 0: set "
+                                 "placement.vae.num_gpus=0, or run on a cluster with GPUs (add GPU nodes, or point "
+                                 "RAY_ADDRESS at one)")
+    job = load_job_config(None, ["scaling.num_workers=[1, 4]", "scaling.use_gpu=true", "placement.text.num_gpus=0.5"])
+    with pytest.raises(RequestCannotBeMetError,
+                       match=r"^scaling.use_gpu=true \+ placement.text.num_gpus=0.5 with scaling.num_workers=\[1, 4\] "
+                             r"\(at least 1\) needs 1.5 GPUs; the cluster has 1: set scaling.use_gpu=false and "
+                             r"placement.text.num_gpus=0, or run"):
+        check_resources(job, {"CPU": 8.0, "GPU": 1.0}, where="the cluster")
+
+
 def test_cpu_request_beyond_the_cluster_is_refused_unless_its_autoscaler_can_add_them():
     job = load_job_config(None, ["scaling.num_workers=4", "scaling.cpus_per_worker=1.5"])
     # 4 x (1.5 trainer + 0.5 data.loader_cpus + 0.1 placement.vae.num_cpus + 0.1 placement.text.num_cpus)

@@ -500,8 +500,12 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
         have = float(cluster.get(resource, 0))
         could = could_have[resource]
         if need > could + 1e-9:
-            if resource == "GPU":
-                fix = ("set scaling.use_gpu=false and placement.vae|text.num_gpus=0, or run on a cluster with GPUs "
+            if resource == "GPU":  # name only the keys that ask for GPUs (a trial: use_gpu was blamed when false)
+                askers = [("scaling.use_gpu=true", "scaling.use_gpu=false")] if job.scaling.use_gpu else []
+                askers += [(f"placement.{stage}.num_gpus={getattr(job.placement, stage).num_gpus:g}",
+                            f"placement.{stage}.num_gpus=0")
+                           for stage in ("vae", "text") if getattr(job.placement, stage).num_gpus > 0]
+                fix = (f"set {' and '.join(off for _, off in askers)}, or run on a cluster with GPUs "
                        + ("(RAY_ADDRESS)" if where == LOCAL_RAY else "(add GPU nodes, or point RAY_ADDRESS at one)"))
             else:
                 # each worker's loader and encode actor, and what its trainer could have beside them
@@ -519,8 +523,9 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
             workers = (f"{[min_workers, max_workers]} (at least {min_workers})" if job.scaling.elastic
                        else f"{min_workers}")
             if resource == "GPU":
-                what = (f"scaling.use_gpu=true with scaling.num_workers={workers}" if job.scaling.elastic
-                        else f"scaling.use_gpu=true with {min_workers} workers")
+                asking = " + ".join(on for on, _ in askers)
+                what = (f"{asking} with scaling.num_workers={workers}" if job.scaling.elastic
+                        else f"{asking} with {min_workers} workers")
             else:
                 what = (f"scaling.num_workers={workers} x (scaling.cpus_per_worker="
                         f"{job.scaling.cpus_per_worker:g} + data.loader_cpus={job.data.loader_cpus:g} + "
