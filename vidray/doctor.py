@@ -101,11 +101,23 @@ def check_environment() -> list[Finding]:
         found.append(Finding("ok", "ray", str(ray_version)))
     found.append(Finding("ok", "diffusers", f"{_version('diffusers')}, transformers {_version('transformers')}"))
     found.extend(_check_pyav())
-    token = os.path.expanduser("~/.ray/auth_token")
-    if os.environ.get("RAY_ADDRESS") and not os.path.exists(token):
-        found.append(Finding("warn", "ray auth", f"RAY_ADDRESS is set but {token} does not exist: a cluster with "
-                             "token auth refuses this client; copy the cluster's token there"))
+    found.extend(_check_ray_token())
     return found
+
+
+def _check_ray_token() -> list[Finding]:
+    """With `RAY_ADDRESS` and `RAY_AUTH_MODE=token`, where this client's token comes from (Ray's order:
+    `RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH`, `~/.ray/auth_token`), or a warning that there is none."""
+    if not os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return []
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return [Finding("ok", "ray auth", "RAY_AUTH_MODE=token, token from RAY_AUTH_TOKEN")]
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.path.isfile(path):
+        return [Finding("ok", "ray auth", f"RAY_AUTH_MODE=token, token from {path}")]
+    return [Finding("warn", "ray auth", f"RAY_AUTH_MODE=token but there is no token ({path} does not exist, "
+                    "RAY_AUTH_TOKEN is unset): copy the token of the cluster's head there; a head started without "
+                    "RAY_AUTH_MODE=token has none, and then this client must unset RAY_AUTH_MODE")]
 
 
 def _memory_gib() -> float:
@@ -250,8 +262,8 @@ def check_cluster(job: Any | None) -> list[Finding]:
 
     from vidray.data.encode import check_encode_resources
     from vidray.errors import UserError
-    from vidray.placement import alive_nodes, resolve_placement
-    from vidray.runtime import (LOCAL_RAY, apply_ray_env_defaults, autoscaler_max_resources,
+    from vidray.placement import PlacementError, alive_nodes, resolve_placement
+    from vidray.runtime import (LOCAL_RAY, apply_ray_env_defaults, autoscaler_max_resources, check_ray_address,
                                 local_cluster_resources, will_start_local_ray)
     from vidray.train.trainer import check_resources, latent_cache_root
 
@@ -274,12 +286,21 @@ def check_cluster(job: Any | None) -> list[Finding]:
         else:  # joined quietly: Ray's INFO lines would break the one-line-per-check report
             import logging
 
+            check_ray_address(address)  # else ray.init retries a dead address for ever, deaf to Ctrl-C
             apply_ray_env_defaults()
             ray.init(logging_level=logging.WARNING, log_to_driver=False)
             started = True
+    except UserError as err:
+        return [Finding("fail", "cluster", str(err))]
     except Exception as err:  # noqa: BLE001 - ConnectionError, auth errors, ...: reported, not raised
-        return [Finding("fail", "cluster", f"cannot join {address}: {type(err).__name__}: {err}. Check the "
-                        "address (ray status on the head prints it) and the auth token")]
+        text = str(err).rstrip(". ")
+        if "authentication" in f"{type(err).__name__} {text}".lower():
+            fix = ("The cluster and this client must agree on Ray's token auth: a head started with "
+                   "RAY_AUTH_MODE=token needs the same token here (~/.ray/auth_token, or RAY_AUTH_TOKEN); a head "
+                   "started without it has no token: then unset RAY_AUTH_MODE here (README, 'On a running cluster')")
+        else:
+            fix = "Check the address (`ray status` on the head prints it)"
+        return [Finding("fail", "cluster", f"cannot join {address}: {type(err).__name__}: {text}. {fix}")]
     try:
         nodes = alive_nodes()
         resources = ray.cluster_resources()
@@ -296,6 +317,8 @@ def check_cluster(job: Any | None) -> list[Finding]:
                 _, lines = _captured(lambda: resolve_placement(job, nodes, autoscaler=autoscaler_max is not None))
                 found.extend(Finding("warn" if line.startswith("warning") else "ok", "placement", line)
                              for line in lines)
+            except PlacementError as err:  # one line per stage that no node can hold
+                found.extend(Finding("fail", "placement", problem) for problem in err.problems)
             except UserError as err:
                 found.append(Finding("fail", "placement", str(err)))
     finally:

@@ -45,7 +45,16 @@ operator), with named groups to evaluate it."""
 
 
 class PlacementError(UserError):
-    """A stage's label selector that no node of the cluster satisfies (or whose nodes cannot hold the stage)."""
+    """Stages whose label selector no node of the cluster satisfies (or whose nodes cannot hold the stage). The
+    message names all of them; `problems` holds one whole message per stage (what `vidray doctor` prints as one
+    FAIL line each)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems or [message]
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.problems))
 
 
 @dataclass(frozen=True)
@@ -158,6 +167,7 @@ def resolve_placement(job: Any, nodes: list[NodeInfo], *, autoscaler: bool = Fal
     the stage than it needs (`stage_needs`). With `autoscaler=True` these become printed warnings.
     """
     resolved: dict[str, dict[str, str]] = {}
+    problems: list[tuple[str, str]] = []  # (stage, problem): all reported at once, so all can be fixed at once
     for stage in STAGES:
         selector = dict(getattr(job.placement, stage).label_selector)
         if not selector:
@@ -178,16 +188,27 @@ def resolve_placement(job: Any, nodes: list[NodeInfo], *, autoscaler: bool = Fal
             problem = (f"the {len(matching)} node(s) satisfying {setting} hold {fit} of the {units} {stage} "
                        f"unit(s) of {need} that the job needs")
         if problem:
-            message = (f"{problem}; the cluster's {len(nodes)} alive node(s): {_describe_labels(nodes)}. Fix the "
-                       f"selector, label nodes (`ray start --labels vidray.io/stage=...`, or the cluster YAML's "
-                       f"available_node_types.<type>.labels), or remove placement.{stage} to run it anywhere")
             if not autoscaler:
-                raise PlacementError(message)
-            print(f"[vidray] warning: {message}. The cluster has an autoscaler whose node types' labels Ray does "
-                  "not report: the run waits for such a node, within the worker group's start-up retries",
-                  flush=True)
+                problems.append((stage, problem))
+                continue
+            print(f"[vidray] warning: {_placement_message([(stage, problem)], nodes)}. The cluster has an "
+                  "autoscaler whose node types' labels Ray does not report: the run waits for such a node, within "
+                  "the worker group's start-up retries", flush=True)
         else:
             print(f"[vidray] {setting}: {len(matching)} of the cluster's {len(nodes)} node(s) satisfy it "
                   f"({fit} {stage} unit(s) fit)", flush=True)
         resolved[stage] = selector
+    if problems:
+        raise PlacementError(_placement_message(problems, nodes),
+                             [_placement_message([one], nodes) for one in problems])
     return resolved
+
+
+def _placement_message(problems: list[tuple[str, str]], nodes: list[NodeInfo]) -> str:
+    """The stages' problems, the labels the cluster's nodes carry, and the fixes."""
+    stages = ", ".join(f"placement.{stage}" for stage, _ in problems)
+    several = len(problems) > 1
+    return (f"{'; '.join(problem for _, problem in problems)}; the cluster's {len(nodes)} alive node(s): "
+            f"{_describe_labels(nodes)}. Fix the selector{'s' if several else ''}, label nodes (`ray start --labels "
+            f"vidray.io/stage=...`, or the cluster YAML's available_node_types.<type>.labels), or remove {stages} "
+            f"to run {'them' if several else 'it'} anywhere")

@@ -3,9 +3,10 @@
 - `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` keeps every Ray listener of a local cluster on 127.0.0.1.
 - `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.1` makes `ray.train.report` cost ~0.1 s instead of ~2 s.
 - `RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=60` (s) with `WORKER_GROUP_START_RETRIES`: start-up is bounded.
-- Auth: vidray keeps Ray's token auth on (the default since 2.59). A new local cluster writes
-  `~/.ray/auth_token`; CLI clients (`ray start`, `ray job submit`, `ray list`) need `RAY_AUTH_MODE=token`
-  exported (`CLIENT_ENV`). It is not set in-process: with it set after `import ray`, `ray.init` skips creating
+- Auth: vidray keeps Ray's token auth on (the default since 2.59). A new local cluster started by `ray.init()`
+  writes `~/.ray/auth_token`; `ray start --head` does not: it needs `RAY_AUTH_MODE=token` and a token that exists
+  already (`ray get-auth-token --generate` writes one), else it starts without auth. CLI clients (`ray start`,
+  `ray job submit`, `ray list`) need `RAY_AUTH_MODE=token` exported (`CLIENT_ENV`). It is not set in-process: with it set after `import ray`, `ray.init` skips creating
   the token and the GCS then aborts for want of one.
 The defaults are set with `setdefault`, so a user's own value wins. `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER` is read
 when `ray` is first imported: `import vidray` applies these defaults, so import vidray before ray.
@@ -59,6 +60,7 @@ def init_ray(*, num_cpus: int | None = None) -> bool:
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
+        check_ray_address(os.environ["RAY_ADDRESS"])
         ray.init(log_to_driver=True)
     else:
         ray.init(
@@ -68,6 +70,55 @@ def init_ray(*, num_cpus: int | None = None) -> bool:
             _node_ip_address="127.0.0.1",
         )
     return True
+
+
+RAY_ADDRESS_PROBE_S = 5.0
+"""Seconds `check_ray_address` waits for the head's port to accept a TCP connection."""
+
+
+def check_ray_address(address: str) -> None:
+    """Refuse a `RAY_ADDRESS` that `ray.init` cannot join, before it tries: Ray 2.60's driver retries a GCS
+    that does not answer for ever (one round every ~41 s) and ignores Ctrl-C and SIGTERM meanwhile (a new user's
+    trial of `vidray doctor`).
+
+    - `http(s)://HOST:8265` is the dashboard's job API, which `ray job submit` takes; a driver joins the GCS
+      (`HOST:6379`) or the Ray client server (`ray://HOST:10001`).
+    - `HOST:PORT` and `ray://HOST:PORT` must accept a TCP connection within `RAY_ADDRESS_PROBE_S` seconds.
+    - Anything else (`auto`, a name without a port) is left to Ray.
+
+    Raises UserError naming the address, what is wrong and the fix.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    from vidray.errors import UserError
+
+    text = address.strip()
+    scheme = text.split("://", 1)[0].lower() if "://" in text else ""
+    if scheme in ("http", "https"):
+        raise UserError(
+            f"RAY_ADDRESS={text} is the dashboard's job API (what `ray job submit --address` takes); a driver joins "
+            "the cluster at HOST:6379 (the GCS, from a node of the cluster) or ray://HOST:10001 (the Ray client "
+            "server): run it on the head (`ray attach CLUSTER.yaml`, `kubectl exec`), or forward port 10001 and set "
+            "RAY_ADDRESS=ray://127.0.0.1:10001"
+        )
+    if scheme not in ("", "ray"):
+        return
+    try:
+        parsed = urlsplit(text if scheme else f"ray://{text}")
+        host, port = parsed.hostname, parsed.port
+    except ValueError:
+        return
+    if not host or not port:
+        return
+    try:
+        socket.create_connection((host, port), timeout=RAY_ADDRESS_PROBE_S).close()
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise UserError(
+            f"RAY_ADDRESS={text}: nothing answers at {host}:{port} ({reason}); check the address (`ray status` on "
+            "the head prints it) and that the head is running, or unset RAY_ADDRESS to start a local cluster"
+        ) from None
 
 
 LOCAL_RAY = "the local Ray cluster vidray starts here"

@@ -68,3 +68,12 @@ def test_ray_job_submit_trains_to_succeeded(ray_head, tmp_path):
     assert vae.returncode == 1, vae.stdout + vae.stderr
     assert any(line.startswith("FAIL  placement: no node satisfies placement.vae.label_selector=") and
                "1 node(s) with vidray.io/stage=dit" in line for line in vae.stdout.splitlines()), vae.stdout
+    # Every stage no node satisfies has its own FAIL line (a new user's trial: only the first was reported).
+    three = subprocess.run([*doctor, "placement.vae.label_selector={vidray.io/stage: vae}",
+                            "placement.text.label_selector={vidray.io/stage: vae}",
+                            "placement.decode.label_selector={vidray.io/stage: decode}"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+    failed = [line.split("label_selector=")[0] for line in three.stdout.splitlines()
+              if line.startswith("FAIL  placement: ")]
+    assert failed == [f"FAIL  placement: no node satisfies placement.{stage}." for stage in ("decode", "vae", "text")], \
+        three.stdout

@@ -110,3 +110,21 @@ def test_images_are_rays_at_the_pinned_version():
     assert pinned == ray.__version__
     for path in ("pyproject.toml", "README.md", "vidray", "jobs", "serve"):  # what the Dockerfile copies
         assert (REPO / path).exists(), path
+
+
+def test_both_clusters_run_with_rays_token_auth_and_give_serving_its_token():
+    # A new user's trial: neither config turned Ray's token auth on, and `ray start --head` without RAY_AUTH_MODE=token
+    # starts a cluster that runs jobs for anyone who reaches its dashboard.
+    launcher = _launcher()
+    starts = launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"]
+    assert all(c.startswith("RAY_AUTH_MODE=token ray start") for c in starts if "ray start" in c), starts
+    assert launcher["file_mounts"]["/home/ray/.ray/auth_token"] == "~/.ray/auth_token"
+    spec = _kuberay()["spec"]
+    assert spec["authOptions"] == {"mode": "token"}
+    containers = [*spec["headGroupSpec"]["template"]["spec"]["containers"],
+                  *(c for g in spec["workerGroupSpecs"] for c in g["template"]["spec"]["containers"])]
+    for container in containers:
+        (env,) = [e for e in container["env"] if e["name"] == "VIDRAY_API_TOKEN"]
+        assert env["valueFrom"]["secretKeyRef"]["name"] == "vidray-api-token"
+    serve_config = yaml.safe_load((REPO / "serve/serve_config.yaml").read_text())
+    assert serve_config["applications"][0]["args"]["auth"]["token_env"] == "VIDRAY_API_TOKEN"

@@ -190,3 +190,70 @@ def test_an_s3_storage_path_in_a_missing_bucket_is_a_fail(capsys, monkeypatch, s
                          "name=doc3")
     assert found["storage.path"] == ["ok s3://vidray-test/doc3-runs: the store answers, the bucket exists, a probe "
                                      "object was written and deleted"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_ray_address_where_nothing_listens_is_a_fail_within_seconds_not_a_hang(capsys, monkeypatch):
+    # A new user's trial: RAY_ADDRESS at a port where no head listens made the doctor retry for ever (one round every
+    # ~41 s), deaf to Ctrl-C and SIGTERM.
+    import time
+
+    port = _free_port()
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    start = time.monotonic()
+    code, found = doctor(capsys)
+    assert code == 1 and time.monotonic() - start < 30
+    assert found["cluster"] == [f"FAIL RAY_ADDRESS=127.0.0.1:{port}: nothing answers at 127.0.0.1:{port} "
+                                "(Connection refused); check the address (`ray status` on the head prints it) and "
+                                "that the head is running, or unset RAY_ADDRESS to start a local cluster"]
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")  # the form `ray job submit` takes
+    code, found = doctor(capsys)
+    assert code == 1 and found["cluster"][0].startswith("FAIL RAY_ADDRESS=http://127.0.0.1:8265 is the dashboard's "
+                                                        "job API")
+    assert "ray://127.0.0.1:10001" in found["cluster"][0]
+
+
+def test_check_ray_address_lets_a_listening_port_and_addresses_it_cannot_parse_through():
+    import socket
+
+    from vidray.errors import UserError
+    from vidray.runtime import check_ray_address
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        check_ray_address(f"127.0.0.1:{port}")
+        check_ray_address(f"ray://127.0.0.1:{port}")
+    check_ray_address("auto")  # Ray finds the local head itself
+    with pytest.raises(UserError, match=r"^RAY_ADDRESS=ray://127.0.0.1:\d+: nothing answers"):
+        check_ray_address(f"ray://127.0.0.1:{port}")
+
+
+def test_the_ray_token_line_follows_rays_token_sources(capsys, monkeypatch, tmp_path):
+    # A new user's trial: the doctor said to copy "the cluster's token" when the head had been started without auth.
+    from vidray.doctor import _check_ray_token
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
+        monkeypatch.delenv(key, raising=False)
+    assert _check_ray_token() == []  # no token auth asked for: nothing to say
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    [finding] = _check_ray_token()
+    assert finding.level == "warn" and str(finding) == (
+        f"warn  ray auth: RAY_AUTH_MODE=token but there is no token ({tmp_path}/.ray/auth_token does not exist, "
+        "RAY_AUTH_TOKEN is unset): copy the token of the cluster's head there; a head started without "
+        "RAY_AUTH_MODE=token has none, and then this client must unset RAY_AUTH_MODE")
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("t" * 32)
+    assert [f.level for f in _check_ray_token()] == ["ok"]
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
+    assert _check_ray_token()[0].level == "warn" and str(tmp_path / "missing") in _check_ray_token()[0].message
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "t" * 32)
+    assert str(_check_ray_token()[0]) == "ok    ray auth: RAY_AUTH_MODE=token, token from RAY_AUTH_TOKEN"

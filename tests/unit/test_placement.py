@@ -96,6 +96,25 @@ def test_a_selector_no_node_satisfies_fails_naming_stage_selector_and_the_labels
     assert "remove placement.dit" in message
 
 
+def test_every_stage_no_node_can_hold_is_named_at_once_with_one_problem_per_stage():
+    # A new user's trial: only the first unsatisfiable stage was reported; fixing it revealed the next.
+    j = job("placement.dit.label_selector={vidray.io/stage: dit}", "placement.vae.label_selector={vidray.io/stage: gpu}",
+            "placement.text.label_selector={vidray.io/stage: gpu}", "placement.decode.label_selector={vidray.io/stage: cpu}")
+    with pytest.raises(PlacementError) as err:
+        resolve_placement(j, CLUSTER)
+    message = str(err.value)
+    assert message.startswith("no node satisfies placement.decode.label_selector={'vidray.io/stage': 'cpu'}; no node "
+                              "satisfies placement.vae.label_selector={'vidray.io/stage': 'gpu'}; no node satisfies "
+                              "placement.text.label_selector={'vidray.io/stage': 'gpu'}; the cluster's 4 alive node(s)")
+    assert message.endswith("or remove placement.decode, placement.vae, placement.text to run them anywhere")
+    assert [p.split(";")[0] for p in err.value.problems] == [
+        "no node satisfies placement.decode.label_selector={'vidray.io/stage': 'cpu'}",
+        "no node satisfies placement.vae.label_selector={'vidray.io/stage': 'gpu'}",
+        "no node satisfies placement.text.label_selector={'vidray.io/stage': 'gpu'}"]
+    assert all(p.endswith(f"or remove placement.{stage} to run it anywhere")
+               for p, stage in zip(err.value.problems, ("decode", "vae", "text")))
+
+
 def test_matching_nodes_too_small_for_the_stage_fail_with_the_numbers():
     j = job("scaling.num_workers=5", "placement.dit.label_selector={vidray.io/stage: dit}")
     with pytest.raises(PlacementError, match=r"the 2 node\(s\) satisfying .* hold 4 of the 5 dit unit\(s\) "

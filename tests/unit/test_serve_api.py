@@ -568,7 +568,11 @@ def test_bad_json_body_is_400_naming_the_field(client, service, body, status, pa
 
 def test_unsupported_content_type_is_415(client):
     response = client.post("/v1/videos", content=b"prompt", headers={"Content-Type": "text/plain"})
-    assert_error(response, 415, "content-type", "'text/plain'", "multipart/form-data")
+    assert_error(response, 415, "content-type", "'text/plain'", "multipart/form-data", "x-www-form-urlencoded")
+    # the three it names are accepted (a new user's trial: urlencoded worked but no message or README said so)
+    assert create(client, {}).status_code == 200
+    for content_type, body in ((URLENCODED, b"prompt=a"), ("application/json", b'{"prompt": "a"}')):
+        assert client.post("/v1/videos", content=body, headers={"Content-Type": content_type}).status_code == 200
 
 
 def test_content_of_an_unfinished_or_failed_video_is_409_naming_its_status(client, service):
