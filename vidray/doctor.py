@@ -298,6 +298,10 @@ def check_cluster(job: Any | None) -> list[Finding]:
             fix = ("The cluster and this client must agree on Ray's token auth: a head started with "
                    "RAY_AUTH_MODE=token needs the same token here (~/.ray/auth_token, or RAY_AUTH_TOKEN); a head "
                    "started without it has no token: then unset RAY_AUTH_MODE here (README, 'On a running cluster')")
+        elif os.environ.get("RAY_AUTH_MODE", "").lower() != "token":  # Ray reports a refused token this way too
+            fix = ("Check the address (`ray status` on the head prints it); a head started with RAY_AUTH_MODE=token "
+                   "refuses a client without it: export RAY_AUTH_MODE=token here, with the head's token in "
+                   "~/.ray/auth_token or RAY_AUTH_TOKEN (README, 'On a running cluster')")
         else:
             fix = "Check the address (`ray status` on the head prints it)"
         return [Finding("fail", "cluster", f"cannot join {address}: {type(err).__name__}: {text}. {fix}")]
