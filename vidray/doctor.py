@@ -12,7 +12,8 @@ what `vidray train` would do or refuse, without reserving anything or training:
   the shards were prepared from when it is another file), the prepared shards in `data.shards_dir` (or
   that `prepare` has not run), `storage.path`, `data.latent_cache`, and where `train` would start (step 1, or the
   checkpoint it resumes from; or why it would refuse, e.g. another driver training the run now);
-- the cluster: with `RAY_ADDRESS`, it joins the cluster (no resources reserved) and checks its nodes, labels and
+- the cluster: with `RAY_ADDRESS`, it joins the cluster (no resources reserved; an address where nothing answers,
+  or the dashboard's URL, is a FAIL at once: `vidray.runtime.check_ray_address`) and checks its nodes, labels and
   resources (the autoscaler's limit included) against the job; without it, the local cluster `vidray train`
   would start here.
 

@@ -443,3 +443,20 @@ def test_train_refuses_an_s3_storage_path_in_a_missing_bucket_before_preparing_o
                  f"data.latent_cache={tmp_path / 'latents'}", "storage.path=s3://nobucket-x/runs"])
     assert code == 2 and not ray.is_initialized()
     assert "storage.path s3://nobucket-x/runs: bucket 'nobucket-x' does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["prepare", "--encode"], ["encode"]])
+def test_a_latent_cache_in_a_missing_bucket_is_refused_before_preparing_or_starting_ray(local_and_s3, capsys,
+                                                                                       command):
+    import ray
+
+    from vidray.cli import main
+
+    _, uri, _ = local_and_s3
+    repo = Path(__file__).resolve().parents[2]
+    code = main([*command, str(repo / "jobs/configs/tiny_t2v.yaml"), f"data.shards_dir={uri}",
+                 "data.latent_cache=s3://nobucket-x/latents"])
+    out, err = capsys.readouterr()
+    assert code == 2 and not ray.is_initialized() and "kept" not in out
+    assert err.startswith(f"vidray {command[0]}: error: data.latent_cache s3://nobucket-x/latents: bucket "
+                          "'nobucket-x' does not exist")

@@ -353,19 +353,16 @@ def _node_info() -> dict[str, Any]:
 
 def encode_cache_root(job: Any) -> str:
     """The latent cache `encode_to_cache` fills for `job` (`data.latent_cache` resolved,
-    `vidray.train.trainer.latent_cache_root`). Raises UserError when it is `off`, ConfigError when it is a local
-    folder that cannot be created or written (`vidray.config.check_output_path`): checked before anything is
-    prepared or started."""
-    from vidray.config import check_output_path
+    `vidray.train.trainer.latent_cache_root`). Raises UserError when it is `off`, ConfigError / UserError when it
+    cannot be written (`vidray.train.trainer.check_output_location`: a local folder that cannot be created, an
+    object store that does not answer or lacks the bucket): checked before anything is prepared or started."""
     from vidray.errors import UserError
-    from vidray.locations import is_uri
-    from vidray.train.trainer import latent_cache_root
+    from vidray.train.trainer import check_output_location, latent_cache_root
 
     cache = latent_cache_root(job)
     if not cache:
         raise UserError("data.latent_cache is 'off': set it to 'auto' or a folder/URI to fill a latent cache")
-    if not is_uri(cache):
-        check_output_path(cache, "data.latent_cache")
+    check_output_location("data.latent_cache", cache)
     return cache
 
 
