@@ -460,3 +460,18 @@ def test_a_latent_cache_in_a_missing_bucket_is_refused_before_preparing_or_start
     assert code == 2 and not ray.is_initialized() and "kept" not in out
     assert err.startswith(f"vidray {command[0]}: error: data.latent_cache s3://nobucket-x/latents: bucket "
                           "'nobucket-x' does not exist")
+
+
+def test_a_resume_from_in_a_missing_bucket_is_one_line_naming_the_setting(local_and_s3, tmp_path):
+    from vidray.config import load_job_config
+    from vidray.errors import UserError
+    from vidray.train.trainer import check_job_inputs
+
+    _, uri, _ = local_and_s3
+    repo = Path(__file__).resolve().parents[2]
+    job = load_job_config(repo / "jobs/configs/tiny_t2v.yaml", [
+        f"data.shards_dir={uri}", f"storage.path={tmp_path / 'runs'}", f"data.latent_cache={tmp_path / 'latents'}",
+        "checkpoint.resume_from=s3://nobucket-x/runs/tiny-t2v/checkpoint_000002"])
+    with pytest.raises(UserError, match=r"^checkpoint.resume_from s3://nobucket-x/runs/tiny-t2v: bucket 'nobucket-x' "
+                                        r"does not exist"):
+        check_job_inputs(job)

@@ -260,6 +260,7 @@ def plan_resume(job: JobConfig) -> ResumePlan:
                 plan.reset_ray_snapshot = bool(plan.ray_snapshot_reason)
                 return plan
         source = CheckpointManager(parent)
+        source.storage.check_reachable("checkpoint.resume_from")  # an S3 fault in one line, not a traceback
         if not source.storage.is_dir(chosen):
             raise UserFileNotFound(f"checkpoint.resume_from {start} is not a folder: give a checkpoint_<step> folder")
         source.verify(chosen, hashes=source.is_local)
