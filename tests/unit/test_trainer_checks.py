@@ -584,3 +584,14 @@ def test_num_to_keep_at_the_end_of_a_run_keeps_rays_checkpoints_and_the_newest_o
     assert _apply_num_to_keep(plan2, job2, {"checkpoint_000100"}) == ["checkpoint_000070", "checkpoint_000080"]
     assert plan2.manager.complete() == ["checkpoint_000090", "checkpoint_000100"]
     assert _apply_num_to_keep(plan2, load_job_config(None, ["checkpoint.num_to_keep=null"]), {"checkpoint_000100"}) == []
+
+
+def test_a_file_uri_output_is_checked_like_the_folder_it_names(tmp_path):
+    from vidray.train.trainer import check_output_location
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigError, match=rf"storage.path {blocker}/runs cannot be created: {blocker} is a file"):
+        check_output_location("storage.path", f"file://{blocker}/runs")
+    check_output_location("storage.path", f"file://{tmp_path}/runs")
+    assert list(tmp_path.iterdir()) == [blocker]  # nothing created by the check

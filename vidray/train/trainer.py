@@ -310,13 +310,14 @@ def output_locations(job: JobConfig) -> list[tuple[str, str]]:
 
 
 def check_output_location(key: str, location: str) -> None:
-    """Refuse an output location that cannot be written, naming `key`: a local folder by
-    `vidray.config.check_output_path`; a URI by `Storage.check_reachable(write=True)` (the endpoint answers, the
+    """Refuse an output location that cannot be written, naming `key`: a local folder (or `file://` URI) by
+    `vidray.config.check_output_path`; an object-store URI by `Storage.check_reachable(write=True)` (the endpoint answers, the
     bucket exists, a probe object can be written). Raises ConfigError / UserError."""
-    if is_uri(location):
-        open_storage(location, setting=key).check_reachable(key, write=True)
-    else:
-        check_output_path(location, key)
+    storage = open_storage(location, setting=key) if is_uri(location) else None
+    if storage is not None and not storage.is_local:
+        storage.check_reachable(key, write=True)
+    else:  # a path, or a file:// URI
+        check_output_path(storage.base if storage is not None else location, key)
 
 
 def check_job_outputs(job: JobConfig) -> None:
