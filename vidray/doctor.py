@@ -220,21 +220,39 @@ def check_job(job: Any) -> list[Finding]:
 
 
 def _check_prepared_source(job: Any) -> list[Finding]:
-    """A warning when the committed prepare of `data.shards_dir` read another source file than `data.source`
-    (`vidray train` trains on the shards as they are; compared by real path, local files only)."""
+    """A warning when the committed prepare of `data.shards_dir` read another source list than `data.source`
+    (`vidray train` trains on the shards as they are). Reports that record the list's sha256
+    (`source_list_sha256`) compare its bytes: the same list at another path (a `ray job submit` working dir
+    copy) is no warning, and the same path edited since is one. Older reports compare real paths. Local files
+    only."""
+    import hashlib
+
     from vidray.data.shards import read_report
     from vidray.errors import UserError
 
     try:
-        prepared_from = read_report(job.data.shards_dir).get("source")
+        report = read_report(job.data.shards_dir)
     except UserError:
         return []  # an old prepare without a report: nothing to compare
-    if not prepared_from or is_uri(prepared_from) or is_uri(str(job.data.source)):
+    prepared_from, prepared_sha = report.get("source"), report.get("source_list_sha256")
+    source = str(job.data.source)
+    if not prepared_from or is_uri(prepared_from) or is_uri(source):
         return []
-    if os.path.realpath(prepared_from) == os.path.realpath(job.data.source):
+    same_path = os.path.realpath(prepared_from) == os.path.realpath(source)
+    if prepared_sha:
+        try:
+            if hashlib.sha256(open(source, "rb").read()).hexdigest() == prepared_sha:
+                return []
+        except OSError:
+            return []  # data.source's own line says it cannot be read
+        if same_path:
+            return [Finding("warn", "data.source", f"{source} changed since the shards in {job.data.shards_dir} "
+                            "were prepared from it: `vidray train` trains on the shards as they are; run `vidray "
+                            "prepare` to train on its files now")]
+    elif same_path:
         return []
     return [Finding("warn", "data.source", f"the shards in {job.data.shards_dir} were prepared from {prepared_from}, "
-                    f"not {job.data.source}: `vidray train` trains on the shards as they are; run `vidray prepare` "
+                    f"not {source}: `vidray train` trains on the shards as they are; run `vidray prepare` "
                     "to train on data.source's files")]
 
 

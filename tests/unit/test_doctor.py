@@ -257,3 +257,32 @@ def test_the_ray_token_line_follows_rays_token_sources(capsys, monkeypatch, tmp_
     assert _check_ray_token()[0].level == "warn" and str(tmp_path / "missing") in _check_ray_token()[0].message
     monkeypatch.setenv("RAY_AUTH_TOKEN", "t" * 32)
     assert str(_check_ray_token()[0]) == "ok    ray auth: RAY_AUTH_MODE=token, token from RAY_AUTH_TOKEN"
+
+
+def test_the_same_source_list_at_another_path_is_no_warning_and_an_edited_one_is(capsys, monkeypatch, tmp_path):
+    # A new user's trial: after the README's `ray job submit --prepare`, whose job read samples/metadata.json in
+    # Ray's temporary working dir, every doctor warned that the shards came from another source.
+    import json
+    import shutil
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    copy = tmp_path / "working_dir" / "samples"
+    shutil.copytree(REPO / "samples", copy)
+    job = load_job_config(CONFIG, [f"data.source={copy / 'metadata.json'}", f"data.shards_dir={tmp_path / 'shards'}"])
+    assert prepare_data(job.data, progress=None).num_kept == 6
+    shutil.rmtree(tmp_path / "working_dir")  # as Ray deletes a job's working dir
+    base = [CONFIG, f"data.shards_dir={tmp_path / 'shards'}", f"storage.path={tmp_path / 'runs'}", "name=doc4"]
+    code, found = doctor(capsys, *base)  # data.source: the repository's samples/metadata.json, the same bytes
+    assert code == 0 and [line.split()[0] for line in found["data.source"]] == ["ok"], found["data.source"]
+
+    shutil.copytree(REPO / "samples", tmp_path / "s2")
+    edited = tmp_path / "s2" / "metadata.json"
+    job = load_job_config(CONFIG, [f"data.source={edited}", f"data.shards_dir={tmp_path / 'shards2'}"])
+    assert prepare_data(job.data, progress=None).num_kept == 6
+    entries = json.loads(edited.read_text())
+    edited.write_text(json.dumps(entries[:5]))  # one clip fewer since the prepare
+    code, found = doctor(capsys, CONFIG, f"data.shards_dir={tmp_path / 'shards2'}", f"data.source={edited}",
+                         f"storage.path={tmp_path / 'runs'}", "name=doc4")
+    assert found["data.source"][-1] == (
+        f"warn {edited} changed since the shards in {tmp_path / 'shards2'} were prepared from it: `vidray train` "
+        "trains on the shards as they are; run `vidray prepare` to train on its files now")
