@@ -39,7 +39,9 @@ def apply_ray_env_defaults() -> None:
 
 
 def init_ray(*, num_cpus: int | None = None) -> bool:
-    """Join the cluster named by `RAY_ADDRESS` (set by `ray job submit`) or start a local one on 127.0.0.1.
+    """Join the cluster named by `RAY_ADDRESS` (set by `ray job submit`) or start a new local one on 127.0.0.1
+    (never the cluster a `ray start` on this machine recorded in `/tmp/ray/ray_current_cluster`: join that one with
+    `RAY_ADDRESS`). Raises UserError for a `RAY_ADDRESS` where nothing answers (`check_ray_address`).
 
     A local cluster gets `num_cpus` logical CPUs (default: max(4, os.cpu_count())), so that 2 training workers
     plus Ray Train's controller fit on a 2-core machine. Returns True when this call started Ray (the caller
@@ -62,8 +64,11 @@ def init_ray(*, num_cpus: int | None = None) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         check_ray_address(os.environ["RAY_ADDRESS"])
         ray.init(log_to_driver=True)
-    else:
+    else:  # address="local": a new cluster even when `ray start` left /tmp/ray/ray_current_cluster (a running
+        # head, or a stopped one), which a bare ray.init() would join instead (ray/_private/services.py,
+        # get_ray_address_from_environment), refusing num_cpus with a ValueError
         ray.init(
+            address="local",
             num_cpus=num_cpus or local_num_cpus(),
             include_dashboard=True,
             dashboard_host="127.0.0.1",
