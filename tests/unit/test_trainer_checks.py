@@ -595,3 +595,9 @@ def test_a_file_uri_output_is_checked_like_the_folder_it_names(tmp_path):
         check_output_location("storage.path", f"file://{blocker}/runs")
     check_output_location("storage.path", f"file://{tmp_path}/runs")
     assert list(tmp_path.iterdir()) == [blocker]  # nothing created by the check
+
+
+def test_one_gpu_is_not_called_gpus():
+    job = load_job_config(None, ["scaling.num_workers=1", "scaling.use_gpu=true"])
+    with pytest.raises(RequestCannotBeMetError, match=r"^scaling.use_gpu=true with 1 worker needs 1 GPU; the cluster has 0"):
+        check_resources(job, {"CPU": 8.0, "GPU": 0.0}, where="the cluster")

@@ -527,13 +527,14 @@ def check_resources(job: JobConfig, cluster: dict[str, float], *, autoscaler_max
             if resource == "GPU":
                 asking = " + ".join(on for on, _ in askers)
                 what = (f"{asking} with scaling.num_workers={workers}" if job.scaling.elastic
-                        else f"{asking} with {min_workers} workers")
+                        else f"{asking} with {min_workers} worker{'' if min_workers == 1 else 's'}")
             else:
                 what = (f"scaling.num_workers={workers} x (scaling.cpus_per_worker="
                         f"{job.scaling.cpus_per_worker:g} + data.loader_cpus={job.data.loader_cpus:g} + "
                         f"placement.vae.num_cpus={job.placement.vae.num_cpus:g} + "
                         f"placement.text.num_cpus={job.placement.text.num_cpus:g})")
-            problems.append(f"{what} needs {need:g} {resource}s; {where} has {have:g}{extra}: {fix}")
+            unit = resource if need == 1 else f"{resource}s"
+            problems.append(f"{what} needs {need:g} {unit}; {where} has {have:g}{extra}: {fix}")
     if problems:
         raise RequestCannotBeMetError("; ".join(problems))
 
