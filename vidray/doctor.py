@@ -312,11 +312,15 @@ def check_cluster(job: Any | None) -> list[Finding]:
     except UserError as err:
         return [Finding("fail", "cluster", str(err))]
     except Exception as err:  # noqa: BLE001 - ConnectionError, auth errors, ...: reported, not raised
-        text = str(err).rstrip(". ")
+        text = _one_line(str(err)).rstrip(". ")
         if "authentication" in f"{type(err).__name__} {text}".lower():
             fix = ("The cluster and this client must agree on Ray's token auth: a head started with "
                    "RAY_AUTH_MODE=token needs the same token here (~/.ray/auth_token, or RAY_AUTH_TOKEN); a head "
                    "started without it has no token: then unset RAY_AUTH_MODE here (README, 'On a running cluster')")
+        elif address.startswith("ray://") and "client server" in text.lower():  # seen under load, intermittent
+            fix = ("The address answered, but the head's Ray client server did not start a session for this client "
+                   "(its logs: ray_client_server*.err in the head's session folder): run the doctor again, or on "
+                   "the head with RAY_ADDRESS=127.0.0.1:6379")
         elif os.environ.get("RAY_AUTH_MODE", "").lower() != "token":  # Ray reports a refused token this way too
             fix = ("Check the address (`ray status` on the head prints it); a head started with RAY_AUTH_MODE=token "
                    "refuses a client without it: export RAY_AUTH_MODE=token here, with the head's token in "
@@ -348,6 +352,15 @@ def check_cluster(job: Any | None) -> list[Finding]:
         if started:
             ray.shutdown()
     return found
+
+
+def _one_line(text: str) -> str:
+    """An error message as one report line: a message that carries a remote traceback (Ray's client server sends
+    one) becomes its first line and its last (the exception raised)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip() and line.strip() != "."]
+    if len(lines) <= 1:
+        return lines[0] if lines else text.strip()
+    return f"{lines[0]} ... {lines[-1]}"
 
 
 def _resource_findings(job: Any, resources: dict[str, float], autoscaler_max: dict[str, float] | None, where: str,

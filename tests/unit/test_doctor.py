@@ -286,3 +286,15 @@ def test_the_same_source_list_at_another_path_is_no_warning_and_an_edited_one_is
     assert found["data.source"][-1] == (
         f"warn {edited} changed since the shards in {tmp_path / 'shards2'} were prepared from it: `vidray train` "
         "trains on the shards as they are; run `vidray prepare` to train on its files now")
+
+
+def test_an_error_with_a_remote_traceback_is_one_line_with_its_first_and_last_lines():
+    # A new user's trial: a ray:// join that the head's client server failed put Ray's whole traceback in a FAIL line.
+    from vidray.doctor import _one_line
+
+    text = ("Initialization failure from server:\nTraceback (most recent call last):\n  File \"proxier.py\", line 772, "
+            "in Datapath\n    raise RuntimeError(\nRuntimeError: Starting Ray client server failed. See "
+            "ray_client_server_23000.err for detailed logs.\n.")
+    assert _one_line(text) == ("Initialization failure from server: ... RuntimeError: Starting Ray client server "
+                               "failed. See ray_client_server_23000.err for detailed logs.")
+    assert _one_line("Failed to connect.") == "Failed to connect."
