@@ -6,8 +6,8 @@
 - Auth: vidray keeps Ray's token auth on (the default since 2.59). A new local cluster started by `ray.init()`
   writes `~/.ray/auth_token`; `ray start --head` does not: it needs `RAY_AUTH_MODE=token` and a token that exists
   already (`ray get-auth-token --generate` writes one), else it starts without auth. CLI clients (`ray start`,
-  `ray job submit`, `ray list`) need `RAY_AUTH_MODE=token` exported (`CLIENT_ENV`). It is not set in-process: with it set after `import ray`, `ray.init` skips creating
-  the token and the GCS then aborts for want of one.
+  `ray job submit`, `ray list`) need `RAY_AUTH_MODE=token` exported (`CLIENT_ENV`). It is not set in-process:
+  with it set after `import ray`, `ray.init` skips creating the token and the GCS then aborts for want of one.
 The defaults are set with `setdefault`, so a user's own value wins. `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER` is read
 when `ray` is first imported: `import vidray` applies these defaults, so import vidray before ray.
 """

@@ -386,7 +386,8 @@ def check_encode_resources(job: Any, cluster: dict[str, float], *, autoscaler_ma
                     else "placement.vae.num_gpus and placement.text.num_gpus")
             raise RequestCannotBeMetError(
                 f"filling the latent cache needs {amount:g} {resource}{'' if amount == 1 else 's'} (one decode "
-                f"operator and its encode actors: {keys}); {where} has {could:g}. Lower {keys}, or run on a bigger cluster (RAY_ADDRESS)")
+                f"operator and its encode actors: {keys}); {where} has {could:g}. Lower {keys}, or run on a "
+                "bigger cluster (RAY_ADDRESS)")
 
 
 def encode_to_cache(job: Any, *, shards_dir: str | None = None, latent_cache: str | None = None) -> dict[str, Any]:

@@ -894,7 +894,8 @@ def build_api(get_service: Callable[[], VideoService | None],
             else:
                 raise RequestError(415, "content-type", f"Content-Type {content_type or '(none)'!r} is not "
                                    "accepted; send multipart/form-data (as the openai SDK does), "
-                                   "application/x-www-form-urlencoded (as `curl -d` does) or application/json", code="unsupported_media_type")
+                                   "application/x-www-form-urlencoded (as `curl -d` does) or application/json",
+                                   code="unsupported_media_type")
         except _BodyTooLarge:
             raise _too_large(limits, None) from None
         if image is None:

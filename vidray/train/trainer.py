@@ -311,8 +311,8 @@ def output_locations(job: JobConfig) -> list[tuple[str, str]]:
 
 def check_output_location(key: str, location: str) -> None:
     """Refuse an output location that cannot be written, naming `key`: a local folder (or `file://` URI) by
-    `vidray.config.check_output_path`; an object-store URI by `Storage.check_reachable(write=True)` (the endpoint answers, the
-    bucket exists, a probe object can be written). Raises ConfigError / UserError."""
+    `vidray.config.check_output_path`; an object-store URI by `Storage.check_reachable(write=True)` (the endpoint
+    answers, the bucket exists, a probe object can be written). Raises ConfigError / UserError."""
     storage = open_storage(location, setting=key) if is_uri(location) else None
     if storage is not None and not storage.is_local:
         storage.check_reachable(key, write=True)
@@ -335,9 +335,10 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     is not a folder; UserError when the shards hold no samples, a bucket that is not in `data.buckets` or
     another fps; CheckpointError when the checkpoint to start from is incomplete or damaged; ConfigError when
     `storage.path` or `data.latent_cache` cannot be written (`check_job_outputs`; for a URI, also when its store
-    does not answer or its bucket does not exist, and likewise for `data.shards_dir`), or when resuming changes a key fixed for the run (naming each key and both values),
-    trains on another dataset (`vidray.train.checkpoint.dataset_mismatch`), or is already at `train.max_steps`, and
-    when `model.max_sequence_length` exceeds the text encoder's limit. Prints one line listing the changeable keys that
+    does not answer or its bucket does not exist, and likewise for `data.shards_dir` and an object-store
+    `checkpoint.resume_from`), or when resuming changes a key fixed for the run (naming each key and both values),
+    trains on another dataset (`vidray.train.checkpoint.dataset_mismatch`), or is already at `train.max_steps`,
+    and when `model.max_sequence_length` exceeds the text encoder's limit. Prints one line listing the changeable keys that
     differ from the checkpoint, and the data position the run continues from (world-size independent: another
     `scaling.num_workers` deals the rest of the epoch, each sample still exactly once; `vidray.data.schedule`).
     """
