@@ -407,8 +407,23 @@ def test_an_unreachable_endpoint_is_one_line_naming_the_setting_and_the_endpoint
     monkeypatch.setattr("vidray.data.storage.S3_MAX_ATTEMPTS", 1)
     with pytest.raises(UserError, match=r"^data.shards_dir s3://vidray-test/shards: cannot reach the object store "
                                         r"\(.*NETWORK_CONNECTION.*\); check the endpoint \(http://127.0.0.1:1, from "
-                                        r"AWS_ENDPOINT_URL\), the network and the credentials$"):
+                                        r"AWS_ENDPOINT_URL\), the network and the credentials$") as first:
         open_storage("s3://vidray-test/shards").check_reachable("data.shards_dir")
+    # The next location in that bucket reuses the failure (a new user's trial: the doctor spent ~10 s of the SDK's
+    # retries on each of its three lines); after UNREACHABLE_MEMO_S it is probed again.
+    from vidray.data import storage
+
+    memo = "http://127.0.0.1:1, from AWS_ENDPOINT_URL vidray-test"
+    failed_at = storage._UNREACHABLE[memo][0]
+    with pytest.raises(UserError) as second:
+        open_storage("s3://vidray-test/runs").check_reachable("storage.path", write=True)
+    assert str(second.value) == str(first.value).replace("data.shards_dir s3://vidray-test/shards",
+                                                         "storage.path s3://vidray-test/runs")
+    assert storage._UNREACHABLE[memo][0] == failed_at  # not probed again
+    monkeypatch.setattr(storage, "UNREACHABLE_MEMO_S", 0.0)
+    with pytest.raises(UserError):
+        open_storage("s3://vidray-test/runs").check_reachable("storage.path")
+    assert storage._UNREACHABLE[memo][0] > failed_at  # probed again
 
 
 def test_prepare_to_a_missing_bucket_is_refused_before_any_clip_is_probed(samples_dir, s3_env, capsys):

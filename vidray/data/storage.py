@@ -23,6 +23,7 @@ it, with what `vidray.data.shards` and `vidray.data.ingest` need (read, write wh
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,17 +155,27 @@ class Storage:
             return
         bucket = self.base.split("/", 1)[0]
         where = self.display()
-        try:
-            found = self.fs.get_file_info(bucket).type
-        except OSError as err:
+        endpoint = _endpoint_text(self.fs)
+        memo = f"{endpoint} {bucket}"
+        failed = _UNREACHABLE.get(memo)
+        if failed and time.monotonic() - failed[0] < UNREACHABLE_MEMO_S:
+            error = failed[1]  # the same bucket just failed: not another round of the SDK's retries
+        else:
+            try:
+                found, error = self.fs.get_file_info(bucket).type, None
+                _UNREACHABLE.pop(memo, None)
+            except OSError as err:
+                error = str(err)
+                _UNREACHABLE[memo] = (time.monotonic(), error)
+        if error is not None:
             raise UserError(
-                f"{setting} {where}: cannot reach the object store ({err}); check the endpoint "
-                f"({_endpoint_text(self.fs)}), the network and the credentials"
-            ) from None
+                f"{setting} {where}: cannot reach the object store ({error}); check the endpoint "
+                f"({endpoint}), the network and the credentials"
+            )
         if found == pafs.FileType.NotFound:
             raise UserError(
                 f"{setting} {where}: bucket {bucket!r} does not exist (or these credentials cannot see it) at "
-                f"{_endpoint_text(self.fs)}; create the bucket or fix the URI"
+                f"{endpoint}; create the bucket or fix the URI"
             )
         if not write:
             return
@@ -184,6 +195,13 @@ class Storage:
         """(name, is_dir) of the entries directly under `rel`."""
         for entry in self.list(rel):
             yield entry.base_name, entry.type == pafs.FileType.Directory
+
+
+UNREACHABLE_MEMO_S = 30.0
+"""Seconds the error of a `check_reachable` probe that failed is reused for the next location in the same bucket at
+the same endpoint, instead of another ~10 s of the SDK's retries (the doctor checks up to three in a row)."""
+_UNREACHABLE: dict[str, tuple[float, str]] = {}
+"""{"<endpoint text> <bucket>": (monotonic time of the failed probe, its error)}."""
 
 
 def _endpoint_text(fs: pafs.FileSystem) -> str:
