@@ -95,16 +95,17 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     from vidray.data.storage import open_storage
     from vidray.train.trainer import check_job_outputs, run_training
 
-    shards = open_storage(job.data.shards_dir)
-    shards.check_reachable("data.shards_dir")  # and ShardWriter checks it can write there when --prepare prepares
-    check_job_outputs(job)  # a bad storage.path is refused before --prepare encodes every clip
-    if prepare_if_missing and not shards.is_file(INDEX_NAME):
-        from vidray.data.ingest import prepare_data
+    if prepare_if_missing:  # without --prepare, run_training's check_job_inputs makes these checks first
+        shards = open_storage(job.data.shards_dir)
+        shards.check_reachable("data.shards_dir")  # ShardWriter checks it can write there if it prepares
+        check_job_outputs(job)  # a bad storage.path is refused before --prepare encodes every clip
+        if not shards.is_file(INDEX_NAME):
+            from vidray.data.ingest import prepare_data
 
-        summary = prepare_data(job.data, model=job.model)
-        print(summary)
-        if not summary.committed:  # no sample kept: nothing to train on (the summary says why)
-            return 1
+            summary = prepare_data(job.data, model=job.model)
+            print(summary)
+            if not summary.committed:  # no sample kept: nothing to train on (the summary says why)
+                return 1
     result = run_training(job)
     print(f"[vidray] trained steps {result.first_step}..{result.last_step} at {result.steps_per_s:.2f} steps/s")
     print(f"[vidray] latest checkpoint: {result.checkpoint_path}")

@@ -180,16 +180,13 @@ def check_job(job: Any) -> list[Finding]:
     except UserError as err:
         note = " (the shards are prepared already: only a new prepare needs it)" if prepared else ""
         found.append(Finding("warn" if prepared else "fail", "data.source", f"{err}{note}"))
-    if prepared:
-        found.extend(_check_prepared_source(job))
-    if not reachable:
-        pass  # said above
-    elif not prepared:
+    if reachable and not prepared:  # an unreachable store has its FAIL line already
         found.append(Finding("warn", "data.shards_dir", f"{job.data.shards_dir} holds no prepared shards (no "
                              f"{INDEX_NAME}): run `vidray prepare CONFIG` (or `vidray train --prepare`)"))
-    else:
+    if prepared:
+        found.extend(_check_prepared_source(job))
         try:
-            index = read_index(job.data.shards_dir)
+            index = read_index(shards)
             found.append(Finding("ok", "data.shards_dir", f"{job.data.shards_dir}: {index['num_samples']} "
                                  f"sample(s) in {len(index['shards'])} shard(s), buckets {index['buckets']}"))
         except UserError as err:
@@ -225,10 +222,9 @@ def _check_prepared_source(job: Any) -> list[Finding]:
     (`source_list_sha256`) compare its bytes: the same list at another path (a `ray job submit` working dir
     copy) is no warning, and the same path edited since is one. Older reports compare real paths. Local files
     only."""
-    import hashlib
-
     from vidray.data.shards import read_report
     from vidray.errors import UserError
+    from vidray.models.export import file_sha256
 
     try:
         report = read_report(job.data.shards_dir)
@@ -241,7 +237,7 @@ def _check_prepared_source(job: Any) -> list[Finding]:
     same_path = os.path.realpath(prepared_from) == os.path.realpath(source)
     if prepared_sha:
         try:
-            if hashlib.sha256(open(source, "rb").read()).hexdigest() == prepared_sha:
+            if file_sha256(source) == prepared_sha:
                 return []
         except OSError:
             return []  # data.source's own line says it cannot be read

@@ -243,16 +243,6 @@ def _read_csv_source(path: Path) -> list[SourceItem]:
     return items
 
 
-def _file_sha256(path: str | Path) -> str | None:
-    """Hex sha256 of a local file's bytes; None for a URI or a file that cannot be read."""
-    if is_uri(str(path)):
-        return None
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
-        return None
-
-
 def read_source(path: str | Path) -> list[SourceItem]:
     """Read a source list: EasyAnimate metadata `.json` (a list of {file_path, text, type: video|image}) or an
     Open-Sora `.csv`/`.tsv` (header path,text[,num_frames,height,width,fps]). Paths may be absolute or relative
@@ -659,7 +649,7 @@ def prepare(
     captions = caption_check([it.text for it in items if str(it.file_path) in kept_paths]) if caption_check else None
     report = {
         "source": os.path.abspath(source),  # as the kept paths: absolute, symlinks kept
-        "source_list_sha256": _file_sha256(source),  # the list's bytes: the same list found at another path
+        "source_list_sha256": _file_sha256(Path(source)),  # the list's bytes: the same list at another path
         "num_kept": num_files_kept,
         "num_samples": len(kept),
         "num_skipped": len(skipped),

@@ -338,8 +338,8 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     does not answer or its bucket does not exist, and likewise for `data.shards_dir` and an object-store
     `checkpoint.resume_from`), or when resuming changes a key fixed for the run (naming each key and both values),
     trains on another dataset (`vidray.train.checkpoint.dataset_mismatch`), or is already at `train.max_steps`,
-    and when `model.max_sequence_length` exceeds the text encoder's limit. Prints one line listing the changeable keys that
-    differ from the checkpoint, and the data position the run continues from (world-size independent: another
+    and when `model.max_sequence_length` exceeds the text encoder's limit. Prints one line listing the changeable
+    keys that differ from the checkpoint, and the data position the run continues from (world-size independent: another
     `scaling.num_workers` deals the rest of the epoch, each sample still exactly once; `vidray.data.schedule`).
     """
     from vidray.data.buckets import parse_bucket
@@ -349,8 +349,9 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     from vidray.models.text_encoder import check_max_sequence_length
 
     check_max_sequence_length(job.model)
-    open_storage(job.data.shards_dir).check_reachable("data.shards_dir")  # an S3 fault in one line, not a traceback
-    index = read_index(job.data.shards_dir)  # a folder or a URI (vidray.data.storage)
+    shards = open_storage(job.data.shards_dir)  # a folder or a URI (vidray.data.storage)
+    shards.check_reachable("data.shards_dir")  # an S3 fault in one line, not a traceback
+    index = read_index(shards)
     if is_uri(job.data.shards_dir) and not job.data.shards_dir.startswith("file://"):
         from vidray.data.cache import check_cache_budget
 
