@@ -24,6 +24,7 @@ from vidray.data.shards import INDEX_NAME, read_report, report_path
 from vidray.errors import UserError
 from vidray.generate import generate_to_file
 from vidray.locations import absolute_location
+from vidray.logs import set_verbose
 from vidray.train.trainer import run_training
 
 RESUME_HINT = ("resume with `.venv/bin/python jobs/demo.py --resume` (and the same overrides); `make demo` starts the "
@@ -37,8 +38,11 @@ def main() -> int:
     parser.add_argument("--prompt", default="A hiker standing at the top of a mountain, triumphantly, high quality")
     parser.add_argument("--resume", action="store_true",
                         help="keep an earlier demo run and continue it (default: start the run afresh)")
+    parser.add_argument("--verbose", action="store_true", help="also print Ray's and the libraries' own lines")
     parser.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     args = parser.parse_args()
+    if args.verbose:
+        set_verbose()
     try:
         job = load_job_config(args.config, args.overrides)
     except UserError as err:

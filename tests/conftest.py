@@ -9,6 +9,21 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+NOISE_LINES = (
+    "Reporting training result", "TrainingReport(", "core_worker.cc", "has constructor arguments in the object store",
+    "Loading weights", "Progress bars disabled", "Writing model shards", "Loading pipeline components",
+    "execution finished in", "Requesting resources", "Started training worker group", "Setting up process group",
+    "Moving model to device", "Wrapping provided model in DistributedDataParallel", "Started a local Ray instance",
+    "Generated new authentication token",
+)
+"""Lines of Ray and the libraries that drowned vidray's own in a default run (a new user's trial; `vidray.logs`
+says where each comes from and which setting switches it off)."""
+
+
+def noise_in(output: str) -> list[str]:
+    """The lines of `output` holding any of `NOISE_LINES` (a default run must print none)."""
+    return [line for line in output.splitlines() if any(noise in line for noise in NOISE_LINES)]
+
 
 def run_at_once(action, *, repeats: int, processes: int = 3, timeout_s: float = 120) -> list[str]:
     """Fork `processes` processes that each call `action()` `repeats` times, all released together by one event

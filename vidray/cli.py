@@ -19,6 +19,7 @@ import sys
 
 from vidray.config import JobConfig, load_job_config
 from vidray.errors import UserError
+from vidray.logs import set_verbose
 
 
 def _load(args: argparse.Namespace) -> JobConfig:
@@ -139,11 +140,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     # Every argument first, before torch/diffusers are even imported: a typo answers in well under a second.
     check_generate_args(args.model, args.prompt, args.output, **kwargs)
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    diffusers_logging.disable_progress_bar()  # "Loading pipeline components" bars would bury the one warning
-    transformers_logging.disable_progress_bar()
     out = generate_to_file(args.model, args.prompt, args.output, **kwargs)
     print(f"[vidray] wrote {out}")
     return 0
@@ -228,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="job YAML to check as well (optional)")
     p.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides, e.g. scaling.use_gpu=true")
     p.set_defaults(func=cmd_doctor)
+    for p in sub.choices.values():
+        p.add_argument("--verbose", action="store_true", help="also print Ray's and the libraries' own lines "
+                       "(Ray Train's reports, Ray Data's progress, model-loading bars); see vidray.logs")
     return parser
 
 
@@ -276,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     propagates with its traceback, since it is a bug to fix, not something the user can correct.
     """
     args = parse_args(argv)
+    if getattr(args, "verbose", False):
+        set_verbose()
     _setup_logging()
     try:
         return args.func(args)

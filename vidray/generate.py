@@ -222,7 +222,9 @@ def generate_to_file(
 
     from vidray.data.video import write_mp4
     from vidray.diffusion.sampler import generate_video
+    from vidray.logs import quiet_diffusers
 
+    quiet_diffusers()  # "Loading pipeline components..." bars (vidray.logs)
     model = load_model(model_path)
     warn_if_prompt_truncated(model.components.tokenizer, prompt, model.max_sequence_length)
     started = time.monotonic()

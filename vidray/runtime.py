@@ -61,13 +61,17 @@ def init_ray(*, num_cpus: int | None = None) -> bool:
         )
     if ray.is_initialized():
         return False
+    from vidray.logs import apply_local_cluster_defaults, ray_init_logging_level
+
     if os.environ.get("RAY_ADDRESS"):
         check_ray_address(os.environ["RAY_ADDRESS"])
-        ray.init(log_to_driver=True)
+        ray.init(log_to_driver=True, logging_level=ray_init_logging_level())
     else:  # address="local": a new cluster even when `ray start` left /tmp/ray/ray_current_cluster (a running
         # head, or a stopped one), which a bare ray.init() would join instead (ray/_private/services.py,
         # get_ray_address_from_environment), refusing num_cpus with a ValueError
+        apply_local_cluster_defaults()  # one machine: no node is drained, Ray Train's preemption watcher idles
         ray.init(
+            logging_level=ray_init_logging_level(),
             address="local",
             num_cpus=num_cpus or local_num_cpus(),
             include_dashboard=True,

@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.conftest import noise_in
 from vidray.runtime import RAY_ENV_DEFAULTS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -258,6 +259,9 @@ def test_resubmitted_job_resumes_from_the_latest_complete_checkpoint_and_matches
     reference, _ = run_to_completion([f"storage.path={tmp_path / 'reference'}" if a.startswith("storage.path=")
                                       else a for a in killed_run.cmd], tmp_path)
     assert reference.returncode == 0, reference.stdout[-3000:]
+    # A default run prints vidray's lines, warnings and errors, none of Ray's or the libraries' own (vidray.logs):
+    # this run has every source of them (Ray Train reports and checkpoints, Ray Data actors, the export).
+    assert not noise_in(reference.stdout), noise_in(reference.stdout)
     uninterrupted = step_losses(reference.stdout.splitlines(keepends=True))
     killed_losses = step_losses(killed_run.lines)
     assert sorted(uninterrupted) == list(range(1, MAX_STEPS + 1)), uninterrupted

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import noise_in
 from vidray.config import load_job_config
 from vidray.train.checkpoint import DamagedCheckpointError, read_train_state, verify_checkpoint
 from vidray.train.step import NonFiniteTrainingError
@@ -124,6 +125,7 @@ def test_ctrl_c_stops_vidray_train_within_seconds_and_leaves_no_process(shards_d
         assert any("[vidray] interrupted (Ctrl-C): the run stopped" in line and resume_hint in line for line in lines)
         assert any(line.strip() == interrupted for line in lines), "".join(lines[-20:])
         assert not any("Traceback" in line for line in lines), "".join(lines)
+        assert not noise_in("".join(lines)), noise_in("".join(lines))  # the demo's start-up and reports (vidray.logs)
         left: list[int] = []
         for _ in range(20):  # Ray's processes of the local cluster end once their driver has gone
             left = sorted(p for p in spawned | set(pids_mentioning(ray_tmp)) if _alive(p))

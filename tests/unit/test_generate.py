@@ -32,6 +32,7 @@ from vidray.generate import (  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import ModelFolderError  # noqa: E402
 from vidray.models.text_encoder import count_prompt_tokens, encode_prompts  # noqa: E402
+from tests.conftest import noise_in  # noqa: E402
 
 MAX_SEQUENCE_LENGTH = 32
 FLOW = FlowConfig(shift=3.0)
@@ -80,9 +81,11 @@ def test_load_model_restores_the_exported_weights_and_training_settings(trained)
     assert not model.components.transformer.training
 
 
-def test_generate_to_file_writes_an_mp4_with_the_buckets_frame_count_and_size(trained, tmp_path, caplog):
+def test_generate_to_file_writes_an_mp4_with_the_buckets_frame_count_and_size(trained, tmp_path, caplog, capfd):
     _, out_dir = trained
     out = generate_to_file(out_dir, "a red ball", tmp_path / "sub" / "default.mp4", num_inference_steps=1, fps=4.0)
+    captured = capfd.readouterr()
+    assert not noise_in(captured.out + captured.err)  # diffusers' "Loading pipeline components" bars (vidray.logs)
     frames = decode_mp4(out.read_bytes())
     assert frames.shape == (5, 32, 32, 3)  # the model's first multi-frame training bucket
     with caplog.at_level(logging.WARNING, logger="vidray"):
@@ -169,6 +172,7 @@ def test_cli_generate_prints_the_prompt_warning_on_stderr(trained, tmp_path, cap
     captured = capsys.readouterr()
     assert code == 0 and out.is_file()
     assert "[vidray] WARNING: the prompt is" in captured.err and "tokens are dropped" in captured.err
+    assert not noise_in(captured.out + captured.err)
 
 
 def test_load_model_of_a_checkpoint_rebuilds_components_and_loads_its_transformer(trained, tmp_path):

@@ -69,6 +69,15 @@ from vidray.data.buckets import Bucket
 from vidray.data.encode import (ENCODE_STAT_KEYS, EncodeStage, LatentCache, block_rows, concat_rows,
                                 pack_cached_latents, vae_identity)
 from vidray.data.schedule import DataPosition, SampleSchedule
+from vidray.logs import quiet_ray_data
+
+NO_ACTOR_RESTARTS = """The decode and encode operators' actors are not restarted by Ray Data (`max_restarts=0`): a dead
+stage actor fails the rank's loader, and Ray Train restarts the worker group from the latest checkpoint, the same
+exact-resume path as any other failure. Ray Data's default (restart for ever) made every such actor log an
+error-level `core_worker.cc ... has constructor arguments in the object store and max_restarts > 0` line (Ray
+issue 53727: Ray Data always passes the operator through the object store) in every run's console. Ray 2.60's
+`map_batches` takes `max_restarts` only through its deprecated `**ray_remote_args` (its own comment names
+`map_batches(..., max_restarts=0)`); its deprecation warning is silenced for these two calls alone."""
 
 STAT_KEYS = ("hot_hits", "hot_misses", "warm_hits", "warm_misses", "bytes_fetched", "shard_reads",
              "decode_s", "fetch_s", "decodes_skipped")
@@ -604,53 +613,58 @@ class RankLoader:
             gpu=sum(op["num_gpus"] for op in operators))
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
+        quiet_ray_data()  # its "Progress bars disabled" warning (vidray.logs)
         # Ray Data starts a thread per map task that polls the process's USS (psutil reads /proc/<pid>/smaps), for
         # its stats only; on cached latents that polling took more of an encode stage actor's samples (py-spy)
         # than the stage's own calls. Off (DataContext: None = map tasks record no memory stats).
         ctx.memory_usage_poll_interval_s = None
         blocks = plan_blocks(plan["bucket"], np.diff(plan["offsets"]), int(data.block_batches))
         items = ray.data.from_items([{"i": first, "n": n} for first, n in blocks], override_num_blocks=len(blocks))
-        dataset = items.map_batches(
-            ClipLoader,
-            batch_size=1,  # one row of `items`: a block of n steps
-            batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=1),
-            num_cpus=float(data.loader_cpus),
-            **({"label_selector": label_selector} if label_selector else {}),
-            zero_copy_batch=True,
-            fn_constructor_args=(str(shards_dir), index["shards"], plan),
-            fn_constructor_kwargs={
-                "cache_dir": data.cache_dir,
-                "cache_bytes": int(data.cache_bytes),
-                "hot_bytes": int(data.hot_bytes),
-                "prefetch_window": int(data.prefetch_window_batches),
-                "open_shards": 2 * int(data.shuffle_block_shards) + 2,
-                "local_ranks": int(local_ranks),
-                "hash_clips": bool(operators),
-                "latent_cache": str(encode.get("latent_cache") or "") if encode else "",
-                "vae_id": vae_id,
-            },
-        )
-        for op in operators:  # the encode stages, each one actor on the nodes its placement allows
-            dataset = dataset.map_batches(
-                EncodeStage,
-                batch_size=None,  # the decode operator's whole block
+        with warnings.catch_warnings():  # max_restarts has no named parameter in Ray 2.60 (see NO_ACTOR_RESTARTS)
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            dataset = items.map_batches(
+                ClipLoader,
+                batch_size=1,  # one row of `items`: a block of n steps
                 batch_format="numpy",
                 compute=ray.data.ActorPoolStrategy(size=1),
-                num_cpus=op["num_cpus"],
-                **({"num_gpus": op["num_gpus"]} if op["num_gpus"] else {}),
-                **({"memory": op["memory"]} if op.get("memory") else {}),
-                **({"label_selector": op["label_selector"]} if op["label_selector"] else {}),
+                num_cpus=float(data.loader_cpus),
+                **({"label_selector": label_selector} if label_selector else {}),
                 zero_copy_batch=True,
-                fn_constructor_args=(op["what"], encode["model"], int(encode["seed"])),
+                max_restarts=0,  # see NO_ACTOR_RESTARTS
+                fn_constructor_args=(str(shards_dir), index["shards"], plan),
                 fn_constructor_kwargs={
-                    "max_sequence_length": int(encode["max_sequence_length"]),
-                    "latent_cache": str(encode.get("latent_cache") or ""),
+                    "cache_dir": data.cache_dir,
+                    "cache_bytes": int(data.cache_bytes),
                     "hot_bytes": int(data.hot_bytes),
-                    "num_gpus": op["num_gpus"],
-                    "torch_threads": max(1, int(round(op["num_cpus"]))),
+                    "prefetch_window": int(data.prefetch_window_batches),
+                    "open_shards": 2 * int(data.shuffle_block_shards) + 2,
+                    "local_ranks": int(local_ranks),
+                    "hash_clips": bool(operators),
+                    "latent_cache": str(encode.get("latent_cache") or "") if encode else "",
+                    "vae_id": vae_id,
                 },
             )
+            for op in operators:  # the encode stages, each one actor on the nodes its placement allows
+                dataset = dataset.map_batches(
+                    EncodeStage,
+                    batch_size=None,  # the decode operator's whole block
+                    batch_format="numpy",
+                    compute=ray.data.ActorPoolStrategy(size=1),
+                    num_cpus=op["num_cpus"],
+                    **({"num_gpus": op["num_gpus"]} if op["num_gpus"] else {}),
+                    **({"memory": op["memory"]} if op.get("memory") else {}),
+                    **({"label_selector": op["label_selector"]} if op["label_selector"] else {}),
+                    zero_copy_batch=True,
+                    max_restarts=0,  # see NO_ACTOR_RESTARTS
+                    fn_constructor_args=(op["what"], encode["model"], int(encode["seed"])),
+                    fn_constructor_kwargs={
+                        "max_sequence_length": int(encode["max_sequence_length"]),
+                        "latent_cache": str(encode.get("latent_cache") or ""),
+                        "hot_bytes": int(data.hot_bytes),
+                        "num_gpus": op["num_gpus"],
+                        "torch_threads": max(1, int(round(op["num_cpus"]))),
+                    },
+                )
         return dataset
 
     def _run(self) -> None:

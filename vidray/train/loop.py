@@ -38,6 +38,7 @@ import torch.distributed as dist
 from vidray.config import job_config_from_dict
 from vidray.errors import UserError
 from vidray.locations import is_uri
+from vidray.logs import quiet_ray_train_worker
 from vidray.models.export import write_job_file
 from vidray.metrics import TrainMetrics
 from vidray.data.cache import check_cache_budget
@@ -141,6 +142,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     Optional key "placement": {stage: label selector} (`vidray.placement.resolve_placement`); "decode" places
     the decode operator.
     """
+    quiet_ray_train_worker()  # Ray Train's per-report TrainingReport dump (vidray.logs)
     job = job_config_from_dict(loop_config["job"])
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()

@@ -40,6 +40,7 @@ from vidray.config import ConfigError, JobConfig, ResumeDiff, check_output_path,
 from vidray.data.storage import open_storage
 from vidray.errors import RequestCannotBeMetError, UserError, UserFileNotFound  # noqa: F401 (re-exported)
 from vidray.locations import absolute_location, is_uri
+from vidray.logs import ray_train_log_level, worker_env
 from vidray.placement import alive_nodes, resolve_placement
 from vidray.runtime import LOCAL_RAY
 
@@ -723,6 +724,10 @@ def build_trainer_configs(job: JobConfig, storage_path: str, *,
             max_failures=job.train.max_failures, controller_failure_limit=controller_failure_limit
         ),
         callbacks=[_stop_on_user_errors_callback()],
+        # Ray Train's own INFO lines (every report's TrainingReport dump, worker-group start-up) only with --verbose;
+        # the workers get the library settings of this driver (vidray.logs) on a cluster too.
+        logging_config=ray.train.LoggingConfig(log_level=ray_train_log_level()),
+        worker_runtime_env={"env_vars": worker_env()},
     )
     return scaling, run
 

@@ -1,0 +1,63 @@
+"""What a run prints (`vidray.logs`): quiet library settings by default, the user's own values kept, `--verbose`
+bringing Ray's and the libraries' lines back; checked in fresh interpreters, where `import vidray` applies them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO_ROOT
+
+PROBE = """
+import json, os, sys
+sys.argv[1:] and os.environ.update(json.loads(sys.argv[1]))
+import vidray, vidray.logs as logs
+if os.environ.get("PROBE_VERBOSE"):
+    logs.set_verbose()
+logs.apply_local_cluster_defaults()
+print(json.dumps({"env": {k: os.environ.get(k) for k in [*logs.QUIET_ENV, *logs.LOCAL_CLUSTER_ENV]},
+                  "train": logs.ray_train_log_level(), "init": logs.ray_init_logging_level(),
+                  "workers": logs.worker_env()}))
+"""
+
+
+def probe(extra_env: dict[str, str] | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("VIDRAY_VERBOSE", "RAY_DATA_LOG_LEVEL",
+                                                           "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY",
+                                                           "DIFFUSERS_VERBOSITY",
+                                                           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(extra_env or {})], env=env, capture_output=True,
+                         text=True, timeout=60, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_a_default_run_sets_every_quiet_setting_and_keeps_the_users_own():
+    seen = probe({"RAY_DATA_LOG_LEVEL": "INFO"})  # a Ray user's own setting wins
+    assert seen["env"] == {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+                           "DIFFUSERS_VERBOSITY": "error", "RAY_DATA_LOG_LEVEL": "INFO",
+                           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+    assert seen["train"] == "WARNING" and seen["init"] == 30
+    assert seen["workers"] == {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+                               "DIFFUSERS_VERBOSITY": "error", "RAY_DATA_LOG_LEVEL": "INFO"}
+
+
+def test_verbose_removes_what_vidray_set_but_not_the_users_settings():
+    seen = probe({"PROBE_VERBOSE": "1", "TRANSFORMERS_VERBOSITY": "warning"})
+    assert seen["env"] == {"HF_HUB_DISABLE_PROGRESS_BARS": None, "TRANSFORMERS_VERBOSITY": "warning",
+                           "DIFFUSERS_VERBOSITY": None, "RAY_DATA_LOG_LEVEL": None,
+                           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": None}
+    assert seen["train"] == "INFO" and seen["init"] == 20
+    assert seen["workers"] == {"VIDRAY_VERBOSE": "1"}  # Ray Train's workers on a cluster are verbose too
+
+
+def test_vidray_train_and_the_ray_job_entry_point_take_verbose():
+    from vidray.cli import parse_args
+
+    args = parse_args(["train", "jobs/configs/tiny_t2v.yaml", "train.max_steps=2", "--verbose"])
+    assert args.verbose and args.overrides == ["train.max_steps=2"]
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "jobs/train.py"), "--help"], capture_output=True,
+                         text=True, timeout=60, cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert "--verbose" in out.stdout
