@@ -79,7 +79,7 @@ class FakeVideoService:
         self.files: dict[str, Path] = {}
         self.requests: list[VideoRequest] = []
 
-    async def submit(self, request: VideoRequest) -> dict:
+    async def submit(self, request: VideoRequest, *, client: str = "anonymous") -> dict:
         self.requests.append(request)
         video_id = f"video_{len(self.requests):04d}"
         self.videos[video_id] = {
@@ -325,7 +325,7 @@ def test_missing_or_wrong_bearer_token_is_401_but_healthz_needs_none(client, ser
     assert_error(create(client, {}, headers={"Authorization": "Bearer nope"}), 401, "authorization")
     assert service.requests == []
     health = client.get("/healthz", headers={"Authorization": ""})
-    assert health.status_code == 200 and health.json() == {"status": "ok", "model": "vidray-tiny", "num_videos": 0}
+    assert health.status_code == 200 and health.json() == {"status": "ok"}  # nothing else to the unauthenticated
     assert client.get("/v1/videos").status_code == 200
 
 
@@ -371,9 +371,11 @@ def test_check_bearer_compares_the_whole_header():
 
 def test_routes_answer_503_json_while_the_service_is_starting(client, slot):
     slot.service = None
-    for response in (client.get("/healthz"), client.get("/v1/videos/video_0001"), create(client, {})):
+    for response in (client.get("/v1/videos/video_0001"), create(client, {})):
         error = assert_error(response, 503, None, "starting")
         assert error["code"] == "service_unavailable" and response.headers["retry-after"] == "2"
+    health = client.get("/healthz")
+    assert (health.status_code, health.json()) == (503, {"status": "not ok"})
 
 
 def test_unknown_routes_and_methods_answer_in_the_openai_error_shape(client):

@@ -13,6 +13,7 @@ from vidray.serve.app import ServeSettings, ServeSettingsError, build_app, model
 
 REPO_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "serve", "serve_config.yaml")
 TOKEN = "a-token-of-at-least-16-chars"
+TOKEN2 = "another-token-of-16-chars-or-more"
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +61,14 @@ def test_without_a_token_the_app_refuses_to_start_and_names_both_fixes(model_dir
 def test_token_file_and_explicitly_disabled_auth_build_the_app(model_dir, tmp_path, monkeypatch):
     monkeypatch.delenv("VIDRAY_API_TOKEN", raising=False)
     token_file = tmp_path / "token"
-    token_file.write_text(TOKEN + "\n")
+    token_file.write_text(f"# clients of the demo\n{TOKEN}\n\n  {TOKEN2}  \n{TOKEN}\n")
     app = build_app(_args(model_dir, tmp_path, auth={"token_file": str(token_file)}))
     ingress = app._bound_deployment
     assert ingress.name == "VideoIngress"
-    assert ingress.init_args[1] == TOKEN  # the stripped token reaches the ingress
+    assert ingress.init_args[1] == (TOKEN, TOKEN2)  # one per line, stripped, comments and repeats skipped
+    token_file.write_text(f"{TOKEN}\nshort\n")
+    with pytest.raises(ServeSettingsError, match="auth.token_file .* \\(token 2 of 2\\) is empty or shorter than 16"):
+        build_app(_args(model_dir, tmp_path, auth={"token_file": str(token_file)}))
     app = build_app(_args(model_dir, tmp_path, auth={"disabled": True}))
     assert app._bound_deployment.init_args[1] is None
     with pytest.raises(ServeSettingsError, match="auth.token_file .* does not exist"):

@@ -15,7 +15,13 @@ Routes (`build_api`), as the official `openai` SDK (3.57, `client.videos.*`) cal
 | `GET /v1/videos/{id}/content?variant=video` | `download_content` | `video/mp4` bytes; 409 until completed |
 | `DELETE /v1/videos/{id}` | `delete` | `{"id", "object": "video.deleted", "deleted": true}` |
 | `GET /v1/videos?after=&limit=&order=` | `list` | `{"object": "list", "data", "first_id", "last_id", "has_more"}` |
-| `GET /healthz` | (none) | `service.health()`; the only route without the bearer token |
+| `GET /v1/status` | (none) | `service.status()`: the model and the job counts (authenticated) |
+| `GET /healthz` | (none) | `{"status": "ok"}` (200) or `{"status": "not ok"}` (503), nothing else, in constant time; the
+only route without the bearer token |
+
+Clients are told apart by their bearer token (`client_id`, a short hash): `POST /v1/videos` beyond the service's
+caps on unfinished jobs answers 429 `rate_limit_exceeded` with `Retry-After` (seconds), and a store that cannot be
+written answers 507 (disk full) or 503, never a 500.
 
 Every error, ours or the framework's (unknown route, wrong method), answers in the OpenAI error shape
 ``{"error": {"message", "type", "param", "code"}}`` with a message naming the field, the value, the rule and the fix.
@@ -29,15 +35,19 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
+import hashlib
 import hmac
 import io
 import json
 import logging
 import math
+import os
 import re
+import sqlite3
 import unicodedata
 from contextlib import aclosing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import unquote_to_bytes
 from pathlib import Path
@@ -45,13 +55,15 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from python_multipart.multipart import parse_options_header
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 from starlette.types import Message, Receive
+
+from vidray.serve.jobs import ANONYMOUS_CLIENT, QueueFullError
 
 __all__ = [
     "ApiLimits",
@@ -61,6 +73,7 @@ __all__ = [
     "VideoService",
     "build_api",
     "check_bearer",
+    "client_id",
     "parse_video_request",
 ]
 
@@ -69,6 +82,12 @@ MAX_SEED = 2**63 - 1
 
 POLL_AFTER_MS = 500
 """`openai-poll-after-ms` header value on unfinished jobs: the SDK's `poll` waits this long between retrieves."""
+
+QUEUE_FULL_RETRY_AFTER_S = 10
+"""`Retry-After` seconds of a 429 for a full queue (a fixed small number: a slot frees when any job finishes)."""
+
+DOWNLOAD_CHUNK_BYTES = 256 * 1024
+"""Bytes per read when streaming a finished mp4."""
 
 CREATE_FIELDS = (
     "prompt",
@@ -548,20 +567,31 @@ def _image_from_reference(image_url: str | None, file_id: str | None) -> tuple[s
     return ("image_url", match[1] or "application/octet-stream", data)
 
 
-def check_bearer(authorization: str | None, token: str | None) -> None:
-    """Check an `Authorization` header against the server's bearer token.
+def client_id(token: str) -> str:
+    """The client a bearer token stands for, as the job store records it: the first 16 hex digits of its sha256
+    (stable across restarts and replicas; the token itself is never stored)."""
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def check_bearer(authorization: str | None, token: str | Sequence[str] | None) -> str:
+    """Check an `Authorization` header against the server's bearer token(s); returns the caller's client id.
 
     Args:
         authorization: the header value (``"Bearer <token>"``), or None when absent.
-        token: the expected token; None disables auth (every request passes).
+        token: the accepted token, or several (one per client); None disables auth (every request passes, as one
+            client).
+
+    Returns:
+        `client_id` of the matching token, or `vidray.serve.jobs.ANONYMOUS_CLIENT` when auth is disabled.
 
     Raises:
         RequestError: 401 (`param="authorization"`, header `WWW-Authenticate: Bearer`) when the header is missing
-            or differs from ``f"Bearer {token}"`` (the scheme in any case, RFC 7235); compared in constant time
-            (`hmac.compare_digest`).
+            or differs from ``f"Bearer {token}"`` for every token (the scheme in any case, RFC 7235); each token is
+            compared in constant time (`hmac.compare_digest`), all of them on every call.
     """
     if token is None:
-        return
+        return ANONYMOUS_CLIENT
+    tokens = (token,) if isinstance(token, str) else tuple(token)
     headers = {"WWW-Authenticate": "Bearer"}
     if not authorization:
         raise RequestError(401, "authorization", "missing bearer token: send the header 'Authorization: Bearer "
@@ -569,9 +599,11 @@ def check_bearer(authorization: str | None, token: str | None) -> None:
                            headers=headers)
     scheme, _, credentials = authorization.partition(" ")
     given = (scheme.lower() + " " + credentials).encode("utf-8", "surrogateescape")  # the scheme is case-insensitive
-    if not hmac.compare_digest(given, f"bearer {token}".encode()):
+    matches = [known for known in tokens if hmac.compare_digest(given, f"bearer {known}".encode())]
+    if not matches:
         raise RequestError(401, "authorization", "invalid bearer token in the Authorization header; use the "
                            "token the server was started with", code="invalid_api_key", headers=headers)
+    return client_id(matches[0])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -588,13 +620,15 @@ class VideoService(Protocol):
     `completed_at`, `expires_at`, `prompt`, `error: {code, message}`.
     """
 
-    auth_token: str | None
-    """Bearer token every route but /healthz requires; None disables auth."""
+    auth_token: str | Sequence[str] | None
+    """Bearer token(s) every route but /healthz requires, one per client; None disables auth."""
     limits: ApiLimits
     spec: ModelSpec
 
-    async def submit(self, request: VideoRequest) -> dict:
-        """Record a job for `request` durably and queue it; returns its video object (status `queued`)."""
+    async def submit(self, request: VideoRequest, *, client: str = ANONYMOUS_CLIENT) -> dict:
+        """Record a job for `request` of `client` (`check_bearer`'s id) durably and queue it; returns its video
+        object (status `queued`). Raises `QueueFullError` past a cap on unfinished jobs, OSError or
+        sqlite3.Error when the store cannot be written."""
         ...
 
     def get(self, video_id: str) -> dict | None:
@@ -615,7 +649,11 @@ class VideoService(Protocol):
         ...
 
     def health(self) -> dict:
-        """A JSON-able health summary for /healthz."""
+        """``{"status": "ok"}`` or ``{"status": "not ok"}``, in constant time (no store access): for /healthz."""
+        ...
+
+    async def status(self) -> dict:
+        """The model and the job counts for the authenticated `GET /v1/status` (read off the event loop)."""
         ...
 
 
@@ -794,6 +832,47 @@ async def _form_fields(request: Request) -> tuple[dict[str, str], tuple[str, str
         await form.close()
 
 
+def _open_or_none(path: Path | None):
+    """`path` opened for reading, or None when there is none or it is gone."""
+    if path is None:
+        return None
+    try:
+        return open(path, "rb")  # noqa: SIM115 - closed by `_chunks` when the response ends
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+
+
+def _chunks(video_file) -> Iterator[bytes]:
+    """The open file's bytes in `DOWNLOAD_CHUNK_BYTES` pieces (Starlette reads a sync iterator in a thread); closes
+    it at the end, also when the client goes away."""
+    with video_file:
+        while chunk := video_file.read(DOWNLOAD_CHUNK_BYTES):
+            yield chunk
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+async def _submit(service: VideoService, request: VideoRequest, client: str) -> dict:
+    """`service.submit`, its refusals as answers: a full queue is a 429 `rate_limit_exceeded` with `Retry-After`;
+    a full disk a 507 and any other storage failure a 503, each with `Retry-After` and no server path."""
+    retry = {"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}
+    try:
+        return await service.submit(request, client=client)
+    except QueueFullError as err:
+        raise RequestError(429, None, str(err), code="rate_limit_exceeded", headers=retry) from None
+    except (OSError, sqlite3.Error) as err:
+        full = (getattr(err, "errno", None) in _NO_SPACE
+                or getattr(err, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL)
+        logging.getLogger(__name__).error("creating a video job failed: %r", err)
+        if full:
+            raise RequestError(507, None, "the server's video store is full (no space left on its disk); retry "
+                               "later, and tell its operator", code="insufficient_storage", headers=retry) from None
+        raise RequestError(503, None, f"the server's video store cannot be written ({type(err).__name__}); retry "
+                           "later, and tell its operator if it persists", code="service_unavailable",
+                           headers=retry) from None
+
+
 def build_api(get_service: Callable[[], VideoService | None],
               on_error: Callable[[int, str], None] | None = None) -> FastAPI:
     """The FastAPI app with the OpenAI-compatible video routes (see the module docstring).
@@ -858,7 +937,7 @@ def build_api(get_service: Callable[[], VideoService | None],
 
     def authorized(request: Request) -> VideoService:
         service = service_or_503()
-        check_bearer(request.headers.get("authorization"), service.auth_token)
+        request.state.client = check_bearer(request.headers.get("authorization"), service.auth_token)
         return service
 
     def video_or_404(service: VideoService, video_id: str) -> dict:
@@ -871,7 +950,13 @@ def build_api(get_service: Callable[[], VideoService | None],
     # 2. Routes.
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
-        return JSONResponse(service_or_503().health())
+        service = get_service()
+        ok = service is not None and service.health().get("status") == "ok"
+        return JSONResponse({"status": "ok" if ok else "not ok"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/status")
+    async def status(request: Request) -> JSONResponse:
+        return JSONResponse(await authorized(request).status())
 
     @app.post("/v1/videos")
     async def create_video(request: Request) -> JSONResponse:
@@ -904,7 +989,7 @@ def build_api(get_service: Callable[[], VideoService | None],
             video_request = await run_in_threadpool(
                 parse_video_request, fields, image, spec=service.spec, limits=limits
             )
-        return JSONResponse(await service.submit(video_request))
+        return JSONResponse(await _submit(service, video_request, request.state.client))
 
     @app.get("/v1/videos")
     async def list_videos(
@@ -939,7 +1024,7 @@ def build_api(get_service: Callable[[], VideoService | None],
         return JSONResponse(video, headers=headers)
 
     @app.get("/v1/videos/{video_id}/content")
-    async def download_video(request: Request, video_id: str, variant: str | None = None) -> FileResponse:
+    async def download_video(request: Request, video_id: str, variant: str | None = None) -> StreamingResponse:
         service = authorized(request)
         if variant not in (None, "", "video"):
             raise RequestError(400, "variant", f"variant {variant!r} is not available; only 'video' (the mp4) is "
@@ -954,11 +1039,15 @@ def build_api(get_service: Callable[[], VideoService | None],
                 detail = (f"{status} ({video.get('progress', 0)}% done); poll GET /v1/videos/{video_id} until "
                           "its status is 'completed'")
             raise RequestError(409, "video_id", f"video {video_id!r} is {detail}", code="video_not_ready")
-        path = service.content_path(video_id)
-        if path is None or not Path(path).is_file():
+        # Opened here, once: a DELETE (or the retention sweep) after this point unlinks the name, and the download
+        # still finishes from the open file; one before it is a 404.
+        video_file = _open_or_none(service.content_path(video_id))
+        if video_file is None:
             raise RequestError(404, "video_id", f"video {video_id!r} is completed but its mp4 is no longer "
                                "stored (expired or deleted); create it again", code="not_found")
-        return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+        size = os.fstat(video_file.fileno()).st_size
+        return StreamingResponse(_chunks(video_file), media_type="video/mp4", headers={
+            "content-length": str(size), "content-disposition": f'attachment; filename="{video_id}.mp4"'})
 
     @app.delete("/v1/videos/{video_id}")
     async def delete_video(request: Request, video_id: str) -> JSONResponse:

@@ -18,6 +18,12 @@ it is queued again for one more attempt (`runner.max_attempts`, default 2), and 
 `error.code = "replica_died"`. An ingress replica that dies stops renewing its jobs' leases; any runner's sweep
 re-queues them (or fails them with `runner_lost` after the last attempt) once `runner.lease_s` has passed. Serve
 restarts dead replicas. A job deleted while running is dropped by its runner at the next progress update.
+
+Bounds (issue 27 item 2): each bearer token is a client (`auth.token_file` may list several; the store keeps a short
+hash, never the token); `limits.max_queued_jobs` and `limits.max_queued_jobs_per_token` cap unfinished jobs (429
+with `Retry-After` beyond them); runners take clients' queues round-robin; finished jobs expire after
+`retention.hours` and the runner's periodic sweep removes them with their files, and temp mp4s older than
+`retention.tmp_max_age_s`.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ import logging
 import math
 import os
 import socket
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -40,7 +45,7 @@ from vidray.errors import UserError
 from vidray.locations import is_uri
 from vidray.serve.api import ApiLimits, ModelSpec, VideoRequest, build_api
 from vidray.serve.metrics import JobMetrics, gauge_refresh_s
-from vidray.serve.jobs import JobStore
+from vidray.serve.jobs import ANONYMOUS_CLIENT, JobStore
 from vidray.serve.policy import PolicyConfig
 from vidray.serve.stages import Denoiser, TextEncoder, VaeDecoder
 
@@ -61,7 +66,9 @@ class AuthSettings(_Section):
     token_env: str = "VIDRAY_API_TOKEN"
     """Environment variable holding the bearer token (read by `build_app`)."""
     token_file: str | None = None
-    """A file holding the token (e.g. a mounted secret); wins over token_env."""
+    """A file holding the bearer tokens, one per line (blank lines and lines starting with '#' are skipped), e.g. a
+    mounted secret; wins over token_env. Each token is one client for `limits.max_queued_jobs_per_token` and fair
+    scheduling; each at least 16 characters."""
     disabled: bool = False
     """True serves without authentication (say so explicitly; the default refuses to start without a token)."""
 
@@ -83,6 +90,23 @@ class LimitSettings(_Section):
     """Largest video height in pixels a request may ask."""
     max_num_frames: int = Field(129, ge=1)
     """Most frames a request may ask (`seconds` * fps is checked against it too)."""
+    max_queued_jobs: int = Field(1000, ge=1)
+    """Most unfinished (queued + in_progress) jobs in the store, all clients together; a create beyond it is a 429
+    with `Retry-After`."""
+    max_queued_jobs_per_token: int = Field(100, ge=1)
+    """Most unfinished (queued + in_progress) jobs of one bearer token (of everyone when auth is disabled); a create
+    beyond it is a 429 with `Retry-After`."""
+
+
+class RetentionSettings(_Section):
+    hours: float | None = Field(168.0, gt=0)
+    """Hours a finished (completed or failed) job and its mp4 are kept after they finish (its `expires_at`), then
+    removed: 404 afterwards. null keeps them until deleted (the disk then fills)."""
+    sweep_every_s: float = Field(60.0, gt=0)
+    """How often each runner removes expired jobs and stale temp files (also once when it starts)."""
+    tmp_max_age_s: float = Field(3600.0, gt=0)
+    """A temp mp4 in `store_dir/tmp` older than this (seconds) is left by a dead or cancelled render and is
+    removed; keep it above the longest mp4 write, so a live render's file is never taken."""
 
 
 class RunnerSettings(_Section):
@@ -128,29 +152,35 @@ class ServeSettings(_Section):
     limits: LimitSettings = LimitSettings()
     policy: PolicySettings = PolicySettings()
     runner: RunnerSettings = RunnerSettings()
+    retention: RetentionSettings = RetentionSettings()
 
 
-def _read_token(auth: AuthSettings) -> str | None:
+def _read_tokens(auth: AuthSettings) -> tuple[str, ...] | None:
+    """The bearer tokens (one per client), or None when auth is disabled. Raises ServeSettingsError naming the
+    source when there is none, or one is shorter than 16 characters."""
     if auth.disabled:
         return None
     if auth.token_file:
         path = Path(auth.token_file).expanduser()
         if path.is_dir():
-            raise ServeSettingsError(f"auth.token_file {path} is a folder; give the file that holds the token")
+            raise ServeSettingsError(f"auth.token_file {path} is a folder; give the file that holds the tokens")
         if not path.is_file():
             raise ServeSettingsError(f"auth.token_file {path} does not exist; create it or set auth.token_env")
-        token = path.read_text().strip()
+        lines = [line.strip() for line in path.read_text().splitlines()]
+        tokens = [line for line in lines if line and not line.startswith("#")]
         where = f"auth.token_file {path}"
     else:
-        token = os.environ.get(auth.token_env, "").strip()
+        tokens = [os.environ.get(auth.token_env, "").strip()]
         where = f"environment variable {auth.token_env}"
-    if len(token) < 16:
-        raise ServeSettingsError(
-            f"no bearer token: {where} is empty or shorter than 16 characters; set it (e.g. "
-            f"`export {auth.token_env}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')`), or "
-            "serve without authentication by setting auth.disabled: true"
-        )
-    return token
+    for number, token in enumerate(tokens or [""], start=1):
+        if len(token) < 16:
+            which = "" if len(tokens) <= 1 else f" (token {number} of {len(tokens)})"
+            raise ServeSettingsError(
+                f"no usable bearer token: {where}{which} is empty or shorter than 16 characters; set it (e.g. "
+                f"`export {auth.token_env}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')`), "
+                "or serve without authentication by setting auth.disabled: true"
+            )
+    return tuple(dict.fromkeys(tokens))
 
 
 def model_spec(settings: ServeSettings, info) -> ModelSpec:
@@ -187,31 +217,41 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
 class VideoJobService:
     """What the HTTP routes call (`vidray.serve.api.VideoService`), plus the job runner of one ingress replica."""
 
-    def __init__(self, settings: ServeSettings, auth_token: str | None, text, denoiser, vae):
+    def __init__(self, settings: ServeSettings, auth_token: str | tuple[str, ...] | None, text, denoiser, vae):
         from vidray.models.export import inspect_model
 
         self.settings = settings
         self.auth_token = auth_token
+        """The bearer token(s) every route but /healthz requires (`vidray.serve.api.check_bearer`); None: no auth."""
         limits = settings.limits
         self.limits = ApiLimits(max_body_bytes=limits.max_body_bytes, max_prompt_chars=limits.max_prompt_chars,
                                 max_image_bytes=limits.max_image_bytes, max_image_px=limits.max_image_px,
                                 max_num_inference_steps=limits.max_num_inference_steps)
         self.info = inspect_model(settings.model_path)
         self.spec = model_spec(settings, self.info)
-        self.store = JobStore(settings.store_dir, max_attempts=settings.runner.max_attempts)
+        self.store = _open_store(settings)
         self.text, self.denoiser, self.vae = text, denoiser, vae
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        """This runner's id; each claim's owner is this id + '#' + a claim number (`_next_owner`)."""
+        self._num_claims = 0
         self._wake = asyncio.Event()
         self._active: dict[str, asyncio.Task] = {}
-        self._renders: dict[str, tuple[asyncio.Task, dict]] = {}
-        """job id -> (its render task, its `owned` flag) while this replica renders it (`_drop` stops one)."""
+        self._owners: dict[str, str] = {}
+        """job id -> the owner id of this runner's claim of it (per claim, so a stale attempt cannot act)."""
+        self._renders: dict[str, tuple[asyncio.Task, dict, str]] = {}
+        """job id -> (its render task, its `owned` flag, its claim's owner id) while this replica renders it
+        (`_drop` stops one)."""
         self._runner_task: asyncio.Task | None = None
         self._stopping = False
         self.metrics = JobMetrics()
         self._store_counted_at = -math.inf  # monotonic seconds of the last `store.counts()` for the gauge
+        self._swept_at = -math.inf  # monotonic seconds of the last retention / temp-file sweep
 
     # --- routes -------------------------------------------------------------------------------------------------
-    async def submit(self, request: VideoRequest) -> dict:
+    async def submit(self, request: VideoRequest, *, client: str = ANONYMOUS_CLIENT) -> dict:
+        """Store the job for `client` (a hash of its bearer token). Raises `vidray.serve.jobs.QueueFullError` past
+        `limits.max_queued_jobs` or `limits.max_queued_jobs_per_token`, OSError / sqlite3 errors when the store
+        cannot be written (the route answers 429, 507, 503)."""
         params = {
             "num_frames": request.num_frames, "width": request.width, "height": request.height,
             "seed": request.seed, "num_inference_steps": request.num_inference_steps,
@@ -221,7 +261,9 @@ class VideoJobService:
         job = await asyncio.to_thread(
             self.store.create, model=request.model or self.spec.name, prompt=request.prompt,
             size=f"{request.width}x{request.height}", seconds=request.seconds, params=params,
-            input_reference=request.input_reference,
+            input_reference=request.input_reference, client=client,
+            max_unfinished=self.settings.limits.max_queued_jobs,
+            max_unfinished_per_client=self.settings.limits.max_queued_jobs_per_token,
         )
         self.ensure_runner()
         self._wake.set()
@@ -248,9 +290,17 @@ class VideoJobService:
         return self.store.video_path(video_id)
 
     def health(self) -> dict:
+        """``{"status": "ok"}`` while this replica's runner runs (restarting it if it ended), else
+        ``{"status": "not ok"}`` (the replica is stopping). Constant time: no store access."""
         self.ensure_runner()
-        return {"status": "ok", "model": self.spec.name, "jobs": self.store.counts(),
-                "running_here": len(self._active)}
+        running = self._runner_task is not None and not self._runner_task.done()
+        return {"status": "ok" if running and not self._stopping else "not ok"}
+
+    async def status(self) -> dict:
+        """For the authenticated `GET /v1/status`: the model name, the store's job counts by status (read in a
+        thread, off the event loop) and the jobs rendering in this replica."""
+        counts = await asyncio.to_thread(self.store.counts)
+        return {"object": "status", "model": self.spec.name, "jobs": counts, "running_here": len(self._active)}
 
     # --- runner -------------------------------------------------------------------------------------------------
     def ensure_runner(self) -> None:
@@ -269,16 +319,17 @@ class VideoJobService:
                 if time.monotonic() - self._store_counted_at >= gauge_refresh_s():
                     self._store_counted_at = time.monotonic()
                     self.metrics.set_jobs(await asyncio.to_thread(self.store.counts))
+                if time.monotonic() - self._swept_at >= self.settings.retention.sweep_every_s:
+                    self._swept_at = time.monotonic()
+                    await asyncio.to_thread(self._sweep)
                 while not self._stopping and len(self._active) < self.settings.runner.max_concurrent_jobs:
-                    job = await asyncio.to_thread(self.store.claim, self.owner, self.settings.runner.lease_s)
+                    job = await asyncio.to_thread(self.store.claim, self._next_owner(), self.settings.runner.lease_s)
                     if job is None:
                         break
                     if self._stopping:  # claimed while the replica began to stop: straight back to the queue
-                        await asyncio.to_thread(self.store.requeue, job.id, self.owner)
+                        await asyncio.to_thread(self.store.requeue, job.id, job.owner)
                         break
-                    task = asyncio.get_running_loop().create_task(self._execute(job))
-                    self._active[job.id] = task
-                    task.add_done_callback(lambda _t, job_id=job.id: self._active.pop(job_id, None))
+                    self._start(job)
             except Exception:  # noqa: BLE001 - the runner must outlive a bad sweep (e.g. a locked disk)
                 logger.exception("job runner sweep failed; retrying")
             self._wake.clear()
@@ -288,6 +339,33 @@ class VideoJobService:
                 await asyncio.wait_for(self._wake.wait(), timeout=self.settings.runner.poll_s)
             except asyncio.TimeoutError:
                 pass
+
+    def _next_owner(self) -> str:
+        """A fresh owner id for the next claim: a runner that stalled past a lease and re-claimed the same job
+        holds the new attempt under another id, so the stalled attempt's heartbeat and complete fail."""
+        self._num_claims += 1
+        return f"{self.owner}#{self._num_claims}"
+
+    def _start(self, job) -> None:
+        """Run a claimed job in a task of this replica's loop, tracked in `_active` until it ends."""
+        task = asyncio.get_running_loop().create_task(self._execute(job))
+        self._active[job.id] = task
+        self._owners[job.id] = job.owner
+
+        def forget(_task, job_id=job.id, owner=job.owner):
+            if self._owners.get(job_id) == owner:  # not a newer claim of the same job
+                self._active.pop(job_id, None)
+                self._owners.pop(job_id, None)
+
+        task.add_done_callback(forget)
+
+    def _sweep(self) -> None:
+        """Remove expired jobs (with their files) and stale temp mp4s (`retention`); runs in a thread."""
+        retention = self.settings.retention
+        expired = self.store.sweep_expired()
+        stale = self.store.sweep_temp(older_than_s=retention.tmp_max_age_s)
+        if expired or stale:
+            logger.info("retention sweep: removed %d expired jobs and %d stale temp files", len(expired), len(stale))
 
     async def shutdown(self, timeout_s: float = 10.0) -> list[str]:
         """Stop this replica's runner in good order (Serve calls it as the replica stops: `VideoIngress.__del__`):
@@ -305,7 +383,7 @@ class VideoJobService:
                 self._runner_task.cancel()
         handed_back = []
         for job_id, task in list(self._active.items()):
-            if await asyncio.to_thread(self.store.requeue, job_id, self.owner):
+            if await asyncio.to_thread(self.store.requeue, job_id, self._owners.get(job_id, self.owner)):
                 handed_back.append(job_id)
                 self.metrics.count_job("handed_back")
                 logger.info("job %s handed back (queued, attempt not counted): this replica is stopping", job_id)
@@ -318,12 +396,12 @@ class VideoJobService:
             await asyncio.wait(active, timeout=timeout_s)
         return handed_back
 
-    def _drop(self, job_id: str) -> None:
+    def _drop(self, job_id: str, owner: str | None = None) -> None:
         """Stop this replica's render of a job it no longer owns (deleted, or its lease lost): the render task is
-        cancelled, which cancels its Denoiser stream (`_render`)."""
+        cancelled, which cancels its Denoiser stream (`_render`). With `owner`, only the render of that claim."""
         entry = self._renders.get(job_id)
-        if entry is not None:
-            render, owned = entry
+        if entry is not None and owner in (None, entry[2]):
+            render, owned, _ = entry
             owned["value"] = False
             render.cancel()
 
@@ -337,15 +415,15 @@ class VideoJobService:
         progress = {"value": 0}
         owned = {"value": True}
         render = asyncio.get_running_loop().create_task(self._render(job, progress, owned))
-        self._renders[job.id] = (render, owned)
+        self._renders[job.id] = (render, owned, job.owner)
 
         async def heartbeat():
             while True:
                 await asyncio.sleep(lease_s / 3)
-                ok = await asyncio.to_thread(self.store.heartbeat, job.id, self.owner,
+                ok = await asyncio.to_thread(self.store.heartbeat, job.id, job.owner,
                                              progress=progress["value"], lease_s=lease_s)
                 if not ok:
-                    self._drop(job.id)
+                    self._drop(job.id, job.owner)
                     return
 
         beat = asyncio.get_running_loop().create_task(heartbeat())
@@ -357,16 +435,16 @@ class VideoJobService:
                     raise
                 mp4 = None
             if mp4 is None:
-                logger.info("job %s was deleted or re-claimed while running; dropped", job.id)
+                logger.info("job %s was deleted or its lease lost while running; dropped", job.id)
                 return
-            done = await asyncio.to_thread(self.store.complete, job.id, self.owner, mp4)
+            done = await asyncio.to_thread(self.store.complete, job.id, job.owner, mp4)
             if done:
                 self.metrics.count_job("completed", seconds=time.time() - job.created_at)
             else:
                 mp4.unlink(missing_ok=True)
         except ray.exceptions.RayActorError as err:  # ActorDiedError, ActorUnavailableError: a replica is gone
             status = await asyncio.to_thread(
-                self.store.release, job.id, self.owner, code="replica_died",
+                self.store.release, job.id, job.owner, code="replica_died",
                 message=f"a stage replica died while rendering this video ({type(err).__name__})",
             )
             logger.warning("job %s: a stage replica died (%s); job now %s", job.id, type(err).__name__, status)
@@ -378,11 +456,12 @@ class VideoJobService:
                 logger.exception("job %s failed", job.id)
             else:
                 logger.warning("job %s failed (%s): %s", job.id, code, failure_message(err))
-            if await asyncio.to_thread(self.store.fail, job.id, self.owner, code, failure_message(err)):
+            if await asyncio.to_thread(self.store.fail, job.id, job.owner, code, failure_message(err)):
                 self.metrics.count_job("failed")
         finally:
             beat.cancel()
-            self._renders.pop(job.id, None)
+            if self._renders.get(job.id, (None, None, None))[2] == job.owner:
+                self._renders.pop(job.id)
 
     async def _render(self, job, progress: dict, owned: dict) -> Path | None:
         """text -> denoise (streamed progress) -> decode -> mp4 in the store's folder; None if the job was lost."""
@@ -420,7 +499,7 @@ class VideoJobService:
                     if now - progress.get("written_at", 0.0) >= 0.2:  # progress reaches the store 5x/s at most
                         progress["written_at"] = now
                         owned["value"] = await asyncio.to_thread(
-                            self.store.heartbeat, job.id, self.owner, progress=progress["value"],
+                            self.store.heartbeat, job.id, job.owner, progress=progress["value"],
                             lease_s=self.settings.runner.lease_s)
                 if not owned["value"]:
                     return None
@@ -437,13 +516,17 @@ class VideoJobService:
             raise RuntimeError("the denoiser ended without latents")
         # 3. Decode and write the mp4 next to the store (same filesystem: the store moves it in atomically).
         frames = await self.vae.decode.remote(latents)
-        tmp_dir = Path(self.settings.store_dir) / "tmp"
-        tmp_dir.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(suffix=".mp4", dir=tmp_dir)
-        os.close(fd)
-        await asyncio.to_thread(write_mp4, frames, name, float(params["fps"]))
+        mp4 = await asyncio.to_thread(self.store.temp_video)
+        try:
+            await asyncio.to_thread(write_mp4, frames, mp4, float(params["fps"]))
+        except BaseException:  # failed or cancelled mid-write: its temp file goes now, not at the sweep
+            mp4.unlink(missing_ok=True)
+            raise
         progress["value"] = 99
-        return Path(name) if owned["value"] else None
+        if not owned["value"]:
+            mp4.unlink(missing_ok=True)
+            return None
+        return mp4
 
 
 _service: VideoJobService | None = None
@@ -497,7 +580,7 @@ api = build_api(current_service, on_error=count_http_error)
 class VideoIngress:
     """HTTP ingress: the OpenAI-compatible routes of `vidray.serve.api` over this replica's `VideoJobService`."""
 
-    def __init__(self, settings: dict[str, Any], auth_token: str | None, text, denoiser, vae):
+    def __init__(self, settings: dict[str, Any], auth_token: tuple[str, ...] | None, text, denoiser, vae):
         import vidray.serve.app as module  # this class arrives pickled by value: set the real module's global
 
         self.service = VideoJobService(ServeSettings(**settings), auth_token, text, denoiser, vae)
@@ -541,6 +624,12 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(problems)
 
 
+def _open_store(settings: ServeSettings) -> JobStore:
+    hours = settings.retention.hours
+    return JobStore(settings.store_dir, max_attempts=settings.runner.max_attempts,
+                    retention_s=None if hours is None else hours * 3600.0)
+
+
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The application for `serve run` / `serve deploy` (import path `serve.app:build_app`).
 
@@ -554,7 +643,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         settings = ServeSettings(**(args or {}))
     except ValidationError as err:
         raise ServeSettingsError(f"serve_config.yaml application args: {_describe(err)}") from None
-    auth_token = _read_token(settings.auth)
+    auth_token = _read_tokens(settings.auth)
     root = Path.cwd()
     settings = settings.model_copy(update={
         "model_path": (settings.model_path if is_uri(settings.model_path)  # a URI: fetched into the model cache
@@ -571,10 +660,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     except ValueError as err:
         raise ServeSettingsError(f"policy: {err}") from None
     Path(settings.store_dir).mkdir(parents=True, exist_ok=True)
-    JobStore(settings.store_dir, max_attempts=settings.runner.max_attempts)  # creates / checks the schema now
+    _open_store(settings)  # creates / checks (and migrates) the schema now
     denoiser = Denoiser.options(max_ongoing_requests=max(16, 2 * policy.max_batch_size))
     logger.info("vidray serve: model %s, store %s, auth %s", settings.model_path, settings.store_dir,
-                "off" if auth_token is None else "bearer token")
+                "off" if auth_token is None else f"{len(auth_token)} bearer token(s)")
     return VideoIngress.bind(
         settings.model_dump(), auth_token,
         TextEncoder.bind(settings.model_path),

@@ -10,6 +10,7 @@ Layout under the store's root folder::
     root/jobs.sqlite3          the job table (one row per job)
     root/videos/<id>.mp4       finished videos, moved in by `JobStore.complete`
     root/inputs/<id>.<ext>     first-frame images given with `POST /v1/videos` (``input_reference``)
+    root/tmp/                  mp4s being written by a runner (`JobStore.temp_video`), swept by `sweep_temp`
 
 A job's life::
 
@@ -26,6 +27,12 @@ Rules the store enforces:
 - ``progress`` never goes down within one attempt; a job put back to ``queued`` starts its next attempt at 0.
 - A job whose runner died (its lease ran out) is retried while ``attempts < max_attempts``, else marked
   ``failed`` with code ``runner_lost``: never left ``in_progress``.
+- A lease that ran out is lost even before `recover_expired` hands the job back: `heartbeat` and `complete` then
+  answer False. A runner passes a fresh owner id to each `claim` (`VideoJobService` does), so a runner that
+  stalled past its lease cannot act on the next attempt of the same job, even when it claimed that attempt itself.
+- Bounds: `create` refuses a job beyond ``max_unfinished`` (total) or ``max_unfinished_per_client`` unfinished
+  (queued + in_progress) jobs with `QueueFullError`; `claim` takes clients' queues round-robin (FIFO within a
+  client); a finished job expires ``retention_s`` after it finished and `sweep_expired` removes it and its files.
 
 The response object follows the OpenAI Videos API (`VideoJob.to_openai`; see NOTES.md "OpenAI Videos API").
 """
@@ -40,6 +47,7 @@ import os
 import re
 import shutil
 import sqlite3
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -47,9 +55,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "ANONYMOUS_CLIENT",
     "JOB_STATUSES",
     "TERMINAL_STATUSES",
     "JobStore",
+    "QueueFullError",
     "VideoJob",
     "is_job_id",
     "new_job_id",
@@ -61,7 +71,9 @@ JOB_STATUSES = ("queued", "in_progress", "completed", "failed")
 TERMINAL_STATUSES = ("completed", "failed")
 """Statuses a job never leaves (except by deletion)."""
 
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2
+ANONYMOUS_CLIENT = "anonymous"
+"""The client of every job when auth is disabled (all requests are one client)."""
 _JOB_ID_RE = re.compile(r"video_[0-9a-f]{32}")
 _SUFFIX_RE = re.compile(r"\.[A-Za-z0-9]{1,8}")
 _BUSY_TIMEOUT_S = 30.0
@@ -90,10 +102,39 @@ CREATE INDEX IF NOT EXISTS jobs_status_order ON jobs (status, created_at, seq);
 CREATE INDEX IF NOT EXISTS jobs_order ON jobs (created_at, seq);
 """
 
+_SCHEMA_V2 = """
+ALTER TABLE jobs ADD COLUMN client TEXT NOT NULL DEFAULT 'anonymous';
+ALTER TABLE jobs ADD COLUMN expires_at INTEGER;
+CREATE INDEX IF NOT EXISTS jobs_client_status ON jobs (client, status);
+CREATE INDEX IF NOT EXISTS jobs_expiry ON jobs (expires_at);
+CREATE TABLE IF NOT EXISTS clients (
+    client      TEXT PRIMARY KEY,
+    last_claim  INTEGER NOT NULL
+);
+"""
+"""Version 1 -> 2: the client (a hash of its bearer token) of each job, its expiry, and each client's turn in
+round-robin claims (`clients.last_claim`: a counter, larger = claimed more recently)."""
+
 _COLUMNS = (
     "id, created_at, status, progress, model, prompt, size, seconds, params, attempts, owner, lease_until, "
-    "completed_at, error, input_reference"
+    "completed_at, error, input_reference, client, expires_at"
 )
+
+
+class QueueFullError(Exception):
+    """`JobStore.create` refused a job: too many unfinished (queued + in_progress) jobs in total or for its client.
+
+    Attributes:
+        scope: ``"total"`` or ``"client"``: which cap was reached.
+        limit: the cap, jobs.
+        unfinished: how many unfinished jobs that scope holds now.
+    """
+
+    def __init__(self, scope: str, limit: int, unfinished: int) -> None:
+        who = "the server holds" if scope == "total" else "this client (bearer token) holds"
+        super().__init__(f"{who} {unfinished} unfinished (queued or in_progress) videos, the most allowed is "
+                         f"{limit}; wait for some to finish (or delete queued ones), then retry")
+        self.scope, self.limit, self.unfinished = scope, limit, unfinished
 
 
 def new_job_id() -> str:
@@ -139,6 +180,11 @@ class VideoJob:
     one); None otherwise."""
     input_reference: str | None
     """Path of the stored first-frame image, or None for text-to-video."""
+    client: str = ANONYMOUS_CLIENT
+    """Who asked for the job: a short hash of its bearer token (never the token), `ANONYMOUS_CLIENT` without auth."""
+    expires_at: int | None = None
+    """Unix time, seconds, after which a finished job and its files are removed (`JobStore.sweep_expired`); None
+    while unfinished or when the store keeps jobs forever."""
 
     def to_openai(self) -> dict:
         """The OpenAI Videos API ``video`` object: exactly the keys ``id, object, created_at, status, progress,
@@ -156,7 +202,7 @@ class VideoJob:
             "size": self.size,
             "prompt": self.prompt,
             "completed_at": self.completed_at,
-            "expires_at": None,
+            "expires_at": self.expires_at,
             "error": dict(self.error) if (self.error is not None and self.status == "failed") else None,
             "remixed_from_video_id": None,
         }
@@ -164,7 +210,7 @@ class VideoJob:
 
 def _row_to_job(row: tuple) -> VideoJob:
     (id_, created_at, status, progress, model, prompt, size, seconds, params, attempts, owner, lease_until,
-     completed_at, error, input_reference) = row
+     completed_at, error, input_reference, client, expires_at) = row
     return VideoJob(
         id=id_,
         created_at=int(created_at),
@@ -181,6 +227,8 @@ def _row_to_job(row: tuple) -> VideoJob:
         completed_at=completed_at,
         error=json.loads(error) if error is not None else None,
         input_reference=input_reference,
+        client=client,
+        expires_at=expires_at,
     )
 
 
@@ -192,11 +240,20 @@ def _check_str(name: str, value: object, *, allow_empty: bool = False) -> str:
     return value
 
 
+def _check_positive(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
 def _check_lease(lease_s: object) -> float:
-    if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not math.isfinite(lease_s) \
-            or lease_s <= 0:
-        raise ValueError(f"lease_s must be a finite number of seconds > 0, got {lease_s!r}")
-    return float(lease_s)
+    return _check_positive("lease_s", lease_s)
+
+
+def _check_cap(name: str, value: object) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be None (no cap) or an int >= 1, got {value!r}")
+    return value
 
 
 def _check_progress(progress: object) -> int:
@@ -217,21 +274,28 @@ class JobStore:
         root: the store's folder; created (with ``videos/`` and ``inputs/``) if missing.
         max_attempts: how many times a job is claimed before a lost or released job is marked ``failed``
             (2 = one retry). Must be >= 1.
+        retention_s: seconds a finished (completed or failed) job is kept after it finished, then removed with
+            its files by `sweep_expired`; None keeps jobs until deleted.
 
     Raises:
-        ValueError: `max_attempts` < 1, or ``jobs.sqlite3`` was written by another schema version.
+        ValueError: `max_attempts` < 1, `retention_s` not a number > 0, or ``jobs.sqlite3`` was written by a newer
+            schema version.
         sqlite3.DatabaseError: ``jobs.sqlite3`` exists but is not a sqlite database.
     """
 
-    def __init__(self, root: str | Path, *, max_attempts: int = 2) -> None:
+    def __init__(self, root: str | Path, *, max_attempts: int = 2, retention_s: float | None = None) -> None:
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError(f"max_attempts must be an int >= 1 (2 = one retry), got {max_attempts!r}")
+        if retention_s is not None:
+            retention_s = _check_positive("retention_s", retention_s)
         self.root = Path(root)
         self.max_attempts = max_attempts
+        self.retention_s = retention_s
         self.db_path = self.root / "jobs.sqlite3"
         self.videos_dir = self.root / "videos"
         self.inputs_dir = self.root / "inputs"
-        for folder in (self.root, self.videos_dir, self.inputs_dir):
+        self.tmp_dir = self.root / "tmp"
+        for folder in (self.root, self.videos_dir, self.inputs_dir, self.tmp_dir):
             folder.mkdir(parents=True, exist_ok=True)
         self._init_db()
 
@@ -277,6 +341,9 @@ class JobStore:
             if version == 0:
                 for statement in filter(str.strip, _SCHEMA.split(";")):
                     conn.execute(statement)
+            if version in (0, 1):  # a version-1 store gains its columns in place: its jobs stay
+                for statement in filter(str.strip, _SCHEMA_V2.split(";")):
+                    conn.execute(statement)
                 conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
             elif version != _SCHEMA_VERSION:
                 raise ValueError(
@@ -296,6 +363,9 @@ class JobStore:
         params: dict,
         input_reference: bytes | None = None,
         input_suffix: str = ".png",
+        client: str = ANONYMOUS_CLIENT,
+        max_unfinished: int | None = None,
+        max_unfinished_per_client: int | None = None,
     ) -> VideoJob:
         """Store a new job, ``queued`` with progress 0, and its first-frame image if given.
 
@@ -308,17 +378,23 @@ class JobStore:
             params: JSON-serializable generation parameters (num_frames, seed, ...); stored as a copy.
             input_reference: the first-frame image file's bytes, written to ``inputs/<id><input_suffix>``.
             input_suffix: the image file's extension with its dot, e.g. ``".png"``, ``".jpg"``.
+            client: who asks (a short hash of the bearer token; `ANONYMOUS_CLIENT` without auth).
+            max_unfinished, max_unfinished_per_client: caps on unfinished (queued + in_progress) jobs in the store
+                and of `client`, checked atomically with the insert; None = no cap.
 
         Returns:
             The new job.
 
         Raises:
+            QueueFullError: a cap is reached (nothing is stored).
             TypeError: a field has the wrong type (model, prompt, size, seconds must be str; params a dict;
                 input_reference bytes).
             ValueError: params is not JSON-serializable, or input_suffix is not a dot and 1-8 letters/digits.
         """
-        for name, value in (("model", model), ("size", size), ("seconds", seconds)):
+        for name, value in (("model", model), ("size", size), ("seconds", seconds), ("client", client)):
             _check_str(name, value)
+        _check_cap("max_unfinished", max_unfinished)
+        _check_cap("max_unfinished_per_client", max_unfinished_per_client)
         _check_str("prompt", prompt, allow_empty=True)
         if not isinstance(params, dict):
             raise TypeError(f"params must be a dict of generation parameters, got {type(params).__name__}")
@@ -343,11 +419,12 @@ class JobStore:
         created_at = int(time.time())
         try:
             with self._write() as conn:
+                _check_room(conn, client, max_unfinished, max_unfinished_per_client)
                 conn.execute(
                     f"INSERT INTO jobs ({_COLUMNS}) VALUES (?, ?, 'queued', 0, ?, ?, ?, ?, ?, 0, NULL, NULL, NULL, "
-                    "NULL, ?)",
+                    "NULL, ?, ?, NULL)",
                     (job_id, created_at, model, prompt, size, seconds, params_json,
-                     str(input_path) if input_path is not None else None),
+                     str(input_path) if input_path is not None else None, client),
                 )
         except BaseException:
             if input_path is not None:
@@ -359,7 +436,7 @@ class JobStore:
                 id=job_id, created_at=created_at, status="queued", progress=0, model=model, prompt=prompt,
                 size=size, seconds=seconds, params=json.loads(params_json), attempts=0, owner=None,
                 lease_until=None, completed_at=None, error=None,
-                input_reference=str(input_path) if input_path is not None else None,
+                input_reference=str(input_path) if input_path is not None else None, client=client,
             )
         return job
 
@@ -450,16 +527,46 @@ class JobStore:
             conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
         # After the commit: `complete` moves a video in only while the row exists, under the write lock, so no
         # video can appear for this id from now on.
-        (self.videos_dir / f"{job_id}.mp4").unlink(missing_ok=True)
-        if row[0] is not None:
-            Path(row[0]).unlink(missing_ok=True)
+        self._remove_files(job_id, row[0])
         return True
+
+    def _remove_files(self, job_id: str, input_reference: str | None) -> None:
+        (self.videos_dir / f"{job_id}.mp4").unlink(missing_ok=True)
+        if input_reference is not None:
+            Path(input_reference).unlink(missing_ok=True)
+
+    def sweep_expired(self, *, now: float | None = None) -> list[str]:
+        """Remove every finished job whose ``expires_at`` is before `now`, with its video and input image
+        (`retention_s`); afterwards it is a 404 like a deleted job.
+
+        Args:
+            now: unix time, seconds; default the current time (tests pass a later one).
+
+        Returns:
+            The ids removed.
+        """
+        now = time.time() if now is None else float(now)
+        with self._write() as conn:
+            rows = conn.execute(
+                "SELECT id, input_reference FROM jobs WHERE expires_at IS NOT NULL AND expires_at < ?", (now,)
+            ).fetchall()
+            conn.executemany("DELETE FROM jobs WHERE id = ?", [(job_id,) for job_id, _ in rows])
+        for job_id, input_reference in rows:
+            self._remove_files(job_id, input_reference)
+        return [job_id for job_id, _ in rows]
 
     # ------------------------------------------------------------------ the runner's side
 
     def claim(self, owner: str, lease_s: float) -> VideoJob | None:
-        """Take the oldest ``queued`` job for `owner`: it becomes ``in_progress``, attempts + 1, leased until
+        """Take the next ``queued`` job for `owner`: it becomes ``in_progress``, attempts + 1, leased until
         now + `lease_s` seconds. Exclusive across threads and processes: no two callers get the same job.
+
+        Fair between clients: the next job is the oldest queued job of the client whose last claim is the longest
+        ago (never claimed counts as longest), so clients' queues take turns (round-robin) and one client's burst
+        does not starve the others; within one client, first in first out.
+
+        Pass a fresh `owner` to each claim (the runner's id plus a claim counter): a runner that stalled past its
+        lease and then claims the same job again must not be able to act on the new attempt with its old one.
 
         The runner renews the lease with `heartbeat` well within `lease_s`; a job whose lease ran out is
         handed back by `recover_expired`.
@@ -474,10 +581,16 @@ class JobStore:
         lease_s = _check_lease(lease_s)
         with self._write() as conn:
             row = conn.execute(
-                "SELECT id FROM jobs WHERE status = 'queued' ORDER BY created_at, seq LIMIT 1"
+                "SELECT j.id, j.client FROM jobs AS j LEFT JOIN clients AS c ON c.client = j.client "
+                "WHERE j.status = 'queued' ORDER BY COALESCE(c.last_claim, -1), j.created_at, j.seq LIMIT 1"
             ).fetchone()
             if row is None:
                 return None
+            conn.execute(
+                "INSERT INTO clients (client, last_claim) VALUES (?, (SELECT COALESCE(MAX(last_claim), 0) + 1 "
+                "FROM clients)) ON CONFLICT (client) DO UPDATE SET last_claim = excluded.last_claim",
+                (row[1],),
+            )
             conn.execute(
                 "UPDATE jobs SET status = 'in_progress', progress = 0, attempts = attempts + 1, owner = ?, "
                 "lease_until = ? WHERE id = ? AND status = 'queued'",
@@ -492,8 +605,9 @@ class JobStore:
         Progress never goes down: a smaller value than the stored one keeps the stored one.
 
         Returns:
-            True if `owner` still holds the job; False if it was deleted, re-claimed by another runner after
-            the lease ran out, or is no longer ``in_progress``: the runner should then stop work on it.
+            True if `owner` still holds the job; False if it was deleted, its lease ran out (even if no one has
+            handed it back yet), it was re-claimed, or is no longer ``in_progress``: the runner should then stop
+            work on it.
 
         Raises:
             ValueError: progress not an int in 0..100, or lease_s not a finite number > 0.
@@ -501,10 +615,11 @@ class JobStore:
         _check_progress(progress)
         lease_s = _check_lease(lease_s)
         with self._write() as conn:
+            now = time.time()
             cur = conn.execute(
                 "UPDATE jobs SET progress = MAX(progress, ?), lease_until = ? "
-                "WHERE id = ? AND owner = ? AND status = 'in_progress'",
-                (progress, time.time() + lease_s, job_id, owner),
+                "WHERE id = ? AND owner = ? AND status = 'in_progress' AND lease_until >= ?",
+                (progress, now + lease_s, job_id, owner, now),
             )
             return cur.rowcount == 1
 
@@ -513,8 +628,8 @@ class JobStore:
         first when it lies on another filesystem), progress 100, ``completed_at`` now.
 
         Returns:
-            True if done. False if `owner` no longer holds the job (deleted, re-claimed, finished): then nothing
-            changes and `video_file` stays where it is, for the caller to remove.
+            True if done. False if `owner` no longer holds the job (deleted, its lease ran out, re-claimed,
+            finished): then nothing changes and `video_file` stays where it is, for the caller to remove.
 
         Raises:
             FileNotFoundError: video_file does not exist (the job is left unchanged).
@@ -525,17 +640,19 @@ class JobStore:
         target = self.videos_dir / f"{job_id}.mp4"
         with self._write() as conn:
             row = conn.execute(
-                "SELECT 1 FROM jobs WHERE id = ? AND owner = ? AND status = 'in_progress'", (job_id, owner)
+                "SELECT 1 FROM jobs WHERE id = ? AND owner = ? AND status = 'in_progress' AND lease_until >= ?",
+                (job_id, owner, time.time()),
             ).fetchone()
             if row is None:
                 return False
             # The move happens under the write lock, so `delete` cannot slip in between it and the update.
             _move_file(video_file, target)
             try:
+                now = int(time.time())
                 conn.execute(
-                    "UPDATE jobs SET status = 'completed', progress = 100, completed_at = ?, lease_until = NULL, "
-                    "error = NULL WHERE id = ?",
-                    (int(time.time()), job_id),
+                    "UPDATE jobs SET status = 'completed', progress = 100, completed_at = ?, expires_at = ?, "
+                    "lease_until = NULL, error = NULL WHERE id = ?",
+                    (now, self._expiry(now), job_id),
                 )
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -554,11 +671,12 @@ class JobStore:
             ValueError: code or message empty.
         """
         error = _error_json(code, message)
+        now = int(time.time())
         with self._write() as conn:
             cur = conn.execute(
-                "UPDATE jobs SET status = 'failed', completed_at = ?, lease_until = NULL, error = ? "
+                "UPDATE jobs SET status = 'failed', completed_at = ?, expires_at = ?, lease_until = NULL, error = ? "
                 "WHERE id = ? AND owner = ? AND status = 'in_progress'",
-                (int(time.time()), error, job_id, owner),
+                (now, self._expiry(now), error, job_id, owner),
             )
             return cur.rowcount == 1
 
@@ -638,11 +756,17 @@ class JobStore:
                 (error, job_id),
             )
             return "queued"
+        now = int(time.time())
         conn.execute(
-            "UPDATE jobs SET status = 'failed', completed_at = ?, lease_until = NULL, error = ? WHERE id = ?",
-            (int(time.time()), error, job_id),
+            "UPDATE jobs SET status = 'failed', completed_at = ?, expires_at = ?, lease_until = NULL, error = ? "
+            "WHERE id = ?",
+            (now, self._expiry(now), error, job_id),
         )
         return "failed"
+
+    def _expiry(self, finished_at: int) -> int | None:
+        """``expires_at`` of a job finished at `finished_at` (unix s): rounded up, so it is never early."""
+        return None if self.retention_s is None else finished_at + math.ceil(self.retention_s)
 
     # ------------------------------------------------------------------ files
 
@@ -653,6 +777,49 @@ class JobStore:
             return None
         path = self.videos_dir / f"{job.id}.mp4"
         return path if path.is_file() else None
+
+    def temp_video(self) -> Path:
+        """A new empty file ``tmp/<random>.mp4`` for a runner to write a video into before `complete` moves it in
+        (same filesystem: the move is atomic). The runner removes it if the job ends otherwise; `sweep_temp`
+        removes what a dead runner left."""
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(suffix=".mp4", dir=self.tmp_dir)
+        os.close(fd)
+        return Path(name)
+
+    def sweep_temp(self, *, older_than_s: float, now: float | None = None) -> list[Path]:
+        """Remove the files in ``tmp/`` last modified more than `older_than_s` seconds before `now` (left by
+        runners that died or were cancelled mid-write); younger files may belong to a live render and stay.
+
+        Returns:
+            The paths removed.
+
+        Raises:
+            ValueError: older_than_s not a finite number > 0.
+        """
+        older_than_s = _check_positive("older_than_s", older_than_s)
+        cutoff = (time.time() if now is None else float(now)) - older_than_s
+        removed = []
+        for entry in os.scandir(self.tmp_dir):
+            with contextlib.suppress(FileNotFoundError):  # a runner moved or removed it meanwhile
+                if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+        return removed
+
+
+def _check_room(conn: sqlite3.Connection, client: str, max_total: int | None, max_client: int | None) -> None:
+    """Inside a write transaction: raise QueueFullError when a cap on unfinished jobs is reached."""
+    if max_total is not None:
+        total = conn.execute("SELECT COUNT(*) FROM jobs WHERE status IN ('queued', 'in_progress')").fetchone()[0]
+        if total >= max_total:
+            raise QueueFullError("total", max_total, int(total))
+    if max_client is not None:
+        mine = conn.execute(
+            "SELECT COUNT(*) FROM jobs WHERE client = ? AND status IN ('queued', 'in_progress')", (client,)
+        ).fetchone()[0]
+        if mine >= max_client:
+            raise QueueFullError("client", max_client, int(mine))
 
 
 def _error_json(code: str, message: str) -> str:
