@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vidray.serve.jobs import JOB_STATUSES, JobStore, VideoJob, is_job_id
+from vidray.serve.jobs import JOB_STATUSES, JobStore, QueueFullError, VideoJob, is_job_id
 
 OPENAI_VIDEO_KEYS = {
     "id", "object", "created_at", "status", "progress", "model", "seconds", "size", "prompt", "completed_at",
@@ -450,3 +450,115 @@ def test_to_openai_has_exactly_the_openai_video_keys(tmp_path):
     strict = store.create(model="sora-2", prompt="p", size="1280x720", seconds="4", params={}).to_openai()
     video = openai_types.Video.model_validate(strict)
     assert (video.id, video.status, video.size, video.seconds) == (strict["id"], "queued", "1280x720", "4")
+
+
+# ---------------------------------------------------------------- bounds (issue 27 item 2) and leases (item 4)
+
+
+def test_create_beyond_the_total_or_the_clients_cap_raises_queue_full_and_stores_nothing(tmp_path):
+    store = JobStore(tmp_path)
+    for _ in range(2):
+        _create(store, client="alice", max_unfinished=3, max_unfinished_per_client=2)
+    with pytest.raises(QueueFullError, match="this client .* holds 2 unfinished .* most allowed is 2") as info:
+        _create(store, client="alice", input_reference=_png_bytes(), max_unfinished=3, max_unfinished_per_client=2)
+    assert (info.value.scope, info.value.limit) == ("client", 2)
+    _create(store, client="bob", max_unfinished=3, max_unfinished_per_client=2)  # another client: room left
+    with pytest.raises(QueueFullError, match="the server holds 3 unfinished") as info:
+        _create(store, client="carol", max_unfinished=3, max_unfinished_per_client=2)
+    assert info.value.scope == "total"
+    assert sum(store.counts().values()) == 3 and list((tmp_path / "inputs").iterdir()) == []
+    # A finished job no longer counts: in_progress still does.
+    job = store.claim("runner-a", lease_s=30)
+    assert store.fail(job.id, "runner-a", "oom", "out of memory")
+    _create(store, client="carol", max_unfinished=3, max_unfinished_per_client=2)
+
+
+def test_the_total_cap_holds_when_several_processes_create_at_once(tmp_path):
+    from tests.conftest import run_at_once
+
+    JobStore(tmp_path)
+
+    def create_one() -> None:
+        try:
+            _create(JobStore(tmp_path), max_unfinished=5)
+        except QueueFullError:
+            pass
+
+    assert run_at_once(create_one, repeats=4, processes=3) == []
+    assert JobStore(tmp_path).counts()["queued"] == 5
+
+
+def test_claim_takes_clients_round_robin_so_one_clients_burst_does_not_starve_another(tmp_path):
+    store = JobStore(tmp_path)
+    flood = [_create(store, prompt=f"a{i}", client="alice").id for i in range(20)]
+    bob = [_create(store, prompt=f"b{i}", client="bob").id for i in range(2)]
+    carol = _create(store, prompt="c0", client="carol").id
+    order = [store.claim(f"runner#{i}", lease_s=30).id for i in range(8)]
+    # Strict FIFO (the old claim) would start 20 of alice's jobs before bob's first: a turn each instead, FIFO
+    # within a client; a client that was never served goes first among those waiting.
+    assert order == [flood[0], bob[0], carol, flood[1], bob[1], flood[2], flood[3], flood[4]]
+
+
+def test_a_finished_job_expires_after_the_retention_and_the_sweep_removes_it_with_its_files(tmp_path):
+    store = JobStore(tmp_path, retention_s=3600)
+    done = _create(store, input_reference=_png_bytes())
+    broken = _create(store)
+    kept = _create(store)
+    assert store.complete(done.id, store.claim("runner-a", lease_s=30).owner, _write_mp4(tmp_path / "a.mp4"))
+    assert store.fail(broken.id, store.claim("runner-b", lease_s=30).owner, "oom", "out of memory")
+    done_now, broken_now = store.get(done.id), store.get(broken.id)
+    assert done_now.to_openai()["expires_at"] == done_now.completed_at + 3600
+    assert broken_now.to_openai()["expires_at"] == broken_now.completed_at + 3600
+    assert store.get(kept.id).to_openai()["expires_at"] is None  # unfinished: no expiry yet
+
+    assert store.sweep_expired(now=done_now.completed_at + 3599) == []
+    assert sorted(store.sweep_expired(now=done_now.completed_at + 3601)) == sorted([done.id, broken.id])
+    assert store.get(done.id) is None and store.get(broken.id) is None and store.get(kept.id) is not None
+    assert list((tmp_path / "videos").iterdir()) == [] and list((tmp_path / "inputs").iterdir()) == []
+    assert JobStore(tmp_path).get(kept.id).expires_at is None  # without retention_s, jobs are kept
+    with pytest.raises(ValueError, match="retention_s must be a finite number of seconds > 0"):
+        JobStore(tmp_path, retention_s=0)
+
+
+def test_sweep_temp_removes_only_temp_files_older_than_the_bound(tmp_path):
+    import os
+
+    store = JobStore(tmp_path)
+    stale, live = store.temp_video(), store.temp_video()
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    assert store.sweep_temp(older_than_s=3600) == [stale]
+    assert not stale.exists() and live.exists()  # a live render's file stays
+
+
+def test_a_stalled_runners_heartbeat_and_complete_fail_once_its_lease_ran_out(tmp_path):
+    # The runner stalled (no heartbeat within its lease); nobody has recovered the job yet. Its late heartbeat used
+    # to renew the lease as if nothing happened, and its complete stored a render that a re-claim was redoing.
+    store = JobStore(tmp_path)
+    job_id = _create(store).id
+    store.claim("runner-a#1", lease_s=0.2)
+    time.sleep(0.3)
+    assert not store.heartbeat(job_id, "runner-a#1", progress=50, lease_s=30)
+    assert not store.complete(job_id, "runner-a#1", _write_mp4(tmp_path / "late.mp4"))
+    assert (tmp_path / "late.mp4").is_file() and store.video_path(job_id) is None
+    assert store.recover_expired() == [(job_id, "queued")]
+    # The same runner re-claims it under a fresh owner id: the stalled attempt's id acts on nothing.
+    assert store.claim("runner-a#2", lease_s=30).attempts == 2
+    assert not store.heartbeat(job_id, "runner-a#1", progress=90, lease_s=30)
+    assert store.heartbeat(job_id, "runner-a#2", progress=10, lease_s=30)
+
+
+def test_a_version_1_store_is_migrated_in_place_keeping_its_jobs(tmp_path):
+    from vidray.serve import jobs
+
+    store = JobStore(tmp_path)
+    job_id = _create(store).id
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as conn:  # back to what version 1 wrote
+        conn.execute("DROP TABLE clients")
+        conn.execute("DROP INDEX jobs_client_status")
+        conn.execute("DROP INDEX jobs_expiry")
+        conn.execute("ALTER TABLE jobs DROP COLUMN client")
+        conn.execute("ALTER TABLE jobs DROP COLUMN expires_at")
+        conn.execute("PRAGMA user_version = 1")
+    job = JobStore(tmp_path).get(job_id)
+    assert (job.client, job.expires_at, job.status) == (jobs.ANONYMOUS_CLIENT, None, "queued")
+    assert JobStore(tmp_path).claim("runner-a", lease_s=30).id == job_id
