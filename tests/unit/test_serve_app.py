@@ -46,6 +46,11 @@ def test_unknown_or_out_of_range_keys_are_refused_naming_them(model_dir, tmp_pat
         build_app({**_args(model_dir, tmp_path), "store_dri": "x"})
     with pytest.raises(ServeSettingsError, match="runner.lease_s"):
         build_app(_args(model_dir, tmp_path, runner={"lease_s": 0}))
+    with pytest.raises(ServeSettingsError, match="limits.max_queued_jobs_per_token: Input should be greater than or "
+                                                 "equal to 1"):
+        build_app(_args(model_dir, tmp_path, limits={"max_queued_jobs_per_token": 0}))
+    with pytest.raises(ServeSettingsError, match="retention.hours: Input should be greater than 0"):
+        build_app(_args(model_dir, tmp_path, retention={"hours": 0}))
     assert not (tmp_path / "store").exists()  # nothing was created before the args were found bad
 
 

@@ -230,3 +230,17 @@ def test_a_full_disk_on_create_is_a_507_with_retry_after_not_a_500(serve, error)
     assert response.status_code == 507 and response.headers["retry-after"] == "10"
     assert response.json()["error"]["code"] == "insufficient_storage"
     assert str(Path(service.settings.store_dir)) not in response.text
+
+
+def test_check_bearer_names_each_tokens_client_by_a_short_stable_hash_and_no_auth_by_one_client():
+    from vidray.serve.api import RequestError, check_bearer
+    from vidray.serve.jobs import ANONYMOUS_CLIENT
+
+    tokens = (TOKEN_A, TOKEN_B)
+    alice, bob = check_bearer(f"Bearer {TOKEN_A}", tokens), check_bearer(f"bearer {TOKEN_B}", tokens)
+    assert alice == client_id(TOKEN_A) and bob == client_id(TOKEN_B) and alice != bob
+    assert len(alice) == 16 and TOKEN_A not in alice
+    assert check_bearer(None, None) == check_bearer("Bearer anything", None) == ANONYMOUS_CLIENT
+    with pytest.raises(RequestError) as info:
+        check_bearer(f"Bearer {TOKEN_A}x", tokens)
+    assert info.value.status == 401

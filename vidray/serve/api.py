@@ -16,8 +16,7 @@ Routes (`build_api`), as the official `openai` SDK (3.57, `client.videos.*`) cal
 | `DELETE /v1/videos/{id}` | `delete` | `{"id", "object": "video.deleted", "deleted": true}` |
 | `GET /v1/videos?after=&limit=&order=` | `list` | `{"object": "list", "data", "first_id", "last_id", "has_more"}` |
 | `GET /v1/status` | (none) | `service.status()`: the model and the job counts (authenticated) |
-| `GET /healthz` | (none) | `{"status": "ok"}` (200) or `{"status": "not ok"}` (503), nothing else, in constant time; the
-only route without the bearer token |
+| `GET /healthz` | (none) | `{"status": "ok"}` (200) or `{"status": "not ok"}` (503) only; no token, no store |
 
 Clients are told apart by their bearer token (`client_id`, a short hash): `POST /v1/videos` beyond the service's
 caps on unfinished jobs answers 429 `rate_limit_exceeded` with `Retry-After` (seconds), and a store that cannot be
