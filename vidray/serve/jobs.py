@@ -799,7 +799,9 @@ class JobStore:
         """
         older_than_s = _check_positive("older_than_s", older_than_s)
         cutoff = (time.time() if now is None else float(now)) - older_than_s
-        removed = []
+        removed: list[Path] = []
+        if not self.tmp_dir.is_dir():  # removed by hand: temp_video makes it again
+            return removed
         for entry in os.scandir(self.tmp_dir):
             with contextlib.suppress(FileNotFoundError):  # a runner moved or removed it meanwhile
                 if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
