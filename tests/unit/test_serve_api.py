@@ -291,7 +291,8 @@ def test_sdk_raises_bad_request_naming_the_field_and_authentication_error_for_a_
 
 
 def test_body_over_the_limit_is_refused_with_413_over_real_http_declared_or_chunked(server_url, service):
-    body = multipart({"prompt": "x" * (LIMITS.max_body_bytes + 1024)})
+    # The bulk is an image part: a text field over its own cap is a 400 as it streams in (issue 27).
+    body = multipart({"prompt": "x"}, ("big.png", "image/png", b"x" * (LIMITS.max_body_bytes + 1024)))
     headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
 
     def chunks():
@@ -556,8 +557,19 @@ def test_json_body_with_numbers_and_a_data_url_image_is_accepted(client, service
         # JSON's \ud800 decodes to a lone surrogate, which no UTF-8 encoder takes (sqlite, the job store, raises)
         (b'{"prompt": "a red \\ud800ball"}', 400, "prompt", "U+D800 at character 6"),
         # 1000 levels of [ in 2 KB: json's recursive parser raised RecursionError, a 500 (a new user's trial)
-        (b'{"prompt": "x", "seed": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, None, "nests"),
+        (b'{"prompt": "x", "seed": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "seed", "nests"),
         (b'{"prompt": "x", "prompt": "y"}', 400, "prompt", "given twice"),  # json.loads kept the last
+        # Issue 27: each was a 500 or named no field. Python's int() refuses 4,300+ digits (ValueError in json.loads).
+        (b'{"prompt": "x", "seed": ' + b"7" * 5000 + b"}", 400, "seed", "seed is 5000 characters, above the limit"),
+        (b'{"prompt": "x", "seconds": NaN}', 400, "seconds", "NaN, which JSON has not"),
+        (b'{"prompt": "x", "guidance_scale": -Infinity}', 400, "guidance_scale", "-Infinity"),
+        (b'{"prompt": "x", "seconds": 1e400}', 400, "seconds", "finite number"),
+        (b'{"prompt": "caf\xe9", "seed": 1}', 400, "prompt", "not UTF-8 text (byte 0xe9 at byte 15"),
+        (b'{"\xff": 1}', 400, None, "not UTF-8"),
+        (b'{"\\ud800": 1}', 400, "\\ud800", "unknown field"),  # a lone surrogate echoed back: was a 500
+        (b"null", 400, None, "got null"),
+        (b'{"prompt": "x"} {}', 400, None, "then nothing"),
+        (b"{" + b",".join(b'"f%d": 1' % i for i in range(65)) + b"}", 400, None, "more than 64 fields"),
     ],
 )
 def test_bad_json_body_is_400_naming_the_field(client, service, body, status, param, word):
