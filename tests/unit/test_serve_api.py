@@ -557,7 +557,7 @@ def test_json_body_with_numbers_and_a_data_url_image_is_accepted(client, service
         # JSON's \ud800 decodes to a lone surrogate, which no UTF-8 encoder takes (sqlite, the job store, raises)
         (b'{"prompt": "a red \\ud800ball"}', 400, "prompt", "U+D800 at character 6"),
         # 1000 levels of [ in 2 KB: json's recursive parser raised RecursionError, a 500 (a new user's trial)
-        (b'{"prompt": "x", "seed": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "seed", "nests"),
+        (b'{"prompt": "x", "seed": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "seed", "got an array"),
         (b'{"prompt": "x", "prompt": "y"}', 400, "prompt", "given twice"),  # json.loads kept the last
         # Issue 27: each was a 500 or named no field. Python's int() refuses 4,300+ digits (ValueError in json.loads).
         (b'{"prompt": "x", "seed": ' + b"7" * 5000 + b"}", 400, "seed", "seed is 5000 characters, above the limit"),
@@ -568,7 +568,9 @@ def test_json_body_with_numbers_and_a_data_url_image_is_accepted(client, service
         (b'{"\xff": 1}', 400, None, "not UTF-8"),
         (b'{"\\ud800": 1}', 400, "\\ud800", "unknown field"),  # a lone surrogate echoed back: was a 500
         (b"null", 400, None, "got null"),
-        (b'{"prompt": "x"} {}', 400, None, "then nothing"),
+        (b'{"prompt": "x"} {}', 400, None, "unexpected data after"),
+        (b'{"prompt": "x", "input_reference": {"image_url": ["data:"]}}', 400, "input_reference.image_url",
+         "got an array"),  # was a 500 ('list' object has no attribute 'strip'): found by the fuzz test
         (b"{" + b",".join(b'"f%d": 1' % i for i in range(65)) + b"}", 400, None, "more than 64 fields"),
     ],
 )

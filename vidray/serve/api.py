@@ -772,16 +772,6 @@ TEXT_FIELDS = ("prompt", "negative_prompt", "model", "size")
 """Create fields that are text: a JSON body must give them as strings (a number there is a client bug, not text)."""
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """`json.loads`'s object hook: a key given twice is a 400, as a form field given twice is (json keeps the last)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise RequestError(400, key, f"field {_shown(key)} is given twice; send it once")
-        out[key] = value
-    return out
-
-
 class _JsonNumber(str):
     """A JSON number kept as the text sent (the decoder's parse_int/parse_float): never converted while decoding,
     so a 5,000-digit integer is a length error naming its field, not Python's int-digit ValueError (was a 500)."""
@@ -791,8 +781,8 @@ class _JsonConstant(str):
     """NaN, Infinity or -Infinity, which Python's json accepts and JSON (RFC 8259) has not: refused naming the field."""
 
 
-_JSON = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys, parse_int=_JsonNumber, parse_float=_JsonNumber,
-                         parse_constant=_JsonConstant)
+_JSON = json.JSONDecoder(parse_int=_JsonNumber, parse_float=_JsonNumber, parse_constant=_JsonConstant)
+"""Decodes one JSON scalar (`_JsonText.scalar`); numbers stay text."""
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
 _JSON_KINDS = {"[": "an array", "{": "an object", '"': "a string", "t": "a boolean", "f": "a boolean", "n": "null"}
 
@@ -804,11 +794,12 @@ def _json_kind(text: str, pos: int) -> str:
 
 
 class _JsonText:
-    """A create body's JSON text, walked member by member so that every error names the top-level field it is in.
+    """A create body's JSON text, walked member by member so that every error names the field it is in.
 
-    Each value is decoded on its own by the C scanner (`_JSON.raw_decode`): linear in the body's length; nesting
-    deeper than Python's recursion limit is a RecursionError caught per field. `bad_at` is the index of the first
-    character that was not UTF-8 in the body (decoded with surrogateescape), or None.
+    Only scalars are decoded, each on its own by the C scanner (`_JSON.raw_decode`), and only the objects the body
+    may hold (the body, `input_reference`) are walked: an array or object anywhere else is refused from its first
+    character, before it is read. Linear in the body's length; no recursion, however deep the nesting. `bad_at`
+    is the index of the first character that was not UTF-8 in the body (decoded with surrogateescape), or None.
     """
 
     def __init__(self, text: str, bad_at: int | None, bad_byte: str) -> None:
@@ -825,58 +816,72 @@ class _JsonText:
     def skip(self, pos: int) -> int:
         return _JSON_SPACE.match(self.text, pos).end()
 
-    def value(self, pos: int, key: str | None) -> tuple[Any, int]:
-        """The JSON value at `pos` and the index after it. Raises RequestError 400 naming `key`."""
+    def scalar(self, pos: int, key: str | None) -> tuple[Any, int]:
+        """The string, number, true, false or null at `pos` and the index after it. Raises RequestError 400
+        naming `key` for anything else (an array or object: `what` says which)."""
+        kind = _json_kind(self.text, pos)
+        if kind in ("an array", "an object"):
+            raise RequestError(400, key, f"{key} must be a string or a number, got {kind}; the create fields are "
+                               "strings and numbers")
         try:
-            return _JSON.raw_decode(self.text, pos)
-        except RecursionError:  # json's scanner recurses per level: ~1000 levels of [ in a 2 KB body
-            raise RequestError(400, key, f"{key or 'request body'} nests JSON arrays or objects too deeply; the "
-                               "create fields are strings and numbers") from None
+            value, end = _JSON.raw_decode(self.text, pos)
         except json.JSONDecodeError as exc:
             raise self.fail(exc.pos, key, f"{exc.msg} at character {exc.pos}") from None
+        if self.bad_at is not None and self.bad_at < end:
+            raise self.fail(end, key, "")
+        return value, end
 
-    def members(self) -> list[tuple[str, Any]]:
-        """The top-level object's (key, value) pairs in order. Raises RequestError 400: not an object, bad syntax,
-        more than `MAX_JSON_FIELDS` members, a key given twice or longer than `MAX_NAME_CHARS`, a value that is not
-        JSON, a byte that is not UTF-8."""
-        text, pos = self.text, self.skip(0)
+    def members(self, pos: int, key: str | None = None) -> tuple[dict[str, Any], int]:
+        """The object at `pos` (the body when `key` is None, else the field `key`) as {name: value} and the index
+        after it; `input_reference` in the body is walked as an object too. Raises RequestError 400: not an
+        object, bad syntax, more than `MAX_JSON_FIELDS` members, a name given twice or longer than
+        `MAX_NAME_CHARS`, a value that is not JSON, a byte that is not UTF-8."""
+        text, pos = self.text, self.skip(pos)
         if not text.startswith("{", pos):
-            raise self.fail(pos, None, f"request body must be a JSON object {{...}}, got {_json_kind(text, pos)}")
+            what = "request body must be a JSON object {...}" if key is None else f"{key} must be a JSON object"
+            raise self.fail(pos, key, f"{what}, got {_json_kind(text, pos)}")
         members: dict[str, Any] = {}
         pos = self.skip(pos + 1)
         more = not text.startswith("}", pos)
         while more:
-            key, pos = self.member_key(pos, len(members))
-            value, pos = self.value(self.skip(pos + 1), key)
-            if self.bad_at is not None and self.bad_at < pos:
-                raise self.fail(pos, key, "")
-            if key in members:
-                raise RequestError(400, key, f"field {key!r} is given twice; send it once")
-            members[key] = value
+            name, pos = self.member_name(pos, len(members), key)
+            pos = self.skip(pos + 1)
+            if key is None and name == "input_reference" and text.startswith("{", pos):
+                value, pos = self.members(pos, name)
+            else:
+                value, pos = self.scalar(pos, name if key is None else f"{key}.{name}")
+            if name in members:
+                raise RequestError(400, key or name, f"field {_shown(name)} is given twice; send it once")
+            members[name] = value
             pos = self.skip(pos)
             more = text.startswith(",", pos)
             pos = self.skip(pos + 1) if more else pos
-        if not text.startswith("}", pos) or self.skip(pos + 1) != len(text):
-            raise self.fail(pos, None, f"expected ',' or the object's closing '}}' at character {pos}, then nothing")
-        return list(members.items())
+        if not text.startswith("}", pos):
+            raise self.fail(pos, key, f"expected ',' or the object's closing '}}' at character {pos}")
+        return members, pos + 1
 
-    def member_key(self, pos: int, count: int) -> tuple[str, int]:
-        """The field name at `pos` (the `count`-th) and the index of the ':' after it. Raises RequestError 400."""
+    def member_name(self, pos: int, count: int, key: str | None) -> tuple[str, int]:
+        """The `count`-th member name at `pos` in the object `key` and the index of the ':' after it."""
         if count >= MAX_JSON_FIELDS:
-            raise RequestError(400, None, f"request body has more than {MAX_JSON_FIELDS} fields; the create fields "
-                               f"are {', '.join(CREATE_FIELDS)}, input_reference")
+            raise RequestError(400, key, f"{key or 'request body'} has more than {MAX_JSON_FIELDS} fields; the "
+                               f"create fields are {', '.join(CREATE_FIELDS)}, input_reference")
         if not self.text.startswith('"', pos):
-            raise self.fail(pos, None, f"expected a field name in double quotes at character {pos}")
-        key, end = self.value(pos, None)
-        if self.bad_at is not None and self.bad_at < end:
-            raise self.fail(end, None, "")
-        if len(key) > MAX_NAME_CHARS:
-            raise RequestError(400, None, f"a field name is {len(key)} characters, above the limit "
+            raise self.fail(pos, key, f"expected a field name in double quotes at character {pos}")
+        name, end = self.scalar(pos, key)
+        if len(name) > MAX_NAME_CHARS:
+            raise RequestError(400, key, f"a field name is {len(name)} characters, above the limit "
                                f"{MAX_NAME_CHARS}; the fields are {', '.join(CREATE_FIELDS)}, input_reference")
         end = self.skip(end)
         if not self.text.startswith(":", end):
             raise self.fail(end, key, f"expected ':' after the field name at character {end}")
-        return key, end
+        return name, end
+
+    def body(self) -> dict[str, Any]:
+        """The body's top-level object (`members`), which must be all the body holds."""
+        members, end = self.members(0)
+        if self.skip(end) != len(self.text):
+            raise self.fail(end, None, f"unexpected data after the JSON object at character {end}")
+        return members
 
 
 def _json_text(body: bytes) -> _JsonText:
@@ -898,11 +903,12 @@ def _json_fields(body: bytes, limits: ApiLimits) -> tuple[dict[str, str], tuple[
     Linear in the body's length (bounded by `limits.max_body_bytes`)."""
     fields: dict[str, str] = {}
     image = None
-    for name, value in _json_text(body).members():
+    for name, value in _json_text(body).body().items():
         if name == "input_reference":
             if value is None:
                 continue
-            if not isinstance(value, dict) or set(value) - {"image_url", "file_id"}:
+            if (not isinstance(value, dict) or set(value) - {"image_url", "file_id"}
+                    or not all(v is None or type(v) is str for v in value.values())):
                 raise RequestError(400, "input_reference", "input_reference in a JSON body must be "
                                    "{\"image_url\": \"data:image/png;base64,...\"}; or send multipart/form-data "
                                    "with the image as the input_reference file part")
@@ -915,11 +921,9 @@ def _json_fields(body: bytes, limits: ApiLimits) -> tuple[dict[str, str], tuple[
             raise RequestError(400, name, f"{name} must be a JSON string, got {_shown(value)[1:-1]}")
         elif isinstance(value, str):
             fields[name] = str(value)
-        elif name in TEXT_FIELDS:
-            raise RequestError(400, name, f"{name} must be a JSON string, got {_json_kind(json.dumps(value)[:1], 0)}")
-        else:
-            kind = "a boolean" if isinstance(value, bool) else "an array" if isinstance(value, list) else "an object"
-            raise RequestError(400, name, f"{name} must be a string or a number, got {kind}")
+        else:  # true or false: arrays and objects were refused while walking
+            kind = "JSON string" if name in TEXT_FIELDS else "string or a number"
+            raise RequestError(400, name, f"{name} must be a {kind}, got {json.dumps(value)}")
     return fields, image
 
 
