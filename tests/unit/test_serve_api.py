@@ -700,3 +700,56 @@ def test_model_spec_with_an_invalid_default_is_refused():
 def test_request_error_json_has_the_openai_shape():
     assert RequestError(400, "size", "bad size").to_json() == {
         "error": {"message": "bad size", "type": "invalid_request_error", "param": "size", "code": "invalid_value"}}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Issue 27: lengths before parsing, and no internals in a 500
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_the_issues_16000_digit_seconds_is_refused_by_its_length_before_any_parsing():
+    # The issue's example: ~5 s in the old number regex (quadratic backtracking), on the event loop.
+    start = time.perf_counter()
+    with pytest.raises(RequestError) as info:
+        parse(seconds="1" * 16_000 + "x")
+    assert time.perf_counter() - start < 0.1
+    assert (info.value.param, info.value.status) == ("seconds", 400)
+    assert "seconds is 16001 characters, above the limit 40" in info.value.message
+    with pytest.raises(RequestError, match="prompt is 101 characters"):
+        parse(prompt=" " * 98 + "abc")  # the raw length counts: stripping would scan first
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "status", "param"),
+    [
+        ("GET", "/v1/videos?after=" + "v" * 65, {}, 400, "after"),
+        ("GET", "/v1/videos?limit=" + "1" * 41, {}, 400, "limit"),
+        ("GET", "/v1/videos?order=" + "a" * 17, {}, 400, "order"),
+        ("GET", "/v1/videos?x=" + "1" * 3000, {}, 414, None),
+        ("GET", "/v1/videos/" + "v" * 65, {}, 400, "video_id"),
+        ("DELETE", "/v1/videos/" + "v" * 65, {}, 400, "video_id"),
+        ("GET", "/v1/videos/video_1/content?variant=" + "v" * 17, {}, 400, "variant"),
+        ("GET", "/v1/videos", {"Authorization": "Bearer " + "t" * 5000}, 400, "authorization"),
+        ("POST", "/v1/videos", {"Content-Type": "multipart/form-data; boundary=" + "b" * 5000}, 400, "content-type"),
+    ],
+)
+def test_query_path_and_header_values_over_their_caps_are_refused_naming_them(client, method, path, headers, status,
+                                                                              param):
+    assert_error(client.request(method, path, headers=headers), status, param, "above the limit")
+
+
+def test_a_500_shows_an_error_id_and_the_log_holds_the_details(slot, service, caplog):
+    secret = "/srv/vidray/store/jobs.sqlite3 on host gpu-7.internal"
+
+    async def broken_submit(request):
+        raise OSError(f"disk full: {secret}")
+
+    service.submit = broken_submit
+    with TestClient(build_api(lambda: slot.service), raise_server_exceptions=False,
+                    headers={"Authorization": f"Bearer {TOKEN}"}) as plain:
+        with caplog.at_level("ERROR", logger="vidray.serve.api"):
+            response = create(plain, {})
+    error = assert_error(response, 500, None, "internal server error (error id ")
+    assert secret not in response.text and "OSError" not in response.text
+    error_id = error["message"].split("error id ")[1][:8]
+    assert any(error_id in r.getMessage() and secret in str(r.exc_info[1]) for r in caplog.records if r.exc_info)

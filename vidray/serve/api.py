@@ -141,7 +141,8 @@ class RequestError(Exception):
     def to_json(self) -> dict:
         """The response body: ``{"error": {"message", "type", "param", "code"}}``; `type` is
         `"invalid_request_error"` for 4xx and `"server_error"` for 5xx, as the OpenAI API answers. A lone surrogate
-        (a JSON key "\\ud800" echoed back) is written as its escape: UTF-8 cannot encode it, and the answer was a 500."""
+        (a JSON key "\\ud800" echoed back) is written as its escape: UTF-8 cannot encode it (the answer was a
+        500)."""
         error_type = "server_error" if self.status >= 500 else "invalid_request_error"
         param = None if self.param is None else _encodable(self.param[:MAX_NAME_CHARS])
         return {"error": {"message": _encodable(self.message), "type": error_type, "param": param,
@@ -434,8 +435,8 @@ def parse_video_request(
     Raises:
         RequestError: 400 with `param` = the first bad field, checked in a fixed order (unknown fields, then the
             order above, then the image; a field over its length cap, then a control character other than tab, LF
-            and CR or an unpaired surrogate, in any field come right after the unknown fields); 413 (`param="input_reference"`) for an image over
-            `limits.max_image_bytes`.
+            and CR or an unpaired surrogate, in any field come right after the unknown fields); 413
+            (`param="input_reference"`) for an image over `limits.max_image_bytes`.
     """
     # 1. Unknown fields (sorted, so the message is deterministic).
     unknown = sorted(set(fields) - set(CREATE_FIELDS))
