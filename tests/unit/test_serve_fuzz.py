@@ -4,7 +4,9 @@
 The example of the issue: a `seconds` of 16,000 digits and a letter took ~5 s in the old number regex (quadratic
 backtracking), on the event loop; a 1 MiB field would have taken hours. The server is uvicorn on 127.0.0.1 in a
 thread serving `build_api` over the in-memory `FakeVideoService` of `test_serve_api.py`, with the default
-`ApiLimits` (8 MiB bodies), so 1 MiB fields reach the parsers.
+`ApiLimits` (8 MiB bodies), so 1 MiB fields reach the parsers. URLs of 1 MiB are refused by uvicorn itself (a 4xx
+before the app); their 2,000-character forms reach the app's caps. A JSON string is at most ~1 MiB as sent (NUL is
+6 bytes escaped, so that text is cut).
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ SERVER_BOUND_S = 0.1
 """Server time of one answer: the CPU time the event loop's thread spends from the request's headers to the
 answer's last byte (the 16,000-digit case took ~5 s of it). CPU time, not wall time: on a shared 2-core machine a
 request also waits for a core, which says nothing about the server."""
-WALL_BOUND_S = 1.0
-"""Wall time of one answer on the server, and (with the upload) of its round trip: slack for a loaded machine."""
-HEALTH_BOUND_S = 1.0
+WALL_BOUND_S = 2.0
+"""Wall time of one answer on the server, and (with the upload) of its round trip: slack for a machine loaded far
+beyond its cores (load 7 on 2 cores stretched 20 ms answers to ~0.6 s); the old 16,000-digit case took 5-30 s."""
+HEALTH_BOUND_S = 2.0
 """Every /healthz call made while the fuzz runs, wall time: 0.58 s was seen on a 2-core machine at load 8 with a
-healthy loop; a blocked one (the 16,000-digit case) answers after seconds."""
+healthy loop; behind the old 16,000-digit case it waited 5-30 s."""
 
 TEXT_SHAPES = {
     "digits-then-letter": "1" * 16_000 + "x",  # the issue's example

@@ -791,7 +791,9 @@ _JSON_KINDS = {"[": "an array", "{": "an object", '"': "a string", "t": "a boole
 def _json_kind(text: str, pos: int) -> str:
     """What the JSON value at `pos` is, from its first character ("an array", "a number", ...)."""
     first = text[pos:pos + 1]
-    return _JSON_KINDS.get(first) or ("a number" if first and first in "-0123456789" else "not JSON")
+    if not first:
+        return "nothing"
+    return _JSON_KINDS.get(first) or ("a number" if first in "-0123456789" else f"text that is not JSON ({first!r})")
 
 
 class _JsonText:
@@ -840,14 +842,14 @@ class _JsonText:
         text, pos = self.text, self.skip(pos)
         if not text.startswith("{", pos):
             what = "request body must be a JSON object {...}" if key is None else f"{key} must be a JSON object"
-            raise self.fail(pos, key, f"{what}, got {_json_kind(text, pos)}")
+            raise RequestError(400, key, f"{what}, got {_json_kind(text, pos)}")
         members: dict[str, Any] = {}
         pos = self.skip(pos + 1)
         more = not text.startswith("}", pos)
         while more:
             name, pos = self.member_name(pos, len(members), key)
             pos = self.skip(pos + 1)
-            if key is None and name == "input_reference" and text.startswith("{", pos):
+            if key is None and name == "input_reference" and text.startswith(("{", "["), pos):
                 value, pos = self.members(pos, name)
             else:
                 value, pos = self.scalar(pos, name if key is None else f"{key}.{name}")
