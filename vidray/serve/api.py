@@ -841,6 +841,8 @@ class _JsonText:
         `MAX_NAME_CHARS`, a value that is not JSON, a byte that is not UTF-8."""
         text, pos = self.text, self.skip(pos)
         if not text.startswith("{", pos):
+            if self.bad_at is not None and self.bad_at <= pos:
+                raise self.fail(pos, key, "")
             what = "request body must be a JSON object {...}" if key is None else f"{key} must be a JSON object"
             raise RequestError(400, key, f"{what}, got {_json_kind(text, pos)}")
         members: dict[str, Any] = {}

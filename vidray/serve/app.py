@@ -470,9 +470,8 @@ def failure_message(err: BaseException, limit: int = 500) -> str:
     server log only, logged here at ERROR with the same id (the id is a hash of the text: equal errors, equal ids).
     `_stage_error` unwraps Ray's RayTaskError (its text is the remote traceback with terminal colour codes).
     """
-    err = _stage_error(err)
-    text = f"{type(err).__name__}: {err}"
-    if isinstance(err, UserError):
+    text = f"{type(_stage_error(err)).__name__}: {_stage_error(err)}"
+    if failure_code(err) == "invalid_request":
         return text[:limit]
     error_id = hashlib.sha256(text.encode("utf-8", "backslashreplace")).hexdigest()[:8]
     logger.error("internal error id %s: %s", error_id, text)
