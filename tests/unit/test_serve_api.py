@@ -291,7 +291,8 @@ def test_sdk_raises_bad_request_naming_the_field_and_authentication_error_for_a_
 
 
 def test_body_over_the_limit_is_refused_with_413_over_real_http_declared_or_chunked(server_url, service):
-    body = multipart({"prompt": "x" * (LIMITS.max_body_bytes + 1024)})
+    # The bulk is an image part: a text field over its own cap is a 400 as it streams in (issue 27).
+    body = multipart({"prompt": "x"}, ("big.png", "image/png", b"x" * (LIMITS.max_body_bytes + 1024)))
     headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
 
     def chunks():
@@ -558,8 +559,21 @@ def test_json_body_with_numbers_and_a_data_url_image_is_accepted(client, service
         # JSON's \ud800 decodes to a lone surrogate, which no UTF-8 encoder takes (sqlite, the job store, raises)
         (b'{"prompt": "a red \\ud800ball"}', 400, "prompt", "U+D800 at character 6"),
         # 1000 levels of [ in 2 KB: json's recursive parser raised RecursionError, a 500 (a new user's trial)
-        (b'{"prompt": "x", "seed": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, None, "nests"),
+        (b'{"prompt": "x", "seed": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "seed", "got an array"),
         (b'{"prompt": "x", "prompt": "y"}', 400, "prompt", "given twice"),  # json.loads kept the last
+        # Issue 27: each was a 500 or named no field. Python's int() refuses 4,300+ digits (ValueError in json.loads).
+        (b'{"prompt": "x", "seed": ' + b"7" * 5000 + b"}", 400, "seed", "seed is 5000 characters, above the limit"),
+        (b'{"prompt": "x", "seconds": NaN}', 400, "seconds", "NaN, which JSON has not"),
+        (b'{"prompt": "x", "guidance_scale": -Infinity}', 400, "guidance_scale", "-Infinity"),
+        (b'{"prompt": "x", "seconds": 1e400}', 400, "seconds", "finite number"),
+        (b'{"prompt": "caf\xe9", "seed": 1}', 400, "prompt", "not UTF-8 text (byte 0xe9 at byte 15"),
+        (b'{"\xff": 1}', 400, None, "not UTF-8"),
+        (b'{"\\ud800": 1}', 400, "\\ud800", "unknown field"),  # a lone surrogate echoed back: was a 500
+        (b"null", 400, None, "got null"),
+        (b'{"prompt": "x"} {}', 400, None, "unexpected data after"),
+        (b'{"prompt": "x", "input_reference": {"image_url": ["data:"]}}', 400, "input_reference.image_url",
+         "got an array"),  # was a 500 ('list' object has no attribute 'strip'): found by the fuzz test
+        (b"{" + b",".join(b'"f%d": 1' % i for i in range(65)) + b"}", 400, None, "more than 64 fields"),
     ],
 )
 def test_bad_json_body_is_400_naming_the_field(client, service, body, status, param, word):
@@ -688,3 +702,56 @@ def test_model_spec_with_an_invalid_default_is_refused():
 def test_request_error_json_has_the_openai_shape():
     assert RequestError(400, "size", "bad size").to_json() == {
         "error": {"message": "bad size", "type": "invalid_request_error", "param": "size", "code": "invalid_value"}}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Issue 27: lengths before parsing, and no internals in a 500
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_the_issues_16000_digit_seconds_is_refused_by_its_length_before_any_parsing():
+    # The issue's example: ~5 s in the old number regex (quadratic backtracking), on the event loop.
+    start = time.perf_counter()
+    with pytest.raises(RequestError) as info:
+        parse(seconds="1" * 16_000 + "x")
+    assert time.perf_counter() - start < 0.1
+    assert (info.value.param, info.value.status) == ("seconds", 400)
+    assert "seconds is 16001 characters, above the limit 40" in info.value.message
+    with pytest.raises(RequestError, match="prompt is 101 characters"):
+        parse(prompt=" " * 98 + "abc")  # the raw length counts: stripping would scan first
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "status", "param"),
+    [
+        ("GET", "/v1/videos?after=" + "v" * 65, {}, 400, "after"),
+        ("GET", "/v1/videos?limit=" + "1" * 41, {}, 400, "limit"),
+        ("GET", "/v1/videos?order=" + "a" * 17, {}, 400, "order"),
+        ("GET", "/v1/videos?x=" + "1" * 3000, {}, 414, None),
+        ("GET", "/v1/videos/" + "v" * 65, {}, 400, "video_id"),
+        ("DELETE", "/v1/videos/" + "v" * 65, {}, 400, "video_id"),
+        ("GET", "/v1/videos/video_1/content?variant=" + "v" * 17, {}, 400, "variant"),
+        ("GET", "/v1/videos", {"Authorization": "Bearer " + "t" * 5000}, 400, "authorization"),
+        ("POST", "/v1/videos", {"Content-Type": "multipart/form-data; boundary=" + "b" * 5000}, 400, "content-type"),
+    ],
+)
+def test_query_path_and_header_values_over_their_caps_are_refused_naming_them(client, method, path, headers, status,
+                                                                              param):
+    assert_error(client.request(method, path, headers=headers), status, param, "above the limit")
+
+
+def test_a_500_shows_an_error_id_and_the_log_holds_the_details(slot, service, caplog):
+    secret = "/srv/vidray/store/jobs.sqlite3 on host gpu-7.internal"
+
+    async def broken_submit(request, *, client=None):
+        raise OSError(f"disk full: {secret}")
+
+    service.submit = broken_submit
+    with TestClient(build_api(lambda: slot.service), raise_server_exceptions=False,
+                    headers={"Authorization": f"Bearer {TOKEN}"}) as plain:
+        with caplog.at_level("ERROR", logger="vidray.serve.api"):
+            response = create(plain, {})
+    error = assert_error(response, 500, None, "internal server error (error id ")
+    assert secret not in response.text and "OSError" not in response.text
+    error_id = error["message"].split("error id ")[1][:8]
+    assert any(error_id in r.getMessage() and secret in str(r.exc_info[1]) for r in caplog.records if r.exc_info)

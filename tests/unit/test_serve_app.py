@@ -63,7 +63,8 @@ def test_without_a_token_the_app_refuses_to_start_and_names_both_fixes(model_dir
         build_app(_args(model_dir, tmp_path))
 
 
-def test_token_file_and_explicitly_disabled_auth_build_the_app(model_dir, tmp_path, monkeypatch):
+def test_token_file_and_explicitly_disabled_auth_build_the_app_and_disabled_auth_warns(model_dir, tmp_path,
+                                                                                      monkeypatch, caplog):
     monkeypatch.delenv("VIDRAY_API_TOKEN", raising=False)
     token_file = tmp_path / "token"
     token_file.write_text(f"# clients of the demo\n{TOKEN}\n\n  {TOKEN2}  \n{TOKEN}\n")
@@ -74,8 +75,12 @@ def test_token_file_and_explicitly_disabled_auth_build_the_app(model_dir, tmp_pa
     token_file.write_text(f"{TOKEN}\nshort\n")
     with pytest.raises(ServeSettingsError, match="auth.token_file .* \\(token 2 of 2\\) is empty or shorter than 16"):
         build_app(_args(model_dir, tmp_path, auth={"token_file": str(token_file)}))
-    app = build_app(_args(model_dir, tmp_path, auth={"disabled": True}))
+    with caplog.at_level("INFO", logger="vidray.serve.app"):
+        app = build_app(_args(model_dir, tmp_path, auth={"disabled": True}))
     assert app._bound_deployment.init_args[1] is None
+    # Issue 27: logged at INFO as "auth off"; turning auth off is a security choice, a WARNING naming the setting.
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "auth.disabled: true" in r.getMessage()]
+    assert len(warned) == 1 and "without a bearer token" in warned[0].getMessage()
     with pytest.raises(ServeSettingsError, match="auth.token_file .* does not exist"):
         build_app(_args(model_dir, tmp_path, auth={"token_file": str(tmp_path / "missing")}))
     with pytest.raises(ServeSettingsError, match="auth.token_file .* is a folder"):
@@ -109,8 +114,31 @@ def test_a_stage_error_reaches_the_client_as_its_own_type_and_message_without_th
     remote = RayTaskError("VaeDecoder.decode", "Traceback (most recent call last):\n\x1b[36m  File ...\x1b[39m",
                           cause).as_instanceof_cause()
     assert isinstance(remote, RuntimeError)  # what a handle call raises
-    assert failure_message(remote) == "RuntimeError: Sizes of tensors must match except in dimension 2"
-    assert failure_message(ValueError("x" * 600)) == "ValueError: " + "x" * 488  # 500 characters at most
+    message = failure_message(remote)
+    assert message.startswith("internal error while making this video (error id ") and "\x1b" not in message
+    assert failure_message(remote) == message  # the same error, the same id
+
+
+def test_an_internal_error_shows_the_client_an_error_id_and_the_log_the_paths_and_hosts(caplog):
+    # Issue 27: a stage's FileNotFoundError put the server's paths and host name in the job's error.message.
+    from ray.exceptions import RayTaskError
+
+    from vidray.diffusion.sampler import NonFiniteLatentsError
+    from vidray.serve.app import failure_message
+
+    secret = "[Errno 2] No such file: '/srv/vidray/models/tiny/vae.safetensors' on node gpu-7.internal"
+    remote = RayTaskError("VaeDecoder.decode", "Traceback ...", FileNotFoundError(secret)).as_instanceof_cause()
+    with caplog.at_level("ERROR", logger="vidray.serve.app"):
+        message = failure_message(remote)
+    error_id = message.split("error id ")[1][:8]
+    assert "/srv" not in message and "gpu-7" not in message and "FileNotFoundError" not in message
+    assert any(error_id in r.getMessage() and secret in r.getMessage() for r in caplog.records)
+    other = failure_message(RuntimeError("another"))
+    assert other.split("error id ")[1][:8] != error_id
+    # What the request asked for and cannot get keeps its own words (a 4xx-like failure; 500 characters at most).
+    cause = NonFiniteLatentsError("the denoised latents hold NaN (guidance_scale 1e+300)" + "x" * 600)
+    assert failure_message(cause) == ("NonFiniteLatentsError: the denoised latents hold NaN (guidance_scale 1e+300)"
+                                      + "x" * 600)[:500]
 
 
 def test_a_job_failed_by_what_it_asked_for_is_invalid_request_not_internal_error():

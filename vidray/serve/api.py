@@ -43,6 +43,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import sqlite3
 import unicodedata
 from contextlib import aclosing
@@ -52,7 +53,7 @@ from urllib.parse import unquote_to_bytes
 from pathlib import Path
 from typing import Any, Protocol
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from python_multipart.multipart import parse_options_header
@@ -103,6 +104,24 @@ CREATE_FIELDS = (
 
 _UNFINISHED = ("queued", "in_progress")
 
+MAX_NUMBER_CHARS = 40
+"""Longest accepted `seconds`, `num_frames`, `seed`, `num_inference_steps`, `guidance_scale` and `limit`, in characters
+as sent (a seed has at most 19 digits): checked before any parsing, so no number costs more than this to read."""
+MAX_SIZE_CHARS = 32
+"""Longest accepted `size` ("WIDTHxHEIGHT"), in characters as sent."""
+MAX_NAME_CHARS = 256
+"""Longest accepted `model`, `input_reference[file_id]`, form field name or part header, in characters."""
+MAX_ID_CHARS = 64
+"""Longest accepted video id (path `video_id`, query `after`); ids are "video_" + 32 hex digits."""
+MAX_CHOICE_CHARS = 16
+"""Longest accepted `order` and `variant` query value."""
+MAX_HEADER_CHARS = 4096
+"""Longest accepted `Authorization`, `Content-Type` or `Content-Length` header, and URL path, in characters."""
+MAX_JSON_FIELDS = 64
+"""Most top-level members of a JSON create body (a form body takes at most 64 fields too)."""
+MAX_QUERY_BYTES = 2048
+"""Longest accepted query string, in bytes as sent (percent-encoded)."""
+
 
 # --------------------------------------------------------------------------------------------------------------
 # Errors, limits, what the model can make, a validated request
@@ -139,13 +158,22 @@ class RequestError(Exception):
 
     def to_json(self) -> dict:
         """The response body: ``{"error": {"message", "type", "param", "code"}}``; `type` is
-        `"invalid_request_error"` for 4xx and `"server_error"` for 5xx, as the OpenAI API answers."""
+        `"invalid_request_error"` for 4xx and `"server_error"` for 5xx, as the OpenAI API answers. A lone surrogate
+        (a JSON key "\\ud800" echoed back) is written as its escape: UTF-8 cannot encode it (the answer was a
+        500)."""
         error_type = "server_error" if self.status >= 500 else "invalid_request_error"
-        return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.code}}
+        param = None if self.param is None else _encodable(self.param[:MAX_NAME_CHARS])
+        return {"error": {"message": _encodable(self.message), "type": error_type, "param": param,
+                          "code": self.code}}
 
     def to_response(self) -> JSONResponse:
         """This error as a `JSONResponse` with its status and headers."""
         return JSONResponse(self.to_json(), status_code=self.status, headers=self.headers)
+
+
+def _encodable(text: str) -> str:
+    """`text` with every character UTF-8 cannot encode (lone surrogates) written as a backslash escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)
@@ -156,7 +184,8 @@ class ApiLimits:
     """Whole request body in bytes; larger -> 413 before the body is parsed (from `Content-Length`, or counted as
     a chunked body streams in)."""
     max_prompt_chars: int = 2000
-    """`prompt` and `negative_prompt`, in characters after stripping surrounding whitespace."""
+    """`prompt` and `negative_prompt`, in characters as sent (surrounding whitespace counts): checked before the
+    text is scanned or stripped."""
     max_image_bytes: int = 4 * 2**20
     """`input_reference` image file, in bytes (as uploaded); larger -> 413."""
     max_image_px: int = 4096
@@ -263,15 +292,41 @@ class VideoRequest:
 # Parsing and validation (pure functions)
 # --------------------------------------------------------------------------------------------------------------
 
-_SIZE_RE = re.compile(r"^\s*([0-9]{1,6})\s*[xX]\s*([0-9]{1,6})\s*$")
+_SIZE_RE = re.compile(r"([0-9]{1,6})\s*[xX]\s*([0-9]{1,6})")
+"""`size` after stripping, with `fullmatch`. Every regex on client text here is linear in its (capped) length: no
+nested or overlapping quantifiers."""
 _CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 """Unicode control characters (category Cc) other than tab, LF and CR, and unpaired surrogates (JSON's "\\ud800"
 decodes to one; it cannot be encoded as UTF-8, for the tokenizer or the job store)."""
-_INT_RE = re.compile(r"^\s*[+-]?[0-9]{1,30}\s*$")
-_FLOAT_RE = re.compile(r"^\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*$|^\s*[+-]?(?:inf|infinity|nan)\s*$",
+_INT_RE = re.compile(r"[+-]?[0-9]{1,30}")
+_FLOAT_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:inf|infinity|nan)",
                        re.IGNORECASE)
-"""What a number field may hold: ASCII decimal or exponent notation (float() also takes other scripts' digits and
-underscores: "1_0" read as 10, a fullwidth "１" as 1); inf and nan pass here and are refused as not finite."""
+"""What a number field may hold after stripping (`fullmatch`): ASCII decimal or exponent notation (float() also
+takes other scripts' digits and underscores: "1_0" read as 10, a fullwidth "１" as 1); inf and nan pass here and are
+refused as not finite. The integer part and the fraction are separate groups: `[0-9]+\.?[0-9]*` let the regex engine
+split a digit run every way before failing, ~5 s for 16,000 digits and a letter (issue 27)."""
+
+
+def _field_cap(name: str, limits: ApiLimits) -> int:
+    """The longest value accepted for create field `name`, in characters as sent."""
+    if name in ("prompt", "negative_prompt"):
+        return limits.max_prompt_chars
+    if name == "size":
+        return MAX_SIZE_CHARS
+    if name == "model":
+        return MAX_NAME_CHARS
+    return MAX_NUMBER_CHARS
+
+
+def _check_length(name: str, text: str, cap: int, fix: str = "shorten it") -> None:
+    """Raise RequestError 400 naming `name` if `text` is longer than `cap` characters (before any parsing)."""
+    if len(text) > cap:
+        raise RequestError(400, name, f"{name} is {len(text)} characters, above the limit {cap}; {fix}")
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    """`text` for an error message: repr'd, cut to `limit` characters with "..." (never echo a megabyte back)."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
 
 
 def _is_blank(text: str) -> bool:
@@ -280,14 +335,21 @@ def _is_blank(text: str) -> bool:
 
 
 def _parse_int(name: str, text: str, what: str) -> int:
-    if not _INT_RE.match(text):
+    """An ASCII decimal integer (surrounding whitespace allowed) of at most `MAX_NUMBER_CHARS` characters; else
+    RequestError 400 naming `name` and describing the valid values as `what`. Linear in len(text)."""
+    _check_length(name, text, MAX_NUMBER_CHARS, f"send an integer ({what})")
+    if not _INT_RE.fullmatch(text.strip()):
         raise RequestError(400, name, f"{name} must be an integer ({what}), got {text!r}")
     return int(text)
 
 
 def _parse_float(name: str, text: str, what: str) -> float:
+    """An ASCII decimal or exponent number (surrounding whitespace allowed) of at most `MAX_NUMBER_CHARS`
+    characters, finite; else RequestError 400 naming `name` and describing the valid values as `what`. Linear in
+    len(text)."""
+    _check_length(name, text, MAX_NUMBER_CHARS, f"send a number ({what})")
     try:
-        if not _FLOAT_RE.match(text):
+        if not _FLOAT_RE.fullmatch(text.strip()):
             raise ValueError(text)
         value = float(text)
     except ValueError:
@@ -364,6 +426,8 @@ def parse_video_request(
     Args:
         fields: the text form fields (name -> value, as the SDK's multipart body sends them, or JSON values as
             strings). Accepted names are `CREATE_FIELDS`:
+            Every field's length is checked first, as sent: `limits.max_prompt_chars` characters for the prompts,
+            `MAX_SIZE_CHARS` for size, `MAX_NAME_CHARS` for model, `MAX_NUMBER_CHARS` for the numbers.
             - `prompt` (required): stripped, non-empty, at most `limits.max_prompt_chars` characters.
             - `model`: empty or `spec.name`.
             - `size`: "WxH" in pixels, each a multiple of `spec.size_multiple` within `spec.max_width` x
@@ -388,22 +452,21 @@ def parse_video_request(
 
     Raises:
         RequestError: 400 with `param` = the first bad field, checked in a fixed order (unknown fields, then the
-            order above, then the image; a control character other than tab, LF and CR, or an unpaired
-            surrogate, in any field comes right after the unknown fields); 413 (`param="input_reference"`) for an image over
-            `limits.max_image_bytes`.
+            order above, then the image; a field over its length cap, then a control character other than tab, LF
+            and CR or an unpaired surrogate, in any field come right after the unknown fields); 413
+            (`param="input_reference"`) for an image over `limits.max_image_bytes`.
     """
     # 1. Unknown fields (sorted, so the message is deterministic).
     unknown = sorted(set(fields) - set(CREATE_FIELDS))
     if unknown:
-        raise RequestError(
-            400,
-            unknown[0],
-            f"unknown field(s) {', '.join(repr(u) for u in unknown)}; accepted fields: "
-            f"{', '.join(CREATE_FIELDS)} and the file part input_reference",
-            code="unknown_parameter",
-        )
+        raise _unknown_fields_error(unknown)
 
-    # 1b. Control characters (NUL, ESC, ...; tab and newlines are text) in any field: a client bug, never a prompt.
+    # 1b. Lengths, before any field is scanned: every later check is then bounded (prompts by max_prompt_chars).
+    for name in CREATE_FIELDS:
+        if fields.get(name) is not None:
+            _check_length(name, fields[name], _field_cap(name, limits))
+
+    # 1c. Control characters (NUL, ESC, ...; tab and newlines are text) in any field: a client bug, never a prompt.
     for name in sorted(fields):
         bad = _CONTROL_RE.search(fields[name] or "")
         if bad:
@@ -420,9 +483,6 @@ def parse_video_request(
     if _is_blank(prompt):
         raise RequestError(400, "prompt", "prompt is required and must not be empty or only whitespace",
                            code="missing_required_parameter")
-    if len(prompt) > limits.max_prompt_chars:
-        raise RequestError(400, "prompt", f"prompt is {len(prompt)} characters, above the limit "
-                           f"{limits.max_prompt_chars}; shorten it")
 
     # 3. Model.
     model = given("model")
@@ -435,7 +495,7 @@ def parse_video_request(
     if size is None:
         width, height = spec.default_size
     else:
-        match = _SIZE_RE.match(size)
+        match = _SIZE_RE.fullmatch(size)
         if match is None:
             raise RequestError(400, "size", f"size {size!r} must be 'WIDTHxHEIGHT' in pixels, e.g. "
                                f"'{spec.default_size[0]}x{spec.default_size[1]}'")
@@ -485,9 +545,6 @@ def parse_video_request(
             raise RequestError(400, "guidance_scale", f"guidance_scale must be >= 1.0 (1.0 = no guidance), got "
                                f"{text}")
     negative_prompt = "" if _is_blank(fields.get("negative_prompt") or "") else fields["negative_prompt"].strip()
-    if len(negative_prompt) > limits.max_prompt_chars:
-        raise RequestError(400, "negative_prompt", f"negative_prompt is {len(negative_prompt)} characters, above "
-                           f"the limit {limits.max_prompt_chars}; shorten it")
 
     # 7. Image.
     input_reference = None
@@ -509,6 +566,24 @@ def parse_video_request(
     )
 
 
+def _unknown_fields_error(unknown: list[str]) -> RequestError:
+    """The 400 for create fields that do not exist (`unknown` sorted), naming them (each cut to 60 characters)."""
+    return RequestError(400, unknown[0], f"unknown field(s) {', '.join(_shown(u) for u in unknown)}; accepted "
+                        f"fields: {', '.join(CREATE_FIELDS)} and the file part input_reference",
+                        code="unknown_parameter")
+
+
+def _unexpected_file_part(name: str) -> RequestError:
+    return RequestError(400, name, f"unexpected file part {_shown(name)}; the only file part accepted is "
+                        "input_reference (the first-frame image)", code="unknown_parameter")
+
+
+def _image_too_large(filename: str, size: int, limits: ApiLimits) -> RequestError:
+    return RequestError(413, "input_reference", f"input_reference {_shown(filename)} is {size} bytes, above the "
+                        f"limit {limits.max_image_bytes} bytes; send a smaller (or compressed) image",
+                        code="request_too_large")
+
+
 def _check_image(image: tuple[str, str, bytes], *, spec: ModelSpec, limits: ApiLimits) -> bytes:
     """(filename, content_type, bytes) -> RGB PNG bytes. Raises RequestError 400/413 (param input_reference)."""
     from PIL import Image  # Pillow is a core dependency; imported here to keep `import vidray.serve.api` light.
@@ -518,9 +593,7 @@ def _check_image(image: tuple[str, str, bytes], *, spec: ModelSpec, limits: ApiL
         raise RequestError(400, "input_reference", f"input_reference: {spec.name!r} is a text-to-video model and "
                            "takes no image; send the request without input_reference")
     if len(data) > limits.max_image_bytes:
-        raise RequestError(413, "input_reference", f"input_reference {filename!r} is {len(data)} bytes, above the "
-                           f"limit {limits.max_image_bytes} bytes; send a smaller (or compressed) image",
-                           code="request_too_large")
+        raise _image_too_large(filename, len(data), limits)
     if not data:
         raise RequestError(400, "input_reference", f"input_reference {filename!r} is empty; upload an image file")
     try:
@@ -542,28 +615,36 @@ def _check_image(image: tuple[str, str, bytes], *, spec: ModelSpec, limits: ApiL
     return out.getvalue()
 
 
-_DATA_URL_RE = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[^;,]*)*);base64,(.*)$", re.DOTALL)
+def _data_url_cap(limits: ApiLimits) -> int:
+    """Longest accepted `input_reference.image_url`, in characters: base64 of `max_image_bytes` plus a header."""
+    return 4 * (limits.max_image_bytes // 3 + 1) + MAX_NAME_CHARS
 
 
-def _image_from_reference(image_url: str | None, file_id: str | None) -> tuple[str, str, bytes]:
+def _image_from_reference(image_url: str | None, file_id: str | None,
+                          limits: ApiLimits) -> tuple[str, str, bytes]:
     """The SDK's `ImageInputReferenceParam` ({"image_url": ...} or {"file_id": ...}) -> an image tuple.
-    Only base64 `data:` URLs are accepted: this server fetches nothing. Raises RequestError 400."""
+    Only base64 `data:` URLs are accepted: this server fetches nothing. Raises RequestError 400 (413 for a URL
+    longer than `_data_url_cap`). Plain string operations, linear in the URL's length."""
     if file_id is not None:
         raise RequestError(400, "input_reference", "input_reference.file_id is not supported here (no file "
                            "store); upload the image as the input_reference file part")
-    url = (image_url or "").strip()
-    match = _DATA_URL_RE.match(url)
-    if match is None:
-        shown = url if len(url) <= 60 else url[:60] + "..."
-        raise RequestError(400, "input_reference", f"input_reference.image_url {shown!r} is not a base64 data "
+    url = image_url or ""
+    if len(url) > _data_url_cap(limits):
+        raise RequestError(413, "input_reference", f"input_reference.image_url is {len(url)} characters, above the "
+                           f"limit {_data_url_cap(limits)} (an image of {limits.max_image_bytes} bytes in base64); "
+                           "send a smaller image", code="request_too_large")
+    head, comma, payload = url.strip().partition(",")
+    media_type = head[len("data:"):].split(";")[0]
+    if not (head.startswith("data:") and head.endswith(";base64") and comma):
+        raise RequestError(400, "input_reference", f"input_reference.image_url {_shown(url)} is not a base64 data "
                            "URL; this server fetches no URLs: send 'data:image/png;base64,...' or upload the "
                            "image as the input_reference file part")
     try:
-        data = base64.b64decode(match[3], validate=True)
+        data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise RequestError(400, "input_reference", "input_reference.image_url holds invalid base64 after "
                            "';base64,'") from None
-    return ("image_url", match[1] or "application/octet-stream", data)
+    return ("image_url", media_type or "application/octet-stream", data)
 
 
 def client_id(token: str) -> str:
@@ -682,6 +763,41 @@ def _counting_receive(receive: Receive, max_bytes: int) -> Receive:
     return wrapped
 
 
+def _check_declared_length(request: Request, limits: ApiLimits) -> None:
+    """A `Content-Length` over `limits.max_body_bytes` -> 413 before the body is read; not ASCII digits -> 400."""
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return
+    if not (declared.isascii() and declared.strip().isdigit()):  # "²".isdigit() is True and int() raises on it
+        raise RequestError(400, "content-length", f"Content-Length {_shown(declared)} is not a byte count")
+    if int(declared) > limits.max_body_bytes:
+        raise _too_large(limits, int(declared))
+
+
+_QUERY_CAPS = {"after": MAX_ID_CHARS, "limit": MAX_NUMBER_CHARS, "order": MAX_CHOICE_CHARS,
+               "variant": MAX_CHOICE_CHARS}
+_PATH_CAPS = {"video_id": MAX_ID_CHARS}
+_HEADER_CAPS = ("authorization", "content-type", "content-length")
+
+
+def _check_request_lengths(request: Request) -> None:
+    """Every route's first step (a FastAPI dependency): the URL path, the query string, each query parameter, path
+    parameter and parsed header is within its cap, before any of it is parsed further or looked up. Raises
+    RequestError 414 (path or query string) or 400 naming the parameter."""
+    path, query = request.scope.get("raw_path") or b"", request.scope.get("query_string") or b""
+    if len(path) > MAX_HEADER_CHARS or len(query) > MAX_QUERY_BYTES:
+        what, size, cap = ("URL path", len(path), MAX_HEADER_CHARS) if len(path) > MAX_HEADER_CHARS else (
+            "query string", len(query), MAX_QUERY_BYTES)
+        raise RequestError(414, None, f"the {what} is {size} bytes, above the limit {cap}; video ids are "
+                           f"{MAX_ID_CHARS} characters at most", code="uri_too_long")
+    for name in _HEADER_CAPS:
+        _check_length(name, request.headers.get(name) or "", MAX_HEADER_CHARS, "send a shorter header")
+    for name, value in request.query_params.multi_items():
+        _check_length(name, value, _QUERY_CAPS.get(name, MAX_QUERY_BYTES))
+    for name, value in request.path_params.items():
+        _check_length(name, value, _PATH_CAPS.get(name, MAX_HEADER_CHARS))
+
+
 def _too_large(limits: ApiLimits, size: int | None) -> RequestError:
     # A chunked body (no Content-Length) is read only up to the limit, so its size is unknown.
     shown = f"is {size} bytes, above" if size is not None else "(sent without a Content-Length) is larger than"
@@ -694,49 +810,162 @@ TEXT_FIELDS = ("prompt", "negative_prompt", "model", "size")
 """Create fields that are text: a JSON body must give them as strings (a number there is a client bug, not text)."""
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """`json.loads`'s object hook: a key given twice is a 400, as a form field given twice is (json keeps the last)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise RequestError(400, key, f"field {key!r} is given twice; send it once")
-        out[key] = value
-    return out
+class _JsonNumber(str):
+    """A JSON number kept as the text sent (the decoder's parse_int/parse_float): never converted while decoding,
+    so a 5,000-digit integer is a length error naming its field, not Python's int-digit ValueError (was a 500)."""
 
 
-def _json_fields(body: bytes) -> tuple[dict[str, str], tuple[str, str, bytes] | None]:
-    """A JSON create body -> (text fields, image). Numbers become their decimal strings, except in `TEXT_FIELDS`,
-    which must be strings (400 naming the field)."""
+class _JsonConstant(str):
+    """NaN, Infinity or -Infinity, which Python's json accepts and JSON (RFC 8259) has not: refused naming the field."""
+
+
+_JSON = json.JSONDecoder(parse_int=_JsonNumber, parse_float=_JsonNumber, parse_constant=_JsonConstant)
+"""Decodes one JSON scalar (`_JsonText.scalar`); numbers stay text."""
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+_JSON_KINDS = {"[": "an array", "{": "an object", '"': "a string", "t": "a boolean", "f": "a boolean", "n": "null"}
+
+
+def _json_kind(text: str, pos: int) -> str:
+    """What the JSON value at `pos` is, from its first character ("an array", "a number", ...)."""
+    first = text[pos:pos + 1]
+    if not first:
+        return "nothing"
+    return _JSON_KINDS.get(first) or ("a number" if first in "-0123456789" else f"text that is not JSON ({first!r})")
+
+
+class _JsonText:
+    """A create body's JSON text, walked member by member so that every error names the field it is in.
+
+    Only scalars are decoded, each on its own by the C scanner (`_JSON.raw_decode`), and only the objects the body
+    may hold (the body, `input_reference`) are walked: an array or object anywhere else is refused from its first
+    character, before it is read. Linear in the body's length; no recursion, however deep the nesting. `bad_at`
+    is the index of the first character that was not UTF-8 in the body (decoded with surrogateescape), or None.
+    """
+
+    def __init__(self, text: str, bad_at: int | None, bad_byte: str) -> None:
+        self.text, self.bad_at, self.bad_byte = text, bad_at, bad_byte
+
+    def fail(self, pos: int, key: str | None, what: str) -> RequestError:
+        """The error for a problem at `pos` inside `key`'s member: a non-UTF-8 byte before it is named first."""
+        if self.bad_at is not None and self.bad_at <= pos:
+            where = f"{key} is" if key is not None else "request body is"
+            return RequestError(400, key, f"{where} not UTF-8 text ({self.bad_byte}); send JSON UTF-8 encoded")
+        where = f"{key}: " if key is not None else "request body is not valid JSON: "
+        return RequestError(400, key, f"{where}{what}")
+
+    def skip(self, pos: int) -> int:
+        return _JSON_SPACE.match(self.text, pos).end()
+
+    def scalar(self, pos: int, key: str | None) -> tuple[Any, int]:
+        """The string, number, true, false or null at `pos` and the index after it. Raises RequestError 400
+        naming `key` for anything else (an array or object: `what` says which)."""
+        kind = _json_kind(self.text, pos)
+        if kind in ("an array", "an object"):
+            raise RequestError(400, key, f"{key} must be a string or a number, got {kind}; the create fields are "
+                               "strings and numbers")
+        try:
+            value, end = _JSON.raw_decode(self.text, pos)
+        except json.JSONDecodeError as exc:
+            raise self.fail(exc.pos, key, f"{exc.msg} at character {exc.pos}") from None
+        if self.bad_at is not None and self.bad_at < end:
+            raise self.fail(end, key, "")
+        return value, end
+
+    def members(self, pos: int, key: str | None = None) -> tuple[dict[str, Any], int]:
+        """The object at `pos` (the body when `key` is None, else the field `key`) as {name: value} and the index
+        after it; `input_reference` in the body is walked as an object too. Raises RequestError 400: not an
+        object, bad syntax, more than `MAX_JSON_FIELDS` members, a name given twice or longer than
+        `MAX_NAME_CHARS`, a value that is not JSON, a byte that is not UTF-8."""
+        text, pos = self.text, self.skip(pos)
+        if not text.startswith("{", pos):
+            if self.bad_at is not None and self.bad_at <= pos:
+                raise self.fail(pos, key, "")
+            what = "request body must be a JSON object {...}" if key is None else f"{key} must be a JSON object"
+            raise RequestError(400, key, f"{what}, got {_json_kind(text, pos)}")
+        members: dict[str, Any] = {}
+        pos = self.skip(pos + 1)
+        more = not text.startswith("}", pos)
+        while more:
+            name, pos = self.member_name(pos, len(members), key)
+            pos = self.skip(pos + 1)
+            if key is None and name == "input_reference" and text.startswith(("{", "["), pos):
+                value, pos = self.members(pos, name)
+            else:
+                value, pos = self.scalar(pos, name if key is None else f"{key}.{name}")
+            if name in members:
+                raise RequestError(400, key or name, f"field {_shown(name)} is given twice; send it once")
+            members[name] = value
+            pos = self.skip(pos)
+            more = text.startswith(",", pos)
+            pos = self.skip(pos + 1) if more else pos
+        if not text.startswith("}", pos):
+            raise self.fail(pos, key, f"expected ',' or the object's closing '}}' at character {pos}")
+        return members, pos + 1
+
+    def member_name(self, pos: int, count: int, key: str | None) -> tuple[str, int]:
+        """The `count`-th member name at `pos` in the object `key` and the index of the ':' after it."""
+        if count >= MAX_JSON_FIELDS:
+            raise RequestError(400, key, f"{key or 'request body'} has more than {MAX_JSON_FIELDS} fields; the "
+                               f"create fields are {', '.join(CREATE_FIELDS)}, input_reference")
+        if not self.text.startswith('"', pos):
+            raise self.fail(pos, key, f"expected a field name in double quotes at character {pos}")
+        name, end = self.scalar(pos, key)
+        if len(name) > MAX_NAME_CHARS:
+            raise RequestError(400, key, f"a field name is {len(name)} characters, above the limit "
+                               f"{MAX_NAME_CHARS}; the fields are {', '.join(CREATE_FIELDS)}, input_reference")
+        end = self.skip(end)
+        if not self.text.startswith(":", end):
+            raise self.fail(end, key, f"expected ':' after the field name at character {end}")
+        return name, end
+
+    def body(self) -> dict[str, Any]:
+        """The body's top-level object (`members`), which must be all the body holds."""
+        members, end = self.members(0)
+        if self.skip(end) != len(self.text):
+            raise self.fail(end, None, f"unexpected data after the JSON object at character {end}")
+        return members
+
+
+def _json_text(body: bytes) -> _JsonText:
+    """A JSON body's bytes as text (a UTF-8 BOM is dropped); bytes that are not UTF-8 are kept as surrogates and
+    recorded, so the error can name the field they are in."""
+    if body.startswith(b"\xef\xbb\xbf"):
+        body = body[3:]
     try:
-        data = json.loads(body, object_pairs_hook=_no_duplicate_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RequestError(400, None, f"request body is not valid JSON ({exc})") from None
-    except RecursionError:  # json's parser recurses per nesting level: ~1000 levels of [ in a 2 KB body
-        raise RequestError(400, None, "request body nests JSON arrays or objects too deeply; the create fields are "
-                           "strings and numbers") from None
-    if not isinstance(data, dict):
-        raise RequestError(400, None, f"request body must be a JSON object, got {type(data).__name__}")
+        return _JsonText(body.decode("utf-8"), None, "")
+    except UnicodeDecodeError as exc:
+        bad_at = len(body[:exc.start].decode("utf-8"))
+        return _JsonText(body.decode("utf-8", "surrogateescape"), bad_at,
+                         f"byte 0x{body[exc.start]:02x} at byte {exc.start} of the body")
+
+
+def _json_fields(body: bytes, limits: ApiLimits) -> tuple[dict[str, str], tuple[str, str, bytes] | None]:
+    """A JSON create body -> (text fields, image). Numbers become the text sent (never converted here), except in
+    `TEXT_FIELDS`, which must be strings; NaN and Infinity are refused. Every problem is a 400 naming its field.
+    Linear in the body's length (bounded by `limits.max_body_bytes`)."""
     fields: dict[str, str] = {}
     image = None
-    for name, value in data.items():
+    for name, value in _json_text(body).body().items():
         if name == "input_reference":
             if value is None:
                 continue
-            if not isinstance(value, dict) or set(value) - {"image_url", "file_id"}:
+            if (not isinstance(value, dict) or set(value) - {"image_url", "file_id"}
+                    or not all(v is None or type(v) is str for v in value.values())):
                 raise RequestError(400, "input_reference", "input_reference in a JSON body must be "
                                    "{\"image_url\": \"data:image/png;base64,...\"}; or send multipart/form-data "
                                    "with the image as the input_reference file part")
-            image = _image_from_reference(value.get("image_url"), value.get("file_id"))
+            image = _image_from_reference(value.get("image_url"), value.get("file_id"), limits)
         elif value is None:
             continue
+        elif isinstance(value, _JsonConstant):
+            raise RequestError(400, name, f"{name} is {value}, which JSON has not (RFC 8259); send a finite number")
+        elif isinstance(value, _JsonNumber) and name in TEXT_FIELDS:
+            raise RequestError(400, name, f"{name} must be a JSON string, got {_shown(value)[1:-1]}")
         elif isinstance(value, str):
-            fields[name] = value
-        elif name in TEXT_FIELDS:
-            raise RequestError(400, name, f"{name} must be a JSON string, got {json.dumps(value)[:60]}")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
             fields[name] = str(value)
-        else:
-            raise RequestError(400, name, f"{name} must be a string or a number, got {json.dumps(value)[:60]}")
+        else:  # true or false: arrays and objects were refused while walking
+            kind = "JSON string" if name in TEXT_FIELDS else "string or a number"
+            raise RequestError(400, name, f"{name} must be a {kind}, got {json.dumps(value)}")
     return fields, image
 
 
@@ -752,28 +981,119 @@ def _utf8_text(data: bytes, name: str | None) -> str:
                            f"{exc.start}); send text fields UTF-8 encoded, as the openai SDK and browsers do") from None
 
 
+def _form_byte_cap(name: str, limits: ApiLimits) -> int | None:
+    """The most bytes a text form field `name` may hold as sent in multipart (UTF-8: up to 4 bytes a character;
+    the exact character count is checked by `parse_video_request`), or None for a name that is not a field."""
+    if name in CREATE_FIELDS:
+        return 4 * _field_cap(name, limits)
+    if name == "input_reference[image_url]":
+        return _data_url_cap(limits)
+    if name == "input_reference[file_id]":
+        return 4 * MAX_NAME_CHARS
+    return None
+
+
+def _form_keeps(name: str, limits: ApiLimits, size: int, encoded: int = 1) -> bool:
+    """Whether to keep the next bytes of form field `name`, `size` bytes so far (sent `encoded` bytes a byte).
+    False for a name that is no field: its value is dropped, `parse_video_request` refuses the name. Raises
+    RequestError 400 naming the field once it is over its cap."""
+    cap = _form_byte_cap(name, limits)
+    if cap is None:
+        return False
+    if size > cap * encoded:
+        raise RequestError(400, name, f"{name} is over {cap * encoded} bytes as sent, above its limit; shorten it")
+    return True
+
+
 class _UTF8MultiPartParser(MultiPartParser):
-    """Starlette's multipart parser, but a text part or part name that is not UTF-8 is a 400 (`_utf8_text`), where
-    Starlette would decode it as Latin-1 or as the body's `charset`. File parts stay bytes."""
+    """Starlette's multipart parser, but bounded and UTF-8: every part's headers, name and text are capped as they
+    stream in (a part over its cap is a 400 before the rest is read), the image part's bytes are counted but not
+    kept past `limits.max_image_bytes` (413 at its end), and a text part or part name that is not UTF-8 is a 400
+    (`_utf8_text`), where Starlette would decode it as Latin-1 or as the body's `charset`."""
+
+    def __init__(self, *args: Any, limits: ApiLimits, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self._part_bytes = 0
+        self._header_bytes = 0
+
+    def on_part_begin(self) -> None:
+        super().on_part_begin()
+        self._part_bytes = self._header_bytes = 0
+
+    def on_header_field(self, data: bytes, start: int, end: int) -> None:
+        self._count_header(end - start)
+        super().on_header_field(data, start, end)
+
+    def on_header_value(self, data: bytes, start: int, end: int) -> None:
+        self._count_header(end - start)
+        super().on_header_value(data, start, end)
+
+    def _count_header(self, size: int) -> None:
+        self._header_bytes += size
+        if self._header_bytes > MAX_HEADER_CHARS:
+            raise RequestError(400, None, f"a multipart part's headers are over {MAX_HEADER_CHARS} bytes; send "
+                               "Content-Disposition with a field name (and a filename for the image) only")
 
     def on_headers_finished(self) -> None:
         super().on_headers_finished()
-        self._current_part.field_name = _utf8_text(_disposition_name(self._current_part.content_disposition), None)
+        part = self._current_part
+        part.field_name = _utf8_text(_disposition_name(part.content_disposition), None)
+        if part.file is not None and part.field_name != "input_reference":
+            raise _unexpected_file_part(part.field_name)
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        part = self._current_part
+        self._part_bytes += end - start
+        if part.file is None:
+            keep = _form_keeps(part.field_name, self.limits, self._part_bytes)
+        else:  # counted to the end for the 413, not kept past the limit
+            keep = self._part_bytes <= self.limits.max_image_bytes
+        if keep:
+            super().on_part_data(data, start, end)
 
     def on_part_end(self) -> None:
         part = self._current_part
+        if part.file is not None and self._part_bytes > self.limits.max_image_bytes:
+            raise _image_too_large(part.file.filename or "input_reference", self._part_bytes, self.limits)
         super().on_part_end()
         if part.file is None:
             self.items[-1] = (part.field_name, _utf8_text(part.data, part.field_name))
 
 
 def _disposition_name(content_disposition: bytes) -> bytes:
-    return parse_options_header(content_disposition)[1][b"name"]
+    name = parse_options_header(content_disposition)[1][b"name"]
+    if len(name) > MAX_NAME_CHARS:
+        raise RequestError(400, None, f"a form field's name is {len(name)} bytes, above the limit {MAX_NAME_CHARS}; "
+                           f"the fields are {', '.join(CREATE_FIELDS)} and the file part input_reference")
+    return name
 
 
 class _UTF8FormParser(FormParser):
-    """Starlette's urlencoded parser, but names and values are UTF-8 after percent-decoding (not UTF-8 -> 400):
-    Starlette reads raw bytes as Latin-1 and replaces bad %-escapes with U+FFFD."""
+    """Starlette's urlencoded parser, but bounded and UTF-8: a name or value over its cap (percent-encoded: up to
+    3 bytes a byte) is a 400 as it streams in; names and values are UTF-8 after percent-decoding (not UTF-8 ->
+    400): Starlette reads raw bytes as Latin-1 and replaces bad %-escapes with U+FFFD."""
+
+    def __init__(self, *args: Any, limits: ApiLimits, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self._name: str | None = None
+
+    def on_field_start(self) -> None:
+        super().on_field_start()
+        self._name = None
+
+    def on_field_name(self, data: bytes, start: int, end: int) -> None:
+        if len(self._field_name) + end - start > 3 * MAX_NAME_CHARS:
+            raise RequestError(400, None, f"a form field's name is over {3 * MAX_NAME_CHARS} bytes as sent; the "
+                               f"fields are {', '.join(CREATE_FIELDS)}")
+        super().on_field_name(data, start, end)
+
+    def on_field_data(self, data: bytes, start: int, end: int) -> None:
+        if self._name is None:  # the name is complete once its value starts
+            self._name = _utf8_text(unquote_to_bytes(bytes(self._field_name).replace(b"+", b" ")), None)
+        if _form_keeps(self._name, self.limits, len(self._field_value) + end - start, encoded=3):
+            super().on_field_data(data, start, end)
 
     def on_field_end(self) -> None:
         raw_name, raw_value = bytes(self._field_name), bytes(self._field_value)
@@ -782,21 +1102,22 @@ class _UTF8FormParser(FormParser):
         self._items[-1] = (name, _utf8_text(unquote_to_bytes(raw_value.replace(b"+", b" ")), name))
 
 
-async def _form_fields(request: Request) -> tuple[dict[str, str], tuple[str, str, bytes] | None]:
+async def _form_fields(request: Request, limits: ApiLimits) -> tuple[dict[str, str], tuple[str, str, bytes] | None]:
     """A multipart/form-data or urlencoded create body -> (text fields, image). Text must be UTF-8 (400 otherwise,
-    naming the field); a `charset` other than UTF-8 in the Content-Type is a 415."""
-    content_type = request.headers.get("content-type") or ""
-    charset = re.search(r";\s*charset\s*=\s*\"?([^\s;\"]*)", content_type, re.IGNORECASE)
-    if charset and charset.group(1).lower().replace("-", "").replace("_", "") != "utf8":
-        raise RequestError(415, "content-type", f"charset {charset.group(1)!r} is not accepted: send the form's "
+    naming the field); a `charset` other than UTF-8 in the Content-Type is a 415. Every field is capped as it
+    streams in (`_UTF8MultiPartParser`, `_UTF8FormParser`): time linear in the body, space bounded by the caps."""
+    content_type, options = parse_options_header(request.headers.get("content-type") or "")
+    charset = options.get(b"charset", b"utf-8").decode("latin-1")
+    if charset.lower().replace("-", "").replace("_", "") != "utf8":
+        raise RequestError(415, "content-type", f"charset {charset!r} is not accepted: send the form's "
                            "text UTF-8 encoded, with no charset or charset=utf-8", code="unsupported_media_type")
-    multipart = content_type.split(";")[0].strip().lower() == "multipart/form-data"
     try:
         async with aclosing(request.stream()) as stream:
-            if multipart:
-                form = await _UTF8MultiPartParser(request.headers, stream, max_files=4, max_fields=64).parse()
+            if content_type == b"multipart/form-data":
+                form = await _UTF8MultiPartParser(request.headers, stream, max_files=4, max_fields=64,
+                                                  limits=limits).parse()
             else:
-                form = await _UTF8FormParser(request.headers, stream, max_fields=64).parse()
+                form = await _UTF8FormParser(request.headers, stream, max_fields=64, limits=limits).parse()
     except MultiPartException as exc:  # multipart syntax errors, too many fields or files, a part over 1 MB
         raise RequestError(400, None, f"malformed form body: {exc.message}") from None
     try:
@@ -809,13 +1130,9 @@ async def _form_fields(request: Request) -> tuple[dict[str, str], tuple[str, str
             elif name in ("input_reference[image_url]", "input_reference[file_id]"):
                 reference[name[len("input_reference["):-1]] = value
             elif name in fields:
-                raise RequestError(400, name, f"field {name!r} is given twice; send it once")
+                raise RequestError(400, name, f"field {_shown(name)} is given twice; send it once")
             else:
                 fields[name] = value
-        for name, _ in uploads:
-            if name != "input_reference":
-                raise RequestError(400, name, f"unexpected file part {name!r}; the only file part accepted is "
-                                   "input_reference (the first-frame image)", code="unknown_parameter")
         if len(uploads) + bool(reference) > 1:
             raise RequestError(400, "input_reference", "input_reference is given more than once; send one image")
         if uploads:
@@ -823,7 +1140,7 @@ async def _form_fields(request: Request) -> tuple[dict[str, str], tuple[str, str
             data = await upload.read()
             image = (upload.filename or "input_reference", upload.content_type or "", data)
         elif reference:
-            image = _image_from_reference(reference.get("image_url"), reference.get("file_id"))
+            image = _image_from_reference(reference.get("image_url"), reference.get("file_id"), limits)
         else:
             image = None
         return fields, image
@@ -886,7 +1203,8 @@ def build_api(get_service: Callable[[], VideoService | None],
     Returns:
         A FastAPI app whose every error answers ``{"error": {...}}`` JSON (RequestError's shape).
     """
-    app = FastAPI(title="vidray video API", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="vidray video API", version="1", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(_check_request_lengths)])
 
     def respond(exc: RequestError) -> JSONResponse:
         if on_error is not None:
@@ -903,11 +1221,12 @@ def build_api(get_service: Callable[[], VideoService | None],
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        path = _shown(request.url.path)[1:-1]
         if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}; see /v1/videos"
+            message = f"no route {request.method} {path}; see /v1/videos"
             code = "not_found"
         elif exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
+            message = f"method {request.method} is not allowed on {path}"
             code = "method_not_allowed"
         else:
             message, code = str(exc.detail), "invalid_request"
@@ -922,10 +1241,14 @@ def build_api(get_service: Callable[[], VideoService | None],
         return respond(RequestError(400, param, f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid')}"))
 
     @app.exception_handler(Exception)
-    async def _server_error(_request: Request, exc: Exception) -> JSONResponse:
-        # Starlette logs the traceback and re-raises after sending this; the client sees no internals.
-        return respond(RequestError(500, None, f"internal server error ({type(exc).__name__}); see the server log",
-                                    code="server_error"))
+    async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+        # The client sees no internals (paths, host names): an error id, which the server log holds with the
+        # traceback. Starlette re-raises after this answer, and uvicorn logs the traceback again.
+        error_id = secrets.token_hex(4)
+        logging.getLogger(__name__).error("internal server error %s on %s %s", error_id, request.method,
+                                          request.url.path, exc_info=exc)
+        return respond(RequestError(500, None, f"internal server error (error id {error_id}); the server log has "
+                                    "the details under this id", code="server_error"))
 
     def service_or_503() -> VideoService:
         service = get_service()
@@ -962,19 +1285,14 @@ def build_api(get_service: Callable[[], VideoService | None],
         service = authorized(request)
         limits = service.limits
         # Size first, before any parser reads the body: the declared length, then a count as it streams in.
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.strip().isdigit():
-                raise RequestError(400, "content-length", f"Content-Length {declared!r} is not a byte count")
-            if int(declared) > limits.max_body_bytes:
-                raise _too_large(limits, int(declared))
+        _check_declared_length(request, limits)
         limited = Request(request.scope, _counting_receive(request.receive, limits.max_body_bytes))
         content_type = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
         try:
             if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
-                fields, image = await _form_fields(limited)
+                fields, image = await _form_fields(limited, limits)
             elif content_type == "application/json":
-                fields, image = _json_fields(await limited.body())
+                fields, image = _json_fields(await limited.body(), limits)
             else:
                 raise RequestError(415, "content-type", f"Content-Type {content_type or '(none)'!r} is not "
                                    "accepted; send multipart/form-data (as the openai SDK does), "

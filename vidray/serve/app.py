@@ -29,6 +29,7 @@ with `Retry-After` beyond them); runners take clients' queues round-robin; finis
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import os
@@ -544,11 +545,21 @@ def _stage_error(err: BaseException) -> BaseException:
 
 
 def failure_message(err: BaseException, limit: int = 500) -> str:
-    """A failed job's `error.message` for the client: "<type>: <message>" of the exception a stage raised, at most
-    `limit` characters (`_stage_error`: not the RayTaskError's text, the remote traceback with terminal colour
-    codes)."""
-    err = _stage_error(err)
-    return f"{type(err).__name__}: {err}"[:limit]
+    """A failed job's `error.message` for the client, at most `limit` characters.
+
+    For a request that cannot be made (`failure_code` "invalid_request": a vidray `UserError` a stage raised),
+    "<type>: <message>" of that error, which says what to change. For anything else ("internal_error") a generic
+    sentence with a short error id: the exception's text can hold server paths and host names, so it goes to the
+    server log only, logged here at ERROR with the same id (the id is a hash of the text: equal errors, equal ids).
+    `_stage_error` unwraps Ray's RayTaskError (its text is the remote traceback with terminal colour codes).
+    """
+    text = f"{type(_stage_error(err)).__name__}: {_stage_error(err)}"
+    if failure_code(err) == "invalid_request":
+        return text[:limit]
+    error_id = hashlib.sha256(text.encode("utf-8", "backslashreplace")).hexdigest()[:8]
+    logger.error("internal error id %s: %s", error_id, text)
+    return (f"internal error while making this video (error id {error_id}); the server log has the details under "
+            "this id; create the video again, or report the id")[:limit]
 
 
 def failure_code(err: BaseException) -> str:
@@ -664,6 +675,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     denoiser = Denoiser.options(max_ongoing_requests=max(16, 2 * policy.max_batch_size))
     logger.info("vidray serve: model %s, store %s, auth %s", settings.model_path, settings.store_dir,
                 "off" if auth_token is None else f"{len(auth_token)} bearer token(s)")
+    if settings.auth.disabled:
+        logger.warning("auth.disabled: true: the video API takes requests without a bearer token, so anyone who "
+                       "can reach its port can create, read and delete videos; remove auth.disabled and set "
+                       "auth.token_env or auth.token_file to require a token")
     return VideoIngress.bind(
         settings.model_dump(), auth_token,
         TextEncoder.bind(settings.model_path),
