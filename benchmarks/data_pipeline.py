@@ -39,7 +39,8 @@ leave out Ray's fixed start-up (loader actor, first fetch and decode), reported 
     time; goal <= 1.05.
 
 The last stdout line is one JSON object: {"benchmark": "data_pipeline", "figures": {name: {value, unit, goal}},
-"details": {...}}; progress lines go before it.
+"details": {...}}; progress lines go before it. A figure that was not measured (it failed, or was left out on the
+command line) is still there, with value null and `miss` its reason (`benchmarks/_figures.py`).
 """
 
 from __future__ import annotations
@@ -55,19 +56,31 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import vidray  # noqa: E402,F401 - before ray: keeps Ray's listeners on 127.0.0.1 (vidray.runtime)
+from _figures import fill_misses  # noqa: E402
 
 PEERS = REPO.parent / "shared" / "peers"
 VENV_PYTHON = Path(sys.executable)
 BUCKET = (17, 256, 256)
 """[num_frames, height, width] of the loader benchmarks' clips."""
 FPS = 16.0
+FIGURES = {
+    "a": {"a_loader_vs_pyav_clips_per_s_after_first_batch": ("x", ">= 0.9")},
+    "b": {"b_wait_fraction_after_first_batch": ("fraction", "<= 0.05")},
+    "c": {"c_epoch2_vs_epoch1_clips_per_s": ("x", ">= 3")},
+    "d": {"d_shard_fetches_per_epoch_per_shard": ("x", "<= 1.05")},
+    "e": {"e_plan_epoch_26.6M_samples_512_ranks_s": ("s", "< 10"),
+          "e_plan_epoch_peak_memory_bytes": ("bytes", "< 4000000000")},
+    "f": {"f_peak_rss_600_vs_6_samples": ("x", "<= 1.10")},
+    "g": {"g_step_time_ratio": ("x", "<= 1.05")},
+}
+"""Each figure letter's goal figures {name: (unit, goal)}: what the JSON holds, measured or as a miss."""
 BATCH = 4
 """Clips per micro-batch per rank."""
 SAMPLES_PER_SHARD = 8
@@ -319,7 +332,7 @@ def figure_b(uri: str, throttled_uri: str, proxy: Any, index: dict, tmp: Path) -
         if proxy.bytes_down == before:
             raise RuntimeError(f"nothing went through the throttling proxy: {throttled_uri} did not reach it")
     proxy.rate_bytes_per_s = None
-    figures = {"b_data_wait_fraction_prefetch_on_after_first_batch": {
+    figures = {"b_wait_fraction_after_first_batch": {
         "value": round(fractions["on"], 4), "unit": "fraction", "goal": "<= 0.05"}}  # off: in details
     return figures, details
 
@@ -404,10 +417,9 @@ def figure_f(tmp: Path) -> tuple[dict, dict]:
     small, large = rss[min(rss)], rss[max(rss)]
     details = {f"f_peak_rss_bytes_{n}_samples": v for n, v in rss.items()}
     if not small or not large:
-        details["f_note"] = "TrainResult has no peak_rss_bytes yet: (f) not measured"
-        return {}, details
-    return {f"f_peak_rss_{max(rss)}_vs_{min(rss)}_samples": {"value": round(large / small, 3), "unit": "x",
-                                                              "goal": "<= 1.10"}}, details
+        raise RuntimeError(f"TrainResult.peak_rss_bytes is {small} / {large}: no peak RSS to compare")
+    return {f"f_peak_rss_{RSS_SAMPLES[1]}_vs_{RSS_SAMPLES[0]}_samples": {
+        "value": round(large / small, 3), "unit": "x", "goal": "<= 1.10"}}, details
 
 
 def figure_g(tmp: Path, steps: int, warmup: int) -> tuple[dict, dict]:
@@ -452,16 +464,39 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def run(tmp: Path, a: argparse.Namespace) -> dict[str, Any]:
-    figures: dict[str, Any] = {}
-    details: dict[str, Any] = {"clips": a.clips, "bucket": "x".join(map(str, BUCKET)), "batch_per_rank": BATCH,
-                               "samples_per_shard": SAMPLES_PER_SHARD, "load_avg_1m_start": os.getloadavg()[0]}
-
-    # 1. (e) first, alone: its peak RSS and seconds want a quiet process.
-    if "e" in a.figures:
-        part = figure_e()
+def measure_figure(letter: str, measure: Callable[[], tuple[dict, dict]], figures: dict, details: dict,
+                   misses: dict[str, str]) -> None:
+    """Run one figure's measurement into `figures` / `details`; a failure becomes `misses[letter]` (its reason),
+    and the other figures still run."""
+    try:
+        part = measure()
+    except Exception as err:  # noqa: BLE001 - the figure is a miss with its reason; the others still run
+        say(f"({letter}) failed: {type(err).__name__}: {err}")
+        misses[letter] = f"failed: {type(err).__name__}: {err}"
+    else:
         figures.update(part[0])
         details.update(part[1])
+
+
+def with_misses(figures: dict, misses: dict[str, str], requested: str) -> dict:
+    """`figures` with every goal figure of `FIGURES` it lacks as a miss: its letter's failure, or left out."""
+    for letter, expected in FIGURES.items():
+        reason = misses.get(letter) or (f"left out (--figures {requested})" if letter not in requested
+                                        else "not measured")
+        fill_misses(figures, expected, reason)
+    return figures
+
+
+def run(tmp: Path, a: argparse.Namespace) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    misses: dict[str, str] = {}  # figure letter -> why it was not measured
+    details: dict[str, Any] = {"clips": a.clips, "bucket": "x".join(map(str, BUCKET)), "batch_per_rank": BATCH,
+                               "samples_per_shard": SAMPLES_PER_SHARD, "load_avg_1m_start": os.getloadavg()[0]}
+    requested = a.figures.replace("g", "") if a.skip_train_overhead else a.figures
+
+    # 1. (e) first, alone: its peak RSS and seconds want a quiet process.
+    if "e" in requested:
+        measure_figure("e", figure_e, figures, details, misses)
 
     # 2. The clips: prepare once, replicate into a local folder and into S3 (moto on 127.0.0.1).
     say(f"prepare samples/ at {BUCKET} {FPS} frames/s, replicate to {a.clips} clips (local folder and S3)")
@@ -496,16 +531,13 @@ def run(tmp: Path, a: argparse.Namespace) -> dict[str, Any]:
         details["ray_init_s"] = round(time.perf_counter() - t0, 2)
         say(f"Ray started in {details['ray_init_s']} s")
         try:
-            for name, measure_figure in (("a", lambda: figure_a(local, tmp)),
-                                         ("b", lambda: figure_b(uri, throttled_uri, proxy, index, tmp)),
-                                         ("c", lambda: figure_c(uri, tmp, index)),
-                                         ("d", lambda: figure_d(proxied_uri, proxy, tmp, index)),
-                                         ("f", lambda: figure_f(tmp))):
-                if name not in a.figures:
-                    continue
-                part = measure_figure()
-                figures.update(part[0])
-                details.update(part[1])
+            for name, measure in (("a", lambda: figure_a(local, tmp)),
+                                  ("b", lambda: figure_b(uri, throttled_uri, proxy, index, tmp)),
+                                  ("c", lambda: figure_c(uri, tmp, index)),
+                                  ("d", lambda: figure_d(proxied_uri, proxy, tmp, index)),
+                                  ("f", lambda: figure_f(tmp))):
+                if name in requested:
+                    measure_figure(name, measure, figures, details, misses)
         finally:
             if started:
                 import ray
@@ -520,20 +552,13 @@ def run(tmp: Path, a: argparse.Namespace) -> dict[str, Any]:
             moto.kill()
 
     # 4. (g) last: it starts its own Ray through `vidray train`.
-    if a.skip_train_overhead or "g" not in a.figures:
-        details["g_note"] = "left out (--skip-train-overhead)"
-    else:
-        try:
-            part = figure_g(tmp, a.g_steps, a.g_warmup)
-        except Exception as err:  # noqa: BLE001 - (a)-(f) still print; the failure is named in the details
-            say(f"(g) failed: {type(err).__name__}: {err}")
-            details["g_note"] = f"failed: {type(err).__name__}: {err}"
-        else:
-            figures.update(part[0])
-            details.update(part[1])
+    if a.skip_train_overhead and "g" in a.figures:
+        misses["g"] = "left out (--skip-train-overhead)"
+    elif "g" in requested:
+        measure_figure("g", lambda: figure_g(tmp, a.g_steps, a.g_warmup), figures, details, misses)
     details["load_avg_1m_end"] = os.getloadavg()[0]
     details["wall_s"] = round(time.perf_counter() - _T0, 1)
-    return {"benchmark": "data_pipeline", "figures": figures, "details": details}
+    return {"benchmark": "data_pipeline", "figures": with_misses(figures, misses, requested), "details": details}
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from _figures import miss  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
+
 STAGE = "vidray.io/stage"
 
 
@@ -158,8 +160,9 @@ def main() -> None:
     figures = {
         "online_clips_s": {"value": round(on["clips_s"], 3), "unit": "clips/s", "goal": "> 0"},
         "cached_clips_s": {"value": round(ca["clips_s"], 3), "unit": "clips/s", "goal": "> 0"},
-        "cached_over_online": {"value": round(ca["clips_s"] / on["clips_s"], 3) if on["clips_s"] else 0.0,
-                               "unit": "ratio", "goal": ">= 1.0"},
+        "cached_over_online": ({"value": round(ca["clips_s"] / on["clips_s"], 3), "unit": "ratio", "goal": ">= 1.0"}
+                               if on["clips_s"] else miss("the online run trained no clip", unit="ratio",
+                                                          goal=">= 1.0")),
         "online_data_wait_fraction": {"value": round(on["data_wait_fraction"], 3), "unit": "fraction", "goal": "<= 1"},
         "cached_data_wait_fraction": {"value": round(ca["data_wait_fraction"], 3), "unit": "fraction", "goal": "<= 1"},
         "sixteen_nodes_placed": {"value": round(b["placed_fraction"], 3), "unit": "fraction", "goal": ">= 1.0"},

@@ -73,6 +73,12 @@ class DataConfig:
     """Training shapes [num_frames, height, width]; H, W multiples of 16; num_frames 1 or 4k+1."""
     fps: float = 8.0
     """Frame rate (frames/s) at which clips are sampled from the source video."""
+    min_source_side_px: int = 16
+    """`vidray prepare` skips a source whose shorter displayed side is below this many pixels (a 1x1 test
+    pattern is not content), with the reason in its report; 0 turns the floor off."""
+    max_upscale: float = 8.0
+    """`vidray prepare` skips a source that its bucket would enlarge more than this factor (bucket side over the
+    source's covering side, e.g. 240x320 into 64x64 is 0.27, 8x8 into 64x64 is 8.0), with the reason."""
     samples_per_shard: int = 64
     """Clips per Parquet shard."""
     batch_size_per_worker: int = 2
@@ -410,6 +416,12 @@ class JobConfig:
                              f"got {self.train.metrics_port}")
         if self.data.fps <= 0:
             raise ValueError(f"data.fps must be > 0 frames/s, got {self.data.fps}")
+        if self.data.min_source_side_px < 0:
+            raise ValueError(f"data.min_source_side_px must be >= 0 pixels (0: no floor), got "
+                             f"{self.data.min_source_side_px} (default 16)")
+        if not self.data.max_upscale >= 1:
+            raise ValueError(f"data.max_upscale must be >= 1.0 (the most a bucket may enlarge a source), got "
+                             f"{self.data.max_upscale} (default 8.0)")
         if self.train.grad_clip_norm is not None and not self.train.grad_clip_norm > 0:
             raise ValueError(f"train.grad_clip_norm must be > 0 or null (no clipping), got {self.train.grad_clip_norm}: "
                              "a negative norm flips the gradients' sign and 0 zeroes them")
@@ -504,6 +516,8 @@ RESUME_RULES: dict[str, str] = {
     "data.min_scene_s": RESUME_CHANGEABLE,
     "data.max_clips_per_scene": RESUME_CHANGEABLE,
     "data.max_clips_per_source": RESUME_CHANGEABLE,
+    "data.min_source_side_px": RESUME_CHANGEABLE,  # prepare-only: which sources are too small to keep
+    "data.max_upscale": RESUME_CHANGEABLE,
     "data.group_by_caption": RESUME_CHANGEABLE,  # prepare-only: how samples are grouped into shards
     "data.hot_bytes": RESUME_CHANGEABLE,  # loader budgets and prefetch depth: how fast, not what is trained
     "data.prefetch_batches": RESUME_CHANGEABLE,

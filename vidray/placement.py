@@ -18,8 +18,10 @@ equals v), `"!v"` (it does not, or the node lacks the key), `"in(a,b)"`, `"!in(a
 Ray leaves a task or actor whose selector no node satisfies PENDING forever, with no error
 (../shared/NOTES.md), so `resolve_placement` decides on the driver, from the nodes alive now:
 
-- a selector whose keys no node carries, on a cluster without an autoscaler (a laptop, a fixed cluster without
-  labels), is dropped with a printed line: the stage runs wherever Ray puts it, same config;
+- a selector whose keys no node carries, on a local cluster that vidray started itself and whose nodes carry no
+  labels at all (a laptop), is dropped with a printed line: the stage runs wherever Ray puts it, same config;
+- on a cluster that has labeled nodes or was joined by address (`RAY_ADDRESS`, `ray job submit`), the same
+  selector raises `PlacementError`: a production cluster that forgot its labels must not train unplaced;
 - otherwise a selector that no alive node satisfies, or whose nodes lack the stage's resources, raises
   `PlacementError` naming the stage, the selector and the labels that exist;
 - with an autoscaler the check cannot see the labels of node types not yet started (Ray 2.60's autoscaler
@@ -29,6 +31,7 @@ Ray leaves a task or actor whose selector no node satisfies PENDING forever, wit
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -117,6 +120,24 @@ def alive_nodes() -> list[NodeInfo]:
     return [NodeInfo.from_ray(n) for n in ray.nodes() if n.get("Alive")]
 
 
+def joined_by_address() -> bool:
+    """True when this process joined a running Ray cluster (`RAY_ADDRESS` set, as `ray job submit` and `vidray
+    train` on a cluster do, or `ray.init(address=...)`) rather than starting a local one itself."""
+    if os.environ.get("RAY_ADDRESS"):
+        return True
+    try:
+        from ray._private import worker  # the node this process started (head) or connected to (not head)
+    except ImportError:
+        return False
+    node = getattr(worker, "_global_node", None)
+    return node is not None and not getattr(node, "head", True)
+
+
+def has_user_labels(nodes: Iterable[NodeInfo]) -> bool:
+    """True if any node carries a label of its own (keys outside Ray's built-in `ray.io/` prefix)."""
+    return any(not key.startswith("ray.io/") for node in nodes for key in node.labels)
+
+
 def _describe_labels(nodes: Iterable[NodeInfo]) -> str:
     seen: dict[str, int] = {}
     for node in nodes:
@@ -157,9 +178,15 @@ def _units_that_fit(nodes: Iterable[NodeInfo], need: dict[str, float]) -> int:
     return total
 
 
-def resolve_placement(job: Any, nodes: list[NodeInfo], *, autoscaler: bool = False) -> dict[str, dict[str, str]]:
+def resolve_placement(
+    job: Any, nodes: list[NodeInfo], *, autoscaler: bool = False, joined: bool | None = None
+) -> dict[str, dict[str, str]]:
     """{stage: label selector to pass to Ray} for the stages `job.placement` places, given the cluster's alive
     `nodes`; stages without a selector, or whose selector is dropped (module docstring), are absent.
+
+    `joined`: whether the cluster was joined by address rather than started here (None: `joined_by_address()`).
+    A selector whose keys no node carries is dropped with a printed line only on a cluster started here whose
+    nodes carry no labels of their own (a laptop); on a joined or labeled cluster it raises PlacementError.
 
     Counts each node's total resources for the stage alone (a node shared by two stages is counted for each: a
     necessary check, not a packing). Raises PlacementError naming the stage, its selector, what it needs and the
@@ -175,6 +202,13 @@ def resolve_placement(job: Any, nodes: list[NodeInfo], *, autoscaler: bool = Fal
         setting = f"placement.{stage}.label_selector={selector}"
         known_keys = {k for node in nodes for k in node.labels}
         if not autoscaler and not known_keys & set(selector):
+            if joined is None:
+                joined = joined_by_address()
+            if joined or has_user_labels(nodes):
+                where = "a cluster joined by address" if joined else "a cluster with labeled nodes"
+                problems.append((stage, f"no node carries the label key {' or '.join(sorted(selector))} that "
+                                        f"{setting} needs ({where}: the {stage} stage would run unplaced)"))
+                continue
             print(f"[vidray] {setting}: no node of the cluster has a label {' or '.join(sorted(selector))}, so "
                   f"the {stage} stage runs wherever Ray places it (a cluster without labels)", flush=True)
             continue

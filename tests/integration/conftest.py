@@ -76,21 +76,66 @@ def local_ray():
 
 
 REFERENCE_STEPS = 40
-"""Steps of the uninterrupted reference run (`uninterrupted_losses`)."""
-_UNINTERRUPTED: dict[str, dict[int, float]] = {}
+"""Steps of the uninterrupted reference run (`uninterrupted_run`)."""
+REFERENCE_CHECKPOINT_EVERY = 9
+"""The reference run keeps every checkpoint: steps 9, 18, 27, 36 and 40 (what resumed runs end at)."""
+_UNINTERRUPTED: dict[str, tuple[dict[int, float], Path]] = {}
+
+
+def assert_same_training_state(checkpoint: str | Path, reference: str | Path) -> None:
+    """Exact resume: the transformer weights, every optimizer state tensor (AdamW's step, exp_avg, exp_avg_sq)
+    and the lr scheduler of `checkpoint` are bitwise equal (`torch.equal`, same dtype) to the `reference`
+    checkpoint's (the uninterrupted run at the same step, same world size: fp32 on CPU, fixed threads)."""
+    import torch
+    from safetensors.torch import load_file
+
+    def same(a, b, where: str) -> None:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
+            assert a.dtype == b.dtype and torch.equal(a, b), (
+                f"{where} differs: max |diff| {(a.double() - b.double()).abs().max().item():.3g}")
+        elif isinstance(a, dict):
+            assert isinstance(b, dict) and a.keys() == b.keys(), where
+            for key in a:
+                same(a[key], b[key], f"{where}.{key}")
+        elif isinstance(a, (list, tuple)):
+            assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+            for i, (x, y) in enumerate(zip(a, b)):
+                same(x, y, f"{where}[{i}]")
+        else:
+            assert a == b, (where, a, b)
+
+    checkpoint, reference = Path(checkpoint), Path(reference)
+    same(load_file(checkpoint / "transformer.safetensors"), load_file(reference / "transformer.safetensors"),
+         "transformer")
+    same(torch.load(checkpoint / "optimizer.pt", weights_only=True),
+         torch.load(reference / "optimizer.pt", weights_only=True), "optimizer.pt")
+    # LambdaLR's `_step_count` counts step() calls on this scheduler object (for its call-order warning); a resumed
+    # run rebuilds the scheduler at the checkpoint's step (`vidray.train.optim.apply_optim_config`), so it differs
+    # and is no training state. Everything else (last_epoch, base_lrs, _last_lr) must be equal.
+    schedulers = [{k: v for k, v in torch.load(c / "lr_scheduler.pt", weights_only=True).items() if k != "_step_count"}
+                  for c in (checkpoint, reference)]
+    same(*schedulers, "lr_scheduler.pt")
 
 
 def uninterrupted_losses(shards_dir: Path) -> dict[int, float]:
-    """{step: loss} for steps 1..`REFERENCE_STEPS` of the tiny job (2 workers, `tiny_random` text encoder, seed 0,
+    """{step: loss} of `uninterrupted_run(shards_dir)`."""
+    return uninterrupted_run(shards_dir)[0]
+
+
+def uninterrupted_run(shards_dir: Path) -> tuple[dict[int, float], Path]:
+    """({step: loss} for steps 1..`REFERENCE_STEPS`, its run folder holding `checkpoint_<step>` every
+    `REFERENCE_CHECKPOINT_EVERY` steps and at the last) of the tiny job (2 workers, `tiny_random` text encoder, seed 0,
     `jobs/configs/tiny_t2v.yaml`'s optimizer) trained straight through on `shards_dir`, in the Ray this process
     has initialized (the calling test's `local_ray`): the run that a resumed run and a run whose worker was killed
-    must match (`test_train.py`).
+    must match (`test_train.py`). The folder lives until the pytest process exits.
 
     Run once per pytest session and prepared folder, keyed by `index.json`'s content_hash (the shards' bytes:
     libx264 does not always encode a clip to the same bytes twice, so another module's `shards_dir` needs its own).
     A step's loss does not depend on `train.max_steps` (10 warmup steps, then a constant lr), the checkpoint
     cadence or the logging, so one 40-step run serves tests that train 6, 9 or 40 steps with other cadences.
     """
+    import atexit
     import shutil
 
     import ray
@@ -103,17 +148,16 @@ def uninterrupted_losses(shards_dir: Path) -> dict[int, float]:
     key = read_index(shards_dir)["content_hash"]
     if key not in _UNINTERRUPTED:
         storage = tempfile.mkdtemp(prefix="vidray-reference-")
-        try:
-            job = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
-                f"data.shards_dir={shards_dir}", f"storage.path={storage}", "name=reference",
-                "model.text_encoder=tiny_random", f"train.max_steps={REFERENCE_STEPS}",
-                f"train.log_every_steps={REFERENCE_STEPS}", f"checkpoint.every_steps={REFERENCE_STEPS}"])
-            result = run_training(job)
-        finally:
-            shutil.rmtree(storage, ignore_errors=True)
+        atexit.register(shutil.rmtree, storage, ignore_errors=True)
+        job = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
+            f"data.shards_dir={shards_dir}", f"storage.path={storage}", "name=reference",
+            "model.text_encoder=tiny_random", f"train.max_steps={REFERENCE_STEPS}",
+            f"train.log_every_steps={REFERENCE_STEPS}", f"checkpoint.every_steps={REFERENCE_CHECKPOINT_EVERY}",
+            "checkpoint.num_to_keep=null"])
+        result = run_training(job)
         losses = {int(step): float(loss) for step, loss in result.losses}
         assert sorted(losses) == list(range(1, REFERENCE_STEPS + 1)), sorted(losses)
-        _UNINTERRUPTED[key] = losses
+        _UNINTERRUPTED[key] = (losses, Path(result.run_dir))
     return _UNINTERRUPTED[key]
 
 

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from vidray.config import load_job_config
-from vidray.train.checkpoint import FAULT_ENV, CheckpointManager, verify_checkpoint
+from vidray.train.checkpoint import FAULT_ENV, CheckpointManager, read_train_state, verify_checkpoint
 from vidray.train.trainer import run_training
+
+from tests.integration.conftest import assert_same_training_state
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -46,13 +48,20 @@ def fault_ray(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def straight_losses(fault_ray, shards_dir, tmp_path_factory) -> dict[int, float]:
-    """{step: loss} of the job run without a fault (both faults disarmed). Its own run, not the session's
-    reference run (`conftest.uninterrupted_losses`): that is keyed by the shards' bytes, which another module's
-    prepare of the same clips does not always reproduce, and a 6-step run costs less than a 40-step one."""
+def straight_run(fault_ray, shards_dir, tmp_path_factory) -> tuple[dict[int, float], Path]:
+    """({step: loss}, its last checkpoint folder) of the job run without a fault (both faults disarmed). Its own
+    run, not the session's reference run (`conftest.uninterrupted_run`): that is keyed by the shards' bytes, which
+    another module's prepare of the same clips does not always reproduce, and a 6-step run costs less than a
+    40-step one."""
     straight = run_training(job(shards_dir, tmp_path_factory.mktemp("straight")))
     assert all(m.read_text() == "disarmed" for m in fault_ray.values())  # the uninterrupted run was not touched
-    return {int(s): v for s, v in straight.losses}
+    assert read_train_state(straight.checkpoint_path).step == 6
+    return {int(s): v for s, v in straight.losses}, Path(straight.checkpoint_path)
+
+
+@pytest.fixture
+def straight_losses(straight_run) -> dict[int, float]:
+    return straight_run[0]
 
 
 def job(shards_dir, storage: Path, **extra):
@@ -64,7 +73,7 @@ def job(shards_dir, storage: Path, **extra):
 
 
 def test_kill_during_checkpoint_copy_keeps_the_previous_checkpoint_and_the_run_ends_as_uninterrupted(
-        fault_ray, straight_losses, shards_dir, tmp_path):
+        fault_ray, straight_losses, straight_run, shards_dir, tmp_path):
     marker, expected = fault_ray["optimizer.pt"], straight_losses
 
     # Killed with no restart allowed (train.max_failures=0): the run fails, the folder holds the unfinished copy
@@ -81,13 +90,14 @@ def test_kill_during_checkpoint_copy_keeps_the_previous_checkpoint_and_the_run_e
     rerun = run_training(job(shards_dir, tmp_path / "rerun"))
     assert rerun.first_step == 3
     for step, loss in rerun.losses:
-        assert loss == pytest.approx(expected[int(step)], rel=1e-4, abs=1e-5)
+        assert loss == expected[int(step)], step
+    assert_same_training_state(rerun.checkpoint_path, straight_run[1])  # exact resume: bitwise equal
     assert run.complete() == ["checkpoint_000002", "checkpoint_000004", "checkpoint_000006"]
     verify_checkpoint(partial)  # rewritten whole
 
 
 def test_kill_after_the_copy_before_ray_registers_it_restarts_from_that_checkpoint_and_keeps_num_to_keep(
-        fault_ray, straight_losses, shards_dir, tmp_path, capfd):
+        fault_ray, straight_losses, straight_run, shards_dir, tmp_path, capfd):
     # The copy of checkpoint 4 is whole (its manifest is in) but the worker dies before Ray Train registers it, so
     # Ray's latest is checkpoint 2. The restart (train.max_failures=1) must continue at step 5, not retrain 3-4.
     marker, expected = fault_ray["manifest.json"], straight_losses
@@ -99,14 +109,15 @@ def test_kill_after_the_copy_before_ray_registers_it_restarts_from_that_checkpoi
     assert run.first_step == 5
     assert [int(s) for s, _ in run.losses] == [5, 6]
     for step, loss in run.losses:
-        assert loss == pytest.approx(expected[int(step)], rel=1e-4, abs=1e-5)
+        assert loss == expected[int(step)], step
+    assert_same_training_state(run.checkpoint_path, straight_run[1])  # exact resume: bitwise equal
     # Ray kept its two newest, 2 and 6; checkpoint 4, which it never registered, is removed after the run.
     assert CheckpointManager(tmp_path / "faults").complete() == ["checkpoint_000002", "checkpoint_000006"]
     assert "removed checkpoint_000004" in out
 
 
 def test_run_stopped_before_ray_registers_its_last_checkpoint_then_rerun_keeps_num_to_keep(
-        fault_ray, straight_losses, shards_dir, tmp_path, capfd):
+        fault_ray, straight_losses, straight_run, shards_dir, tmp_path, capfd):
     # A new user's trial: a run stopped (Ctrl-C there; here its worker killed with no restart allowed) after the copy
     # of checkpoint 4 but before Ray registered it. Ray's checkpoint list names checkpoint 2 as the latest, the run
     # folder's latest complete one is 4: the same command re-run resumes from 4 and sets Ray's list aside, so Ray's
@@ -124,7 +135,8 @@ def test_run_stopped_before_ray_registers_its_last_checkpoint_then_rerun_keeps_n
     out = capfd.readouterr().out
     assert rerun.first_step == 5
     for step, loss in rerun.losses:
-        assert loss == pytest.approx(expected[int(step)], rel=1e-4, abs=1e-5)
+        assert loss == expected[int(step)], step
+    assert_same_training_state(rerun.checkpoint_path, straight_run[1])  # exact resume: bitwise equal
     assert run.complete() == ["checkpoint_000004", "checkpoint_000006"]
     assert ("Ray Train's checkpoint list (checkpoint_manager_snapshot.json) disagrees with the run folder: it names "
             "checkpoint_000002 as the latest checkpoint, not checkpoint_000004 (a run stopped after "

@@ -78,3 +78,18 @@ def test_a_selector_no_node_satisfies_is_refused_within_seconds_naming_the_label
     assert f"no node satisfies placement.dit.label_selector={{'{STAGE}': 'gpu-dit'}}" in message
     assert f"{STAGE}=dit" in message and f"{STAGE}=vae" in message and "no labels" in message
     assert not (tmp_path / "runs" / "placed").exists() or not any((tmp_path / "runs" / "placed").iterdir())
+
+
+def test_a_selector_key_no_node_carries_is_refused_on_this_labeled_joined_cluster(labeled_cluster, shards_dir,
+                                                                                   tmp_path):
+    # Issue 27: a key no node carries used to be dropped with a printed line (the stage ran unplaced); on a
+    # cluster with labeled nodes, joined by address, it is refused before anything is reserved.
+    from vidray.placement import joined_by_address
+    from vidray.train.trainer import run_training
+
+    assert joined_by_address()  # ray.init(address=...) above
+    with pytest.raises(PlacementError) as err:
+        run_training(job(shards_dir, tmp_path, "placement.dit.label_selector={vidray.io/zone: a}"))
+    message = str(err.value)
+    assert message.startswith("no node carries the label key vidray.io/zone that placement.dit.label_selector=")
+    assert "a cluster joined by address" in message and "ray start --labels" in message

@@ -432,3 +432,29 @@ def test_read_index_refuses_an_unfinished_prepare(tmp_path, prepared):
         read_index(unfinished)
     with pytest.raises(FileNotFoundError, match="run `vidray prepare` first"):
         list(iter_samples(tmp_path / "nothing"))
+
+
+def test_prepare_reports_a_clip_sampled_above_data_fps_to_fill_its_bucket(tmp_path, samples_dir):
+    # Newton's cradle (36 frames at 43.9 fps, 0.82 s) fills a 9-frame bucket only by taking every 4th frame: 10.98
+    # fps, so its motion plays 1.4x slower than its bucket-mates' at 8 fps. Kept, and said in report and summary.
+    meta = [e for e in json.loads((samples_dir / "metadata.json").read_text())
+            if e["file_path"].endswith("newtonscradle_200x150.gif")]
+    shutil.copy(samples_dir / "newtonscradle_200x150.gif", tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    summary = prepare(tmp_path / "meta.json", tmp_path / "shards", [[9, 64, 64]], FPS, 8, progress=None)
+    ((path, clip_fps),) = summary.off_rate
+    assert path.endswith("newtonscradle_200x150.gif") and clip_fps == pytest.approx(10.98, abs=0.01)
+    assert "newtonscradle_200x150.gif at 10.98 fps (1.4x slower)" in str(summary)
+    report = read_report(tmp_path / "shards")
+    assert report["num_off_rate"] == 1 and report["off_rate"][0]["slowdown"] == pytest.approx(1.372, abs=1e-3)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.min_source_side_px=-1", "data.min_source_side_px must be >= 0 pixels"),
+    ("data.max_upscale=0.5", "data.max_upscale must be >= 1.0"),
+])
+def test_source_floor_settings_are_checked_at_load(override, message):
+    from vidray.config import ConfigError, load_job_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_job_config(None, [override])

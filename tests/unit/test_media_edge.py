@@ -305,3 +305,23 @@ def test_edge_prepare_keeps_every_usable_file_with_its_own_sample(edge_prepared)
     assert len(rows) == 10 and summary.num_samples == 10  # short clips: no scene split
     assert all(row["clip_start_s"] == 0.0 for row in rows.values())
     assert {s.video.shape for s in load_samples(summary.shards_dir)} >= {(9, 96, 64, 3), (9, 64, 160, 3)}
+
+
+# --- sources too small to be content (issue 27, item 5) ---------------------------------------------------------
+
+
+def test_prepare_skips_a_1x1_pixel_clip_instead_of_upscaling_it_to_a_64x64_bucket(tmp_path):
+    # tiny_1x1_5frames.mp4: 5 frames of 1x1 px at 25 fps. It fills a 5-frame bucket (stride fallback), and was
+    # kept and enlarged 64x without a word; it is skipped with the setting that would keep it.
+    name = "tiny_1x1_5frames.mp4"
+    (tmp_path / "meta.json").write_text(json.dumps([{"file_path": str(EDGE / name), "text": "dot", "type": "video"}]))
+    buckets = [[5, 64, 64], [1, 64, 64]]
+    summary = prepare(tmp_path / "meta.json", tmp_path / "shards", buckets, FPS, 8, progress=None)
+    assert summary.num_kept == 0
+    ((path, reason),) = summary.skipped
+    assert Path(path).name == name
+    assert reason == "too small: 1x1 px, shorter side 1 px < data.min_source_side_px 16 (lower it to keep such sources)"
+    # With the side floor off, the upscale cap names the factor.
+    summary = prepare(tmp_path / "meta.json", tmp_path / "shards", buckets, FPS, 8, progress=None,
+                      min_source_side_px=0)
+    assert "enlarged 64.0x to fill bucket 5x64x64 > data.max_upscale 8" in summary.skipped[0][1]

@@ -128,12 +128,38 @@ def test_matching_nodes_too_small_for_the_stage_fail_with_the_numbers():
     assert resolve_placement(elastic, CLUSTER) == {"dit": DIT}  # its min fits
 
 
-def test_on_a_cluster_without_such_labels_the_selector_is_dropped_and_said(capsys):
+def test_on_a_local_cluster_without_any_labels_the_selector_is_dropped_and_said(capsys):
     laptop = [node("laptop", 8)]
     j = job("placement.dit.label_selector={vidray.io/stage: dit}")
-    assert resolve_placement(j, laptop) == {}
+    assert resolve_placement(j, laptop, joined=False) == {}
     assert "no node of the cluster has a label vidray.io/stage, so the dit stage runs wherever Ray places it" \
         in capsys.readouterr().out
+
+
+def test_a_selector_key_no_node_carries_fails_on_a_cluster_with_labeled_nodes():
+    # Issue 27: a production cluster whose nodes carry other labels (here `zone`), and none the selector's key,
+    # trained unplaced after one printed line. It is an error naming the stage, the key and the fix.
+    labeled = [node("head", 0), node("w1", 4, zone="a"), node("w2", 4, zone="b")]
+    j = job("placement.dit.label_selector={vidray.io/stage: dit}")
+    with pytest.raises(PlacementError) as err:
+        resolve_placement(j, labeled, joined=False)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("no node carries the label key vidray.io/stage that placement.dit.label_selector=")
+    assert "a cluster with labeled nodes" in message and "ray start --labels" in message
+    assert "remove placement.dit" in message
+
+
+def test_a_selector_key_no_node_carries_fails_on_a_cluster_joined_by_address(monkeypatch):
+    # The same nodes as the laptop case, but joined (`ray job submit` sets RAY_ADDRESS): a cluster that forgot
+    # its labels fails instead of training unplaced.
+    bare = [node("head", 8), node("w1", 8)]
+    j = job("placement.dit.label_selector={vidray.io/stage: dit}")
+    with pytest.raises(PlacementError, match="a cluster joined by address: the dit stage would run unplaced"):
+        resolve_placement(j, bare, joined=True)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # joined=None: decided from how this process joined
+    with pytest.raises(PlacementError, match="vidray.io/stage"):
+        resolve_placement(j, bare)
 
 
 def test_with_an_autoscaler_an_unmatched_selector_is_kept_with_a_warning(capsys):

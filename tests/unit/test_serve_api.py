@@ -30,6 +30,7 @@ from vidray.serve.api import (
     check_bearer,
     parse_video_request,
 )
+from vidray.serve.api import _check_image, _image_from_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK's Sora retirement notice
 
@@ -52,11 +53,12 @@ SPEC = ModelSpec(
     max_height=128,
     max_num_frames=49,
     valid_num_frames=easyanimate_frames,
-    supports_image_to_video=True,
+    supports_image_to_video=False,  # as every spec the app builds (`vidray.serve.app.model_spec`): text-to-video
     default_num_inference_steps=4,
     default_guidance_scale=6.0,
 )
-T2V_SPEC = ModelSpec(**{**SPEC.__dict__, "name": "vidray-t2v", "supports_image_to_video": False})
+# Only to reach the image checks of `_check_image` in direct calls (no served model takes an image today).
+IMAGE_CHECK_SPEC = ModelSpec(**{**SPEC.__dict__, "supports_image_to_video": True})
 LIMITS = ApiLimits(max_body_bytes=64 * 1024, max_prompt_chars=100, max_image_bytes=16 * 1024, max_image_px=512,
                    max_num_inference_steps=50)
 
@@ -216,13 +218,11 @@ def assert_error(response, status: int, param: str | None, *words: str) -> dict:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def test_sdk_create_hands_the_parsed_request_with_extra_body_and_image_to_the_service(sdk, service):
-    image = png_bytes(40, 20, (10, 200, 30))
+def test_sdk_create_hands_the_parsed_request_with_extra_body_to_the_service(sdk, service):
     video = sdk.videos.create(
         prompt="  a red ball rolling  ",
         model="vidray-tiny",
         size="64x32",
-        input_reference=("first.png", image, "image/png"),
         extra_body={"num_frames": 17, "seed": 7, "num_inference_steps": 3, "guidance_scale": 4.5,
                     "negative_prompt": "blurry"},
     )
@@ -233,8 +233,24 @@ def test_sdk_create_hands_the_parsed_request_with_extra_body_and_image_to_the_se
         "a red ball rolling", "vidray-tiny", 64, 32, 17)
     assert (request.seed, request.num_inference_steps, request.guidance_scale, request.negative_prompt) == (
         7, 3, 4.5, "blurry")
-    with Image.open(io.BytesIO(request.input_reference)) as decoded:
-        assert (decoded.format, decoded.size, decoded.getpixel((5, 5))) == ("PNG", (40, 20), (10, 200, 30))
+    assert request.input_reference is None
+
+
+def test_sdk_create_with_an_image_on_the_real_apps_model_spec_is_400_naming_the_model(
+        sdk, service, slot, tmp_path, tiny_serve_model_dir):
+    # What the served app does (`vidray.serve.app.model_spec`, from an exported model): its models are text-to-
+    # video, so an input_reference is a 400 that names the model, sent by the real SDK over real HTTP.
+    from vidray.models.export import inspect_model
+    from vidray.serve.app import ServeSettings, model_spec
+
+    real = model_spec(ServeSettings(model_path=str(tiny_serve_model_dir), model_name="vidray-real"),
+                      inspect_model(tiny_serve_model_dir))
+    slot.service = FakeVideoService(tmp_path, spec=real)
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.videos.create(prompt="a red ball", input_reference=("first.png", png_bytes(), "image/png"))
+    assert err.value.body["param"] == "input_reference"
+    assert "'vidray-real' is a text-to-video model and takes no image" in err.value.body["message"]
+    assert slot.service.requests == []
 
 
 def test_sdk_create_with_defaults_maps_seconds_to_the_nearest_valid_frame_count(sdk, service):
@@ -484,27 +500,34 @@ def test_utf8_form_text_reaches_the_service_unchanged(client, service):
     assert [request.prompt for request in service.requests] == [prompt] * 4
 
 
-def test_undecodable_image_is_400_and_image_on_text_to_video_model_is_400(client, service, slot, tmp_path):
-    error = assert_error(create(client, {}, ("first.png", "image/png", b"\x89PNG not really")), 400,
-                         "input_reference", "'first.png'", "decode")
-    assert error["code"] == "invalid_image"
-    assert_error(create(client, {}, ("empty.png", "image/png", b"")), 400, "input_reference", "empty")
-    assert_error(create(client, {}, ("huge.png", "image/png", png_bytes(600, 20))), 400, "input_reference",
-                 "600x20", "limit 512")
-    slot.service = FakeVideoService(tmp_path, spec=T2V_SPEC)
+def test_an_image_on_a_text_to_video_model_is_400_naming_the_model(client, service):
     assert_error(create(client, {}, ("first.png", "image/png", png_bytes())), 400, "input_reference",
-                 "text-to-video")
-    assert service.requests == [] and slot.service.requests == []
+                 "'vidray-tiny' is a text-to-video model")
+    assert service.requests == []
 
 
-def test_image_over_max_image_bytes_is_413(client, service):
+def _image_error(image: tuple[str, str, bytes]) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        _check_image(image, spec=IMAGE_CHECK_SPEC, limits=LIMITS)
+    assert info.value.param == "input_reference"
+    return info.value
+
+
+def test_check_image_refuses_undecodable_empty_and_oversized_images_naming_the_file():
+    error = _image_error(("first.png", "image/png", b"\x89PNG not really"))
+    assert (error.status, error.code) == (400, "invalid_image") and "'first.png'" in error.message
+    assert "empty" in _image_error(("empty.png", "image/png", b"")).message
+    assert "600x20" in _image_error(("huge.png", "image/png", png_bytes(600, 20))).message
+
+
+def test_check_image_over_max_image_bytes_is_413():
     noisy = Image.frombytes("RGB", (90, 90), random.Random(0).randbytes(90 * 90 * 3))  # incompressible
     out = io.BytesIO()
     noisy.save(out, format="PNG")
     assert LIMITS.max_image_bytes < len(out.getvalue()) < LIMITS.max_body_bytes
-    error = assert_error(create(client, {}, ("noise.png", "image/png", out.getvalue())), 413, "input_reference",
-                         f"{len(out.getvalue())} bytes", f"limit {LIMITS.max_image_bytes}")
-    assert error["code"] == "request_too_large"
+    error = _image_error(("noise.png", "image/png", out.getvalue()))
+    assert (error.status, error.code) == (413, "request_too_large")
+    assert f"{len(out.getvalue())} bytes" in error.message and f"limit {LIMITS.max_image_bytes}" in error.message
 
 
 def test_second_file_part_or_unexpected_file_field_is_400(client):
@@ -529,16 +552,19 @@ def test_declared_content_length_over_the_limit_is_413_before_reading(client, se
 # --------------------------------------------------------------------------------------------------------------
 
 
-def test_json_body_with_numbers_and_a_data_url_image_is_accepted(client, service):
-    import base64
-
-    data_url = "data:image/png;base64," + base64.b64encode(png_bytes(16, 16)).decode()
-    response = client.post("/v1/videos", json={"prompt": "waves", "num_frames": 5, "seed": 3, "guidance_scale": 1,
-                                               "input_reference": {"image_url": data_url}})
+def test_json_body_with_numbers_is_accepted(client, service):
+    response = client.post("/v1/videos", json={"prompt": "waves", "num_frames": 5, "seed": 3, "guidance_scale": 1})
     assert response.status_code == 200, response.text
     [request] = service.requests
     assert (request.num_frames, request.seed, request.guidance_scale) == (5, 3, 1.0)
-    assert Image.open(io.BytesIO(request.input_reference)).size == (16, 16)
+
+
+def test_a_data_url_image_reference_decodes_to_its_bytes():
+    import base64
+
+    image = png_bytes(16, 16)
+    assert _image_from_reference("data:image/png;base64," + base64.b64encode(image).decode(), None) == (
+        "image_url", "image/png", image)
 
 
 @pytest.mark.parametrize(
@@ -681,12 +707,11 @@ def test_first_problem_is_reported_in_a_fixed_order():
     assert info.value.param == "prompt"
 
 
-def test_image_is_reencoded_as_rgb_png():
+def test_check_image_reencodes_an_image_as_rgb_png():
     out = io.BytesIO()
     Image.new("RGBA", (20, 10), (1, 2, 3, 128)).save(out, format="WEBP", lossless=True)
-    request = parse_video_request({"prompt": "a"}, ("a.webp", "image/webp", out.getvalue()), spec=SPEC,
-                                  limits=LIMITS)
-    with Image.open(io.BytesIO(request.input_reference)) as image:
+    png = _check_image(("a.webp", "image/webp", out.getvalue()), spec=IMAGE_CHECK_SPEC, limits=LIMITS)
+    with Image.open(io.BytesIO(png)) as image:
         assert (image.format, image.mode, image.size) == ("PNG", "RGB", (20, 10))
 
 

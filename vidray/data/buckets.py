@@ -79,3 +79,29 @@ def assign_bucket(
                        num_frames_at_fps is not None and b.num_frames > num_frames_at_fps,
                        -b.num_frames, -(b.height * b.width)),
     )
+
+
+def upscale_factor(bucket: Bucket, *, height: int, width: int) -> float:
+    """How much a `height` x `width` px source must be enlarged to cover `bucket` (resize keeping the aspect,
+    short side covering, then center crop): max(bucket.height / height, bucket.width / width); below 1 the
+    source is shrunk. Raises ValueError for a non-positive size."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"source size must be positive, got {height}x{width}")
+    return max(bucket.height / height, bucket.width / width)
+
+
+def source_floor_reason(
+    bucket: Bucket, *, height: int, width: int, min_side_px: int, max_upscale: float
+) -> str | None:
+    """Why a `height` x `width` px source (displayed size) is too small to train on in `bucket`, or None when it
+    is not: its shorter side under `min_side_px` (`data.min_source_side_px`), or `bucket` enlarging it more than
+    `max_upscale` times (`data.max_upscale`). The reason names the setting that would keep it."""
+    side = min(height, width)
+    if side < min_side_px:
+        return (f"too small: {width}x{height} px, shorter side {side} px < data.min_source_side_px "
+                f"{min_side_px} (lower it to keep such sources)")
+    factor = upscale_factor(bucket, height=height, width=width)
+    if factor > max_upscale:
+        return (f"too small: {width}x{height} px would be enlarged {factor:.1f}x to fill bucket {bucket} "
+                f"> data.max_upscale {max_upscale:g} (raise it, or add a smaller bucket of this aspect ratio)")
+    return None

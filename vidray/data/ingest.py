@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from vidray.config import DataConfig, ModelConfig
     from vidray.models.text_encoder import TruncationStats
 
-from vidray.data.buckets import Bucket, assign_bucket, validate_bucket
+from vidray.data.buckets import Bucket, assign_bucket, source_floor_reason, validate_bucket
 from vidray.data.grouping import SHARDS_PER_GROUPING, CaptionEmbedder, balanced_groups
 from vidray.data.shards import INDEX_NAME, ShardWriter
 from vidray.data.storage import is_uri
@@ -317,6 +317,9 @@ class PrepareSummary:
     """Kept source files whose caption is empty or whitespace only (they are kept; reported only)."""
     duplicate_listings: list[str] = field(default_factory=list)
     """Source paths listed more than once: one entry per listing after the first (reported only)."""
+    off_rate: list[tuple[str, float]] = field(default_factory=list)
+    """(source path, sampled fps) of each kept clip sampled at another rate than `fps` to fill its bucket (its
+    motion plays sampled_fps / fps times slower than its bucket-mates')."""
     grouped_by_caption: bool = False
     """Whether each shard holds similar captions of its bucket (`prepare(group_by_caption=True)`); every shard
     holds one bucket either way."""
@@ -349,6 +352,11 @@ class PrepareSummary:
             names = ", ".join(Path(p).name for p in self.duplicate_listings[:5])
             more = " ..." if len(self.duplicate_listings) > 5 else ""
             text += f" Listed more than once: {len(self.duplicate_listings)} extra listing(s) ({names}{more})."
+        if self.off_rate:
+            names = ", ".join(f"{Path(p).name} at {r:.4g} fps ({r / self.fps:.1f}x slower)" for p, r in self.off_rate[:5])
+            more = " ..." if len(self.off_rate) > 5 else ""
+            text += (f" Sampled at another rate than {self.fps:g} fps to fill their bucket (motion slower than "
+                     f"their bucket-mates'): {len(self.off_rate)} clip(s) ({names}{more}).")
         if not self.committed:
             text += " No sample was kept: nothing committed"
             if self.had_previous:
@@ -469,6 +477,8 @@ def prepare(
     scene_split: SceneSplit | None = SceneSplit(),
     group_by_caption: bool = True,
     family: str = "easyanimate",
+    min_source_side_px: int = 16,
+    max_upscale: float = 8.0,
 ) -> PrepareSummary:
     """Turn the files listed in `source` into Parquet shards in `shards_dir` (see `vidray.data.shards`).
 
@@ -488,6 +498,11 @@ def prepare(
     interrupted or raises leaves the previous dataset in `shards_dir` readable as it was (`ShardWriter`).
     `scene_split`: how videos lasting at least two clips of their bucket are split at scene cuts into several
     samples (`vidray.data.scenes`; None: one clip per source, from its start).
+    A source too small for content is skipped with its reason (`source_floor_reason`): its shorter displayed side
+    under `min_source_side_px` pixels, or its bucket enlarging it more than `max_upscale` times. A clip sampled at
+    another rate than `fps` to fill its bucket (the stride fallback of `vidray.data.video`: its motion plays
+    `clip_fps / fps` times slower than its bucket-mates') is kept and listed in the report (`num_off_rate`,
+    `off_rate`: path, sampled fps, slowdown) and counted in the summary.
     A prepare that keeps no sample commits nothing: the new generation is deleted, `index.json` and the previous
     dataset (if any) stay exactly as they were, and the report (every skip reason, `committed: false`) goes to
     `<shards_dir>/last_failed_report.json`, outside any generation; the summary says "nothing committed".
@@ -512,6 +527,9 @@ def prepare(
         raise ValueError(f"fps must be > 0 frames/s, got {fps}")
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+    if min_source_side_px < 0 or not max_upscale >= 1:
+        raise ValueError(f"min_source_side_px must be >= 0 px and max_upscale >= 1.0, got {min_source_side_px} "
+                         f"and {max_upscale}")
     items = read_source(source)
 
     # 2. Start a new generation beside the committed one (which stays readable until step 4 switches the index).
@@ -523,6 +541,7 @@ def prepare(
     shards: list[dict[str, Any]] = []
     kept: list[dict[str, Any]] = []
     skipped: list[tuple[str, str]] = []
+    off_rate: list[dict[str, Any]] = []  # clips sampled at another rate than `fps` to fill their bucket
     bucket_counts = {str(b): 0 for b in buckets}
     seen_ids: dict[str, int] = {}
     num_files_kept = 0
@@ -568,6 +587,10 @@ def prepare(
             )
             if bucket is None:
                 raise MediaError(_no_bucket_reason(info, is_image, buckets, fps))
+            too_small = source_floor_reason(bucket, height=info.height, width=info.width,
+                                            min_side_px=min_source_side_px, max_upscale=max_upscale)
+            if too_small:
+                raise MediaError(too_small)
             clips, note = _read_clips(item.file_path, info, bucket, buckets, fps, is_image, scene_split)
         except MediaError as err:
             skipped.append((str(item.file_path), _short_reason(err, item.file_path)))
@@ -617,6 +640,9 @@ def prepare(
             )
             if len(bucket_rows) >= buffer_rows:
                 flush(clip.bucket)
+            if abs(clip.fps - fps) > 1e-6 * fps:
+                off_rate.append({"path": str(item.file_path), "sample_id": sample_id, "fps": round(clip.fps, 4),
+                                 "slowdown": round(clip.fps / fps, 3)})
         source_desc = "image" if is_image else f"{info.num_frames} frames @ {info.fps:.2f} fps"
         size_kib = sum(len(c.video_mp4) for c in clips) / 1024
         if len(clips) == 1 and not clips[0].from_scene:
@@ -658,6 +684,8 @@ def prepare(
         "skipped": [{"path": p, "reason": r} for p, r in skipped],
         "num_empty_captions": len(empty_captions),
         "empty_captions": empty_captions,
+        "num_off_rate": len(off_rate),
+        "off_rate": off_rate,
         "num_duplicate_listings": len(duplicate_listings),
         "duplicate_listings": duplicate_listings,
         "num_shards": len(shards),
@@ -683,6 +711,7 @@ def prepare(
         num_shards=len(shards), fps=float(fps), elapsed_s=time.perf_counter() - start,
         captions_truncated=captions, committed=bool(kept), had_previous=had_previous,
         empty_captions=empty_captions, duplicate_listings=duplicate_listings, grouped_by_caption=group_by_caption,
+        off_rate=[(k["path"], k["fps"]) for k in off_rate],
     )
 
 
@@ -729,5 +758,7 @@ def prepare_data(
             max_clips_per_scene=data.max_clips_per_scene, max_clips_per_source=data.max_clips_per_source,
         ) if data.split_scenes else None,
         group_by_caption=data.group_by_caption,
+        min_source_side_px=data.min_source_side_px,
+        max_upscale=data.max_upscale,
         **({"family": model.family} if model is not None else {}),
     )
