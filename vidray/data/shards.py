@@ -14,6 +14,12 @@ files). A prepare interrupted at any point (Ctrl-C, SIGKILL, a full disk) leaves
 lists intact, plus orphan files that the next prepare removes. One prepare at a time per folder: a second one is
 refused while the first holds `.vidray-prepare.lock`.
 
+A job still reading an older generation keeps it: each training worker holds a `GenerationLease` on the
+generation of the index it read (`.vidray-readers/gen.00003.<id>.json`, an expiry time it refreshes while it runs;
+plain files, so the same works on object storage), and the cleanup skips every generation with a live lease. A
+lease its reader stopped refreshing (the process died) expires after `READER_LEASE_S` and is removed by the next
+cleanup; the generation then goes with it.
+
 ```python
 index = read_index("outputs/shards")              # format, shards, num_samples, bucket_counts, buckets, fps
 samples = load_samples("outputs/shards")          # [Sample(sample_id, caption, bucket, video uint8 (F, H, W, 3))]
@@ -27,6 +33,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -57,6 +64,12 @@ SHARD_GLOB = "shard.*.parquet"
 GENERATION_PATTERN = re.compile(r"gen\.(\d{5,})")
 """A generation folder's name: `gen.00003` (one per prepare; the index names the committed one)."""
 LOCK_NAME = ".vidray-prepare.lock"
+_log = logging.getLogger(__name__)
+READERS_DIR = ".vidray-readers"
+"""Where readers' `GenerationLease` files live, in the shards folder."""
+READER_LEASE_S = 600.0
+"""Seconds a reader's lease lasts unless refreshed (every third of it while the reader runs): a generation whose
+reader died is freed this long after its last refresh."""
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -187,11 +200,104 @@ def _kept_names(storage: Storage) -> set[str] | None:
     return keep
 
 
+def generation_of(index: dict[str, Any]) -> str | None:
+    """The generation folder an index's files live in (`gen.00003`), or None for the pre-generation layout."""
+    first = index["shards"][0]["file"] if index.get("shards") else ""
+    head = first.split("/", 1)[0] if "/" in first else ""
+    return head if GENERATION_PATTERN.fullmatch(head) else None
+
+
+class GenerationLease:
+    """A reader's claim on the generation `index` names, so that a re-prepare's cleanup (`remove_unlisted`) keeps
+    it while the reader runs: the file `<shards_dir>/.vidray-readers/<generation>.<id>.json` holds
+    `{"generation", "expires_unix", "holder"}` and is rewritten every `lease_s / 3` seconds by a daemon thread.
+    `release()` deletes it; a reader that dies without releasing frees the generation `lease_s` seconds after its
+    last refresh. An index of the pre-generation layout takes no lease (nothing to hold). A failed write or
+    refresh is logged, not raised: the lease protects a reader, it never stops one.
+    """
+
+    def __init__(self, shards_dir: str | Path | Storage, index: dict[str, Any], *, lease_s: float = READER_LEASE_S):
+        import threading
+        import uuid
+
+        self.storage = shards_dir if isinstance(shards_dir, Storage) else open_storage(shards_dir)
+        self.generation = generation_of(index)
+        self.lease_s = float(lease_s)
+        self.rel = f"{READERS_DIR}/{self.generation}.{uuid.uuid4().hex[:12]}.json"
+        self._stop = threading.Event()
+        self._thread = None
+        if self.generation is None:
+            return
+        self._write()
+        self._thread = threading.Thread(target=self._refresh, name="vidray-generation-lease", daemon=True)
+        self._thread.start()
+
+    def _write(self) -> None:
+        import socket
+        import time
+
+        record = {"generation": self.generation, "expires_unix": time.time() + self.lease_s,
+                  "holder": f"{socket.gethostname()}:{os.getpid()}"}
+        try:
+            self.storage.write_bytes(self.rel, json.dumps(record).encode())
+        except OSError as err:
+            _log.warning("could not write the reader lease %s (%s); a re-prepare may remove %s while this job reads "
+                         "it", self.storage.display(self.rel), err, self.generation)
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            self._write()
+
+    def release(self) -> None:
+        """Stop refreshing and delete the lease (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+            try:
+                self.storage.delete_file(self.rel)
+            except OSError:
+                pass  # gone already; an unreadable leftover expires by itself
+
+    def __enter__(self) -> "GenerationLease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def leased_generations(storage: Storage, *, now: float | None = None) -> set[str]:
+    """Generations with a live reader lease (`GenerationLease`) in `storage`'s folder. Expired and unreadable
+    lease files are deleted on the way."""
+    import time
+
+    now = time.time() if now is None else now
+    live: set[str] = set()
+    for name, is_dir in list(storage.rel_names(READERS_DIR)):  # none when the folder does not exist
+        rel = f"{READERS_DIR}/{name}"
+        if is_dir or not name.endswith(".json"):
+            continue
+        try:
+            record = json.loads(storage.read_bytes(rel))
+            generation, expires = str(record["generation"]), float(record["expires_unix"])
+        except (OSError, ValueError, KeyError, TypeError):
+            generation, expires = "", 0.0
+        if expires > now and GENERATION_PATTERN.fullmatch(generation):
+            live.add(generation)
+        else:
+            try:
+                storage.delete_file(rel)
+            except OSError:
+                pass
+    return live
+
+
 def remove_unlisted(shards_dir: str | Path | Storage) -> list[Path] | list[str]:
     """Delete what a prepare wrote in `shards_dir` that the committed `index.json` does not list: generation
     folders and shards of earlier or unfinished prepares, pre-generation `shard.NNNNN.parquet` / `report.json`,
     temp files. Without an index everything of ours goes (an unfinished first prepare). Files vidray never
-    writes are left alone; an index that cannot be read (UserError from `read_index`) deletes nothing.
+    writes are left alone; an index that cannot be read (UserError from `read_index`) deletes nothing; a
+    generation a running job still reads (a live `GenerationLease`) is kept whole.
     Returns the removed paths (local: Paths; object stores: `/`-separated names relative to the folder). Call it
     only while no other prepare writes the folder (`ShardWriter` holds the lock locally): it would delete a
     running prepare's new generation."""
@@ -205,9 +311,10 @@ def remove_unlisted(shards_dir: str | Path | Storage) -> list[Path] | list[str]:
     if keep is None:
         return []
     keep_dirs = {Path(rel).parts[0] for rel in keep if len(Path(rel).parts) > 1}
+    leased = leased_generations(storage)
     removed = []
     for path in sorted(shards_dir.iterdir()):
-        if path.name in keep or not _is_ours(path.name):
+        if path.name in keep or path.name in leased or not _is_ours(path.name):
             continue
         if path.is_dir() and not path.is_symlink():
             if path.name in keep_dirs:  # the committed generation: drop only what its index does not list
@@ -229,9 +336,10 @@ def _remove_unlisted_remote(storage: Storage) -> list[str]:
     if keep is None:
         return []
     keep_dirs = {rel.split("/")[0] for rel in keep if "/" in rel}
+    leased = leased_generations(storage)
     removed = []
     for name, is_dir in sorted(storage.rel_names()):
-        if name in keep or not _is_ours(name):
+        if name in keep or name in leased or not _is_ours(name):
             continue
         if is_dir:
             if name in keep_dirs:

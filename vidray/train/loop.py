@@ -45,7 +45,7 @@ from vidray.data.cache import check_cache_budget
 from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
 from vidray.data.pipeline import RankLoader, TrainBatch, encode_spec, iter_rank_steps
 from vidray.data.schedule import DataPosition, SampleSchedule, job_schedule
-from vidray.data.shards import read_index
+from vidray.data.shards import GenerationLease, read_index
 from vidray.data.storage import open_storage
 from vidray.models.registry import Components, get_family
 from vidray.train.checkpoint import (
@@ -159,6 +159,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     # budget must hold the largest shard (checked here, before any step).
     shards_dir = loop_config["shards_dir"]
     index = read_index(shards_dir)
+    lease = GenerationLease(shards_dir, index)  # a re-prepare keeps the generation this rank reads (until the end)
     table = load_sample_index(shards_dir)
     if not open_storage(shards_dir).is_local:
         check_cache_budget(job.data.cache_bytes, index, local_ranks=context.get_local_world_size())
@@ -403,6 +404,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             ray.train.report(metrics, checkpoint_upload_mode=mode)
         window_start, window_steps = time.perf_counter(), 0
     loader.close()
+    lease.release()
     metrics_log.write_textfile(metrics_file)
     metrics_log.close()
     num_trained = max(0, max_steps - start_step + 1)
