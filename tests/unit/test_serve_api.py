@@ -563,7 +563,7 @@ def test_a_data_url_image_reference_decodes_to_its_bytes():
     import base64
 
     image = png_bytes(16, 16)
-    assert _image_from_reference("data:image/png;base64," + base64.b64encode(image).decode(), None) == (
+    assert _image_from_reference("data:image/png;base64," + base64.b64encode(image).decode(), None, LIMITS) == (
         "image_url", "image/png", image)
 
 
