@@ -136,3 +136,15 @@ def test_two_processes_racing_for_one_shard_download_it_once(store, tmp_path):
     assert sum(r[0] for r in results) == 1  # one download on this node
     assert sum(r[1] for r in results) == 1  # the other process waited, then found it cached
     assert all(r[2] for r in results)
+
+
+@pytest.mark.parametrize("sha256", ["../../escaped", "/tmp/x", "", "F" * 64])
+def test_a_sha256_that_is_not_64_lowercase_hex_never_becomes_a_cache_file_name(store, tmp_path, sha256):
+    from vidray.data.storage import UnsafePathError
+
+    storage, (a, _, _, _) = store
+    cache = ShardCache(tmp_path / "cache" / "inner", budget_bytes=10_000)
+    with pytest.raises(UnsafePathError, match="not a sha256"):
+        with cache.lease(storage, {**a, "sha256": sha256}):
+            pass
+    assert [p for p in tmp_path.rglob("*") if p.is_file() and "src" not in p.parts] == []

@@ -272,3 +272,32 @@ def test_train_with_prepare_stops_with_1_when_the_prepare_commits_nothing(tmp_pa
     assert run_train_job(job, prepare_if_missing=True) == 1  # before any Ray work
     assert "No sample was kept: nothing committed; check" in capsys.readouterr().out
     assert not (shards_dir / INDEX_NAME).exists()
+
+
+def _index_listing(shards_dir: Path, entry: dict) -> None:
+    """A well-formed index (content hash recomputed, as an editor of the folder could) listing one shard `entry`."""
+    index = {"format": shards.FORMAT, "version": shards.FORMAT_VERSION, "generation": 1, "shards": [entry],
+             "num_samples": 1}
+    index["content_hash"] = shards._content_hash(index)
+    shards_dir.mkdir(parents=True, exist_ok=True)
+    (shards_dir / INDEX_NAME).write_text(json.dumps(index))
+
+
+GOOD_SHA = "0" * 64
+
+
+@pytest.mark.parametrize("field, value", [
+    ("file", "../outside.parquet"), ("file", "/etc/passwd"), ("file", ""), ("file", "gen.00001//shard.parquet"),
+    ("file", "gen.00001/\x00.parquet"), ("sha256", "../../../tmp/evil"), ("sha256", "A" * 64), ("sha256", "0" * 63),
+])
+def test_an_index_field_that_would_leave_its_folder_is_refused_naming_the_field(tmp_path, field, value):
+    from vidray.data.storage import UnsafePathError
+
+    shards_dir = tmp_path / "shards"
+    _index_listing(shards_dir, {"file": "gen.00001/shard.00000.parquet", "sha256": GOOD_SHA, "bytes": 1,
+                                "num_samples": 1, field: value})
+    with pytest.raises(UnsafePathError) as err:
+        read_index(shards_dir)
+    message = str(err.value)
+    assert f"shards[0].{field}" in message and repr(value) in message and "\n" not in message
+    assert remove_unlisted(shards_dir) == []  # an index that cannot be trusted deletes nothing either

@@ -490,3 +490,32 @@ def test_a_resume_from_in_a_missing_bucket_is_one_line_naming_the_setting(local_
     with pytest.raises(UserError, match=r"^checkpoint.resume_from s3://nobucket-x/runs/tiny-t2v: bucket 'nobucket-x' "
                                         r"does not exist"):
         check_job_inputs(job)
+
+
+def _put_raw_key(endpoint: str, key: str, data: bytes) -> None:
+    """Write `key` into the test bucket as is (boto3 does not normalize `..`), as a hostile writer of the bucket
+    could."""
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                 region_name="us-east-1").put_object(Bucket="vidray-test", Key=key, Body=data)
+
+
+@pytest.mark.parametrize("bad_key", ["a/../../x", "a//x", "./x"])
+def test_a_bucket_key_that_would_leave_the_local_folder_is_refused_and_nothing_is_written(
+        s3_env, tmp_path, monkeypatch, bad_key):
+    from vidray.data.storage import UnsafePathError, download_dir
+    from vidray.models.export import fetch_model
+
+    monkeypatch.setenv("VIDRAY_MODEL_CACHE", str(tmp_path / "cache" / "models"))
+    prefix = f"{uuid.uuid4().hex[:8]}/diffusers"
+    _put_raw_key(s3_env, f"{prefix}/model_index.json", b"{}")
+    _put_raw_key(s3_env, f"{prefix}/{bad_key}", b"planted")
+    uri = f"s3://vidray-test/{prefix}"
+    assert any(bad_key in rel for rel in open_storage(uri).files())  # the store lists the key as written
+    with pytest.raises(UnsafePathError) as err:
+        fetch_model(uri)  # the path serving and `vidray generate` take for an s3:// model
+    assert repr(bad_key) in str(err.value) and "would leave" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(UnsafePathError):
+        download_dir(uri, tmp_path / "cache" / "plain", marker="model_index.json")
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.read_bytes() == b"planted"]

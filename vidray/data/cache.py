@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from vidray.data.storage import check_sha256
 from vidray.errors import UserError
 
 DEFAULT_CACHE_DIR = str(Path(tempfile.gettempdir()) / "vidray-cache")
@@ -97,7 +98,9 @@ class ShardCache:
         self.stats = CacheStats()
 
     def path(self, sha256: str) -> Path:
-        return self.files_dir / f"{sha256}.parquet"
+        """The cache file of the shard with this sha256. Raises UnsafePathError (a UserError) unless it is 64
+        lowercase hex characters: it becomes a file name (`vidray.data.storage.check_sha256`)."""
+        return self.files_dir / f"{check_sha256(sha256, what='shard sha256')}.parquet"
 
     def check_budget(self, index: dict[str, Any]) -> None:
         """`check_cache_budget(self.budget_bytes, index)`."""
@@ -119,8 +122,8 @@ class ShardCache:
     def lease_info(self, storage: Any, entry: dict[str, Any]) -> Iterator[tuple[Path, bool]]:
         """`lease`, yielding (path, downloaded): whether this call fetched the shard from `storage` (False when it
         was cached, or another process downloaded it while this one waited). Safe to use from several threads."""
+        path = self.path(entry["sha256"])
         key = entry["sha256"]
-        path = self.path(key)
         fd = os.open(self.locks_dir / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             downloaded = False

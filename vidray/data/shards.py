@@ -49,7 +49,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from vidray.data.buckets import Bucket
-from vidray.data.storage import Storage, fsync_path, open_storage
+from vidray.data.storage import Storage, check_relative, check_sha256, fsync_path, open_storage
 from vidray.data.video import decode_mp4
 from vidray.errors import UserError, UserFileNotFound
 
@@ -163,13 +163,21 @@ def _read_index_file(storage: Storage) -> dict[str, Any] | None:
         )
     if index.get("content_hash") != _content_hash(index):
         raise UserError(f"{path}: content hash mismatch (edited or corrupt index); re-run `vidray prepare`")
-    listed = [s["file"] for s in index.get("shards", [])] + [
-        index[key]["file"] for key in ("report", "samples") if index.get(key)
-    ]
-    for rel in listed:
-        if Path(rel).is_absolute() or ".." in Path(rel).parts:
-            raise UserError(f"{path} lists {rel!r}, outside its folder; re-run `vidray prepare`")
+    _check_listed_entries(index, path, storage.display())
     return index
+
+
+def _check_listed_entries(index: dict[str, Any], path: str, root: str) -> None:
+    """Every `file` of the index stays under its folder and every `sha256` (a cache file name) is 64 lowercase hex
+    characters (`vidray.data.storage.check_relative` / `check_sha256`). Raises UnsafePathError (a UserError)
+    naming the index, the field and the folder."""
+    entries = [(f"shards[{i}]", s) for i, s in enumerate(index.get("shards", []))]
+    entries += [(key, index[key]) for key in ("report", "samples") if index.get(key)]
+    for field, entry in entries:
+        if not isinstance(entry, dict):
+            raise UserError(f"{path}: {field} is not an object; re-run `vidray prepare`")
+        check_relative(entry.get("file"), root, what=f"{path} {field}.file")
+        check_sha256(entry.get("sha256"), what=f"{path} {field}.sha256")
 
 
 def listed_files(index: dict[str, Any]) -> list[str]:

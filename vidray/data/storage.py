@@ -23,11 +23,12 @@ it, with what `vidray.data.shards` and `vidray.data.ingest` need (read, write wh
 from __future__ import annotations
 
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
@@ -265,6 +266,48 @@ class StorageTransferError(OSError):
         return (type(self), (str(self), self.location))
 
 
+class UnsafePathError(UserError):
+    """A key listed from a store, or a path field of an index or manifest, that would leave the folder it is joined
+    onto (`..`, absolute, empty or NUL parts), or a sha256 field that is not 64 lowercase hex characters."""
+
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def check_relative(rel: str, root: str | Path, *, what: str = "key") -> str:
+    """Return `rel`, a `/`-separated path that is about to be joined onto the folder `root` (a local folder or a
+    store's URI, for the message), after checking that it stays under it: a non-empty string whose parts are none
+    of `''` (absolute, `a//b`, trailing `/`), `.`, `..`, and that holds no NUL. Every key listed from
+    a bucket and every `file` field of an index or manifest goes through here before it becomes a local path.
+    Raises UnsafePathError naming `what`, the key and the root (one line)."""
+    reason = None
+    if not isinstance(rel, str) or not rel:
+        reason = "it is empty"
+    elif "\x00" in rel:
+        reason = "it holds a NUL character"
+    elif any(part in ("", ".", "..") for part in rel.split("/")):
+        reason = "it is absolute or has an empty, '.' or '..' part"
+    if reason:
+        raise UnsafePathError(f"{what} {rel!r} would leave {root} ({reason}): refused; remove or rename it at its "
+                              "source (a writer of the store or an edited index)")
+    return rel
+
+
+def safe_join(root: Path, rel: str, *, what: str = "key", shown_root: str | None = None) -> Path:
+    """`root / rel` after `check_relative(rel, shown_root or root)`: the local path of a listed key or index field
+    (never outside `root`). Raises UnsafePathError."""
+    return root / check_relative(rel, shown_root or root, what=what)
+
+
+def check_sha256(value: Any, *, what: str = "sha256") -> str:
+    """Return `value` when it is exactly 64 lowercase hex characters (a sha256 that may become a file name);
+    raises UnsafePathError naming `what` and the value otherwise."""
+    if not isinstance(value, str) or not _SHA256_HEX.fullmatch(value):
+        raise UnsafePathError(f"{what} {value!r} is not a sha256 (64 lowercase hex characters): refused; re-run "
+                              "`vidray prepare` to rewrite the index")
+    return value
+
+
 def _local_files(local: Path) -> list[str]:
     """Every file under `local`, as sorted `/`-separated relative paths."""
     return sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
@@ -376,9 +419,9 @@ def upload_dir(local: str | Path, location: str | Path, *, marker: str | None = 
     )
 
 
-def download_dir(location: str | Path, local: str | Path, *, marker: str | None = None,
+def download_dir(location: "str | Path | Storage", local: str | Path, *, marker: str | None = None,
                  attempts: int = TRANSFER_ATTEMPTS, backoff_s: float = TRANSFER_BACKOFF_S) -> int:
-    """Copy every file under `location` (a folder or a URI, see `open_storage`) into the local folder `local`
+    """Copy every file under `location` (a folder, a URI, see `open_storage`, or a `Storage`) into the local folder `local`
     (created; files already there with other names are kept, so give a fresh folder). Returns the bytes copied.
 
     With `marker` only a committed folder is copied (see `upload_dir`): the marker must exist, is copied last, and
@@ -386,13 +429,16 @@ def download_dir(location: str | Path, local: str | Path, *, marker: str | None 
     (a writer replaced the folder meanwhile). An attempt that raises OSError is repeated whole, up to `attempts`
     times with exponential backoff from `backoff_s` seconds.
 
+    Every listed key is checked to stay under `local` (`safe_join`) before anything is written: a key such as
+    `a/../../x` raises UnsafePathError (not retried) naming the key and the folder.
+
     Raises UserFileNotFound when `location` holds no file, or no `marker` (not retried), UserError when it cannot
     be opened, StorageTransferError (an OSError naming `location`) when every attempt failed.
     """
     from vidray.errors import UserFileNotFound
 
     local = Path(local)
-    storage = open_storage(location, setting="download source")
+    storage = location if isinstance(location, Storage) else open_storage(location, setting="download source")
 
     def marker_info() -> pafs.FileInfo:
         info = storage.info(marker)
@@ -405,11 +451,12 @@ def download_dir(location: str | Path, local: str | Path, *, marker: str | None 
         files = sorted(storage.files())
         if not files:
             raise UserFileNotFound(f"{storage.display()} holds no file")
+        targets = {rel: safe_join(local, rel, shown_root=f"{local} (from {storage.display()})") for rel in files}
         if local.exists():
-            for rel in files:  # a failed attempt's leftovers
-                (local / rel).unlink(missing_ok=True)
+            for target in targets.values():  # a failed attempt's leftovers
+                target.unlink(missing_ok=True)
         local.mkdir(parents=True, exist_ok=True)
-        copied = sum(_get_file(storage, rel, local / rel) for rel in files if rel != marker)
+        copied = sum(_get_file(storage, rel, targets[rel]) for rel in files if rel != marker)
         if marker is not None:
             copied += _get_file(storage, marker, local / marker)
             after = marker_info()
