@@ -151,3 +151,32 @@ def test_on_s3_the_manager_lists_uploads_verifies_by_size_and_fetches(s3_env, tm
     storage.write_bytes("checkpoint_000004/optimizer.pt", b"truncated")
     with pytest.raises(DamagedCheckpointError, match=rf"{run}/checkpoint_000004: optimizer.pt is 9 bytes"):
         manager.verify("checkpoint_000004", hashes=False)
+
+
+@pytest.mark.parametrize("start", ["resume_from", "restart"])
+def test_a_remote_checkpoint_with_same_size_different_weights_is_refused_by_the_workers_load_naming_the_part(
+        s3_env, tmp_path, monkeypatch, start):
+    from vidray.data.storage import open_storage
+    from vidray.train import loop
+
+    run = f"s3://vidray-test/ckpt-{uuid.uuid4().hex[:8]}/run"
+    manager = CheckpointManager(run)
+    manager.upload(snapshot(tmp_path, 4), checkpoint_dir_name(4))
+    storage = open_storage(run)
+    weights = storage.read_bytes("checkpoint_000004/transformer.safetensors")
+    tail = bytes(b ^ 0xFF for b in weights[-16:])  # the last tensor bytes: same size, still a valid file
+    storage.write_bytes("checkpoint_000004/transformer.safetensors", weights[:-16] + tail)
+    assert manager.verify("checkpoint_000004", hashes=False)["step"] == 4  # the driver's size check passes
+    # The worker's load (`_resume_state`) on its first attempt (no Ray Train checkpoint yet): the driver's
+    # planned checkpoint.resume_from, or the run folder's latest after a restart of the worker group.
+    monkeypatch.setattr(loop, "_ray_checkpoint_name", lambda: None)
+    loop_config = ({"run_dir": run, "resume_from": f"{run}/checkpoint_000004", "start_step": 4}
+                   if start == "resume_from" else {"run_dir": run, "resume_from": None, "start_step": 2})
+    model, optimizer, scheduler = model_and_optimizer(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(DamagedCheckpointError) as err:
+        loop._resume_state(loop_config, model, optimizer, scheduler, rank=0)
+    message = str(err.value)
+    assert err.value.part == "transformer.safetensors" and "\n" not in message
+    assert message.startswith(f"checkpoint {run}/checkpoint_000004: transformer.safetensors does not match the sha256")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was loaded

@@ -34,6 +34,7 @@ presence only, with a warning that it cannot be verified). Any other version is 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -49,6 +50,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from vidray.data.storage import download_dir, safe_join
 from vidray.models.export import (  # the format's read side lives in the models plane (serving reads it too)
     FORMAT_VERSION,
     MANIFEST,
@@ -199,13 +201,13 @@ def load_checkpoint(
     lr_scheduler: Any,
     ema: torch.nn.Module | None = None,
     grad_scaler: Any = None,
-    verify: bool = True,
 ) -> TrainState:
     """Restore transformer, optimizer and lr scheduler (and `ema` / `grad_scaler` when given and saved) in place
     from a local checkpoint folder; return its TrainState.
 
-    The folder is verified against its manifest first (`verify=False` skips the hashes, e.g. when the driver
-    has just verified it). Format 3 loads through `torch.distributed.checkpoint.state_dict`'s
+    The folder is always verified against its manifest first, every part's size and sha256 (~1 s per GB): a
+    check on the driver cannot vouch for the bytes a worker reads later (a remote checkpoint is downloaded again
+    here, `CheckpointManager.load`). Format 3 loads through `torch.distributed.checkpoint.state_dict`'s
     `set_model_state_dict` / `set_optimizer_state_dict` (optimizer state by parameter name); formats 1 and 2 hold
     the optimizer's own `state_dict()`. Raises IncompleteCheckpointError / DamagedCheckpointError naming the folder
     and file, and CheckpointError when the saved transformer does not fit `transformer` (another model config).
@@ -213,7 +215,7 @@ def load_checkpoint(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     directory = Path(directory)
-    manifest = verify_checkpoint(directory, hashes=verify)
+    manifest = verify_checkpoint(directory)
     parts = manifest_parts(manifest)
     train_state = read_train_state(directory)
 
@@ -290,8 +292,9 @@ class CheckpointManager:
     ```python
     manager = CheckpointManager("runs/tiny-t2v")          # or "s3://bucket/runs/tiny-t2v"
     manager.latest()                                       # 'checkpoint_000200' or None
+    state = manager.load("checkpoint_000200", transformer=..., optimizer=..., lr_scheduler=...)  # verified
     with manager.fetch("checkpoint_000200") as folder:     # a local folder (downloaded when remote)
-        state = load_checkpoint(folder, transformer=..., optimizer=..., lr_scheduler=...)
+        ...
     ```
     """
 
@@ -348,14 +351,31 @@ class CheckpointManager:
         with tempfile.TemporaryDirectory(prefix="vidray-ckpt-fetch-") as tmp:
             local = Path(tmp) / name
             local.mkdir()
-            if parts is None:
-                pafs.copy_files(self.storage.path(name), str(local), source_filesystem=self.storage.fs,
-                                destination_filesystem=pafs.LocalFileSystem())
+            if parts is None:  # every key checked to stay in `local` (`download_dir`), manifest last
+                folder = dataclasses.replace(self.storage, location=self.location(name), base=self.storage.path(name))
+                download_dir(folder, local, marker=MANIFEST)
             else:
                 for part in parts:
                     if self.storage.is_file(f"{name}/{part}"):
-                        (local / part).write_bytes(self.storage.read_bytes(f"{name}/{part}"))
+                        safe_join(local, part, what="checkpoint part").write_bytes(
+                            self.storage.read_bytes(f"{name}/{part}"))
             yield local
+
+    def load(self, name: str, **targets: Any) -> TrainState:
+        """Load checkpoint `name` into `targets` (`load_checkpoint`'s keyword arguments: transformer, optimizer,
+        lr_scheduler, ema, grad_scaler) and return its TrainState: the one path every training load takes
+        (`checkpoint.resume_from`, the run folder's latest, Ray Train's restart checkpoint). A remote checkpoint is
+        downloaded (`fetch`), then every part's size and sha256 is checked against the manifest before anything is
+        loaded. Raises the `load_checkpoint` errors, naming the checkpoint's storage location (not the temp copy)
+        and the part."""
+        with self.fetch(name) as local:
+            try:
+                return load_checkpoint(local, **targets)
+            except CheckpointError as err:
+                if self.is_local:
+                    raise
+                where = self.location(name)
+                raise type(err)(str(err).replace(str(local), where), where, err.part) from None
 
     def verify(self, name: str, *, hashes: bool = True) -> dict[str, Any]:
         """`verify_checkpoint` of checkpoint `name`; returns its manifest. Remote checkpoints are checked without

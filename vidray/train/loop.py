@@ -54,7 +54,6 @@ from vidray.train.checkpoint import (
     checkpoint_dir_name,
     checkpoint_step,
     dataset_mismatch,
-    load_checkpoint,
     save_checkpoint,
 )
 from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
@@ -81,8 +80,9 @@ def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_schedu
     folder's latest complete checkpoint. The folder's can be newer: Ray registers a checkpoint only once every rank's
     report of it has reached the controller, so a node lost after rank 0 finished the copy (manifest last: complete
     means whole) but before that would otherwise send the run back a whole checkpoint interval. Rank 0's choice is
-    broadcast, so every rank loads the same one. Otherwise the driver's verified `loop_config["resume_from"]` is
-    loaded, or None is returned (step 1).
+    broadcast, so every rank loads the same one. Otherwise the driver's planned `loop_config["resume_from"]` is
+    loaded, or None is returned (step 1). Every load is `CheckpointManager.load`: each part's sha256 is checked
+    against the manifest after this worker's download and before loading (DamagedCheckpointError naming the part).
     """
     start_step = int(loop_config.get("start_step") or 0)
     ray_name = _ray_checkpoint_name()  # every rank's: it names the source in the log line below
@@ -96,18 +96,17 @@ def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_schedu
         dist.broadcast_object_list(chosen, src=0)
         name = chosen[0]
     if name is not None:
-        with CheckpointManager(loop_config["run_dir"]).fetch(name) as directory:
-            state = load_checkpoint(directory, transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler)
+        state = CheckpointManager(loop_config["run_dir"]).load(name, transformer=transformer, optimizer=optimizer,
+                                                               lr_scheduler=lr_scheduler)
         source = "Ray Train's latest" if name == ray_name else "the run folder's latest complete"
         _log(rank, f"restarted from this run's checkpoint {name} at step {state.step} ({source})")
         return state
     start = loop_config.get("resume_from")
     if start:
-        # The driver has just verified sizes and hashes: check sizes only here.
+        # Hashed again after this worker's download, whatever the driver checked (a remote part can change since).
         parent, name = start.rstrip("/").rsplit("/", 1) if is_uri(start) else (Path(start).parent, Path(start).name)
-        with CheckpointManager(parent).fetch(name) as directory:
-            state = load_checkpoint(directory, transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                    verify=False)
+        state = CheckpointManager(parent).load(name, transformer=transformer, optimizer=optimizer,
+                                               lr_scheduler=lr_scheduler)
         _log(rank, f"started from checkpoint {start} at step {state.step}")
         return state
     return None
