@@ -109,13 +109,18 @@ def test_a_source_that_holds_the_last_sample_time_by_a_little_is_sampled_by_time
     assert sampled_fps(info, Bucket(9, 64, 64), 8.0) == 8.0
 
 
+def one_sample_source(tmp_path: Path, samples_dir: Path, name: str) -> Path:
+    """A source list in `tmp_path` holding the shipped sample `name` alone (copied beside it)."""
+    meta = [e for e in json.loads((samples_dir / "metadata.json").read_text()) if e["file_path"].endswith(name)]
+    shutil.copy(samples_dir / name, tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    return tmp_path / "meta.json"
+
+
 def test_prepare_keeps_a_shipped_gif_of_2_08_s_in_a_17_frame_bucket_at_8_fps(tmp_path, samples_dir):
     # The same fault with a shipped sample: 48 frames over 2.08 s hold the 17th sample time (2.0 s) but not 17/8 s.
-    meta = [e for e in json.loads((samples_dir / "metadata.json").read_text())
-            if e["file_path"].endswith("animatediff_toonyou_256.gif")]
-    shutil.copy(samples_dir / "animatediff_toonyou_256.gif", tmp_path)
-    (tmp_path / "meta.json").write_text(json.dumps(meta))
-    summary = prepare(tmp_path / "meta.json", tmp_path / "shards", [[17, 64, 64]], FPS, 8, progress=None)
+    summary = prepare(one_sample_source(tmp_path, samples_dir, "animatediff_toonyou_256.gif"), tmp_path / "shards",
+                      [[17, 64, 64]], FPS, 8, progress=None)
     assert (summary.num_kept, summary.skipped) == (1, [])
 
 
@@ -437,11 +442,8 @@ def test_read_index_refuses_an_unfinished_prepare(tmp_path, prepared):
 def test_prepare_reports_a_clip_sampled_above_data_fps_to_fill_its_bucket(tmp_path, samples_dir):
     # Newton's cradle (36 frames at 43.9 fps, 0.82 s) fills a 9-frame bucket only by taking every 4th frame: 10.98
     # fps, so its motion plays 1.4x slower than its bucket-mates' at 8 fps. Kept, and said in report and summary.
-    meta = [e for e in json.loads((samples_dir / "metadata.json").read_text())
-            if e["file_path"].endswith("newtonscradle_200x150.gif")]
-    shutil.copy(samples_dir / "newtonscradle_200x150.gif", tmp_path)
-    (tmp_path / "meta.json").write_text(json.dumps(meta))
-    summary = prepare(tmp_path / "meta.json", tmp_path / "shards", [[9, 64, 64]], FPS, 8, progress=None)
+    summary = prepare(one_sample_source(tmp_path, samples_dir, "newtonscradle_200x150.gif"), tmp_path / "shards",
+                      [[9, 64, 64]], FPS, 8, progress=None)
     ((path, clip_fps),) = summary.off_rate
     assert path.endswith("newtonscradle_200x150.gif") and clip_fps == pytest.approx(10.98, abs=0.01)
     assert "newtonscradle_200x150.gif at 10.98 fps (1.4x slower)" in str(summary)
