@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -148,3 +152,65 @@ def test_a_sha256_that_is_not_64_lowercase_hex_never_becomes_a_cache_file_name(s
         with cache.lease(storage, {**a, "sha256": sha256}):
             pass
     assert [p for p in tmp_path.rglob("*") if p.is_file() and "src" not in p.parts] == []
+
+
+class _PausedStorage:
+    """A real local `Storage` whose reads of one shard wait for `go`: a download held in flight, as a slow store
+    holds it (everything else is the real storage's)."""
+
+    def __init__(self, storage: Storage, paused_file: str):
+        self._storage, self._paused_file = storage, paused_file
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def open_input_file(self, rel: str):
+        if rel == self._paused_file:
+            self.started.set()
+            assert self.go.wait(30), "the paused download was never released"
+        return self._storage.open_input_file(rel)
+
+    def __getattr__(self, name: str):
+        return getattr(self._storage, name)
+
+
+def test_a_download_in_flight_counts_against_the_budget_so_concurrent_downloads_never_exceed_it(store, tmp_path):
+    # Issue 27: two downloads at once each saw room for its own shard and the cache ended over budget. Budget: two
+    # 1000-byte shards. `a` is cached; a download of `b` is in flight (its bytes reserved); a lease of `c` must
+    # count `b` and evict `a`, so the cache ends with b and c within the budget.
+    storage, (a, b, c, _) = store
+    cache = ShardCache(tmp_path / "cache", budget_bytes=2000)
+    with cache.lease(storage, a):
+        pass
+    paused = _PausedStorage(storage, b["file"])
+    def download_b() -> None:
+        with cache.lease(paused, b):
+            pass
+
+    worker = threading.Thread(target=download_b)
+    worker.start()
+    assert paused.started.wait(30)
+    assert cache.reserved_bytes() == 1000
+    with cache.lease(storage, c):
+        pass
+    paused.go.set()
+    worker.join(30)
+    assert _cached(cache) == {b["sha256"], c["sha256"]} and cache.stats.evicted == [a["sha256"]]
+    assert cache.cached_bytes() <= 2000 and cache.reserved_bytes() == 0
+
+
+def test_temp_files_and_reservations_of_a_killed_download_are_swept_and_a_live_ones_kept(store, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its PID no longer runs: a download killed midway
+    cache_dir = tmp_path / "cache"
+    ShardCache(cache_dir, budget_bytes=2000)
+    key = "ab" * 32
+    killed_tmp = cache_dir / "shards" / f"{key}.parquet.{dead.pid}.tmp"
+    killed_reservation = cache_dir / "reserved" / f"{key}.{dead.pid}.1"
+    live_tmp = cache_dir / "shards" / f"{key}.parquet.{os.getpid()}.tmp"
+    for path in (killed_tmp, killed_reservation, live_tmp):
+        path.write_text("1500")
+    cache = ShardCache(cache_dir, budget_bytes=2000)  # opening the cache sweeps the dead process's leftovers
+    assert not killed_tmp.exists() and not killed_reservation.exists() and live_tmp.exists()
+    storage, (a, *_) = store
+    with cache.lease(storage, a):  # the dead reservation's 1500 bytes no longer block a 1000-byte shard
+        pass
+    assert cache.reserved_bytes() == 0

@@ -16,6 +16,11 @@ with cache.lease(storage, index["shards"][0]) as path:   # downloaded once per n
   raises UserError naming the numbers instead of waiting.
 - Downloads are atomic (`<key>.parquet.<pid>.tmp`, then rename) and checked against the sha256; a mismatch is
   deleted and downloaded once more, then ShardChecksumError (the caller skips the shard and counts it).
+- Downloads in flight count against the budget: under the cache's eviction lock a downloader makes room for its
+  shard counting every live reservation, then writes its own (`<cache_dir>/reserved/<key>.<pid>.<thread>`, the
+  size in bytes), removed when the download ends. So processes downloading at once never hold more than the
+  budget on disk (the file and its reservation briefly count twice). Reservations and temp files of processes
+  that died (killed mid-download) are removed when a cache is opened and whenever room is made.
 - One download per shard per node: the downloader holds the key's lock exclusively; another process that
   wants the same shard waits on that lock, then finds the file cached (counted as a hit).
 - Local shard folders are not copied here: `vidray.data.shards.open_shard` reads them in place (hashing them).
@@ -27,6 +32,7 @@ import fcntl
 import hashlib
 import os
 import tempfile
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,13 +95,37 @@ class ShardCache:
         self.budget_bytes = int(budget_bytes)
         self.files_dir = self.cache_dir / "shards"
         self.locks_dir = self.cache_dir / "locks"
+        self.reserved_dir = self.cache_dir / "reserved"
         try:
-            self.files_dir.mkdir(parents=True, exist_ok=True)
-            self.locks_dir.mkdir(parents=True, exist_ok=True)
+            for folder in (self.files_dir, self.locks_dir, self.reserved_dir):
+                folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise UserError(f"cannot create the shard cache {self.cache_dir} ({err.strerror}); set data.cache_dir "
                             "to a writable node-local folder") from None
         self.stats = CacheStats()
+        self.sweep_dead()
+
+    def sweep_dead(self) -> int:
+        """Remove the temp files and reservations of processes that no longer run (a download killed midway);
+        returns how many. Their names carry the writer's PID; the cache is node-local, so the PID is this node's."""
+        removed = 0
+        for path in [*self.files_dir.glob("*.tmp"), *self.reserved_dir.iterdir()]:
+            pid = _pid_in_name(path.name)
+            if pid is not None and not _alive(pid):
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def reserved_bytes(self) -> int:
+        """Bytes of the downloads in flight on this node (live reservations)."""
+        total = 0
+        for path in self.reserved_dir.iterdir():
+            pid = _pid_in_name(path.name)
+            try:
+                total += int(path.read_text()) if pid is not None and _alive(pid) else 0
+            except (OSError, ValueError):
+                continue  # finished (removed) meanwhile, or half written: its download has not started
+        return total
 
     def path(self, sha256: str) -> Path:
         """The cache file of the shard with this sha256. Raises UnsafePathError (a UserError) unless it is 64
@@ -146,11 +176,20 @@ class ShardCache:
             os.close(fd)  # releases the shared lock: the file may now be evicted
 
     def _download(self, storage: Any, entry: dict[str, Any], path: Path) -> None:
-        """Fetch `entry` into `path` (temp file + rename), after making room; verify its sha256 (one retry)."""
+        """Fetch `entry` into `path` (temp file + rename), after making room and reserving its bytes; verify its
+        sha256 (one retry)."""
+        size = int(entry.get("bytes") or storage.size(entry["file"]))
+        reservation = self._make_room(size, keep=entry["sha256"])
+        try:
+            self._fetch_checked(storage, entry, path)
+        finally:
+            reservation.unlink(missing_ok=True)
+
+    def _fetch_checked(self, storage: Any, entry: dict[str, Any], path: Path) -> None:
+        """Download `entry` to a temp file beside `path` and rename it there when its sha256 matches (one retry);
+        raises ShardChecksumError after two mismatches."""
         from vidray.data.shards import ShardChecksumError
 
-        size = int(entry.get("bytes") or storage.size(entry["file"]))
-        self._make_room(size, keep=entry["sha256"])
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         for attempt in range(2):
             digest = hashlib.sha256()
@@ -171,15 +210,18 @@ class ShardCache:
             entry["file"],
         )
 
-    def _make_room(self, size: int, keep: str) -> None:
-        """Evict least recently used, unpinned shards until `size` more bytes fit the budget (under the cache's
-        own lock, so two processes do not both count the same free room)."""
+    def _make_room(self, size: int, keep: str) -> Path:
+        """Evict least recently used, unpinned shards until `size` more bytes fit the budget beside the cached
+        shards and every live reservation, then reserve them (under the cache's own lock, so two processes do not
+        both count the same free room). Returns the reservation file: the caller removes it when its download
+        ends."""
         if size > self.budget_bytes:
             raise UserError(f"data.cache_bytes={self.budget_bytes} is smaller than shard size {size} bytes: raise it "
                             f"to at least {size}")
         lock_fd = os.open(self.cache_dir / ".evict.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            self.sweep_dead()
             files = []
             for p in self.files_dir.glob("*.parquet"):
                 try:
@@ -187,7 +229,8 @@ class ShardCache:
                 except FileNotFoundError:
                     continue
                 files.append((st.st_mtime, p, st.st_size))
-            used = sum(f[2] for f in files)
+            reserved = self.reserved_bytes()
+            used = sum(f[2] for f in files) + reserved
             pinned = 0
             for _mtime, p, nbytes in sorted(files, key=lambda f: f[0]):  # oldest first
                 if used + size <= self.budget_bytes:
@@ -211,8 +254,31 @@ class ShardCache:
             if used + size > self.budget_bytes:
                 raise UserError(
                     f"data.cache_bytes={self.budget_bytes} cannot hold another {size}-byte shard: {pinned} bytes are "
-                    f"pinned by shards in use in {self.cache_dir}; raise data.cache_bytes to at least "
-                    f"{pinned + size}"
+                    f"pinned by shards in use and {reserved} bytes reserved by downloads in flight in "
+                    f"{self.cache_dir}; raise data.cache_bytes to at least {pinned + reserved + size}"
                 )
+            reservation = self.reserved_dir / f"{keep}.{os.getpid()}.{threading.get_ident()}"
+            reservation.write_text(str(size))
+            return reservation
         finally:
             os.close(lock_fd)
+
+
+def _pid_in_name(name: str) -> int | None:
+    """The writer's PID in a temp file's (`<key>.parquet.<pid>.tmp`) or a reservation's (`<key>.<pid>.<thread>`)
+    name, or None."""
+    parts = name.split(".")
+    candidate = parts[-2] if name.endswith(".tmp") else (parts[1] if len(parts) == 3 else "")
+    return int(candidate) if candidate.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this PID runs on this node."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
