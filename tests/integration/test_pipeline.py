@@ -225,3 +225,48 @@ def test_a_clip_whose_latents_are_cached_is_not_decoded(local_ray, shards_dir, t
     assert total(third, "decodes_skipped") == 0 and total(third, "vae_misses") > 0
     for a, b in zip(first, third):
         np.testing.assert_array_equal(a.latents.numpy(), b.latents.numpy())
+
+
+def _one_clip_steps(table) -> dict[str, np.ndarray]:
+    """A ClipLoader plan of one step per sample, in shard order: step i reads row 0 of shard i."""
+    n = len(table)
+    order = np.lexsort((table.row, table.shard))
+    return {"offsets": np.arange(n + 1, dtype=np.int64), "shard": table.shard[order].astype(np.int32),
+            "row": table.row[order].astype(np.int32), "key": table.sample_key[order].astype(np.int64),
+            "bucket": np.array([table.buckets[b] for b in table.bucket_id[order]], dtype=np.int32)}
+
+
+@pytest.mark.parametrize("prefetch_window", [2, 0])  # 0: no prefetch thread, the control
+def test_the_warm_prefetcher_holds_the_next_windows_shards_before_the_loader_asks(local_ray, s3_env, tmp_path,
+                                                                                   prefetch_window):
+    # Issue 27: ClipLoader._prefetch_warm ran in no test. Shards of one clip each on (moto's) S3; the loader is
+    # asked for step 0 only; the shards of steps 1..window must reach the warm cache by themselves, and no more.
+    import time
+
+    from vidray.data.cache import ShardCache
+    from vidray.data.pipeline import ClipLoader
+
+    uri = f"s3://vidray-test/prefetch-{time.monotonic_ns()}"  # the s3_server fixture's bucket
+    prepare(REPO / "samples" / "metadata.json", uri, buckets=[[9, 64, 64], [1, 64, 64]], fps=8.0,
+            samples_per_shard=1, progress=None, scene_split=None, group_by_caption=False)
+    index, table = read_index(uri), load_sample_index(uri)
+    plan = _one_clip_steps(table)
+    assert len(index["shards"]) >= 4
+    loader = ClipLoader(uri, index["shards"], plan, cache_dir=str(tmp_path / "warm"), cache_bytes=2**30,
+                        hot_bytes=0, prefetch_window=prefetch_window, open_shards=1, hash_clips=False)
+    cache = ShardCache(tmp_path / "warm", 2**30)
+
+    def cached(step: int) -> bool:
+        return cache.path(index["shards"][int(plan["shard"][step])]["sha256"]).is_file()
+
+    loader._step(0)  # the decoder reaches step 0 (it fetched shard 0 itself)
+    deadline = time.monotonic() + 20
+    while prefetch_window and not all(cached(i) for i in (1, 2)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if prefetch_window:
+        assert cached(1) and cached(2)  # fetched ahead of the loader's asking
+        time.sleep(0.5)
+        assert not any(cached(i) for i in range(3, len(plan["offsets"]) - 1))  # and no further than the window
+    else:
+        time.sleep(1.0)
+        assert not cached(1) and not cached(2)  # without the prefetcher nothing arrives ahead
