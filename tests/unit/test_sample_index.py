@@ -126,7 +126,7 @@ def test_two_million_rows_load_in_seconds_as_arrays(tmp_path):
     data = (gen / "samples.parquet").read_bytes()
     index = {"format": "vidray-shards", "version": 1, "generation": 1, "fps": 8.0, "buckets": [], "columns": [],
              "num_samples": n, "bucket_counts": {},
-             "shards": [{"file": "gen.00001/shard.00000.parquet", "num_samples": n, "bytes": 0, "sha256": ""}],
+             "shards": [{"file": "gen.00001/shard.00000.parquet", "num_samples": n, "bytes": 0, "sha256": "0" * 64}],
              "samples": {"file": "gen.00001/samples.parquet", "bytes": len(data),
                          "sha256": hashlib.sha256(data).hexdigest(), "num_samples": n}}
     index["content_hash"] = _content_hash(index)
