@@ -214,3 +214,44 @@ def test_temp_files_and_reservations_of_a_killed_download_are_swept_and_a_live_o
     with cache.lease(storage, a):  # the dead reservation's 1500 bytes no longer block a 1000-byte shard
         pass
     assert cache.reserved_bytes() == 0
+
+
+def _bytes_on_disk(folder: Path) -> int:
+    """Bytes of the finished and partial shard files in `folder` (files removed while counting are skipped)."""
+    total = 0
+    for p in folder.iterdir():
+        try:
+            total += p.stat().st_size
+        except FileNotFoundError:
+            continue
+    return total
+
+
+def test_processes_downloading_at_once_never_hold_more_than_the_budget_on_disk(tmp_path):
+    # Issue 27: each process counted only finished files, so one eviction made room for several downloads at
+    # once and the cache ended over budget. Three processes lease ten 256 KiB shards in turn; the budget holds six
+    # (each process pins one shard, and a file just renamed counts beside its reservation), so a full cache must
+    # evict before every download. Inside each lease the shard folder's bytes (finished and temp files) are checked.
+    # Also fails when room is made reading files before reservations (a download ending between the two reads was
+    # counted nowhere: 7 shards on disk under a budget of 6).
+    from tests.conftest import run_at_once
+
+    src = tmp_path / "src"
+    src.mkdir()
+    size, budget = 256 << 10, 6 * (256 << 10)
+    entries = [_shard(src, f"shard.{i:05d}.parquet", size, i) for i in range(10)]
+    storage, cache_dir = open_storage(src), tmp_path / "cache"
+    ShardCache(cache_dir, budget_bytes=budget)
+    turn = multiprocessing.Value("i", 0)  # each lease takes the next shard: processes download different shards
+
+    def lease_next() -> None:
+        with turn.get_lock():
+            turn.value += 1
+            entry = entries[turn.value % len(entries)]
+        cache = ShardCache(cache_dir, budget_bytes=budget)
+        with cache.lease(storage, entry):
+            on_disk = _bytes_on_disk(cache.files_dir)
+            assert on_disk <= budget, f"{on_disk} bytes on disk over the budget of {budget}"
+
+    assert run_at_once(lease_next, repeats=150, processes=3) == []
+    assert _bytes_on_disk(cache_dir / "shards") <= budget

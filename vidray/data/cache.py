@@ -222,6 +222,9 @@ class ShardCache:
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             self.sweep_dead()
+            # Reservations before files: a download renames its file, then drops its reservation, so one that
+            # ends between the two reads is counted twice (safe), never zero times.
+            reserved = self.reserved_bytes()
             files = []
             for p in self.files_dir.glob("*.parquet"):
                 try:
@@ -229,7 +232,6 @@ class ShardCache:
                 except FileNotFoundError:
                     continue
                 files.append((st.st_mtime, p, st.st_size))
-            reserved = self.reserved_bytes()
             used = sum(f[2] for f in files) + reserved
             pinned = 0
             for _mtime, p, nbytes in sorted(files, key=lambda f: f[0]):  # oldest first
