@@ -189,6 +189,33 @@ class OptimConfig:
     """Linear warmup from 0 to `lr` over this many optimizer steps, then constant."""
 
 
+def parse_activation_checkpointing(value: str) -> int:
+    """`train.activation_checkpointing` as a block stride: `none` -> 0, `full` -> 1, `every_<n>` -> n (>= 1).
+    Raises ValueError naming the key and the valid forms."""
+    if value in ("none", "full"):
+        return 0 if value == "none" else 1
+    match = re.fullmatch(r"every_([0-9]{1,4})", value)
+    if match and int(match.group(1)) >= 1:
+        return int(match.group(1))
+    raise ValueError(f"train.activation_checkpointing must be none, full or every_<n> with n >= 1 (every n-th "
+                     f"transformer block), got {value!r}")
+
+
+@dataclass(config=_STRICT, kw_only=True)
+class EMAConfig:
+    decay: float = 0.9999
+    """ema <- decay * ema + (1 - decay) * weights, at every update (0 < decay < 1)."""
+    update_every_steps: int = 1
+    """Optimizer steps between EMA updates (>= 1)."""
+
+
+@dataclass(config=_STRICT, kw_only=True)
+class ExportConfig:
+    weights: Literal["trained", "ema"] = "trained"
+    """Which transformer weights the diffusers export at the end of training holds: the trained ones, or their EMA
+    (`train.ema` must be set)."""
+
+
 @dataclass(config=_STRICT, kw_only=True)
 class TrainConfig:
     max_steps: int = 100
@@ -199,8 +226,29 @@ class TrainConfig:
     """Steps between loss/step-time reports (each report is a Ray Train barrier and a host sync)."""
     seed: int = 0
     """Seed of model init, noise, sigmas and the data schedule."""
-    mixed_precision: Literal["no", "bf16"] = "no"
-    """Autocast dtype of the DiT forward on GPU; CPU runs always use fp32."""
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """Autocast dtype of the DiT forward and backward (`torch.autocast`): `bf16` on CPU and CUDA; `fp16` on CUDA
+    only, with a `torch.amp.GradScaler` whose state is checkpointed. Weights and optimizer state stay fp32
+    (`vidray.train.precision`)."""
+    activation_checkpointing: str = "none"
+    """Recompute transformer blocks' activations in the backward instead of keeping them: `none`, `full` (every
+    block) or `every_<n>` (every n-th block, e.g. `every_2`). Same gradients, less memory, ~1/3 more compute
+    (`vidray.train.parallel.apply_activation_checkpointing`)."""
+    grad_accumulation_steps: int | None = None
+    """Micro-batches each worker accumulates per optimizer step: the global batch is `data.batch_size_per_worker` x
+    the max worker count x this (printed at start). Sets `micro_batches_per_step` to max workers x this; null: 1
+    (or whatever `micro_batches_per_step` says). Give one of the two, not both."""
+    grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    """DDP communication hook compressing the gradient all-reduce (torch's `default_hooks.fp16_compress_hook` /
+    `bf16_compress_hook`, or `powerSGD_hook` of rank `powersgd_rank`, whose error-feedback state is checkpointed)."""
+    powersgd_rank: int = 4
+    """Rank of PowerSGD's low-rank gradient approximation (`grad_compression: powersgd`; Vogels et al. 2019)."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB: all-reduce of a full bucket overlaps the rest of the backward (torch's
+    default 25)."""
+    ema: EMAConfig | None = None
+    """Exponential moving average of the trained weights (`vidray.train.ema`), kept in the checkpoint and exported
+    with `export.weights: ema`; null: none."""
     max_failures: int = 2
     """Worker-group restarts (from the latest checkpoint) before the run fails; -1 retries forever."""
     micro_batches_per_step: int | None = None
@@ -354,6 +402,7 @@ class JobConfig:
     scaling: ScalingConfig = dataclasses.field(default_factory=ScalingConfig)
     storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
     placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+    export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self):
@@ -437,6 +486,7 @@ class JobConfig:
             raise ValueError(f"flow.logit_std must be > 0, got {self.flow.logit_std} (default 1.0)")
         if self.flow.num_train_timesteps < 1:
             raise ValueError(f"flow.num_train_timesteps must be >= 1, got {self.flow.num_train_timesteps} (default 1000)")
+        self._check_scale()
         if self.train.max_failures < -1:
             raise ValueError(f"train.max_failures must be >= 0, or -1 to retry forever, got {self.train.max_failures}")
         if self.train.seed < 0:
@@ -466,11 +516,49 @@ class JobConfig:
                 f"worker count), or lower the max of scaling.num_workers to {given}"
             )
 
+    def _check_scale(self) -> None:
+        """Precision, activation checkpointing, accumulation, compression and EMA keys (issue 28)."""
+        train = self.train
+        if train.mixed_precision == "fp16" and not self.scaling.use_gpu:
+            raise ValueError("train.mixed_precision: fp16 needs CUDA (scaling.use_gpu: true): on CPU fp16 autocast "
+                             "brings no speed and its loss scaling nothing; use train.mixed_precision: bf16")
+        if train.grad_compression == "bf16" and not self.scaling.use_gpu:
+            raise ValueError("train.grad_compression: bf16 needs NCCL (scaling.use_gpu: true): torch's bf16 hook does "
+                             "not run over gloo; on CPU use train.grad_compression: fp16 (the same bytes)")
+        parse_activation_checkpointing(train.activation_checkpointing)
+        if train.grad_accumulation_steps is not None:
+            if train.grad_accumulation_steps < 1:
+                raise ValueError(f"train.grad_accumulation_steps must be >= 1 micro-batches per worker, got "
+                                 f"{train.grad_accumulation_steps}")
+            if train.micro_batches_per_step is not None:
+                raise ValueError("give train.grad_accumulation_steps or train.micro_batches_per_step, not both: "
+                                 "micro_batches_per_step = max workers x grad_accumulation_steps")
+        if train.powersgd_rank < 1:
+            raise ValueError(f"train.powersgd_rank must be >= 1, got {train.powersgd_rank} (default 4)")
+        if not (train.bucket_cap_mb > 0 and math.isfinite(train.bucket_cap_mb)):
+            raise ValueError(f"train.bucket_cap_mb must be > 0 MiB, got {train.bucket_cap_mb} (default 25)")
+        if train.ema is not None:
+            if not 0 < train.ema.decay < 1:
+                raise ValueError(f"train.ema.decay must be in (0, 1), got {train.ema.decay} (e.g. 0.9999)")
+            if train.ema.update_every_steps < 1:
+                raise ValueError(f"train.ema.update_every_steps must be >= 1, got {train.ema.update_every_steps}")
+        if self.export.weights == "ema" and train.ema is None:
+            raise ValueError("export.weights: ema needs train.ema (e.g. train.ema: {decay: 0.9999}); or set "
+                             "export.weights: trained")
+
     @property
     def micro_batches_per_step(self) -> int:
-        """G: `train.micro_batches_per_step`, or the max worker count when it is null."""
+        """G: `train.micro_batches_per_step`, or max workers x `train.grad_accumulation_steps` (1 when null)."""
         given = self.train.micro_batches_per_step
-        return self.scaling.max_workers if given is None else int(given)
+        if given is not None:
+            return int(given)
+        return self.scaling.max_workers * (self.train.grad_accumulation_steps or 1)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step at most: G micro-batches of `data.batch_size_per_worker` (a bucket's own batch
+        size may be smaller: `data.tokens_per_batch`)."""
+        return self.micro_batches_per_step * self.data.batch_size_per_worker
 
     @property
     def run_dir(self) -> Path:
@@ -551,6 +639,18 @@ RESUME_RULES: dict[str, str] = {
     "train.metrics_port": RESUME_CHANGEABLE,
     "train.seed": RESUME_FIXED,  # the noise, sigmas and sample schedule of every step derive from it
     "train.mixed_precision": RESUME_FIXED,  # the numerics of every step; a change is a different run
+    "train.activation_checkpointing": RESUME_CHANGEABLE,  # the same gradients, another memory/compute trade
+    "train.grad_accumulation_steps": RESUME_CHANGEABLE,  # the global batch: as train.micro_batches_per_step
+    # Compression changes the all-reduced gradients from then on; PowerSGD's error feedback is restored only when
+    # the checkpoint was written with the same rank and worker count (else it starts afresh, with a line).
+    "train.grad_compression": RESUME_CHANGEABLE,
+    "train.powersgd_rank": RESUME_CHANGEABLE,
+    "train.bucket_cap_mb": RESUME_CHANGEABLE,
+    # An EMA added on resume starts from the resumed weights; a changed decay applies from then on.
+    "train.ema.decay": RESUME_CHANGEABLE,
+    "train.ema.update_every_steps": RESUME_CHANGEABLE,
+    "train.ema": RESUME_CHANGEABLE,
+    "export.weights": RESUME_CHANGEABLE,
     "checkpoint.every_steps": RESUME_CHANGEABLE,
     "checkpoint.num_to_keep": RESUME_CHANGEABLE,
     # Resources: the schedule's position does not depend on the worker count; another count deals the rest of

@@ -175,7 +175,7 @@ def test_a_remote_checkpoint_with_same_size_different_weights_is_refused_by_the_
     model, optimizer, scheduler = model_and_optimizer(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(DamagedCheckpointError) as err:
-        loop._resume_state(loop_config, model, optimizer, scheduler, rank=0)
+        loop._resume_state(loop_config, 0, transformer=model, optimizer=optimizer, lr_scheduler=scheduler)
     message = str(err.value)
     assert err.value.part == "transformer.safetensors" and "\n" not in message
     assert message.startswith(f"checkpoint {run}/checkpoint_000004: transformer.safetensors does not match the sha256")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from pathlib import Path
 
@@ -27,8 +28,13 @@ def leaf_fields(cls=JobConfig, prefix: str = "") -> set[str]:
     out = set()
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            out |= leaf_fields(hints[f.name], f"{prefix}{f.name}.")
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            out |= leaf_fields(hint, f"{prefix}{f.name}.")
+        elif typing.get_origin(hint) in (typing.Union, types.UnionType) and any(
+                dataclasses.is_dataclass(a) for a in typing.get_args(hint)):  # an optional section: null or its keys
+            section = next(a for a in typing.get_args(hint) if dataclasses.is_dataclass(a))
+            out |= {f"{prefix}{f.name}"} | leaf_fields(section, f"{prefix}{f.name}.")
         else:
             out.add(f"{prefix}{f.name}")
     return out

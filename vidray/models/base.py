@@ -127,6 +127,11 @@ class ModelFamily(abc.ABC):
     def no_grad_parameter_names(self, transformer: torch.nn.Module) -> list[str]:
         """Trainable transformer parameters that get no gradient in a forward+backward (freeze them for DDP)."""
 
+    def probe_loss(self, model: torch.nn.Module, transformer: torch.nn.Module) -> torch.Tensor:
+        """A scalar loss of one tiny fixed input through `model` (`transformer`, maybe DDP-wrapped): what
+        `vidray.train.parallel.prime_buckets` backpropagates. Families override it; the default says it is missing."""
+        raise NotImplementedError(f"{type(self).__name__} has no probe_loss: train.grad_compression: powersgd needs it")
+
     @abc.abstractmethod
     def save_pipeline(self, components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
         """Write a complete diffusers pipeline folder that the stock pipeline class loads offline."""

@@ -345,6 +345,17 @@ class EasyAnimateFamily(ModelFamily):
         """See module-level `no_grad_parameter_names`."""
         return no_grad_parameter_names(transformer)
 
+    def probe_loss(self, model: torch.nn.Module, transformer: EasyAnimateTransformer3DModel) -> torch.Tensor:
+        """The output sum of `model` on a fixed (1, C, 1, 2p, 2p) input with 2 text tokens (seeded CPU generator:
+        the global RNG is untouched); fp32 scalar."""
+        cfg, param = transformer.config, next(transformer.parameters())
+        g = torch.Generator().manual_seed(0)
+        p = cfg.patch_size
+        noisy_latents = torch.randn(1, cfg.in_channels, 1, 2 * p, 2 * p, generator=g).to(param.device, param.dtype)
+        prompt_embeds = torch.randn(1, 2, cfg.text_embed_dim, generator=g).to(param.device, param.dtype)
+        timesteps = torch.full((1,), 500.0, device=param.device, dtype=param.dtype)
+        return model(noisy_latents, timesteps, encoder_hidden_states=prompt_embeds, return_dict=False)[0].float().sum()
+
     def save_pipeline(self, components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
         """See module-level `save_pipeline`."""
         return save_pipeline(components, out_dir, flow)

@@ -74,7 +74,7 @@ MANIFEST = "manifest.json"
 """The checkpoint's commit marker, written last."""
 PARTS = ("transformer.safetensors", "optimizer.pt", "lr_scheduler.pt", "train_state.json", "config.yaml")
 """The parts every checkpoint holds."""
-OPTIONAL_PARTS = ("ema.safetensors", "grad_scaler.pt")
+OPTIONAL_PARTS = ("ema.safetensors", "grad_scaler.pt", "comm_hook.pt")
 """Parts a checkpoint holds when the run has them (an EMA of the transformer, a mixed-precision grad scaler);
 format 3 lists the parts present in the manifest's `parts`."""
 FORMAT_VERSION = 3

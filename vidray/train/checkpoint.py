@@ -5,7 +5,8 @@ A checkpoint folder `<storage.path>/<name>/checkpoint_<step:06d>` holds:
 - `optimizer.pt`: the optimizer state keyed by parameter name (`torch.distributed.checkpoint.state_dict`'s
   `get_optimizer_state_dict`, so a sharded (FSDP) model saves and loads through the same helpers),
 - `lr_scheduler.pt`: its `state_dict()`,
-- `ema.safetensors`, `grad_scaler.pt`: when the run has an EMA of the transformer or a grad scaler,
+- `ema.safetensors`, `grad_scaler.pt`, `comm_hook.pt`: when the run has an EMA of the transformer, a grad scaler
+  (fp16) or a DDP communication hook with state (PowerSGD: every rank's error feedback),
 - `train_state.json`: step (1-based, the last step applied), data position (epoch, micro-batches consumed per
   bucket), world size, index hash,
 - `config.yaml`: the resolved job config,
@@ -147,13 +148,15 @@ def save_checkpoint(
     dataset: Any = None,
     ema: torch.nn.Module | None = None,
     grad_scaler: Any = None,
+    comm_hook_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write every part of a checkpoint into the local folder `directory` (created if missing), then the manifest
     with each part's size and sha256. Returns the folder.
 
     model: the transformer (plain or DDP-wrapped: `get_model_state_dict` unwraps it; the state is gathered to CPU in
     full). optimizer: its state is saved by parameter name (`get_optimizer_state_dict`). ema, grad_scaler: saved as
-    `ema.safetensors` / `grad_scaler.pt` when given. `dataset`: the shards' `vidray.data.index.dataset_rows` table,
+    `ema.safetensors` / `grad_scaler.pt` when given. comm_hook_state: every rank's DDP communication-hook state
+    (`vidray.train.parallel.CommHook.gather_state`), saved as `comm_hook.pt` when given. `dataset`: the shards' `vidray.data.index.dataset_rows` table,
     written as `DATASET_ROWS` (optional, not a verified part: it only makes a refused resume say which samples
     differ). Raises OSError when the folder cannot be written.
     """
@@ -174,6 +177,9 @@ def save_checkpoint(
     if grad_scaler is not None:
         torch.save(grad_scaler.state_dict(), directory / "grad_scaler.pt")
         parts.append("grad_scaler.pt")
+    if comm_hook_state is not None:
+        torch.save(comm_hook_state, directory / "comm_hook.pt")
+        parts.append("comm_hook.pt")
     (directory / "train_state.json").write_text(json.dumps(asdict(train_state), indent=2))
     (directory / "config.yaml").write_text(yaml.safe_dump(job_config, sort_keys=False))
     if dataset is not None:
@@ -201,9 +207,11 @@ def load_checkpoint(
     lr_scheduler: Any,
     ema: torch.nn.Module | None = None,
     grad_scaler: Any = None,
+    comm_hook: Any = None,
 ) -> TrainState:
     """Restore transformer, optimizer and lr scheduler (and `ema` / `grad_scaler` when given and saved) in place
-    from a local checkpoint folder; return its TrainState.
+    from a local checkpoint folder; return its TrainState. `comm_hook(saved)`, when given, is called with the saved
+    `comm_hook.pt` (None when the checkpoint has none): the DDP hook restores its rank's state from it.
 
     The folder is always verified against its manifest first, every part's size and sha256 (~1 s per GB): a
     check on the driver cannot vouch for the bytes a worker reads later (a remote checkpoint is downloaded again
@@ -251,6 +259,9 @@ def load_checkpoint(
         load_module(ema, "ema.safetensors")
     if grad_scaler is not None and "grad_scaler.pt" in parts:
         grad_scaler.load_state_dict(_read_part(directory, "grad_scaler.pt", lambda p: torch.load(p, weights_only=True)))
+    if comm_hook is not None:
+        comm_hook(_read_part(directory, "comm_hook.pt", lambda p: torch.load(p, weights_only=True))
+                  if "comm_hook.pt" in parts else None)
     return train_state
 
 
@@ -363,7 +374,7 @@ class CheckpointManager:
 
     def load(self, name: str, **targets: Any) -> TrainState:
         """Load checkpoint `name` into `targets` (`load_checkpoint`'s keyword arguments: transformer, optimizer,
-        lr_scheduler, ema, grad_scaler) and return its TrainState: the one path every training load takes
+        lr_scheduler, ema, grad_scaler, comm_hook) and return its TrainState: the one path every training load takes
         (`checkpoint.resume_from`, the run folder's latest, Ray Train's restart checkpoint). A remote checkpoint is
         downloaded (`fetch`), then every part's size and sha256 is checked against the manifest before anything is
         loaded. Raises the `load_checkpoint` errors, naming the checkpoint's storage location (not the temp copy)

@@ -56,7 +56,10 @@ from vidray.train.checkpoint import (
     dataset_mismatch,
     save_checkpoint,
 )
+from vidray.train.ema import EMA
 from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
+from vidray.train.parallel import parallelize
+from vidray.train.precision import Precision
 from vidray.train.step import (
     NonFiniteTrainingError,
     check_finite_window,
@@ -72,7 +75,7 @@ def _log(rank: int, message: str) -> None:
         print(f"[vidray] {message}", file=sys.__stdout__, flush=True)
 
 
-def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_scheduler, rank: int) -> TrainState | None:
+def _resume_state(loop_config: dict[str, Any], rank: int, **targets: Any) -> TrainState | None:
     """Load the checkpoint this attempt starts from (precedence: `vidray.train.trainer` module docstring).
 
     A checkpoint written during this `fit()` (any step after the driver's start point `loop_config["start_step"]`,
@@ -81,7 +84,8 @@ def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_schedu
     report of it has reached the controller, so a node lost after rank 0 finished the copy (manifest last: complete
     means whole) but before that would otherwise send the run back a whole checkpoint interval. Rank 0's choice is
     broadcast, so every rank loads the same one. Otherwise the driver's planned `loop_config["resume_from"]` is
-    loaded, or None is returned (step 1). Every load is `CheckpointManager.load`: each part's sha256 is checked
+    loaded, or None is returned (step 1). `targets`: what `CheckpointManager.load` restores (transformer, optimizer,
+    lr_scheduler, and ema / grad_scaler / comm_hook when the run has them). Every load is `CheckpointManager.load`: each part's sha256 is checked
     against the manifest after this worker's download and before loading (DamagedCheckpointError naming the part).
     """
     start_step = int(loop_config.get("start_step") or 0)
@@ -96,8 +100,7 @@ def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_schedu
         dist.broadcast_object_list(chosen, src=0)
         name = chosen[0]
     if name is not None:
-        state = CheckpointManager(loop_config["run_dir"]).load(name, transformer=transformer, optimizer=optimizer,
-                                                               lr_scheduler=lr_scheduler)
+        state = CheckpointManager(loop_config["run_dir"]).load(name, **targets)
         source = "Ray Train's latest" if name == ray_name else "the run folder's latest complete"
         _log(rank, f"restarted from this run's checkpoint {name} at step {state.step} ({source})")
         return state
@@ -105,8 +108,7 @@ def _resume_state(loop_config: dict[str, Any], transformer, optimizer, lr_schedu
     if start:
         # Hashed again after this worker's download, whatever the driver checked (a remote part can change since).
         parent, name = start.rstrip("/").rsplit("/", 1) if is_uri(start) else (Path(start).parent, Path(start).name)
-        state = CheckpointManager(parent).load(name, transformer=transformer, optimizer=optimizer,
-                                               lr_scheduler=lr_scheduler)
+        state = CheckpointManager(parent).load(name, **targets)
         _log(rank, f"started from checkpoint {start} at step {state.step}")
         return state
     return None
@@ -173,16 +175,23 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             param.requires_grad_(False)
     transformer.train()
 
-    # 3. Optimizer and lr schedule.
+    # 3. Optimizer, lr schedule, precision (autocast, fp16's grad scaler) and the EMA (rank 0 keeps it).
     optimizer = build_optimizer(transformer.parameters(), job.optim)
     lr_scheduler = build_lr_scheduler(optimizer, job.optim)
+    precision = Precision(job.train.mixed_precision, device)
+    ema = EMA(transformer, job.train.ema) if job.train.ema is not None and rank == 0 else None
 
     # 4. Resume.
-    state = _resume_state(loop_config, transformer, optimizer, lr_scheduler, rank)
+    saved_hook: dict[str, Any] = {}  # the checkpoint's DDP hook state, restored once the hook exists (step 5)
+    state = _resume_state(loop_config, rank, transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                          ema=None if ema is None else ema.averaged, grad_scaler=precision.grad_scaler,
+                          comm_hook=lambda saved: saved_hook.update(state=saved))
     start_step = 1 if state is None else state.step + 1
     if state is not None:
         # This job's optim section wins over the restored one (lr, betas, weight decay, eps, warmup schedule).
         lr_scheduler = apply_optim_config(optimizer, job.optim, step=state.step)
+    if ema is not None and ema.num_updates == 0:
+        ema.reset_to(transformer)  # an EMA added on resume (or not yet updated) starts from these weights
     index_hash = index.get("content_hash", "")
     data_rows = dataset_rows(shards_dir)
     data_hash = dataset_hash(data_rows)
@@ -205,9 +214,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     loader_nodes: dict[str, dict[str, Any]] = {}  # node_id -> {"node_id", "labels"} of this rank's decode operators
     stage_nodes: dict[str, dict[str, dict[str, Any]]] = {"vae": {}, "text": {}}  # the same, of its encode actors
 
-    # 5. DDP (gloo on CPU, NCCL on GPU; Ray Train sets up the process group).
-    model = ray.train.torch.prepare_model(transformer)
-    autocast_dtype = torch.bfloat16 if (device.type == "cuda" and job.train.mixed_precision == "bf16") else None
+    # 5. Activation checkpointing, then DDP (gloo on CPU, NCCL on GPU) with its communication hook.
+    model, comm = parallelize(transformer, job, example_loss=lambda m: family.probe_loss(m, transformer))
+    why = comm.load_state(saved_hook.get("state"), rank, world_size) if state is not None else None
+    if why:
+        _log(rank, why)
 
     # 6. The loop.
     max_steps = job.train.max_steps
@@ -216,6 +227,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
          f"{position.batches_consumed}/{schedule.batches_per_epoch} "
          f"({schedule.steps_per_epoch(world_size, job.micro_batches_per_step)} steps/epoch of "
          f"{job.micro_batches_per_step} micro-batches at {world_size} workers; batch sizes {sizes})")
+    _log(rank, f"global batch {job.global_batch_size} samples per step (data.batch_size_per_worker "
+         f"{job.data.batch_size_per_worker} x {job.micro_batches_per_step} micro-batches: "
+         f"{job.scaling.max_workers} workers x {job.micro_batches_per_step // job.scaling.max_workers} accumulated); "
+         f"precision {job.train.mixed_precision}, activation checkpointing {job.train.activation_checkpointing}, "
+         f"gradient compression {job.train.grad_compression}" + (f", EMA decay {job.train.ema.decay}" if ema else ""))
     record = bool(loop_config.get("record_sample_ids"))
     trained: list[list[Any]] = []  # [step, epoch, [sample_id, ...]] of this rank, when recording
     step_losses: list[torch.Tensor] = []
@@ -276,7 +292,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             last = micro == num_micro - 1
             no_sync = model.no_sync() if not last and hasattr(model, "no_sync") else contextlib.nullcontext()
             with no_sync:
-                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                with precision.autocast():
                     micro_loss = flow_matching_step_loss(
                         family,
                         model,
@@ -287,7 +303,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                         [sample_generator(job.train.seed, step, int(k)) for k in batch.sample_keys.tolist()],
                         loss_weights=loss_weights,
                     )
-                micro_loss.backward()
+                precision.backward(micro_loss)
             loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
             if record:
                 ids = [i for i, w in zip(batch.sample_ids, weights) if w > 0]
@@ -302,13 +318,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         step_epoch, position = batch.epoch, batch.next_position
         if record_path is not None:
             _append_record(record_path, [step, step_epoch, world_size, rank, step_ids])
+        precision.unscale_(optimizer)  # fp16: clip and measure true gradients
         if job.train.grad_clip_norm is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), job.train.grad_clip_norm)
         else:
             grad_norm = torch.zeros((), device=loss.device)
         step_lrs.append(lr_scheduler.get_last_lr()[0])  # the lr this step uses (a host float: no sync)
-        optimizer.step()
+        precision.step(optimizer)
         lr_scheduler.step()
+        if ema is not None:
+            ema.maybe_update(transformer, step)
         step_losses.append(loss)
         step_grad_norms.append(grad_norm.detach().float())
         window_steps += 1
@@ -332,7 +351,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             dist.all_reduce(window, op=dist.ReduceOp.AVG)
         window_losses, window_grad_norms = window.tolist()
         first_window_step = step - len(window_losses) + 1
-        check_finite_window(first_window_step, window_losses, window_grad_norms, step_lrs)
+        check_finite_window(first_window_step, window_losses, window_grad_norms, step_lrs,
+                            check_grad_norms=not precision.skips_non_finite_steps)
         if is_checkpoint:
             bad = non_finite_parameters(transformer)
             if bad:
@@ -381,6 +401,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             # last, retried), in the background when asynchronous, and deletes the temp folder afterwards.
             t_snapshot = time.perf_counter()
             checkpoint = None
+            hook_state = comm.gather_state(rank, world_size)  # every rank's PowerSGD state (a collective)
             if rank == 0:
                 snapshot = save_checkpoint(
                     tempfile.mkdtemp(prefix="vidray-ckpt-"),
@@ -392,6 +413,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                                            len(table)),
                     job_config=job.to_dict(),
                     dataset=data_rows,
+                    ema=None if ema is None else ema.averaged,
+                    grad_scaler=precision.grad_scaler,
+                    comm_hook_state=hook_state,
                 )
                 checkpoint = ray.train.Checkpoint.from_directory(str(snapshot))
             ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name(step),
@@ -428,7 +452,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     if rank == 0:
         transformer.eval()
         encoders = family.build_encoders(job.model, seed=job.train.seed)  # the export's VAE and text encoder
-        components = Components(transformer=transformer, vae=encoders.vae, text_encoder=encoders.text_encoder,
+        exported = ema.module if job.export.weights == "ema" else transformer
+        components = Components(transformer=exported, vae=encoders.vae, text_encoder=encoders.text_encoder,
                                 tokenizer=encoders.tokenizer)
         if remote:
             from vidray.data.storage import upload_dir

@@ -94,7 +94,8 @@ class NonFiniteTrainingError(UserError):
 
 
 def check_finite_window(
-    first_step: int, losses: Sequence[float], grad_norms: Sequence[float], lrs: Sequence[float]
+    first_step: int, losses: Sequence[float], grad_norms: Sequence[float], lrs: Sequence[float], *,
+    check_grad_norms: bool = True,
 ) -> None:
     """Raise NonFiniteTrainingError naming the first step of a window whose loss or gradient norm is NaN/Inf.
 
@@ -103,9 +104,11 @@ def check_finite_window(
         losses: per-step losses (mean over ranks), host floats.
         grad_norms: per-step global gradient L2 norms before clipping (0.0 where not measured).
         lrs: per-step learning rates the optimizer used.
+        check_grad_norms: False under fp16 loss scaling, where an Inf/NaN gradient norm is a step the grad scaler
+            skipped (lowering its scale), not a divergence; the loss is checked either way.
     """
     for i, (loss, grad_norm, lr) in enumerate(zip(losses, grad_norms, lrs, strict=True)):
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        if not (math.isfinite(loss) and (math.isfinite(grad_norm) or not check_grad_norms)):
             step = first_step + i
             what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
             raise NonFiniteTrainingError(
