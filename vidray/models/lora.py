@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from vidray.errors import UserError
+from vidray.models.export import DIFFUSERS_LORA_WEIGHTS, LORA_DIR, PEFT_CONFIG, PEFT_WEIGHTS  # the file names
 
 if TYPE_CHECKING:
     import peft
@@ -66,6 +67,7 @@ __all__ = [
     "has_lora",
     "load_adapter_state_dict",
     "load_lora_into",
+    "lora_settings",
     "lora_summary",
     "lora_target_names",
     "merge_lora",
@@ -77,16 +79,10 @@ __all__ = [
 
 ADAPTER_NAME = "default"
 """peft's adapter name; vidray trains one adapter per transformer."""
-LORA_DIR = "lora"
-"""The folder beside an exported diffusers pipeline that holds a LoRA run's adapters."""
-DIFFUSERS_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
-"""diffusers' `LORA_WEIGHT_NAME_SAFE`."""
 DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"
 """diffusers' `LORA_ADAPTER_METADATA_KEY`: the safetensors metadata entry holding the peft config as JSON."""
 DIFFUSERS_PREFIX = "transformer."
 """diffusers' prefix of the transformer's LoRA keys (`TRANSFORMER_NAME` + '.')."""
-PEFT_CONFIG = "adapter_config.json"
-PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 """Key prefix in peft's `adapter_model.safetensors` (`PeftModel` wraps the model as base_model.model)."""
 LORA_MODULE_TYPES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
@@ -310,6 +306,14 @@ def _config_of(module: torch.nn.Module) -> "peft.LoraConfig":
     if config is None:
         raise ValueError("the transformer has no LoRA adapters (apply_lora first)")
     return config
+
+
+def lora_settings(transformer: torch.nn.Module) -> dict[str, Any]:
+    """The adapters' shape in `model.lora`'s terms, {"rank", "alpha", "dropout", "target_modules" (sorted)}, as a
+    checkpoint's manifest records it. Raises ValueError when the model has no adapters."""
+    config = _config_of(_unwrap(transformer))
+    return {"rank": int(config.r), "alpha": float(config.lora_alpha), "dropout": float(config.lora_dropout),
+            "target_modules": sorted(config.target_modules)}
 
 
 def _config_json(config: "peft.LoraConfig") -> dict[str, Any]:
