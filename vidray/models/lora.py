@@ -202,13 +202,13 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def adapter_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' tensors, detached, contiguous, on CPU, in their parameter dtype: {"<module>.lora_A.weight":
+    """The adapters' tensors, copied (never views of the parameters), contiguous, on CPU, in their dtype: {"<module>.lora_A.weight":
     (r, in), "<module>.lora_B.weight": (out, r), ...}, named as `peft.get_peft_model_state_dict` names them
     (no adapter name, no DDP `module.` prefix). Every adapter tensor, trainable or frozen (a layer whose output the
     model never uses is frozen for DDP, `no_grad_parameter_names`: its B stays zero). Under FSDP each tensor is
     gathered (a collective: every rank must call). Raises ValueError when the model has no adapters."""
     module = _unwrap(transformer)
-    state = {_adapter_key(name): _full(param.detach()).to("cpu").contiguous()
+    state = {_adapter_key(name): _full(param.detach()).to("cpu", copy=True).contiguous()
              for name, param in module.named_parameters() if _ADAPTER_KEY.search(name)}
     if not state:
         raise ValueError("the transformer has no LoRA adapters (apply_lora first)")
