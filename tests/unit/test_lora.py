@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -16,6 +17,7 @@ import torch  # noqa: E402
 from diffusers import EasyAnimatePipeline  # noqa: E402
 from peft import PeftModel, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict  # noqa: E402
 from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from vidray.config import (  # noqa: E402
     RESUME_FIXED,
@@ -34,6 +36,7 @@ from vidray.diffusion.sampler import sample_latents  # noqa: E402
 from vidray.errors import UserError  # noqa: E402
 from vidray.generate import GenerateArgumentError, check_generate_args, generate_to_file  # noqa: E402
 from vidray.models import get_family  # noqa: E402
+from vidray.models.base import Components  # noqa: E402
 from vidray.models.export import (  # noqa: E402
     ADAPTER_PART,
     DIFFUSERS_LORA_WEIGHTS,
@@ -49,6 +52,7 @@ from vidray.models.lora import (  # noqa: E402
     LoraLoadError,
     adapter_state_dict,
     apply_lora,
+    check_lora_targets,
     has_lora,
     load_adapter_state_dict,
     load_lora_into,
@@ -174,6 +178,12 @@ def test_an_unknown_target_module_is_refused_listing_the_layers_that_exist():
     for name in ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "proj_out"):
         assert name in message and name in lora_target_names(transformer)
     assert not has_lora(transformer) and all(p.requires_grad for p in transformer.parameters())  # left untouched
+    with torch.device("meta"):  # the same check on a model that holds no memory (a driver-side check)
+        meta = FAMILY.build_transformer(ModelConfig(text_encoder="tiny_random"), seed=0)
+    assert next(meta.parameters()).is_meta
+    with pytest.raises(UserError, match="'to_qkv' matches no layer"):
+        check_lora_targets(meta, LoraConfig(target_modules=["to_qkv"]))
+    check_lora_targets(meta, LoraConfig())
 
 
 def test_only_adapters_train_and_the_base_stays_bitwise_equal():
@@ -329,8 +339,6 @@ def exported(tmp_path_factory):
     """A trained tiny LoRA run exported as the loop exports it: base pipeline + lora/ + vidray_job.yaml."""
     transformer, _, _ = lora_run(steps=6)
     encoders = FAMILY.build_encoders(ModelConfig(text_encoder="tiny_random"), seed=0)
-    from vidray.models.base import Components
-
     components = Components(transformer=transformer.eval(), vae=encoders.vae, text_encoder=encoders.text_encoder,
                             tokenizer=encoders.tokenizer)
     out_dir = export_pipeline(FAMILY, components, tmp_path_factory.mktemp("export") / "diffusers", FLOW)
@@ -443,8 +451,6 @@ def test_load_lora_into_refuses_a_lora_of_another_model_naming_the_path(exported
 
 def test_generate_with_lora_on_the_base_export_equals_generating_from_the_lora_export(exported, tmp_path):
     """`vidray generate --model <base> --lora <run>/diffusers/lora` samples what the LoRA run's own export does."""
-    import shutil
-
     from vidray.data.video import decode_mp4
 
     _, out_dir = exported
@@ -474,3 +480,50 @@ def test_load_model_of_a_lora_checkpoint_merges_its_adapters_into_the_base(tmp_p
     model = load_model(tmp_path / "checkpoint_000003")
     assert not has_lora(model.components.transformer)
     torch.testing.assert_close(predict(model.components.transformer), predict(transformer), atol=1e-5, rtol=1e-5)
+
+
+def test_serve_config_lora_path_is_checked_at_build_and_merged_by_the_denoiser(exported, tmp_path, monkeypatch):
+    from vidray.serve.app import ServeSettingsError, build_app
+    from vidray.serve.stages import _load
+
+    components, out_dir = exported
+    base_dir = tmp_path / "base"
+    shutil.copytree(out_dir, base_dir, ignore=shutil.ignore_patterns(LORA_DIR))
+    monkeypatch.setenv("VIDRAY_API_TOKEN", "a-token-of-at-least-16-chars")
+    args = {"model_path": str(base_dir), "store_dir": str(tmp_path / "store")}
+    with pytest.raises(ServeSettingsError, match=r"lora_path: .*missing does not exist"):
+        build_app({**args, "lora_path": str(tmp_path / "missing")})
+    app = build_app({**args, "lora_path": str(out_dir / LORA_DIR)})
+    denoiser = app._bound_deployment.init_args[3]._bound_deployment
+    assert denoiser.name == "Denoiser" and denoiser.init_args[2] == str(out_dir / LORA_DIR)
+    merged = _load(str(base_dir), str(out_dir / LORA_DIR)).components.transformer
+    torch.testing.assert_close(predict(merged), predict(components.transformer), atol=1e-5, rtol=1e-5)
+
+
+def test_in_the_loops_order_the_no_grad_probe_sees_only_adapters_and_ddp_checkpoints_them(tmp_path):
+    """The loop's order: build -> apply_lora -> freeze the probe's no-grad parameters -> optimizer -> DDP. With
+    `to_add_out` targeted, the last block's (whose text output is unused) adapters get no gradient: the probe
+    finds them, and the checkpoint of the DDP-wrapped model still holds every adapter, named without `module.`."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    transformer = apply_lora(base_transformer(), LoraConfig(rank=2, target_modules=["to_q", "to_add_out"]), seed=0)
+    no_grad = FAMILY.no_grad_parameter_names(transformer)
+    assert no_grad and all(".lora_" in n for n in no_grad)
+    assert {n.split(".attn1.")[0] for n in no_grad} == {"transformer_blocks.2"}
+    for name, param in transformer.named_parameters():
+        if name in no_grad:
+            param.requires_grad_(False)
+    optimizer = build_optimizer(transformer.parameters(), OPTIM)
+    scheduler = build_lr_scheduler(optimizer, OPTIM)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(transformer)
+        train_steps(model, optimizer, scheduler, 2)
+        save(tmp_path / "c", model, optimizer, scheduler)
+    finally:
+        dist.destroy_process_group()
+    saved = adapter_state_dict(transformer)
+    on_disk = load_file(str(tmp_path / "c" / ADAPTER_PART))
+    assert on_disk.keys() == saved.keys() and all(torch.equal(on_disk[k], saved[k]) for k in saved)
+    assert any(k.startswith("transformer_blocks.2.attn1.to_add_out.lora_") for k in on_disk)

@@ -64,6 +64,7 @@ __all__ = [
     "PEFT_WEIGHTS",
     "adapter_state_dict",
     "apply_lora",
+    "check_lora_targets",
     "has_lora",
     "load_adapter_state_dict",
     "load_lora_into",
@@ -132,6 +133,22 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
+def check_lora_targets(transformer: torch.nn.Module, lora_cfg: "LoraConfig") -> None:
+    """Raise UserError naming `model.lora.target_modules` and listing `lora_target_names` when one of its names
+    matches no adaptable layer (peft's rule: the layer's name is the target or ends in '.' + target). Reads module
+    names and types only, so a model built on the meta device (no memory) does: what a driver-side check before any
+    worker starts can use. `apply_lora` calls it first."""
+    module = _unwrap(transformer)
+    layer_names = [n for n, m in module.named_modules() if isinstance(m, LORA_MODULE_TYPES)]
+    unknown = [t for t in lora_cfg.target_modules if not any(_matches(n, t) for n in layer_names)]
+    if unknown:
+        raise UserError(
+            f"model.lora.target_modules: {', '.join(map(repr, unknown))} matches no layer of the "
+            f"{type(module).__name__}; valid names: {', '.join(lora_target_names(module))} (default: to_q, to_k, "
+            "to_v, to_out.0, the attention projections)"
+        )
+
+
 def has_lora(model: torch.nn.Module) -> bool:
     """True when `model` (plain, DDP or FSDP) holds peft adapter layers."""
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -157,14 +174,7 @@ def apply_lora(transformer: torch.nn.Module, lora_cfg: "LoraConfig", *, seed: in
     module = _unwrap(transformer)
     if has_lora(module):
         raise ValueError("the transformer already has LoRA adapters: apply_lora once per model")
-    layer_names = [n for n, m in module.named_modules() if isinstance(m, LORA_MODULE_TYPES)]
-    unknown = [t for t in lora_cfg.target_modules if not any(_matches(n, t) for n in layer_names)]
-    if unknown:
-        raise UserError(
-            f"model.lora.target_modules: {', '.join(map(repr, unknown))} matches no layer of the "
-            f"{type(module).__name__}; valid names: {', '.join(lora_target_names(module))} (default: to_q, to_k, "
-            "to_v, to_out.0, the attention projections)"
-        )
+    check_lora_targets(module, lora_cfg)
     for param in module.parameters():
         param.requires_grad_(False)
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
