@@ -21,8 +21,9 @@ Export (`save_lora_weights`) writes, into one folder (`<run>/diffusers/lora/` fo
   `transformer.r`, `transformer.lora_alpha`, ...): what `DiffusionPipeline.save_lora_weights(dir,
   transformer_lora_layers=get_peft_model_state_dict(transformer), transformer_lora_adapter_metadata=
   transformer.peft_config["default"].to_dict())` writes (diffusers 0.42.1 `loaders/lora_base.py`:
-  `_save_lora_weights`, `write_lora_layers`; `training_utils._collate_lora_metadata`). Pipelines with a LoRA
-  loader (`WanPipeline`: `WanLoraLoaderMixin`) read it with `pipe.load_lora_weights(dir)`.
+  `_save_lora_weights`, `write_lora_layers`; `training_utils._collate_lora_metadata`): the file a pipeline with a
+  LoRA loader reads with `pipe.load_lora_weights(dir)` (`WanPipeline`'s `WanLoraLoaderMixin`; the tests read it
+  with `WanLoraLoaderMixin.lora_state_dict(dir, return_lora_metadata=True)`).
 - `adapter_config.json` + `adapter_model.safetensors` (keys `base_model.model.<module>.lora_A.weight`): peft's own
   format, what `PeftModel.save_pretrained` writes. diffusers 0.42.1's `EasyAnimatePipeline` has no LoRA loader
   (its transformer is not a `PeftAdapterMixin`), so a stock EasyAnimate pipeline takes the adapters through peft:
