@@ -137,6 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         guidance_scale=args.guidance_scale,
         fps=args.fps,
         seed=args.seed,
+        lora=args.lora,
     )
     # Every argument first, before torch/diffusers are even imported: a typo answers in well under a second.
     check_generate_args(args.model, args.prompt, args.output, **kwargs)
@@ -217,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fps", type=float, default=8.0,
                    help="frame rate of the written mp4 in frames/s, 0.01..1000 (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="noise seed, 0..2**63-1 (default: %(default)s)")
+    p.add_argument("--lora", help="LoRA adapters merged into the transformer before sampling: a local folder "
+                   "(<run>/diffusers/lora, or peft's adapter_config.json + adapter_model.safetensors) or a "
+                   ".safetensors file (a LoRA run's own export or checkpoint needs none)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("doctor", help="check this machine (libraries, devices), a job config (inputs, outputs, "
