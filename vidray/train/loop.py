@@ -39,7 +39,7 @@ from vidray.config import job_config_from_dict
 from vidray.errors import UserError
 from vidray.locations import is_uri
 from vidray.logs import quiet_ray_train_worker
-from vidray.models.export import write_job_file
+from vidray.models.export import export_pipeline, write_job_file
 from vidray.metrics import TrainMetrics
 from vidray.data.cache import check_cache_budget
 from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
@@ -154,6 +154,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     # 1. The trainable transformer alone: the frozen VAE and text encoder run in the encode stages.
     family = get_family(job.model.family)
     transformer = family.build_transformer(job.model, seed=job.train.seed).to(device)
+    if job.model.lora is not None:  # before the probe, AC, DDP and the optimizer: only the adapters train
+        from vidray.models.lora import apply_lora, lora_summary
+
+        apply_lora(transformer, job.model.lora, seed=job.train.seed)
+        counts = lora_summary(transformer)
+        _log(rank, f"LoRA rank {job.model.lora.rank}: {counts['trainable']:,} of {counts['total']:,} parameters train")
 
     # 2. Data: the sample table and the schedule; the clips stay in the shards until the loader streams them.
     # Object-store shards come through this node's warm disk cache (one download per shard per node), whose
@@ -460,12 +466,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             from vidray.models.export import MODEL_INDEX
 
             with tempfile.TemporaryDirectory(prefix="vidray-export-") as tmp:
-                family.save_pipeline(components, tmp, job.flow)
+                export_pipeline(family, components, tmp, job.flow)
                 write_job_file(tmp, job)
                 num_bytes = upload_dir(tmp, diffusers_dir, marker=MODEL_INDEX)
             _log(rank, f"saved diffusers pipeline to {diffusers_dir} ({num_bytes / 2**20:.1f} MiB uploaded)")
         else:
-            family.save_pipeline(components, diffusers_dir, job.flow)
+            export_pipeline(family, components, diffusers_dir, job.flow)
             write_job_file(diffusers_dir, job)
             _log(rank, f"saved diffusers pipeline to {diffusers_dir}")
     return {
