@@ -58,7 +58,9 @@ __all__ = [
     "STRATEGIES",
     "Strategy",
     "block_activation_bytes",
+    "check_cluster_fits",
     "check_fits",
+    "cluster_gpu_memory_bytes",
     "count_model",
     "estimate_memory",
     "format_bytes",
@@ -546,8 +548,10 @@ def format_report(report: PlanReport) -> str:
         f"{'encoders':>9}{'peak':>8}  fits",
     ]
 
+    unit, scale = ("GiB", 2**30) if max(e.peak_bytes for e in report.estimates) >= 2**30 else ("MiB", 2**20)
+
     def gib(x: float) -> str:
-        return f"{x / 2**30:.1f}"
+        return f"{x / scale:.1f}"
 
     for e in report.estimates:
         mark = "yes" if e.fits else "no"
@@ -557,7 +561,7 @@ def format_report(report: PlanReport) -> str:
                      f"{gib(e.activations):>8}{gib(e.activations_peak_block):>8}{gib(e.ddp_buckets):>8}"
                      f"{gib(e.encoders):>9}{gib(e.peak_bytes):>8}  {mark}")
     lines.append("")
-    lines.append("GiB per rank; peak = simulated peak of a step (gradients replace activations during the backward, "
+    lines.append(f"{unit} per rank; peak = simulated peak of a step (gradients replace activations during the backward, "
                  "so it is below the sum)")
     if report.chosen is not None:
         lines.append(f"picked: {report.chosen.strategy.name} ({_how(report.chosen.strategy)})")
@@ -565,3 +569,47 @@ def format_report(report: PlanReport) -> str:
         lines.append("picked: none fits; lower the bucket or the batch size, or use larger GPUs")
     lines.extend(f"note: {n}" for n in report.notes)
     return "\n".join(lines)
+
+
+# 7. On a cluster: the GPUs' memory, and the check `vidray doctor` and `vidray train` run.
+
+GPU_MEMORY_ENV = "VIDRAY_GPU_MEMORY"
+"""Environment variable giving one GPU's memory (e.g. `80GiB`) when the cluster's accelerator type does not say it."""
+
+ACCELERATOR_MEMORY_BYTES = {
+    "A100-40G": 40 * 2**30, "A100-80G": 80 * 2**30, "H100": 80 * 2**30, "H200": 141 * 10**9, "H20": 96 * 2**30,
+    "B200": 180 * 10**9, "L40S": 48 * 2**30, "L4": 24 * 2**30, "A10G": 24 * 2**30, "V100": 16 * 2**30,
+    "T4": 16 * 2**30, "AMD-Instinct-MI300X-OAM": 192 * 2**30,
+}
+"""Memory of one GPU by Ray accelerator type (the `accelerator_type:<type>` resource Ray gives GPU nodes; vendor
+datasheets). A plain `A100` is ambiguous (40 or 80 GB) and left out: set VIDRAY_GPU_MEMORY."""
+
+
+def cluster_gpu_memory_bytes(resources: dict[str, float]) -> int | None:
+    """One GPU's memory on a cluster: `$VIDRAY_GPU_MEMORY` when set, else the smallest known memory among the
+    `accelerator_type:*` resources in `resources` (`ray.cluster_resources()`), else None (unknown)."""
+    import os
+
+    if os.environ.get(GPU_MEMORY_ENV):
+        return parse_bytes(os.environ[GPU_MEMORY_ENV])
+    known = [ACCELERATOR_MEMORY_BYTES[k.split(":", 1)[1]] for k in resources
+             if k.startswith("accelerator_type:") and k.split(":", 1)[1] in ACCELERATOR_MEMORY_BYTES]
+    return min(known) if known else None
+
+
+def check_cluster_fits(job: Any, resources: dict[str, float], *, gpu_memory_bytes: int | None = None) -> str | None:
+    """`check_fits` for a job on a cluster with `resources` (`ray.cluster_resources()`): nothing (None) when the
+    cluster has no GPU or the job does not use one (CPU runs are not planned); raises UserError when the job's
+    strategy is predicted not to fit; else a one-line summary. When the GPUs' memory is unknown, the summary says
+    so and how to give it (VIDRAY_GPU_MEMORY) instead of refusing. `gpu_memory_bytes`: one GPU's memory when the
+    caller knows it (the local GPU's `torch.cuda.get_device_properties(0).total_memory`)."""
+    if not resources.get("GPU", 0) or not job.scaling.use_gpu:
+        return None
+    gpu_memory = gpu_memory_bytes or cluster_gpu_memory_bytes(resources)
+    if gpu_memory is None:
+        return (f"the GPUs' memory is unknown (no accelerator_type the planner knows): set {GPU_MEMORY_ENV}=80GiB "
+                f"(one GPU's memory) to check the job fits before GPUs are reserved")
+    report = check_fits(job, gpu_memory, job.scaling.min_workers)
+    e = report.requested
+    return (f"{e.strategy.name} predicted {format_bytes(e.peak_bytes)} per GPU of {format_bytes(gpu_memory)} "
+            f"(`vidray plan` for the table)")
