@@ -15,7 +15,8 @@ what `vidray train` would do or refuse, without reserving anything or training:
 - the cluster: with `RAY_ADDRESS`, it joins the cluster (no resources reserved; an address where nothing answers,
   or the dashboard's URL, is a FAIL at once: `vidray.runtime.check_ray_address`) and checks its nodes, labels and
   resources (the autoscaler's limit included) against the job; without it, the local cluster `vidray train`
-  would start here.
+  would start here. On a cluster with GPUs, a GPU job's predicted per-GPU memory (`vidray.train.plan`): FAIL,
+  naming the strategy that fits, when its own is predicted not to.
 
 Each finding is one line, `ok`, `warn` or `FAIL`, with the fix for the last two. `check_environment`, `check_job` and
 `check_cluster` return them; the CLI (`vidray.cli.cmd_doctor`) prints them and exits 1 when any is `FAIL`.
