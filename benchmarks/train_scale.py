@@ -1,7 +1,10 @@
 """Benchmark of issue 28 (training at scale), one run on the same tiny EasyAnimate transformer and synthetic batch.
 
 Run (part (f) starts Ray, so under the machine-wide lock):
-    flock /tmp/vidray-ray.lock .venv/bin/python benchmarks/train_scale.py [--only e,f] [--steps 200]
+    flock /tmp/vidray-ray.lock .venv/bin/python benchmarks/train_scale.py [--only a,b,d,e,f] [--steps 200]
+
+Parts: a (planner arithmetic), b (AC and LoRA: (b) and (c)), d (planner vs measured), e (hooks, 2 processes),
+f (step times; starts Ray).
 
 Figures (the last stdout line is one JSON object, `{"benchmark": "train_scale", "figures": {...}}`):
 (a) `fsdp_over_ddp_peak_bytes`: peak training bytes per rank, FSDP / DDP at 2 workers on the medium preset (planner's
@@ -62,6 +65,105 @@ FIGURES = {
 def _figure(name: str, value: float) -> dict[str, Any]:
     unit, goal = FIGURES[name]
     return {"value": float(value), "unit": unit, **({"goal": goal} if goal else {})}
+
+
+# ---- (a)-(d): memory, on the medium preset ----
+
+MEDIUM_BUCKET, TEXT_TOKENS = (9, 128, 128), 32
+
+
+def _medium(lora_rank: int = 0, ac: bool = False) -> torch.nn.Module:
+    from diffusers import EasyAnimateTransformer3DModel
+
+    from vidray.config import LoraConfig
+    from vidray.models.lora import apply_lora
+    from vidray.models.presets import get_preset
+
+    torch.manual_seed(0)
+    model = EasyAnimateTransformer3DModel(**get_preset("medium").config)
+    if lora_rank:
+        apply_lora(model, LoraConfig(rank=lora_rank), seed=0)
+    if ac:
+        model.enable_gradient_checkpointing()
+    return model.train()
+
+
+def _medium_inputs():
+    f, h, w = MEDIUM_BUCKET
+    return dict(hidden_states=torch.randn(1, 16, (f - 1) // 4 + 1, h // 8, w // 8), timestep=torch.rand(1) * 1000,
+                encoder_hidden_states=torch.randn(1, TEXT_TOKENS, 384))
+
+
+def measure_fsdp_planned() -> dict[str, Any]:
+    """(a) by the planner's arithmetic: FSDP shards parameters, gradients and AdamW state over the ranks and holds
+    one gathered block (plus the next, prefetched); DDP replicates them (and adds its gradient buckets)."""
+    from vidray.data.buckets import Bucket
+    from vidray.models.presets import get_preset
+    from vidray.train.plan import Strategy, count_model, estimate_memory
+
+    preset = get_preset("medium")
+    counts = count_model(preset)
+    peak = {kind: estimate_memory(preset, counts, Strategy(kind, False, "fp32"), bucket=Bucket(*MEDIUM_BUCKET),
+                                  batch_size=1, text_tokens=TEXT_TOKENS, num_gpus=2).peak_bytes
+            for kind in ("ddp", "fsdp")}
+    return {"figures": {"fsdp_over_ddp_peak_bytes": _figure("fsdp_over_ddp_peak_bytes", peak["fsdp"] / peak["ddp"])},
+            "details": {"planned_peak_bytes_2_workers": peak}}
+
+
+def measure_ac_and_lora() -> dict[str, Any]:
+    """(b) activation bytes at the end of the forward (its phase peak less parameters and optimizer state: the
+    gradients are None then), with `enable_gradient_checkpointing` / without; (c) LoRA rank 16 on the default
+    targets against a full fine-tune: trainable parameters, AdamW state bytes, and a real checkpoint's bytes
+    (`save_checkpoint`: adapter.safetensors + optimizer.pt + ... against transformer.safetensors + ...)."""
+    from vidray.config import OptimConfig
+    from vidray.train.checkpoint import TrainState, save_checkpoint
+    from vidray.train.memory import measure_training_step
+    from vidray.train.optim import build_lr_scheduler, build_optimizer
+
+    torch.set_num_threads(1)
+    activations, steps = {}, {}
+    for name, model in (("full", _medium()), ("ac", _medium(ac=True)), ("lora", _medium(lora_rank=16))):
+        step = measure_training_step(model, _medium_inputs)
+        steps[name] = step
+        activations[name] = step.phase_peaks["forward"] - step.parameter_bytes - step.optimizer_bytes
+    checkpoint_bytes = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, model in (("full", _medium()), ("lora", _medium(lora_rank=16))):
+            optimizer = build_optimizer(model.parameters(), OptimConfig())
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.grad = torch.zeros_like(param)
+            optimizer.step()  # AdamW's state exists from the first step
+            folder = save_checkpoint(Path(tmp) / name, model=model, optimizer=optimizer,
+                                     lr_scheduler=build_lr_scheduler(optimizer, OptimConfig()),
+                                     train_state=TrainState(1, 0, 1, 1, "sha256:0"), job_config={})
+            checkpoint_bytes[name] = sum(f.stat().st_size for f in folder.iterdir())
+    total = sum(p.numel() for p in _medium().parameters())
+    return {
+        "figures": {
+            "ac_over_no_ac_activation_bytes": _figure("ac_over_no_ac_activation_bytes",
+                                                      activations["ac"] / activations["full"]),
+            "lora_trainable_fraction": _figure("lora_trainable_fraction", steps["lora"].trainable_parameters / total),
+            "lora_optimizer_bytes_ratio": _figure("lora_optimizer_bytes_ratio",
+                                                  steps["lora"].optimizer_bytes / steps["full"].optimizer_bytes),
+            "lora_checkpoint_bytes_ratio": _figure("lora_checkpoint_bytes_ratio",
+                                                   checkpoint_bytes["lora"] / checkpoint_bytes["full"]),
+        },
+        "details": {"activation_bytes": activations, "checkpoint_bytes": checkpoint_bytes,
+                    "peak_bytes": {k: v.peak_bytes for k, v in steps.items()},
+                    "medium_bucket": MEDIUM_BUCKET, "parameters": total},
+    }
+
+
+def measure_planner() -> dict[str, Any]:
+    """(d) `benchmarks/plan_accuracy.planner_vs_measured`: every CPU strategy on the tiny and medium presets."""
+    from benchmarks.plan_accuracy import planner_vs_measured
+
+    torch.set_num_threads(1)
+    rows = planner_vs_measured()
+    worst = max(rows, key=lambda r: abs(1 - r["ratio"]))
+    return {"figures": {"planner_peak_error": _figure("planner_peak_error", abs(1 - worst["ratio"]))},
+            "details": {"planner_rows": rows}}
 
 
 # ---- (e) compression hooks ----
@@ -207,7 +309,8 @@ def measure_one_worker_overhead(pairs: int = 3, steps: int = 100, warmup: int = 
             "details": {"one_worker_ratios": ratios, "one_worker_runs": runs}}
 
 
-PARTS = {"e": lambda a: measure_hooks(a.steps), "f": lambda a: {
+PARTS = {"a": lambda a: measure_fsdp_planned(), "b": lambda a: measure_ac_and_lora(),
+         "d": lambda a: measure_planner(), "e": lambda a: measure_hooks(a.steps), "f": lambda a: {
     **_merge(measure_bf16_step_time(), measure_one_worker_overhead(pairs=a.pairs))}}
 
 
