@@ -197,7 +197,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         # This job's optim section wins over the restored one (lr, betas, weight decay, eps, warmup schedule).
         lr_scheduler = apply_optim_config(optimizer, job.optim, step=state.step)
     if ema is not None and ema.num_updates == 0:
-        ema.reset_to(transformer)  # an EMA added on resume (or not yet updated) starts from these weights
+        ema.reset()  # an EMA added on resume (or not yet updated) starts from these weights
     index_hash = index.get("content_hash", "")
     data_rows = dataset_rows(shards_dir)
     data_hash = dataset_hash(data_rows)
@@ -333,7 +333,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         precision.step(optimizer)
         lr_scheduler.step()
         if ema is not None:
-            ema.maybe_update(transformer, step)
+            ema.maybe_update(step)
         step_losses.append(loss)
         step_grad_norms.append(grad_norm.detach().float())
         window_steps += 1
@@ -458,8 +458,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     if rank == 0:
         transformer.eval()
         encoders = family.build_encoders(job.model, seed=job.train.seed)  # the export's VAE and text encoder
-        exported = ema.module if job.export.weights == "ema" else transformer
-        components = Components(transformer=exported, vae=encoders.vae, text_encoder=encoders.text_encoder,
+        if job.export.weights == "ema":
+            ema.copy_to(transformer)  # training is over: the export holds the averages
+        components = Components(transformer=transformer, vae=encoders.vae, text_encoder=encoders.text_encoder,
                                 tokenizer=encoders.tokenizer)
         if remote:
             from vidray.data.storage import upload_dir
