@@ -237,8 +237,14 @@ def apply_fsdp(transformer: torch.nn.Module, mesh, mp_policy, reshard_after_forw
     module is changed in place and returned (its class becomes an `FSDPModule`). The optimizer must be built
     after this call (it must see the sharded parameters). Raises ValueError for a model without
     `transformer_blocks`."""
+    import warnings
+
     from torch.distributed.fsdp import fully_shard
 
+    # FSDP2 warns at every forward that the root returned a view (diffusers' `return_dict=False` tuple): an in-place
+    # op on it would skip the backward all-gather. vidray's loss reads `model_pred` out of place only
+    # (`vidray.train.step.flow_matching_step_loss`), so the warning says nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     blocks = getattr(transformer, "transformer_blocks", None)
     if not isinstance(blocks, torch.nn.ModuleList):
         raise ValueError(f"scaling.strategy: fsdp: {type(transformer).__name__} has no transformer_blocks to shard; "
