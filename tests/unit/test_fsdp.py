@@ -110,9 +110,10 @@ def _full_state(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state.items()}
 
 
-def _sharded(seed: int = 0):
+def _sharded(seed: int = 0, strategy: str = "fsdp", shard_group_size: int | None = None):
     transformer = _transformer(seed)
-    apply_fsdp(transformer, device_mesh("fsdp", device_type="cpu"), mixed_precision_policy("no"))
+    mesh = device_mesh(strategy, shard_group_size=shard_group_size, device_type="cpu")
+    apply_fsdp(transformer, mesh, mixed_precision_policy("no"))
     return transformer
 
 
@@ -123,8 +124,9 @@ def _worker(rank: int, world: int, port: int, task: str, tmp: str) -> None:
     tmp_path = Path(tmp)
     result: dict = {}
     try:
-        if task == "train":
-            model = _sharded()
+        if task.startswith("train"):  # train (fsdp), train_hsdp (2 groups of 1: replicated), train_hsdp2 (1 of 2)
+            strategy, group = {"train": ("fsdp", None), "train_hsdp": ("hsdp", 1), "train_hsdp2": ("hsdp", 2)}[task]
+            model = _sharded(strategy=strategy, shard_group_size=group)
             assert is_sharded(model)
             result["steps"] = _train_steps(model, _optimizer(model), range(1, 4), rank, world, per_rank=True)
             result["weights"] = _full_state(model)
@@ -209,8 +211,9 @@ def _reference_steps(per_rank_world: int) -> tuple[list[list[float]], dict[str, 
     return out, model.state_dict()
 
 
-def test_fsdp_trains_like_the_unsharded_model_with_a_global_grad_norm_and_accumulation(tmp_path):
-    got = _run("train", 2, tmp_path)
+@pytest.mark.parametrize("task", ["train", "train_hsdp"])
+def test_fsdp_trains_like_the_unsharded_model_with_a_global_grad_norm_and_accumulation(task, tmp_path):
+    got = _run(task, 2, tmp_path)
     want, weights = _reference_steps(2)
     for (loss, norm), (ref_loss, ref_norm) in zip(got["steps"], want, strict=True):
         assert loss == pytest.approx(ref_loss, rel=1e-5)

@@ -26,6 +26,14 @@ returns. A failed copy is retried (`UPLOAD_ATTEMPTS`), then fails the run attemp
 manifest goes last, a failed or killed copy never looks complete (torchtitan's "only resumable when complete";
 STYLE.md rule 7).
 
+Sharded checkpoints (`scaling.strategy: fsdp | hsdp`) keep this layout with the model and optimizer in a DCP part
+folder: `dcp/.metadata` and `dcp/__<rank>_0.distcp` (every rank's shards, `torch.distributed.checkpoint.save`,
+synchronous) instead of `transformer.safetensors` / `optimizer.pt`, and `layout: dcp` in the manifest, which lists
+every rank's file with its size and sha256 (gathered to rank 0). Every rank writes its own temp folder and reports
+it to Ray Train with the same `checkpoint_dir_name` and `CheckpointManager.ray_shard_upload_fn`; rank 0's copy
+writes the manifest only after every listed file is in the run folder (`save_sharded_checkpoint`,
+`load_sharded_checkpoint`: DCP reshards on load, so any worker count, and a DDP run, can resume it).
+
 Format versions: 3 (this one) lists the parts present in the manifest and stores the optimizer state by parameter
 name. 2 recorded `files: {part: {size_bytes, sha256}}` with the optimizer's own `state_dict()` (parameters by index);
 1 (vidray before per-file hashes) recorded only the part names: such checkpoints still load (format 1 checked for
