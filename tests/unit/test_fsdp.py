@@ -155,6 +155,14 @@ def _worker(rank: int, world: int, port: int, task: str, tmp: str) -> None:
             result["weights"] = _full_state(model)
             result["steps"] = _train_steps(model, optimizer, range(3, 5), rank, world, per_rank=False)
             result["non_finite"] = non_finite_parameters(model)
+        elif task == "load_plain":  # scaling.strategy fsdp -> ddp: a sharded checkpoint into replicated models
+            model = _transformer(seed=1)
+            optimizer = _optimizer(model)
+            load_checkpoint(tmp_path / "run" / NAME, transformer=model, optimizer=optimizer,
+                            lr_scheduler=_lr_scheduler(optimizer))
+            states = [None] * world
+            dist.all_gather_object(states, {k: v.clone() for k, v in model.state_dict().items()})
+            result["weights_per_rank"] = states
         elif task == "meta":
             cfg = ModelConfig(text_encoder="tiny_random", init="pretrained", pretrained_path=str(tmp_path / "pretrained"))
             model, folder = FAMILY.build_transformer_on_meta(cfg)
@@ -240,6 +248,10 @@ def test_sharded_checkpoint_saves_manifest_last_and_resumes_on_1_and_2_processes
         else:
             for (a, b), (c, d) in zip(loaded["steps"], saved["steps"], strict=True):
                 assert a == pytest.approx(c, rel=1e-5) and b == pytest.approx(d, rel=1e-4)
+    # into plain (replicated, DDP-style) models on 2 processes: every rank holds all of it
+    for state in _run("load_plain", 2, tmp_path)["weights_per_rank"]:
+        for name, value in saved["weights"].items():
+            assert torch.equal(state[name], value), name
     # into a plain (unsharded, DDP-style) model without a process group, and as the serving path reads it
     plain = _transformer(seed=1)
     optimizer = _optimizer(plain)

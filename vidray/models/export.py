@@ -274,8 +274,10 @@ def load_transformer_state(directory: str | Path) -> "dict[str, torch.Tensor]":
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-        state = _read_part(directory, "dcp/.metadata", lambda p: _load_state_dict_from_keys(
-            keys={"model"}, storage_reader=FileSystemReader(str(p.parent))))
+        with warnings.catch_warnings():  # one process without a process group is what serving is
+            warnings.filterwarnings("ignore", message=r"torch.distributed is .*uninitialized")
+            state = _read_part(directory, "dcp/.metadata", lambda p: _load_state_dict_from_keys(
+                keys={"model"}, storage_reader=FileSystemReader(str(p.parent))))
         return {k: v for k, v in state["model"].items()}
     return _read_part(directory, "transformer.safetensors", lambda p: load_file(str(p)))
 

@@ -49,6 +49,7 @@ import os
 import signal
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -634,7 +635,9 @@ def load_sharded_checkpoint(
     train_state = read_train_state(directory)
     state = {"model": get_model_state_dict(transformer), "optimizer": get_optimizer_state_dict(transformer, optimizer)}
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory / DCP_DIR)))
+        with warnings.catch_warnings():  # one process without a process group (a plain model) loads it too
+            warnings.filterwarnings("ignore", message=r"torch.distributed is .*uninitialized")
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory / DCP_DIR)))
         set_model_state_dict(transformer, state["model"])
         set_optimizer_state_dict(transformer, optimizer, state["optimizer"])
     except (RuntimeError, KeyError, ValueError) as err:
