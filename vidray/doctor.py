@@ -15,7 +15,8 @@ what `vidray train` would do or refuse, without reserving anything or training:
 - the cluster: with `RAY_ADDRESS`, it joins the cluster (no resources reserved; an address where nothing answers,
   or the dashboard's URL, is a FAIL at once: `vidray.runtime.check_ray_address`) and checks its nodes, labels and
   resources (the autoscaler's limit included) against the job; without it, the local cluster `vidray train`
-  would start here.
+  would start here. On a cluster with GPUs, a GPU job's predicted per-GPU memory (`vidray.train.plan`): FAIL,
+  naming the strategy that fits, when its own is predicted not to.
 
 Each finding is one line, `ok`, `warn` or `FAIL`, with the fix for the last two. `check_environment`, `check_job` and
 `check_cluster` return them; the CLI (`vidray.cli.cmd_doctor`) prints them and exits 1 when any is `FAIL`.
@@ -290,6 +291,7 @@ def check_cluster(job: Any | None) -> list[Finding]:
         if job is not None:
             found.extend(_resource_findings(job, resources, None, LOCAL_RAY, check_resources,
                                             check_encode_resources if latent_cache_root(job) else None))
+            found.extend(_memory_findings(job, resources, local=True))
             if any(getattr(job.placement, s).label_selector for s in ("dit", "decode", "vae", "text")):
                 found.append(Finding("ok", "placement", "the local node has no vidray labels: every stage runs on "
                                      "it, its label_selector dropped (`vidray.placement`)"))
@@ -336,6 +338,7 @@ def check_cluster(job: Any | None) -> list[Finding]:
         if job is not None:
             found.extend(_resource_findings(job, resources, autoscaler_max, "the cluster", check_resources,
                                             check_encode_resources if latent_cache_root(job) else None))
+            found.extend(_memory_findings(job, resources, local=False))
             try:
                 _, lines = _captured(lambda: resolve_placement(job, nodes, autoscaler=autoscaler_max is not None))
                 found.extend(Finding("warn" if line.startswith("warning") else "ok", "placement", line)
@@ -376,3 +379,24 @@ def _resource_findings(job: Any, resources: dict[str, float], autoscaler_max: di
             found.append(Finding("fail", topic, str(err)))
     return found
 
+
+
+def _memory_findings(job: Any, resources: dict[str, float], *, local: bool) -> list[Finding]:
+    """The memory planner's verdict on a GPU cluster (`vidray.train.plan.check_cluster_fits`, what `train` refuses
+    before reserving GPUs): nothing on a cluster without GPUs or for a CPU job."""
+    from vidray.errors import UserError
+    from vidray.train.plan import check_cluster_fits
+
+    gpu_memory = None
+    if local and resources.get("GPU", 0):
+        import torch
+
+        if torch.cuda.is_available():
+            gpu_memory = torch.cuda.get_device_properties(0).total_memory
+    try:
+        line = check_cluster_fits(job, resources, gpu_memory_bytes=gpu_memory)
+    except UserError as err:
+        return [Finding("fail", "memory", str(err))]
+    if line is None:
+        return []
+    return [Finding("warn" if "unknown" in line else "ok", "memory", line)]

@@ -22,6 +22,7 @@ from vidray.models.export import (  # re-exported: these lived here before the s
     _check_model_kind,
     inspect_model,
     load_model,
+    lora_path_problem,
     write_job_file,
 )
 
@@ -106,6 +107,7 @@ def check_generate_args(
     guidance_scale: float = 1.0,
     fps: float = 8.0,
     seed: int = 0,
+    lora: str | Path | None = None,
 ) -> tuple[ModelInfo, Bucket]:
     """Check every `generate_to_file` argument without loading any weights; returns the model's configs and the
     bucket to sample.
@@ -116,7 +118,8 @@ def check_generate_args(
     or a URI of one (`s3://bucket/runs/<name>/diffusers`: downloaded once into the local model cache in pass 2;
     `inspect_model`); bucket ('9x64x64' or a Bucket; default the model's first training bucket) a shape the
     model's family can make (H, W multiples of 16, num_frames 1 or 4k+1 for EasyAnimate). A bucket the model
-    was not trained at is allowed (`generate_to_file` then logs a warning).
+    was not trained at is allowed (`generate_to_file` then logs a warning). lora: None, or a local LoRA folder
+    (`<run>/diffusers/lora`) or .safetensors file (`vidray.models.export.lora_path_problem`).
 
     Two passes: first the arguments themselves and the model folder's kind (file checks, no torch import), then
     the model's configs and the bucket against its family. Raises GenerateArgumentError listing every bad
@@ -147,6 +150,10 @@ def check_generate_args(
         except ValueError as err:
             problems.append(f"--bucket: {err}")
 
+    if lora is not None:
+        lora_problem = lora_path_problem(lora)
+        if lora_problem:
+            problems.append(f"--lora {lora_problem}")
     try:
         _check_model_kind(model_path)  # a folder, or a URI (a metadata request, no download)
     except UserError as err:
@@ -200,18 +207,22 @@ def generate_to_file(
     guidance_scale: float = 1.0,
     fps: float = 8.0,
     seed: int = 0,
+    lora: str | Path | None = None,
 ) -> Path:
     """Generate one video for `prompt` and write it as H.264 mp4 at `fps` frames/s. Returns the mp4 path.
 
     `bucket` ('9x64x64' or a Bucket) defaults to the model's first multi-frame training bucket. Every argument
     is checked first (`check_generate_args`, which lists the rules), before any weights load. A prompt longer
     than the model's `max_sequence_length` tokens is cut to it, with a logged warning naming the dropped count.
-    Raises GenerateArgumentError (before any weights load) and GenerateOutputError when the mp4 cannot be written.
+    `lora`: a LoRA (`<run>/diffusers/lora`, or a .safetensors file) merged into the transformer before sampling
+    (`load_model(..., lora_path=lora)`; a LoRA run's own export or checkpoint needs none: its adapters are merged
+    already). Raises GenerateArgumentError (before any weights load), `vidray.models.lora.LoraLoadError` for a
+    LoRA that does not fit the model, and GenerateOutputError when the mp4 cannot be written.
     """
     # 1. Check every argument (no weights yet).
     info, bucket = check_generate_args(
         model_path, prompt, output, bucket=bucket, num_inference_steps=num_inference_steps,
-        guidance_scale=guidance_scale, fps=fps, seed=seed,
+        guidance_scale=guidance_scale, fps=fps, seed=seed, lora=lora,
     )
     if info.buckets and bucket not in info.buckets:
         logger.warning("bucket %s is not one the model was trained at (%s); sampling it anyway",
@@ -225,7 +236,7 @@ def generate_to_file(
     from vidray.logs import quiet_diffusers
 
     quiet_diffusers()  # "Loading pipeline components..." bars (vidray.logs)
-    model = load_model(model_path)
+    model = load_model(model_path, lora_path=lora)
     warn_if_prompt_truncated(model.components.tokenizer, prompt, model.max_sequence_length)
     started = time.monotonic()
     last_shown = [started]

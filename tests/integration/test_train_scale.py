@@ -51,11 +51,40 @@ def test_bf16_ac_powersgd_accumulation_and_ema_resume_exactly_and_export_the_ema
             assert torch.equal(hooks[0]["per_rank"][rank]["error_dict"][key], value)
 
     # The export holds the EMA (export.weights: ema), not the trained weights: 3 updates at decay 0.9 differ.
-    ema = {k.removeprefix("module."): v for k, v in load_file(reference / "ema.safetensors").items() if k != "n_averaged"}
+    ema = {k.removeprefix("module.params.").replace("__", "."): v
+           for k, v in load_file(reference / "ema.safetensors").items() if k != "n_averaged"}
     trained = load_file(reference / "transformer.safetensors")
     exported = {}
     for path in (Path(whole.diffusers_dir) / "transformer").glob("*.safetensors"):
         exported.update(load_file(path))
-    assert exported.keys() == ema.keys()
+    assert ema.keys() < exported.keys()  # the trainable parameters (the frozen ones are their own average)
     assert all(torch.equal(exported[k], ema[k]) for k in ema)
     assert any(not torch.equal(trained[k], ema[k]) for k in ema)
+
+
+def test_lora_run_trains_only_adapters_checkpoints_them_resumes_exactly_and_exports_base_plus_lora(
+        local_ray, shards_dir, tmp_path):
+    lora = ["model.lora.rank=4", "train.activation_checkpointing=full"]
+
+    def job(name, max_steps, *extra):
+        return load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
+            f"data.shards_dir={shards_dir}", f"storage.path={tmp_path}", f"name={name}",
+            "model.text_encoder=tiny_random", "train.log_every_steps=2", "checkpoint.every_steps=2",
+            "checkpoint.num_to_keep=null", f"train.max_steps={max_steps}", *lora, *extra])
+
+    whole = run_training(job("whole", 4))
+    resumed = run_training(job("resumed", 4, f"checkpoint.resume_from={whole.run_dir / 'checkpoint_000002'}"))
+    assert resumed.first_step == 3
+    expected = dict((int(s), v) for s, v in whole.losses)
+    assert [(int(s), v) for s, v in resumed.losses] == [(s, expected[s]) for s in (3, 4)]
+    reference = whole.run_dir / "checkpoint_000004"
+    parts = {p.name for p in reference.iterdir()}
+    assert "adapter.safetensors" in parts and "transformer.safetensors" not in parts
+    adapters, again = load_file(reference / "adapter.safetensors"), load_file(Path(resumed.checkpoint_path) / "adapter.safetensors")
+    assert adapters and all(".lora_A." in k or ".lora_B." in k for k in adapters)
+    assert adapters.keys() == again.keys() and all(torch.equal(adapters[k], again[k]) for k in adapters)
+    # The export: the stock base pipeline plus lora/ (diffusers' and peft's files).
+    export = Path(whole.diffusers_dir)
+    assert (export / "model_index.json").is_file()
+    assert {"pytorch_lora_weights.safetensors", "adapter_config.json", "adapter_model.safetensors"} <= {
+        p.name for p in (export / "lora").iterdir()}

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from vidray.config import (
+    DICT_LEAVES,
     RESUME_CHANGEABLE,
     RESUME_FIXED,
     RESUME_RULES,
@@ -29,7 +30,9 @@ def leaf_fields(cls=JobConfig, prefix: str = "") -> set[str]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
+        if f.name in DICT_LEAVES:  # a section compared as one value (model.lora)
+            out.add(f"{prefix}{f.name}")
+        elif dataclasses.is_dataclass(hint):
             out |= leaf_fields(hint, f"{prefix}{f.name}.")
         elif typing.get_origin(hint) in (typing.Union, types.UnionType) and any(
                 dataclasses.is_dataclass(a) for a in typing.get_args(hint)):  # an optional section: null or its keys

@@ -340,11 +340,19 @@ def _job(**scaling) -> dict:
     ({"strategy": "fsdp"}, {"grad_compression": "fp16"}, r"train.grad_compression: fp16 .*reduce_dtype"),
     ({"strategy": "fsdp"}, {"ema": {"decay": 0.99}}, r"train.ema is not supported with scaling.strategy: fsdp"),
     ({"strategy": "zero3"}, {}, r"scaling.strategy"),
+    ({"strategy": "fsdp"}, {"mixed_precision": "fp16"}, r"fp16"),
 ])
 def test_bad_strategy_settings_are_refused_at_load_with_the_dotted_key(scaling, train, message):
     raw = _job(**scaling)
     raw["train"] = train
     with pytest.raises((ConfigError, ValueError), match=message):
+        job_config_from_dict(raw)
+
+
+def test_lora_is_refused_with_fsdp_naming_the_key():
+    raw = _job(strategy="fsdp")
+    raw["model"] = {"lora": {"rank": 4}}
+    with pytest.raises((ConfigError, ValueError), match=r"model.lora is not supported with scaling.strategy: fsdp"):
         job_config_from_dict(raw)
 
 

@@ -115,33 +115,50 @@ def test_activation_checkpointing_setting_is_checked_at_config_load():
     assert apply_activation_checkpointing(_transformer(), "none") == 0
 
 
-def test_ema_averages_every_n_steps_is_checkpointed_restored_and_added_on_resume_from_the_weights(tmp_path):
+def test_ema_averages_the_trainable_parameters_every_n_steps_is_checkpointed_restored_and_reset(tmp_path):
     transformer = _transformer()
     ema = EMA(transformer, EMAConfig(decay=0.75, update_every_steps=2))
-    param, ema_param = transformer.proj_out.weight, ema.module.proj_out.weight
+    trainable = {n for n, p in transformer.named_parameters() if p.requires_grad}
+    assert set(ema.averages()) == trainable and len(trainable) < len(list(transformer.parameters()))  # frozen: not
+    param = transformer.proj_out.weight
     history = []
     for step in range(1, 5):
         with torch.no_grad():
             param.add_(1.0)
         history.append(param.detach().clone())
-        assert ema.maybe_update(transformer, step) == (step % 2 == 0)
+        assert ema.maybe_update(step) == (step % 2 == 0)
     # step 2: the first update copies the weights; step 4: 0.75 * ema + 0.25 * weights.
-    torch.testing.assert_close(ema_param, 0.75 * history[1] + 0.25 * history[3])
+    torch.testing.assert_close(ema.averages()["proj_out.weight"], 0.75 * history[1] + 0.25 * history[3])
     assert ema.num_updates == 2
 
     optimizer = build_optimizer(transformer.parameters(), job_config_from_dict({}).optim)
     scheduler = build_lr_scheduler(optimizer, job_config_from_dict({}).optim)
     save_checkpoint(tmp_path / "c", model=transformer, optimizer=optimizer, lr_scheduler=scheduler,
                     train_state=TrainState(4, 0, 4, 1, "sha256:abc"), job_config={}, ema=ema.averaged)
-    restored = EMA(_transformer(seed=1), EMAConfig(decay=0.75, update_every_steps=2))
     other = _transformer(seed=1)
+    restored = EMA(other, EMAConfig(decay=0.75, update_every_steps=2))
     other_optimizer = build_optimizer(other.parameters(), job_config_from_dict({}).optim)
     load_checkpoint(tmp_path / "c", transformer=other, optimizer=other_optimizer, ema=restored.averaged,
                     lr_scheduler=build_lr_scheduler(other_optimizer, job_config_from_dict({}).optim))
     assert restored.num_updates == 2
-    torch.testing.assert_close(restored.module.proj_out.weight, ema_param, rtol=0, atol=0)
-    restored.reset_to(transformer)  # what the loop does for a checkpoint without an EMA
-    assert restored.num_updates == 0 and torch.equal(restored.module.proj_out.weight, param)
+    assert torch.equal(restored.averages()["proj_out.weight"], ema.averages()["proj_out.weight"])
+    restored.copy_to(other)  # what the export does with export.weights: ema
+    assert torch.equal(other.proj_out.weight, ema.averages()["proj_out.weight"])
+    restored.reset()  # what the loop does for a checkpoint without an EMA
+    assert restored.num_updates == 0 and torch.equal(restored.averages()["proj_out.weight"], other.proj_out.weight)
+
+
+def test_a_lora_runs_ema_holds_only_the_adapters():
+    from vidray.config import LoraConfig
+    from vidray.models.lora import apply_lora
+
+    transformer = _transformer()
+    apply_lora(transformer, LoraConfig(rank=4), seed=0)
+    ema = EMA(transformer, EMAConfig())
+    assert ema.averages() and all(".lora_A." in n or ".lora_B." in n for n in ema.averages())
+    every_2 = _transformer()
+    apply_activation_checkpointing(every_2, "every_2")  # names gain _checkpoint_wrapped_module.
+    EMA(_transformer(), EMAConfig()).copy_to(every_2)
 
 
 def test_export_weights_ema_needs_train_ema_and_accumulation_sets_the_global_batch():

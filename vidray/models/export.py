@@ -54,16 +54,20 @@ __all__ = [
     "ModelFolderError",
     "ModelInfo",
     "PARTS",
+    "ADAPTER_PART",
     "READABLE_FORMAT_VERSIONS",
     "STOCK_MAX_SEQUENCE_LENGTH",
     "MODEL_CACHE_ENV",
     "MODEL_INDEX",
     "ModelDownloadError",
+    "export_pipeline",
     "fetch_model",
+    "lora_path_problem",
     "model_cache_dir",
     "file_sha256",
     "inspect_model",
     "load_model",
+    "load_adapter_state",
     "load_transformer_state",
     "read_job_config",
     "verify_checkpoint",
@@ -73,10 +77,22 @@ __all__ = [
 MANIFEST = "manifest.json"
 """The checkpoint's commit marker, written last."""
 PARTS = ("transformer.safetensors", "optimizer.pt", "lr_scheduler.pt", "train_state.json", "config.yaml")
-"""The parts every checkpoint holds."""
+"""The parts every checkpoint holds (a LoRA run's holds `ADAPTER_PART` in place of transformer.safetensors)."""
+ADAPTER_PART = "adapter.safetensors"
+"""A LoRA run's (`model.lora`) model part: only the adapters' tensors (`vidray.models.lora.adapter_state_dict`,
+megabytes where the full transformer is gigabytes), in place of transformer.safetensors. The base weights come
+from the model init that the checkpoint's config.yaml records (`model.init`, `model.pretrained_path`, the seed);
+the manifest records the adapters' shape under `lora` ({rank, alpha, dropout, target_modules})."""
 OPTIONAL_PARTS = ("ema.safetensors", "grad_scaler.pt", "comm_hook.pt")
 """Parts a checkpoint holds when the run has them (an EMA of the transformer, a mixed-precision grad scaler);
 format 3 lists the parts present in the manifest's `parts`."""
+LORA_DIR = "lora"
+"""The folder beside an exported pipeline that holds a LoRA run's adapters (`vidray.models.lora`)."""
+DIFFUSERS_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+"""diffusers' LoRA weights file (`LORA_WEIGHT_NAME_SAFE`)."""
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+"""peft's adapter config and weights files (`PeftModel.save_pretrained`)."""
 FORMAT_VERSION = 3
 READABLE_FORMAT_VERSIONS = (1, 2, 3)
 _HASH_CHUNK_BYTES = 8 * 1024 * 1024
@@ -170,9 +186,15 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def required_parts(adapter: bool) -> tuple[str, ...]:
+    """`PARTS`, with `ADAPTER_PART` in place of transformer.safetensors for a LoRA run's checkpoint."""
+    return tuple(ADAPTER_PART if adapter and p == "transformer.safetensors" else p for p in PARTS)
+
+
 def manifest_parts(manifest: dict[str, Any]) -> tuple[str, ...]:
-    """The parts a checkpoint's manifest says it holds: `PARTS`, plus the `OPTIONAL_PARTS` format 3 lists.
-    Raises DamagedCheckpointError when a format 3 manifest lacks a required part or names an unknown one."""
+    """The parts a checkpoint's manifest says it holds: `PARTS` (a LoRA checkpoint: `ADAPTER_PART` in place of
+    the transformer's), plus the `OPTIONAL_PARTS` format 3 lists. Raises DamagedCheckpointError when a format 3
+    manifest lacks a required part or names an unknown one."""
     if manifest.get("format_version", 0) < 3:
         return PARTS
     if manifest.get("layout") == "dcp":  # sharded (vidray.train.checkpoint.save_sharded_checkpoint)
@@ -187,15 +209,16 @@ def manifest_parts(manifest: dict[str, Any]) -> tuple[str, ...]:
                 part=MANIFEST)
         return listed
     listed = tuple(manifest.get("parts") or ())
-    unknown = [p for p in listed if p not in PARTS + OPTIONAL_PARTS]
-    absent = [p for p in PARTS if p not in listed]
+    required = required_parts(ADAPTER_PART in listed)
+    unknown = [p for p in listed if p not in required + OPTIONAL_PARTS]
+    absent = [p for p in required if p not in listed]
     if unknown or absent:
         raise DamagedCheckpointError(
             f"{MANIFEST} lists parts {list(listed)}: "
             + (f"unknown {unknown}" if unknown else f"without the required {absent}")
             + "; use an earlier checkpoint", part=MANIFEST,
         )
-    return PARTS + tuple(p for p in OPTIONAL_PARTS if p in listed)
+    return required + tuple(p for p in OPTIONAL_PARTS if p in listed)
 
 
 def verify_checkpoint(directory: str | Path, *, hashes: bool = True) -> dict[str, Any]:
@@ -265,7 +288,8 @@ def _read_part(directory: Path, part: str, reader) -> Any:
 
 
 def load_transformer_state(directory: str | Path) -> "dict[str, torch.Tensor]":
-    """The transformer state dict of a verified checkpoint, on CPU (sizes and hashes checked first)."""
+    """The transformer state dict of a verified checkpoint, on CPU (sizes and hashes checked first). Raises
+    CheckpointError for a LoRA run's checkpoint (it holds only adapters: `load_adapter_state`)."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -279,7 +303,23 @@ def load_transformer_state(directory: str | Path) -> "dict[str, torch.Tensor]":
             state = _read_part(directory, "dcp/.metadata", lambda p: _load_state_dict_from_keys(
                 keys={"model"}, storage_reader=FileSystemReader(str(p.parent))))
         return {k: v for k, v in state["model"].items()}
+    if ADAPTER_PART in manifest_parts(manifest):
+        raise CheckpointError(f"checkpoint {directory} holds LoRA adapters only ({ADAPTER_PART}), not the whole "
+                              "transformer: load it with load_model (base model + adapters)",
+                              directory=directory, part=ADAPTER_PART)
     return _read_part(directory, "transformer.safetensors", lambda p: load_file(str(p)))
+
+
+def load_adapter_state(directory: str | Path) -> "dict[str, torch.Tensor]":
+    """The LoRA adapters of a verified LoRA-run checkpoint (`ADAPTER_PART`, `vidray.models.lora.adapter_state_dict`
+    naming), on CPU. Raises CheckpointError when the checkpoint holds the full transformer instead."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if ADAPTER_PART not in manifest_parts(verify_checkpoint(directory)):
+        raise CheckpointError(f"checkpoint {directory} holds the full transformer, not LoRA adapters",
+                              directory=directory, part="transformer.safetensors")
+    return _read_part(directory, ADAPTER_PART, lambda p: load_file(str(p)))
 
 
 @dataclass(frozen=True)
@@ -479,21 +519,98 @@ def fetch_model(uri: str) -> Path:
     return target
 
 
-def load_model(path: str | Path) -> LoadedModel:
+def load_model(path: str | Path, *, lora_path: str | Path | None = None) -> LoadedModel:
     """Load a diffusers folder or a vidray checkpoint folder for sampling (see the module docstring); `path` may
     be a URI (`s3://...`), read through the local model cache (`inspect_model`, `fetch_model`).
 
-    Raises as `inspect_model` does (before any weights load).
+    A LoRA run's model comes back with its adapters merged into the transformer (`vidray.models.lora`): a
+    checkpoint holding `ADAPTER_PART` is the base its config describes (`model.init`, the seed) plus those
+    adapters; an export is its base pipeline plus the adapters in `<export>/lora/`. `lora_path` (a local LoRA
+    folder or file, `vidray.models.lora.read_lora_weights`) is then merged in as well: what `vidray generate --lora`
+    and the serve config's `lora_path` give.
+
+    Raises as `inspect_model` does (before any weights load); CheckpointError for a LoRA checkpoint whose adapters
+    do not fit its config; `vidray.models.lora.LoraLoadError` for a `lora_path` that cannot be read or does not
+    fit the transformer.
     """
     info = inspect_model(path)
     if info.kind == "checkpoint":
         components = info.family.build(info.job.model, seed=info.job.train.seed)
-        components.transformer.load_state_dict(load_transformer_state(info.path))
+        if ADAPTER_PART in manifest_parts(_read_manifest(info.path)):
+            _merge_checkpoint_adapters(components.transformer, info)
+        else:
+            components.transformer.load_state_dict(load_transformer_state(info.path))
     else:
         components = info.family.load_pretrained(info.path)
+        if (info.path / LORA_DIR).is_dir():  # a LoRA run's export: its adapters beside the base pipeline
+            from vidray.models.lora import load_lora_into
+
+            load_lora_into(components.transformer, info.path / LORA_DIR)
+    if lora_path is not None:
+        from vidray.models.lora import load_lora_into
+
+        load_lora_into(components.transformer, lora_path)
     for module in (components.transformer, components.vae, components.text_encoder):
         module.eval()
     return LoadedModel(info.family, components, info.flow, info.max_sequence_length, list(info.buckets))
+
+
+def lora_path_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be a LoRA to load (`vidray.models.lora.read_lora_weights`), from file checks alone (no
+    torch, no read), or None: it must be a local .safetensors file, or a folder holding
+    `DIFFUSERS_LORA_WEIGHTS` or `PEFT_WEIGHTS` (an export's `<run>/diffusers/lora`, or the export itself)."""
+    if is_uri(path):
+        return f"{path} is a URI; a LoRA must be a local folder or file (copy it here first)"
+    path = Path(path)
+    if not path.exists():
+        return f"{path} does not exist; give the adapters' folder (<run>/diffusers/{LORA_DIR}) or a .safetensors file"
+    if path.is_file():
+        return None if path.suffix == ".safetensors" else f"{path} is not a .safetensors file"
+    if any((path / name).is_file() for name in (DIFFUSERS_LORA_WEIGHTS, PEFT_WEIGHTS)):
+        return None
+    hint = f" (it has {LORA_DIR}/: give {path / LORA_DIR})" if (path / LORA_DIR).is_dir() else ""
+    return f"folder {path} holds neither {DIFFUSERS_LORA_WEIGHTS} nor {PEFT_WEIGHTS}{hint}"
+
+
+def _merge_checkpoint_adapters(transformer: "torch.nn.Module", info: ModelInfo) -> None:
+    """Apply the checkpoint's `model.lora`, load its `ADAPTER_PART`, merge. Raises CheckpointError when its
+    config has no model.lora or the adapters do not fit it."""
+    from vidray.models.lora import apply_lora, load_adapter_state_dict, merge_lora
+
+    if info.job.model.lora is None:
+        raise CheckpointError(f"checkpoint {info.path} holds LoRA adapters ({ADAPTER_PART}) but its config.yaml has "
+                              "no model.lora: it was not written by vidray", directory=info.path, part="config.yaml")
+    apply_lora(transformer, info.job.model.lora)
+    try:
+        load_adapter_state_dict(transformer, load_adapter_state(info.path))
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {info.path}: {ADAPTER_PART} does not fit its config's model.lora ({err})",
+                              directory=info.path, part=ADAPTER_PART) from None
+    merge_lora(transformer)
+
+
+def export_pipeline(family: "ModelFamily", components: "Components", out_dir: str | Path, flow: FlowConfig) -> Path:
+    """The end-of-run diffusers export, for full and LoRA runs alike: `family.save_pipeline(components, out_dir,
+    flow)` (a complete stock pipeline folder, written to a temp folder and renamed); when the transformer holds
+    LoRA adapters, the pipeline is written with the BASE transformer (the adapters swapped out meanwhile,
+    `vidray.models.lora.without_lora`: nothing is copied or merged) and the adapters go to `<out_dir>/lora/`
+    (`vidray.models.lora.save_lora_weights`: diffusers' `pytorch_lora_weights.safetensors` and peft's
+    `adapter_config.json` + `adapter_model.safetensors`).
+
+    Loading it: `load_model(out_dir)` (vidray generate, serve) merges the adapters itself. A stock diffusers
+    `EasyAnimatePipeline` (no LoRA loader in diffusers 0.42.1) takes them through peft:
+    `pipe = EasyAnimatePipeline.from_pretrained(out_dir)`, then `peft.PeftModel.from_pretrained(pipe.transformer,
+    f"{out_dir}/lora")` (injects into `pipe.transformer` in place). Write the job file (`write_job_file`) after
+    this call: the pipeline folder is replaced as a whole. Returns `out_dir`.
+    """
+    from vidray.models.lora import has_lora, save_lora_weights, without_lora
+
+    if not has_lora(components.transformer):
+        return family.save_pipeline(components, out_dir, flow)
+    with without_lora(components.transformer):
+        family.save_pipeline(components, out_dir, flow)
+    save_lora_weights(components.transformer, Path(out_dir) / LORA_DIR)
+    return Path(out_dir)
 
 
 def write_job_file(diffusers_dir: str | Path, job: JobConfig) -> Path:

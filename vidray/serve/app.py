@@ -140,7 +140,12 @@ class ServeSettings(_Section):
 
     model_path: str
     """A diffusers folder written by training (`<run>/diffusers`) or a checkpoint folder; relative paths are taken
-    from the folder `serve run` / `serve deploy` ran in."""
+    from the folder `serve run` / `serve deploy` ran in. A LoRA run's export or checkpoint is served with its
+    adapters merged."""
+    lora_path: str | None = None
+    """LoRA adapters merged into the Denoiser's transformer when it loads: a local folder (`<run>/diffusers/lora`,
+    or peft's adapter_config.json + adapter_model.safetensors) or .safetensors file on every Denoiser node;
+    relative paths as `model_path`. null: none."""
     model_name: str = "vidray"
     """The `model` string of responses; requests may omit `model` or give exactly this."""
     store_dir: str = "outputs/serve"
@@ -648,7 +653,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     token (unless auth.disabled), the model folder (config files only), the policy against the Denoiser's
     max_ongoing_requests. Raises ServeSettingsError naming the key and the fix.
     """
-    from vidray.models.export import inspect_model
+    from vidray.models.export import inspect_model, lora_path_problem
 
     try:
         settings = ServeSettings(**(args or {}))
@@ -660,7 +665,12 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         "model_path": (settings.model_path if is_uri(settings.model_path)  # a URI: fetched into the model cache
                        else str((root / settings.model_path).resolve())),
         "store_dir": str((root / settings.store_dir).resolve()),
+        "lora_path": None if settings.lora_path is None else str((root / settings.lora_path).resolve()),
     })
+    if settings.lora_path is not None:
+        problem = lora_path_problem(settings.lora_path)
+        if problem:
+            raise ServeSettingsError(f"lora_path: {problem}")
     try:
         info = inspect_model(settings.model_path)
     except UserError as err:
@@ -682,6 +692,6 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     return VideoIngress.bind(
         settings.model_dump(), auth_token,
         TextEncoder.bind(settings.model_path),
-        denoiser.bind(settings.model_path, settings.policy.model_dump()),
+        denoiser.bind(settings.model_path, settings.policy.model_dump(), settings.lora_path),
         VaeDecoder.bind(settings.model_path),
     )

@@ -59,14 +59,14 @@ def _max_ongoing_requests() -> int | None:
         return None
 
 
-def _load(model_path: str):
-    """The model folder's components, on this replica's GPU when it has one (`ray_actor_options.num_gpus`),
-    else the CPU."""
+def _load(model_path: str, lora_path: str | None = None):
+    """The model folder's components (with the LoRA at `lora_path` merged into the transformer, when given), on
+    this replica's GPU when it has one (`ray_actor_options.num_gpus`), else the CPU."""
     import torch
 
     from vidray.models.export import load_model
 
-    model = load_model(model_path)
+    model = load_model(model_path, lora_path=lora_path)
     if torch.cuda.is_available():
         for module in (model.components.transformer, model.components.vae, model.components.text_encoder):
             module.to("cuda")
@@ -180,8 +180,8 @@ class Denoiser:
     (unix seconds). Noise is drawn as `vidray generate` draws it (`initial_noise(latent_shape, seed)`).
     """
 
-    def __init__(self, model_path: str, policy: dict[str, Any]):
-        model = _load(model_path)
+    def __init__(self, model_path: str, policy: dict[str, Any], lora_path: str | None = None):
+        model = _load(model_path, lora_path)
         self.family, self.flow = model.family, model.flow
         self.transformer = model.components.transformer.eval()
         del model

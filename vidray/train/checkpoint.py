@@ -1,7 +1,9 @@
 """Training checkpoints made of named parts, complete, verified, or refused; and the one owner of a run's checkpoints.
 
 A checkpoint folder `<storage.path>/<name>/checkpoint_<step:06d>` holds:
-- `transformer.safetensors`: the trained transformer's state dict (unwrapped from DDP),
+- `transformer.safetensors`: the trained transformer's state dict (unwrapped from DDP); in a LoRA run's
+  (`model.lora`) checkpoint `adapter.safetensors` instead: only the adapters (`vidray.models.lora`), the base
+  weights being what the config's model init gives; the manifest then records them under `lora`,
 - `optimizer.pt`: the optimizer state keyed by parameter name (`torch.distributed.checkpoint.state_dict`'s
   `get_optimizer_state_dict`, so a sharded (FSDP) model saves and loads through the same helpers),
 - `lr_scheduler.pt`: its `state_dict()`,
@@ -62,6 +64,7 @@ from safetensors.torch import load_file, save_file
 
 from vidray.data.storage import download_dir, safe_join
 from vidray.models.export import (  # the format's read side lives in the models plane (serving reads it too)
+    ADAPTER_PART,
     FORMAT_VERSION,
     MANIFEST,
     PARTS,
@@ -75,13 +78,14 @@ from vidray.models.export import (  # the format's read side lives in the models
     load_transformer_state,
     manifest_parts,
     read_job_config,
+    required_parts,
     verify_checkpoint,
 )
 
 __all__ = [
     "CheckpointManager", "CheckpointUploadError", "checkpoint_dir_name", "checkpoint_step", "CheckpointError", "DamagedCheckpointError", "IncompleteCheckpointError", "TrainState", "dataset_mismatch",
     "file_sha256", "load_checkpoint", "load_transformer_state", "read_job_config", "read_train_state",
-    "save_checkpoint", "verify_checkpoint", "DATASET_ROWS", "FORMAT_VERSION", "MANIFEST", "PARTS",
+    "save_checkpoint", "verify_checkpoint", "ADAPTER_PART", "DATASET_ROWS", "FORMAT_VERSION", "MANIFEST", "PARTS",
     "READABLE_FORMAT_VERSIONS",
 ]
 
@@ -163,7 +167,9 @@ def save_checkpoint(
     with each part's size and sha256. Returns the folder.
 
     model: the transformer (plain or DDP-wrapped: `get_model_state_dict` unwraps it; the state is gathered to CPU in
-    full). optimizer: its state is saved by parameter name (`get_optimizer_state_dict`). ema, grad_scaler: saved as
+    full). A model with LoRA adapters (`vidray.models.lora.apply_lora`) saves only them, as `ADAPTER_PART` in place
+    of transformer.safetensors (`_save_model_part`). optimizer: its state is saved by parameter name
+    (`get_optimizer_state_dict`; a LoRA run's optimizer holds only the adapters). ema, grad_scaler: saved as
     `ema.safetensors` / `grad_scaler.pt` when given. comm_hook_state: every rank's DDP communication-hook state
     (`vidray.train.parallel.CommHook.gather_state`), saved as `comm_hook.pt` when given. `dataset`: the shards' `vidray.data.index.dataset_rows` table,
     written as `DATASET_ROWS` (optional, not a verified part: it only makes a refused resume say which samples
@@ -174,11 +180,10 @@ def save_checkpoint(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     options = _state_dict_options()
-    state = {k: v.detach().to("cpu").contiguous() for k, v in get_model_state_dict(model, options=options).items()}
-    save_file(state, str(directory / "transformer.safetensors"))
+    lora = _save_model_part(model, directory)
     torch.save(get_optimizer_state_dict(model, optimizer, options=options), directory / "optimizer.pt")
     torch.save(lr_scheduler.state_dict(), directory / "lr_scheduler.pt")
-    parts = list(PARTS)
+    parts = list(required_parts(lora is not None))
     if ema is not None:
         ema_state = get_model_state_dict(ema, options=options)
         save_file({k: v.detach().to("cpu").contiguous() for k, v in ema_state.items()}, str(directory / "ema.safetensors"))
@@ -196,8 +201,61 @@ def save_checkpoint(
     files = {part: {"size_bytes": (directory / part).stat().st_size, "sha256": file_sha256(directory / part)}
              for part in parts}
     manifest = {"format_version": FORMAT_VERSION, "parts": parts, "files": files, "step": train_state.step}
+    if lora is not None:
+        manifest["lora"] = lora
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return directory
+
+
+def _save_model_part(model: torch.nn.Module, directory: Path) -> dict[str, Any] | None:
+    """Write the model part: `ADAPTER_PART` (the LoRA adapters only) when `model` has adapters, and return their
+    shape {rank, alpha, dropout, target_modules} for the manifest; else transformer.safetensors (the full state
+    dict, gathered to CPU) and None."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from vidray.models.lora import adapter_state_dict, has_lora, lora_settings
+
+    if has_lora(model):
+        save_file(adapter_state_dict(model), str(directory / ADAPTER_PART))
+        return lora_settings(model)
+    state = get_model_state_dict(model, options=_state_dict_options())
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(directory / "transformer.safetensors"))
+    return None
+
+
+def _load_model_part(directory: Path, parts: tuple[str, ...], transformer: torch.nn.Module, load_module) -> None:
+    """Load the model part into `transformer`: the adapters of a LoRA checkpoint into a model with adapters, the
+    full state dict otherwise. Refuses (CheckpointError naming `model.lora`) a LoRA checkpoint for a model without
+    adapters and a full checkpoint for a model with them: neither is a resume of the same run."""
+    from vidray.models.lora import has_lora, load_adapter_state_dict
+
+    lora_model = has_lora(transformer)
+    if ADAPTER_PART in parts:
+        saved = _read_part(directory, MANIFEST, lambda p: json.loads(p.read_text())).get("lora")
+        if not lora_model:
+            raise CheckpointError(
+                f"checkpoint {directory} holds LoRA adapters only ({ADAPTER_PART}, model.lora: {saved}), but this "
+                "run has no model.lora: a LoRA checkpoint is not loaded as a full model; set model.lora as the "
+                "checkpoint's config.yaml has it to resume it", directory=directory, part=ADAPTER_PART,
+            )
+        state = _read_part(directory, ADAPTER_PART, lambda p: load_file(str(p)))
+        try:
+            load_adapter_state_dict(transformer, state)
+        except ValueError as err:
+            raise CheckpointError(
+                f"checkpoint {directory}: {ADAPTER_PART} does not fit this model ({err}); model.lora must match the "
+                f"config the checkpoint was trained with (model.lora: {saved})", directory=directory, part=ADAPTER_PART,
+            ) from None
+        return
+    if lora_model:
+        raise CheckpointError(
+            f"checkpoint {directory} holds the full transformer (a run without model.lora), but this run has "
+            "model.lora set: a full checkpoint is not resumed as a LoRA run; remove model.lora to resume it, or "
+            "train LoRA on its weights as a new run (export them, then model.init: pretrained with "
+            "model.pretrained_path: <run>/diffusers, under another name)",
+            directory=directory, part="transformer.safetensors",
+        )
+    load_module(transformer, "transformer.safetensors")
 
 
 def read_train_state(directory: str | Path) -> TrainState:
@@ -226,8 +284,11 @@ def load_checkpoint(
     check on the driver cannot vouch for the bytes a worker reads later (a remote checkpoint is downloaded again
     here, `CheckpointManager.load`). Format 3 loads through `torch.distributed.checkpoint.state_dict`'s
     `set_model_state_dict` / `set_optimizer_state_dict` (optimizer state by parameter name); formats 1 and 2 hold
-    the optimizer's own `state_dict()`. Raises IncompleteCheckpointError / DamagedCheckpointError naming the folder
-    and file, and CheckpointError when the saved transformer does not fit `transformer` (another model config).
+    the optimizer's own `state_dict()`. A LoRA checkpoint (`ADAPTER_PART`) loads into a transformer with the same
+    adapters (`vidray.models.lora.apply_lora` first, on the base weights of the config's model init). Raises
+    IncompleteCheckpointError / DamagedCheckpointError naming the folder and file, and CheckpointError when the
+    saved transformer does not fit `transformer` (another model config), or when a LoRA checkpoint meets a model
+    without adapters or a full one a model with them (naming `model.lora`).
     """
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -251,7 +312,7 @@ def load_checkpoint(
                 directory=directory, part=part,
             ) from err
 
-    load_module(transformer, "transformer.safetensors")
+    _load_model_part(directory, parts, transformer, load_module)
     optimizer_state = _read_part(directory, "optimizer.pt",
                                  lambda p: torch.load(p, map_location="cpu", weights_only=True))
     if manifest["format_version"] >= 3:

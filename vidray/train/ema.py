@@ -3,13 +3,15 @@
 ema <- decay * ema + (1 - decay) * weights every `update_every_steps` optimizer steps, with torch's
 `torch.optim.swa_utils.AveragedModel` and `get_ema_multi_avg_fn` (one `torch._foreach_lerp_` over all parameters).
 The first update copies the weights (AveragedModel's `n_averaged == 0` rule), so what the average held before it
-never matters. Rank 0 alone keeps the average under DDP: the replicas' weights are equal, and rank 0 writes the
-checkpoint and the export. The checkpoint holds it as `ema.safetensors` (keys `module.<name>` and `n_averaged`).
+never matters.
+
+Only the parameters that train are averaged (a frozen one's average is itself): a LoRA run's EMA is its adapters,
+megabytes where a copy of a 14 B transformer would be 56 GB. Rank 0 alone keeps it under DDP: the replicas'
+weights are equal, and rank 0 writes the checkpoint and the export. The checkpoint holds it as `ema.safetensors`
+(keys `module.params.<parameter name with "." as "__">` and `n_averaged`).
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -17,46 +19,67 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from vidray.config import EMAConfig
 
 
+class TrainableParameters(torch.nn.Module):
+    """The parameters that require grad of a module, by name, as a module of their own (sharing the tensors):
+    what `AveragedModel` copies and averages. `names`: the parameters' names in the source module."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
+        self.names = [name for name, _ in named]
+        # ParameterDict sorts a plain dict's keys: AveragedModel pairs averages and weights by that same order.
+        self.params = torch.nn.ParameterDict({name.replace(".", "__"): param for name, param in named})
+
+
 class EMA:
-    """The EMA of `transformer`'s parameters (buffers are not averaged: the transformer has none that train).
+    """The EMA of `transformer`'s trainable parameters.
 
     Args:
-        transformer: the trained module, unwrapped (not DDP), before activation-checkpoint wrappers (the average's
-            parameters must come in the same order as the trained ones': wrappers keep that order).
+        transformer: the trained module, unwrapped (not DDP), with its final set of trainable parameters (after
+            LoRA and the freezing of parameters that get no gradient); activation-checkpoint wrappers may come
+            later (they keep the parameter objects).
         config: `train.ema`.
     """
 
     def __init__(self, transformer: torch.nn.Module, config: EMAConfig):
         self.config = config
-        self.averaged = AveragedModel(transformer, multi_avg_fn=get_ema_multi_avg_fn(config.decay),
-                                      use_buffers=False)
+        self._live = TrainableParameters(transformer)  # the trained tensors themselves, never copied
+        self.averaged = AveragedModel(self._live, multi_avg_fn=get_ema_multi_avg_fn(config.decay), use_buffers=False)
         self.averaged.requires_grad_(False)
-
-    @property
-    def module(self) -> torch.nn.Module:
-        """The averaged transformer (what the export writes with `export.weights: ema`)."""
-        return self.averaged.module
 
     @property
     def num_updates(self) -> int:
         """Updates applied so far (0: none; the next one copies the weights)."""
         return int(self.averaged.n_averaged.item())
 
-    def maybe_update(self, transformer: torch.nn.Module, step: int) -> bool:
-        """Average `transformer`'s parameters in when `step` (1-based optimizer step just applied) is a multiple of
+    def averages(self) -> dict[str, torch.Tensor]:
+        """{parameter name in the transformer: its average} (the averaged tensors themselves; do not modify)."""
+        averaged = self.averaged.module.params
+        return {name: averaged[name.replace(".", "__")] for name in self._live.names}
+
+    def maybe_update(self, step: int) -> bool:
+        """Average the trained parameters in when `step` (1-based optimizer step just applied) is a multiple of
         `update_every_steps`; returns whether it did."""
         if step % self.config.update_every_steps:
             return False
-        self.averaged.update_parameters(transformer)
+        self.averaged.update_parameters(self._live)
         return True
 
-    def reset_to(self, transformer: torch.nn.Module) -> None:
-        """Start the average afresh from `transformer`'s current weights (an EMA added on resume, or a checkpoint
-        written without one)."""
-        for ema_param, param in zip(self.module.parameters(), transformer.parameters(), strict=True):
-            ema_param.detach().copy_(param.detach())
+    def reset(self) -> None:
+        """Start the average afresh from the current weights (an EMA added on resume, or a checkpoint written
+        without one)."""
+        averaged = self.averaged.module.params
+        for key, param in self._live.params.items():
+            averaged[key].detach().copy_(param.detach())
         self.averaged.n_averaged.zero_()
 
-    def copy_module(self) -> torch.nn.Module:
-        """A detached copy of the averaged transformer (for validation or export while training goes on)."""
-        return copy.deepcopy(self.module)
+    def copy_to(self, transformer: torch.nn.Module) -> None:
+        """Write the averages into `transformer`'s parameters of the same names (for the export at the end of
+        training, `export.weights: ema`). Raises KeyError naming a parameter the transformer lacks."""
+        # Activation-checkpoint wrappers (`every_<n>`) insert `_checkpoint_wrapped_module.` into the names.
+        params = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in transformer.named_parameters()}
+        with torch.no_grad():
+            for name, average in self.averages().items():
+                if name not in params:
+                    raise KeyError(f"the EMA holds {name}, which the transformer has no parameter of")
+                params[name].copy_(average)

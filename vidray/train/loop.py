@@ -39,7 +39,7 @@ from vidray.config import job_config_from_dict
 from vidray.errors import UserError
 from vidray.locations import is_uri
 from vidray.logs import quiet_ray_train_worker
-from vidray.models.export import write_job_file
+from vidray.models.export import export_pipeline, write_job_file
 from vidray.metrics import TrainMetrics
 from vidray.data.cache import check_cache_budget
 from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
@@ -163,6 +163,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     # one on the meta device when sharded: `parallelize` then loads each rank's shards).
     family = get_family(job.model.family)
     transformer, pretrained_weights = build_transformer(family, job, device)
+    if job.model.lora is not None:  # before the probe, AC, DDP and the optimizer: only the adapters train
+        from vidray.models.lora import apply_lora, lora_summary
+
+        apply_lora(transformer, job.model.lora, seed=job.train.seed)
+        counts = lora_summary(transformer)
+        _log(rank, f"LoRA rank {job.model.lora.rank}: {counts['trainable']:,} of {counts['total']:,} parameters train")
 
     # 2. Data: the sample table and the schedule; the clips stay in the shards until the loader streams them.
     # Object-store shards come through this node's warm disk cache (one download per shard per node), whose
@@ -204,7 +210,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         # This job's optim section wins over the restored one (lr, betas, weight decay, eps, warmup schedule).
         lr_scheduler = apply_optim_config(optimizer, job.optim, step=state.step)
     if ema is not None and ema.num_updates == 0:
-        ema.reset_to(transformer)  # an EMA added on resume (or not yet updated) starts from these weights
+        ema.reset()  # an EMA added on resume (or not yet updated) starts from these weights
     index_hash = index.get("content_hash", "")
     data_rows = dataset_rows(shards_dir)
     data_hash = dataset_hash(data_rows)
@@ -338,7 +344,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         precision.step(optimizer)
         lr_scheduler.step()
         if ema is not None:
-            ema.maybe_update(transformer, step)
+            ema.maybe_update(step)
         step_losses.append(loss)
         step_grad_norms.append(grad_norm.detach().float())
         window_steps += 1
@@ -478,20 +484,21 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     if rank == 0:
         trained_full.eval()
         encoders = family.build_encoders(job.model, seed=job.train.seed)  # the export's VAE and text encoder
-        exported = ema.module if job.export.weights == "ema" else trained_full
-        components = Components(transformer=exported, vae=encoders.vae, text_encoder=encoders.text_encoder,
+        if job.export.weights == "ema":
+            ema.copy_to(trained_full)  # training is over: the export holds the averages (DDP only: rank 0's EMA)
+        components = Components(transformer=trained_full, vae=encoders.vae, text_encoder=encoders.text_encoder,
                                 tokenizer=encoders.tokenizer)
         if remote:
             from vidray.data.storage import upload_dir
             from vidray.models.export import MODEL_INDEX
 
             with tempfile.TemporaryDirectory(prefix="vidray-export-") as tmp:
-                family.save_pipeline(components, tmp, job.flow)
+                export_pipeline(family, components, tmp, job.flow)
                 write_job_file(tmp, job)
                 num_bytes = upload_dir(tmp, diffusers_dir, marker=MODEL_INDEX)
             _log(rank, f"saved diffusers pipeline to {diffusers_dir} ({num_bytes / 2**20:.1f} MiB uploaded)")
         else:
-            family.save_pipeline(components, diffusers_dir, job.flow)
+            export_pipeline(family, components, diffusers_dir, job.flow)
             write_job_file(diffusers_dir, job)
             _log(rank, f"saved diffusers pipeline to {diffusers_dir}")
     return {

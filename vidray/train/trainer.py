@@ -829,6 +829,10 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
     init_ray()
     autoscaler_max = autoscaler_max_resources()
     check_resources(job, ray.cluster_resources(), autoscaler_max=autoscaler_max)
+    from vidray.train.plan import check_cluster_fits  # GPU clusters only: refuses a job predicted not to fit
+
+    if memory := check_cluster_fits(job, ray.cluster_resources()):
+        print(f"[vidray] memory: {memory}", flush=True)
     placement = resolve_placement(job, alive_nodes(), autoscaler=autoscaler_max is not None)
 
     # 3. Move checkpoints newer than an explicit start point aside, then run.

@@ -1,0 +1,621 @@
+"""The memory planner: per-rank bytes of a training step, from shapes and dtypes alone (no Ray, no allocation), for
+each way vidray can train a transformer; which fit a GPU; which to pick. `vidray plan` prints it, `vidray doctor`
+and `vidray train` refuse a job predicted not to fit before any GPU is reserved (`check_fits`).
+
+What one rank holds during a steady-state step (forward, backward, fused AdamW step; `vidray.train.loop`):
+
+| term | bytes per rank | notes |
+|---|---|---|
+| parameters | 4 P (fp32 master weights, also under bf16 autocast) | fsdp: 4 P / n + the unsharded block(s) being computed |
+| gradients | 4 P_train | fsdp: 4 P_train / n + one unsharded block's; ddp adds its buckets, 4 P_train more |
+| optimizer | 8 P_train (AdamW exp_avg + exp_avg_sq, fp32) | fsdp: / n |
+| activations | sum over blocks of what autograd saves (`block_activation_bytes`) + the rest of the model | AC: the blocks' inputs + one block recomputed |
+| encoders | frozen VAE + text encoder weights, when their stage shares the trainer's GPU | `placement.vae/text.num_gpus` in (0, 1) |
+
+P: the transformer's parameters, counted exactly by building the diffusers class on the meta device; P_train: those
+that get a gradient (all, minus the last MMDiT block's unused text-output path; LoRA: the adapters,
+rank x (in + out) per targeted Linear). The peak is the largest of three moments, each simulated block by block:
+the end of the forward (all activations, no gradients: `zero_grad(set_to_none=True)` runs before it), each block's
+backward (activations of the blocks below it, gradients of those above, plus that block's backward temporaries) and
+the optimizer step (parameters + gradients + optimizer state; the fused kernel adds nothing). Under bf16 autocast
+the forward also saves a bf16 copy of every Linear weight it casts (2 bytes a weight, freed block by block in the
+backward); with activation checkpointing and full fine-tuning, autocast's weight cache holds those copies until the
+forward ends instead. One micro-batch per rank: `train.micro_batches_per_step` above the worker count adds the
+gradients to the forward's moment (accumulation); that case is counted.
+
+Per-block activations (`block_activation_bytes`) are a census of the tensors autograd saves, per token, derived
+with `vidray.train.memory.saved_tensor_census` on diffusers 0.42.1 / torch 2.13 blocks and checked against it in
+`tests/unit/test_plan.py`; attention is a fused kernel (flash / memory-efficient on GPU, the flash CPU kernel on
+CPU): no (tokens x tokens) matrix is kept. The whole step is checked against `measure_training_step` (tensor
+bytes, not RSS) for the tiny and medium presets: within 15 % in every strategy a CPU runs (fp32 / bf16 x plain,
+AC, LoRA, LoRA + AC). FSDP is not measured on CPU in tests: its terms are the DDP ones divided by the world size
+plus the unsharded block (`fully_shard` per block, `reshard_after_forward=True`: one block gathered and the next
+prefetched, in the parameter dtype).
+
+Strategies are tried in order of communication per step (least first) and the first that fits with
+`HEADROOM` spare is picked: ddp (one all-reduce of the gradients) < fsdp (all-gather of the parameters twice plus a
+reduce-scatter: ~1.5x ddp's bytes) < fsdp+AC (the same traffic plus a second forward: ~33 % more compute) < lora (a
+full-model forward and backward for a few MB of adapters: cheap, but it trains another thing) < lora+AC. bf16 comes
+before fp32 within each (it is what GPU training uses; fp32 is listed for reference).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from vidray.config import DEFAULT_LORA_TARGET_MODULES, LoraConfig
+from vidray.data.buckets import Bucket
+from vidray.errors import UserError
+from vidray.models.presets import ShapePreset, get_preset, meta_model, preset_from_pretrained
+
+__all__ = [
+    "HEADROOM",
+    "MemoryEstimate",
+    "ModelCounts",
+    "PlanReport",
+    "STRATEGIES",
+    "Strategy",
+    "block_activation_bytes",
+    "check_cluster_fits",
+    "check_fits",
+    "cluster_gpu_memory_bytes",
+    "count_model",
+    "estimate_memory",
+    "format_bytes",
+    "format_report",
+    "parse_bytes",
+    "plan",
+    "plan_job",
+]
+
+HEADROOM = 0.10
+"""Fraction of the GPU's memory kept free: a strategy fits when its peak <= (1 - HEADROOM) x the GPU's bytes (the
+caching allocator's fragmentation, CUDA context and NCCL buffers live there)."""
+
+Precision = Literal["fp32", "bf16"]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to train: `kind` ddp (full fine-tune, replicated), fsdp (full fine-tune, sharded per block) or lora
+    (adapters only, base replicated and frozen); `activation_checkpointing` per transformer block; `precision`
+    fp32 or bf16 autocast (master weights fp32 either way)."""
+
+    kind: Literal["ddp", "fsdp", "lora"]
+    activation_checkpointing: bool
+    precision: Precision
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}{'+AC' if self.activation_checkpointing else ''} {self.precision}"
+
+
+STRATEGIES: tuple[Strategy, ...] = tuple(
+    Strategy(kind, ac, precision)
+    for kind, ac in (("ddp", False), ("fsdp", False), ("fsdp", True), ("lora", False), ("lora", True))
+    for precision in ("bf16", "fp32")
+)
+"""Every strategy the planner reports, in the order it prefers them (see the module docstring)."""
+
+
+# 1. Parameter counts (exact, from the meta-device build).
+
+LORA_TARGETS = {
+    "easyanimate": ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+    "wan": tuple(DEFAULT_LORA_TARGET_MODULES),
+}
+"""LoRA target modules the activation formula models, by family (peft `target_modules` suffixes): the attention
+projections of both streams. `model.lora.target_modules`' default (`to_q`, `to_k`, `to_v`, `to_out.0`) leaves
+EasyAnimate's text-stream projections frozen, which saves their inputs: the lora rows then plan a little high
+(~10 % of the block activations at rank 8 on the tiny block), never low. Adapter parameter counts use the job's
+own targets."""
+
+DEFAULT_LORA_RANK = LoraConfig().rank
+"""`model.lora.rank`'s default: what the table's lora rows assume for a job without `model.lora`."""
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """Parameter counts of one transformer (numbers of parameters, not bytes)."""
+
+    total: int
+    trainable: int
+    """Parameters that get a gradient in full fine-tuning (EasyAnimate: all but the last MMDiT block's text-output
+    path, `attn1.to_add_out` and `txt_ff`, whose output the model drops)."""
+    blocks: tuple[int, ...]
+    """Parameters of each transformer block, in order."""
+    block_matmul_weights: tuple[int, ...]
+    """Linear weight parameters of each block (what bf16 autocast casts and saves)."""
+    other_matmul_weights: int
+    """Linear / conv weights outside the blocks."""
+    lora_parameters: int
+    """Adapter parameters for `lora_rank` on `lora_targets`: sum of rank x (in + out) over the targeted Linears."""
+    lora_rank: int
+    num_layers: int
+    num_mmdit_layers: int
+    dim: int
+    """Hidden size (heads x head dim)."""
+    ffn_dim: int
+    heads: int
+    head_dim: int
+
+
+def count_model(preset: ShapePreset, *, lora_rank: int = DEFAULT_LORA_RANK,
+                lora_targets: tuple[str, ...] | None = None) -> ModelCounts:
+    """Exact parameter counts of `preset`'s transformer, built on the meta device (no memory allocated).
+
+    `lora_targets`: module-name suffixes the adapters go on (default `LORA_TARGETS[family]`). Raises UserError when
+    a target matches no Linear (naming the Linear suffixes that exist) or `lora_rank` < 1.
+    """
+    import torch
+
+    if lora_rank < 1:
+        raise UserError(f"lora rank must be >= 1, got {lora_rank}")
+    model = meta_model(preset)
+    targets = tuple(lora_targets or LORA_TARGETS[preset.family])
+    blocks = model.transformer_blocks if preset.family == "easyanimate" else model.blocks
+    block_params = tuple(sum(p.numel() for p in b.parameters()) for b in blocks)
+    block_mm = tuple(sum(m.weight.numel() for m in b.modules() if isinstance(m, torch.nn.Linear)) for b in blocks)
+    all_mm = sum(m.weight.numel() for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d,
+                                                                               torch.nn.Conv3d)))
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    lora = 0
+    for target in targets:
+        hits = [m for name, m in linears.items() if name == target or name.endswith("." + target)]
+        if not hits:
+            suffixes = sorted({".".join(n.split(".")[-2:]) if n.split(".")[-1].isdigit() else n.split(".")[-1]
+                               for n in linears})
+            raise UserError(f"LoRA target module {target!r} matches no Linear of {preset.name}; valid: "
+                            f"{', '.join(suffixes)}")
+        lora += sum(lora_rank * (m.in_features + m.out_features) for m in hits)
+    total = sum(p.numel() for p in model.parameters())
+    dead = 0
+    if preset.family == "easyanimate" and blocks[-1].txt_ff is not None:  # the last block's text output is dropped
+        last = blocks[-1]
+        dead = sum(p.numel() for p in last.txt_ff.parameters()) + sum(p.numel() for p in
+                                                                       last.attn1.to_add_out.parameters())
+    cfg = model.config
+    heads, head_dim = int(cfg.num_attention_heads), int(cfg.attention_head_dim)
+    dim = heads * head_dim
+    ffn_dim = int(cfg.ffn_dim) if preset.family == "wan" else 4 * dim  # diffusers FeedForward: mult 4
+    mmdit = sum(1 for b in blocks if getattr(b, "txt_ff", None) is not None) if preset.family == "easyanimate" else 0
+    return ModelCounts(total=total, trainable=total - dead, blocks=block_params, block_matmul_weights=block_mm,
+                       other_matmul_weights=all_mm - sum(block_mm), lora_parameters=lora, lora_rank=lora_rank,
+                       num_layers=len(blocks), num_mmdit_layers=mmdit, dim=dim, ffn_dim=ffn_dim, heads=heads,
+                       head_dim=head_dim)
+
+
+# 2. Tokens of a bucket.
+
+def sequence_lengths(preset: ShapePreset, bucket: Bucket) -> tuple[int, int]:
+    """(video tokens, latent elements per clip) of `bucket` for `preset`: latent frames (F - 1) / 4 + 1, latent
+    height and width H / 8, W / 8 (both families' VAEs), then the DiT's patch (EasyAnimate 2x2 per frame, Wan
+    (1, 2, 2)): tokens = F_lat x (H / 16) x (W / 16). Raises UserError when the bucket does not divide."""
+    num_frames, height, width = bucket
+    if (num_frames - 1) % 4 or height % 16 or width % 16:
+        raise UserError(f"bucket {num_frames}x{height}x{width}: frames must be 4k+1 and height, width multiples "
+                        f"of 16 (VAE 4x8x8, patch 2)")
+    f_lat, h_lat, w_lat = (num_frames - 1) // 4 + 1, height // 8, width // 8
+    return f_lat * (h_lat // 2) * (w_lat // 2), 16 * f_lat * h_lat * w_lat
+
+
+# 3. Activations of one block, per token (the census).
+
+def block_activation_bytes(family: str, *, mmdit: bool, precision: Precision, video_tokens: int, text_tokens: int,
+                           dim: int, ffn_dim: int, heads: int, lora_rank: int = 0) -> int:
+    """Bytes autograd saves for the backward of one transformer block, for one sample (multiply by the batch).
+
+    Counted per token from the census of diffusers' blocks (`vidray.train.memory.saved_tensor_census`; the test
+    re-derives it): D = dim, F = ffn_dim, a = 4 (fp32) or 2 (bf16, what autocast's matmuls return); the residual
+    stream, the norms' inputs and outputs and the rotary embedding stay fp32 under autocast.
+    - EasyAnimate MMDiT block, per token of video + text (each stream has its own projections and MLP):
+      4 D fp32 (block input, norm1 output, the residual after attention, norm2 output) + 11 D x a in fp32 / 13 D x a
+      in bf16 (modulated inputs and their casts, q/k before and after their LayerNorm, the MLP output, and over the
+      joint sequence q, k, v, the attention output and its transposed copy) + 2 F x a (the MLP's GELU input and
+      output) + 4 (5 heads + 4) bytes of norm statistics and attention log-sum-exp.
+    - EasyAnimate block without the text stream's own layers (after `mmdit_layers`): the same with one D fewer
+      per text token.
+    - Wan block, per video token: 12 D fp32 + 10 D x a in fp32 / 12 D x a in bf16 (self-attention, cross-attention
+      queries, the MLP input, the modulations) + 2 F x a + 4 (2 heads + 9) bytes of statistics; per text token the
+      cross-attention keys and values: 5 D fp32 in fp32, 2 D fp32 + 3 D x a in bf16.
+    - LoRA (`lora_rank` > 0: base weights frozen, adapters on the attention projections): a frozen Linear saves
+      no input, and with the time embedding frozen the modulations (`norm * (1 + scale)`, `gate * out`) save
+      nothing for it: EasyAnimate keeps 2 D fp32 + 8 D x a in fp32 / 10 D x a in bf16 + F x a per token, Wan
+      6 D fp32 + 8 D x a / 12 D x a + F x a per video token and, per text token, 4 D fp32 in fp32, 1 D fp32 +
+      3 D x a in bf16; the adapters add their rank-wide intermediates (EasyAnimate 4 r x a per token, Wan 6 r x a
+      per video token and 2 per text token).
+    The bf16 copies of the block's weights are not included (`estimate_memory` adds them).
+    """
+    a = 4 if precision == "fp32" else 2
+    r = lora_rank
+    stats_ea, stats_wan = 4 * (5 * heads + 4), 4 * (2 * heads + 9)
+    if family == "easyanimate":
+        if r:
+            per_video = 2 * dim * 4 + (8 if precision == "fp32" else 10) * dim * a + ffn_dim * a + 4 * r * a
+        else:
+            per_video = 4 * dim * 4 + (11 if precision == "fp32" else 13) * dim * a + 2 * ffn_dim * a
+        per_video += stats_ea
+        per_text = per_video - (0 if mmdit else dim * a)
+        return video_tokens * per_video + text_tokens * per_text
+    if family == "wan":
+        if r:
+            per_video = 6 * dim * 4 + (8 if precision == "fp32" else 12) * dim * a + ffn_dim * a + 6 * r * a
+            per_text = (4 * dim * 4 if precision == "fp32" else dim * 4 + 3 * dim * a) + 2 * r * a
+        else:
+            per_video = 12 * dim * 4 + (10 if precision == "fp32" else 12) * dim * a + 2 * ffn_dim * a
+            per_text = 5 * dim * 4 if precision == "fp32" else 2 * dim * 4 + 3 * dim * a
+        return video_tokens * (per_video + stats_wan) + text_tokens * per_text
+    raise ValueError(f"unknown family {family!r}; valid: easyanimate, wan")
+
+
+def _outside_blocks_bytes(family: str, precision: Precision, video_tokens: int, text_tokens: int, latent_elems: int,
+                          dim: int, frozen: bool = False) -> int:
+    """What the model saves outside its blocks, for one sample: the patch embedding and text projection outputs
+    (fp32), the final norm, modulation and output projection over the video tokens (4 D x a), and the
+    latent-sized inputs, prediction, target and loss gradient (6 x C F H W fp32). `frozen` (LoRA): the output
+    projection's input is not saved (3 D x a)."""
+    a = 4 if precision == "fp32" else 2
+    return video_tokens * (dim * 4 + (3 if frozen else 4) * dim * a) + text_tokens * dim * 4 + 6 * latent_elems * 4
+
+
+def _block_inputs_bytes(family: str, video_tokens: int, text_tokens: int, dim: int) -> int:
+    """What activation checkpointing keeps per block and sample: its inputs (the fp32 residual stream; EasyAnimate
+    also the text stream, which every block updates; Wan's text embeddings are one tensor shared by all blocks)."""
+    return (video_tokens + (text_tokens if family == "easyanimate" else 0)) * dim * 4
+
+
+def _backward_temporaries(precision: Precision, tokens: int, dim: int, ffn_dim: int) -> int:
+    """Gradients in flight inside one block's backward, for one sample: the gradient of the MLP hidden layer
+    (F x a, and its GELU gradient) and of a few D-wide tensors (the residual, the attention output, q/k/v:
+    6 D x a) over the block's tokens."""
+    a = 4 if precision == "fp32" else 2
+    return tokens * (2 * ffn_dim * a + 6 * dim * a)
+
+
+# 4. One strategy's estimate.
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank bytes of one strategy (all in bytes). `peak_bytes` is the simulated peak (see the module
+    docstring): at most, and usually less than, the sum of the columns, since gradients replace activations as
+    the backward proceeds."""
+
+    strategy: Strategy
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    """Activations at the end of the forward (with AC: the blocks' inputs), plus bf16 weight copies."""
+    activations_peak_block: int
+    """With AC, one block's recomputed activations (what its backward holds besides the inputs); 0 without."""
+    ddp_buckets: int
+    encoders: int
+    peak_bytes: int
+    fits: bool = False
+
+
+def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy, *, bucket: Bucket,
+                    batch_size: int, text_tokens: int, num_gpus: int = 1, encoders_bytes: int = 0,
+                    micro_batches_per_rank: int = 1, gpu_memory_bytes: int | None = None) -> MemoryEstimate:
+    """Per-rank bytes of training `preset` with `strategy` on micro-batches of `batch_size` clips of `bucket`
+    (`text_tokens` prompt tokens each), `num_gpus` ranks. `encoders_bytes`: frozen encoders on the same GPU.
+    `micro_batches_per_rank` > 1: gradient accumulation (gradients live during the later forwards).
+    `fits` is set against `gpu_memory_bytes` x (1 - HEADROOM) when given. Raises UserError for a bad bucket,
+    ValueError for `num_gpus` or `batch_size` < 1.
+    """
+    if num_gpus < 1 or batch_size < 1:
+        raise ValueError(f"num_gpus and batch_size must be >= 1, got {num_gpus} and {batch_size}")
+    n_video, latent_elems = sequence_lengths(preset, bucket)
+    a_bf16 = strategy.precision == "bf16"
+    lora = strategy.kind == "lora"
+    fsdp = strategy.kind == "fsdp"
+    shard = num_gpus if fsdp else 1
+    p_total, p_train = counts.total, (counts.lora_parameters if lora else counts.trainable)
+    block_share = [(b * p_train / max(counts.trainable, 1)) if not lora else
+                   counts.lora_parameters / counts.num_layers for b in counts.blocks]  # trainable params per block
+    other_train = max(p_train - sum(block_share), 0.0)
+
+    # 1. Resident: parameters (fp32 master; fsdp: a shard + the gathered block and the prefetched next one),
+    #    optimizer state, DDP's gradient buckets.
+    gathered = 0
+    if fsdp:
+        gathered = 2 * max(counts.blocks) * (2 if a_bf16 else 4)
+    parameters = math.ceil(4 * p_total / shard) + gathered + (4 * counts.lora_parameters if lora else 0)
+    optimizer = math.ceil(8 * p_train / shard)
+    ddp_buckets = 4 * p_train if (num_gpus > 1 and not fsdp) else 0
+    gradients = math.ceil(4 * p_train / shard) + (4 * max(counts.blocks) if fsdp else 0)
+    resident = parameters + optimizer + ddp_buckets + encoders_bytes
+
+    # 2. Activations per block (x batch), bf16 weight copies, the rest of the model.
+    mmdit = [i < counts.num_mmdit_layers for i in range(counts.num_layers)]
+    saved = [batch_size * block_activation_bytes(preset.family, mmdit=m, precision=strategy.precision,
+                                                 video_tokens=n_video, text_tokens=text_tokens, dim=counts.dim,
+                                                 ffn_dim=counts.ffn_dim, heads=counts.heads,
+                                                 lora_rank=counts.lora_rank if lora else 0) for m in mmdit]
+    copies = [2 * w if (a_bf16 and not fsdp) else 0 for w in counts.block_matmul_weights]  # fsdp: params are bf16
+    outside = batch_size * _outside_blocks_bytes(preset.family, strategy.precision, n_video, text_tokens,
+                                                 latent_elems, counts.dim, frozen=lora)
+    inputs = batch_size * _block_inputs_bytes(preset.family, n_video, text_tokens, counts.dim)
+    tokens = n_video + (text_tokens if preset.family == "easyanimate" else 0)
+    transient = batch_size * _backward_temporaries(strategy.precision, tokens, counts.dim, counts.ffn_dim)
+    accumulated = math.ceil(4 * p_train / shard) if micro_batches_per_rank > 1 else 0
+
+    # 3. The three moments.
+    if strategy.activation_checkpointing:
+        kept = [inputs] * counts.num_layers
+        cache = 2 * counts.other_matmul_weights + sum(copies) if (a_bf16 and not lora and not fsdp) else 0
+        end_of_forward = resident + accumulated + outside + sum(kept) + cache
+    else:
+        kept = [s + c for s, c in zip(saved, copies)]
+        end_of_forward = resident + accumulated + outside + sum(kept)
+    peak_backward = 0
+    grads_above = 4 * other_train / shard  # the output layers' gradients come first
+    for i in reversed(range(counts.num_layers)):
+        below = sum(kept[:i])
+        own = (saved[i] + copies[i]) if strategy.activation_checkpointing else kept[i]
+        here = resident + outside + below + own + transient + max(grads_above, accumulated)
+        peak_backward = max(peak_backward, here)
+        grads_above += 4 * block_share[i] / shard
+    optimizer_step = resident + gradients
+    peak = int(max(end_of_forward, peak_backward, optimizer_step))
+    activations = sum(kept) + outside
+    estimate = MemoryEstimate(
+        strategy=strategy, parameters=parameters, gradients=gradients, optimizer=optimizer, activations=activations,
+        activations_peak_block=(max(saved) + max(copies)) if strategy.activation_checkpointing else 0,
+        ddp_buckets=ddp_buckets, encoders=encoders_bytes, peak_bytes=peak)
+    if gpu_memory_bytes is not None:
+        estimate = replace(estimate, fits=peak <= (1 - HEADROOM) * gpu_memory_bytes)
+    return estimate
+
+
+# 5. A job's plan.
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What `plan` found: the model, the largest bucket, every strategy's estimate, and the pick."""
+
+    preset: ShapePreset
+    counts: ModelCounts
+    bucket: Bucket
+    batch_size: int
+    text_tokens: int
+    num_gpus: int
+    gpu_memory_bytes: int
+    estimates: tuple[MemoryEstimate, ...]
+    chosen: MemoryEstimate | None
+    """The first estimate in `STRATEGIES` order that fits; None when none does."""
+    requested: MemoryEstimate | None = None
+    """The estimate of the job's own strategy, when the job names one (`check_fits`)."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: int, num_gpus: int,
+         gpu_memory_bytes: int, lora_rank: int = DEFAULT_LORA_RANK, lora_targets: tuple[str, ...] | None = None,
+         encoders_bytes: int = 0, micro_batches_per_rank: int = 1) -> PlanReport:
+    """Estimate every strategy in `STRATEGIES` for `preset` on `num_gpus` GPUs of `gpu_memory_bytes` each and pick
+    the first that fits with `HEADROOM`. Raises UserError for a bad bucket, rank or LoRA target."""
+    counts = count_model(preset, lora_rank=lora_rank, lora_targets=lora_targets)
+    estimates = tuple(estimate_memory(preset, counts, s, bucket=bucket, batch_size=batch_size,
+                                      text_tokens=text_tokens, num_gpus=num_gpus, encoders_bytes=encoders_bytes,
+                                      micro_batches_per_rank=micro_batches_per_rank,
+                                      gpu_memory_bytes=gpu_memory_bytes)
+                      for s in STRATEGIES if not (s.kind == "fsdp" and num_gpus < 2))
+    chosen = next((e for e in estimates if e.fits), None)
+    notes = []
+    if preset.num_experts > 1:
+        notes.append(f"{preset.name} has {preset.num_experts} experts of {counts.total / 1e9:.1f} B parameters; "
+                     f"planned for one on the GPU (one trains per process)")
+    if num_gpus < 2:
+        notes.append("fsdp needs 2 or more GPUs: not listed")
+    return PlanReport(preset=preset, counts=counts, bucket=bucket, batch_size=batch_size, text_tokens=text_tokens,
+                      num_gpus=num_gpus, gpu_memory_bytes=gpu_memory_bytes, estimates=estimates, chosen=chosen,
+                      notes=tuple(notes))
+
+
+def job_preset(job: Any) -> ShapePreset:
+    """The transformer shape of `job`: `model.pretrained_path`'s transformer/config.json when `model.init` is
+    pretrained, else the preset `model.preset` names. Raises UserError / UserFileNotFound."""
+    if job.model.init == "pretrained":
+        return preset_from_pretrained(job.model.pretrained_path)
+    preset = get_preset(job.model.preset)
+    if job.model.text_encoder == "tiny_random" and preset.name in ("tiny", "medium"):
+        preset = ShapePreset(**{**preset.__dict__, "config": {**preset.config, "text_embed_dim": 64}})
+    return preset
+
+
+def largest_bucket(job: Any, preset: ShapePreset) -> tuple[Bucket, int]:
+    """The bucket of `job.data.buckets` whose micro-batch has the most tokens, and its batch size
+    (`data.tokens_per_batch`'s rule when set, else `data.batch_size_per_worker`)."""
+    best = None
+    for bucket in job.data.buckets:
+        bucket = Bucket(*bucket)
+        tokens, _ = sequence_lengths(preset, bucket)
+        if job.data.tokens_per_batch:
+            batch = max(1, job.data.tokens_per_batch // tokens)
+        else:
+            batch = job.data.batch_size_per_worker
+        if best is None or tokens * batch > best[0]:
+            best = (tokens * batch, bucket, batch)
+    return best[1], best[2]
+
+
+def _encoders_on_gpu(job: Any, preset: ShapePreset) -> int:
+    """Bytes of the frozen encoders whose stage takes a fraction of a GPU (Ray packs it beside a trainer)."""
+    total = 0
+    if 0 < job.placement.text.num_gpus < 1:
+        total += preset.text_encoder_params * preset.text_encoder_bytes_per_param
+    if 0 < job.placement.vae.num_gpus < 1:
+        total += preset.vae_params * 4
+    return total
+
+
+def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePreset | None = None,
+             bucket: Bucket | None = None) -> PlanReport:
+    """`plan` for a loaded job config: its model (or `preset`), its largest bucket (or `bucket`, with batch size 1
+    when given), `model.max_sequence_length` text tokens (or the preset's when `preset` is given), the job's
+    encoder placement and gradient accumulation, and `model.lora`'s rank and targets where the config has them."""
+    preset = preset or job_preset(job)
+    if bucket is None:
+        bucket, batch = largest_bucket(job, preset)
+    else:
+        batch = 1
+    text_tokens = preset.text_seq_len if preset.name not in ("tiny", "medium") and job.model.init != "pretrained" \
+        else job.model.max_sequence_length
+    lora = job.model.lora
+    rank = lora.rank if lora else DEFAULT_LORA_RANK
+    targets = tuple(lora.target_modules) if lora else None
+    micro = math.ceil(job.micro_batches_per_step / max(num_gpus, 1)) if hasattr(job, "micro_batches_per_step") else 1
+    return plan(preset, bucket=bucket, batch_size=batch, text_tokens=text_tokens, num_gpus=num_gpus,
+                gpu_memory_bytes=gpu_memory_bytes, lora_rank=rank, lora_targets=targets,
+                encoders_bytes=_encoders_on_gpu(job, preset), micro_batches_per_rank=micro)
+
+
+def job_strategy(job: Any) -> Strategy:
+    """The strategy `job` asks for: `scaling.strategy` (ddp when the config has no such key yet), `model.lora`
+    (lora when set), `train.activation_checkpointing` (off when absent or `none`), `train.mixed_precision`."""
+    kind = "lora" if job.model.lora else getattr(job.scaling, "strategy", "ddp")  # scaling.strategy: FSDP
+    if kind == "hsdp":
+        kind = "fsdp"
+    ac = job.train.activation_checkpointing != "none"
+    precision: Precision = "bf16" if job.train.mixed_precision in ("bf16", "fp16") else "fp32"
+    return Strategy(kind, ac, precision)
+
+
+def check_fits(job: Any, gpu_memory_bytes: int, num_gpus: int) -> PlanReport:
+    """Plan `job` on `num_gpus` GPUs of `gpu_memory_bytes` and refuse it when its own strategy is predicted not to
+    fit: raises UserError, one line, naming the predicted peak, the GPU and the strategy that would fit (or that
+    none does, and the largest bucket to lower). Returns the report when it fits."""
+    report = plan_job(job, gpu_memory_bytes=gpu_memory_bytes, num_gpus=num_gpus)
+    wanted = job_strategy(job)
+    if wanted.kind == "fsdp" and num_gpus < 2:
+        wanted = replace(wanted, kind="ddp")
+    counts = report.counts
+    requested = estimate_memory(report.preset, counts, wanted, bucket=report.bucket, batch_size=report.batch_size,
+                                text_tokens=report.text_tokens, num_gpus=num_gpus,
+                                encoders_bytes=_encoders_on_gpu(job, report.preset),
+                                gpu_memory_bytes=gpu_memory_bytes)
+    report = replace(report, requested=requested)
+    if requested.fits:
+        return report
+    budget = (1 - HEADROOM) * gpu_memory_bytes
+    where = (f"{wanted.name} needs {format_bytes(requested.peak_bytes)} per GPU for bucket "
+             f"{report.bucket.num_frames}x{report.bucket.height}x{report.bucket.width} x{report.batch_size}, over "
+             f"{format_bytes(budget)} ({100 - 100 * HEADROOM:.0f}% of {format_bytes(gpu_memory_bytes)})")
+    if report.chosen is not None:
+        fix = f"{report.chosen.strategy.name} fits ({format_bytes(report.chosen.peak_bytes)}): {_how(report.chosen.strategy)}"
+    else:
+        fix = "no strategy fits: lower the largest bucket or data.batch_size_per_worker, or use larger GPUs"
+    raise UserError(f"predicted out of memory: {where}; {fix} (`vidray plan` prints the table)")
+
+
+def _how(strategy: Strategy) -> str:
+    keys = {"ddp": "scaling.strategy=ddp", "fsdp": "scaling.strategy=fsdp", "lora": "set model.lora"}[strategy.kind]
+    ac = " train.activation_checkpointing=full" if strategy.activation_checkpointing else ""
+    return f"{keys}{ac} train.mixed_precision={'bf16' if strategy.precision == 'bf16' else 'no'}"
+
+
+# 6. Units and the table.
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80GB', '141 GB', '81920MiB', '1e9' -> bytes (GB = 10**9, GiB = 2**30). Raises UserError for
+    anything else, naming the forms accepted."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise UserError(f"bad memory size {text!r}: give a positive number with a unit, e.g. 80GiB, 80GB, 141GB "
+                        f"or 81920MiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in GiB with one decimal (MiB under 1 GiB)."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def format_report(report: PlanReport) -> str:
+    """The plan as a fixed-width table (GiB per rank), the pick and the notes."""
+    c = report.counts
+    b = report.bucket
+    lines = [
+        f"model {report.preset.name}: {c.total:,} parameters ({c.num_layers} blocks x {c.dim}), LoRA rank "
+        f"{c.lora_rank}: {c.lora_parameters:,} adapter parameters",
+        f"largest bucket {b.num_frames}x{b.height}x{b.width} x{report.batch_size} per GPU: "
+        f"{sequence_lengths(report.preset, b)[0]:,} video + {report.text_tokens} text tokens; "
+        f"{report.num_gpus} GPU(s) of {format_bytes(report.gpu_memory_bytes)}, {100 * HEADROOM:.0f}% headroom",
+        "",
+        f"{'strategy':<14}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'AC blk':>8}{'buckets':>8}"
+        f"{'encoders':>9}{'peak':>8}  fits",
+    ]
+
+    unit, scale = ("GiB", 2**30) if max(e.peak_bytes for e in report.estimates) >= 2**30 else ("MiB", 2**20)
+
+    def gib(x: float) -> str:
+        return f"{x / scale:.1f}"
+
+    for e in report.estimates:
+        mark = "yes" if e.fits else "no"
+        if report.chosen is e:
+            mark += "  <- picked"
+        lines.append(f"{e.strategy.name:<14}{gib(e.parameters):>8}{gib(e.gradients):>8}{gib(e.optimizer):>8}"
+                     f"{gib(e.activations):>8}{gib(e.activations_peak_block):>8}{gib(e.ddp_buckets):>8}"
+                     f"{gib(e.encoders):>9}{gib(e.peak_bytes):>8}  {mark}")
+    lines.append("")
+    lines.append(f"{unit} per rank; peak = simulated peak of a step (gradients replace activations during the backward, "
+                 "so it is below the sum)")
+    if report.chosen is not None:
+        lines.append(f"picked: {report.chosen.strategy.name} ({_how(report.chosen.strategy)})")
+    else:
+        lines.append("picked: none fits; lower the bucket or the batch size, or use larger GPUs")
+    lines.extend(f"note: {n}" for n in report.notes)
+    return "\n".join(lines)
+
+
+# 7. On a cluster: the GPUs' memory, and the check `vidray doctor` and `vidray train` run.
+
+GPU_MEMORY_ENV = "VIDRAY_GPU_MEMORY"
+"""Environment variable giving one GPU's memory (e.g. `80GiB`) when the cluster's accelerator type does not say it."""
+
+ACCELERATOR_MEMORY_BYTES = {
+    "A100-40G": 40 * 2**30, "A100-80G": 80 * 2**30, "H100": 80 * 2**30, "H200": 141 * 10**9, "H20": 96 * 2**30,
+    "B200": 180 * 10**9, "L40S": 48 * 2**30, "L4": 24 * 2**30, "A10G": 24 * 2**30, "V100": 16 * 2**30,
+    "T4": 16 * 2**30, "AMD-Instinct-MI300X-OAM": 192 * 2**30,
+}
+"""Memory of one GPU by Ray accelerator type (the `accelerator_type:<type>` resource Ray gives GPU nodes; vendor
+datasheets). A plain `A100` is ambiguous (40 or 80 GB) and left out: set VIDRAY_GPU_MEMORY."""
+
+
+def cluster_gpu_memory_bytes(resources: dict[str, float]) -> int | None:
+    """One GPU's memory on a cluster: `$VIDRAY_GPU_MEMORY` when set, else the smallest known memory among the
+    `accelerator_type:*` resources in `resources` (`ray.cluster_resources()`), else None (unknown)."""
+    import os
+
+    if os.environ.get(GPU_MEMORY_ENV):
+        return parse_bytes(os.environ[GPU_MEMORY_ENV])
+    known = [ACCELERATOR_MEMORY_BYTES[k.split(":", 1)[1]] for k in resources
+             if k.startswith("accelerator_type:") and k.split(":", 1)[1] in ACCELERATOR_MEMORY_BYTES]
+    return min(known) if known else None
+
+
+def check_cluster_fits(job: Any, resources: dict[str, float], *, gpu_memory_bytes: int | None = None) -> str | None:
+    """`check_fits` for a job on a cluster with `resources` (`ray.cluster_resources()`): nothing (None) when the
+    cluster has no GPU or the job does not use one (CPU runs are not planned); raises UserError when the job's
+    strategy is predicted not to fit; else a one-line summary. When the GPUs' memory is unknown, the summary says
+    so and how to give it (VIDRAY_GPU_MEMORY) instead of refusing. `gpu_memory_bytes`: one GPU's memory when the
+    caller knows it (the local GPU's `torch.cuda.get_device_properties(0).total_memory`)."""
+    if not resources.get("GPU", 0) or not job.scaling.use_gpu:
+        return None
+    gpu_memory = gpu_memory_bytes or cluster_gpu_memory_bytes(resources)
+    if gpu_memory is None:
+        return (f"the GPUs' memory is unknown (no accelerator_type the planner knows): set {GPU_MEMORY_ENV}=80GiB "
+                f"(one GPU's memory) to check the job fits before GPUs are reserved")
+    report = check_fits(job, gpu_memory, job.scaling.min_workers)
+    e = report.requested
+    return (f"{e.strategy.name} predicted {format_bytes(e.peak_bytes)} per GPU of {format_bytes(gpu_memory)} "
+            f"(`vidray plan` for the table)")
