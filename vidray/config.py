@@ -355,6 +355,16 @@ class ScalingConfig:
     resize_check_s: float = 60.0
     """Elastic runs only: seconds between checks, while training, whether more workers can be placed (Ray Train's
     `elastic_resize_monitor_interval_s`); growing restarts the group from the latest checkpoint."""
+    strategy: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    """Data parallelism (`vidray.train.parallel`): `ddp` replicates the transformer on every worker; `fsdp` shards
+    its parameters, gradients and optimizer state over the workers (FSDP2 `fully_shard` per transformer block, then
+    the root; checkpoints are sharded `torch.distributed.checkpoint` folders); `hsdp` shards within groups of
+    `shard_group_size` workers and replicates across groups."""
+    reshard_after_forward: bool = True
+    """FSDP/HSDP: free each block's gathered parameters after its forward (all-gathered again for the backward):
+    less memory, one more all-gather per block and step."""
+    shard_group_size: int | None = None
+    """HSDP only (required there): workers per shard group; must divide the worker count."""
 
     @field_validator("num_workers", mode="before")
     @classmethod
@@ -576,6 +586,7 @@ class JobConfig:
     def _check_scale(self) -> None:
         """Precision, activation checkpointing, accumulation, compression and EMA keys (issue 28)."""
         train = self.train
+        self._check_strategy()
         if train.mixed_precision == "fp16" and not self.scaling.use_gpu:
             raise ValueError("train.mixed_precision: fp16 needs CUDA (scaling.use_gpu: true): on CPU fp16 autocast "
                              "brings no speed and its loss scaling nothing; use train.mixed_precision: bf16")
@@ -602,6 +613,41 @@ class JobConfig:
         if self.export.weights == "ema" and train.ema is None:
             raise ValueError("export.weights: ema needs train.ema (e.g. train.ema: {decay: 0.9999}); or set "
                              "export.weights: trained")
+
+    def _check_strategy(self) -> None:
+        """scaling.strategy, scaling.shard_group_size and what FSDP/HSDP do not support (issue 28 item 3)."""
+        scaling, train = self.scaling, self.train
+        if scaling.strategy == "hsdp":
+            group = scaling.shard_group_size
+            if group is None:
+                raise ValueError("scaling.strategy: hsdp needs scaling.shard_group_size (workers per shard group, "
+                                 "dividing scaling.num_workers), e.g. 2")
+            if group < 1:
+                raise ValueError(f"scaling.shard_group_size must be >= 1, got {group}")
+            counts = sorted({scaling.min_workers, scaling.max_workers})
+            bad = [n for n in counts if n % group]
+            if bad:
+                raise ValueError(f"scaling.shard_group_size={group} must divide the worker count "
+                                 f"(scaling.num_workers {bad[0]}): pick a divisor of {bad[0]}")
+        elif scaling.shard_group_size is not None:
+            raise ValueError(f"scaling.shard_group_size is for scaling.strategy: hsdp only, got strategy "
+                             f"{scaling.strategy}: remove it or set scaling.strategy: hsdp")
+        if scaling.strategy == "ddp":
+            return
+        if train.grad_compression != "none":
+            raise ValueError(f"train.grad_compression: {train.grad_compression} is a DDP communication hook; with "
+                             f"scaling.strategy: {scaling.strategy} gradients are reduce-scattered in fp32 "
+                             "(MixedPrecisionPolicy's reduce_dtype, the FSDP analogue): set train.grad_compression: "
+                             "none")
+        if train.ema is not None:
+            raise ValueError(f"train.ema is not supported with scaling.strategy: {scaling.strategy} yet (the EMA "
+                             "would need sharding like the weights): remove train.ema or use scaling.strategy: ddp")
+        if self.model.lora is not None:
+            raise ValueError(f"model.lora is not supported with scaling.strategy: {scaling.strategy} yet (its "
+                             "adapters are megabytes: replicate them): use scaling.strategy: ddp")
+        if train.mixed_precision == "fp16":
+            raise ValueError(f"train.mixed_precision: fp16 is not supported with scaling.strategy: "
+                             f"{scaling.strategy} (its grad scaler would need FSDP's sharded one): use bf16")
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -715,6 +761,11 @@ RESUME_RULES: dict[str, str] = {
     # the epoch to its ranks, each sample still exactly once (vidray.data.schedule).
     "scaling.num_workers": RESUME_CHANGEABLE,  # an int or [min, max]: either may change to the other
     "scaling.resize_check_s": RESUME_CHANGEABLE,
+    # Sharded (DCP) checkpoints reshard on load to any strategy, group size and worker count; a full (DDP)
+    # checkpoint loads into an FSDP run and a sharded one into a DDP run (`vidray.train.checkpoint`).
+    "scaling.strategy": RESUME_CHANGEABLE,
+    "scaling.reshard_after_forward": RESUME_CHANGEABLE,
+    "scaling.shard_group_size": RESUME_CHANGEABLE,
     # The global batch: the position counts micro-batches, whatever their grouping into steps, so another G
     # continues the epoch with each sample still exactly once (a different effective batch from then on).
     "train.micro_batches_per_step": RESUME_CHANGEABLE,

@@ -131,8 +131,9 @@ def unresized_samples(job, shards_dir, max_steps: int) -> dict[int, collections.
     return out
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: sharded DCP checkpoints resharded 4 -> 2 -> 4
 def test_elastic_run_shrinks_to_2_on_node_loss_grows_back_to_4_and_trains_the_unresized_samples(
-        cluster, shards_dir, tmp_path):
+        cluster, shards_dir, tmp_path, strategy):
     import ray
 
     from vidray.train.trainer import run_training
@@ -144,6 +145,7 @@ def test_elastic_run_shrinks_to_2_on_node_loss_grows_back_to_4_and_trains_the_un
         "model.text_encoder=tiny_random", f"train.max_steps={max_steps}", "train.log_every_steps=2",
         "checkpoint.every_steps=2", "checkpoint.num_to_keep=2", "scaling.num_workers=[2, 4]",
         "scaling.cpus_per_worker=1.5", "data.loader_cpus=0.3", "scaling.resize_check_s=2", "train.max_failures=3",
+        f"scaling.strategy={strategy}",
     ])
     assert job.micro_batches_per_step == 4  # the default global batch: the max worker count
     run_dir = tmp_path / "runs" / "elastic"

@@ -248,6 +248,21 @@ class EasyAnimateFamily(ModelFamily):
                 **TINY_TRANSFORMER, text_embed_dim=text_hidden_size(model_cfg.text_encoder))
         return transformer.train()
 
+    def build_transformer_on_meta(self, model_cfg: ModelConfig) -> tuple[EasyAnimateTransformer3DModel, str]:
+        """(the pretrained transformer built on the meta device from its `config.json`: shapes, no weights; the
+        folder of its safetensors), for sharded training (`vidray.train.parallel.load_sharded_from_safetensors`).
+        `model.pretrained_path`: a pipeline folder (its `transformer/`) or a transformer folder. Raises
+        FileNotFoundError naming the folder when it holds no transformer config."""
+        path = Path(model_cfg.pretrained_path or "")
+        folder = path / "transformer" if (path / "model_index.json").is_file() else path
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"model.pretrained_path: {folder} has no config.json: give a diffusers pipeline "
+                                    "folder (model_index.json, transformer/) or its transformer folder")
+        config = EasyAnimateTransformer3DModel.load_config(str(folder))
+        with torch.device("meta"):
+            transformer = EasyAnimateTransformer3DModel.from_config(config)
+        return transformer.train(), str(folder)
+
     def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
         """The VAE, text encoder and tokenizer alone (frozen), equal to `build`'s: a pretrained folder is loaded
         with `transformer=None` (diffusers skips that component); the tiny preset replays `build_tiny`."""

@@ -197,6 +197,17 @@ def manifest_parts(manifest: dict[str, Any]) -> tuple[str, ...]:
     manifest lacks a required part or names an unknown one."""
     if manifest.get("format_version", 0) < 3:
         return PARTS
+    if manifest.get("layout") == "dcp":  # sharded (vidray.train.checkpoint.save_sharded_checkpoint)
+        listed = tuple(manifest.get("parts") or ())
+        required = ("lr_scheduler.pt", "train_state.json", "config.yaml", "dcp/.metadata")
+        odd = [p for p in listed if p not in required and not (p.startswith("dcp/") and ".." not in p)]
+        absent = [p for p in required if p not in listed]
+        if odd or absent:
+            raise DamagedCheckpointError(
+                f"{MANIFEST} of a sharded checkpoint lists parts {list(listed)}: "
+                + (f"unknown {odd}" if odd else f"without the required {absent}") + "; use an earlier checkpoint",
+                part=MANIFEST)
+        return listed
     listed = tuple(manifest.get("parts") or ())
     required = required_parts(ADAPTER_PART in listed)
     unknown = [p for p in listed if p not in required + OPTIONAL_PARTS]
@@ -282,7 +293,17 @@ def load_transformer_state(directory: str | Path) -> "dict[str, torch.Tensor]":
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    if ADAPTER_PART in manifest_parts(verify_checkpoint(directory)):
+    manifest = verify_checkpoint(directory)
+    if manifest.get("layout") == "dcp":  # sharded: the model's entries of the DCP folder, read in full
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+        with warnings.catch_warnings():  # one process without a process group is what serving is
+            warnings.filterwarnings("ignore", message=r"torch.distributed is .*uninitialized")
+            state = _read_part(directory, "dcp/.metadata", lambda p: _load_state_dict_from_keys(
+                keys={"model"}, storage_reader=FileSystemReader(str(p.parent))))
+        return {k: v for k, v in state["model"].items()}
+    if ADAPTER_PART in manifest_parts(manifest):
         raise CheckpointError(f"checkpoint {directory} holds LoRA adapters only ({ADAPTER_PART}), not the whole "
                               "transformer: load it with load_model (base model + adapters)",
                               directory=directory, part=ADAPTER_PART)

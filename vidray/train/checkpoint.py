@@ -28,6 +28,14 @@ returns. A failed copy is retried (`UPLOAD_ATTEMPTS`), then fails the run attemp
 manifest goes last, a failed or killed copy never looks complete (torchtitan's "only resumable when complete";
 STYLE.md rule 7).
 
+Sharded checkpoints (`scaling.strategy: fsdp | hsdp`) keep this layout with the model and optimizer in a DCP part
+folder: `dcp/.metadata` and `dcp/__<rank>_0.distcp` (every rank's shards, `torch.distributed.checkpoint.save`,
+synchronous) instead of `transformer.safetensors` / `optimizer.pt`, and `layout: dcp` in the manifest, which lists
+every rank's file with its size and sha256 (gathered to rank 0). Every rank writes its own temp folder and reports
+it to Ray Train with the same `checkpoint_dir_name` and `CheckpointManager.ray_shard_upload_fn`; rank 0's copy
+writes the manifest only after every listed file is in the run folder (`save_sharded_checkpoint`,
+`load_sharded_checkpoint`: DCP reshards on load, so any worker count, and a DDP run, can resume it).
+
 Format versions: 3 (this one) lists the parts present in the manifest and stores the optimizer state by parameter
 name. 2 recorded `files: {part: {size_bytes, sha256}}` with the optimizer's own `state_dict()` (parameters by index);
 1 (vidray before per-file hashes) recorded only the part names: such checkpoints still load (format 1 checked for
@@ -43,6 +51,7 @@ import os
 import signal
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -284,6 +293,10 @@ def load_checkpoint(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     directory = Path(directory)
+    if is_sharded_checkpoint(directory):  # a DCP folder (scaling.strategy: fsdp): loads into any strategy
+        return load_sharded_checkpoint(directory, transformer=transformer, optimizer=optimizer,
+                                       lr_scheduler=lr_scheduler, ema=ema, grad_scaler=grad_scaler,
+                                       comm_hook=comm_hook)
     manifest = verify_checkpoint(directory)
     parts = manifest_parts(manifest)
     train_state = read_train_state(directory)
@@ -331,6 +344,10 @@ UPLOAD_ATTEMPTS = 3
 """Tries of a whole checkpoint copy (each S3 request is also retried by the SDK: `vidray.data.storage`)."""
 UPLOAD_BACKOFF_S = 2.0
 """Wait before the second try of a copy, doubled for each further one (seconds)."""
+SHARD_WAIT_S = 600.0
+"""Rank 0's upload waits at most this long (seconds) for every other rank's files to reach the run folder before it
+writes the manifest; then it fails (the checkpoint stays incomplete, the run keeps its previous one)."""
+SHARD_POLL_S = 0.2
 FAULT_ENV = "VIDRAY_FAULT_KILL_DURING_CHECKPOINT"
 """Fault injection for tests (never set in a real run): `<step>:<part>:<marker file>` makes the process copying
 checkpoint `<step>` SIGKILL itself right after copying `<part>`, once: the marker file is created first, and an
@@ -459,7 +476,9 @@ class CheckpointManager:
         if not hashes:
             with self.fetch(name, parts=(MANIFEST,)) as local:
                 manifest = _read_manifest(local)
-            sizes = {i.base_name: i.size for i in self.storage.list(name) if i.type == pafs.FileType.File}
+            prefix = self.storage.path(name).rstrip("/") + "/"  # recursive: a sharded checkpoint's dcp/ files too
+            sizes = {i.path[len(prefix):]: i.size for i in self.storage.list(name, recursive=True)
+                     if i.type == pafs.FileType.File}
             for part in manifest_parts(manifest):
                 if part not in sizes:
                     raise IncompleteCheckpointError(f"checkpoint {where} is missing {part}; use an earlier checkpoint",
@@ -537,6 +556,27 @@ class CheckpointManager:
 
         return upload_fn
 
+    def upload_shard(self, local_dir: str | Path, name: str, *, fs: pafs.FileSystem | None = None,
+                     base: str | None = None, wait_s: float = SHARD_WAIT_S) -> str:
+        """Copy one rank's files of a sharded checkpoint into `<run>/<name>`; the rank holding the manifest (rank 0)
+        writes it last, once every rank's files are there (`_upload_shard`). Returns the folder's path in `fs`."""
+        return _upload_shard(self, local_dir, name, fs=fs or self.storage.fs, base=base or self.storage.base,
+                             wait_s=wait_s)
+
+    def clear_for_sharded_write(self, name: str) -> None:
+        """Rank 0, before a sharded checkpoint's upload: remove an interrupted earlier write of `name` from Ray
+        Train's run folder (every rank then waits at a barrier before copying)."""
+        fs, base = _ray_storage()
+        _clear_for_sharded_write(name, fs=fs, base=base)
+
+    def ray_shard_upload_fn(self):
+        """A `checkpoint_upload_fn` for `ray.train.report` of a sharded checkpoint: EVERY rank reports its own local
+        folder with the same `checkpoint_dir_name` and this function; each copies its files with `upload_shard`
+        into Ray Train's run folder, rank 0's writes the manifest last, after every rank's files are there. Ray
+        Train 2.60 registers the checkpoint once every rank's report (each after its own upload) has arrived (its
+        report handler waits for all ranks and keeps the first one's checkpoint: they name the same folder)."""
+        return _ray_shard_upload_fn(self)
+
 
 def _maybe_inject_fault(name: str, part: str) -> None:
     spec = os.environ.get(FAULT_ENV)
@@ -547,3 +587,213 @@ def _maybe_inject_fault(name: str, part: str) -> None:
         if checkpoint_step(name) == int(step) and part == fault_part and not Path(marker).exists():
             Path(marker).write_text(f"killed pid {os.getpid()} after copying {part} of {name}\n")
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+# Sharded checkpoints (scaling.strategy: fsdp | hsdp) ---------------------------------------------------------------
+
+SHARDED_LAYOUT = "dcp"
+"""`manifest.json`'s `layout` of a sharded checkpoint (absent in full ones)."""
+DCP_DIR = "dcp"
+"""The part folder holding the `torch.distributed.checkpoint` files: `.metadata` (written by rank 0) and
+`__<rank>_0.distcp` (each rank's shards of the model and optimizer state)."""
+
+
+def _local_files(directory: Path) -> list[str]:
+    """Every file under `directory` as a POSIX path relative to it, sorted (subfolders included)."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
+
+
+def save_sharded_checkpoint(
+    directory: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    train_state: TrainState,
+    job_config: dict[str, Any],
+    rank: int,
+    world_size: int,
+    dataset: Any = None,
+) -> Path:
+    """Write this rank's part of a sharded checkpoint into its own local folder `directory`; a collective: every
+    rank calls it (each with its own folder, on any node). Returns the folder.
+
+    Every rank writes `dcp/__<rank>_0.distcp` with `torch.distributed.checkpoint.save` (synchronous) of
+    {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}: the sharded
+    (DTensor) state, so no rank ever holds the full model; rank 0 also writes `dcp/.metadata` and the small parts
+    (`lr_scheduler.pt`, `train_state.json`, `config.yaml`, `DATASET_ROWS`). Each rank then hashes its own files;
+    the sizes and sha256s are gathered to rank 0 (`dist.gather_object`), which writes `manifest.json` listing every
+    rank's files (`layout: dcp`) into its folder. Rank 0's copy (`CheckpointManager.upload_shard`) puts the
+    manifest into the run folder only after every listed file is there: the checkpoint is complete or absent,
+    as a full one. Source: torch docs, "Distributed Checkpoint - torch.distributed.checkpoint" (save, FileSystemWriter).
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    directory = Path(directory)
+    (directory / DCP_DIR).mkdir(parents=True, exist_ok=True)
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory / DCP_DIR)))
+    if rank == 0:
+        torch.save(lr_scheduler.state_dict(), directory / "lr_scheduler.pt")
+        (directory / "train_state.json").write_text(json.dumps(asdict(train_state), indent=2))
+        (directory / "config.yaml").write_text(yaml.safe_dump(job_config, sort_keys=False))
+        if dataset is not None:
+            pq.write_table(dataset, directory / DATASET_ROWS)
+    mine = {rel: {"size_bytes": (directory / rel).stat().st_size, "sha256": file_sha256(directory / rel)}
+            for rel in _local_files(directory) if rel not in (DATASET_ROWS, MANIFEST)}
+    everyone = [mine]
+    if world_size > 1:
+        everyone = [None] * world_size if rank == 0 else None
+        dist.gather_object(mine, everyone, dst=0)
+    if rank == 0:
+        files: dict[str, Any] = {}
+        for r, part in enumerate(everyone):
+            clash = sorted(set(files) & set(part))
+            if clash:
+                raise CheckpointError(f"sharded checkpoint: rank {r} wrote {clash[0]}, which another rank wrote too",
+                                      directory=directory, part=clash[0])
+            files.update(part)
+        parts = sorted(files)
+        manifest = {"format_version": FORMAT_VERSION, "layout": SHARDED_LAYOUT, "parts": parts, "files": files,
+                    "step": train_state.step, "world_size": world_size}
+        (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return directory
+
+
+def load_sharded_checkpoint(
+    directory: str | Path,
+    *,
+    transformer: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    ema: torch.nn.Module | None = None,
+    grad_scaler: Any = None,
+    comm_hook: Any = None,
+) -> TrainState:
+    """Restore a sharded checkpoint (`layout: dcp`) in place; return its TrainState. Every rank calls it (a
+    collective when the model is sharded), reading the same folder.
+
+    The folder is verified against its manifest first (every file of every rank: size and sha256). Then
+    `torch.distributed.checkpoint.load` fills this run's own state dicts (`get_model_state_dict` /
+    `get_optimizer_state_dict` of `transformer`), which DCP reshards: the checkpoint loads on any worker count and
+    strategy, into an FSDP model (its shards) or a plain/DDP one (full tensors); then `set_model_state_dict` /
+    `set_optimizer_state_dict`. `ema` and `grad_scaler` are not in sharded checkpoints (refused with FSDP at config
+    load); `comm_hook(None)` is called when given (no DDP hook state). Raises IncompleteCheckpointError /
+    DamagedCheckpointError naming the file, CheckpointError when the saved tensors do not fit this model.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    directory = Path(directory)
+    verify_checkpoint(directory)
+    train_state = read_train_state(directory)
+    state = {"model": get_model_state_dict(transformer), "optimizer": get_optimizer_state_dict(transformer, optimizer)}
+    try:
+        with warnings.catch_warnings():  # one process without a process group (a plain model) loads it too
+            warnings.filterwarnings("ignore", message=r"torch.distributed is .*uninitialized")
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory / DCP_DIR)))
+        set_model_state_dict(transformer, state["model"])
+        set_optimizer_state_dict(transformer, optimizer, state["optimizer"])
+    except (RuntimeError, KeyError, ValueError) as err:
+        raise CheckpointError(
+            f"checkpoint {directory}: {DCP_DIR}/ does not fit this model and optimizer "
+            f"({' '.join(str(err).split())[:300]}); model.* and optim.name must match the checkpoint's config",
+            directory=directory, part=DCP_DIR,
+        ) from err
+    lr_scheduler.load_state_dict(_read_part(directory, "lr_scheduler.pt", lambda p: torch.load(p, weights_only=True)))
+    if comm_hook is not None:
+        comm_hook(None)
+    return train_state
+
+
+def is_sharded_checkpoint(directory: str | Path) -> bool:
+    """True when the local checkpoint folder's manifest says `layout: dcp`. Raises as `_read_manifest`."""
+    return _read_manifest(Path(directory)).get("layout") == SHARDED_LAYOUT
+
+
+def _upload_shard(manager: "CheckpointManager", local_dir: str | Path, name: str, *, fs: pafs.FileSystem,
+                  base: str, wait_s: float = SHARD_WAIT_S) -> str:
+    """`CheckpointManager.upload_shard`'s body: copy this rank's files of sharded checkpoint `name` from `local_dir`
+    to `<base>/<name>` (subfolders kept; the folder is not cleared: other ranks copy into it too, and
+    `clear_for_sharded_write` cleared it before anyone started). The rank whose folder holds the manifest (rank 0)
+    then waits until every file the manifest lists is at the destination with its recorded size (at most `wait_s`
+    seconds), and copies the manifest last. Retried like `upload`; raises CheckpointUploadError."""
+    dest = f"{base.rstrip('/')}/{name}"
+    local_dir = Path(local_dir)
+    ordered = [f for f in _local_files(local_dir) if f != MANIFEST]
+    manifest = json.loads((local_dir / MANIFEST).read_text()) if (local_dir / MANIFEST).is_file() else None
+    last_error: Exception | None = None
+    for attempt in range(UPLOAD_ATTEMPTS):
+        if attempt:
+            time.sleep(UPLOAD_BACKOFF_S * 2 ** (attempt - 1))
+        try:
+            fs.create_dir(dest, recursive=True)
+            for rel in ordered:
+                if "/" in rel:
+                    fs.create_dir(f"{dest}/{rel.rsplit('/', 1)[0]}", recursive=True)
+                pafs.copy_files(str(local_dir / rel), f"{dest}/{rel}",
+                                source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+                _maybe_inject_fault(name, rel)
+                size = fs.get_file_info(f"{dest}/{rel}").size
+                if size != (local_dir / rel).stat().st_size:
+                    raise OSError(f"{rel} is {size} bytes at the destination, {(local_dir / rel).stat().st_size} locally")
+            if manifest is not None:
+                deadline = time.monotonic() + wait_s
+                while True:
+                    missing = [rel for rel, rec in manifest["files"].items()
+                               if fs.get_file_info(f"{dest}/{rel}").size != rec["size_bytes"]]
+                    if not missing:
+                        break
+                    if time.monotonic() > deadline:
+                        raise CheckpointUploadError(
+                            f"checkpoint {name}: {len(missing)} file(s) of other ranks (e.g. {missing[0]}) did not "
+                            f"reach {dest} within {wait_s:.0f} s; the checkpoint is not complete there",
+                            directory=dest, part=missing[0])
+                    time.sleep(SHARD_POLL_S)
+                pafs.copy_files(str(local_dir / MANIFEST), f"{dest}/{MANIFEST}",
+                                source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+            return dest
+        except OSError as err:
+            last_error = err
+            print(f"[vidray] copying checkpoint {name} to {dest} failed (try {attempt + 1} of {UPLOAD_ATTEMPTS}): "
+                  f"{err}", flush=True)
+    raise CheckpointUploadError(
+        f"checkpoint {name} could not be copied to {dest} after {UPLOAD_ATTEMPTS} tries ({last_error}); it is not "
+        "complete there and the run keeps its previous checkpoint: check storage.path and its credentials",
+        directory=dest, part=None,
+    )
+
+
+def _clear_for_sharded_write(name: str, *, fs: pafs.FileSystem, base: str) -> None:
+    """Remove what an interrupted write of checkpoint `name` left at `<base>/<name>` (rank 0, before every rank
+    starts copying its files: the caller puts a barrier after it)."""
+    dest = f"{base.rstrip('/')}/{name}"
+    if fs.get_file_info(dest).type != pafs.FileType.NotFound:
+        fs.delete_dir(dest)
+
+
+def _ray_storage() -> tuple[pafs.FileSystem, str]:
+    import ray.train
+
+    storage = ray.train.get_context().get_storage()
+    return storage.storage_filesystem, storage.experiment_fs_path
+
+
+def _ray_shard_upload_fn(manager: "CheckpointManager"):
+    """See `CheckpointManager.ray_shard_upload_fn`."""
+
+    def upload_fn(checkpoint, checkpoint_dir_name: str):
+        import ray.train
+
+        fs, base = _ray_storage()
+        dest = manager.upload_shard(checkpoint.path, checkpoint_dir_name, fs=fs, base=base)
+        return ray.train.Checkpoint(dest, filesystem=fs)
+
+    return upload_fn

@@ -3,7 +3,8 @@
 Steps: 1. build the model family's transformer (alone: the VAE and text encoder run in the encode stages); 2. load the sample table (not the clips) and build the
 world-size-independent sample schedule (`vidray.data.schedule`); 3. optimizer and lr schedule; 4. restore the checkpoint the driver chose (or this
 fit's own latest after a restart) with its data position, then re-apply this job's `optim` section to it;
-5. wrap the transformer in DDP; 6. plan this rank's steps from the data position at this run's world size (every
+5. restore the DDP hook's state (the transformer was wrapped in DDP or sharded by FSDP2 before the optimizer was
+built, `vidray.train.parallel.parallelize`); 6. plan this rank's steps from the data position at this run's world size (every
 rank the same bucket; G = `train.micro_batches_per_step` micro-batches per step, rank r training r, r+W, ... with
 gradient accumulation; noise and sigma keyed by (seed, step, sample)) and stream them through the rank's Ray Data
 loader (`vidray.data.pipeline`: cold -> warm -> hot, prefetched in schedule order, then the vae and text encode
@@ -19,7 +20,6 @@ Errors that a retry cannot fix are raised as `vidray.errors.UserError`s: the dri
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import resource
@@ -55,10 +55,18 @@ from vidray.train.checkpoint import (
     checkpoint_step,
     dataset_mismatch,
     save_checkpoint,
+    save_sharded_checkpoint,
 )
 from vidray.train.ema import EMA
 from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
-from vidray.train.parallel import parallelize
+from vidray.train.parallel import (
+    build_transformer,
+    clip_grad_norm_,
+    full_model_for_export,
+    gradient_sync,
+    is_sharded,
+    parallelize,
+)
 from vidray.train.precision import Precision
 from vidray.train.step import (
     NonFiniteTrainingError,
@@ -151,9 +159,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     if device.type == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
-    # 1. The trainable transformer alone: the frozen VAE and text encoder run in the encode stages.
+    # 1. The trainable transformer alone: the frozen VAE and text encoder run in the encode stages (a pretrained
+    # one on the meta device when sharded: `parallelize` then loads each rank's shards).
     family = get_family(job.model.family)
-    transformer = family.build_transformer(job.model, seed=job.train.seed).to(device)
+    transformer, pretrained_weights = build_transformer(family, job, device)
     if job.model.lora is not None:  # before the probe, AC, DDP and the optimizer: only the adapters train
         from vidray.models.lora import apply_lora, lora_summary
 
@@ -180,12 +189,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         if name in no_grad:
             param.requires_grad_(False)
     transformer.train()
+    ema = EMA(transformer, job.train.ema) if job.train.ema is not None and rank == 0 else None  # rank 0 keeps it
 
-    # 3. Optimizer, lr schedule, precision (autocast, fp16's grad scaler) and the EMA (rank 0 keeps it).
+    # 3. Activation checkpointing, then DDP (gloo on CPU, NCCL on GPU) with its communication hook, or FSDP2
+    # (`scaling.strategy`); then the optimizer (of the sharded parameters under FSDP), lr schedule and precision
+    # (autocast, fp16's grad scaler).
+    model, comm = parallelize(transformer, job, example_loss=lambda m: family.probe_loss(m, transformer),
+                              pretrained_weights=pretrained_weights, device=device)
     optimizer = build_optimizer(transformer.parameters(), job.optim)
     lr_scheduler = build_lr_scheduler(optimizer, job.optim)
     precision = Precision(job.train.mixed_precision, device)
-    ema = EMA(transformer, job.train.ema) if job.train.ema is not None and rank == 0 else None
 
     # 4. Resume.
     saved_hook: dict[str, Any] = {}  # the checkpoint's DDP hook state, restored once the hook exists (step 5)
@@ -220,8 +233,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     loader_nodes: dict[str, dict[str, Any]] = {}  # node_id -> {"node_id", "labels"} of this rank's decode operators
     stage_nodes: dict[str, dict[str, dict[str, Any]]] = {"vae": {}, "text": {}}  # the same, of its encode actors
 
-    # 5. Activation checkpointing, then DDP (gloo on CPU, NCCL on GPU) with its communication hook.
-    model, comm = parallelize(transformer, job, example_loss=lambda m: family.probe_loss(m, transformer))
+    # 5. The communication hook's state (PowerSGD), once the hook exists.
     why = comm.load_state(saved_hook.get("state"), rank, world_size) if state is not None else None
     if why:
         _log(rank, why)
@@ -296,8 +308,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             # and averaged over the W ranks by DDP, the gradient is the mean over the step's real samples.
             loss_weights = torch.from_numpy(weights) * (world_size / batch.total_weight)
             last = micro == num_micro - 1
-            no_sync = model.no_sync() if not last and hasattr(model, "no_sync") else contextlib.nullcontext()
-            with no_sync:
+            with gradient_sync(model, last):  # DDP's no_sync / FSDP's set_requires_gradient_sync
                 with precision.autocast():
                     micro_loss = flow_matching_step_loss(
                         family,
@@ -326,7 +337,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             _append_record(record_path, [step, step_epoch, world_size, rank, step_ids])
         precision.unscale_(optimizer)  # fp16: clip and measure true gradients
         if job.train.grad_clip_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), job.train.grad_clip_norm)
+            grad_norm = clip_grad_norm_(model, job.train.grad_clip_norm)  # global, under FSDP too
         else:
             grad_norm = torch.zeros((), device=loss.device)
         step_lrs.append(lr_scheduler.get_last_lr()[0])  # the lr this step uses (a host float: no sync)
@@ -406,27 +417,40 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             # checkpoint.upload=async); Ray Train copies it to the run folder with the manager's upload (manifest
             # last, retried), in the background when asynchronous, and deletes the temp folder afterwards.
             t_snapshot = time.perf_counter()
-            checkpoint = None
-            hook_state = comm.gather_state(rank, world_size)  # every rank's PowerSGD state (a collective)
-            if rank == 0:
-                snapshot = save_checkpoint(
-                    tempfile.mkdtemp(prefix="vidray-ckpt-"),
-                    model=transformer,
-                    optimizer=optimizer,
-                    lr_scheduler=lr_scheduler,
-                    train_state=TrainState(step, position.epoch, position.batches_consumed, world_size,
-                                           index_hash, position.to_dict(schedule.buckets), data_hash,
-                                           len(table)),
-                    job_config=job.to_dict(),
-                    dataset=data_rows,
-                    ema=None if ema is None else ema.averaged,
-                    grad_scaler=precision.grad_scaler,
-                    comm_hook_state=hook_state,
-                )
-                checkpoint = ray.train.Checkpoint.from_directory(str(snapshot))
+            train_state = TrainState(step, position.epoch, position.batches_consumed, world_size, index_hash,
+                                     position.to_dict(schedule.buckets), data_hash, len(table))
+            if is_sharded(model):
+                # Every rank writes its shards (DCP) into its own temp folder and reports it; rank 0's upload
+                # writes the manifest only once every rank's files are in the run folder (manifest last).
+                if rank == 0:
+                    checkpoints.clear_for_sharded_write(checkpoint_dir_name(step))  # an interrupted earlier write
+                if world_size > 1:
+                    dist.barrier()
+                snapshot = save_sharded_checkpoint(
+                    tempfile.mkdtemp(prefix="vidray-ckpt-"), model=transformer, optimizer=optimizer,
+                    lr_scheduler=lr_scheduler, train_state=train_state, job_config=job.to_dict(), rank=rank,
+                    world_size=world_size, dataset=data_rows)
+                checkpoint, upload_fn = ray.train.Checkpoint.from_directory(str(snapshot)), checkpoints.ray_shard_upload_fn()
+            else:
+                checkpoint, upload_fn = None, checkpoints.ray_upload_fn()
+                hook_state = comm.gather_state(rank, world_size)  # every rank's PowerSGD state (a collective)
+                if rank == 0:
+                    snapshot = save_checkpoint(
+                        tempfile.mkdtemp(prefix="vidray-ckpt-"),
+                        model=transformer,
+                        optimizer=optimizer,
+                        lr_scheduler=lr_scheduler,
+                        train_state=train_state,
+                        job_config=job.to_dict(),
+                        dataset=data_rows,
+                        ema=None if ema is None else ema.averaged,
+                        grad_scaler=precision.grad_scaler,
+                        comm_hook_state=hook_state,
+                    )
+                    checkpoint = ray.train.Checkpoint.from_directory(str(snapshot))
             ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name(step),
                              checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True,
-                             checkpoint_upload_fn=checkpoints.ray_upload_fn())
+                             checkpoint_upload_fn=upload_fn)
             checkpoint_blocked_s.append([step, time.perf_counter() - t_snapshot])
         else:
             # Asynchronous mode for plain reports too: a synchronous report would wait for the copy in flight.
@@ -455,12 +479,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     run_dir = str(loop_config["run_dir"])
     remote = is_uri(run_dir)
     diffusers_dir = f"{run_dir.rstrip('/')}/diffusers" if remote else str(Path(run_dir) / "diffusers")
+    # A sharded model's full weights are gathered to rank 0 first (a collective: every rank takes part).
+    trained_full = full_model_for_export(model, transformer, lambda: family.build_transformer(job.model, seed=job.train.seed), rank)
     if rank == 0:
-        transformer.eval()
+        trained_full.eval()
         encoders = family.build_encoders(job.model, seed=job.train.seed)  # the export's VAE and text encoder
         if job.export.weights == "ema":
-            ema.copy_to(transformer)  # training is over: the export holds the averages
-        components = Components(transformer=transformer, vae=encoders.vae, text_encoder=encoders.text_encoder,
+            ema.copy_to(trained_full)  # training is over: the export holds the averages (DDP only: rank 0's EMA)
+        components = Components(transformer=trained_full, vae=encoders.vae, text_encoder=encoders.text_encoder,
                                 tokenizer=encoders.tokenizer)
         if remote:
             from vidray.data.storage import upload_dir

@@ -1,4 +1,4 @@
-"""Parallelism in one place: activation checkpointing, then DDP with its communication hook.
+"""Parallelism in one place: activation checkpointing, then FSDP2 (sharded) or DDP with its communication hook.
 
 `parallelize(transformer, job, device)` is the one call the training loop makes (torchtitan's `parallelize_llama`:
 `apply_ac`, then the data-parallel wrapper); the loop never branches on the strategy afterwards.
@@ -14,10 +14,17 @@
   with error feedback; Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression", NeurIPS 2019).
   PowerSGD keeps per-rank state (the error feedback and warm-start factors): `CommHook.gather_state` collects every
   rank's for the checkpoint, so a resume at the same worker count continues it exactly.
+- FSDP2 (`scaling.strategy: fsdp | hsdp`; torchtitan's `apply_fsdp`): `fully_shard` per transformer block, then the
+  root, with a `MixedPrecisionPolicy` from `train.mixed_precision` (reduce in fp32). Gradient accumulation goes
+  through `gradient_sync` for DDP and FSDP alike; checkpoints of a sharded model are DCP folders
+  (`vidray.train.checkpoint.save_sharded_checkpoint`); `gather_full_state` gives rank 0 the full weights for
+  the export. Sources: torchtitan `torchtitan/models/llama3/infra/parallelize.py`; torch docs "FSDP2 (fully_shard)"
+  and "Distributed Checkpoint - torch.distributed.checkpoint".
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -189,18 +196,142 @@ def prime_buckets(model: torch.nn.Module, example_loss: Callable[[torch.nn.Modul
     model.zero_grad(set_to_none=True)
 
 
+def mixed_precision_policy(mixed_precision: str):
+    """FSDP2's `MixedPrecisionPolicy` for `train.mixed_precision`: parameters all-gathered (and the forward and
+    backward computed) in bf16 for `bf16` (fp16 for `fp16`), fp32 for `no`; gradients always reduce-scattered in
+    fp32 (`reduce_dtype`: FSDP's analogue of a DDP compression hook). The sharded master weights and the optimizer
+    state stay fp32. Raises ValueError for another setting."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtypes = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if mixed_precision not in dtypes:
+        raise ValueError(f"train.mixed_precision must be no, bf16 or fp16, got {mixed_precision!r}")
+    return MixedPrecisionPolicy(param_dtype=dtypes[mixed_precision], reduce_dtype=torch.float32)
+
+
+def device_mesh(strategy: str, *, shard_group_size: int | None = None, device_type: str | None = None):
+    """The `DeviceMesh` of the default process group for `strategy`: 1-D over all ranks for `fsdp`; for `hsdp`,
+    2-D `(replicate, shard)` of shape (world // shard_group_size, shard_group_size), which `fully_shard` reads as
+    HSDP (sharded within a group, replicated across groups). Raises ValueError when the group size does not divide
+    the world size, or for another strategy."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    world = dist.get_world_size()
+    if strategy == "fsdp":
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    if strategy == "hsdp":
+        if not shard_group_size or world % shard_group_size:
+            raise ValueError(f"scaling.shard_group_size={shard_group_size} must divide the worker count {world}")
+        return init_device_mesh(device_type, (world // shard_group_size, shard_group_size),
+                                mesh_dim_names=("replicate", "shard"))
+    raise ValueError(f"device_mesh: scaling.strategy must be fsdp or hsdp, got {strategy!r}")
+
+
+def apply_fsdp(transformer: torch.nn.Module, mesh, mp_policy, reshard_after_forward: bool = True) -> torch.nn.Module:
+    """FSDP2 (`torch.distributed.fsdp.fully_shard`) on each block of `transformer.transformer_blocks`, then on the
+    root (torchtitan's `apply_fsdp`: a block's parameters are all-gathered just before its forward and, with
+    `reshard_after_forward`, freed after it; the root holds the rest: embeddings, norms, output projection).
+    Parameters become `DTensor`s sharded on dim 0 over `mesh` (each rank holds 1/world of every tensor); the
+    module is changed in place and returned (its class becomes an `FSDPModule`). The optimizer must be built
+    after this call (it must see the sharded parameters). Raises ValueError for a model without
+    `transformer_blocks`."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    # FSDP2 warns at every forward that the root returned a view (diffusers' `return_dict=False` tuple): an in-place
+    # op on it would skip the backward all-gather. vidray's loss reads `model_pred` out of place only
+    # (`vidray.train.step.flow_matching_step_loss`), so the warning says nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    blocks = getattr(transformer, "transformer_blocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise ValueError(f"scaling.strategy: fsdp: {type(transformer).__name__} has no transformer_blocks to shard; "
+                         "use scaling.strategy: ddp")
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again first in the backward: keeping them saves one all-gather.
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy,
+                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+    fully_shard(transformer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    return transformer
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when `model` (what `parallelize` returned) is FSDP2-sharded: its checkpoint is a sharded DCP folder and
+    its full weights exist only when gathered (`full_state_dict`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def gradient_sync(model: torch.nn.Module, enabled: bool):
+    """Context for one micro-batch's backward under gradient accumulation: with `enabled` False (all but the last
+    micro-batch of a step) gradients only accumulate locally; with True they are all-reduced (DDP) or
+    reduce-scattered (FSDP) with the accumulated ones. DDP: `model.no_sync()`; FSDP2: its analogue
+    `set_requires_gradient_sync(enabled)` (set again on every call, so the last micro-batch always syncs); a plain
+    module (one process): nothing to do."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    if not enabled and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def build_transformer(family: Any, job: JobConfig, device: torch.device) -> tuple[torch.nn.Module, str | None]:
+    """(the transformer to train, the folder of its pretrained safetensors or None). A pretrained transformer
+    trained with `scaling.strategy: fsdp | hsdp` is built on the meta device (`family.build_transformer_on_meta`:
+    no weights in memory) and its folder returned, for `parallelize` to load each rank's shards after sharding;
+    otherwise `family.build_transformer` builds it in full (random init under `train.seed`, or the pretrained
+    weights), on `device`."""
+    if job.scaling.strategy != "ddp" and job.model.init == "pretrained":
+        return family.build_transformer_on_meta(job.model)
+    return family.build_transformer(job.model, seed=job.train.seed).to(device), None
+
+
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` of `model`'s gradients, returning the global L2 norm before clipping as a
+    plain (,) tensor. With FSDP the gradients are DTensor shards: torch 2.13 reduces the per-shard norms into the
+    norm of the whole gradient (a DTensor, made plain here with `full_tensor()`, a collective) and clips with it,
+    equal to the unsharded model's (`tests/unit/test_fsdp.py`)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: Callable | None = None,
                 example_loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
+                pretrained_weights: str | None = None, device: torch.device | str | None = None,
                 ) -> tuple[torch.nn.Module, CommHook]:
-    """Apply activation checkpointing, then DDP with `train.bucket_cap_mb` and the compression hook, to the model
-    each worker trains. Returns (the model to call: DDP-wrapped when the worker group has more than one process,
-    else `transformer` itself; its CommHook). `transformer` stays the unwrapped module whose state dict the
+    """Apply activation checkpointing, then the data parallelism of `scaling.strategy`, to the model each worker
+    trains. Returns (the model to call, its CommHook).
+
+    `ddp`: DDP with `train.bucket_cap_mb` and the compression hook; the model is DDP-wrapped when the worker group
+    has more than one process, else `transformer` itself, which stays the unwrapped module whose state dict the
     checkpoint saves. `hook_wrapper(hook) -> hook`, if given, wraps the communication hook (benchmarks count the
     bytes each all-reduce sends with it). `example_loss(model)`: a scalar loss of a small batch, needed by PowerSGD
-    (`prime_buckets`). Call after the checkpoint is restored and before the first forward."""
+    (`prime_buckets`).
+    `fsdp` / `hsdp`: `apply_fsdp` over `device_mesh` with `mixed_precision_policy(train.mixed_precision)`; the
+    returned model is `transformer` itself, sharded in place (`is_sharded`), and the CommHook is `none`. With
+    `pretrained_weights` (a meta-device transformer from `build_transformer`), each rank's shards are then
+    materialised on `device` and loaded file by file (`load_sharded_from_safetensors`).
+
+    Call before the optimizer is built (FSDP replaces the parameters with sharded ones) and before the checkpoint
+    is restored (a sharded model loads its own shards)."""
     import ray.train.torch
 
     apply_activation_checkpointing(transformer, job.train.activation_checkpointing)
+    if job.scaling.strategy in ("fsdp", "hsdp"):
+        device = torch.device(device) if device is not None else next(transformer.parameters()).device
+        mesh = device_mesh(job.scaling.strategy, shard_group_size=job.scaling.shard_group_size,
+                           device_type=device.type)
+        apply_fsdp(transformer, mesh, mixed_precision_policy(job.train.mixed_precision),
+                   job.scaling.reshard_after_forward)
+        if pretrained_weights is not None:
+            load_sharded_from_safetensors(transformer, pretrained_weights, device=device)
+        return transformer, CommHook("none")
+    if job.scaling.strategy != "ddp":
+        raise ValueError(f"scaling.strategy must be ddp, fsdp or hsdp, got {job.scaling.strategy!r}")
     model = ray.train.torch.prepare_model(
         transformer, parallel_strategy_kwargs={"bucket_cap_mb": job.train.bucket_cap_mb})
     comm, hook = comm_hook_for(job.train.grad_compression, powersgd_rank=job.train.powersgd_rank)
@@ -217,3 +348,77 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
     if not is_ddp:
         comm = CommHook(comm.kind)  # one process: no all-reduce, no hook state
     return model, comm
+
+
+def full_model_for_export(model: torch.nn.Module, transformer: torch.nn.Module, build: Callable[[], torch.nn.Module],
+                          rank: int) -> torch.nn.Module | None:
+    """The trained transformer with its full weights, for rank 0's export: `transformer` (the module `model`, what
+    `parallelize` returned, wraps) when it is not sharded;
+    for a sharded one, a collective (every rank calls it): `get_model_state_dict(model,
+    StateDictOptions(full_state_dict=True, cpu_offload=True))` gathers the full state to rank 0's CPU (empty on
+    the others), loaded into `build()` (a fresh unsharded transformer of the same config) on rank 0. Returns None
+    on the other ranks of a sharded model."""
+    if not is_sharded(model):
+        return transformer
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return None
+    full = build()
+    full.load_state_dict(state, strict=True)
+    return full
+
+
+def build_transformer_on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """`build()` under `torch.device("meta")`: the module's structure with no parameter storage (shapes and dtypes
+    only), so a 14 B model costs no memory until `fully_shard` and `load_sharded_from_safetensors` materialise each
+    rank's shards."""
+    with torch.device("meta"):
+        return build()
+
+
+def load_sharded_from_safetensors(model: torch.nn.Module, folder: str, *, device: torch.device | str = "cpu") -> int:
+    """Materialise a meta-device, `fully_shard`-ed `model` on `device` (`to_empty`) and fill it from the diffusers
+    weights in `folder` (`*.safetensors`, e.g. `diffusion_pytorch_model-00001-of-00003.safetensors`), one file at
+    a time: rank 0 reads the file's tensors (`safetensors.safe_open`) and `set_model_state_dict(...,
+    StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))` broadcasts them, each rank
+    keeping only its shards; so no rank ever holds more than one file's tensors beside its shards. Every entry of
+    the model's state dict must come from the files; non-persistent buffers (not in a state dict) would be left
+    uninitialised by `to_empty`, so call it only for models without them (the EasyAnimate transformer has none).
+    Returns the number of tensors loaded. Raises
+    FileNotFoundError when `folder` holds no safetensors file and ValueError when the files miss a parameter or
+    name one the model does not have."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no *.safetensors file: give a diffusers transformer folder")
+    non_persistent = [n for m_name, m in model.named_modules() for n in getattr(m, "_non_persistent_buffers_set", ())]
+    if non_persistent:
+        raise ValueError(f"{type(model).__name__} has non-persistent buffers ({non_persistent[0]}) that no weights "
+                         "file holds: it cannot be built on the meta device; set model.init so it is built in full")
+    model.to_empty(device=device)
+    expected = set(get_model_state_dict(model).keys())
+    seen: set[str] = set()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=False)
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            keys = list(f.keys())
+            unknown = [k for k in keys if k not in expected]
+            if unknown:
+                raise ValueError(f"{path.name} holds {unknown[0]}, which {type(model).__name__} does not have "
+                                 f"({len(unknown)} unknown tensors): is {folder} this model family's transformer?")
+            # broadcast_from_rank0: rank 0 reads the file, the others receive their shards (they pass nothing)
+            state = {k: f.get_tensor(k) for k in keys} if rank == 0 else {}
+        set_model_state_dict(model, state, options=options)
+        seen.update(keys)
+    missing = sorted(expected - seen)
+    if missing:
+        raise ValueError(f"{folder} does not hold {missing[0]} ({len(missing)} tensors missing) of "
+                         f"{type(model).__name__}")
+    return len(seen)

@@ -124,5 +124,14 @@ def non_finite_parameters(module: torch.nn.Module) -> list[str]:
     named = list(module.named_parameters())
     if not named:
         return []
-    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).cpu().tolist()
+    # A sharded (FSDP, DTensor) parameter is checked on this rank's shard, then the flags are agreed over ranks
+    # (a collective: every rank calls this at the same step), so all ranks stop together.
+    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for _, p in named]
+    finite = torch.stack([torch.isfinite(t).all() for t in local]).to(torch.int32)
+    if len(local) and any(hasattr(p, "to_local") for _, p in named):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    finite = finite.bool().cpu().tolist()
     return [name for (name, _), ok in zip(named, finite, strict=True) if not ok]
