@@ -1,10 +1,12 @@
 """`train_loop_per_worker`: what every Ray Train worker runs.
 
-Steps: 1. build the model family's transformer (alone: the VAE and text encoder run in the encode stages); 2. load the sample table (not the clips) and build the
-world-size-independent sample schedule (`vidray.data.schedule`); 3. optimizer and lr schedule; 4. restore the checkpoint the driver chose (or this
-fit's own latest after a restart) with its data position, then re-apply this job's `optim` section to it;
-5. restore the DDP hook's state (the transformer was wrapped in DDP or sharded by FSDP2 before the optimizer was
-built, `vidray.train.parallel.parallelize`); 6. plan this rank's steps from the data position at this run's world size (every
+Steps: 1. build the model family's transformer (alone: the VAE and text encoder run in the encode stages; LoRA
+adapters applied when `model.lora` is set); 2. load the sample table (not the clips) and build the
+world-size-independent sample schedule (`vidray.data.schedule`); 3. activation checkpointing, then DDP with its
+communication hook or FSDP2 (`vidray.train.parallel.parallelize`), then the optimizer, lr schedule and precision;
+4. restore the checkpoint the driver chose (or this fit's own latest after a restart) with its data position and
+the hook's state, then re-apply this job's `optim` section to it; 5. plan this rank's steps from the data position
+at this run's world size (every
 rank the same bucket; G = `train.micro_batches_per_step` micro-batches per step, rank r training r, r+W, ... with
 gradient accumulation; noise and sigma keyed by (seed, step, sample)) and stream them through the rank's Ray Data
 loader (`vidray.data.pipeline`: cold -> warm -> hot, prefetched in schedule order, then the vae and text encode
@@ -12,7 +14,7 @@ stages of `vidray.data.encode` with the latent cache), which delivers latents an
 reporting loss, gradient norm and step time every
 `train.log_every_steps` and a checkpoint every `checkpoint.every_steps`; a NaN/Inf loss, gradient norm or weight
 stops the run (checked at each report and before each checkpoint, with no extra host sync per step);
-7. rank 0 saves the diffusers pipeline.
+6. rank 0 saves the diffusers pipeline.
 
 Errors that a retry cannot fix are raised as `vidray.errors.UserError`s: the driver's callback
 (`vidray.train.trainer`) ends the run at the first one instead of letting Ray Train retry it.
@@ -200,11 +202,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     lr_scheduler = build_lr_scheduler(optimizer, job.optim)
     precision = Precision(job.train.mixed_precision, device)
 
-    # 4. Resume.
-    saved_hook: dict[str, Any] = {}  # the checkpoint's DDP hook state, restored once the hook exists (step 5)
+    # 4. Resume (the DDP hook exists: it restores its rank's PowerSGD state, or says why it starts afresh).
+    def restore_comm_hook(saved: dict[str, Any] | None) -> None:
+        why = comm.load_state(saved, rank, world_size)
+        if why:
+            _log(rank, why)
+
     state = _resume_state(loop_config, rank, transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler,
                           ema=None if ema is None else ema.averaged, grad_scaler=precision.grad_scaler,
-                          comm_hook=lambda saved: saved_hook.update(state=saved))
+                          comm_hook=restore_comm_hook)
     start_step = 1 if state is None else state.step + 1
     if state is not None:
         # This job's optim section wins over the restored one (lr, betas, weight decay, eps, warmup schedule).
@@ -233,12 +239,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     loader_nodes: dict[str, dict[str, Any]] = {}  # node_id -> {"node_id", "labels"} of this rank's decode operators
     stage_nodes: dict[str, dict[str, dict[str, Any]]] = {"vae": {}, "text": {}}  # the same, of its encode actors
 
-    # 5. The communication hook's state (PowerSGD), once the hook exists.
-    why = comm.load_state(saved_hook.get("state"), rank, world_size) if state is not None else None
-    if why:
-        _log(rank, why)
-
-    # 6. The loop.
+    # 5. The loop.
     max_steps = job.train.max_steps
     sizes = ", ".join(f"{b} x{n}" for b, n in zip(schedule.buckets, schedule.batch_sizes.tolist()))
     _log(rank, f"training steps {start_step}..{max_steps} from epoch {position.epoch}, batch "
@@ -472,7 +473,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     if skipped:
         _log(rank, f"skipped {len(skipped_shards)} shard(s) and {len(skipped_clips)} clip(s) that could not be read")
 
-    # 7. Rank 0 saves the trained pipeline in diffusers format (safetensors) with the job file: into a local run
+    # 6. Rank 0 saves the trained pipeline in diffusers format (safetensors) with the job file: into a local run
     # folder directly; for a URI into a local temp folder, then uploaded with model_index.json last (`upload_dir`:
     # a half-uploaded export never looks like a model; the whole upload is retried, then the worker fails with a
     # StorageTransferError naming the URI, and Ray Train's restart exports again from the last checkpoint).
