@@ -182,7 +182,8 @@ def save_checkpoint(
     options = _state_dict_options()
     lora = _save_model_part(model, directory)
     torch.save(get_optimizer_state_dict(model, optimizer, options=options), directory / "optimizer.pt")
-    torch.save(lr_scheduler.state_dict(), directory / "lr_scheduler.pt")
+    _save_run_parts(directory, lr_scheduler=lr_scheduler, train_state=train_state, job_config=job_config,
+                    dataset=dataset)
     parts = list(required_parts(lora is not None))
     if ema is not None:
         ema_state = get_model_state_dict(ema, options=options)
@@ -194,17 +195,29 @@ def save_checkpoint(
     if comm_hook_state is not None:
         torch.save(comm_hook_state, directory / "comm_hook.pt")
         parts.append("comm_hook.pt")
-    (directory / "train_state.json").write_text(json.dumps(asdict(train_state), indent=2))
-    (directory / "config.yaml").write_text(yaml.safe_dump(job_config, sort_keys=False))
-    if dataset is not None:
-        pq.write_table(dataset, directory / DATASET_ROWS)
-    files = {part: {"size_bytes": (directory / part).stat().st_size, "sha256": file_sha256(directory / part)}
-             for part in parts}
-    manifest = {"format_version": FORMAT_VERSION, "parts": parts, "files": files, "step": train_state.step}
+    manifest = {"format_version": FORMAT_VERSION, "parts": parts, "files": _file_records(directory, parts),
+                "step": train_state.step}
     if lora is not None:
         manifest["lora"] = lora
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return directory
+
+
+def _save_run_parts(directory: Path, *, lr_scheduler: Any, train_state: TrainState, job_config: dict[str, Any],
+                    dataset: Any) -> None:
+    """The parts every checkpoint, full or sharded, writes beside its model and optimizer state: `lr_scheduler.pt`,
+    `train_state.json`, `config.yaml`, and `DATASET_ROWS` when `dataset` is given."""
+    torch.save(lr_scheduler.state_dict(), directory / "lr_scheduler.pt")
+    (directory / "train_state.json").write_text(json.dumps(asdict(train_state), indent=2))
+    (directory / "config.yaml").write_text(yaml.safe_dump(job_config, sort_keys=False))
+    if dataset is not None:
+        pq.write_table(dataset, directory / DATASET_ROWS)
+
+
+def _file_records(directory: Path, parts: list[str]) -> dict[str, dict[str, Any]]:
+    """{part: {"size_bytes", "sha256"}} of files under `directory` (relative POSIX paths): the manifest's `files`."""
+    return {part: {"size_bytes": (directory / part).stat().st_size, "sha256": file_sha256(directory / part)}
+            for part in parts}
 
 
 def _save_model_part(model: torch.nn.Module, directory: Path) -> dict[str, Any] | None:
@@ -627,26 +640,20 @@ def save_sharded_checkpoint(
     manifest into the run folder only after every listed file is there: the checkpoint is complete or absent,
     as a full one. Source: torch docs, "Distributed Checkpoint - torch.distributed.checkpoint" (save, FileSystemWriter).
     """
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from vidray.train.parallel import gather_to_rank0
 
     directory = Path(directory)
     (directory / DCP_DIR).mkdir(parents=True, exist_ok=True)
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory / DCP_DIR)))
     if rank == 0:
-        torch.save(lr_scheduler.state_dict(), directory / "lr_scheduler.pt")
-        (directory / "train_state.json").write_text(json.dumps(asdict(train_state), indent=2))
-        (directory / "config.yaml").write_text(yaml.safe_dump(job_config, sort_keys=False))
-        if dataset is not None:
-            pq.write_table(dataset, directory / DATASET_ROWS)
-    mine = {rel: {"size_bytes": (directory / rel).stat().st_size, "sha256": file_sha256(directory / rel)}
-            for rel in _local_files(directory) if rel not in (DATASET_ROWS, MANIFEST)}
-    everyone = [mine]
-    if world_size > 1:
-        everyone = [None] * world_size if rank == 0 else None
-        dist.gather_object(mine, everyone, dst=0)
+        _save_run_parts(directory, lr_scheduler=lr_scheduler, train_state=train_state, job_config=job_config,
+                        dataset=dataset)
+    mine = _file_records(directory, [rel for rel in _local_files(directory) if rel not in (DATASET_ROWS, MANIFEST)])
+    everyone = gather_to_rank0(mine, rank, world_size)
     if rank == 0:
         files: dict[str, Any] = {}
         for r, part in enumerate(everyone):

@@ -72,6 +72,16 @@ def apply_activation_checkpointing(transformer: torch.nn.Module, setting: str) -
     return len(range(0, len(blocks), stride))
 
 
+def gather_to_rank0(obj: Any, rank: int, world_size: int) -> list[Any] | None:
+    """Every rank's picklable `obj`, by rank, on rank 0 (`dist.gather_object`; a collective: every rank calls it);
+    None on the other ranks. One process: `[obj]`, no process group needed."""
+    if world_size == 1:
+        return [obj]
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
 @dataclasses.dataclass
 class CommHook:
     """The DDP communication hook of a run (`train.grad_compression`) and its state.
@@ -88,11 +98,7 @@ class CommHook:
         on the other ranks and for hooks without state."""
         if self.state is None:
             return None
-        mine = _powersgd_state_dict(self.state)
-        parts = [mine]
-        if world_size > 1:
-            parts = [None] * world_size if rank == 0 else None
-            dist.gather_object(mine, parts, dst=0)
+        parts = gather_to_rank0(_powersgd_state_dict(self.state), rank, world_size)
         if rank != 0:
             return None
         return {"kind": self.kind, "world_size": world_size,
