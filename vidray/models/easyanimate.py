@@ -191,16 +191,22 @@ def no_grad_parameter_names(transformer: EasyAnimateTransformer3DModel) -> list[
     params = [(name, p) for name, p in transformer.named_parameters() if p.requires_grad]
     if not params:
         return []
-    cfg = transformer.config
-    p = cfg.patch_size
-    param = params[0][1]
-    noisy_latents = torch.randn(1, cfg.in_channels, 1, 2 * p, 2 * p, device=param.device, dtype=param.dtype)
-    timesteps = torch.full((1,), 500.0, device=param.device, dtype=param.dtype)
-    prompt_embeds = torch.randn(1, 2, cfg.text_embed_dim, device=param.device, dtype=param.dtype)
     with torch.enable_grad():
-        model_pred = transformer(noisy_latents, timesteps, encoder_hidden_states=prompt_embeds, return_dict=False)[0]
-        grads = torch.autograd.grad(model_pred.float().sum(), [q for _, q in params], allow_unused=True)
+        grads = torch.autograd.grad(probe_loss(transformer, transformer), [q for _, q in params], allow_unused=True)
     return [name for (name, _), grad in zip(params, grads) if grad is None]
+
+
+def probe_loss(model: torch.nn.Module, transformer: EasyAnimateTransformer3DModel) -> torch.Tensor:
+    """The output sum of `model` (`transformer`, maybe DDP-wrapped) on a fixed (1, C, 1, 2p, 2p) input with 2 text
+    tokens (a seeded CPU generator: the global RNG is untouched); fp32 scalar. The probe of
+    `no_grad_parameter_names` and of `vidray.train.parallel.prime_buckets`."""
+    cfg, param = transformer.config, next(transformer.parameters())
+    g = torch.Generator().manual_seed(0)
+    p = cfg.patch_size
+    noisy_latents = torch.randn(1, cfg.in_channels, 1, 2 * p, 2 * p, generator=g).to(param.device, param.dtype)
+    prompt_embeds = torch.randn(1, 2, cfg.text_embed_dim, generator=g).to(param.device, param.dtype)
+    timesteps = torch.full((1,), 500.0, device=param.device, dtype=param.dtype)
+    return model(noisy_latents, timesteps, encoder_hidden_states=prompt_embeds, return_dict=False)[0].float().sum()
 
 
 class EasyAnimateFamily(ModelFamily):
@@ -361,15 +367,8 @@ class EasyAnimateFamily(ModelFamily):
         return no_grad_parameter_names(transformer)
 
     def probe_loss(self, model: torch.nn.Module, transformer: EasyAnimateTransformer3DModel) -> torch.Tensor:
-        """The output sum of `model` on a fixed (1, C, 1, 2p, 2p) input with 2 text tokens (seeded CPU generator:
-        the global RNG is untouched); fp32 scalar."""
-        cfg, param = transformer.config, next(transformer.parameters())
-        g = torch.Generator().manual_seed(0)
-        p = cfg.patch_size
-        noisy_latents = torch.randn(1, cfg.in_channels, 1, 2 * p, 2 * p, generator=g).to(param.device, param.dtype)
-        prompt_embeds = torch.randn(1, 2, cfg.text_embed_dim, generator=g).to(param.device, param.dtype)
-        timesteps = torch.full((1,), 500.0, device=param.device, dtype=param.dtype)
-        return model(noisy_latents, timesteps, encoder_hidden_states=prompt_embeds, return_dict=False)[0].float().sum()
+        """See module-level `probe_loss`."""
+        return probe_loss(model, transformer)
 
     def save_pipeline(self, components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
         """See module-level `save_pipeline`."""
