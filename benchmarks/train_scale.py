@@ -253,7 +253,9 @@ def _tiny_transformer(seed: int = 0) -> torch.nn.Module:
 def _tiny_batch(seed: int, batch_size: int, size: int):
     g = torch.Generator().manual_seed(seed)
     latents = torch.randn(batch_size, 16, 3, size, size, generator=g)
-    prompt_embeds = torch.randn(batch_size, 8, _tiny_transformer().config.text_embed_dim, generator=g)
+    from vidray.models.text_encoder import text_hidden_size
+
+    prompt_embeds = torch.randn(batch_size, 8, text_hidden_size("tiny_random"), generator=g)
     return latents, prompt_embeds, torch.ones(batch_size, 8, dtype=torch.bool)
 
 

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from vidray.config import ConfigError, EMAConfig, FlowConfig, JobConfig, ModelConfig, job_config_from_dict
 from vidray.errors import UserError
 from vidray.models.registry import get_family
+from vidray.models.text_encoder import text_hidden_size
 from vidray.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from vidray.train.ema import EMA
 from vidray.train.optim import build_lr_scheduler, build_optimizer
@@ -38,8 +39,7 @@ def _transformer(seed: int = 0) -> torch.nn.Module:
 def _batch(seed: int = 0, batch_size: int = 2):
     g = torch.Generator().manual_seed(seed)
     latents = torch.randn(batch_size, 16, 3, 8, 8, generator=g)
-    dim = _transformer().config.text_embed_dim
-    prompt_embeds = torch.randn(batch_size, 8, dim, generator=g)
+    prompt_embeds = torch.randn(batch_size, 8, text_hidden_size(MODEL.text_encoder), generator=g)
     return latents, prompt_embeds, torch.ones(batch_size, 8, dtype=torch.bool)
 
 
