@@ -48,9 +48,12 @@ def ray_env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shards_dir(tmp_path_factory):
-    """The shipped clips prepared with the tiny job's buckets, 4 samples per shard (once per test module)."""
+    """The shipped clips prepared with the tiny job's buckets, 4 samples per shard: once per session, shared by
+    every module that only reads it (no test writes into it; the latent cache under it, `data.latent_cache: auto`,
+    fills with the first run and serves the rest), so the session's reference run (`uninterrupted_run`) is
+    trained once for all of them."""
     from vidray.config import load_job_config
     from vidray.data.ingest import prepare
 
@@ -77,8 +80,8 @@ def local_ray():
 
 REFERENCE_STEPS = 40
 """Steps of the uninterrupted reference run (`uninterrupted_run`)."""
-REFERENCE_CHECKPOINT_EVERY = 9
-"""The reference run keeps every checkpoint: steps 9, 18, 27, 36 and 40 (what resumed runs end at)."""
+REFERENCE_CHECKPOINT_EVERY = 3
+"""The reference run keeps every checkpoint: steps 3, 6, 9, ..., 39 and 40 (what resumed runs end at)."""
 _UNINTERRUPTED: dict[str, tuple[dict[int, float], Path]] = {}
 
 
@@ -126,9 +129,11 @@ def uninterrupted_losses(shards_dir: Path) -> dict[int, float]:
 def uninterrupted_run(shards_dir: Path) -> tuple[dict[int, float], Path]:
     """({step: loss} for steps 1..`REFERENCE_STEPS`, its run folder holding `checkpoint_<step>` every
     `REFERENCE_CHECKPOINT_EVERY` steps and at the last) of the tiny job (2 workers, `tiny_random` text encoder, seed 0,
-    `jobs/configs/tiny_t2v.yaml`'s optimizer) trained straight through on `shards_dir`, in the Ray this process
-    has initialized (the calling test's `local_ray`): the run that a resumed run and a run whose worker was killed
-    must match (`test_train.py`). The folder lives until the pytest process exits.
+    `jobs/configs/tiny_t2v.yaml`'s optimizer) trained straight through on `shards_dir`: the run that a resumed run,
+    a run whose worker or driver was killed and a run killed during a checkpoint must match (`test_train.py`,
+    `test_checkpoint_faults.py`, `test_driver_restart.py`). It trains in the Ray this process has initialized (the
+    calling test's), else in a local Ray started for it and shut down after. The folder lives until the pytest
+    process exits.
 
     Run once per pytest session and prepared folder, keyed by `index.json`'s content_hash (the shards' bytes:
     libx264 does not always encode a clip to the same bytes twice, so another module's `shards_dir` needs its own).
@@ -144,7 +149,6 @@ def uninterrupted_run(shards_dir: Path) -> tuple[dict[int, float], Path]:
     from vidray.data.shards import read_index
     from vidray.train.trainer import run_training
 
-    assert ray.is_initialized(), "uninterrupted_losses runs in the calling test's Ray (the local_ray fixture)"
     key = read_index(shards_dir)["content_hash"]
     if key not in _UNINTERRUPTED:
         storage = tempfile.mkdtemp(prefix="vidray-reference-")
@@ -154,7 +158,17 @@ def uninterrupted_run(shards_dir: Path) -> tuple[dict[int, float], Path]:
             "model.text_encoder=tiny_random", f"train.max_steps={REFERENCE_STEPS}",
             f"train.log_every_steps={REFERENCE_STEPS}", f"checkpoint.every_steps={REFERENCE_CHECKPOINT_EVERY}",
             "checkpoint.num_to_keep=null"])
-        result = run_training(job)
+        own_ray = not ray.is_initialized()
+        if own_ray:
+            from vidray.runtime import init_ray
+
+            apply_ray_env_defaults()
+            init_ray(num_cpus=4)
+        try:
+            result = run_training(job)
+        finally:
+            if own_ray:
+                ray.shutdown()
         losses = {int(step): float(loss) for step, loss in result.losses}
         assert sorted(losses) == list(range(1, REFERENCE_STEPS + 1)), sorted(losses)
         _UNINTERRUPTED[key] = (losses, Path(result.run_dir))

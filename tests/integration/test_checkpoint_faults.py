@@ -19,7 +19,7 @@ from vidray.config import load_job_config
 from vidray.train.checkpoint import FAULT_ENV, CheckpointManager, read_train_state, verify_checkpoint
 from vidray.train.trainer import run_training
 
-from tests.integration.conftest import assert_same_training_state
+from tests.integration.conftest import assert_same_training_state, uninterrupted_run
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -48,15 +48,15 @@ def fault_ray(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def straight_run(fault_ray, shards_dir, tmp_path_factory) -> tuple[dict[int, float], Path]:
-    """({step: loss}, its last checkpoint folder) of the job run without a fault (both faults disarmed). Its own
-    run, not the session's reference run (`conftest.uninterrupted_run`): that is keyed by the shards' bytes, which
-    another module's prepare of the same clips does not always reproduce, and a 6-step run costs less than a
-    40-step one."""
-    straight = run_training(job(shards_dir, tmp_path_factory.mktemp("straight")))
+def straight_run(fault_ray, shards_dir) -> tuple[dict[int, float], Path]:
+    """({step: loss}, its checkpoint folder at step 6) of the job run without a fault: the session's reference run
+    (`conftest.uninterrupted_run`, the same job trained 40 steps in one go; a step's loss and state do not depend
+    on `train.max_steps` or the checkpoint cadence), trained here with both faults disarmed when no module before
+    trained it."""
+    losses, run_dir = uninterrupted_run(shards_dir)
     assert all(m.read_text() == "disarmed" for m in fault_ray.values())  # the uninterrupted run was not touched
-    assert read_train_state(straight.checkpoint_path).step == 6
-    return {int(s): v for s, v in straight.losses}, Path(straight.checkpoint_path)
+    assert read_train_state(run_dir / "checkpoint_000006").step == 6
+    return losses, run_dir / "checkpoint_000006"
 
 
 @pytest.fixture
