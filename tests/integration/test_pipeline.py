@@ -185,15 +185,19 @@ def test_a_clip_whose_latents_are_cached_is_not_decoded(local_ray, shards_dir, t
 
     import ray
 
-    from vidray.data.encode import vae_identity
-    from vidray.data.pipeline import encode_spec, vae_identity_ref
+    from vidray.data.encode import text_identity, vae_identity
+    from vidray.data.pipeline import encode_spec, encoder_identity_refs
 
     job = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", ["model.text_encoder=tiny_random"])
     cache = tmp_path / "latents"
     spec = encode_spec(job, {}, latent_cache=str(cache))
     vae_id = vae_identity(dataclasses.asdict(job.model), job.train.seed)
-    # The identity the loader's task computes is the encode stage's (`EncodeStage.vae_id`, its entries' folder).
-    assert ray.get(vae_identity_ref(spec)[0]) == vae_id
+    # The identities the tasks compute are the encode stage's (`EncodeStage.vae_id`, its entries' folder), and a
+    # second call in this driver reuses them (no new task).
+    refs = encoder_identity_refs(spec)
+    assert ray.get(refs["vae"][0]) == vae_id
+    assert ray.get(refs["text"][0]) == text_identity(dataclasses.asdict(job.model), job.train.seed)
+    assert encoder_identity_refs(spec) == refs
 
     def run(**extra):
         index = read_index(shards_dir)
@@ -207,11 +211,11 @@ def test_a_clip_whose_latents_are_cached_is_not_decoded(local_ray, shards_dir, t
     def total(batches, key):
         return sum(b.stats[key] for b in batches)
 
-    first = run(vae_id=vae_id)
+    first = run(identities={"vae": vae_id})
     assert total(first, "decodes_skipped") == 0 and total(first, "vae_misses") > 0
     assert {p.parent.parent.name for p in cache.glob("vae/*/*/*.safetensors")} == {vae_id[:32]}
 
-    second = run(vae_id=vae_id)
+    second = run(identities={"vae": vae_id})
     slots = sum(len(set(b.sample_ids)) for b in second)  # clips per batch (a repeat within a batch: one read)
     assert total(second, "hot_misses") == slots and total(second, "decodes_skipped") == slots
     assert total(second, "vae_misses") == 0
@@ -221,7 +225,7 @@ def test_a_clip_whose_latents_are_cached_is_not_decoded(local_ray, shards_dir, t
 
     for entry in cache.glob("vae/*/*/*.safetensors"):
         entry.write_bytes(b"damaged")
-    third = run(vae_id=vae_id)
+    third = run(identities={"vae": vae_id})
     assert total(third, "decodes_skipped") == 0 and total(third, "vae_misses") > 0
     for a, b in zip(first, third):
         np.testing.assert_array_equal(a.latents.numpy(), b.latents.numpy())

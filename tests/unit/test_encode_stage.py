@@ -189,3 +189,43 @@ def test_latents_the_decode_operator_read_from_the_cache_are_used_as_they_are(tm
     batch["cached_latents"] = np.array([pack_cached_latents("0" * 64, cached)], dtype=object)
     with pytest.raises(RuntimeError, match="VAE files changed"):
         stage(batch)
+
+
+def _lazy_stage(cache: str, identities: dict[str, str]) -> EncodeStage:
+    return EncodeStage("vae+text", dataclasses.asdict(MODEL), 0, max_sequence_length=MODEL.max_sequence_length,
+                       latent_cache=cache, hot_bytes=0, identities=identities)
+
+
+def test_a_stage_given_the_identities_loads_no_encoder_while_every_entry_is_cached(tmp_path):
+    """The identity tasks' ids (`vae_identity`, `text_identity`) are the stage's own; a stage given them serves a
+    fully cached batch without building either encoder (the same bits as the stage that filled the cache), and
+    builds them on its first miss, encoding as a stage that never cached."""
+    from vidray.data.encode import text_identity, vae_identity
+
+    frames, shas, captions = _frames(7, 2), ["a" * 64, "b" * 64], ["a red kite", "a blue boat"]
+    filler = _stage(str(tmp_path))
+    filled = filler(_batch(frames, shas, captions))
+    ids = {"vae": vae_identity(dataclasses.asdict(MODEL), 0), "text": text_identity(dataclasses.asdict(MODEL), 0)}
+    assert ids == {"vae": filler.vae_id, "text": filler.text_id}
+
+    lazy = _lazy_stage(str(tmp_path), ids)
+    out = lazy(_batch(frames, shas, captions))
+    assert lazy.family is None and lazy.vae is None and lazy.text_encoder is None  # nothing loaded
+    assert (out["vae_misses"][0], out["text_misses"][0]) == (0, 0)
+    for key in ("latents", "prompt_embeds", "prompt_attention_mask"):
+        np.testing.assert_array_equal(out[key], filled[key])
+
+    other = _frames(8, 1)
+    missed = lazy(_batch(other, ["c" * 64], ["a green tram"]))
+    assert lazy.vae is not None and lazy.text_encoder is not None
+    assert (missed["vae_misses"][0], missed["text_misses"][0]) == (1, 1)
+    fresh = _stage()(_batch(other, ["c" * 64], ["a green tram"]))
+    for key in ("latents", "prompt_embeds"):
+        np.testing.assert_array_equal(missed[key], fresh[key])
+
+
+def test_a_stage_given_another_encoder_s_identity_refuses_to_encode_with_its_own(tmp_path):
+    lazy = _lazy_stage(str(tmp_path), {"vae": "0" * 64, "text": "0" * 64})
+    with pytest.raises(RuntimeError, match="files changed while the run went on"):
+        lazy(_batch(_frames(9, 1), ["d" * 64], ["a yellow cab"]))
+    assert not list(tmp_path.rglob("*.safetensors"))  # nothing stored under the wrong identity

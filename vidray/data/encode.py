@@ -137,6 +137,14 @@ class EncodeStage:
         hot_bytes: LRU budget of encoder outputs held in memory (0 = none).
         num_gpus: > 0 runs the encoder(s) on this actor's GPU (`cuda`), else on the CPU.
         torch_threads: intra-op threads of the CPU encoders.
+        identities: {"vae" | "text": the encoder's `module_identity`, as a str or a one-item list holding the
+            ObjectRef of the task computing it (`encoder_identity_refs`)}; a stage missing here is hashed from the
+            encoder this actor builds.
+
+    The encoders are built on the first cache miss, not before: a run whose latents and prompt embeddings are all
+    cached never imports the family's modules or loads its VAE and text encoder here (the identities name the
+    cache entries without them). Built, each encoder is hashed once and must match the identity it was given
+    (RuntimeError otherwise: the model's files changed while the run went on).
 
     `__call__` takes the previous operator's batch of one micro-batch: "vae" needs "frames" (1, B, F, H, W, 3)
     uint8 and "clip_sha" (1,) JSON list of B sha256 hex ("" = not cacheable); "text" needs "captions" (1,) JSON
@@ -147,11 +155,9 @@ class EncodeStage:
     """
 
     def __init__(self, what: str, model: dict[str, Any], seed: int, *, max_sequence_length: int,
-                 latent_cache: str = "", hot_bytes: int = 0, num_gpus: float = 0.0, torch_threads: int = 1):
+                 latent_cache: str = "", hot_bytes: int = 0, num_gpus: float = 0.0, torch_threads: int = 1,
+                 identities: dict[str, Any] | None = None):
         import torch
-
-        from vidray.config import ModelConfig
-        from vidray.models.registry import get_family
 
         if what not in ("vae", "text", "vae+text"):
             raise ValueError(f"EncodeStage: what must be 'vae', 'text' or 'vae+text', got {what!r}")
@@ -159,22 +165,70 @@ class EncodeStage:
         self.device = torch.device("cuda" if num_gpus > 0 and torch.cuda.is_available() else "cpu")
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, int(torch_threads)))
-        model_cfg = ModelConfig(**model)
-        self.family = get_family(model_cfg.family)
-        encoders = self.family.build_encoders(model_cfg, seed=int(seed))
-        self.vae = encoders.vae.to(self.device) if self.do_vae else None
-        self.text_encoder = encoders.text_encoder.to(self.device) if self.do_text else None
-        self.tokenizer = encoders.tokenizer
+        self.model, self.seed = dict(model), int(seed)
         self.max_sequence_length = int(max_sequence_length)
-        self.vae_id = module_identity(encoders.vae) if self.do_vae else ""
-        self.text_id = module_identity(encoders.text_encoder, extra=type(self.tokenizer).__name__) \
-            if self.do_text else ""
-        del encoders
+        self._given = {k: v for k, v in (identities or {}).items() if v}
+        self._ids: dict[str, str] = {}
+        self.family = self.vae = self.text_encoder = self.tokenizer = None  # built on the first miss
         self.cache = LatentCache(latent_cache) if latent_cache else None
         self.hot_bytes = int(hot_bytes)
         self.hot: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.hot_used = 0
         self.node = json.dumps(_node_info())
+
+    # -- the encoders, built on the first miss ---------------------------------------------------------------
+
+    @property
+    def vae_id(self) -> str:
+        """`module_identity` of this stage's VAE ("" when it runs no VAE)."""
+        return self._identity("vae") if self.do_vae else ""
+
+    @property
+    def text_id(self) -> str:
+        """`module_identity` of this stage's text encoder, tokenizer class included ("" when it runs none)."""
+        return self._identity("text") if self.do_text else ""
+
+    def _identity(self, stage: str) -> str:
+        if stage not in self._ids:
+            given = self._given.get(stage)
+            if isinstance(given, str):
+                self._ids[stage] = given
+            elif isinstance(given, (list, tuple)) and given:
+                import ray
+
+                self._ids[stage] = str(ray.get(given[0]))
+            else:
+                self._load_encoders()
+        return self._ids[stage]
+
+    def _load_encoders(self) -> None:
+        """Build the family's encoders this stage runs (once) and set or check their identities."""
+        if self.family is not None:
+            return
+        from vidray.config import ModelConfig
+        from vidray.models.registry import get_family
+
+        model_cfg = ModelConfig(**self.model)
+        family = get_family(model_cfg.family)
+        encoders = family.build_encoders(model_cfg, seed=self.seed)
+        built = {}
+        if self.do_vae:
+            self.vae = encoders.vae.to(self.device)
+            built["vae"] = module_identity(encoders.vae)
+        if self.do_text:
+            self.text_encoder = encoders.text_encoder.to(self.device)
+            self.tokenizer = encoders.tokenizer
+            built["text"] = module_identity(encoders.text_encoder, extra=type(self.tokenizer).__name__)
+        for stage, identity in built.items():
+            known = self._ids.get(stage)
+            if known is None and stage in self._given:
+                known = self._identity(stage)
+            if known is not None and known != identity:
+                raise RuntimeError(f"the {stage} encoder this stage loaded hashes to {identity[:12]}, not "
+                                   f"{known[:12]} as the run's identity task found: the model's files changed "
+                                   "while the run went on; restart the run")
+            self._ids[stage] = identity
+        self.family = family
 
     # -- the hot tier and the store -------------------------------------------------------------------------
 
@@ -234,6 +288,7 @@ class EncodeStage:
                 latents = found["latents"]
                 hits += 1
             else:
+                self._load_encoders()
                 video = frames_to_video(np.array(frames[b:b + 1]))  # a writable copy of Ray's read-only block
                 with torch.no_grad():
                     latents = self.family.encode_video(self.vae, video.to(self.device))[0].float().cpu()
@@ -255,6 +310,7 @@ class EncodeStage:
             rel = LatentCache.prompt_entry(self.text_id, self.max_sequence_length, caption)
             found = self._lookup(rel)
             if found is None:
+                self._load_encoders()
                 with torch.no_grad():
                     e, m = self.family.encode_prompt(self.text_encoder, self.tokenizer, [caption],
                                                      max_sequence_length=self.max_sequence_length)
@@ -339,6 +395,18 @@ def vae_identity(model: dict[str, Any], seed: int) -> str:
 
     model_cfg = ModelConfig(**model)
     return module_identity(get_family(model_cfg.family).build_vae(model_cfg, seed=int(seed)))
+
+
+def text_identity(model: dict[str, Any], seed: int) -> str:
+    """The `module_identity` (tokenizer class included) of the text encoder an `EncodeStage` of this model section
+    (`ModelConfig` as a dict) and `train.seed` loads: the identity in its prompt-embedding cache entries. Raises
+    what `ModelFamily.build_encoders` raises for a bad model section."""
+    from vidray.config import ModelConfig
+    from vidray.models.registry import get_family
+
+    model_cfg = ModelConfig(**model)
+    encoders = get_family(model_cfg.family).build_encoders(model_cfg, seed=int(seed))
+    return module_identity(encoders.text_encoder, extra=type(encoders.tokenizer).__name__)
 
 
 def _node_info() -> dict[str, Any]:

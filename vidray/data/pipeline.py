@@ -34,8 +34,9 @@ The tiers a clip goes through on its way to the trainer (`ClipLoader`):
 - **latents** (with the encode stages and a latent cache, `vidray.data.encode`): a clip whose latents the cache
   holds for the stage's VAE is not decoded at all. The loader reads its mp4 bytes only to hash them (the cache
   key), reads the cached latents and hands them to the encode stage with zeros for frames. It learns the VAE's
-  identity from a task (`vae_identity_ref`; training's driver starts it while the workers start, else the loader
-  with its first window), without waiting for it: clips are decoded until the identity arrives;
+  identity from a task (`encoder_identity_refs`; training's driver starts it while the workers start, else the
+  loader with its first window), without waiting for it: clips are decoded until the identity arrives. The encode
+  stages name their entries with the same tasks' identities and load an encoder only on a miss;
 - the queue of `data.prefetch_batches` decoded micro-batches ahead of the trainer (Ray Data's streaming executor
   decodes ahead of the queue within its object-store budget).
 
@@ -52,7 +53,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 import queue
 import threading
 import time
@@ -67,7 +70,7 @@ import pyarrow.parquet as pq
 
 from vidray.data.buckets import Bucket
 from vidray.data.encode import (ENCODE_STAT_KEYS, EncodeStage, LatentCache, block_rows, concat_rows,
-                                pack_cached_latents, vae_identity)
+                                pack_cached_latents, text_identity, vae_identity)
 from vidray.data.schedule import DataPosition, SampleSchedule
 from vidray.logs import quiet_ray_data
 
@@ -547,9 +550,10 @@ class RankLoader:
         encode: None (deliver frames and captions), or the encode stages to chain after the decode operator
             (`vidray.data.encode.EncodeStage`; deliver latents and prompt_embeds): {"model": ModelConfig dict,
             "seed", "max_sequence_length", "latent_cache": root or "", "vae": {"label_selector", "num_cpus",
-            "num_gpus", "memory"}, "text": {same}} (`encode_spec`), optionally "vae_id" (the VAE's identity, or
-            `vae_identity_ref` of it, when the caller has it; else, with a latent cache, the loader starts that
-            task itself). Once the identity is known, the decode operator skips clips whose latents are cached.
+            "num_gpus", "memory"}, "text": {same}} (`encode_spec`), optionally "identities" (the encoders'
+            `encoder_identity_refs`, when the caller has them; else, with a latent cache, the loader starts those
+            tasks itself). Once the VAE's identity is known, the decode operator skips clips whose latents are
+            cached; the encode stages load an encoder only on a cache miss.
         window_steps: `RankStep`s (micro-batches) per Ray Data dataset. The steps are streamed in windows of this
             many (blocks of up to `data.block_batches` consecutive steps, `plan_blocks`, planned when the window
             starts), so a run of 100 000 steps never plans or materialises them all
@@ -571,7 +575,7 @@ class RankLoader:
         self._label_selector = dict(label_selector) if label_selector else None
         self._encode = encode
         self._steps = iter(steps)
-        self._vae_id: Any = None  # str, or [ObjectRef] of the identity task: set when the first window starts
+        self._identities: dict[str, Any] = {}  # {stage: str or [ObjectRef] of its identity task}: set at the start
         self._window_steps = max(1, int(window_steps))
         self._thread = threading.Thread(target=self._run, name="vidray-rank-loader", daemon=True)
         self._thread.start()
@@ -595,12 +599,12 @@ class RankLoader:
             "bucket": np.array([tuple(s.bucket) for s in window], dtype=np.int32),
         }
         return self._build(shards_dir, index, plan, data, local_ranks, self._label_selector, self._encode,
-                           self._vae_id)
+                           self._identities)
 
     @staticmethod
     def _build(shards_dir: str, index: dict[str, Any], plan: dict[str, np.ndarray], data: Any, local_ranks: int,
                label_selector: dict[str, str] | None = None, encode: dict[str, Any] | None = None,
-               vae_id: Any = None):
+               identities: dict[str, Any] | None = None):
         import ray.data
         from ray.data import DataContext
         from ray.data._internal.execution.interfaces import ExecutionResources
@@ -641,7 +645,7 @@ class RankLoader:
                     "local_ranks": int(local_ranks),
                     "hash_clips": bool(operators),
                     "latent_cache": str(encode.get("latent_cache") or "") if encode else "",
-                    "vae_id": vae_id,
+                    "vae_id": (identities or {}).get("vae"),
                 },
             )
             for op in operators:  # the encode stages, each one actor on the nodes its placement allows
@@ -663,6 +667,7 @@ class RankLoader:
                         "hot_bytes": int(data.hot_bytes),
                         "num_gpus": op["num_gpus"],
                         "torch_threads": max(1, int(round(op["num_cpus"]))),
+                        "identities": identities or {},
                     },
                 )
         return dataset
@@ -670,7 +675,7 @@ class RankLoader:
     def _run(self) -> None:
         try:
             if self._encode and self._encode.get("latent_cache"):
-                self._vae_id = self._encode.get("vae_id") or vae_identity_ref(self._encode)
+                self._identities = self._encode.get("identities") or encoder_identity_refs(self._encode)
             for window in self._windows():
                 dataset = self._dataset(window)
                 batches = dataset.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)
@@ -786,17 +791,47 @@ def encode_spec(job: Any, placement: dict[str, Any] | None = None, *, latent_cac
     return spec
 
 
-def vae_identity_ref(encode: dict[str, Any]) -> list[Any]:
-    """[ObjectRef of the str `vidray.data.encode.vae_identity`] of an encode spec's VAE, computed by a Ray task on
-    the nodes `encode["vae"]["label_selector"]` allows (those hold the model files). The task asks for no CPU: it
-    runs once per loader, for a few seconds (it loads the VAE alone, never the text encoder), and must not wait
-    behind the stage actors that hold the CPUs."""
+_IDENTITY_REFS: dict[tuple[str, ...], list[Any]] = {}
+"""`encoder_identity_refs`' memo: {(node id, job id, stage, model section, seed, selector, files): [ObjectRef]}."""
+
+
+def _model_files_signature(model: dict[str, Any]) -> str:
+    """(relative path, size, mtime_ns) of every file of a pretrained model folder, as JSON ("" for random init):
+    what changes when a user replaces the weights under the same path."""
+    path = model.get("pretrained_path") if model.get("init") == "pretrained" else None
+    if not path or not Path(path).is_dir():
+        return ""
+    files = sorted((str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns)
+                   for f in Path(path).rglob("*") if f.is_file())
+    return json.dumps(files)
+
+
+def encoder_identity_refs(encode: dict[str, Any]) -> dict[str, list[Any]]:
+    """{"vae": [ObjectRef of the str `vidray.data.encode.vae_identity`], "text": [ObjectRef of
+    `vidray.data.encode.text_identity`]} of an encode spec's encoders, each computed by a Ray task on the nodes
+    its stage's `label_selector` allows (those hold the model files). The tasks ask for no CPU: they run once per
+    run, for a few seconds (each loads its encoder alone), and must not wait behind the stage actors that hold
+    the CPUs. With them the decode operator finds cached latents before it decodes, and the encode stages name
+    their cache entries without loading an encoder until a miss (`vidray.data.encode.EncodeStage`).
+
+    Memoized in this process per Ray cluster and driver (node and job id), model section, seed, selector and,
+    for a pretrained folder, the size and mtime of each of its files: later runs of one driver (a notebook, a
+    test session) reuse the refs and start no task."""
     import ray
 
-    selector = encode["vae"].get("label_selector") or {}
-    task = ray.remote(num_cpus=0, max_retries=0)(vae_identity)
-    return [task.options(**({"label_selector": selector} if selector else {})).remote(encode["model"],
-                                                                                       int(encode["seed"]))]
+    runtime = ray.get_runtime_context()
+    files = _model_files_signature(encode["model"])
+    refs = {}
+    for stage, fn in (("vae", vae_identity), ("text", text_identity)):
+        selector = encode[stage].get("label_selector") or {}
+        key = (runtime.get_node_id(), runtime.get_job_id(), stage, json.dumps(encode["model"], sort_keys=True),
+               str(int(encode["seed"])), json.dumps(selector, sort_keys=True), files)
+        if key not in _IDENTITY_REFS:
+            task = ray.remote(num_cpus=0, max_retries=0)(fn)
+            _IDENTITY_REFS[key] = [task.options(**({"label_selector": selector} if selector else {})).remote(
+                encode["model"], int(encode["seed"]))]
+        refs[stage] = _IDENTITY_REFS[key]
+    return refs
 
 
 def encode_operators(encode: dict[str, Any]) -> list[dict[str, Any]]:

@@ -229,8 +229,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                             last_step=job.train.max_steps, micro_batches=job.micro_batches_per_step)  # lazily
     placement = loop_config.get("placement") or {}  # {stage: label selector}, resolved on the driver
     encode = encode_spec(job, placement, latent_cache=loop_config.get("latent_cache", ""))
-    if loop_config.get("vae_id"):
-        encode["vae_id"] = loop_config["vae_id"]  # [ObjectRef] of the driver's identity task (vidray.train.trainer)
+    if loop_config.get("identities"):  # {stage: [ObjectRef]} of the driver's identity tasks (vidray.train.trainer)
+        encode["identities"] = loop_config["identities"]
     loader = RankLoader(shards_dir, index, table, steps, job.data, sample_ids=sample_ids,
                         local_ranks=context.get_local_world_size(), label_selector=placement.get("decode"),
                         encode=encode)

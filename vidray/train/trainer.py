@@ -851,12 +851,14 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
         "latent_cache": latent_cache_root(job),
     }
     if loop_config["latent_cache"]:
-        # The VAE's identity names its cached latents; computed once, on a vae node, while the workers start, so
-        # that the loaders skip decoding clips whose latents are cached from the first step (a ref: never waited
-        # for; see vidray.data.pipeline).
-        from vidray.data.pipeline import encode_spec, vae_identity_ref
+        # The encoders' identities name their cache entries; computed once (and once per driver process), on the
+        # stages' nodes, while the workers start, so that the loaders skip decoding clips whose latents are cached
+        # from the first step and the encode stages load no encoder until a miss (refs: never waited for here;
+        # see vidray.data.pipeline).
+        from vidray.data.pipeline import encode_spec, encoder_identity_refs
 
-        loop_config["vae_id"] = vae_identity_ref(encode_spec(job, placement, latent_cache=loop_config["latent_cache"]))
+        loop_config["identities"] = encoder_identity_refs(encode_spec(job, placement,
+                                                                      latent_cache=loop_config["latent_cache"]))
     scaling_config, run_config = build_trainer_configs(job, storage_path, label_selector=placement.get("dit"))
     trainer = _torch_trainer_class()(
         train_loop_per_worker, train_loop_config=loop_config, scaling_config=scaling_config, run_config=run_config
