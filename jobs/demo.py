@@ -105,6 +105,7 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
           f"(report: {report_path(absolute_location(job.data.shards_dir))})")
     print(f"checkpoint:         {result.checkpoint_path}")
     print(f"diffusers pipeline: {result.diffusers_dir}")
+    print(f"loss curve:         {result.run_dir}/loss.png (tensorboard --logdir {result.run_dir})")
     print(f"generated video:    {video_path}")
     print(f"total wall time:    {time.perf_counter() - started:.0f} s")
     return 0

@@ -111,6 +111,7 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     print(f"[vidray] trained steps {result.first_step}..{result.last_step} at {result.steps_per_s:.2f} steps/s")
     print(f"[vidray] latest checkpoint: {result.checkpoint_path}")
     print(f"[vidray] diffusers pipeline: {result.diffusers_dir}")
+    print(f"[vidray] curves: {result.run_dir}/loss.png, metrics.jsonl; tensorboard --logdir {result.run_dir}")
     for shard in result.skipped_shards:
         print(f"[vidray] skipped shard {shard['file']}: {shard['reason']}")
     for clip in result.skipped_clips:

@@ -10,6 +10,7 @@ the command against a new head is the same resume path as below (the checkpoints
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -275,6 +276,10 @@ def test_resubmitted_job_resumes_from_the_latest_complete_checkpoint_and_matches
     assert complete_checkpoints(run_dir)[-1].name == f"checkpoint_{MAX_STEPS:06d}"
     assert (run_dir / "diffusers" / "model_index.json").is_file()
     assert f"[vidray] diffusers pipeline: {run_dir / 'diffusers'}" in out.stdout
+    # 4. The curves cover every step once: the killed attempt's lines after the resumed checkpoint were replaced.
+    assert f"[vidray] curves: {run_dir}/loss.png" in out.stdout and (run_dir / "loss.png").is_file()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
 
 
 def test_ray_agents_of_the_killed_driver_exit_within_90_s(killed_run):

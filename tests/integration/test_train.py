@@ -104,6 +104,21 @@ def test_two_workers_train_checkpoint_and_resume_at_next_step_with_the_uninterru
         assert loss == expected[int(step)], step
     assert_same_training_state(second.checkpoint_path, reference_dir / "checkpoint_000009")
 
+    # 4. What the run leaves to look at (`vidray.train.runlog`), continued by the resumed attempt: TensorBoard
+    # events with each step's loss once (read with TensorBoard's own reader), metrics.jsonl and loss.png.
+    from vidray.train.runlog import read_scalars
+
+    run_dir = tmp_path / "test-run"
+    scalars = read_scalars(run_dir)
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 10))
+    for (_, value), (_, loss) in zip(scalars["train/loss"], first.losses + second.losses):
+        assert value == pytest.approx(loss, rel=1e-6)  # float32 in the event file
+    assert {"train/lr", "train/grad_norm", "train/samples_per_s", "data/wait_fraction",
+            "stages/dit_busy_fraction"} <= set(scalars)
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(1, 10))
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
 
 def test_worker_killed_mid_run_restarts_from_checkpoint_and_matches_uninterrupted_run(local_ray, shards_dir, tmp_path):
     """SIGKILL one Ray Train worker once the step-5 checkpoint is committed (the step-10 one is being written, and

@@ -70,6 +70,7 @@ from vidray.train.parallel import (
     parallelize,
 )
 from vidray.train.precision import Precision
+from vidray.train.runlog import RunLog
 from vidray.train.step import (
     NonFiniteTrainingError,
     check_finite_window,
@@ -272,6 +273,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     metrics_file = metrics_root / f"rank_{rank}.prom"
     if job.train.metrics_port is not None:
         metrics_log.serve(job.train.metrics_port + rank)
+    run_log = RunLog(loop_config["run_dir"], start_step=start_step, title=job.name) if rank == 0 else None
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
     first_step_done_unix: float | None = None  # wall clock (time.time()) when this attempt's first step finished
@@ -381,6 +383,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                     step, step_lrs[-1],
                 )
         history.extend([first_window_step + i, v] for i, v in enumerate(window_losses))
+        window_lrs = list(step_lrs)
         step_losses.clear()
         step_grad_norms.clear()
         step_lrs.clear()
@@ -412,6 +415,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
              f"{data['latent_hits'] + data['latent_misses']:.0f} fetched "
              f"{data['bytes_fetched'] / 2**20:.1f} MiB lead {batch.prefetch_lead}")
         metrics_log.write_textfile(metrics_file)
+        if run_log is not None:
+            run_log.log_window(first_window_step, window_losses, window_grad_norms, window_lrs, metrics,
+                               samples_per_step=job.global_batch_size)
+            if is_checkpoint:
+                run_log.flush()  # TensorBoard events, metrics.jsonl and loss.png in the run folder
         reported_steps.append(step)
         if is_checkpoint:
             # Rank 0 snapshots the parts into a local temp folder (the step waits only for this with
@@ -459,6 +467,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         window_start, window_steps = time.perf_counter(), 0
     loader.close()
     lease.release()
+    if run_log is not None:
+        run_log.close()
     metrics_log.write_textfile(metrics_file)
     metrics_log.close()
     num_trained = max(0, max_steps - start_step + 1)
