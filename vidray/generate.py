@@ -15,6 +15,7 @@ from pathlib import Path
 from vidray.data.buckets import Bucket, parse_bucket
 from vidray.errors import UserError
 from vidray.locations import NOT_A_FOLDER, creation_problem
+from vidray.progress import progress_bar
 from vidray.models.export import (  # re-exported: these lived here before the serve plane needed them
     JOB_FILE,
     LoadedModel,
@@ -241,14 +242,17 @@ def generate_to_file(
     started = time.monotonic()
     last_shown = [started]
 
+    bar = progress_bar(num_inference_steps, "denoising", "step")  # drawn on a terminal only
+
     def progress(i: int, sigma: float, latents) -> None:  # a large bucket takes minutes per step: show that it moves
+        bar.update(1)
         now = time.monotonic()
-        if i == 0 or i == num_inference_steps - 1 or now - last_shown[0] >= 5.0:
+        if bar.disable and (i == 0 or i == num_inference_steps - 1 or now - last_shown[0] >= 5.0):
             last_shown[0] = now
             logger.info("denoising step %d/%d of %s done (%.1f s)", i + 1, num_inference_steps, bucket,
                         now - started)
 
-    with torch.inference_mode():
+    with torch.inference_mode(), bar:
         frames = generate_video(
             model.family, model.components, [prompt], bucket, flow=model.flow,
             num_inference_steps=num_inference_steps, guidance_scale=float(guidance_scale),

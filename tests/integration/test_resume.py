@@ -5,6 +5,7 @@ Ctrl-C stops `vidray train` within seconds leaving no process behind."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,28 +85,62 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("command, resume_hint, interrupted", [
-    (["-m", "vidray.cli", "train"], "run the same command again to resume", "vidray train: interrupted"),
+def _terminal() -> tuple[int, int]:
+    """(master, slave) of a new pseudo-terminal of 40 rows and 160 columns (a user's shell window)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    return master, slave
+
+
+def _terminal_lines(master: int):
+    """The lines written to a pseudo-terminal, read from its master side until the command closes it."""
+    import io
+
+    reader = io.TextIOWrapper(io.FileIO(master, "rb", closefd=True), errors="replace", newline="")
+    try:
+        yield from reader
+    except OSError:  # EIO: every process holding the terminal has ended
+        return
+
+
+@pytest.mark.parametrize("command, resume_hint, interrupted, on_terminal", [
+    # On a terminal (as a user types it): a progress bar of steps, fed by the workers' reports (vidray.train.progress).
+    (["-m", "vidray.cli", "train"], "run the same command again to resume", "vidray train: interrupted", True),
     # A new user's trial: the demo printed a KeyboardInterrupt traceback and told to run the same command again,
     # which starts the demo afresh (removing the run); --resume keeps it. (--resume with these shards: no prepare.)
+    # Piped (a log file, `ray job submit`): plain lines, no bar.
     ([str(REPO / "jobs/demo.py"), "--resume", "--config"], "resume with `.venv/bin/python jobs/demo.py --resume`",
-     "jobs/demo.py: interrupted"),
+     "jobs/demo.py: interrupted", False),
 ], ids=["vidray-train", "demo"])
 def test_ctrl_c_stops_vidray_train_within_seconds_and_leaves_no_process(shards_dir, tmp_path, command, resume_hint,
-                                                                        interrupted):
+                                                                        interrupted, on_terminal):
     ray_tmp = tempfile.mkdtemp(prefix="/tmp/vrc")  # short: Ray's socket paths are length-limited
     env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
+    env.pop("VIDRAY_PROGRESS", None)
     cmd = [sys.executable, *command, str(REPO / "jobs/configs/tiny_t2v.yaml"),
            f"data.shards_dir={shards_dir}", f"storage.path={tmp_path}", "name=ctrlc", "model.text_encoder=tiny_random",
            "train.max_steps=100000", "train.log_every_steps=1", "checkpoint.every_steps=100000"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    if on_terminal:
+        master, slave = _terminal()
+        proc = subprocess.Popen(cmd, env=env, stdin=slave, stdout=slave, stderr=slave, cwd=tmp_path)
+        os.close(slave)
+        output = _terminal_lines(master)
+    else:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=tmp_path)
+        output = iter(proc.stdout)
     lines: list[str] = []
     spawned: set[int] = set()
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
-            line = proc.stdout.readline()
+            line = next(output, "")
             if not line:
                 break
             lines.append(line)
@@ -114,7 +149,7 @@ def test_ctrl_c_stops_vidray_train_within_seconds_and_leaves_no_process(shards_d
         assert any("[vidray] step 2/" in line for line in lines), "".join(lines[-40:])
         spawned = _descendants(proc.pid) | set(pids_mentioning(ray_tmp))
         assert spawned, "the run started no processes?"
-        drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # as a terminal would
+        drain = threading.Thread(target=lambda: lines.extend(output), daemon=True)  # as a terminal would
         drain.start()
         proc.send_signal(signal.SIGINT)
         sent = time.monotonic()
@@ -126,6 +161,11 @@ def test_ctrl_c_stops_vidray_train_within_seconds_and_leaves_no_process(shards_d
         assert any(line.strip() == interrupted for line in lines), "".join(lines[-20:])
         assert not any("Traceback" in line for line in lines), "".join(lines)
         assert not noise_in("".join(lines)), noise_in("".join(lines))  # the demo's start-up and reports (vidray.logs)
+        bars = re.findall(r"train:\s+\d+%\|[^\r\n]*\| (\d+)/100000 [^\r\n]*loss=", "".join(lines))
+        if on_terminal:  # the bar moved with the reports (every step here) and shows the loss
+            assert bars and max(int(n) for n in bars) >= 1, "".join(lines)[-3000:]
+        else:  # no bar of any kind
+            assert not bars and "%|" not in "".join(lines), "".join(lines)[-3000:]
         left: list[int] = []
         for _ in range(20):  # Ray's processes of the local cluster end once their driver has gone
             left = sorted(p for p in spawned | set(pids_mentioning(ray_tmp)) if _alive(p))

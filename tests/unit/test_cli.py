@@ -49,6 +49,53 @@ def test_prepare_on_samples_writes_an_index_and_prints_the_summary(config, tmp_p
     assert index["num_samples"] == len(listed) == 6  # every sample clip and still is kept
     assert "Prepared 6 of 6 files" in result.stdout
     assert "Traceback" not in result.stderr
+    assert "[1/6] kept" in result.stdout and "prepare:" not in result.stderr  # no terminal: plain lines, no bar
+
+
+def _run_in_pty(*args: str, cwd: Path, timeout: float = 120) -> tuple[int, str]:
+    """Run a command with a pseudo-terminal as its stdin, stdout and stderr (as a user's shell does); returns
+    (exit status, everything it wrote, decoded)."""
+    import pty
+    import select
+    import time
+
+    import fcntl
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 40 rows, 160 columns
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    env.pop("VIDRAY_PROGRESS", None)
+    proc = subprocess.Popen(args, cwd=cwd, env=env, stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the command ended and closed the terminal
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            elif proc.poll() is not None:
+                break
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        os.close(master)
+    return proc.returncode, b"".join(chunks).decode(errors="replace")
+
+
+def test_prepare_on_a_terminal_draws_a_progress_bar_above_which_the_file_lines_stay(config, tmp_path):
+    status, out = _run_in_pty(str(VIDRAY), "prepare", str(config), cwd=tmp_path)
+    assert status == 0, out[-3000:]
+    assert "prepare: 100%" in out and "6/6" in out and "kept=6" in out, out[-3000:]
+    assert "[1/6] kept" in out and "Prepared 6 of 6 files" in out
 
 
 def test_config_error_prints_one_line_and_exits_2(config, tmp_path):

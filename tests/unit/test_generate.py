@@ -97,6 +97,17 @@ def test_generate_to_file_writes_an_mp4_with_the_buckets_frame_count_and_size(tr
     assert "denoising step 1/3 of 5x32x32 done" in caplog.text and "denoising step 3/3 of 5x32x32 done" in caplog.text
 
 
+def test_generate_on_a_terminal_draws_a_bar_of_denoising_steps_instead_of_the_log_lines(trained, tmp_path, caplog,
+                                                                                       capfd, monkeypatch):
+    _, out_dir = trained
+    monkeypatch.setenv("VIDRAY_PROGRESS", "1")  # as a terminal (vidray.progress); the CLI's pty test: test_cli.py
+    with caplog.at_level(logging.INFO, logger="vidray"):
+        generate_to_file(out_dir, "a red ball", tmp_path / "bar.mp4", num_inference_steps=3)
+    err = capfd.readouterr().err
+    assert "denoising: 100%" in err and "3/3" in err, err
+    assert "denoising step" not in caplog.text
+
+
 def _video(path: Path):
     return decode_mp4(path.read_bytes())
 

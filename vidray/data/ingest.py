@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from vidray.data.grouping import SHARDS_PER_GROUPING, CaptionEmbedder, balanced_
 from vidray.data.shards import INDEX_NAME, ShardWriter
 from vidray.data.storage import is_uri
 from vidray.errors import UserError, UserFileNotFound
+from vidray.progress import progress_bar
 from vidray.data.scenes import SceneSplit, detect_scenes, needs_scene_split, plan_scene_clips
 from vidray.data.video import (
     ClipWindow,
@@ -576,7 +578,18 @@ def prepare(
                     table[name].append(value)
             shards.append(writer.write_shard(shard_rows))
 
-    for i, item in enumerate(items, start=1):
+    bar = progress_bar(len(items), "prepare", "file") if progress else None
+    if bar is not None and not bar.disable and progress is print:
+        say = lambda line: bar.write(line, file=sys.stdout)  # noqa: E731 - the lines stay above the bar
+
+    def counted(rows):  # advances the bar once a file is done (kept, skipped or failed)
+        for row in rows:
+            yield row
+            if bar is not None:
+                bar.set_postfix(kept=num_files_kept, skipped=len(skipped), clips=len(kept), refresh=False)
+                bar.update(1)
+
+    for i, item in enumerate(counted(items), start=1):
         tag = f"[{i}/{len(items)}]"
         try:
             info = probe_media(item.file_path)
@@ -655,6 +668,8 @@ def prepare(
             f"{tag} kept    {item.file_path.name} -> {what} "
             f"({info.width}x{info.height}, {source_desc}, {size_kib:.1f} KiB{extra})"
         )
+    if bar is not None:
+        bar.close()
     for bucket in list(pending):  # what each bucket still buffers: smaller groups, full shards first
         flush(bucket)
     if kept:

@@ -43,6 +43,7 @@ from vidray.locations import absolute_location, is_uri
 from vidray.logs import ray_train_log_level, worker_env
 from vidray.placement import alive_nodes, resolve_placement
 from vidray.runtime import LOCAL_RAY
+from vidray.train.progress import TrainProgress
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 """Ray Train V2's list of a run's reported checkpoints, in the run folder."""
@@ -677,8 +678,8 @@ def _torch_trainer_class():
     return VidrayTorchTrainer
 
 
-def build_trainer_configs(job: JobConfig, storage_path: str, *,
-                          label_selector: dict[str, str] | None = None) -> tuple[Any, Any]:
+def build_trainer_configs(job: JobConfig, storage_path: str, *, label_selector: dict[str, str] | None = None,
+                          callbacks: list[Any] | None = None) -> tuple[Any, Any]:
     """(ray.train.ScalingConfig, ray.train.RunConfig) for `job`: workers and their resources, run name and
     storage (a `storage.path` URI with vidray's pyarrow filesystem), checkpoints kept, worker restarts
     (`train.max_failures`) and bounded worker-group start-up retries (`vidray.runtime.WORKER_GROUP_START_RETRIES`;
@@ -723,7 +724,7 @@ def build_trainer_configs(job: JobConfig, storage_path: str, *,
         failure_config=ray.train.FailureConfig(
             max_failures=job.train.max_failures, controller_failure_limit=controller_failure_limit
         ),
-        callbacks=[_stop_on_user_errors_callback()],
+        callbacks=[_stop_on_user_errors_callback(), *(callbacks or [])],
         # Ray Train's own INFO lines (every report's TrainingReport dump, worker-group start-up) only with --verbose;
         # the workers get the library settings of this driver (vidray.logs) on a cluster too.
         logging_config=ray.train.LoggingConfig(log_level=ray_train_log_level()),
@@ -859,12 +860,16 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
 
         loop_config["identities"] = encoder_identity_refs(encode_spec(job, placement,
                                                                       latent_cache=loop_config["latent_cache"]))
-    scaling_config, run_config = build_trainer_configs(job, storage_path, label_selector=placement.get("dit"))
+    bar = TrainProgress(first_step=plan.step + 1, max_steps=job.train.max_steps,
+                        samples_per_step=job.global_batch_size)  # a terminal's bar, fed by the reports
+    scaling_config, run_config = build_trainer_configs(job, storage_path, label_selector=placement.get("dit"),
+                                                       callbacks=bar.callbacks)
     trainer = _torch_trainer_class()(
         train_loop_per_worker, train_loop_config=loop_config, scaling_config=scaling_config, run_config=run_config
     )
     try:
-        result = trainer.fit()
+        with bar:
+            result = trainer.fit()
     except ray.train.ControllerError as err:
         if isinstance(err.controller_failure, UserError):
             raise err.controller_failure from None
