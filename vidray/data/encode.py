@@ -497,6 +497,9 @@ def encode_to_cache(job: Any, *, shards_dir: str | None = None, latent_cache: st
     totals = dict.fromkeys(("latent_hits", "latent_misses", "prompt_hits", "prompt_misses"), 0)
     seen: set[str] = set()
     skipped: list[dict[str, str]] = []
+    from vidray.progress import progress_bar
+
+    bar = progress_bar(len(steps), "encode", "batch")  # drawn on a terminal only
     try:
         for batch in loader:
             seen.update(i for i, w in zip(batch.sample_ids, batch.weights) if w > 0)
@@ -504,7 +507,11 @@ def encode_to_cache(job: Any, *, shards_dir: str | None = None, latent_cache: st
             for stage, tier in (("vae", "latent"), ("text", "prompt")):
                 totals[f"{tier}_hits"] += int(batch.stats.get(f"{stage}_hits", 0))
                 totals[f"{tier}_misses"] += int(batch.stats.get(f"{stage}_misses", 0))
+            bar.set_postfix(clips=len(seen), encoded=totals["latent_misses"], cached=totals["latent_hits"],
+                            refresh=False)
+            bar.update(1)
     finally:
+        bar.close()
         loader.close()
     return {"clips": len(seen), **totals, "skipped": skipped, "seconds": time.perf_counter() - started,
             "cache": cache}
