@@ -267,6 +267,27 @@ class EMAConfig:
 
 
 @dataclass(config=_STRICT, kw_only=True)
+class ValidationConfig:
+    every_steps: int | None = None
+    """Sample `prompts` from the checkpoint of every this many steps (a multiple of `checkpoint.every_steps`),
+    in an actor beside the training (`vidray.train.validation`): one mp4 per prompt and a PNG grid of their
+    frames in `<run>/validation/step_<N>/`, and the videos in TensorBoard. null: no validation."""
+    prompts: list[str] = dataclasses.field(default_factory=list)
+    """The fixed prompts sampled at each validation (each with the same seed every time)."""
+    num_inference_steps: int = 8
+    """Denoising steps of each validation sample."""
+    guidance_scale: float = 1.0
+    """Classifier-free guidance scale of the samples (1.0: none)."""
+    seed: int = 0
+    """Seed of the samples' initial noise (the same at every validation, so the videos compare)."""
+    bucket: str | None = None
+    """`FxHxW` of the samples; null: the job's first multi-frame bucket."""
+    num_cpus: float = 0.5
+    """Logical CPUs of the validation actor (it runs where `placement.vae` allows: it loads the VAE and text
+    encoder), so validation runs beside the training instead of stalling it."""
+
+
+@dataclass(config=_STRICT, kw_only=True)
 class ExportConfig:
     weights: Literal["trained", "ema"] = "trained"
     """Which transformer weights the diffusers export at the end of training holds: the trained ones, or their EMA
@@ -304,8 +325,10 @@ class TrainConfig:
     """DDP gradient bucket size in MiB: all-reduce of a full bucket overlaps the rest of the backward (torch's
     default 25)."""
     ema: EMAConfig | None = None
-    """Exponential moving average of the trained weights (`vidray.train.ema`), kept in the checkpoint and exported
-    with `export.weights: ema`; null: none."""
+    """Exponential moving average of the trained weights (`vidray.train.ema`), kept in the checkpoint, used for
+    validation and exported with `export.weights: ema`; null: none."""
+    validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
+    """Validation samples from fixed prompts during training (`vidray.train.validation`)."""
     max_failures: int = 2
     """Worker-group restarts (from the latest checkpoint) before the run fails; -1 retries forever."""
     micro_batches_per_step: int | None = None
@@ -610,9 +633,39 @@ class JobConfig:
                 raise ValueError(f"train.ema.decay must be in (0, 1), got {train.ema.decay} (e.g. 0.9999)")
             if train.ema.update_every_steps < 1:
                 raise ValueError(f"train.ema.update_every_steps must be >= 1, got {train.ema.update_every_steps}")
+        self._check_validation()
         if self.export.weights == "ema" and train.ema is None:
             raise ValueError("export.weights: ema needs train.ema (e.g. train.ema: {decay: 0.9999}); or set "
                              "export.weights: trained")
+
+    def _check_validation(self) -> None:
+        """train.validation: a cadence on checkpoints, prompts, sampler settings (the prompts' token counts are
+        checked before the run starts, `vidray.train.trainer.check_job_inputs`)."""
+        val = self.train.validation
+        if val.every_steps is None:
+            return
+        every = self.checkpoint.every_steps
+        if val.every_steps < 1 or val.every_steps % every:
+            raise ValueError(f"train.validation.every_steps={val.every_steps} must be a multiple of "
+                             f"checkpoint.every_steps={every} (validation samples the checkpoint of its step): e.g. "
+                             f"{every * max(1, round(val.every_steps / every))}")
+        if not val.prompts or any(not str(p).strip() for p in val.prompts):
+            raise ValueError("train.validation.prompts must list the fixed prompts to sample, none empty: e.g. "
+                             "train.validation.prompts: [\"a red kite over a beach\"]")
+        if val.num_inference_steps < 1:
+            raise ValueError(f"train.validation.num_inference_steps must be >= 1, got {val.num_inference_steps}")
+        if not (val.guidance_scale >= 1.0 and math.isfinite(val.guidance_scale)):
+            raise ValueError(f"train.validation.guidance_scale must be >= 1.0 (1.0: no guidance), got "
+                             f"{val.guidance_scale}")
+        if not val.num_cpus > 0:
+            raise ValueError(f"train.validation.num_cpus must be > 0 logical CPUs, got {val.num_cpus}")
+        if val.bucket is not None:
+            from vidray.data.buckets import parse_bucket
+
+            parse_bucket(val.bucket)
+        if self.scaling.strategy != "ddp":
+            raise ValueError(f"train.validation is not supported with scaling.strategy: {self.scaling.strategy} yet "
+                             "(it samples a full checkpoint): set train.validation.every_steps: null, or use ddp")
 
     def _check_strategy(self) -> None:
         """scaling.strategy, scaling.shard_group_size and what FSDP/HSDP do not support (issue 28 item 3)."""
@@ -754,6 +807,9 @@ RESUME_RULES: dict[str, str] = {
     "train.ema.decay": RESUME_CHANGEABLE,
     "train.ema.update_every_steps": RESUME_CHANGEABLE,
     "train.ema": RESUME_CHANGEABLE,
+    # Validation only reads checkpoints: any of it may change on resume.
+    **{f"train.validation.{key}": RESUME_CHANGEABLE for key in (
+        "every_steps", "prompts", "num_inference_steps", "guidance_scale", "seed", "bucket", "num_cpus")},
     "export.weights": RESUME_CHANGEABLE,
     "checkpoint.every_steps": RESUME_CHANGEABLE,
     "checkpoint.num_to_keep": RESUME_CHANGEABLE,

@@ -61,7 +61,10 @@ def test_two_workers_train_checkpoint_and_resume_at_next_step_with_the_uninterru
     scraper = threading.Thread(target=scrape, daemon=True)
     scraper.start()
     try:
-        first = run_training(tiny_job(shards_dir, tmp_path, train__max_steps=6, train__metrics_port=port))
+        first = run_training(tiny_job(shards_dir, tmp_path, train__max_steps=6, train__metrics_port=port,
+                                      train__validation__every_steps=3,
+                                      train__validation__prompts='["a sailboat on a painted sea"]',
+                                      train__validation__num_inference_steps=2))
     finally:
         done.set()
         scraper.join(timeout=5)
@@ -88,6 +91,14 @@ def test_two_workers_train_checkpoint_and_resume_at_next_step_with_the_uninterru
     assert list((Path(first.diffusers_dir) / "transformer").glob("*.safetensors"))
     saved = json.loads((Path(first.checkpoint_path) / "train_state.json").read_text())
     assert saved["step"] == 6
+    # Validation samples of the checkpoints at steps 3 and 6, made by the validator actor beside the training.
+    assert [v["step"] for v in first.validation] == [3, 6]
+    for step in (3, 6):
+        folder = first.run_dir / "validation" / f"step_{step:06d}"
+        assert (folder / "0.mp4").is_file() and (folder / "grid.png").is_file()
+    assert list((first.run_dir / "tensorboard" / "validation").glob("events.out.tfevents.*"))
+    print(f"validation: {[round(v['seconds'], 1) for v in first.validation]} s each in the actor; the run's end "
+          f"waited {first.validation_wait_s:.1f} s")
 
     # 2. The same run name with more steps resumes from step 6 and continues at step 7.
     second = run_training(tiny_job(shards_dir, tmp_path, train__max_steps=9))

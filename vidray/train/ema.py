@@ -13,6 +13,8 @@ weights are equal, and rank 0 writes the checkpoint and the export. The checkpoi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
@@ -83,3 +85,23 @@ class EMA:
                 if name not in params:
                     raise KeyError(f"the EMA holds {name}, which the transformer has no parameter of")
                 params[name].copy_(average)
+
+
+def load_ema_into(transformer: torch.nn.Module, checkpoint_dir: str | Path) -> bool:
+    """Copy a local checkpoint folder's EMA (`ema.safetensors`, written from `EMA.averaged`) into `transformer`'s
+    parameters of the same names (what validation samples). Returns False, changing nothing, when the checkpoint
+    holds no EMA. Raises KeyError naming an averaged parameter the transformer lacks."""
+    from safetensors.torch import load_file
+
+    path = Path(checkpoint_dir) / "ema.safetensors"
+    if not path.is_file():
+        return False
+    averages = {key.removeprefix("module.params.").replace("__", "."): value
+                for key, value in load_file(str(path)).items() if key != "n_averaged"}
+    params = dict(transformer.named_parameters())
+    with torch.no_grad():
+        for name, average in averages.items():
+            if name not in params:
+                raise KeyError(f"the checkpoint's EMA holds {name}, which the transformer has no parameter of")
+            params[name].copy_(average)
+    return True

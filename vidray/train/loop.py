@@ -71,6 +71,7 @@ from vidray.train.parallel import (
 )
 from vidray.train.precision import Precision
 from vidray.train.runlog import RunLog
+from vidray.train.validation import start_validator, wait_for_validations
 from vidray.train.step import (
     NonFiniteTrainingError,
     check_finite_window,
@@ -274,6 +275,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     if job.train.metrics_port is not None:
         metrics_log.serve(job.train.metrics_port + rank)
     run_log = RunLog(loop_config["run_dir"], start_step=start_step, title=job.name) if rank == 0 else None
+    validate_every = job.train.validation.every_steps
+    validator = start_validator(loop_config["run_dir"], job) if rank == 0 and validate_every else None
+    validations: list[Any] = []  # refs of the validations handed to the validator (vidray.train.validation)
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
     first_step_done_unix: float | None = None  # wall clock (time.time()) when this attempt's first step finished
@@ -461,6 +465,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                              checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True,
                              checkpoint_upload_fn=upload_fn)
             checkpoint_blocked_s.append([step, time.perf_counter() - t_snapshot])
+            if validator is not None and step % validate_every == 0:
+                validations.append(validator.validate.remote(step))  # it waits for the copy; training goes on
         else:
             # Asynchronous mode for plain reports too: a synchronous report would wait for the copy in flight.
             ray.train.report(metrics, checkpoint_upload_mode=mode)
@@ -512,7 +518,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             export_pipeline(family, components, diffusers_dir, job.flow)
             write_job_file(diffusers_dir, job)
             _log(rank, f"saved diffusers pipeline to {diffusers_dir}")
+    validated, validation_wait_s, validation_problems = wait_for_validations(validations)  # after the export
+    if validations:
+        steps = ", ".join(str(v["step"]) for v in validated) or "none"
+        took = ", ".join(f"{v['seconds']:.1f}" for v in validated)
+        _log(rank, f"validation samples at steps {steps} in {loop_config['run_dir']}/validation (each took "
+                   f"{took} s beside the training; the end of the run waited {validation_wait_s:.1f} s for them)")
+        for problem in validation_problems:
+            _log(rank, f"warning: a validation did not complete: {problem}")
     return {
+        "validation": validated,
+        "validation_wait_s": validation_wait_s,
         "losses": history,
         "first_step": start_step,
         "last_step": max_steps,

@@ -106,14 +106,23 @@ class RunLog:
         it (at each checkpoint and at the end)."""
         self.writer.flush()
         plot_losses(self.steps, self.local / LOSS_PLOT, title=self.title)
-        if not self.storage.is_local:  # file by file: the run folder holds checkpoints this must not touch
-            for path in sorted(p for p in self.local.rglob("*") if p.is_file()):
-                self.storage.write_bytes(path.relative_to(self.local).as_posix(), path.read_bytes())
+        if not self.storage.is_local:
+            copy_into(self.storage, self.local, only=[TENSORBOARD_DIR, METRICS_FILE, LOSS_PLOT])
 
     def close(self) -> None:
         """`flush`, then close the writer."""
         self.flush()
         self.writer.close()
+
+
+def copy_into(storage: Any, local: Path, *, only: list[str]) -> None:
+    """Copy the files under `local` whose relative path is, or lies under, one of `only` into `storage` (a run
+    folder on object storage), file by file: the run folder holds checkpoints this must not touch (unlike
+    `vidray.data.storage.upload_dir`, which makes the destination hold exactly the source's files)."""
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        rel = path.relative_to(local).as_posix()
+        if any(rel == prefix or rel.startswith(prefix.rstrip("/") + "/") for prefix in only):
+            storage.write_bytes(rel, path.read_bytes())
 
 
 def plot_losses(steps: list[dict[str, float]], out: Path, *, title: str = "") -> None:

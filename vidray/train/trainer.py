@@ -99,6 +99,11 @@ class TrainResult:
     worker failure: the first step after the restart); None when it trained no step."""
     peak_rss_bytes: int = 0
     """Peak resident memory (bytes) of the rank-0 worker process (`ru_maxrss`)."""
+    validation: list[dict[str, Any]] = field(default_factory=list)
+    """[{"step", "seconds", "dir"}] of the validations of this run (`train.validation`), each sampled beside the
+    training in its own actor (`vidray.train.validation`)."""
+    validation_wait_s: float = 0.0
+    """Seconds rank 0 waited at the end of the run for validations still running (their cost to the run)."""
 
 
 @dataclass
@@ -351,6 +356,9 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     from vidray.models.text_encoder import check_max_sequence_length
 
     check_max_sequence_length(job.model)
+    from vidray.train.validation import check_validation_prompts
+
+    check_validation_prompts(job)  # a prompt the text encoder would cut: before anything starts
     shards = open_storage(job.data.shards_dir)  # a folder or a URI (vidray.data.storage)
     shards.check_reachable("data.shards_dir")  # an S3 fault in one line, not a traceback
     index = read_index(shards)
@@ -468,11 +476,13 @@ def required_resources(job: JobConfig, num_workers: int | None = None) -> dict[s
     """Logical resources the run reserves with `num_workers` workers (default: `scaling.num_workers`, or the min
     of an elastic `[min, max]`: what it needs to run at all): CPU = workers * (cpus_per_worker + data.loader_cpus
     + placement.vae.num_cpus + placement.text.num_cpus: each worker's Ray Data loader and encode actors), GPU =
-    workers * (1 when use_gpu + the encode actors' num_gpus). Ray Train's controller actor reserves 0 CPUs, so it
-    adds nothing."""
+    workers * (1 when use_gpu + the encode actors' num_gpus), plus `train.validation.num_cpus` of the validation
+    actor when validation is on. Ray Train's controller actor reserves 0 CPUs, so it adds nothing."""
     workers = job.scaling.min_workers if num_workers is None else int(num_workers)
     encoders = (job.placement.vae, job.placement.text)
     need = {"CPU": workers * (job.scaling.cpus_per_worker + job.data.loader_cpus + sum(e.num_cpus for e in encoders))}
+    if job.train.validation.every_steps is not None:
+        need["CPU"] += job.train.validation.num_cpus
     gpus = workers * ((1.0 if job.scaling.use_gpu else 0.0) + sum(e.num_gpus for e in encoders))
     if gpus:
         need["GPU"] = float(gpus)
@@ -898,6 +908,8 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
         first_step_done_unix=out.get("first_step_done_unix"),
         data=out.get("data", {}),
         peak_rss_bytes=out.get("peak_rss_bytes", 0),
+        validation=out.get("validation", []),
+        validation_wait_s=out.get("validation_wait_s", 0.0),
     )
 
 
