@@ -41,6 +41,88 @@ leave out Ray's fixed start-up (loader actor, first fetch and decode), reported 
 The last stdout line is one JSON object: {"benchmark": "data_pipeline", "figures": {name: {value, unit, goal}},
 "details": {...}}; progress lines go before it. A figure that was not measured (it failed, or was left out on the
 command line) is still there, with value null and `miss` its reason (`benchmarks/_figures.py`).
+
+History (moved from the README's Performance section when the docs were split; docs/performance.md keeps
+the current figures). The figures of all runs, and what was tried for (a) and (g):
+
+|---|---|---|---|
+| (a) loader clips/s, hot tier off, / plain PyAV decode loop (`../shared/peers/pyav_decode_limit.py --rgb`), same clip bytes, after the first batch | 1.29 (82.6 vs 63.9 clips/s); 1.06 in a run of `--figures ab`; 1.00 and 1.09 in runs with the block cap at 64 MiB | >= 0.9 | met |
+| (b) trainer's data-wait fraction, S3 throttled to 1.2x the bytes/s consumed, 0.25 s steps, prefetch on (off), after the first batch | 0.002 (off: 0.127); 0.010 in a run of `--figures ab` | <= 0.05 | met |
+| (c) epoch 2 (warm/hot) / epoch 1 (cold, S3) clips/s | 4.46 (200 vs 45 clips/s) | >= 3 | met |
+| (d) shard downloads in one epoch / shards, 2 ranks sharing a warm cache of 6 of the 20 shards | 1.00 (the store sent 1.01x the dataset's bytes) | <= 1.05 | met |
+| (e) plan one epoch of 26.6 M samples over 512 ranks, one thread | 2.5 s; peak RSS 1.05 GB | < 10 s, < 4 GB | met |
+| (f) training worker's peak RSS, 600 / 6 samples (1 worker, tiny model) | 1.008 (848 vs 841 MB) | <= 1.10 | met |
+| (g) DiT step (forward, backward, AdamW) under Ray Train / the `torchrun` DDP peer's step (2 workers, tiny EasyAnimate, latents (2, 16, 3, 8, 8), 32 text tokens, 1 thread each; median over steps 101-400, the peer's the mean of its runs before and after vidray's) | 1.01, 1.02, 1.11 in three runs of `train_overhead.py` (0.0445 vs 0.0439, 0.044 vs 0.0431, 0.0555 vs 0.0499 s); 1.20 in the full run above (0.0615 vs 0.0514 s); 1.23 and 0.966 in two later `train_overhead.py` runs (0.063 vs 0.051 s; 0.048 vs 0.0497 s) | <= 1.05 | met in 3 of 6 runs |
+| (g) the same against the faster of the two peer runs | 1.07, 1.04, 1.22; 1.34; 1.33, 1.013 | | |
+| (g) the whole vidray step (data wait + encode stages from the latent cache + DiT step + the window's logging) / the peer's step | 1.08, 1.04, 1.13; 1.23; 0.986 (data wait 0) | | |
+| (g) `vidray train` launch to first step (peer: launch to exit after one step) | 33.4-42.6 s, 39.0 and 39.3 s in the later runs (peer 7.3-8.5 s); in the 42.6 s run: checks 2.3, Ray up 6.5, controller 10.0, worker group 18.9, loop start 28.1 | | |
+
+Notes:
+- The loader's blocks (`data.block_batches`, `vidray.data.pipeline.plan_blocks`). Ray Data's streaming executor
+  runs in the training process. With one block per micro-batch, it took ~40 % of a core there (py-spy of a worker:
+  scheduling, actor calls, the window's block metadata) beside a 45 ms step, and held the GIL against the
+  training thread. Consecutive micro-batches of one bucket now travel as one block: 1, 2, 4 and then up to 8, at
+  most 32 MiB of frames. That took (g) from 1.16-1.20 to 1.01-1.11 in standalone runs. It also took (a) from
+  0.89-0.95 to 1.00-1.29: 2 micro-batches of 17x256x256 per block, so half the per-block plumbing. A 64 MiB cap
+  (4 per block) raised (b) to 0.14: with the store throttled to 1.2x, the first micro-batch of a block waits for
+  the whole block. At 32 MiB (b) is 0.002-0.010.
+- Ray Data's per-task memory polling is off (`DataContext.memory_usage_poll_interval_s = None`). It reads
+  `/proc/<pid>/smaps` in a thread per map task, for stats only.
+- (g) is noisy on this shared 2-core machine: one peer run's median moves by up to 30 % (0.042-0.057 s). The
+  peer therefore runs before and after vidray's run. vidray's steady-state DiT step moves more: 0.044-0.062 s
+  across the four runs. When the machine is slower both slow down, vidray more (it shares the 2 cores with Ray's
+  ~15 processes), and that is where the runs above 1.05 come from. In steady state vidray's two workers each use ~0.75 of
+  a core and wait the rest in the backward's gradient all-reduce; the peer's two processes use ~0.90 each. vidray's
+  own step code (the same transformer, `flow_matching_step_loss`, fused AdamW, DDP) in a plain `torchrun` script
+  without Ray takes 0.037 s against the peer's 0.040 s, so Ray's environment costs vidray ~0.007 s a step here,
+  which the fused optimizer makes up in good runs. Why both workers wait together under Ray is not pinned down.
+  A later session's run gave 1.23 (0.063 vs 0.051 s, load 2.8). Checked and ruled out there: at steady state no
+  other process used CPU (per-process CPU from `/proc`: the two trainers 0.78 each, everything else < 0.05);
+  the training process holds no Ray Data work then (the window's blocks are already produced; its loader,
+  prefetch and executor threads sit in `Condition.wait`); Ray's DDP wrapper is plain `DistributedDataParallel`
+  like the peer's. Ray starts its workers at nice 15 (`RAY_worker_niceness`); two back-to-back pairs of
+  400-step runs with it at 0 gave DiT steps of 0.046 and 0.060 s against 0.049 and 0.044 s at 15, no
+  difference beyond the noise.
+  The session after that bisected with `benchmarks/train_env.py` (and a first version of it): the peer's own
+  loop, unchanged, inside Ray Train workers (a `TorchTrainer` of 2 workers, 1 CPU each, under
+  `vidray.runtime.init_ray`, 300 steps after 100), against the peer under `torchrun`, alternating. Over 12 Ray
+  runs and 10 peer runs the medians were 0.0442-0.0608 s (mean 0.0502) against 0.0417-0.0520 s (mean 0.0467):
+  Ray's environment alone costs ~5-8 % on average, from nothing (1.00, 1.03 in one alternation) to 1.12-1.22
+  (`train_env.py`'s own run: `ray_env_step_ratio` 1.169). `ray.train.torch.prepare_model` against a plain
+  `DistributedDataParallel` made no difference (on the CPU it is `DistributedDataParallel(model)`). An idle
+  local Ray uses ~0.1 core, spread over ~10 processes (raylet, GCS, dashboard and its agent, idle workers) that
+  each wake every so often. Our reading, not proven: on 2 cores with two 1-thread ranks in lockstep, each wake-up
+  that preempts either rank stalls both at the next all-reduce, which would also explain why both workers idle
+  together. The same session's `train_overhead.py` run gave 0.966.
+  The session after that measured it. `train_env.py` now samples every thread's scheduling counters in `/proc`
+  (`benchmarks/_schedstat.py`) for 5 s once a run's ranks have used 8 s of CPU, and prints them per run. Its run
+  (`--pairs 2`, ratios 1.004 and 1.164, `ray_env_step_ratio` 1.084):
+
+  | per second, steady state | peer under `torchrun` (3 runs) | the same loop in Ray Train (2 runs) |
+  |---|---|---|
+  | time slices on the machine (a thread put on a CPU) | 1821-2173 | 5886-5970 |
+  | a rank's compute thread preempted | 140-183 | 627-691 |
+  | a rank's compute thread runnable, waiting for a CPU | 0.044-0.070 s | 0.114-0.137 s |
+
+  Under Ray each rank waits for a CPU ~0.065 s more per second, the size of the 5-8 % mean gap above. Who wakes:
+  each Ray process wakes 130-360 times a second even when idle (TrainController 350, GCS 225, the placement-group,
+  autoscaling, preemption, dataset-manager and synchronization actors of Ray Train and two prestarted idle workers
+  155-180 each, the dashboard agent 140, the raylet 130); each rank's own process adds ~700 wake-ups of Ray's
+  threads, its main thread ~130 of them: every Ray worker's main thread runs a `CoreWorker.CheckSignal` task every
+  10 ms (a fixed period in Ray's `core_worker.cc`), and gRPC's pollers most of the rest. On 2 cores with both busy
+  training, each wake-up takes a CPU from a rank. Tried, none moved the counts or the step beyond the noise:
+  `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S` 2.0 instead of 0.1 (1.207 vs 1.074 in back-to-back runs), Ray workers at
+  nice 0 instead of 15 (nonvoluntary switches 651-719/s vs 637-704/s), the process's Ray threads reniced to 19,
+  `sys.setswitchinterval(0.05)` in the workers, the training function in the main thread of a `torchrun` rank vs
+  a thread (0.041-0.045 s both; Train V2 runs it in a thread). Without the dashboard and with
+  `RAY_enable_worker_prestart=0` and a 2 s health check the machine still ran 4741 slices/s (1.003, on a slow
+  machine: peers 0.058-0.063 s). The wake-ups come from Ray's design (a process per actor, fixed-period timers in
+  each); on a machine with cores to spare beside the ranks they cost nothing, and here they cost ~5-8 %.
+- For the first ~3 s after step 1 (30-50 steps here) vidray's steps are ~2x slower. Meanwhile each rank's
+  encode-stage actor, just started, works through the first blocks of its window beside the trainers (py-spy:
+  mostly Ray Data's per-task plumbing); the 100 warmup steps leave that out.
+- Start-up is mostly Ray's fixed cost (cluster, controller, worker group), the workers' imports and the loader's
+  first blocks.
 """
 
 from __future__ import annotations

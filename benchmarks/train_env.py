@@ -25,7 +25,7 @@ median step / the mean of its neighbouring peer runs' medians). Measured on the 
 0.0442-0.0608 s (mean 0.0502) against 0.0417-0.0520 s (mean 0.0467): ~5-8 % on average, from 1.00 to 1.22. With
 the sampler (`--pairs 2`: 1.084): 5886-5970 slices/s on the machine under Ray against 1821-2173 for the peer, the
 ranks' compute threads preempted 627-691/s against 140-183/s and waiting for a CPU 0.114-0.137 s/s against
-0.044-0.070 s/s (README, (g) notes).
+0.044-0.070 s/s (docs/performance.md, figure (g)).
 """
 
 from __future__ import annotations

@@ -228,7 +228,9 @@ class FlowConfig:
     sigma_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
     """How training draws sigmas in [0, 1]: uniform, or sigmoid(N(logit_mean, logit_std)) (SD3, Esser et al. 2024)."""
     logit_mean: float = 0.0
+    """Mean of the normal whose sigmoid gives sigma (`sigma_sampling: logit_normal`); 0.0 centres sigmas on 0.5."""
     logit_std: float = 1.0
+    """Standard deviation of that normal (> 0); larger spreads sigmas towards 0 and 1."""
     shift: float = 1.0
     """sigma <- shift*sigma / (1 + (shift-1)*sigma); 1.0 = no shift. Used in training and sampling alike."""
     num_train_timesteps: int = 1000
@@ -240,8 +242,11 @@ class OptimConfig:
     lr: float = 1.0e-4
     """Peak AdamW learning rate, reached after `warmup_steps`."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2): decay rates of the gradient's running mean and of its square, each in [0, 1)."""
     weight_decay: float = 0.01
+    """AdamW's decoupled weight decay (>= 0): each step multiplies the weights by (1 - lr x weight_decay)."""
     eps: float = 1.0e-8
+    """AdamW's epsilon (> 0), added to the denominator for numerical stability."""
     warmup_steps: int = 0
     """Linear warmup from 0 to `lr` over this many optimizer steps, then constant."""
 
@@ -373,6 +378,7 @@ class ScalingConfig:
     checked every `resize_check_s`. The global batch stays `train.micro_batches_per_step` micro-batches whatever
     the count (`vidray.data.schedule`)."""
     use_gpu: bool = False
+    """One GPU per worker and NCCL between them; false: CPU workers over gloo."""
     cpus_per_worker: float = 1.0
     """Logical CPUs reserved per worker (fractions allowed)."""
     resize_check_s: float = 60.0
@@ -484,15 +490,25 @@ class JobConfig:
     name: str = "vidray-run"
     """Run name; the run folder is `<storage.path>/<name>` and re-using it resumes the run."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The model family, its size and initial weights, the text encoder and LoRA."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Where the clips come from, how `vidray prepare` shards them, and how the loader feeds the trainers."""
     flow: FlowConfig = dataclasses.field(default_factory=FlowConfig)
+    """The flow-matching objective: how sigmas are drawn and shifted (`vidray.diffusion.flow_matching`)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """AdamW and its learning-rate warmup."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """Run length, precision, memory and communication knobs, logging and fault tolerance."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """When checkpoints are written, how many are kept, and what a run with checkpoints does."""
     scaling: ScalingConfig = dataclasses.field(default_factory=ScalingConfig)
+    """How many Ray Train workers, on which devices, and the data-parallel strategy."""
     storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
+    """Where the run's outputs go."""
     placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+    """Which nodes each stage runs on (Ray label selectors) and the encode stages' resources."""
     export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
+    """What the diffusers export at the end of training holds."""
 
     @model_validator(mode="after")
     def _cross_checks(self):

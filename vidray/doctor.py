@@ -91,7 +91,7 @@ def check_environment() -> list[Finding]:
                              f"({', '.join(names)}), backends {', '.join(backends) or 'none'}"))
         if "nccl" not in backends:
             found.append(Finding("warn", "torch", "NCCL is not available: multi-GPU training falls back to gloo "
-                                 "(slow); install a CUDA build of torch (README, 'Installing torch')"))
+                                 "(slow); install a CUDA build of torch (docs/getting-started.md, 'Installing torch')"))
     else:
         found.append(Finding("ok", "torch", f"{torch.__version__}, no CUDA device: training uses gloo on CPU "
                              f"(scaling.use_gpu must be false here), backends {', '.join(backends) or 'none'}"))
@@ -314,7 +314,8 @@ def check_cluster(job: Any | None) -> list[Finding]:
         if "authentication" in f"{type(err).__name__} {text}".lower():
             fix = ("The cluster and this client must agree on Ray's token auth: a head started with "
                    "RAY_AUTH_MODE=token needs the same token here (~/.ray/auth_token, or RAY_AUTH_TOKEN); a head "
-                   "started without it has no token: then unset RAY_AUTH_MODE here (README, 'On a running cluster')")
+                   "started without it has no token: then unset RAY_AUTH_MODE here (docs/cluster.md, 'Token "
+                   "authentication')")
         elif address.startswith("ray://") and "client server" in text.lower():  # seen under load, intermittent
             fix = ("The address answered, but the head's Ray client server did not start a session for this client "
                    "(its logs: ray_client_server*.err in the head's session folder): run the doctor again, or on "
@@ -322,7 +323,7 @@ def check_cluster(job: Any | None) -> list[Finding]:
         elif os.environ.get("RAY_AUTH_MODE", "").lower() != "token":  # Ray reports a refused token this way too
             fix = ("Check the address (`ray status` on the head prints it); a head started with RAY_AUTH_MODE=token "
                    "refuses a client without it: export RAY_AUTH_MODE=token here, with the head's token in "
-                   "~/.ray/auth_token or RAY_AUTH_TOKEN (README, 'On a running cluster')")
+                   "~/.ray/auth_token or RAY_AUTH_TOKEN (docs/cluster.md, 'Token authentication')")
         else:
             fix = "Check the address (`ray status` on the head prints it)"
         return [Finding("fail", "cluster", f"cannot join {address}: {type(err).__name__}: {text}. {fix}")]

@@ -199,7 +199,7 @@ class RayHead:
         ]
         if labels:
             cmd.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
-        # As the README does: `ray start --head` under RAY_AUTH_MODE=token needs a token and does not write one
+        # As docs/cluster.md does: `ray start --head` under RAY_AUTH_MODE=token needs a token and does not write one
         # (a local `ray.init()` does, so on a machine that has run one the file is already there and is kept).
         subprocess.run([str(Path(sys.executable).parent / "ray"), "get-auth-token", "--generate"], env=self.env,
                        capture_output=True, check=True, timeout=60)

@@ -1,4 +1,4 @@
-"""`ray job submit` of jobs/train.py against a head node started with `ray start --head`, as the README shows; then
+"""`ray job submit` of jobs/train.py against a head node started with `ray start --head`, as docs/cluster.md shows; then
 `vidray doctor` joined to the same cluster (RAY_ADDRESS) checks it against the job's placement."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_local_run_starts_its_own_cluster_when_ray_start_left_its_address_file():
-    # A new user's trial: after the README's `ray start --head` recipe, `vidray train` without RAY_ADDRESS died
+    # A new user's trial: after the `ray start --head` recipe (now in docs/cluster.md), `vidray train` without RAY_ADDRESS died
     # with "ValueError: When connecting to an existing cluster, num_cpus and num_gpus must not be provided".
     temp = tempfile.mkdtemp(prefix="/tmp/vrl")  # short: Ray's socket paths are length-limited
     try:

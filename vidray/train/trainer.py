@@ -415,7 +415,8 @@ def _check_resume(job: JobConfig, plan: ResumePlan, folder: Path, index: dict[st
         changes = diff.fixed_summary()
         raise ConfigError(
             f"resuming from {resume} changes keys fixed for the run: {changes}. Set them back to the checkpoint's "
-            f"values, or start a new run under another name (the README lists what may change on resume)"
+            f"values, or start a new run under another name (docs/training.md, 'Resume rules', lists what may change "
+            f"on resume)"
         )
     state = read_train_state(folder)
     if state.step >= job.train.max_steps:
