@@ -5,6 +5,8 @@ it), and a run whose `storage.path` is in the bucket (checkpoints and the diffus
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pyarrow as pa
@@ -108,6 +110,12 @@ def test_run_with_s3_storage_path_writes_checkpoints_and_export_to_the_bucket_an
     from vidray.train.checkpoint import CheckpointManager
 
     assert CheckpointManager(run_uri).complete() == ["checkpoint_000002", "checkpoint_000004"]
+    # The curves went into the bucket's run folder too, continued by the resumed run (vidray.train.runlog).
+    run_files = open_storage(run_uri)
+    assert {"loss.png", "metrics.jsonl"} <= run_files.files()
+    assert any(f.startswith("tensorboard/events.") for f in run_files.files())
+    steps = [json.loads(line)["step"] for line in run_files.read_bytes("metrics.jsonl").decode().splitlines()]
+    assert steps == [1, 2, 3, 4]
 
     monkeypatch.setenv("VIDRAY_MODEL_CACHE", str(tmp_path / "model-cache"))
     out = tmp_path / "horse.mp4"
