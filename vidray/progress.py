@@ -30,17 +30,9 @@ def bars_enabled(stream: Any = None) -> bool:
 
 def progress_bar(total: int | None, desc: str, unit: str, *, initial: int = 0) -> Any:
     """A `tqdm` bar on stderr of `total` `unit`s (None: unknown), disabled unless `bars_enabled()`. Use it as a
-    context manager; `bar.update(n)`, `bar.set_postfix(...)`. Print lines meant to stay above it with
-    `say(bar, line)`."""
+    context manager; `bar.update(n)`, `bar.set_postfix(...)`; `bar.write(line)` prints a line above it."""
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, initial=initial, file=sys.stderr, dynamic_ncols=True,
                 disable=not bars_enabled(), leave=True, smoothing=0.1)
 
-
-def say(bar: Any, line: str) -> None:
-    """Print `line` to stdout: above the bar when it is drawn (tqdm.write), plainly otherwise."""
-    if bar is not None and not getattr(bar, "disable", True):
-        bar.write(line, file=sys.stdout)
-    else:
-        print(line, flush=True)

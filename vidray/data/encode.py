@@ -218,7 +218,7 @@ class EncodeStage:
         if self.do_text:
             self.text_encoder = encoders.text_encoder.to(self.device)
             self.tokenizer = encoders.tokenizer
-            built["text"] = module_identity(encoders.text_encoder, extra=type(self.tokenizer).__name__)
+            built["text"] = text_encoder_identity(encoders.text_encoder, self.tokenizer)
         for stage, identity in built.items():
             known = self._ids.get(stage)
             if known is None and stage in self._given:
@@ -406,7 +406,13 @@ def text_identity(model: dict[str, Any], seed: int) -> str:
 
     model_cfg = ModelConfig(**model)
     encoders = get_family(model_cfg.family).build_encoders(model_cfg, seed=int(seed))
-    return module_identity(encoders.text_encoder, extra=type(encoders.tokenizer).__name__)
+    return text_encoder_identity(encoders.text_encoder, encoders.tokenizer)
+
+
+def text_encoder_identity(text_encoder: Any, tokenizer: Any) -> str:
+    """The identity in prompt-embedding cache entries: `module_identity` of the text encoder with its tokenizer's
+    class (another tokenizer over the same weights tokenizes, so encodes, differently)."""
+    return module_identity(text_encoder, extra=type(tokenizer).__name__)
 
 
 def _node_info() -> dict[str, Any]:

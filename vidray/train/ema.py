@@ -78,13 +78,19 @@ class EMA:
     def copy_to(self, transformer: torch.nn.Module) -> None:
         """Write the averages into `transformer`'s parameters of the same names (for the export at the end of
         training, `export.weights: ema`). Raises KeyError naming a parameter the transformer lacks."""
-        # Activation-checkpoint wrappers (`every_<n>`) insert `_checkpoint_wrapped_module.` into the names.
-        params = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in transformer.named_parameters()}
-        with torch.no_grad():
-            for name, average in self.averages().items():
-                if name not in params:
-                    raise KeyError(f"the EMA holds {name}, which the transformer has no parameter of")
-                params[name].copy_(average)
+        _copy_into_parameters(transformer, self.averages(), "the EMA")
+
+
+def _copy_into_parameters(transformer: torch.nn.Module, averages: dict[str, torch.Tensor], source: str) -> None:
+    """Copy {parameter name: tensor} into `transformer`'s parameters of those names. Raises KeyError naming a
+    name the transformer has no parameter of (`source` says whose)."""
+    # Activation-checkpoint wrappers (`every_<n>`) insert `_checkpoint_wrapped_module.` into the names.
+    params = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in transformer.named_parameters()}
+    with torch.no_grad():
+        for name, average in averages.items():
+            if name not in params:
+                raise KeyError(f"{source} holds {name}, which the transformer has no parameter of")
+            params[name].copy_(average)
 
 
 def load_ema_into(transformer: torch.nn.Module, checkpoint_dir: str | Path) -> bool:
@@ -98,10 +104,5 @@ def load_ema_into(transformer: torch.nn.Module, checkpoint_dir: str | Path) -> b
         return False
     averages = {key.removeprefix("module.params.").replace("__", "."): value
                 for key, value in load_file(str(path)).items() if key != "n_averaged"}
-    params = dict(transformer.named_parameters())
-    with torch.no_grad():
-        for name, average in averages.items():
-            if name not in params:
-                raise KeyError(f"the checkpoint's EMA holds {name}, which the transformer has no parameter of")
-            params[name].copy_(average)
+    _copy_into_parameters(transformer, averages, "the checkpoint's EMA")
     return True
