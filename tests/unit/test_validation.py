@@ -72,13 +72,23 @@ def test_a_checkpoint_is_sampled_into_mp4s_a_grid_and_tensorboard_videos(tmp_pat
     assert gif.step == 2 and gif.encoded_image_string[:6] == b"GIF89a"  # the video, played by TensorBoard
 
     # The next validation samples the same prompts with the same seed: a checkpoint of the same weights gives the
-    # same videos.
-    again = tmp_path / "again"
-    _checkpoint(again, 2, JOB)
-    Validator(str(again), job_config_from_dict(JOB).to_dict()).validate(2)
-    for i in range(2):
-        np.testing.assert_array_equal(decode_mp4((again / "validation/step_000002" / f"{i}.mp4").read_bytes()),
-                                      videos[i])
+    # same videos. Compared on the lossless grid, within 2/255 and a few pixels: MKL's float sums may differ in the last bits between
+    # two calls (alignment), which moves a few pixels by 1 and, through x264's mode decisions, mp4 pixels by up to 11
+    # (seen on CI). Other weights give other videos, so the comparison can fail.
+    again, moved = tmp_path / "again", tmp_path / "moved"
+    for folder, step in ((again, 2), (moved, 12)):
+        _checkpoint(folder, step, JOB)
+        Validator(str(folder), job_config_from_dict(JOB).to_dict()).validate(step)
+    first, same, other = (_png(folder / f"validation/step_{step:06d}/grid.png")
+                          for folder, step in ((run, 2), (again, 2), (moved, 12)))
+    assert np.abs(same - first).max() <= 2 and np.abs(same - first).mean() <= 0.05  # here: 0 and 0
+    assert np.abs(other - first).mean() > 0.5  # here: 1.3 (the tiny random VAE maps most latents alike)
+
+
+def _png(path) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(path).convert("RGB")).astype(np.int16)
 
 
 def test_the_ema_is_sampled_when_the_run_keeps_one(tmp_path):
