@@ -1,4 +1,4 @@
-"""`vidray prepare [--encode] | encode | train | generate | doctor | plan`: shard video clips (and encode them into the latent
+"""`vidray prepare [--encode] | encode | train | train-vae | generate | doctor | plan`: shard video clips (and encode them into the latent
 cache), train a video diffusion model on Ray, sample from it, check a machine, job and cluster before a run.
 
 Every command checks all of its arguments (a job config: `CONFIG` plus `section.key=value` overrides) before
@@ -90,6 +90,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     return run_train_job(job, prepare_if_missing=args.prepare)
 
 
+def cmd_train_vae(args: argparse.Namespace) -> int:
+    """`vidray train-vae CONFIG`: the job's VAE run (`vidray.train.vae`), then its reconstruction PSNR on the
+    training clips."""
+    from vidray.train.vae import vae_training_job
+
+    return run_train_job(vae_training_job(_load(args)), prepare_if_missing=args.prepare)
+
+
 def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     """Prepare the shards when asked and missing, train, and print where the outputs are. Returns an exit code."""
     from vidray.data.shards import INDEX_NAME
@@ -110,7 +118,14 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     result = run_training(job)
     print(f"[vidray] trained steps {result.first_step}..{result.last_step} at {result.steps_per_s:.2f} steps/s")
     print(f"[vidray] latest checkpoint: {result.checkpoint_path}")
-    print(f"[vidray] diffusers pipeline: {result.diffusers_dir}")
+    if job.train.objective == "vae":
+        from vidray.train.vae import training_clips_psnr
+
+        print(f"[vidray] trained VAE: {result.diffusers_dir} (a DiT job uses it with model.vae_path="
+              f"{result.diffusers_dir})")
+        print(f"[vidray] {training_clips_psnr(result.diffusers_dir, job.data.shards_dir)}")
+    else:
+        print(f"[vidray] diffusers pipeline: {result.diffusers_dir}")
     print(f"[vidray] curves: {result.run_dir}/loss.png, metrics.jsonl; tensorboard --logdir {result.run_dir}")
     for shard in result.skipped_shards:
         print(f"[vidray] skipped shard {shard['file']}: {shard['reason']}")
@@ -227,6 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(p)
     p.add_argument("--prepare", action="store_true", help="run `prepare` first when the shards have no index")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("train-vae", help="train the family's VAE on the prepared clips (reconstruction + KL) in the "
+                       "run <name>-vae; its vae/ folder is what model.vae_path takes")
+    with_config(p)
+    p.add_argument("--prepare", action="store_true", help="run `prepare` first when the shards have no index")
+    p.set_defaults(func=cmd_train_vae)
 
     p = sub.add_parser("generate", help="write an mp4 from a trained model and a prompt")
     p.add_argument("--model", required=True, help="a diffusers folder (<run>/diffusers) or a checkpoint folder, "

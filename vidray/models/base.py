@@ -95,6 +95,12 @@ class ModelFamily(abc.ABC):
         override it to skip loading the text encoder."""
         return self.build_encoders(model_cfg, seed=seed).vae
 
+    def build_trainable_vae(self, model_cfg: ModelConfig, *, seed: int) -> torch.nn.Module:
+        """The VAE that `vidray train-vae` trains (`vidray.train.vae`), in train mode with gradients: the one
+        `init` gives (the preset's under `seed`, or a pretrained folder's `vae/`), never `model.vae_path`. The
+        default says the family's VAE does not train here (raised as a one-line UserError by `train-vae`)."""
+        raise NotImplementedError(f"the {self.name} family's VAE cannot be trained by vidray train-vae yet")
+
     @abc.abstractmethod
     def encode_video(self, vae: torch.nn.Module, video: torch.Tensor) -> torch.Tensor:
         """video (B, 3, F, H, W) float in [-1, 1] -> latents (B, C_lat, F_lat, H_lat, W_lat) float32, normalised

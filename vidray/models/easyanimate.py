@@ -12,6 +12,7 @@ transformer trained with `EasyAnimateFamily.predict` behaves the same inside the
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
@@ -93,6 +94,27 @@ def _check_vae(vae: AutoencoderKLMagvit, where: str) -> None:
     if found != expected:
         raise ValueError(f"{where}: vae (latent_channels, spatial ratio, temporal ratio) = {found}, but the "
                          f"easyanimate family expects {expected}")
+
+
+def load_vae_folder(path: str | Path) -> AutoencoderKLMagvit:
+    """The frozen `AutoencoderKLMagvit` of a local diffusers VAE folder (`config.json` + safetensors; what
+    `vidray train-vae` writes to `<run>/vae`), for `model.vae_path`. Raises FileNotFoundError naming the folder and
+    the fix when it holds no `config.json`, ValueError when its latent layout is not the family's."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.vae_path {str(path)!r} is not a diffusers VAE folder (no config.json): train "
+                                "one with `vidray train-vae CONFIG` (it writes <storage.path>/<name>-vae/vae) or give "
+                                "the vae/ folder of a diffusers pipeline")
+    vae = AutoencoderKLMagvit.from_pretrained(path, local_files_only=True)
+    _check_vae(vae, str(path))
+    return vae.eval().requires_grad_(False)
+
+
+def _with_vae_path(components: Components, model_cfg: ModelConfig) -> Components:
+    """`components` with the VAE of `model.vae_path` in place of theirs, when it is set."""
+    if not model_cfg.vae_path:
+        return components
+    return dataclasses.replace(components, vae=load_vae_folder(model_cfg.vae_path))
 
 
 def build_tiny(text_encoder_kind: str = "tiny_random", *, seed: int = 0) -> Components:
@@ -221,6 +243,9 @@ class EasyAnimateFamily(ModelFamily):
     def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
         """`init: random` -> the preset (only `tiny`) with `model_cfg.text_encoder`; `init: pretrained` ->
         `load_pretrained(model_cfg.pretrained_path)` (the folder's own text encoder; `text_encoder` is ignored)."""
+        return _with_vae_path(self._build(model_cfg, seed=seed), model_cfg)
+
+    def _build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
         if model_cfg.init == "pretrained":
             if not model_cfg.pretrained_path:
                 raise ValueError("model.init is 'pretrained' but model.pretrained_path is empty")
@@ -277,7 +302,8 @@ class EasyAnimateFamily(ModelFamily):
             pipe = EasyAnimatePipeline.from_pretrained(model_cfg.pretrained_path, transformer=None,
                                                        local_files_only=True)
             _check_vae(pipe.vae, str(model_cfg.pretrained_path))
-            return Encoders(vae=pipe.vae.eval().requires_grad_(False),
+            vae = load_vae_folder(model_cfg.vae_path) if model_cfg.vae_path else pipe.vae
+            return Encoders(vae=vae.eval().requires_grad_(False),
                             text_encoder=pipe.text_encoder.eval().requires_grad_(False),
                             tokenizer=ensure_chat_template(pipe.tokenizer))
         c = self.build(model_cfg, seed=seed)
@@ -286,6 +312,8 @@ class EasyAnimateFamily(ModelFamily):
     def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLMagvit:
         """The frozen VAE alone, equal to `build_encoders(...).vae`: a pretrained folder's `vae/` is loaded by
         itself (no text encoder read); the tiny preset replays `build_tiny`."""
+        if model_cfg.vae_path:
+            return load_vae_folder(model_cfg.vae_path)
         if model_cfg.init == "pretrained" and model_cfg.pretrained_path and \
                 (Path(model_cfg.pretrained_path) / "model_index.json").is_file():
             vae = AutoencoderKLMagvit.from_pretrained(model_cfg.pretrained_path, subfolder="vae",
@@ -293,6 +321,20 @@ class EasyAnimateFamily(ModelFamily):
             _check_vae(vae, str(model_cfg.pretrained_path))
             return vae.eval().requires_grad_(False)
         return self.build_encoders(model_cfg, seed=seed).vae
+
+    def build_trainable_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLMagvit:
+        """The VAE `init` gives (TINY_VAE under `seed`, as `build_tiny` draws it, or the pretrained folder's
+        `vae/`), in train mode with gradients; `model.vae_path` is ignored (`ModelFamily.build_trainable_vae`)."""
+        cfg = dataclasses.replace(model_cfg, vae_path=None)
+        if model_cfg.init == "random" and model_cfg.preset == "tiny":
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                EasyAnimateTransformer3DModel(**TINY_TRANSFORMER, text_embed_dim=text_hidden_size(
+                    model_cfg.text_encoder))  # drawn first in build_tiny: the VAE's init follows it
+                vae = AutoencoderKLMagvit(**TINY_VAE)
+        else:
+            vae = self.build_vae(cfg, seed=seed)
+        return vae.train().requires_grad_(True)
 
     def encode_video(self, vae: AutoencoderKLMagvit, video: torch.Tensor) -> torch.Tensor:
         """`vidray.models.vae.encode_video`: posterior mode * scaling_factor, (B, 16, (F-1)//4+1, H//8, W//8)."""

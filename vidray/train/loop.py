@@ -72,6 +72,14 @@ from vidray.train.parallel import (
 from vidray.train.precision import Precision
 from vidray.train.runlog import RunLog
 from vidray.train.validation import start_validator, wait_for_validations
+from vidray.train.vae import (
+    VAE_EXPORT_DIR,
+    VAEObjective,
+    save_vae,
+    unused_parameter_names,
+    vae_micro_loss,
+    vae_probe_loss,
+)
 from vidray.train.step import (
     NonFiniteTrainingError,
     check_finite_window,
@@ -166,7 +174,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     # 1. The trainable transformer alone: the frozen VAE and text encoder run in the encode stages (a pretrained
     # one on the meta device when sharded: `parallelize` then loads each rank's shards).
     family = get_family(job.model.family)
-    transformer, pretrained_weights = build_transformer(family, job, device)
+    vae_run = job.train.objective == "vae"  # `vidray train-vae`: `transformer` below is the VAE's objective module
+    if vae_run:
+        transformer = VAEObjective(family.build_trainable_vae(job.model, seed=job.train.seed), job.vae_training)
+        transformer, pretrained_weights = transformer.to(device), None
+    else:
+        transformer, pretrained_weights = build_transformer(family, job, device)
     if job.model.lora is not None:  # before the probe, AC, DDP and the optimizer: only the adapters train
         from vidray.models.lora import apply_lora, lora_summary
 
@@ -188,7 +201,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
 
     # Parameters that never get a gradient break DDP's reducer ('Expected to have finished reduction'):
     # freeze them once, found by a probe step.
-    no_grad = set(family.no_grad_parameter_names(transformer))
+    no_grad = set(unused_parameter_names(transformer) if vae_run else family.no_grad_parameter_names(transformer))
     for name, param in transformer.named_parameters():
         if name in no_grad:
             param.requires_grad_(False)
@@ -198,7 +211,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     # 3. Activation checkpointing, then DDP (gloo on CPU, NCCL on GPU) with its communication hook, or FSDP2
     # (`scaling.strategy`); then the optimizer (of the sharded parameters under FSDP), lr schedule and precision
     # (autocast, fp16's grad scaler).
-    model, comm = parallelize(transformer, job, example_loss=lambda m: family.probe_loss(m, transformer),
+    model, comm = parallelize(transformer, job,
+                              example_loss=vae_probe_loss if vae_run else lambda m: family.probe_loss(m, transformer),
                               pretrained_weights=pretrained_weights, device=device)
     optimizer = build_optimizer(transformer.parameters(), job.optim)
     lr_scheduler = build_lr_scheduler(optimizer, job.optim)
@@ -230,8 +244,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     steps = iter_rank_steps(schedule, position, world_size=world_size, rank=rank, first_step=start_step,
                             last_step=job.train.max_steps, micro_batches=job.micro_batches_per_step)  # lazily
     placement = loop_config.get("placement") or {}  # {stage: label selector}, resolved on the driver
-    encode = encode_spec(job, placement, latent_cache=loop_config.get("latent_cache", ""))
-    if loop_config.get("identities"):  # {stage: [ObjectRef]} of the driver's identity tasks (vidray.train.trainer)
+    # A VAE run trains on the frames themselves: no encode stages.
+    encode = None if vae_run else encode_spec(job, placement, latent_cache=loop_config.get("latent_cache", ""))
+    if encode is not None and loop_config.get("identities"):  # {stage: [ObjectRef]} of the driver's identity tasks (vidray.train.trainer)
         encode["identities"] = loop_config["identities"]
     loader = RankLoader(shards_dir, index, table, steps, job.data, sample_ids=sample_ids,
                         local_ranks=context.get_local_world_size(), label_selector=placement.get("decode"),
@@ -306,27 +321,20 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             for stage, node in batch.stage_nodes.items():
                 if node:
                     stage_nodes[stage].setdefault(node["node_id"], node)
-            # latents and prompt_embeds of this micro-batch, from the encode stages (encoded there or cached)
-            latents = batch.latents.to(device)
-            prompt_embeds = batch.prompt_embeds.to(device)
-            prompt_attention_mask = batch.prompt_attention_mask.to(device)
             weights = batch.weights
             # sum_i w_i mse_i * W / total weight (of all G micro-batches): summed over this rank's micro-batches
             # and averaged over the W ranks by DDP, the gradient is the mean over the step's real samples.
             loss_weights = torch.from_numpy(weights) * (world_size / batch.total_weight)
             last = micro == num_micro - 1
             with gradient_sync(model, last):  # DDP's no_sync / FSDP's set_requires_gradient_sync
+                generators = [sample_generator(job.train.seed, step, int(k)) for k in batch.sample_keys.tolist()]
                 with precision.autocast():
-                    micro_loss = flow_matching_step_loss(
-                        family,
-                        model,
-                        latents,
-                        prompt_embeds,
-                        prompt_attention_mask,
-                        job.flow,
-                        [sample_generator(job.train.seed, step, int(k)) for k in batch.sample_keys.tolist()],
-                        loss_weights=loss_weights,
-                    )
+                    if vae_run:  # the clips' frames, uint8 (B, 3, F, H, W), straight from the loader
+                        micro_loss = vae_micro_loss(model, batch.frames.to(device), generators, loss_weights)
+                    else:  # latents and prompt_embeds from the encode stages (encoded there or cached)
+                        micro_loss = flow_matching_step_loss(
+                            family, model, batch.latents.to(device), batch.prompt_embeds.to(device),
+                            batch.prompt_attention_mask.to(device), job.flow, generators, loss_weights=loss_weights)
                 precision.backward(micro_loss)
             loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
             if record:
@@ -489,35 +497,19 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     if skipped:
         _log(rank, f"skipped {len(skipped_shards)} shard(s) and {len(skipped_clips)} clip(s) that could not be read")
 
-    # 6. Rank 0 saves the trained pipeline in diffusers format (safetensors) with the job file: into a local run
-    # folder directly; for a URI into a local temp folder, then uploaded with model_index.json last (`upload_dir`:
-    # a half-uploaded export never looks like a model; the whole upload is retried, then the worker fails with a
-    # StorageTransferError naming the URI, and Ray Train's restart exports again from the last checkpoint).
+    # 6. Rank 0 saves the trained pipeline in diffusers format (safetensors) with the job file (`_export_pipeline`),
+    # or a VAE run's VAE (`vidray.train.vae.save_vae`).
     run_dir = str(loop_config["run_dir"])
-    remote = is_uri(run_dir)
-    diffusers_dir = f"{run_dir.rstrip('/')}/diffusers" if remote else str(Path(run_dir) / "diffusers")
     # A sharded model's full weights are gathered to rank 0 first (a collective: every rank takes part).
     trained_full = full_model_for_export(model, transformer, lambda: family.build_transformer(job.model, seed=job.train.seed), rank)
-    if rank == 0:
-        trained_full.eval()
-        encoders = family.build_encoders(job.model, seed=job.train.seed)  # the export's VAE and text encoder
-        if job.export.weights == "ema":
-            ema.copy_to(trained_full)  # training is over: the export holds the averages (DDP only: rank 0's EMA)
-        components = Components(transformer=trained_full, vae=encoders.vae, text_encoder=encoders.text_encoder,
-                                tokenizer=encoders.tokenizer)
-        if remote:
-            from vidray.data.storage import upload_dir
-            from vidray.models.export import MODEL_INDEX
-
-            with tempfile.TemporaryDirectory(prefix="vidray-export-") as tmp:
-                export_pipeline(family, components, tmp, job.flow)
-                write_job_file(tmp, job)
-                num_bytes = upload_dir(tmp, diffusers_dir, marker=MODEL_INDEX)
-            _log(rank, f"saved diffusers pipeline to {diffusers_dir} ({num_bytes / 2**20:.1f} MiB uploaded)")
-        else:
-            export_pipeline(family, components, diffusers_dir, job.flow)
-            write_job_file(diffusers_dir, job)
-            _log(rank, f"saved diffusers pipeline to {diffusers_dir}")
+    if vae_run:  # the trained VAE as a diffusers folder, what a DiT job's model.vae_path names
+        diffusers_dir = f"{run_dir.rstrip('/')}/{VAE_EXPORT_DIR}"
+        if rank == 0:
+            save_vae(trained_full.vae.eval(), diffusers_dir)
+            _log(rank, f"saved the trained VAE to {diffusers_dir} (use it with model.vae_path={diffusers_dir})")
+    else:
+        diffusers_dir = _export_pipeline(family, trained_full, job, ema, run_dir) if rank == 0 else \
+            f"{run_dir.rstrip('/')}/diffusers"
     validated, validation_wait_s, validation_problems = wait_for_validations(validations)  # after the export
     if validations:
         steps = ", ".join(str(v["step"]) for v in validated) or "none"
@@ -545,6 +537,36 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         "data": metrics_log.summary(),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
     }
+
+
+def _export_pipeline(family: Any, trained_full: torch.nn.Module, job: Any, ema: EMA | None, run_dir: str) -> str:
+    """Rank 0's diffusers export of the trained DiT with the job's VAE and text encoder (and the job file) into
+    `<run_dir>/diffusers`; returns that folder. A local run folder is written directly; for a URI a local temp
+    folder is uploaded with model_index.json last (`upload_dir`: a half-uploaded export never looks like a model;
+    the whole upload is retried, then the worker fails with a StorageTransferError naming the URI, and Ray Train's
+    restart exports again from the last checkpoint)."""
+    remote = is_uri(run_dir)
+    diffusers_dir = f"{run_dir.rstrip('/')}/diffusers" if remote else str(Path(run_dir) / "diffusers")
+    trained_full.eval()
+    encoders = family.build_encoders(job.model, seed=job.train.seed)  # the export's VAE and text encoder
+    if job.export.weights == "ema":
+        ema.copy_to(trained_full)  # training is over: the export holds the averages (DDP only: rank 0's EMA)
+    components = Components(transformer=trained_full, vae=encoders.vae, text_encoder=encoders.text_encoder,
+                            tokenizer=encoders.tokenizer)
+    if remote:
+        from vidray.data.storage import upload_dir
+        from vidray.models.export import MODEL_INDEX
+
+        with tempfile.TemporaryDirectory(prefix="vidray-export-") as tmp:
+            export_pipeline(family, components, tmp, job.flow)
+            write_job_file(tmp, job)
+            num_bytes = upload_dir(tmp, diffusers_dir, marker=MODEL_INDEX)
+        _log(0, f"saved diffusers pipeline to {diffusers_dir} ({num_bytes / 2**20:.1f} MiB uploaded)")
+    else:
+        export_pipeline(family, components, diffusers_dir, job.flow)
+        write_job_file(diffusers_dir, job)
+        _log(0, f"saved diffusers pipeline to {diffusers_dir}")
+    return diffusers_dir
 
 
 def _resume_position(schedule: SampleSchedule, state: TrainState | None, rank: int) -> DataPosition:

@@ -28,6 +28,7 @@ loaded only when it is the one chosen above.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import sys
@@ -359,6 +360,9 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     from vidray.train.validation import check_validation_prompts
 
     check_validation_prompts(job)  # a prompt the text encoder would cut: before anything starts
+    from vidray.train.vae import check_vae_path
+
+    check_vae_path(job)  # a model.vae_path that is not a VAE folder: before anything starts
     shards = open_storage(job.data.shards_dir)  # a folder or a URI (vidray.data.storage)
     shards.check_reachable("data.shards_dir")  # an S3 fault in one line, not a traceback
     index = read_index(shards)
@@ -766,9 +770,18 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False, resume_hint
     from vidray.runtime import apply_ray_env_defaults, check_local_ray
 
     apply_ray_env_defaults()
+    job = with_absolute_model_paths(job)  # the workers' working directory is not the driver's
     check_local_ray(job, check_resources)
     with run_folder_lock(job):
         return _run_training(job, record_sample_ids=record_sample_ids, resume_hint=resume_hint)
+
+
+def with_absolute_model_paths(job: JobConfig) -> JobConfig:
+    """`job` with a relative `model.pretrained_path` and `model.vae_path` made absolute against the driver's
+    working directory (`absolute_location`; URIs stay): the Ray Train workers and encode actors run elsewhere."""
+    paths = {key: absolute_location(value) for key in ("pretrained_path", "vae_path")
+             if (value := getattr(job.model, key))}
+    return dataclasses.replace(job, model=dataclasses.replace(job.model, **paths)) if paths else job
 
 
 RUN_LOCK_NAME = ".vidray-train.lock"
