@@ -1,9 +1,15 @@
-"""The main job on the embedded default (`make demo`): real clips -> Ray Train -> checkpoint -> generated mp4.
+"""The main job on the embedded default (`make demo`): real clips -> a trained VAE -> a DiT trained on its latents
+-> a generated video that resembles its caption's training clip.
 
 1. prepare the clips shipped in samples/ into Parquet shards;
-2. train the tiny EasyAnimate model with 2 Ray Train workers (a local Ray started in-process);
-3. generate one mp4 from the trained diffusers pipeline through the one sampler;
-4. print a summary: mean loss of the first and last 10 steps, steps/s, where the outputs are.
+2. train the tiny EasyAnimate VAE on them (`vidray train-vae`: 2 Ray Train workers, a local Ray started in-process)
+   and print its reconstruction PSNR on the training clips;
+3. train the tiny DiT on that VAE's latents (`model.vae_path`);
+4. generate a video for `--prompt` (by default a training clip's caption) from the trained pipeline, and from the
+   same pipeline with the DiT at its random init (the baseline); write the training clip, its reconstruction and
+   both videos side by side (`samples/side_by_side.png` and `.mp4`);
+5. print a summary: the VAE's PSNR, each generated video's PSNR against the caption's training clip, the loss,
+   steps/s, where the outputs are.
 
     python jobs/demo.py [--config jobs/configs/tiny_t2v.yaml] [section.key=value ...]
 """
@@ -11,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import sys
 import time
@@ -26,6 +33,7 @@ from vidray.generate import generate_to_file
 from vidray.locations import absolute_location
 from vidray.logs import set_verbose
 from vidray.train.trainer import run_training
+from vidray.train.vae import training_clips_psnr, vae_training_job
 
 RESUME_HINT = ("resume with `.venv/bin/python jobs/demo.py --resume` (and the same overrides); `make demo` starts the "
                "run afresh")
@@ -59,7 +67,7 @@ def main() -> int:
 
 
 def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
-    """Steps 1-4 of the module docstring for `job`; `resume` keeps an earlier run (and its shards)."""
+    """Steps 1-5 of the module docstring for `job`; `resume` keeps earlier runs (and their shards)."""
     started = time.perf_counter()
 
     if resume and (Path(job.data.shards_dir) / INDEX_NAME).is_file():
@@ -76,39 +84,66 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
             return 1  # nothing to train on; the summary says why
         num_kept, num_samples, num_skipped = summary.num_kept, summary.num_samples, summary.num_skipped
 
-    if job.run_dir.exists() and not resume:
-        print(f"removing the previous demo run {job.run_dir} (pass --resume to continue it instead)", flush=True)
-        shutil.rmtree(job.run_dir)
-    print(f"== 2. train {job.name}: {job.scaling.num_workers} workers, {job.train.max_steps} steps", flush=True)
+    vae_job = vae_training_job(job)
+    vae_dir = Path(vae_job.run_dir) / "vae"
+    if resume and (vae_dir / "config.json").is_file():
+        print(f"== 2. train the VAE: keeping the trained VAE {vae_dir}", flush=True)
+    else:
+        _start_afresh(vae_job, resume)
+        print(f"== 2. train the VAE {vae_job.name}: {vae_job.scaling.num_workers} workers, {vae_job.train.max_steps} "
+              "steps", flush=True)
+        vae_dir = Path(run_training(vae_job, resume_hint=RESUME_HINT).diffusers_dir)
+    vae_psnr = training_clips_psnr(str(vae_dir), job.data.shards_dir)
+    print(f"[vidray] {vae_psnr}", flush=True)
+
+    job = dataclasses.replace(job, model=dataclasses.replace(job.model, vae_path=str(vae_dir)))
+    _start_afresh(job, resume)
+    print(f"== 3. train the DiT {job.name} on its latents: {job.scaling.num_workers} workers, {job.train.max_steps} "
+          "steps", flush=True)
     result = run_training(job, resume_hint=RESUME_HINT)
     import ray
 
     if ray.is_initialized():  # done with Ray: its workers' last log lines print now, not after the summary
         ray.shutdown()
 
-    print("== 3. generate", flush=True)
-    video_path = result.run_dir / "samples" / "demo.mp4"
-    generate_to_file(result.diffusers_dir, prompt, video_path, fps=job.data.fps, seed=job.train.seed)
+    print("== 4. generate", flush=True)
+    from vidray.compare import compare_with_training_clip
+
+    comparison = compare_with_training_clip(job, result.diffusers_dir, prompt, result.run_dir / "samples")
 
     losses = np.array([loss for _, loss in result.losses])
     print("\n== summary")
+    print(vae_psnr)
+    for line in comparison.lines:
+        print(line)
     if len(losses) >= 20:
         first, last = losses[:10].mean(), losses[-10:].mean()
-        print(f"mean loss, first 10 steps: {first:.4f}   last 10 steps: {last:.4f}   ({last / first:.0%} of the first)")
+        print(f"DiT mean loss, first 10 steps: {first:.4f}   last 10 steps: {last:.4f}   ({last / first:.0%} of the "
+              "first)")
     elif len(losses):
         resumed = f"resumed at step {result.first_step}, " if result.first_step > 1 else ""
-        print(f"{resumed}trained {len(losses)} steps this run (too few for a first/last 10 comparison): "
+        print(f"{resumed}trained {len(losses)} DiT steps this run (too few for a first/last 10 comparison): "
               f"mean loss {losses.mean():.4f}")
-    print(f"steps {result.first_step}..{result.last_step} at {result.steps_per_s:.2f} steps/s "
+    print(f"DiT steps {result.first_step}..{result.last_step} at {result.steps_per_s:.2f} steps/s "
           f"({job.scaling.num_workers} workers)")
     print(f"kept {num_kept} files as {num_samples} clips, skipped {num_skipped} "
           f"(report: {report_path(absolute_location(job.data.shards_dir))})")
+    print(f"trained VAE:        {vae_dir}")
     print(f"checkpoint:         {result.checkpoint_path}")
     print(f"diffusers pipeline: {result.diffusers_dir}")
-    print(f"loss curve:         {result.run_dir}/loss.png (tensorboard --logdir {result.run_dir})")
-    print(f"generated video:    {video_path}")
+    print(f"loss curve:         {result.run_dir}/loss.png (tensorboard --logdir {result.run_dir.parent})")
+    print(f"generated video:    {comparison.generated_mp4}")
+    print(f"side by side:       {comparison.png} and {comparison.mp4} ({', '.join(comparison.rows)}, top to bottom "
+          "/ left to right)")
     print(f"total wall time:    {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def _start_afresh(job: JobConfig, resume: bool) -> None:
+    """Remove an earlier demo run of `job` unless resuming."""
+    if job.run_dir.exists() and not resume:
+        print(f"removing the previous demo run {job.run_dir} (pass --resume to continue it instead)", flush=True)
+        shutil.rmtree(job.run_dir)
 
 
 if __name__ == "__main__":
