@@ -84,7 +84,11 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
             return 1  # nothing to train on; the summary says why
         num_kept, num_samples, num_skipped = summary.num_kept, summary.num_samples, summary.num_skipped
 
+    # The tiny VAE trains faster as one worker of 2 threads than as 2 DDP workers of 1 thread on 2 cores (its step
+    # is many small per-frame convolutions); `vidray train-vae` takes the same overrides on its command line.
     vae_job = vae_training_job(job)
+    vae_job = dataclasses.replace(vae_job, scaling=dataclasses.replace(
+        vae_job.scaling, num_workers=1, cpus_per_worker=2 * job.scaling.cpus_per_worker))
     vae_dir = Path(vae_job.run_dir) / "vae"
     if resume and (vae_dir / "config.json").is_file():
         print(f"== 2. train the VAE: keeping the trained VAE {vae_dir}", flush=True)
