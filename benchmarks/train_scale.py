@@ -219,7 +219,8 @@ def measure_hooks(steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("none", "fp16", "powersgd"):
             out = str(Path(tmp) / f"{kind}.pt")
-            mp.start_processes(_hook_run, args=(2, _free_port(), kind, steps, out), nprocs=2, start_method="fork")
+            # spawn, not fork: a fork of a process that has run torch ops can start with a corrupt heap (SIGABRT).
+            mp.start_processes(_hook_run, args=(2, _free_port(), kind, steps, out), nprocs=2, start_method="spawn")
             runs[kind] = torch.load(out, weights_only=True)
     # Steady state: PowerSGD all-reduces plainly for its first POWERSGD_START_ITER steps.
     steady = lambda kind: statistics.mean(runs[kind]["bytes"][5:])  # noqa: E731

@@ -25,6 +25,27 @@ def noise_in(output: str) -> list[str]:
     return [line for line in output.splitlines() if any(noise in line for noise in NOISE_LINES)]
 
 
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "vidray.models.registry", "vidray.train.parallel",
+                      "vidray.train.checkpoint", "vidray.train.step"]
+
+
+def start_ranks(fn, args: tuple, nprocs: int) -> None:
+    """Run `fn(rank, *args)` in `nprocs` fresh processes and wait for them (torch's `start_processes`).
+
+    The processes come from a forkserver that imported torch, diffusers and vidray's training modules but ran no
+    op (no thread), never from the pytest process: forking a process that has run torch ops (OpenMP and gloo
+    threads, a heap mid-update) gave a rank `malloc(): unaligned fastbin chunk detected` and SIGABRT in CI. The
+    preload keeps a start near a fork's cost (spawn's imports took ~7 s a rank). `fn` must be a module-level
+    function.
+    """
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 def run_at_once(action, *, repeats: int, processes: int = 3, timeout_s: float = 120) -> list[str]:
     """Fork `processes` processes that each call `action()` `repeats` times, all released together by one event
     (a race between processes, e.g. writers of one file). Returns the problems: each process's first error (its

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from tests.conftest import start_ranks
 
 from vidray.config import ConfigError, FlowConfig, JobConfig, ModelConfig, job_config_from_dict
 from vidray.models.registry import get_family
@@ -196,7 +196,7 @@ def _free_port() -> int:
 
 
 def _run(task: str, world: int, tmp_path: Path) -> dict:
-    mp.start_processes(_worker, args=(world, _free_port(), task, str(tmp_path)), nprocs=world, start_method="fork")
+    start_ranks(_worker, (world, _free_port(), task, str(tmp_path)), world)
     return torch.load(tmp_path / f"{task}-{world}.pt", weights_only=False)
 
 

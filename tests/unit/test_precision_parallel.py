@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from tests.conftest import start_ranks
 
 from vidray.config import ConfigError, EMAConfig, FlowConfig, JobConfig, ModelConfig, job_config_from_dict
 from vidray.errors import UserError
@@ -234,7 +234,7 @@ def _ddp_run(rank: int, world_size: int, port: int, kind: str, steps: int, split
 
 def _ddp(kind: str, steps: int, split: int | None, tmp_path) -> dict:
     out = str(tmp_path / f"{kind}-{split}.pt")
-    mp.start_processes(_ddp_run, args=(2, _free_port(), kind, steps, split, out), nprocs=2, start_method="fork")
+    start_ranks(_ddp_run, (2, _free_port(), kind, steps, split, out), 2)
     return torch.load(out, weights_only=True)
 
 
