@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast clean prometheus
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) jobs/demo.py
 
-test: $(STAMP)
+test: $(STAMP) prometheus
 	$(PY) -m pytest -q --durations=25 tests
+
+# Debian's `prometheus` (2.42): the metrics tests start a real one. Installed as root when missing; otherwise a
+# one-line error says how.
+APT_PROMETHEUS := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+prometheus:
+	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && { $(APT_PROMETHEUS) || { apt-get update -qq && \
+		$(APT_PROMETHEUS); }; }; } || { echo "prometheus is not installed: run 'sudo apt-get install prometheus' \
+		(Debian's package; the metrics tests start one)" >&2; exit 1; }
 
 # The unit tests alone (no Ray cluster, no training job; ~3 minutes on 2 cores): for iteration. `make test` stays
 # the full suite and is what CI runs.

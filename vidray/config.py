@@ -372,9 +372,10 @@ class TrainConfig:
     W: an elastic run keeps its global batch when it shrinks or grows. Must be >= the max worker count (every
     worker needs one micro-batch)."""
     metrics_port: int | None = None
-    """Each training worker serves its Prometheus metrics (`vidray_*`, `vidray.metrics`) over HTTP on
-    127.0.0.1:(metrics_port + rank); null: no endpoint. The metrics are also written to
-    `<run_dir>/metrics/rank_<N>.prom` (Prometheus text format) at every report either way."""
+    """Opt-in, for runs without Ray's metrics agent: each training worker also serves its Prometheus metrics
+    (`vidray_*`, `vidray.metrics`) over HTTP on 127.0.0.1:(metrics_port + rank); null: no endpoint. Either way
+    they go through Ray's metrics agent (`ray_vidray_*` on each node's metrics export port) and are written to
+    `<run_dir>/metrics/rank_<N>.prom` (Prometheus text format) at every report."""
 
 
 @dataclass(config=_STRICT, kw_only=True)

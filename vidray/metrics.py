@@ -1,11 +1,12 @@
 """Training metrics of one Ray Train worker: Prometheus series (`prometheus-client`) and the figures of the log.
 
 ```python
-metrics = TrainMetrics(rank=rank, run=job.name)
-port = metrics.serve(job.train.metrics_port + rank)     # 127.0.0.1 only, unless addr= says otherwise
-metrics.observe_step(data_wait_s=0.004, step_s=0.31)  # every step
+metrics = TrainMetrics(rank=rank, run=job.name, export_to_ray=True)  # in a Ray Train worker
+port = metrics.serve(job.train.metrics_port + rank)     # opt-in endpoint; 127.0.0.1 only, unless addr= says otherwise
+metrics.observe_step(data_wait_s=0.004, step_s=0.31, samples=2)  # every step
 metrics.add_cache("warm", hits=1)                      # from the data plane, any thread
 log.info(metrics.window_summary())                     # every log window: counts since the last call
+metrics.observe_window(loss=0.41, lr=1e-4, data_wait_fraction=0.02)  # every log window
 metrics.write_textfile(run_dir / "metrics" / f"rank_{rank}.prom")
 metrics.close()
 ```
@@ -23,6 +24,10 @@ units (seconds, bytes); counters end in `_total`.
 | `vidray_samples_skipped_total` | counter | clips or shards | `kind` (`clip`, `shard`) | bad input skipped |
 | `vidray_prefetch_lead_batches` | gauge | batches | | batches ready ahead of the trainer; 0 = the trainer waits |
 | `vidray_train_step` | gauge | steps | | the last optimizer step (1-based) |
+| `vidray_train_loss` | gauge | | | the loss of the last log window (mean over its steps and the ranks) |
+| `vidray_train_lr` | gauge | | | the learning rate after the last log window |
+| `vidray_data_wait_fraction` | gauge | 0..1 | | data wait / step time over the last log window |
+| `vidray_train_samples_total` | counter | samples | | batch slots this rank trained (`rate()` summed over ranks: samples/s) |
 | `vidray_stage_busy_seconds_total` | counter | s | `stage` (`decode`, `vae`, `text`, `dit`) | seconds the stage worked for this rank |
 | `vidray_stage_clips_total` | counter | clips | `stage` | clips the stage processed for this rank |
 
@@ -34,11 +39,21 @@ and the queue ahead of the trainer is `vidray_prefetch_lead_batches`. A skipped
 shard failed its checksum or could not be fetched after retries; a skipped clip no longer decodes. As
 prometheus-client does by default, counters and histograms also expose a `<name>_created` gauge (Unix seconds).
 
-Each training worker serves its series on `127.0.0.1:(train.metrics_port + rank)` (`serve`), and writes them to
-`<run_dir>/metrics/rank_<N>.prom` (`write_textfile`, Prometheus text format) at every report. A Prometheus on the
-same node scrapes the ports `metrics_port .. metrics_port + N - 1`. The port follows the world rank, not the
-node: with N workers in all, list the whole range on every node (a port that no worker of that node serves only
-shows as `up == 0`):
+**Through Ray's metrics agent** (the default in a training run, `export_to_ray=True`): every series is also
+recorded with `ray.util.metrics`, tagged `run`, `rank` and `node` (the worker's node IP), so each node's Ray
+metrics agent exports it on the node's metrics export port (`ray start --metrics-export-port=P`) beside Ray's own
+series, and a Prometheus that reads Ray's service discovery file (`<session_dir>/prom_metrics_service_discovery.json`,
+`file_sd_configs`) scrapes every rank on every node, no port of vidray's own. As Ray exports any custom series, the
+names gain a `ray_` prefix and counters a `_total` suffix: `ray_vidray_train_step`, `ray_vidray_cache_hits_total`,
+`ray_vidray_data_wait_seconds_bucket`; `RAY_SERIES` lists them. Ray estimates a histogram's `_sum` from its bucket
+midpoints: use `_bucket` for quantiles and `_count` for rates. Ray keeps a gauge ~2 report intervals after its last
+set, so gauges vanish ~20 s after a run ends. `observability/grafana/vidray.json` charts these series.
+
+**Opt-in, without Ray's agent:** each training worker serves its series on `127.0.0.1:(train.metrics_port + rank)`
+(`serve`), and always writes them to `<run_dir>/metrics/rank_<N>.prom` (`write_textfile`, Prometheus text format)
+at every report. A Prometheus on the same node scrapes the ports `metrics_port .. metrics_port + N - 1`. The port
+follows the world rank, not the node: with N workers in all, list the whole range on every node (a port that no
+worker of that node serves only shows as `up == 0`):
 
 ```yaml
 scrape_configs:
@@ -66,7 +81,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from vidray.errors import UserError
 
-__all__ = ["TrainMetrics", "CACHE_TIERS", "SKIP_KINDS", "DATA_WAIT_BUCKETS_S", "STEP_BUCKETS_S"]
+__all__ = ["TrainMetrics", "CACHE_TIERS", "SKIP_KINDS", "DATA_WAIT_BUCKETS_S", "STEP_BUCKETS_S", "RAY_SERIES"]
 
 CacheTier = Literal["hot", "warm", "latent", "prompt"]
 SkipKind = Literal["clip", "shard"]
@@ -93,15 +108,63 @@ _SUMMARY_COUNTERS = ("data_wait_s", "step_s", "steps", *(f"{t}_{k}" for t in CAC
 """Keys of `summary()` that add up over time (a window is the difference of two totals)."""
 
 
+_SERIES: tuple[tuple[str, str, str, tuple[str, ...], tuple[float, ...] | None], ...] = (
+    # (name, type, help, extra labels, histogram buckets)
+    ("vidray_data_wait_seconds", "histogram", "Time the trainer waited for its next batch, per step.", (),
+     DATA_WAIT_BUCKETS_S),
+    ("vidray_train_step_seconds", "histogram", "Wall time of one optimizer step, data wait included.", (),
+     STEP_BUCKETS_S),
+    ("vidray_cache_hits", "counter", "Lookups served by a cache tier (warm: shards, hot: clips, latent/prompt: "
+     "clips and captions of the latent cache).", ("tier",), None),
+    ("vidray_cache_misses", "counter", "Lookups a cache tier could not serve.", ("tier",), None),
+    ("vidray_data_fetched_bytes", "counter", "Bytes fetched from the cold store (object storage).", (), None),
+    ("vidray_samples_skipped", "counter", "Bad input skipped (checksum, decode or fetch failure), by kind (clip or "
+     "shard).", ("kind",), None),
+    ("vidray_prefetch_lead_batches", "gauge", "Batches ready ahead of the trainer; 0: the trainer waits.", (), None),
+    ("vidray_train_step", "gauge", "The last optimizer step (1-based).", (), None),
+    ("vidray_train_loss", "gauge", "The loss of the last log window (mean over its steps and the ranks).", (), None),
+    ("vidray_train_lr", "gauge", "The learning rate after the last log window.", (), None),
+    ("vidray_data_wait_fraction", "gauge", "Data wait / step time over the last log window (0..1).", (), None),
+    ("vidray_train_samples", "counter", "Batch slots this rank trained (rate() summed over ranks: samples/s).", (),
+     None),
+    ("vidray_stage_busy_seconds", "counter", "Seconds a stage spent on this rank's micro-batches (rate() over wall "
+     "time: its busy fraction).", ("stage",), None),
+    ("vidray_stage_clips", "counter", "Clips a stage processed for this rank (rate(): clips/s).", ("stage",), None),
+)
+"""Every training series: (name without a counter's `_total`, type, help, labels beyond `run`/`rank`, histogram
+upper bounds in seconds)."""
+
+
+def _exported_names(name: str, kind: str, prefix: str) -> list[str]:
+    if kind == "counter":
+        return [f"{prefix}{name}_total"]
+    if kind == "histogram":
+        return [f"{prefix}{name}_{suffix}" for suffix in ("bucket", "count", "sum")]
+    return [f"{prefix}{name}"]
+
+
+RAY_SERIES: dict[str, str] = {
+    exported: kind for name, kind, _, _, _ in _SERIES for exported in _exported_names(name, kind, "ray_")}
+"""The training series as Ray's metrics agent exports them (a `ray_` prefix, counters `_total`, histograms
+`_bucket`/`_count`/`_sum`) -> their type: what a Prometheus scraping Ray sees, labelled `run`, `rank`, `node` and
+the extra labels of `_SERIES`."""
+
+_BASE_LABELS = ("rank", "run")
+
+
 class TrainMetrics:
-    """The metrics of one training worker, in their own `CollectorRegistry` unless `registry` is given.
+    """The metrics of one training worker, in their own `CollectorRegistry` unless `registry` is given, and, with
+    `export_to_ray`, through Ray's metrics agent too (`ray.util.metrics`).
 
     Thread-safe: the data plane may count from its threads while the training loop observes steps. The series
     and their labels are listed in the module docstring.
     """
 
-    def __init__(self, *, rank: int, run: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, *, rank: int, run: str, registry: CollectorRegistry | None = None,
+                 export_to_ray: bool = False, node: str | None = None) -> None:
         """`rank`: the Ray Train world rank (>= 0), `run`: the job name; both become labels of every series.
+        `export_to_ray`: also record every series with `ray.util.metrics` (call it in a Ray worker), tagged `run`,
+        `rank` and `node` (default: this worker's node IP).
 
         Raises ValueError on a negative rank or an empty run name, and prometheus-client's ValueError when
         `registry` already holds `vidray_*` series (one TrainMetrics per registry).
@@ -114,41 +177,21 @@ class TrainMetrics:
         self.run = run
         self.registry = registry if registry is not None else CollectorRegistry()
         self._labels = {"rank": str(rank), "run": run}
-        base = ("rank", "run")
-        reg = self.registry
-
-        data_wait = Histogram("vidray_data_wait_seconds", "Time the trainer waited for its next batch, per step.",
-                              base, buckets=DATA_WAIT_BUCKETS_S, registry=reg)
-        step = Histogram("vidray_train_step_seconds", "Wall time of one optimizer step, data wait included.",
-                         base, buckets=STEP_BUCKETS_S, registry=reg)
-        hits = Counter("vidray_cache_hits_total", "Lookups served by a cache tier (warm: shards, hot: clips).",
-                       (*base, "tier"), registry=reg)
-        misses = Counter("vidray_cache_misses_total", "Lookups a cache tier could not serve (warm: shards, "
-                         "hot: clips).", (*base, "tier"), registry=reg)
-        fetched = Counter("vidray_data_fetched_bytes_total", "Bytes fetched from the cold store (object storage).",
-                          base, registry=reg)
-        skipped = Counter("vidray_samples_skipped_total", "Bad input skipped (checksum, decode or fetch failure), "
-                          "by kind (clip or shard).", (*base, "kind"), registry=reg)
-        lead = Gauge("vidray_prefetch_lead_batches", "Batches ready ahead of the trainer; 0: the trainer waits.",
-                     base, registry=reg)
-        train_step = Gauge("vidray_train_step", "The last optimizer step (1-based).", base, registry=reg)
-        stage_busy = Counter("vidray_stage_busy_seconds_total", "Seconds a stage spent on this rank's micro-batches "
-                             "(rate() over wall time: its busy fraction).", (*base, "stage"), registry=reg)
-        stage_clips = Counter("vidray_stage_clips_total", "Clips a stage processed for this rank (rate(): clips/s).",
-                              (*base, "stage"), registry=reg)
-
-        # Children bound once (labels() costs a dict lookup and a lock per call); every tier and kind exists at 0
-        # from the start, so a rate() over them is defined before the first hit.
-        self._data_wait = data_wait.labels(**self._labels)
-        self._step = step.labels(**self._labels)
-        self._hits = {t: hits.labels(**self._labels, tier=t) for t in CACHE_TIERS}
-        self._misses = {t: misses.labels(**self._labels, tier=t) for t in CACHE_TIERS}
-        self._fetched = fetched.labels(**self._labels)
-        self._skipped = {k: skipped.labels(**self._labels, kind=k) for k in SKIP_KINDS}
-        self._lead = lead.labels(**self._labels)
-        self._train_step = train_step.labels(**self._labels)
-        self._stage_busy = {s: stage_busy.labels(**self._labels, stage=s) for s in STAGES}
-        self._stage_clips = {s: stage_clips.labels(**self._labels, stage=s) for s in STAGES}
+        self._prom = {}
+        for name, kind, doc, extra, buckets in _SERIES:
+            labels = (*_BASE_LABELS, *extra)
+            if kind == "histogram":
+                self._prom[name] = Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+            else:
+                self._prom[name] = (Counter if kind == "counter" else Gauge)(name, doc, labels, registry=self.registry)
+        self._ray = _ray_series(rank, run, node) if export_to_ray else {}
+        # Children bound once (labels() costs a dict lookup and a lock per call); every tier, kind and stage exists
+        # at 0 from the start, so a rate() over them is defined before the first hit.
+        self._children: dict[tuple[str, str], object] = {}
+        for name, _, _, extra, _ in _SERIES:
+            values = {"tier": CACHE_TIERS, "kind": SKIP_KINDS, "stage": STAGES}.get(extra[0], ()) if extra else ("",)
+            for value in values:
+                self._child(name, value)
 
         self._lock = threading.Lock()
         self._totals = dict.fromkeys(_SUMMARY_COUNTERS, 0.0)
@@ -157,32 +200,75 @@ class TrainMetrics:
         self._server = None
         self._thread: threading.Thread | None = None
 
+    def _child(self, name: str, value: str = ""):
+        """The prometheus-client child of series `name` for this rank (and extra label `value`, if it has one)."""
+        child = self._children.get((name, value))
+        if child is None:
+            metric = self._prom[name]
+            extra = {key: value for key in metric._labelnames if key not in _BASE_LABELS}
+            child = self._children[(name, value)] = metric.labels(**self._labels, **extra)
+        return child
+
+    def _record(self, name: str, value: float, label: str = "") -> None:
+        """Add (counter), set (gauge) or observe (histogram) `value` on series `name` in both registries."""
+        child = self._child(name, label)
+        if isinstance(child, Counter):
+            if value <= 0:
+                return  # Ray's Counter.inc refuses 0
+            child.inc(value)
+        elif isinstance(child, Gauge):
+            child.set(value)
+        else:
+            child.observe(value)
+        ray_metric = self._ray.get(name)
+        if ray_metric is not None:
+            tags = {key: label for key in ray_metric._tag_keys if key not in (*_BASE_LABELS, "node")}
+            if isinstance(child, Counter):
+                ray_metric.inc(value, tags=tags)
+            elif isinstance(child, Gauge):
+                ray_metric.set(value, tags=tags)
+            else:
+                ray_metric.observe(value, tags=tags)
+
     # --- recording -------------------------------------------------------------------------------------------
 
-    def observe_step(self, *, data_wait_s: float, step_s: float) -> None:
+    def observe_step(self, *, data_wait_s: float, step_s: float, samples: int = 0) -> None:
         """Record one optimizer step: `data_wait_s` (s) the trainer waited for the batch, `step_s` (s) the whole
-        step, data wait included. Raises ValueError on a negative or non-finite time."""
+        step, data wait included, `samples` the batch slots this rank trained in it. Raises ValueError on a
+        negative or non-finite time or a negative count."""
         for name, value in (("data_wait_s", data_wait_s), ("step_s", step_s)):
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-        self._data_wait.observe(data_wait_s)
-        self._step.observe(step_s)
+        samples = _check_count("samples", samples)
+        self._record("vidray_data_wait_seconds", data_wait_s)
+        self._record("vidray_train_step_seconds", step_s)
+        self._record("vidray_train_samples", samples)
         with self._lock:
             self._totals["data_wait_s"] += data_wait_s
             self._totals["step_s"] += step_s
             self._totals["steps"] += 1
 
+    def observe_window(self, *, loss: float, lr: float, data_wait_fraction: float) -> None:
+        """Set the gauges of one log window: its `loss` (mean over its steps and the ranks), the `lr` after it and
+        its `data_wait_fraction` (0..1). Raises ValueError on a non-finite value or a fraction outside [0, 1]."""
+        for name, value in (("loss", loss), ("lr", lr), ("data_wait_fraction", data_wait_fraction)):
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value!r}")
+        if not 0.0 <= data_wait_fraction <= 1.0:
+            raise ValueError(f"data_wait_fraction must be in [0, 1], got {data_wait_fraction!r}")
+        self._record("vidray_train_loss", float(loss))
+        self._record("vidray_train_lr", float(lr))
+        self._record("vidray_data_wait_fraction", float(data_wait_fraction))
+
     def add_cache(self, tier: CacheTier, *, hits: int = 0, misses: int = 0) -> None:
-        """Count `hits` and `misses` (>= 0) of cache `tier` ("hot": decoded clips, "warm": shards on local disk).
-        Raises ValueError on another tier or a negative count."""
+        """Count `hits` and `misses` (>= 0) of cache `tier` (`CACHE_TIERS`). Raises ValueError on another tier or a
+        negative count."""
         if tier not in CACHE_TIERS:
             raise ValueError(f"unknown cache tier {tier!r}; valid: {', '.join(CACHE_TIERS)}")
         hits = _check_count("hits", hits)
         misses = _check_count("misses", misses)
-        if hits:
-            self._hits[tier].inc(hits)
-        if misses:
-            self._misses[tier].inc(misses)
+        self._record("vidray_cache_hits", hits, tier)
+        self._record("vidray_cache_misses", misses, tier)
         with self._lock:
             self._totals[f"{tier}_hits"] += hits
             self._totals[f"{tier}_misses"] += misses
@@ -195,9 +281,8 @@ class TrainMetrics:
         if not math.isfinite(busy_s) or busy_s < 0:
             raise ValueError(f"busy_s must be a finite number of seconds >= 0, got {busy_s!r}")
         clips = _check_count("clips", clips)
-        self._stage_busy[stage].inc(busy_s)
-        if clips:
-            self._stage_clips[stage].inc(clips)
+        self._record("vidray_stage_busy_seconds", busy_s, stage)
+        self._record("vidray_stage_clips", clips, stage)
         with self._lock:
             self._totals[f"{stage}_busy_s"] += busy_s
             self._totals[f"{stage}_clips"] += clips
@@ -205,8 +290,7 @@ class TrainMetrics:
     def add_bytes_fetched(self, n: int) -> None:
         """Count `n` bytes (>= 0) fetched from the cold store (object storage). Raises ValueError if negative."""
         n = _check_count("n", n)
-        if n:
-            self._fetched.inc(n)
+        self._record("vidray_data_fetched_bytes", n)
         with self._lock:
             self._totals["bytes_fetched"] += n
 
@@ -216,21 +300,20 @@ class TrainMetrics:
         if kind not in SKIP_KINDS:
             raise ValueError(f"unknown skip kind {kind!r}; valid: {', '.join(SKIP_KINDS)}")
         n = _check_count("n", n)
-        if n:
-            self._skipped[kind].inc(n)
+        self._record("vidray_samples_skipped", n, kind)
         with self._lock:
             self._totals[f"skipped_{kind}s"] += n
 
     def set_prefetch_lead(self, batches: int) -> None:
         """Set the number of batches (>= 0) ready ahead of the trainer. Raises ValueError if negative."""
         batches = _check_count("batches", batches)
-        self._lead.set(batches)
+        self._record("vidray_prefetch_lead_batches", batches)
         with self._lock:
             self._prefetch_lead = batches
 
     def set_step(self, step: int) -> None:
         """Set the last optimizer step (1-based; 0 before the first). Raises ValueError if negative."""
-        self._train_step.set(_check_count("step", step))
+        self._record("vidray_train_step", _check_count("step", step))
 
     # --- reading ---------------------------------------------------------------------------------------------
 
@@ -301,6 +384,27 @@ class TrainMetrics:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_to_textfile(str(path), self.registry)
+
+
+def _ray_series(rank: int, run: str, node: str | None) -> dict[str, object]:
+    """`_SERIES` as `ray.util.metrics` objects, their default tags `run`, `rank` and `node` (default: this
+    worker's node IP) set: Ray's metrics agent on this node exports them."""
+    import ray
+    from ray.util import metrics as ray_metrics
+
+    node = node if node is not None else ray.util.get_node_ip_address()
+    defaults = {"run": run, "rank": str(rank), "node": node}
+    out = {}
+    for name, kind, doc, extra, buckets in _SERIES:
+        tag_keys = (*_BASE_LABELS, "node", *extra)
+        if kind == "histogram":
+            metric = ray_metrics.Histogram(name, doc, boundaries=[b for b in buckets if math.isfinite(b)],
+                                           tag_keys=tag_keys)
+        else:
+            metric = (ray_metrics.Counter if kind == "counter" else ray_metrics.Gauge)(name, doc, tag_keys=tag_keys)
+        metric.set_default_tags(defaults)
+        out[name] = metric
+    return out
 
 
 def _with_derived(counts: dict[str, float], prefetch_lead: int) -> dict[str, float]:

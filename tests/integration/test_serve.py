@@ -322,6 +322,82 @@ def test_serve_metrics_reach_the_nodes_prometheus_endpoint(served):
         assert _total(scraped, "ray_vidray_serve_store_jobs", status="completed") >= 1
 
 
+def _max_over_time(prom, expr: str, by: str) -> dict[str, float]:
+    """{label value: the largest value of `expr` over the last 10 minutes} grouped `by` one label (a range query
+    still sees series that went stale: a Ray gauge leaves the agent ~2 report intervals after its last set)."""
+    return {r["metric"].get(by, ""): float(r["value"][1])
+            for r in prom.query(f"max by ({by}) (max_over_time(({expr})[10m:1s]))")}
+
+
+def test_a_real_prometheus_scrapes_every_rank_and_stage_through_rays_service_discovery(served, shards_dir, tmp_path):
+    """Issue 31: Debian's Prometheus reads the session's service discovery file and scrapes the node's Ray metrics
+    agent, which carries the training series of both ranks (`vidray.metrics`, recorded with `ray.util.metrics`: no
+    port of vidray's own) and the serve plane's. Checked through Prometheus's query API: the step gauge of each rank
+    equals the steps run, the loss is finite, the data-wait fraction lies in [0, 1], every stage counted busy
+    seconds, and Ray Serve's request-latency histogram counted exactly the requests sent."""
+    from vidray.observability import Prometheus, ray_service_discovery_file
+
+    discovery = ray_service_discovery_file(Path(served.head.temp_dir) / "session_latest")
+    deadline = time.monotonic() + 30
+    while not discovery.is_file() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert str(served.head.metrics_port) in discovery.read_text()
+    with Prometheus(discovery, tmp_path / "prometheus", port=free_port(), scrape_interval_s=1.0) as prom:
+        # Serving: the requests this test sends, counted by Ray Serve's latency histogram (its other tests' too:
+        # the count must grow by exactly these).
+        route = 'route="/v1/videos",method="POST"'
+        counted = lambda: sum(float(r["value"][1]) for r in prom.query(  # noqa: E731
+            f"sum(ray_serve_http_request_latency_ms_count{{{route}}})"))
+        time.sleep(3)  # at least two scrapes of the agent's current counts
+        before = counted()
+        client = served.client()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            videos = [client.videos.create(prompt=f"a kite {i}", size="32x32",
+                                           extra_body={"num_frames": 5, "seed": i, "num_inference_steps": 2})
+                      for i in range(3)]
+        # Training: 2 ranks, 4 steps, as a driver of the same cluster (beside the Serve replicas' 0.8 CPUs).
+        env = {**served.head.env, "RAY_ADDRESS": f"127.0.0.1:{served.head.gcs_port}"}
+        run = subprocess.run(
+            [str(Path(sys.executable).parent / "vidray"), "train", "jobs/configs/tiny_t2v.yaml",
+             f"data.shards_dir={shards_dir}", f"storage.path={tmp_path / 'runs'}", "name=prom-run",
+             "model.text_encoder=tiny_random", "train.max_steps=4", "train.log_every_steps=2",
+             "checkpoint.every_steps=4", "scaling.cpus_per_worker=0.5", "data.loader_cpus=0.25"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        for video in videos:
+            assert served.wait_for(video.id, ("completed", "failed"), timeout_s=120)["status"] == "completed"
+
+        train = '{run="prom-run"}'
+        deadline = time.monotonic() + 30
+        while True:
+            steps = _max_over_time(prom, f"ray_vidray_train_step{train}", "rank")
+            busy = _max_over_time(prom, f"ray_vidray_stage_busy_seconds_total{train}", "stage")
+            sent = counted() - before
+            if (steps == {"0": 4.0, "1": 4.0} and set(busy) == {"decode", "vae", "text", "dit"} and sent >= 3
+                    or time.monotonic() > deadline):
+                break
+            time.sleep(1)
+        assert steps == {"0": 4.0, "1": 4.0}, (steps, prom.targets())
+        assert set(busy) == {"decode", "vae", "text", "dit"} and busy["dit"] > 0, busy
+        assert sent == 3
+        losses = _max_over_time(prom, f"ray_vidray_train_loss{train}", "rank")
+        assert set(losses) == {"0", "1"} and all(0 < v < 10 for v in losses.values()), losses
+        waits = _max_over_time(prom, f"ray_vidray_data_wait_fraction{train}", "rank")
+        assert set(waits) == {"0", "1"} and all(0 <= v <= 1 for v in waits.values()), waits
+        samples = _max_over_time(prom, f"ray_vidray_train_samples_total{train}", "rank")
+        assert sum(samples.values()) == 4 * 4  # 4 steps of the global batch 4 (2 ranks x 2 micro-batches)
+        nodes = _max_over_time(prom, f"ray_vidray_train_step{train}", "node")
+        assert set(nodes) == {"127.0.0.1"}
+        # Every series vidray exports reached Prometheus (counters at 0 are not exported by Ray: skipped shards
+        # and fetched bytes stay 0 on local shards).
+        from vidray.metrics import RAY_SERIES
+
+        seen = prom.series_names()
+        zero_here = {"ray_vidray_samples_skipped_total", "ray_vidray_data_fetched_bytes_total"}
+        assert set(RAY_SERIES) - zero_here <= seen, sorted(set(RAY_SERIES) - zero_here - seen)
+
+
 def test_deleting_a_running_job_stops_its_denoising_at_once(served):
     """The reported case (a new user's trial): DELETE of a job in denoising answered 200, but the Denoiser went on
     stepping it to its end (8.7 min for 100 steps of 49x512x512 on 2 cores), and every other request waited behind

@@ -53,8 +53,9 @@ def metrics():
 
 
 def test_counters_and_histograms_hold_the_observed_values(metrics):
-    metrics.observe_step(data_wait_s=0.002, step_s=0.3)
-    metrics.observe_step(data_wait_s=2.0, step_s=2.5)
+    metrics.observe_step(data_wait_s=0.002, step_s=0.3, samples=2)
+    metrics.observe_step(data_wait_s=2.0, step_s=2.5, samples=3)
+    metrics.observe_window(loss=0.25, lr=1e-4, data_wait_fraction=0.71)
     metrics.add_cache("warm", hits=3, misses=1)
     metrics.add_cache("hot", hits=5)
     metrics.add_cache("warm", hits=np.int64(2))
@@ -84,6 +85,10 @@ def test_counters_and_histograms_hold_the_observed_values(metrics):
     assert _value(s, "vidray_samples_skipped_total", kind="shard") == 2
     assert _value(s, "vidray_prefetch_lead_batches") == 4
     assert _value(s, "vidray_train_step") == 2
+    assert _value(s, "vidray_train_samples_total") == 5
+    assert _value(s, "vidray_train_loss") == 0.25
+    assert _value(s, "vidray_train_lr") == 1e-4
+    assert _value(s, "vidray_data_wait_fraction") == 0.71
 
 
 def test_every_series_is_vidray_prefixed_and_labelled_with_rank_and_run(metrics):
@@ -92,7 +97,8 @@ def test_every_series_is_vidray_prefixed_and_labelled_with_rank_and_run(metrics)
     names = {f.name for f in families}
     expected = {"vidray_data_wait_seconds", "vidray_train_step_seconds", "vidray_cache_hits", "vidray_cache_misses",
                 "vidray_data_fetched_bytes", "vidray_samples_skipped", "vidray_prefetch_lead_batches",
-                "vidray_train_step", "vidray_stage_busy_seconds", "vidray_stage_clips"}
+                "vidray_train_step", "vidray_stage_busy_seconds", "vidray_stage_clips", "vidray_train_loss",
+                "vidray_train_lr", "vidray_data_wait_fraction", "vidray_train_samples"}
     assert expected <= names
     assert all(n.removesuffix("_created") in expected for n in names)   # prometheus-client's creation timestamps
     for family in families:
@@ -201,6 +207,9 @@ def test_write_textfile_leaves_one_parseable_file_and_no_temp_file(metrics, tmp_
     (lambda m: m.add_bytes_fetched(-5), r"n must be an int >= 0, got -5"),
     (lambda m: m.observe_step(data_wait_s=-0.1, step_s=1.0), r"data_wait_s must be a finite number"),
     (lambda m: m.observe_step(data_wait_s=0.1, step_s=float("nan")), r"step_s must be a finite number"),
+    (lambda m: m.observe_step(data_wait_s=0.1, step_s=1.0, samples=-1), r"samples must be an int >= 0, got -1"),
+    (lambda m: m.observe_window(loss=float("inf"), lr=1e-4, data_wait_fraction=0.1), r"loss must be finite"),
+    (lambda m: m.observe_window(loss=0.1, lr=1e-4, data_wait_fraction=1.5), r"data_wait_fraction must be in"),
 ])
 def test_invalid_input_raises_value_error_naming_the_valid_values(metrics, call, message):
     with pytest.raises(ValueError, match=message):
@@ -233,3 +242,18 @@ def test_stage_busy_seconds_give_busy_fractions_and_counters(metrics):
         metrics.add_stage("gpu", busy_s=1.0, clips=1)
     with pytest.raises(ValueError, match="busy_s"):
         metrics.add_stage("vae", busy_s=-1.0, clips=1)
+
+
+def test_ray_series_names_what_ray_exports_for_every_series(metrics):
+    """`RAY_SERIES` is what a Prometheus scraping Ray's agent sees: the prometheus-client names with a `ray_`
+    prefix (counters `_total`, histograms `_bucket`/`_count`/`_sum`). The Prometheus test in
+    tests/integration/test_prometheus.py finds them through a real agent."""
+    from vidray.metrics import RAY_SERIES
+
+    local = set()
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        local |= {s.name for s in family.samples if not s.name.endswith("_created")}
+    assert {f"ray_{n}" for n in local} == set(RAY_SERIES)
+    assert RAY_SERIES["ray_vidray_cache_hits_total"] == "counter"
+    assert RAY_SERIES["ray_vidray_data_wait_seconds_bucket"] == "histogram"
+    assert RAY_SERIES["ray_vidray_train_loss"] == "gauge"

@@ -281,7 +281,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     mode = (ray.train.CheckpointUploadMode.ASYNC if job.checkpoint.upload == "async"
             else ray.train.CheckpointUploadMode.SYNC)
     skipped: list[dict[str, str]] = []
-    metrics_log = TrainMetrics(rank=rank, run=job.name)
+    metrics_log = TrainMetrics(rank=rank, run=job.name, export_to_ray=True)  # through Ray's metrics agent
     # The textfile needs a local folder: the run folder's, or for a run folder on object storage this node's temp
     # folder (the Prometheus endpoint of `train.metrics_port` serves the same figures either way).
     metrics_root = (Path(tempfile.gettempdir()) / "vidray-metrics" / job.name if is_uri(loop_config["run_dir"])
@@ -367,7 +367,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             first_step_done_unix = time.time()
         dit_s += time.perf_counter() - t_optim
         step_seconds.append([step, data_wait_s, encode_s, dit_s])
-        metrics_log.observe_step(data_wait_s=data_wait_s, step_s=data_wait_s + dit_s)
+        metrics_log.observe_step(data_wait_s=data_wait_s, step_s=data_wait_s + dit_s, samples=step_clips)
         metrics_log.add_stage("dit", busy_s=dit_s, clips=step_clips)
         metrics_log.set_step(step)
 
@@ -410,6 +410,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         }
         data = metrics_log.window_summary()
         metrics["data_wait_fraction"] = data["data_wait_fraction"]
+        metrics_log.observe_window(loss=metrics["loss"], lr=metrics["lr"],
+                                   data_wait_fraction=min(1.0, data["data_wait_fraction"]))
         window_split = np.asarray(step_seconds[-len(window_losses):])[:, 1:].mean(axis=0)  # data, encode, dit
         metrics["encode_time_s"], metrics["dit_step_time_s"] = float(window_split[1]), float(window_split[2])
         for stage in ("decode", "vae", "text", "dit"):
