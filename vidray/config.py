@@ -371,6 +371,10 @@ class TrainConfig:
     with gradient accumulation, so the step's samples and loss (the mean over its real samples) do not depend on
     W: an elastic run keeps its global batch when it shrinks or grows. Must be >= the max worker count (every
     worker needs one micro-batch)."""
+    ray_metrics: bool = True
+    """Record the training series (`vidray.metrics`) through Ray's metrics agent too (`ray.util.metrics`: each node's
+    metrics export port carries them as `ray_vidray_*`); false: only the run folder's `.prom` files and the opt-in
+    `metrics_port` endpoint. `benchmarks/metrics_export.py` measures its cost per step."""
     metrics_port: int | None = None
     """Opt-in, for runs without Ray's metrics agent: each training worker also serves its Prometheus metrics
     (`vidray_*`, `vidray.metrics`) over HTTP on 127.0.0.1:(metrics_port + rank); null: no endpoint. Either way
@@ -850,6 +854,7 @@ RESUME_RULES: dict[str, str] = {
     "train.log_every_steps": RESUME_CHANGEABLE,
     "train.max_failures": RESUME_CHANGEABLE,
     "train.metrics_port": RESUME_CHANGEABLE,
+    "train.ray_metrics": RESUME_CHANGEABLE,
     "train.seed": RESUME_FIXED,  # the noise, sigmas and sample schedule of every step derive from it
     "train.mixed_precision": RESUME_FIXED,  # the numerics of every step; a change is a different run
     "train.activation_checkpointing": RESUME_CHANGEABLE,  # the same gradients, another memory/compute trade

@@ -281,7 +281,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     mode = (ray.train.CheckpointUploadMode.ASYNC if job.checkpoint.upload == "async"
             else ray.train.CheckpointUploadMode.SYNC)
     skipped: list[dict[str, str]] = []
-    metrics_log = TrainMetrics(rank=rank, run=job.name, export_to_ray=True)  # through Ray's metrics agent
+    metrics_log = TrainMetrics(rank=rank, run=job.name, export_to_ray=job.train.ray_metrics)
     # The textfile needs a local folder: the run folder's, or for a run folder on object storage this node's temp
     # folder (the Prometheus endpoint of `train.metrics_port` serves the same figures either way).
     metrics_root = (Path(tempfile.gettempdir()) / "vidray-metrics" / job.name if is_uri(loop_config["run_dir"])
