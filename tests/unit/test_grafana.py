@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,16 @@ def test_panel_queries_substitutes_every_grafana_variable():
     title, expr = next(q for q in queries if q[0] == "Samples/s")
     assert expr == 'sum by (run) (rate(ray_vidray_train_samples_total{run=~".*", node=~".*"}[1m]))'
     assert grafana.panel_queries(COMMITTED, rate_interval="30s")[0][1] == queries[0][1].replace("[1m]", "[30s]")
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="Prometheus's promtool is not installed")
+def test_every_panel_query_parses_as_promql(tmp_path):
+    rules = [{"record": f"vidray:panel:{number}", "expr": expr}
+             for number, (_, expr) in enumerate(grafana.panel_queries(COMMITTED))]
+    path = tmp_path / "rules.yml"
+    path.write_text(json.dumps({"groups": [{"name": "vidray", "rules": rules}]}))  # JSON is YAML
+    done = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_panel_queries_refuses_a_variable_it_cannot_fill():
