@@ -107,7 +107,17 @@ class Prometheus:
     def query(self, expr: str) -> list[dict[str, Any]]:
         """The instant vector of PromQL `expr` now (`GET /api/v1/query`): a list of {"metric": labels, "value":
         [unix time, "value"]}. Raises UserError when Prometheus refuses the expression (its error message)."""
-        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        return self._api("query", {"query": expr}, expr)
+
+    def query_range(self, expr: str, *, seconds: float = 600.0, step_s: float = 1.0) -> list[dict[str, Any]]:
+        """PromQL `expr` evaluated every `step_s` seconds over the last `seconds` (`GET /api/v1/query_range`, what a
+        Grafana panel asks): a list of {"metric": labels, "values": [[unix time, "value"], ...]}. Raises UserError
+        when Prometheus refuses the expression."""
+        end = time.time()
+        return self._api("query_range", {"query": expr, "start": end - seconds, "end": end, "step": step_s}, expr)
+
+    def _api(self, endpoint: str, params: dict[str, Any], expr: str) -> list[dict[str, Any]]:
+        url = f"{self.url}/api/v1/{endpoint}?" + urllib.parse.urlencode(params)
         try:
             with urllib.request.urlopen(url, timeout=10) as resp:
                 body = json.load(resp)

@@ -322,6 +322,17 @@ def test_serve_metrics_reach_the_nodes_prometheus_endpoint(served):
         assert _total(scraped, "ray_vidray_serve_store_jobs", status="completed") >= 1
 
 
+def _grafana_generator():
+    """observability/grafana/dashboard.py (not a package) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vidray_grafana_dashboard",
+                                                  REPO / "observability" / "grafana" / "dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _max_over_time(prom, expr: str, by: str) -> dict[str, float]:
     """{label value: the largest value of `expr` over the last 10 minutes} grouped `by` one label (a range query
     still sees series that went stale: a Ray gauge leaves the agent ~2 report intervals after its last set)."""
@@ -396,6 +407,19 @@ def test_a_real_prometheus_scrapes_every_rank_and_stage_through_rays_service_dis
         seen = prom.series_names()
         zero_here = {"ray_vidray_samples_skipped_total", "ray_vidray_data_fetched_bytes_total"}
         assert set(RAY_SERIES) - zero_here <= seen, sorted(set(RAY_SERIES) - zero_here - seen)
+        # The Grafana dashboard's every panel query: Prometheus accepts it, it names only series Prometheus holds
+        # (but those this run leaves at 0), and the training panels draw this run (over the last 10 minutes,
+        # as Grafana asks).
+        grafana = _grafana_generator()
+        dashboard = json.loads(grafana.OUTPUT.read_text())
+        not_here = zero_here | {"ray_vidray_serve_http_errors_total"}  # this module's other tests may send none
+        returned = {}
+        for title, expr in grafana.panel_queries(dashboard, rate_interval="10m"):
+            names = grafana.metric_names(expr)
+            assert names - not_here <= seen, (title, expr, sorted(names - not_here - seen))
+            returned[title] = returned.get(title, False) or bool(prom.query_range(expr))  # UserError: refused
+        for title in ("Loss", "Step time", "Samples/s"):
+            assert returned.get(title), (title, sorted(returned))
 
 
 def test_deleting_a_running_job_stops_its_denoising_at_once(served):

@@ -174,3 +174,13 @@ def test_histogram_sums_are_not_queryable():
     known = grafana.queryable_names()
     assert "ray_vidray_train_step_seconds_bucket" in known and "ray_vidray_train_step_seconds_count" in known
     assert not any(name.endswith("_sum") for name in known)
+
+
+def test_the_dashboards_training_series_are_those_vidray_exports():
+    """SERIES's training series are `vidray.metrics.RAY_SERIES` (what the workers record through Ray's agent):
+    a renamed or dropped series breaks the dashboard here, not in a user's Grafana."""
+    from vidray.metrics import RAY_SERIES
+
+    on_dashboard = {n for n in grafana.queryable_names() if not n.startswith(("ray_vidray_serve_", "ray_serve_"))}
+    exported = {n for n in RAY_SERIES if not n.endswith("_sum")}
+    assert on_dashboard == exported, (sorted(on_dashboard - exported), sorted(exported - on_dashboard))

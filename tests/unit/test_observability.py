@@ -42,10 +42,14 @@ def test_a_real_prometheus_scrapes_the_listed_target_and_answers_queries(tmp_pat
             time.sleep(0.5)
         (up,) = prom.query('up{job="ray"}')
         assert up["value"][1] == "1" and up["metric"]["instance"] == f"127.0.0.1:{port}"
+        (series,) = prom.query_range('up{job="ray"}', seconds=30, step_s=0.5)
+        assert series["values"] and all(v == "1" for _, v in series["values"])
         assert "up" in prom.series_names()
         assert [t["health"] for t in prom.targets()] == ["up"]
         with pytest.raises(UserError, match=r"prometheus refused 'sum\(up': bad_data: .*parse error"):
             prom.query("sum(up")
+        with pytest.raises(UserError, match=r"prometheus refused 'rate\(up\)': bad_data"):
+            prom.query_range("rate(up)")
     assert prom.process.poll() is not None
 
 
