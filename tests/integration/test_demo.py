@@ -39,6 +39,10 @@ def test_the_demo_trains_the_vae_then_the_dit_on_its_latents_and_shows_the_clip_
     assert not noise_in(text), noise_in(text)
     steps = [line for line in text.splitlines() if line.startswith("== ")]
     assert [s.split()[1] for s in steps] == ["1.", "2.", "3.", "4.", "summary"], steps
+    # The VAE run (step 2) prints no caption check (its captions reach no model) and names its step "vae".
+    vae_part = text[text.index(steps[1]):text.index(steps[2])]
+    assert "captions:" not in vae_part and re.search(r"step 1/2 .*\(encode [\d.]+ s, vae [\d.]+ s\)", vae_part), vae_part
+    assert re.search(r"step 1/2 .*\(encode [\d.]+ s, dit [\d.]+ s\)", text[text.index(steps[2]):]), text[-3000:]
     summary = text[text.index("== summary"):]
     psnr = re.search(r"VAE reconstruction PSNR on 6 training clips: ([\d.]+) dB", summary)
     compared = re.search(r"PSNR against the training clip of 'A hiker standing .*': trained DiT ([\d.]+) dB, "

@@ -421,7 +421,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         # hits/lookups, warm-tier hits/shard opens, clips decoded, latents reused (latent cache or the encode
         # stage's memory) / needed, MiB fetched from the shard store.
         _log(rank, f"step {step}/{max_steps} loss {metrics['loss']:.4f} step_time {step_time_s:.3f} s "
-             f"(encode {window_split[1]:.3f} s, dit {window_split[2]:.3f} s) lr {metrics['lr']:.2e} data_wait "
+             f"(encode {window_split[1]:.3f} s, {'vae' if vae_run else 'dit'} {window_split[2]:.3f} s) lr {metrics['lr']:.2e} data_wait "
              f"{window_split[0]:.3f} s ({100 * data['data_wait_fraction']:.0f}%) "
              f"busy [{busy}] hot {data['hot_hits']:.0f}/{data['hot_hits'] + data['hot_misses']:.0f} warm "
              f"{data['warm_hits']:.0f}/{data['warm_hits'] + data['warm_misses']:.0f} decoded "

@@ -848,7 +848,8 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
     plan = check_job_inputs(job)
     from vidray.models.text_encoder import shards_caption_truncation  # caption column + tokenizer only: ~1 s
 
-    print(f"[vidray] captions: {shards_caption_truncation(job.data.shards_dir, job.model)}", flush=True)
+    if job.train.objective != "vae":  # a VAE run trains on frames only: its captions reach no model
+        print(f"[vidray] captions: {shards_caption_truncation(job.data.shards_dir, job.model)}", flush=True)
 
     # 2. Join or start Ray, then check the cluster it found.
     init_ray()
