@@ -97,7 +97,7 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
         print(f"== 2. train the VAE {vae_job.name}: {vae_job.scaling.num_workers} workers, {vae_job.train.max_steps} "
               "steps", flush=True)
         vae_dir = Path(run_training(vae_job, resume_hint=RESUME_HINT).diffusers_dir)
-    vae_psnr = training_clips_psnr(str(vae_dir), job.data.shards_dir)
+    vae_psnr = training_clips_psnr(str(vae_dir), job.data.shards_dir, family=job.model.family)
     print(f"[vidray] {vae_psnr}", flush=True)
 
     job = dataclasses.replace(job, model=dataclasses.replace(job.model, vae_path=str(vae_dir)))

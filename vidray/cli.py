@@ -123,7 +123,7 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
 
         print(f"[vidray] trained VAE: {result.diffusers_dir} (a DiT job uses it with model.vae_path="
               f"{result.diffusers_dir})")
-        print(f"[vidray] {training_clips_psnr(result.diffusers_dir, job.data.shards_dir)}")
+        print(f"[vidray] {training_clips_psnr(result.diffusers_dir, job.data.shards_dir, family=job.model.family)}")
     else:
         print(f"[vidray] diffusers pipeline: {result.diffusers_dir}")
     print(f"[vidray] curves: {result.run_dir}/loss.png, metrics.jsonl; tensorboard --logdir {result.run_dir}")

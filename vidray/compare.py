@@ -78,7 +78,7 @@ def compare_with_training_clip(job, diffusers_dir: str | Path, prompt: str, out_
     from vidray.diffusion.sampler import generate_video
     from vidray.logs import quiet_diffusers
     from vidray.models.export import load_model
-    from vidray.models.vae import decode_latents, frames_to_video, video_to_frames
+    from vidray.models.vae import frames_to_video, video_to_frames
 
     quiet_diffusers()
     trained = load_model(diffusers_dir)
@@ -102,7 +102,7 @@ def compare_with_training_clip(job, diffusers_dir: str | Path, prompt: str, out_
             video = frames_to_video(clip.video[None])
             latents = family.encode_video(components.vae, video)
             rows["training clip"] = clip.video
-            rows["VAE reconstruction"] = video_to_frames(decode_latents(components.vae, latents))[0]
+            rows["VAE reconstruction"] = video_to_frames(family.decode_latents(components.vae, latents))[0]
         psnr["reconstruction"] = video_psnr(rows["VAE reconstruction"], clip.video)
         psnr["generated"] = video_psnr(generated, clip.video)
         psnr["baseline"] = video_psnr(random_init, clip.video)

@@ -13,7 +13,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import vidray.diffusion.sampler  # noqa: E402
 import vidray.generate  # noqa: E402
 from vidray.cli import main  # noqa: E402
 from vidray.config import FlowConfig, ModelConfig, job_config_from_dict  # noqa: E402
@@ -31,7 +30,7 @@ from vidray.generate import (  # noqa: E402
 )
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import ModelFolderError  # noqa: E402
-from vidray.models.text_encoder import count_prompt_tokens, encode_prompts  # noqa: E402
+from vidray.models.text_encoder import count_prompt_tokens  # noqa: E402
 from tests.conftest import noise_in  # noqa: E402
 
 MAX_SEQUENCE_LENGTH = 32
@@ -133,12 +132,15 @@ def test_prompt_longer_than_max_sequence_length_warns_with_dropped_tokens_and_ex
     components, out_dir = trained
     conditioning = []  # what generate_to_file's sampler actually fed the transformer, per call
 
-    def recording_encode_prompts(*args, **kwargs):
-        prompt_embeds, prompt_attention_mask = encode_prompts(*args, **kwargs)
+    family = get_family("easyanimate")
+    encode_prompt = family.encode_prompt
+
+    def recording_encode_prompt(*args, **kwargs):
+        prompt_embeds, prompt_attention_mask = encode_prompt(*args, **kwargs)
         conditioning.append((prompt_embeds.clone(), prompt_attention_mask.clone()))
         return prompt_embeds, prompt_attention_mask
 
-    monkeypatch.setattr(vidray.diffusion.sampler, "encode_prompts", recording_encode_prompts)
+    monkeypatch.setattr(family, "encode_prompt", recording_encode_prompt)  # the sampler asks the family
     n_long, n_dragon, n_short = count_prompt_tokens(
         components.tokenizer, [PROMPT_100_WORDS, PROMPT_100_WORDS + " dragon", "a red ball"]
     )

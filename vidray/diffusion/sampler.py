@@ -25,8 +25,7 @@ from vidray.data.buckets import Bucket
 from vidray.errors import UserError
 from vidray.diffusion.flow_matching import euler_step, inference_sigmas, timesteps_from_sigmas
 from vidray.models.registry import Components, ModelFamily
-from vidray.models.text_encoder import encode_prompts
-from vidray.models.vae import decode_latents, video_to_frames
+from vidray.models.vae import video_to_frames
 
 __all__ = ["DenoiseState", "NonFiniteLatentsError", "check_finite_latents", "denoise_step", "generate_video",
            "initial_noise", "sample_latents", "step_states"]
@@ -193,7 +192,7 @@ def sample_latents(
     callback: Callable[[int, float, torch.Tensor], None] | None = None,
     latents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Denoise pure noise into latents (B, C, F, H, W) (normalized, ready for `decode_latents`).
+    """Denoise pure noise into latents (B, C, F, H, W) (normalized, ready for `family.decode_latents`).
 
     prompt_embeds (B, L, D), prompt_attention_mask (B, L); latent_shape (B, C, F_lat, H_lat, W_lat) from
     `family.latent_shape`. The initial noise is `torch.randn(latent_shape, generator=generator)` drawn on the
@@ -272,7 +271,7 @@ def generate_video(
     """prompts (B strings) -> uint8 frames (B, F, H, W, 3) at `bucket` (num_frames, height, width).
 
     Encode prompts -> `sample_latents` (noise from a CPU generator seeded with `seed`, so the same seed gives
-    the same video on any device) -> `decode_latents` -> uint8 frames. With guidance_scale > 1 the
+    the same video on any device) -> `family.decode_latents` -> uint8 frames. With guidance_scale > 1 the
     unconditional branch uses `negative_prompt` (default ''). `callback(i, sigma, latents)`: `sample_latents`'s,
     after each denoising step.
     """
@@ -283,12 +282,12 @@ def generate_video(
     device = next(components.transformer.parameters()).device
 
     # 2. Encode prompts (and the negative prompt for guidance)
-    prompt_embeds, prompt_attention_mask = encode_prompts(
+    prompt_embeds, prompt_attention_mask = family.encode_prompt(
         components.text_encoder, components.tokenizer, prompts, max_sequence_length=max_sequence_length, device=device
     )
     negative_prompt_embeds = negative_prompt_attention_mask = None
     if guidance_scale > 1.0:
-        negative_prompt_embeds, negative_prompt_attention_mask = encode_prompts(
+        negative_prompt_embeds, negative_prompt_attention_mask = family.encode_prompt(
             components.text_encoder,
             components.tokenizer,
             [negative_prompt] * len(prompts),
@@ -315,5 +314,5 @@ def generate_video(
     )
 
     # 4. Decode to uint8 frames
-    video = decode_latents(components.vae, latents)  # (B, 3, F, H, W) in [-1, 1]
+    video = family.decode_latents(components.vae, latents)  # (B, 3, F, H, W) in [-1, 1]
     return video_to_frames(video)  # (B, F, H, W, 3) uint8

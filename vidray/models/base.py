@@ -59,6 +59,9 @@ class ModelFamily(abc.ABC):
     temporal_compression_ratio: int
     spatial_multiple: int
     """Video height and width must be multiples of this (pixels): VAE downsampling x DiT patch size."""
+    example_bucket: tuple[int, int, int]
+    """(num_frames, height, width) of a small bucket the family takes: what the conformance test of every family
+    (`tests/unit/test_families.py`) trains, samples and decodes at."""
     objective: str = "flow_matching"
     """The training objective, as `noisy_latents` and `training_target` define it. The default is rectified flow
     (EasyAnimate, Wan): target = noise - latents. A family trained otherwise (CogVideoX: v-prediction; AnimateDiff:
@@ -107,10 +110,22 @@ class ModelFamily(abc.ABC):
         as the family's pipeline expects them (deterministic: the posterior's mode)."""
 
     @abc.abstractmethod
+    def decode_latents(self, vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """latents (B, C_lat, F_lat, H_lat, W_lat) as `encode_video` gives them -> video (B, 3, F, H, W) float32
+        clamped to [-1, 1], as the family's pipeline decodes them (what the sampler, serving's decode stage and
+        the demo's comparison call)."""
+
+    @abc.abstractmethod
     def encode_prompt(self, text_encoder: torch.nn.Module, tokenizer: Any, prompts: list[str], *,
-                      max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      max_sequence_length: int, device: torch.device | str | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """B prompts -> prompt_embeds (B, L, D) float32 and prompt_attention_mask (B, L) bool, L =
-        max_sequence_length, as the family's pipeline encodes them."""
+        max_sequence_length, as the family's pipeline encodes them, on `device` (default: the text encoder's)."""
+
+    def load_vae(self, path: str | Path) -> torch.nn.Module:
+        """The frozen VAE of a local diffusers VAE folder (what `vidray train-vae` writes, what `model.vae_path`
+        names). The default says the family has none to load; families override it."""
+        raise NotImplementedError(f"the {self.name} family cannot load a VAE folder (model.vae_path) yet")
 
     @abc.abstractmethod
     def predict(

@@ -26,7 +26,7 @@ from vidray.data.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.rules import FAMILY_BUCKET_RULES
 from vidray.models.text_encoder import build_text_encoder, encode_prompts, ensure_chat_template, text_hidden_size
-from vidray.models.vae import encode_video
+from vidray.models.vae import decode_latents, encode_video
 
 __all__ = [
     "EasyAnimateFamily",
@@ -253,6 +253,7 @@ class EasyAnimateFamily(ModelFamily):
     spatial_compression_ratio = SPATIAL_COMPRESSION_RATIO
     temporal_compression_ratio = TEMPORAL_COMPRESSION_RATIO
     spatial_multiple = SPATIAL_COMPRESSION_RATIO * PATCH_SIZE
+    example_bucket = (5, 32, 32)
 
     def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
         """`init: random` -> the preset (only `tiny`) with `model_cfg.text_encoder`; `init: pretrained` ->
@@ -354,11 +355,20 @@ class EasyAnimateFamily(ModelFamily):
         """`vidray.models.vae.encode_video`: posterior mode * scaling_factor, (B, 16, (F-1)//4+1, H//8, W//8)."""
         return encode_video(vae, video)
 
-    def encode_prompt(self, text_encoder, tokenizer, prompts: list[str], *,
-                      max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_latents(self, vae: AutoencoderKLMagvit, latents: torch.Tensor) -> torch.Tensor:
+        """`vidray.models.vae.decode_latents`: vae.decode(latents / scaling_factor + shift_factor), clamped."""
+        return decode_latents(vae, latents)
+
+    def encode_prompt(self, text_encoder, tokenizer, prompts: list[str], *, max_sequence_length: int,
+                      device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`vidray.models.text_encoder.encode_prompts` (EasyAnimatePipeline.encode_prompt: chat template, right
         padding, hidden_states[-2])."""
-        return encode_prompts(text_encoder, tokenizer, prompts, max_sequence_length=max_sequence_length)
+        return encode_prompts(text_encoder, tokenizer, prompts, max_sequence_length=max_sequence_length,
+                              device=device)
+
+    def load_vae(self, path: str | Path) -> AutoencoderKLMagvit:
+        """`load_vae_folder`."""
+        return load_vae_folder(path)
 
     def predict(
         self,

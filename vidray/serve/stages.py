@@ -80,6 +80,7 @@ class TextEncoder:
 
     def __init__(self, model_path: str):
         model = _load(model_path)
+        self.family = model.family
         self.text_encoder = model.components.text_encoder
         self.tokenizer = model.components.tokenizer
         self.max_sequence_length = model.max_sequence_length
@@ -87,10 +88,8 @@ class TextEncoder:
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
     async def _encode_batch(self, prompts: list[str]) -> list[tuple[Any, Any]]:
-        from vidray.models.text_encoder import encode_prompts
-
         embeds, mask = await asyncio.to_thread(
-            encode_prompts, self.text_encoder, self.tokenizer, list(prompts),
+            self.family.encode_prompt, self.text_encoder, self.tokenizer, list(prompts),
             max_sequence_length=self.max_sequence_length, device="cpu",
         )  # (B, L, D), (B, L) on the CPU: they travel to the Denoiser through Ray's object store
         return [(embeds[i : i + 1].clone(), mask[i : i + 1].clone()) for i in range(len(prompts))]
@@ -113,16 +112,17 @@ class VaeDecoder:
 
     def __init__(self, model_path: str):
         model = _load(model_path)
+        self.family = model.family
         self.vae = model.components.vae
         self._decoding = asyncio.Lock()
         del model
 
     async def decode(self, latents) -> Any:
         """Decode one request's latents (see class docstring); numpy uint8 (F, H, W, 3)."""
-        from vidray.models.vae import decode_latents, video_to_frames
+        from vidray.models.vae import video_to_frames
 
         def run():
-            return video_to_frames(decode_latents(self.vae, latents))[0]
+            return video_to_frames(self.family.decode_latents(self.vae, latents))[0]
 
         async with self._decoding:
             return await asyncio.to_thread(run)

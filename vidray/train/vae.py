@@ -175,17 +175,17 @@ def reconstruction_psnr(vae: torch.nn.Module, videos: Sequence[Any]) -> float:
     return float("inf") if mse == 0 else 10 * math.log10(1.0 / mse)
 
 
-def training_clips_psnr(vae_dir: str, shards_dir: str, *, max_clips: int = 16) -> str:
-    """One line with the reconstruction PSNR (`reconstruction_psnr`) of the VAE in `vae_dir` on the first
-    `max_clips` training clips of the prepared `shards_dir`, e.g. "VAE reconstruction PSNR on 6 training clips:
-    21.4 dB"."""
+def training_clips_psnr(vae_dir: str, shards_dir: str, *, family: str, max_clips: int = 16) -> str:
+    """One line with the reconstruction PSNR (`reconstruction_psnr`) of the VAE in `vae_dir` (loaded by the model
+    `family`, e.g. "easyanimate") on the first `max_clips` training clips of the prepared `shards_dir`, e.g. "VAE
+    reconstruction PSNR on 6 training clips: 21.4 dB"."""
     from vidray.data.shards import load_samples
-    from vidray.models.easyanimate import load_vae_folder
+    from vidray.models.registry import get_family
 
     if is_uri(vae_dir):
         return f"VAE reconstruction PSNR: not measured (the VAE is in object storage: {vae_dir})"
     samples = load_samples(shards_dir)[:max_clips]
-    psnr = reconstruction_psnr(load_vae_folder(vae_dir), [s.video for s in samples])
+    psnr = reconstruction_psnr(get_family(family).load_vae(vae_dir), [s.video for s in samples])
     return f"VAE reconstruction PSNR on {len(samples)} training clips: {psnr:.1f} dB"
 
 

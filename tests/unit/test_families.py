@@ -1,0 +1,104 @@
+"""Every registered model family through the same checks (issue 29, part 0): the family is the only way in.
+
+A new family is one file in `vidray/models/` plus its line in `vidray.models.registry`; these tests then run it
+through what the trainer, the sampler, the exporter and the serve stages ask of it: build the tiny preset, encode a
+clip and prompts, predict, take a training loss, take one sampler step, export a stock diffusers folder, load it
+back, decode. No module outside `vidray/models/` may import a family module: they reach a family through the
+registry only.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from vidray.config import FlowConfig, ModelConfig, job_config_from_dict
+from vidray.data.buckets import Bucket
+from vidray.diffusion.flow_matching import inference_sigmas
+from vidray.diffusion.sampler import denoise_step, generate_video
+from vidray.models.export import load_model, write_job_file
+from vidray.models.registry import FAMILIES
+from vidray.train.step import flow_matching_step_loss
+
+REPO = Path(__file__).resolve().parents[2]
+FAMILY_MODULES = {type(family).__module__ for family in FAMILIES.values()}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def built(request):
+    family = FAMILIES[request.param]
+    cfg = ModelConfig(family=family.name, text_encoder="tiny_random", max_sequence_length=16)
+    return family, cfg, family.build(cfg, seed=0)
+
+
+def test_nothing_outside_models_imports_a_family_module():
+    offenders = []
+    for path in sorted((REPO / "vidray").rglob("*.py")):
+        if path.parent.name == "models" and path.parent.parent.name == "vidray":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in names if n in FAMILY_MODULES]
+    assert offenders == [], offenders
+
+
+def test_the_family_encodes_predicts_and_trains(built):
+    family, cfg, components = built
+    bucket = Bucket(*family.example_bucket)
+    shape = family.latent_shape(bucket, 2)
+    assert shape[1] == family.latent_channels
+    video = torch.rand(2, 3, bucket.num_frames, bucket.height, bucket.width) * 2 - 1
+    with torch.no_grad():
+        latents = family.encode_video(components.vae, video)
+        embeds, mask = family.encode_prompt(components.text_encoder, components.tokenizer, ["a cat", "a dog"],
+                                            max_sequence_length=cfg.max_sequence_length)
+    assert tuple(latents.shape) == shape and latents.dtype == torch.float32
+    assert embeds.shape[:2] == (2, cfg.max_sequence_length) and mask.shape == (2, cfg.max_sequence_length)
+    assert mask.dtype == torch.bool
+    timesteps = torch.tensor([100.0, 900.0])
+    pred = family.predict(components.transformer, latents, timesteps, embeds, mask)
+    assert pred.shape == latents.shape and torch.isfinite(pred).all()
+    generators = [torch.Generator().manual_seed(i) for i in range(2)]
+    loss = flow_matching_step_loss(family, components.transformer, latents, embeds, mask, FlowConfig(), generators)
+    loss.backward()
+    assert torch.isfinite(loss) and any(p.grad is not None for p in components.transformer.parameters())
+    components.transformer.zero_grad(set_to_none=True)
+
+
+def test_one_sampler_step_then_decode_gives_a_video_of_the_bucket(built):
+    family, cfg, components = built
+    bucket = Bucket(*family.example_bucket)
+    latents = torch.randn(family.latent_shape(bucket, 1), generator=torch.Generator().manual_seed(0))
+    embeds, mask = family.encode_prompt(components.text_encoder, components.tokenizer, ["a cat"],
+                                        max_sequence_length=cfg.max_sequence_length)
+    sigmas = inference_sigmas(2, shift=FlowConfig().shift)
+    stepped = denoise_step(family, components.transformer, latents, sigmas[:1], sigmas[1:2], embeds, mask,
+                           num_train_timesteps=FlowConfig().num_train_timesteps)
+    assert stepped.shape == latents.shape and not torch.equal(stepped, latents)
+    with torch.no_grad():
+        video = family.decode_latents(components.vae, stepped)
+    assert tuple(video.shape) == (1, 3, bucket.num_frames, bucket.height, bucket.width)
+    assert video.min() >= -1 and video.max() <= 1
+
+
+def test_the_export_loads_back_and_samples_the_same_video(built, tmp_path):
+    family, cfg, components = built
+    bucket = Bucket(*family.example_bucket)
+    flow = FlowConfig(shift=3.0)
+    out_dir = family.save_pipeline(components, tmp_path / "diffusers", flow)
+    write_job_file(out_dir, job_config_from_dict({
+        "name": "conformance", "model": {"family": family.name, "text_encoder": "tiny_random",
+                                         "max_sequence_length": cfg.max_sequence_length},
+        "data": {"buckets": [list(family.example_bucket)]}, "flow": {"shift": 3.0}}))
+    loaded = load_model(out_dir)
+    assert loaded.family is family
+    kwargs = dict(flow=flow, num_inference_steps=2, guidance_scale=1.0,
+                  max_sequence_length=cfg.max_sequence_length, seed=3)
+    ours = generate_video(family, components, ["a cat"], bucket, **kwargs)
+    theirs = generate_video(loaded.family, loaded.components, ["a cat"], bucket, **kwargs)
+    assert ours.shape == (1, bucket.num_frames, bucket.height, bucket.width, 3)
+    assert (ours.astype(int) - theirs.astype(int)).__abs__().max() <= 1
