@@ -52,7 +52,8 @@ def _inputs(preset, bucket, device, dtype=torch.float32) -> dict[str, torch.Tens
                                           device=device, dtype=dtype),
                 timestep=torch.full((1,), 500.0, device=device),
                 encoder_hidden_states=torch.randn(1, preset.text_seq_len if preset.name not in ("tiny", "medium")
-                                                  else 32, cfg["text_embed_dim"], device=device, dtype=dtype))
+                                                  else 32, cfg.get("text_embed_dim", cfg.get("text_dim")),  # wan: text_dim
+                                                  device=device, dtype=dtype))
 
 
 def part_big(args, device: torch.device) -> dict[str, Any]:

@@ -359,7 +359,14 @@ def test_a_real_prometheus_scrapes_every_rank_and_stage_through_rays_service_dis
         route = 'route="/v1/videos",method="POST"'
         counted = lambda: sum(float(r["value"][1]) for r in prom.query(  # noqa: E731
             f"sum(ray_serve_http_request_latency_ms_count{{{route}}})"))
-        time.sleep(3)  # at least two scrapes of the agent's current counts
+        # Prometheus answers ~6 s after its start (NOTES.md): wait for its first scrape of the node's agent, then
+        # one more, before reading what the module's earlier tests sent.
+        agent = f'up{{instance="127.0.0.1:{served.head.metrics_port}"}}'
+        deadline = time.monotonic() + 30
+        while not prom.query(agent) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert prom.query(agent), prom.targets()
+        time.sleep(2)
         before = counted()
         client = served.client()
         with warnings.catch_warnings():
