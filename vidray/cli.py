@@ -202,8 +202,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def check_measure_args(args: argparse.Namespace) -> None:
     """`vidray doctor`'s measuring flags: `--measure` needs a CONFIG; `--max-message-mib` (>= 1) and
     `--transfer-mib` (> 0) go with it. Raises UserError naming the flag."""
-    sized = [flag for flag, value in (("--max-message-mib", args.max_message_mib), ("--transfer-mib", args.transfer_mib))
-             if value is not None]
+    flags = (("--max-message-mib", args.max_message_mib), ("--transfer-mib", args.transfer_mib))
+    sized = [flag for flag, value in flags if value is not None]
     if sized and not args.measure:
         raise UserError(f"{' and '.join(sized)} only apply with --measure: vidray doctor CONFIG --measure {sized[0]} N")
     if args.measure and args.config is None:

@@ -25,7 +25,7 @@ Train picks) and measures, one line each:
    peak RSS beside it (the libraries and the allocator's free lists included, so not compared).
 
 Each line is `ok`, `warn` or `FAIL` (`vidray.doctor.Finding`) with the fix; the thresholds are the constants below.
-The arithmetic and the levels are pure functions (tests/unit/test_doctor_measure.py); `measure` runs it on Ray.
+The arithmetic and the levels are pure functions (tests/unit/test_doctor_measures.py); `measure` runs it on Ray.
 """
 
 from __future__ import annotations
@@ -473,7 +473,6 @@ class WorkerGroup:
     each with `scaling.use_gpu`, PACK, `placement.dit`'s selector), joined in one process group."""
 
     def __init__(self, job: Any, selector: dict[str, str] | None):
-        import ray
         from ray.util.placement_group import placement_group
 
         self.num_workers = job.scaling.min_workers
@@ -490,9 +489,16 @@ class WorkerGroup:
                 f"the job's {self.num_workers} worker(s) of {bundle} could not be placed within {GROUP_START_S:.0f} s: "
                 "another run holds the resources, or no node has them (`ray status` shows both): wait for it or "
                 "free them, then run the doctor again")
-        self._start_actors(job)
+        try:
+            self._start_actors()
+        except Exception as err:
+            self.close()
+            if isinstance(err, MeasureError):
+                raise
+            raise MeasureError(f"the job's workers did not start: {type(err).__name__}: "
+                               f"{' '.join(str(err).split())[:200]}; `ray status` and the workers' logs say why") from None
 
-    def _start_actors(self, job: Any) -> None:
+    def _start_actors(self) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -708,7 +714,8 @@ def summary_finding(sweep: dict[str, Any], job: Any, step: dict[str, Any] | None
     where = f"{n} workers on {sweep['num_nodes']} node(s), {backend}" + (" (elastic: its min)" if sweep["elastic"]
                                                                        else "")
     mib = f"{sweep['requested'] / MIB:g}"
-    flag = f"--max-message-mib {mib}" if sweep["flag"] else f"the {backend} default, {mib} MiB; --max-message-mib sets it"
+    flag = (f"--max-message-mib {mib}" if sweep["flag"]
+            else f"the {backend} default, {mib} MiB; --max-message-mib sets it")
     cap = (f"; capped at {format_size(sweep['cap'])} ({MEMORY_SHARE:.0%} of a worker's "
            f"{format_size(sweep['free_bytes'])} free)" if sweep["cap"] else "")
     if not sweep["results"]:
@@ -735,7 +742,8 @@ def summary_finding(sweep: dict[str, Any], job: Any, step: dict[str, Any] | None
 def _bandwidth_fix(backend: str) -> str:
     if backend == "nccl":
         return ("NCCL_DEBUG=INFO shows its transport (NET/Socket is TCP: enable InfiniBand/EFA or GPUDirect RDMA, or "
-                "set NCCL_SOCKET_IFNAME to the fast interface); within a node `nvidia-smi topo -m` shows NVLink or PCIe")
+                "set NCCL_SOCKET_IFNAME to the fast interface); within a node `nvidia-smi topo -m` shows NVLink or "
+                "PCIe")
     return ("gloo runs over TCP: set GLOO_SOCKET_IFNAME to the nodes' fast interface, keep the workers on fewer nodes "
             "(placement.dit.label_selector), or train on GPUs")
 
