@@ -169,6 +169,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     if args.config is None and args.overrides:
         raise UserError(f"overrides {args.overrides} need a CONFIG: vidray doctor CONFIG section.key=value ...")
+    check_measure_args(args)
     findings = check_environment()
     for finding in findings:
         print(finding, flush=True)
@@ -186,11 +187,48 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for finding in cluster:
         print(finding, flush=True)
     findings += cluster
+    if args.measure:
+        measured = _doctor_measure(args, job, findings)
+        for finding in measured:
+            print(finding, flush=True)
+        findings += measured
     failed = [f for f in findings if f.level == "fail"]
     warned = [f for f in findings if f.level == "warn"]
     passed = len(findings) - len(failed) - len(warned)
     print(f"vidray doctor: {len(failed)} failed, {len(warned)} warning(s), {passed} ok")
     return 1 if failed else 0
+
+
+def check_measure_args(args: argparse.Namespace) -> None:
+    """`vidray doctor`'s measuring flags: `--measure` needs a CONFIG; `--max-message-mib` (>= 1) and
+    `--transfer-mib` (> 0) go with it. Raises UserError naming the flag."""
+    flags = (("--max-message-mib", args.max_message_mib), ("--transfer-mib", args.transfer_mib))
+    sized = [flag for flag, value in flags if value is not None]
+    if sized and not args.measure:
+        raise UserError(f"{' and '.join(sized)} only apply with --measure: vidray doctor CONFIG --measure {sized[0]} N")
+    if args.measure and args.config is None:
+        raise UserError("--measure needs a CONFIG (it measures that job's workers): vidray doctor CONFIG --measure")
+    if args.max_message_mib is not None and not args.max_message_mib >= 1:
+        raise UserError(f"--max-message-mib must be >= 1 (MiB; the sweep starts at 1 MiB), got {args.max_message_mib}")
+    if args.transfer_mib is not None and not args.transfer_mib > 0:
+        raise UserError(f"--transfer-mib must be > 0 (MiB), got {args.transfer_mib}")
+
+
+def _doctor_measure(args: argparse.Namespace, job: JobConfig | None, findings: list) -> list:
+    """`vidray doctor --measure`'s lines (`vidray.doctor_measure.measure`), or one line saying why it did not run:
+    the config did not load, or the workers cannot be placed (a cluster, resources or placement FAIL above)."""
+    from vidray.doctor import Finding
+
+    if job is None:
+        return [Finding("warn", "measure", "skipped: the config did not load (the config FAIL above)")]
+    if any(f.level == "fail" and f.topic in ("cluster", "resources", "placement") for f in findings):
+        return [Finding("warn", "measure", "skipped: the job's workers cannot be placed (the cluster, resources or "
+                        "placement FAIL above): fix that first")]
+    from vidray.doctor_measure import measure
+
+    print(f"[vidray] measuring with the job's {job.scaling.min_workers} worker(s): all-reduce bandwidth, the object "
+          "store's transfer rate and one simulated training step (a minute or so) ...", file=sys.stderr, flush=True)
+    return measure(job, max_message_mib=args.max_message_mib, transfer_mib=args.transfer_mib)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -272,6 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "where train would start) and the Ray cluster (RAY_ADDRESS, or the local one) before a run")
     p.add_argument("config", nargs="?", help="job YAML to check as well (optional)")
     p.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides, e.g. scaling.use_gpu=true")
+    p.add_argument("--measure", action="store_true", help="also measure, on the cluster, with the job's workers: "
+                   "all-reduce bus bandwidth per message size, the object store's node-to-node transfer rate of a "
+                   "latent batch, and one simulated training step against the memory plan (reserves the workers "
+                   "for a minute or so)")
+    p.add_argument("--max-message-mib", type=float, help="largest all-reduce message of --measure, MiB (default: "
+                   "64 with gloo, 1024 with NCCL; capped at a quarter of the workers' free memory)")
+    p.add_argument("--transfer-mib", type=float, help="object size --measure transfers between nodes, MiB (default: "
+                   "the job's latent batch of its largest bucket)")
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("plan", help="print per-GPU memory of each training strategy (ddp, fsdp, AC, LoRA; bf16/fp32) "

@@ -19,7 +19,9 @@ what `vidray train` would do or refuse, without reserving anything or training:
   naming the strategy that fits, when its own is predicted not to.
 
 Each finding is one line, `ok`, `warn` or `FAIL`, with the fix for the last two. `check_environment`, `check_job` and
-`check_cluster` return them; the CLI (`vidray.cli.cmd_doctor`) prints them and exits 1 when any is `FAIL`.
+`check_cluster` return them; the CLI (`vidray.cli.cmd_doctor`) prints them and exits 1 when any is `FAIL`. With
+`--measure` it adds what `vidray.doctor_measure.measure` measures with the job's workers on the cluster (all-reduce
+bandwidth, the object store's transfer rate, one simulated training step).
 """
 
 from __future__ import annotations

@@ -38,13 +38,14 @@ def apply_ray_env_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
-def init_ray(*, num_cpus: int | None = None) -> bool:
+def init_ray(*, num_cpus: int | None = None, log_to_driver: bool = True) -> bool:
     """Join the cluster named by `RAY_ADDRESS` (set by `ray job submit`) or start a new local one on 127.0.0.1
     (never the cluster a `ray start` on this machine recorded in `/tmp/ray/ray_current_cluster`: join that one with
     `RAY_ADDRESS`). Raises UserError for a `RAY_ADDRESS` where nothing answers (`check_ray_address`).
 
     A local cluster gets `num_cpus` logical CPUs (default: max(4, os.cpu_count())), so that 2 training workers
-    plus Ray Train's controller fit on a 2-core machine. Returns True when this call started Ray (the caller
+    plus Ray Train's controller fit on a 2-core machine. `log_to_driver=False` keeps the workers' output out of this
+    process's (`vidray doctor --measure` prints a table). Returns True when this call started Ray (the caller
     then owns `ray.shutdown()`), False when Ray was already initialized.
     """
     apply_ray_env_defaults()
@@ -65,13 +66,14 @@ def init_ray(*, num_cpus: int | None = None) -> bool:
 
     if os.environ.get("RAY_ADDRESS"):
         check_ray_address(os.environ["RAY_ADDRESS"])
-        ray.init(log_to_driver=True, logging_level=ray_init_logging_level())
+        ray.init(log_to_driver=log_to_driver, logging_level=ray_init_logging_level())
     else:  # address="local": a new cluster even when `ray start` left /tmp/ray/ray_current_cluster (a running
         # head, or a stopped one), which a bare ray.init() would join instead (ray/_private/services.py,
         # get_ray_address_from_environment), refusing num_cpus with a ValueError
         apply_local_cluster_defaults()  # one machine: no node is drained, Ray Train's preemption watcher idles
         ray.init(
             logging_level=ray_init_logging_level(),
+            log_to_driver=log_to_driver,
             address="local",
             num_cpus=num_cpus or local_num_cpus(),
             include_dashboard=True,

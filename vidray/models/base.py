@@ -148,6 +148,11 @@ class ModelFamily(abc.ABC):
     def no_grad_parameter_names(self, transformer: torch.nn.Module) -> list[str]:
         """Trainable transformer parameters that get no gradient in a forward+backward (freeze them for DDP)."""
 
+    def prompt_embeds_dim(self, transformer: torch.nn.Module) -> int:
+        """D of the `prompt_embeds` (B, L, D) `transformer` takes (its text projection's input width): what
+        `vidray doctor --measure` feeds a simulated step. Families override it; the default says it is missing."""
+        raise NotImplementedError(f"{type(self).__name__} has no prompt_embeds_dim")
+
     def probe_loss(self, model: torch.nn.Module, transformer: torch.nn.Module) -> torch.Tensor:
         """A scalar loss of one tiny fixed input through `model` (`transformer`, maybe DDP-wrapped): what
         `vidray.train.parallel.prime_buckets` backpropagates. Families override it; the default says it is missing."""

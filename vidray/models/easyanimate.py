@@ -432,6 +432,10 @@ class EasyAnimateFamily(ModelFamily):
         """See module-level `no_grad_parameter_names`."""
         return no_grad_parameter_names(transformer)
 
+    def prompt_embeds_dim(self, transformer: EasyAnimateTransformer3DModel) -> int:
+        """`transformer.config.text_embed_dim` (the text encoder's hidden size: 384 for MiniLM)."""
+        return int(transformer.config.text_embed_dim)
+
     def probe_loss(self, model: torch.nn.Module, transformer: EasyAnimateTransformer3DModel) -> torch.Tensor:
         """See module-level `probe_loss`."""
         return probe_loss(model, transformer)
