@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._figures import fill_misses, miss  # noqa: E402
+from benchmarks._figures import fill_misses  # noqa: E402
 
 FIGURES = {
     "fsdp_over_ddp_peak_bytes": ("ratio", "<= 0.6"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -76,6 +77,31 @@ def local_ray():
     yield ray
     if started:
         ray.shutdown()
+
+
+
+@contextlib.contextmanager
+def loopback_cluster(nodes: list[dict], *, system_config: dict | None = None):
+    """A simulated multi-node Ray cluster (`ray.cluster_utils.Cluster`) on 127.0.0.1 with this process joined to
+    it: a head of 0 CPUs (the driver's side: Ray Train's controller, Ray Data's coordinator) and one worker node
+    per entry of `nodes` (`Cluster.add_node` keyword arguments, e.g. {"num_cpus": 2, "labels": {...}}). Yields
+    (cluster, [node handles]); shut down by the Cluster's own process handles at the end."""
+    apply_ray_env_defaults()  # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before ray is imported: loopback only
+    import ray
+    from ray.cluster_utils import Cluster
+
+    head_args = {"num_cpus": 0, "node_ip_address": "127.0.0.1"}
+    if system_config is not None:
+        head_args["_system_config"] = system_config
+    cluster = Cluster(initialize_head=True, head_node_args=head_args)
+    try:
+        handles = [cluster.add_node(node_ip_address="127.0.0.1", **node) for node in nodes]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        yield cluster, handles
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 REFERENCE_STEPS = 40

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from vidray.cli import main
-from vidray.runtime import apply_ray_env_defaults
+
+from tests.integration.conftest import loopback_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "jobs/configs/tiny_t2v.yaml")
@@ -27,20 +28,8 @@ resource check counts 1.5 + data.loader_cpus 0.3 + 0.2 of encode actors = 2 CPUs
 def cluster():
     """A head node with 0 CPUs and two worker nodes of `NODE_CPUS` CPUs, all on 127.0.0.1; this process joined to
     it. Shut down (by the Cluster's own process handles) at the end."""
-    apply_ray_env_defaults()  # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before ray is imported: loopback only
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1"})
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=NODE_CPUS, node_ip_address="127.0.0.1")
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address)
+    with loopback_cluster([{"num_cpus": NODE_CPUS}] * 2) as (cluster, _):
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def test_measure_reports_bandwidth_per_size_the_node_to_node_rate_and_the_step_against_the_plan(

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from vidray.config import load_job_config
-from vidray.runtime import apply_ray_env_defaults
 from vidray.train.checkpoint import CheckpointManager
+
+from tests.integration.conftest import loopback_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -34,26 +35,14 @@ def cluster(monkeypatch):
     """A head node with 0 CPUs (it hosts the driver, Ray Train's controller and Ray Data's autoscaling coordinator,
     never a worker) and two worker nodes of `NODE_CPUS` CPUs, all on 127.0.0.1; nodes are declared dead after
     ~2 s of missed health checks. Shut down (by the Cluster's own process handles) at the end."""
-    apply_ray_env_defaults()  # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before ray is imported: loopback only
     # Right after the node loss Ray Train tries 2 workers once more (Ray Data's AutoscalingCoordinator, which its
     # elastic policy asks, re-reads the nodes every 20 s) and waits out this start-up timeout before retrying
     # with 1: shorter than vidray's 60 s, still above the ~40 s a group of 4 took to start on a loaded 2-core box.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "45")
-    import ray
-    from ray.cluster_utils import Cluster
-
     system_config = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
                      "health_check_failure_threshold": 2}
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "node_ip_address": "127.0.0.1", "_system_config": system_config})
-    try:
-        nodes = [cluster.add_node(num_cpus=NODE_CPUS, node_ip_address="127.0.0.1") for _ in range(2)]
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address)
+    with loopback_cluster([{"num_cpus": NODE_CPUS}] * 2, system_config=system_config) as (cluster, nodes):
         yield cluster, nodes
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def read_records(run_dir: Path) -> list[tuple[int, int, list]]:

@@ -12,7 +12,8 @@ import pytest
 
 from vidray.config import load_job_config
 from vidray.placement import PlacementError
-from vidray.runtime import apply_ray_env_defaults
+
+from tests.integration.conftest import loopback_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -22,20 +23,9 @@ STAGE = "vidray.io/stage"
 @pytest.fixture(scope="module")
 def labeled_cluster():
     """Head: 0 CPUs, no labels (the driver and Ray Train's controller); `vae` node: 2 CPUs; `dit` node: 3 CPUs."""
-    apply_ray_env_defaults()  # loopback only, before ray is imported
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1"})
-    try:
-        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={STAGE: "vae"})
-        cluster.add_node(num_cpus=3, node_ip_address="127.0.0.1", labels={STAGE: "dit"})
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address)
+    with loopback_cluster([{"num_cpus": 2, "labels": {STAGE: "vae"}},
+                           {"num_cpus": 3, "labels": {STAGE: "dit"}}]) as (cluster, _):
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def job(shards_dir, tmp_path, *overrides: str):
