@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -26,7 +27,10 @@ def free_port() -> int:
 
 
 def pids_mentioning(marker: str) -> list[int]:
-    """PIDs of live processes whose command line contains `marker` (our unique temp dir)."""
+    """PIDs of live processes (this one aside) whose command line contains `marker` (our unique temp dir), or that
+    hold a file open under it: Ray's agents and workers retitle themselves (`ray::DashboardAgent`) but keep their
+    log files in the session's `logs/` open. A node that Ray's fake autoscaler provider starts inside the monitor
+    (`test_autoscaler.py`) leaves such agents behind, reparented and deaf to SIGTERM, when its raylet is killed."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -35,9 +39,24 @@ def pids_mentioning(marker: str) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if marker in cmdline:
+        if marker in cmdline or _holds_file_under(entry, marker):
             pids.append(int(entry.name))
     return pids
+
+
+def _holds_file_under(proc: Path, marker: str) -> bool:
+    try:
+        fds = list((proc / "fd").iterdir())
+    except OSError:  # gone, or not ours to read
+        return False
+    inside = marker.rstrip("/") + "/"
+    for fd in fds:
+        try:
+            if os.readlink(fd).startswith(inside):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def ray_env() -> dict[str, str]:
@@ -202,9 +221,13 @@ def uninterrupted_run(shards_dir: Path) -> tuple[dict[int, float], Path]:
 
 
 class RayHead:
-    """A `ray start --head --block` child process with its own ports and temp dir."""
+    """A `ray start --head --block` child process with its own ports and temp dir.
 
-    def __init__(self, tmp_root: str, extra_env: dict[str, str] | None = None, labels: dict[str, str] | None = None):
+    `autoscaling_config`: a function of the head's GCS address (`127.0.0.1:<port>`) that returns a cluster config;
+    the head then starts Ray's autoscaler with it (`--autoscaling-config=<temp_dir>/autoscaling.yaml`)."""
+
+    def __init__(self, tmp_root: str, extra_env: dict[str, str] | None = None, labels: dict[str, str] | None = None,
+                 num_cpus: int = 4, autoscaling_config: Callable[[str], dict[str, Any]] | None = None):
         self.temp_dir = tmp_root
         self.gcs_port = free_port()
         self.dashboard_port = free_port()
@@ -221,8 +244,14 @@ class RayHead:
             "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
             f"--metrics-export-port={self.metrics_port}", f"--runtime-env-agent-port={free_port()}",
-            "--num-cpus=4", f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
+            f"--num-cpus={num_cpus}", f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
         ]
+        if autoscaling_config:
+            import yaml
+
+            config_path = Path(self.temp_dir) / "autoscaling.yaml"
+            config_path.write_text(yaml.safe_dump(autoscaling_config(f"127.0.0.1:{self.gcs_port}")))
+            cmd.append(f"--autoscaling-config={config_path}")
         if labels:
             cmd.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
         # As docs/cluster.md does: `ray start --head` under RAY_AUTH_MODE=token needs a token and does not write one
@@ -275,13 +304,15 @@ class RayHeadExitedEarly(RuntimeError):
 
 
 def start_ray_head(prefix: str, extra_env: dict[str, str] | None = None, attempts: int = 2,
-                   labels: dict[str, str] | None = None) -> RayHead:
+                   labels: dict[str, str] | None = None, num_cpus: int = 4,
+                   autoscaling_config: Callable[[str], dict[str, Any]] | None = None) -> RayHead:
     """A ready `RayHead` in a new temp dir under `prefix` (short: Ray's socket paths are length-limited). A head
     that exits early is started again once, on new ports: `free_port` hands out a port that is free when asked,
     and another process can take it before Ray binds it (the suite saw one such early exit, right after a busy
     Serve test). The first failure's log is printed to stderr. Other failures are raised at once."""
     for attempt in range(1, attempts + 1):
-        head = RayHead(tempfile.mkdtemp(prefix=prefix), extra_env=extra_env, labels=labels)
+        head = RayHead(tempfile.mkdtemp(prefix=prefix), extra_env=extra_env, labels=labels, num_cpus=num_cpus,
+                       autoscaling_config=autoscaling_config)
         try:
             head.wait_ready()
             return head
