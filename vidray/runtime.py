@@ -15,6 +15,7 @@ when `ray` is first imported: `import vidray` applies these defaults, so import 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 RAY_ENV_DEFAULTS = {
@@ -167,12 +168,77 @@ def check_local_ray(job: Any, check: Callable[..., None]) -> None:
 
 def autoscaler_max_resources() -> dict[str, float] | None:
     """The most of each logical resource the connected cluster's autoscaler can reach ({"CPU": ..., "GPU": ...}),
-    or None for a fixed cluster (no autoscaler config, or Ray's private state API unavailable: read through
-    `ray._private.state.state.get_max_resources_from_cluster_config`, so it is read defensively)."""
+    or None for a fixed cluster.
+
+    Read from the cluster config the autoscaler reports to the GCS (`ray._private.state.state.
+    get_max_resources_from_cluster_config`, a private API, so read defensively). Ray 2.60's autoscaler reports none
+    (`tests/integration/test_autoscaler.py`), so without it the cluster YAML the autoscaler runs with is read
+    (`autoscaler_config_path`, `cluster_yaml_max_resources`). Raises UserError for a `VIDRAY_AUTOSCALER_CONFIG`
+    that names no readable cluster YAML."""
     try:
         from ray._private.state import state
 
         found = state.get_max_resources_from_cluster_config()
-    except Exception:  # noqa: BLE001 - private API; no autoscaler info means a fixed cluster
-        return None
-    return {k: float(v) for k, v in found.items()} if found else None
+    except Exception:  # noqa: BLE001 - private API; no autoscaler info: read the cluster YAML, if any
+        found = None
+    if found:
+        return {k: float(v) for k, v in found.items()}
+    path = autoscaler_config_path()
+    return cluster_yaml_max_resources(path) if path is not None else None
+
+
+AUTOSCALER_CONFIG_ENV = "VIDRAY_AUTOSCALER_CONFIG"
+"""A cluster YAML (Ray's launcher format: `available_node_types`) whose autoscaler runs the connected cluster."""
+BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"
+"""Where `ray up` leaves the cluster YAML on the head (resources filled in from the instance types): a driver of
+`ray job submit` runs there."""
+
+
+def autoscaler_config_path() -> Path | None:
+    """The cluster YAML of this cluster's autoscaler: `$VIDRAY_AUTOSCALER_CONFIG`, else `BOOTSTRAP_CONFIG` when it
+    exists, else None. Raises UserError when the variable names no file."""
+    from vidray.errors import UserError
+
+    named = os.environ.get(AUTOSCALER_CONFIG_ENV)
+    if named:
+        path = Path(named).expanduser()
+        if not path.is_file():
+            raise UserError(f"{AUTOSCALER_CONFIG_ENV}={named!r} names no file: point it at the cluster YAML your "
+                            "autoscaler runs with, or unset it")
+        return path
+    bootstrap = Path(BOOTSTRAP_CONFIG).expanduser()
+    return bootstrap if bootstrap.is_file() else None
+
+
+def cluster_yaml_max_resources(path: str | Path) -> dict[str, float] | None:
+    """The most of each resource a cluster YAML's node types add up to: the head type once, every other type
+    `max_workers` times (its own, else the file's), as Ray's `_calculate_max_resource_from_cluster_config` counts
+    a reported config. A worker type that lists no resources (the launcher detects them from the instance type)
+    makes CPU unbounded (`inf`): its nodes may bring any number. None when the file has no node type that can add
+    a node. Raises UserError naming the file when it is no YAML mapping."""
+    import math
+
+    import yaml
+
+    from vidray.errors import UserError
+
+    try:
+        config = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise UserError(f"cannot read the cluster YAML {str(path)!r}: {err}") from err
+    if not isinstance(config, dict):
+        raise UserError(f"the cluster YAML {str(path)!r} is no mapping (Ray's launcher format: available_node_types)")
+    types = config.get("available_node_types") or {}
+    head_type, default_max = config.get("head_node_type"), int(config.get("max_workers", 0) or 0)
+    totals: dict[str, float] = {}
+    grows = False
+    for name, node_type in types.items():
+        count = 1 if name == head_type else int(node_type.get("max_workers", default_max) or 0)
+        resources = node_type.get("resources") or {}
+        if name != head_type and count > 0:
+            grows = True
+            if not resources:
+                totals["CPU"] = math.inf
+        for resource, value in resources.items():
+            totals[resource] = totals.get(resource, 0.0) + count * float(value)
+    return totals if grows else None

@@ -1,7 +1,7 @@
 """The job driver of `test_autoscaler.py`: trains the tiny job on the cluster named by `RAY_ADDRESS` (a head with
 Ray's autoscaler) and prints what it saw as one line `RESULT <json>`:
 
-    python tests/integration/autoscaler_driver.py '<autoscaler max resources as JSON>' section.key=value ...
+    python tests/integration/autoscaler_driver.py section.key=value ...
 
 - `nodes_before`, `nodes_after_job`, `nodes_after_idle`: every node the GCS knows (dead ones too), as
   {"node_id", "alive", "labels"}, before the job, right after it and once no worker node is alive any more (or
@@ -9,14 +9,14 @@ Ray's autoscaler) and prints what it saw as one line `RESULT <json>`:
 - `last_step`, `placement`: the run's `TrainResult` fields (where each rank's trainer, decode operators and
   encode actors ran, as they saw it from inside).
 
-Ray 2.60 gap, bridged here: vidray learns that a cluster autoscales, and up to how much, from the cluster config
-the autoscaler reports to the GCS (`ray._private.state.state.get_max_resources_from_cluster_config`). Nothing in
-Ray 2.60 reports it for a cluster started with `ray start --autoscaling-config` (the GCS handler exists,
+Ray 2.60 gap: vidray learns that a cluster autoscales, and up to how much, from the cluster config the
+autoscaler reports to the GCS (`ray._private.state.state.get_max_resources_from_cluster_config`). Nothing in Ray 2.60
+reports it for a cluster started with `ray start --autoscaling-config` (the GCS handler exists,
 `GcsAutoscalerStateManager::HandleReportClusterConfig`, but no Python caller: `ray/includes/common.pxd:647`
 declares `ReportClusterConfig` and `ray._raylet.GcsClient` does not expose it); later Ray's v2 `Autoscaler`
-reports it when it starts. Without it vidray treats the cluster as fixed and refuses the `vae` selector that no
-alive node satisfies yet. This driver hands vidray the limit that report would carry (the first argument), and
-changes nothing else.
+reports it when it starts. vidray then reads the cluster YAML itself (`vidray.runtime.autoscaler_max_resources`):
+the test names it with `VIDRAY_AUTOSCALER_CONFIG`, as a user of `ray start --autoscaling-config` would (`ray up`'s
+head has it at `~/ray_bootstrap_config.yaml`, read without the variable).
 """
 
 from __future__ import annotations
@@ -40,16 +40,14 @@ def nodes() -> list[dict]:
             for n in ray.nodes()]
 
 
-def main(max_resources: str, *overrides: str) -> None:
+def main(*overrides: str) -> None:
     import ray
 
     from vidray.config import load_job_config
     from vidray.train.trainer import run_training
 
-    limit = {k: float(v) for k, v in json.loads(max_resources).items()}
-    vidray.runtime.autoscaler_max_resources = lambda: limit  # what Ray > 2.60 reports (module docstring)
     vidray.runtime.init_ray()
-    out: dict = {"nodes_before": nodes()}
+    out: dict = {"autoscaler_max_resources": vidray.runtime.autoscaler_max_resources(), "nodes_before": nodes()}
     result = run_training(load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", list(overrides)))
     out.update(last_step=result.last_step, placement=result.placement, nodes_after_job=nodes())
     done = time.monotonic()

@@ -26,8 +26,10 @@ Ray 2.60 facts this rests on (installed source):
   Its raylet names that dir on its command line; its agents and workers retitle themselves (`ray::DashboardAgent`)
   but hold their log files there open, and outlive a killed raylet, deaf to SIGTERM. `pids_mentioning` finds both
   kinds, and `RayHead.stop` ends them by PID (a test that fails with the `vae` node up leaves nothing either).
-- vidray reads the autoscaler's limit from the cluster config the GCS holds, which Ray 2.60 never reports for a
-  launcher-style cluster: the driver (`autoscaler_driver.py`) supplies it (see its docstring).
+- Ray 2.60 never reports the autoscaler's cluster config to the GCS, so vidray reads the cluster YAML the
+  autoscaler runs with (`VIDRAY_AUTOSCALER_CONFIG` here; `ray up`'s `~/ray_bootstrap_config.yaml` on a real head):
+  without it `vidray train` took the cluster for a fixed one and refused the `vae` selector that no node alive at
+  submission satisfied. The test checks the limit it read (see `autoscaler_driver.py`).
 """
 
 from __future__ import annotations
@@ -116,19 +118,25 @@ def test_a_vae_stage_selector_starts_one_vae_node_that_runs_it_and_goes_away_whe
                                                                                        tmp_path):
     head = autoscaling_head
     driver = subprocess.run(
-        [sys.executable, str(REPO / "tests/integration/autoscaler_driver.py"), json.dumps(max_resources()),
+        [sys.executable, str(REPO / "tests/integration/autoscaler_driver.py"),
          f"data.shards_dir={shards_dir}", f"storage.path={tmp_path / 'runs'}", "name=autoscaled",
          "model.text_encoder=tiny_random", "train.max_steps=2", "train.log_every_steps=1", "checkpoint.every_steps=2",
          "scaling.num_workers=2", "scaling.cpus_per_worker=1", "data.loader_cpus=0.5",
          f"data.latent_cache={tmp_path / 'latents'}",  # empty: the encode actors must encode
          f"placement.vae.label_selector={{{STAGE}: vae}}", f"placement.text.label_selector={{{STAGE}: vae}}"],
-        cwd=REPO, env={**ray_env(), "RAY_ADDRESS": f"127.0.0.1:{head.gcs_port}"}, capture_output=True, text=True,
+        cwd=REPO, env={**ray_env(), "RAY_ADDRESS": f"127.0.0.1:{head.gcs_port}",
+                       # the cluster YAML the head's autoscaler runs with (RayHead wrote it): vidray's only way to
+                       # learn on Ray 2.60 that the cluster grows (autoscaler_driver.py's docstring)
+                       "VIDRAY_AUTOSCALER_CONFIG": str(Path(head.temp_dir) / "autoscaling.yaml")},
+        capture_output=True, text=True,
         timeout=240,
     )
     lines = [line for line in driver.stdout.splitlines() if line.startswith("RESULT ")]
     assert driver.returncode == 0 and lines, driver.stdout[-4000:] + driver.stderr[-4000:]
     seen = json.loads(lines[-1].removeprefix("RESULT "))
 
+    # 0. vidray read the autoscaler's limit from the cluster YAML (Ray 2.60 reports none to the GCS).
+    assert seen["autoscaler_max_resources"] == max_resources()
     # 1. Zero worker nodes at start: the head alone.
     assert [(n["node_id"], n["alive"]) for n in seen["nodes_before"]] == [(FAKE_HEAD_NODE_ID, True)]
 

@@ -154,3 +154,40 @@ def test_both_clusters_run_with_rays_token_auth_and_give_serving_its_token():
         assert env["valueFrom"]["secretKeyRef"]["name"] == "vidray-api-token"
     serve_config = yaml.safe_load((REPO / "serve/serve_config.yaml").read_text())
     assert serve_config["applications"][0]["args"]["auth"]["token_env"] == "VIDRAY_API_TOKEN"
+
+
+def test_the_autoscalers_limit_is_read_from_the_cluster_yaml(tmp_path, monkeypatch):
+    """Ray 2.60's autoscaler reports no node types to the GCS (tests/integration/test_autoscaler.py), so vidray
+    reads the cluster YAML: `VIDRAY_AUTOSCALER_CONFIG`, else `ray up`'s `~/ray_bootstrap_config.yaml`."""
+    import math
+
+    from vidray.errors import UserError
+    from vidray.runtime import AUTOSCALER_CONFIG_ENV, autoscaler_config_path, cluster_yaml_max_resources
+
+    # The shipped launcher YAML leaves worker resources to the instance types: CPU unbounded.
+    assert cluster_yaml_max_resources(REPO / "cluster_configs" / "aws.yaml") == {"CPU": math.inf}
+    config = {"max_workers": 9, "head_node_type": "head", "available_node_types": {
+        "head": {"resources": {"CPU": 0}, "max_workers": 0},
+        "vae": {"resources": {"CPU": 4, "GPU": 1}, "max_workers": 2},
+        "dit": {"resources": {"CPU": 8, "GPU": 8}},  # the file's max_workers: 9
+    }}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert cluster_yaml_max_resources(path) == {"CPU": 2 * 4 + 9 * 8, "GPU": 2 * 1 + 9 * 8}
+    config["available_node_types"] = {"head": {"resources": {"CPU": 4}}}
+    path.write_text(yaml.safe_dump(config))
+    assert cluster_yaml_max_resources(path) is None  # no type can add a node: a fixed cluster
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv(AUTOSCALER_CONFIG_ENV, raising=False)
+    assert autoscaler_config_path() is None
+    (tmp_path / "ray_bootstrap_config.yaml").write_text("{}")
+    assert autoscaler_config_path() == tmp_path / "ray_bootstrap_config.yaml"
+    monkeypatch.setenv(AUTOSCALER_CONFIG_ENV, str(path))
+    assert autoscaler_config_path() == path
+    monkeypatch.setenv(AUTOSCALER_CONFIG_ENV, str(tmp_path / "missing.yaml"))
+    with pytest.raises(UserError, match=r"VIDRAY_AUTOSCALER_CONFIG='.*missing.yaml' names no file"):
+        autoscaler_config_path()
+    path.write_text("- a list")
+    with pytest.raises(UserError, match=r"cluster.yaml' is no mapping"):
+        cluster_yaml_max_resources(path)
