@@ -7,6 +7,7 @@ import pytest
 import torch
 from diffusers import CogVideoXDDIMScheduler, DDIMScheduler
 
+from vidray.data.buckets import Bucket
 from vidray.diffusion import ddim
 
 CONFIGS = {
@@ -88,3 +89,59 @@ def test_bad_settings_name_the_valid_choices():
         ddim.inference_timesteps(4, spacing="middle")
     with pytest.raises(ValueError, match="prediction_type must be 'epsilon' or 'v_prediction', got 'sample'"):
         ddim.training_target(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), ddim.ddim_schedule(), "sample")
+
+
+class _VPredictionFamily:
+    """The tiny EasyAnimate stack under CogVideoX's objective, for the seam test below: the family methods a DDIM
+    family overrides (noise levels are timesteps / num_train_timesteps; the level below 0 is the clean end)."""
+
+    SCHEDULE = ddim.ddim_schedule(snr_shift_scale=3.0, rescale_betas_zero_snr=True)
+
+    @staticmethod
+    def make():
+        from vidray.models.easyanimate import EasyAnimateFamily
+
+        class Family(EasyAnimateFamily):
+            objective = "v_prediction"
+
+            def model_timesteps(self, sigmas, num_train_timesteps):
+                return (sigmas.float() * num_train_timesteps).round()
+
+            def inference_sigmas(self, num_inference_steps, *, shift, num_train_timesteps):
+                steps = ddim.inference_timesteps(num_inference_steps, num_train_timesteps, spacing="trailing")
+                return torch.cat([steps, torch.tensor([-1])]).float() / num_train_timesteps
+
+            def sampler_step(self, latents, model_pred, sigmas, sigmas_next):
+                t = (sigmas.double() * 1000).round().long()
+                prev = (sigmas_next.double() * 1000).round().long()
+                return ddim.ddim_step(model_pred, latents, t, prev, _VPredictionFamily.SCHEDULE, "v_prediction")
+
+        return Family()
+
+
+@pytest.mark.parametrize("steps", [4, 10])
+def test_the_one_sampler_loop_runs_a_ddim_family_as_the_diffusers_scheduler_does(steps):
+    """issue 29 part 5: `vidray.diffusion.sampler.sample_latents` takes its schedule, timesteps and step from the
+    family, so a v-prediction family samples through the same loop (and serving's step batching) with the latents
+    of a diffusers `CogVideoXDDIMScheduler` loop over the same transformer."""
+    from vidray.config import ModelConfig
+    from vidray.diffusion.sampler import sample_latents
+
+    family = _VPredictionFamily.make()
+    components = family.build(ModelConfig(text_encoder="tiny_random", max_sequence_length=16), seed=0)
+    embeds, mask = family.encode_prompt(components.text_encoder, components.tokenizer, ["a cat"],
+                                        max_sequence_length=16)
+    shape = family.latent_shape(Bucket(5, 32, 32), 1)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+    ours = sample_latents(family, components.transformer, embeds, mask, latent_shape=shape,
+                          num_inference_steps=steps, shift=1.0, num_train_timesteps=1000, latents=noise.clone())
+    scheduler = CogVideoXDDIMScheduler(beta_schedule="scaled_linear", snr_shift_scale=3.0,
+                                       rescale_betas_zero_snr=True, timestep_spacing="trailing",
+                                       prediction_type="v_prediction", clip_sample=False)
+    scheduler.set_timesteps(steps)
+    latents = noise.clone()
+    with torch.inference_mode():
+        for t in scheduler.timesteps:
+            pred = family.predict(components.transformer, latents, t.float().reshape(1), embeds, mask)
+            latents = scheduler.step(pred, int(t), latents).prev_sample
+    assert torch.allclose(ours, latents, atol=1e-5), (ours - latents).abs().max()

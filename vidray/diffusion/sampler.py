@@ -1,13 +1,15 @@
 """THE denoising loop, used by `vidray generate`, evaluation and serving alike.
 
-`denoise_step` is one Euler step over a batch whose samples may sit at different noise levels (per-sample sigmas
-and timesteps); `sample_latents` loops it over one request's schedule, and `DenoiseState` + `step_states` let a
-server run a continuous batch (iteration-level batching, Orca, Yu et al. OSDI 2022): requests of one latent shape
-join and leave the running batch between steps, and each gets the latents it would get alone (to float tolerance:
-a batched matmul may round differently from a single one).
+`denoise_step` is one sampler step over a batch whose samples may sit at different noise levels (per-sample
+sigmas and timesteps); `sample_latents` loops it over one request's schedule, and `DenoiseState` + `step_states`
+let a server run a continuous batch (iteration-level batching, Orca, Yu et al. OSDI 2022): requests of one latent
+shape join and leave the running batch between steps, and each gets the latents it would get alone (to float
+tolerance: a batched matmul may round differently from a single one).
 
-Euler integration of the rectified-flow ODE d(latents)/d(sigma) = model_pred from sigma = 1 to 0 on
-`inference_sigmas` (the same schedule as diffusers' FlowMatchEulerDiscreteScheduler), with classifier-free
+The schedule and the step come from the model family (`ModelFamily.inference_sigmas`, `model_timesteps`,
+`sampler_step`): for flow matching (EasyAnimate), Euler integration of the rectified-flow ODE
+d(latents)/d(sigma) = model_pred from sigma = 1 to 0 on the shifted sigmas of diffusers'
+FlowMatchEulerDiscreteScheduler; a DDIM family steps with `vidray.diffusion.ddim.ddim_step`. Classifier-free
 guidance as in EasyAnimatePipeline: one batched call on [uncond, cond], then
 `model_pred = uncond + guidance_scale * (cond - uncond)`.
 """
@@ -23,7 +25,6 @@ import torch
 from vidray.config import FlowConfig
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError
-from vidray.diffusion.flow_matching import euler_step, inference_sigmas, timesteps_from_sigmas
 from vidray.models.registry import Components, ModelFamily
 from vidray.models.vae import video_to_frames
 
@@ -64,10 +65,10 @@ def denoise_step(
     negative_prompt_embeds: torch.Tensor | None = None,
     negative_prompt_attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One Euler step for a batch of samples, each at its own noise level: latents (B, C, F, H, W) at `sigmas` (B,)
-    -> latents at `sigmas_next` (B,), in latents' dtype.
+    """One sampler step (`family.sampler_step`: Euler for flow matching) for a batch of samples, each at its own
+    noise level: latents (B, C, F, H, W) at `sigmas` (B,) -> latents at `sigmas_next` (B,), in latents' dtype.
 
-    timesteps = sigmas * num_train_timesteps (B,) go to `family.predict` with prompt_embeds (B, L, D) and
+    timesteps = `family.model_timesteps(sigmas)` (B,) go to `family.predict` with prompt_embeds (B, L, D) and
     prompt_attention_mask (B, L). Classifier-free guidance runs when negative_prompt_embeds/mask are given: one
     transformer call on [uncond, cond] (2B), then `uncond + guidance_scale * (cond - uncond)` with guidance_scale a
     float or a (B,) tensor (per sample). Raises ValueError for shapes that do not line up.
@@ -92,7 +93,7 @@ def denoise_step(
         prompt_embeds = torch.cat([negative_prompt_embeds, prompt_embeds])
         prompt_attention_mask = torch.cat([negative_prompt_attention_mask, prompt_attention_mask])
     model_input = torch.cat([latents, latents]) if do_cfg else latents
-    t = timesteps_from_sigmas(sigmas, num_train_timesteps).to(device=device, dtype=dtype)
+    t = family.model_timesteps(sigmas, num_train_timesteps).to(device=device, dtype=dtype)
     t = torch.cat([t, t]) if do_cfg else t
     model_pred = family.predict(transformer, model_input, t, prompt_embeds.to(device=device, dtype=dtype),
                                 prompt_attention_mask.to(device=device))
@@ -102,7 +103,7 @@ def denoise_step(
         if scale.ndim == 1:
             scale = scale.reshape(-1, *([1] * (pred_cond.ndim - 1)))
         model_pred = pred_uncond + scale * (pred_cond - pred_uncond)
-    return euler_step(latents, model_pred, sigmas.to(device), sigmas_next.to(device))
+    return family.sampler_step(latents, model_pred, sigmas.to(device), sigmas_next.to(device))
 
 
 def initial_noise(latent_shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -116,7 +117,7 @@ def initial_noise(latent_shape: tuple[int, ...], seed: int) -> torch.Tensor:
 @dataclass
 class DenoiseState:
     """One request in a continuous batch: its latents (1, C, F, H, W), its own schedule `sigmas`
-    (num_inference_steps + 1,) from `inference_sigmas`, the next step index, its conditioning (prompt_embeds
+    (num_inference_steps + 1,) from `family.inference_sigmas`, the next step index, its conditioning (prompt_embeds
     (1, L, D), prompt_attention_mask (1, L); negatives of the same shapes when guidance_scale > 1)."""
 
     latents: torch.Tensor
@@ -221,7 +222,7 @@ def sample_latents(
     device, dtype = param.device, param.dtype
 
     # 2. Prepare the schedule: (num_inference_steps + 1,) sigmas on the host, 1 -> 0
-    sigmas = inference_sigmas(num_inference_steps, shift, num_train_timesteps=num_train_timesteps)
+    sigmas = family.inference_sigmas(num_inference_steps, shift=shift, num_train_timesteps=num_train_timesteps)
 
     # 3. Prepare initial noise (sigma = 1)
     if latents is None:

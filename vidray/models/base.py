@@ -4,7 +4,8 @@ DiT + VAE + text encoder stack. Nothing outside `vidray/models/` knows a family'
 
 What a family owns: building its modules (`build`, `build_transformer`, `build_encoders`, `load_pretrained`),
 `encode_video` (latent normalisation included: EasyAnimate scales, Wan normalises per channel), `encode_prompt`,
-the training objective (`noisy_latents`, `training_target`), the transformer call (`predict`), its latent layout and bucket rules (`latent_shape`; the rules' numbers also in
+the training objective (`noisy_latents`, `training_target`, `model_timesteps`) and the sampler's schedule and step
+(`inference_sigmas`, `sampler_step`), the transformer call (`predict`), its latent layout and bucket rules (`latent_shape`; the rules' numbers also in
 `vidray.models.rules`, which the config checks at load), and the diffusers pipeline it exports (`save_pipeline`).
 """
 
@@ -19,7 +20,8 @@ import torch
 
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket
-from vidray.diffusion.flow_matching import add_noise, velocity_target
+from vidray.diffusion.flow_matching import (add_noise, euler_step, inference_sigmas, timesteps_from_sigmas,
+                                             velocity_target)
 
 __all__ = ["Components", "Encoders", "ModelFamily"]
 
@@ -76,6 +78,26 @@ class ModelFamily(abc.ABC):
         """What `predict` is trained to output, (B, C, F, H, W). Flow matching: the velocity noise - latents
         (`vidray.diffusion.flow_matching.velocity_target`); sigmas are unused there."""
         return velocity_target(latents, noise)
+
+    def model_timesteps(self, sigmas: torch.Tensor, num_train_timesteps: int) -> torch.Tensor:
+        """The timesteps (B,) float32 that `predict` gets for noise levels `sigmas` (B,), in training and sampling
+        alike. Flow matching: sigmas * num_train_timesteps (`vidray.diffusion.flow_matching.timesteps_from_sigmas`)."""
+        return timesteps_from_sigmas(sigmas, num_train_timesteps)
+
+    def inference_sigmas(self, num_inference_steps: int, *, shift: float, num_train_timesteps: int) -> torch.Tensor:
+        """The sampler's schedule: (num_inference_steps + 1,) float32 noise levels from pure noise to the clean end,
+        one `sampler_step` between neighbours (the sampler, serving's Denoiser and validation all take it from
+        here). Flow matching: shifted sigmas from 1, then 0 (`vidray.diffusion.flow_matching.inference_sigmas`, as
+        diffusers' `FlowMatchEulerDiscreteScheduler.set_timesteps`)."""
+        return inference_sigmas(num_inference_steps, shift, num_train_timesteps=num_train_timesteps)
+
+    def sampler_step(self, latents: torch.Tensor, model_pred: torch.Tensor, sigmas: torch.Tensor,
+                     sigmas_next: torch.Tensor) -> torch.Tensor:
+        """One sampler step of every sample (B, C, F, H, W) from its level `sigmas` (B,) to `sigmas_next` (B,),
+        given the model's (guided) prediction: the one step function of `vidray.diffusion.sampler`. Flow matching:
+        Euler, latents + (sigmas_next - sigmas) * model_pred (`vidray.diffusion.flow_matching.euler_step`). A family
+        of another objective overrides this and `inference_sigmas` (`vidray.diffusion.ddim.ddim_step`)."""
+        return euler_step(latents, model_pred, sigmas, sigmas_next)
 
     @abc.abstractmethod
     def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:

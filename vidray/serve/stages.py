@@ -230,7 +230,6 @@ class Denoiser:
 
     async def denoise(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream progress events, then the latents (see the class docstring)."""
-        from vidray.diffusion.flow_matching import inference_sigmas
         from vidray.diffusion.sampler import DenoiseState, initial_noise
 
         # 1. The stage boundary: injected delay (benchmarks), then one transfer measurement.
@@ -245,8 +244,8 @@ class Denoiser:
         # 2. Queue the request's state for the step loop.
         state = DenoiseState(
             latents=initial_noise(tuple(request["latent_shape"]), int(request["seed"])),
-            sigmas=inference_sigmas(int(request["num_inference_steps"]), self.flow.shift,
-                                    num_train_timesteps=self.flow.num_train_timesteps),
+            sigmas=self.family.inference_sigmas(int(request["num_inference_steps"]), shift=self.flow.shift,
+                                                num_train_timesteps=self.flow.num_train_timesteps),
             prompt_embeds=request["prompt_embeds"],
             prompt_attention_mask=request["prompt_attention_mask"],
             guidance_scale=float(request.get("guidance_scale", 1.0)),

@@ -10,11 +10,7 @@ from typing import Sequence
 import torch
 
 from vidray.config import FlowConfig
-from vidray.diffusion.flow_matching import (
-    flow_matching_loss,
-    sample_sigmas,
-    timesteps_from_sigmas,
-)
+from vidray.diffusion.flow_matching import flow_matching_loss, sample_sigmas
 from vidray.errors import UserError
 
 
@@ -69,7 +65,7 @@ def flow_matching_step_loss(
         noise = noise.to(latents.device)
         sigmas = torch.cat([sample_sigmas(1, flow, generator=g) for g in generator]).to(latents.device)  # (B,)
     noisy_latents = family.noisy_latents(latents, noise, sigmas)  # the family's objective (flow matching here)
-    timesteps = timesteps_from_sigmas(sigmas, flow.num_train_timesteps)
+    timesteps = family.model_timesteps(sigmas, flow.num_train_timesteps)
     model_pred = family.predict(transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask)
     target = family.training_target(latents, noise, sigmas)
     if loss_weights is None:
