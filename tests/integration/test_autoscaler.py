@@ -88,9 +88,12 @@ def cluster_config(gcs_address: str) -> dict:
 
 def max_resources() -> dict[str, float]:
     """What the config's node types add up to (head + max_workers of each type): the autoscaler's limit."""
-    types = cluster_config("")["available_node_types"]
-    return {"CPU": float(sum(t["resources"]["CPU"] * (t.get("max_workers", 0) if name != "ray.head.default" else 1)
-                             for name, t in types.items()))}
+    totals: dict[str, float] = {}
+    for name, node_type in cluster_config("")["available_node_types"].items():
+        count = 1 if name == "ray.head.default" else node_type["max_workers"]
+        for resource, value in node_type["resources"].items():
+            totals[resource] = totals.get(resource, 0.0) + count * float(value)
+    return totals
 
 
 @pytest.fixture
