@@ -150,6 +150,9 @@ RAY_SERIES: dict[str, str] = {
 the extra labels of `_SERIES`."""
 
 _BASE_LABELS = ("rank", "run")
+_KIND_AND_EXTRA: dict[str, tuple[str, str | None]] = {
+    name: (kind, extra[0] if extra else None) for name, kind, _, extra, _ in _SERIES}
+"""name -> (type, the one label beyond `run`/`rank`, or None): what recording a value needs to know."""
 
 
 class TrainMetrics:
@@ -188,9 +191,8 @@ class TrainMetrics:
         # Children bound once (labels() costs a dict lookup and a lock per call); every tier, kind and stage exists
         # at 0 from the start, so a rate() over them is defined before the first hit.
         self._children: dict[tuple[str, str], object] = {}
-        for name, _, _, extra, _ in _SERIES:
-            values = {"tier": CACHE_TIERS, "kind": SKIP_KINDS, "stage": STAGES}.get(extra[0], ()) if extra else ("",)
-            for value in values:
+        for name, (_, extra) in _KIND_AND_EXTRA.items():
+            for value in {"tier": CACHE_TIERS, "kind": SKIP_KINDS, "stage": STAGES}.get(extra, ("",)):
                 self._child(name, value)
 
         self._lock = threading.Lock()
@@ -204,31 +206,22 @@ class TrainMetrics:
         """The prometheus-client child of series `name` for this rank (and extra label `value`, if it has one)."""
         child = self._children.get((name, value))
         if child is None:
-            metric = self._prom[name]
-            extra = {key: value for key in metric._labelnames if key not in _BASE_LABELS}
-            child = self._children[(name, value)] = metric.labels(**self._labels, **extra)
+            extra = _KIND_AND_EXTRA[name][1]
+            labels = {**self._labels, **({extra: value} if extra else {})}
+            child = self._children[(name, value)] = self._prom[name].labels(**labels)
         return child
 
     def _record(self, name: str, value: float, label: str = "") -> None:
-        """Add (counter), set (gauge) or observe (histogram) `value` on series `name` in both registries."""
-        child = self._child(name, label)
-        if isinstance(child, Counter):
-            if value <= 0:
-                return  # Ray's Counter.inc refuses 0
-            child.inc(value)
-        elif isinstance(child, Gauge):
-            child.set(value)
-        else:
-            child.observe(value)
+        """Add (counter), set (gauge) or observe (histogram) `value` on series `name` (with its extra label's
+        value `label`, if it has one) in both registries."""
+        kind, extra = _KIND_AND_EXTRA[name]
+        if kind == "counter" and value <= 0:
+            return  # nothing to count; Ray's Counter.inc refuses 0
+        method = {"counter": "inc", "gauge": "set", "histogram": "observe"}[kind]
+        getattr(self._child(name, label), method)(value)
         ray_metric = self._ray.get(name)
         if ray_metric is not None:
-            tags = {key: label for key in ray_metric._tag_keys if key not in (*_BASE_LABELS, "node")}
-            if isinstance(child, Counter):
-                ray_metric.inc(value, tags=tags)
-            elif isinstance(child, Gauge):
-                ray_metric.set(value, tags=tags)
-            else:
-                ray_metric.observe(value, tags=tags)
+            getattr(ray_metric, method)(value, tags={extra: label} if extra else {})
 
     # --- recording -------------------------------------------------------------------------------------------
 
