@@ -46,6 +46,15 @@ def start_ranks(fn, args: tuple, nprocs: int) -> None:
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 when asked (another process may take it before the caller binds it)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
 def run_at_once(action, *, repeats: int, processes: int = 3, timeout_s: float = 120) -> list[str]:
     """Fork `processes` processes that each call `action()` `repeats` times, all released together by one event
     (a race between processes, e.g. writers of one file). Returns the problems: each process's first error (its

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,13 +16,9 @@ import pytest
 
 from vidray.runtime import CLIENT_ENV, apply_ray_env_defaults
 
+from tests.conftest import free_port  # noqa: F401 - the integration tests import it from here too
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pids_mentioning(marker: str) -> list[int]:

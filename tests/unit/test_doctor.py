@@ -16,6 +16,8 @@ from vidray.data.ingest import prepare_data
 from vidray.data.index import dataset_hash
 from vidray.train.checkpoint import TrainState, save_checkpoint
 
+from tests.conftest import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "jobs/configs/tiny_t2v.yaml")
 
@@ -192,20 +194,13 @@ def test_an_s3_storage_path_in_a_missing_bucket_is_a_fail(capsys, monkeypatch, s
                                      "object was written and deleted"]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_a_ray_address_where_nothing_listens_is_a_fail_within_seconds_not_a_hang(capsys, monkeypatch):
     # A new user's trial: RAY_ADDRESS at a port where no head listens made the doctor retry for ever (one round every
     # ~41 s), deaf to Ctrl-C and SIGTERM.
     import time
 
-    port = _free_port()
+    port = free_port()
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     start = time.monotonic()
     code, found = doctor(capsys)

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from tests.conftest import start_ranks
+from tests.conftest import free_port, start_ranks
 
 from vidray.config import ConfigError, FlowConfig, JobConfig, ModelConfig, job_config_from_dict
 from vidray.models.registry import get_family
@@ -189,14 +188,9 @@ def _freeze_unused_like(model: torch.nn.Module) -> None:
         param.requires_grad_(name not in frozen)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _run(task: str, world: int, tmp_path: Path) -> dict:
-    start_ranks(_worker, (world, _free_port(), task, str(tmp_path)), world)
+    start_ranks(_worker, (world, free_port(), task, str(tmp_path)), world)
     return torch.load(tmp_path / f"{task}-{world}.pt", weights_only=False)
 
 

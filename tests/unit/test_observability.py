@@ -11,11 +11,8 @@ import yaml
 from vidray.errors import UserError
 from vidray.observability import Prometheus, prometheus_config, ray_service_discovery_file
 
+from tests.conftest import free_port
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_config_reads_rays_service_discovery_file_at_the_interval(tmp_path):
@@ -31,7 +28,7 @@ def test_config_reads_rays_service_discovery_file_at_the_interval(tmp_path):
 def test_a_real_prometheus_scrapes_the_listed_target_and_answers_queries(tmp_path):
     """Prometheus scrapes itself, listed as Ray lists a node, and answers PromQL; a bad expression is a one-line
     UserError with Prometheus's own reason; stop() ends the process."""
-    port = _free_port()
+    port = free_port()
     discovery = tmp_path / "prom_metrics_service_discovery.json"
     discovery.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": [f"127.0.0.1:{port}"]}]))
     with Prometheus(discovery, tmp_path / "prom", port=port, scrape_interval_s=0.5) as prom:

@@ -5,12 +5,11 @@ PowerSGD's state resumed exactly, and gradient accumulation's global batch."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-from tests.conftest import start_ranks
+from tests.conftest import free_port, start_ranks
 
 from vidray.config import ConfigError, EMAConfig, FlowConfig, JobConfig, ModelConfig, job_config_from_dict
 from vidray.errors import UserError
@@ -178,11 +177,6 @@ def test_export_weights_ema_needs_train_ema_and_accumulation_sets_the_global_bat
 
 # ---- DDP compression hooks over gloo, 2 processes ----
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _ddp_run(rank: int, world_size: int, port: int, kind: str, steps: int, split: int | None, out: str) -> None:
     """Train `steps` steps of DDP with hook `kind`; with `split`, stop after `split` steps, checkpoint everything
@@ -234,7 +228,7 @@ def _ddp_run(rank: int, world_size: int, port: int, kind: str, steps: int, split
 
 def _ddp(kind: str, steps: int, split: int | None, tmp_path) -> dict:
     out = str(tmp_path / f"{kind}-{split}.pt")
-    start_ranks(_ddp_run, (2, _free_port(), kind, steps, split, out), 2)
+    start_ranks(_ddp_run, (2, free_port(), kind, steps, split, out), 2)
     return torch.load(out, weights_only=True)
 
 
