@@ -511,8 +511,10 @@ def test_a_finished_job_expires_after_the_retention_and_the_sweep_removes_it_wit
     assert broken_now.to_openai()["expires_at"] == broken_now.completed_at + 3600
     assert store.get(kept.id).to_openai()["expires_at"] is None  # unfinished: no expiry yet
 
-    assert store.sweep_expired(now=done_now.completed_at + 3599) == []
-    assert sorted(store.sweep_expired(now=done_now.completed_at + 3601)) == sorted([done.id, broken.id])
+    # The two finished in whole seconds that may differ by one (a second boundary between them): bound by each.
+    first, last = sorted((done_now.completed_at, broken_now.completed_at))
+    assert store.sweep_expired(now=first + 3599) == []
+    assert sorted(store.sweep_expired(now=last + 3601)) == sorted([done.id, broken.id])
     assert store.get(done.id) is None and store.get(broken.id) is None and store.get(kept.id) is not None
     assert list((tmp_path / "videos").iterdir()) == [] and list((tmp_path / "inputs").iterdir()) == []
     assert JobStore(tmp_path).get(kept.id).expires_at is None  # without retention_s, jobs are kept
