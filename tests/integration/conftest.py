@@ -94,6 +94,28 @@ def local_ray():
 
 
 
+SERVE_BUCKET = [5, 32, 32]
+"""(num_frames, height, width) the serve tests' model records as its training bucket."""
+
+
+@pytest.fixture(scope="module")
+def exported_model(tmp_path_factory):
+    """A tiny random EasyAnimate model exported as training exports a run (diffusers + vidray_job.yaml), trained
+    at `SERVE_BUCKET`: what the serve tests serve."""
+    from vidray.config import FlowConfig, ModelConfig, job_config_from_dict
+    from vidray.models import get_family
+    from vidray.models.export import write_job_file
+
+    family = get_family("easyanimate")
+    components = family.build(ModelConfig(text_encoder="tiny_random", max_sequence_length=16), seed=0)
+    out_dir = family.save_pipeline(components, tmp_path_factory.mktemp("model") / "diffusers", FlowConfig(shift=3.0))
+    write_job_file(out_dir, job_config_from_dict({
+        "name": "tiny-serve", "model": {"text_encoder": "tiny_random", "max_sequence_length": 16},
+        "data": {"buckets": [SERVE_BUCKET]}, "flow": {"shift": 3.0},
+    }))
+    return out_dir
+
+
 @contextlib.contextmanager
 def loopback_cluster(nodes: list[dict], *, system_config: dict | None = None):
     """A simulated multi-node Ray cluster (`ray.cluster_utils.Cluster`) on 127.0.0.1 with this process joined to

@@ -25,24 +25,6 @@ from tests.integration.conftest import REPO, free_port
 pytestmark = pytest.mark.integration
 
 TOKEN = "test-token-0123456789abcdef"
-BUCKET = [5, 32, 32]
-
-
-@pytest.fixture(scope="module")
-def exported_model(tmp_path_factory):
-    """A tiny random EasyAnimate model exported as training exports a run (diffusers + vidray_job.yaml)."""
-    from vidray.config import FlowConfig, ModelConfig, job_config_from_dict
-    from vidray.models import get_family
-    from vidray.models.export import write_job_file
-
-    family = get_family("easyanimate")
-    components = family.build(ModelConfig(text_encoder="tiny_random", max_sequence_length=16), seed=0)
-    out_dir = family.save_pipeline(components, tmp_path_factory.mktemp("model") / "diffusers", FlowConfig(shift=3.0))
-    write_job_file(out_dir, job_config_from_dict({
-        "name": "tiny-serve", "model": {"text_encoder": "tiny_random", "max_sequence_length": 16},
-        "data": {"buckets": [BUCKET]}, "flow": {"shift": 3.0},
-    }))
-    return out_dir
 
 
 def _request(method: str, url: str, *, token: str | None = TOKEN, data: bytes | None = None,

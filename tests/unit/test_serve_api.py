@@ -114,9 +114,13 @@ class FakeVideoService:
         self.files.pop(video_id, None)
         return self.videos.pop(video_id, None) is not None
 
-    def content_path(self, video_id: str) -> Path | None:
+    def open_video(self, video_id: str):
         video = self.videos.get(video_id)
-        return self.files.get(video_id) if video and video["status"] == "completed" else None
+        path = self.files.get(video_id) if video and video["status"] == "completed" else None
+        try:
+            return None if path is None else open(path, "rb")  # noqa: SIM115 - the route closes it
+        except FileNotFoundError:  # as JobStore.open_video: a file gone is no video
+            return None
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.spec.name, "num_videos": len(self.videos)}
@@ -780,3 +784,23 @@ def test_a_500_shows_an_error_id_and_the_log_holds_the_details(slot, service, ca
     assert secret not in response.text and "RuntimeError" not in response.text
     error_id = error["message"].split("error id ")[1][:8]
     assert any(error_id in r.getMessage() and secret in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
+
+
+def test_a_job_store_that_does_not_answer_is_a_503_with_retry_after_on_every_route(client, service):
+    """The head's store actor restarting (`JobStoreUnavailableError`) is a 503 to retry, not a 500, on the routes
+    that read the store (create's own mapping of store errors is tested with the real service)."""
+    from vidray.serve.jobs import JobStoreUnavailableError
+
+    video_id = create(client, {}).json()["id"]
+
+    def unavailable(*_args, **_kwargs):
+        raise JobStoreUnavailableError("the job store on the Ray head did not answer (ActorUnavailableError)")
+
+    for name in ("get", "list", "delete", "open_video"):
+        setattr(service, name, unavailable)
+    for method, path in (("GET", f"/v1/videos/{video_id}"), ("GET", "/v1/videos"),
+                         ("DELETE", f"/v1/videos/{video_id}"), ("GET", f"/v1/videos/{video_id}/content")):
+        response = client.request(method, path)
+        assert response.status_code == 503, (method, path, response.text)
+        assert response.headers["Retry-After"] == "2"
+        assert response.json()["error"]["code"] == "service_unavailable"

@@ -94,6 +94,18 @@ def test_a_model_path_that_is_not_a_model_is_refused_before_any_weights(tmp_path
         build_app({"model_path": str(tmp_path / "empty"), "store_dir": str(tmp_path / "s")})
 
 
+def test_a_store_dir_that_cannot_hold_a_store_is_one_line_before_serving(model_dir, tmp_path, monkeypatch):
+    """Without a connected Ray (a dry build) the head's store folder is checked here; with Ray it is checked on
+    the head (tests/integration/test_serve_failover.py). Either way one line naming store_dir."""
+    monkeypatch.setenv("VIDRAY_API_TOKEN", TOKEN)
+    (tmp_path / "a-file").write_text("not a folder")
+    for store_on in ("head", "replica"):
+        with pytest.raises(ServeSettingsError, match=rf"^store_dir .*a-file \(store_on: {store_on}\): .*File exists"):
+            build_app(_args(model_dir, tmp_path, store_dir=str(tmp_path / "a-file"), store_on=store_on))
+    with pytest.raises(ServeSettingsError, match="store_on: Input should be 'head' or 'replica'"):
+        build_app(_args(model_dir, tmp_path, store_on="ingress"))
+
+
 def test_model_spec_follows_the_models_bucket_and_frame_rule(model_dir, tmp_path):
     settings = ServeSettings(model_path=str(model_dir), fps=8.0)
     spec = model_spec(settings, inspect_model(model_dir))
@@ -185,7 +197,7 @@ def test_shutdown_hands_running_and_just_claimed_jobs_back_and_stops_the_runner(
     from vidray.serve.app import VideoJobService
 
     settings = ServeSettings(model_path=str(model_dir), store_dir=str(tmp_path / "store"), fps=8.0,
-                             runner={"max_concurrent_jobs": 2, "lease_s": 30.0, "poll_s": 0.05})
+                             store_on="replica", runner={"max_concurrent_jobs": 2, "lease_s": 30.0, "poll_s": 0.05})
     stage = _Hang()
 
     async def scenario():

@@ -75,7 +75,7 @@ def serve(tiny_serve_model_dir, tmp_path):
 
     def make(step_s: float = 0.01, **sections):
         settings = ServeSettings(model_path=str(tiny_serve_model_dir), store_dir=str(tmp_path / "store"), fps=8.0,
-                                 **sections)
+                                 store_on="replica", **sections)
         stages = Stages(step_s)
         service = VideoJobService(settings, (TOKEN_A, TOKEN_B), stages.text, stages.denoiser, stages.vae)
         client = TestClient(build_api(lambda: service), headers={"Authorization": f"Bearer {TOKEN_A}"})
@@ -207,16 +207,16 @@ def test_a_delete_racing_a_download_is_a_404_not_a_500(serve):
     service, client, _ = serve()
     video_id = _create(client, "a0").json()["id"]
     _wait_for(lambda: service.store.get(video_id).status == "completed", what="the video completed")
-    content_path = service.content_path
+    video_path = service.store.video_path
 
     class RemovedAsItIsOpened(type(Path())):
-        """The worst interleaving: the DELETE lands after the route found the file, as the server opens it."""
+        """The worst interleaving: the DELETE lands after the store found the file, as it opens it."""
 
         def __fspath__(self) -> str:
             service.delete(video_id)
             return super().__fspath__()
 
-    service.content_path = lambda vid: RemovedAsItIsOpened(content_path(vid))
+    service.store.video_path = lambda vid: RemovedAsItIsOpened(video_path(vid))
     response = client.get(f"/v1/videos/{video_id}/content")
     assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
 

@@ -50,8 +50,7 @@ from contextlib import aclosing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import unquote_to_bytes
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -63,7 +62,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 from starlette.types import Message, Receive
 
-from vidray.serve.jobs import ANONYMOUS_CLIENT, QueueFullError
+from vidray.serve.jobs import ANONYMOUS_CLIENT, JobStoreUnavailableError, QueueFullError
 
 __all__ = [
     "ApiLimits",
@@ -694,7 +693,9 @@ def check_bearer(authorization: str | None, token: str | Sequence[str] | None) -
 class VideoService(Protocol):
     """What the routes need from the job runner (`vidray.serve.app` implements it).
 
-    Its sync methods are called on the server's event loop: they must return quickly (a small database read).
+    Its sync methods are called in a worker thread (`run_in_threadpool`): they may wait for the job store (a
+    round trip to the Ray head's store actor); a store that does not answer raises `JobStoreUnavailableError`
+    (answered 503 with Retry-After).
     Video objects are dicts in the OpenAI shape: `id`, `object: "video"`, `created_at` (unix s), `status`
     (queued | in_progress | completed | failed), `progress` (0..100), `model`, `seconds`, `size`, optional
     `completed_at`, `expires_at`, `prompt`, `error: {code, message}`.
@@ -724,8 +725,9 @@ class VideoService(Protocol):
         """Delete the job and its files; False for an unknown id."""
         ...
 
-    def content_path(self, video_id: str) -> Path | None:
-        """The finished mp4's path, or None when the job is not completed (or its file is gone)."""
+    def open_video(self, video_id: str) -> BinaryIO | None:
+        """The finished mp4 opened for reading (the caller closes it), or None when the job is not completed (or
+        its file is gone)."""
         ...
 
     def health(self) -> dict:
@@ -1148,16 +1150,6 @@ async def _form_fields(request: Request, limits: ApiLimits) -> tuple[dict[str, s
         await form.close()
 
 
-def _open_or_none(path: Path | None):
-    """`path` opened for reading, or None when there is none or it is gone."""
-    if path is None:
-        return None
-    try:
-        return open(path, "rb")  # noqa: SIM115 - closed by `_chunks` when the response ends
-    except (FileNotFoundError, IsADirectoryError):
-        return None
-
-
 def _chunks(video_file) -> Iterator[bytes]:
     """The open file's bytes in `DOWNLOAD_CHUNK_BYTES` pieces (Starlette reads a sync iterator in a thread); closes
     it at the end, also when the client goes away."""
@@ -1240,6 +1232,12 @@ def build_api(get_service: Callable[[], VideoService | None],
         param = loc[-1] if loc else None
         return respond(RequestError(400, param, f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid')}"))
 
+    @app.exception_handler(JobStoreUnavailableError)
+    async def _store_unavailable(_request: Request, exc: JobStoreUnavailableError) -> JSONResponse:
+        logging.getLogger(__name__).warning("%s", exc)
+        return respond(RequestError(503, None, "the video store is not answering; retry in a few seconds",
+                                    code="service_unavailable", headers={"Retry-After": "2"}))
+
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception) -> JSONResponse:
         # The client sees no internals (paths, host names): an error id, which the server log holds with the
@@ -1262,8 +1260,8 @@ def build_api(get_service: Callable[[], VideoService | None],
         request.state.client = check_bearer(request.headers.get("authorization"), service.auth_token)
         return service
 
-    def video_or_404(service: VideoService, video_id: str) -> dict:
-        video = service.get(video_id)
+    async def video_or_404(service: VideoService, video_id: str) -> dict:
+        video = await run_in_threadpool(service.get, video_id)
         if video is None:
             raise RequestError(404, "video_id", f"no video with id {video_id!r}; list them with GET /v1/videos",
                                code="not_found")
@@ -1322,7 +1320,7 @@ def build_api(get_service: Callable[[], VideoService | None],
         if order not in ("asc", "desc"):
             raise RequestError(400, "order", f"order must be 'asc' or 'desc', got {order!r}")
         try:
-            data, has_more = service.list(after=after or None, limit=count, order=order)
+            data, has_more = await run_in_threadpool(service.list, after=after or None, limit=count, order=order)
         except LookupError as err:  # an unknown cursor (was a 500: a new user's trial)
             raise RequestError(400, "after", str(err)) from None
         return JSONResponse({
@@ -1336,7 +1334,7 @@ def build_api(get_service: Callable[[], VideoService | None],
     @app.get("/v1/videos/{video_id}")
     async def retrieve_video(request: Request, video_id: str) -> JSONResponse:
         service = authorized(request)
-        video = video_or_404(service, video_id)
+        video = await video_or_404(service, video_id)
         headers = {"openai-poll-after-ms": str(POLL_AFTER_MS)} if video.get("status") in _UNFINISHED else None
         return JSONResponse(video, headers=headers)
 
@@ -1346,7 +1344,7 @@ def build_api(get_service: Callable[[], VideoService | None],
         if variant not in (None, "", "video"):
             raise RequestError(400, "variant", f"variant {variant!r} is not available; only 'video' (the mp4) is "
                                "served here")
-        video = video_or_404(service, video_id)
+        video = await video_or_404(service, video_id)
         status = video.get("status")
         if status != "completed":
             if status == "failed":
@@ -1357,19 +1355,20 @@ def build_api(get_service: Callable[[], VideoService | None],
                           "its status is 'completed'")
             raise RequestError(409, "video_id", f"video {video_id!r} is {detail}", code="video_not_ready")
         # Opened here, once: a DELETE (or the retention sweep) after this point unlinks the name, and the download
-        # still finishes from the open file; one before it is a 404.
-        video_file = _open_or_none(service.content_path(video_id))
+        # still finishes from the open file (or the bytes fetched from the head's store); one before it is a 404.
+        video_file = await run_in_threadpool(service.open_video, video_id)
         if video_file is None:
             raise RequestError(404, "video_id", f"video {video_id!r} is completed but its mp4 is no longer "
                                "stored (expired or deleted); create it again", code="not_found")
-        size = os.fstat(video_file.fileno()).st_size
+        size = video_file.seek(0, os.SEEK_END)
+        video_file.seek(0)
         return StreamingResponse(_chunks(video_file), media_type="video/mp4", headers={
             "content-length": str(size), "content-disposition": f'attachment; filename="{video_id}.mp4"'})
 
     @app.delete("/v1/videos/{video_id}")
     async def delete_video(request: Request, video_id: str) -> JSONResponse:
         service = authorized(request)
-        if not service.delete(video_id):
+        if not await run_in_threadpool(service.delete, video_id):
             raise RequestError(404, "video_id", f"no video with id {video_id!r}; list them with GET /v1/videos",
                                code="not_found")
         return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})

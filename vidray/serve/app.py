@@ -8,7 +8,8 @@ reserves anything, then binds: `VideoIngress` (HTTP, `vidray.serve.api`) -> hand
 `VaeDecoder` (`vidray.serve.stages`).
 
 Jobs: `POST /v1/videos` writes a queued record to the job store (`vidray.serve.jobs`, sqlite under
-`store_dir`) and returns. Each ingress replica runs a job runner that claims queued jobs (up to
+`store_dir`, held by one actor on the Ray head: `vidray.serve.store_actor`) and returns. Each ingress replica
+runs a job runner that claims queued jobs (up to
 `runner.max_concurrent_jobs` at once), runs text -> denoise -> decode through the stage handles, writes the mp4
 into the store and marks the job completed. Progress (0-100) moves with the denoising steps: 5 after the prompt is
 encoded, 5 + 90 * step / num_inference_steps while denoising, 100 when the mp4 is stored.
@@ -34,10 +35,11 @@ import logging
 import math
 import os
 import socket
+import sqlite3
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
@@ -149,7 +151,13 @@ class ServeSettings(_Section):
     model_name: str = "vidray"
     """The `model` string of responses; requests may omit `model` or give exactly this."""
     store_dir: str = "outputs/serve"
-    """Job records (sqlite) and finished mp4s; a local disk shared by this host's replicas."""
+    """Job records (sqlite) and finished mp4s: a folder on the Ray head's disk (`store_on: head`), or on each
+    ingress replica's node (`store_on: replica`). Relative paths are taken from the folder `serve run` ran in."""
+    store_on: Literal["head", "replica"] = "head"
+    """Where the job store runs. head: one actor on the Ray head node holds the store, and every ingress replica
+    on every node uses it, so jobs outlive the loss of any worker node (`vidray.serve.store_actor`). replica: each
+    ingress replica opens `store_dir` on its own node (one node only: replicas on two nodes would keep two
+    stores, and a lost node takes its jobs)."""
     fps: float = Field(8.0, gt=0, le=240)
     """Frame rate of the mp4s; `seconds` of a request = num_frames / fps."""
     default_num_inference_steps: int = Field(16, ge=1)
@@ -292,8 +300,9 @@ class VideoJobService:
             self._drop(video_id)
         return deleted
 
-    def content_path(self, video_id: str) -> Path | None:
-        return self.store.video_path(video_id)
+    def open_video(self, video_id: str):
+        """The finished mp4 opened for reading, or None (`JobStore.open_video`)."""
+        return self.store.open_video(video_id)
 
     def health(self) -> dict:
         """``{"status": "ok"}`` while this replica's runner runs (restarting it if it ended), else
@@ -640,10 +649,31 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(problems)
 
 
-def _open_store(settings: ServeSettings) -> JobStore:
+def _open_store(settings: ServeSettings):
+    """The job store the settings name: the head's store actor (`store_on: head`, needs a connected Ray), or a
+    `JobStore` on this node's disk. Raises what `JobStore` raises when `store_dir` cannot hold a store, and
+    `JobStoreUnavailableError` when the head's actor does not start."""
     hours = settings.retention.hours
-    return JobStore(settings.store_dir, max_attempts=settings.runner.max_attempts,
-                    retention_s=None if hours is None else hours * 3600.0)
+    retention_s = None if hours is None else hours * 3600.0
+    if settings.store_on == "head":
+        from vidray.serve.store_actor import head_job_store
+
+        return head_job_store(settings.store_dir, max_attempts=settings.runner.max_attempts, retention_s=retention_s)
+    return JobStore(settings.store_dir, max_attempts=settings.runner.max_attempts, retention_s=retention_s)
+
+
+def _check_store(settings: ServeSettings) -> None:
+    """Open the store once before Serve starts a replica (creates or migrates its schema). Without a connected Ray
+    (a dry build), a head store is checked as a local folder. Raises ServeSettingsError naming `store_dir`."""
+    import ray
+
+    where = f"store_dir {settings.store_dir} (store_on: {settings.store_on})"
+    if settings.store_on == "head" and not ray.is_initialized():
+        settings = settings.model_copy(update={"store_on": "replica"})
+    try:
+        _open_store(settings)
+    except (ValueError, OSError, sqlite3.DatabaseError) as err:  # JobStoreUnavailableError is an OSError
+        raise ServeSettingsError(f"{where}: {err}") from None
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -680,8 +710,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         policy = PolicyConfig(**settings.policy.model_dump())
     except ValueError as err:
         raise ServeSettingsError(f"policy: {err}") from None
-    Path(settings.store_dir).mkdir(parents=True, exist_ok=True)
-    _open_store(settings)  # creates / checks (and migrates) the schema now
+    _check_store(settings)
     denoiser = Denoiser.options(max_ongoing_requests=max(16, 2 * policy.max_batch_size))
     logger.info("vidray serve: model %s, store %s, auth %s", settings.model_path, settings.store_dir,
                 "off" if auth_token is None else f"{len(auth_token)} bearer token(s)")

@@ -53,12 +53,14 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 __all__ = [
     "ANONYMOUS_CLIENT",
     "JOB_STATUSES",
     "TERMINAL_STATUSES",
     "JobStore",
+    "JobStoreUnavailableError",
     "QueueFullError",
     "VideoJob",
     "is_job_id",
@@ -119,6 +121,11 @@ _COLUMNS = (
     "id, created_at, status, progress, model, prompt, size, seconds, params, attempts, owner, lease_until, "
     "completed_at, error, input_reference, client, expires_at"
 )
+
+
+class JobStoreUnavailableError(ConnectionError):
+    """The head's job-store actor did not answer: its process died mid-call (Ray restarts it), or the head is
+    unreachable. Nothing was answered, so the caller may retry (an HTTP route answers 503 with Retry-After)."""
 
 
 class QueueFullError(Exception):
@@ -778,36 +785,51 @@ class JobStore:
         path = self.videos_dir / f"{job.id}.mp4"
         return path if path.is_file() else None
 
+    def open_video(self, job_id: str) -> BinaryIO | None:
+        """The finished mp4 of a ``completed`` job opened for reading (a delete after this call unlinks the name;
+        the open file still reads to its end), or None (not completed, deleted, or its file is gone)."""
+        path = self.video_path(job_id)
+        try:
+            return None if path is None else open(path, "rb")  # noqa: SIM115 - the caller closes it
+        except FileNotFoundError:
+            return None
+
     def temp_video(self) -> Path:
         """A new empty file ``tmp/<random>.mp4`` for a runner to write a video into before `complete` moves it in
         (same filesystem: the move is atomic). The runner removes it if the job ends otherwise; `sweep_temp`
         removes what a dead runner left."""
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(suffix=".mp4", dir=self.tmp_dir)
-        os.close(fd)
-        return Path(name)
+        return new_temp_mp4(self.tmp_dir)
 
     def sweep_temp(self, *, older_than_s: float, now: float | None = None) -> list[Path]:
         """Remove the files in ``tmp/`` last modified more than `older_than_s` seconds before `now` (left by
         runners that died or were cancelled mid-write); younger files may belong to a live render and stay.
+        Returns the paths removed. Raises ValueError: older_than_s not a finite number > 0."""
+        return sweep_old_files(self.tmp_dir, older_than_s=older_than_s, now=now)
 
-        Returns:
-            The paths removed.
 
-        Raises:
-            ValueError: older_than_s not a finite number > 0.
-        """
-        older_than_s = _check_positive("older_than_s", older_than_s)
-        cutoff = (time.time() if now is None else float(now)) - older_than_s
-        removed: list[Path] = []
-        if not self.tmp_dir.is_dir():  # removed by hand: temp_video makes it again
-            return removed
-        for entry in os.scandir(self.tmp_dir):
-            with contextlib.suppress(FileNotFoundError):  # a runner moved or removed it meanwhile
-                if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                    os.unlink(entry.path)
-                    removed.append(Path(entry.path))
+def new_temp_mp4(folder: Path) -> Path:
+    """A new empty ``<folder>/<random>.mp4`` (the folder is made if missing)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(suffix=".mp4", dir=folder)
+    os.close(fd)
+    return Path(name)
+
+
+def sweep_old_files(folder: Path, *, older_than_s: float, now: float | None = None) -> list[Path]:
+    """Remove the files in `folder` last modified more than `older_than_s` seconds before `now` (default: the
+    clock); a missing folder has none. Returns the paths removed. Raises ValueError: older_than_s not a finite
+    number > 0."""
+    older_than_s = _check_positive("older_than_s", older_than_s)
+    cutoff = (time.time() if now is None else float(now)) - older_than_s
+    removed: list[Path] = []
+    if not folder.is_dir():  # removed by hand: the next temp file makes it again
         return removed
+    for entry in os.scandir(folder):
+        with contextlib.suppress(FileNotFoundError):  # a runner moved or removed it meanwhile
+            if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
 
 
 def _check_room(conn: sqlite3.Connection, client: str, max_total: int | None, max_client: int | None) -> None:
