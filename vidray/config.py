@@ -399,7 +399,10 @@ class CheckpointConfig:
     """How a checkpoint reaches `storage.path`: `async` blocks the step only while rank 0 writes the parts to a
     local temp folder, then copies them to the run folder in the background (Ray Train's asynchronous upload; the
     next checkpoint waits for the previous copy); `sync` blocks until the copy is done. Either way the copy is
-    retried, and the manifest goes last, so an interrupted copy is never taken for a complete checkpoint."""
+    retried, and the manifest goes last, so an interrupted copy is never taken for a complete checkpoint. A sharded
+    checkpoint (`scaling.strategy: fsdp | hsdp`) with `async` is also written in the background (`dcp.async_save`:
+    the step waits for the copy of each rank's state to CPU memory) and reported at the first log step after
+    every rank's write is done."""
 
 
 @dataclass(config=_STRICT, kw_only=True)

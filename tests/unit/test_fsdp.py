@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from vidray.train.checkpoint import (
     load_transformer_state,
     save_checkpoint,
     save_sharded_checkpoint,
+    start_sharded_checkpoint,
     verify_checkpoint,
 )
 from vidray.train.parallel import (
@@ -129,6 +131,21 @@ def _worker(rank: int, world: int, port: int, task: str, tmp: str) -> None:
             assert is_sharded(model)
             result["steps"] = _train_steps(model, _optimizer(model), range(1, 4), rank, world, per_rank=True)
             result["weights"] = _full_state(model)
+        elif task == "save_async":  # dcp.async_save: steps 3 and 4 train while the step-2 state is written
+            model = _sharded()
+            optimizer = _optimizer(model)
+            _train_steps(model, optimizer, range(1, 3), rank, world, per_rank=False)
+            local = tmp_path / f"snapshot-rank{rank}"
+            with ThreadPoolExecutor(max_workers=1) as executor:
+                started = start_sharded_checkpoint(
+                    local, model=model, optimizer=optimizer, lr_scheduler=_lr_scheduler(optimizer),
+                    train_state=TrainState(2, 0, 4, world, ""), job_config={"name": "t"}, rank=rank,
+                    world_size=world, process_group=dist.new_group(backend="gloo"), executor=executor)
+                result["weights"] = _full_state(model)
+                result["steps"] = _train_steps(model, optimizer, range(3, 5), rank, world, per_rank=False)
+                started.finish()
+            CheckpointManager(tmp_path / "run").upload_shard(local, NAME)
+            dist.barrier()
         elif task == "save":
             model = _sharded()
             optimizer = _optimizer(model)
@@ -225,8 +242,11 @@ def test_fsdp_trains_like_the_unsharded_model_with_a_global_grad_norm_and_accumu
         torch.testing.assert_close(got["weights"][name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_sharded_checkpoint_saves_manifest_last_and_resumes_on_1_and_2_processes_and_in_a_plain_model(tmp_path):
-    saved = _run("save", 2, tmp_path)
+@pytest.mark.parametrize("save", ["save", "save_async"])
+def test_sharded_checkpoint_saves_manifest_last_and_resumes_on_1_and_2_processes_and_in_a_plain_model(save, tmp_path):
+    """`save_async` trains steps 3 and 4 while the step-2 checkpoint is written (dcp.async_save): what loads is
+    the step-2 state all the same, and training from it repeats those steps exactly."""
+    saved = _run(save, 2, tmp_path)
     folder = tmp_path / "run" / NAME
     manifest = verify_checkpoint(folder)  # every rank's file: size and sha256
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "train_state.json"} <= set(manifest["parts"])

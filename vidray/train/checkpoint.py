@@ -52,6 +52,7 @@ import signal
 import tempfile
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -86,7 +87,7 @@ __all__ = [
     "CheckpointManager", "CheckpointUploadError", "checkpoint_dir_name", "checkpoint_step", "CheckpointError", "DamagedCheckpointError", "IncompleteCheckpointError", "TrainState", "dataset_mismatch",
     "file_sha256", "load_checkpoint", "load_transformer_state", "read_job_config", "read_train_state",
     "save_checkpoint", "verify_checkpoint", "ADAPTER_PART", "DATASET_ROWS", "FORMAT_VERSION", "MANIFEST", "PARTS",
-    "READABLE_FORMAT_VERSIONS",
+    "READABLE_FORMAT_VERSIONS", "PendingShardedCheckpoint", "save_sharded_checkpoint", "start_sharded_checkpoint",
 ]
 
 DATASET_ROWS = "dataset_rows.parquet"
@@ -616,6 +617,105 @@ def _local_files(directory: Path) -> list[str]:
     return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
 
 
+class PendingShardedCheckpoint:
+    """One rank's part of a sharded checkpoint, its DCP files being written (`start_sharded_checkpoint`).
+
+    `finish()` is a collective (every rank calls it at the same point of the loop): it waits for this rank's write
+    and the sha256 of its files, gathers every rank's sizes and hashes to rank 0, which writes `manifest.json`
+    into its folder, and returns the folder (what the rank reports to Ray Train)."""
+
+    def __init__(self, directory: Path, records: Future, *, step: int, rank: int, world_size: int) -> None:
+        self.directory = directory
+        self.step = step
+        self._records = records
+        self._rank = rank
+        self._world_size = world_size
+
+    def done(self) -> bool:
+        """True when this rank's files are written and hashed (`finish` then waits only for the other ranks)."""
+        return self._records.done()
+
+    def finish(self) -> Path:
+        """Wait for the write, gather the file records, write the manifest on rank 0. Returns the folder. Raises
+        the write's error (OSError, a DCP error) on the rank whose write failed, CheckpointError when two ranks
+        wrote the same file."""
+        from vidray.train.parallel import gather_to_rank0
+
+        everyone = gather_to_rank0(self._records.result(), self._rank, self._world_size)
+        if self._rank == 0:
+            files: dict[str, Any] = {}
+            for r, part in enumerate(everyone):
+                clash = sorted(set(files) & set(part))
+                if clash:
+                    raise CheckpointError(f"sharded checkpoint: rank {r} wrote {clash[0]}, which another rank wrote "
+                                          "too", directory=self.directory, part=clash[0])
+                files.update(part)
+            manifest = {"format_version": FORMAT_VERSION, "layout": SHARDED_LAYOUT, "parts": sorted(files),
+                        "files": files, "step": self.step, "world_size": self._world_size}
+            (self.directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        return self.directory
+
+
+def start_sharded_checkpoint(
+    directory: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    train_state: TrainState,
+    job_config: dict[str, Any],
+    rank: int,
+    world_size: int,
+    dataset: Any = None,
+    process_group: Any = None,
+    executor: ThreadPoolExecutor | None = None,
+) -> PendingShardedCheckpoint:
+    """Start writing this rank's part of a sharded checkpoint into its own local folder `directory`; a collective:
+    every rank calls it (each with its own folder, on any node), then `finish()` on the result.
+
+    Every rank writes `dcp/__<rank>_0.distcp` with `torch.distributed.checkpoint` of {"model":
+    get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}: the sharded (DTensor)
+    state, so no rank ever holds the full model; rank 0 also writes `dcp/.metadata` and, at once, the small parts
+    (`lr_scheduler.pt`, `train_state.json`, `config.yaml`, `DATASET_ROWS`).
+
+    With `process_group` (a gloo group of every rank, used only for checkpoints) and `executor`, the write is
+    asynchronous: `dcp.async_save` copies the state to CPU memory before it returns (the only time the step waits:
+    the training step may change the weights at once), then writes it in a thread, DCP's collectives going over
+    `process_group` (never the training's group, whose collectives run meanwhile: as torchtitan's async
+    checkpointing does); the executor then hashes this rank's files. Without them, `dcp.save` writes at once.
+
+    Source: torch docs, "Distributed Checkpoint - torch.distributed.checkpoint" (save, async_save, FileSystemWriter).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    directory = Path(directory)
+    (directory / DCP_DIR).mkdir(parents=True, exist_ok=True)
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    writer = dcp.FileSystemWriter(str(directory / DCP_DIR))
+    written = (dcp.async_save(state, storage_writer=writer, process_group=process_group)
+               if process_group is not None else None)
+    if written is None:
+        dcp.save(state, storage_writer=writer)
+    if rank == 0:
+        _save_run_parts(directory, lr_scheduler=lr_scheduler, train_state=train_state, job_config=job_config,
+                        dataset=dataset)
+
+    def records() -> dict[str, Any]:
+        if written is not None:
+            written.result()
+        return _file_records(directory, [rel for rel in _local_files(directory) if rel not in (DATASET_ROWS, MANIFEST)])
+
+    if written is not None and executor is not None:
+        future = executor.submit(records)
+    else:
+        if written is not None:
+            written.result()
+        future = Future()
+        future.set_result(records())
+    return PendingShardedCheckpoint(directory, future, step=train_state.step, rank=rank, world_size=world_size)
+
+
 def save_sharded_checkpoint(
     directory: str | Path,
     *,
@@ -628,45 +728,15 @@ def save_sharded_checkpoint(
     world_size: int,
     dataset: Any = None,
 ) -> Path:
-    """Write this rank's part of a sharded checkpoint into its own local folder `directory`; a collective: every
-    rank calls it (each with its own folder, on any node). Returns the folder.
-
-    Every rank writes `dcp/__<rank>_0.distcp` with `torch.distributed.checkpoint.save` (synchronous) of
-    {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}: the sharded
-    (DTensor) state, so no rank ever holds the full model; rank 0 also writes `dcp/.metadata` and the small parts
-    (`lr_scheduler.pt`, `train_state.json`, `config.yaml`, `DATASET_ROWS`). Each rank then hashes its own files;
-    the sizes and sha256s are gathered to rank 0 (`dist.gather_object`), which writes `manifest.json` listing every
-    rank's files (`layout: dcp`) into its folder. Rank 0's copy (`CheckpointManager.upload_shard`) puts the
-    manifest into the run folder only after every listed file is there: the checkpoint is complete or absent,
-    as a full one. Source: torch docs, "Distributed Checkpoint - torch.distributed.checkpoint" (save, FileSystemWriter).
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    from vidray.train.parallel import gather_to_rank0
-
-    directory = Path(directory)
-    (directory / DCP_DIR).mkdir(parents=True, exist_ok=True)
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory / DCP_DIR)))
-    if rank == 0:
-        _save_run_parts(directory, lr_scheduler=lr_scheduler, train_state=train_state, job_config=job_config,
-                        dataset=dataset)
-    mine = _file_records(directory, [rel for rel in _local_files(directory) if rel not in (DATASET_ROWS, MANIFEST)])
-    everyone = gather_to_rank0(mine, rank, world_size)
-    if rank == 0:
-        files: dict[str, Any] = {}
-        for r, part in enumerate(everyone):
-            clash = sorted(set(files) & set(part))
-            if clash:
-                raise CheckpointError(f"sharded checkpoint: rank {r} wrote {clash[0]}, which another rank wrote too",
-                                      directory=directory, part=clash[0])
-            files.update(part)
-        parts = sorted(files)
-        manifest = {"format_version": FORMAT_VERSION, "layout": SHARDED_LAYOUT, "parts": parts, "files": files,
-                    "step": train_state.step, "world_size": world_size}
-        (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return directory
+    """Write this rank's part of a sharded checkpoint into its own local folder `directory` at once and finish it
+    (`start_sharded_checkpoint` without a process group, then `PendingShardedCheckpoint.finish`); a collective.
+    Rank 0's folder then holds `manifest.json` listing every rank's files (sizes and sha256s); rank 0's copy
+    (`CheckpointManager.upload_shard`) puts the manifest into the run folder only after every listed file is
+    there: the checkpoint is complete or absent, as a full one. Returns the folder."""
+    return start_sharded_checkpoint(
+        directory, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, train_state=train_state,
+        job_config=job_config, rank=rank, world_size=world_size, dataset=dataset,
+    ).finish()
 
 
 def load_sharded_checkpoint(

@@ -28,6 +28,7 @@ import resource
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,8 @@ from vidray.train.checkpoint import (
     checkpoint_step,
     dataset_mismatch,
     save_checkpoint,
-    save_sharded_checkpoint,
+    PendingShardedCheckpoint,
+    start_sharded_checkpoint,
 )
 from vidray.train.ema import EMA
 from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
@@ -280,6 +282,36 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     checkpoints = CheckpointManager(loop_config["run_dir"])
     mode = (ray.train.CheckpointUploadMode.ASYNC if job.checkpoint.upload == "async"
             else ray.train.CheckpointUploadMode.SYNC)
+    # A sharded checkpoint with checkpoint.upload=async is written beside the training (dcp.async_save): its
+    # collectives go over a gloo group of their own, and one thread per rank hashes the files once written.
+    checkpoint_group = checkpoint_writer = None
+    if is_sharded(model) and job.checkpoint.upload == "async":
+        checkpoint_group = dist.new_group(backend="gloo")
+        checkpoint_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vidray-checkpoint")
+    pending: tuple[PendingShardedCheckpoint, dict, float] | None = None
+    """(the sharded checkpoint being written, its step's metrics, seconds its start held the step)"""
+
+    def written_everywhere(started: PendingShardedCheckpoint) -> bool:
+        """Whether every rank's write and hashing of `started` are done (a collective over the training's group:
+        every rank gets the same answer, so all finish it at the same report)."""
+        done = torch.tensor([1.0 if started.done() else 0.0], device=device)
+        if world_size > 1:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return bool(done.item())
+
+    def report_sharded(entry: tuple[PendingShardedCheckpoint, dict, float]) -> None:
+        """Finish a sharded checkpoint (a collective: every rank, same point) and report it with its step's
+        metrics; every rank reports its own folder (`CheckpointManager.ray_shard_upload_fn`)."""
+        started, step_metrics, started_s = entry
+        t_wait = time.perf_counter()
+        snapshot = started.finish()
+        ray.train.report(step_metrics, checkpoint=ray.train.Checkpoint.from_directory(str(snapshot)),
+                         checkpoint_dir_name=checkpoint_dir_name(started.step), checkpoint_upload_mode=mode,
+                         delete_local_checkpoint_after_upload=True,
+                         checkpoint_upload_fn=checkpoints.ray_shard_upload_fn())
+        checkpoint_blocked_s.append([started.step, started_s + time.perf_counter() - t_wait])
+        if validator is not None and started.step % validate_every == 0:
+            validations.append(validator.validate.remote(started.step))
     skipped: list[dict[str, str]] = []
     metrics_log = TrainMetrics(rank=rank, run=job.name, export_to_ray=job.train.ray_metrics)
     # The textfile needs a local folder: the run folder's, or for a run folder on object storage this node's temp
@@ -435,6 +467,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             if is_checkpoint:
                 run_log.flush()  # TensorBoard events, metrics.jsonl and loss.png in the run folder
         reported_steps.append(step)
+        if pending is not None and (is_checkpoint or written_everywhere(pending[0])):
+            report_sharded(pending)  # the previous sharded checkpoint, written meanwhile: finished, reported first
+            pending = None
         if is_checkpoint:
             # Rank 0 snapshots the parts into a local temp folder (the step waits only for this with
             # checkpoint.upload=async); Ray Train copies it to the run folder with the manager's upload (manifest
@@ -444,33 +479,40 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                                      position.to_dict(schedule.buckets), data_hash, len(table))
             if is_sharded(model):
                 # Every rank writes its shards (DCP) into its own temp folder and reports it; rank 0's upload
-                # writes the manifest only once every rank's files are in the run folder (manifest last).
+                # writes the manifest only once every rank's files are in the run folder (manifest last). With
+                # checkpoint.upload=async the write runs beside the next steps, and the checkpoint is reported
+                # (with this step's metrics) at the next report, or at the end of the run.
                 if rank == 0:
                     checkpoints.clear_for_sharded_write(checkpoint_dir_name(step))  # an interrupted earlier write
                 if world_size > 1:
                     dist.barrier()
-                snapshot = save_sharded_checkpoint(
+                started = start_sharded_checkpoint(
                     tempfile.mkdtemp(prefix="vidray-ckpt-"), model=transformer, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, train_state=train_state, job_config=job.to_dict(), rank=rank,
-                    world_size=world_size, dataset=data_rows)
-                checkpoint, upload_fn = ray.train.Checkpoint.from_directory(str(snapshot)), checkpoints.ray_shard_upload_fn()
-            else:
-                checkpoint, upload_fn = None, checkpoints.ray_upload_fn()
-                hook_state = comm.gather_state(rank, world_size)  # every rank's PowerSGD state (a collective)
-                if rank == 0:
-                    snapshot = save_checkpoint(
-                        tempfile.mkdtemp(prefix="vidray-ckpt-"),
-                        model=transformer,
-                        optimizer=optimizer,
-                        lr_scheduler=lr_scheduler,
-                        train_state=train_state,
-                        job_config=job.to_dict(),
-                        dataset=data_rows,
-                        ema=None if ema is None else ema.averaged,
-                        grad_scaler=precision.grad_scaler,
-                        comm_hook_state=hook_state,
-                    )
-                    checkpoint = ray.train.Checkpoint.from_directory(str(snapshot))
+                    world_size=world_size, dataset=data_rows, process_group=checkpoint_group,
+                    executor=checkpoint_writer)
+                pending = (started, metrics, time.perf_counter() - t_snapshot)
+                if checkpoint_group is None:
+                    report_sharded(pending)
+                    pending = None
+                window_start, window_steps = time.perf_counter(), 0
+                continue
+            checkpoint, upload_fn = None, checkpoints.ray_upload_fn()
+            hook_state = comm.gather_state(rank, world_size)  # every rank's PowerSGD state (a collective)
+            if rank == 0:
+                snapshot = save_checkpoint(
+                    tempfile.mkdtemp(prefix="vidray-ckpt-"),
+                    model=transformer,
+                    optimizer=optimizer,
+                    lr_scheduler=lr_scheduler,
+                    train_state=train_state,
+                    job_config=job.to_dict(),
+                    dataset=data_rows,
+                    ema=None if ema is None else ema.averaged,
+                    grad_scaler=precision.grad_scaler,
+                    comm_hook_state=hook_state,
+                )
+                checkpoint = ray.train.Checkpoint.from_directory(str(snapshot))
             ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name(step),
                              checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True,
                              checkpoint_upload_fn=upload_fn)
@@ -481,6 +523,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             # Asynchronous mode for plain reports too: a synchronous report would wait for the copy in flight.
             ray.train.report(metrics, checkpoint_upload_mode=mode)
         window_start, window_steps = time.perf_counter(), 0
+    if pending is not None:  # the last step's sharded checkpoint
+        report_sharded(pending)
+        pending = None
+    if checkpoint_writer is not None:
+        checkpoint_writer.shutdown()
     loader.close()
     lease.release()
     if run_log is not None:
