@@ -5,6 +5,7 @@ parameters that get no gradient. Family quirks stay in the family files; this mo
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,15 +16,30 @@ import torch
 __all__ = ["require_pipeline_folder", "unused_parameter_names", "write_pipeline_folder"]
 
 
-def require_pipeline_folder(path: str | Path, pipeline_class: str) -> Path:
-    """`path` as a Path when it holds a `model_index.json`. Raises FileNotFoundError naming the folder and the fix
-    (a folder written by vidray's export or `<pipeline_class>.save_pretrained`; hub ids are not downloaded)."""
+def require_pipeline_folder(path: str | Path, pipeline_class: str, components: tuple[str, ...] = ()) -> Path:
+    """`path` as a Path when it holds a `model_index.json` (and, when `components` are named, a `<pipeline_class>`
+    whose every component subfolder is there). Raises FileNotFoundError naming the folder and the fix (a folder
+    written by vidray's export or `<pipeline_class>.save_pretrained`; hub ids are not downloaded), or ValueError
+    naming the other pipeline class the folder holds (another family's folder)."""
     path = Path(path)
     if not (path / "model_index.json").is_file():
         raise FileNotFoundError(
             f"pretrained_path {str(path)!r} is not a local diffusers folder (no model_index.json); give a folder "
             f"written by `vidray` export or `{pipeline_class}.save_pretrained` (hub ids are not downloaded)"
         )
+    if not components:
+        return path
+    try:
+        class_name = json.loads((path / "model_index.json").read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ValueError(f"pretrained_path {str(path)!r}: model_index.json is not readable JSON ({err})") from None
+    if class_name != pipeline_class:
+        raise ValueError(f"pretrained_path {str(path)!r} holds a {class_name} pipeline, not a {pipeline_class}: set "
+                         f"model.family to the folder's family or give a {pipeline_class} folder")
+    missing = [name for name in components if not (path / name).is_dir()]
+    if missing:
+        raise FileNotFoundError(f"pretrained_path {str(path)!r} lacks {', '.join(f'{m}/' for m in missing)}: the "
+                                f"{pipeline_class} folder is incomplete; re-export it or copy the missing component")
     return path
 
 
