@@ -184,3 +184,14 @@ def test_the_minilm_text_encoder_sets_the_transformers_text_dim(family):
     assert family.prompt_embeds_dim(transformer) == 384
     loss = family.probe_loss(transformer, transformer)
     assert loss.ndim == 0 and torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("text_encoder", ["tiny_random", "minilm"])
+def test_the_planners_shape_of_a_wan_tiny_job_is_the_model_the_family_builds(family, text_encoder):
+    from vidray.models.presets import model_preset
+    from vidray.train.plan import count_model
+
+    preset = model_preset("wan", "tiny", text_encoder)
+    assert preset.name == "wan-tiny" and preset.family == "wan"
+    transformer = family.build_transformer(ModelConfig(family="wan", text_encoder=text_encoder), seed=0)
+    assert count_model(preset).total == sum(p.numel() for p in transformer.parameters())
