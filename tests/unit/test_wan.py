@@ -195,3 +195,15 @@ def test_the_planners_shape_of_a_wan_tiny_job_is_the_model_the_family_builds(fam
     assert preset.name == "wan-tiny" and preset.family == "wan"
     transformer = family.build_transformer(ModelConfig(family="wan", text_encoder=text_encoder), seed=0)
     assert count_model(preset).total == sum(p.numel() for p in transformer.parameters())
+
+
+def test_the_shipped_wan_config_builds_the_wan_family_for_its_buckets(family):
+    from pathlib import Path
+
+    from vidray.config import load_job_config
+
+    job = load_job_config(Path(__file__).resolve().parents[2] / "jobs" / "configs" / "wan_t2v_tiny.yaml")
+    assert get_family(job.model.family) is family
+    transformer = family.build_transformer(job.model, seed=job.train.seed)
+    for bucket in job.data.buckets:
+        assert family.latent_shape(bucket, 1)[1] == transformer.config.in_channels
