@@ -207,3 +207,32 @@ def test_the_shipped_wan_config_builds_the_wan_family_for_its_buckets(family):
     transformer = family.build_transformer(job.model, seed=job.train.seed)
     for bucket in job.data.buckets:
         assert family.latent_shape(bucket, 1)[1] == transformer.config.in_channels
+
+
+def _timesteps_seen(transformer, run) -> list[torch.Tensor]:
+    seen = []
+    handle = transformer.register_forward_pre_hook(lambda _, args, kwargs: seen.append(kwargs["timestep"].clone()),
+                                                   with_kwargs=True)
+    try:
+        run()
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_the_transformer_gets_the_stock_pipelines_float32_timesteps_even_in_bf16(family, exported):
+    import copy
+
+    components, _, pipe = exported
+    embeds, mask = family.encode_prompt(components.text_encoder, components.tokenizer, PROMPTS[:1],
+                                        max_sequence_length=MAX_SEQUENCE_LENGTH)
+    transformer = copy.deepcopy(components.transformer).to(torch.bfloat16)
+    kwargs = dict(num_inference_steps=3, shift=FLOW.shift, num_train_timesteps=FLOW.num_train_timesteps)
+    ours = _timesteps_seen(transformer, lambda: sample_latents(
+        family, transformer, embeds, mask, latent_shape=family.latent_shape(BUCKET, 1), **kwargs))
+    stock = _timesteps_seen(pipe.transformer, lambda: pipe(
+        prompt=PROMPTS[:1], num_frames=BUCKET.num_frames, height=BUCKET.height, width=BUCKET.width,
+        num_inference_steps=3, guidance_scale=1.0, max_sequence_length=MAX_SEQUENCE_LENGTH, output_type="latent"))
+    assert len(ours) == len(stock) == 3
+    for a, b in zip(ours, stock):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
