@@ -236,3 +236,28 @@ def test_the_transformer_gets_the_stock_pipelines_float32_timesteps_even_in_bf16
     assert len(ours) == len(stock) == 3
     for a, b in zip(ours, stock):
         assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_lora_adapters_load_in_the_stock_pipelines_wan_lora_loader(family, exported, tmp_path):
+    from vidray.config import LoraConfig
+    from vidray.models.lora import apply_lora, save_lora_weights
+
+    _, out_dir, _ = exported
+    transformer = apply_lora(family.build_transformer(CFG, seed=0), LoraConfig(rank=4), seed=0)
+    with torch.no_grad():  # B starts at zero: give the adapters an effect to compare
+        for name, p in transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
+    lora_dir = save_lora_weights(transformer, tmp_path / "lora")
+    pipe = WanPipeline.from_pretrained(out_dir, local_files_only=True)
+    pipe.load_lora_weights(lora_dir, weight_name="pytorch_lora_weights.safetensors")
+    latents = torch.randn(family.latent_shape(BUCKET, 1), generator=torch.Generator().manual_seed(0))
+    embeds = torch.randn(1, MAX_SEQUENCE_LENGTH, 64, generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(1, MAX_SEQUENCE_LENGTH, dtype=torch.bool)
+    timesteps = torch.tensor([500.0])
+    with torch.no_grad():
+        ours = family.predict(transformer, latents, timesteps, embeds, mask)
+        base = family.predict(family.build_transformer(CFG, seed=0), latents, timesteps, embeds, mask)
+        stock = family.predict(pipe.transformer, latents, timesteps, embeds, mask)
+    assert not torch.allclose(ours, base, atol=1e-4)
+    torch.testing.assert_close(stock, ours, atol=1e-5, rtol=1e-5)
