@@ -136,6 +136,8 @@ def test_load_pretrained_round_trips_the_export_and_build_transformer_agrees(fam
     assert all(torch.equal(alone[k], v) for k, v in loaded.transformer.state_dict().items())
     encoders = family.build_encoders(cfg, seed=123)
     assert all(torch.equal(encoders.vae.state_dict()[k], v) for k, v in loaded.vae.state_dict().items())
+    alone_vae = family.build_vae(cfg, seed=123).state_dict()
+    assert all(torch.equal(alone_vae[k], v) for k, v in loaded.vae.state_dict().items())
     assert not any(p.requires_grad for p in loaded.vae.parameters()) and loaded.transformer.training
 
 

@@ -342,6 +342,19 @@ class WanFamily(ModelFamily):
         return Encoders(vae=vae, text_encoder=pipe.text_encoder.eval().requires_grad_(False),
                         tokenizer=pipe.tokenizer)
 
+    def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLWan:
+        """The frozen VAE alone, equal to `build_encoders(...).vae`: `model.vae_path`, else a folder's `vae/` loaded
+        by itself (umT5-XXL is not read), else the tiny preset's (replaying `build_tiny`)."""
+        if model_cfg.vae_path:
+            return load_vae_folder(model_cfg.vae_path)
+        folder = _pretrained_folder(model_cfg)
+        if folder is None:
+            return self.build_encoders(model_cfg, seed=seed).vae
+        require_pipeline_folder(folder, "WanPipeline", PIPELINE_COMPONENTS)
+        vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", local_files_only=True)
+        _check_vae(vae, str(folder))
+        return vae.eval().requires_grad_(False)
+
     def encode_video(self, vae: AutoencoderKLWan, video: torch.Tensor) -> torch.Tensor:
         """`vidray.models.vae.encode_video`: (posterior mode - latents_mean) / latents_std per channel,
         (B, 16, (F-1)//4+1, H//8, W//8) float32."""
