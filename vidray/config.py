@@ -89,8 +89,9 @@ class LoraConfig:
 
 @dataclass(config=_STRICT, kw_only=True)
 class ModelConfig:
-    family: Literal["easyanimate"] = "easyanimate"
-    """Model family from the registry in `vidray.models`."""
+    family: Literal["easyanimate", "wan"] = "easyanimate"
+    """Model family from the registry in `vidray.models`: `easyanimate` (EasyAnimate V5.1 T2V) or `wan` (Wan 2.1
+    T2V). Each family's bucket rules are in `vidray.models.rules`."""
     preset: Literal["tiny"] = "tiny"
     """Architecture preset used with `init: random` (ignored for `pretrained`)."""
     init: Literal["random", "pretrained"] = "random"

@@ -49,6 +49,15 @@ def test_bad_bucket_says_the_rule():
         load_job_config(None, ["data.buckets=[[9, 60, 64]]"])
 
 
+@pytest.mark.parametrize("bucket, rule", [("[8, 64, 64]", r"num_frames must be 1 or k\*4\+1"),
+                                          ("[9, 64, 40]", "multiples of 16")])
+def test_a_wan_bucket_breaking_the_wan_rule_fails_at_load(bucket, rule):
+    load_job_config(None, ["model.family=wan", "data.buckets=[[9, 64, 48], [1, 32, 32]]"])  # 4k+1, 16-multiples
+    with pytest.raises(ConfigError, match=rule) as err:
+        load_job_config(None, ["model.family=wan", f"data.buckets=[{bucket}]"])
+    assert "the rule of model.family=wan" in str(err.value)
+
+
 def test_cross_field_checks():
     with pytest.raises(ConfigError, match="train.max_steps must be >= 1"):
         load_job_config(None, ["train.max_steps=0"])

@@ -68,7 +68,9 @@ def denoise_step(
     """One sampler step (`family.sampler_step`: Euler for flow matching) for a batch of samples, each at its own
     noise level: latents (B, C, F, H, W) at `sigmas` (B,) -> latents at `sigmas_next` (B,), in latents' dtype.
 
-    timesteps = `family.model_timesteps(sigmas)` (B,) go to `family.predict` with prompt_embeds (B, L, D) and
+    timesteps = `family.model_timesteps(sigmas)` (B,) go to `family.predict` in their own dtype (float32 for flow
+    matching, as in training; the family casts them as its pipeline does: EasyAnimate to the latents' dtype, Wan
+    not at all), with prompt_embeds (B, L, D) and
     prompt_attention_mask (B, L). Classifier-free guidance runs when negative_prompt_embeds/mask are given: one
     transformer call on [uncond, cond] (2B), then `uncond + guidance_scale * (cond - uncond)` with guidance_scale a
     float or a (B,) tensor (per sample). Raises ValueError for shapes that do not line up.
@@ -93,7 +95,7 @@ def denoise_step(
         prompt_embeds = torch.cat([negative_prompt_embeds, prompt_embeds])
         prompt_attention_mask = torch.cat([negative_prompt_attention_mask, prompt_attention_mask])
     model_input = torch.cat([latents, latents]) if do_cfg else latents
-    t = family.model_timesteps(sigmas, num_train_timesteps).to(device=device, dtype=dtype)
+    t = family.model_timesteps(sigmas, num_train_timesteps).to(device=device)
     t = torch.cat([t, t]) if do_cfg else t
     model_pred = family.predict(transformer, model_input, t, prompt_embeds.to(device=device, dtype=dtype),
                                 prompt_attention_mask.to(device=device))

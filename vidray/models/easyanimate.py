@@ -13,8 +13,6 @@ transformer trained with `EasyAnimateFamily.predict` behaves the same inside the
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +22,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
+from vidray.models.folders import require_pipeline_folder, unused_parameter_names, write_pipeline_folder
 from vidray.models.rules import FAMILY_BUCKET_RULES
 from vidray.models.text_encoder import build_text_encoder, encode_prompts, ensure_chat_template, text_hidden_size
 from vidray.models.vae import decode_latents, encode_video
@@ -154,12 +153,7 @@ def load_pretrained(path: str | Path) -> Components:
     Raises FileNotFoundError if `path` is not a folder with a `model_index.json` (hub ids are never resolved).
     The VAE and text encoder come back frozen; the transformer in train mode.
     """
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        raise FileNotFoundError(
-            f"pretrained_path {str(path)!r} is not a local diffusers folder (no model_index.json); give a folder "
-            f"written by `vidray` export or `EasyAnimatePipeline.save_pretrained` (hub ids are not downloaded)"
-        )
+    path = require_pipeline_folder(path, "EasyAnimatePipeline")
     pipe = EasyAnimatePipeline.from_pretrained(path, local_files_only=True)
     _check_layout(pipe.transformer, pipe.vae, str(path))
     pipe.vae.eval().requires_grad_(False)
@@ -183,14 +177,10 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
     `vae.register_to_config(cache_mag_vae=True)` after loading for that pipeline). Note the stock pipeline pads
     prompts to 256 tokens (`encode_prompt` default) and the transformer has no text mask, so a transformer trained
     at another `max_sequence_length` matches exactly only when given `prompt_embeds`.
-    Written to a temp folder next to `out_dir`, then renamed, so
-    `out_dir` is complete or absent; an existing pipeline folder at `out_dir` is replaced. Raises
+    Written by `vidray.models.folders.write_pipeline_folder` (a temp folder next to `out_dir`, then renamed): `out_dir`
+    is complete or absent; an existing pipeline folder at `out_dir` is replaced. Raises
     FileExistsError if `out_dir` exists and is not a pipeline folder. Returns `out_dir`.
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not (out_dir / "model_index.json").is_file():
-        if not out_dir.is_dir() or any(out_dir.iterdir()):
-            raise FileExistsError(f"{out_dir} exists and is not a diffusers pipeline folder; choose an empty path")
     ensure_chat_template(components.tokenizer)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=flow.shift, num_train_timesteps=flow.num_train_timesteps)
     pipe = EasyAnimatePipeline(
@@ -200,20 +190,7 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
         transformer=components.transformer,
         scheduler=scheduler,
     )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    tmp_dir.chmod(0o755)  # mkdtemp makes it 0700; the exported model is meant to be shared
-    try:
-        pipe.save_pretrained(tmp_dir, safe_serialization=True)
-        if not (tmp_dir / "model_index.json").is_file():
-            raise RuntimeError(f"save_pretrained wrote no model_index.json in {tmp_dir}")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp_dir.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    return out_dir
+    return write_pipeline_folder(pipe, out_dir)
 
 
 def no_grad_parameter_names(transformer: EasyAnimateTransformer3DModel) -> list[str]:
@@ -224,12 +201,7 @@ def no_grad_parameter_names(transformer: EasyAnimateTransformer3DModel) -> list[
     EasyAnimateTransformer3DModel the last block's text-stream output (`attn1.to_add_out`, `txt_ff`) is never
     used, which makes DDP fail with "Expected to have finished reduction"; `requires_grad_(False)` on these.
     """
-    params = [(name, p) for name, p in transformer.named_parameters() if p.requires_grad]
-    if not params:
-        return []
-    with torch.enable_grad():
-        grads = torch.autograd.grad(probe_loss(transformer, transformer), [q for _, q in params], allow_unused=True)
-    return [name for (name, _), grad in zip(params, grads) if grad is None]
+    return unused_parameter_names(transformer, probe_loss)
 
 
 def probe_loss(model: torch.nn.Module, transformer: EasyAnimateTransformer3DModel) -> torch.Tensor:

@@ -4,7 +4,8 @@ and `load_model`, which `vidray generate` and the serve plane use (neither impor
 A model folder is either
 - a diffusers folder written at the end of training (`<run>/diffusers`, with `vidray_job.yaml` beside the
   weights recording the family, buckets, flow shift and prompt length it was trained with), or any local
-  diffusers EasyAnimate folder (then prompts use the stock pipeline's 256 tokens and buckets must be given), or
+  diffusers EasyAnimate or Wan 2.1 T2V folder (then prompts use the stock pipeline's 256 or 512 tokens and
+  buckets must be given), or
 - a training checkpoint folder (`<run>/checkpoint_000200`): components are rebuilt from the saved config and
   the transformer weights are loaded from the checkpoint.
 Either may be given as a URI (`s3://bucket/runs/<name>/diffusers` when `storage.path` is on object storage): it is
@@ -57,6 +58,7 @@ __all__ = [
     "ADAPTER_PART",
     "READABLE_FORMAT_VERSIONS",
     "STOCK_MAX_SEQUENCE_LENGTH",
+    "STOCK_MAX_SEQUENCE_LENGTHS",
     "MODEL_CACHE_ENV",
     "MODEL_INDEX",
     "ModelDownloadError",
@@ -99,10 +101,13 @@ _HASH_CHUNK_BYTES = 8 * 1024 * 1024
 JOB_FILE = "vidray_job.yaml"
 """Name of the resolved job config written beside an exported diffusers pipeline."""
 
-_PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate"}
+_PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate", "WanPipeline": "wan"}
 _PIPELINE_SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 STOCK_MAX_SEQUENCE_LENGTH = 256
 """diffusers EasyAnimatePipeline.encode_prompt's default prompt length (tokens)."""
+STOCK_MAX_SEQUENCE_LENGTHS = {"easyanimate": STOCK_MAX_SEQUENCE_LENGTH, "wan": 512}
+"""The stock pipeline's default prompt length (tokens) by family: EasyAnimatePipeline.encode_prompt's 256,
+WanPipeline.__call__'s 512."""
 
 
 MODEL_INDEX = "model_index.json"
@@ -408,9 +413,11 @@ def _inspect_folder(path: Path) -> ModelInfo:
             f"model {path} holds a {class_name or 'unknown'} pipeline; "
             f"supported: {', '.join(sorted(_PIPELINE_FAMILIES))}"
         )
-    flow = FlowConfig(shift=float(scheduler.get("shift", 1.0)),
+    # FlowMatchEulerDiscreteScheduler says `shift`; the stock Wan folders' UniPCMultistepScheduler `flow_shift`.
+    flow = FlowConfig(shift=float(scheduler.get("shift", scheduler.get("flow_shift", 1.0))),
                       num_train_timesteps=int(scheduler.get("num_train_timesteps", 1000)))
-    return ModelInfo(path, "diffusers", _PIPELINE_FAMILIES[class_name], None, flow, STOCK_MAX_SEQUENCE_LENGTH, [])
+    family_name = _PIPELINE_FAMILIES[class_name]
+    return ModelInfo(path, "diffusers", family_name, None, flow, STOCK_MAX_SEQUENCE_LENGTHS[family_name], [])
 
 
 def _check_model_kind(path: str | Path) -> None:

@@ -9,6 +9,7 @@ weights). `vidray.train.plan` builds each on the meta device to count its parame
 | easyanimate-v5.1-12b | EasyAnimateTransformer3DModel | 48 x 3072 | 11,799,056,960 | alibaba-pai/EasyAnimateV5.1-12b-zh transformer/config.json (= diffusers' defaults) |
 | wan2.1-14b | WanTransformer3DModel | 40 x 5120 | 14,288,491,584 | Wan-AI/Wan2.1-T2V-14B(-Diffusers) |
 | wan2.2-a14b | WanTransformer3DModel, 2 experts | 40 x 5120 each | 2 x 14,288,491,584 | Wan-AI/Wan2.2-T2V-A14B(-Diffusers) |
+| wan-tiny | WanTransformer3DModel | 2 x 32 | 52,128 | `vidray.models.wan.TINY_TRANSFORMER`, text 384 (MiniLM) |
 
 Where the numbers come from (each checked by building the class on the meta device and comparing the parameter
 count with the published checkpoint's, where one was found):
@@ -47,7 +48,7 @@ from typing import Any, Literal
 
 from vidray.errors import UserError, UserFileNotFound
 
-__all__ = ["PRESETS", "ShapePreset", "get_preset", "preset_from_pretrained"]
+__all__ = ["PRESETS", "ShapePreset", "get_preset", "model_preset", "preset_from_pretrained"]
 
 Family = Literal["easyanimate", "wan"]
 
@@ -106,6 +107,20 @@ def _tiny_config() -> dict[str, Any]:
     return dict(TINY_TRANSFORMER, text_embed_dim=384)
 
 
+def _wan_tiny_config() -> dict[str, Any]:
+    from vidray.models.wan import TINY_TRANSFORMER
+
+    return dict(TINY_TRANSFORMER, text_dim=384)
+
+
+_FILLED_ON_USE = {"tiny": _tiny_config, "wan-tiny": _wan_tiny_config}
+"""Presets whose config lives with the family (imports diffusers): filled in by `get_preset`."""
+_JOB_PRESETS: dict[tuple[str, str], str] = {("easyanimate", "tiny"): "tiny", ("wan", "tiny"): "wan-tiny"}
+"""(model.family, model.preset) -> the shape preset of a job's `init: random` model."""
+_TEXT_WIDTH_KEYS = {"easyanimate": "text_embed_dim", "wan": "text_dim"}
+"""The transformer config key that holds the text encoder's hidden size, by family."""
+
+
 PRESETS: dict[str, ShapePreset] = {
     "tiny": ShapePreset("tiny", "easyanimate", {}, text_encoder_params=_MINILM_L6, text_encoder_bytes_per_param=4,
                         vae_params=200_000, text_seq_len=32),
@@ -128,6 +143,8 @@ PRESETS: dict[str, ShapePreset] = {
         "wan2.2-a14b", "wan", dict(_WAN_14B), text_encoder_params=_UMT5_XXL_ENCODER, vae_params=_WAN_VAE,
         text_seq_len=512, num_experts=2,
         note="Wan2.2-T2V-A14B: 2 experts of 14.3 B; one trains per process (the other is not on the GPU)"),
+    "wan-tiny": ShapePreset("wan-tiny", "wan", {}, text_encoder_params=_MINILM_L6, text_encoder_bytes_per_param=4,
+                            vae_params=22_000, text_seq_len=32, note="the wan family's tiny preset (model.preset: tiny)"),
 }
 """Built-in shape presets by name (`vidray plan --preset NAME`); `tiny`'s config is filled in by `get_preset`."""
 
@@ -138,9 +155,24 @@ def get_preset(name: str) -> ShapePreset:
         preset = PRESETS[name]
     except KeyError:
         raise UserError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}") from None
-    if name == "tiny":  # TINY_TRANSFORMER lives with the family (imports diffusers): filled in on use
-        preset = ShapePreset(**{**preset.__dict__, "config": _tiny_config()})
+    if name in _FILLED_ON_USE:  # TINY_TRANSFORMER lives with the family (imports diffusers): filled in on use
+        preset = ShapePreset(**{**preset.__dict__, "config": _FILLED_ON_USE[name]()})
     return preset
+
+
+def model_preset(family: str, preset: str, text_encoder: str) -> ShapePreset:
+    """The shape of a job's `init: random` model: `model.family` + `model.preset` (e.g. wan + tiny -> `wan-tiny`),
+    its text width set for `model.text_encoder` (`tiny_random`: 64, `minilm`: the preset's 384). Raises UserError
+    naming the valid (family, preset) pairs."""
+    try:
+        name = _JOB_PRESETS[(family, preset)]
+    except KeyError:
+        valid = ", ".join(f"{f}/{p}" for f, p in _JOB_PRESETS)
+        raise UserError(f"no shape preset for model.family={family} model.preset={preset}; valid: {valid}") from None
+    shape = get_preset(name)
+    if text_encoder == "tiny_random":
+        shape = ShapePreset(**{**shape.__dict__, "config": {**shape.config, _TEXT_WIDTH_KEYS[family]: 64}})
+    return shape
 
 
 def preset_from_pretrained(path: str | Path) -> ShapePreset:

@@ -6,6 +6,7 @@ imported. The family classes (`vidray.models.easyanimate`, ...) read their const
 | family | height, width | num_frames | why |
 |---|---|---|---|
 | easyanimate | multiples of 16 | 1 or 4k+1 | VAE 8x spatial, causal 4x temporal compression; DiT patch 2 |
+| wan | multiples of 16 | 1 or 4k+1 | VAE 8x spatial, causal 4x temporal compression; DiT patch (1, 2, 2) |
 
 A family whose VAE has no temporal compression (AnimateDiff's 16 frames, per-frame SD VAE) takes
 `temporal_compression=1`: any num_frames.
@@ -31,9 +32,12 @@ class BucketRules:
 
 FAMILY_BUCKET_RULES: dict[str, BucketRules] = {
     "easyanimate": BucketRules(spatial_multiple=16, temporal_compression=4),
+    "wan": BucketRules(spatial_multiple=16, temporal_compression=4),
 }
 """Bucket rules by `model.family` (diffusers: AutoencoderKLMagvit spatial_compression_ratio 8 and
-temporal_compression_ratio 4, EasyAnimateTransformer3DModel patch_size 2)."""
+temporal_compression_ratio 4, EasyAnimateTransformer3DModel patch_size 2; AutoencoderKLWan scale_factor_spatial 8
+and scale_factor_temporal 4, WanTransformer3DModel patch_size (1, 2, 2), as `WanPipeline.check_inputs` and its
+`num_frames % vae_scale_factor_temporal != 1` rounding require)."""
 
 
 def bucket_rules(family: str) -> BucketRules:

@@ -1,8 +1,13 @@
 """VAE encode/decode with the latent normalization, and uint8 frames <-> float video conversions.
 
-Normalization mirrors `EasyAnimatePipeline` (diffusers/pipelines/easyanimate/pipeline_easyanimate.py), which
-decodes `vae.decode(latents / vae.config.scaling_factor)`; so encoding is `posterior_mean * scaling_factor`.
-A VAE whose config has a `shift_factor` (not AutoencoderKLMagvit) gets `(mean - shift_factor) * scaling_factor`.
+One normalization, latents = (posterior_mean - shift) * scale, decoded as `vae.decode(latents / scale + shift)`:
+- scalar (EasyAnimate): scale = `vae.config.scaling_factor`, shift = `shift_factor` (0 when absent), as
+  `EasyAnimatePipeline` decodes `vae.decode(latents / vae.config.scaling_factor)`
+  (diffusers/pipelines/easyanimate/pipeline_easyanimate.py);
+- per channel (Wan, a VAE config with `latents_mean` and `latents_std`, one value per latent channel):
+  shift = latents_mean, scale = 1 / latents_std, shaped (1, C, 1, 1, 1), exactly as `WanPipeline` decodes
+  `latents / (1 / latents_std) + latents_mean` (diffusers/pipelines/wan/pipeline_wan.py, step "decode") and
+  `WanImageToVideoPipeline.prepare_latents` encodes `(mode - latents_mean) * (1 / latents_std)`.
 
 We encode to the posterior MEAN (the mode), not a sample: latents are deterministic, so cached latents are
 reproducible and re-encoding a clip gives the same bits; the posterior std of video VAEs is small, so the
@@ -17,9 +22,17 @@ import torch
 __all__ = ["encode_video", "decode_latents", "frames_to_video", "uint8_to_video", "video_to_frames"]
 
 
-def _scale_and_shift(vae) -> tuple[float, float]:
-    scaling_factor = float(getattr(vae.config, "scaling_factor", 1.0) or 1.0)
-    shift_factor = float(getattr(vae.config, "shift_factor", 0.0) or 0.0)
+def _scale_and_shift(vae, device, dtype) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+    """(scale, shift) of the normalization (see the module docstring): Python floats, or (1, C, 1, 1, 1) tensors on
+    `device` in `dtype` when the VAE config has `latents_mean` and `latents_std` (Wan)."""
+    config = vae.config
+    mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+    if mean is not None and std is not None:
+        shape = (1, len(mean), 1, 1, 1)
+        scale = 1.0 / torch.tensor(std).view(shape)  # WanPipeline's `latents_std`, computed the same way
+        return scale.to(device, dtype), torch.tensor(mean).view(shape).to(device, dtype)
+    scaling_factor = float(getattr(config, "scaling_factor", 1.0) or 1.0)
+    shift_factor = float(getattr(config, "shift_factor", 0.0) or 0.0)
     return scaling_factor, shift_factor
 
 
@@ -27,27 +40,29 @@ def _scale_and_shift(vae) -> tuple[float, float]:
 def encode_video(vae, video: torch.Tensor) -> torch.Tensor:
     """video (B, 3, F, H, W) float in [-1, 1] -> latents (B, C_lat, F_lat, H_lat, W_lat) float32, normalized.
 
-    For AutoencoderKLMagvit (EasyAnimate): F_lat = (F - 1) // 4 + 1, H_lat = H // 8, W_lat = W // 8,
-    latents = posterior.mode() * scaling_factor. Runs on the VAE's device and dtype; not differentiable.
+    For AutoencoderKLMagvit (EasyAnimate) and AutoencoderKLWan: F_lat = (F - 1) // 4 + 1, H_lat = H // 8,
+    W_lat = W // 8; latents = (posterior.mode() - shift) * scale (module docstring). Runs on the VAE's device and
+    dtype; not differentiable.
     """
     if video.ndim != 5 or video.shape[1] != 3:
         raise ValueError(f"video must be (B, 3, F, H, W), got {tuple(video.shape)}")
-    scaling_factor, shift_factor = _scale_and_shift(vae)
     posterior = vae.encode(video.to(device=vae.device, dtype=vae.dtype)).latent_dist
-    return ((posterior.mode() - shift_factor) * scaling_factor).float()
+    mode = posterior.mode()
+    scale, shift = _scale_and_shift(vae, mode.device, mode.dtype)
+    return ((mode - shift) * scale).float()
 
 
 @torch.no_grad()
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """latents (B, C_lat, F_lat, H_lat, W_lat) normalized -> video (B, 3, F, H, W) float32 clamped to [-1, 1].
 
-    Inverse normalization of `encode_video`: `vae.decode(latents / scaling_factor + shift_factor)`, as in
-    EasyAnimatePipeline step "decode". Not differentiable.
+    Inverse normalization of `encode_video`: `vae.decode(latents / scale + shift)`, as in EasyAnimatePipeline's and
+    WanPipeline's step "decode". Not differentiable.
     """
     if latents.ndim != 5:
         raise ValueError(f"latents must be (B, C, F, H, W), got {tuple(latents.shape)}")
-    scaling_factor, shift_factor = _scale_and_shift(vae)
-    latents = latents.to(device=vae.device, dtype=vae.dtype) / scaling_factor + shift_factor
+    scale, shift = _scale_and_shift(vae, vae.device, vae.dtype)
+    latents = latents.to(device=vae.device, dtype=vae.dtype) / scale + shift
     video = vae.decode(latents, return_dict=False)[0]
     return video.float().clamp(-1.0, 1.0)
 

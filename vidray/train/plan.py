@@ -49,7 +49,7 @@ from typing import Any, Literal
 from vidray.config import DEFAULT_LORA_TARGET_MODULES, LoraConfig
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError
-from vidray.models.presets import ShapePreset, get_preset, meta_model, preset_from_pretrained
+from vidray.models.presets import ShapePreset, meta_model, model_preset, preset_from_pretrained
 
 __all__ = [
     "HEADROOM",
@@ -417,13 +417,11 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
 
 def job_preset(job: Any) -> ShapePreset:
     """The transformer shape of `job`: `model.pretrained_path`'s transformer/config.json when `model.init` is
-    pretrained, else the preset `model.preset` names. Raises UserError / UserFileNotFound."""
+    pretrained, else the family's preset `model.preset` names (`vidray.models.presets.model_preset`). Raises
+    UserError / UserFileNotFound."""
     if job.model.init == "pretrained":
         return preset_from_pretrained(job.model.pretrained_path)
-    preset = get_preset(job.model.preset)
-    if job.model.text_encoder == "tiny_random" and preset.name in ("tiny", "medium"):
-        preset = ShapePreset(**{**preset.__dict__, "config": {**preset.config, "text_embed_dim": 64}})
-    return preset
+    return model_preset(job.model.family, job.model.preset, job.model.text_encoder)
 
 
 def largest_bucket(job: Any, preset: ShapePreset) -> tuple[Bucket, int]:

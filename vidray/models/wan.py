@@ -1,0 +1,441 @@
+"""Wan 2.1 text-to-video family: diffusers `WanTransformer3DModel` + `AutoencoderKLWan` + a UMT5 text encoder,
+exported as a stock `diffusers.WanPipeline` folder.
+
+Everything here mirrors diffusers/pipelines/wan/pipeline_wan.py (diffusers 0.42.1), so a transformer trained with
+`WanFamily.predict` behaves the same inside the stock pipeline:
+- prompts (`encode_prompts`, as `WanPipeline._get_t5_prompt_embeds`): `prompt_clean` (ftfy when installed, HTML
+  unescape, whitespace), right-padded tokens with special tokens, the text encoder's `last_hidden_state`, every
+  position past a prompt's own length set to zero; the mask is returned but never reaches the transformer;
+- transformer call: `transformer(hidden_states=noisy_latents, timestep=timesteps, encoder_hidden_states=
+  prompt_embeds, return_dict=False)[0]`, timesteps = sigmas * num_train_timesteps as given (the pipeline passes the
+  scheduler's float32 timesteps, uncast, with latents in the transformer's dtype);
+- latents: per-channel normalised, (mode - latents_mean) / latents_std from the VAE config; decoded as
+  `vae.decode(latents / (1 / latents_std) + latents_mean)` (`vidray.models.vae`);
+- sampling: flow matching with the job's shift. The stock Wan 2.1 folders carry `UniPCMultistepScheduler(
+  flow_shift=...)`; vidray's sampler is Euler, so the export carries `FlowMatchEulerDiscreteScheduler(shift=...)`,
+  and the stock pipeline loaded from it takes the same steps as `vidray.diffusion.sampler`.
+
+Text encoders (`model.text_encoder`, offline): `tiny_random` is a random 2-layer `UMT5EncoderModel` (d_model 64)
+over MiniLM's tokenizer (the one tokenizer shipped offline here: umT5's sentencepiece vocabulary is not); `minilm`
+is the real MiniLM-L6 BERT (hidden 384), whose `last_hidden_state` the stock pipeline takes the same way. A real
+Wan folder (`init: pretrained`) brings its own umT5-XXL and tokenizer.
+
+Not here yet: image-to-video (`WanImageToVideoPipeline`: CLIP image embeddings, masked condition latents) and
+Wan 2.2's two experts (`transformer_2`, `boundary_ratio`); a Wan 2.2 folder is refused with that message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+from vidray.config import FlowConfig, ModelConfig
+from vidray.data.buckets import Bucket, validate_bucket
+from vidray.models.base import Components, Encoders, ModelFamily
+from vidray.models.folders import require_pipeline_folder, unused_parameter_names, write_pipeline_folder
+from vidray.models.rules import FAMILY_BUCKET_RULES
+from vidray.models.text_encoder import minilm_path, text_hidden_size
+from vidray.models.vae import decode_latents, encode_video
+
+__all__ = [
+    "TINY_TEXT_ENCODER",
+    "TINY_TRANSFORMER",
+    "TINY_VAE",
+    "WanFamily",
+    "build_text_encoder",
+    "build_tiny",
+    "encode_prompts",
+    "load_pretrained",
+    "load_vae_folder",
+    "probe_loss",
+    "save_pipeline",
+]
+
+LATENT_CHANNELS = 16
+"""Wan 2.1 VAE `z_dim`; the tiny preset uses the same so shapes do not depend on the preset."""
+SPATIAL_COMPRESSION_RATIO = 8
+TEMPORAL_COMPRESSION_RATIO = FAMILY_BUCKET_RULES["wan"].temporal_compression
+PATCH_SIZE = (1, 2, 2)
+"""WanTransformer3DModel patch (frames, height, width)."""
+assert SPATIAL_COMPRESSION_RATIO * PATCH_SIZE[1] == FAMILY_BUCKET_RULES["wan"].spatial_multiple
+PIPELINE_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+"""The subfolders of a Wan 2.1 T2V diffusers folder that vidray loads."""
+
+TINY_TRANSFORMER = dict(
+    patch_size=PATCH_SIZE,
+    num_attention_heads=2,
+    attention_head_dim=16,  # RoPE splits it over (t, h, w) as 8 + 4 + 4
+    in_channels=LATENT_CHANNELS,
+    out_channels=LATENT_CHANNELS,
+    freq_dim=32,
+    ffn_dim=64,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+)
+"""Tiny DiT (inner dim 32, 2 blocks; ~42 k params with text_dim 64), the Wan 2.1 block layout (cross-attention norm,
+RMS q/k norm across heads). `text_dim` is set from the text encoder's hidden size."""
+
+TINY_VAE = dict(
+    base_dim=4,
+    z_dim=LATENT_CHANNELS,
+    dim_mult=[1, 1, 1, 1],
+    num_res_blocks=1,
+    temperal_downsample=[False, True, True],  # diffusers' spelling; 4x temporal, 8x spatial like the real VAE
+)
+"""Tiny Wan VAE (~22 k params), same compression ratios, latent channels and default `latents_mean` /
+`latents_std` (the real Wan 2.1 VAE's) as Wan 2.1."""
+
+TINY_TEXT_ENCODER = dict(
+    d_model=64,
+    d_kv=32,
+    d_ff=128,
+    num_layers=2,
+    num_heads=2,
+    relative_attention_num_buckets=8,
+    relative_attention_max_distance=16,
+)
+"""`transformers.UMT5Config` of the `tiny_random` text encoder (vocab_size and pad_token_id from the tokenizer)."""
+
+TextEncoderKind = Literal["minilm", "tiny_random"]
+
+
+def text_dim(kind: TextEncoderKind) -> int:
+    """D of the prompt_embeds (B, L, D) that `build_text_encoder(kind)` gives (the transformer's `text_dim`), from
+    configs only. Raises ValueError for an unknown `kind`."""
+    if kind == "tiny_random":
+        return TINY_TEXT_ENCODER["d_model"]
+    if kind == "minilm":
+        return text_hidden_size("minilm")
+    raise ValueError(f"unknown text encoder {kind!r}; valid: minilm, tiny_random")
+
+
+def build_text_encoder(kind: TextEncoderKind, *, seed: int = 0) -> tuple[torch.nn.Module, Any]:
+    """A frozen (eval, requires_grad False) text encoder and MiniLM's tokenizer, offline. `tiny_random`: a
+    `UMT5EncoderModel(UMT5Config(**TINY_TEXT_ENCODER))` drawn under `seed` in a forked RNG (the global RNG is left
+    as it was); `minilm`: the real MiniLM-L6 `BertModel` (`seed` unused). Raises ValueError for another `kind`."""
+    from transformers import AutoTokenizer, BertModel, UMT5Config, UMT5EncoderModel
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
+    if kind == "tiny_random":
+        config = UMT5Config(**TINY_TEXT_ENCODER, vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_token_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            text_encoder = UMT5EncoderModel(config)
+    elif kind == "minilm":
+        text_encoder = BertModel.from_pretrained(minilm_path(), local_files_only=True)
+    else:
+        raise ValueError(f"unknown text encoder {kind!r}; valid: minilm, tiny_random")
+    return text_encoder.eval().requires_grad_(False), tokenizer
+
+
+@torch.no_grad()
+def encode_prompts(text_encoder: torch.nn.Module, tokenizer: Any, prompts: list[str], *, max_sequence_length: int,
+                   device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """B prompts -> prompt_embeds (B, L, D) float32 and prompt_attention_mask (B, L) bool, L = max_sequence_length,
+    on `device` (default: the text encoder's).
+
+    As `WanPipeline._get_t5_prompt_embeds` (diffusers/pipelines/wan/pipeline_wan.py): `prompt_clean` each prompt,
+    tokenize with padding to `max_sequence_length`, truncation and special tokens, take `last_hidden_state` of
+    `text_encoder(input_ids, attention_mask)`, and zero every position at or past the prompt's length
+    `attention_mask.sum()` (the pipeline slices and pads with zeros: the same values).
+    """
+    if isinstance(prompts, str) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of strings, got {prompts!r}")
+    if max_sequence_length < 1:
+        raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
+    text_inputs = tokenizer(
+        [prompt_clean(prompt) for prompt in prompts],
+        padding="max_length",
+        max_length=max_sequence_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    mask = text_inputs.attention_mask  # (B, L)
+    seq_lens = mask.gt(0).sum(dim=1).long()  # (B,)
+    te_device = next(text_encoder.parameters()).device
+    prompt_embeds = text_encoder(text_inputs.input_ids.to(te_device), mask.to(te_device)).last_hidden_state
+    keep = torch.arange(max_sequence_length, device=te_device)[None, :] < seq_lens.to(te_device)[:, None]  # (B, L)
+    prompt_embeds = torch.where(keep[..., None], prompt_embeds, torch.zeros((), dtype=prompt_embeds.dtype,
+                                                                            device=te_device))
+    device = device if device is not None else te_device
+    return prompt_embeds.to(device=device, dtype=torch.float32), mask.to(device=device).bool()
+
+
+def _check_vae(vae: AutoencoderKLWan, where: str) -> None:
+    config = vae.config
+    found = (config.z_dim, config.scale_factor_spatial, config.scale_factor_temporal,
+             len(config.latents_mean or ()), len(config.latents_std or ()))
+    expected = (LATENT_CHANNELS, SPATIAL_COMPRESSION_RATIO, TEMPORAL_COMPRESSION_RATIO, LATENT_CHANNELS,
+                LATENT_CHANNELS)
+    if found != expected:
+        raise ValueError(f"{where}: vae (z_dim, scale_factor_spatial, scale_factor_temporal, len(latents_mean), "
+                         f"len(latents_std)) = {found}, but the wan family expects {expected}")
+
+
+def _check_transformer(transformer: WanTransformer3DModel, where: str) -> None:
+    found = (transformer.config.in_channels, tuple(transformer.config.patch_size))
+    if found != (LATENT_CHANNELS, PATCH_SIZE):
+        raise ValueError(f"{where}: transformer (in_channels, patch_size) = {found}, but the wan family (Wan 2.1 "
+                         f"text-to-video) expects {(LATENT_CHANNELS, PATCH_SIZE)}; image-to-video folders are not "
+                         "supported yet")
+
+
+def _refuse_two_experts(path: Path) -> None:
+    """Raise ValueError for a Wan 2.2 A14B folder (a `transformer_2` component), which this family cannot run."""
+    index = json.loads((path / "model_index.json").read_text())
+    if (index.get("transformer_2") or [None])[0] is not None:
+        raise ValueError(f"pretrained_path {str(path)!r} is a Wan 2.2 two-expert folder (transformer_2/): the wan "
+                         "family runs Wan 2.1's single transformer; give a Wan 2.1 T2V folder")
+
+
+def load_vae_folder(path: str | Path) -> AutoencoderKLWan:
+    """The frozen `AutoencoderKLWan` of a local diffusers VAE folder (`config.json` + safetensors), for
+    `model.vae_path`. Raises FileNotFoundError naming the folder when it holds no `config.json`, ValueError when
+    its latent layout is not the family's."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.vae_path {str(path)!r} is not a diffusers VAE folder (no config.json): give "
+                                "the vae/ folder of a diffusers Wan pipeline")
+    vae = AutoencoderKLWan.from_pretrained(path, local_files_only=True)
+    _check_vae(vae, str(path))
+    return vae.eval().requires_grad_(False)
+
+
+def _tiny_transformer(kind: TextEncoderKind) -> WanTransformer3DModel:
+    """TINY_TRANSFORMER at the global RNG's state, `text_dim` from the text encoder `kind`."""
+    return WanTransformer3DModel(**TINY_TRANSFORMER, text_dim=text_dim(kind))
+
+
+def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int = 0) -> Components:
+    """Random tiny preset (fp32, CPU): the text encoder under `seed`, then TINY_TRANSFORMER and TINY_VAE under
+    `seed` (in that order), each in a forked RNG (the global torch RNG is left as it was)."""
+    text_encoder, tokenizer = build_text_encoder(text_encoder_kind, seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = _tiny_transformer(text_encoder_kind)
+        vae = AutoencoderKLWan(**TINY_VAE)
+    return Components(transformer=transformer.train(), vae=vae.eval().requires_grad_(False),
+                      text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def load_pretrained(path: str | Path) -> Components:
+    """transformer, vae, text_encoder and tokenizer of a local diffusers Wan 2.1 T2V folder, offline (its own
+    scheduler is not used: vidray samples with the job's flow shift).
+
+    Raises FileNotFoundError naming the folder when it has no model_index.json or lacks a component subfolder,
+    ValueError when it is another pipeline's folder (another family), a Wan 2.2 two-expert folder, or its
+    layout is not Wan 2.1 T2V's. The VAE and text encoder come back frozen; the transformer in train mode.
+    """
+    path = require_pipeline_folder(path, "WanPipeline", PIPELINE_COMPONENTS)
+    _refuse_two_experts(path)
+    pipe = WanPipeline.from_pretrained(path, local_files_only=True)
+    _check_transformer(pipe.transformer, str(path))
+    _check_vae(pipe.vae, str(path))
+    return Components(transformer=pipe.transformer.train(), vae=pipe.vae.eval().requires_grad_(False),
+                      text_encoder=pipe.text_encoder.eval().requires_grad_(False), tokenizer=pipe.tokenizer)
+
+
+def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
+    """Write `components` as a complete diffusers folder (safetensors) that
+    `diffusers.WanPipeline.from_pretrained(out_dir, local_files_only=True)` loads and runs offline.
+
+    The scheduler is `FlowMatchEulerDiscreteScheduler(shift=flow.shift, num_train_timesteps=
+    flow.num_train_timesteps)` (not the stock Wan folders' `UniPCMultistepScheduler(flow_shift=...)`): its
+    `set_timesteps` gives `vidray.diffusion.flow_matching.inference_sigmas` and its `step` is the Euler step of
+    `vidray.diffusion.sampler`, so the stock pipeline samples what vidray samples. No `transformer_2` or
+    `boundary_ratio` (Wan 2.1: one transformer). Note the stock pipeline pads prompts to 512 tokens (`__call__`'s
+    `max_sequence_length` default): pass the trained `max_sequence_length` to match vidray exactly.
+    Written by `vidray.models.folders.write_pipeline_folder`: `out_dir` is complete or absent; an existing
+    pipeline folder there is replaced. Raises FileExistsError if `out_dir` exists and is not a pipeline folder.
+    Returns `out_dir`.
+    """
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=flow.shift, num_train_timesteps=flow.num_train_timesteps)
+    pipe = WanPipeline(tokenizer=components.tokenizer, text_encoder=components.text_encoder, vae=components.vae,
+                       scheduler=scheduler, transformer=components.transformer)
+    return write_pipeline_folder(pipe, out_dir)
+
+
+def probe_loss(model: torch.nn.Module, transformer: WanTransformer3DModel) -> torch.Tensor:
+    """The output sum of `model` (`transformer`, maybe DDP-wrapped) on a fixed (1, C, 1, 2, 2) input (one patch of
+    (1, 2, 2)) with 2 text tokens (a seeded CPU generator: the global RNG is untouched); fp32 scalar. The probe of
+    `no_grad_parameter_names` and of `vidray.train.parallel.prime_buckets`."""
+    cfg, param = transformer.config, next(transformer.parameters())
+    g = torch.Generator().manual_seed(0)
+    _, ph, pw = cfg.patch_size
+    noisy_latents = torch.randn(1, cfg.in_channels, 1, ph, pw, generator=g).to(param.device, param.dtype)
+    prompt_embeds = torch.randn(1, 2, cfg.text_dim, generator=g).to(param.device, param.dtype)
+    timesteps = torch.full((1,), 500.0, device=param.device)
+    return model(hidden_states=noisy_latents, timestep=timesteps, encoder_hidden_states=prompt_embeds,
+                 return_dict=False)[0].float().sum()
+
+
+def _pretrained_folder(model_cfg: ModelConfig) -> Path | None:
+    """`model.pretrained_path` for `init: pretrained` (None for `init: random`). Raises ValueError for an unknown
+    init or an empty path."""
+    if model_cfg.init == "pretrained":
+        if not model_cfg.pretrained_path:
+            raise ValueError("model.init is 'pretrained' but model.pretrained_path is empty")
+        return Path(model_cfg.pretrained_path)
+    if model_cfg.init != "random":
+        raise ValueError(f"unknown model.init {model_cfg.init!r}; valid: random, pretrained")
+    if model_cfg.preset != "tiny":
+        raise ValueError(f"unknown wan preset {model_cfg.preset!r}; valid: tiny")
+    return None
+
+
+class WanFamily(ModelFamily):
+    """Wan 2.1 T2V: latents (B, 16, (F-1)/4+1, H/8, W/8), DiT patch (1, 2, 2), so H and W multiples of 16."""
+
+    name = "wan"
+    latent_channels = LATENT_CHANNELS
+    spatial_compression_ratio = SPATIAL_COMPRESSION_RATIO
+    temporal_compression_ratio = TEMPORAL_COMPRESSION_RATIO
+    spatial_multiple = SPATIAL_COMPRESSION_RATIO * PATCH_SIZE[1]
+    example_bucket = (5, 32, 32)
+
+    def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
+        """`init: random` -> the `tiny` preset with `model_cfg.text_encoder` (`build_tiny`); `init: pretrained` ->
+        `load_pretrained(model_cfg.pretrained_path)` (the folder's own text encoder). `model.vae_path` replaces
+        the VAE."""
+        folder = _pretrained_folder(model_cfg)
+        components = load_pretrained(folder) if folder else build_tiny(model_cfg.text_encoder, seed=seed)
+        if model_cfg.vae_path:
+            components = dataclasses.replace(components, vae=load_vae_folder(model_cfg.vae_path))
+        return components
+
+    def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> WanTransformer3DModel:
+        """The transformer alone, equal to `build(model_cfg, seed=seed).transformer`, without the VAE or the text
+        encoder: the tiny preset drawn first under `seed` (as in `build_tiny`); a folder's `transformer/` alone."""
+        folder = _pretrained_folder(model_cfg)
+        if folder is not None:
+            require_pipeline_folder(folder, "WanPipeline", PIPELINE_COMPONENTS)
+            _refuse_two_experts(folder)
+            transformer = WanTransformer3DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True)
+            _check_transformer(transformer, str(folder))
+            return transformer.train()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            transformer = _tiny_transformer(model_cfg.text_encoder)
+        return transformer.train()
+
+    def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
+        """The VAE, text encoder and tokenizer alone (frozen), equal to `build`'s: a folder is loaded with
+        `transformer=None` (diffusers skips it); the tiny preset replays `build_tiny`."""
+        folder = _pretrained_folder(model_cfg)
+        if folder is None:
+            c = self.build(model_cfg, seed=seed)
+            return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
+        require_pipeline_folder(folder, "WanPipeline", PIPELINE_COMPONENTS)
+        pipe = WanPipeline.from_pretrained(folder, transformer=None, transformer_2=None, local_files_only=True)
+        _check_vae(pipe.vae, str(folder))
+        vae = load_vae_folder(model_cfg.vae_path) if model_cfg.vae_path else pipe.vae.eval().requires_grad_(False)
+        return Encoders(vae=vae, text_encoder=pipe.text_encoder.eval().requires_grad_(False),
+                        tokenizer=pipe.tokenizer)
+
+    def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLWan:
+        """The frozen VAE alone, equal to `build_encoders(...).vae`: `model.vae_path`, else a folder's `vae/` loaded
+        by itself (umT5-XXL is not read), else the tiny preset's (replaying `build_tiny`)."""
+        if model_cfg.vae_path:
+            return load_vae_folder(model_cfg.vae_path)
+        folder = _pretrained_folder(model_cfg)
+        if folder is None:
+            return self.build_encoders(model_cfg, seed=seed).vae
+        require_pipeline_folder(folder, "WanPipeline", PIPELINE_COMPONENTS)
+        vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", local_files_only=True)
+        _check_vae(vae, str(folder))
+        return vae.eval().requires_grad_(False)
+
+    def encode_video(self, vae: AutoencoderKLWan, video: torch.Tensor) -> torch.Tensor:
+        """`vidray.models.vae.encode_video`: (posterior mode - latents_mean) / latents_std per channel,
+        (B, 16, (F-1)//4+1, H//8, W//8) float32."""
+        return encode_video(vae, video)
+
+    def decode_latents(self, vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
+        """`vidray.models.vae.decode_latents`: vae.decode(latents / (1 / latents_std) + latents_mean), as WanPipeline
+        decodes, clamped to [-1, 1], (B, 3, F, H, W) float32."""
+        return decode_latents(vae, latents)
+
+    def encode_prompt(self, text_encoder, tokenizer, prompts: list[str], *, max_sequence_length: int,
+                      device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """See module-level `encode_prompts` (WanPipeline._get_t5_prompt_embeds)."""
+        return encode_prompts(text_encoder, tokenizer, prompts, max_sequence_length=max_sequence_length,
+                              device=device)
+
+    def load_vae(self, path: str | Path) -> AutoencoderKLWan:
+        """`load_vae_folder`."""
+        return load_vae_folder(path)
+
+    def predict(
+        self,
+        transformer: WanTransformer3DModel,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """noisy_latents (B, 16, F, H, W), timesteps (B,) = sigmas * num_train_timesteps, prompt_embeds (B, L, D),
+        prompt_attention_mask (B, L) -> model_pred (B, 16, F, H, W), the velocity (noise - latents).
+
+        Called exactly like WanPipeline's denoising loop: `hidden_states` and `encoder_hidden_states` in the
+        latents' dtype, `timestep` as given (the pipeline passes the scheduler's float32 timesteps uncast),
+        `return_dict=False`; prompt_attention_mask is checked for shape but not passed (the transformer has no text
+        mask: positions past each prompt are zero in prompt_embeds, as `encode_prompts` gives them).
+        """
+        if noisy_latents.ndim != 5:
+            raise ValueError(f"noisy_latents must be (B, C, F, H, W), got {tuple(noisy_latents.shape)}")
+        batch_size = noisy_latents.shape[0]
+        if timesteps.shape != (batch_size,):
+            raise ValueError(f"timesteps must have shape ({batch_size},), got {tuple(timesteps.shape)}")
+        if prompt_embeds.ndim != 3 or prompt_embeds.shape[0] != batch_size:
+            raise ValueError(f"prompt_embeds must be ({batch_size}, L, D), got {tuple(prompt_embeds.shape)}")
+        if prompt_attention_mask.shape != prompt_embeds.shape[:2]:
+            raise ValueError(f"prompt_attention_mask {tuple(prompt_attention_mask.shape)} must match prompt_embeds' "
+                             f"(B, L) {tuple(prompt_embeds.shape[:2])}")
+        return transformer(
+            hidden_states=noisy_latents,
+            timestep=timesteps,
+            encoder_hidden_states=prompt_embeds.to(dtype=noisy_latents.dtype),
+            return_dict=False,
+        )[0]
+
+    def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:
+        """(B, 16, (F-1)//4 + 1, H//8, W//8); e.g. Bucket(9, 64, 64), B=2 -> (2, 16, 3, 8, 8).
+
+        Raises ValueError unless H, W are multiples of 16 (8x VAE, patch 2) and F is 1 or 4k+1."""
+        validate_bucket(bucket, spatial_multiple=self.spatial_multiple, temporal_compression=TEMPORAL_COMPRESSION_RATIO)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        num_frames, height, width = bucket
+        return (batch_size, LATENT_CHANNELS, (num_frames - 1) // TEMPORAL_COMPRESSION_RATIO + 1,
+                height // SPATIAL_COMPRESSION_RATIO, width // SPATIAL_COMPRESSION_RATIO)
+
+    def no_grad_parameter_names(self, transformer: WanTransformer3DModel) -> list[str]:
+        """Trainable parameters without a gradient from `probe_loss` (`vidray.models.folders.unused_parameter_names`);
+        none in a T2V WanTransformer3DModel (no image branch)."""
+        return unused_parameter_names(transformer, probe_loss)
+
+    def prompt_embeds_dim(self, transformer: WanTransformer3DModel) -> int:
+        """`transformer.config.text_dim` (4096 for umT5-XXL; the text encoder's hidden size here)."""
+        return int(transformer.config.text_dim)
+
+    def probe_loss(self, model: torch.nn.Module, transformer: WanTransformer3DModel) -> torch.Tensor:
+        """See module-level `probe_loss`."""
+        return probe_loss(model, transformer)
+
+    def save_pipeline(self, components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
+        """See module-level `save_pipeline`."""
+        return save_pipeline(components, out_dir, flow)
+
+    def load_pretrained(self, path: str | Path) -> Components:
+        """See module-level `load_pretrained`."""
+        return load_pretrained(path)
