@@ -87,16 +87,25 @@ class SavedTensor:
 
 
 class _Producers(TorchDispatchMode):
+    """The op that first made each storage while the mode is on. Every output is held until the mode exits, so no
+    address is freed and given to a later storage (which would be named after the earlier, freed one's op)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.made: dict[int, str] = {}
+        self.held: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.made.setdefault(t.untyped_storage().data_ptr(), func.__name__)
+                self.held.append(t)
         return out
+
+    def __exit__(self, *exc):
+        self.held.clear()
+        return super().__exit__(*exc)
 
 
 def saved_tensor_census(fn: Callable[[], Any], parameters: list[torch.nn.Parameter] = ()) -> list[SavedTensor]:
@@ -106,10 +115,13 @@ def saved_tensor_census(fn: Callable[[], Any], parameters: list[torch.nn.Paramet
     result of `fn` is dropped. Used to derive and test `vidray.train.plan`'s per-block activation formulas.
     """
     seen: dict[int, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+    held: list[torch.Tensor] = []  # every saved tensor stays alive until the census ends: a storage freed inside
+    # fn (a branch whose output fn drops) would otherwise give its address to a later one, counted once for two
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         seen.setdefault(storage.data_ptr(), (storage.nbytes(), t.dtype, tuple(t.shape)))
+        held.append(t)
         return t
 
     with _Producers() as producers, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -117,6 +129,7 @@ def saved_tensor_census(fn: Callable[[], Any], parameters: list[torch.nn.Paramet
     params = {p.untyped_storage().data_ptr() for p in parameters}
     census = [SavedTensor(nbytes, dtype, shape, producers.made.get(ptr, "input"), ptr in params)
               for ptr, (nbytes, dtype, shape) in seen.items()]
+    held.clear()
     return sorted(census, key=lambda s: -s.nbytes)
 
 
