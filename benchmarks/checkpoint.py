@@ -16,6 +16,10 @@ Figures:
   for a checkpoint (`TrainResult.checkpoint_blocked_s`: from the start of the local snapshot to the return of
   `ray.train.report`), with `checkpoint.upload=sync` and `async`, `storage.path` on the throttled S3.
 - `async_over_sync`: blocked_async_s / blocked_sync_s; goal <= 0.10 (issue 9).
+- `blocked_sharded_sync_s`, `blocked_sharded_async_s`, `sharded_async_over_sync`: the same for a sharded
+  checkpoint (`scaling.strategy=fsdp`, local storage): sync = `dcp.save` and a synchronous copy; async =
+  `dcp.async_save` (the step waits for the copy of the state to CPU memory, and at the next report for whatever
+  of the write and the hashing is left) and an asynchronous copy. Reported (issue 28 item 3 sets no goal).
 - `restart_s`: seconds from the SIGKILL of a Ray Train worker (sent once `checkpoint_000004` is complete, local
   storage) to the end of the first step after the restart (`TrainResult.first_step_done_unix`): Ray Train's
   failure detection, the worker group's restart, model build, checkpoint load and the data loader's start. Goal
@@ -132,6 +136,12 @@ def main() -> None:
             size = sum(i.size for i in manager.storage.list("checkpoint_000002"))
             say(f"checkpoint size {size / 1e6:.2f} MB at {args.rate_mb_s} MB/s; async run's complete checkpoints: "
                 f"{manager.complete()}")
+            local = str(tmp / "runs")
+            sharded = {}
+            for upload in ("sync", "async"):
+                sharded[upload] = blocked(tiny_job(shards, local, f"sharded-{upload}", args.steps,
+                                                   checkpoint__upload=upload, scaling__strategy="fsdp"))
+                say(f"sharded {upload}: {sharded[upload][0]:.3f} s blocked per checkpoint {sharded[upload][1]}")
             restart_s, restart_details = restart_seconds(shards, tmp / "runs", args.steps)
             say(f"restart: {restart_s:.1f} s from the kill to the first step after it")
     finally:
@@ -145,10 +155,16 @@ def main() -> None:
         "blocked_sync_s": {"value": round(sync_s, 4), "unit": "s", "goal": "> 0"},
         "blocked_async_s": {"value": round(async_s, 4), "unit": "s", "goal": "> 0"},
         "async_over_sync": {"value": round(async_s / sync_s, 4), "unit": "ratio", "goal": "<= 0.10"},
+        # reported, no goal: a figure without a "goal" key
+        "blocked_sharded_sync_s": {"value": round(sharded["sync"][0], 4), "unit": "s"},
+        "blocked_sharded_async_s": {"value": round(sharded["async"][0], 4), "unit": "s"},
+        "sharded_async_over_sync": {"value": round(sharded["async"][0] / sharded["sync"][0], 4), "unit": "ratio"},
         "restart_s": {"value": round(restart_s, 2), "unit": "s", "goal": "<= 60"},
     }
     details = {"checkpoint_bytes": size, "rate_mb_s": args.rate_mb_s, "steps": args.steps,
-               "sync_per_checkpoint": sync_each, "async_per_checkpoint": async_each, **restart_details}
+               "sync_per_checkpoint": sync_each, "async_per_checkpoint": async_each,
+               "sharded_sync_per_checkpoint": sharded["sync"][1], "sharded_async_per_checkpoint": sharded["async"][1],
+               **restart_details}
     print(json.dumps({"benchmark": "checkpoint", "figures": figures, "details": details}))
 
 
