@@ -10,6 +10,7 @@ registry only.
 from __future__ import annotations
 
 import ast
+import copy
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,44 @@ def test_the_export_loads_back_and_samples_the_same_video(built, tmp_path):
     theirs = generate_video(loaded.family, loaded.components, ["a cat"], bucket, **kwargs)
     assert ours.shape == (1, bucket.num_frames, bucket.height, bucket.width, 3)
     assert (ours.astype(int) - theirs.astype(int)).__abs__().max() <= 1
+
+
+@pytest.mark.parametrize("kind", ["export", "checkpoint"])
+def test_each_serve_stage_loads_only_its_component_equal_to_the_whole_load(built, kind, tmp_path):
+    """`load_model(components=...)` (what each serve stage calls) gives the same modules as the whole load, and
+    None for the rest: from an export (the folder as `init: pretrained`) and from a checkpoint (its config's init
+    and seed, then its transformer weights)."""
+    from vidray.train.checkpoint import TrainState, save_checkpoint
+
+    family, cfg, components = built
+    job = job_config_from_dict({
+        "name": "stages", "model": {"family": family.name, "text_encoder": "tiny_random",
+                                    "max_sequence_length": cfg.max_sequence_length},
+        "data": {"buckets": [list(family.example_bucket)]}, "flow": {"shift": 3.0}, "train": {"seed": 0}})
+    if kind == "export":
+        folder = family.save_pipeline(components, tmp_path / "diffusers", FlowConfig(shift=3.0))
+        write_job_file(folder, job)
+    else:
+        trained = copy.deepcopy(components.transformer)  # the module fixture's stays as built
+        with torch.no_grad():  # trained weights differ from the seed's: the checkpoint's must be the ones loaded
+            next(trained.parameters()).add_(0.5)
+        optimizer = torch.optim.AdamW(trained.parameters())
+        folder = save_checkpoint(tmp_path / "checkpoint_000001", model=trained, optimizer=optimizer,
+                                 lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+                                 train_state=TrainState(1, 0, 1, 1, ""), job_config=job.to_dict())
+    whole = load_model(folder).components
+
+    def same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+    for names in (("transformer",), ("vae",), ("text_encoder",)):
+        part = load_model(folder, components=names).components
+        loaded = {name: getattr(part, name) for name in ("transformer", "vae", "text_encoder")}
+        assert [n for n, m in loaded.items() if m is not None] == list(names)
+        same(loaded[names[0]], getattr(whole, names[0]))
+        assert not loaded[names[0]].training
+    assert load_model(folder, components=("text_encoder",)).components.tokenizer is not None
+    with pytest.raises(ValueError, match="components \\['unet'\\]: give one or more of transformer, vae"):
+        load_model(folder, components=("unet",))

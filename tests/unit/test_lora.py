@@ -496,7 +496,7 @@ def test_serve_config_lora_path_is_checked_at_build_and_merged_by_the_denoiser(e
     app = build_app({**args, "lora_path": str(out_dir / LORA_DIR)})
     denoiser = app._bound_deployment.init_args[3]._bound_deployment
     assert denoiser.name == "Denoiser" and denoiser.init_args[2] == str(out_dir / LORA_DIR)
-    merged = _load(str(base_dir), str(out_dir / LORA_DIR)).components.transformer
+    merged = _load(str(base_dir), "transformer", str(out_dir / LORA_DIR)).components.transformer
     torch.testing.assert_close(predict(merged), predict(components.transformer), atol=1e-5, rtol=1e-5)
 
 

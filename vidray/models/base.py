@@ -64,6 +64,9 @@ class ModelFamily(abc.ABC):
     example_bucket: tuple[int, int, int]
     """(num_frames, height, width) of a small bucket the family takes: what the conformance test of every family
     (`tests/unit/test_families.py`) trains, samples and decodes at."""
+    supports_image_to_video: bool = False
+    """Whether the family's models take a first-frame image (`input_reference` in serving, `--image` in
+    generate). A text-to-video family answers an image request with a 400 naming the model."""
     objective: str = "flow_matching"
     """The training objective, as `noisy_latents` and `training_target` define it. The default is rectified flow
     (EasyAnimate, Wan): target = noise - latents. A family trained otherwise (CogVideoX: v-prediction; AnimateDiff:
@@ -113,6 +116,12 @@ class ModelFamily(abc.ABC):
         Default: `build` and drop the transformer."""
         c = self.build(model_cfg, seed=seed)
         return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
+
+    def build_text_encoder(self, model_cfg: ModelConfig, *, seed: int) -> tuple[torch.nn.Module, Any]:
+        """The frozen text encoder and its tokenizer alone, equal to `build_encoders`'s (what serving's text stage
+        loads). Default: `build_encoders` and drop the VAE; families override it to skip loading the VAE."""
+        encoders = self.build_encoders(model_cfg, seed=seed)
+        return encoders.text_encoder, encoders.tokenizer
 
     def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> torch.nn.Module:
         """The frozen VAE alone, equal to `build_encoders(...).vae` (what `vidray.data.encode.vae_identity` hashes

@@ -296,6 +296,16 @@ class EasyAnimateFamily(ModelFamily):
         c = self.build(model_cfg, seed=seed)
         return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
 
+    def build_text_encoder(self, model_cfg: ModelConfig, *, seed: int):
+        """The frozen text encoder and tokenizer alone, equal to `build_encoders`'s: a pretrained folder is loaded
+        with `transformer=None, vae=None` (diffusers skips both); the tiny preset replays `build_tiny`."""
+        if model_cfg.init == "pretrained" and model_cfg.pretrained_path and \
+                (Path(model_cfg.pretrained_path) / "model_index.json").is_file():
+            pipe = EasyAnimatePipeline.from_pretrained(model_cfg.pretrained_path, transformer=None, vae=None,
+                                                       local_files_only=True)
+            return pipe.text_encoder.eval().requires_grad_(False), ensure_chat_template(pipe.tokenizer)
+        return super().build_text_encoder(model_cfg, seed=seed)
+
     def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLMagvit:
         """The frozen VAE alone, equal to `build_encoders(...).vae`: a pretrained folder's `vae/` is loaded by
         itself (no text encoder read); the tiny preset replays `build_tiny`."""

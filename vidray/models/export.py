@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from vidray.config import FlowConfig, JobConfig, job_config_from_dict
+from vidray.config import FlowConfig, JobConfig, ModelConfig, job_config_from_dict
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError, UserFileNotFound
 from vidray.locations import is_uri
@@ -526,7 +526,12 @@ def fetch_model(uri: str) -> Path:
     return target
 
 
-def load_model(path: str | Path, *, lora_path: str | Path | None = None) -> LoadedModel:
+COMPONENTS = ("transformer", "vae", "text_encoder")
+"""The modules `load_model` can load; the tokenizer comes with the text encoder."""
+
+
+def load_model(path: str | Path, *, lora_path: str | Path | None = None,
+               components: tuple[str, ...] = COMPONENTS) -> LoadedModel:
     """Load a diffusers folder or a vidray checkpoint folder for sampling (see the module docstring); `path` may
     be a URI (`s3://...`), read through the local model cache (`inspect_model`, `fetch_model`).
 
@@ -536,30 +541,78 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None) -> Load
     folder or file, `vidray.models.lora.read_lora_weights`) is then merged in as well: what `vidray generate --lora`
     and the serve config's `lora_path` give.
 
-    Raises as `inspect_model` does (before any weights load); CheckpointError for a LoRA checkpoint whose adapters
-    do not fit its config; `vidray.models.lora.LoraLoadError` for a `lora_path` that cannot be read or does not
-    fit the transformer.
+    `components`: which of `COMPONENTS` to load; the others are None in `LoadedModel.components` and no byte of
+    them is read (each serve stage loads only its own: the denoiser the transformer, the decoder the VAE, the text
+    stage the text encoder and tokenizer). Each comes from the family's `build_transformer`, `build_vae` or
+    `build_text_encoder` with the folder as `model.init: pretrained` (a checkpoint: its recorded model config and
+    seed, then its transformer weights), equal to what the whole load gives.
+
+    Raises as `inspect_model` does (before any weights load); ValueError for a name not in `COMPONENTS`;
+    CheckpointError for a LoRA checkpoint whose adapters do not fit its config;
+    `vidray.models.lora.LoraLoadError` for a `lora_path` that cannot be read or does not fit the transformer.
     """
+    unknown = sorted(set(components) - set(COMPONENTS))
+    if unknown or not components:
+        raise ValueError(f"components {list(components)}: give one or more of {', '.join(COMPONENTS)}")
     info = inspect_model(path)
+    if set(components) == set(COMPONENTS):
+        loaded = _load_all(info)
+    else:
+        loaded = _load_some(info, set(components))
+    if loaded.transformer is not None:
+        _merge_adapters(loaded.transformer, info, lora_path)
+    for module in (loaded.transformer, loaded.vae, loaded.text_encoder):
+        if module is not None:
+            module.eval()
+    return LoadedModel(info.family, loaded, info.flow, info.max_sequence_length, list(info.buckets))
+
+
+def _load_all(info: ModelInfo) -> "Components":
+    """Every component, as the family builds (a checkpoint) or loads (a pipeline folder) the whole model."""
     if info.kind == "checkpoint":
         components = info.family.build(info.job.model, seed=info.job.train.seed)
-        if ADAPTER_PART in manifest_parts(_read_manifest(info.path)):
-            _merge_checkpoint_adapters(components.transformer, info)
-        else:
+        if ADAPTER_PART not in manifest_parts(_read_manifest(info.path)):
             components.transformer.load_state_dict(load_transformer_state(info.path))
-    else:
-        components = info.family.load_pretrained(info.path)
-        if (info.path / LORA_DIR).is_dir():  # a LoRA run's export: its adapters beside the base pipeline
-            from vidray.models.lora import load_lora_into
+        return components
+    return info.family.load_pretrained(info.path)
 
-            load_lora_into(components.transformer, info.path / LORA_DIR)
+
+def _load_some(info: ModelInfo, wanted: set[str]) -> "Components":
+    """The `wanted` components alone (the others None), through the family's per-component builders."""
+    from vidray.models.base import Components
+
+    if info.kind == "checkpoint":
+        model_cfg, seed = info.job.model, info.job.train.seed
+    else:
+        base = info.job.model if info.job is not None else ModelConfig(family=info.family_name)
+        model_cfg = dataclasses.replace(base, init="pretrained", pretrained_path=str(info.path), vae_path=None,
+                                        lora=None)
+        seed = 0
+    family = info.family
+    transformer = vae = text_encoder = tokenizer = None
+    if "transformer" in wanted:
+        transformer = family.build_transformer(model_cfg, seed=seed)
+        if info.kind == "checkpoint" and ADAPTER_PART not in manifest_parts(_read_manifest(info.path)):
+            transformer.load_state_dict(load_transformer_state(info.path))
+    if "vae" in wanted:
+        vae = family.build_vae(model_cfg, seed=seed)
+    if "text_encoder" in wanted:
+        text_encoder, tokenizer = family.build_text_encoder(model_cfg, seed=seed)
+    return Components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _merge_adapters(transformer: "torch.nn.Module", info: ModelInfo, lora_path: str | Path | None) -> None:
+    """A LoRA checkpoint's adapters, an export's `lora/`, then `lora_path`, merged into `transformer`."""
+    if info.kind == "checkpoint" and ADAPTER_PART in manifest_parts(_read_manifest(info.path)):
+        _merge_checkpoint_adapters(transformer, info)
+    elif info.kind != "checkpoint" and (info.path / LORA_DIR).is_dir():  # a LoRA run's export: adapters beside it
+        from vidray.models.lora import load_lora_into
+
+        load_lora_into(transformer, info.path / LORA_DIR)
     if lora_path is not None:
         from vidray.models.lora import load_lora_into
 
-        load_lora_into(components.transformer, lora_path)
-    for module in (components.transformer, components.vae, components.text_encoder):
-        module.eval()
-    return LoadedModel(info.family, components, info.flow, info.max_sequence_length, list(info.buckets))
+        load_lora_into(transformer, lora_path)
 
 
 def lora_path_problem(path: str | Path) -> str | None:

@@ -342,6 +342,17 @@ class WanFamily(ModelFamily):
         return Encoders(vae=vae, text_encoder=pipe.text_encoder.eval().requires_grad_(False),
                         tokenizer=pipe.tokenizer)
 
+    def build_text_encoder(self, model_cfg: ModelConfig, *, seed: int):
+        """The frozen text encoder (umT5) and tokenizer alone, equal to `build_encoders`'s: a folder is loaded with
+        `transformer=None, transformer_2=None, vae=None`; the tiny preset replays `build_tiny`."""
+        folder = _pretrained_folder(model_cfg)
+        if folder is None:
+            return super().build_text_encoder(model_cfg, seed=seed)
+        require_pipeline_folder(folder, "WanPipeline", PIPELINE_COMPONENTS)
+        pipe = WanPipeline.from_pretrained(folder, transformer=None, transformer_2=None, vae=None,
+                                           local_files_only=True)
+        return pipe.text_encoder.eval().requires_grad_(False), pipe.tokenizer
+
     def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLWan:
         """The frozen VAE alone, equal to `build_encoders(...).vae`: `model.vae_path`, else a folder's `vae/` loaded
         by itself (umT5-XXL is not read), else the tiny preset's (replaying `build_tiny`)."""

@@ -2,7 +2,8 @@
 
 A request travels ingress -> `TextEncoder.encode` (prompt_embeds (1, L, D) + mask) -> `Denoiser.denoise` (a
 stream of progress events, then latents (1, C, F_lat, H_lat, W_lat)) -> `VaeDecoder.decode` (uint8 frames
-(F, H, W, 3)). Each deployment loads the model folder itself (`vidray.models.export.load_model`) and has its own
+(F, H, W, 3)). Each deployment loads only its own component of the model folder (`vidray.models.export.load_model`
+with `components`: the text encoder, the transformer, the VAE) and has its own
 `ray_actor_options` (label selector, GPUs, CPUs) and autoscaling in `serve/serve_config.yaml`.
 
 The denoiser runs continuous batching at the denoising step (iteration-level batching, Orca, Yu et al. OSDI 2022):
@@ -59,17 +60,18 @@ def _max_ongoing_requests() -> int | None:
         return None
 
 
-def _load(model_path: str, lora_path: str | None = None):
-    """The model folder's components (with the LoRA at `lora_path` merged into the transformer, when given), on
-    this replica's GPU when it has one (`ray_actor_options.num_gpus`), else the CPU."""
+def _load(model_path: str, component: str, lora_path: str | None = None):
+    """The model folder's `component` alone ("transformer", "vae" or "text_encoder" with its tokenizer; the
+    others are None and never read: `vidray.models.export.load_model`), with the LoRA at `lora_path` merged into
+    the transformer when given, on this replica's GPU when it has one (`ray_actor_options.num_gpus`), else the
+    CPU."""
     import torch
 
     from vidray.models.export import load_model
 
-    model = load_model(model_path, lora_path=lora_path)
+    model = load_model(model_path, lora_path=lora_path, components=(component,))
     if torch.cuda.is_available():
-        for module in (model.components.transformer, model.components.vae, model.components.text_encoder):
-            module.to("cuda")
+        getattr(model.components, component).to("cuda")
     return model
 
 
@@ -79,7 +81,7 @@ class TextEncoder:
     max_sequence_length; prompts of concurrent requests are encoded in one batch (`@serve.batch`)."""
 
     def __init__(self, model_path: str):
-        model = _load(model_path)
+        model = _load(model_path, "text_encoder")
         self.family = model.family
         self.text_encoder = model.components.text_encoder
         self.tokenizer = model.components.tokenizer
@@ -111,7 +113,7 @@ class VaeDecoder:
     """
 
     def __init__(self, model_path: str):
-        model = _load(model_path)
+        model = _load(model_path, "vae")
         self.family = model.family
         self.vae = model.components.vae
         self._decoding = asyncio.Lock()
@@ -181,7 +183,7 @@ class Denoiser:
     """
 
     def __init__(self, model_path: str, policy: dict[str, Any], lora_path: str | None = None):
-        model = _load(model_path, lora_path)
+        model = _load(model_path, "transformer", lora_path)
         self.family, self.flow = model.family, model.flow
         self.transformer = model.components.transformer.eval()
         del model

@@ -1,0 +1,139 @@
+"""Benchmark of issue 29's model families: each registered family's tiny training step, and how much of the model
+each serve stage replica holds. No Ray; one process.
+
+Run:
+    .venv/bin/python benchmarks/families.py [--steps 5]
+
+For each family of `vidray.models.registry.FAMILIES`, from its shipped tiny config (`jobs/configs/`: the one whose
+`model.family` it is) with `model.text_encoder: tiny_random`:
+- `<family>_train_step_s`, `<family>_samples_per_s` (reported): the median over `--steps` (after one warm-up) of one
+  training step (the family's loss at its example bucket's latents, batch 2, backward, AdamW), 1 thread; and the
+  batch over that median.
+- `<family>_denoiser_over_pipeline_bytes` (goal <= 0.7), `<family>_text_over_pipeline_bytes` and
+  `<family>_decoder_over_pipeline_bytes` (reported): the parameter and buffer bytes of the modules a serve stage
+  replica loads (`vidray.models.export.load_model(components=...)`, as `vidray.serve.stages` does) over those of
+  the whole pipeline, from the family's export. These are the modules' bytes, not a process's resident memory.
+- `two_experts_over_one_samples_per_s` (goal >= 0.9): Wan 2.2 A14B's two experts in one job against one Wan
+  model with two workers; a miss until the two-expert job exists.
+
+The last stdout line is one JSON object: {"benchmark": "families", "figures": {...}, "details": {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks._figures import miss  # noqa: E402
+
+STAGES = {"denoiser": "transformer", "text": "text_encoder", "decoder": "vae"}
+"""Serve stage -> the component its replica loads (`vidray.serve.stages`)."""
+
+
+def say(message: str) -> None:
+    print(f"[families-bench] {message}", flush=True)
+
+
+def shipped_config(family: str):
+    """The family's tiny job config from jobs/configs/ (tiny_random text encoder). Raises LookupError without one."""
+    import yaml
+
+    from vidray.config import load_job_config
+
+    for path in sorted((REPO / "jobs" / "configs").glob("*.yaml")):
+        if (yaml.safe_load(path.read_text()).get("model") or {}).get("family", "easyanimate") == family:
+            return path, load_job_config(path, ["model.text_encoder=tiny_random"])
+    raise LookupError(f"no config under jobs/configs/ has model.family: {family}")
+
+
+def module_bytes(module) -> int:
+    """Bytes of a module's parameters and buffers (0 for None)."""
+    if module is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def train_step_seconds(family, job, steps: int) -> float:
+    """Median seconds of one training step of the tiny preset at the family's example bucket, batch 2."""
+    import torch
+
+    from vidray.data.buckets import Bucket
+    from vidray.train.step import flow_matching_step_loss
+
+    components = family.build(job.model, seed=0)
+    bucket = Bucket(*family.example_bucket)
+    video = torch.rand(2, 3, bucket.num_frames, bucket.height, bucket.width, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        latents = family.encode_video(components.vae, video * 2 - 1)
+        embeds, mask = family.encode_prompt(components.text_encoder, components.tokenizer, ["a cat", "a dog"],
+                                            max_sequence_length=job.model.max_sequence_length)
+    optimizer = torch.optim.AdamW([p for p in components.transformer.parameters() if p.requires_grad], lr=1e-4)
+    seconds = []
+    for step in range(steps + 1):
+        generators = [torch.Generator().manual_seed(step * 2 + i) for i in range(2)]
+        start = time.perf_counter()
+        loss = flow_matching_step_loss(family, components.transformer, latents, embeds, mask, job.flow, generators)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step:  # the first step warms up
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def stage_bytes(family, job, tmp: Path) -> dict[str, int]:
+    """{"pipeline": whole, stage: bytes of what its replica loads} from the family's export of the tiny preset."""
+    from vidray.models.export import load_model, write_job_file
+
+    folder = family.save_pipeline(family.build(job.model, seed=0), tmp / family.name, job.flow)
+    write_job_file(folder, job)
+    whole = load_model(folder).components
+    sizes = {"pipeline": sum(module_bytes(getattr(whole, c)) for c in STAGES.values())}
+    for stage, component in STAGES.items():
+        sizes[stage] = module_bytes(getattr(load_model(folder, components=(component,)).components, component))
+    return sizes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="timed training steps per family (after one warm-up)")
+    args = parser.parse_args()
+
+    import torch
+
+    from vidray.models.registry import FAMILIES
+
+    torch.set_num_threads(1)
+    figures: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="vidray-families-") as tmp:
+        for name, family in sorted(FAMILIES.items()):
+            path, job = shipped_config(name)
+            step_s = train_step_seconds(family, job, args.steps)
+            sizes = stage_bytes(family, job, Path(tmp))
+            say(f"{name} ({path.name}): step {step_s:.3f} s; bytes {sizes}")
+            figures[f"{name}_train_step_s"] = {"value": round(step_s, 4), "unit": "s"}
+            figures[f"{name}_samples_per_s"] = {"value": round(2 / step_s, 3), "unit": "samples/s"}
+            for stage in STAGES:
+                figure = {"value": round(sizes[stage] / sizes["pipeline"], 4), "unit": "ratio"}
+                if stage == "denoiser":
+                    figure["goal"] = "<= 0.7"
+                figures[f"{name}_{stage}_over_pipeline_bytes"] = figure
+            details[name] = {"config": str(path.relative_to(REPO)), "bucket": list(family.example_bucket),
+                             "bytes": sizes}
+    figures["two_experts_over_one_samples_per_s"] = miss(
+        "Wan 2.2 A14B's two experts in one job (issue 29 part 2) are not built yet", unit="ratio", goal=">= 0.9")
+    print(json.dumps({"benchmark": "families", "figures": figures, "details": details}))
+
+
+if __name__ == "__main__":
+    main()
