@@ -144,3 +144,46 @@ def test_each_serve_stage_loads_only_its_component_equal_to_the_whole_load(built
     assert load_model(folder, components=("text_encoder",)).components.tokenizer is not None
     with pytest.raises(ValueError, match="components \\['unet'\\]: give one or more of transformer, vae"):
         load_model(folder, components=("unet",))
+
+
+def test_the_serve_stages_make_the_video_vidray_generate_makes(built, tmp_path):
+    """Serving every family: its export through the three stage classes (used directly, no Ray; the text stage's
+    encode as its batched method runs it), each loading only its component, in the ingress's order (encode the prompt and the negative one, denoise with guidance, decode),
+    gives the frames `vidray generate`'s sampler gives for the same prompt, seed and steps."""
+    import asyncio
+
+    from vidray.serve.stages import Denoiser, TextEncoder, VaeDecoder
+
+    family, cfg, components = built
+    bucket = Bucket(*family.example_bucket)
+    out_dir = family.save_pipeline(components, tmp_path / "diffusers", FlowConfig(shift=3.0))
+    write_job_file(out_dir, job_config_from_dict({
+        "name": "serve", "model": {"family": family.name, "text_encoder": "tiny_random",
+                                   "max_sequence_length": cfg.max_sequence_length},
+        "data": {"buckets": [list(family.example_bucket)]}, "flow": {"shift": 3.0}}))
+    text = TextEncoder.func_or_class(str(out_dir))
+    denoiser = Denoiser.func_or_class(str(out_dir), {"latency_target_s": 60.0, "max_batch_size": 2})
+    vae = VaeDecoder.func_or_class(str(out_dir))
+
+    def encode(prompt: str):  # TextEncoder.encode's body: its @serve.batch runs only inside a Serve replica
+        return text.family.encode_prompt(text.text_encoder, text.tokenizer, [prompt],
+                                         max_sequence_length=text.max_sequence_length, device="cpu")
+
+    async def serve_one():
+        (embeds, mask), (negative, negative_mask) = encode("a red fox"), encode("blurry")
+        request = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "negative_prompt_embeds": negative,
+                   "negative_prompt_attention_mask": negative_mask, "guidance_scale": 3.0,
+                   "latent_shape": family.latent_shape(bucket, 1), "num_inference_steps": 3, "seed": 7,
+                   "sent_at": 0.0}
+        async for event in denoiser.denoise(request):
+            if "latents" in event:
+                return await vae.decode(event["latents"])
+        raise AssertionError("the denoiser ended without latents")
+
+    served = asyncio.run(serve_one())
+    loaded = load_model(out_dir)
+    generated = generate_video(loaded.family, loaded.components, ["a red fox"], bucket, flow=loaded.flow,
+                               num_inference_steps=3, guidance_scale=3.0, negative_prompt="blurry",
+                               max_sequence_length=cfg.max_sequence_length, seed=7)[0]
+    assert served.shape == generated.shape == (bucket.num_frames, bucket.height, bucket.width, 3)
+    assert (served.astype(int) - generated.astype(int)).__abs__().max() <= 1
