@@ -125,12 +125,13 @@ def _worker(rank: int, world: int, port: int, task: str, tmp: str) -> None:
     tmp_path = Path(tmp)
     result: dict = {}
     try:
-        if task.startswith("train"):  # train (fsdp), train_hsdp (2 groups of 1: replicated), train_hsdp2 (1 of 2)
+        if task.startswith("train"):  # train (fsdp), train_hsdp (groups of 1: replicated), train_hsdp2 (groups of 2)
             strategy, group = {"train": ("fsdp", None), "train_hsdp": ("hsdp", 1), "train_hsdp2": ("hsdp", 2)}[task]
             model = _sharded(strategy=strategy, shard_group_size=group)
             assert is_sharded(model)
             result["steps"] = _train_steps(model, _optimizer(model), range(1, 4), rank, world, per_rank=True)
             result["weights"] = _full_state(model)
+            result["mesh"] = tuple(next(model.parameters()).device_mesh.shape)  # (replicas, shards) for hsdp
         elif task == "save_async":  # dcp.async_save: steps 3 and 4 train while the step-2 state is written
             model = _sharded()
             optimizer = _optimizer(model)
@@ -230,10 +231,14 @@ def _reference_steps(per_rank_world: int) -> tuple[list[list[float]], dict[str, 
     return out, model.state_dict()
 
 
-@pytest.mark.parametrize("task", ["train", "train_hsdp"])
-def test_fsdp_trains_like_the_unsharded_model_with_a_global_grad_norm_and_accumulation(task, tmp_path):
-    got = _run(task, 2, tmp_path)
-    want, weights = _reference_steps(2)
+@pytest.mark.parametrize("task,world", [("train", 2), ("train_hsdp", 2), ("train_hsdp2", 4)],
+                         ids=["fsdp-2", "hsdp-2-groups-of-1", "hsdp-2-groups-of-2"])
+def test_fsdp_trains_like_the_unsharded_model_with_a_global_grad_norm_and_accumulation(task, world, tmp_path):
+    """HSDP with 2 groups of 2 (4 ranks): each shard group holds the model once, the gradients are averaged over
+    the groups too; every case matches the unsharded model's steps over the same `world` batches."""
+    got = _run(task, world, tmp_path)
+    assert got["mesh"] == {"train": (2,), "train_hsdp": (2, 1), "train_hsdp2": (2, 2)}[task]
+    want, weights = _reference_steps(world)
     for (loss, norm), (ref_loss, ref_norm) in zip(got["steps"], want, strict=True):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert norm == pytest.approx(ref_norm, rel=1e-4)  # the norm of the whole gradient, not of a shard
