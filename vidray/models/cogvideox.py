@@ -177,13 +177,15 @@ def _check_vae(vae: AutoencoderKLCogVideoX, where: str) -> None:
                          f"but the cogvideox family expects {expected}")
 
 
-def _check_transformer(transformer: CogVideoXTransformer3DModel, where: str) -> None:
-    cfg = transformer.config
-    if cfg.patch_size_t is not None or cfg.ofs_embed_dim is not None:
-        raise ValueError(f"{where}: transformer has patch_size_t={cfg.patch_size_t}, ofs_embed_dim={cfg.ofs_embed_dim} "
-                         "(CogVideoX 1.5), but the cogvideox family runs CogVideoX 1.0 (patch_size_t null) only yet; "
-                         "give a CogVideoX-2b/5b T2V folder")
-    found = (cfg.in_channels, cfg.patch_size)
+def _check_transformer(config: Any, where: str) -> None:
+    """Raise ValueError unless a transformer config (a `CogVideoXTransformer3DModel.config` or its config.json as a
+    dict) is CogVideoX 1.0 T2V's: patch_size_t and ofs_embed_dim null, in_channels 16, patch_size 2."""
+    get = config.get
+    if get("patch_size_t") is not None or get("ofs_embed_dim") is not None:
+        raise ValueError(f"{where}: transformer has patch_size_t={get('patch_size_t')}, ofs_embed_dim="
+                         f"{get('ofs_embed_dim')} (CogVideoX 1.5), but the cogvideox family runs CogVideoX 1.0 "
+                         "(patch_size_t null) only yet; give a CogVideoX-2b/5b T2V folder")
+    found = (get("in_channels"), get("patch_size"))
     if found != (LATENT_CHANNELS, PATCH_SIZE):
         raise ValueError(f"{where}: transformer (in_channels, patch_size) = {found}, but the cogvideox family "
                          f"(CogVideoX text-to-video) expects {(LATENT_CHANNELS, PATCH_SIZE)}; image-to-video folders "
@@ -201,9 +203,12 @@ def _check_scheduler(folder: Path) -> None:
 
 
 def _check_folder(path: str | Path) -> Path:
-    """`require_pipeline_folder` for a CogVideoXPipeline plus the scheduler check; returns the folder."""
+    """`require_pipeline_folder` for a CogVideoXPipeline, then its scheduler's and transformer's configs (before any
+    weights load); returns the folder."""
     folder = require_pipeline_folder(path, "CogVideoXPipeline", PIPELINE_COMPONENTS)
     _check_scheduler(folder)
+    _check_transformer(CogVideoXTransformer3DModel.load_config(folder, subfolder="transformer",
+                                                               local_files_only=True), str(folder))
     return folder
 
 
@@ -265,7 +270,6 @@ def load_pretrained(path: str | Path) -> Components:
     """
     path = _check_folder(path)
     pipe = CogVideoXPipeline.from_pretrained(path, local_files_only=True)
-    _check_transformer(pipe.transformer, str(path))
     _check_vae(pipe.vae, str(path))
     return Components(transformer=pipe.transformer.train(), vae=pipe.vae.eval().requires_grad_(False),
                       text_encoder=pipe.text_encoder.eval().requires_grad_(False), tokenizer=pipe.tokenizer)
@@ -375,7 +379,6 @@ class CogVideoXFamily(ModelFamily):
             _check_folder(folder)
             transformer = CogVideoXTransformer3DModel.from_pretrained(folder, subfolder="transformer",
                                                                       local_files_only=True)
-            _check_transformer(transformer, str(folder))
             return transformer.train()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
