@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 80GiB, 141GB (default: %(default)s)")
     p.add_argument("--gpus", type=int, help="GPUs (ranks) the job trains on (default: scaling.num_workers, its min)")
     p.add_argument("--preset", help="plan this shape preset instead of the job's model: tiny, medium, "
-                   "easyanimate-v5-7b, easyanimate-v5.1-12b, wan2.1-14b, wan2.2-a14b, wan-tiny")
+                   "easyanimate-v5-7b, easyanimate-v5.1-12b, wan2.1-14b, wan2.2-a14b, wan-tiny, cogvideox-tiny")
     p.add_argument("--frames", type=int, help="bucket to plan instead of the job's largest (with --height, --width)")
     p.add_argument("--height", type=int, help="bucket height in pixels")
     p.add_argument("--width", type=int, help="bucket width in pixels")

@@ -89,9 +89,10 @@ class LoraConfig:
 
 @dataclass(config=_STRICT, kw_only=True)
 class ModelConfig:
-    family: Literal["easyanimate", "wan"] = "easyanimate"
-    """Model family from the registry in `vidray.models`: `easyanimate` (EasyAnimate V5.1 T2V) or `wan` (Wan 2.1
-    T2V). Each family's bucket rules are in `vidray.models.rules`."""
+    family: Literal["easyanimate", "wan", "cogvideox"] = "easyanimate"
+    """Model family from the registry in `vidray.models`: `easyanimate` (EasyAnimate V5.1 T2V), `wan` (Wan 2.1
+    T2V) or `cogvideox` (CogVideoX 1.0 T2V, v-prediction; `flow.num_train_timesteps` must be 1000 and `flow.shift`
+    is unused). Each family's bucket rules are in `vidray.models.rules`."""
     preset: Literal["tiny"] = "tiny"
     """Architecture preset used with `init: random` (ignored for `pretrained`)."""
     init: Literal["random", "pretrained"] = "random"

@@ -58,6 +58,16 @@ def test_a_wan_bucket_breaking_the_wan_rule_fails_at_load(bucket, rule):
     assert "the rule of model.family=wan" in str(err.value)
 
 
+@pytest.mark.parametrize("bucket, rule", [("[5, 64, 64]", r"num_frames must be 1 or k\*8\+1"),
+                                          ("[9, 64, 40]", "multiples of 16")])
+def test_a_cogvideox_bucket_breaking_the_cogvideox_rule_fails_at_load(bucket, rule):
+    """CogVideoX takes 8k+1 frames, not EasyAnimate's and Wan's 4k+1: its VAE decodes odd latent counts only."""
+    load_job_config(None, ["model.family=cogvideox", "data.buckets=[[17, 64, 48], [1, 32, 32]]"])
+    with pytest.raises(ConfigError, match=rule) as err:
+        load_job_config(None, ["model.family=cogvideox", f"data.buckets=[{bucket}]"])
+    assert "the rule of model.family=cogvideox" in str(err.value)
+
+
 def test_cross_field_checks():
     with pytest.raises(ConfigError, match="train.max_steps must be >= 1"):
         load_job_config(None, ["train.max_steps=0"])

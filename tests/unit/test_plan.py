@@ -100,6 +100,39 @@ def test_block_activation_formula_matches_the_census_of_saved_tensors(block, pre
     assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cogvideox_block_activation_formula_matches_the_census_of_saved_tensors(precision, lora):
+    """CogVideoXBlock runs text and video tokens through the same layers: planned as one stream of all tokens."""
+    from diffusers import CogVideoXTransformer3DModel
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    torch.manual_seed(0)
+    model = CogVideoXTransformer3DModel(num_attention_heads=4, attention_head_dim=32, in_channels=16,
+                                        out_channels=16, time_embed_dim=128, text_embed_dim=64, num_layers=1,
+                                        sample_width=8, sample_height=8, use_rotary_positional_embeddings=True)
+    if lora:
+        _lora(model, "cogvideox")
+    n_video, n_text, dim = 48, 20, 128  # 3 latent frames of 4x4 patches; 20 text tokens
+    b = model.transformer_blocks[0]
+    rope = get_3d_rotary_pos_embed(embed_dim=32, crops_coords=((0, 0), (4, 4)), grid_size=(4, 4), temporal_size=3)
+    x = torch.randn(1, n_video, dim, requires_grad=True)
+    text = torch.randn(1, n_text, dim, requires_grad=True)
+    temb = torch.randn(1, 128, requires_grad=not lora)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        census = saved_tensor_census(lambda: b(x, text, temb, rope), list(b.parameters()))
+    weights = {tuple(m.weight.T.shape) for m in b.modules() if isinstance(m, torch.nn.Linear)}
+    weights |= {tuple(m.weight.shape) for m in b.modules() if isinstance(m, torch.nn.Linear)}
+    measured = sum(s.nbytes for s in census if not s.is_parameter and not (  # bf16 weight copies: counted apart
+        s.made_by.split(".")[0] in ("_to_copy", "mm", "mul", "pow", "add", "addmm") and s.dtype == torch.bfloat16
+        and s.shape in weights))
+    measured -= x.untyped_storage().nbytes() if lora else 0  # a LoRA block's input needs no grad in the model
+    predicted = block_activation_bytes("cogvideox", mmdit=False, precision=precision, video_tokens=n_video,
+                                       text_tokens=n_text, dim=dim, ffn_dim=4 * dim, heads=4,
+                                       lora_rank=LORA_RANK if lora else 0)
+    assert predicted == pytest.approx(measured, rel=0.05), (predicted, measured)
+
+
 STEP_CASES = [(name, Strategy(kind, ac, precision)) for name in ("tiny", "medium") for kind in ("ddp", "lora")
               for ac in (False, True) for precision in ("fp32", "bf16")]
 

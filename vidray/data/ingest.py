@@ -524,7 +524,7 @@ def prepare(
     if not buckets:
         raise ValueError("at least one bucket is needed, e.g. [[9, 64, 64], [1, 64, 64]]")
     for bucket in buckets:
-        validate_bucket(bucket, spatial_multiple=rules.spatial_multiple, temporal_compression=rules.temporal_compression)
+        validate_bucket(bucket, spatial_multiple=rules.spatial_multiple, temporal_compression=rules.num_frames_step)
     if fps <= 0:
         raise ValueError(f"fps must be > 0 frames/s, got {fps}")
     if samples_per_shard < 1:

@@ -101,13 +101,13 @@ _HASH_CHUNK_BYTES = 8 * 1024 * 1024
 JOB_FILE = "vidray_job.yaml"
 """Name of the resolved job config written beside an exported diffusers pipeline."""
 
-_PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate", "WanPipeline": "wan"}
+_PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate", "WanPipeline": "wan", "CogVideoXPipeline": "cogvideox"}
 _PIPELINE_SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 STOCK_MAX_SEQUENCE_LENGTH = 256
 """diffusers EasyAnimatePipeline.encode_prompt's default prompt length (tokens)."""
-STOCK_MAX_SEQUENCE_LENGTHS = {"easyanimate": STOCK_MAX_SEQUENCE_LENGTH, "wan": 512}
+STOCK_MAX_SEQUENCE_LENGTHS = {"easyanimate": STOCK_MAX_SEQUENCE_LENGTH, "wan": 512, "cogvideox": 226}
 """The stock pipeline's default prompt length (tokens) by family: EasyAnimatePipeline.encode_prompt's 256,
-WanPipeline.__call__'s 512."""
+WanPipeline.__call__'s 512, CogVideoXPipeline.__call__'s 226."""
 
 
 MODEL_INDEX = "model_index.json"

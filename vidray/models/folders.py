@@ -9,11 +9,28 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-__all__ = ["require_pipeline_folder", "unused_parameter_names", "write_pipeline_folder"]
+if TYPE_CHECKING:
+    from vidray.config import ModelConfig
+
+__all__ = ["pretrained_folder", "require_pipeline_folder", "unused_parameter_names", "write_pipeline_folder"]
+
+
+def pretrained_folder(model_cfg: "ModelConfig", family: str, presets: tuple[str, ...] = ("tiny",)) -> Path | None:
+    """`model.pretrained_path` for `init: pretrained`, None for `init: random` (after checking `model.preset` is
+    one of the `family`'s `presets`). Raises ValueError for an unknown init or preset, or an empty path."""
+    if model_cfg.init == "pretrained":
+        if not model_cfg.pretrained_path:
+            raise ValueError("model.init is 'pretrained' but model.pretrained_path is empty")
+        return Path(model_cfg.pretrained_path)
+    if model_cfg.init != "random":
+        raise ValueError(f"unknown model.init {model_cfg.init!r}; valid: random, pretrained")
+    if model_cfg.preset not in presets:
+        raise ValueError(f"unknown {family} preset {model_cfg.preset!r}; valid: {', '.join(presets)}")
+    return None
 
 
 def require_pipeline_folder(path: str | Path, pipeline_class: str, components: tuple[str, ...] = ()) -> Path:

@@ -10,6 +10,7 @@ weights). `vidray.train.plan` builds each on the meta device to count its parame
 | wan2.1-14b | WanTransformer3DModel | 40 x 5120 | 14,288,491,584 | Wan-AI/Wan2.1-T2V-14B(-Diffusers) |
 | wan2.2-a14b | WanTransformer3DModel, 2 experts | 40 x 5120 each | 2 x 14,288,491,584 | Wan-AI/Wan2.2-T2V-A14B(-Diffusers) |
 | wan-tiny | WanTransformer3DModel | 2 x 32 | 52,128 | `vidray.models.wan.TINY_TRANSFORMER`, text 384 (MiniLM) |
+| cogvideox-tiny | CogVideoXTransformer3DModel | 2 x 32 | see `vidray plan` | `vidray.models.cogvideox.TINY_TRANSFORMER`, text 384 (MiniLM) |
 
 Where the numbers come from (each checked by building the class on the meta device and comparing the parameter
 count with the published checkpoint's, where one was found):
@@ -50,7 +51,7 @@ from vidray.errors import UserError, UserFileNotFound
 
 __all__ = ["PRESETS", "ShapePreset", "get_preset", "model_preset", "preset_from_pretrained"]
 
-Family = Literal["easyanimate", "wan"]
+Family = Literal["easyanimate", "wan", "cogvideox"]
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,9 @@ class ShapePreset:
 
     name: str
     family: Family
-    """`easyanimate` (EasyAnimateTransformer3DModel: MMDiT, text tokens in every block) or `wan`
-    (WanTransformer3DModel: self-attention over video tokens, cross-attention to the text)."""
+    """`easyanimate` (EasyAnimateTransformer3DModel: MMDiT, text tokens in every block), `wan`
+    (WanTransformer3DModel: self-attention over video tokens, cross-attention to the text) or `cogvideox`
+    (CogVideoXTransformer3DModel: text and video tokens through the same attention and MLP in every block)."""
     config: dict[str, Any]
     """Keyword arguments of the diffusers class (its `config.json` without the `_`-keys)."""
     text_encoder_params: int = 0
@@ -76,7 +78,7 @@ class ShapePreset:
 
     @property
     def class_name(self) -> str:
-        return {"easyanimate": "EasyAnimateTransformer3DModel", "wan": "WanTransformer3DModel"}[self.family]
+        return _CLASS_NAMES[self.family]
 
     @property
     def key(self) -> str:
@@ -107,18 +109,28 @@ def _tiny_config() -> dict[str, Any]:
     return dict(TINY_TRANSFORMER, text_embed_dim=384)
 
 
+def _cogvideox_tiny_config() -> dict[str, Any]:
+    from vidray.models.cogvideox import TINY_TRANSFORMER
+
+    return dict(TINY_TRANSFORMER, text_embed_dim=384)
+
+
 def _wan_tiny_config() -> dict[str, Any]:
     from vidray.models.wan import TINY_TRANSFORMER
 
     return dict(TINY_TRANSFORMER, text_dim=384)
 
 
-_FILLED_ON_USE = {"tiny": _tiny_config, "wan-tiny": _wan_tiny_config}
+_FILLED_ON_USE = {"tiny": _tiny_config, "wan-tiny": _wan_tiny_config, "cogvideox-tiny": _cogvideox_tiny_config}
 """Presets whose config lives with the family (imports diffusers): filled in by `get_preset`."""
-_JOB_PRESETS: dict[tuple[str, str], str] = {("easyanimate", "tiny"): "tiny", ("wan", "tiny"): "wan-tiny"}
+_JOB_PRESETS: dict[tuple[str, str], str] = {("easyanimate", "tiny"): "tiny", ("wan", "tiny"): "wan-tiny",
+                                             ("cogvideox", "tiny"): "cogvideox-tiny"}
 """(model.family, model.preset) -> the shape preset of a job's `init: random` model."""
-_TEXT_WIDTH_KEYS = {"easyanimate": "text_embed_dim", "wan": "text_dim"}
+_TEXT_WIDTH_KEYS = {"easyanimate": "text_embed_dim", "wan": "text_dim", "cogvideox": "text_embed_dim"}
 """The transformer config key that holds the text encoder's hidden size, by family."""
+_CLASS_NAMES = {"easyanimate": "EasyAnimateTransformer3DModel", "wan": "WanTransformer3DModel",
+                "cogvideox": "CogVideoXTransformer3DModel"}
+"""The diffusers transformer class of each family."""
 
 
 PRESETS: dict[str, ShapePreset] = {
@@ -145,6 +157,9 @@ PRESETS: dict[str, ShapePreset] = {
         note="Wan2.2-T2V-A14B: 2 experts of 14.3 B; one trains per process (the other is not on the GPU)"),
     "wan-tiny": ShapePreset("wan-tiny", "wan", {}, text_encoder_params=_MINILM_L6, text_encoder_bytes_per_param=4,
                             vae_params=22_000, text_seq_len=32, note="the wan family's tiny preset (model.preset: tiny)"),
+    "cogvideox-tiny": ShapePreset(
+        "cogvideox-tiny", "cogvideox", {}, text_encoder_params=_MINILM_L6, text_encoder_bytes_per_param=4,
+        vae_params=77_000, text_seq_len=32, note="the cogvideox family's tiny preset (model.preset: tiny)"),
 }
 """Built-in shape presets by name (`vidray plan --preset NAME`); `tiny`'s config is filled in by `get_preset`."""
 
@@ -178,7 +193,8 @@ def model_preset(family: str, preset: str, text_encoder: str) -> ShapePreset:
 def preset_from_pretrained(path: str | Path) -> ShapePreset:
     """The shape of the transformer in a local diffusers folder: `<path>/transformer/config.json`.
 
-    Its `_class_name` picks the family (EasyAnimateTransformer3DModel or WanTransformer3DModel). Raises
+    Its `_class_name` picks the family (EasyAnimateTransformer3DModel, WanTransformer3DModel or
+    CogVideoXTransformer3DModel). Raises
     UserFileNotFound when the file is missing, UserError for another class or a file that is not JSON.
     Encoder sizes are left 0 (not planned) unless the class is known to go with them.
     """
@@ -190,7 +206,7 @@ def preset_from_pretrained(path: str | Path) -> ShapePreset:
         raw = json.loads(config_path.read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"{config_path} is not a readable JSON config: {err}") from None
-    families = {"EasyAnimateTransformer3DModel": "easyanimate", "WanTransformer3DModel": "wan"}
+    families = {class_name: family for family, class_name in _CLASS_NAMES.items()}
     class_name = raw.get("_class_name")
     if class_name not in families:
         raise UserError(f"{config_path}: _class_name {class_name!r} is not one the planner knows; valid: "
@@ -204,10 +220,10 @@ def preset_from_pretrained(path: str | Path) -> ShapePreset:
 def _meta_model(key: str):
     family, config_json = key.split(":", 1)
     import torch
-    from diffusers import EasyAnimateTransformer3DModel, WanTransformer3DModel
+    import diffusers
 
     config = {k: (tuple(v) if isinstance(v, list) else v) for k, v in json.loads(config_json).items()}
-    cls = EasyAnimateTransformer3DModel if family == "easyanimate" else WanTransformer3DModel
+    cls = getattr(diffusers, _CLASS_NAMES[family])
     with torch.device("meta"):
         return cls(**config)
 

@@ -7,6 +7,7 @@ imported. The family classes (`vidray.models.easyanimate`, ...) read their const
 |---|---|---|---|
 | easyanimate | multiples of 16 | 1 or 4k+1 | VAE 8x spatial, causal 4x temporal compression; DiT patch 2 |
 | wan | multiples of 16 | 1 or 4k+1 | VAE 8x spatial, causal 4x temporal compression; DiT patch (1, 2, 2) |
+| cogvideox | multiples of 16 | 1 or 8k+1 | VAE 8x spatial, causal 4x temporal compression decoded 2 latent frames at a time (odd latent counts only); DiT patch 2, one latent frame per patch (1.0) |
 
 A family whose VAE has no temporal compression (AnimateDiff's 16 frames, per-frame SD VAE) takes
 `temporal_compression=1`: any num_frames.
@@ -24,20 +25,35 @@ __all__ = ["BucketRules", "FAMILY_BUCKET_RULES", "bucket_rules", "check_bucket"]
 @dataclass(frozen=True)
 class BucketRules:
     """spatial_multiple: height and width must be multiples of it (pixels: VAE downsampling x DiT patch size);
-    temporal_compression: num_frames must be 1 or k * it + 1 (the causal video VAE's frame compression; 1: any)."""
+    temporal_compression: the causal video VAE's frame compression; num_frames must be 1 or k * frame_step + 1,
+    frame_step defaulting to temporal_compression (1: any)."""
 
     spatial_multiple: int
     temporal_compression: int
+    frame_step: int | None = None
+    """num_frames - 1 must be a multiple of it; None: `temporal_compression`. CogVideoX: 8 (see
+    `FAMILY_BUCKET_RULES`)."""
+
+    @property
+    def num_frames_step(self) -> int:
+        """`frame_step`, or `temporal_compression` when it is None."""
+        return self.frame_step or self.temporal_compression
 
 
 FAMILY_BUCKET_RULES: dict[str, BucketRules] = {
     "easyanimate": BucketRules(spatial_multiple=16, temporal_compression=4),
     "wan": BucketRules(spatial_multiple=16, temporal_compression=4),
+    "cogvideox": BucketRules(spatial_multiple=16, temporal_compression=4, frame_step=8),
 }
 """Bucket rules by `model.family` (diffusers: AutoencoderKLMagvit spatial_compression_ratio 8 and
 temporal_compression_ratio 4, EasyAnimateTransformer3DModel patch_size 2; AutoencoderKLWan scale_factor_spatial 8
 and scale_factor_temporal 4, WanTransformer3DModel patch_size (1, 2, 2), as `WanPipeline.check_inputs` and its
-`num_frames % vae_scale_factor_temporal != 1` rounding require)."""
+`num_frames % vae_scale_factor_temporal != 1` rounding require; AutoencoderKLCogVideoX 4 blocks (8x spatial) and
+temporal_compression_ratio 4, CogVideoXTransformer3DModel patch_size 2 with patch_size_t null (CogVideoX 1.0: any
+latent frame count; `CogVideoXPipeline` makes (num_frames - 1) // 4 + 1 latent frames and checks only H, W % 8).
+CogVideoX's num_frames are 8k+1, not 4k+1: `AutoencoderKLCogVideoX._decode` decodes `num_latent_frames_batch_size`
+(2) latent frames at a time, the odd one in the first chunk, so only an odd latent count (F - 1) / 4 + 1 decodes
+back to F frames (5 frames -> 2 latent -> 8 decoded, in the stock pipeline too); CogVideoX's own 49 = 8 * 6 + 1."""
 
 
 def bucket_rules(family: str) -> BucketRules:
@@ -52,4 +68,4 @@ def check_bucket(bucket: Bucket, family: str) -> None:
     """Raise ValueError naming the rule unless `family` can take `bucket` (`vidray.data.buckets.validate_bucket`)."""
     rules = bucket_rules(family)
     validate_bucket(Bucket(*bucket), spatial_multiple=rules.spatial_multiple,
-                    temporal_compression=rules.temporal_compression)
+                    temporal_compression=rules.num_frames_step)

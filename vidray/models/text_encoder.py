@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 __all__ = [
     "TRIVIAL_CHAT_TEMPLATE",
     "TruncationStats",
+    "TINY_T5_ENCODER",
+    "build_t5_text_encoder",
     "build_text_encoder",
     "build_tokenizer",
     "caption_truncation",
@@ -32,6 +34,7 @@ __all__ = [
     "ensure_chat_template",
     "minilm_path",
     "shards_caption_truncation",
+    "t5_text_width",
     "text_hidden_size",
 ]
 
@@ -109,6 +112,56 @@ def text_hidden_size(kind: Literal["minilm", "tiny_random"]) -> int:
 
         return int(AutoConfig.from_pretrained(minilm_path(), local_files_only=True).hidden_size)
     raise ValueError(f"unknown text encoder {kind!r}; valid: minilm, tiny_random")
+
+
+TINY_T5_ENCODER = dict(
+    d_model=64,
+    d_kv=32,
+    d_ff=128,
+    num_layers=2,
+    num_heads=2,
+    relative_attention_num_buckets=8,
+    relative_attention_max_distance=16,
+)
+"""`transformers.T5Config` / `UMT5Config` keywords of the `tiny_random` text encoder of the families whose pipelines
+encode prompts with a T5 encoder (Wan: UMT5, CogVideoX: T5); vocab_size and pad_token_id come from the tokenizer."""
+
+
+def t5_text_width(kind: Literal["minilm", "tiny_random"]) -> int:
+    """D of the prompt_embeds (B, L, D) that `build_t5_text_encoder(kind)` gives, from configs only (the
+    transformer's text width). Raises ValueError for an unknown `kind`."""
+    if kind == "tiny_random":
+        return TINY_T5_ENCODER["d_model"]
+    if kind == "minilm":
+        return text_hidden_size("minilm")
+    raise ValueError(f"unknown text encoder {kind!r}; valid: minilm, tiny_random")
+
+
+def build_t5_text_encoder(kind: Literal["minilm", "tiny_random"], *, variant: Literal["t5", "umt5"],
+                          seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A frozen (eval, requires_grad False) text encoder for a T5-encoded family, and MiniLM's tokenizer, offline
+    (T5's and umT5's sentencepiece vocabularies are not shipped here; MiniLM's is). `tiny_random`: a
+    `T5EncoderModel(T5Config(**TINY_T5_ENCODER))` (`variant` "t5", CogVideoX) or `UMT5EncoderModel(UMT5Config(...))`
+    ("umt5", Wan) drawn under `seed` in a forked RNG (the global RNG is left as it was); `minilm`: the real
+    MiniLM-L6 `BertModel` (`seed` and `variant` unused), whose `last_hidden_state` (output 0) the pipelines take as
+    they take T5's. Raises ValueError for another `kind` or `variant`."""
+    from transformers import BertModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    classes = {"t5": (T5Config, T5EncoderModel), "umt5": (UMT5Config, UMT5EncoderModel)}
+    if variant not in classes:
+        raise ValueError(f"unknown T5 variant {variant!r}; valid: t5, umt5")
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
+    if kind == "tiny_random":
+        config_class, model_class = classes[variant]
+        config = config_class(**TINY_T5_ENCODER, vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_token_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            text_encoder = model_class(config)
+    elif kind == "minilm":
+        text_encoder = BertModel.from_pretrained(minilm_path(), local_files_only=True)
+    else:
+        raise ValueError(f"unknown text encoder {kind!r}; valid: minilm, tiny_random")
+    return text_encoder.eval().requires_grad_(False), tokenizer
 
 
 def build_tokenizer(model: "ModelConfig") -> PreTrainedTokenizerBase:

@@ -38,9 +38,10 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
-from vidray.models.folders import require_pipeline_folder, unused_parameter_names, write_pipeline_folder
+from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names,
+                                   write_pipeline_folder)
 from vidray.models.rules import FAMILY_BUCKET_RULES
-from vidray.models.text_encoder import minilm_path, text_hidden_size
+from vidray.models.text_encoder import TINY_T5_ENCODER, build_t5_text_encoder, t5_text_width
 from vidray.models.vae import decode_latents, encode_video
 
 __all__ = [
@@ -93,47 +94,23 @@ TINY_VAE = dict(
 """Tiny Wan VAE (~22 k params), same compression ratios, latent channels and default `latents_mean` /
 `latents_std` (the real Wan 2.1 VAE's) as Wan 2.1."""
 
-TINY_TEXT_ENCODER = dict(
-    d_model=64,
-    d_kv=32,
-    d_ff=128,
-    num_layers=2,
-    num_heads=2,
-    relative_attention_num_buckets=8,
-    relative_attention_max_distance=16,
-)
-"""`transformers.UMT5Config` of the `tiny_random` text encoder (vocab_size and pad_token_id from the tokenizer)."""
+TINY_TEXT_ENCODER = TINY_T5_ENCODER
+"""`transformers.UMT5Config` of the `tiny_random` text encoder (`vidray.models.text_encoder.TINY_T5_ENCODER`;
+vocab_size and pad_token_id from the tokenizer)."""
 
 TextEncoderKind = Literal["minilm", "tiny_random"]
 
 
 def text_dim(kind: TextEncoderKind) -> int:
     """D of the prompt_embeds (B, L, D) that `build_text_encoder(kind)` gives (the transformer's `text_dim`), from
-    configs only. Raises ValueError for an unknown `kind`."""
-    if kind == "tiny_random":
-        return TINY_TEXT_ENCODER["d_model"]
-    if kind == "minilm":
-        return text_hidden_size("minilm")
-    raise ValueError(f"unknown text encoder {kind!r}; valid: minilm, tiny_random")
+    configs only (`vidray.models.text_encoder.t5_text_width`). Raises ValueError for an unknown `kind`."""
+    return t5_text_width(kind)
 
 
 def build_text_encoder(kind: TextEncoderKind, *, seed: int = 0) -> tuple[torch.nn.Module, Any]:
-    """A frozen (eval, requires_grad False) text encoder and MiniLM's tokenizer, offline. `tiny_random`: a
-    `UMT5EncoderModel(UMT5Config(**TINY_TEXT_ENCODER))` drawn under `seed` in a forked RNG (the global RNG is left
-    as it was); `minilm`: the real MiniLM-L6 `BertModel` (`seed` unused). Raises ValueError for another `kind`."""
-    from transformers import AutoTokenizer, BertModel, UMT5Config, UMT5EncoderModel
-
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
-    if kind == "tiny_random":
-        config = UMT5Config(**TINY_TEXT_ENCODER, vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_token_id)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            text_encoder = UMT5EncoderModel(config)
-    elif kind == "minilm":
-        text_encoder = BertModel.from_pretrained(minilm_path(), local_files_only=True)
-    else:
-        raise ValueError(f"unknown text encoder {kind!r}; valid: minilm, tiny_random")
-    return text_encoder.eval().requires_grad_(False), tokenizer
+    """A frozen text encoder and MiniLM's tokenizer, offline: `tiny_random` a 2-layer `UMT5EncoderModel` under
+    `seed`, `minilm` the real MiniLM-L6 (`vidray.models.text_encoder.build_t5_text_encoder`, variant umt5)."""
+    return build_t5_text_encoder(kind, variant="umt5", seed=seed)
 
 
 @torch.no_grad()
@@ -279,20 +256,6 @@ def probe_loss(model: torch.nn.Module, transformer: WanTransformer3DModel) -> to
                  return_dict=False)[0].float().sum()
 
 
-def _pretrained_folder(model_cfg: ModelConfig) -> Path | None:
-    """`model.pretrained_path` for `init: pretrained` (None for `init: random`). Raises ValueError for an unknown
-    init or an empty path."""
-    if model_cfg.init == "pretrained":
-        if not model_cfg.pretrained_path:
-            raise ValueError("model.init is 'pretrained' but model.pretrained_path is empty")
-        return Path(model_cfg.pretrained_path)
-    if model_cfg.init != "random":
-        raise ValueError(f"unknown model.init {model_cfg.init!r}; valid: random, pretrained")
-    if model_cfg.preset != "tiny":
-        raise ValueError(f"unknown wan preset {model_cfg.preset!r}; valid: tiny")
-    return None
-
-
 class WanFamily(ModelFamily):
     """Wan 2.1 T2V: latents (B, 16, (F-1)/4+1, H/8, W/8), DiT patch (1, 2, 2), so H and W multiples of 16."""
 
@@ -307,7 +270,7 @@ class WanFamily(ModelFamily):
         """`init: random` -> the `tiny` preset with `model_cfg.text_encoder` (`build_tiny`); `init: pretrained` ->
         `load_pretrained(model_cfg.pretrained_path)` (the folder's own text encoder). `model.vae_path` replaces
         the VAE."""
-        folder = _pretrained_folder(model_cfg)
+        folder = pretrained_folder(model_cfg, "wan")
         components = load_pretrained(folder) if folder else build_tiny(model_cfg.text_encoder, seed=seed)
         if model_cfg.vae_path:
             components = dataclasses.replace(components, vae=load_vae_folder(model_cfg.vae_path))
@@ -316,7 +279,7 @@ class WanFamily(ModelFamily):
     def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> WanTransformer3DModel:
         """The transformer alone, equal to `build(model_cfg, seed=seed).transformer`, without the VAE or the text
         encoder: the tiny preset drawn first under `seed` (as in `build_tiny`); a folder's `transformer/` alone."""
-        folder = _pretrained_folder(model_cfg)
+        folder = pretrained_folder(model_cfg, "wan")
         if folder is not None:
             require_pipeline_folder(folder, "WanPipeline", PIPELINE_COMPONENTS)
             _refuse_two_experts(folder)
@@ -331,7 +294,7 @@ class WanFamily(ModelFamily):
     def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
         """The VAE, text encoder and tokenizer alone (frozen), equal to `build`'s: a folder is loaded with
         `transformer=None` (diffusers skips it); the tiny preset replays `build_tiny`."""
-        folder = _pretrained_folder(model_cfg)
+        folder = pretrained_folder(model_cfg, "wan")
         if folder is None:
             c = self.build(model_cfg, seed=seed)
             return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
@@ -358,7 +321,7 @@ class WanFamily(ModelFamily):
         by itself (umT5-XXL is not read), else the tiny preset's (replaying `build_tiny`)."""
         if model_cfg.vae_path:
             return load_vae_folder(model_cfg.vae_path)
-        folder = _pretrained_folder(model_cfg)
+        folder = pretrained_folder(model_cfg, "wan")
         if folder is None:
             return self.build_encoders(model_cfg, seed=seed).vae
         require_pipeline_folder(folder, "WanPipeline", PIPELINE_COMPONENTS)

@@ -1,0 +1,271 @@
+"""The CogVideoX 1.0 T2V family against the stock `diffusers.CogVideoXPipeline` (issue 29 part 3), on CPU in fp32.
+
+Parity: the export loads in the stock pipeline offline, and for the same prompts, negative prompts, initial noise,
+num_inference_steps, guidance_scale and max_sequence_length, the stock pipeline's `output_type="latent"` latents
+(it encodes the prompts itself; laid out (B, F, C, H, W)) equal `vidray.diffusion.sampler.sample_latents` over
+`family.encode_prompt`'s embeddings, and its frames equal `generate_video`'s. The stock pipeline draws its noise laid
+out (B, F, C, H, W), so it is given vidray's noise (`initial_noise`, the seed's) permuted as `latents=`. The
+family-independent checks are in test_families.py.
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from diffusers import CogVideoXPipeline, CogVideoXTransformer3DModel  # noqa: E402
+
+from vidray.config import FlowConfig, ModelConfig  # noqa: E402
+from vidray.data.buckets import Bucket  # noqa: E402
+from vidray.diffusion.sampler import generate_video, initial_noise, sample_latents  # noqa: E402
+from vidray.models import get_family  # noqa: E402
+from vidray.models.export import inspect_model  # noqa: E402
+
+BUCKET = Bucket(9, 32, 32)
+FLOW = FlowConfig(num_train_timesteps=1000)
+PROMPTS = ["a red ball bouncing", "waves on a beach"]
+NEGATIVE = ["", "blurry"]
+MAX_SEQUENCE_LENGTH = 16
+CFG = ModelConfig(family="cogvideox", text_encoder="tiny_random", max_sequence_length=MAX_SEQUENCE_LENGTH)
+
+
+def _to_pipeline_layout(latents: torch.Tensor) -> torch.Tensor:
+    return latents.permute(0, 2, 1, 3, 4)  # (B, C, F, H, W) <-> (B, F, C, H, W)
+
+
+@pytest.fixture(scope="module")
+def family():
+    return get_family("cogvideox")
+
+
+@pytest.fixture(scope="module")
+def exported(family, tmp_path_factory):
+    components = family.build(CFG, seed=0)
+    out_dir = family.save_pipeline(components, tmp_path_factory.mktemp("export") / "diffusers", FLOW)
+    pipe = CogVideoXPipeline.from_pretrained(out_dir, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return components, out_dir, pipe
+
+
+def test_the_export_is_a_cogvideox_pipeline_with_the_v_prediction_ddim_scheduler(exported):
+    _, out_dir, pipe = exported
+    index = json.loads((out_dir / "model_index.json").read_text())
+    assert index["_class_name"] == "CogVideoXPipeline"
+    assert type(pipe.scheduler).__name__ == "CogVideoXDDIMScheduler"
+    cfg = pipe.scheduler.config
+    assert (cfg.prediction_type, cfg.timestep_spacing, cfg.snr_shift_scale, cfg.rescale_betas_zero_snr) == (
+        "v_prediction", "trailing", 3.0, True)
+    assert type(pipe.text_encoder).__name__ == "T5EncoderModel"
+    assert pipe.transformer.config.use_rotary_positional_embeddings
+    assert list(out_dir.glob("transformer/*.safetensors")) and list(out_dir.glob("vae/*.safetensors"))
+
+
+@pytest.mark.parametrize("steps", [4, 5])
+@pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
+def test_stock_pipeline_latents_equal_sample_latents_for_the_same_prompts_and_noise(family, exported,
+                                                                                    guidance_scale, steps):
+    components, _, pipe = exported
+    embeds, mask = family.encode_prompt(components.text_encoder, components.tokenizer, PROMPTS,
+                                        max_sequence_length=MAX_SEQUENCE_LENGTH)
+    negative_embeds, negative_mask = family.encode_prompt(components.text_encoder, components.tokenizer, NEGATIVE,
+                                                          max_sequence_length=MAX_SEQUENCE_LENGTH)
+    latent_shape = family.latent_shape(BUCKET, len(PROMPTS))
+    noise = initial_noise(latent_shape, seed=5)
+    ours = sample_latents(
+        family, components.transformer, embeds, mask, latent_shape=latent_shape, num_inference_steps=steps,
+        shift=FLOW.shift, num_train_timesteps=FLOW.num_train_timesteps, guidance_scale=guidance_scale,
+        negative_prompt_embeds=negative_embeds, negative_prompt_attention_mask=negative_mask,
+        latents=noise.clone(),
+    )
+    stock = pipe(
+        prompt=PROMPTS, negative_prompt=NEGATIVE, num_frames=BUCKET.num_frames, height=BUCKET.height,
+        width=BUCKET.width, num_inference_steps=steps, guidance_scale=guidance_scale,
+        max_sequence_length=MAX_SEQUENCE_LENGTH, latents=_to_pipeline_layout(noise.clone()), output_type="latent",
+    ).frames
+    assert ours.shape == latent_shape
+    torch.testing.assert_close(ours, _to_pipeline_layout(stock), atol=1e-5, rtol=1e-5)
+
+
+def test_generate_video_equals_stock_pipeline_frames(family, exported):
+    components, _, pipe = exported
+    frames = generate_video(family, components, PROMPTS, BUCKET, flow=FLOW, num_inference_steps=2,
+                            max_sequence_length=MAX_SEQUENCE_LENGTH, seed=3)
+    noise = initial_noise(family.latent_shape(BUCKET, len(PROMPTS)), seed=3)
+    stock = pipe(
+        prompt=PROMPTS, num_frames=BUCKET.num_frames, height=BUCKET.height, width=BUCKET.width,
+        num_inference_steps=2, guidance_scale=1.0, max_sequence_length=MAX_SEQUENCE_LENGTH,
+        latents=_to_pipeline_layout(noise), output_type="np",
+    ).frames  # (B, F, H, W, 3) float in [0, 1]
+    assert frames.shape == (2, *BUCKET, 3) and frames.dtype == np.uint8 and stock.shape == frames.shape
+    assert np.abs(frames.astype(int) - (stock * 255).round().astype(int)).max() <= 1
+
+
+def test_encode_prompt_equals_the_pipelines_padding_positions_included(family, exported):
+    components, _, pipe = exported
+    embeds, mask = family.encode_prompt(components.text_encoder, components.tokenizer, PROMPTS,
+                                        max_sequence_length=MAX_SEQUENCE_LENGTH)
+    assert embeds.shape == (2, MAX_SEQUENCE_LENGTH, 64) and embeds.dtype == torch.float32 and mask.dtype == torch.bool
+    assert 0 < int(mask.sum(dim=1).min()) < MAX_SEQUENCE_LENGTH
+    with torch.no_grad():
+        stock, _ = pipe.encode_prompt(PROMPTS, do_classifier_free_guidance=False,
+                                      max_sequence_length=MAX_SEQUENCE_LENGTH)
+    assert torch.equal(embeds, stock)
+    assert embeds[~mask].abs().sum() > 0  # no attention mask: padding is encoded, as the pipeline does
+
+
+def test_latents_are_scaled_by_the_vae_configs_scaling_factor(family, exported):
+    components, _, _ = exported
+    vae = components.vae
+    video = torch.rand(1, 3, *BUCKET, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latents = family.encode_video(vae, video)
+    assert latents.shape == family.latent_shape(BUCKET, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(latents, vae.encode(video).latent_dist.mode() * vae.config.scaling_factor)
+        # CogVideoXPipeline.decode_latents: 1 / scaling_factor * latents (vidray divides: equal to float rounding)
+        expected = vae.decode(1 / vae.config.scaling_factor * latents).sample.clamp(-1, 1)
+    torch.testing.assert_close(family.decode_latents(vae, latents), expected, atol=1e-6, rtol=0)
+
+
+def test_the_objective_is_v_prediction_on_the_exported_scheduler(family, exported):
+    _, _, pipe = exported
+    g = torch.Generator().manual_seed(1)
+    latents, noise = torch.randn(3, 16, 3, 4, 4, generator=g), torch.randn(3, 16, 3, 4, 4, generator=g)
+    sigmas = torch.tensor([0.0, 0.4173, 1.0])
+    t = torch.tensor([0, 417, 999])
+    torch.testing.assert_close(family.model_timesteps(sigmas, 1000), t.float())
+    torch.testing.assert_close(family.noisy_latents(latents, noise, sigmas),
+                               pipe.scheduler.add_noise(latents, noise, t), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(family.training_target(latents, noise, sigmas),
+                               pipe.scheduler.get_velocity(latents, noise, t), atol=1e-5, rtol=1e-5)
+    pipe.scheduler.set_timesteps(4)
+    sigmas = family.inference_sigmas(4, shift=3.0, num_train_timesteps=1000)
+    assert torch.equal((sigmas[:-1] * 1000).round().long(), pipe.scheduler.timesteps) and sigmas[-1] < 0
+    with pytest.raises(ValueError, match="set flow.num_train_timesteps: 1000"):
+        family.inference_sigmas(4, shift=3.0, num_train_timesteps=500)
+
+
+def test_a_transformer_without_rotary_positions_takes_exactly_max_text_seq_length_tokens(family):
+    torch.manual_seed(0)
+    transformer = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=16, in_channels=16,
+                                              out_channels=16, time_embed_dim=32, text_embed_dim=64, num_layers=1,
+                                              sample_width=4, sample_height=4, sample_frames=9,
+                                              max_text_seq_length=8)  # the CogVideoX-2b layout: sincos positions
+    latents = torch.randn(1, 16, 3, 4, 4)
+    embeds, mask = torch.randn(1, 8, 64), torch.ones(1, 8, dtype=torch.bool)
+    pred = family.predict(transformer, latents, torch.tensor([500.0]), embeds, mask)
+    assert pred.shape == latents.shape
+    with pytest.raises(ValueError, match="set model.max_sequence_length: 8"):
+        family.predict(transformer, latents, torch.tensor([500.0]), embeds[:, :4], mask[:, :4])
+    assert family.probe_loss(transformer, transformer).ndim == 0
+
+
+def test_load_pretrained_round_trips_the_export_and_the_build_functions_agree(family, exported):
+    components, out_dir, _ = exported
+    cfg = ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(out_dir))
+    loaded = family.build(cfg, seed=123)
+    for module in ("transformer", "vae", "text_encoder"):
+        saved, reloaded = getattr(components, module).state_dict(), getattr(loaded, module).state_dict()
+        assert saved.keys() == reloaded.keys() and saved, module
+        assert all(torch.equal(saved[k], reloaded[k]) for k in saved), module
+    alone = family.build_transformer(cfg, seed=123).state_dict()
+    assert all(torch.equal(alone[k], v) for k, v in loaded.transformer.state_dict().items())
+    encoders = family.build_encoders(cfg, seed=123)
+    assert all(torch.equal(encoders.vae.state_dict()[k], v) for k, v in loaded.vae.state_dict().items())
+    assert all(torch.equal(encoders.text_encoder.state_dict()[k], v)
+               for k, v in loaded.text_encoder.state_dict().items())
+    alone_vae = family.build_vae(cfg, seed=123).state_dict()
+    assert all(torch.equal(alone_vae[k], v) for k, v in loaded.vae.state_dict().items())
+    assert not any(p.requires_grad for p in loaded.vae.parameters()) and loaded.transformer.training
+    vae_folder = family.load_vae(out_dir / "vae").state_dict()
+    assert all(torch.equal(vae_folder[k], v) for k, v in loaded.vae.state_dict().items())
+
+
+def test_the_tiny_preset_build_functions_agree_with_build(family):
+    built = family.build(CFG, seed=7)
+    alone = family.build_transformer(CFG, seed=7).state_dict()
+    state = built.transformer.state_dict()
+    assert state.keys() == alone.keys() and all(torch.equal(state[k], alone[k]) for k in state)
+    encoders = family.build_encoders(CFG, seed=7)
+    assert all(torch.equal(encoders.vae.state_dict()[k], v) for k, v in built.vae.state_dict().items())
+    assert all(torch.equal(family.build_vae(CFG, seed=7).state_dict()[k], v)
+               for k, v in built.vae.state_dict().items())
+    assert family.no_grad_parameter_names(family.build_transformer(CFG, seed=7)) == []
+    assert family.prompt_embeds_dim(built.transformer) == 64
+
+
+def test_a_folder_that_is_not_cogvideox_t2v_is_refused_in_one_line_naming_it(family, exported, tmp_path):
+    _, out_dir, _ = exported
+    with pytest.raises(FileNotFoundError, match="no model_index.json"):
+        family.load_pretrained(tmp_path)
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(out_dir, incomplete)
+    shutil.rmtree(incomplete / "vae")
+    with pytest.raises(FileNotFoundError, match=f"'{incomplete}' lacks vae/") as err:
+        family.load_pretrained(incomplete)
+    assert "\n" not in str(err.value)
+    other = tmp_path / "other"
+    shutil.copytree(out_dir, other)
+    index = json.loads((other / "model_index.json").read_text())
+    (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanPipeline"}))
+    with pytest.raises(ValueError, match=f"'{other}' holds a WanPipeline pipeline, not a CogVideoXPipeline: "
+                                         "set model.family") as err:
+        family.build_transformer(ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(other)),
+                                 seed=0)
+    assert "\n" not in str(err.value)
+    (other / "model_index.json").write_text(json.dumps(index))
+    config = json.loads((other / "scheduler" / "scheduler_config.json").read_text())
+    (other / "scheduler" / "scheduler_config.json").write_text(json.dumps({**config, "snr_shift_scale": 1.0}))
+    with pytest.raises(ValueError, match=f"'{other}': scheduler snr_shift_scale=1.0"):
+        family.load_pretrained(other)
+    (other / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
+    transformer_config = json.loads((other / "transformer" / "config.json").read_text())
+    (other / "transformer" / "config.json").write_text(json.dumps({**transformer_config, "patch_size_t": 2}))
+    with pytest.raises(ValueError, match="CogVideoX 1.5"):
+        family.build_transformer(ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(other)),
+                                 seed=0)
+
+
+def test_a_stock_cogvideox_folder_is_inspected_as_cogvideox_with_226_tokens(exported, tmp_path):
+    _, out_dir, _ = exported
+    stock = tmp_path / "stock"
+    shutil.copytree(out_dir, stock)  # no vidray_job.yaml: as a stock CogVideoX folder
+    info = inspect_model(stock)
+    assert (info.family_name, info.max_sequence_length, info.buckets) == ("cogvideox", 226, [])
+
+
+def test_the_bucket_rule_is_8k_plus_1_frames_because_the_vae_decodes_odd_latent_counts_only(family, exported):
+    components, _, _ = exported
+    assert family.latent_shape(Bucket(17, 32, 48), 1) == (1, 16, 5, 4, 6)
+    with pytest.raises(ValueError, match=r"num_frames must be 1 or k\*8\+1"):
+        family.latent_shape(Bucket(5, 32, 32), 1)
+    with torch.no_grad():  # why: 2 latent frames (5 frames) decode to 8 frames, 3 (9 frames) to 9
+        assert components.vae.decode(torch.zeros(1, 16, 2, 4, 4)).sample.shape[2] == 8
+        assert components.vae.decode(torch.zeros(1, 16, 3, 4, 4)).sample.shape[2] == 9
+
+
+@pytest.mark.parametrize("text_encoder", ["tiny_random", "minilm"])
+def test_the_planners_shape_of_a_cogvideox_tiny_job_is_the_model_the_family_builds(family, text_encoder):
+    from vidray.models.presets import model_preset
+    from vidray.train.plan import count_model
+
+    preset = model_preset("cogvideox", "tiny", text_encoder)
+    assert preset.name == "cogvideox-tiny" and preset.family == "cogvideox"
+    transformer = family.build_transformer(ModelConfig(family="cogvideox", text_encoder=text_encoder), seed=0)
+    assert count_model(preset).total == sum(p.numel() for p in transformer.parameters())
+
+
+def test_the_shipped_cogvideox_config_builds_the_cogvideox_family_for_its_buckets(family):
+    from pathlib import Path
+
+    from vidray.config import load_job_config
+
+    job = load_job_config(Path(__file__).resolve().parents[2] / "jobs" / "configs" / "cogvideox_t2v_tiny.yaml")
+    assert get_family(job.model.family) is family
+    transformer = family.build_transformer(job.model, seed=job.train.seed)
+    for bucket in job.data.buckets:
+        assert family.latent_shape(bucket, 1)[1] == transformer.config.in_channels

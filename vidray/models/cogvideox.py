@@ -1,0 +1,516 @@
+"""CogVideoX 1.0 text-to-video family: diffusers `CogVideoXTransformer3DModel` + `AutoencoderKLCogVideoX` + a T5 text
+encoder, trained with v-prediction and exported as a stock `diffusers.CogVideoXPipeline` folder.
+
+Everything here mirrors diffusers/pipelines/cogvideo/pipeline_cogvideox.py (diffusers 0.42.1), so a transformer
+trained with `CogVideoXFamily.predict` behaves the same inside the stock pipeline:
+- prompts (`encode_prompts`, as `CogVideoXPipeline._get_t5_prompt_embeds`): the prompts as given (no cleaning),
+  right-padded to `max_sequence_length` with special tokens, truncated, `text_encoder(input_ids)[0]` WITHOUT an
+  attention mask (padding positions are encoded like the others and kept); the tokenizer's mask is returned but
+  never reaches the transformer (it has no text mask);
+- transformer call: hidden_states laid out (B, F, C, H, W) (vidray's (B, C, F, H, W) permuted in `predict` and the
+  output permuted back), `timestep` the scheduler's int64 timesteps, `image_rotary_emb` from
+  `_prepare_rotary_positional_embeddings` when the config has `use_rotary_positional_embeddings` (CogVideoX-5b),
+  else None (CogVideoX-2b: sincos positions over `max_text_seq_length` text tokens, so the prompt length must equal
+  it);
+- latents: `posterior mode * vae.config.scaling_factor`, decoded as `vae.decode(latents / scaling_factor)`
+  (the pipeline's `decode_latents`; `vidray.models.vae` with a scalar scale and no shift);
+- objective and sampler: v-prediction on CogVideoX-2b's `CogVideoXDDIMScheduler` schedule (scaled-linear betas,
+  SNR shift 3, zero terminal SNR, trailing timesteps; `vidray.diffusion.ddim`), and the export carries that
+  scheduler, so the stock pipeline takes the same DDIM steps as `vidray.diffusion.sampler`. A noise level sigma
+  in [0, 1] is the timestep sigma * 1000 (rounded); the sampler's schedule ends at -1 / 1000 (the final alpha).
+
+Not here yet: image-to-video (`CogVideoXImageToVideoPipeline`: in_channels 32, image latents concatenated on
+channels) and CogVideoX 1.5 (`patch_size_t`, latent frames padded to a multiple of it, `ofs` embeddings); both
+kinds of folder are refused with that message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline,
+                       CogVideoXTransformer3DModel)
+from diffusers.models.embeddings import get_3d_rotary_pos_embed
+from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
+
+from vidray.config import FlowConfig, ModelConfig
+from vidray.data.buckets import Bucket, validate_bucket
+from vidray.diffusion import ddim
+from vidray.models.base import Components, Encoders, ModelFamily
+from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names,
+                                   write_pipeline_folder)
+from vidray.models.rules import FAMILY_BUCKET_RULES
+from vidray.models.text_encoder import build_t5_text_encoder, t5_text_width
+from vidray.models.vae import decode_latents, encode_video
+
+__all__ = [
+    "SCHEDULER_CONFIG",
+    "TINY_TRANSFORMER",
+    "TINY_VAE",
+    "CogVideoXFamily",
+    "build_tiny",
+    "encode_prompts",
+    "load_pretrained",
+    "load_vae_folder",
+    "probe_loss",
+    "rotary_positional_embeddings",
+    "save_pipeline",
+]
+
+LATENT_CHANNELS = 16
+"""AutoencoderKLCogVideoX `latent_channels` (CogVideoX 1.0 T2V: the transformer's in_channels)."""
+SPATIAL_COMPRESSION_RATIO = 8
+"""2 ** (len(block_out_channels) - 1) with 4 blocks: the pipeline's `vae_scale_factor_spatial`."""
+TEMPORAL_COMPRESSION_RATIO = FAMILY_BUCKET_RULES["cogvideox"].temporal_compression
+FRAME_STEP = FAMILY_BUCKET_RULES["cogvideox"].num_frames_step
+"""num_frames is 1 or 8k+1: the VAE decodes 2 latent frames at a time, so only odd latent counts round-trip
+(`vidray.models.rules`)."""
+PATCH_SIZE = 2
+"""CogVideoXTransformer3DModel `patch_size` (height and width); `patch_size_t` None: one latent frame per patch."""
+assert SPATIAL_COMPRESSION_RATIO * PATCH_SIZE == FAMILY_BUCKET_RULES["cogvideox"].spatial_multiple
+PIPELINE_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+"""The subfolders of a CogVideoX T2V diffusers folder that vidray loads."""
+NUM_TRAIN_TIMESTEPS = 1000
+
+SCHEDULER_CONFIG = dict(
+    num_train_timesteps=NUM_TRAIN_TIMESTEPS,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    snr_shift_scale=3.0,
+    rescale_betas_zero_snr=True,
+    timestep_spacing="trailing",
+    prediction_type="v_prediction",
+    set_alpha_to_one=True,
+    clip_sample=False,
+    steps_offset=0,
+)
+"""CogVideoX-2b's scheduler/scheduler_config.json (`CogVideoXDDIMScheduler`): what the family trains and samples
+with, and what its export carries."""
+SCHEDULE = ddim.ddim_schedule(
+    NUM_TRAIN_TIMESTEPS, beta_start=SCHEDULER_CONFIG["beta_start"], beta_end=SCHEDULER_CONFIG["beta_end"],
+    beta_schedule=SCHEDULER_CONFIG["beta_schedule"], snr_shift_scale=SCHEDULER_CONFIG["snr_shift_scale"],
+    rescale_betas_zero_snr=SCHEDULER_CONFIG["rescale_betas_zero_snr"],
+    set_alpha_to_one=SCHEDULER_CONFIG["set_alpha_to_one"])
+"""`SCHEDULER_CONFIG` as `vidray.diffusion.ddim` computes it (checked against CogVideoXDDIMScheduler in
+tests/unit/test_ddim.py)."""
+_SCHEDULE_KEYS = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule", "snr_shift_scale",
+                  "rescale_betas_zero_snr", "prediction_type", "set_alpha_to_one")
+"""Scheduler config keys a pretrained folder must share with `SCHEDULER_CONFIG` (they define the objective)."""
+
+TINY_TRANSFORMER = dict(
+    num_attention_heads=2,
+    attention_head_dim=16,  # 3D RoPE splits it over (t, h, w) as 4 + 6 + 6
+    in_channels=LATENT_CHANNELS,
+    out_channels=LATENT_CHANNELS,
+    time_embed_dim=32,
+    num_layers=2,
+    sample_width=4,  # latent pixels: the RoPE crop base grid (sample // patch) is 2 x 2
+    sample_height=4,
+    sample_frames=9,
+    patch_size=PATCH_SIZE,
+    use_rotary_positional_embeddings=True,
+)
+"""Tiny DiT (inner dim 32, 2 blocks; ~62 k params with text_embed_dim 64), the CogVideoX-5b layout (3D rotary
+positions, so any prompt length). `text_embed_dim` is set from the text encoder's hidden size."""
+
+TINY_VAE = dict(
+    block_out_channels=(8, 8, 8, 8),  # 4 blocks: 8x spatial
+    latent_channels=LATENT_CHANNELS,
+    layers_per_block=1,
+    norm_num_groups=2,
+    temporal_compression_ratio=TEMPORAL_COMPRESSION_RATIO,
+    scaling_factor=0.7,  # CogVideoX-2b's VAE
+)
+"""Tiny AutoencoderKLCogVideoX (~77 k params), same compression ratios and latent channels as CogVideoX's."""
+
+TextEncoderKind = Literal["minilm", "tiny_random"]
+
+
+@torch.no_grad()
+def encode_prompts(text_encoder: torch.nn.Module, tokenizer: Any, prompts: list[str], *, max_sequence_length: int,
+                   device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """B prompts -> prompt_embeds (B, L, D) float32 and prompt_attention_mask (B, L) bool, L = max_sequence_length,
+    on `device` (default: the text encoder's).
+
+    As `CogVideoXPipeline._get_t5_prompt_embeds` (diffusers/pipelines/cogvideo/pipeline_cogvideox.py): tokenize with
+    padding to `max_sequence_length`, truncation and special tokens, then `text_encoder(input_ids)[0]` without an
+    attention mask: padding positions stay in the embeddings. The mask is the tokenizer's (for the text stage's
+    bookkeeping); the transformer never sees it.
+    """
+    if isinstance(prompts, str) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of strings, got {prompts!r}")
+    if max_sequence_length < 1:
+        raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
+    text_inputs = tokenizer(list(prompts), padding="max_length", max_length=max_sequence_length, truncation=True,
+                            add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+    te_device = next(text_encoder.parameters()).device
+    prompt_embeds = text_encoder(text_inputs.input_ids.to(te_device))[0]  # (B, L, D)
+    device = device if device is not None else te_device
+    return (prompt_embeds.to(device=device, dtype=torch.float32),
+            text_inputs.attention_mask.to(device=device).bool())
+
+
+def rotary_positional_embeddings(transformer: CogVideoXTransformer3DModel, latent_frames: int, latent_height: int,
+                                 latent_width: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(freqs_cos, freqs_sin), each (F_lat * H_lat/p * W_lat/p, attention_head_dim) float32 on `device`: CogVideoX
+    1.0's 3D RoPE exactly as `CogVideoXPipeline._prepare_rotary_positional_embeddings` computes it for a video of
+    height H_lat * 8 and width W_lat * 8 (its grid is height // (vae_scale_factor_spatial * p) = H_lat // p),
+    cropped from the `sample_height` x `sample_width` base grid by `get_resize_crop_region_for_grid`."""
+    cfg = transformer.config
+    p = cfg.patch_size
+    grid_height, grid_width = latent_height // p, latent_width // p
+    crops = get_resize_crop_region_for_grid((grid_height, grid_width), cfg.sample_width // p, cfg.sample_height // p)
+    return get_3d_rotary_pos_embed(embed_dim=cfg.attention_head_dim, crops_coords=crops,
+                                   grid_size=(grid_height, grid_width), temporal_size=latent_frames, device=device)
+
+
+def _check_vae(vae: AutoencoderKLCogVideoX, where: str) -> None:
+    config = vae.config
+    found = (config.latent_channels, 2 ** (len(config.block_out_channels) - 1), config.temporal_compression_ratio)
+    expected = (LATENT_CHANNELS, SPATIAL_COMPRESSION_RATIO, TEMPORAL_COMPRESSION_RATIO)
+    if found != expected:
+        raise ValueError(f"{where}: vae (latent_channels, spatial compression, temporal_compression_ratio) = {found}, "
+                         f"but the cogvideox family expects {expected}")
+
+
+def _check_transformer(config: Any, where: str) -> None:
+    """Raise ValueError unless a transformer config (a `CogVideoXTransformer3DModel.config` or its config.json as a
+    dict) is CogVideoX 1.0 T2V's: patch_size_t and ofs_embed_dim null, in_channels 16, patch_size 2."""
+    get = config.get
+    if get("patch_size_t") is not None or get("ofs_embed_dim") is not None:
+        raise ValueError(f"{where}: transformer has patch_size_t={get('patch_size_t')}, ofs_embed_dim="
+                         f"{get('ofs_embed_dim')} (CogVideoX 1.5), but the cogvideox family runs CogVideoX 1.0 "
+                         "(patch_size_t null) only yet; give a CogVideoX-2b/5b T2V folder")
+    found = (get("in_channels"), get("patch_size"))
+    if found != (LATENT_CHANNELS, PATCH_SIZE):
+        raise ValueError(f"{where}: transformer (in_channels, patch_size) = {found}, but the cogvideox family "
+                         f"(CogVideoX text-to-video) expects {(LATENT_CHANNELS, PATCH_SIZE)}; image-to-video folders "
+                         "are not supported yet")
+
+
+def _check_scheduler(folder: Path) -> None:
+    """Raise ValueError unless the folder's scheduler config defines the family's objective (`SCHEDULER_CONFIG`)."""
+    config = CogVideoXDDIMScheduler.load_config(folder, subfolder="scheduler", local_files_only=True)
+    for key in _SCHEDULE_KEYS:
+        if key in config and config[key] != SCHEDULER_CONFIG[key]:
+            raise ValueError(f"pretrained_path {str(folder)!r}: scheduler {key}={config[key]!r}, but the cogvideox "
+                             f"family trains and samples with CogVideoX-2b's schedule ({key}={SCHEDULER_CONFIG[key]!r})"
+                             " only yet; give a folder with that scheduler")
+
+
+def _check_folder(path: str | Path) -> Path:
+    """`require_pipeline_folder` for a CogVideoXPipeline, then its scheduler's and transformer's configs (before any
+    weights load); returns the folder."""
+    folder = require_pipeline_folder(path, "CogVideoXPipeline", PIPELINE_COMPONENTS)
+    _check_scheduler(folder)
+    _check_transformer(CogVideoXTransformer3DModel.load_config(folder, subfolder="transformer",
+                                                               local_files_only=True), str(folder))
+    return folder
+
+
+def _check_num_train_timesteps(num_train_timesteps: int) -> None:
+    if num_train_timesteps != NUM_TRAIN_TIMESTEPS:
+        raise ValueError(f"flow.num_train_timesteps is {num_train_timesteps}, but the cogvideox family's DDIM schedule "
+                         f"has {NUM_TRAIN_TIMESTEPS} timesteps: set flow.num_train_timesteps: {NUM_TRAIN_TIMESTEPS}")
+
+
+def _timesteps(sigmas: torch.Tensor) -> torch.Tensor:
+    """Noise levels (B,) -> int64 timesteps round(sigma * 1000), at most 999 (B,); -1 / 1000 -> -1 (the final
+    alpha)."""
+    return (sigmas.double() * NUM_TRAIN_TIMESTEPS).round().long().clamp(max=NUM_TRAIN_TIMESTEPS - 1)
+
+
+def _train_timesteps(sigmas: torch.Tensor) -> torch.Tensor:
+    """Noise levels (B,) in [0, 1] -> the int64 timesteps (B,) in 0..999 a training sample is noised at."""
+    return _timesteps(sigmas).clamp(0, NUM_TRAIN_TIMESTEPS - 1)
+
+
+def load_vae_folder(path: str | Path) -> AutoencoderKLCogVideoX:
+    """The frozen `AutoencoderKLCogVideoX` of a local diffusers VAE folder, for `model.vae_path`. Raises
+    FileNotFoundError naming the folder when it holds no `config.json`, ValueError when its layout is not the
+    family's."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.vae_path {str(path)!r} is not a diffusers VAE folder (no config.json): give "
+                                "the vae/ folder of a diffusers CogVideoX pipeline")
+    vae = AutoencoderKLCogVideoX.from_pretrained(path, local_files_only=True)
+    _check_vae(vae, str(path))
+    return vae.eval().requires_grad_(False)
+
+
+def _tiny_transformer(kind: TextEncoderKind) -> CogVideoXTransformer3DModel:
+    """TINY_TRANSFORMER at the global RNG's state, `text_embed_dim` from the text encoder `kind`."""
+    return CogVideoXTransformer3DModel(**TINY_TRANSFORMER, text_embed_dim=t5_text_width(kind))
+
+
+def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int = 0) -> Components:
+    """Random tiny preset (fp32, CPU): the text encoder under `seed` (a 2-layer `T5EncoderModel` over MiniLM's
+    tokenizer, or MiniLM; `vidray.models.text_encoder.build_t5_text_encoder`), then TINY_TRANSFORMER and TINY_VAE
+    under `seed` (in that order), each in a forked RNG (the global torch RNG is left as it was)."""
+    text_encoder, tokenizer = build_t5_text_encoder(text_encoder_kind, variant="t5", seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = _tiny_transformer(text_encoder_kind)
+        vae = AutoencoderKLCogVideoX(**TINY_VAE)
+    return Components(transformer=transformer.train(), vae=vae.eval().requires_grad_(False),
+                      text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def load_pretrained(path: str | Path) -> Components:
+    """transformer, vae, text_encoder and tokenizer of a local diffusers CogVideoX 1.0 T2V folder, offline.
+
+    Raises FileNotFoundError naming the folder when it has no model_index.json or lacks a component subfolder,
+    ValueError when it is another pipeline's folder (another family), its scheduler is not `SCHEDULER_CONFIG`'s
+    objective, or its layout is not CogVideoX 1.0 T2V's (1.5, image-to-video). The VAE and text encoder come back
+    frozen; the transformer in train mode.
+    """
+    path = _check_folder(path)
+    pipe = CogVideoXPipeline.from_pretrained(path, local_files_only=True)
+    _check_vae(pipe.vae, str(path))
+    return Components(transformer=pipe.transformer.train(), vae=pipe.vae.eval().requires_grad_(False),
+                      text_encoder=pipe.text_encoder.eval().requires_grad_(False), tokenizer=pipe.tokenizer)
+
+
+def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
+    """Write `components` as a complete diffusers folder (safetensors) that
+    `diffusers.CogVideoXPipeline.from_pretrained(out_dir, local_files_only=True)` loads and runs offline.
+
+    The scheduler is `CogVideoXDDIMScheduler(**SCHEDULER_CONFIG)`: its `set_timesteps` gives the family's
+    `inference_sigmas` and its `step` is `vidray.diffusion.ddim.ddim_step`, so the stock pipeline samples what
+    vidray samples (`flow.shift` plays no part: this is not flow matching). Two differences to know: the stock
+    pipeline draws its initial noise laid out (B, F, C, H, W), so pass it vidray's noise permuted as `latents=` to
+    get the same video; and its `step` goes to t - 1000 // num_inference_steps where vidray goes to the next
+    trailing timestep, the same whenever 1000 is a multiple of num_inference_steps (50, its default, is). Note
+    the stock pipeline pads prompts to 226 tokens: pass the trained `max_sequence_length`. Written by
+    `vidray.models.folders.write_pipeline_folder` (complete or absent). Raises ValueError unless
+    flow.num_train_timesteps is 1000. Returns `out_dir`.
+    """
+    _check_num_train_timesteps(flow.num_train_timesteps)
+    pipe = CogVideoXPipeline(tokenizer=components.tokenizer, text_encoder=components.text_encoder,
+                             vae=components.vae, transformer=components.transformer,
+                             scheduler=CogVideoXDDIMScheduler(**SCHEDULER_CONFIG))
+    return write_pipeline_folder(pipe, out_dir)
+
+
+def probe_loss(model: torch.nn.Module, transformer: CogVideoXTransformer3DModel) -> torch.Tensor:
+    """The output sum of `model` (`transformer`, maybe DDP-wrapped) on a fixed (1, 1, C, p, p) input (one patch,
+    laid out (B, F, C, H, W)) with 2 text tokens (`max_text_seq_length` without rotary positions), from a seeded CPU
+    generator (the global RNG is untouched); fp32 scalar. The probe of `no_grad_parameter_names` and of
+    `vidray.train.parallel.prime_buckets`."""
+    cfg, param = transformer.config, next(transformer.parameters())
+    g = torch.Generator().manual_seed(0)
+    p = cfg.patch_size
+    hidden_states = torch.randn(1, 1, cfg.in_channels, p, p, generator=g).to(param.device, param.dtype)
+    num_text = 2 if cfg.use_rotary_positional_embeddings else cfg.max_text_seq_length
+    prompt_embeds = torch.randn(1, num_text, cfg.text_embed_dim, generator=g).to(param.device, param.dtype)
+    rotary = (rotary_positional_embeddings(transformer, 1, p, p, param.device)
+              if cfg.use_rotary_positional_embeddings else None)
+    return model(hidden_states=hidden_states, encoder_hidden_states=prompt_embeds,
+                 timestep=torch.full((1,), 500, device=param.device), image_rotary_emb=rotary,
+                 return_dict=False)[0].float().sum()
+
+
+class CogVideoXFamily(ModelFamily):
+    """CogVideoX 1.0 T2V: latents (B, 16, (F-1)/4+1, H/8, W/8), F = 1 or 8k+1, DiT patch 2 per latent frame, so H
+    and W multiples of 16; v-prediction on CogVideoX-2b's DDIM schedule."""
+
+    name = "cogvideox"
+    latent_channels = LATENT_CHANNELS
+    spatial_compression_ratio = SPATIAL_COMPRESSION_RATIO
+    temporal_compression_ratio = TEMPORAL_COMPRESSION_RATIO
+    spatial_multiple = SPATIAL_COMPRESSION_RATIO * PATCH_SIZE
+    example_bucket = (9, 32, 32)
+    objective = "v_prediction"
+
+    # 1. The objective: v-prediction (vidray.diffusion.ddim, as CogVideoXDDIMScheduler).
+
+    def noisy_latents(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+        """sqrt(a_t) * latents + sqrt(1 - a_t) * noise (B, C, F, H, W), t = round(sigma * 1000) in 0..999
+        (`vidray.diffusion.ddim.add_noise`, diffusers' `CogVideoXDDIMScheduler.add_noise`)."""
+        return ddim.add_noise(latents, noise, _train_timesteps(sigmas), SCHEDULE)
+
+    def training_target(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+        """The velocity sqrt(a_t) * noise - sqrt(1 - a_t) * latents (B, C, F, H, W) (`ddim.training_target`,
+        diffusers' `get_velocity`)."""
+        return ddim.training_target(latents, noise, _train_timesteps(sigmas), SCHEDULE, "v_prediction")
+
+    def model_timesteps(self, sigmas: torch.Tensor, num_train_timesteps: int) -> torch.Tensor:
+        """round(sigma * 1000) clamped to 0..999, (B,) float32 (`predict` passes them on as int64, as the pipeline
+        passes its scheduler's timesteps). Raises ValueError unless num_train_timesteps is 1000."""
+        _check_num_train_timesteps(num_train_timesteps)
+        return _train_timesteps(sigmas).float()
+
+    def inference_sigmas(self, num_inference_steps: int, *, shift: float, num_train_timesteps: int) -> torch.Tensor:
+        """(num_inference_steps + 1,) float32: the trailing timesteps of `CogVideoXDDIMScheduler.set_timesteps`
+        / 1000 (e.g. 4 steps: 999, 749, 499, 249), then -1 / 1000 (the final alpha, a_prev = 1). `shift` is unused.
+        Raises ValueError unless num_train_timesteps is 1000."""
+        _check_num_train_timesteps(num_train_timesteps)
+        steps = ddim.inference_timesteps(num_inference_steps, NUM_TRAIN_TIMESTEPS, spacing="trailing")
+        return torch.cat([steps, torch.tensor([-1])]).float() / NUM_TRAIN_TIMESTEPS
+
+    def sampler_step(self, latents: torch.Tensor, model_pred: torch.Tensor, sigmas: torch.Tensor,
+                     sigmas_next: torch.Tensor) -> torch.Tensor:
+        """One DDIM step (eta 0) of latents (B, C, F, H, W) from timestep round(sigma * 1000) to
+        round(sigma_next * 1000) (both at most 999; -1: the clean end) given the v-prediction `model_pred` (`ddim.ddim_step`, as
+        `CogVideoXDDIMScheduler.step`)."""
+        return ddim.ddim_step(model_pred, latents, _timesteps(sigmas), _timesteps(sigmas_next), SCHEDULE,
+                              "v_prediction")
+
+    # 2. Modules.
+
+    def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
+        """`init: random` -> the `tiny` preset with `model_cfg.text_encoder` (`build_tiny`); `init: pretrained` ->
+        `load_pretrained(model_cfg.pretrained_path)`. `model.vae_path` replaces the VAE."""
+        folder = pretrained_folder(model_cfg, "cogvideox")
+        components = load_pretrained(folder) if folder else build_tiny(model_cfg.text_encoder, seed=seed)
+        if model_cfg.vae_path:
+            components = dataclasses.replace(components, vae=load_vae_folder(model_cfg.vae_path))
+        return components
+
+    def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> CogVideoXTransformer3DModel:
+        """The transformer alone, equal to `build(...).transformer`, without the VAE or the text encoder: the tiny
+        preset drawn first under `seed` (as in `build_tiny`); a folder's `transformer/` alone."""
+        folder = pretrained_folder(model_cfg, "cogvideox")
+        if folder is not None:
+            _check_folder(folder)
+            transformer = CogVideoXTransformer3DModel.from_pretrained(folder, subfolder="transformer",
+                                                                      local_files_only=True)
+            return transformer.train()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            transformer = _tiny_transformer(model_cfg.text_encoder)
+        return transformer.train()
+
+    def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
+        """The VAE, text encoder and tokenizer alone (frozen), equal to `build`'s: a folder is loaded with
+        `transformer=None` (diffusers skips it); the tiny preset replays `build_tiny`."""
+        folder = pretrained_folder(model_cfg, "cogvideox")
+        if folder is None:
+            c = self.build(model_cfg, seed=seed)
+            return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
+        _check_folder(folder)
+        pipe = CogVideoXPipeline.from_pretrained(folder, transformer=None, local_files_only=True)
+        _check_vae(pipe.vae, str(folder))
+        vae = load_vae_folder(model_cfg.vae_path) if model_cfg.vae_path else pipe.vae.eval().requires_grad_(False)
+        return Encoders(vae=vae, text_encoder=pipe.text_encoder.eval().requires_grad_(False),
+                        tokenizer=pipe.tokenizer)
+
+    def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLCogVideoX:
+        """The frozen VAE alone, equal to `build_encoders(...).vae`: `model.vae_path`, else a folder's `vae/` loaded
+        by itself (T5 is not read), else the tiny preset's (replaying `build_tiny`)."""
+        if model_cfg.vae_path:
+            return load_vae_folder(model_cfg.vae_path)
+        folder = pretrained_folder(model_cfg, "cogvideox")
+        if folder is None:
+            return self.build_encoders(model_cfg, seed=seed).vae
+        _check_folder(folder)
+        vae = AutoencoderKLCogVideoX.from_pretrained(folder, subfolder="vae", local_files_only=True)
+        _check_vae(vae, str(folder))
+        return vae.eval().requires_grad_(False)
+
+    def load_vae(self, path: str | Path) -> AutoencoderKLCogVideoX:
+        """`load_vae_folder`."""
+        return load_vae_folder(path)
+
+    # 3. Encoding, the transformer call, decoding.
+
+    def encode_video(self, vae: AutoencoderKLCogVideoX, video: torch.Tensor) -> torch.Tensor:
+        """`vidray.models.vae.encode_video`: posterior mode * vae.config.scaling_factor, (B, 16, (F-1)//4+1, H//8,
+        W//8) float32 (CogVideoX-2b's VAE: scaling_factor 0.7; the pipeline's decode divides by it)."""
+        return encode_video(vae, video)
+
+    def decode_latents(self, vae: AutoencoderKLCogVideoX, latents: torch.Tensor) -> torch.Tensor:
+        """`vidray.models.vae.decode_latents`: vae.decode(latents / scaling_factor), as
+        `CogVideoXPipeline.decode_latents` (after its (B, F, C, H, W) -> (B, C, F, H, W) permute), clamped to
+        [-1, 1], (B, 3, F, H, W) float32."""
+        return decode_latents(vae, latents)
+
+    def encode_prompt(self, text_encoder, tokenizer, prompts: list[str], *, max_sequence_length: int,
+                      device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """See module-level `encode_prompts` (CogVideoXPipeline._get_t5_prompt_embeds)."""
+        return encode_prompts(text_encoder, tokenizer, prompts, max_sequence_length=max_sequence_length,
+                              device=device)
+
+    def predict(
+        self,
+        transformer: CogVideoXTransformer3DModel,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """noisy_latents (B, 16, F, H, W), timesteps (B,) integer-valued in 0..999, prompt_embeds (B, L, D),
+        prompt_attention_mask (B, L) -> model_pred (B, 16, F, H, W), the v-prediction.
+
+        Called exactly like CogVideoXPipeline's denoising loop: `hidden_states` = noisy_latents permuted to
+        (B, F, C, H, W), `encoder_hidden_states` in its dtype, `timestep` as int64 (the scheduler's timesteps),
+        `image_rotary_emb` from `rotary_positional_embeddings` when the transformer uses rotary positions (else
+        None), `return_dict=False`; the output is permuted back. prompt_attention_mask is checked for shape but not
+        passed (the transformer has no text mask). Raises ValueError for shapes that do not line up, or, without
+        rotary positions (CogVideoX-2b), a prompt length other than `max_text_seq_length`.
+        """
+        if noisy_latents.ndim != 5:
+            raise ValueError(f"noisy_latents must be (B, C, F, H, W), got {tuple(noisy_latents.shape)}")
+        batch_size, _, num_frames, height, width = noisy_latents.shape
+        if timesteps.shape != (batch_size,):
+            raise ValueError(f"timesteps must have shape ({batch_size},), got {tuple(timesteps.shape)}")
+        if prompt_embeds.ndim != 3 or prompt_embeds.shape[0] != batch_size:
+            raise ValueError(f"prompt_embeds must be ({batch_size}, L, D), got {tuple(prompt_embeds.shape)}")
+        if prompt_attention_mask.shape != prompt_embeds.shape[:2]:
+            raise ValueError(f"prompt_attention_mask {tuple(prompt_attention_mask.shape)} must match prompt_embeds' "
+                             f"(B, L) {tuple(prompt_embeds.shape[:2])}")
+        cfg = transformer.config
+        if cfg.use_rotary_positional_embeddings:
+            rotary = rotary_positional_embeddings(transformer, num_frames, height, width, noisy_latents.device)
+        else:
+            rotary = None
+            if prompt_embeds.shape[1] != cfg.max_text_seq_length:
+                raise ValueError(f"this CogVideoX transformer (sincos positions, no rotary) takes exactly "
+                                 f"max_text_seq_length={cfg.max_text_seq_length} text tokens, got "
+                                 f"{prompt_embeds.shape[1]}: set model.max_sequence_length: {cfg.max_text_seq_length}")
+        model_pred = transformer(
+            hidden_states=noisy_latents.permute(0, 2, 1, 3, 4),  # (B, C, F, H, W) -> (B, F, C, H, W)
+            encoder_hidden_states=prompt_embeds.to(dtype=noisy_latents.dtype),
+            timestep=timesteps.round().to(torch.int64),
+            image_rotary_emb=rotary,
+            return_dict=False,
+        )[0]
+        return model_pred.permute(0, 2, 1, 3, 4)  # (B, F, C, H, W) -> (B, C, F, H, W)
+
+    # 4. Shapes, probes, export.
+
+    def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:
+        """(B, 16, (F-1)//4 + 1, H//8, W//8); e.g. Bucket(9, 64, 64), B=2 -> (2, 16, 3, 8, 8).
+
+        Raises ValueError unless H, W are multiples of 16 (8x VAE, patch 2) and F is 1 or 8k+1 (the transformer,
+        `patch_size_t` null, takes any latent frame count; the VAE decodes only odd ones back to F frames)."""
+        validate_bucket(bucket, spatial_multiple=self.spatial_multiple, temporal_compression=FRAME_STEP)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        num_frames, height, width = bucket
+        return (batch_size, LATENT_CHANNELS, (num_frames - 1) // TEMPORAL_COMPRESSION_RATIO + 1,
+                height // SPATIAL_COMPRESSION_RATIO, width // SPATIAL_COMPRESSION_RATIO)
+
+    def no_grad_parameter_names(self, transformer: CogVideoXTransformer3DModel) -> list[str]:
+        """Trainable parameters without a gradient from `probe_loss` (`vidray.models.folders.unused_parameter_names`)."""
+        return unused_parameter_names(transformer, probe_loss)
+
+    def prompt_embeds_dim(self, transformer: CogVideoXTransformer3DModel) -> int:
+        """`transformer.config.text_embed_dim` (4096 for T5-XXL; the text encoder's hidden size here)."""
+        return int(transformer.config.text_embed_dim)
+
+    def probe_loss(self, model: torch.nn.Module, transformer: CogVideoXTransformer3DModel) -> torch.Tensor:
+        """See module-level `probe_loss`."""
+        return probe_loss(model, transformer)
+
+    def save_pipeline(self, components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
+        """See module-level `save_pipeline`."""
+        return save_pipeline(components, out_dir, flow)
+
+    def load_pretrained(self, path: str | Path) -> Components:
+        """See module-level `load_pretrained`."""
+        return load_pretrained(path)
