@@ -399,6 +399,16 @@ class CogVideoXFamily(ModelFamily):
         return Encoders(vae=vae, text_encoder=pipe.text_encoder.eval().requires_grad_(False),
                         tokenizer=pipe.tokenizer)
 
+    def build_text_encoder(self, model_cfg: ModelConfig, *, seed: int):
+        """The frozen T5 text encoder and tokenizer alone, equal to `build_encoders`'s: a folder is loaded with
+        `transformer=None, vae=None`; the tiny preset replays `build_tiny`."""
+        folder = pretrained_folder(model_cfg, "cogvideox")
+        if folder is None:
+            return super().build_text_encoder(model_cfg, seed=seed)
+        _check_folder(folder)
+        pipe = CogVideoXPipeline.from_pretrained(folder, transformer=None, vae=None, local_files_only=True)
+        return pipe.text_encoder.eval().requires_grad_(False), pipe.tokenizer
+
     def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLCogVideoX:
         """The frozen VAE alone, equal to `build_encoders(...).vae`: `model.vae_path`, else a folder's `vae/` loaded
         by itself (T5 is not read), else the tiny preset's (replaying `build_tiny`)."""

@@ -308,7 +308,7 @@ class WanFamily(ModelFamily):
     def build_text_encoder(self, model_cfg: ModelConfig, *, seed: int):
         """The frozen text encoder (umT5) and tokenizer alone, equal to `build_encoders`'s: a folder is loaded with
         `transformer=None, transformer_2=None, vae=None`; the tiny preset replays `build_tiny`."""
-        folder = _pretrained_folder(model_cfg)
+        folder = pretrained_folder(model_cfg, "wan")
         if folder is None:
             return super().build_text_encoder(model_cfg, seed=seed)
         require_pipeline_folder(folder, "WanPipeline", PIPELINE_COMPONENTS)
