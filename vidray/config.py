@@ -561,6 +561,10 @@ class JobConfig:
             except ValueError as err:
                 raise ValueError(f"data.buckets: {err} (the rule of model.family={self.model.family}, "
                                  "vidray.models.rules)") from None
+        if self.model.family == "cogvideox" and self.flow.num_train_timesteps != 1000:
+            raise ValueError(f"flow.num_train_timesteps is {self.flow.num_train_timesteps}, but model.family: "
+                             "cogvideox trains on CogVideoX's 1000-step DDIM schedule: set flow.num_train_timesteps: "
+                             "1000")
         positive = {
             "train.max_steps": self.train.max_steps,
             "train.log_every_steps": self.train.log_every_steps,

@@ -1,5 +1,7 @@
 """Job config: unknown keys, wrong types and bad choices fail at load, naming the dotted key."""
 
+from pathlib import Path
+
 import pytest
 
 from vidray.config import ConfigError, JobConfig, job_config_from_dict, load_job_config
@@ -186,3 +188,11 @@ def test_list_settings_of_a_fixed_length_and_empty_values_are_named_as_the_user_
         load_job_config(None, [override])
     assert message in str(err.value)
     assert "betas.1" not in str(err.value) and "None" not in str(err.value)
+
+
+def test_a_cogvideox_job_with_another_number_of_train_timesteps_fails_at_load():
+    """CogVideoX's DDIM schedule has 1000 steps: a job saying otherwise is refused before anything is built."""
+    with pytest.raises(ConfigError, match="flow.num_train_timesteps is 500, but model.family: cogvideox .* set "
+                                          "flow.num_train_timesteps: 1000"):
+        load_job_config(Path(__file__).resolve().parents[2] / "jobs/configs/cogvideox_t2v_tiny.yaml",
+                        ["flow.num_train_timesteps=500"])

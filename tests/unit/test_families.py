@@ -187,3 +187,27 @@ def test_the_serve_stages_make_the_video_vidray_generate_makes(built, tmp_path):
                                max_sequence_length=cfg.max_sequence_length, seed=7)[0]
     assert served.shape == generated.shape == (bucket.num_frames, bucket.height, bucket.width, 3)
     assert (served.astype(int) - generated.astype(int)).__abs__().max() <= 1
+
+
+def test_predict_takes_the_ddp_wrapped_transformer_as_the_training_loop_passes_it(built, tmp_path):
+    """The loop calls `family.predict(model, ...)` with the DDP-wrapped transformer (`vidray.train.parallel`): a
+    family reading the transformer's config or attributes must reach through the wrapper (CogVideoX's rotary
+    positions failed there, in a 2-worker run). One process, a world-1 gloo group."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    family, cfg, components = built
+    bucket = Bucket(*family.example_bucket)
+    latents = torch.randn(family.latent_shape(bucket, 1), generator=torch.Generator().manual_seed(0))
+    embeds, mask = family.encode_prompt(components.text_encoder, components.tokenizer, ["a cat"],
+                                        max_sequence_length=cfg.max_sequence_length)
+    timesteps = torch.tensor([500.0])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        wrapped = DistributedDataParallel(copy.deepcopy(components.transformer))
+        with torch.no_grad():
+            direct = family.predict(components.transformer, latents, timesteps, embeds, mask)
+            through = family.predict(wrapped, latents, timesteps, embeds, mask)
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(through, direct)

@@ -473,9 +473,10 @@ class CogVideoXFamily(ModelFamily):
         if prompt_attention_mask.shape != prompt_embeds.shape[:2]:
             raise ValueError(f"prompt_attention_mask {tuple(prompt_attention_mask.shape)} must match prompt_embeds' "
                              f"(B, L) {tuple(prompt_embeds.shape[:2])}")
-        cfg = transformer.config
+        inner = getattr(transformer, "module", transformer)  # the training loop passes the DDP-wrapped model
+        cfg = inner.config
         if cfg.use_rotary_positional_embeddings:
-            rotary = rotary_positional_embeddings(transformer, num_frames, height, width, noisy_latents.device)
+            rotary = rotary_positional_embeddings(inner, num_frames, height, width, noisy_latents.device)
         else:
             rotary = None
             if prompt_embeds.shape[1] != cfg.max_text_seq_length:
