@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from vidray.data.buckets import Bucket, validate_bucket
 
-__all__ = ["BucketRules", "FAMILY_BUCKET_RULES", "bucket_rules", "check_bucket"]
+__all__ = ["BucketRules", "FAMILY_BUCKET_RULES", "IMAGE_TO_VIDEO_FAMILIES", "bucket_rules", "check_bucket"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,11 @@ FAMILY_BUCKET_RULES: dict[str, BucketRules] = {
 temporal_compression_ratio 4, EasyAnimateTransformer3DModel patch_size 2; AutoencoderKLWan scale_factor_spatial 8
 and scale_factor_temporal 4, WanTransformer3DModel patch_size (1, 2, 2), as `WanPipeline.check_inputs` and its
 `num_frames % vae_scale_factor_temporal != 1` rounding require)."""
+
+
+IMAGE_TO_VIDEO_FAMILIES = frozenset({"easyanimate"})
+"""Families with an image-to-video (inpaint) model that `model.i2v` can build (EasyAnimate: the InP transformer of
+`EasyAnimateInpaintPipeline`); the config refuses `model.i2v` for the others at load."""
 
 
 def bucket_rules(family: str) -> BucketRules:
