@@ -20,7 +20,7 @@ import shutil  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from diffusers import EasyAnimateInpaintPipeline, EasyAnimatePipeline  # noqa: E402
+from diffusers import EasyAnimateInpaintPipeline  # noqa: E402
 from diffusers.pipelines.easyanimate.pipeline_easyanimate_inpaint import get_image_to_video_latent  # noqa: E402
 from PIL import Image  # noqa: E402
 
