@@ -228,6 +228,10 @@ def test_a_stock_inpaint_folder_without_job_file_loads_as_image_to_video(exporte
     info = inspect_model(stock)
     assert info.job is None and info.image_to_video and FAMILY.supports_image_to_video(info)
     assert FAMILY.takes_image(load_model(stock, components=("transformer",)).components.transformer)
+    whole = load_model(stock).components
+    for name in ("vae", "text_encoder"):  # what the encode and text stages load, through the inpaint class
+        part = getattr(load_model(stock, components=(name,)).components, name)
+        assert all(torch.equal(v, getattr(whole, name).state_dict()[k]) for k, v in part.state_dict().items())
 
 
 def test_a_t2v_folder_for_an_i2v_config_and_the_reverse_fail_in_one_line(exported, tmp_path):
@@ -270,3 +274,14 @@ def test_an_image_for_a_t2v_model_and_a_bad_condition_dropout_fail_in_one_line(e
         get_family("wan").encode_clip_condition(None, torch.zeros(1, 3, 1, 16, 16), "first")
     with pytest.raises(ValueError, match=r"condition_dropout must be in \[0, 1\)"):
         condition_keep(torch.Generator(), 2, 1.0)
+
+
+def test_changing_model_i2v_on_resume_is_a_fixed_key_change():
+    from vidray.config import diff_for_resume
+
+    t2v = job_config_from_dict({**JOB, "model": {**JOB["model"], "i2v": None}})
+    for saved, resumed in ((t2v, job_config_from_dict(JOB)), (job_config_from_dict(JOB), t2v),
+                           (job_config_from_dict(JOB), job_config_from_dict(
+                               {**JOB, "model": {**JOB["model"], "i2v": {"condition_dropout": 0.3}}}))):
+        diff = diff_for_resume(saved.to_dict(), resumed)
+        assert list(diff.fixed) == ["model.i2v"] and not diff.changeable
