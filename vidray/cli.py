@@ -154,6 +154,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         fps=args.fps,
         seed=args.seed,
         lora=args.lora,
+        image=args.image,
+        last_image=args.last_image,
     )
     # Every argument first, before torch/diffusers are even imported: a typo answers in well under a second.
     check_generate_args(args.model, args.prompt, args.output, **kwargs)
@@ -304,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", help="LoRA adapters merged into the transformer before sampling: a local folder "
                    "(<run>/diffusers/lora, or peft's adapter_config.json + adapter_model.safetensors) or a "
                    ".safetensors file (a LoRA run's own export or checkpoint needs none)")
+    p.add_argument("--image", help="first frame of the video (PNG or JPEG), resized to the bucket: for an "
+                   "image-to-video model (trained with model.i2v) only")
+    p.add_argument("--last-image", help="last frame of the video (with --image): first-and-last conditioning")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("doctor", help="check this machine (libraries, devices), a job config (inputs, outputs, "

@@ -39,6 +39,36 @@ DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 
 
 @dataclass(config=_STRICT, kw_only=True)
+class I2VConfig:
+    """`model.i2v`: an image-to-video (inpaint) model, conditioned on the first frame (or the first and the last):
+    the transformer takes the noisy latents concatenated with inpaint latents (a mask and the masked video's
+    latents), as diffusers' `EasyAnimateInpaintPipeline` builds them (`vidray.models.base.ModelFamily.
+    encode_clip_condition`). One model serves both tasks, as EasyAnimate trains it: a sample without condition gets
+    the all-generate (zero) inpaint latents, i.e. text-to-video."""
+
+    condition: Literal["first", "first_last"] = "first"
+    """Which frames of a training clip are given to the model: `first` (image-to-video) or `first_last` (the first
+    and the last frame: interpolation)."""
+    condition_dropout: float = 0.1
+    """Probability, in [0, 1), that a training sample gets no condition (the text-to-video input), drawn from the
+    sample's own generator (`vidray.train.step.sample_generator`: the same whatever the worker count)."""
+
+    @field_validator("condition_dropout", mode="before")
+    @classmethod
+    def _dropout_not_a_boolean(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # pydantic's lax mode would read `true` as 1
+            raise ValueError(f"model.i2v.condition_dropout: {str(value).lower()} is a boolean, not a number")
+        return value
+
+    @model_validator(mode="after")
+    def _check_dropout(self) -> "I2VConfig":
+        if not (0 <= self.condition_dropout < 1):
+            raise ValueError(f"model.i2v.condition_dropout must be in [0, 1) (the share of samples trained without "
+                             f"condition), got {self.condition_dropout}")
+        return self
+
+
+@dataclass(config=_STRICT, kw_only=True)
 class LoraConfig:
     """`model.lora`: train low-rank adapters (`peft` LoRA, `vidray.models.lora`) instead of the whole transformer.
 
@@ -111,11 +141,20 @@ class ModelConfig:
     """null: full fine-tuning of the transformer. A section (`{rank: 16}`; see `LoraConfig`): LoRA adapters on the
     base model that `init` / `pretrained_path` give; checkpoints then hold only the adapters, and the diffusers
     export writes the base pipeline with the adapters in `lora/` beside it."""
+    i2v: I2VConfig | None = None
+    """null: a text-to-video model. A section (`{condition: first, condition_dropout: 0.1}`; see `I2VConfig`): an
+    image-to-video (inpaint) model, for the families in `vidray.models.rules.IMAGE_TO_VIDEO_FAMILIES`; a pretrained
+    folder must then be an inpaint pipeline (EasyAnimate: `EasyAnimateInpaintPipeline`), and the export is one."""
 
     @model_validator(mode="after")
     def _check_pretrained(self):
         if self.init == "pretrained" and not self.pretrained_path:
             raise ValueError("model.init is 'pretrained' but model.pretrained_path is empty: give a local diffusers folder")
+        from vidray.models.rules import IMAGE_TO_VIDEO_FAMILIES  # plain data: no torch
+
+        if self.i2v is not None and self.family not in IMAGE_TO_VIDEO_FAMILIES:
+            raise ValueError(f"model.i2v is set but model.family {self.family} has no image-to-video model here; "
+                             f"use one of {', '.join(sorted(IMAGE_TO_VIDEO_FAMILIES))} or set model.i2v to null")
         return self
 
 
@@ -817,6 +856,7 @@ RESUME_RULES: dict[str, str] = {
     "model.max_sequence_length": RESUME_FIXED,
     "model.vae_path": RESUME_FIXED,  # the latents the DiT learns come from this VAE
     "model.lora": RESUME_FIXED,  # the adapters' shapes and scale; a LoRA checkpoint holds only adapter weights
+    "model.i2v": RESUME_FIXED,  # the transformer's input channels (inpaint latents) and what the data gives it
     # The data: shard identity is checked by the index's content hash, so folder and prepare-only keys may
     # change; buckets, fps and the batch sizes define the epoch's micro-batches, which the saved data position
     # counts (per bucket), so they must stay as they were.
@@ -919,9 +959,9 @@ RESUME_RULES: dict[str, str] = {
 checks that every field is listed. Keys missing from a saved config (older vidray) compare as equal."""
 
 
-DICT_LEAVES = ("label_selector", "lora")
+DICT_LEAVES = ("label_selector", "lora", "i2v")
 """Config fields whose value is a dict compared as one leaf, not a section: label selectors (label keys contain
-dots) and `model.lora` (a nullable section: null -> set is one change, fixed for the run)."""
+dots), `model.lora` and `model.i2v` (nullable sections: null -> set is one change, fixed for the run)."""
 
 
 def flatten_config(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -109,6 +109,8 @@ def check_generate_args(
     fps: float = 8.0,
     seed: int = 0,
     lora: str | Path | None = None,
+    image: str | Path | None = None,
+    last_image: str | Path | None = None,
 ) -> tuple[ModelInfo, Bucket]:
     """Check every `generate_to_file` argument without loading any weights; returns the model's configs and the
     bucket to sample.
@@ -120,7 +122,9 @@ def check_generate_args(
     `inspect_model`); bucket ('9x64x64' or a Bucket; default the model's first training bucket) a shape the
     model's family can make (H, W multiples of 16, num_frames 1 or 4k+1 for EasyAnimate). A bucket the model
     was not trained at is allowed (`generate_to_file` then logs a warning). lora: None, or a local LoRA folder
-    (`<run>/diffusers/lora`) or .safetensors file (`vidray.models.export.lora_path_problem`).
+    (`<run>/diffusers/lora`) or .safetensors file (`vidray.models.export.lora_path_problem`). image, last_image:
+    None or existing image files (the first and last frame), for an image-to-video model only (its family's
+    `supports_image_to_video`, read from the configs); a last image needs a first.
 
     Two passes: first the arguments themselves and the model folder's kind (file checks, no torch import), then
     the model's configs and the bucket against its family. Raises GenerateArgumentError listing every bad
@@ -151,6 +155,11 @@ def check_generate_args(
         except ValueError as err:
             problems.append(f"--bucket: {err}")
 
+    for flag, path in (("--image", image), ("--last-image", last_image)):
+        if path is not None and not Path(path).is_file():
+            problems.append(f"{flag} {path} is not a file: give a PNG or JPEG image")
+    if last_image is not None and image is None:
+        problems.append("--last-image needs --image (the first frame) too")
     if lora is not None:
         lora_problem = lora_path_problem(lora)
         if lora_problem:
@@ -172,6 +181,9 @@ def check_generate_args(
         if bucket is None:
             raise GenerateArgumentError(f"--model {model_path} records no training bucket: pass --bucket, e.g. 9x64x64")
     bucket = Bucket(*bucket)
+    if image is not None and not info.family.supports_image_to_video(info):
+        raise GenerateArgumentError(f"--image: the model {model_path} is text-to-video and takes no image; drop "
+                                    "--image or give an image-to-video model (trained with model.i2v)")
     try:
         info.family.latent_shape(bucket, 1)
     except ValueError as err:
@@ -209,6 +221,8 @@ def generate_to_file(
     fps: float = 8.0,
     seed: int = 0,
     lora: str | Path | None = None,
+    image: str | Path | None = None,
+    last_image: str | Path | None = None,
 ) -> Path:
     """Generate one video for `prompt` and write it as H.264 mp4 at `fps` frames/s. Returns the mp4 path.
 
@@ -217,13 +231,15 @@ def generate_to_file(
     than the model's `max_sequence_length` tokens is cut to it, with a logged warning naming the dropped count.
     `lora`: a LoRA (`<run>/diffusers/lora`, or a .safetensors file) merged into the transformer before sampling
     (`load_model(..., lora_path=lora)`; a LoRA run's own export or checkpoint needs none: its adapters are merged
-    already). Raises GenerateArgumentError (before any weights load), `vidray.models.lora.LoraLoadError` for a
-    LoRA that does not fit the model, and GenerateOutputError when the mp4 cannot be written.
+    already). `image` (and `last_image`): image files of the first (and last) frame, for an image-to-video model;
+    resized to the bucket (`vidray.models.conditioning.image_to_video`). Raises GenerateArgumentError (before any
+    weights load), `vidray.models.lora.LoraLoadError` for a LoRA that does not fit the model, and
+    GenerateOutputError when the mp4 cannot be written.
     """
     # 1. Check every argument (no weights yet).
     info, bucket = check_generate_args(
         model_path, prompt, output, bucket=bucket, num_inference_steps=num_inference_steps,
-        guidance_scale=guidance_scale, fps=fps, seed=seed, lora=lora,
+        guidance_scale=guidance_scale, fps=fps, seed=seed, lora=lora, image=image, last_image=last_image,
     )
     if info.buckets and bucket not in info.buckets:
         logger.warning("bucket %s is not one the model was trained at (%s); sampling it anyway",
@@ -235,6 +251,7 @@ def generate_to_file(
     from vidray.data.video import write_mp4
     from vidray.diffusion.sampler import generate_video
     from vidray.logs import quiet_diffusers
+    from vidray.models.conditioning import load_image
 
     quiet_diffusers()  # "Loading pipeline components..." bars (vidray.logs)
     model = load_model(model_path, lora_path=lora)
@@ -257,6 +274,8 @@ def generate_to_file(
             model.family, model.components, [prompt], bucket, flow=model.flow,
             num_inference_steps=num_inference_steps, guidance_scale=float(guidance_scale),
             max_sequence_length=model.max_sequence_length, seed=seed, callback=progress,
+            image=load_image(str(image)) if image is not None else None,
+            last_image=load_image(str(last_image)) if last_image is not None else None,
         )  # (1, F, H, W, 3) uint8
     try:
         return write_mp4(frames[0], Path(output), float(fps))

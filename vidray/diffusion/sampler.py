@@ -12,12 +12,17 @@ d(latents)/d(sigma) = model_pred from sigma = 1 to 0 on the shifted sigmas of di
 FlowMatchEulerDiscreteScheduler; a DDIM family steps with `vidray.diffusion.ddim.ddim_step`. Classifier-free
 guidance as in EasyAnimatePipeline: one batched call on [uncond, cond], then
 `model_pred = uncond + guidance_scale * (cond - uncond)`.
+
+Image-to-video models (`family.takes_image`) get their condition, `inpaint_latents` (B, C_in, F, H, W), in every
+`predict` call; with guidance both branches get the same condition (only the prompt differs), as
+EasyAnimateInpaintPipeline concatenates `[inpaint_latents] * 2`. `generate_video` encodes it from `image` (and
+`last_image`) with `family.encode_image_condition`, or gives `family.empty_condition` (text-to-video) without one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -64,6 +69,7 @@ def denoise_step(
     guidance_scale: float | torch.Tensor = 1.0,
     negative_prompt_embeds: torch.Tensor | None = None,
     negative_prompt_attention_mask: torch.Tensor | None = None,
+    inpaint_latents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sampler step (`family.sampler_step`: Euler for flow matching) for a batch of samples, each at its own
     noise level: latents (B, C, F, H, W) at `sigmas` (B,) -> latents at `sigmas_next` (B,), in latents' dtype.
@@ -73,7 +79,9 @@ def denoise_step(
     not at all), with prompt_embeds (B, L, D) and
     prompt_attention_mask (B, L). Classifier-free guidance runs when negative_prompt_embeds/mask are given: one
     transformer call on [uncond, cond] (2B), then `uncond + guidance_scale * (cond - uncond)` with guidance_scale a
-    float or a (B,) tensor (per sample). Raises ValueError for shapes that do not line up.
+    float or a (B,) tensor (per sample). `inpaint_latents` (B, C_in, F, H, W): an image-to-video model's condition
+    of each sample, passed to `family.predict` (repeated for both guidance branches); None for a text-to-video
+    model. Raises ValueError for shapes that do not line up.
     """
     batch_size = latents.shape[0]
     sigmas = torch.as_tensor(sigmas, dtype=torch.float32).reshape(-1)
@@ -97,8 +105,14 @@ def denoise_step(
     model_input = torch.cat([latents, latents]) if do_cfg else latents
     t = family.model_timesteps(sigmas, num_train_timesteps).to(device=device)
     t = torch.cat([t, t]) if do_cfg else t
+    condition = {}
+    if inpaint_latents is not None:
+        if inpaint_latents.shape[0] != batch_size:
+            raise ValueError(f"inpaint_latents must have {batch_size} samples, got {tuple(inpaint_latents.shape)}")
+        inpaint_latents = inpaint_latents.to(device=device, dtype=dtype)
+        condition["inpaint_latents"] = torch.cat([inpaint_latents, inpaint_latents]) if do_cfg else inpaint_latents
     model_pred = family.predict(transformer, model_input, t, prompt_embeds.to(device=device, dtype=dtype),
-                                prompt_attention_mask.to(device=device))
+                                prompt_attention_mask.to(device=device), **condition)
     if do_cfg:
         pred_uncond, pred_cond = model_pred.chunk(2)
         scale = torch.as_tensor(guidance_scale, dtype=pred_cond.dtype, device=device)
@@ -120,7 +134,8 @@ def initial_noise(latent_shape: tuple[int, ...], seed: int) -> torch.Tensor:
 class DenoiseState:
     """One request in a continuous batch: its latents (1, C, F, H, W), its own schedule `sigmas`
     (num_inference_steps + 1,) from `family.inference_sigmas`, the next step index, its conditioning (prompt_embeds
-    (1, L, D), prompt_attention_mask (1, L); negatives of the same shapes when guidance_scale > 1)."""
+    (1, L, D), prompt_attention_mask (1, L); negatives of the same shapes when guidance_scale > 1; an image-to-video
+    model's `inpaint_latents` (1, C_in, F, H, W))."""
 
     latents: torch.Tensor
     sigmas: torch.Tensor
@@ -130,6 +145,7 @@ class DenoiseState:
     negative_prompt_embeds: torch.Tensor | None = None
     negative_prompt_attention_mask: torch.Tensor | None = None
     step: int = 0
+    inpaint_latents: torch.Tensor | None = None
 
     @property
     def num_inference_steps(self) -> int:
@@ -140,9 +156,10 @@ class DenoiseState:
         return self.step >= self.num_inference_steps
 
     def batch_key(self) -> tuple:
-        """States with equal keys can share a `step_states` call: latent shape, prompt shape, guidance on/off."""
+        """States with equal keys can share a `step_states` call: latent shape, prompt shape, guidance on/off,
+        image condition on/off."""
         return (tuple(self.latents.shape[1:]), tuple(self.prompt_embeds.shape[1:]),
-                self.negative_prompt_embeds is not None)
+                self.negative_prompt_embeds is not None, self.inpaint_latents is not None)
 
 
 @torch.inference_mode()
@@ -171,6 +188,8 @@ def step_states(family: ModelFamily, transformer: torch.nn.Module, states: list[
         negative_prompt_embeds=torch.cat([state.negative_prompt_embeds for state in states]) if do_cfg else None,
         negative_prompt_attention_mask=(torch.cat([state.negative_prompt_attention_mask for state in states])
                                         if do_cfg else None),
+        inpaint_latents=(torch.cat([state.inpaint_latents for state in states])
+                         if states[0].inpaint_latents is not None else None),
     )
     for state, new in zip(states, latents.split(1)):
         state.latents = new
@@ -194,6 +213,7 @@ def sample_latents(
     generator: torch.Generator | None = None,
     callback: Callable[[int, float, torch.Tensor], None] | None = None,
     latents: torch.Tensor | None = None,
+    inpaint_latents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Denoise pure noise into latents (B, C, F, H, W) (normalized, ready for `family.decode_latents`).
 
@@ -202,6 +222,8 @@ def sample_latents(
     generator's device (CPU by default, as diffusers' `randn_tensor` does), unless `latents` gives it.
     guidance_scale > 1 needs negative_prompt_embeds/mask of the same shapes (e.g. the empty prompt).
     `callback(i, sigma, latents)` runs after step i (0-based), sigma being the step's starting noise level.
+    `inpaint_latents` (B, C_in, F_lat, H_lat, W_lat): an image-to-video model's condition, in every step
+    (`denoise_step`); None for a text-to-video model.
     The transformer runs in eval mode (its previous mode is restored) under torch.inference_mode.
     Raises NonFiniteLatentsError when the result holds NaN or inf (`check_finite_latents`).
     """
@@ -247,6 +269,7 @@ def sample_latents(
                 guidance_scale=guidance_scale,
                 negative_prompt_embeds=negative_prompt_embeds if do_cfg else None,
                 negative_prompt_attention_mask=negative_prompt_attention_mask if do_cfg else None,
+                inpaint_latents=inpaint_latents,
             )
             if callback is not None:
                 callback(i, float(sigmas[i]), latents)
@@ -254,6 +277,23 @@ def sample_latents(
         transformer.train(was_training)
     check_finite_latents(latents, guidance_scale)
     return latents
+
+
+def _image_condition(family: ModelFamily, components: Components, bucket: Bucket, latent_shape: tuple[int, ...],
+                     image: Any, last_image: Any, device: torch.device) -> torch.Tensor | None:
+    """`generate_video`'s inpaint latents (B, C_in, F_lat, H_lat, W_lat): the image condition repeated over the B
+    prompts, the empty condition for an image-to-video model without image, None for a text-to-video model."""
+    if image is None and last_image is not None:
+        raise UserError("a last image needs a first image: give --image too")
+    if not family.takes_image(components.transformer):
+        if image is not None:
+            raise UserError("this model is text-to-video and takes no image: drop --image, or give a model trained "
+                            "with model.i2v")
+        return None
+    if image is None:
+        return family.empty_condition(latent_shape, device=device)
+    condition = family.encode_image_condition(components.vae, image, bucket, last_image=last_image)
+    return condition.to(device).repeat(latent_shape[0], *([1] * (condition.ndim - 1)))
 
 
 @torch.inference_mode()
@@ -270,19 +310,25 @@ def generate_video(
     seed: int = 0,
     negative_prompt: str = "",
     callback: Callable[[int, float, torch.Tensor], None] | None = None,
+    image: Any = None,
+    last_image: Any = None,
 ) -> np.ndarray:
     """prompts (B strings) -> uint8 frames (B, F, H, W, 3) at `bucket` (num_frames, height, width).
 
     Encode prompts -> `sample_latents` (noise from a CPU generator seeded with `seed`, so the same seed gives
     the same video on any device) -> `family.decode_latents` -> uint8 frames. With guidance_scale > 1 the
     unconditional branch uses `negative_prompt` (default ''). `callback(i, sigma, latents)`: `sample_latents`'s,
-    after each denoising step.
+    after each denoising step. `image` (and `last_image`): the first (and last) frame of every video, for an
+    image-to-video model (`family.takes_image`; PIL, uint8 (H, W, 3) or (3, H, W) in [0, 1]), resized to the bucket
+    and encoded by `family.encode_image_condition`; such a model without `image` generates from text alone
+    (`family.empty_condition`). Raises UserError for an image given to a text-to-video model.
     """
     # 1. Check inputs and shapes
     if isinstance(prompts, str) or not prompts:
         raise ValueError(f"prompts must be a non-empty list of strings, got {prompts!r}")
     latent_shape = family.latent_shape(bucket, len(prompts))
     device = next(components.transformer.parameters()).device
+    inpaint_latents = _image_condition(family, components, bucket, latent_shape, image, last_image, device)
 
     # 2. Encode prompts (and the negative prompt for guidance)
     prompt_embeds, prompt_attention_mask = family.encode_prompt(
@@ -314,6 +360,7 @@ def generate_video(
         negative_prompt_attention_mask=negative_prompt_attention_mask,
         generator=generator,
         callback=callback,
+        inpaint_latents=inpaint_latents,
     )
 
     # 4. Decode to uint8 frames

@@ -4,6 +4,8 @@ DiT + VAE + text encoder stack. Nothing outside `vidray/models/` knows a family'
 
 What a family owns: building its modules (`build`, `build_transformer`, `build_encoders`, `load_pretrained`),
 `encode_video` (latent normalisation included: EasyAnimate scales, Wan normalises per channel), `encode_prompt`,
+the image-to-video condition where the family has one (`takes_image`, `encode_clip_condition`,
+`encode_image_condition`, `empty_condition`; defaults raise for text-to-video families),
 the training objective (`noisy_latents`, `training_target`, `model_timesteps`) and the sampler's schedule and step
 (`inference_sigmas`, `sampler_step`), the transformer call (`predict`), its latent layout and bucket rules (`latent_shape`; the rules' numbers also in
 `vidray.models.rules`, which the config checks at load), and the diffusers pipeline it exports (`save_pipeline`).
@@ -64,9 +66,6 @@ class ModelFamily(abc.ABC):
     example_bucket: tuple[int, int, int]
     """(num_frames, height, width) of a small bucket the family takes: what the conformance test of every family
     (`tests/unit/test_families.py`) trains, samples and decodes at."""
-    supports_image_to_video: bool = False
-    """Whether the family's models take a first-frame image (`input_reference` in serving, `--image` in
-    generate). A text-to-video family answers an image request with a 400 naming the model."""
     objective: str = "flow_matching"
     """The training objective, as `noisy_latents` and `training_target` define it. The default is rectified flow
     (EasyAnimate, Wan): target = noise - latents. A family trained otherwise (CogVideoX: v-prediction; AnimateDiff:
@@ -105,6 +104,39 @@ class ModelFamily(abc.ABC):
     @abc.abstractmethod
     def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
         """Random init of `model_cfg.preset` under `seed`, or load `model_cfg.pretrained_path` (local folder)."""
+
+    def supports_image_to_video(self, info: Any) -> bool:
+        """Whether the model that `info` (`vidray.models.export.ModelInfo`, configs only, no weights) describes
+        takes a first-frame image (`input_reference` in serving, `--image` in generate): a property of the model,
+        not only of the family (an EasyAnimate T2V model does not; an InP one does). A text-to-video model answers
+        an image request with a 400 naming the model. Default: False (the family has no image-to-video model)."""
+        return False
+
+    def takes_image(self, transformer: torch.nn.Module) -> bool:
+        """Whether `transformer` is an image-to-video model, read from its config (what the sampler and the
+        training step ask before passing `inpaint_latents` to `predict`). Default: False."""
+        return False
+
+    def encode_clip_condition(self, vae: torch.nn.Module, video: torch.Tensor, condition: str) -> torch.Tensor:
+        """A training clip (B, 3, F, H, W) float in [-1, 1] -> its image condition (for EasyAnimate the inpaint
+        latents (B, C_in, F_lat, H_lat, W_lat) float32), the clip's own `condition` frames (`model.i2v.condition`:
+        `first` or `first_last`) given, exactly as the family's stock image-to-video pipeline encodes them. The
+        default says the family has no image-to-video model."""
+        raise NotImplementedError(f"the {self.name} family has no image-to-video model: set model.i2v to null")
+
+    def encode_image_condition(self, vae: torch.nn.Module, image: Any, bucket: Bucket, *,
+                               last_image: Any = None) -> torch.Tensor:
+        """A first-frame image (PIL, uint8 (H, W, 3) array, or (3, H, W) float tensor in [0, 1]) and an optional last
+        one -> the condition (1, C_in, F_lat, H_lat, W_lat) float32 of a `bucket` video, the images resized to the
+        bucket as the family's stock pipeline does (what `vidray generate --image` samples with). The default says
+        the family has no image-to-video model."""
+        raise NotImplementedError(f"the {self.name} family has no image-to-video model: it takes no --image")
+
+    def empty_condition(self, latent_shape: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:
+        """The condition of a sample with no image (text-to-video through an image-to-video model; a training
+        sample that condition dropout drops) for latents of `latent_shape` (B, C, F_lat, H_lat, W_lat). The
+        default says the family has no image-to-video model."""
+        raise NotImplementedError(f"the {self.name} family has no image-to-video model")
 
     def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> torch.nn.Module:
         """The trainable transformer alone (what a DiT trainer loads), equal to `build(...).transformer`.
@@ -168,7 +200,11 @@ class ModelFamily(abc.ABC):
         prompt_attention_mask: torch.Tensor,
     ) -> torch.Tensor:
         """noisy_latents (B, C, F, H, W), timesteps (B,), prompt_embeds (B, L, D), prompt_attention_mask (B, L)
-        -> model_pred (B, C, F, H, W): the velocity, called exactly as the family's stock diffusers pipeline does."""
+        -> model_pred (B, C, F, H, W): the velocity, called exactly as the family's stock diffusers pipeline does.
+
+        A family with image-to-video models also takes the keyword `inpaint_latents` (B, C_in, F, H, W) (from
+        `encode_clip_condition`, `encode_image_condition` or `empty_condition`), required when `takes_image`;
+        callers pass it only then, so a text-to-video family's signature stays as it is."""
 
     @abc.abstractmethod
     def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:

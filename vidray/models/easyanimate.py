@@ -8,6 +8,13 @@ transformer trained with `EasyAnimateFamily.predict` behaves the same inside the
   sigmas * num_train_timesteps in the latents' dtype; the text attention mask is NOT passed (the transformer has
   no mask input: padded text tokens take part in attention, in training as in the pipeline);
 - latents: `vae.encode(video).mode() * scaling_factor`; decode `vae.decode(latents / scaling_factor)`.
+
+Image-to-video (`model.i2v`): the InP transformer of diffusers/pipelines/easyanimate/pipeline_easyanimate_inpaint.py
+takes `inpaint_latents` (B, 1 + 16, F_lat, H_lat, W_lat) concatenated to the noisy latents inside its `forward`
+(so `in_channels` = 16 + 1 + 16 = 33, `resize_inpaint_mask_directly`): the mask resized to the latent grid
+(`resize_mask`, first frame alone as the causal VAE encodes it) times scaling_factor, then the masked video's
+latents (`encode_inpaint_latents`); the all-generate (text-to-video) input is zeros (`empty_condition`). Exported
+as a stock `EasyAnimateInpaintPipeline` folder.
 """
 
 from __future__ import annotations
@@ -16,12 +23,14 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKLMagvit, EasyAnimatePipeline, EasyAnimateTransformer3DModel
+from diffusers import AutoencoderKLMagvit, EasyAnimateInpaintPipeline, EasyAnimatePipeline, EasyAnimateTransformer3DModel
 from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.easyanimate.pipeline_easyanimate_inpaint import resize_mask
 
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
+from vidray.models.conditioning import generate_mask, image_to_video, masked_video
 from vidray.models.folders import require_pipeline_folder, unused_parameter_names, write_pipeline_folder
 from vidray.models.rules import FAMILY_BUCKET_RULES
 from vidray.models.text_encoder import build_text_encoder, encode_prompts, ensure_chat_template, text_hidden_size
@@ -32,6 +41,8 @@ __all__ = [
     "TINY_TRANSFORMER",
     "TINY_VAE",
     "build_tiny",
+    "empty_condition",
+    "encode_inpaint_latents",
     "load_pretrained",
     "no_grad_parameter_names",
     "save_pipeline",
@@ -59,6 +70,20 @@ TINY_TRANSFORMER = dict(
 """Tiny DiT (inner dim 128, 3 MMDiT blocks; 1.9 M params with text_embed_dim 384). `text_embed_dim` is set from
 the text encoder's hidden size."""
 
+INPAINT_MASK_CHANNELS = 1
+"""Channels of the resized mask in the inpaint latents (`resize_inpaint_mask_directly`: the mask itself, not its VAE
+latents)."""
+INPAINT_CHANNELS = INPAINT_MASK_CHANNELS + LATENT_CHANNELS
+"""Channels of `inpaint_latents`: the mask, then the masked video's latents."""
+I2V_IN_CHANNELS = LATENT_CHANNELS + INPAINT_CHANNELS
+"""The InP transformer's `in_channels` (33): noisy latents + mask + masked video latents, as
+`EasyAnimateInpaintPipeline.__call__` checks (`num_channels_latents + num_channels_mask + num_channels_masked_image`)."""
+TINY_I2V_TRANSFORMER = dict(TINY_TRANSFORMER, in_channels=I2V_IN_CHANNELS, resize_inpaint_mask_directly=True,
+                            add_noise_in_inpaint_model=False)
+"""The tiny preset's inpaint transformer (`model.i2v`): TINY_TRANSFORMER taking the inpaint latents. No noise
+augmentation of the reference (`add_noise_in_inpaint_model: false`, EasyAnimate V5's InP): the condition latents are
+then a function of the clip alone, so the encode stage can cache them."""
+
 TINY_VAE = dict(
     in_channels=3,
     out_channels=3,
@@ -78,6 +103,7 @@ std 0.05 instead of ~1, so that `train-vae`'s decoder sees the latents rather th
 
 
 def _check_layout(transformer: EasyAnimateTransformer3DModel, vae: AutoencoderKLMagvit, where: str) -> None:
+    in_channels = I2V_IN_CHANNELS if takes_inpaint_latents(transformer) else LATENT_CHANNELS
     found = (
         vae.config.latent_channels,
         vae.spatial_compression_ratio,
@@ -85,12 +111,58 @@ def _check_layout(transformer: EasyAnimateTransformer3DModel, vae: AutoencoderKL
         transformer.config.in_channels,
         transformer.config.patch_size,
     )
-    expected = (LATENT_CHANNELS, SPATIAL_COMPRESSION_RATIO, TEMPORAL_COMPRESSION_RATIO, LATENT_CHANNELS, PATCH_SIZE)
+    expected = (LATENT_CHANNELS, SPATIAL_COMPRESSION_RATIO, TEMPORAL_COMPRESSION_RATIO, in_channels, PATCH_SIZE)
     if found != expected:
         raise ValueError(
             f"{where}: (vae latent_channels, spatial ratio, temporal ratio, transformer in_channels, patch_size) = "
             f"{found}, but the easyanimate family expects {expected}"
         )
+    _check_inpaint_transformer(transformer, where)
+
+
+def takes_inpaint_latents(transformer: EasyAnimateTransformer3DModel) -> bool:
+    """Whether `transformer` is an inpaint (InP, image-to-video) model: `in_channels` differs from the latent
+    channels, the test `EasyAnimateInpaintPipeline.__call__` makes (`num_channels_transformer !=
+    num_channels_latents`)."""
+    return int(transformer.config.in_channels) != LATENT_CHANNELS
+
+
+def _check_inpaint_transformer(transformer: EasyAnimateTransformer3DModel, where: str) -> None:
+    """Raise ValueError for an inpaint transformer vidray cannot condition exactly as the stock pipeline does: a
+    mask encoded by the VAE (`resize_inpaint_mask_directly: false`, 48 input channels) or noise added to the
+    reference video (`add_noise_in_inpaint_model: true`: the stock pipeline draws it from the sampling generator)."""
+    if not takes_inpaint_latents(transformer):
+        return
+    config = transformer.config
+    if not config.resize_inpaint_mask_directly or config.in_channels != I2V_IN_CHANNELS:
+        raise ValueError(f"{where}: inpaint transformer with in_channels {config.in_channels} and "
+                         f"resize_inpaint_mask_directly {config.resize_inpaint_mask_directly}: vidray takes the "
+                         f"resized-mask layout only (in_channels {I2V_IN_CHANNELS}, resize_inpaint_mask_directly true)")
+    if config.add_noise_in_inpaint_model:
+        raise ValueError(f"{where}: inpaint transformer with add_noise_in_inpaint_model true (noise on the reference "
+                         "video) is not supported yet; set it to false in transformer/config.json to sample without it")
+
+
+def _check_task(transformer: EasyAnimateTransformer3DModel, model_cfg: ModelConfig, where: str) -> None:
+    """Raise ValueError when the transformer's task is not the config's: an inpaint (image-to-video) folder for a
+    text-to-video config (`model.i2v` null) or a text-to-video folder for `model.i2v`."""
+    if takes_inpaint_latents(transformer) and model_cfg.i2v is None:
+        raise ValueError(f"{where} holds an image-to-video (inpaint, in_channels {transformer.config.in_channels}) "
+                         "transformer but model.i2v is null: set model.i2v (e.g. {condition: first}) or give a "
+                         "text-to-video EasyAnimatePipeline folder")
+    if not takes_inpaint_latents(transformer) and model_cfg.i2v is not None:
+        raise ValueError(f"{where} holds a text-to-video transformer (in_channels {transformer.config.in_channels}) "
+                         f"but model.i2v is set: give an EasyAnimateInpaintPipeline folder (in_channels "
+                         f"{I2V_IN_CHANNELS}) or set model.i2v to null")
+
+
+def _pipeline_class(path: Path) -> type:
+    """EasyAnimatePipeline or EasyAnimateInpaintPipeline, as the folder's model_index.json names it (the same
+    components: either loads either's folder, but diffusers warns)."""
+    import json
+
+    class_name = json.loads((Path(path) / "model_index.json").read_text()).get("_class_name")
+    return EasyAnimateInpaintPipeline if class_name == "EasyAnimateInpaintPipeline" else EasyAnimatePipeline
 
 
 def _check_vae(vae: AutoencoderKLMagvit, where: str) -> None:
@@ -130,17 +202,22 @@ def _tiny_vae() -> AutoencoderKLMagvit:
     return vae
 
 
-def build_tiny(text_encoder_kind: str = "tiny_random", *, seed: int = 0) -> Components:
-    """Random tiny preset: TINY_TRANSFORMER + TINY_VAE (fp32, CPU) + the chosen frozen text encoder.
+def _tiny_transformer(text_embed_dim: int, *, i2v: bool) -> EasyAnimateTransformer3DModel:
+    """TINY_I2V_TRANSFORMER (`i2v`) or TINY_TRANSFORMER at the global RNG's state."""
+    return EasyAnimateTransformer3DModel(**(TINY_I2V_TRANSFORMER if i2v else TINY_TRANSFORMER),
+                                         text_embed_dim=text_embed_dim)
+
+
+def build_tiny(text_encoder_kind: str = "tiny_random", *, seed: int = 0, i2v: bool = False) -> Components:
+    """Random tiny preset: TINY_TRANSFORMER (TINY_I2V_TRANSFORMER with `i2v`) + TINY_VAE (fp32, CPU) + the chosen
+    frozen text encoder.
 
     Initialised under `seed` inside a forked RNG (the global torch RNG is left as it was).
     """
     text_encoder, tokenizer = build_text_encoder(text_encoder_kind, seed=seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = EasyAnimateTransformer3DModel(
-            **TINY_TRANSFORMER, text_embed_dim=text_encoder.config.hidden_size
-        )
+        transformer = _tiny_transformer(text_encoder.config.hidden_size, i2v=i2v)
         vae = _tiny_vae()
     vae.eval().requires_grad_(False)
     transformer.train()
@@ -148,13 +225,15 @@ def build_tiny(text_encoder_kind: str = "tiny_random", *, seed: int = 0) -> Comp
 
 
 def load_pretrained(path: str | Path) -> Components:
-    """Load transformer, vae, text_encoder and tokenizer from a local diffusers EasyAnimate folder, offline.
+    """Load transformer, vae, text_encoder and tokenizer from a local diffusers EasyAnimate folder
+    (`EasyAnimatePipeline`, or `EasyAnimateInpaintPipeline` for image-to-video), offline.
 
-    Raises FileNotFoundError if `path` is not a folder with a `model_index.json` (hub ids are never resolved).
+    Raises FileNotFoundError if `path` is not a folder with a `model_index.json` (hub ids are never resolved),
+    ValueError for a layout the family does not take (`_check_layout`).
     The VAE and text encoder come back frozen; the transformer in train mode.
     """
     path = require_pipeline_folder(path, "EasyAnimatePipeline")
-    pipe = EasyAnimatePipeline.from_pretrained(path, local_files_only=True)
+    pipe = _pipeline_class(path).from_pretrained(path, local_files_only=True)
     _check_layout(pipe.transformer, pipe.vae, str(path))
     pipe.vae.eval().requires_grad_(False)
     pipe.text_encoder.eval().requires_grad_(False)
@@ -169,12 +248,14 @@ def load_pretrained(path: str | Path) -> Components:
 
 def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
     """Write `components` as a complete diffusers folder (safetensors) that
-    `diffusers.EasyAnimatePipeline.from_pretrained(out_dir, local_files_only=True)` loads and runs offline.
+    `diffusers.EasyAnimatePipeline.from_pretrained(out_dir, local_files_only=True)` loads and runs offline; an
+    inpaint transformer (`model.i2v`, `takes_inpaint_latents`) is written as an `EasyAnimateInpaintPipeline`.
 
     Adds a `FlowMatchEulerDiscreteScheduler(shift=flow.shift, num_train_timesteps=flow.num_train_timesteps)`,
     and a trivial tokenizer chat template (the pipeline calls `apply_chat_template`). `cache_mag_vae` is not
-    written: AutoencoderKLMagvit drops it from its config on load (only EasyAnimateInpaintPipeline reads it; set
-    `vae.register_to_config(cache_mag_vae=True)` after loading for that pipeline). Note the stock pipeline pads
+    written: AutoencoderKLMagvit drops it from its config on load (only EasyAnimateInpaintPipeline reads it, in `resize_mask`; set
+    `pipe.vae.register_to_config(cache_mag_vae=True)` after loading that pipeline: the value vidray conditions
+    with). Note the stock pipeline pads
     prompts to 256 tokens (`encode_prompt` default) and the transformer has no text mask, so a transformer trained
     at another `max_sequence_length` matches exactly only when given `prompt_embeds`.
     Written by `vidray.models.folders.write_pipeline_folder` (a temp folder next to `out_dir`, then renamed): `out_dir`
@@ -183,7 +264,8 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
     """
     ensure_chat_template(components.tokenizer)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=flow.shift, num_train_timesteps=flow.num_train_timesteps)
-    pipe = EasyAnimatePipeline(
+    pipeline_class = EasyAnimateInpaintPipeline if takes_inpaint_latents(components.transformer) else EasyAnimatePipeline
+    pipe = pipeline_class(
         vae=components.vae,
         text_encoder=components.text_encoder,
         tokenizer=components.tokenizer,
@@ -191,6 +273,41 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
         scheduler=scheduler,
     )
     return write_pipeline_folder(pipe, out_dir)
+
+
+def _process_first_frame_only(vae: AutoencoderKLMagvit) -> bool:
+    """`resize_mask`'s `process_first_frame_only`: the VAE config's `cache_mag_vae` as the stock pipeline reads it,
+    True when absent (AutoencoderKLMagvit drops it from its config on load; EasyAnimate V5's VAE sets it: the
+    causal VAE encodes the first frame alone, so the mask's first frame maps to the first latent frame)."""
+    return bool(getattr(vae.config, "cache_mag_vae", True))
+
+
+@torch.no_grad()
+def encode_inpaint_latents(vae: AutoencoderKLMagvit, video: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """video (B, 3, F, H, W) in [-1, 1] and mask (B, 1, F, H, W) (1 = generate, 0 = given) -> inpaint_latents
+    (B, 1 + 16, F_lat, H_lat, W_lat) float32: [mask_latents, masked_video_latents] along channels.
+
+    As EasyAnimateInpaintPipeline.__call__ step 6 with `resize_inpaint_mask_directly` (diffusers/pipelines/
+    easyanimate/pipeline_easyanimate_inpaint.py): `masked_video_latents` = `prepare_mask_latents`: the masked
+    video (`vidray.models.conditioning.masked_video`) encoded one sample at a time, `vae.encode(x)[0].mode() *
+    scaling_factor` (no noise: `add_noise_in_inpaint_model` false); `mask_latents = resize_mask(1 - mask,
+    masked_video_latents, cache_mag_vae) * scaling_factor` (trilinear, the first frame resized alone)."""
+    if video.ndim != 5 or video.shape[1] != 3:
+        raise ValueError(f"video must be (B, 3, F, H, W), got {tuple(video.shape)}")
+    masked = masked_video(video.float(), mask.float()).to(device=vae.device, dtype=vae.dtype)
+    scaling_factor = vae.config.scaling_factor
+    latents = torch.cat([vae.encode(masked[i:i + 1])[0].mode() for i in range(masked.shape[0])]) * scaling_factor
+    mask_latents = resize_mask(1 - mask.to(latents.device, torch.float32), latents, _process_first_frame_only(vae))
+    mask_latents = mask_latents.to(latents.dtype) * scaling_factor
+    return torch.cat([mask_latents, latents], dim=1).float()
+
+
+def empty_condition(latent_shape: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:
+    """The text-to-video inpaint latents (B, 1 + 16, F_lat, H_lat, W_lat) float32 for latents of `latent_shape`
+    (B, 16, F_lat, H_lat, W_lat): zeros, as EasyAnimateInpaintPipeline gives an all-255 `mask_video` or none
+    ("Use zero latents if we want to t2v": `mask_latents` (B, 1, ...) and `masked_video_latents` both zero)."""
+    batch_size, _, *grid = latent_shape
+    return torch.zeros(batch_size, INPAINT_CHANNELS, *grid, dtype=torch.float32, device=device)
 
 
 def no_grad_parameter_names(transformer: EasyAnimateTransformer3DModel) -> list[str]:
@@ -236,11 +353,13 @@ class EasyAnimateFamily(ModelFamily):
         if model_cfg.init == "pretrained":
             if not model_cfg.pretrained_path:
                 raise ValueError("model.init is 'pretrained' but model.pretrained_path is empty")
-            return load_pretrained(model_cfg.pretrained_path)
+            components = load_pretrained(model_cfg.pretrained_path)
+            _check_task(components.transformer, model_cfg, f"model.pretrained_path {model_cfg.pretrained_path}")
+            return components
         if model_cfg.init != "random":
             raise ValueError(f"unknown model.init {model_cfg.init!r}; valid: random, pretrained")
         if model_cfg.preset == "tiny":
-            return build_tiny(model_cfg.text_encoder, seed=seed)
+            return build_tiny(model_cfg.text_encoder, seed=seed, i2v=model_cfg.i2v is not None)
         raise ValueError(f"unknown easyanimate preset {model_cfg.preset!r}; valid: tiny")
 
     def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> EasyAnimateTransformer3DModel:
@@ -255,6 +374,8 @@ class EasyAnimateFamily(ModelFamily):
                 return load_pretrained(path).transformer  # raises the FileNotFoundError that names the fix
             transformer = EasyAnimateTransformer3DModel.from_pretrained(path, subfolder="transformer",
                                                                         local_files_only=True)
+            _check_inpaint_transformer(transformer, str(path))
+            _check_task(transformer, model_cfg, f"model.pretrained_path {path}")
             return transformer.train()
         if model_cfg.init != "random":
             raise ValueError(f"unknown model.init {model_cfg.init!r}; valid: random, pretrained")
@@ -262,8 +383,7 @@ class EasyAnimateFamily(ModelFamily):
             raise ValueError(f"unknown easyanimate preset {model_cfg.preset!r}; valid: tiny")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            transformer = EasyAnimateTransformer3DModel(
-                **TINY_TRANSFORMER, text_embed_dim=text_hidden_size(model_cfg.text_encoder))
+            transformer = _tiny_transformer(text_hidden_size(model_cfg.text_encoder), i2v=model_cfg.i2v is not None)
         return transformer.train()
 
     def build_transformer_on_meta(self, model_cfg: ModelConfig) -> tuple[EasyAnimateTransformer3DModel, str]:
@@ -286,8 +406,8 @@ class EasyAnimateFamily(ModelFamily):
         with `transformer=None` (diffusers skips that component); the tiny preset replays `build_tiny`."""
         if model_cfg.init == "pretrained" and model_cfg.pretrained_path and \
                 (Path(model_cfg.pretrained_path) / "model_index.json").is_file():
-            pipe = EasyAnimatePipeline.from_pretrained(model_cfg.pretrained_path, transformer=None,
-                                                       local_files_only=True)
+            pipe = _pipeline_class(model_cfg.pretrained_path).from_pretrained(
+                model_cfg.pretrained_path, transformer=None, local_files_only=True)
             _check_vae(pipe.vae, str(model_cfg.pretrained_path))
             vae = load_vae_folder(model_cfg.vae_path) if model_cfg.vae_path else pipe.vae
             return Encoders(vae=vae.eval().requires_grad_(False),
@@ -301,8 +421,8 @@ class EasyAnimateFamily(ModelFamily):
         with `transformer=None, vae=None` (diffusers skips both); the tiny preset replays `build_tiny`."""
         if model_cfg.init == "pretrained" and model_cfg.pretrained_path and \
                 (Path(model_cfg.pretrained_path) / "model_index.json").is_file():
-            pipe = EasyAnimatePipeline.from_pretrained(model_cfg.pretrained_path, transformer=None, vae=None,
-                                                       local_files_only=True)
+            pipe = _pipeline_class(model_cfg.pretrained_path).from_pretrained(
+                model_cfg.pretrained_path, transformer=None, vae=None, local_files_only=True)
             return pipe.text_encoder.eval().requires_grad_(False), ensure_chat_template(pipe.tokenizer)
         return super().build_text_encoder(model_cfg, seed=seed)
 
@@ -326,8 +446,8 @@ class EasyAnimateFamily(ModelFamily):
         if model_cfg.init == "random" and model_cfg.preset == "tiny":
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                EasyAnimateTransformer3DModel(**TINY_TRANSFORMER, text_embed_dim=text_hidden_size(
-                    model_cfg.text_encoder))  # drawn first in build_tiny: the VAE's init follows it
+                _tiny_transformer(text_hidden_size(model_cfg.text_encoder),
+                                  i2v=model_cfg.i2v is not None)  # drawn first in build_tiny: the VAE's init follows it
                 vae = _tiny_vae()
         else:
             vae = self.build_vae(cfg, seed=seed)
@@ -359,13 +479,18 @@ class EasyAnimateFamily(ModelFamily):
         timesteps: torch.Tensor,
         prompt_embeds: torch.Tensor,
         prompt_attention_mask: torch.Tensor,
+        *,
+        inpaint_latents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """noisy_latents (B, 16, F, H, W), timesteps (B,) = sigmas * num_train_timesteps, prompt_embeds (B, L, D),
         prompt_attention_mask (B, L) -> model_pred (B, 16, F, H, W), the velocity (noise - latents).
 
         Called exactly like EasyAnimatePipeline's denoising loop: timesteps cast to the latents' dtype,
         `encoder_hidden_states=prompt_embeds`; prompt_attention_mask is checked for shape but not passed (the
-        stock transformer has no text mask input, and the pipeline does not use it either).
+        stock transformer has no text mask input, and the pipeline does not use it either). An inpaint
+        transformer (`takes_inpaint_latents`) needs `inpaint_latents` (B, 17, F, H, W) (`encode_clip_condition`,
+        `encode_image_condition`, or `empty_condition` for text-to-video), passed in the latents' dtype as
+        EasyAnimateInpaintPipeline does; a text-to-video one takes none. Raises ValueError otherwise.
         """
         if noisy_latents.ndim != 5:
             raise ValueError(f"noisy_latents must be (B, C, F, H, W), got {tuple(noisy_latents.shape)}")
@@ -379,16 +504,56 @@ class EasyAnimateFamily(ModelFamily):
                 f"prompt_attention_mask {tuple(prompt_attention_mask.shape)} must match prompt_embeds' (B, L) "
                 f"{tuple(prompt_embeds.shape[:2])}"
             )
+        inpaint = takes_inpaint_latents(transformer)
+        if inpaint and inpaint_latents is None:
+            raise ValueError(f"the transformer is an inpaint (image-to-video) model: pass inpaint_latents (B, "
+                             f"{INPAINT_CHANNELS}, F, H, W) (family.empty_condition for text-to-video)")
+        if not inpaint and inpaint_latents is not None:
+            raise ValueError("inpaint_latents given to a text-to-video transformer: it takes no image condition")
+        if inpaint and inpaint_latents.shape != (batch_size, INPAINT_CHANNELS, *noisy_latents.shape[2:]):
+            raise ValueError(f"inpaint_latents must be ({batch_size}, {INPAINT_CHANNELS}, "
+                             f"{', '.join(map(str, noisy_latents.shape[2:]))}), got {tuple(inpaint_latents.shape)}")
         dtype = noisy_latents.dtype
         model_pred = transformer(
             noisy_latents,
             timesteps.to(dtype=dtype),
             encoder_hidden_states=prompt_embeds.to(dtype=dtype),
+            inpaint_latents=inpaint_latents.to(dtype=dtype) if inpaint else None,
             return_dict=False,
         )[0]
         if model_pred.shape[1] != noisy_latents.shape[1]:  # learned-sigma variants: (velocity, variance)
             model_pred, _ = model_pred.chunk(2, dim=1)
         return model_pred
+
+    def supports_image_to_video(self, info) -> bool:
+        """Whether the model `info` (`vidray.models.export.ModelInfo`) describes takes an image: an inpaint model
+        (`model.i2v` set, or a stock `EasyAnimateInpaintPipeline` folder); an EasyAnimate T2V model does not."""
+        return bool(info.image_to_video)
+
+    def takes_image(self, transformer: EasyAnimateTransformer3DModel) -> bool:
+        """`takes_inpaint_latents`: the transformer's `in_channels` is 33, not 16."""
+        return takes_inpaint_latents(transformer)
+
+    def encode_clip_condition(self, vae: AutoencoderKLMagvit, video: torch.Tensor, condition: str) -> torch.Tensor:
+        """A training clip (B, 3, F, H, W) in [-1, 1] -> inpaint_latents (B, 17, F_lat, H_lat, W_lat) float32,
+        the clip's own `condition` frames given (`first`: frame 0; `first_last`: frames 0 and F-1): the clip masked
+        by `vidray.models.conditioning.generate_mask`, then `encode_inpaint_latents`, as the stock pipeline
+        conditions on those frames."""
+        batch_size, _, num_frames, height, width = video.shape
+        mask = generate_mask(batch_size, Bucket(num_frames, height, width), condition).to(video.device)
+        return encode_inpaint_latents(vae, video, mask)
+
+    def encode_image_condition(self, vae: AutoencoderKLMagvit, image, bucket: Bucket, *,
+                               last_image=None) -> torch.Tensor:
+        """A first image (and an optional last) -> inpaint_latents (1, 17, F_lat, H_lat, W_lat) float32 for
+        `bucket`: `vidray.models.conditioning.image_to_video` (get_image_to_video_latent: resized to the bucket,
+        tiled over the frames) then `encode_inpaint_latents`."""
+        video, mask = image_to_video(image, bucket, last_image)
+        return encode_inpaint_latents(vae, video, mask)
+
+    def empty_condition(self, latent_shape: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:
+        """See module-level `empty_condition`: zeros (B, 17, F_lat, H_lat, W_lat), the text-to-video input."""
+        return empty_condition(latent_shape, device)
 
     def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:
         """(B, 16, (F-1)//4 + 1, H//8, W//8); e.g. Bucket(9, 64, 64), B=2 -> (2, 16, 3, 8, 8).

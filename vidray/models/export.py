@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from vidray.config import FlowConfig, JobConfig, ModelConfig, job_config_from_dict
+from vidray.config import FlowConfig, I2VConfig, JobConfig, ModelConfig, job_config_from_dict
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError, UserFileNotFound
 from vidray.locations import is_uri
@@ -101,7 +101,10 @@ _HASH_CHUNK_BYTES = 8 * 1024 * 1024
 JOB_FILE = "vidray_job.yaml"
 """Name of the resolved job config written beside an exported diffusers pipeline."""
 
-_PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate", "WanPipeline": "wan", "CogVideoXPipeline": "cogvideox"}
+_PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate", "EasyAnimateInpaintPipeline": "easyanimate",
+                      "WanPipeline": "wan", "CogVideoXPipeline": "cogvideox"}
+_IMAGE_TO_VIDEO_PIPELINES = ("EasyAnimateInpaintPipeline",)
+"""Stock pipeline classes of image-to-video models (a stock folder of one loads as `model.i2v: {condition: first}`)."""
 _PIPELINE_SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 STOCK_MAX_SEQUENCE_LENGTH = 256
 """diffusers EasyAnimatePipeline.encode_prompt's default prompt length (tokens)."""
@@ -344,6 +347,9 @@ class ModelInfo:
     """Training buckets (empty for a stock folder)."""
     source: str | None = None
     """The URI the model was given as (`path` is then its local cached copy, `fetch_model`); None for a folder."""
+    image_to_video: bool = False
+    """Whether the model takes a first-frame image: its job's `model.i2v` is set, or a stock folder's pipeline is an
+    image-to-video one (`EasyAnimateInpaintPipeline`). Read through `family.supports_image_to_video(info)`."""
 
     @property
     def family(self) -> "ModelFamily":
@@ -393,7 +399,7 @@ def _inspect_folder(path: Path) -> ModelInfo:
     if (path / MANIFEST).is_file():
         job = job_config_from_dict(read_job_config(path))
         return ModelInfo(path, "checkpoint", job.model.family, job, job.flow, job.model.max_sequence_length,
-                         list(job.data.buckets))
+                         list(job.data.buckets), image_to_video=job.model.i2v is not None)
     missing = [name for name in _PIPELINE_SUBFOLDERS if not (path / name).is_dir()]
     if missing:
         raise ModelFolderError(
@@ -401,8 +407,9 @@ def _inspect_folder(path: Path) -> ModelInfo:
         )
     if (path / JOB_FILE).is_file():
         job = job_config_from_dict(yaml.safe_load((path / JOB_FILE).read_text()))
+        _check_folder_task(path, job)
         return ModelInfo(path, "diffusers", job.model.family, job, job.flow, job.model.max_sequence_length,
-                         list(job.data.buckets))
+                         list(job.data.buckets), image_to_video=job.model.i2v is not None)
     try:
         class_name = json.loads((path / "model_index.json").read_text()).get("_class_name", "")
         scheduler = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
@@ -417,7 +424,21 @@ def _inspect_folder(path: Path) -> ModelInfo:
     flow = FlowConfig(shift=float(scheduler.get("shift", scheduler.get("flow_shift", 1.0))),
                       num_train_timesteps=int(scheduler.get("num_train_timesteps", 1000)))
     family_name = _PIPELINE_FAMILIES[class_name]
-    return ModelInfo(path, "diffusers", family_name, None, flow, STOCK_MAX_SEQUENCE_LENGTHS[family_name], [])
+    return ModelInfo(path, "diffusers", family_name, None, flow, STOCK_MAX_SEQUENCE_LENGTHS[family_name], [],
+                     image_to_video=class_name in _IMAGE_TO_VIDEO_PIPELINES)
+
+
+def _check_folder_task(path: Path, job: JobConfig) -> None:
+    """Raise ModelFolderError when an export's recorded `model.i2v` and its pipeline class disagree (an image-to-video
+    job beside a text-to-video pipeline, or the reverse): a folder edited by hand or mixed up."""
+    try:
+        class_name = json.loads((path / "model_index.json").read_text()).get("_class_name", "")
+    except (OSError, json.JSONDecodeError, AttributeError) as err:
+        raise ModelFolderError(f"diffusers folder {path}: unreadable model_index.json ({err})") from None
+    if (class_name in _IMAGE_TO_VIDEO_PIPELINES) != (job.model.i2v is not None):
+        recorded = "sets model.i2v" if job.model.i2v is not None else "has model.i2v null"
+        raise ModelFolderError(f"diffusers folder {path} holds a {class_name} but its {JOB_FILE} {recorded}: "
+                               "re-export the run, or remove the job file to load the folder as a stock pipeline")
 
 
 def _check_model_kind(path: str | Path) -> None:
@@ -584,7 +605,8 @@ def _load_some(info: ModelInfo, wanted: set[str]) -> "Components":
     if info.kind == "checkpoint":
         model_cfg, seed = info.job.model, info.job.train.seed
     else:
-        base = info.job.model if info.job is not None else ModelConfig(family=info.family_name)
+        base = info.job.model if info.job is not None else ModelConfig(
+            family=info.family_name, i2v=I2VConfig() if info.image_to_video else None)
         model_cfg = dataclasses.replace(base, init="pretrained", pretrained_path=str(info.path), vae_path=None,
                                         lora=None)
         seed = 0

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from vidray.data.buckets import Bucket, validate_bucket
 
-__all__ = ["BucketRules", "FAMILY_BUCKET_RULES", "bucket_rules", "check_bucket"]
+__all__ = ["BucketRules", "FAMILY_BUCKET_RULES", "IMAGE_TO_VIDEO_FAMILIES", "bucket_rules", "check_bucket"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,11 @@ latent frame count; `CogVideoXPipeline` makes (num_frames - 1) // 4 + 1 latent f
 CogVideoX's num_frames are 8k+1, not 4k+1: `AutoencoderKLCogVideoX._decode` decodes `num_latent_frames_batch_size`
 (2) latent frames at a time, the odd one in the first chunk, so only an odd latent count (F - 1) / 4 + 1 decodes
 back to F frames (5 frames -> 2 latent -> 8 decoded, in the stock pipeline too); CogVideoX's own 49 = 8 * 6 + 1."""
+
+
+IMAGE_TO_VIDEO_FAMILIES = frozenset({"easyanimate"})
+"""Families with an image-to-video (inpaint) model that `model.i2v` can build (EasyAnimate: the InP transformer of
+`EasyAnimateInpaintPipeline`); the config refuses `model.i2v` for the others at load."""
 
 
 def bucket_rules(family: str) -> BucketRules:

@@ -222,7 +222,7 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
         max_height=settings.limits.max_height,
         max_num_frames=settings.limits.max_num_frames,
         valid_num_frames=valid_num_frames,
-        supports_image_to_video=family.supports_image_to_video,
+        supports_image_to_video=family.supports_image_to_video(info),
         default_num_inference_steps=settings.default_num_inference_steps,
         default_guidance_scale=settings.default_guidance_scale,
     )

@@ -39,6 +39,8 @@ def flow_matching_step_loss(
     generator: torch.Generator | Sequence[torch.Generator],
     *,
     loss_weights: torch.Tensor | None = None,
+    inpaint_latents: torch.Tensor | None = None,
+    condition_dropout: float = 0.0,
 ) -> torch.Tensor:
     """Rectified-flow loss of one batch (Esser et al. 2024, eq. 1-3; formulas in vidray.diffusion.flow_matching).
 
@@ -50,6 +52,11 @@ def flow_matching_step_loss(
         generator: one CPU generator for the whole batch's noise and sigmas (`step_generator`), or B generators,
             one per sample (`sample_generator`: each draws its sample's noise, then its sigma).
         loss_weights: (B,) per-sample weights (0 for the padding of `vidray.data.schedule`), or None.
+        inpaint_latents: an image-to-video model's condition of each sample (B, C_in, F_lat, H_lat, W_lat), from
+            `family.encode_clip_condition` (None: a text-to-video model). Each sample keeps it with probability
+            1 - condition_dropout, else gets `family.empty_condition` (the text-to-video input), drawn by
+            `condition_keep` from the sample's own generator after its noise and sigma.
+        condition_dropout: `model.i2v.condition_dropout`, in [0, 1).
     Returns:
         scalar fp32 loss: without weights, mse(model_pred, target) (flow matching: target = noise - latents); with weights,
         sum_i w_i * mse_i, mse_i being sample i's mean squared error (the caller normalises the sum).
@@ -64,14 +71,36 @@ def flow_matching_step_loss(
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=latents.dtype) for g in generator])
         noise = noise.to(latents.device)
         sigmas = torch.cat([sample_sigmas(1, flow, generator=g) for g in generator]).to(latents.device)  # (B,)
+    condition = {}
+    if inpaint_latents is not None:
+        keep = condition_keep(generator, batch_size, condition_dropout).to(latents.device)  # (B,) bool
+        empty = family.empty_condition(tuple(latents.shape), device=latents.device).to(inpaint_latents.dtype)
+        condition["inpaint_latents"] = torch.where(keep.view(-1, 1, 1, 1, 1), inpaint_latents, empty)
     noisy_latents = family.noisy_latents(latents, noise, sigmas)  # the family's objective (flow matching here)
     timesteps = family.model_timesteps(sigmas, flow.num_train_timesteps)
-    model_pred = family.predict(transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask)
+    model_pred = family.predict(transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask,
+                                **condition)
     target = family.training_target(latents, noise, sigmas)
     if loss_weights is None:
         return flow_matching_loss(model_pred, target)
     per_sample = (model_pred.float() - target.float()).pow(2).flatten(1).mean(dim=1)  # (B,)
     return (per_sample * loss_weights.to(per_sample.device, torch.float32)).sum()
+
+
+def condition_keep(generator: torch.Generator | Sequence[torch.Generator], batch_size: int,
+                   condition_dropout: float) -> torch.Tensor:
+    """(B,) bool on CPU: which samples keep their image condition, `u >= condition_dropout` for u ~ U[0, 1): drawn
+    from each sample's own generator (`sample_generator`, after its noise and sigma), so a sample's dropout is the
+    same whatever the batch it is in and the worker count; or B draws of one batch generator (`step_generator`).
+    EasyAnimate trains its InP models for text-to-video too this way (an all-generate mask for a share of samples).
+    Raises ValueError for a condition_dropout outside [0, 1)."""
+    if not 0 <= condition_dropout < 1:
+        raise ValueError(f"condition_dropout must be in [0, 1) (model.i2v.condition_dropout), got {condition_dropout}")
+    if isinstance(generator, torch.Generator):
+        draws = torch.rand(batch_size, generator=generator)
+    else:
+        draws = torch.cat([torch.rand(1, generator=g) for g in generator])
+    return draws >= condition_dropout
 
 
 class NonFiniteTrainingError(UserError):
