@@ -706,6 +706,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     except UserError as err:
         raise ServeSettingsError(f"model_path: {err}") from None
     model_spec(settings, info)
+    if info.family.supports_image_to_video(info):
+        raise ServeSettingsError(f"model_path {info.path} is an image-to-video model; serving one is not wired yet "
+                                 "(the stages do not pass the first-frame condition): serve a text-to-video model, "
+                                 "or sample this one with `vidray generate --image`")
     try:
         policy = PolicyConfig(**settings.policy.model_dump())
     except ValueError as err:
