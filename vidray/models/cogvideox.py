@@ -40,7 +40,7 @@ from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.diffusion import ddim
 from vidray.models.base import Components, Encoders, ModelFamily
-from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names,
+from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
 from vidray.models.rules import FAMILY_BUCKET_RULES
 from vidray.models.text_encoder import build_t5_text_encoder, t5_text_width
@@ -473,7 +473,7 @@ class CogVideoXFamily(ModelFamily):
         if prompt_attention_mask.shape != prompt_embeds.shape[:2]:
             raise ValueError(f"prompt_attention_mask {tuple(prompt_attention_mask.shape)} must match prompt_embeds' "
                              f"(B, L) {tuple(prompt_embeds.shape[:2])}")
-        inner = getattr(transformer, "module", transformer)  # the training loop passes the DDP-wrapped model
+        inner = unwrapped(transformer)  # the training loop passes the DDP-wrapped model
         cfg = inner.config
         if cfg.use_rotary_positional_embeddings:
             rotary = rotary_positional_embeddings(inner, num_frames, height, width, noisy_latents.device)

@@ -31,7 +31,8 @@ from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.conditioning import generate_mask, image_to_video, masked_video
-from vidray.models.folders import require_pipeline_folder, unused_parameter_names, write_pipeline_folder
+from vidray.models.folders import (require_pipeline_folder, unused_parameter_names, unwrapped,
+                                   write_pipeline_folder)
 from vidray.models.rules import FAMILY_BUCKET_RULES
 from vidray.models.text_encoder import build_text_encoder, encode_prompts, ensure_chat_template, text_hidden_size
 from vidray.models.vae import decode_latents, encode_video
@@ -123,8 +124,8 @@ def _check_layout(transformer: EasyAnimateTransformer3DModel, vae: AutoencoderKL
 def takes_inpaint_latents(transformer: EasyAnimateTransformer3DModel) -> bool:
     """Whether `transformer` is an inpaint (InP, image-to-video) model: `in_channels` differs from the latent
     channels, the test `EasyAnimateInpaintPipeline.__call__` makes (`num_channels_transformer !=
-    num_channels_latents`)."""
-    return int(transformer.config.in_channels) != LATENT_CHANNELS
+    num_channels_latents`). `transformer` may be DDP-wrapped (`unwrapped`)."""
+    return int(unwrapped(transformer).config.in_channels) != LATENT_CHANNELS
 
 
 def _check_inpaint_transformer(transformer: EasyAnimateTransformer3DModel, where: str) -> None:

@@ -95,3 +95,10 @@ def unused_parameter_names(transformer: torch.nn.Module,
     with torch.enable_grad():
         grads = torch.autograd.grad(probe_loss(transformer, transformer), [q for _, q in params], allow_unused=True)
     return [name for (name, _), grad in zip(params, grads) if grad is None]
+
+
+def unwrapped(module: "torch.nn.Module") -> "torch.nn.Module":
+    """The model inside a DDP wrapper (its `.module`), else `module` itself: what a family reads `config` and
+    other attributes from, since the training loop hands `predict` the DDP-wrapped transformer (FSDP2 wraps in
+    place and needs no unwrapping)."""
+    return getattr(module, "module", module)
