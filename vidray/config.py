@@ -42,9 +42,10 @@ DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 class I2VConfig:
     """`model.i2v`: an image-to-video (inpaint) model, conditioned on the first frame (or the first and the last):
     the transformer takes the noisy latents concatenated with inpaint latents (a mask and the masked video's
-    latents), as diffusers' `EasyAnimateInpaintPipeline` builds them (`vidray.models.base.ModelFamily.
-    encode_clip_condition`). One model serves both tasks, as EasyAnimate trains it: a sample without condition gets
-    the all-generate (zero) inpaint latents, i.e. text-to-video."""
+    latents), as diffusers' `EasyAnimateInpaintPipeline` builds them (`ModelFamily.encode_clip_condition`). One
+    model serves both tasks, as EasyAnimate trains it: a sample without condition gets the all-generate (zero)
+    inpaint latents, i.e. text-to-video. Not yet wired into the data plane: `vidray train` refuses a job with it (the
+    encode stage does not compute the condition latents), and serving refuses an image-to-video model."""
 
     condition: Literal["first", "first_last"] = "first"
     """Which frames of a training clip are given to the model: `first` (image-to-video) or `first_last` (the first

@@ -98,6 +98,18 @@ def _output_problem(output: Path) -> str | None:
     return None
 
 
+def _readable_image(path: str | Path) -> bool:
+    """Whether PIL reads `path` as an image (its header checked, no pixels decoded)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError):  # SyntaxError: PIL's word for a broken PNG
+        return False
+    return True
+
+
 def check_generate_args(
     model_path: str | Path,
     prompt: str,
@@ -158,6 +170,8 @@ def check_generate_args(
     for flag, path in (("--image", image), ("--last-image", last_image)):
         if path is not None and not Path(path).is_file():
             problems.append(f"{flag} {path} is not a file: give a PNG or JPEG image")
+        elif path is not None and not _readable_image(path):
+            problems.append(f"{flag} {path} is not an image PIL can read: give a PNG or JPEG image")
     if last_image is not None and image is None:
         problems.append("--last-image needs --image (the first frame) too")
     if lora is not None:
@@ -183,7 +197,8 @@ def check_generate_args(
     bucket = Bucket(*bucket)
     if image is not None and not info.family.supports_image_to_video(info):
         raise GenerateArgumentError(f"--image: the model {model_path} is text-to-video and takes no image; drop "
-                                    "--image or give an image-to-video model (trained with model.i2v)")
+                                    "--image or give an image-to-video model (a stock EasyAnimateInpaintPipeline folder; "
+                                    "training with model.i2v is not wired yet)")
     try:
         info.family.latent_shape(bucket, 1)
     except ValueError as err:

@@ -259,6 +259,9 @@ def test_an_image_for_a_t2v_model_and_a_bad_condition_dropout_fail_in_one_line(e
     assert "\n" not in str(err.value)
     with pytest.raises(GenerateArgumentError, match="--image .* is not a file"):
         check_generate_args(exported[1], "a cat", tmp_path / "out.mp4", image=tmp_path / "missing.png")
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not an image")  # refused before weights load
+    with pytest.raises(GenerateArgumentError, match="--image .*clip.mp4 is not an image PIL can read"):
+        check_generate_args(exported[1], "a cat", tmp_path / "out.mp4", image=tmp_path / "clip.mp4")
     check_generate_args(exported[1], "a cat", tmp_path / "out.mp4", image=image)  # an i2v model takes it
     t2v = load_model(t2v_dir)
     with pytest.raises(UserError, match="text-to-video and takes no image"):

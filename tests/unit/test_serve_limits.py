@@ -252,3 +252,19 @@ def test_check_bearer_names_each_tokens_client_by_a_short_stable_hash_and_no_aut
     with pytest.raises(RequestError) as info:
         check_bearer(f"Bearer {TOKEN_A}x", tokens)
     assert info.value.status == 401
+
+
+def test_deleting_a_running_job_cancels_its_render_on_the_runners_loop(serve):
+    """DELETE reads the store in a worker thread; the render's cancel must still run on the runner's loop (asyncio
+    tasks are not thread-safe: with the loop's debug checks on, a cancel from the worker thread raised, and the
+    DELETE answered 500 although the job was gone)."""
+    import asyncio
+
+    service, client, stages = serve(step_s=0.5)
+    client.portal.call(lambda: asyncio.get_running_loop().set_debug(True))
+    video_id = _create(client, "a long one").json()["id"]
+    _wait_for(lambda: video_id in service._renders, what="the render started")
+    response = client.delete(f"/v1/videos/{video_id}")
+    assert response.status_code == 200, response.text
+    _wait_for(lambda: video_id not in service._renders, timeout_s=0.5, what="the render cancelled at once")
+    assert stages.num_decoded == 0 and service.store.get(video_id) is None

@@ -48,7 +48,7 @@ from vidray.errors import UserError
 from vidray.locations import is_uri
 from vidray.serve.api import ApiLimits, ModelSpec, VideoRequest, build_api
 from vidray.serve.metrics import JobMetrics, gauge_refresh_s
-from vidray.serve.jobs import ANONYMOUS_CLIENT, JobStore
+from vidray.serve.jobs import ANONYMOUS_CLIENT, JobStore, JobStoreUnavailableError
 from vidray.serve.policy import PolicyConfig
 from vidray.serve.stages import Denoiser, TextEncoder, VaeDecoder
 
@@ -256,6 +256,8 @@ class VideoJobService:
         """job id -> (its render task, its `owned` flag, its claim's owner id) while this replica renders it
         (`_drop` stops one)."""
         self._runner_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop the runner and its renders run on (set by `ensure_runner`)."""
         self._stopping = False
         self.metrics = JobMetrics()
         self._store_counted_at = -math.inf  # monotonic seconds of the last `store.counts()` for the gauge
@@ -323,7 +325,8 @@ class VideoJobService:
         if self._stopping:
             return
         if self._runner_task is None or self._runner_task.done():
-            self._runner_task = asyncio.get_running_loop().create_task(self._run())
+            self._loop = asyncio.get_running_loop()
+            self._runner_task = self._loop.create_task(self._run())
 
     async def _run(self) -> None:
         while not self._stopping:
@@ -413,7 +416,13 @@ class VideoJobService:
 
     def _drop(self, job_id: str, owner: str | None = None) -> None:
         """Stop this replica's render of a job it no longer owns (deleted, or its lease lost): the render task is
-        cancelled, which cancels its Denoiser stream (`_render`). With `owner`, only the render of that claim."""
+        cancelled, which cancels its Denoiser stream (`_render`). With `owner`, only the render of that claim.
+        Called from a route's worker thread (`delete`), it hands the cancel to the runner's loop: asyncio tasks are
+        cancelled only on their own loop."""
+        loop = self._loop
+        if loop is not None and not _runs_on(loop):
+            loop.call_soon_threadsafe(self._drop, job_id, owner)
+            return
         entry = self._renders.get(job_id)
         if entry is not None and owner in (None, entry[2]):
             render, owned, _ = entry
@@ -435,8 +444,12 @@ class VideoJobService:
         async def heartbeat():
             while True:
                 await asyncio.sleep(lease_s / 3)
-                ok = await asyncio.to_thread(self.store.heartbeat, job.id, job.owner,
-                                             progress=progress["value"], lease_s=lease_s)
+                try:
+                    ok = await asyncio.to_thread(self.store.heartbeat, job.id, job.owner,
+                                                 progress=progress["value"], lease_s=lease_s)
+                except JobStoreUnavailableError as err:  # the head's store restarting: renew at the next beat
+                    logger.warning("job %s: lease not renewed: %s", job.id, err)
+                    continue
                 if not ok:
                     self._drop(job.id, job.owner)
                     return
@@ -457,6 +470,10 @@ class VideoJobService:
                 self.metrics.count_job("completed", seconds=time.time() - job.created_at)
             else:
                 mp4.unlink(missing_ok=True)
+        except JobStoreUnavailableError as err:
+            # The store did not answer (its actor restarting): nothing can be recorded now, and failing the job
+            # would be final. Left in_progress under this claim, the lease rule recovers it (`recover_expired`).
+            logger.warning("job %s left to its lease: %s", job.id, err)
         except ray.exceptions.RayActorError as err:  # ActorDiedError, ActorUnavailableError: a replica is gone
             status = await asyncio.to_thread(
                 self.store.release, job.id, job.owner, code="replica_died",
@@ -542,6 +559,14 @@ class VideoJobService:
             mp4.unlink(missing_ok=True)
             return None
         return mp4
+
+
+def _runs_on(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether this thread is running `loop`."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:  # no loop runs in this thread (a worker thread of `run_in_threadpool`)
+        return False
 
 
 _service: VideoJobService | None = None

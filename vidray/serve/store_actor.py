@@ -41,7 +41,7 @@ __all__ = ["FORWARDED", "HeadJobStore", "JobStoreActor", "JobStoreUnavailableErr
            "head_job_store"]
 
 STORE_NAMESPACE = "vidray"
-"""Ray namespace of the store actors (named ``vidray-job-store-<hash>``; one per store folder and settings)."""
+"""Ray namespace of the store actors (named ``vidray-job-store-<hash>``; one per store folder)."""
 
 FORWARDED = frozenset({
     "create", "get", "list", "delete", "counts", "claim", "heartbeat", "fail", "release", "requeue",
@@ -63,6 +63,12 @@ class JobStoreActor:
 
     def __init__(self, root: str, max_attempts: int, retention_s: float | None) -> None:
         self.store = JobStore(root, max_attempts=max_attempts, retention_s=retention_s)
+
+    def configure(self, max_attempts: int, retention_s: float | None) -> None:
+        """Take the settings of the app that asked last (`head_job_store` calls it each time): one actor per store
+        folder, whatever `runner.max_attempts` and `retention.hours` a redeploy gives. Raises ValueError as
+        `JobStore` does for bad values."""
+        self.store = JobStore(self.store.root, max_attempts=max_attempts, retention_s=retention_s)
 
     def describe(self) -> dict:
         """``{"root", "node_id", "pid"}``: where the store runs (tests check it is the head)."""
@@ -168,8 +174,11 @@ class HeadJobStore:
 
 
 def head_job_store(root: str | Path, *, max_attempts: int, retention_s: float | None) -> HeadJobStore:
-    """The job store of folder `root` on the Ray head node: the named detached `JobStoreActor` for these settings,
-    started if none runs yet (every replica asking gets the same one), and checked to answer.
+    """The job store of folder `root` on the Ray head node: the named detached `JobStoreActor` of that folder,
+    started if none runs yet (every replica asking gets the same one), given these settings (the last app to ask
+    sets them) and checked to answer. The actor outlives `serve shutdown` (it holds the open store and nothing
+    else); `ray.kill(ray.get_actor(name, namespace="vidray"))` removes it, its name `vidray-job-store-<hash>`
+    as `ray list actors --filter "class_name=JobStoreActor"` shows it.
 
     Needs a connected Ray (`ray.init`, as in every Serve replica). `root` is a path on the head's disk.
 
@@ -187,14 +196,16 @@ def head_job_store(root: str | Path, *, max_attempts: int, retention_s: float | 
         raise RuntimeError(f"the job store at {root} runs on the Ray head, and this process is not connected to "
                            "Ray; call ray.init() first, or set store_on: replica for a store on this node")
     root = str(root)
-    key = hashlib.sha256(f"{root}\0{max_attempts}\0{retention_s}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(root.encode()).hexdigest()[:16]  # one actor per store folder
     actor = ray.remote(JobStoreActor).options(
         name=f"vidray-job-store-{key}", namespace=STORE_NAMESPACE, get_if_exists=True, lifetime="detached",
         num_cpus=0, resources={HEAD_NODE_RESOURCE_NAME: 0.001}, max_restarts=-1, max_task_retries=0,
     ).remote(root, max_attempts, retention_s)
     store = HeadJobStore(actor, root, Path(tempfile.gettempdir()) / "vidray-serve" / key)
     try:
-        ray.get(actor.describe.remote(), timeout=_START_TIMEOUT_S)
+        ray.get(actor.configure.remote(max_attempts, retention_s), timeout=_START_TIMEOUT_S)
+    except ray.exceptions.RayTaskError as err:  # configure refused the settings
+        raise ValueError(f"the job store at {root} refused its settings: {err.cause}") from None
     except ray.exceptions.RayActorError as err:
         if err.actor_init_failed:  # JobStore's own error; Ray keeps only its text, whose last line names it
             lines = [line.strip() for line in str(err).splitlines() if line.strip()]
