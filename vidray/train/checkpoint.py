@@ -682,7 +682,7 @@ def start_sharded_checkpoint(
     asynchronous: `dcp.async_save` copies the state to CPU memory before it returns (the only time the step waits:
     the training step may change the weights at once), then writes it in a thread, DCP's collectives going over
     `process_group` (never the training's group, whose collectives run meanwhile: as torchtitan's async
-    checkpointing does); the executor then hashes this rank's files. Without them, `dcp.save` writes at once.
+    checkpointing does); the executor then hashes this rank's files. Without both, `dcp.save` writes at once.
 
     Source: torch docs, "Distributed Checkpoint - torch.distributed.checkpoint" (save, async_save, FileSystemWriter).
     """
@@ -693,9 +693,9 @@ def start_sharded_checkpoint(
     (directory / DCP_DIR).mkdir(parents=True, exist_ok=True)
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     writer = dcp.FileSystemWriter(str(directory / DCP_DIR))
-    written = (dcp.async_save(state, storage_writer=writer, process_group=process_group)
-               if process_group is not None else None)
-    if written is None:
+    asynchronous = process_group is not None and executor is not None
+    written = dcp.async_save(state, storage_writer=writer, process_group=process_group) if asynchronous else None
+    if not asynchronous:
         dcp.save(state, storage_writer=writer)
     if rank == 0:
         _save_run_parts(directory, lr_scheduler=lr_scheduler, train_state=train_state, job_config=job_config,
@@ -706,11 +706,9 @@ def start_sharded_checkpoint(
             written.result()
         return _file_records(directory, [rel for rel in _local_files(directory) if rel not in (DATASET_ROWS, MANIFEST)])
 
-    if written is not None and executor is not None:
+    if asynchronous:
         future = executor.submit(records)
     else:
-        if written is not None:
-            written.result()
         future = Future()
         future.set_result(records())
     return PendingShardedCheckpoint(directory, future, step=train_state.step, rank=rank, world_size=world_size)
