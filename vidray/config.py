@@ -382,8 +382,8 @@ class TrainConfig:
     """Seed of model init, noise, sigmas and the data schedule."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     """Autocast dtype of the DiT forward and backward (`torch.autocast`): `bf16` on CPU and CUDA; `fp16` on CUDA
-    only, with a `torch.amp.GradScaler` whose state is checkpointed. Weights and optimizer state stay fp32
-    (`vidray.train.precision`)."""
+    only, with a `torch.amp.GradScaler` (`ShardedGradScaler` under FSDP/HSDP) whose state is checkpointed. Weights
+    and optimizer state stay fp32 (`vidray.train.precision`)."""
     activation_checkpointing: str = "none"
     """Recompute transformer blocks' activations in the backward instead of keeping them: `none`, `full` (every
     block) or `every_<n>` (every n-th block, e.g. `every_2`). Same gradients, less memory, ~1/3 more compute
@@ -402,7 +402,8 @@ class TrainConfig:
     default 25)."""
     ema: EMAConfig | None = None
     """Exponential moving average of the trained weights (`vidray.train.ema`), kept in the checkpoint, used for
-    validation and exported with `export.weights: ema`; null: none."""
+    validation and exported with `export.weights: ema`; null: none. Rank 0 keeps it under DDP; under FSDP/HSDP every
+    rank keeps the average of its own shards."""
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
     """Validation samples from fixed prompts during training (`vidray.train.validation`)."""
     max_failures: int = 2
@@ -467,7 +468,8 @@ class ScalingConfig:
     """Data parallelism (`vidray.train.parallel`): `ddp` replicates the transformer on every worker; `fsdp` shards
     its parameters, gradients and optimizer state over the workers (FSDP2 `fully_shard` per transformer block, then
     the root; checkpoints are sharded `torch.distributed.checkpoint` folders); `hsdp` shards within groups of
-    `shard_group_size` workers and replicates across groups."""
+    `shard_group_size` workers and replicates across groups. With `model.lora` the frozen base is sharded too and
+    only the adapters train and are checkpointed; an EMA (`train.ema`) is sharded like the weights."""
     reshard_after_forward: bool = True
     """FSDP/HSDP: free each block's gathered parameters after its forward (all-gathered again for the backward):
     less memory, one more all-gather per block and step."""
@@ -800,15 +802,7 @@ class JobConfig:
                              f"scaling.strategy: {scaling.strategy} gradients are reduce-scattered in fp32 "
                              "(MixedPrecisionPolicy's reduce_dtype, the FSDP analogue): set train.grad_compression: "
                              "none")
-        if train.ema is not None:
-            raise ValueError(f"train.ema is not supported with scaling.strategy: {scaling.strategy} yet (the EMA "
-                             "would need sharding like the weights): remove train.ema or use scaling.strategy: ddp")
-        if self.model.lora is not None:
-            raise ValueError(f"model.lora is not supported with scaling.strategy: {scaling.strategy} yet (its "
-                             "adapters are megabytes: replicate them): use scaling.strategy: ddp")
-        if train.mixed_precision == "fp16":
-            raise ValueError(f"train.mixed_precision: fp16 is not supported with scaling.strategy: "
-                             f"{scaling.strategy} (its grad scaler would need FSDP's sharded one): use bf16")
+        # train.ema, model.lora and fp16 are sharded like the weights (vidray.train.parallel, .checkpoint): fine.
 
     @property
     def micro_batches_per_step(self) -> int:

@@ -1,8 +1,10 @@
 """Issue 28 through the real loop (2 Ray Train workers, gloo): bf16 autocast, activation checkpointing, PowerSGD
-compression, gradient accumulation and an EMA together, checkpointed, resumed exactly, and the EMA exported."""
+compression, gradient accumulation and an EMA together, checkpointed, resumed exactly, and the EMA exported; and
+LoRA on an FSDP-sharded base with a sharded EMA of its adapters, the same way."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from vidray.config import load_job_config
+from vidray.models.export import CheckpointError, load_model, load_transformer_state
 from vidray.train.trainer import run_training
 
 from tests.integration.conftest import assert_same_training_state
@@ -64,9 +67,22 @@ def test_bf16_ac_powersgd_accumulation_and_ema_resume_exactly_and_export_the_ema
     assert any(not torch.equal(trained[k], ema[k]) for k in ema)
 
 
-def test_lora_run_trains_only_adapters_checkpoints_them_resumes_exactly_and_exports_base_plus_lora(
+def _dcp_state(checkpoint: Path, tmp_path: Path) -> dict:
+    """A sharded checkpoint's DCP folder as one plain state dict (`dcp_to_torch_save`), every rank's shards joined."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{checkpoint.parent.name}-{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint / "dcp", out)
+    return torch.load(out, weights_only=False)
+
+
+def test_fsdp_lora_run_with_ema_trains_only_adapters_checkpoints_them_sharded_resumes_exactly_and_exports(
         local_ray, shards_dir, tmp_path):
-    lora = ["model.lora.rank=4", "train.activation_checkpointing=full"]
+    # LoRA on an FSDP-sharded base with an EMA of the adapters (sharded like them). LoRA under DDP (its
+    # adapter.safetensors checkpoint) is the same loop with `prepare_model`: tests/unit/test_lora.py, and the EMA
+    # under DDP the test above.
+    lora = ["model.lora.rank=4", "train.activation_checkpointing=full", "scaling.strategy=fsdp",
+            "train.ema.decay=0.9", "export.weights=ema"]
 
     def job(name, max_steps, *extra):
         return load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
@@ -80,13 +96,46 @@ def test_lora_run_trains_only_adapters_checkpoints_them_resumes_exactly_and_expo
     expected = dict((int(s), v) for s, v in whole.losses)
     assert [(int(s), v) for s, v in resumed.losses] == [(s, expected[s]) for s in (3, 4)]
     reference = whole.run_dir / "checkpoint_000004"
-    parts = {p.name for p in reference.iterdir()}
-    assert "adapter.safetensors" in parts and "transformer.safetensors" not in parts
-    adapters, again = load_file(reference / "adapter.safetensors"), load_file(Path(resumed.checkpoint_path) / "adapter.safetensors")
-    assert adapters and all(".lora_A." in k or ".lora_B." in k for k in adapters)
-    assert adapters.keys() == again.keys() and all(torch.equal(adapters[k], again[k]) for k in adapters)
-    # The export: the stock base pipeline plus lora/ (diffusers' and peft's files).
+    manifest = json.loads((reference / "manifest.json").read_text())
+    assert manifest["layout"] == "dcp" and manifest["lora"]["rank"] == 4 and manifest["ema"] is True
+    saved, again = _dcp_state(reference, tmp_path), _dcp_state(Path(resumed.checkpoint_path), tmp_path)
+    adapters = saved["model"]
+    assert adapters and all(".lora_A." in k or ".lora_B." in k for k in adapters)  # no base weight
+    assert_same_state(again, saved)  # adapters, their optimizer state and the EMA: bitwise
+    # The export: the stock base pipeline plus lora/ (diffusers' and peft's files) holding the EMA's adapters.
     export = Path(whole.diffusers_dir)
     assert (export / "model_index.json").is_file()
     assert {"pytorch_lora_weights.safetensors", "adapter_config.json", "adapter_model.safetensors"} <= {
         p.name for p in (export / "lora").iterdir()}
+    exported = load_file(export / "lora" / "adapter_model.safetensors")
+    averages = {k.removeprefix("module.params.").replace("__", ".").replace(".default", ""): v
+                for k, v in saved["ema"].items() if k != "n_averaged"}
+    for name, value in averages.items():
+        assert torch.equal(exported[f"base_model.model.{name}"], value), name
+    assert any(not torch.equal(averages[k], adapters[k.replace(".weight", ".default.weight")]) for k in averages)
+    # The sharded LoRA checkpoint serves (`vidray generate --model <checkpoint>`): the base with its adapters merged.
+    served = load_model(reference, components=("transformer",)).components.transformer.state_dict()
+    base = {}
+    for path in (export / "transformer").glob("*.safetensors"):
+        base.update(load_file(path))
+    layer = "transformer_blocks.0.attn1.to_q"
+    a, b = adapters[f"{layer}.lora_A.default.weight"], adapters[f"{layer}.lora_B.default.weight"]
+    assert b.abs().max() > 0  # trained
+    torch.testing.assert_close(served[f"{layer}.weight"], base[f"{layer}.weight"] + b @ a, rtol=1e-5, atol=1e-6)
+    with pytest.raises(CheckpointError, match="holds LoRA adapters only"):
+        load_transformer_state(reference)
+
+
+def assert_same_state(a, b, where: str = "state") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)

@@ -199,6 +199,10 @@ def required_parts(adapter: bool) -> tuple[str, ...]:
     return tuple(ADAPTER_PART if adapter and p == "transformer.safetensors" else p for p in PARTS)
 
 
+SHARDED_OPTIONAL_PARTS = ("grad_scaler.pt",)
+"""Parts a sharded checkpoint may hold beside its DCP folder (fp16's scaler; an EMA is in the DCP folder)."""
+
+
 def manifest_parts(manifest: dict[str, Any]) -> tuple[str, ...]:
     """The parts a checkpoint's manifest says it holds: `PARTS` (a LoRA checkpoint: `ADAPTER_PART` in place of
     the transformer's), plus the `OPTIONAL_PARTS` format 3 lists. Raises DamagedCheckpointError when a format 3
@@ -208,7 +212,8 @@ def manifest_parts(manifest: dict[str, Any]) -> tuple[str, ...]:
     if manifest.get("layout") == "dcp":  # sharded (vidray.train.checkpoint.save_sharded_checkpoint)
         listed = tuple(manifest.get("parts") or ())
         required = ("lr_scheduler.pt", "train_state.json", "config.yaml", "dcp/.metadata")
-        odd = [p for p in listed if p not in required and not (p.startswith("dcp/") and ".." not in p)]
+        odd = [p for p in listed if p not in required + SHARDED_OPTIONAL_PARTS
+               and not (p.startswith("dcp/") and ".." not in p)]
         absent = [p for p in required if p not in listed]
         if odd or absent:
             raise DamagedCheckpointError(
@@ -302,31 +307,51 @@ def load_transformer_state(directory: str | Path) -> "dict[str, torch.Tensor]":
 
     directory = Path(directory)
     manifest = verify_checkpoint(directory)
-    if manifest.get("layout") == "dcp":  # sharded: the model's entries of the DCP folder, read in full
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-        with warnings.catch_warnings():  # one process without a process group is what serving is
-            warnings.filterwarnings("ignore", message=r"torch.distributed is .*uninitialized")
-            state = _read_part(directory, "dcp/.metadata", lambda p: _load_state_dict_from_keys(
-                keys={"model"}, storage_reader=FileSystemReader(str(p.parent))))
-        return {k: v for k, v in state["model"].items()}
-    if ADAPTER_PART in manifest_parts(manifest):
-        raise CheckpointError(f"checkpoint {directory} holds LoRA adapters only ({ADAPTER_PART}), not the whole "
+    if is_lora_checkpoint(manifest):
+        part = "dcp" if manifest.get("layout") == "dcp" else ADAPTER_PART
+        raise CheckpointError(f"checkpoint {directory} holds LoRA adapters only ({part}), not the whole "
                               "transformer: load it with load_model (base model + adapters)",
-                              directory=directory, part=ADAPTER_PART)
+                              directory=directory, part=part)
+    if manifest.get("layout") == "dcp":
+        return _sharded_model_state(directory)
     return _read_part(directory, "transformer.safetensors", lambda p: load_file(str(p)))
+
+
+def _sharded_model_state(directory: Path) -> "dict[str, torch.Tensor]":
+    """The `model` entries of a verified sharded checkpoint's DCP folder, read in full, on CPU, in one process."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with warnings.catch_warnings():  # one process without a process group is what serving is
+        warnings.filterwarnings("ignore", message=r"torch.distributed is .*uninitialized")
+        state = _read_part(directory, "dcp/.metadata", lambda p: _load_state_dict_from_keys(
+            keys={"model"}, storage_reader=FileSystemReader(str(p.parent))))
+    return dict(state["model"].items())
+
+
+def is_lora_checkpoint(manifest: dict[str, Any]) -> bool:
+    """True for a LoRA run's checkpoint, which holds the adapters and not the base transformer: a full one's
+    `ADAPTER_PART`, or a sharded one whose manifest records `lora`. Raises DamagedCheckpointError as
+    `manifest_parts`."""
+    return ADAPTER_PART in manifest_parts(manifest) or bool(manifest.get("lora"))
 
 
 def load_adapter_state(directory: str | Path) -> "dict[str, torch.Tensor]":
     """The LoRA adapters of a verified LoRA-run checkpoint (`ADAPTER_PART`, `vidray.models.lora.adapter_state_dict`
-    naming), on CPU. Raises CheckpointError when the checkpoint holds the full transformer instead."""
+    naming), on CPU. A sharded (FSDP) one holds the trainable adapters only: those of layers frozen for never
+    being used (`no_grad_parameter_names`) are left out, their starting values standing. Raises CheckpointError
+    when the checkpoint holds the full transformer instead."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    if ADAPTER_PART not in manifest_parts(verify_checkpoint(directory)):
+    manifest = verify_checkpoint(directory)
+    if not is_lora_checkpoint(manifest):
         raise CheckpointError(f"checkpoint {directory} holds the full transformer, not LoRA adapters",
                               directory=directory, part="transformer.safetensors")
+    if manifest.get("layout") == "dcp":
+        from vidray.models.lora import adapter_key
+
+        return {adapter_key(k): v for k, v in _sharded_model_state(directory).items()}
     return _read_part(directory, ADAPTER_PART, lambda p: load_file(str(p)))
 
 
@@ -592,7 +617,7 @@ def _load_all(info: ModelInfo) -> "Components":
     """Every component, as the family builds (a checkpoint) or loads (a pipeline folder) the whole model."""
     if info.kind == "checkpoint":
         components = info.family.build(info.job.model, seed=info.job.train.seed)
-        if ADAPTER_PART not in manifest_parts(_read_manifest(info.path)):
+        if not is_lora_checkpoint(_read_manifest(info.path)):
             components.transformer.load_state_dict(load_transformer_state(info.path))
         return components
     return info.family.load_pretrained(info.path)
@@ -614,7 +639,7 @@ def _load_some(info: ModelInfo, wanted: set[str]) -> "Components":
     transformer = vae = text_encoder = tokenizer = None
     if "transformer" in wanted:
         transformer = family.build_transformer(model_cfg, seed=seed)
-        if info.kind == "checkpoint" and ADAPTER_PART not in manifest_parts(_read_manifest(info.path)):
+        if info.kind == "checkpoint" and not is_lora_checkpoint(_read_manifest(info.path)):
             transformer.load_state_dict(load_transformer_state(info.path))
     if "vae" in wanted:
         vae = family.build_vae(model_cfg, seed=seed)
@@ -625,7 +650,7 @@ def _load_some(info: ModelInfo, wanted: set[str]) -> "Components":
 
 def _merge_adapters(transformer: "torch.nn.Module", info: ModelInfo, lora_path: str | Path | None) -> None:
     """A LoRA checkpoint's adapters, an export's `lora/`, then `lora_path`, merged into `transformer`."""
-    if info.kind == "checkpoint" and ADAPTER_PART in manifest_parts(_read_manifest(info.path)):
+    if info.kind == "checkpoint" and is_lora_checkpoint(_read_manifest(info.path)):
         _merge_checkpoint_adapters(transformer, info)
     elif info.kind != "checkpoint" and (info.path / LORA_DIR).is_dir():  # a LoRA run's export: adapters beside it
         from vidray.models.lora import load_lora_into
@@ -657,14 +682,14 @@ def lora_path_problem(path: str | Path) -> str | None:
 def _merge_checkpoint_adapters(transformer: "torch.nn.Module", info: ModelInfo) -> None:
     """Apply the checkpoint's `model.lora`, load its `ADAPTER_PART`, merge. Raises CheckpointError when its
     config has no model.lora or the adapters do not fit it."""
-    from vidray.models.lora import apply_lora, load_adapter_state_dict, merge_lora
+    from vidray.models.lora import adapter_state_dict, apply_lora, load_adapter_state_dict, merge_lora
 
     if info.job.model.lora is None:
         raise CheckpointError(f"checkpoint {info.path} holds LoRA adapters ({ADAPTER_PART}) but its config.yaml has "
                               "no model.lora: it was not written by vidray", directory=info.path, part="config.yaml")
-    apply_lora(transformer, info.job.model.lora)
-    try:
-        load_adapter_state_dict(transformer, load_adapter_state(info.path))
+    apply_lora(transformer, info.job.model.lora, seed=info.job.train.seed)  # the run's own starting adapters
+    try:  # over them, the saved ones (a sharded checkpoint leaves out adapters that never train)
+        load_adapter_state_dict(transformer, {**adapter_state_dict(transformer), **load_adapter_state(info.path)})
     except ValueError as err:
         raise CheckpointError(f"checkpoint {info.path}: {ADAPTER_PART} does not fit its config's model.lora ({err})",
                               directory=info.path, part=ADAPTER_PART) from None

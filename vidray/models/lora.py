@@ -63,10 +63,13 @@ __all__ = [
     "LoraLoadError",
     "PEFT_CONFIG",
     "PEFT_WEIGHTS",
+    "adapter_key",
     "adapter_state_dict",
     "apply_lora",
     "check_lora_targets",
     "has_lora",
+    "init_adapters",
+    "is_adapter_parameter",
     "load_adapter_state_dict",
     "load_lora_into",
     "lora_settings",
@@ -201,7 +204,7 @@ def lora_summary(transformer: torch.nn.Module) -> dict[str, int]:
             "total": sum(p.numel() for _, p in named)}
 
 
-def _adapter_key(name: str) -> str:
+def adapter_key(name: str) -> str:
     """`...to_q.lora_A.default.weight` -> `...to_q.lora_A.weight` (peft's saved naming)."""
     return _ADAPTER_KEY.sub(r".\1", name)
 
@@ -219,11 +222,39 @@ def adapter_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     model never uses is frozen for DDP, `no_grad_parameter_names`: its B stays zero). Under FSDP each tensor is
     gathered (a collective: every rank must call). Raises ValueError when the model has no adapters."""
     module = _unwrap(transformer)
-    state = {_adapter_key(name): _full(param.detach()).to("cpu", copy=True).contiguous()
+    state = {adapter_key(name): _full(param.detach()).to("cpu", copy=True).contiguous()
              for name, param in module.named_parameters() if _ADAPTER_KEY.search(name)}
     if not state:
         raise ValueError("the transformer has no LoRA adapters (apply_lora first)")
     return state
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """True for the name of an adapter tensor (`...to_q.lora_A.default.weight`), False for a base one."""
+    return _ADAPTER_KEY.search(name) is not None
+
+
+def init_adapters(transformer: torch.nn.Module, *, seed: int) -> None:
+    """Give the adapters of a transformer built on the meta device (then sharded and materialised with
+    `to_empty`, `vidray.train.parallel.load_sharded_from_safetensors`) their starting values, which `apply_lora`
+    could not draw on the meta device: each A (r x in) from N(0, 1/r^2) (peft's `init_lora_weights="gaussian"`), each
+    B zero, so the model computes what its base does. A is drawn in name order from one generator seeded with
+    `seed`, so every rank draws the same full tensor and keeps its shard (`load_adapter_state_dict`: a collective
+    under FSDP); the values differ from what `apply_lora` draws on a materialised model (peft's own RNG order),
+    not in distribution. Raises ValueError when the model has no adapters."""
+    module = _unwrap(transformer)
+    shapes = {adapter_key(n): tuple(p.shape) for n, p in module.named_parameters() if is_adapter_parameter(n)}
+    if not shapes:
+        raise ValueError("the transformer has no LoRA adapters to initialise (apply_lora first)")
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for key in sorted(shapes):
+        shape = shapes[key]
+        if ".lora_A." in key:
+            state[key] = torch.randn(shape, generator=generator) / shape[0]  # std 1/r: r is A's first dimension
+        else:
+            state[key] = torch.zeros(shape)
+    load_adapter_state_dict(transformer, state)
 
 
 def load_adapter_state_dict(transformer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -234,7 +265,7 @@ def load_adapter_state_dict(transformer: torch.nn.Module, state: dict[str, torch
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     module = _unwrap(transformer)
-    params = {_adapter_key(n): p for n, p in module.named_parameters() if _ADAPTER_KEY.search(n)}
+    params = {adapter_key(n): p for n, p in module.named_parameters() if _ADAPTER_KEY.search(n)}
     if not params:
         raise ValueError("the transformer has no LoRA adapters to load into (apply_lora first)")
     missing = sorted(params.keys() - state.keys())

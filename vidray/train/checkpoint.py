@@ -241,17 +241,12 @@ def _load_model_part(directory: Path, parts: tuple[str, ...], transformer: torch
     """Load the model part into `transformer`: the adapters of a LoRA checkpoint into a model with adapters, the
     full state dict otherwise. Refuses (CheckpointError naming `model.lora`) a LoRA checkpoint for a model without
     adapters and a full checkpoint for a model with them: neither is a resume of the same run."""
-    from vidray.models.lora import has_lora, load_adapter_state_dict
+    from vidray.models.lora import load_adapter_state_dict
 
-    lora_model = has_lora(transformer)
+    saved = _read_part(directory, MANIFEST, lambda p: json.loads(p.read_text())).get("lora")
+    _check_lora_match(directory, ADAPTER_PART in parts, saved, transformer,
+                      part=ADAPTER_PART if ADAPTER_PART in parts else "transformer.safetensors")
     if ADAPTER_PART in parts:
-        saved = _read_part(directory, MANIFEST, lambda p: json.loads(p.read_text())).get("lora")
-        if not lora_model:
-            raise CheckpointError(
-                f"checkpoint {directory} holds LoRA adapters only ({ADAPTER_PART}, model.lora: {saved}), but this "
-                "run has no model.lora: a LoRA checkpoint is not loaded as a full model; set model.lora as the "
-                "checkpoint's config.yaml has it to resume it", directory=directory, part=ADAPTER_PART,
-            )
         state = _read_part(directory, ADAPTER_PART, lambda p: load_file(str(p)))
         try:
             load_adapter_state_dict(transformer, state)
@@ -261,15 +256,31 @@ def _load_model_part(directory: Path, parts: tuple[str, ...], transformer: torch
                 f"config the checkpoint was trained with (model.lora: {saved})", directory=directory, part=ADAPTER_PART,
             ) from None
         return
-    if lora_model:
+    load_module(transformer, "transformer.safetensors")
+
+
+def _check_lora_match(directory: Path, lora_checkpoint: bool, saved: Any, transformer: torch.nn.Module, *,
+                      part: str) -> None:
+    """Refuse (CheckpointError naming `model.lora`) a LoRA checkpoint (`lora_checkpoint`, its manifest's `lora`
+    settings `saved`) for a transformer without adapters, and a full checkpoint for one with them: neither is a
+    resume of the same run. `part`: the checkpoint's model part, for the error."""
+    from vidray.models.lora import has_lora
+
+    lora_model = has_lora(transformer)
+    if lora_checkpoint and not lora_model:
+        raise CheckpointError(
+            f"checkpoint {directory} holds LoRA adapters only ({part}, model.lora: {saved}), but this "
+            "run has no model.lora: a LoRA checkpoint is not loaded as a full model; set model.lora as the "
+            "checkpoint's config.yaml has it to resume it", directory=directory, part=part,
+        )
+    if lora_model and not lora_checkpoint:
         raise CheckpointError(
             f"checkpoint {directory} holds the full transformer (a run without model.lora), but this run has "
             "model.lora set: a full checkpoint is not resumed as a LoRA run; remove model.lora to resume it, or "
             "train LoRA on its weights as a new run (export them, then model.init: pretrained with "
             "model.pretrained_path: <run>/diffusers, under another name)",
-            directory=directory, part="transformer.safetensors",
+            directory=directory, part=part,
         )
-    load_module(transformer, "transformer.safetensors")
 
 
 def read_train_state(directory: str | Path) -> TrainState:
@@ -624,12 +635,14 @@ class PendingShardedCheckpoint:
     and the sha256 of its files, gathers every rank's sizes and hashes to rank 0, which writes `manifest.json`
     into its folder, and returns the folder (what the rank reports to Ray Train)."""
 
-    def __init__(self, directory: Path, records: Future, *, step: int, rank: int, world_size: int) -> None:
+    def __init__(self, directory: Path, records: Future, *, step: int, rank: int, world_size: int,
+                 manifest_extra: dict[str, Any] | None = None) -> None:
         self.directory = directory
         self.step = step
         self._records = records
         self._rank = rank
         self._world_size = world_size
+        self._manifest_extra = manifest_extra or {}
 
     def done(self) -> bool:
         """True when this rank's files are written and hashed (`finish` then waits only for the other ranks)."""
@@ -651,7 +664,7 @@ class PendingShardedCheckpoint:
                                           "too", directory=self.directory, part=clash[0])
                 files.update(part)
             manifest = {"format_version": FORMAT_VERSION, "layout": SHARDED_LAYOUT, "parts": sorted(files),
-                        "files": files, "step": self.step, "world_size": self._world_size}
+                        "files": files, "step": self.step, "world_size": self._world_size, **self._manifest_extra}
             (self.directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
         return self.directory
 
@@ -667,6 +680,8 @@ def start_sharded_checkpoint(
     rank: int,
     world_size: int,
     dataset: Any = None,
+    ema: torch.nn.Module | None = None,
+    grad_scaler: Any = None,
     process_group: Any = None,
     executor: ThreadPoolExecutor | None = None,
 ) -> PendingShardedCheckpoint:
@@ -676,7 +691,13 @@ def start_sharded_checkpoint(
     Every rank writes `dcp/__<rank>_0.distcp` with `torch.distributed.checkpoint` of {"model":
     get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}: the sharded (DTensor)
     state, so no rank ever holds the full model; rank 0 also writes `dcp/.metadata` and, at once, the small parts
-    (`lr_scheduler.pt`, `train_state.json`, `config.yaml`, `DATASET_ROWS`).
+    (`lr_scheduler.pt`, `train_state.json`, `config.yaml`, `DATASET_ROWS`, and `grad_scaler.pt` with
+    `grad_scaler`: fp16's scaler, whose state is the same on every rank).
+
+    A model with LoRA adapters saves only its trainable parameters (the adapters; `StateDictOptions(
+    ignore_frozen_params=True)`: megabytes of a 14 B model) and its manifest records their settings under `lora`,
+    as a full LoRA checkpoint's does. `ema` (the EMA's `AveragedModel`, sharded like the weights) is saved in the
+    same DCP folder under `ema.`; the manifest then says `"ema": true`.
 
     With `process_group` (a gloo group of every rank, used only for checkpoints) and `executor`, the write is
     asynchronous: `dcp.async_save` copies the state to CPU memory before it returns (the only time the step waits:
@@ -687,11 +708,17 @@ def start_sharded_checkpoint(
     Source: torch docs, "Distributed Checkpoint - torch.distributed.checkpoint" (save, async_save, FileSystemWriter).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from vidray.models.lora import has_lora, lora_settings
 
     directory = Path(directory)
     (directory / DCP_DIR).mkdir(parents=True, exist_ok=True)
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = _sharded_state(model, optimizer, ema)
+    extra: dict[str, Any] = {}
+    if has_lora(model):
+        extra["lora"] = lora_settings(model)
+    if ema is not None:
+        extra["ema"] = True
     writer = dcp.FileSystemWriter(str(directory / DCP_DIR))
     asynchronous = process_group is not None and executor is not None
     written = dcp.async_save(state, storage_writer=writer, process_group=process_group) if asynchronous else None
@@ -700,6 +727,8 @@ def start_sharded_checkpoint(
     if rank == 0:
         _save_run_parts(directory, lr_scheduler=lr_scheduler, train_state=train_state, job_config=job_config,
                         dataset=dataset)
+        if grad_scaler is not None:
+            torch.save(grad_scaler.state_dict(), directory / "grad_scaler.pt")
 
     def records() -> dict[str, Any]:
         if written is not None:
@@ -711,7 +740,29 @@ def start_sharded_checkpoint(
     else:
         future = Future()
         future.set_result(records())
-    return PendingShardedCheckpoint(directory, future, step=train_state.step, rank=rank, world_size=world_size)
+    return PendingShardedCheckpoint(directory, future, step=train_state.step, rank=rank, world_size=world_size,
+                                    manifest_extra=extra)
+
+
+def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   ema: torch.nn.Module | None) -> dict[str, Any]:
+    """The state a sharded checkpoint saves and loads, this rank's part of it: {"model", "optimizer"[, "ema"]}
+    (`get_model_state_dict` / `get_optimizer_state_dict`: DTensor shards under FSDP, full tensors otherwise). A
+    model with LoRA adapters gives its trainable parameters only (the base is what the config's model init gives)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from vidray.models.lora import has_lora
+
+    options = StateDictOptions(ignore_frozen_params=has_lora(model))
+    state = {"model": get_model_state_dict(model, options=options),
+             "optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
+    if ema is not None:
+        state["ema"] = get_model_state_dict(ema)
+    return state
 
 
 def save_sharded_checkpoint(
@@ -725,6 +776,8 @@ def save_sharded_checkpoint(
     rank: int,
     world_size: int,
     dataset: Any = None,
+    ema: torch.nn.Module | None = None,
+    grad_scaler: Any = None,
 ) -> Path:
     """Write this rank's part of a sharded checkpoint into its own local folder `directory` at once and finish it
     (`start_sharded_checkpoint` without a process group, then `PendingShardedCheckpoint.finish`); a collective.
@@ -733,7 +786,7 @@ def save_sharded_checkpoint(
     there: the checkpoint is complete or absent, as a full one. Returns the folder."""
     return start_sharded_checkpoint(
         directory, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, train_state=train_state,
-        job_config=job_config, rank=rank, world_size=world_size, dataset=dataset,
+        job_config=job_config, rank=rank, world_size=world_size, dataset=dataset, ema=ema, grad_scaler=grad_scaler,
     ).finish()
 
 
@@ -754,28 +807,31 @@ def load_sharded_checkpoint(
     `torch.distributed.checkpoint.load` fills this run's own state dicts (`get_model_state_dict` /
     `get_optimizer_state_dict` of `transformer`), which DCP reshards: the checkpoint loads on any worker count and
     strategy, into an FSDP model (its shards) or a plain/DDP one (full tensors); then `set_model_state_dict` /
-    `set_optimizer_state_dict`. `ema` and `grad_scaler` are not in sharded checkpoints (refused with FSDP at config
-    load); `comm_hook(None)` is called when given (no DDP hook state). Raises IncompleteCheckpointError /
-    DamagedCheckpointError naming the file, CheckpointError when the saved tensors do not fit this model.
+    `set_optimizer_state_dict` (only the adapters, for a LoRA checkpoint into a model with the same adapters:
+    its base is what the config's model init gave). `ema` (an `AveragedModel`, sharded or not) is restored when the
+    checkpoint holds one (manifest `"ema": true`), else left as it is; `grad_scaler` from `grad_scaler.pt` when
+    saved. `comm_hook(None)` is called when given (no DDP hook state). Raises IncompleteCheckpointError /
+    DamagedCheckpointError naming the file, CheckpointError when the saved tensors do not fit this model, or when
+    a LoRA checkpoint meets a model without adapters or a full one a model with them (naming `model.lora`).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     directory = Path(directory)
-    verify_checkpoint(directory)
+    manifest = verify_checkpoint(directory)
     train_state = read_train_state(directory)
-    state = {"model": get_model_state_dict(transformer), "optimizer": get_optimizer_state_dict(transformer, optimizer)}
+    _check_lora_match(directory, "lora" in manifest, manifest.get("lora"), transformer, part=DCP_DIR)
+    with_ema = ema is not None and bool(manifest.get("ema"))
+    state = _sharded_state(transformer, optimizer, ema if with_ema else None)
+    options = StateDictOptions(strict=not manifest.get("lora"))  # LoRA: the adapters only
     try:
         with warnings.catch_warnings():  # one process without a process group (a plain model) loads it too
             warnings.filterwarnings("ignore", message=r"torch.distributed is .*uninitialized")
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory / DCP_DIR)))
-        set_model_state_dict(transformer, state["model"])
-        set_optimizer_state_dict(transformer, optimizer, state["optimizer"])
+        set_model_state_dict(transformer, state["model"], options=options)
+        set_optimizer_state_dict(transformer, optimizer, state["optimizer"], options=options)
+        if with_ema:
+            set_model_state_dict(ema, state["ema"])
     except (RuntimeError, KeyError, ValueError) as err:
         raise CheckpointError(
             f"checkpoint {directory}: {DCP_DIR}/ does not fit this model and optimizer "
@@ -783,6 +839,8 @@ def load_sharded_checkpoint(
             directory=directory, part=DCP_DIR,
         ) from err
     lr_scheduler.load_state_dict(_read_part(directory, "lr_scheduler.pt", lambda p: torch.load(p, weights_only=True)))
+    if grad_scaler is not None and "grad_scaler.pt" in manifest["files"]:
+        grad_scaler.load_state_dict(_read_part(directory, "grad_scaler.pt", lambda p: torch.load(p, weights_only=True)))
     if comm_hook is not None:
         comm_hook(None)
     return train_state

@@ -7,8 +7,13 @@ never matters.
 
 Only the parameters that train are averaged (a frozen one's average is itself): a LoRA run's EMA is its adapters,
 megabytes where a copy of a 14 B transformer would be 56 GB. Rank 0 alone keeps it under DDP: the replicas'
-weights are equal, and rank 0 writes the checkpoint and the export. The checkpoint holds it as `ema.safetensors`
+weights are equal, and rank 0 writes the checkpoint and the export. A full checkpoint holds it as `ema.safetensors`
 (keys `module.params.<parameter name with "." as "__">` and `n_averaged`).
+
+Under FSDP/HSDP every rank keeps the average of its own shards: the parameters are `DTensor`s, the average's copies
+are too (same mesh and placements), and `torch._foreach_lerp_` updates each shard locally, with no communication.
+A sharded checkpoint holds it in its DCP folder under `ema.` (`vidray.train.checkpoint`); the export gathers it
+(`full_averages`, a collective).
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ class TrainableParameters(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
-        named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
+        # Activation-checkpoint wrappers (`every_<n>`) insert `_checkpoint_wrapped_module.` into the names: the EMA
+        # keeps the model's own names, made before or after the wrapping alike.
+        named = [(name.replace("_checkpoint_wrapped_module.", ""), param)
+                 for name, param in module.named_parameters() if param.requires_grad]
         self.names = [name for name, _ in named]
         # ParameterDict sorts a plain dict's keys: AveragedModel pairs averages and weights by that same order.
         self.params = torch.nn.ParameterDict({name.replace(".", "__"): param for name, param in named})
@@ -39,7 +47,8 @@ class EMA:
     Args:
         transformer: the trained module, unwrapped (not DDP), with its final set of trainable parameters (after
             LoRA and the freezing of parameters that get no gradient); activation-checkpoint wrappers may come
-            later (they keep the parameter objects).
+            before or later (they keep the parameter objects); under FSDP, after `fully_shard` (which replaces
+            the parameters with sharded ones).
         config: `train.ema`.
     """
 
@@ -59,6 +68,16 @@ class EMA:
         averaged = self.averaged.module.params
         return {name: averaged[name.replace(".", "__")] for name in self._live.names}
 
+    def full_averages(self) -> dict[str, torch.Tensor]:
+        """{parameter name: its full average} on CPU, copied: for the export (`export.weights: ema`). A sharded
+        (DTensor) average is gathered (`full_tensor`): a collective, so under FSDP every rank calls it, in the same
+        order (the names' order is the same on every rank)."""
+        out = {}
+        for name, average in self.averages().items():
+            full = average.full_tensor() if hasattr(average, "full_tensor") else average
+            out[name] = full.detach().to("cpu", copy=True)
+        return out
+
     def maybe_update(self, step: int) -> bool:
         """Average the trained parameters in when `step` (1-based optimizer step just applied) is a multiple of
         `update_every_steps`; returns whether it did."""
@@ -76,9 +95,15 @@ class EMA:
         self.averaged.n_averaged.zero_()
 
     def copy_to(self, transformer: torch.nn.Module) -> None:
-        """Write the averages into `transformer`'s parameters of the same names (for the export at the end of
-        training, `export.weights: ema`). Raises KeyError naming a parameter the transformer lacks."""
-        _copy_into_parameters(transformer, self.averages(), "the EMA")
+        """`copy_averages_to(transformer, self.full_averages())` (a collective under FSDP)."""
+        copy_averages_to(transformer, self.full_averages())
+
+
+def copy_averages_to(transformer: torch.nn.Module, averages: dict[str, torch.Tensor]) -> None:
+    """Write `averages` ({parameter name: full average}, `EMA.full_averages`) into `transformer`'s parameters of
+    the same names (the export at the end of training, `export.weights: ema`). Raises KeyError naming a parameter
+    the transformer lacks."""
+    _copy_into_parameters(transformer, averages, "the EMA")
 
 
 def _copy_into_parameters(transformer: torch.nn.Module, averages: dict[str, torch.Tensor], source: str) -> None:

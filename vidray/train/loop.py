@@ -61,7 +61,7 @@ from vidray.train.checkpoint import (
     PendingShardedCheckpoint,
     start_sharded_checkpoint,
 )
-from vidray.train.ema import EMA
+from vidray.train.ema import EMA, copy_averages_to
 from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
 from vidray.train.parallel import (
     build_transformer,
@@ -208,7 +208,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         if name in no_grad:
             param.requires_grad_(False)
     transformer.train()
-    ema = EMA(transformer, job.train.ema) if job.train.ema is not None and rank == 0 else None  # rank 0 keeps it
 
     # 3. Activation checkpointing, then DDP (gloo on CPU, NCCL on GPU) with its communication hook, or FSDP2
     # (`scaling.strategy`); then the optimizer (of the sharded parameters under FSDP), lr schedule and precision
@@ -216,9 +215,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     model, comm = parallelize(transformer, job,
                               example_loss=vae_probe_loss if vae_run else lambda m: family.probe_loss(m, transformer),
                               pretrained_weights=pretrained_weights, device=device)
+    sharded = is_sharded(model)
+    # The EMA of the trained parameters: rank 0's under DDP (the replicas are equal), every rank's shards under FSDP.
+    ema = EMA(transformer, job.train.ema) if job.train.ema is not None and (rank == 0 or sharded) else None
     optimizer = build_optimizer(transformer.parameters(), job.optim)
     lr_scheduler = build_lr_scheduler(optimizer, job.optim)
-    precision = Precision(job.train.mixed_precision, device)
+    precision = Precision(job.train.mixed_precision, device, sharded=sharded)
 
     # 4. Resume (the DDP hook exists: it restores its rank's PowerSGD state, or says why it starts afresh).
     def restore_comm_hook(saved: dict[str, Any] | None) -> None:
@@ -285,7 +287,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     # A sharded checkpoint with checkpoint.upload=async is written beside the training (dcp.async_save): its
     # collectives go over a gloo group of their own, and one thread per rank hashes the files once written.
     checkpoint_group = checkpoint_writer = None
-    if is_sharded(model) and job.checkpoint.upload == "async":
+    if sharded and job.checkpoint.upload == "async":
         checkpoint_group = dist.new_group(backend="gloo")
         checkpoint_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vidray-checkpoint")
     pending: tuple[PendingShardedCheckpoint, dict, float] | None = None
@@ -330,204 +332,205 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     first_step_done_unix: float | None = None  # wall clock (time.time()) when this attempt's first step finished
     batches = iter(loader)
     record_path = _record_path(loop_config, rank) if record else None
-    for step in range(start_step, max_steps + 1):
-        # This rank's micro-batches of the step (slots rank, rank + W, ... of its G: `vidray.data.schedule`), with
-        # gradient accumulation: DDP all-reduces on the last backward only (no_sync on the others).
-        optimizer.zero_grad(set_to_none=True)
-        loss = None  # (,) sum of this rank's micro-batch losses
-        data_wait_s = encode_s = dit_s = 0.0
-        step_clips = 0
-        step_ids: list[str] = []
-        micro, num_micro = 0, 1
-        while micro < num_micro:
-            batch = next(batches, None)
-            if batch is None or batch.step != step or batch.micro != micro:
-                got = "nothing" if batch is None else f"step {batch.step} micro-batch {batch.micro}"
-                raise RuntimeError(f"the loader delivered {got} where step {step} micro-batch {micro} was due")
-            num_micro = batch.num_micro
-            t_data = time.perf_counter()
-            _add_loader_stats(metrics_log, batch)
-            skipped.extend(batch.skipped)
-            if batch.loader_node:
-                loader_nodes.setdefault(batch.loader_node["node_id"], batch.loader_node)
-            for stage, node in batch.stage_nodes.items():
-                if node:
-                    stage_nodes[stage].setdefault(node["node_id"], node)
-            weights = batch.weights
-            # sum_i w_i mse_i * W / total weight (of all G micro-batches): summed over this rank's micro-batches
-            # and averaged over the W ranks by DDP, the gradient is the mean over the step's real samples.
-            loss_weights = torch.from_numpy(weights) * (world_size / batch.total_weight)
-            last = micro == num_micro - 1
-            with gradient_sync(model, last):  # DDP's no_sync / FSDP's set_requires_gradient_sync
-                generators = [sample_generator(job.train.seed, step, int(k)) for k in batch.sample_keys.tolist()]
-                with precision.autocast():
-                    if vae_run:  # the clips' frames, uint8 (B, 3, F, H, W), straight from the loader
-                        micro_loss = vae_micro_loss(model, batch.frames.to(device), generators, loss_weights)
-                    else:  # latents and prompt_embeds from the encode stages (encoded there or cached)
-                        micro_loss = flow_matching_step_loss(
-                            family, model, batch.latents.to(device), batch.prompt_embeds.to(device),
-                            batch.prompt_attention_mask.to(device), job.flow, generators, loss_weights=loss_weights)
-                precision.backward(micro_loss)
-            loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
-            if record:
-                ids = [i for i, w in zip(batch.sample_ids, weights) if w > 0]
-                trained.append([step, batch.epoch, ids])
-                step_ids.extend(ids)
-            data_wait_s += batch.data_wait_s
-            step_clips += len(batch.sample_ids)  # batch slots the DiT trained (padding and repeats included)
-            encode_s += batch.stats.get("vae_s", 0.0) + batch.stats.get("text_s", 0.0)  # in the stages, overlapped
-            dit_s += time.perf_counter() - t_data
-            micro += 1
-        t_optim = time.perf_counter()
-        step_epoch, position = batch.epoch, batch.next_position
-        if record_path is not None:
-            _append_record(record_path, [step, step_epoch, world_size, rank, step_ids])
-        precision.unscale_(optimizer)  # fp16: clip and measure true gradients
-        if job.train.grad_clip_norm is not None:
-            grad_norm = clip_grad_norm_(model, job.train.grad_clip_norm)  # global, under FSDP too
-        else:
-            grad_norm = torch.zeros((), device=loss.device)
-        step_lrs.append(lr_scheduler.get_last_lr()[0])  # the lr this step uses (a host float: no sync)
-        precision.step(optimizer)
-        lr_scheduler.step()
-        if ema is not None:
-            ema.maybe_update(step)
-        step_losses.append(loss)
-        step_grad_norms.append(grad_norm.detach().float())
-        window_steps += 1
-        if first_step_done_unix is None:
-            first_step_done_unix = time.time()
-        dit_s += time.perf_counter() - t_optim
-        step_seconds.append([step, data_wait_s, encode_s, dit_s])
-        metrics_log.observe_step(data_wait_s=data_wait_s, step_s=data_wait_s + dit_s, samples=step_clips)
-        metrics_log.add_stage("dit", busy_s=dit_s, clips=step_clips)
-        metrics_log.set_step(step)
+    try:
+        for step in range(start_step, max_steps + 1):
+            # This rank's micro-batches of the step (slots rank, rank + W, ... of its G: `vidray.data.schedule`), with
+            # gradient accumulation: DDP all-reduces on the last backward only (no_sync on the others).
+            optimizer.zero_grad(set_to_none=True)
+            loss = None  # (,) sum of this rank's micro-batch losses
+            data_wait_s = encode_s = dit_s = 0.0
+            step_clips = 0
+            step_ids: list[str] = []
+            micro, num_micro = 0, 1
+            while micro < num_micro:
+                batch = next(batches, None)
+                if batch is None or batch.step != step or batch.micro != micro:
+                    got = "nothing" if batch is None else f"step {batch.step} micro-batch {batch.micro}"
+                    raise RuntimeError(f"the loader delivered {got} where step {step} micro-batch {micro} was due")
+                num_micro = batch.num_micro
+                t_data = time.perf_counter()
+                _add_loader_stats(metrics_log, batch)
+                skipped.extend(batch.skipped)
+                if batch.loader_node:
+                    loader_nodes.setdefault(batch.loader_node["node_id"], batch.loader_node)
+                for stage, node in batch.stage_nodes.items():
+                    if node:
+                        stage_nodes[stage].setdefault(node["node_id"], node)
+                weights = batch.weights
+                # sum_i w_i mse_i * W / total weight (of all G micro-batches): summed over this rank's micro-batches
+                # and averaged over the W ranks by DDP, the gradient is the mean over the step's real samples.
+                loss_weights = torch.from_numpy(weights) * (world_size / batch.total_weight)
+                last = micro == num_micro - 1
+                with gradient_sync(model, last):  # DDP's no_sync / FSDP's set_requires_gradient_sync
+                    generators = [sample_generator(job.train.seed, step, int(k)) for k in batch.sample_keys.tolist()]
+                    with precision.autocast():
+                        if vae_run:  # the clips' frames, uint8 (B, 3, F, H, W), straight from the loader
+                            micro_loss = vae_micro_loss(model, batch.frames.to(device), generators, loss_weights)
+                        else:  # latents and prompt_embeds from the encode stages (encoded there or cached)
+                            micro_loss = flow_matching_step_loss(
+                                family, model, batch.latents.to(device), batch.prompt_embeds.to(device),
+                                batch.prompt_attention_mask.to(device), job.flow, generators, loss_weights=loss_weights)
+                    precision.backward(micro_loss)
+                loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
+                if record:
+                    ids = [i for i, w in zip(batch.sample_ids, weights) if w > 0]
+                    trained.append([step, batch.epoch, ids])
+                    step_ids.extend(ids)
+                data_wait_s += batch.data_wait_s
+                step_clips += len(batch.sample_ids)  # batch slots the DiT trained (padding and repeats included)
+                encode_s += batch.stats.get("vae_s", 0.0) + batch.stats.get("text_s", 0.0)  # in the stages, overlapped
+                dit_s += time.perf_counter() - t_data
+                micro += 1
+            t_optim = time.perf_counter()
+            step_epoch, position = batch.epoch, batch.next_position
+            if record_path is not None:
+                _append_record(record_path, [step, step_epoch, world_size, rank, step_ids])
+            precision.unscale_(optimizer)  # fp16: clip and measure true gradients
+            if job.train.grad_clip_norm is not None:
+                grad_norm = clip_grad_norm_(model, job.train.grad_clip_norm)  # global, under FSDP too
+            else:
+                grad_norm = torch.zeros((), device=loss.device)
+            step_lrs.append(lr_scheduler.get_last_lr()[0])  # the lr this step uses (a host float: no sync)
+            precision.step(optimizer)
+            lr_scheduler.step()
+            if ema is not None:
+                ema.maybe_update(step)
+            step_losses.append(loss)
+            step_grad_norms.append(grad_norm.detach().float())
+            window_steps += 1
+            if first_step_done_unix is None:
+                first_step_done_unix = time.time()
+            dit_s += time.perf_counter() - t_optim
+            step_seconds.append([step, data_wait_s, encode_s, dit_s])
+            metrics_log.observe_step(data_wait_s=data_wait_s, step_s=data_wait_s + dit_s, samples=step_clips)
+            metrics_log.add_stage("dit", busy_s=dit_s, clips=step_clips)
+            metrics_log.set_step(step)
 
-        is_log = step % job.train.log_every_steps == 0 or step == max_steps
-        is_checkpoint = step % job.checkpoint.every_steps == 0 or step == max_steps
-        if not (is_log or is_checkpoint):
-            continue
-        # Host sync only here: mean loss and gradient norm over ranks for each step of the window. A NaN/Inf on
-        # any rank reaches every rank through the mean, so all ranks stop at the same step, before any
-        # checkpoint of a diverged model is written (and good ones rotated away).
-        window = torch.stack([torch.stack(step_losses), torch.stack(step_grad_norms)])  # (2, steps)
-        if world_size > 1:
-            dist.all_reduce(window, op=dist.ReduceOp.AVG)
-        window_losses, window_grad_norms = window.tolist()
-        first_window_step = step - len(window_losses) + 1
-        check_finite_window(first_window_step, window_losses, window_grad_norms, step_lrs,
-                            check_grad_norms=not precision.skips_non_finite_steps)
-        if is_checkpoint:
-            bad = non_finite_parameters(transformer)
-            if bad:
-                raise NonFiniteTrainingError(
-                    f"training diverged: {len(bad)} weight tensor(s) hold NaN/Inf at step {step} (e.g. {bad[0]}; "
-                    f"lr {step_lrs[-1]:.3g}); no checkpoint was written. Lower optim.lr or set "
-                    "train.grad_clip_norm, then resume from the last checkpoint",
-                    step, step_lrs[-1],
-                )
-        history.extend([first_window_step + i, v] for i, v in enumerate(window_losses))
-        window_lrs = list(step_lrs)
-        step_losses.clear()
-        step_grad_norms.clear()
-        step_lrs.clear()
-        step_time_s = (time.perf_counter() - window_start) / window_steps
-        metrics = {
-            "step": step,
-            "epoch": step_epoch,
-            "loss": float(np.mean(window_losses)),
-            "step_time_s": step_time_s,
-            "lr": lr_scheduler.get_last_lr()[0],
-            "grad_norm": float(np.mean(window_grad_norms)),
-        }
-        data = metrics_log.window_summary()
-        metrics["data_wait_fraction"] = data["data_wait_fraction"]
-        metrics_log.observe_window(loss=metrics["loss"], lr=metrics["lr"],
-                                   data_wait_fraction=min(1.0, data["data_wait_fraction"]))
-        window_split = np.asarray(step_seconds[-len(window_losses):])[:, 1:].mean(axis=0)  # data, encode, dit
-        metrics["encode_time_s"], metrics["dit_step_time_s"] = float(window_split[1]), float(window_split[2])
-        for stage in ("decode", "vae", "text", "dit"):
-            metrics[f"{stage}_busy_fraction"] = data[f"{stage}_busy_fraction"]
-        busy = " ".join(f"{stage} {100 * data[f'{stage}_busy_fraction']:.0f}%" for stage in ("decode", "vae", "text", "dit"))
-        # Per step (means over the window): step_time, encode, dit, data_wait. Counts (over the window): hot-tier
-        # hits/lookups, warm-tier hits/shard opens, clips decoded, latents reused (latent cache or the encode
-        # stage's memory) / needed, MiB fetched from the shard store.
-        _log(rank, f"step {step}/{max_steps} loss {metrics['loss']:.4f} step_time {step_time_s:.3f} s "
-             f"(encode {window_split[1]:.3f} s, {'vae' if vae_run else 'dit'} {window_split[2]:.3f} s) lr {metrics['lr']:.2e} data_wait "
-             f"{window_split[0]:.3f} s ({100 * data['data_wait_fraction']:.0f}%) "
-             f"busy [{busy}] hot {data['hot_hits']:.0f}/{data['hot_hits'] + data['hot_misses']:.0f} warm "
-             f"{data['warm_hits']:.0f}/{data['warm_hits'] + data['warm_misses']:.0f} decoded "
-             f"{data['decode_clips']:.0f} latents reused {data['latent_hits']:.0f}/"
-             f"{data['latent_hits'] + data['latent_misses']:.0f} fetched "
-             f"{data['bytes_fetched'] / 2**20:.1f} MiB lead {batch.prefetch_lead}")
-        metrics_log.write_textfile(metrics_file)
-        if run_log is not None:
-            run_log.log_window(first_window_step, window_losses, window_grad_norms, window_lrs, metrics,
-                               samples_per_step=job.global_batch_size)
-            if is_checkpoint:
-                run_log.flush()  # TensorBoard events, metrics.jsonl and loss.png in the run folder
-        reported_steps.append(step)
-        if pending is not None and (is_checkpoint or written_everywhere(pending[0])):
-            report_sharded(pending)  # the previous sharded checkpoint, written meanwhile: finished, reported first
-            pending = None
-        if is_checkpoint:
-            # Rank 0 snapshots the parts into a local temp folder (the step waits only for this with
-            # checkpoint.upload=async); Ray Train copies it to the run folder with the manager's upload (manifest
-            # last, retried), in the background when asynchronous, and deletes the temp folder afterwards.
-            t_snapshot = time.perf_counter()
-            train_state = TrainState(step, position.epoch, position.batches_consumed, world_size, index_hash,
-                                     position.to_dict(schedule.buckets), data_hash, len(table))
-            if is_sharded(model):
-                # Every rank writes its shards (DCP) into its own temp folder and reports it; rank 0's upload
-                # writes the manifest only once every rank's files are in the run folder (manifest last). With
-                # checkpoint.upload=async the write runs beside the next steps, and the checkpoint is reported
-                # (with this step's metrics) at the next report, or at the end of the run.
-                if rank == 0:
-                    checkpoints.clear_for_sharded_write(checkpoint_dir_name(step))  # an interrupted earlier write
-                if world_size > 1:
-                    dist.barrier()
-                started = start_sharded_checkpoint(
-                    tempfile.mkdtemp(prefix="vidray-ckpt-"), model=transformer, optimizer=optimizer,
-                    lr_scheduler=lr_scheduler, train_state=train_state, job_config=job.to_dict(), rank=rank,
-                    world_size=world_size, dataset=data_rows, process_group=checkpoint_group,
-                    executor=checkpoint_writer)
-                pending = (started, metrics, time.perf_counter() - t_snapshot)
-                if checkpoint_group is None:
-                    report_sharded(pending)
-                    pending = None
-                window_start, window_steps = time.perf_counter(), 0
+            is_log = step % job.train.log_every_steps == 0 or step == max_steps
+            is_checkpoint = step % job.checkpoint.every_steps == 0 or step == max_steps
+            if not (is_log or is_checkpoint):
                 continue
-            checkpoint, upload_fn = None, checkpoints.ray_upload_fn()
-            hook_state = comm.gather_state(rank, world_size)  # every rank's PowerSGD state (a collective)
-            if rank == 0:
-                snapshot = save_checkpoint(
-                    tempfile.mkdtemp(prefix="vidray-ckpt-"),
-                    model=transformer,
-                    optimizer=optimizer,
-                    lr_scheduler=lr_scheduler,
-                    train_state=train_state,
-                    job_config=job.to_dict(),
-                    dataset=data_rows,
-                    ema=None if ema is None else ema.averaged,
-                    grad_scaler=precision.grad_scaler,
-                    comm_hook_state=hook_state,
-                )
-                checkpoint = ray.train.Checkpoint.from_directory(str(snapshot))
-            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name(step),
-                             checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True,
-                             checkpoint_upload_fn=upload_fn)
-            checkpoint_blocked_s.append([step, time.perf_counter() - t_snapshot])
-            if validator is not None and step % validate_every == 0:
-                validations.append(validator.validate.remote(step))  # it waits for the copy; training goes on
-        else:
-            # Asynchronous mode for plain reports too: a synchronous report would wait for the copy in flight.
-            ray.train.report(metrics, checkpoint_upload_mode=mode)
-        window_start, window_steps = time.perf_counter(), 0
-    if pending is not None:  # the last step's sharded checkpoint
-        report_sharded(pending)
-        pending = None
-    if checkpoint_writer is not None:
-        checkpoint_writer.shutdown()
+            # Host sync only here: mean loss and gradient norm over ranks for each step of the window. A NaN/Inf on
+            # any rank reaches every rank through the mean, so all ranks stop at the same step, before any
+            # checkpoint of a diverged model is written (and good ones rotated away).
+            window = torch.stack([torch.stack(step_losses), torch.stack(step_grad_norms)])  # (2, steps)
+            if world_size > 1:
+                dist.all_reduce(window, op=dist.ReduceOp.AVG)
+            window_losses, window_grad_norms = window.tolist()
+            first_window_step = step - len(window_losses) + 1
+            check_finite_window(first_window_step, window_losses, window_grad_norms, step_lrs,
+                                check_grad_norms=not precision.skips_non_finite_steps)
+            if is_checkpoint:
+                bad = non_finite_parameters(transformer)
+                if bad:
+                    raise NonFiniteTrainingError(
+                        f"training diverged: {len(bad)} weight tensor(s) hold NaN/Inf at step {step} (e.g. {bad[0]}; "
+                        f"lr {step_lrs[-1]:.3g}); no checkpoint was written. Lower optim.lr or set "
+                        "train.grad_clip_norm, then resume from the last checkpoint",
+                        step, step_lrs[-1],
+                    )
+            history.extend([first_window_step + i, v] for i, v in enumerate(window_losses))
+            window_lrs = list(step_lrs)
+            step_losses.clear()
+            step_grad_norms.clear()
+            step_lrs.clear()
+            step_time_s = (time.perf_counter() - window_start) / window_steps
+            metrics = {
+                "step": step,
+                "epoch": step_epoch,
+                "loss": float(np.mean(window_losses)),
+                "step_time_s": step_time_s,
+                "lr": lr_scheduler.get_last_lr()[0],
+                "grad_norm": float(np.mean(window_grad_norms)),
+            }
+            data = metrics_log.window_summary()
+            metrics["data_wait_fraction"] = data["data_wait_fraction"]
+            metrics_log.observe_window(loss=metrics["loss"], lr=metrics["lr"],
+                                       data_wait_fraction=min(1.0, data["data_wait_fraction"]))
+            window_split = np.asarray(step_seconds[-len(window_losses):])[:, 1:].mean(axis=0)  # data, encode, dit
+            metrics["encode_time_s"], metrics["dit_step_time_s"] = float(window_split[1]), float(window_split[2])
+            for stage in ("decode", "vae", "text", "dit"):
+                metrics[f"{stage}_busy_fraction"] = data[f"{stage}_busy_fraction"]
+            busy = " ".join(f"{stage} {100 * data[f'{stage}_busy_fraction']:.0f}%" for stage in ("decode", "vae", "text", "dit"))
+            # Per step (means over the window): step_time, encode, dit, data_wait. Counts (over the window): hot-tier
+            # hits/lookups, warm-tier hits/shard opens, clips decoded, latents reused (latent cache or the encode
+            # stage's memory) / needed, MiB fetched from the shard store.
+            _log(rank, f"step {step}/{max_steps} loss {metrics['loss']:.4f} step_time {step_time_s:.3f} s "
+                 f"(encode {window_split[1]:.3f} s, {'vae' if vae_run else 'dit'} {window_split[2]:.3f} s) lr {metrics['lr']:.2e} data_wait "
+                 f"{window_split[0]:.3f} s ({100 * data['data_wait_fraction']:.0f}%) "
+                 f"busy [{busy}] hot {data['hot_hits']:.0f}/{data['hot_hits'] + data['hot_misses']:.0f} warm "
+                 f"{data['warm_hits']:.0f}/{data['warm_hits'] + data['warm_misses']:.0f} decoded "
+                 f"{data['decode_clips']:.0f} latents reused {data['latent_hits']:.0f}/"
+                 f"{data['latent_hits'] + data['latent_misses']:.0f} fetched "
+                 f"{data['bytes_fetched'] / 2**20:.1f} MiB lead {batch.prefetch_lead}")
+            metrics_log.write_textfile(metrics_file)
+            if run_log is not None:
+                run_log.log_window(first_window_step, window_losses, window_grad_norms, window_lrs, metrics,
+                                   samples_per_step=job.global_batch_size)
+                if is_checkpoint:
+                    run_log.flush()  # TensorBoard events, metrics.jsonl and loss.png in the run folder
+            reported_steps.append(step)
+            if pending is not None and (is_checkpoint or written_everywhere(pending[0])):
+                report_sharded(pending)  # the previous sharded checkpoint, written meanwhile: finished, reported first
+                pending = None
+            if is_checkpoint:
+                # Rank 0 snapshots the parts into a local temp folder (the step waits only for this with
+                # checkpoint.upload=async); Ray Train copies it to the run folder with the manager's upload (manifest
+                # last, retried), in the background when asynchronous, and deletes the temp folder afterwards.
+                t_snapshot = time.perf_counter()
+                train_state = TrainState(step, position.epoch, position.batches_consumed, world_size, index_hash,
+                                         position.to_dict(schedule.buckets), data_hash, len(table))
+                if sharded:
+                    # Every rank writes its shards (DCP) into its own temp folder and reports it; rank 0's upload
+                    # writes the manifest only once every rank's files are in the run folder (manifest last). With
+                    # checkpoint.upload=async the write runs beside the next steps, and the checkpoint is reported
+                    # (with this step's metrics) at the next report, or at the end of the run.
+                    if rank == 0:
+                        checkpoints.clear_for_sharded_write(checkpoint_dir_name(step))  # an interrupted earlier write
+                    if world_size > 1:
+                        dist.barrier()
+                    started = start_sharded_checkpoint(
+                        tempfile.mkdtemp(prefix="vidray-ckpt-"), model=transformer, optimizer=optimizer,
+                        lr_scheduler=lr_scheduler, train_state=train_state, job_config=job.to_dict(), rank=rank,
+                        world_size=world_size, dataset=data_rows, ema=None if ema is None else ema.averaged,
+                        grad_scaler=precision.grad_scaler, process_group=checkpoint_group, executor=checkpoint_writer)
+                    pending = (started, metrics, time.perf_counter() - t_snapshot)
+                    if checkpoint_group is None:
+                        report_sharded(pending)
+                        pending = None
+                    window_start, window_steps = time.perf_counter(), 0
+                    continue
+                checkpoint, upload_fn = None, checkpoints.ray_upload_fn()
+                hook_state = comm.gather_state(rank, world_size)  # every rank's PowerSGD state (a collective)
+                if rank == 0:
+                    snapshot = save_checkpoint(
+                        tempfile.mkdtemp(prefix="vidray-ckpt-"),
+                        model=transformer,
+                        optimizer=optimizer,
+                        lr_scheduler=lr_scheduler,
+                        train_state=train_state,
+                        job_config=job.to_dict(),
+                        dataset=data_rows,
+                        ema=None if ema is None else ema.averaged,
+                        grad_scaler=precision.grad_scaler,
+                        comm_hook_state=hook_state,
+                    )
+                    checkpoint = ray.train.Checkpoint.from_directory(str(snapshot))
+                ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name(step),
+                                 checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True,
+                                 checkpoint_upload_fn=upload_fn)
+                checkpoint_blocked_s.append([step, time.perf_counter() - t_snapshot])
+                if validator is not None and step % validate_every == 0:
+                    validations.append(validator.validate.remote(step))  # it waits for the copy; training goes on
+            else:
+                # Asynchronous mode for plain reports too: a synchronous report would wait for the copy in flight.
+                ray.train.report(metrics, checkpoint_upload_mode=mode)
+            window_start, window_steps = time.perf_counter(), 0
+        if pending is not None:  # the last step's sharded checkpoint
+            report_sharded(pending)
+            pending = None
+    finally:  # the sharded checkpoints' writer and group, however the loop ended
+        _close_checkpoint_writer(checkpoint_writer, checkpoint_group)
     loader.close()
     lease.release()
     if run_log is not None:
@@ -550,14 +553,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     # or a VAE run's VAE (`vidray.train.vae.save_vae`).
     run_dir = str(loop_config["run_dir"])
     # A sharded model's full weights are gathered to rank 0 first (a collective: every rank takes part).
-    trained_full = full_model_for_export(model, transformer, lambda: family.build_transformer(job.model, seed=job.train.seed), rank)
+    trained_full = full_model_for_export(model, transformer, lambda: _build_unsharded(family, job), rank)
+    # export.weights: ema: the averages, gathered from every rank's shards under FSDP (a collective).
+    ema_weights = ema.full_averages() if ema is not None and job.export.weights == "ema" else None
     if vae_run:  # the trained VAE as a diffusers folder, what a DiT job's model.vae_path names
         diffusers_dir = f"{run_dir.rstrip('/')}/{VAE_EXPORT_DIR}"
         if rank == 0:
             save_vae(trained_full.vae.eval(), diffusers_dir)
             _log(rank, f"saved the trained VAE to {diffusers_dir} (use it with model.vae_path={diffusers_dir})")
     else:
-        diffusers_dir = _export_pipeline(family, trained_full, job, ema, run_dir) if rank == 0 else \
+        diffusers_dir = _export_pipeline(family, trained_full, job, ema_weights, run_dir) if rank == 0 else \
             f"{run_dir.rstrip('/')}/diffusers"
     validated, validation_wait_s, validation_problems = wait_for_validations(validations)  # after the export
     if validations:
@@ -588,18 +593,31 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _export_pipeline(family: Any, trained_full: torch.nn.Module, job: Any, ema: EMA | None, run_dir: str) -> str:
+def _build_unsharded(family: Any, job: Any) -> torch.nn.Module:
+    """A fresh, unsharded transformer of the job's model (with its LoRA adapters when `model.lora` is set): what
+    the full weights gathered from a sharded run load into for the export."""
+    transformer = family.build_transformer(job.model, seed=job.train.seed)
+    if job.model.lora is not None:
+        from vidray.models.lora import apply_lora
+
+        apply_lora(transformer, job.model.lora, seed=job.train.seed)
+    return transformer
+
+
+def _export_pipeline(family: Any, trained_full: torch.nn.Module, job: Any, ema_weights: dict[str, torch.Tensor] | None,
+                     run_dir: str) -> str:
     """Rank 0's diffusers export of the trained DiT with the job's VAE and text encoder (and the job file) into
-    `<run_dir>/diffusers`; returns that folder. A local run folder is written directly; for a URI a local temp
-    folder is uploaded with model_index.json last (`upload_dir`: a half-uploaded export never looks like a model;
-    the whole upload is retried, then the worker fails with a StorageTransferError naming the URI, and Ray Train's
-    restart exports again from the last checkpoint)."""
+    `<run_dir>/diffusers`; returns that folder. `ema_weights` ({parameter name: full average}, with
+    `export.weights: ema`) replace the trained weights of those names. A local run folder is written directly; for
+    a URI a local temp folder is uploaded with model_index.json last (`upload_dir`: a half-uploaded export never
+    looks like a model; the whole upload is retried, then the worker fails with a StorageTransferError naming the
+    URI, and Ray Train's restart exports again from the last checkpoint)."""
     remote = is_uri(run_dir)
     diffusers_dir = f"{run_dir.rstrip('/')}/diffusers" if remote else str(Path(run_dir) / "diffusers")
     trained_full.eval()
     encoders = family.build_encoders(job.model, seed=job.train.seed)  # the export's VAE and text encoder
-    if job.export.weights == "ema":
-        ema.copy_to(trained_full)  # training is over: the export holds the averages (DDP only: rank 0's EMA)
+    if ema_weights is not None:
+        copy_averages_to(trained_full, ema_weights)  # training is over: the export holds the averages
     components = Components(transformer=trained_full, vae=encoders.vae, text_encoder=encoders.text_encoder,
                             tokenizer=encoders.tokenizer)
     if remote:
@@ -616,6 +634,19 @@ def _export_pipeline(family: Any, trained_full: torch.nn.Module, job: Any, ema: 
         write_job_file(diffusers_dir, job)
         _log(0, f"saved diffusers pipeline to {diffusers_dir}")
     return diffusers_dir
+
+
+def _close_checkpoint_writer(writer: ThreadPoolExecutor | None, group: Any) -> None:
+    """End the asynchronous sharded checkpoints' thread and gloo group (`checkpoint.upload: async`). After a
+    normal end nothing is in flight (the last checkpoint was finished): the thread ends and the group is destroyed.
+    When the loop raised, a write may still be running: the thread is left to finish or fail on its own (waiting
+    could hang on a lost peer) and the group to the process's end."""
+    if writer is None:
+        return
+    failed = sys.exc_info()[0] is not None  # called from a `finally`: the exception it is unwinding, if any
+    writer.shutdown(wait=not failed, cancel_futures=failed)
+    if not failed and group is not None:
+        dist.destroy_process_group(group)
 
 
 def _resume_position(schedule: SampleSchedule, state: TrainState | None, rank: int) -> DataPosition:

@@ -334,7 +334,7 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
         apply_fsdp(transformer, mesh, mixed_precision_policy(job.train.mixed_precision),
                    job.scaling.reshard_after_forward)
         if pretrained_weights is not None:
-            load_sharded_from_safetensors(transformer, pretrained_weights, device=device)
+            _load_pretrained_shards(transformer, pretrained_weights, device=device, seed=job.train.seed)
         return transformer, CommHook("none")
     if job.scaling.strategy != "ddp":
         raise ValueError(f"scaling.strategy must be ddp, fsdp or hsdp, got {job.scaling.strategy!r}")
@@ -354,6 +354,23 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
     if not is_ddp:
         comm = CommHook(comm.kind)  # one process: no all-reduce, no hook state
     return model, comm
+
+
+def _load_pretrained_shards(transformer: torch.nn.Module, folder: str, *, device: torch.device, seed: int) -> None:
+    """Fill a meta-device, sharded transformer from its pretrained folder; LoRA adapters (`model.lora`, which no
+    pretrained file holds) then get their starting values (`vidray.models.lora.init_adapters` under `seed`)."""
+    from vidray.models.lora import has_lora, init_adapters, is_adapter_parameter
+
+    if not has_lora(transformer):
+        load_sharded_from_safetensors(transformer, folder, device=device)
+        return
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    # peft renames an adapted layer's own weights: `to_q.weight` -> `to_q.base_layer.weight`
+    renamed = {k.replace(".base_layer.", "."): k for k in get_model_state_dict(transformer) if ".base_layer." in k}
+    load_sharded_from_safetensors(transformer, folder, device=device, not_in_files=is_adapter_parameter,
+                                  names=lambda k: renamed.get(k, k))
+    init_adapters(transformer, seed=seed)
 
 
 def full_model_for_export(model: torch.nn.Module, transformer: torch.nn.Module, build: Callable[[], torch.nn.Module],
@@ -384,7 +401,9 @@ def build_transformer_on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.
         return build()
 
 
-def load_sharded_from_safetensors(model: torch.nn.Module, folder: str, *, device: torch.device | str = "cpu") -> int:
+def load_sharded_from_safetensors(model: torch.nn.Module, folder: str, *, device: torch.device | str = "cpu",
+                                  not_in_files: Callable[[str], bool] | None = None,
+                                  names: Callable[[str], str] | None = None) -> int:
     """Materialise a meta-device, `fully_shard`-ed `model` on `device` (`to_empty`) and fill it from the diffusers
     weights in `folder` (`*.safetensors`, e.g. `diffusion_pytorch_model-00001-of-00003.safetensors`), one file at
     a time: rank 0 reads the file's tensors (`safetensors.safe_open`) and `set_model_state_dict(...,
@@ -392,7 +411,10 @@ def load_sharded_from_safetensors(model: torch.nn.Module, folder: str, *, device
     keeping only its shards; so no rank ever holds more than one file's tensors beside its shards. Every entry of
     the model's state dict must come from the files; non-persistent buffers (not in a state dict) would be left
     uninitialised by `to_empty`, so call it only for models without them (the EasyAnimate transformer has none).
-    Returns the number of tensors loaded. Raises
+    `not_in_files(name)`: True for the state-dict entries the caller fills itself (LoRA adapters): they are not
+    expected in the files, and are left uninitialised here. `names(file_key)`: the model's name of a file's tensor
+    where they differ (LoRA: an adapted layer's `to_q.weight` is the model's `to_q.base_layer.weight`). Returns the
+    number of tensors loaded. Raises
     FileNotFoundError when `folder` holds no safetensors file and ValueError when the files miss a parameter or
     name one the model does not have."""
     from pathlib import Path
@@ -408,19 +430,20 @@ def load_sharded_from_safetensors(model: torch.nn.Module, folder: str, *, device
         raise ValueError(f"{type(model).__name__} has non-persistent buffers ({non_persistent[0]}) that no weights "
                          "file holds: it cannot be built on the meta device; set model.init so it is built in full")
     model.to_empty(device=device)
-    expected = set(get_model_state_dict(model).keys())
+    expected = {k for k in get_model_state_dict(model) if not_in_files is None or not not_in_files(k)}
     seen: set[str] = set()
     rank = dist.get_rank() if dist.is_initialized() else 0
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=False)
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            keys = list(f.keys())
+            file_keys = list(f.keys())
+            keys = [names(k) for k in file_keys] if names is not None else file_keys
             unknown = [k for k in keys if k not in expected]
             if unknown:
                 raise ValueError(f"{path.name} holds {unknown[0]}, which {type(model).__name__} does not have "
                                  f"({len(unknown)} unknown tensors): is {folder} this model family's transformer?")
             # broadcast_from_rank0: rank 0 reads the file, the others receive their shards (they pass nothing)
-            state = {k: f.get_tensor(k) for k in keys} if rank == 0 else {}
+            state = {k: f.get_tensor(fk) for k, fk in zip(keys, file_keys)} if rank == 0 else {}
         set_model_state_dict(model, state, options=options)
         seen.update(keys)
     missing = sorted(expected - seen)

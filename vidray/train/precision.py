@@ -6,6 +6,8 @@
 - `fp16`: `torch.autocast("cuda", torch.float16)` with `torch.amp.GradScaler`: the loss is scaled before the
   backward, the gradients unscaled before clipping, and a step whose gradients hold Inf/NaN is skipped while the scale
   shrinks (Micikevicius et al., "Mixed Precision Training", ICLR 2018). The scaler's state is in the checkpoint.
+  Under FSDP/HSDP it is torch's `ShardedGradScaler`: each rank checks its gradient shards for Inf/NaN and the
+  ranks agree (an all-reduce) before any of them steps, so all skip the same step.
 
 Master weights and optimizer state stay fp32 in every mode (autocast casts copies for the ops it covers), as in
 torch's AMP recipe and torchtitan's `mixed_precision_param` (whose FSDP analogue keeps `reduce_dtype` fp32).
@@ -30,17 +32,27 @@ class Precision:
     Args:
         mode: `train.mixed_precision` (`no`, `bf16` or `fp16`).
         device: the worker's torch device. fp16 needs CUDA: on another device UserError names the key and bf16.
+        sharded: the model is FSDP2-sharded (`vidray.train.parallel.is_sharded`): fp16 then scales with
+            `torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`.
+        allow_cpu_fp16: tests only: fp16 on a CPU device (torch runs it there; a run gains nothing from it).
     """
 
-    def __init__(self, mode: str, device: torch.device):
+    def __init__(self, mode: str, device: torch.device, *, sharded: bool = False, allow_cpu_fp16: bool = False):
         if mode not in DTYPES:
             raise UserError(f"train.mixed_precision must be one of {', '.join(DTYPES)}, got {mode!r}")
-        if mode == "fp16" and device.type != "cuda":
+        if mode == "fp16" and device.type != "cuda" and not allow_cpu_fp16:
             raise UserError(f"train.mixed_precision: fp16 needs a CUDA device, this worker has {device.type}: "
                             "use train.mixed_precision: bf16 (or scaling.use_gpu: true on a GPU cluster)")
         self.mode, self.device = mode, device
         self.dtype: torch.dtype | None = DTYPES[mode]
-        self.grad_scaler = torch.amp.GradScaler(device.type) if mode == "fp16" else None
+        self.grad_scaler = None
+        if mode == "fp16":
+            if sharded:
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+                self.grad_scaler = ShardedGradScaler(device=device.type)
+            else:
+                self.grad_scaler = torch.amp.GradScaler(device.type)
 
     def autocast(self) -> ContextManager:
         """The forward's context: `torch.autocast` with this run's dtype, or nothing for fp32."""
