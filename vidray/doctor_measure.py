@@ -213,14 +213,14 @@ def time_allreduce(nbytes: int, device: Any, *, warmup: int = WARMUP_ITERS, targ
 
 
 def single_rank_strategy(job: Any):
-    """The planner's `Strategy` for the job's step on one rank: `job_strategy`, with fsdp as ddp (one rank holds
-    everything; `check_fits` plans fsdp on one GPU the same way)."""
+    """The planner's `Strategy` for the job's step on one rank: `job_strategy`, with fsdp as ddp and fsdp+lora as
+    lora (one rank holds everything; `check_fits` plans fsdp on one GPU the same way)."""
     from dataclasses import replace
 
     from vidray.train.plan import job_strategy
 
     strategy = job_strategy(job)
-    return replace(strategy, kind="ddp") if strategy.kind == "fsdp" else strategy
+    return replace(strategy, kind={"fsdp": "ddp", "fsdp+lora": "lora"}.get(strategy.kind, strategy.kind))
 
 
 def simulated_step(job: Any, device: Any, *, num_steps: int = STEPS) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from vidray.errors import UserError
 from vidray.models.presets import get_preset
 from vidray.train.memory import measure_training_step, saved_tensor_census
 from vidray.train.plan import (LORA_TARGETS, Strategy, block_activation_bytes, check_cluster_fits, check_fits,
-                               cluster_gpu_memory_bytes, count_model, estimate_memory, parse_bytes)
+                               cluster_gpu_memory_bytes, count_model, estimate_memory, job_strategy,
+                               parse_bytes)
 
 CONFIG = "jobs/configs/tiny_t2v.yaml"
 LORA_RANK = 8
@@ -221,3 +222,18 @@ def test_cluster_check_is_a_no_op_without_gpus_and_reads_the_accelerator_type(mo
         check_cluster_fits(job, {"GPU": 2.0, "accelerator_type:T4": 1.0})
     monkeypatch.setenv("VIDRAY_GPU_MEMORY", "141GB")
     assert "per GPU of 131.3 GiB" in check_cluster_fits(_job("scaling.use_gpu=true"), {"GPU": 2.0})
+
+
+def test_fsdp_with_lora_is_planned_with_the_base_sharded_and_checked_as_the_job_asks():
+    """`scaling.strategy: fsdp` with `model.lora`: the frozen base is sharded like a full fine-tune's weights
+    (vidray.train.parallel), so each of 8 ranks holds an eighth of what lora's replicated base costs."""
+    job = _job("scaling.strategy=fsdp", "model.lora.rank=4", "scaling.use_gpu=true", "scaling.num_workers=8")
+    assert job_strategy(job).kind == "fsdp+lora"
+    report = check_fits(job, 80 * 2**30, 8)
+    assert report.requested.strategy.kind == "fsdp+lora"
+    by_name = {e.strategy.name: e for e in report.estimates}
+    lora, sharded = by_name["lora bf16"], by_name["fsdp+lora bf16"]
+    assert sharded.optimizer < lora.optimizer and sharded.ddp_buckets == 0
+    assert sharded.parameters < lora.parameters / 2  # an eighth, plus two gathered blocks of the tiny model
+    # on one GPU there is nothing to shard: planned as lora
+    assert check_fits(job, 80 * 2**30, 1).requested.strategy.kind == "lora"

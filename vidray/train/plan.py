@@ -35,8 +35,9 @@ prefetched, in the parameter dtype).
 Strategies are tried in order of communication per step (least first) and the first that fits with
 `HEADROOM` spare is picked: ddp (one all-reduce of the gradients) < fsdp (all-gather of the parameters twice plus a
 reduce-scatter: ~1.5x ddp's bytes) < fsdp+AC (the same traffic plus a second forward: ~33 % more compute) < lora (a
-full-model forward and backward for a few MB of adapters: cheap, but it trains another thing) < lora+AC. bf16 comes
-before fp32 within each (it is what GPU training uses; fp32 is listed for reference).
+full-model forward and backward for a few MB of adapters: cheap, but it trains another thing) < lora+AC < fsdp+lora
+(the base sharded too: its all-gathers again, for adapters only) < fsdp+lora+AC. bf16 comes before fp32 within
+each (it is what GPU training uses; fp32 is listed for reference).
 """
 
 from __future__ import annotations
@@ -80,11 +81,12 @@ Precision = Literal["fp32", "bf16"]
 
 @dataclass(frozen=True)
 class Strategy:
-    """One way to train: `kind` ddp (full fine-tune, replicated), fsdp (full fine-tune, sharded per block) or lora
-    (adapters only, base replicated and frozen); `activation_checkpointing` per transformer block; `precision`
-    fp32 or bf16 autocast (master weights fp32 either way)."""
+    """One way to train: `kind` ddp (full fine-tune, replicated), fsdp (full fine-tune, sharded per block), lora
+    (adapters only, base replicated and frozen) or fsdp+lora (adapters only, base and adapters sharded per block);
+    `activation_checkpointing` per transformer block; `precision` fp32 or bf16 autocast (master weights fp32
+    either way)."""
 
-    kind: Literal["ddp", "fsdp", "lora"]
+    kind: Literal["ddp", "fsdp", "lora", "fsdp+lora"]
     activation_checkpointing: bool
     precision: Precision
 
@@ -95,7 +97,8 @@ class Strategy:
 
 STRATEGIES: tuple[Strategy, ...] = tuple(
     Strategy(kind, ac, precision)
-    for kind, ac in (("ddp", False), ("fsdp", False), ("fsdp", True), ("lora", False), ("lora", True))
+    for kind, ac in (("ddp", False), ("fsdp", False), ("fsdp", True), ("lora", False), ("lora", True),
+                     ("fsdp+lora", False), ("fsdp+lora", True))
     for precision in ("bf16", "fp32")
 )
 """Every strategy the planner reports, in the order it prefers them (see the module docstring)."""
@@ -318,8 +321,8 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
         raise ValueError(f"num_gpus and batch_size must be >= 1, got {num_gpus} and {batch_size}")
     n_video, latent_elems = sequence_lengths(preset, bucket)
     a_bf16 = strategy.precision == "bf16"
-    lora = strategy.kind == "lora"
-    fsdp = strategy.kind == "fsdp"
+    lora = strategy.kind in ("lora", "fsdp+lora")
+    fsdp = strategy.kind in ("fsdp", "fsdp+lora")
     shard = num_gpus if fsdp else 1
     p_total, p_train = counts.total, (counts.lora_parameters if lora else counts.trainable)
     block_share = [(b * p_train / max(counts.trainable, 1)) if not lora else
@@ -331,10 +334,11 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
     gathered = 0
     if fsdp:
         gathered = 2 * max(counts.blocks) * (2 if a_bf16 else 4)
-    parameters = math.ceil(4 * p_total / shard) + gathered + (4 * counts.lora_parameters if lora else 0)
+    parameters = math.ceil(4 * (p_total + (counts.lora_parameters if lora else 0)) / shard) + gathered
     optimizer = math.ceil(8 * p_train / shard)
     ddp_buckets = 4 * p_train if (num_gpus > 1 and not fsdp) else 0
-    gradients = math.ceil(4 * p_train / shard) + (4 * max(counts.blocks) if fsdp else 0)
+    # fsdp: one block's unsharded gradients before their reduce-scatter (fsdp+lora: its adapters')
+    gradients = math.ceil(4 * p_train / shard) + (math.ceil(4 * max(block_share)) if fsdp else 0)
     resident = parameters + optimizer + ddp_buckets + encoders_bytes
 
     # 2. Activations per block (x batch), bf16 weight copies, the rest of the model.
@@ -410,7 +414,7 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
                                       text_tokens=text_tokens, num_gpus=num_gpus, encoders_bytes=encoders_bytes,
                                       micro_batches_per_rank=micro_batches_per_rank,
                                       gpu_memory_bytes=gpu_memory_bytes)
-                      for s in STRATEGIES if not (s.kind == "fsdp" and num_gpus < 2))
+                      for s in STRATEGIES if not (s.kind.startswith("fsdp") and num_gpus < 2))
     chosen = next((e for e in estimates if e.fits), None)
     notes = []
     if preset.num_experts > 1:
@@ -482,9 +486,11 @@ def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePre
 def job_strategy(job: Any) -> Strategy:
     """The strategy `job` asks for: `scaling.strategy` (ddp when the config has no such key yet), `model.lora`
     (lora when set), `train.activation_checkpointing` (off when absent or `none`), `train.mixed_precision`."""
-    kind = "lora" if job.model.lora else getattr(job.scaling, "strategy", "ddp")  # scaling.strategy: FSDP
+    kind = getattr(job.scaling, "strategy", "ddp")  # scaling.strategy: FSDP
     if kind == "hsdp":
         kind = "fsdp"
+    if job.model.lora:
+        kind = "fsdp+lora" if kind == "fsdp" else "lora"
     ac = job.train.activation_checkpointing != "none"
     precision: Precision = "bf16" if job.train.mixed_precision in ("bf16", "fp16") else "fp32"
     return Strategy(kind, ac, precision)
@@ -496,8 +502,8 @@ def check_fits(job: Any, gpu_memory_bytes: int, num_gpus: int) -> PlanReport:
     none does, and the largest bucket to lower). Returns the report when it fits."""
     report = plan_job(job, gpu_memory_bytes=gpu_memory_bytes, num_gpus=num_gpus)
     wanted = job_strategy(job)
-    if wanted.kind == "fsdp" and num_gpus < 2:
-        wanted = replace(wanted, kind="ddp")
+    if wanted.kind.startswith("fsdp") and num_gpus < 2:  # one rank holds everything: planned as unsharded
+        wanted = replace(wanted, kind="lora" if wanted.kind == "fsdp+lora" else "ddp")
     counts = report.counts
     requested = estimate_memory(report.preset, counts, wanted, bucket=report.bucket, batch_size=report.batch_size,
                                 text_tokens=report.text_tokens, num_gpus=num_gpus,
@@ -518,7 +524,8 @@ def check_fits(job: Any, gpu_memory_bytes: int, num_gpus: int) -> PlanReport:
 
 
 def _how(strategy: Strategy) -> str:
-    keys = {"ddp": "scaling.strategy=ddp", "fsdp": "scaling.strategy=fsdp", "lora": "set model.lora"}[strategy.kind]
+    keys = {"ddp": "scaling.strategy=ddp", "fsdp": "scaling.strategy=fsdp", "lora": "set model.lora",
+            "fsdp+lora": "scaling.strategy=fsdp and set model.lora"}[strategy.kind]
     ac = " train.activation_checkpointing=full" if strategy.activation_checkpointing else ""
     return f"{keys}{ac} train.mixed_precision={'bf16' if strategy.precision == 'bf16' else 'no'}"
 
@@ -556,7 +563,7 @@ def format_report(report: PlanReport) -> str:
         f"{sequence_lengths(report.preset, b)[0]:,} video + {report.text_tokens} text tokens; "
         f"{report.num_gpus} GPU(s) of {format_bytes(report.gpu_memory_bytes)}, {100 * HEADROOM:.0f}% headroom",
         "",
-        f"{'strategy':<14}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'AC blk':>8}{'buckets':>8}"
+        f"{'strategy':<18}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'AC blk':>8}{'buckets':>8}"
         f"{'encoders':>9}{'peak':>8}  fits",
     ]
 
@@ -569,7 +576,7 @@ def format_report(report: PlanReport) -> str:
         mark = "yes" if e.fits else "no"
         if report.chosen is e:
             mark += "  <- picked"
-        lines.append(f"{e.strategy.name:<14}{gib(e.parameters):>8}{gib(e.gradients):>8}{gib(e.optimizer):>8}"
+        lines.append(f"{e.strategy.name:<18}{gib(e.parameters):>8}{gib(e.gradients):>8}{gib(e.optimizer):>8}"
                      f"{gib(e.activations):>8}{gib(e.activations_peak_block):>8}{gib(e.ddp_buckets):>8}"
                      f"{gib(e.encoders):>9}{gib(e.peak_bytes):>8}  {mark}")
     lines.append("")
