@@ -1,20 +1,19 @@
-"""`train_loop_per_worker`: what every Ray Train worker runs.
+"""`train_loop_per_worker`: what every Ray Train worker runs, a `Worker`.
 
-Steps: 1. build the model family's transformer (alone: the VAE and text encoder run in the encode stages; LoRA
-adapters applied when `model.lora` is set); 2. load the sample table (not the clips) and build the
-world-size-independent sample schedule (`vidray.data.schedule`); 3. activation checkpointing, then DDP with its
-communication hook or FSDP2 (`vidray.train.parallel.parallelize`), then the optimizer, lr schedule and precision;
-4. restore the checkpoint the driver chose (or this fit's own latest after a restart) with its data position and
-the hook's state, then re-apply this job's `optim` section to it; 5. plan this rank's steps from the data position
-at this run's world size (every
-rank the same bucket; G = `train.micro_batches_per_step` micro-batches per step, rank r training r, r+W, ... with
-gradient accumulation; noise and sigma keyed by (seed, step, sample)) and stream them through the rank's Ray Data
-loader (`vidray.data.pipeline`: cold -> warm -> hot, prefetched in schedule order, then the vae and text encode
-stages of `vidray.data.encode` with the latent cache), which delivers latents and prompt_embeds; it trains on them,
-reporting loss, gradient norm and step time every
-`train.log_every_steps` and a checkpoint every `checkpoint.every_steps`; a NaN/Inf loss, gradient norm or weight
-stops the run (checked at each report and before each checkpoint, with no extra host sync per step);
-6. rank 0 saves the diffusers pipeline.
+Steps (the `Worker`'s methods): 1. build the model family's transformer (alone: the VAE and text encoder run in the
+encode stages; LoRA adapters applied when `model.lora` is set); 2. load the sample table (not the clips) and build
+the world-size-independent sample schedule (`vidray.data.schedule`); 3. activation checkpointing, then DDP with its
+communication hook or FSDP2 (`vidray.train.parallel.parallelize`), then the EMA, optimizer, lr schedule and
+precision; 4. restore the checkpoint the driver chose (or this fit's own latest after a restart) with its data
+position and the hook's state, then re-apply this job's `optim` section to it; 5. plan this rank's steps from the
+data position at this run's world size (every rank the same bucket; G = `train.micro_batches_per_step`
+micro-batches per step, rank r training r, r+W, ... with gradient accumulation; noise and sigma keyed by (seed,
+step, sample)) and stream them through the rank's Ray Data loader (`vidray.data.pipeline`: cold -> warm -> hot,
+prefetched in schedule order, then the vae and text encode stages of `vidray.data.encode` with the latent cache),
+which delivers latents and prompt_embeds; `Worker.train_step` trains on them, and every `train.log_every_steps`
+the log window (`vidray.train.window`) reports loss, gradient norm and step time, with a checkpoint every
+`checkpoint.every_steps`; a NaN/Inf loss, gradient norm or weight stops the run (checked at each report and before
+each checkpoint, with no extra host sync per step); 6. rank 0 saves the diffusers pipeline.
 
 Errors that a retry cannot fix are raised as `vidray.errors.UserError`s: the driver's callback
 (`vidray.train.trainer`) ends the run at the first one instead of letting Ray Train retry it.
@@ -29,10 +28,10 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray.train
 import ray.train.torch
 import torch
@@ -74,6 +73,7 @@ from vidray.train.parallel import (
 from vidray.train.precision import Precision
 from vidray.train.runlog import RunLog
 from vidray.train.validation import start_validator, wait_for_validations
+from vidray.train.window import LogWindow, step_line
 from vidray.train.vae import (
     VAE_EXPORT_DIR,
     VAEObjective,
@@ -84,7 +84,6 @@ from vidray.train.vae import (
 )
 from vidray.train.step import (
     NonFiniteTrainingError,
-    check_finite_window,
     flow_matching_step_loss,
     non_finite_parameters,
     sample_generator,
@@ -143,8 +142,9 @@ def _ray_checkpoint_name() -> str | None:
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
-    """Ray Train entry point. `loop_config`: {"job": JobConfig.to_dict(), "run_dir": absolute path,
-    "shards_dir": absolute path, "resume_from": checkpoint folder or None, "start_step": its step (0 if none)}.
+    """Ray Train entry point: `Worker(loop_config).run()`. `loop_config`: {"job": JobConfig.to_dict(), "run_dir":
+    absolute path, "shards_dir": absolute path, "resume_from": checkpoint folder or None, "start_step": its step
+    (0 if none)}.
 
     Optional key "record_sample_ids": True to return what was trained, and to append it, step by step, to
     `<run_dir>/trained_samples/<start ns>-rank<r>.jsonl` (`_record_path`: every attempt of an elastic or
@@ -161,436 +161,510 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     bytes fetched), "checkpoint_blocked_s": [[step, seconds the loop stood still for that checkpoint]],
     "first_step_done_unix": wall clock when this attempt's first step finished, "placement": per rank, the nodes
     (id, labels) its trainer and its decode operators ran on (`_gather_placement`), "peak_rss_bytes": this worker
-    process's peak resident memory}.
+    process's peak resident memory, "validation", "validation_wait_s": the validation samples written beside the
+    training}.
     Optional key "placement": {stage: label selector} (`vidray.placement.resolve_placement`); "decode" places
     the decode operator.
     """
     quiet_ray_train_worker()  # Ray Train's per-report TrainingReport dump (vidray.logs)
-    job = job_config_from_dict(loop_config["job"])
-    context = ray.train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
-    device = ray.train.torch.get_device()
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    return Worker(loop_config).run()
 
-    # 1. The trainable transformer alone: the frozen VAE and text encoder run in the encode stages (a pretrained
-    # one on the meta device when sharded: `parallelize` then loads each rank's shards).
-    family = get_family(job.model.family)
-    vae_run = job.train.objective == "vae"  # `vidray train-vae`: `transformer` below is the VAE's objective module
-    if vae_run:
-        transformer = VAEObjective(family.build_trainable_vae(job.model, seed=job.train.seed), job.vae_training)
-        transformer, pretrained_weights = transformer.to(device), None
-    else:
-        transformer, pretrained_weights = build_transformer(family, job, device)
-    if job.model.lora is not None:  # before the probe, AC, DDP and the optimizer: only the adapters train
-        from vidray.models.lora import apply_lora, lora_summary
 
-        apply_lora(transformer, job.model.lora, seed=job.train.seed)
-        counts = lora_summary(transformer)
-        _log(rank, f"LoRA rank {job.model.lora.rank}: {counts['trainable']:,} of {counts['total']:,} parameters train")
+@dataclass
+class StepOutcome:
+    """What one optimizer step leaves for the report: the loss (,) summed over this rank's micro-batches and the
+    global gradient norm (,) (device tensors: no host sync), the lr it used, seconds waiting for data, in the
+    encode stages (overlapped) and in the DiT (or VAE), batch slots trained, and the data position after it."""
 
-    # 2. Data: the sample table and the schedule; the clips stay in the shards until the loader streams them.
-    # Object-store shards come through this node's warm disk cache (one download per shard per node), whose
-    # budget must hold the largest shard (checked here, before any step).
-    shards_dir = loop_config["shards_dir"]
-    index = read_index(shards_dir)
-    lease = GenerationLease(shards_dir, index)  # a re-prepare keeps the generation this rank reads (until the end)
-    table = load_sample_index(shards_dir)
-    if not open_storage(shards_dir).is_local:
-        check_cache_budget(job.data.cache_bytes, index, local_ranks=context.get_local_world_size())
-    sample_ids = table.sample_id.astype(str)
-    schedule = job_schedule(job, table, family)
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
+    data_wait_s: float
+    encode_s: float
+    dit_s: float
+    clips: int
+    epoch: int
+    position: DataPosition
+    prefetch_lead: Any
 
-    # Parameters that never get a gradient break DDP's reducer ('Expected to have finished reduction'):
-    # freeze them once, found by a probe step.
-    no_grad = set(unused_parameter_names(transformer) if vae_run else family.no_grad_parameter_names(transformer))
-    for name, param in transformer.named_parameters():
-        if name in no_grad:
-            param.requires_grad_(False)
-    transformer.train()
 
-    # 3. Activation checkpointing, then DDP (gloo on CPU, NCCL on GPU) with its communication hook, or FSDP2
-    # (`scaling.strategy`); then the optimizer (of the sharded parameters under FSDP), lr schedule and precision
-    # (autocast, fp16's grad scaler).
-    model, comm = parallelize(transformer, job,
-                              example_loss=vae_probe_loss if vae_run else lambda m: family.probe_loss(m, transformer),
-                              pretrained_weights=pretrained_weights, device=device)
-    sharded = is_sharded(model)
-    # The EMA of the trained parameters: rank 0's under DDP (the replicas are equal), every rank's shards under FSDP.
-    ema = EMA(transformer, job.train.ema) if job.train.ema is not None and (rank == 0 or sharded) else None
-    optimizer = build_optimizer(transformer.parameters(), job.optim)
-    lr_scheduler = build_lr_scheduler(optimizer, job.optim)
-    precision = Precision(job.train.mixed_precision, device, sharded=sharded)
+class Worker:
+    """One Ray Train worker's training run (the module docstring's steps 1-6).
 
-    # 4. Resume (the DDP hook exists: it restores its rank's PowerSGD state, or says why it starts afresh).
-    def restore_comm_hook(saved: dict[str, Any] | None) -> None:
-        why = comm.load_state(saved, rank, world_size)
-        if why:
-            _log(rank, why)
+    `__init__` sets up: the transformer (with LoRA), the sample schedule, the parallel wrapper
+    (`vidray.train.parallel.parallelize`), the EMA, optimizer, lr schedule and precision, the resumed state, and
+    this rank's loader. `run()` trains every step with `train_step` (the one place precision, accumulation and
+    the parallel wrapper meet: torchtitan's `Trainer.train_step`), reports each log window (`LogWindow`) and
+    writes the checkpoints, then exports (`_finish`).
+    """
 
-    state = _resume_state(loop_config, rank, transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                          ema=None if ema is None else ema.averaged, grad_scaler=precision.grad_scaler,
-                          comm_hook=restore_comm_hook)
-    start_step = 1 if state is None else state.step + 1
-    if state is not None:
-        # This job's optim section wins over the restored one (lr, betas, weight decay, eps, warmup schedule).
-        lr_scheduler = apply_optim_config(optimizer, job.optim, step=state.step)
-    if ema is not None and ema.num_updates == 0:
-        ema.reset()  # an EMA added on resume (or not yet updated) starts from these weights
-    index_hash = index.get("content_hash", "")
-    data_rows = dataset_rows(shards_dir)
-    data_hash = dataset_hash(data_rows)
-    problem = None if state is None else dataset_mismatch(state, shards_dir, index, data_rows)
-    if problem:
-        raise UserError(f"the checkpoint {problem}")  # deterministic: never retried (see vidray.train.trainer)
-    position = _resume_position(schedule, state, rank)
-    # This rank's steps, streamed by its Ray Data loader (started now: its actor warms up while DDP is set up).
-    steps = iter_rank_steps(schedule, position, world_size=world_size, rank=rank, first_step=start_step,
-                            last_step=job.train.max_steps, micro_batches=job.micro_batches_per_step)  # lazily
-    placement = loop_config.get("placement") or {}  # {stage: label selector}, resolved on the driver
-    # A VAE run trains on the frames themselves: no encode stages.
-    encode = None if vae_run else encode_spec(job, placement, latent_cache=loop_config.get("latent_cache", ""))
-    if encode is not None and loop_config.get("identities"):  # {stage: [ObjectRef]} of the driver's identity tasks (vidray.train.trainer)
-        encode["identities"] = loop_config["identities"]
-    loader = RankLoader(shards_dir, index, table, steps, job.data, sample_ids=sample_ids,
-                        local_ranks=context.get_local_world_size(), label_selector=placement.get("decode"),
-                        encode=encode)
-    runtime = ray.get_runtime_context()
-    trainer_node = {"node_id": runtime.get_node_id(), "labels": runtime.get_node_labels()}
-    loader_nodes: dict[str, dict[str, Any]] = {}  # node_id -> {"node_id", "labels"} of this rank's decode operators
-    stage_nodes: dict[str, dict[str, dict[str, Any]]] = {"vae": {}, "text": {}}  # the same, of its encode actors
+    def __init__(self, loop_config: dict[str, Any]):
+        self.loop_config = loop_config
+        self.job = job = job_config_from_dict(loop_config["job"])
+        context = ray.train.get_context()
+        self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
+        self.device = ray.train.torch.get_device()
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        self.family = get_family(job.model.family)
+        self.vae_run = job.train.objective == "vae"  # `vidray train-vae`: the transformer is the VAE's objective
+        transformer, pretrained_weights = self._build_transformer()
+        self._load_data(local_ranks=context.get_local_world_size())
+        self._parallelize(transformer, pretrained_weights)
+        self._resume()
+        self._start_loader(local_ranks=context.get_local_world_size())
+        self._start_outputs()
 
-    # 5. The loop.
-    max_steps = job.train.max_steps
-    sizes = ", ".join(f"{b} x{n}" for b, n in zip(schedule.buckets, schedule.batch_sizes.tolist()))
-    _log(rank, f"training steps {start_step}..{max_steps} from epoch {position.epoch}, batch "
-         f"{position.batches_consumed}/{schedule.batches_per_epoch} "
-         f"({schedule.steps_per_epoch(world_size, job.micro_batches_per_step)} steps/epoch of "
-         f"{job.micro_batches_per_step} micro-batches at {world_size} workers; batch sizes {sizes})")
-    _log(rank, f"global batch {job.global_batch_size} samples per step (data.batch_size_per_worker "
-         f"{job.data.batch_size_per_worker} x {job.micro_batches_per_step} micro-batches: "
-         f"{job.scaling.max_workers} workers x {job.micro_batches_per_step // job.scaling.max_workers} accumulated); "
-         f"precision {job.train.mixed_precision}, activation checkpointing {job.train.activation_checkpointing}, "
-         f"gradient compression {job.train.grad_compression}" + (f", EMA decay {job.train.ema.decay}" if ema else ""))
-    record = bool(loop_config.get("record_sample_ids"))
-    trained: list[list[Any]] = []  # [step, epoch, [sample_id, ...]] of this rank, when recording
-    step_losses: list[torch.Tensor] = []
-    step_grad_norms: list[torch.Tensor] = []  # (,) global L2 norm before clipping; 0 when clipping is off
-    step_lrs: list[float] = []
-    history: list[list[float]] = []
-    reported_steps: list[int] = []
-    step_seconds: list[list[float]] = []  # [step, data_wait_s, encode_s, dit_s] of this rank
-    checkpoint_blocked_s: list[list[float]] = []  # [step, seconds the loop stood still for its checkpoint]
-    checkpoints = CheckpointManager(loop_config["run_dir"])
-    mode = (ray.train.CheckpointUploadMode.ASYNC if job.checkpoint.upload == "async"
-            else ray.train.CheckpointUploadMode.SYNC)
-    # A sharded checkpoint with checkpoint.upload=async is written beside the training (dcp.async_save): its
-    # collectives go over a gloo group of their own, and one thread per rank hashes the files once written.
-    checkpoint_group = checkpoint_writer = None
-    if sharded and job.checkpoint.upload == "async":
-        checkpoint_group = dist.new_group(backend="gloo")
-        checkpoint_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vidray-checkpoint")
-    pending: tuple[PendingShardedCheckpoint, dict, float] | None = None
-    """(the sharded checkpoint being written, its step's metrics, seconds its start held the step)"""
+    # Set-up ------------------------------------------------------------------------------------------------------
 
-    def written_everywhere(started: PendingShardedCheckpoint) -> bool:
+    def _build_transformer(self) -> tuple[torch.nn.Module, str | None]:
+        """1. The trainable transformer alone (the frozen VAE and text encoder run in the encode stages; a
+        pretrained one on the meta device when sharded: `parallelize` then loads each rank's shards), with its
+        LoRA adapters when `model.lora` is set (before the probe, AC, DDP and the optimizer)."""
+        job = self.job
+        if self.vae_run:
+            transformer = VAEObjective(self.family.build_trainable_vae(job.model, seed=job.train.seed),
+                                       job.vae_training)
+            transformer, pretrained_weights = transformer.to(self.device), None
+        else:
+            transformer, pretrained_weights = build_transformer(self.family, job, self.device)
+        if job.model.lora is not None:
+            from vidray.models.lora import apply_lora, lora_summary
+
+            apply_lora(transformer, job.model.lora, seed=job.train.seed)
+            counts = lora_summary(transformer)
+            self._log(f"LoRA rank {job.model.lora.rank}: {counts['trainable']:,} of {counts['total']:,} parameters "
+                      "train")
+        return transformer, pretrained_weights
+
+    def _load_data(self, *, local_ranks: int) -> None:
+        """2. The sample table and the schedule; the clips stay in the shards until the loader streams them.
+        Object-store shards come through this node's warm disk cache (one download per shard per node), whose
+        budget must hold the largest shard (checked here, before any step)."""
+        self.shards_dir = shards_dir = self.loop_config["shards_dir"]
+        self.index = read_index(shards_dir)
+        self.lease = GenerationLease(shards_dir, self.index)  # a re-prepare keeps this rank's generation
+        self.table = load_sample_index(shards_dir)
+        if not open_storage(shards_dir).is_local:
+            check_cache_budget(self.job.data.cache_bytes, self.index, local_ranks=local_ranks)
+        self.schedule = job_schedule(self.job, self.table, self.family)
+        self.data_rows = dataset_rows(shards_dir)
+
+    def _parallelize(self, transformer: torch.nn.Module, pretrained_weights: str | None) -> None:
+        """3. Parameters that never get a gradient frozen (they break DDP's reducer: 'Expected to have finished
+        reduction'; found by a probe step); activation checkpointing, then DDP (gloo on CPU, NCCL on GPU) with its
+        communication hook, or FSDP2 (`scaling.strategy`); then the EMA (rank 0's under DDP, every rank's shards
+        under FSDP), the optimizer (of the sharded parameters under FSDP), lr schedule and precision (autocast,
+        fp16's grad scaler)."""
+        job, family = self.job, self.family
+        no_grad = set(unused_parameter_names(transformer) if self.vae_run else
+                      family.no_grad_parameter_names(transformer))
+        for name, param in transformer.named_parameters():
+            if name in no_grad:
+                param.requires_grad_(False)
+        transformer.train()
+        probe = vae_probe_loss if self.vae_run else lambda m: family.probe_loss(m, transformer)
+        self.model, self.comm = parallelize(transformer, job, example_loss=probe,
+                                            pretrained_weights=pretrained_weights, device=self.device)
+        self.transformer = transformer
+        self.sharded = is_sharded(self.model)
+        self.ema = (EMA(transformer, job.train.ema)
+                    if job.train.ema is not None and (self.rank == 0 or self.sharded) else None)
+        self.optimizer = build_optimizer(transformer.parameters(), job.optim)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, job.optim)
+        self.precision = Precision(job.train.mixed_precision, self.device, sharded=self.sharded)
+
+    def _resume(self) -> None:
+        """4. Restore the checkpoint this attempt starts from (`_resume_state`; the DDP hook restores its rank's
+        PowerSGD state, or says why it starts afresh), re-apply this job's `optim` section, and find the data
+        position. Raises UserError when the checkpoint was trained on other data."""
+
+        def restore_comm_hook(saved: dict[str, Any] | None) -> None:
+            why = self.comm.load_state(saved, self.rank, self.world_size)
+            if why:
+                self._log(why)
+
+        state = _resume_state(self.loop_config, self.rank, transformer=self.transformer, optimizer=self.optimizer,
+                              lr_scheduler=self.lr_scheduler, ema=None if self.ema is None else self.ema.averaged,
+                              grad_scaler=self.precision.grad_scaler, comm_hook=restore_comm_hook)
+        self.start_step = 1 if state is None else state.step + 1
+        if state is not None:
+            # This job's optim section wins over the restored one (lr, betas, weight decay, eps, warmup schedule).
+            self.lr_scheduler = apply_optim_config(self.optimizer, self.job.optim, step=state.step)
+        if self.ema is not None and self.ema.num_updates == 0:
+            self.ema.reset()  # an EMA added on resume (or not yet updated) starts from these weights
+        self.data_hash = dataset_hash(self.data_rows)
+        problem = None if state is None else dataset_mismatch(state, self.shards_dir, self.index, self.data_rows)
+        if problem:
+            raise UserError(f"the checkpoint {problem}")  # deterministic: never retried (see vidray.train.trainer)
+        self.position = _resume_position(self.schedule, state, self.rank)
+
+    def _start_loader(self, *, local_ranks: int) -> None:
+        """5a. This rank's steps, streamed by its Ray Data loader (`vidray.data.pipeline`: cold -> warm -> hot,
+        prefetched in schedule order, then the vae and text encode stages with the latent cache; a VAE run trains
+        on the frames themselves: no encode stages)."""
+        job, loop_config = self.job, self.loop_config
+        steps = iter_rank_steps(self.schedule, self.position, world_size=self.world_size, rank=self.rank,
+                                first_step=self.start_step, last_step=job.train.max_steps,
+                                micro_batches=job.micro_batches_per_step)  # lazily
+        placement = loop_config.get("placement") or {}  # {stage: label selector}, resolved on the driver
+        encode = None if self.vae_run else encode_spec(job, placement, latent_cache=loop_config.get("latent_cache", ""))
+        if encode is not None and loop_config.get("identities"):  # the driver's identity tasks (vidray.train.trainer)
+            encode["identities"] = loop_config["identities"]
+        self.loader = RankLoader(self.shards_dir, self.index, self.table, steps, job.data,
+                                 sample_ids=self.table.sample_id.astype(str), local_ranks=local_ranks,
+                                 label_selector=placement.get("decode"), encode=encode)
+        self.batches = iter(self.loader)
+        runtime = ray.get_runtime_context()
+        self.trainer_node = {"node_id": runtime.get_node_id(), "labels": runtime.get_node_labels()}
+        self.loader_nodes: dict[str, dict[str, Any]] = {}  # node_id -> {"node_id", "labels"} of the decode operators
+        self.stage_nodes: dict[str, dict[str, dict[str, Any]]] = {"vae": {}, "text": {}}  # the same, encode actors
+        self.skipped: list[dict[str, str]] = []
+        self.record = bool(loop_config.get("record_sample_ids"))
+        self.trained: list[list[Any]] = []  # [step, epoch, [sample_id, ...]] of this rank, when recording
+        self.record_path = _record_path(loop_config, self.rank) if self.record else None
+
+    def _start_outputs(self) -> None:
+        """5b. What the run reports and writes: the log window, metrics (textfile, Ray's agent, the opt-in
+        endpoint), the run log (TensorBoard, metrics.jsonl, loss.png) and validator on rank 0, and the checkpoint
+        manager; a sharded checkpoint with `checkpoint.upload: async` is written beside the training
+        (`dcp.async_save`): its collectives go over a gloo group of their own, and one thread per rank hashes the
+        files once written."""
+        job, loop_config, rank = self.job, self.loop_config, self.rank
+        self.window = LogWindow(self.world_size)
+        self.history: list[list[float]] = []
+        self.reported_steps: list[int] = []
+        self.step_seconds: list[list[float]] = []  # [step, data_wait_s, encode_s, dit_s] of this rank
+        self.checkpoint_blocked_s: list[list[float]] = []  # [step, seconds the loop stood still for its checkpoint]
+        self.checkpoints = CheckpointManager(loop_config["run_dir"])
+        self.upload_mode = (ray.train.CheckpointUploadMode.ASYNC if job.checkpoint.upload == "async"
+                            else ray.train.CheckpointUploadMode.SYNC)
+        self.checkpoint_group = self.checkpoint_writer = None
+        if self.sharded and job.checkpoint.upload == "async":
+            self.checkpoint_group = dist.new_group(backend="gloo")
+            self.checkpoint_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vidray-checkpoint")
+        self.pending: tuple[PendingShardedCheckpoint, dict, float] | None = None
+        """(the sharded checkpoint being written, its step's metrics, seconds its start held the step)"""
+        self.metrics_log = TrainMetrics(rank=rank, run=job.name, export_to_ray=job.train.ray_metrics)
+        # The textfile needs a local folder: the run folder's, or for a run folder on object storage this node's
+        # temp folder (the Prometheus endpoint of `train.metrics_port` serves the same figures either way).
+        metrics_root = (Path(tempfile.gettempdir()) / "vidray-metrics" / job.name if is_uri(loop_config["run_dir"])
+                        else Path(loop_config["run_dir"]) / "metrics")
+        self.metrics_file = metrics_root / f"rank_{rank}.prom"
+        if job.train.metrics_port is not None:
+            self.metrics_log.serve(job.train.metrics_port + rank)
+        self.run_log = (RunLog(loop_config["run_dir"], start_step=self.start_step, title=job.name)
+                        if rank == 0 else None)
+        self.validate_every = job.train.validation.every_steps
+        self.validator = (start_validator(loop_config["run_dir"], job)
+                          if rank == 0 and self.validate_every else None)
+        self.validations: list[Any] = []  # refs of the validations handed to the validator
+
+    # The loop ------------------------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Train steps `start_step`..`train.max_steps`, reporting every `train.log_every_steps` and checkpointing
+        every `checkpoint.every_steps` (and at the last step); then export. Returns `train_loop_per_worker`'s
+        result."""
+        job, schedule = self.job, self.schedule
+        max_steps = job.train.max_steps
+        sizes = ", ".join(f"{b} x{n}" for b, n in zip(schedule.buckets, schedule.batch_sizes.tolist()))
+        self._log(f"training steps {self.start_step}..{max_steps} from epoch {self.position.epoch}, batch "
+                  f"{self.position.batches_consumed}/{schedule.batches_per_epoch} "
+                  f"({schedule.steps_per_epoch(self.world_size, job.micro_batches_per_step)} steps/epoch of "
+                  f"{job.micro_batches_per_step} micro-batches at {self.world_size} workers; batch sizes {sizes})")
+        self._log(f"global batch {job.global_batch_size} samples per step (data.batch_size_per_worker "
+                  f"{job.data.batch_size_per_worker} x {job.micro_batches_per_step} micro-batches: "
+                  f"{job.scaling.max_workers} workers x {job.micro_batches_per_step // job.scaling.max_workers} "
+                  f"accumulated); precision {job.train.mixed_precision}, activation checkpointing "
+                  f"{job.train.activation_checkpointing}, gradient compression {job.train.grad_compression}"
+                  + (f", EMA decay {job.train.ema.decay}" if self.ema else ""))
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        run_start = time.perf_counter()
+        self.first_step_done_unix: float | None = None  # wall clock when this attempt's first step finished
+        try:
+            for step in range(self.start_step, max_steps + 1):
+                outcome = self.train_step(step)
+                self.position = outcome.position
+                self._count_step(step, outcome)
+                is_log = step % job.train.log_every_steps == 0 or step == max_steps
+                is_checkpoint = step % job.checkpoint.every_steps == 0 or step == max_steps
+                if is_log or is_checkpoint:
+                    self._report(step, outcome, is_checkpoint=is_checkpoint)
+            if self.pending is not None:  # the last step's sharded checkpoint
+                self._report_sharded(self.pending)
+                self.pending = None
+        finally:  # the sharded checkpoints' writer and group, however the loop ended
+            _close_checkpoint_writer(self.checkpoint_writer, self.checkpoint_group)
+        num_trained = max(0, max_steps - self.start_step + 1)
+        steps_per_s = num_trained / (time.perf_counter() - run_start) if num_trained else 0.0
+        return self._finish(steps_per_s)
+
+    def train_step(self, step: int) -> StepOutcome:
+        """One optimizer step: this rank's micro-batches of the step (slots rank, rank + W, ... of its G:
+        `vidray.data.schedule`) with gradient accumulation (DDP all-reduces, FSDP reduce-scatters, on the last
+        backward only: `gradient_sync`), each forward under `precision.autocast()` and each backward scaled by
+        fp16's grad scaler; then the gradients unscaled, clipped to `train.grad_clip_norm` (the global norm), the
+        optimizer and lr steps, and the EMA's update. Raises RuntimeError when the loader delivers another step's
+        micro-batch."""
+        job, model, precision, device = self.job, self.model, self.precision, self.device
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = None  # (,) sum of this rank's micro-batch losses
+        data_wait_s = encode_s = dit_s = 0.0
+        clips, step_ids = 0, []
+        micro, num_micro = 0, 1
+        while micro < num_micro:
+            batch = next(self.batches, None)
+            if batch is None or batch.step != step or batch.micro != micro:
+                got = "nothing" if batch is None else f"step {batch.step} micro-batch {batch.micro}"
+                raise RuntimeError(f"the loader delivered {got} where step {step} micro-batch {micro} was due")
+            num_micro = batch.num_micro
+            t_data = time.perf_counter()
+            self._note_batch(batch)
+            # sum_i w_i mse_i * W / total weight (of all G micro-batches): summed over this rank's micro-batches
+            # and averaged over the W ranks by DDP, the gradient is the mean over the step's real samples.
+            loss_weights = torch.from_numpy(batch.weights) * (self.world_size / batch.total_weight)
+            with gradient_sync(model, micro == num_micro - 1):  # DDP's no_sync / FSDP's set_requires_gradient_sync
+                generators = [sample_generator(job.train.seed, step, int(k)) for k in batch.sample_keys.tolist()]
+                with precision.autocast():
+                    if self.vae_run:  # the clips' frames, uint8 (B, 3, F, H, W), straight from the loader
+                        micro_loss = vae_micro_loss(model, batch.frames.to(device), generators, loss_weights)
+                    else:  # latents and prompt_embeds from the encode stages (encoded there or cached)
+                        micro_loss = flow_matching_step_loss(
+                            self.family, model, batch.latents.to(device), batch.prompt_embeds.to(device),
+                            batch.prompt_attention_mask.to(device), job.flow, generators, loss_weights=loss_weights)
+                precision.backward(micro_loss)
+            loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
+            if self.record:
+                ids = [i for i, w in zip(batch.sample_ids, batch.weights) if w > 0]
+                self.trained.append([step, batch.epoch, ids])
+                step_ids.extend(ids)
+            data_wait_s += batch.data_wait_s
+            clips += len(batch.sample_ids)  # batch slots the DiT trained (padding and repeats included)
+            encode_s += batch.stats.get("vae_s", 0.0) + batch.stats.get("text_s", 0.0)  # in the stages, overlapped
+            dit_s += time.perf_counter() - t_data
+            micro += 1
+        t_optim = time.perf_counter()
+        if self.record_path is not None:
+            _append_record(self.record_path, [step, batch.epoch, self.world_size, self.rank, step_ids])
+        precision.unscale_(self.optimizer)  # fp16: clip and measure true gradients
+        if job.train.grad_clip_norm is not None:
+            grad_norm = clip_grad_norm_(model, job.train.grad_clip_norm)  # global, under FSDP too
+        else:
+            grad_norm = torch.zeros((), device=loss.device)
+        lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses (a host float: no sync)
+        precision.step(self.optimizer)
+        self.lr_scheduler.step()
+        if self.ema is not None:
+            self.ema.maybe_update(step)
+        dit_s += time.perf_counter() - t_optim
+        return StepOutcome(loss, grad_norm, lr, data_wait_s, encode_s, dit_s, clips, batch.epoch,
+                           batch.next_position, batch.prefetch_lead)
+
+    def _note_batch(self, batch: TrainBatch) -> None:
+        """A micro-batch's loader counters, skipped shards and clips, and the nodes its stages ran on."""
+        _add_loader_stats(self.metrics_log, batch)
+        self.skipped.extend(batch.skipped)
+        if batch.loader_node:
+            self.loader_nodes.setdefault(batch.loader_node["node_id"], batch.loader_node)
+        for stage, node in batch.stage_nodes.items():
+            if node:
+                self.stage_nodes[stage].setdefault(node["node_id"], node)
+
+    def _count_step(self, step: int, outcome: StepOutcome) -> None:
+        """A finished step into the log window and the metrics (no host sync)."""
+        seconds = [step, outcome.data_wait_s, outcome.encode_s, outcome.dit_s]
+        self.window.add(outcome.loss, outcome.grad_norm, outcome.lr, seconds)
+        self.window_steps += 1
+        if self.first_step_done_unix is None:
+            self.first_step_done_unix = time.time()
+        self.step_seconds.append(seconds)
+        self.metrics_log.observe_step(data_wait_s=outcome.data_wait_s, step_s=outcome.data_wait_s + outcome.dit_s,
+                                      samples=outcome.clips)
+        self.metrics_log.add_stage("dit", busy_s=outcome.dit_s, clips=outcome.clips)
+        self.metrics_log.set_step(step)
+
+    def _report(self, step: int, outcome: StepOutcome, *, is_checkpoint: bool) -> None:
+        """Close the log window (the one host sync: mean loss and gradient norm over ranks, NaN/Inf checked on
+        every rank at the same step, before any checkpoint of a diverged model is written and good ones rotated
+        away), log it, and report it to Ray Train with this step's checkpoint when due."""
+        data = self.metrics_log.window_summary()
+        closed = self.window.close(step, epoch=outcome.epoch, lr_now=self.lr_scheduler.get_last_lr()[0],
+                                   step_time_s=(time.perf_counter() - self.window_start) / self.window_steps,
+                                   data=data, check_grad_norms=not self.precision.skips_non_finite_steps)
+        if is_checkpoint:
+            bad = non_finite_parameters(self.transformer)
+            if bad:
+                raise NonFiniteTrainingError(
+                    f"training diverged: {len(bad)} weight tensor(s) hold NaN/Inf at step {step} (e.g. {bad[0]}; "
+                    f"lr {closed.lrs[-1]:.3g}); no checkpoint was written. Lower optim.lr or set "
+                    "train.grad_clip_norm, then resume from the last checkpoint",
+                    step, closed.lrs[-1],
+                )
+        self.history.extend([closed.first_step + i, v] for i, v in enumerate(closed.losses))
+        metrics = closed.metrics
+        self.metrics_log.observe_window(loss=metrics["loss"], lr=metrics["lr"],
+                                        data_wait_fraction=min(1.0, data["data_wait_fraction"]))
+        self._log(step_line(closed, max_steps=self.job.train.max_steps, data=data, vae_run=self.vae_run,
+                            prefetch_lead=outcome.prefetch_lead))
+        self.metrics_log.write_textfile(self.metrics_file)
+        if self.run_log is not None:
+            self.run_log.log_window(closed.first_step, closed.losses, closed.grad_norms, closed.lrs, metrics,
+                                    samples_per_step=self.job.global_batch_size)
+            if is_checkpoint:
+                self.run_log.flush()  # TensorBoard events, metrics.jsonl and loss.png in the run folder
+        self.reported_steps.append(step)
+        if self.pending is not None and (is_checkpoint or self._written_everywhere(self.pending[0])):
+            self._report_sharded(self.pending)  # the previous sharded checkpoint, written meanwhile, reported first
+            self.pending = None
+        if is_checkpoint:
+            self._checkpoint(step, metrics)
+        else:
+            # Asynchronous mode for plain reports too: a synchronous report would wait for the copy in flight.
+            ray.train.report(metrics, checkpoint_upload_mode=self.upload_mode)
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    # Checkpoints ---------------------------------------------------------------------------------------------------
+
+    def _checkpoint(self, step: int, metrics: dict[str, Any]) -> None:
+        """Write this step's checkpoint and report it with `metrics`. Full (DDP): rank 0 snapshots the parts into
+        a local temp folder (the step waits only for this with `checkpoint.upload: async`); Ray Train copies it to
+        the run folder with the manager's upload (manifest last, retried), in the background when asynchronous,
+        and deletes the temp folder. Sharded (FSDP): every rank writes its shards (DCP) into its own temp folder
+        and reports it; rank 0's upload writes the manifest only once every rank's files are in the run folder;
+        with `checkpoint.upload: async` the write runs beside the next steps and the checkpoint is reported (with
+        this step's metrics) at the next report, or at the end of the run."""
+        job, rank, world_size, position = self.job, self.rank, self.world_size, self.position
+        t_snapshot = time.perf_counter()
+        train_state = TrainState(step, position.epoch, position.batches_consumed, world_size,
+                                 self.index.get("content_hash", ""), position.to_dict(self.schedule.buckets),
+                                 self.data_hash, len(self.table))
+        if self.sharded:
+            if rank == 0:
+                self.checkpoints.clear_for_sharded_write(checkpoint_dir_name(step))  # an interrupted earlier write
+            if world_size > 1:
+                dist.barrier()
+            started = start_sharded_checkpoint(
+                tempfile.mkdtemp(prefix="vidray-ckpt-"), model=self.transformer, optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler, train_state=train_state, job_config=job.to_dict(), rank=rank,
+                world_size=world_size, dataset=self.data_rows, ema=None if self.ema is None else self.ema.averaged,
+                grad_scaler=self.precision.grad_scaler, process_group=self.checkpoint_group,
+                executor=self.checkpoint_writer)
+            self.pending = (started, metrics, time.perf_counter() - t_snapshot)
+            if self.checkpoint_group is None:
+                self._report_sharded(self.pending)
+                self.pending = None
+            return
+        checkpoint = None
+        hook_state = self.comm.gather_state(rank, world_size)  # every rank's PowerSGD state (a collective)
+        if rank == 0:
+            snapshot = save_checkpoint(
+                tempfile.mkdtemp(prefix="vidray-ckpt-"), model=self.transformer, optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler, train_state=train_state, job_config=job.to_dict(),
+                dataset=self.data_rows, ema=None if self.ema is None else self.ema.averaged,
+                grad_scaler=self.precision.grad_scaler, comm_hook_state=hook_state)
+            checkpoint = ray.train.Checkpoint.from_directory(str(snapshot))
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name(step),
+                         checkpoint_upload_mode=self.upload_mode, delete_local_checkpoint_after_upload=True,
+                         checkpoint_upload_fn=self.checkpoints.ray_upload_fn())
+        self.checkpoint_blocked_s.append([step, time.perf_counter() - t_snapshot])
+        self._maybe_validate(step)
+
+    def _written_everywhere(self, started: PendingShardedCheckpoint) -> bool:
         """Whether every rank's write and hashing of `started` are done (a collective over the training's group:
         every rank gets the same answer, so all finish it at the same report)."""
-        done = torch.tensor([1.0 if started.done() else 0.0], device=device)
-        if world_size > 1:
+        done = torch.tensor([1.0 if started.done() else 0.0], device=self.device)
+        if self.world_size > 1:
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
         return bool(done.item())
 
-    def report_sharded(entry: tuple[PendingShardedCheckpoint, dict, float]) -> None:
+    def _report_sharded(self, entry: tuple[PendingShardedCheckpoint, dict, float]) -> None:
         """Finish a sharded checkpoint (a collective: every rank, same point) and report it with its step's
         metrics; every rank reports its own folder (`CheckpointManager.ray_shard_upload_fn`)."""
         started, step_metrics, started_s = entry
         t_wait = time.perf_counter()
         snapshot = started.finish()
         ray.train.report(step_metrics, checkpoint=ray.train.Checkpoint.from_directory(str(snapshot)),
-                         checkpoint_dir_name=checkpoint_dir_name(started.step), checkpoint_upload_mode=mode,
+                         checkpoint_dir_name=checkpoint_dir_name(started.step), checkpoint_upload_mode=self.upload_mode,
                          delete_local_checkpoint_after_upload=True,
-                         checkpoint_upload_fn=checkpoints.ray_shard_upload_fn())
-        checkpoint_blocked_s.append([started.step, started_s + time.perf_counter() - t_wait])
-        if validator is not None and started.step % validate_every == 0:
-            validations.append(validator.validate.remote(started.step))
-    skipped: list[dict[str, str]] = []
-    metrics_log = TrainMetrics(rank=rank, run=job.name, export_to_ray=job.train.ray_metrics)
-    # The textfile needs a local folder: the run folder's, or for a run folder on object storage this node's temp
-    # folder (the Prometheus endpoint of `train.metrics_port` serves the same figures either way).
-    metrics_root = (Path(tempfile.gettempdir()) / "vidray-metrics" / job.name if is_uri(loop_config["run_dir"])
-                    else Path(loop_config["run_dir"]) / "metrics")
-    metrics_file = metrics_root / f"rank_{rank}.prom"
-    if job.train.metrics_port is not None:
-        metrics_log.serve(job.train.metrics_port + rank)
-    run_log = RunLog(loop_config["run_dir"], start_step=start_step, title=job.name) if rank == 0 else None
-    validate_every = job.train.validation.every_steps
-    validator = start_validator(loop_config["run_dir"], job) if rank == 0 and validate_every else None
-    validations: list[Any] = []  # refs of the validations handed to the validator (vidray.train.validation)
-    window_start, window_steps = time.perf_counter(), 0
-    run_start = time.perf_counter()
-    first_step_done_unix: float | None = None  # wall clock (time.time()) when this attempt's first step finished
-    batches = iter(loader)
-    record_path = _record_path(loop_config, rank) if record else None
-    try:
-        for step in range(start_step, max_steps + 1):
-            # This rank's micro-batches of the step (slots rank, rank + W, ... of its G: `vidray.data.schedule`), with
-            # gradient accumulation: DDP all-reduces on the last backward only (no_sync on the others).
-            optimizer.zero_grad(set_to_none=True)
-            loss = None  # (,) sum of this rank's micro-batch losses
-            data_wait_s = encode_s = dit_s = 0.0
-            step_clips = 0
-            step_ids: list[str] = []
-            micro, num_micro = 0, 1
-            while micro < num_micro:
-                batch = next(batches, None)
-                if batch is None or batch.step != step or batch.micro != micro:
-                    got = "nothing" if batch is None else f"step {batch.step} micro-batch {batch.micro}"
-                    raise RuntimeError(f"the loader delivered {got} where step {step} micro-batch {micro} was due")
-                num_micro = batch.num_micro
-                t_data = time.perf_counter()
-                _add_loader_stats(metrics_log, batch)
-                skipped.extend(batch.skipped)
-                if batch.loader_node:
-                    loader_nodes.setdefault(batch.loader_node["node_id"], batch.loader_node)
-                for stage, node in batch.stage_nodes.items():
-                    if node:
-                        stage_nodes[stage].setdefault(node["node_id"], node)
-                weights = batch.weights
-                # sum_i w_i mse_i * W / total weight (of all G micro-batches): summed over this rank's micro-batches
-                # and averaged over the W ranks by DDP, the gradient is the mean over the step's real samples.
-                loss_weights = torch.from_numpy(weights) * (world_size / batch.total_weight)
-                last = micro == num_micro - 1
-                with gradient_sync(model, last):  # DDP's no_sync / FSDP's set_requires_gradient_sync
-                    generators = [sample_generator(job.train.seed, step, int(k)) for k in batch.sample_keys.tolist()]
-                    with precision.autocast():
-                        if vae_run:  # the clips' frames, uint8 (B, 3, F, H, W), straight from the loader
-                            micro_loss = vae_micro_loss(model, batch.frames.to(device), generators, loss_weights)
-                        else:  # latents and prompt_embeds from the encode stages (encoded there or cached)
-                            micro_loss = flow_matching_step_loss(
-                                family, model, batch.latents.to(device), batch.prompt_embeds.to(device),
-                                batch.prompt_attention_mask.to(device), job.flow, generators, loss_weights=loss_weights)
-                    precision.backward(micro_loss)
-                loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
-                if record:
-                    ids = [i for i, w in zip(batch.sample_ids, weights) if w > 0]
-                    trained.append([step, batch.epoch, ids])
-                    step_ids.extend(ids)
-                data_wait_s += batch.data_wait_s
-                step_clips += len(batch.sample_ids)  # batch slots the DiT trained (padding and repeats included)
-                encode_s += batch.stats.get("vae_s", 0.0) + batch.stats.get("text_s", 0.0)  # in the stages, overlapped
-                dit_s += time.perf_counter() - t_data
-                micro += 1
-            t_optim = time.perf_counter()
-            step_epoch, position = batch.epoch, batch.next_position
-            if record_path is not None:
-                _append_record(record_path, [step, step_epoch, world_size, rank, step_ids])
-            precision.unscale_(optimizer)  # fp16: clip and measure true gradients
-            if job.train.grad_clip_norm is not None:
-                grad_norm = clip_grad_norm_(model, job.train.grad_clip_norm)  # global, under FSDP too
-            else:
-                grad_norm = torch.zeros((), device=loss.device)
-            step_lrs.append(lr_scheduler.get_last_lr()[0])  # the lr this step uses (a host float: no sync)
-            precision.step(optimizer)
-            lr_scheduler.step()
-            if ema is not None:
-                ema.maybe_update(step)
-            step_losses.append(loss)
-            step_grad_norms.append(grad_norm.detach().float())
-            window_steps += 1
-            if first_step_done_unix is None:
-                first_step_done_unix = time.time()
-            dit_s += time.perf_counter() - t_optim
-            step_seconds.append([step, data_wait_s, encode_s, dit_s])
-            metrics_log.observe_step(data_wait_s=data_wait_s, step_s=data_wait_s + dit_s, samples=step_clips)
-            metrics_log.add_stage("dit", busy_s=dit_s, clips=step_clips)
-            metrics_log.set_step(step)
+                         checkpoint_upload_fn=self.checkpoints.ray_shard_upload_fn())
+        self.checkpoint_blocked_s.append([started.step, started_s + time.perf_counter() - t_wait])
+        self._maybe_validate(started.step)
 
-            is_log = step % job.train.log_every_steps == 0 or step == max_steps
-            is_checkpoint = step % job.checkpoint.every_steps == 0 or step == max_steps
-            if not (is_log or is_checkpoint):
-                continue
-            # Host sync only here: mean loss and gradient norm over ranks for each step of the window. A NaN/Inf on
-            # any rank reaches every rank through the mean, so all ranks stop at the same step, before any
-            # checkpoint of a diverged model is written (and good ones rotated away).
-            window = torch.stack([torch.stack(step_losses), torch.stack(step_grad_norms)])  # (2, steps)
-            if world_size > 1:
-                dist.all_reduce(window, op=dist.ReduceOp.AVG)
-            window_losses, window_grad_norms = window.tolist()
-            first_window_step = step - len(window_losses) + 1
-            check_finite_window(first_window_step, window_losses, window_grad_norms, step_lrs,
-                                check_grad_norms=not precision.skips_non_finite_steps)
-            if is_checkpoint:
-                bad = non_finite_parameters(transformer)
-                if bad:
-                    raise NonFiniteTrainingError(
-                        f"training diverged: {len(bad)} weight tensor(s) hold NaN/Inf at step {step} (e.g. {bad[0]}; "
-                        f"lr {step_lrs[-1]:.3g}); no checkpoint was written. Lower optim.lr or set "
-                        "train.grad_clip_norm, then resume from the last checkpoint",
-                        step, step_lrs[-1],
-                    )
-            history.extend([first_window_step + i, v] for i, v in enumerate(window_losses))
-            window_lrs = list(step_lrs)
-            step_losses.clear()
-            step_grad_norms.clear()
-            step_lrs.clear()
-            step_time_s = (time.perf_counter() - window_start) / window_steps
-            metrics = {
-                "step": step,
-                "epoch": step_epoch,
-                "loss": float(np.mean(window_losses)),
-                "step_time_s": step_time_s,
-                "lr": lr_scheduler.get_last_lr()[0],
-                "grad_norm": float(np.mean(window_grad_norms)),
-            }
-            data = metrics_log.window_summary()
-            metrics["data_wait_fraction"] = data["data_wait_fraction"]
-            metrics_log.observe_window(loss=metrics["loss"], lr=metrics["lr"],
-                                       data_wait_fraction=min(1.0, data["data_wait_fraction"]))
-            window_split = np.asarray(step_seconds[-len(window_losses):])[:, 1:].mean(axis=0)  # data, encode, dit
-            metrics["encode_time_s"], metrics["dit_step_time_s"] = float(window_split[1]), float(window_split[2])
-            for stage in ("decode", "vae", "text", "dit"):
-                metrics[f"{stage}_busy_fraction"] = data[f"{stage}_busy_fraction"]
-            busy = " ".join(f"{stage} {100 * data[f'{stage}_busy_fraction']:.0f}%" for stage in ("decode", "vae", "text", "dit"))
-            # Per step (means over the window): step_time, encode, dit, data_wait. Counts (over the window): hot-tier
-            # hits/lookups, warm-tier hits/shard opens, clips decoded, latents reused (latent cache or the encode
-            # stage's memory) / needed, MiB fetched from the shard store.
-            _log(rank, f"step {step}/{max_steps} loss {metrics['loss']:.4f} step_time {step_time_s:.3f} s "
-                 f"(encode {window_split[1]:.3f} s, {'vae' if vae_run else 'dit'} {window_split[2]:.3f} s) lr {metrics['lr']:.2e} data_wait "
-                 f"{window_split[0]:.3f} s ({100 * data['data_wait_fraction']:.0f}%) "
-                 f"busy [{busy}] hot {data['hot_hits']:.0f}/{data['hot_hits'] + data['hot_misses']:.0f} warm "
-                 f"{data['warm_hits']:.0f}/{data['warm_hits'] + data['warm_misses']:.0f} decoded "
-                 f"{data['decode_clips']:.0f} latents reused {data['latent_hits']:.0f}/"
-                 f"{data['latent_hits'] + data['latent_misses']:.0f} fetched "
-                 f"{data['bytes_fetched'] / 2**20:.1f} MiB lead {batch.prefetch_lead}")
-            metrics_log.write_textfile(metrics_file)
-            if run_log is not None:
-                run_log.log_window(first_window_step, window_losses, window_grad_norms, window_lrs, metrics,
-                                   samples_per_step=job.global_batch_size)
-                if is_checkpoint:
-                    run_log.flush()  # TensorBoard events, metrics.jsonl and loss.png in the run folder
-            reported_steps.append(step)
-            if pending is not None and (is_checkpoint or written_everywhere(pending[0])):
-                report_sharded(pending)  # the previous sharded checkpoint, written meanwhile: finished, reported first
-                pending = None
-            if is_checkpoint:
-                # Rank 0 snapshots the parts into a local temp folder (the step waits only for this with
-                # checkpoint.upload=async); Ray Train copies it to the run folder with the manager's upload (manifest
-                # last, retried), in the background when asynchronous, and deletes the temp folder afterwards.
-                t_snapshot = time.perf_counter()
-                train_state = TrainState(step, position.epoch, position.batches_consumed, world_size, index_hash,
-                                         position.to_dict(schedule.buckets), data_hash, len(table))
-                if sharded:
-                    # Every rank writes its shards (DCP) into its own temp folder and reports it; rank 0's upload
-                    # writes the manifest only once every rank's files are in the run folder (manifest last). With
-                    # checkpoint.upload=async the write runs beside the next steps, and the checkpoint is reported
-                    # (with this step's metrics) at the next report, or at the end of the run.
-                    if rank == 0:
-                        checkpoints.clear_for_sharded_write(checkpoint_dir_name(step))  # an interrupted earlier write
-                    if world_size > 1:
-                        dist.barrier()
-                    started = start_sharded_checkpoint(
-                        tempfile.mkdtemp(prefix="vidray-ckpt-"), model=transformer, optimizer=optimizer,
-                        lr_scheduler=lr_scheduler, train_state=train_state, job_config=job.to_dict(), rank=rank,
-                        world_size=world_size, dataset=data_rows, ema=None if ema is None else ema.averaged,
-                        grad_scaler=precision.grad_scaler, process_group=checkpoint_group, executor=checkpoint_writer)
-                    pending = (started, metrics, time.perf_counter() - t_snapshot)
-                    if checkpoint_group is None:
-                        report_sharded(pending)
-                        pending = None
-                    window_start, window_steps = time.perf_counter(), 0
-                    continue
-                checkpoint, upload_fn = None, checkpoints.ray_upload_fn()
-                hook_state = comm.gather_state(rank, world_size)  # every rank's PowerSGD state (a collective)
-                if rank == 0:
-                    snapshot = save_checkpoint(
-                        tempfile.mkdtemp(prefix="vidray-ckpt-"),
-                        model=transformer,
-                        optimizer=optimizer,
-                        lr_scheduler=lr_scheduler,
-                        train_state=train_state,
-                        job_config=job.to_dict(),
-                        dataset=data_rows,
-                        ema=None if ema is None else ema.averaged,
-                        grad_scaler=precision.grad_scaler,
-                        comm_hook_state=hook_state,
-                    )
-                    checkpoint = ray.train.Checkpoint.from_directory(str(snapshot))
-                ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name(step),
-                                 checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True,
-                                 checkpoint_upload_fn=upload_fn)
-                checkpoint_blocked_s.append([step, time.perf_counter() - t_snapshot])
-                if validator is not None and step % validate_every == 0:
-                    validations.append(validator.validate.remote(step))  # it waits for the copy; training goes on
-            else:
-                # Asynchronous mode for plain reports too: a synchronous report would wait for the copy in flight.
-                ray.train.report(metrics, checkpoint_upload_mode=mode)
-            window_start, window_steps = time.perf_counter(), 0
-        if pending is not None:  # the last step's sharded checkpoint
-            report_sharded(pending)
-            pending = None
-    finally:  # the sharded checkpoints' writer and group, however the loop ended
-        _close_checkpoint_writer(checkpoint_writer, checkpoint_group)
-    loader.close()
-    lease.release()
-    if run_log is not None:
-        run_log.close()
-    metrics_log.write_textfile(metrics_file)
-    metrics_log.close()
-    num_trained = max(0, max_steps - start_step + 1)
-    steps_per_s = num_trained / (time.perf_counter() - run_start) if num_trained else 0.0
-    trained_samples = _gather_trained(trained, world_size) if record else []
-    skipped = _agree_on_skipped(skipped, world_size)
-    nodes = _gather_placement({"rank": rank, "trainer": trainer_node, "loaders": list(loader_nodes.values()),
-                               **{stage: list(found.values()) for stage, found in stage_nodes.items()}},
-                              world_size)
-    skipped_shards = [s for s in skipped if "file" in s]
-    skipped_clips = [s for s in skipped if "sample_id" in s]
-    if skipped:
-        _log(rank, f"skipped {len(skipped_shards)} shard(s) and {len(skipped_clips)} clip(s) that could not be read")
+    def _maybe_validate(self, step: int) -> None:
+        """Hand the checkpoint of `step` to the validator when validation is due (it waits for the copy; the
+        training goes on)."""
+        if self.validator is not None and step % self.validate_every == 0:
+            self.validations.append(self.validator.validate.remote(step))
 
-    # 6. Rank 0 saves the trained pipeline in diffusers format (safetensors) with the job file (`_export_pipeline`),
-    # or a VAE run's VAE (`vidray.train.vae.save_vae`).
-    run_dir = str(loop_config["run_dir"])
-    # A sharded model's full weights are gathered to rank 0 first (a collective: every rank takes part).
-    trained_full = full_model_for_export(model, transformer, lambda: _build_unsharded(family, job), rank)
-    # export.weights: ema: the averages, gathered from every rank's shards under FSDP (a collective).
-    ema_weights = ema.full_averages() if ema is not None and job.export.weights == "ema" else None
-    if vae_run:  # the trained VAE as a diffusers folder, what a DiT job's model.vae_path names
-        diffusers_dir = f"{run_dir.rstrip('/')}/{VAE_EXPORT_DIR}"
-        if rank == 0:
-            save_vae(trained_full.vae.eval(), diffusers_dir)
-            _log(rank, f"saved the trained VAE to {diffusers_dir} (use it with model.vae_path={diffusers_dir})")
-    else:
-        diffusers_dir = _export_pipeline(family, trained_full, job, ema_weights, run_dir) if rank == 0 else \
-            f"{run_dir.rstrip('/')}/diffusers"
-    validated, validation_wait_s, validation_problems = wait_for_validations(validations)  # after the export
-    if validations:
-        steps = ", ".join(str(v["step"]) for v in validated) or "none"
-        took = ", ".join(f"{v['seconds']:.1f}" for v in validated)
-        _log(rank, f"validation samples at steps {steps} in {loop_config['run_dir']}/validation (each took "
-                   f"{took} s beside the training; the end of the run waited {validation_wait_s:.1f} s for them)")
-        for problem in validation_problems:
-            _log(rank, f"warning: a validation did not complete: {problem}")
-    return {
-        "validation": validated,
-        "validation_wait_s": validation_wait_s,
-        "losses": history,
-        "first_step": start_step,
-        "last_step": max_steps,
-        "steps_per_s": steps_per_s,
-        "diffusers_dir": diffusers_dir,
-        "reported_steps": reported_steps,
-        "trained_samples": trained_samples,
-        "skipped_shards": skipped_shards,
-        "skipped_clips": skipped_clips,
-        "placement": nodes,
-        "step_seconds": step_seconds,
-        "checkpoint_blocked_s": checkpoint_blocked_s,
-        "first_step_done_unix": first_step_done_unix,
-        "data": metrics_log.summary(),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
-    }
+    # The end -------------------------------------------------------------------------------------------------------
+
+    def _finish(self, steps_per_s: float) -> dict[str, Any]:
+        """6. Close the loader and logs, agree on what was skipped and trained, and export: rank 0 saves the
+        trained pipeline in diffusers format (safetensors) with the job file (`_export_pipeline`), or a VAE run's
+        VAE (`vidray.train.vae.save_vae`); a sharded model's full weights (and EMA) are gathered to rank 0 first
+        (collectives: every rank takes part). Returns `train_loop_per_worker`'s result."""
+        job, rank, world_size = self.job, self.rank, self.world_size
+        self.loader.close()
+        self.lease.release()
+        if self.run_log is not None:
+            self.run_log.close()
+        self.metrics_log.write_textfile(self.metrics_file)
+        self.metrics_log.close()
+        trained_samples = _gather_trained(self.trained, world_size) if self.record else []
+        skipped = _agree_on_skipped(self.skipped, world_size)
+        nodes = _gather_placement({"rank": rank, "trainer": self.trainer_node,
+                                   "loaders": list(self.loader_nodes.values()),
+                                   **{stage: list(found.values()) for stage, found in self.stage_nodes.items()}},
+                                  world_size)
+        skipped_shards = [s for s in skipped if "file" in s]
+        skipped_clips = [s for s in skipped if "sample_id" in s]
+        if skipped:
+            self._log(f"skipped {len(skipped_shards)} shard(s) and {len(skipped_clips)} clip(s) that could not be "
+                      "read")
+        run_dir = str(self.loop_config["run_dir"])
+        trained_full = full_model_for_export(self.model, self.transformer,
+                                             lambda: _build_unsharded(self.family, job), rank)
+        # export.weights: ema: the averages, gathered from every rank's shards under FSDP (a collective).
+        ema_weights = self.ema.full_averages() if self.ema is not None and job.export.weights == "ema" else None
+        if self.vae_run:  # the trained VAE as a diffusers folder, what a DiT job's model.vae_path names
+            diffusers_dir = f"{run_dir.rstrip('/')}/{VAE_EXPORT_DIR}"
+            if rank == 0:
+                save_vae(trained_full.vae.eval(), diffusers_dir)
+                self._log(f"saved the trained VAE to {diffusers_dir} (use it with model.vae_path={diffusers_dir})")
+        else:
+            diffusers_dir = (_export_pipeline(self.family, trained_full, job, ema_weights, run_dir) if rank == 0
+                             else f"{run_dir.rstrip('/')}/diffusers")
+        validated, validation_wait_s, validation_problems = wait_for_validations(self.validations)  # after export
+        if self.validations:
+            steps = ", ".join(str(v["step"]) for v in validated) or "none"
+            took = ", ".join(f"{v['seconds']:.1f}" for v in validated)
+            self._log(f"validation samples at steps {steps} in {run_dir}/validation (each took {took} s beside the "
+                      f"training; the end of the run waited {validation_wait_s:.1f} s for them)")
+            for problem in validation_problems:
+                self._log(f"warning: a validation did not complete: {problem}")
+        return {
+            "validation": validated,
+            "validation_wait_s": validation_wait_s,
+            "losses": self.history,
+            "first_step": self.start_step,
+            "last_step": job.train.max_steps,
+            "steps_per_s": steps_per_s,
+            "diffusers_dir": diffusers_dir,
+            "reported_steps": self.reported_steps,
+            "trained_samples": trained_samples,
+            "skipped_shards": skipped_shards,
+            "skipped_clips": skipped_clips,
+            "placement": nodes,
+            "step_seconds": self.step_seconds,
+            "checkpoint_blocked_s": self.checkpoint_blocked_s,
+            "first_step_done_unix": self.first_step_done_unix,
+            "data": self.metrics_log.summary(),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+        }
+
+    def _log(self, message: str) -> None:
+        _log(self.rank, message)
 
 
 def _build_unsharded(family: Any, job: Any) -> torch.nn.Module:
