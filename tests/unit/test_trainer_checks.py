@@ -298,7 +298,7 @@ def test_deleting_a_damaged_checkpoint_resumes_from_the_previous_one_and_resets_
                                                                                           capsys):
     import json
 
-    from vidray.train.trainer import RAY_SNAPSHOT, _set_aside
+    from vidray.train.resume import RAY_SNAPSHOT, set_aside
 
     job = resumable_run(job_and_index, tmp_path, "deleted", steps=(4, 8))
     snapshot = {"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_000004"},
@@ -311,7 +311,7 @@ def test_deleting_a_damaged_checkpoint_resumes_from_the_previous_one_and_resets_
     assert (plan.checkpoint.name, plan.step, plan.reset_ray_snapshot) == ("checkpoint_000004", 4, True)
     assert plan.ray_snapshot_reason == "it names checkpoint_000008, which is gone"
     capsys.readouterr()
-    _set_aside(plan)
+    set_aside(plan)
     assert "disagrees with the run folder: it names checkpoint_000008, which is gone; it was moved to " in (
         capsys.readouterr().out)
     assert not (job.run_dir / RAY_SNAPSHOT).exists()  # Ray would refuse a list naming a missing folder
@@ -549,7 +549,7 @@ def test_the_same_files_listed_by_absolute_paths_are_named_as_such_when_a_resume
 def test_ctrl_c_that_lands_as_the_run_ends_does_not_ask_for_a_resume_that_would_be_refused(job_and_index, tmp_path):
     # A new user's trial: Ctrl-C at step 30 of a 60-step run took effect only after the run had reached step 60;
     # the driver still said "run the same command again to resume", which is refused ("already at step 60").
-    from vidray.train.trainer import interrupted_note
+    from vidray.train.resume import interrupted_note
 
     job = resumable_run(job_and_index, tmp_path, "ending", steps=(4, 8))
     _, index, _ = job_and_index
@@ -571,19 +571,19 @@ def test_ctrl_c_that_lands_as_the_run_ends_does_not_ask_for_a_resume_that_would_
 
 def test_num_to_keep_at_the_end_of_a_run_keeps_rays_checkpoints_and_the_newest_others_up_to_the_number(
         job_and_index, tmp_path):
-    from vidray.train.trainer import _apply_num_to_keep
+    from vidray.train.resume import apply_num_to_keep
 
     # Ray's list was set aside at the start: it registered only 100 of this run; 70, 80 and 90 came before.
     job = resumable_run(job_and_index, tmp_path, "keep5", steps=(70, 80, 90, 100), **{"checkpoint.num_to_keep": 5})
     plan = check_job_inputs(load_job_config(None, [f"data.shards_dir={job.data.shards_dir}",
                                                    f"storage.path={tmp_path}", "name=keep5", "train.max_steps=200"]))
-    assert _apply_num_to_keep(plan, job, {"checkpoint_000100"}) == []  # 4 <= 5: nothing goes
+    assert apply_num_to_keep(plan, job, {"checkpoint_000100"}) == []  # 4 <= 5: nothing goes
     job2 = resumable_run(job_and_index, tmp_path, "keep2", steps=(70, 80, 90, 100), **{"checkpoint.num_to_keep": 2})
     plan2 = check_job_inputs(load_job_config(None, [f"data.shards_dir={job.data.shards_dir}",
                                                     f"storage.path={tmp_path}", "name=keep2", "train.max_steps=200"]))
-    assert _apply_num_to_keep(plan2, job2, {"checkpoint_000100"}) == ["checkpoint_000070", "checkpoint_000080"]
+    assert apply_num_to_keep(plan2, job2, {"checkpoint_000100"}) == ["checkpoint_000070", "checkpoint_000080"]
     assert plan2.manager.complete() == ["checkpoint_000090", "checkpoint_000100"]
-    assert _apply_num_to_keep(plan2, load_job_config(None, ["checkpoint.num_to_keep=null"]), {"checkpoint_000100"}) == []
+    assert apply_num_to_keep(plan2, load_job_config(None, ["checkpoint.num_to_keep=null"]), {"checkpoint_000100"}) == []
 
 
 def test_a_file_uri_output_is_checked_like_the_folder_it_names(tmp_path):

@@ -19,7 +19,7 @@ A checkpoint folder `<storage.path>/<name>/checkpoint_<step:06d>` holds:
 latest complete one, writing a checkpoint's parts (`save_checkpoint`), copying it to the run folder on any storage
 (local or `s3://`, `CheckpointManager.upload`: parts first, manifest last, so a crash during the copy leaves the
 previous checkpoint the latest complete one), fetching one for loading, and loading it back (`load_checkpoint`).
-The driver (`vidray.train.trainer.plan_resume`) and the workers (`vidray.train.loop`) both ask it.
+The driver (`vidray.train.resume.plan_resume`) and the workers (`vidray.train.loop`) both ask it.
 
 Writing is two-phase: rank 0 writes the parts to a fresh local temp folder (the snapshot: the only time the step is
 blocked with `checkpoint.upload: async`), then Ray Train's report calls `CheckpointManager.ray_upload_fn` (in a
