@@ -44,8 +44,8 @@ class I2VConfig:
     the transformer takes the noisy latents concatenated with inpaint latents (a mask and the masked video's
     latents), as diffusers' `EasyAnimateInpaintPipeline` builds them (`ModelFamily.encode_clip_condition`). One
     model serves both tasks, as EasyAnimate trains it: a sample without condition gets the all-generate (zero)
-    inpaint latents, i.e. text-to-video. Not yet wired into the data plane: `vidray train` refuses a job with it (the
-    encode stage does not compute the condition latents), and serving refuses an image-to-video model."""
+    inpaint latents, i.e. text-to-video. Training computes each clip's condition in the encode stage, from the
+    frames it decodes anyway (`jobs/configs/tiny_i2v.yaml`); serving refuses an image-to-video model for now."""
 
     condition: Literal["first", "first_last"] = "first"
     """Which frames of a training clip are given to the model: `first` (image-to-video) or `first_last` (the first

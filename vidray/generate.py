@@ -197,8 +197,8 @@ def check_generate_args(
     bucket = Bucket(*bucket)
     if image is not None and not info.family.supports_image_to_video(info):
         raise GenerateArgumentError(f"--image: the model {model_path} is text-to-video and takes no image; drop "
-                                    "--image or give an image-to-video model (a stock EasyAnimateInpaintPipeline folder; "
-                                    "training with model.i2v is not wired yet)")
+                                    "--image or give an image-to-video model (a stock EasyAnimateInpaintPipeline folder, or "
+                                    "the export of a model.i2v run)")
     try:
         info.family.latent_shape(bucket, 1)
     except ValueError as err:

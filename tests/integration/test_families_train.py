@@ -1,6 +1,7 @@
 """Every registered family beyond EasyAnimate (whose runs the rest of tests/integration covers) through the real
 loop (issue 29): its shipped tiny config trains on 2 Ray Train workers, checkpoints, resumes exactly, and exports a
-folder that its stock diffusers pipeline loads offline and samples from."""
+folder that its stock diffusers pipeline loads offline and samples from; and EasyAnimate's image-to-video
+(inpaint) model the same way, each clip conditioned on its own first frame through the data plane."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.integration
 def family_config(family: str) -> Path:
     """The shipped tiny config whose model.family is `family`."""
     for path in sorted((REPO / "jobs" / "configs").glob("*.yaml")):
-        if (yaml.safe_load(path.read_text()).get("model") or {}).get("family") == family:
+        model = yaml.safe_load(path.read_text()).get("model") or {}
+        if model.get("family") == family and not model.get("i2v"):
             return path
     raise LookupError(f"no config under jobs/configs/ has model.family: {family}")
 
@@ -57,5 +59,47 @@ def test_the_family_trains_on_2_workers_resumes_exactly_and_exports_its_stock_pi
     num_frames, height, width = job.data.buckets[0]
     latents = pipe("a red fox", num_frames=num_frames, height=height, width=width, num_inference_steps=2,
                    guidance_scale=1.0, max_sequence_length=job.model.max_sequence_length, output_type="latent",
+                   generator=torch.Generator().manual_seed(0)).frames
+    assert latents.shape[0] == 1 and torch.isfinite(latents).all()
+
+
+def test_the_image_to_video_model_trains_on_its_clips_first_frames_resumes_exactly_and_exports_inpaint(
+        local_ray, shards_dir, tmp_path):
+    """`jobs/configs/tiny_i2v.yaml` (EasyAnimate InP): the encode stage computes each clip's inpaint latents (its
+    own first frame given) beside its latents, into the latent cache; the step trains on them with condition
+    dropout; the resumed run repeats steps 3-4 exactly; the export is a stock `EasyAnimateInpaintPipeline` that
+    samples from a first frame."""
+    import diffusers
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    def job(name, max_steps, *extra):
+        return load_job_config(REPO / "jobs/configs/tiny_i2v.yaml", [
+            f"data.shards_dir={shards_dir}", f"storage.path={tmp_path}", f"name={name}",
+            "model.text_encoder=tiny_random", f"train.max_steps={max_steps}", "train.log_every_steps=1",
+            "checkpoint.every_steps=2", "checkpoint.num_to_keep=null", "optim.warmup_steps=0",
+            f"data.latent_cache={tmp_path / 'latents'}", *extra])
+
+    straight = run_training(job("straight", 4))
+    resumed = run_training(job("resumed", 4, f"checkpoint.resume_from={Path(straight.run_dir) / 'checkpoint_000002'}"))
+    assert resumed.first_step == 3 and resumed.losses == straight.losses[2:]
+    assert_same_training_state(Path(resumed.run_dir) / "checkpoint_000004", Path(straight.run_dir) / "checkpoint_000004")
+    entries = [load_file(p) for p in (tmp_path / "latents" / "vae").rglob("*.safetensors")]
+    assert entries and all(set(e) == {"latents", "inpaint_latents"} for e in entries)
+    assert all(e["inpaint_latents"].shape[0] == 17 for e in entries)  # the mask (1) and the masked video (16)
+    assert resumed.data["latent_hits"] > 0  # the resumed run read them back
+
+    export = Path(straight.diffusers_dir)
+    assert json.loads((export / "model_index.json").read_text())["_class_name"] == "EasyAnimateInpaintPipeline"
+    pipe = diffusers.EasyAnimateInpaintPipeline.from_pretrained(export, local_files_only=True)
+    first_frame = np.random.default_rng(0).integers(0, 256, size=(64, 64, 3), dtype=np.uint8)
+    from PIL import Image
+
+    from diffusers.pipelines.easyanimate.pipeline_easyanimate_inpaint import get_image_to_video_latent
+
+    video, mask, _ = get_image_to_video_latent([Image.fromarray(first_frame)], None, 9, (64, 64))
+    latents = pipe("a red fox", video=video, mask_video=mask, num_frames=9, height=64, width=64,
+                   num_inference_steps=2, guidance_scale=1.0, max_sequence_length=32, output_type="latent",
                    generator=torch.Generator().manual_seed(0)).frames
     assert latents.shape[0] == 1 and torch.isfinite(latents).all()

@@ -175,7 +175,7 @@ def test_latents_the_decode_operator_read_from_the_cache_are_used_as_they_are(tm
     frames = _frames(6, 2)
     stage = _stage(what="vae")
     encoded = stage(_batch(frames, ["", ""], ["x", "y"]))["latents"][0]
-    cached = {1: encoded[1]}
+    cached = {1: {"latents": encoded[1]}}
     blank = frames.copy()
     blank[1] = 0
     batch = {**_batch(blank, ["", ""], ["x", "y"]),
@@ -229,3 +229,40 @@ def test_a_stage_given_another_encoder_s_identity_refuses_to_encode_with_its_own
     with pytest.raises(RuntimeError, match="files changed while the run went on"):
         lazy(_batch(_frames(9, 1), ["d" * 64], ["a yellow cab"]))
     assert not list(tmp_path.rglob("*.safetensors"))  # nothing stored under the wrong identity
+
+
+def test_an_image_to_video_model_s_stage_encodes_each_clip_s_condition_and_caches_it_apart(tmp_path):
+    """`model.i2v`: the stage hands each clip's own condition frames, encoded as the family's stock inpaint
+    pipeline does (`encode_clip_condition`, from the same decoded frames: no extra decode), beside its latents;
+    both are cached in one entry under an id of their own (a text-to-video run's entries never serve it), and a
+    cache hit, or the decode operator's cached entry, gives the same bits."""
+    from vidray.config import I2VConfig
+    from vidray.data.encode import latents_identity, pack_cached_latents
+    from vidray.models.vae import frames_to_video
+
+    i2v = dataclasses.replace(MODEL, i2v=I2VConfig(condition="first_last"))
+    frames = _frames(7)
+    shas = ["c" * 64, "d" * 64]
+    stage = _stage(str(tmp_path), model=i2v, what="vae")
+    first = stage(_batch(frames, shas, ["x", "y"]))
+    assert first["inpaint_latents"].shape == (1, 2, 17, 2, 4, 4) and first["inpaint_latents"].dtype == np.float32
+    family = get_family("easyanimate")
+    vae = family.build_encoders(i2v, seed=0).vae
+    with torch.no_grad():
+        for b in range(2):
+            video = frames_to_video(frames[b:b + 1])
+            want = family.encode_clip_condition(vae, video, "first_last")[0]
+            np.testing.assert_allclose(first["inpaint_latents"][0, b], want.numpy(), rtol=1e-5, atol=1e-6)
+    t2v = _stage(str(tmp_path), what="vae")
+    assert stage.vae_id == latents_identity(module_identity(vae), dataclasses.asdict(i2v)) != module_identity(vae)
+    assert "inpaint_latents" not in t2v(_batch(frames, shas, ["x", "y"]))  # its own entries: a miss, no condition
+    again = _stage(str(tmp_path), model=i2v, what="vae")(_batch(frames, shas, ["x", "y"]))
+    assert (again["vae_hits"][0], again["vae_misses"][0]) == (2, 0)
+    np.testing.assert_array_equal(again["inpaint_latents"], first["inpaint_latents"])
+    entry = {"latents": first["latents"][0, 1], "inpaint_latents": first["inpaint_latents"][0, 1]}
+    blank = frames.copy()
+    blank[1] = 0
+    out = _stage(model=i2v, what="vae")({**_batch(blank, ["", ""], ["x", "y"]), "cached_latents": np.array(
+        [pack_cached_latents(stage.vae_id, {1: entry})], dtype=object)})
+    np.testing.assert_array_equal(out["inpaint_latents"][0, 1], entry["inpaint_latents"])
+    np.testing.assert_array_equal(out["inpaint_latents"][0, 0], first["inpaint_latents"][0, 0])

@@ -149,7 +149,8 @@ class EncodeStage:
     `__call__` takes the previous operator's batch of one micro-batch: "vae" needs "frames" (1, B, F, H, W, 3)
     uint8 and "clip_sha" (1,) JSON list of B sha256 hex ("" = not cacheable); "text" needs "captions" (1,) JSON
     list of B str. It returns the batch without "frames" (after "vae"), with "latents" (1, B, C, F_lat, H_lat,
-    W_lat) float32 and/or "prompt_embeds" (1, B, L, D) float32 + "prompt_attention_mask" (1, B, L) bool, the
+    W_lat) float32 (for an image-to-video model also "inpaint_latents" (1, B, C_in, F_lat, H_lat, W_lat) float32,
+    `EncodeStage.latents`) and/or "prompt_embeds" (1, B, L, D) float32 + "prompt_attention_mask" (1, B, L) bool, the
     `ENCODE_STAT_KEYS` counters of this batch (added to those already present) and "<stage>_node" (1,) JSON
     {"node_id", "labels"} of the node the actor runs on.
     """
@@ -166,6 +167,7 @@ class EncodeStage:
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, int(torch_threads)))
         self.model, self.seed = dict(model), int(seed)
+        self.condition = (self.model.get("i2v") or {}).get("condition")  # an image-to-video model's condition frames
         self.max_sequence_length = int(max_sequence_length)
         self._given = {k: v for k, v in (identities or {}).items() if v}
         self._ids: dict[str, str] = {}
@@ -180,7 +182,7 @@ class EncodeStage:
 
     @property
     def vae_id(self) -> str:
-        """`module_identity` of this stage's VAE ("" when it runs no VAE)."""
+        """`latents_identity` of this stage's VAE and condition ("" when it runs no VAE)."""
         return self._identity("vae") if self.do_vae else ""
 
     @property
@@ -214,7 +216,7 @@ class EncodeStage:
         built = {}
         if self.do_vae:
             self.vae = encoders.vae.to(self.device)
-            built["vae"] = module_identity(encoders.vae)
+            built["vae"] = latents_identity(module_identity(encoders.vae), self.model)
         if self.do_text:
             self.text_encoder = encoders.text_encoder.to(self.device)
             self.tokenizer = encoders.tokenizer
@@ -260,45 +262,60 @@ class EncodeStage:
     # -- encoding -------------------------------------------------------------------------------------------
 
     def latents(self, frames: np.ndarray, clip_sha: list[str], bucket: tuple[int, int, int],
-                cached: dict[int, Any] | None = None) -> tuple[Any, int, int]:
-        """latents (B, C, F_lat, H_lat, W_lat) float32 of uint8 frames (B, F, H, W, 3), each clip from the
-        cache or encoded alone (then stored); returns (latents, hits, misses). `cached`: {slot: latents (C, F_lat,
-        H_lat, W_lat) float32} the decode operator already read from this cache (those clips were not decoded:
-        their frames are zeros), counted as hits."""
+                cached: dict[int, dict[str, Any]] | None = None) -> tuple[Any, Any, int, int]:
+        """latents (B, C, F_lat, H_lat, W_lat) float32 of uint8 frames (B, F, H, W, 3), and for an image-to-video
+        model (`model.i2v`) each clip's condition, inpaint_latents (B, C_in, F_lat, H_lat, W_lat) float32
+        (`ModelFamily.encode_clip_condition` of the clip's own `model.i2v.condition` frames: no extra decode), else
+        None; each clip from the cache or encoded alone (then stored, both in one entry); returns (latents,
+        inpaint_latents, hits, misses). `cached`: {slot: entry ({"latents"[, "inpaint_latents"]}: (C, F_lat,
+        H_lat, W_lat) float32 each)} the decode operator already read from this cache (those clips were not
+        decoded: their frames are zeros), counted as hits."""
         import torch
 
-        from vidray.models.vae import frames_to_video
-
-        out, hits, misses, done = [], 0, 0, {}
+        entries, hits, misses, done = [], 0, 0, {}
         cached = cached or {}
         for b in range(frames.shape[0]):
             sha = clip_sha[b]
             rel = LatentCache.latents_entry(self.vae_id, sha, bucket) if sha else None
             if rel is not None and rel in done:
-                out.append(done[rel])
+                entries.append(done[rel])
                 hits += 1
                 continue
-            if b in cached:
-                found = {"latents": cached[b]}
+            found = cached.get(b)
+            if found is not None:
                 if rel is not None:
                     self._keep(rel, found)
             else:
                 found = self._lookup(rel) if rel is not None else None
-            if found is not None:
-                latents = found["latents"]
+            if found is not None and (self.condition is None or "inpaint_latents" in found):
                 hits += 1
             else:
-                self._load_encoders()
-                video = frames_to_video(np.array(frames[b:b + 1]))  # a writable copy of Ray's read-only block
-                with torch.no_grad():
-                    latents = self.family.encode_video(self.vae, video.to(self.device))[0].float().cpu()
+                found = self._encode_clip(np.array(frames[b:b + 1]))  # a writable copy of Ray's read-only block
                 misses += 1
                 if rel is not None:
-                    self._store(rel, {"latents": latents})
+                    self._store(rel, found)
             if rel is not None:
-                done[rel] = latents
-            out.append(latents)
-        return torch.stack(out), hits, misses
+                done[rel] = found
+            entries.append(found)
+        latents = torch.stack([e["latents"] for e in entries])
+        inpaint = torch.stack([e["inpaint_latents"] for e in entries]) if self.condition is not None else None
+        return latents, inpaint, hits, misses
+
+    def _encode_clip(self, frames: np.ndarray) -> dict[str, Any]:
+        """One clip's cache entry: {"latents"[, "inpaint_latents"]} (each (C, F_lat, H_lat, W_lat) float32, CPU) of
+        uint8 frames (1, F, H, W, 3), encoded on this stage's device."""
+        import torch
+
+        from vidray.models.vae import frames_to_video
+
+        self._load_encoders()
+        video = frames_to_video(frames).to(self.device)
+        with torch.no_grad():
+            entry = {"latents": self.family.encode_video(self.vae, video)[0].float().cpu()}
+            if self.condition is not None:
+                entry["inpaint_latents"] = self.family.encode_clip_condition(
+                    self.vae, video, self.condition)[0].float().cpu()
+        return entry
 
     def prompts(self, captions: list[str]) -> tuple[Any, Any, int, int]:
         """prompt_embeds (B, L, D) float32 and prompt_attention_mask (B, L) bool of B captions, each from the
@@ -325,7 +342,8 @@ class EncodeStage:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A block of S micro-batches (rows; `vidray.data.pipeline.ClipLoader`'s columns) -> the same S rows with
-        "latents" (S, B, C, F_lat, H_lat, W_lat) float32 instead of "frames" (vae), "prompt_embeds" (S, B, L, D)
+        "latents" (S, B, C, F_lat, H_lat, W_lat) float32 (and "inpaint_latents" for an image-to-video model)
+        instead of "frames" (vae), "prompt_embeds" (S, B, L, D)
         float32 and "prompt_attention_mask" (S, B, L) bool (text), and the `ENCODE_STAT_KEYS` counters added."""
         return concat_rows([self._row(row) for row in block_rows(batch)])
 
@@ -342,9 +360,11 @@ class EncodeStage:
                 raise RuntimeError(f"the decode operator read cached latents of VAE {vae_id[:12]} but this encode "
                                    f"stage runs VAE {self.vae_id[:12]}: the model's VAE files changed while the "
                                    "loader ran; restart the run")
-            latents, hits, misses = self.latents(frames, clip_sha, tuple(frames.shape[1:4]), cached)
+            latents, inpaint, hits, misses = self.latents(frames, clip_sha, tuple(frames.shape[1:4]), cached)
             out.pop("frames")
             out["latents"] = latents.numpy()[None]
+            if inpaint is not None:
+                out["inpaint_latents"] = inpaint.numpy()[None]
             stats["vae_hits"] += hits
             stats["vae_misses"] += misses
             stats["vae_s"] += time.perf_counter() - t0
@@ -362,30 +382,48 @@ class EncodeStage:
         return out
 
 
-def pack_cached_latents(vae_id: str, cached: dict[int, np.ndarray]) -> bytes:
-    """{slot: latents (C, F_lat, H_lat, W_lat) float32 numpy array} read from the entries of VAE `vae_id` -> one
-    safetensors byte string (b"" for none): the decode operator's "cached_latents" cell of a micro-batch
-    (`vidray.data.pipeline.ClipLoader`, which never imports torch)."""
+def pack_cached_latents(vae_id: str, cached: dict[int, dict[str, np.ndarray]]) -> bytes:
+    """{slot: cache entry ({"latents"[, "inpaint_latents"]}: (C, F_lat, H_lat, W_lat) float32 numpy arrays)} read
+    from the entries of `vae_id` (`latents_identity`) -> one safetensors byte string (b"" for none): the decode
+    operator's "cached_latents" cell of a micro-batch (`vidray.data.pipeline.ClipLoader`, which never imports
+    torch). Tensor names: `<slot>/<entry name>`."""
     from safetensors.numpy import save
 
     if not cached:
         return b""
-    return save({str(slot): np.ascontiguousarray(a) for slot, a in cached.items()}, metadata={"vae_id": vae_id})
+    return save({f"{slot}/{name}": np.ascontiguousarray(a) for slot, entry in cached.items()
+                 for name, a in entry.items()}, metadata={"vae_id": vae_id})
 
 
-def unpack_cached_latents(cell: Any) -> tuple[str, dict[int, Any]]:
-    """The inverse of `pack_cached_latents`: (vae_id, {slot: latents torch tensor}); ("", {}) for b"" or None."""
+def unpack_cached_latents(cell: Any) -> tuple[str, dict[int, dict[str, Any]]]:
+    """The inverse of `pack_cached_latents`: (vae_id, {slot: {entry name: torch tensor}}); ("", {}) for b"" or
+    None."""
     from safetensors.torch import load
 
     if not cell:
         return "", {}
     data = bytes(cell)
     header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])  # the safetensors header (its spec)
-    return str(header.get("__metadata__", {}).get("vae_id", "")), {int(k): v for k, v in load(data).items()}
+    out: dict[int, dict[str, Any]] = {}
+    for key, tensor in load(data).items():
+        slot, name = key.split("/", 1)
+        out.setdefault(int(slot), {})[name] = tensor
+    return str(header.get("__metadata__", {}).get("vae_id", "")), out
+
+
+def latents_identity(vae_id: str, model: dict[str, Any]) -> str:
+    """The id naming a clip's latent cache entries (`LatentCache.latents_entry`): the VAE's `module_identity`
+    `vae_id` for a text-to-video model; for an image-to-video one (`model.i2v`, whose entries hold the condition
+    latents too, `ModelFamily.encode_clip_condition`), sha256 of the VAE's id and the condition frames
+    (`model.i2v.condition`), so the two kinds of entry never meet."""
+    i2v = model.get("i2v") or {}
+    if not i2v:
+        return vae_id
+    return hashlib.sha256(f"{vae_id}|i2v:{i2v.get('condition', 'first')}".encode()).hexdigest()
 
 
 def vae_identity(model: dict[str, Any], seed: int) -> str:
-    """The `module_identity` of the VAE an `EncodeStage` of this model section (`ModelConfig` as a dict) and
+    """The `latents_identity` of the VAE an `EncodeStage` of this model section (`ModelConfig` as a dict) and
     `train.seed` loads: the `vae_id` of its latent cache entries, with the VAE built alone
     (`ModelFamily.build_vae`: a pretrained folder's `vae/` only, never the text encoder). The decode operator
     uses it to find cached latents before it decodes a clip (`vidray.data.pipeline.ClipLoader`). Raises what
@@ -394,7 +432,7 @@ def vae_identity(model: dict[str, Any], seed: int) -> str:
     from vidray.models.registry import get_family
 
     model_cfg = ModelConfig(**model)
-    return module_identity(get_family(model_cfg.family).build_vae(model_cfg, seed=int(seed)))
+    return latents_identity(module_identity(get_family(model_cfg.family).build_vae(model_cfg, seed=int(seed))), model)
 
 
 def text_identity(model: dict[str, Any], seed: int) -> str:

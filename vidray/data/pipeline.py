@@ -150,8 +150,9 @@ class TrainBatch:
 
     With the encode stages (`RankLoader(encode=...)`, `vidray.data.encode`) frames is None and the batch carries
     latents (B, C_lat, F_lat, H_lat, W_lat) float32, prompt_embeds (B, L, D) float32 and prompt_attention_mask
-    (B, L) bool instead; stage_nodes: {"vae" | "text": {"node_id", "labels"}} of the nodes that encoded it, and
-    stats also has the `ENCODE_STAT_KEYS` counters.
+    (B, L) bool instead, and for an image-to-video model (`model.i2v`) inpaint_latents (B, C_in, F_lat, H_lat,
+    W_lat) float32, each clip's condition (`ModelFamily.encode_clip_condition`); stage_nodes: {"vae" | "text":
+    {"node_id", "labels"}} of the nodes that encoded it, and stats also has the `ENCODE_STAT_KEYS` counters.
     """
 
     step: int
@@ -175,6 +176,7 @@ class TrainBatch:
     prompt_embeds: Any = None
     prompt_attention_mask: Any = None
     stage_nodes: dict[str, Any] = field(default_factory=dict)
+    inpaint_latents: Any = None
 
 
 class ClipLoader:
@@ -197,6 +199,8 @@ class ClipLoader:
             VAE (`vidray.data.encode.vae_identity`): a str, or a one-item list holding the ObjectRef of the task
             computing it (never waited for: clips are decoded until it is ready). With both, a clip whose latents
             are cached is not decoded: its latents travel in "cached_latents" and its frames are zeros.
+        image_to_video: the encode stage encodes an image-to-video model's condition too (`model.i2v`): a cached
+            entry counts only with its condition latents.
 
     `__call__({"i": (R,) int64, "n": (R,) int64})` (a block of R rows, each the n planned steps i..i+n-1, all of
     one bucket: `plan_blocks`) returns one row per step, (S,) columns with S = sum(n): {"i", "frames" (S, B, F, H, W, 3) uint8 (each clip decoded straight into
@@ -210,7 +214,8 @@ class ClipLoader:
 
     def __init__(self, shards_dir: str, shard_entries: Sequence[dict[str, Any]], plan: dict[str, np.ndarray], *,
                  cache_dir: str, cache_bytes: int, hot_bytes: int, prefetch_window: int, open_shards: int,
-                 local_ranks: int = 1, hash_clips: bool = True, latent_cache: str = "", vae_id: Any = None):
+                 local_ranks: int = 1, hash_clips: bool = True, latent_cache: str = "", vae_id: Any = None,
+                 image_to_video: bool = False):
         import json
 
         import ray
@@ -228,6 +233,7 @@ class ClipLoader:
         self.hash_clips = bool(hash_clips)  # the clips' sha256 keys the latent cache: only an encode stage needs it
         self.latent_cache = LatentCache(latent_cache) if latent_cache and self.hash_clips else None
         self.vae_id = vae_id if isinstance(vae_id, str) and vae_id else None
+        self.image_to_video = bool(image_to_video)  # cached entries then hold the condition latents too
         self._vae_id_ref = vae_id[0] if isinstance(vae_id, (list, tuple)) and vae_id else None
         self.hot: OrderedDict[int, tuple[np.ndarray, str, str]] = OrderedDict()  # key -> (frames, caption, sha256)
         self.hot_used = 0
@@ -318,14 +324,17 @@ class ClipLoader:
                     self.vae_id = None
         return self.vae_id
 
-    def _cached_latents(self, rel: str) -> np.ndarray | None:
-        """The latents (C, F_lat, H_lat, W_lat) float32 (numpy: this operator never imports torch) of cache entry
-        `rel`, or None (absent or damaged: the clip is decoded and the encode stage rewrites the entry)."""
+    def _cached_latents(self, rel: str) -> dict[str, np.ndarray] | None:
+        """Cache entry `rel`: {"latents"[, "inpaint_latents"]} (C, F_lat, H_lat, W_lat) float32 (numpy: this
+        operator never imports torch), or None (absent, damaged, or without an entry an image-to-video model
+        needs: the clip is decoded and the encode stage rewrites the entry)."""
         t0 = time.perf_counter()
         found = self.latent_cache.get(rel, as_numpy=True)
         with self.lock:
             self.stats["decode_s"] += time.perf_counter() - t0
-        return None if found is None else found.get("latents")
+        if found is None or "latents" not in found or (self.image_to_video and "inpaint_latents" not in found):
+            return None
+        return found
 
     def _table(self, shard: int) -> pa.Table:
         """The shard's (sample_id, caption, video_mp4) columns in memory (checksum verified when fetched)."""
@@ -425,9 +434,9 @@ class ClipLoader:
             bucket = tuple(frames.shape[1:4])
             hits = self._pool.map(lambda j: self._cached_latents(LatentCache.latents_entry(vae_id, sha[j], bucket)),
                                   misses)
-            for j, latents in zip(misses, list(hits)):
-                if latents is not None:
-                    cached[j] = latents
+            for j, entry in zip(misses, list(hits)):
+                if entry is not None:
+                    cached[j] = entry
                     frames[j] = 0
                     found[j] = (found[j][3], sha[j])
             with self.lock:
@@ -646,6 +655,7 @@ class RankLoader:
                     "hash_clips": bool(operators),
                     "latent_cache": str(encode.get("latent_cache") or "") if encode else "",
                     "vae_id": (identities or {}).get("vae"),
+                    "image_to_video": bool(encode and (encode["model"].get("i2v"))),
                 },
             )
             for op in operators:  # the encode stages, each one actor on the nodes its placement allows
@@ -725,13 +735,15 @@ class RankLoader:
             raise StopIteration
         plan, batch = item
         ok = batch["ok"][0]
-        frames = latents = prompt_embeds = prompt_attention_mask = None
+        frames = latents = inpaint_latents = prompt_embeds = prompt_attention_mask = None
         with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; the step never writes to them
             warnings.simplefilter("ignore", UserWarning)
             if "frames" in batch:
                 frames = torch.from_numpy(batch["frames"][0]).permute(0, 4, 1, 2, 3)  # (B, 3, F, H, W), no copy
             if "latents" in batch:
                 latents = torch.from_numpy(batch["latents"][0])  # (B, C, F_lat, H_lat, W_lat)
+            if "inpaint_latents" in batch:
+                inpaint_latents = torch.from_numpy(batch["inpaint_latents"][0])  # (B, C_in, F_lat, H_lat, W_lat)
             if "prompt_embeds" in batch:
                 prompt_embeds = torch.from_numpy(batch["prompt_embeds"][0])  # (B, L, D)
                 prompt_attention_mask = torch.from_numpy(batch["prompt_attention_mask"][0])  # (B, L)
@@ -759,6 +771,7 @@ class RankLoader:
             prompt_embeds=prompt_embeds,
             prompt_attention_mask=prompt_attention_mask,
             stage_nodes=stage_nodes,
+            inpaint_latents=inpaint_latents,
         )
 
     def close(self) -> None:

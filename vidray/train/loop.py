@@ -429,10 +429,11 @@ class Worker:
                 with precision.autocast():
                     if self.vae_run:  # the clips' frames, uint8 (B, 3, F, H, W), straight from the loader
                         micro_loss = vae_micro_loss(model, batch.frames.to(device), generators, loss_weights)
-                    else:  # latents and prompt_embeds from the encode stages (encoded there or cached)
+                    else:  # latents and prompt_embeds (and I2V conditions) from the encode stages, or cached
                         micro_loss = flow_matching_step_loss(
                             self.family, model, batch.latents.to(device), batch.prompt_embeds.to(device),
-                            batch.prompt_attention_mask.to(device), job.flow, generators, loss_weights=loss_weights)
+                            batch.prompt_attention_mask.to(device), job.flow, generators, loss_weights=loss_weights,
+                            **self._condition(batch))
                 precision.backward(micro_loss)
             loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
             if self.record:
@@ -460,6 +461,19 @@ class Worker:
         dit_s += time.perf_counter() - t_optim
         return StepOutcome(loss, grad_norm, lr, data_wait_s, encode_s, dit_s, clips, batch.epoch,
                            batch.next_position, batch.prefetch_lead)
+
+    def _condition(self, batch: TrainBatch) -> dict[str, Any]:
+        """An image-to-video model's (`model.i2v`) keyword arguments of `flow_matching_step_loss`: the batch's
+        inpaint_latents and `model.i2v.condition_dropout`; nothing for a text-to-video model. Raises RuntimeError
+        when the encode stage delivered no condition for an image-to-video model."""
+        i2v = self.job.model.i2v
+        if i2v is None:
+            return {}
+        if batch.inpaint_latents is None:
+            raise RuntimeError(f"model.i2v is set but step {batch.step}'s micro-batch came without inpaint_latents "
+                               "from the encode stage")
+        return {"inpaint_latents": batch.inpaint_latents.to(self.device),
+                "condition_dropout": i2v.condition_dropout}
 
     def _note_batch(self, batch: TrainBatch) -> None:
         """A micro-batch's loader counters, skipped shards and clips, and the nodes its stages ran on."""

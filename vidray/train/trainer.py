@@ -143,8 +143,7 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     does not answer or its bucket does not exist, and likewise for `data.shards_dir` and an object-store
     `checkpoint.resume_from`), or when resuming changes a key fixed for the run (naming each key and both values),
     trains on another dataset (`vidray.train.checkpoint.dataset_mismatch`), or is already at `train.max_steps`,
-    and when `model.max_sequence_length` exceeds the text encoder's limit; UserError for `model.i2v` (not wired into
-    the data plane yet) outside a VAE run. Prints one line listing the changeable
+    and when `model.max_sequence_length` exceeds the text encoder's limit. Prints one line listing the changeable
     keys that differ from the checkpoint, and the data position the run continues from (world-size independent: another
     `scaling.num_workers` deals the rest of the epoch, each sample still exactly once; `vidray.data.schedule`).
     """
@@ -152,10 +151,6 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     from vidray.data.shards import read_index, report_path
 
     check_job_outputs(job)
-    if job.model.i2v is not None and job.train.objective != "vae":
-        raise UserError("model.i2v: training an image-to-video model is not wired into the data plane yet (the "
-                        "encode stage does not compute the condition latents); remove model.i2v to train "
-                        "text-to-video, or sample an image-to-video folder with `vidray generate --image`")
     from vidray.models.text_encoder import check_max_sequence_length
 
     check_max_sequence_length(job.model)
