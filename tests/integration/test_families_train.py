@@ -93,13 +93,14 @@ def test_the_image_to_video_model_trains_on_its_clips_first_frames_resumes_exact
     export = Path(straight.diffusers_dir)
     assert json.loads((export / "model_index.json").read_text())["_class_name"] == "EasyAnimateInpaintPipeline"
     pipe = diffusers.EasyAnimateInpaintPipeline.from_pretrained(export, local_files_only=True)
+    pipe.vae.register_to_config(cache_mag_vae=True)  # dropped on load; the pipeline's resize_mask reads it
     first_frame = np.random.default_rng(0).integers(0, 256, size=(64, 64, 3), dtype=np.uint8)
     from PIL import Image
 
     from diffusers.pipelines.easyanimate.pipeline_easyanimate_inpaint import get_image_to_video_latent
 
-    video, mask, _ = get_image_to_video_latent([Image.fromarray(first_frame)], None, 9, (64, 64))
+    video, mask = get_image_to_video_latent([Image.fromarray(first_frame)], None, 9, (64, 64))
     latents = pipe("a red fox", video=video, mask_video=mask, num_frames=9, height=64, width=64,
-                   num_inference_steps=2, guidance_scale=1.0, max_sequence_length=32, output_type="latent",
+                   num_inference_steps=2, guidance_scale=1.0, output_type="latent",
                    generator=torch.Generator().manual_seed(0)).frames
     assert latents.shape[0] == 1 and torch.isfinite(latents).all()

@@ -299,3 +299,15 @@ def test_serving_an_i2v_model_is_refused_in_one_line_until_it_is_wired(exported,
     monkeypatch.setenv("VIDRAY_API_TOKEN", "a-token-of-at-least-16-chars")
     with pytest.raises(ServeSettingsError, match="is an image-to-video model; serving one is not wired yet"):
         build_app({"model_path": str(out_dir), "store_dir": str(tmp_path / "store"), "store_on": "replica"})
+
+
+def test_the_training_probe_and_the_frozen_parameters_of_an_inpaint_transformer():
+    """The loop's set-up probes the transformer (`no_grad_parameter_names`, PowerSGD's `prime_buckets`) as
+    `predict` calls it: 16 noisy latent channels plus 17 of inpaint latents, not 33 noisy ones. The unused
+    text-stream outputs of the last block are found as in the text-to-video model."""
+    transformer = FAMILY.build_transformer(CFG, seed=0)
+    assert FAMILY.takes_image(transformer)
+    assert torch.isfinite(FAMILY.probe_loss(transformer, transformer))
+    frozen = FAMILY.no_grad_parameter_names(transformer)
+    t2v_frozen = FAMILY.no_grad_parameter_names(FAMILY.build_transformer(T2V_CFG, seed=0))
+    assert frozen == t2v_frozen and frozen

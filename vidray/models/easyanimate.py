@@ -325,14 +325,22 @@ def no_grad_parameter_names(transformer: EasyAnimateTransformer3DModel) -> list[
 def probe_loss(model: torch.nn.Module, transformer: EasyAnimateTransformer3DModel) -> torch.Tensor:
     """The output sum of `model` (`transformer`, maybe DDP-wrapped) on a fixed (1, C, 1, 2p, 2p) input with 2 text
     tokens (a seeded CPU generator: the global RNG is untouched); fp32 scalar. The probe of
-    `no_grad_parameter_names` and of `vidray.train.parallel.prime_buckets`."""
+    `no_grad_parameter_names` and of `vidray.train.parallel.prime_buckets`. An inpaint (image-to-video)
+    transformer gets its noisy latents' C = `out_channels` and the rest of its `in_channels` as `inpaint_latents`,
+    as `predict` calls it."""
     cfg, param = transformer.config, next(transformer.parameters())
     g = torch.Generator().manual_seed(0)
     p = cfg.patch_size
-    noisy_latents = torch.randn(1, cfg.in_channels, 1, 2 * p, 2 * p, generator=g).to(param.device, param.dtype)
+    channels = cfg.out_channels if takes_inpaint_latents(transformer) else cfg.in_channels
+    noisy_latents = torch.randn(1, channels, 1, 2 * p, 2 * p, generator=g).to(param.device, param.dtype)
     prompt_embeds = torch.randn(1, 2, cfg.text_embed_dim, generator=g).to(param.device, param.dtype)
     timesteps = torch.full((1,), 500.0, device=param.device, dtype=param.dtype)
-    return model(noisy_latents, timesteps, encoder_hidden_states=prompt_embeds, return_dict=False)[0].float().sum()
+    extra = {}
+    if takes_inpaint_latents(transformer):
+        extra["inpaint_latents"] = torch.randn(1, cfg.in_channels - channels, 1, 2 * p, 2 * p, generator=g).to(
+            param.device, param.dtype)
+    return model(noisy_latents, timesteps, encoder_hidden_states=prompt_embeds, return_dict=False,
+                 **extra)[0].float().sum()
 
 
 class EasyAnimateFamily(ModelFamily):
