@@ -325,6 +325,10 @@ class ValidationConfig:
     frames in `<run>/validation/step_<N>/`, and the videos in TensorBoard. null: no validation."""
     prompts: list[str] = dataclasses.field(default_factory=list)
     """The fixed prompts sampled at each validation (each with the same seed every time)."""
+    images: list[str] = dataclasses.field(default_factory=list)
+    """An image-to-video model's (`model.i2v`) fixed first frames, one image file (PNG, JPEG) per prompt, each
+    conditioning its prompt's sample as `vidray generate --image` does; empty: text-only samples (the empty
+    condition)."""
     num_inference_steps: int = 8
     """Denoising steps of each validation sample."""
     guidance_scale: float = 1.0
@@ -764,6 +768,12 @@ class JobConfig:
                              "train.validation.prompts: [\"a red kite over a beach\"]")
         if val.num_inference_steps < 1:
             raise ValueError(f"train.validation.num_inference_steps must be >= 1, got {val.num_inference_steps}")
+        if val.images and self.model.i2v is None:
+            raise ValueError("train.validation.images are first frames for an image-to-video model: set model.i2v, "
+                             "or remove train.validation.images")
+        if val.images and len(val.images) != len(val.prompts):
+            raise ValueError(f"train.validation.images must give one image per prompt: {len(val.images)} images "
+                             f"for {len(val.prompts)} prompts")
         if not (val.guidance_scale >= 1.0 and math.isfinite(val.guidance_scale)):
             raise ValueError(f"train.validation.guidance_scale must be >= 1.0 (1.0: no guidance), got "
                              f"{val.guidance_scale}")
@@ -914,7 +924,7 @@ RESUME_RULES: dict[str, str] = {
     "train.ema": RESUME_CHANGEABLE,
     # Validation only reads checkpoints: any of it may change on resume.
     **{f"train.validation.{key}": RESUME_CHANGEABLE for key in (
-        "every_steps", "prompts", "num_inference_steps", "guidance_scale", "seed", "bucket", "num_cpus")},
+        "every_steps", "prompts", "images", "num_inference_steps", "guidance_scale", "seed", "bucket", "num_cpus")},
     "export.weights": RESUME_CHANGEABLE,
     "train.objective": RESUME_FIXED,  # a VAE run's checkpoint holds a VAE, a DiT run's a transformer
     # `vidray train-vae`'s section: the VAE run copies it into its own train/optim/data keys, which the rules

@@ -134,6 +134,10 @@ def test_frame_grid_puts_one_video_per_row_and_pads_short_ones():
      "bucket must look like"),
     (["train.validation.every_steps=50", "train.validation.prompts=[\"x\"]", "scaling.strategy=fsdp"],
      "not supported with scaling.strategy: fsdp"),
+    (["train.validation.every_steps=50", "train.validation.prompts=[\"x\"]", "train.validation.images=[\"a.png\"]"],
+     "train.validation.images are first frames for an image-to-video model: set model.i2v"),
+    (["train.validation.every_steps=50", "train.validation.prompts=[\"x\"]", "model.i2v.condition=first",
+      "train.validation.images=[\"a.png\", \"b.png\"]"], "one image per prompt: 2 images for 1 prompts"),
 ])
 def test_bad_validation_settings_are_refused_at_load_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -150,3 +154,55 @@ def test_a_prompt_longer_than_the_text_encoder_takes_is_refused_before_the_run()
         check_validation_prompts(job)
     check_validation_prompts(load_job_config(None, ["train.validation.every_steps=50",
                                                     "train.validation.prompts=[\"a kite\"]"]))
+
+
+def test_an_image_to_video_run_is_validated_from_its_fixed_first_frames(tmp_path, monkeypatch):
+    """`train.validation.images` (model.i2v): each prompt's sample is conditioned on its image, as `vidray generate
+    --image` samples it; an image that is not one is refused before the run."""
+    from PIL import Image
+
+    import vidray.diffusion.sampler as sampler
+    from vidray.diffusion.sampler import generate_video
+    from vidray.models.export import load_model
+
+    given = []  # the first frame of each sample, recorded on its way to the real generate_video
+
+    def recording(*args, **kwargs):
+        given.append(None if kwargs.get("image") is None else np.asarray(kwargs["image"]))
+        return generate_video(*args, **kwargs)
+
+    monkeypatch.setattr(sampler, "generate_video", recording)
+
+    images = []
+    for i in range(2):
+        images.append(tmp_path / f"first{i}.png")
+        Image.fromarray(np.random.RandomState(i).randint(0, 256, (40, 48, 3), dtype=np.uint8)).save(images[-1])
+    model = {**JOB["model"], "i2v": {"condition": "first"}}
+    job = {**JOB, "model": model, "train": {"validation": {**JOB["train"]["validation"],
+                                                           "images": [str(p) for p in images]}}}
+    text_only = {**JOB, "model": model}
+    run, plain = tmp_path / "run", tmp_path / "plain"
+    checkpoint = _checkpoint(run, 2, job)
+    _checkpoint(plain, 2, text_only)
+    Validator(str(run), job_config_from_dict(job).to_dict()).validate(2)
+    Validator(str(plain), job_config_from_dict(text_only).to_dict()).validate(2)
+    out = run / "validation/step_000002"
+    assert json.loads((out / "prompts.json").read_text())["images"] == [str(p) for p in images]
+    loaded = load_model(checkpoint)
+    expected = generate_video(loaded.family, loaded.components, ["a red kite"], (5, 32, 32), flow=loaded.flow,
+                              num_inference_steps=2, max_sequence_length=16, seed=0,
+                              image=Image.open(images[0]).convert("RGB"))[0]
+    grid, text_grid = _png(out / "grid.png"), _png(plain / "validation/step_000002/grid.png")
+    assert np.abs(grid[:32, :32 * 5] - expected.transpose(1, 0, 2, 3).reshape(32, -1, 3)).max() <= 2
+    assert grid.shape == text_grid.shape
+    # each prompt's sample got its own image; the text-only run's got none (the tiny random VAE decodes the two
+    # alike, so the pixels cannot tell them apart)
+    assert len(given) == 4 and given[2] is None and given[3] is None
+    for i in range(2):
+        np.testing.assert_array_equal(given[i], np.asarray(Image.open(images[i]).convert("RGB")))
+
+    bad = tmp_path / "not_an_image.png"
+    bad.write_bytes(b"nope")
+    with pytest.raises(UserError, match=r"train.validation.images\[1\]: .* not an image PIL can read"):
+        check_validation_prompts(job_config_from_dict({**job, "train": {"validation": {
+            **job["train"]["validation"], "images": [str(images[0]), str(bad)]}}}))

@@ -5,7 +5,8 @@ Every `train.validation.every_steps` (a multiple of `checkpoint.every_steps`) ra
 CPUs on the nodes `placement.vae` allows, since it loads the VAE and the text encoder). The actor waits until
 that step's checkpoint is complete in the run folder, loads it (`vidray.models.export.load_model`: its weights, a
 LoRA run's adapters merged; the EMA when the run keeps one, `train.ema`), samples each of `prompts` with the same
-seed, bucket and sampler settings every time, and writes into `<run>/validation/step_<N>/`:
+seed, bucket and sampler settings every time (an image-to-video model with `images`, each prompt's fixed first
+frame), and writes into `<run>/validation/step_<N>/`:
 
 - `<i>.mp4`: prompt i's video (H.264, the job's `data.fps`);
 - `grid.png`: one row per prompt, one column per frame;
@@ -59,12 +60,26 @@ def check_validation_prompts(job: Any) -> None:
     prompts = list(job.train.validation.prompts)
     if job.train.validation.every_steps is None or not prompts:
         return
+    _check_validation_images(job)
     counts = count_prompt_tokens(build_tokenizer(job.model), prompts)
     for i, (prompt, count) in enumerate(zip(prompts, counts)):
         if count > job.model.max_sequence_length:
             raise UserError(f"train.validation.prompts[{i}] ({prompt[:40]!r}...) is {count} tokens, longer than "
                             f"model.max_sequence_length={job.model.max_sequence_length}: shorten it, or raise "
                             "model.max_sequence_length")
+
+
+def _check_validation_images(job: Any) -> None:
+    """Refuse (UserError, one line) a `train.validation.images` entry that is not an image file PIL reads (before
+    the run: the validator would fail at its first validation)."""
+    from vidray.errors import UserError
+    from vidray.models.conditioning import load_image
+
+    for i, path in enumerate(job.train.validation.images):
+        try:
+            load_image(str(path))
+        except (FileNotFoundError, ValueError) as err:
+            raise UserError(f"train.validation.images[{i}]: {err}") from None
 
 
 class Validator:
@@ -96,6 +111,7 @@ class Validator:
         from vidray.data.video import write_mp4
         from vidray.diffusion.sampler import generate_video
         from vidray.logs import quiet_diffusers
+        from vidray.models.conditioning import load_image
 
         started = time.perf_counter()
         checkpoint = self._wait_for_checkpoint(step)
@@ -108,17 +124,20 @@ class Validator:
         videos = []
         with torch.inference_mode():
             for i, prompt in enumerate(val.prompts):
+                image = load_image(val.images[i]) if val.images else None  # an I2V model's fixed first frame
                 frames = generate_video(model.family, model.components, [prompt], bucket, flow=model.flow,
                                         num_inference_steps=val.num_inference_steps,
                                         guidance_scale=float(val.guidance_scale),
-                                        max_sequence_length=model.max_sequence_length, seed=val.seed)[0]
+                                        max_sequence_length=model.max_sequence_length, seed=val.seed,
+                                        image=image)[0]
                 write_mp4(frames, out / f"{i}.mp4", float(self.job.data.fps))
                 videos.append(np.asarray(frames))  # (F, H, W, 3) uint8
         grid = frame_grid(videos)
         _write_png(grid, out / "grid.png")
         seconds = time.perf_counter() - started
         (out / "prompts.json").write_text(json.dumps({
-            "step": step, "checkpoint": str(checkpoint), "prompts": list(val.prompts), "seed": val.seed,
+            "step": step, "checkpoint": str(checkpoint), "prompts": list(val.prompts),
+            "images": list(val.images), "seed": val.seed,
             "bucket": str(bucket), "num_inference_steps": val.num_inference_steps,
             "guidance_scale": val.guidance_scale, "seconds": round(seconds, 3)}, indent=2))
         self._tensorboard(step, videos, grid)
