@@ -45,7 +45,7 @@ class I2VConfig:
     latents), as diffusers' `EasyAnimateInpaintPipeline` builds them (`ModelFamily.encode_clip_condition`). One
     model serves both tasks, as EasyAnimate trains it: a sample without condition gets the all-generate (zero)
     inpaint latents, i.e. text-to-video. Training computes each clip's condition in the encode stage, from the
-    frames it decodes anyway (`jobs/configs/tiny_i2v.yaml`); serving refuses an image-to-video model for now."""
+    frames it decodes anyway (`jobs/configs/tiny_i2v.yaml`); serving takes the first frame as `input_reference`."""
 
     condition: Literal["first", "first_last"] = "first"
     """Which frames of a training clip are given to the model: `first` (image-to-video) or `first_last` (the first

@@ -1,6 +1,8 @@
 """The Serve application end to end over real HTTP: `serve run` of serve/serve_config.yaml (its model, store and
 port pointed at this test's tiny model and temp folders) on a `ray start --head` cluster on 127.0.0.1, driven by
-the official `openai` SDK and raw HTTP (issue 8)."""
+the official `openai` SDK and raw HTTP (issue 8). The model is EasyAnimate's image-to-video (inpaint) kind, which
+serves text-only requests too (the empty condition): every test here is a text-to-video request except the one
+with a first frame (`input_reference`); `test_serve_failover.py` serves a text-to-video model."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.conftest import REPO, free_port
+from tests.integration.conftest import REPO, SERVE_BUCKET, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +70,26 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(exported_model, tmp_path_factory):
+def exported_i2v_model(tmp_path_factory):
+    """A tiny random EasyAnimate image-to-video (inpaint, `model.i2v`) model exported as training exports a run,
+    trained at `SERVE_BUCKET`: what these tests serve."""
+    from vidray.config import FlowConfig, I2VConfig, ModelConfig, job_config_from_dict
+    from vidray.models import get_family
+    from vidray.models.export import write_job_file
+
+    family = get_family("easyanimate")
+    components = family.build(ModelConfig(text_encoder="tiny_random", max_sequence_length=16, i2v=I2VConfig()),
+                              seed=0)
+    out_dir = family.save_pipeline(components, tmp_path_factory.mktemp("model") / "diffusers", FlowConfig(shift=3.0))
+    write_job_file(out_dir, job_config_from_dict({
+        "name": "tiny-serve-i2v", "model": {"text_encoder": "tiny_random", "max_sequence_length": 16, "i2v": {}},
+        "data": {"buckets": [SERVE_BUCKET]}, "flow": {"shift": 3.0},
+    }))
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def served(exported_i2v_model, tmp_path_factory):
     """`serve run` of the shipped config with model, store and port replaced; stopped by PID at the end."""
 
     from tests.integration.conftest import start_ray_head
@@ -76,7 +97,7 @@ def served(exported_model, tmp_path_factory):
     config = yaml.safe_load((REPO / "serve" / "serve_config.yaml").read_text())
     store_dir = tmp_path_factory.mktemp("store")
     app = config["applications"][0]
-    app["args"].update(model_path=str(exported_model), store_dir=str(store_dir), default_num_inference_steps=4)
+    app["args"].update(model_path=str(exported_i2v_model), store_dir=str(store_dir), default_num_inference_steps=4)
     app["args"]["runner"]["lease_s"] = 6.0
     config_path = tmp_path_factory.mktemp("config") / "serve_config.yaml"
 
@@ -151,7 +172,7 @@ def test_openai_sdk_creates_polls_downloads_lists_and_deletes_a_video(served):
     assert code == 404 and json.loads(body)["error"]["message"]
 
 
-def test_served_video_is_the_video_vidray_generate_makes_with_the_same_seed(served, exported_model, tmp_path):
+def test_served_video_is_the_video_vidray_generate_makes_with_the_same_seed(served, exported_i2v_model, tmp_path):
     from vidray.data.video import decode_mp4
     from vidray.generate import generate_to_file
 
@@ -162,7 +183,7 @@ def test_served_video_is_the_video_vidray_generate_makes_with_the_same_seed(serv
                                      extra_body={"num_frames": 5, "seed": 11, "num_inference_steps": 3})
         served.wait_for(video.id, ("completed",))
         served_frames = decode_mp4(client.videos.download_content(video.id).read())
-    local = generate_to_file(exported_model, "a cat on a wall", tmp_path / "local.mp4", bucket="5x32x32",
+    local = generate_to_file(exported_i2v_model, "a cat on a wall", tmp_path / "local.mp4", bucket="5x32x32",
                              num_inference_steps=3, seed=11, fps=8.0)
     local_frames = decode_mp4(local.read_bytes())
     assert served_frames.shape == local_frames.shape
@@ -170,6 +191,38 @@ def test_served_video_is_the_video_vidray_generate_makes_with_the_same_seed(serv
     # (200 encodes of one 9x64x64 clip gave 3 byte strings; tests/unit/test_generate.py), but 200 encodes of
     # 5x32x32 frames gave one.
     assert abs(served_frames.astype(int) - local_frames.astype(int)).max() <= 1
+
+
+def test_a_first_frame_input_reference_gives_the_video_vidray_generate_image_makes(served, exported_i2v_model,
+                                                                                  tmp_path):
+    """Image-to-video over HTTP: the upload is stored with the job, the VAE stage encodes it into the condition,
+    and the denoiser samples with it: the frames `vidray generate --image` makes with the same seed, and not the
+    text-only request's."""
+    import numpy as np
+    from PIL import Image
+
+    from vidray.data.video import decode_mp4
+    from vidray.generate import generate_to_file
+
+    image_path = tmp_path / "first.png"
+    Image.fromarray(np.random.RandomState(4).randint(0, 256, (40, 48, 3), dtype=np.uint8)).save(image_path)
+    client = served.client()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with open(image_path, "rb") as image:
+            video = client.videos.create(prompt="a cat on a wall", size="32x32", input_reference=image,
+                                         extra_body={"num_frames": 5, "seed": 11, "num_inference_steps": 3})
+        done = served.wait_for(video.id, ("completed", "failed"))
+        assert done["status"] == "completed", done
+        served_frames = decode_mp4(client.videos.download_content(video.id).read())
+    local = generate_to_file(exported_i2v_model, "a cat on a wall", tmp_path / "local.mp4", bucket="5x32x32",
+                             num_inference_steps=3, seed=11, fps=8.0, image=image_path)
+    text_only = generate_to_file(exported_i2v_model, "a cat on a wall", tmp_path / "text.mp4", bucket="5x32x32",
+                                 num_inference_steps=3, seed=11, fps=8.0)
+    local_frames, text_frames = decode_mp4(local.read_bytes()), decode_mp4(text_only.read_bytes())
+    assert served_frames.shape == local_frames.shape
+    assert abs(served_frames.astype(int) - local_frames.astype(int)).max() <= 1
+    assert abs(served_frames.astype(int) - text_frames.astype(int)).max() > 1  # the image changed the video
 
 
 def test_missing_or_wrong_token_is_401_and_bad_fields_are_4xx_naming_the_field(served):

@@ -290,15 +290,16 @@ def test_changing_model_i2v_on_resume_is_a_fixed_key_change():
         assert list(diff.fixed) == ["model.i2v"] and not diff.changeable
 
 
-def test_serving_an_i2v_model_is_refused_in_one_line_until_it_is_wired(exported, tmp_path, monkeypatch):
-    """What is not built yet is said before anything starts: `serve run` of an image-to-video export (the stages
-    pass no condition). Training one works: tests/integration/test_families_train.py."""
-    from vidray.serve.app import ServeSettingsError, build_app
+def test_an_i2v_export_is_served_and_its_spec_takes_an_image(exported, tmp_path, monkeypatch):
+    """`serve run` of an image-to-video export builds, and its model spec accepts `input_reference` (the stages:
+    tests/unit/test_serve_i2v.py; over HTTP: tests/integration/test_serve.py)."""
+    from vidray.serve.app import ServeSettings, build_app, model_spec
 
     _, out_dir, _ = exported
     monkeypatch.setenv("VIDRAY_API_TOKEN", "a-token-of-at-least-16-chars")
-    with pytest.raises(ServeSettingsError, match="is an image-to-video model; serving one is not wired yet"):
-        build_app({"model_path": str(out_dir), "store_dir": str(tmp_path / "store"), "store_on": "replica"})
+    settings = {"model_path": str(out_dir), "store_dir": str(tmp_path / "store"), "store_on": "replica"}
+    assert build_app(settings) is not None
+    assert model_spec(ServeSettings(**settings), inspect_model(out_dir)).supports_image_to_video
 
 
 def test_the_training_probe_and_the_frozen_parameters_of_an_inpaint_transformer():

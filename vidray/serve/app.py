@@ -496,7 +496,8 @@ class VideoJobService:
                 self._renders.pop(job.id)
 
     async def _render(self, job, progress: dict, owned: dict) -> Path | None:
-        """text -> denoise (streamed progress) -> decode -> mp4 in the store's folder; None if the job was lost."""
+        """text (and, for an image-to-video job, its first frame through the VAE stage) -> denoise (streamed
+        progress) -> decode -> mp4 in the store's folder; None if the job was lost."""
         from vidray.data.video import write_mp4
 
         params = job.params
@@ -506,7 +507,14 @@ class VideoJobService:
         calls = [self.text.encode.remote(job.prompt)]
         if guided:
             calls.append(self.text.encode.remote(params.get("negative_prompt", "")))
+        condition = None
+        if job.input_reference is not None:  # image-to-video: the first frame's inpaint latents, by the VAE stage
+            image = await asyncio.to_thread(self.store.read_input, job.id)
+            if image is None:
+                return None  # deleted (or expired) meanwhile: its input went with it
+            condition = self.vae.encode_image.remote(image, (num_frames, height, width))
         encoded = [await call for call in calls]
+        inpaint_latents = None if condition is None else await condition
         progress["value"] = 5
         # 2. Denoise, following the step events.
         prompt_embeds, prompt_attention_mask = encoded[0]
@@ -517,7 +525,7 @@ class VideoJobService:
             "guidance_scale": params["guidance_scale"],
             "latent_shape": self.info.family.latent_shape((num_frames, height, width), 1),
             "num_inference_steps": params["num_inference_steps"], "seed": params["seed"],
-            "sent_at": time.time(),
+            "inpaint_latents": inpaint_latents, "sent_at": time.time(),
         }
         latents = None
         stream = self.denoiser.options(stream=True).denoise.remote(request)
@@ -731,10 +739,6 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     except UserError as err:
         raise ServeSettingsError(f"model_path: {err}") from None
     model_spec(settings, info)
-    if info.family.supports_image_to_video(info):
-        raise ServeSettingsError(f"model_path {info.path} is an image-to-video model; serving one is not wired yet "
-                                 "(the stages do not pass the first-frame condition): serve a text-to-video model, "
-                                 "or sample this one with `vidray generate --image`")
     try:
         policy = PolicyConfig(**settings.policy.model_dump())
     except ValueError as err:

@@ -794,6 +794,17 @@ class JobStore:
         except FileNotFoundError:
             return None
 
+    def read_input(self, job_id: str) -> bytes | None:
+        """The first-frame image (``input_reference``) of job `job_id` as the bytes it was stored with, or None
+        (a job without one, deleted, expired, or its file gone)."""
+        job = self.get(job_id)
+        if job is None or job.input_reference is None:
+            return None
+        try:
+            return Path(job.input_reference).read_bytes()
+        except FileNotFoundError:
+            return None
+
     def temp_video(self) -> Path:
         """A new empty file ``tmp/<random>.mp4`` for a runner to write a video into before `complete` moves it in
         (same filesystem: the move is atomic). The runner removes it if the job ends otherwise; `sweep_temp`

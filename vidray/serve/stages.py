@@ -103,7 +103,8 @@ class TextEncoder:
 
 @serve.deployment(name="VaeDecoder", max_ongoing_requests=8)
 class VaeDecoder:
-    """latents (1, C_lat, F_lat, H_lat, W_lat) -> uint8 frames (F, H, W, 3) RGB.
+    """latents (1, C_lat, F_lat, H_lat, W_lat) -> uint8 frames (F, H, W, 3) RGB; and for an image-to-video model
+    a first-frame image -> its condition (`encode_image`), with the same VAE.
 
     One decode at a time per replica: the VAE is not re-entrant. diffusers' `AutoencoderKLMagvit` (EasyAnimate)
     keeps each call's causal-convolution state in its modules (`prev_features`, carried from one temporal chunk to
@@ -118,6 +119,31 @@ class VaeDecoder:
         self.vae = model.components.vae
         self._decoding = asyncio.Lock()
         del model
+
+    async def encode_image(self, image: bytes, bucket: tuple[int, int, int]) -> Any:
+        """An image-to-video request's condition: `image` (the `input_reference` file's bytes: PNG, JPEG, ...) ->
+        inpaint_latents (1, C_in, F_lat, H_lat, W_lat) float32 for a `bucket` (F, H, W) video, the image resized
+        to the bucket as the family's stock pipeline does (`ModelFamily.encode_image_condition`, what `vidray
+        generate --image` samples with). Raises ValueError for bytes PIL cannot decode."""
+        import io
+
+        import torch
+        from PIL import Image, UnidentifiedImageError
+
+        from vidray.data.buckets import Bucket
+
+        try:
+            with Image.open(io.BytesIO(bytes(image))) as opened:
+                picture = opened.convert("RGB")
+        except UnidentifiedImageError:
+            raise ValueError("input_reference is not an image PIL can decode") from None
+
+        def run():
+            with torch.inference_mode():
+                return self.family.encode_image_condition(self.vae, picture, Bucket(*bucket)).float().cpu()
+
+        async with self._decoding:  # the VAE is not re-entrant (class docstring)
+            return await asyncio.to_thread(run)
 
     async def decode(self, latents) -> Any:
         """Decode one request's latents (see class docstring); numpy uint8 (F, H, W, 3)."""
@@ -235,7 +261,8 @@ class Denoiser:
         from vidray.diffusion.sampler import DenoiseState, initial_noise
 
         # 1. The stage boundary: injected delay (benchmarks), then one transfer measurement.
-        num_bytes = tensor_bytes(request["prompt_embeds"], request.get("negative_prompt_embeds"))
+        num_bytes = tensor_bytes(request["prompt_embeds"], request.get("negative_prompt_embeds"),
+                                 request.get("inpaint_latents"))
         delay = self.boundary_delay_s + (num_bytes / self.boundary_bytes_per_s if self.boundary_bytes_per_s else 0)
         if delay:
             await asyncio.sleep(delay)
@@ -253,6 +280,7 @@ class Denoiser:
             guidance_scale=float(request.get("guidance_scale", 1.0)),
             negative_prompt_embeds=request.get("negative_prompt_embeds"),
             negative_prompt_attention_mask=request.get("negative_prompt_attention_mask"),
+            inpaint_latents=self._condition(request),
         )
         now = time.monotonic()
         if self._last_arrival is not None:  # the recent gaps between arrivals, for the policy's wait
@@ -276,6 +304,20 @@ class Denoiser:
         finally:
             entry.cancelled = True
             self.metrics.count_request(entry.outcome or "cancelled")
+
+    def _condition(self, request: dict[str, Any]) -> Any:
+        """An image-to-video model's condition for `request`: its "inpaint_latents" (1, C_in, F_lat, H_lat, W_lat),
+        encoded from the first frame by the `VaeDecoder`, or the family's empty condition (text-to-video through
+        the image-to-video model, as `vidray generate` without `--image`); None for a text-to-video model. Raises
+        ValueError for a text-to-video model given inpaint_latents."""
+        inpaint = request.get("inpaint_latents")
+        if not self.family.takes_image(self.transformer):
+            if inpaint is not None:
+                raise ValueError("this model is text-to-video: a request carries no inpaint_latents")
+            return None
+        if inpaint is None:
+            return self.family.empty_condition(tuple(request["latent_shape"]))
+        return inpaint
 
     async def _step_loop(self) -> None:
         """Admit, step, release, forever (one task per replica). A failure outside a step (a bug) is logged and

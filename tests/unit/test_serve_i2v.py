@@ -1,0 +1,109 @@
+"""Serving an image-to-video (inpaint) model, its stages outside Serve (no Ray): the VAE stage encodes a request's
+first frame (`input_reference`) into the condition `vidray generate --image` samples with, and the step-batched
+denoiser samples with it (or with the empty condition, text-to-video, without one) the latents `generate_video`
+gives; the store hands the runner the image a job was created with."""
+
+import asyncio
+import io
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from vidray.config import FlowConfig, I2VConfig, ModelConfig, job_config_from_dict  # noqa: E402
+from vidray.data.buckets import Bucket  # noqa: E402
+from vidray.diffusion.sampler import generate_video  # noqa: E402
+from vidray.models import get_family  # noqa: E402
+from vidray.models.export import load_model, write_job_file  # noqa: E402
+from vidray.serve.stages import Denoiser, TextEncoder, VaeDecoder  # noqa: E402
+
+FAMILY = get_family("easyanimate")
+BUCKET = Bucket(9, 32, 32)
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def i2v_model_dir(tmp_path_factory):
+    components = FAMILY.build(ModelConfig(text_encoder="tiny_random", max_sequence_length=16, i2v=I2VConfig()),
+                              seed=0)
+    out = FAMILY.save_pipeline(components, tmp_path_factory.mktemp("i2v") / "diffusers", FlowConfig(shift=3.0))
+    write_job_file(out, job_config_from_dict({"name": "t", "model": {"text_encoder": "tiny_random",
+                                                                     "max_sequence_length": 16, "i2v": {}},
+                                              "data": {"buckets": [list(BUCKET)]}, "flow": {"shift": 3.0}}))
+    return out
+
+
+def _png(seed: int) -> bytes:
+    image = Image.fromarray(np.random.RandomState(seed).randint(0, 256, (40, 48, 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _serve(model_dir, image: bytes | None, seed: int) -> torch.Tensor:
+    """One request through the text, VAE and denoiser stage classes, as the ingress runner chains them (the text
+    stage's own encoder called as its `@serve.batch` method calls it: that decorator needs a replica)."""
+    text = TextEncoder.func_or_class(str(model_dir))
+    vae = VaeDecoder.func_or_class(str(model_dir))
+    denoiser = Denoiser.func_or_class(str(model_dir), {"latency_target_s": 60.0, "max_batch_size": 2})
+
+    async def run():
+        embeds, mask = text.family.encode_prompt(text.text_encoder, text.tokenizer, ["a red fox"],
+                                                 max_sequence_length=text.max_sequence_length, device="cpu")
+        condition = None if image is None else await vae.encode_image(image, tuple(BUCKET))
+        request = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "negative_prompt_embeds": None,
+                   "negative_prompt_attention_mask": None, "guidance_scale": 1.0,
+                   "latent_shape": FAMILY.latent_shape(BUCKET, 1), "num_inference_steps": STEPS, "seed": seed,
+                   "inpaint_latents": condition, "sent_at": time.time()}
+        async for event in denoiser.denoise(request):
+            if "latents" in event:
+                return event["latents"]
+        raise AssertionError("no latents")
+
+    return asyncio.run(run())
+
+
+def _generate(model_dir, image: bytes | None, seed: int) -> torch.Tensor:
+    """`vidray generate`'s latents (the last denoising step's, from its callback) for the same request."""
+    model = load_model(str(model_dir))
+    picture = None if image is None else Image.open(io.BytesIO(image)).convert("RGB")
+    steps = []
+    generate_video(model.family, model.components, ["a red fox"], BUCKET, flow=model.flow,
+                   num_inference_steps=STEPS, guidance_scale=1.0, seed=seed,
+                   max_sequence_length=model.max_sequence_length, image=picture,
+                   callback=lambda step, sigma, latents: steps.append(latents.clone()))
+    return steps[-1]
+
+
+@pytest.mark.parametrize("with_image", [True, False], ids=["first-frame", "text-only"])
+def test_the_stages_sample_what_generate_samples_with_and_without_a_first_frame(i2v_model_dir, with_image):
+    image = _png(3) if with_image else None
+    served = _serve(i2v_model_dir, image, seed=11)
+    generated = _generate(i2v_model_dir, image, seed=11)
+    assert served.shape == generated.shape == FAMILY.latent_shape(BUCKET, 1)
+    torch.testing.assert_close(served, generated, rtol=1e-5, atol=1e-5)
+
+
+def test_the_first_frame_changes_the_video_and_bad_image_bytes_are_one_error(i2v_model_dir):
+    assert not torch.allclose(_serve(i2v_model_dir, _png(3), 11), _serve(i2v_model_dir, None, 11))
+    vae = VaeDecoder.func_or_class(str(i2v_model_dir))
+    with pytest.raises(ValueError, match="not an image PIL can decode"):
+        asyncio.run(vae.encode_image(b"not an image", tuple(BUCKET)))
+
+
+def test_the_store_gives_the_runner_the_image_a_job_was_created_with(tmp_path):
+    from vidray.serve.jobs import JobStore
+
+    store = JobStore(tmp_path / "store", max_attempts=2, retention_s=None)
+    params = {"num_frames": 9, "width": 32, "height": 32, "fps": 8.0, "num_inference_steps": 2,
+              "guidance_scale": 1.0, "seed": 0}
+    common = {"model": "m", "prompt": "a red fox", "size": "32x32", "seconds": "1.125", "params": params}
+    with_image = store.create(**common, input_reference=_png(1), input_suffix=".png")
+    without = store.create(**common)
+    assert store.read_input(with_image.id) == _png(1)
+    assert store.read_input(without.id) is None and store.read_input("video_missing") is None
