@@ -140,8 +140,7 @@ def test_worker_killed_mid_run_restarts_from_checkpoint_and_matches_uninterrupte
     import threading
     import time
 
-    import ray
-    from ray.util.state import list_actors
+    import psutil
 
     killed: list[int] = []
 
@@ -149,12 +148,21 @@ def test_worker_killed_mid_run_restarts_from_checkpoint_and_matches_uninterrupte
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not (tmp_path / "b" / "test-run" / "checkpoint_000010").exists():
             time.sleep(0.05)
-        # This test's own cluster, by address: another Ray on the host must not make the lookup ambiguous.
-        workers = list_actors(address=ray.get_runtime_context().gcs_address,
-                              filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+        # This test's own cluster's workers: the local Ray's processes descend from this (driver) process, so
+        # another Ray on the host cannot make the lookup ambiguous (and no dashboard is needed: `local_ray`).
+        workers = []
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                # Ray titles an actor's process `ray::<class>` (`ray::<class>.<method>` while a call runs).
+                if (" ".join(proc.cmdline()).startswith("ray::RayTrainWorker")
+                        and proc.status() != psutil.STATUS_ZOMBIE):
+                    workers.append(proc)
+            except psutil.Error:  # ended meanwhile
+                continue
         if workers:
-            os.kill(workers[-1].pid, signal.SIGKILL)
-            killed.append(workers[-1].pid)
+            victim = max(workers, key=lambda p: p.pid)
+            os.kill(victim.pid, signal.SIGKILL)
+            killed.append(victim.pid)
 
     killer = threading.Thread(target=kill_a_worker_after_first_checkpoint, daemon=True)
     killer.start()
