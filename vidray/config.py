@@ -783,9 +783,6 @@ class JobConfig:
             from vidray.data.buckets import parse_bucket
 
             parse_bucket(val.bucket)
-        if self.scaling.strategy != "ddp":
-            raise ValueError(f"train.validation is not supported with scaling.strategy: {self.scaling.strategy} yet "
-                             "(it samples a full checkpoint): set train.validation.every_steps: null, or use ddp")
 
     def _check_strategy(self) -> None:
         """scaling.strategy, scaling.shard_group_size and what FSDP/HSDP do not support (issue 28 item 3)."""

@@ -103,6 +103,46 @@ def test_the_ema_is_sampled_when_the_run_keeps_one(tmp_path):
     assert not np.array_equal(a, b)  # the halved averages, not the trained weights
 
 
+def test_a_sharded_checkpoint_and_its_ema_are_sampled_as_the_full_one(tmp_path):
+    """scaling.strategy: fsdp: the validator reads the DCP folder in one process (every rank's shards, the EMA's
+    too), so a sharded checkpoint of the same weights and EMA gives the full checkpoint's videos."""
+    from vidray.config import EMAConfig
+    from vidray.train.checkpoint import save_sharded_checkpoint
+    from vidray.train.ema import EMA
+
+    job = {**JOB, "train": {**JOB["train"], "ema": {"decay": 0.5}}, "scaling": {"strategy": "fsdp"}}
+    full, sharded = tmp_path / "full", tmp_path / "sharded"
+    _checkpoint(full, 2, job, ema=True)
+    transformer = get_family("easyanimate").build_transformer(ModelConfig(**job["model"]), seed=0)
+    with torch.no_grad():
+        for param in transformer.parameters():
+            param.add_(0.2)  # as _checkpoint moves them at step 2
+    averaged = EMA(transformer, EMAConfig(decay=0.5))
+    averaged.maybe_update(1)
+    with torch.no_grad():
+        for param in averaged.averaged.module.params.values():
+            param.mul_(0.5)
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-4)
+    save_sharded_checkpoint(sharded / "checkpoint_000002", model=transformer, optimizer=optimizer,
+                            lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+                            train_state=TrainState(step=2, epoch=0, batch_index=2, world_size=1, index_hash="x"),
+                            job_config=job_config_from_dict(job).to_dict(), rank=0, world_size=1,
+                            ema=averaged.averaged)
+    for run in (full, sharded):
+        Validator(str(run), job_config_from_dict(job).to_dict()).validate(2)
+    a, b = (_png(run / "validation/step_000002/grid.png") for run in (full, sharded))
+    assert np.abs(a - b).max() <= 2
+    # what it sampled: the sharded checkpoint's EMA (the halved averages), not its trained weights
+    from vidray.train.ema import load_ema_into
+
+    fresh = get_family("easyanimate").build_transformer(ModelConfig(**job["model"]), seed=0)
+    assert load_ema_into(fresh, sharded / "checkpoint_000002")
+    averages = averaged.averages()
+    for name, param in fresh.named_parameters():
+        if name in averages:
+            assert torch.equal(param, averages[name]), name
+
+
 def test_a_validation_waits_for_its_checkpoint_to_be_complete(tmp_path):
     run = tmp_path / "run"
     validator = Validator(str(run), job_config_from_dict(JOB).to_dict())
@@ -132,8 +172,6 @@ def test_frame_grid_puts_one_video_per_row_and_pads_short_ones():
      "num_inference_steps must be >= 1"),
     (["train.validation.every_steps=50", "train.validation.prompts=[\"x\"]", "train.validation.bucket=9x64"],
      "bucket must look like"),
-    (["train.validation.every_steps=50", "train.validation.prompts=[\"x\"]", "scaling.strategy=fsdp"],
-     "not supported with scaling.strategy: fsdp"),
     (["train.validation.every_steps=50", "train.validation.prompts=[\"x\"]", "train.validation.images=[\"a.png\"]"],
      "train.validation.images are first frames for an image-to-video model: set model.i2v"),
     (["train.validation.every_steps=50", "train.validation.prompts=[\"x\"]", "model.i2v.condition=first",

@@ -72,6 +72,7 @@ __all__ = [
     "load_adapter_state",
     "load_transformer_state",
     "read_job_config",
+    "sharded_entries",
     "verify_checkpoint",
     "write_job_file",
 ]
@@ -319,14 +320,22 @@ def load_transformer_state(directory: str | Path) -> "dict[str, torch.Tensor]":
 
 def _sharded_model_state(directory: Path) -> "dict[str, torch.Tensor]":
     """The `model` entries of a verified sharded checkpoint's DCP folder, read in full, on CPU, in one process."""
+    return sharded_entries(directory, "model")
+
+
+def sharded_entries(directory: str | Path, key: str) -> "dict[str, torch.Tensor]":
+    """The `key` entries ("model", "ema") of a sharded checkpoint's DCP folder, every rank's shards joined, read in
+    full, on CPU, in one process (no process group: what serving and validation are). Raises
+    IncompleteCheckpointError when the folder has no DCP metadata."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+    directory = Path(directory)
     with warnings.catch_warnings():  # one process without a process group is what serving is
         warnings.filterwarnings("ignore", message=r"torch.distributed is .*uninitialized")
         state = _read_part(directory, "dcp/.metadata", lambda p: _load_state_dict_from_keys(
-            keys={"model"}, storage_reader=FileSystemReader(str(p.parent))))
-    return dict(state["model"].items())
+            keys={key}, storage_reader=FileSystemReader(str(p.parent))))
+    return dict(state[key].items())
 
 
 def is_lora_checkpoint(manifest: dict[str, Any]) -> bool:

@@ -119,15 +119,26 @@ def _copy_into_parameters(transformer: torch.nn.Module, averages: dict[str, torc
 
 
 def load_ema_into(transformer: torch.nn.Module, checkpoint_dir: str | Path) -> bool:
-    """Copy a local checkpoint folder's EMA (`ema.safetensors`, written from `EMA.averaged`) into `transformer`'s
-    parameters of the same names (what validation samples). Returns False, changing nothing, when the checkpoint
-    holds no EMA. Raises KeyError naming an averaged parameter the transformer lacks."""
+    """Copy a local checkpoint folder's EMA (`ema.safetensors`, written from `EMA.averaged`; in a sharded checkpoint
+    the DCP folder's `ema` entries, every rank's shards joined) into `transformer`'s parameters of the same names
+    (what validation samples). Returns False, changing nothing, when the checkpoint holds no EMA. Raises KeyError
+    naming an averaged parameter the transformer lacks."""
+    import json
+
     from safetensors.torch import load_file
 
-    path = Path(checkpoint_dir) / "ema.safetensors"
-    if not path.is_file():
+    checkpoint_dir = Path(checkpoint_dir)
+    path = checkpoint_dir / "ema.safetensors"
+    manifest = checkpoint_dir / "manifest.json"
+    if path.is_file():
+        saved = load_file(str(path))
+    elif manifest.is_file() and json.loads(manifest.read_text()).get("ema"):  # sharded (FSDP)
+        from vidray.models.export import sharded_entries
+
+        saved = sharded_entries(checkpoint_dir, "ema")
+    else:
         return False
     averages = {key.removeprefix("module.params.").replace("__", "."): value
-                for key, value in load_file(str(path)).items() if key != "n_averaged"}
+                for key, value in saved.items() if key != "n_averaged"}
     _copy_into_parameters(transformer, averages, "the checkpoint's EMA")
     return True

@@ -17,8 +17,8 @@ and into TensorBoard (`<run>/tensorboard/validation/`): each prompt's video as a
 
 Training does not wait for it: the only cost to the loop is the `validate.remote` call; at the end of the run rank
 0 waits for the validations still running (the seconds are printed and returned as `validation_wait_s`). A
-validation that fails is logged and does not stop the run. Under FSDP (sharded checkpoints) validation is refused
-at config load.
+validation that fails is logged and does not stop the run. A sharded (FSDP) checkpoint is read in one process, every
+rank's shards joined (`vidray.models.export.sharded_entries`), its EMA too.
 """
 
 from __future__ import annotations
