@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from tests.conftest import free_port, start_ranks
 from tests.unit.test_fsdp import FAMILY, MODEL, NAME, _batch, _full_state, _loss, _lr_scheduler
+from tests.unit.test_fsdp import _transformer as _full_transformer  # the full model, unused parameters frozen
 
 from vidray.config import EMAConfig, LoraConfig, ModelConfig
 from vidray.models.lora import adapter_state_dict, apply_lora, has_lora, init_adapters
@@ -39,12 +40,6 @@ def _lora_transformer(adapter_seed: int = 0) -> torch.nn.Module:
     output the model never uses frozen (as the loop does)."""
     transformer = FAMILY.build_transformer(MODEL, seed=0)
     apply_lora(transformer, LORA, seed=adapter_seed)
-    _freeze_no_grad(transformer)
-    return transformer
-
-
-def _full_transformer(seed: int) -> torch.nn.Module:
-    transformer = FAMILY.build_transformer(MODEL, seed=seed)
     _freeze_no_grad(transformer)
     return transformer
 

@@ -314,13 +314,8 @@ def load_transformer_state(directory: str | Path) -> "dict[str, torch.Tensor]":
                               "transformer: load it with load_model (base model + adapters)",
                               directory=directory, part=part)
     if manifest.get("layout") == "dcp":
-        return _sharded_model_state(directory)
+        return sharded_entries(directory, "model")
     return _read_part(directory, "transformer.safetensors", lambda p: load_file(str(p)))
-
-
-def _sharded_model_state(directory: Path) -> "dict[str, torch.Tensor]":
-    """The `model` entries of a verified sharded checkpoint's DCP folder, read in full, on CPU, in one process."""
-    return sharded_entries(directory, "model")
 
 
 def sharded_entries(directory: str | Path, key: str) -> "dict[str, torch.Tensor]":
@@ -360,7 +355,7 @@ def load_adapter_state(directory: str | Path) -> "dict[str, torch.Tensor]":
     if manifest.get("layout") == "dcp":
         from vidray.models.lora import adapter_key
 
-        return {adapter_key(k): v for k, v in _sharded_model_state(directory).items()}
+        return {adapter_key(k): v for k, v in sharded_entries(directory, "model").items()}
     return _read_part(directory, ADAPTER_PART, lambda p: load_file(str(p)))
 
 
