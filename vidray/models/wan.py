@@ -27,9 +27,12 @@ first, or the first and the last) over zero frames, encoded by the VAE (mode) an
 condition channels, concatenated to the 16 noisy ones (transformer `in_channels` 36). It travels as the family's
 `inpaint_latents`. Exported as a stock `WanImageToVideoPipeline` with no image encoder.
 
+Two experts (Wan 2.2 A14B: `transformer` for high noise, `transformer_2` below `boundary_ratio`): a folder with both
+loads as one `vidray.models.experts.TwoExperts`, which routes each sample by its timestep as the stock pipelines do,
+so `vidray generate`, validation and serving sample it unchanged; it is exported back with both and the ratio.
+
 Not here yet: Wan 2.1 I2V's CLIP image embeddings (`image_dim`, `encoder_hidden_states_image`; such a folder is
-refused) and Wan 2.2's two experts (`transformer_2`, `boundary_ratio`; a Wan 2.2 folder is refused with that
-message).
+refused) and training the two experts (each in its own worker group).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.conditioning import condition_frames
+from vidray.models.experts import TwoExperts, check_boundary_ratio
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
 from vidray.models.rules import FAMILY_BUCKET_RULES
@@ -69,6 +73,7 @@ __all__ = [
     "encode_condition",
     "encode_prompts",
     "load_pretrained",
+    "load_transformer",
     "load_vae_folder",
     "probe_loss",
     "save_pipeline",
@@ -221,12 +226,14 @@ def _check_task(transformer: WanTransformer3DModel, model_cfg: ModelConfig, wher
 def _pipeline_folder(path: str | Path) -> tuple[Path, type]:
     """(`path`, its pipeline class): a complete `WanPipeline` or `WanImageToVideoPipeline` folder, as its
     model_index.json names it. Raises FileNotFoundError / ValueError as `require_pipeline_folder` (another
-    family's folder, a missing component), and ValueError for a Wan 2.2 two-expert folder."""
+    family's folder, a missing component, a two-expert folder without `transformer_2/`), and ValueError for a Wan
+    2.1 CLIP-conditioned folder."""
     path = require_pipeline_folder(path, "WanPipeline")
     class_name = json.loads((path / "model_index.json").read_text()).get("_class_name")
     pipeline_class = WanImageToVideoPipeline if class_name == "WanImageToVideoPipeline" else WanPipeline
     require_pipeline_folder(path, pipeline_class.__name__, PIPELINE_COMPONENTS)
-    _refuse_two_experts(path)
+    if _boundary_ratio(path) is not None:
+        require_pipeline_folder(path, pipeline_class.__name__, ("transformer_2",))
     if (json.loads((path / "model_index.json").read_text()).get("image_encoder") or [None])[0] is not None:
         raise ValueError(f"pretrained_path {str(path)!r} is a Wan 2.1 image-to-video folder (image_encoder/: CLIP "
                          "image embeddings), which vidray does not compute yet; give a Wan 2.1 text-to-video folder "
@@ -234,12 +241,38 @@ def _pipeline_folder(path: str | Path) -> tuple[Path, type]:
     return path, pipeline_class
 
 
-def _refuse_two_experts(path: Path) -> None:
-    """Raise ValueError for a Wan 2.2 A14B folder (a `transformer_2` component), which this family cannot run."""
+def _boundary_ratio(path: Path) -> float | None:
+    """The folder's `boundary_ratio` (model_index.json) when it holds two experts (`transformer_2/`), else None.
+    Raises ValueError for a second expert without a boundary in (0, 1), or a boundary without a second expert."""
     index = json.loads((path / "model_index.json").read_text())
-    if (index.get("transformer_2") or [None])[0] is not None:
-        raise ValueError(f"pretrained_path {str(path)!r} is a Wan 2.2 two-expert folder (transformer_2/): the wan "
-                         "family runs one transformer; give a Wan 2.1 T2V folder or a one-transformer I2V folder")
+    two = (index.get("transformer_2") or [None])[0] is not None
+    ratio = index.get("boundary_ratio")
+    if two != (ratio is not None):
+        raise ValueError(f"pretrained_path {str(path)!r}: transformer_2 and boundary_ratio go together (found "
+                         f"transformer_2 {'set' if two else 'null'}, boundary_ratio {ratio}); fix model_index.json")
+    return check_boundary_ratio(ratio, f"pretrained_path {str(path)!r}") if two else None
+
+
+def _num_train_timesteps(path: Path) -> int:
+    """The folder's scheduler's `num_train_timesteps` (1000 when its config does not say)."""
+    config = path / "scheduler" / "scheduler_config.json"
+    return int(json.loads(config.read_text()).get("num_train_timesteps", 1000)) if config.is_file() else 1000
+
+
+def _experts_of(path: Path, transformer: WanTransformer3DModel,
+                transformer_2: WanTransformer3DModel | None) -> torch.nn.Module:
+    """`transformer`, or with a second expert the `TwoExperts` the folder's `boundary_ratio` and scheduler
+    define; each expert checked (`_check_transformer`) and of one layout."""
+    _check_transformer(transformer, str(path))
+    ratio = _boundary_ratio(path)
+    if ratio is None:
+        return transformer
+    _check_transformer(transformer_2, f"{path} (transformer_2)")
+    if transformer_2.config.in_channels != transformer.config.in_channels:
+        raise ValueError(f"pretrained_path {str(path)!r}: transformer and transformer_2 take "
+                         f"{transformer.config.in_channels} and {transformer_2.config.in_channels} input channels; the "
+                         "two experts must match")
+    return TwoExperts(transformer, transformer_2, boundary_ratio=ratio, num_train_timesteps=_num_train_timesteps(path))
 
 
 def load_vae_folder(path: str | Path) -> AutoencoderKLWan:
@@ -280,17 +313,29 @@ def load_pretrained(path: str | Path) -> Components:
     scheduler is not used: vidray samples with the job's flow shift.
 
     Raises FileNotFoundError naming the folder when it has no model_index.json or lacks a component subfolder,
-    ValueError when it is another pipeline's folder (another family), a Wan 2.2 two-expert folder, or its
-    layout is not one the family drives (`_check_transformer`, `_check_vae`). The VAE and text encoder come back
+    ValueError when it is another pipeline's folder (another family) or its layout is not one the family drives
+    (`_check_transformer`, `_check_vae`, `_boundary_ratio`). A two-expert folder (Wan 2.2 A14B) gives a
+    `TwoExperts` transformer. The VAE and text encoder come back
     frozen; the transformer in train mode.
     """
     path, pipeline_class = _pipeline_folder(path)
     pipe = pipeline_class.from_pretrained(path, image_encoder=None, image_processor=None, local_files_only=True) \
         if pipeline_class is WanImageToVideoPipeline else pipeline_class.from_pretrained(path, local_files_only=True)
-    _check_transformer(pipe.transformer, str(path))
+    transformer = _experts_of(path, pipe.transformer, pipe.transformer_2)
     _check_vae(pipe.vae, str(path))
-    return Components(transformer=pipe.transformer.train(), vae=pipe.vae.eval().requires_grad_(False),
+    return Components(transformer=transformer.train(), vae=pipe.vae.eval().requires_grad_(False),
                       text_encoder=pipe.text_encoder.eval().requires_grad_(False), tokenizer=pipe.tokenizer)
+
+
+def load_transformer(path: str | Path) -> torch.nn.Module:
+    """The transformer of a local Wan folder alone (no VAE or text encoder read), in train mode: its
+    `transformer/`, or both experts as `TwoExperts` when it has a `transformer_2/` and `boundary_ratio` (Wan 2.2
+    A14B). Raises as `load_pretrained`."""
+    path, _ = _pipeline_folder(path)
+    transformer = WanTransformer3DModel.from_pretrained(path, subfolder="transformer", local_files_only=True)
+    transformer_2 = (WanTransformer3DModel.from_pretrained(path, subfolder="transformer_2", local_files_only=True)
+                     if _boundary_ratio(path) is not None else None)
+    return _experts_of(path, transformer, transformer_2).train()
 
 
 def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
@@ -311,6 +356,13 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=flow.shift, num_train_timesteps=flow.num_train_timesteps)
     modules = dict(tokenizer=components.tokenizer, text_encoder=components.text_encoder, vae=components.vae,
                    scheduler=scheduler, transformer=components.transformer)
+    if isinstance(components.transformer, TwoExperts):
+        experts = components.transformer
+        if experts.boundary_timestep != experts.boundary_ratio * flow.num_train_timesteps:
+            raise ValueError(f"the experts' boundary timestep {experts.boundary_timestep} is not boundary_ratio "
+                             f"{experts.boundary_ratio} x flow.num_train_timesteps {flow.num_train_timesteps}")
+        modules.update(transformer=experts.transformer, transformer_2=experts.transformer_2,
+                       boundary_ratio=experts.boundary_ratio)
     pipe = WanImageToVideoPipeline(**modules) if takes_condition(components.transformer) else WanPipeline(**modules)
     return write_pipeline_folder(pipe, out_dir)
 
@@ -414,16 +466,23 @@ class WanFamily(ModelFamily):
             components = dataclasses.replace(components, vae=load_vae_folder(model_cfg.vae_path))
         return components
 
+    def check_trainable(self, model_cfg: ModelConfig) -> None:
+        """Raise ValueError for `init: pretrained` from a two-expert folder (Wan 2.2 A14B): both experts load for
+        sampling and serving, but training them (each in its own worker group) is not built yet."""
+        folder = pretrained_folder(model_cfg, "wan")
+        if folder is not None and (folder / "model_index.json").is_file() and _boundary_ratio(folder) is not None:
+            raise ValueError(f"model.pretrained_path {str(folder)!r} holds two experts (transformer_2, Wan 2.2 A14B): "
+                             "vidray generates from and serves it, but does not train the two experts yet; train "
+                             "from a one-transformer Wan folder")
+
     def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> WanTransformer3DModel:
         """The transformer alone, equal to `build(model_cfg, seed=seed).transformer`, without the VAE or the text
         encoder: the tiny preset drawn first under `seed` (as in `build_tiny`); a folder's `transformer/` alone."""
         folder = pretrained_folder(model_cfg, "wan")
         if folder is not None:
-            folder, _ = _pipeline_folder(folder)
-            transformer = WanTransformer3DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True)
-            _check_transformer(transformer, str(folder))
+            transformer = load_transformer(folder)
             _check_task(transformer, model_cfg, str(folder))
-            return transformer.train()
+            return transformer
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             transformer = _tiny_transformer(model_cfg.text_encoder, i2v=model_cfg.i2v is not None)
