@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from vidray.config import FlowConfig, I2VConfig, JobConfig, ModelConfig, job_config_from_dict
+from vidray.config import ExpertsConfig, FlowConfig, I2VConfig, JobConfig, ModelConfig, job_config_from_dict
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError, UserFileNotFound
 from vidray.locations import is_uri
@@ -635,7 +635,8 @@ def _load_some(info: ModelInfo, wanted: set[str]) -> "Components":
         model_cfg, seed = info.job.model, info.job.train.seed
     else:
         base = info.job.model if info.job is not None else ModelConfig(
-            family=info.family_name, i2v=I2VConfig() if info.image_to_video else None)
+            family=info.family_name, i2v=I2VConfig() if info.image_to_video else None,
+            experts=_folder_experts(info.path))
         model_cfg = dataclasses.replace(base, init="pretrained", pretrained_path=str(info.path), vae_path=None,
                                         lora=None)
         seed = 0
@@ -650,6 +651,14 @@ def _load_some(info: ModelInfo, wanted: set[str]) -> "Components":
     if "text_encoder" in wanted:
         text_encoder, tokenizer = family.build_text_encoder(model_cfg, seed=seed)
     return Components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _folder_experts(path: Path) -> ExpertsConfig | None:
+    """`model.experts` of a stock pipeline folder: its model_index.json's `boundary_ratio` (two experts, diffusers'
+    `transformer_2`), or None (also for a ratio outside (0, 1), which the family's load then names)."""
+    ratio = json.loads((Path(path) / MODEL_INDEX).read_text()).get("boundary_ratio")
+    valid = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio < 1
+    return ExpertsConfig(boundary_ratio=ratio) if valid else None
 
 
 def _merge_adapters(transformer: "torch.nn.Module", info: ModelInfo, lora_path: str | Path | None) -> None:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from vidray.data.buckets import Bucket, validate_bucket
 
-__all__ = ["BucketRules", "FAMILY_BUCKET_RULES", "IMAGE_TO_VIDEO_FAMILIES", "bucket_rules", "check_bucket"]
+__all__ = ["BucketRules", "EXPERT_FAMILIES", "FAMILY_BUCKET_RULES", "IMAGE_TO_VIDEO_FAMILIES", "bucket_rules",
+           "check_bucket"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,11 @@ IMAGE_TO_VIDEO_FAMILIES = frozenset({"easyanimate", "wan"})
 """Families with an image-to-video model that `model.i2v` can build (EasyAnimate: the InP transformer of
 `EasyAnimateInpaintPipeline`; Wan: the 36-channel transformer of `WanImageToVideoPipeline`); the config refuses
 `model.i2v` for the others at load."""
+
+
+EXPERT_FAMILIES = frozenset({"wan"})
+"""Families with a two-expert model that `model.experts` can build (Wan 2.2 A14B: `transformer` and
+`transformer_2` switched at `boundary_ratio`); the config refuses `model.experts` for the others at load."""
 
 
 def bucket_rules(family: str) -> BucketRules:
