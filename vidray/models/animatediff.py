@@ -215,8 +215,9 @@ def _check_scheduler(folder: Path) -> None:
     for key in _SCHEDULE_KEYS:
         if config.get(key, SCHEDULER_CONFIG[key]) != SCHEDULER_CONFIG[key]:
             raise ValueError(f"pretrained_path {str(folder)!r}: scheduler {key}={config[key]!r}, but the animatediff "
-                             f"family trains and samples with AnimateDiff's schedule ({key}={SCHEDULER_CONFIG[key]!r})"
-                             " only; give a folder with that scheduler")
+                             f"family trains and samples with AnimateDiff's schedule ({key}={SCHEDULER_CONFIG[key]!r}, "
+                             "as its motion modules were trained) only; set it in the folder's "
+                             "scheduler/scheduler_config.json")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
