@@ -124,7 +124,8 @@ class ModelConfig:
     """Model family from the registry in `vidray.models`: `easyanimate` (EasyAnimate V5.1 T2V), `wan` (Wan 2.1
     T2V), `cogvideox` (CogVideoX 1.0 T2V, v-prediction; `flow.num_train_timesteps` must be 1000 and `flow.shift`
     is unused) or `animatediff` (AnimateDiff: SD 1.5 UNet + motion modules, epsilon; only the motion modules train;
-    `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused). Each family's bucket rules are in `vidray.models.rules`."""
+    `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused). Each family's bucket rules are in
+    `vidray.models.rules`."""
     preset: Literal["tiny"] = "tiny"
     """Architecture preset used with `init: random` (ignored for `pretrained`)."""
     init: Literal["random", "pretrained"] = "random"
