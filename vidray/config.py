@@ -149,10 +149,12 @@ class ExpertsConfig:
 
 @dataclass(config=_STRICT, kw_only=True)
 class ModelConfig:
-    family: Literal["easyanimate", "wan", "cogvideox"] = "easyanimate"
-    """Model family from the registry in `vidray.models`: `easyanimate` (EasyAnimate V5.1 T2V), `wan` (Wan 2.1
-    T2V) or `cogvideox` (CogVideoX 1.0 T2V, v-prediction; `flow.num_train_timesteps` must be 1000 and `flow.shift`
-    is unused). Each family's bucket rules are in `vidray.models.rules`."""
+    family: Literal["easyanimate", "wan", "cogvideox", "animatediff"] = "easyanimate"
+    """Model family from the registry in `vidray.models`: `easyanimate` (EasyAnimate V5.1 T2V, and I2V with
+    `model.i2v`), `wan` (Wan 2.1 T2V; I2V with `model.i2v`; Wan 2.2 A14B's two experts with `model.experts`), `cogvideox` (CogVideoX 1.0 T2V, v-prediction; `flow.num_train_timesteps` must be 1000 and `flow.shift`
+    is unused) or `animatediff` (AnimateDiff: SD 1.5 UNet + motion modules, epsilon; only the motion modules train;
+    `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused). Each family's bucket rules are in
+    `vidray.models.rules`."""
     preset: Literal["tiny"] = "tiny"
     """Architecture preset used with `init: random` (ignored for `pretrained`)."""
     init: Literal["random", "pretrained"] = "random"
@@ -648,9 +650,9 @@ class JobConfig:
             except ValueError as err:
                 raise ValueError(f"data.buckets: {err} (the rule of model.family={self.model.family}, "
                                  "vidray.models.rules)") from None
-        if self.model.family == "cogvideox" and self.flow.num_train_timesteps != 1000:
+        if self.model.family in ("cogvideox", "animatediff") and self.flow.num_train_timesteps != 1000:
             raise ValueError(f"flow.num_train_timesteps is {self.flow.num_train_timesteps}, but model.family: "
-                             "cogvideox trains on CogVideoX's 1000-step DDIM schedule: set flow.num_train_timesteps: "
+                             f"{self.model.family} trains on a 1000-step DDIM schedule: set flow.num_train_timesteps: "
                              "1000")
         positive = {
             "train.max_steps": self.train.max_steps,

@@ -12,6 +12,9 @@ import pytest
 import yaml
 
 from vidray.config import load_job_config
+from vidray.data.buckets import Bucket
+from vidray.diffusion.sampler import generate_video
+from vidray.models.export import load_model
 from vidray.models.registry import FAMILIES
 from vidray.train.trainer import run_training
 
@@ -19,6 +22,9 @@ from tests.integration.conftest import assert_same_training_state
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
+SAME_NOISE_AS_VIDRAY = ("animatediff",)
+"""Families whose stock pipeline draws its initial noise from a seeded CPU generator in vidray's (B, C, F, H, W) layout
+(`vidray.diffusion.sampler.initial_noise`), so the same seed gives the same latents without passing `latents=`."""
 
 
 def family_config(family: str) -> Path:
@@ -61,6 +67,14 @@ def test_the_family_trains_on_2_workers_resumes_exactly_and_exports_its_stock_pi
                    guidance_scale=1.0, max_sequence_length=job.model.max_sequence_length, output_type="latent",
                    generator=torch.Generator().manual_seed(0)).frames
     assert latents.shape[0] == 1 and torch.isfinite(latents).all()
+    if family in SAME_NOISE_AS_VIDRAY:  # the export samples what `vidray generate` samples for the prompt and seed
+        loaded = load_model(export)
+        final = []
+        generate_video(loaded.family, loaded.components, ["a red fox"], Bucket(num_frames, height, width),
+                       flow=loaded.flow, num_inference_steps=2, guidance_scale=1.0,
+                       max_sequence_length=job.model.max_sequence_length, seed=0,
+                       callback=lambda i, sigma, step_latents: final.append(step_latents))
+        torch.testing.assert_close(final[-1], latents, atol=1e-5, rtol=1e-5)
 
 
 def _stock_image_to_video_latents(pipe, image, num_frames: int, height: int, width: int):

@@ -103,15 +103,20 @@ JOB_FILE = "vidray_job.yaml"
 """Name of the resolved job config written beside an exported diffusers pipeline."""
 
 _PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate", "EasyAnimateInpaintPipeline": "easyanimate",
-                      "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "CogVideoXPipeline": "cogvideox"}
+                      "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "CogVideoXPipeline": "cogvideox",
+                      "AnimateDiffPipeline": "animatediff"}
 _IMAGE_TO_VIDEO_PIPELINES = ("EasyAnimateInpaintPipeline", "WanImageToVideoPipeline")
 """Stock pipeline classes of image-to-video models (a stock folder of one loads as `model.i2v: {condition: first}`)."""
-_PIPELINE_SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+_PIPELINE_SUBFOLDERS = ("vae", "text_encoder", "tokenizer", "scheduler")
+_DENOISER_SUBFOLDERS = ("transformer", "unet")
+"""A pipeline folder holds one of these (a DiT's `transformer/`; AnimateDiff's UNetMotionModel `unet/`)."""
 STOCK_MAX_SEQUENCE_LENGTH = 256
 """diffusers EasyAnimatePipeline.encode_prompt's default prompt length (tokens)."""
-STOCK_MAX_SEQUENCE_LENGTHS = {"easyanimate": STOCK_MAX_SEQUENCE_LENGTH, "wan": 512, "cogvideox": 226}
+STOCK_MAX_SEQUENCE_LENGTHS = {"easyanimate": STOCK_MAX_SEQUENCE_LENGTH, "wan": 512, "cogvideox": 226,
+                              "animatediff": 77}
 """The stock pipeline's default prompt length (tokens) by family: EasyAnimatePipeline.encode_prompt's 256,
-WanPipeline.__call__'s 512, CogVideoXPipeline.__call__'s 226."""
+WanPipeline.__call__'s 512, CogVideoXPipeline.__call__'s 226, AnimateDiffPipeline's CLIP tokenizer's
+model_max_length 77."""
 
 
 MODEL_INDEX = "model_index.json"
@@ -430,6 +435,8 @@ def _inspect_folder(path: Path) -> ModelInfo:
         return ModelInfo(path, "checkpoint", job.model.family, job, job.flow, job.model.max_sequence_length,
                          list(job.data.buckets), image_to_video=job.model.i2v is not None)
     missing = [name for name in _PIPELINE_SUBFOLDERS if not (path / name).is_dir()]
+    if not any((path / name).is_dir() for name in _DENOISER_SUBFOLDERS):
+        missing.insert(0, "transformer")
     if missing:
         raise ModelFolderError(
             f"diffusers folder {path} lacks {', '.join(missing)}/: it is incomplete; re-export it"
