@@ -304,7 +304,8 @@ def test_stock_folder_without_recorded_buckets_needs_a_bucket(trained, tmp_path,
     (stock / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanVideoPipeline"}))
     with pytest.raises(ModelFolderError,
                        match="holds a HunyuanVideoPipeline pipeline; supported: AnimateDiffPipeline, "
-                             "CogVideoXPipeline, EasyAnimateInpaintPipeline, EasyAnimatePipeline, WanPipeline"):
+                             "CogVideoXPipeline, EasyAnimateInpaintPipeline, EasyAnimatePipeline, "
+                             "WanImageToVideoPipeline, WanPipeline"):
         inspect_model(stock)
 
 
