@@ -1,5 +1,6 @@
-"""Wan 2.1 text-to-video family: diffusers `WanTransformer3DModel` + `AutoencoderKLWan` + a UMT5 text encoder,
-exported as a stock `diffusers.WanPipeline` folder.
+"""Wan family: diffusers `WanTransformer3DModel` + `AutoencoderKLWan` + a UMT5 text encoder. Wan 2.1 text-to-video
+is exported as a stock `diffusers.WanPipeline` folder; image-to-video (`model.i2v`) as a `WanImageToVideoPipeline`;
+Wan 2.2 A14B's two experts (`model.experts`) as either, with `transformer_2` and `boundary_ratio`.
 
 Everything here mirrors diffusers/pipelines/wan/pipeline_wan.py (diffusers 0.42.1), so a transformer trained with
 `WanFamily.predict` behaves the same inside the stock pipeline:
@@ -27,12 +28,13 @@ first, or the first and the last) over zero frames, encoded by the VAE (mode) an
 condition channels, concatenated to the 16 noisy ones (transformer `in_channels` 36). It travels as the family's
 `inpaint_latents`. Exported as a stock `WanImageToVideoPipeline` with no image encoder.
 
-Two experts (Wan 2.2 A14B: `transformer` for high noise, `transformer_2` below `boundary_ratio`): a folder with both
-loads as one `vidray.models.experts.TwoExperts`, which routes each sample by its timestep as the stock pipelines do,
-so `vidray generate`, validation and serving sample it unchanged; it is exported back with both and the ratio.
+Two experts (Wan 2.2 A14B: `transformer` for high noise, `transformer_2` below `boundary_ratio`): `model.experts`
+builds two tiny transformers, or loads a folder with both, as one `vidray.models.experts.TwoExperts`, which routes
+each sample by its timestep as the stock pipelines do; so training (each sample trains the expert of its timestep),
+`vidray generate`, validation and serving use it unchanged, and it is exported back with both and the ratio.
 
 Not here yet: Wan 2.1 I2V's CLIP image embeddings (`image_dim`, `encoder_hidden_states_image`; such a folder is
-refused) and training the two experts (each in its own worker group).
+refused), and one worker group per expert (every worker holds both).
 """
 
 from __future__ import annotations
