@@ -1,7 +1,7 @@
-"""Serving an image-to-video model of every family that has one, its stages outside Serve (no Ray): the VAE stage encodes a request's
-first frame (`input_reference`) into the condition `vidray generate --image` samples with, and the step-batched
-denoiser samples with it (or with the empty condition, text-to-video, without one) the latents `generate_video`
-gives; the store hands the runner the image a job was created with."""
+"""Serving an image-to-video model of every family that has one, its stages outside Serve (no Ray): the VAE stage
+encodes a request's first frame (`input_reference`) into the condition `vidray generate --image` samples with, and
+the step-batched denoiser samples with it (or with the empty condition, text-to-video, without one) the latents
+`generate_video` gives; the store hands the runner the image a job was created with."""
 
 import asyncio
 import io
