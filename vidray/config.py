@@ -827,7 +827,7 @@ class JobConfig:
         if val.bucket is not None:
             from vidray.data.buckets import parse_bucket
 
-            parse_bucket(val.bucket)
+            parse_bucket(val.bucket, self.model.family)  # the family's rule (AnimateDiff: 16 frames)
 
     def _check_strategy(self) -> None:
         """scaling.strategy, scaling.shard_group_size and what FSDP/HSDP do not support (issue 28 item 3)."""

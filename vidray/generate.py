@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from vidray.data.buckets import Bucket, parse_bucket
+from vidray.data.buckets import Bucket, parse_bucket_form
 from vidray.errors import UserError
 from vidray.locations import NOT_A_FOLDER, creation_problem
 from vidray.progress import progress_bar
@@ -163,7 +163,7 @@ def check_generate_args(
         problems.append(f"--seed must be an integer in 0..{SEED_MAX} (2**63 - 1), got {seed!r}")
     if isinstance(bucket, str):
         try:
-            bucket = parse_bucket(bucket)
+            bucket = parse_bucket_form(bucket)  # its form here; what the model's family takes in pass 2
         except ValueError as err:
             problems.append(f"--bucket: {err}")
 
@@ -197,8 +197,8 @@ def check_generate_args(
     bucket = Bucket(*bucket)
     if image is not None and not info.family.supports_image_to_video(info):
         raise GenerateArgumentError(f"--image: the model {model_path} is text-to-video and takes no image; drop "
-                                    "--image or give an image-to-video model (a stock EasyAnimateInpaintPipeline folder, or "
-                                    "the export of a model.i2v run)")
+                                    "--image or give an image-to-video model (a stock EasyAnimateInpaintPipeline or "
+                                    "WanImageToVideoPipeline folder, or the export of a model.i2v run)")
     try:
         info.family.latent_shape(bucket, 1)
     except ValueError as err:
