@@ -12,7 +12,8 @@ import os
 import time
 from pathlib import Path
 
-from vidray.data.buckets import Bucket, parse_bucket_form
+from vidray.data.buckets import Bucket, parse_bucket_form, validate_bucket
+from vidray.models.rules import any_family_spatial_multiple
 from vidray.errors import UserError
 from vidray.locations import NOT_A_FOLDER, creation_problem
 from vidray.progress import progress_bar
@@ -162,8 +163,9 @@ def check_generate_args(
     if not _is_int(seed) or not 0 <= seed <= SEED_MAX:
         problems.append(f"--seed must be an integer in 0..{SEED_MAX} (2**63 - 1), got {seed!r}")
     if isinstance(bucket, str):
-        try:
-            bucket = parse_bucket_form(bucket)  # its form here; what the model's family takes in pass 2
+        try:  # here what no family takes (its form, sides off every family's multiple); the family's rule in pass 2
+            bucket = parse_bucket_form(bucket)
+            validate_bucket(bucket, spatial_multiple=any_family_spatial_multiple(), temporal_compression=1)
         except ValueError as err:
             problems.append(f"--bucket: {err}")
 

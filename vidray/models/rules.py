@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from vidray.data.buckets import Bucket, validate_bucket
 
-__all__ = ["BucketRules", "EXPERT_FAMILIES", "FAMILY_BUCKET_RULES", "IMAGE_TO_VIDEO_FAMILIES", "bucket_rules",
-           "check_bucket"]
+__all__ = ["BucketRules", "EXPERT_FAMILIES", "FAMILY_BUCKET_RULES", "IMAGE_TO_VIDEO_FAMILIES",
+           "any_family_spatial_multiple", "bucket_rules", "check_bucket"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,14 @@ IMAGE_TO_VIDEO_FAMILIES = frozenset({"easyanimate", "wan"})
 EXPERT_FAMILIES = frozenset({"wan"})
 """Families with a two-expert model that `model.experts` can build (Wan 2.2 A14B: `transformer` and
 `transformer_2` switched at `boundary_ratio`); the config refuses `model.experts` for the others at load."""
+
+
+def any_family_spatial_multiple() -> int:
+    """The multiple every family's bucket sides are multiples of (the gcd of their `spatial_multiple`s: 16): a side
+    off it fits no family, what `vidray generate` refuses before it reads the model."""
+    import math
+
+    return math.gcd(*(rules.spatial_multiple for rules in FAMILY_BUCKET_RULES.values()))
 
 
 def bucket_rules(family: str) -> BucketRules:
