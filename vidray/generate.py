@@ -261,6 +261,10 @@ def generate_to_file(
     if info.buckets and bucket not in info.buckets:
         logger.warning("bucket %s is not one the model was trained at (%s); sampling it anyway",
                        bucket, ", ".join(map(str, info.buckets)))
+    i2v = info.job.model.i2v if info.job is not None else None
+    if last_image is not None and i2v is not None and i2v.condition == "first":
+        logger.warning("--last-image: the model was trained with model.i2v.condition: first (first frames only); "
+                       "it never saw a last-frame condition, so expect the last frame to be followed loosely")
 
     # 2. Load, warn about a cut prompt, denoise, write.
     import torch
