@@ -33,10 +33,11 @@ prometheus:
 		$(APT_PROMETHEUS); }; }; } || { echo "prometheus is not installed: run 'sudo apt-get install prometheus' \
 		(Debian's package; the metrics tests start one)" >&2; exit 1; }
 
-# The unit tests alone (no Ray cluster, no training job; ~3 minutes on 2 cores): for iteration. `make test` stays
-# the full suite and is what CI runs.
+# The unit tests alone (no Ray cluster, no training job), on two pytest-xdist processes, without the few marked
+# `slow` (several processes or a CLI subprocess each, 10 s or more): for iteration. `make test` stays the full
+# suite and is what CI runs.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 --durations=10 tests/unit
+	$(PY) -m pytest -q -n 2 -m "not slow" --durations=10 tests/unit
 
 clean:
 	rm -rf $(VENV) outputs

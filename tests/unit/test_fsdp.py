@@ -248,6 +248,7 @@ def test_fsdp_trains_like_the_unsharded_model_with_a_global_grad_norm_and_accumu
         torch.testing.assert_close(got["weights"][name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save", ["save", "save_async"])
 def test_sharded_checkpoint_saves_manifest_last_and_resumes_on_1_2_and_4_processes_and_in_a_plain_model(save, tmp_path):
     """`save_async` trains steps 3 and 4 while the step-2 checkpoint is written (dcp.async_save): what loads is
@@ -283,6 +284,7 @@ def test_sharded_checkpoint_saves_manifest_last_and_resumes_on_1_2_and_4_process
         assert torch.equal(served[name], value), name
 
 
+@pytest.mark.slow
 def test_a_damaged_or_unfinished_shard_is_refused_naming_the_file(tmp_path):
     _run("save", 2, tmp_path)
     folder = tmp_path / "run" / NAME

@@ -77,6 +77,7 @@ def test_bad_vae_training_settings_are_refused_naming_the_key(override, message)
         load_job_config(None, [override])  # the defaults: mse_weight 0
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_a_lora_vae_run_before_ray_starts():
     out = subprocess.run([sys.executable, "-m", "vidray.cli", "train-vae", str(REPO / "jobs/configs/tiny_t2v.yaml"),
                           "model.lora={rank: 4}"], capture_output=True, text=True, timeout=120, cwd=REPO)
