@@ -1,5 +1,6 @@
-"""Serving an image-to-video (inpaint) model, its stages outside Serve (no Ray): the VAE stage encodes a request's
-first frame (`input_reference`) into the condition `vidray generate --image` samples with, and the step-batched
+"""Serving an image-to-video model (EasyAnimate inpaint, CogVideoX I2V), its stages outside Serve (no Ray): the VAE
+stage encodes a request's first frame (`input_reference`) into the condition `vidray generate --image` samples with
+(for CogVideoX a posterior sample drawn from the request's seed, as generate draws it), and the step-batched
 denoiser samples with it (or with the empty condition, text-to-video, without one) the latents `generate_video`
 gives; the store hands the runner the image a job was created with."""
 
@@ -22,17 +23,18 @@ from vidray.models import get_family  # noqa: E402
 from vidray.models.export import load_model, write_job_file  # noqa: E402
 from vidray.serve.stages import Denoiser, TextEncoder, VaeDecoder  # noqa: E402
 
-FAMILY = get_family("easyanimate")
 BUCKET = Bucket(9, 32, 32)
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def i2v_model_dir(tmp_path_factory):
-    components = FAMILY.build(ModelConfig(text_encoder="tiny_random", max_sequence_length=16, i2v=I2VConfig()),
-                              seed=0)
-    out = FAMILY.save_pipeline(components, tmp_path_factory.mktemp("i2v") / "diffusers", FlowConfig(shift=3.0))
-    write_job_file(out, job_config_from_dict({"name": "t", "model": {"text_encoder": "tiny_random",
+@pytest.fixture(scope="module", params=["easyanimate", "cogvideox"])
+def i2v_model_dir(request, tmp_path_factory):
+    family = get_family(request.param)
+    components = family.build(ModelConfig(family=request.param, text_encoder="tiny_random", max_sequence_length=16,
+                                          i2v=I2VConfig()), seed=0)
+    out = family.save_pipeline(components, tmp_path_factory.mktemp("i2v") / "diffusers", FlowConfig(shift=3.0))
+    write_job_file(out, job_config_from_dict({"name": "t", "model": {"family": request.param,
+                                                                     "text_encoder": "tiny_random",
                                                                      "max_sequence_length": 16, "i2v": {}},
                                               "data": {"buckets": [list(BUCKET)]}, "flow": {"shift": 3.0}}))
     return out
@@ -55,10 +57,10 @@ def _serve(model_dir, image: bytes | None, seed: int) -> torch.Tensor:
     async def run():
         embeds, mask = text.family.encode_prompt(text.text_encoder, text.tokenizer, ["a red fox"],
                                                  max_sequence_length=text.max_sequence_length, device="cpu")
-        condition = None if image is None else await vae.encode_image(image, tuple(BUCKET))
+        condition = None if image is None else await vae.encode_image(image, tuple(BUCKET), seed)
         request = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "negative_prompt_embeds": None,
                    "negative_prompt_attention_mask": None, "guidance_scale": 1.0,
-                   "latent_shape": FAMILY.latent_shape(BUCKET, 1), "num_inference_steps": STEPS, "seed": seed,
+                   "latent_shape": text.family.latent_shape(BUCKET, 1), "num_inference_steps": STEPS, "seed": seed,
                    "inpaint_latents": condition, "sent_at": time.time()}
         async for event in denoiser.denoise(request):
             if "latents" in event:
@@ -85,7 +87,7 @@ def test_the_stages_sample_what_generate_samples_with_and_without_a_first_frame(
     image = _png(3) if with_image else None
     served = _serve(i2v_model_dir, image, seed=11)
     generated = _generate(i2v_model_dir, image, seed=11)
-    assert served.shape == generated.shape == FAMILY.latent_shape(BUCKET, 1)
+    assert served.shape == generated.shape == load_model(str(i2v_model_dir)).family.latent_shape(BUCKET, 1)
     torch.testing.assert_close(served, generated, rtol=1e-5, atol=1e-5)
 
 

@@ -103,8 +103,9 @@ JOB_FILE = "vidray_job.yaml"
 """Name of the resolved job config written beside an exported diffusers pipeline."""
 
 _PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate", "EasyAnimateInpaintPipeline": "easyanimate",
-                      "WanPipeline": "wan", "CogVideoXPipeline": "cogvideox"}
-_IMAGE_TO_VIDEO_PIPELINES = ("EasyAnimateInpaintPipeline",)
+                      "WanPipeline": "wan", "CogVideoXPipeline": "cogvideox",
+                      "CogVideoXImageToVideoPipeline": "cogvideox"}
+_IMAGE_TO_VIDEO_PIPELINES = ("EasyAnimateInpaintPipeline", "CogVideoXImageToVideoPipeline")
 """Stock pipeline classes of image-to-video models (a stock folder of one loads as `model.i2v: {condition: first}`)."""
 _PIPELINE_SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 STOCK_MAX_SEQUENCE_LENGTH = 256
