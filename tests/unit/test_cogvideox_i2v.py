@@ -270,3 +270,20 @@ def test_the_shipped_cogvideox_i2v_config_builds_the_image_to_video_model_for_it
                             num_inference_steps=1, max_sequence_length=job.model.max_sequence_length,
                             image=_image(seed=1))
     assert frames.shape == (1, *job.data.buckets[0], 3)
+
+
+def test_vidray_generate_samples_the_export_from_an_image_file_and_refuses_a_last_image_in_one_line(
+        family, exported, tmp_path):
+    from vidray.errors import UserError
+    from vidray.generate import generate_to_file
+
+    _, out_dir, _ = exported
+    first = tmp_path / "first.png"
+    _image(seed=8).save(first)
+    video = generate_to_file(out_dir, PROMPT, tmp_path / "out.mp4", bucket=BUCKET, num_inference_steps=1,
+                             image=first)
+    assert video.is_file() and video.stat().st_size > 0
+    with pytest.raises(UserError, match="first frame only .*drop --last-image") as err:
+        generate_to_file(out_dir, PROMPT, tmp_path / "last.mp4", bucket=BUCKET, num_inference_steps=1, image=first,
+                         last_image=first)
+    assert "\n" not in str(err.value)

@@ -282,9 +282,9 @@ def sample_latents(
 def _image_condition(family: ModelFamily, components: Components, bucket: Bucket, latent_shape: tuple[int, ...],
                      image: Any, last_image: Any, device: torch.device, seed: int) -> torch.Tensor | None:
     """`generate_video`'s inpaint latents (B, C_in, F_lat, H_lat, W_lat): the image condition repeated over the B
-    prompts, the empty condition for an image-to-video model without image, None for a text-to-video model. The
-    family gets a CPU generator seeded with `seed` of its own (apart from the initial noise's): CogVideoX samples
-    the image's posterior from it, as its stock pipeline does from its generator."""
+    prompts, the empty condition for an image-to-video model without image, None for a text-to-video model. A family
+    that samples the image's posterior (`samples_image_posterior`: CogVideoX, as its stock pipeline does from its
+    generator) gets a CPU generator of its own seeded with `seed` (apart from the initial noise's)."""
     if image is None and last_image is not None:
         raise UserError("a last image needs a first image: give --image too")
     if not family.takes_image(components.transformer):
@@ -294,8 +294,8 @@ def _image_condition(family: ModelFamily, components: Components, bucket: Bucket
         return None
     if image is None:
         return family.empty_condition(latent_shape, device=device)
-    condition = family.encode_image_condition(components.vae, image, bucket, last_image=last_image,
-                                              generator=torch.Generator("cpu").manual_seed(int(seed)))
+    extra = {"generator": torch.Generator("cpu").manual_seed(int(seed))} if family.samples_image_posterior else {}
+    condition = family.encode_image_condition(components.vae, image, bucket, last_image=last_image, **extra)
     return condition.to(device).repeat(latent_shape[0], *([1] * (condition.ndim - 1)))
 
 

@@ -53,6 +53,7 @@ from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_regi
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.diffusion import ddim
+from vidray.errors import UserError
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
@@ -484,6 +485,7 @@ class CogVideoXFamily(ModelFamily):
     spatial_multiple = SPATIAL_COMPRESSION_RATIO * PATCH_SIZE
     example_bucket = (9, 32, 32)
     objective = "v_prediction"
+    samples_image_posterior = True
 
     # 1. The objective: v-prediction (vidray.diffusion.ddim, as CogVideoXDDIMScheduler).
 
@@ -714,10 +716,10 @@ class CogVideoXFamily(ModelFamily):
         CogVideoXImageToVideoPipeline's steps 5 (`preprocess_image`) and `prepare_latents` (`encode_image_latents`:
         the posterior sampled from `generator`, the sampler's generator seeded with the request's seed, drawn before
         anything else from it as the pipeline draws it before its noise; the mode without one; then
-        `image_condition`). Raises ValueError for a last image (the stock pipeline takes none)."""
+        `image_condition`). Raises UserError (a ValueError) for a last image: the stock pipeline takes none."""
         if last_image is not None:
-            raise ValueError("CogVideoX image-to-video takes a first frame only (CogVideoXImageToVideoPipeline has no "
-                             "last image): drop the last image")
+            raise UserError("CogVideoX image-to-video takes a first frame only (CogVideoXImageToVideoPipeline has no "
+                            "last image): drop --last-image")
         bucket = Bucket(*bucket)
         _, _, num_latent_frames, _, _ = self.latent_shape(bucket, 1)
         image_latents = encode_image_latents(vae, preprocess_image(image, bucket), generator=generator)

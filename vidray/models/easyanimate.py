@@ -553,11 +553,10 @@ class EasyAnimateFamily(ModelFamily):
         return encode_inpaint_latents(vae, video, mask)
 
     def encode_image_condition(self, vae: AutoencoderKLMagvit, image, bucket: Bucket, *,
-                               last_image=None, generator: torch.Generator | None = None) -> torch.Tensor:
+                               last_image=None) -> torch.Tensor:
         """A first image (and an optional last) -> inpaint_latents (1, 17, F_lat, H_lat, W_lat) float32 for
         `bucket`: `vidray.models.conditioning.image_to_video` (get_image_to_video_latent: resized to the bucket,
-        tiled over the frames) then `encode_inpaint_latents`. `generator` is unused (the pipeline takes the
-        posterior's mode)."""
+        tiled over the frames) then `encode_inpaint_latents`."""
         video, mask = image_to_video(image, bucket, last_image)
         return encode_inpaint_latents(vae, video, mask)
 
