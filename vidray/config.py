@@ -40,12 +40,13 @@ DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 
 @dataclass(config=_STRICT, kw_only=True)
 class I2VConfig:
-    """`model.i2v`: an image-to-video (inpaint) model, conditioned on the first frame (or the first and the last):
-    the transformer takes the noisy latents concatenated with inpaint latents (a mask and the masked video's
-    latents), as diffusers' `EasyAnimateInpaintPipeline` builds them (`ModelFamily.encode_clip_condition`). One
-    model serves both tasks, as EasyAnimate trains it: a sample without condition gets the all-generate (zero)
-    inpaint latents, i.e. text-to-video. Training computes each clip's condition in the encode stage, from the
-    frames it decodes anyway (`jobs/configs/tiny_i2v.yaml`); serving takes the first frame as `input_reference`."""
+    """`model.i2v`: an image-to-video model, conditioned on the first frame (or the first and the last): the
+    transformer takes the noisy latents concatenated with the family's condition, as its stock pipeline builds it
+    (`ModelFamily.encode_clip_condition`): EasyAnimate's inpaint latents (a mask and the masked video's latents,
+    `EasyAnimateInpaintPipeline`), Wan's mask and condition latents (`WanImageToVideoPipeline`). One model serves
+    both tasks, as EasyAnimate trains it: a sample without condition gets the empty (zero) condition, i.e.
+    text-to-video. Training computes each clip's condition in the encode stage, from the frames it decodes anyway
+    (`jobs/configs/tiny_i2v.yaml`, `wan_i2v_tiny.yaml`); serving takes the first frame as `input_reference`."""
 
     condition: Literal["first", "first_last"] = "first"
     """Which frames of a training clip are given to the model: `first` (image-to-video) or `first_last` (the first

@@ -1,6 +1,6 @@
-"""Serving an image-to-video model (EasyAnimate inpaint, CogVideoX I2V), its stages outside Serve (no Ray): the VAE
-stage encodes a request's first frame (`input_reference`) into the condition `vidray generate --image` samples with
-(for CogVideoX a posterior sample drawn from the request's seed, as generate draws it), and the step-batched
+"""Serving an image-to-video model of every family that has one, its stages outside Serve (no Ray): the VAE stage
+encodes a request's first frame (`input_reference`) into the condition `vidray generate --image` samples with (for
+CogVideoX a posterior sample drawn from the request's seed, as generate draws it), and the step-batched
 denoiser samples with it (or with the empty condition, text-to-video, without one) the latents `generate_video`
 gives; the store hands the runner the image a job was created with."""
 
@@ -21,19 +21,21 @@ from vidray.data.buckets import Bucket  # noqa: E402
 from vidray.diffusion.sampler import generate_video  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import load_model, write_job_file  # noqa: E402
+from vidray.models.rules import IMAGE_TO_VIDEO_FAMILIES  # noqa: E402
 from vidray.serve.stages import Denoiser, TextEncoder, VaeDecoder  # noqa: E402
 
 BUCKET = Bucket(9, 32, 32)
+"""A bucket every image-to-video family takes (9 frames: 4k+1 and 8k+1)."""
 STEPS = 3
 
 
-@pytest.fixture(scope="module", params=["easyanimate", "cogvideox"])
+@pytest.fixture(scope="module", params=sorted(IMAGE_TO_VIDEO_FAMILIES))
 def i2v_model_dir(request, tmp_path_factory):
     family = get_family(request.param)
-    components = family.build(ModelConfig(family=request.param, text_encoder="tiny_random", max_sequence_length=16,
+    components = family.build(ModelConfig(family=family.name, text_encoder="tiny_random", max_sequence_length=16,
                                           i2v=I2VConfig()), seed=0)
     out = family.save_pipeline(components, tmp_path_factory.mktemp("i2v") / "diffusers", FlowConfig(shift=3.0))
-    write_job_file(out, job_config_from_dict({"name": "t", "model": {"family": request.param,
+    write_job_file(out, job_config_from_dict({"name": "t", "model": {"family": family.name,
                                                                      "text_encoder": "tiny_random",
                                                                      "max_sequence_length": 16, "i2v": {}},
                                               "data": {"buckets": [list(BUCKET)]}, "flow": {"shift": 3.0}}))

@@ -144,6 +144,11 @@ class ModelFamily(abc.ABC):
         default says the family has no image-to-video model."""
         raise NotImplementedError(f"the {self.name} family has no image-to-video model")
 
+    def check_trainable(self, model_cfg: ModelConfig) -> None:
+        """Raise ValueError (one line: what and the fix) when `model_cfg` names a model the family loads, samples and
+        serves but cannot train here; what `vidray train` checks on the driver before anything is reserved.
+        Default: every model the family builds trains."""
+
     def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> torch.nn.Module:
         """The trainable transformer alone (what a DiT trainer loads), equal to `build(...).transformer`.
         Default: `build` and drop the rest; families override it to skip loading the VAE and text encoder."""

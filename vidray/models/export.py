@@ -103,9 +103,9 @@ JOB_FILE = "vidray_job.yaml"
 """Name of the resolved job config written beside an exported diffusers pipeline."""
 
 _PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate", "EasyAnimateInpaintPipeline": "easyanimate",
-                      "WanPipeline": "wan", "CogVideoXPipeline": "cogvideox",
+                      "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "CogVideoXPipeline": "cogvideox",
                       "CogVideoXImageToVideoPipeline": "cogvideox"}
-_IMAGE_TO_VIDEO_PIPELINES = ("EasyAnimateInpaintPipeline", "CogVideoXImageToVideoPipeline")
+_IMAGE_TO_VIDEO_PIPELINES = ("EasyAnimateInpaintPipeline", "WanImageToVideoPipeline", "CogVideoXImageToVideoPipeline")
 """Stock pipeline classes of image-to-video models (a stock folder of one loads as `model.i2v: {condition: first}`)."""
 _PIPELINE_SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 STOCK_MAX_SEQUENCE_LENGTH = 256
@@ -379,7 +379,7 @@ class ModelInfo:
     """The URI the model was given as (`path` is then its local cached copy, `fetch_model`); None for a folder."""
     image_to_video: bool = False
     """Whether the model takes a first-frame image: its job's `model.i2v` is set, or a stock folder's pipeline is an
-    image-to-video one (`EasyAnimateInpaintPipeline`). Read through `family.supports_image_to_video(info)`."""
+    image-to-video one (`EasyAnimateInpaintPipeline`, `WanImageToVideoPipeline`). Read through `family.supports_image_to_video(info)`."""
 
     @property
     def family(self) -> "ModelFamily":

@@ -56,10 +56,11 @@ CogVideoX's num_frames are 8k+1, not 4k+1: `AutoencoderKLCogVideoX._decode` deco
 back to F frames (5 frames -> 2 latent -> 8 decoded, in the stock pipeline too); CogVideoX's own 49 = 8 * 6 + 1."""
 
 
-IMAGE_TO_VIDEO_FAMILIES = frozenset({"easyanimate", "cogvideox"})
+IMAGE_TO_VIDEO_FAMILIES = frozenset({"easyanimate", "wan", "cogvideox"})
 """Families with an image-to-video model that `model.i2v` can build (EasyAnimate: the InP transformer of
-`EasyAnimateInpaintPipeline`; CogVideoX: the 1.0 I2V transformer of `CogVideoXImageToVideoPipeline`, first frame
-only); the config refuses `model.i2v` for the others at load."""
+`EasyAnimateInpaintPipeline`; Wan: the 36-channel transformer of `WanImageToVideoPipeline`; CogVideoX: the 1.0 I2V
+transformer of `CogVideoXImageToVideoPipeline`, first frame only); the config refuses `model.i2v` for the others at
+load."""
 
 
 def bucket_rules(family: str) -> BucketRules:

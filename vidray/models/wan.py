@@ -20,8 +20,19 @@ over MiniLM's tokenizer (the one tokenizer shipped offline here: umT5's sentence
 is the real MiniLM-L6 BERT (hidden 384), whose `last_hidden_state` the stock pipeline takes the same way. A real
 Wan folder (`init: pretrained`) brings its own umT5-XXL and tokenizer.
 
-Not here yet: image-to-video (`WanImageToVideoPipeline`: CLIP image embeddings, masked condition latents) and
-Wan 2.2's two experts (`transformer_2`, `boundary_ratio`); a Wan 2.2 folder is refused with that message.
+Image-to-video (`model.i2v`): the condition of diffusers/pipelines/wan/pipeline_wan_i2v.py's
+`WanImageToVideoPipeline.prepare_latents` (Wan 2.2 A14B's layout, no CLIP image embeddings): the given frames (the
+first, or the first and the last) over zero frames, encoded by the VAE (mode) and normalised per channel, after a
+4-channel mask of the given frames (the first pixel frame repeated over the VAE's 4x temporal compression): 20
+condition channels, concatenated to the 16 noisy ones (transformer `in_channels` 36). It travels as the family's
+`inpaint_latents`. Exported as a stock `WanImageToVideoPipeline` with no image encoder.
+
+Two experts (Wan 2.2 A14B: `transformer` for high noise, `transformer_2` below `boundary_ratio`): a folder with both
+loads as one `vidray.models.experts.TwoExperts`, which routes each sample by its timestep as the stock pipelines do,
+so `vidray generate`, validation and serving sample it unchanged; it is exported back with both and the ratio.
+
+Not here yet: Wan 2.1 I2V's CLIP image embeddings (`image_dim`, `encoder_hidden_states_image`; such a folder is
+refused) and training the two experts (each in its own worker group).
 """
 
 from __future__ import annotations
@@ -32,30 +43,41 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+import numpy as np
+from diffusers import (AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline,
+                       WanTransformer3DModel)
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from diffusers.video_processor import VideoProcessor
 
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
-from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names,
+from vidray.models.conditioning import condition_frames
+from vidray.models.experts import TwoExperts, check_boundary_ratio
+from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
 from vidray.models.rules import FAMILY_BUCKET_RULES
 from vidray.models.text_encoder import TINY_T5_ENCODER, build_t5_text_encoder, t5_text_width
 from vidray.models.vae import decode_latents, encode_video
 
 __all__ = [
+    "TINY_I2V_TRANSFORMER",
     "TINY_TEXT_ENCODER",
     "TINY_TRANSFORMER",
     "TINY_VAE",
     "WanFamily",
     "build_text_encoder",
     "build_tiny",
+    "condition_mask",
+    "empty_condition",
+    "encode_condition",
     "encode_prompts",
     "load_pretrained",
+    "load_transformer",
     "load_vae_folder",
     "probe_loss",
     "save_pipeline",
+    "takes_condition",
 ]
 
 LATENT_CHANNELS = 16
@@ -66,7 +88,12 @@ PATCH_SIZE = (1, 2, 2)
 """WanTransformer3DModel patch (frames, height, width)."""
 assert SPATIAL_COMPRESSION_RATIO * PATCH_SIZE[1] == FAMILY_BUCKET_RULES["wan"].spatial_multiple
 PIPELINE_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-"""The subfolders of a Wan 2.1 T2V diffusers folder that vidray loads."""
+"""The subfolders of a Wan T2V (`WanPipeline`) or I2V (`WanImageToVideoPipeline`) diffusers folder that vidray
+loads (an I2V folder's `image_encoder/`, Wan 2.1's CLIP, is refused: `_check_transformer`)."""
+CONDITION_CHANNELS = TEMPORAL_COMPRESSION_RATIO + LATENT_CHANNELS
+"""Channels of an I2V condition: the mask over one latent frame's 4 pixel frames, then the condition latents."""
+I2V_IN_CHANNELS = LATENT_CHANNELS + CONDITION_CHANNELS
+"""`in_channels` of an image-to-video transformer (36, Wan2.1-I2V and Wan2.2-I2V-A14B): noisy latents + condition."""
 
 TINY_TRANSFORMER = dict(
     patch_size=PATCH_SIZE,
@@ -83,6 +110,10 @@ TINY_TRANSFORMER = dict(
 )
 """Tiny DiT (inner dim 32, 2 blocks; ~42 k params with text_dim 64), the Wan 2.1 block layout (cross-attention norm,
 RMS q/k norm across heads). `text_dim` is set from the text encoder's hidden size."""
+
+TINY_I2V_TRANSFORMER = {**TINY_TRANSFORMER, "in_channels": I2V_IN_CHANNELS}
+"""The tiny preset's image-to-video transformer (`model.i2v`): TINY_TRANSFORMER taking the 20 condition channels
+too, without CLIP image embeddings (`image_dim` None, Wan 2.2 A14B's layout)."""
 
 TINY_VAE = dict(
     base_dim=4,
@@ -159,20 +190,89 @@ def _check_vae(vae: AutoencoderKLWan, where: str) -> None:
                          f"len(latents_std)) = {found}, but the wan family expects {expected}")
 
 
+def takes_condition(transformer: WanTransformer3DModel) -> bool:
+    """Whether `transformer` is an image-to-video model: `in_channels` (36) differs from the latent channels (16),
+    as `WanImageToVideoPipeline` feeds it `cat([latents, condition])`. `transformer` may be DDP-wrapped."""
+    return int(unwrapped(transformer).config.in_channels) != LATENT_CHANNELS
+
+
 def _check_transformer(transformer: WanTransformer3DModel, where: str) -> None:
-    found = (transformer.config.in_channels, tuple(transformer.config.patch_size))
-    if found != (LATENT_CHANNELS, PATCH_SIZE):
-        raise ValueError(f"{where}: transformer (in_channels, patch_size) = {found}, but the wan family (Wan 2.1 "
-                         f"text-to-video) expects {(LATENT_CHANNELS, PATCH_SIZE)}; image-to-video folders are not "
-                         "supported yet")
+    """Raise ValueError for a transformer whose layout the family cannot drive: not 16 (T2V) or 36 (I2V) input
+    channels with patch (1, 2, 2), or a Wan 2.1 I2V transformer that takes CLIP image embeddings (`image_dim`)."""
+    config = transformer.config
+    found = (config.in_channels, tuple(config.patch_size))
+    if found not in ((LATENT_CHANNELS, PATCH_SIZE), (I2V_IN_CHANNELS, PATCH_SIZE)):
+        raise ValueError(f"{where}: transformer (in_channels, patch_size) = {found}, but the wan family expects "
+                         f"{(LATENT_CHANNELS, PATCH_SIZE)} (text-to-video) or {(I2V_IN_CHANNELS, PATCH_SIZE)} "
+                         "(image-to-video)")
+    if config.image_dim is not None:
+        raise ValueError(f"{where}: transformer takes CLIP image embeddings (image_dim {config.image_dim}, Wan 2.1 "
+                         "image-to-video), which vidray does not compute yet; give a Wan 2.1 text-to-video folder "
+                         "or an image-to-video one without image_encoder (Wan 2.2 A14B's layout)")
 
 
-def _refuse_two_experts(path: Path) -> None:
-    """Raise ValueError for a Wan 2.2 A14B folder (a `transformer_2` component), which this family cannot run."""
+def _check_task(transformer: WanTransformer3DModel, model_cfg: ModelConfig, where: str) -> None:
+    """Raise ValueError when the transformer's task is not the config's: an image-to-video transformer for a
+    text-to-video config (`model.i2v` null), or the reverse."""
+    if takes_condition(transformer) and model_cfg.i2v is None:
+        raise ValueError(f"{where} holds an image-to-video transformer (in_channels {I2V_IN_CHANNELS}) but model.i2v "
+                         "is null: set model.i2v (e.g. {condition: first}) or give a WanPipeline folder")
+    if not takes_condition(transformer) and model_cfg.i2v is not None:
+        raise ValueError(f"{where} holds a text-to-video transformer (in_channels {LATENT_CHANNELS}) but model.i2v "
+                         f"is set: give a WanImageToVideoPipeline folder (in_channels {I2V_IN_CHANNELS}) or set "
+                         "model.i2v to null")
+
+
+def _pipeline_folder(path: str | Path) -> tuple[Path, type]:
+    """(`path`, its pipeline class): a complete `WanPipeline` or `WanImageToVideoPipeline` folder, as its
+    model_index.json names it. Raises FileNotFoundError / ValueError as `require_pipeline_folder` (another
+    family's folder, a missing component, a two-expert folder without `transformer_2/`), and ValueError for a Wan
+    2.1 CLIP-conditioned folder."""
+    path = require_pipeline_folder(path, "WanPipeline")
+    class_name = json.loads((path / "model_index.json").read_text()).get("_class_name")
+    pipeline_class = WanImageToVideoPipeline if class_name == "WanImageToVideoPipeline" else WanPipeline
+    require_pipeline_folder(path, pipeline_class.__name__, PIPELINE_COMPONENTS)
+    if _boundary_ratio(path) is not None:
+        require_pipeline_folder(path, pipeline_class.__name__, ("transformer_2",))
+    if (json.loads((path / "model_index.json").read_text()).get("image_encoder") or [None])[0] is not None:
+        raise ValueError(f"pretrained_path {str(path)!r} is a Wan 2.1 image-to-video folder (image_encoder/: CLIP "
+                         "image embeddings), which vidray does not compute yet; give a Wan 2.1 text-to-video folder "
+                         "or an image-to-video one without image_encoder (Wan 2.2 A14B's layout)")
+    return path, pipeline_class
+
+
+def _boundary_ratio(path: Path) -> float | None:
+    """The folder's `boundary_ratio` (model_index.json) when it holds two experts (`transformer_2/`), else None.
+    Raises ValueError for a second expert without a boundary in (0, 1), or a boundary without a second expert."""
     index = json.loads((path / "model_index.json").read_text())
-    if (index.get("transformer_2") or [None])[0] is not None:
-        raise ValueError(f"pretrained_path {str(path)!r} is a Wan 2.2 two-expert folder (transformer_2/): the wan "
-                         "family runs Wan 2.1's single transformer; give a Wan 2.1 T2V folder")
+    two = (index.get("transformer_2") or [None])[0] is not None
+    ratio = index.get("boundary_ratio")
+    if two != (ratio is not None):
+        raise ValueError(f"pretrained_path {str(path)!r}: transformer_2 and boundary_ratio go together (found "
+                         f"transformer_2 {'set' if two else 'null'}, boundary_ratio {ratio}); fix model_index.json")
+    return check_boundary_ratio(ratio, f"pretrained_path {str(path)!r}") if two else None
+
+
+def _num_train_timesteps(path: Path) -> int:
+    """The folder's scheduler's `num_train_timesteps` (1000 when its config does not say)."""
+    config = path / "scheduler" / "scheduler_config.json"
+    return int(json.loads(config.read_text()).get("num_train_timesteps", 1000)) if config.is_file() else 1000
+
+
+def _experts_of(path: Path, transformer: WanTransformer3DModel,
+                transformer_2: WanTransformer3DModel | None) -> torch.nn.Module:
+    """`transformer`, or with a second expert the `TwoExperts` the folder's `boundary_ratio` and scheduler
+    define; each expert checked (`_check_transformer`) and of one layout."""
+    _check_transformer(transformer, str(path))
+    ratio = _boundary_ratio(path)
+    if ratio is None:
+        return transformer
+    _check_transformer(transformer_2, f"{path} (transformer_2)")
+    if transformer_2.config.in_channels != transformer.config.in_channels:
+        raise ValueError(f"pretrained_path {str(path)!r}: transformer and transformer_2 take "
+                         f"{transformer.config.in_channels} and {transformer_2.config.in_channels} input channels; the "
+                         "two experts must match")
+    return TwoExperts(transformer, transformer_2, boundary_ratio=ratio, num_train_timesteps=_num_train_timesteps(path))
 
 
 def load_vae_folder(path: str | Path) -> AutoencoderKLWan:
@@ -188,58 +288,143 @@ def load_vae_folder(path: str | Path) -> AutoencoderKLWan:
     return vae.eval().requires_grad_(False)
 
 
-def _tiny_transformer(kind: TextEncoderKind) -> WanTransformer3DModel:
-    """TINY_TRANSFORMER at the global RNG's state, `text_dim` from the text encoder `kind`."""
-    return WanTransformer3DModel(**TINY_TRANSFORMER, text_dim=text_dim(kind))
+def _tiny_transformer(kind: TextEncoderKind, *, i2v: bool = False) -> WanTransformer3DModel:
+    """TINY_I2V_TRANSFORMER (`i2v`) or TINY_TRANSFORMER at the global RNG's state, `text_dim` from the text
+    encoder `kind`."""
+    return WanTransformer3DModel(**(TINY_I2V_TRANSFORMER if i2v else TINY_TRANSFORMER), text_dim=text_dim(kind))
 
 
-def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int = 0) -> Components:
-    """Random tiny preset (fp32, CPU): the text encoder under `seed`, then TINY_TRANSFORMER and TINY_VAE under
-    `seed` (in that order), each in a forked RNG (the global torch RNG is left as it was)."""
+def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int = 0, i2v: bool = False) -> Components:
+    """Random tiny preset (fp32, CPU): the text encoder under `seed`, then TINY_TRANSFORMER (TINY_I2V_TRANSFORMER
+    with `i2v`) and TINY_VAE under `seed` (in that order), each in a forked RNG (the global torch RNG is left as it
+    was)."""
     text_encoder, tokenizer = build_text_encoder(text_encoder_kind, seed=seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = _tiny_transformer(text_encoder_kind)
+        transformer = _tiny_transformer(text_encoder_kind, i2v=i2v)
         vae = AutoencoderKLWan(**TINY_VAE)
     return Components(transformer=transformer.train(), vae=vae.eval().requires_grad_(False),
                       text_encoder=text_encoder, tokenizer=tokenizer)
 
 
 def load_pretrained(path: str | Path) -> Components:
-    """transformer, vae, text_encoder and tokenizer of a local diffusers Wan 2.1 T2V folder, offline (its own
-    scheduler is not used: vidray samples with the job's flow shift).
+    """transformer, vae, text_encoder and tokenizer of a local diffusers Wan folder, offline: a `WanPipeline`
+    (text-to-video) or a one-transformer `WanImageToVideoPipeline` without image encoder (image-to-video). Its own
+    scheduler is not used: vidray samples with the job's flow shift.
 
     Raises FileNotFoundError naming the folder when it has no model_index.json or lacks a component subfolder,
-    ValueError when it is another pipeline's folder (another family), a Wan 2.2 two-expert folder, or its
-    layout is not Wan 2.1 T2V's. The VAE and text encoder come back frozen; the transformer in train mode.
+    ValueError when it is another pipeline's folder (another family) or its layout is not one the family drives
+    (`_check_transformer`, `_check_vae`, `_boundary_ratio`). A two-expert folder (Wan 2.2 A14B) gives a
+    `TwoExperts` transformer. The VAE and text encoder come back
+    frozen; the transformer in train mode.
     """
-    path = require_pipeline_folder(path, "WanPipeline", PIPELINE_COMPONENTS)
-    _refuse_two_experts(path)
-    pipe = WanPipeline.from_pretrained(path, local_files_only=True)
-    _check_transformer(pipe.transformer, str(path))
+    path, pipeline_class = _pipeline_folder(path)
+    pipe = pipeline_class.from_pretrained(path, image_encoder=None, image_processor=None, local_files_only=True) \
+        if pipeline_class is WanImageToVideoPipeline else pipeline_class.from_pretrained(path, local_files_only=True)
+    transformer = _experts_of(path, pipe.transformer, pipe.transformer_2)
     _check_vae(pipe.vae, str(path))
-    return Components(transformer=pipe.transformer.train(), vae=pipe.vae.eval().requires_grad_(False),
+    return Components(transformer=transformer.train(), vae=pipe.vae.eval().requires_grad_(False),
                       text_encoder=pipe.text_encoder.eval().requires_grad_(False), tokenizer=pipe.tokenizer)
 
 
+def load_transformer(path: str | Path) -> torch.nn.Module:
+    """The transformer of a local Wan folder alone (no VAE or text encoder read), in train mode: its
+    `transformer/`, or both experts as `TwoExperts` when it has a `transformer_2/` and `boundary_ratio` (Wan 2.2
+    A14B). Raises as `load_pretrained`."""
+    path, _ = _pipeline_folder(path)
+    transformer = WanTransformer3DModel.from_pretrained(path, subfolder="transformer", local_files_only=True)
+    transformer_2 = (WanTransformer3DModel.from_pretrained(path, subfolder="transformer_2", local_files_only=True)
+                     if _boundary_ratio(path) is not None else None)
+    return _experts_of(path, transformer, transformer_2).train()
+
+
 def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
-    """Write `components` as a complete diffusers folder (safetensors) that
-    `diffusers.WanPipeline.from_pretrained(out_dir, local_files_only=True)` loads and runs offline.
+    """Write `components` as a complete diffusers folder (safetensors) that the stock pipeline loads and runs
+    offline: `diffusers.WanPipeline.from_pretrained(out_dir, local_files_only=True)`, or for an image-to-video
+    transformer (`takes_condition`) `WanImageToVideoPipeline` (no `image_encoder`, `image_processor`,
+    `transformer_2` or `boundary_ratio`: the transformer takes no CLIP embeddings and samples every step).
 
     The scheduler is `FlowMatchEulerDiscreteScheduler(shift=flow.shift, num_train_timesteps=
     flow.num_train_timesteps)` (not the stock Wan folders' `UniPCMultistepScheduler(flow_shift=...)`): its
     `set_timesteps` gives `vidray.diffusion.flow_matching.inference_sigmas` and its `step` is the Euler step of
-    `vidray.diffusion.sampler`, so the stock pipeline samples what vidray samples. No `transformer_2` or
-    `boundary_ratio` (Wan 2.1: one transformer). Note the stock pipeline pads prompts to 512 tokens (`__call__`'s
-    `max_sequence_length` default): pass the trained `max_sequence_length` to match vidray exactly.
-    Written by `vidray.models.folders.write_pipeline_folder`: `out_dir` is complete or absent; an existing
-    pipeline folder there is replaced. Raises FileExistsError if `out_dir` exists and is not a pipeline folder.
-    Returns `out_dir`.
+    `vidray.diffusion.sampler`, so the stock pipeline samples what vidray samples. Note the stock pipeline pads
+    prompts to 512 tokens (`__call__`'s `max_sequence_length` default): pass the trained `max_sequence_length` to
+    match vidray exactly. Written by `vidray.models.folders.write_pipeline_folder`: `out_dir` is complete or
+    absent; an existing pipeline folder there is replaced. Raises FileExistsError if `out_dir` exists and is not a
+    pipeline folder. Returns `out_dir`.
     """
     scheduler = FlowMatchEulerDiscreteScheduler(shift=flow.shift, num_train_timesteps=flow.num_train_timesteps)
-    pipe = WanPipeline(tokenizer=components.tokenizer, text_encoder=components.text_encoder, vae=components.vae,
-                       scheduler=scheduler, transformer=components.transformer)
+    modules = dict(tokenizer=components.tokenizer, text_encoder=components.text_encoder, vae=components.vae,
+                   scheduler=scheduler, transformer=components.transformer)
+    if isinstance(components.transformer, TwoExperts):
+        experts = components.transformer
+        if experts.boundary_timestep != experts.boundary_ratio * flow.num_train_timesteps:
+            raise ValueError(f"the experts' boundary timestep {experts.boundary_timestep} is not boundary_ratio "
+                             f"{experts.boundary_ratio} x flow.num_train_timesteps {flow.num_train_timesteps}")
+        modules.update(transformer=experts.transformer, transformer_2=experts.transformer_2,
+                       boundary_ratio=experts.boundary_ratio)
+    pipe = WanImageToVideoPipeline(**modules) if takes_condition(components.transformer) else WanPipeline(**modules)
     return write_pipeline_folder(pipe, out_dir)
+
+
+_WITHOUT_TRANSFORMERS = dict(transformer=None, transformer_2=None)
+"""`from_pretrained` keywords that skip the transformers (what the encode stages and the text stage load)."""
+
+
+def condition_mask(batch_size: int, num_frames: int, latent_grid: tuple[int, int, int],
+                   given: list[int]) -> torch.Tensor:
+    """The mask channels of an image-to-video condition, (B, 4, F_lat, H_lat, W_lat) float32: 1 on the `given`
+    pixel frames' positions, 0 elsewhere, the first pixel frame repeated 4 times (the causal VAE's first latent
+    frame holds one pixel frame), then each latent frame's 4 pixel frames as its 4 channels. As
+    `WanImageToVideoPipeline.prepare_latents` (diffusers 0.42.1) builds `mask_lat_size` for `given` = [0] (an
+    image) or [0, F - 1] (an image and a last image). Raises ValueError when F does not make `latent_grid`'s
+    F_lat = (F - 1) // 4 + 1 frames."""
+    latent_frames, latent_height, latent_width = latent_grid
+    if (num_frames - 1) // TEMPORAL_COMPRESSION_RATIO + 1 != latent_frames or (num_frames - 1) % 4:
+        raise ValueError(f"{num_frames} frames do not make {latent_frames} latent frames (num_frames must be 4k+1)")
+    mask = torch.zeros(batch_size, 1, num_frames, latent_height, latent_width)
+    mask[:, :, given] = 1.0
+    first = torch.repeat_interleave(mask[:, :, 0:1], dim=2, repeats=TEMPORAL_COMPRESSION_RATIO)
+    mask = torch.cat([first, mask[:, :, 1:]], dim=2)  # (B, 1, 4 * F_lat, H_lat, W_lat)
+    mask = mask.view(batch_size, latent_frames, TEMPORAL_COMPRESSION_RATIO, latent_height, latent_width)
+    return mask.transpose(1, 2).contiguous()
+
+
+@torch.no_grad()
+def encode_condition(vae: AutoencoderKLWan, video_condition: torch.Tensor, given: list[int]) -> torch.Tensor:
+    """video_condition (B, 3, F, H, W) in [-1, 1], the `given` frames set and every other frame 0 -> the
+    condition (B, 20, F_lat, H_lat, W_lat) float32: `condition_mask` then the VAE's latents of the video,
+    (mode - latents_mean) / latents_std (`vidray.models.vae.encode_video`), as `WanImageToVideoPipeline.
+    prepare_latents` returns `cat([mask_lat_size, latent_condition], dim=1)`."""
+    latent_condition = encode_video(vae, video_condition)
+    mask = condition_mask(video_condition.shape[0], video_condition.shape[2], tuple(latent_condition.shape[2:]),
+                          given).to(latent_condition.device)
+    return torch.cat([mask, latent_condition], dim=1)
+
+
+def _image_frame(image: Any, height: int, width: int) -> torch.Tensor:
+    """A PIL image, a uint8 (H, W, 3) array or a float (3, H, W) tensor in [0, 1] -> (3, height, width) float32 in
+    [-1, 1]: `VideoProcessor.preprocess(image, height=, width=)` as `WanImageToVideoPipeline.__call__` step 5 (a
+    plain resize to the bucket, no crop). Raises ValueError for another array layout."""
+    from PIL import Image
+
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
+            raise ValueError(f"an image array must be uint8 (H, W, 3), got {image.dtype} {image.shape}")
+        image = Image.fromarray(image)
+    elif isinstance(image, torch.Tensor):
+        image = image[None]
+    frame = VideoProcessor(vae_scale_factor=SPATIAL_COMPRESSION_RATIO).preprocess(image, height=height, width=width)
+    return frame[0].float()
+
+
+def empty_condition(latent_shape: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:
+    """The condition of a sample without an image (condition dropout in training; a text-only request to an
+    image-to-video model), (B, 20, F_lat, H_lat, W_lat) float32 for latents of `latent_shape`: zeros, no frame
+    given and no latents. `WanImageToVideoPipeline` always takes an image; the zeros follow EasyAnimate's
+    text-to-video input, the convention vidray's condition dropout trains."""
+    batch_size, _, *grid = latent_shape
+    return torch.zeros(batch_size, CONDITION_CHANNELS, *grid, dtype=torch.float32, device=device)
 
 
 def probe_loss(model: torch.nn.Module, transformer: WanTransformer3DModel) -> torch.Tensor:
@@ -267,28 +452,40 @@ class WanFamily(ModelFamily):
     example_bucket = (5, 32, 32)
 
     def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
-        """`init: random` -> the `tiny` preset with `model_cfg.text_encoder` (`build_tiny`); `init: pretrained` ->
-        `load_pretrained(model_cfg.pretrained_path)` (the folder's own text encoder). `model.vae_path` replaces
-        the VAE."""
+        """`init: random` -> the `tiny` preset with `model_cfg.text_encoder` (`build_tiny`; its image-to-video
+        transformer for `model.i2v`); `init: pretrained` -> `load_pretrained(model_cfg.pretrained_path)` (the
+        folder's own text encoder), whose task must be the config's (`model.i2v` set for an image-to-video
+        folder). `model.vae_path` replaces the VAE."""
         folder = pretrained_folder(model_cfg, "wan")
-        components = load_pretrained(folder) if folder else build_tiny(model_cfg.text_encoder, seed=seed)
+        if folder is None:
+            components = build_tiny(model_cfg.text_encoder, seed=seed, i2v=model_cfg.i2v is not None)
+        else:
+            components = load_pretrained(folder)
+            _check_task(components.transformer, model_cfg, str(folder))
         if model_cfg.vae_path:
             components = dataclasses.replace(components, vae=load_vae_folder(model_cfg.vae_path))
         return components
+
+    def check_trainable(self, model_cfg: ModelConfig) -> None:
+        """Raise ValueError for `init: pretrained` from a two-expert folder (Wan 2.2 A14B): both experts load for
+        sampling and serving, but training them (each in its own worker group) is not built yet."""
+        folder = pretrained_folder(model_cfg, "wan")
+        if folder is not None and (folder / "model_index.json").is_file() and _boundary_ratio(folder) is not None:
+            raise ValueError(f"model.pretrained_path {str(folder)!r} holds two experts (transformer_2, Wan 2.2 A14B): "
+                             "vidray generates from and serves it, but does not train the two experts yet; train "
+                             "from a one-transformer Wan folder")
 
     def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> WanTransformer3DModel:
         """The transformer alone, equal to `build(model_cfg, seed=seed).transformer`, without the VAE or the text
         encoder: the tiny preset drawn first under `seed` (as in `build_tiny`); a folder's `transformer/` alone."""
         folder = pretrained_folder(model_cfg, "wan")
         if folder is not None:
-            require_pipeline_folder(folder, "WanPipeline", PIPELINE_COMPONENTS)
-            _refuse_two_experts(folder)
-            transformer = WanTransformer3DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True)
-            _check_transformer(transformer, str(folder))
-            return transformer.train()
+            transformer = load_transformer(folder)
+            _check_task(transformer, model_cfg, str(folder))
+            return transformer
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            transformer = _tiny_transformer(model_cfg.text_encoder)
+            transformer = _tiny_transformer(model_cfg.text_encoder, i2v=model_cfg.i2v is not None)
         return transformer.train()
 
     def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
@@ -298,22 +495,21 @@ class WanFamily(ModelFamily):
         if folder is None:
             c = self.build(model_cfg, seed=seed)
             return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
-        require_pipeline_folder(folder, "WanPipeline", PIPELINE_COMPONENTS)
-        pipe = WanPipeline.from_pretrained(folder, transformer=None, transformer_2=None, local_files_only=True)
+        folder, pipeline_class = _pipeline_folder(folder)
+        pipe = pipeline_class.from_pretrained(folder, **_WITHOUT_TRANSFORMERS, local_files_only=True)
         _check_vae(pipe.vae, str(folder))
         vae = load_vae_folder(model_cfg.vae_path) if model_cfg.vae_path else pipe.vae.eval().requires_grad_(False)
         return Encoders(vae=vae, text_encoder=pipe.text_encoder.eval().requires_grad_(False),
                         tokenizer=pipe.tokenizer)
 
     def build_text_encoder(self, model_cfg: ModelConfig, *, seed: int):
-        """The frozen text encoder (umT5) and tokenizer alone, equal to `build_encoders`'s: a folder is loaded with
-        `transformer=None, transformer_2=None, vae=None`; the tiny preset replays `build_tiny`."""
+        """The frozen text encoder (umT5) and tokenizer alone, equal to `build_encoders`'s: a folder is loaded
+        without transformers or VAE; the tiny preset replays `build_tiny`."""
         folder = pretrained_folder(model_cfg, "wan")
         if folder is None:
             return super().build_text_encoder(model_cfg, seed=seed)
-        require_pipeline_folder(folder, "WanPipeline", PIPELINE_COMPONENTS)
-        pipe = WanPipeline.from_pretrained(folder, transformer=None, transformer_2=None, vae=None,
-                                           local_files_only=True)
+        folder, pipeline_class = _pipeline_folder(folder)
+        pipe = pipeline_class.from_pretrained(folder, **_WITHOUT_TRANSFORMERS, vae=None, local_files_only=True)
         return pipe.text_encoder.eval().requires_grad_(False), pipe.tokenizer
 
     def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLWan:
@@ -324,10 +520,46 @@ class WanFamily(ModelFamily):
         folder = pretrained_folder(model_cfg, "wan")
         if folder is None:
             return self.build_encoders(model_cfg, seed=seed).vae
-        require_pipeline_folder(folder, "WanPipeline", PIPELINE_COMPONENTS)
+        folder, _ = _pipeline_folder(folder)
         vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", local_files_only=True)
         _check_vae(vae, str(folder))
         return vae.eval().requires_grad_(False)
+
+    def supports_image_to_video(self, info) -> bool:
+        """Whether the model `info` (`vidray.models.export.ModelInfo`) describes takes an image: `model.i2v` set,
+        or a stock `WanImageToVideoPipeline` folder."""
+        return bool(info.image_to_video)
+
+    def takes_image(self, transformer: WanTransformer3DModel) -> bool:
+        """`takes_condition`: the transformer's `in_channels` is 36, not 16."""
+        return takes_condition(transformer)
+
+    def encode_clip_condition(self, vae: AutoencoderKLWan, video: torch.Tensor, condition: str) -> torch.Tensor:
+        """A training clip (B, 3, F, H, W) in [-1, 1] -> its condition (B, 20, F_lat, H_lat, W_lat) float32: the
+        clip's own `condition` frames (`first`: frame 0; `first_last`: 0 and F-1) over zero frames,
+        `encode_condition`d, what the stock pipeline makes of those frames given as `image` (and `last_image`)."""
+        given = condition_frames(video.shape[2], condition)
+        video_condition = torch.zeros_like(video, dtype=torch.float32)
+        video_condition[:, :, given] = video[:, :, given].float()
+        return encode_condition(vae, video_condition, given)
+
+    def encode_image_condition(self, vae: AutoencoderKLWan, image, bucket: Bucket, *,
+                               last_image=None) -> torch.Tensor:
+        """A first image (and an optional last) -> the condition (1, 20, F_lat, H_lat, W_lat) float32 of a
+        `bucket` video: each image resized to the bucket as the stock pipeline does (`VideoProcessor.preprocess`,
+        no crop), placed at frame 0 (and F - 1) over zero frames, `encode_condition`d."""
+        num_frames, height, width = Bucket(*bucket)
+        video_condition = torch.zeros(1, 3, num_frames, height, width)
+        video_condition[0, :, 0] = _image_frame(image, height, width)
+        given = [0]
+        if last_image is not None:
+            video_condition[0, :, -1] = _image_frame(last_image, height, width)
+            given = condition_frames(num_frames, "first_last")
+        return encode_condition(vae, video_condition, given)
+
+    def empty_condition(self, latent_shape: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:
+        """See module-level `empty_condition`: zeros (B, 20, F_lat, H_lat, W_lat)."""
+        return empty_condition(latent_shape, device)
 
     def encode_video(self, vae: AutoencoderKLWan, video: torch.Tensor) -> torch.Tensor:
         """`vidray.models.vae.encode_video`: (posterior mode - latents_mean) / latents_std per channel,
@@ -356,9 +588,13 @@ class WanFamily(ModelFamily):
         timesteps: torch.Tensor,
         prompt_embeds: torch.Tensor,
         prompt_attention_mask: torch.Tensor,
+        inpaint_latents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """noisy_latents (B, 16, F, H, W), timesteps (B,) = sigmas * num_train_timesteps, prompt_embeds (B, L, D),
-        prompt_attention_mask (B, L) -> model_pred (B, 16, F, H, W), the velocity (noise - latents).
+        prompt_attention_mask (B, L) -> model_pred (B, 16, F, H, W), the velocity (noise - latents). An
+        image-to-video transformer (`takes_condition`) also takes its condition `inpaint_latents` (B, 20, F, H, W)
+        (`encode_clip_condition`, `encode_image_condition`, `empty_condition`), concatenated after the noisy latents
+        along channels as `WanImageToVideoPipeline`'s loop does; a text-to-video one takes none (ValueError).
 
         Called exactly like WanPipeline's denoising loop: `hidden_states` and `encoder_hidden_states` in the
         latents' dtype, `timestep` as given (the pipeline passes the scheduler's float32 timesteps uncast),
@@ -375,8 +611,18 @@ class WanFamily(ModelFamily):
         if prompt_attention_mask.shape != prompt_embeds.shape[:2]:
             raise ValueError(f"prompt_attention_mask {tuple(prompt_attention_mask.shape)} must match prompt_embeds' "
                              f"(B, L) {tuple(prompt_embeds.shape[:2])}")
+        hidden_states = noisy_latents
+        if takes_condition(transformer):
+            expected = (batch_size, CONDITION_CHANNELS, *noisy_latents.shape[2:])
+            if inpaint_latents is None or tuple(inpaint_latents.shape) != expected:
+                found = None if inpaint_latents is None else tuple(inpaint_latents.shape)
+                raise ValueError(f"an image-to-video transformer needs its condition inpaint_latents {expected}, got "
+                                 f"{found}")
+            hidden_states = torch.cat([noisy_latents, inpaint_latents.to(noisy_latents.dtype)], dim=1)
+        elif inpaint_latents is not None:
+            raise ValueError("a text-to-video transformer takes no inpaint_latents (the model has no image input)")
         return transformer(
-            hidden_states=noisy_latents,
+            hidden_states=hidden_states,
             timestep=timesteps,
             encoder_hidden_states=prompt_embeds.to(dtype=noisy_latents.dtype),
             return_dict=False,

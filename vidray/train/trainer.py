@@ -154,6 +154,12 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     from vidray.models.text_encoder import check_max_sequence_length
 
     check_max_sequence_length(job.model)
+    from vidray.models.registry import get_family
+
+    try:
+        get_family(job.model.family).check_trainable(job.model)  # a model the family samples but cannot train
+    except ValueError as err:
+        raise UserError(str(err)) from None
     from vidray.train.validation import check_validation_prompts
 
     check_validation_prompts(job)  # a prompt the text encoder would cut: before anything starts

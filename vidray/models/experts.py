@@ -1,0 +1,91 @@
+"""Two denoising experts switched at a timestep boundary, as one transformer (Wan 2.2 A14B: a high-noise expert for
+the first steps, a low-noise one for the rest).
+
+`TwoExperts` is what a family hands the sampler, serving's denoiser and `vidray generate` for a two-expert model: a
+module called like either expert that routes each sample by its timestep, exactly as diffusers'
+`WanPipeline` / `WanImageToVideoPipeline` choose per step (diffusers/pipelines/wan/pipeline_wan_i2v.py, 0.42.1:
+`if boundary_timestep is None or t >= boundary_timestep: transformer else transformer_2`, with `boundary_timestep =
+boundary_ratio * scheduler.config.num_train_timesteps`). Samples of one batch at different steps (serving's
+step-level batching) are split between the experts and put back in order, so each gets what its step would get
+alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["TwoExperts", "check_boundary_ratio"]
+
+
+def check_boundary_ratio(boundary_ratio: Any, where: str) -> float:
+    """`boundary_ratio` as a float in (0, 1). Raises ValueError naming `where` otherwise (0 or 1 would leave one
+    expert every step)."""
+    if isinstance(boundary_ratio, bool) or not isinstance(boundary_ratio, (int, float)) or not 0 < boundary_ratio < 1:
+        raise ValueError(f"{where}: boundary_ratio must be a number in (0, 1) (the share of the timesteps the "
+                         f"high-noise expert denoises, 0.9 for Wan2.2-I2V-A14B), got {boundary_ratio!r}")
+    return float(boundary_ratio)
+
+
+class TwoExperts(torch.nn.Module):
+    """`transformer` (the high-noise expert) for timesteps >= `boundary_timestep`, `transformer_2` (the low-noise
+    one) below it; both take the same inputs and give the same output shape.
+
+    Args:
+        transformer: the high-noise expert (diffusers' `transformer`).
+        transformer_2: the low-noise expert (diffusers' `transformer_2`).
+        boundary_ratio: in (0, 1), as the pipeline's config holds it.
+        num_train_timesteps: the scheduler's; the boundary is `boundary_ratio * num_train_timesteps` in the units
+            of the timesteps the experts are called with.
+    Raises ValueError for a boundary_ratio outside (0, 1).
+    """
+
+    def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module, *, boundary_ratio: float,
+                 num_train_timesteps: int = 1000):
+        super().__init__()
+        self.transformer = transformer
+        self.transformer_2 = transformer_2
+        self.boundary_ratio = check_boundary_ratio(boundary_ratio, "TwoExperts")
+        self.boundary_timestep = self.boundary_ratio * num_train_timesteps
+
+    @property
+    def config(self) -> Any:
+        """The high-noise expert's config (the experts share their layout: in_channels, patch_size, text_dim)."""
+        return self.transformer.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    def high_noise(self, timestep: torch.Tensor) -> torch.Tensor:
+        """(B,) bool: which samples the high-noise expert takes, `timestep >= boundary_timestep`."""
+        return timestep >= self.boundary_timestep
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, **kwargs: Any) -> Any:
+        """Call each sample's expert: hidden_states (B, C, F, H, W), timestep (B,); every other tensor keyword
+        with a leading batch dimension B (encoder_hidden_states (B, L, D), ...) is split with them. Returns what
+        the experts return with `return_dict=False` (a tuple whose first item is (B, C_out, F, H, W)), the samples
+        in their order. Raises ValueError unless timestep is (B,)."""
+        batch_size = hidden_states.shape[0]
+        if timestep.shape != (batch_size,):
+            raise ValueError(f"TwoExperts routes by a per-sample timestep ({batch_size},), got {tuple(timestep.shape)}")
+        high = self.high_noise(timestep)
+        if bool(high.all()):
+            return self.transformer(hidden_states=hidden_states, timestep=timestep, **kwargs)
+        if not bool(high.any()):
+            return self.transformer_2(hidden_states=hidden_states, timestep=timestep, **kwargs)
+        outputs = []
+        for expert, rows in ((self.transformer, high), (self.transformer_2, ~high)):
+            part = {key: value[rows] if isinstance(value, torch.Tensor) and value.shape[:1] == (batch_size,) else value
+                    for key, value in kwargs.items()}
+            outputs.append((rows, expert(hidden_states=hidden_states[rows], timestep=timestep[rows], **part)[0]))
+        first = outputs[0][1]
+        merged = first.new_empty((batch_size, *first.shape[1:]))
+        for rows, output in outputs:
+            merged[rows] = output
+        return (merged,)
