@@ -303,8 +303,9 @@ def test_stock_folder_without_recorded_buckets_needs_a_bucket(trained, tmp_path,
     assert check_generate_args(stock, "a red ball", tmp_path / "out.mp4", bucket="5x32x32")[1] == Bucket(5, 32, 32)
     (stock / "model_index.json").write_text(json.dumps({"_class_name": "AnimateDiffPipeline"}))
     with pytest.raises(ModelFolderError,
-                       match="holds a AnimateDiffPipeline pipeline; supported: CogVideoXPipeline, "
-                             "EasyAnimateInpaintPipeline, EasyAnimatePipeline, WanPipeline"):
+                       match="holds a AnimateDiffPipeline pipeline; supported: CogVideoXImageToVideoPipeline, "
+                             "CogVideoXPipeline, EasyAnimateInpaintPipeline, EasyAnimatePipeline, "
+                             "WanImageToVideoPipeline, WanPipeline"):
         inspect_model(stock)
 
 
