@@ -457,8 +457,8 @@ def probe_loss(model: torch.nn.Module, transformer: CogVideoXTransformer3DModel)
     """The output sum of `model` (`transformer`, maybe DDP-wrapped) on a fixed (1, 1, C_in, p, p) input (one patch,
     laid out (B, F, C, H, W); an image-to-video transformer's C_in = 32 takes the image latents too; learned
     positional embeddings (CogVideoX-5b-I2V): `sample_height` x `sample_width`, the one size they take) with 2 text
-    tokens (`max_text_seq_length` without rotary positions), from a seeded CPU generator (the global RNG is
-    untouched); fp32 scalar. The probe of `no_grad_parameter_names` and of `vidray.train.parallel.prime_buckets`."""
+    tokens (`max_text_seq_length` when positions span text and video: no rotary, or learned; `_joint_positions`),
+    from a seeded CPU generator (the global RNG is untouched); fp32 scalar. The probe of `no_grad_parameter_names` and of `vidray.train.parallel.prime_buckets`."""
     cfg, param = transformer.config, next(transformer.parameters())
     g = torch.Generator().manual_seed(0)
     p = cfg.patch_size
