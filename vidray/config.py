@@ -120,11 +120,41 @@ class LoraConfig:
 
 
 @dataclass(config=_STRICT, kw_only=True)
+class ExpertsConfig:
+    """`model.experts`: two denoising experts trained in one job, as Wan 2.2 A14B is made: `transformer` (high
+    noise) for timesteps >= `boundary_ratio x flow.num_train_timesteps`, `transformer_2` (low noise) below. Each
+    training sample goes to the expert of its sampled timestep, so each expert trains only on its side of the
+    boundary; both are checkpointed together with the one data position and exported as the stock pipeline's
+    `transformer` and `transformer_2` with `boundary_ratio` (`vidray.models.experts.TwoExperts`). Every worker
+    holds both experts (DDP); one worker group per expert, placed by label, is not built yet."""
+
+    boundary_ratio: float = 0.9
+    """In (0, 1): the share of the timesteps the high-noise expert denoises (Wan2.2-I2V-A14B 0.9, T2V-A14B 0.875,
+    the `boundary_ratio` of their model_index.json)."""
+
+    @field_validator("boundary_ratio", mode="before")
+    @classmethod
+    def _ratio_not_a_boolean(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # pydantic's lax mode would read `true` as 1
+            raise ValueError(f"model.experts.boundary_ratio: {str(value).lower()} is a boolean, not a number")
+        return value
+
+    @model_validator(mode="after")
+    def _check_ratio(self) -> "ExpertsConfig":
+        if not 0 < self.boundary_ratio < 1:
+            raise ValueError(f"model.experts.boundary_ratio must be in (0, 1) (the share of the timesteps the "
+                             f"high-noise expert denoises, e.g. 0.9), got {self.boundary_ratio}")
+        return self
+
+
+@dataclass(config=_STRICT, kw_only=True)
 class ModelConfig:
-    family: Literal["easyanimate", "wan", "cogvideox"] = "easyanimate"
-    """Model family from the registry in `vidray.models`: `easyanimate` (EasyAnimate V5.1 T2V), `wan` (Wan 2.1
-    T2V) or `cogvideox` (CogVideoX 1.0 T2V, v-prediction; `flow.num_train_timesteps` must be 1000 and `flow.shift`
-    is unused). Each family's bucket rules are in `vidray.models.rules`."""
+    family: Literal["easyanimate", "wan", "cogvideox", "animatediff"] = "easyanimate"
+    """Model family from the registry in `vidray.models`: `easyanimate` (EasyAnimate V5.1 T2V, and I2V with
+    `model.i2v`), `wan` (Wan 2.1 T2V; I2V with `model.i2v`; Wan 2.2 A14B's two experts with `model.experts`), `cogvideox` (CogVideoX 1.0 T2V, v-prediction; `flow.num_train_timesteps` must be 1000 and `flow.shift`
+    is unused) or `animatediff` (AnimateDiff: SD 1.5 UNet + motion modules, epsilon; only the motion modules train;
+    `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused). Each family's bucket rules are in
+    `vidray.models.rules`."""
     preset: Literal["tiny"] = "tiny"
     """Architecture preset used with `init: random` (ignored for `pretrained`)."""
     init: Literal["random", "pretrained"] = "random"
@@ -147,6 +177,10 @@ class ModelConfig:
     """null: a text-to-video model. A section (`{condition: first, condition_dropout: 0.1}`; see `I2VConfig`): an
     image-to-video (inpaint) model, for the families in `vidray.models.rules.IMAGE_TO_VIDEO_FAMILIES`; a pretrained
     folder must then be an inpaint pipeline (EasyAnimate: `EasyAnimateInpaintPipeline`), and the export is one."""
+    experts: ExpertsConfig | None = None
+    """null: one transformer. A section (`{boundary_ratio: 0.9}`; see `ExpertsConfig`): two experts switched at a
+    timestep boundary, for the families in `vidray.models.rules.EXPERT_FAMILIES` (Wan 2.2 A14B); a pretrained
+    folder must then hold both (`transformer_2/`, the same `boundary_ratio`)."""
 
     @model_validator(mode="after")
     def _check_pretrained(self):
@@ -157,6 +191,14 @@ class ModelConfig:
         if self.i2v is not None and self.family not in IMAGE_TO_VIDEO_FAMILIES:
             raise ValueError(f"model.i2v is set but model.family {self.family} has no image-to-video model here; "
                              f"use one of {', '.join(sorted(IMAGE_TO_VIDEO_FAMILIES))} or set model.i2v to null")
+        from vidray.models.rules import EXPERT_FAMILIES
+
+        if self.experts is not None and self.family not in EXPERT_FAMILIES:
+            raise ValueError(f"model.experts is set but model.family {self.family} has no two-expert model; use "
+                             f"{', '.join(sorted(EXPERT_FAMILIES))} or set model.experts to null")
+        if self.experts is not None and self.lora is not None:
+            raise ValueError("model.experts with model.lora is not supported yet: train the two experts fully "
+                             "(model.lora: null)")
         return self
 
 
@@ -608,9 +650,9 @@ class JobConfig:
             except ValueError as err:
                 raise ValueError(f"data.buckets: {err} (the rule of model.family={self.model.family}, "
                                  "vidray.models.rules)") from None
-        if self.model.family == "cogvideox" and self.flow.num_train_timesteps != 1000:
+        if self.model.family in ("cogvideox", "animatediff") and self.flow.num_train_timesteps != 1000:
             raise ValueError(f"flow.num_train_timesteps is {self.flow.num_train_timesteps}, but model.family: "
-                             "cogvideox trains on CogVideoX's 1000-step DDIM schedule: set flow.num_train_timesteps: "
+                             f"{self.model.family} trains on a 1000-step DDIM schedule: set flow.num_train_timesteps: "
                              "1000")
         positive = {
             "train.max_steps": self.train.max_steps,
@@ -804,7 +846,17 @@ class JobConfig:
             raise ValueError(f"scaling.shard_group_size is for scaling.strategy: hsdp only, got strategy "
                              f"{scaling.strategy}: remove it or set scaling.strategy: hsdp")
         if scaling.strategy == "ddp":
+            if self.model.experts is not None and train.grad_compression == "powersgd":
+                raise ValueError("model.experts with train.grad_compression: powersgd is not supported (each step "
+                                 "leaves one expert without gradients on some workers); use none, fp16 or bf16")
+            if self.model.experts is not None and self.flow.num_train_timesteps != 1000:
+                raise ValueError(f"model.experts needs flow.num_train_timesteps 1000 (the experts' boundary is "
+                                 f"boundary_ratio x 1000, as Wan 2.2's scheduler has it), got "
+                                 f"{self.flow.num_train_timesteps}")
             return
+        if self.model.experts is not None:
+            raise ValueError(f"model.experts trains with scaling.strategy: ddp only (every worker holds both "
+                             f"experts), got {scaling.strategy}")
         if train.grad_compression != "none":
             raise ValueError(f"train.grad_compression: {train.grad_compression} is a DDP communication hook; with "
                              f"scaling.strategy: {scaling.strategy} gradients are reduce-scattered in fp32 "
@@ -860,6 +912,7 @@ RESUME_RULES: dict[str, str] = {
     "model.vae_path": RESUME_FIXED,  # the latents the DiT learns come from this VAE
     "model.lora": RESUME_FIXED,  # the adapters' shapes and scale; a LoRA checkpoint holds only adapter weights
     "model.i2v": RESUME_FIXED,  # the transformer's input channels (inpaint latents) and what the data gives it
+    "model.experts": RESUME_FIXED,  # one transformer or two, and where they switch
     # The data: shard identity is checked by the index's content hash, so folder and prepare-only keys may
     # change; buckets, fps and the batch sizes define the epoch's micro-batches, which the saved data position
     # counts (per bucket), so they must stay as they were.
@@ -962,9 +1015,10 @@ RESUME_RULES: dict[str, str] = {
 checks that every field is listed. Keys missing from a saved config (older vidray) compare as equal."""
 
 
-DICT_LEAVES = ("label_selector", "lora", "i2v")
+DICT_LEAVES = ("label_selector", "lora", "i2v", "experts")
 """Config fields whose value is a dict compared as one leaf, not a section: label selectors (label keys contain
-dots), `model.lora` and `model.i2v` (nullable sections: null -> set is one change, fixed for the run)."""
+dots), `model.lora`, `model.i2v` and `model.experts` (nullable sections: null -> set is one change, fixed for the
+run)."""
 
 
 def flatten_config(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -12,6 +12,9 @@ import pytest
 import yaml
 
 from vidray.config import load_job_config
+from vidray.data.buckets import Bucket
+from vidray.diffusion.sampler import generate_video
+from vidray.models.export import load_model
 from vidray.models.registry import FAMILIES
 from vidray.train.trainer import run_training
 
@@ -19,6 +22,9 @@ from tests.integration.conftest import assert_same_training_state
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
+SAME_NOISE_AS_VIDRAY = ("animatediff",)
+"""Families whose stock pipeline draws its initial noise from a seeded CPU generator in vidray's (B, C, F, H, W) layout
+(`vidray.diffusion.sampler.initial_noise`), so the same seed gives the same latents without passing `latents=`."""
 
 
 def family_config(family: str) -> Path:
@@ -61,6 +67,14 @@ def test_the_family_trains_on_2_workers_resumes_exactly_and_exports_its_stock_pi
                    guidance_scale=1.0, max_sequence_length=job.model.max_sequence_length, output_type="latent",
                    generator=torch.Generator().manual_seed(0)).frames
     assert latents.shape[0] == 1 and torch.isfinite(latents).all()
+    if family in SAME_NOISE_AS_VIDRAY:  # the export samples what `vidray generate` samples for the prompt and seed
+        loaded = load_model(export)
+        final = []
+        generate_video(loaded.family, loaded.components, ["a red fox"], Bucket(num_frames, height, width),
+                       flow=loaded.flow, num_inference_steps=2, guidance_scale=1.0,
+                       max_sequence_length=job.model.max_sequence_length, seed=0,
+                       callback=lambda i, sigma, step_latents: final.append(step_latents))
+        torch.testing.assert_close(final[-1], latents, atol=1e-5, rtol=1e-5)
 
 
 def _stock_image_to_video_latents(pipe, image, num_frames: int, height: int, width: int):
@@ -84,10 +98,11 @@ def _stock_image_to_video_latents(pipe, image, num_frames: int, height: int, wid
                                                     ("cogvideox_i2v_tiny.yaml", "CogVideoXImageToVideoPipeline")])
 def test_the_image_to_video_model_trains_on_its_clips_first_frames_resumes_exactly_and_exports_its_stock_pipeline(
         config, pipeline_class, local_ray, shards_dir, tmp_path):
-    """An image-to-video config (EasyAnimate InP; Wan in Wan 2.2 A14B's layout; CogVideoX 1.0 I2V): the encode
-    stage computes each clip's condition (its own first frame given) beside its latents, into the latent cache; the
-    step trains on them with condition dropout; the resumed run repeats steps 3-4 exactly; the export is the family's
-    stock image-to-video pipeline, which samples from a first frame."""
+    """An image-to-video config (EasyAnimate InP; Wan in Wan 2.2 A14B's layout, its two experts trained in the one
+    run; CogVideoX 1.0 I2V): the encode stage computes each clip's condition (its own first frame given) beside its
+    latents, into the latent cache; the step trains on them with condition dropout; the resumed run repeats steps 3-4
+    exactly (both experts' weights and optimizer state); the export is the family's stock image-to-video pipeline,
+    which samples from a first frame."""
     import diffusers
     import numpy as np
     import torch
@@ -115,7 +130,11 @@ def test_the_image_to_video_model_trains_on_its_clips_first_frames_resumes_exact
     assert resumed.data["latent_hits"] > 0  # the resumed run read them back
 
     export = Path(straight.diffusers_dir)
-    assert json.loads((export / "model_index.json").read_text())["_class_name"] == pipeline_class
+    index = json.loads((export / "model_index.json").read_text())
+    assert index["_class_name"] == pipeline_class
+    experts = job("straight", 4).model.experts
+    if experts is not None:  # Wan 2.2 A14B's layout: both experts trained in the one run, exported as the stock has them
+        assert index["boundary_ratio"] == experts.boundary_ratio and (export / "transformer_2").is_dir()
     pipe = getattr(diffusers, pipeline_class).from_pretrained(export, local_files_only=True)
     first_frame = np.random.default_rng(0).integers(0, 256, size=(64, 64, 3), dtype=np.uint8)
     latents = _stock_image_to_video_latents(pipe, Image.fromarray(first_frame), 9, 64, 64)

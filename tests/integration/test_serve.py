@@ -195,9 +195,10 @@ def test_served_video_is_the_video_vidray_generate_makes_with_the_same_seed(serv
 
 def test_a_first_frame_input_reference_gives_the_video_vidray_generate_image_makes(served, exported_i2v_model,
                                                                                   tmp_path):
-    """Image-to-video over HTTP: the upload is stored with the job, the VAE stage encodes it into the condition,
-    and the denoiser samples with it: the frames `vidray generate --image` makes with the same seed, and not the
-    text-only request's."""
+    """Image-to-video over HTTP: the upload is stored with the job (its record says the 48x40 image is stretched to
+    the 32x32 video, as the stock pipeline does), the VAE stage encodes it into the condition, and the denoiser
+    samples with it: the frames `vidray generate --image` makes with the same seed, and not the text-only
+    request's."""
     import numpy as np
     from PIL import Image
 
@@ -215,6 +216,10 @@ def test_a_first_frame_input_reference_gives_the_video_vidray_generate_image_mak
         done = served.wait_for(video.id, ("completed", "failed"))
         assert done["status"] == "completed", done
         served_frames = decode_mp4(client.videos.download_content(video.id).read())
+    from vidray.serve.jobs import JobStore
+
+    note = JobStore(served.store_dir).get(video.id).params["input_reference"]  # 48x40 into 32x32: said in the record
+    assert note["size"] == "48x40" and note["resized_to"] == "32x32" and "stretched" in note["note"]
     local = generate_to_file(exported_i2v_model, "a cat on a wall", tmp_path / "local.mp4", bucket="5x32x32",
                              num_inference_steps=3, seed=11, fps=8.0, image=image_path)
     text_only = generate_to_file(exported_i2v_model, "a cat on a wall", tmp_path / "text.mp4", bucket="5x32x32",

@@ -103,8 +103,10 @@ def test_bucket_rules_come_from_the_model_family():
     check_bucket(Bucket(17, 64, 48), "easyanimate")
     with pytest.raises(ValueError, match=r"num_frames must be 1 or k\*4\+1"):
         check_bucket(Bucket(16, 64, 64), "easyanimate")  # AnimateDiff's 16 frames: not an EasyAnimate shape
-    with pytest.raises(ValueError, match="unknown model family 'animatediff'; valid: cogvideox, easyanimate, wan"):
-        check_bucket(Bucket(17, 64, 64), "animatediff")
+    with pytest.raises(ValueError, match="unknown model family 'hunyuanvideo'; valid: animatediff, cogvideox, "
+                                         "easyanimate, wan"):
+        check_bucket(Bucket(17, 64, 64), "hunyuanvideo")
+    check_bucket(Bucket(16, 64, 64), "animatediff")  # per-frame VAE: any frame count, sides multiples of 64
     with pytest.raises(ConfigError, match=r"data.buckets: bucket 16x64x64: num_frames.*model.family=easyanimate"):
         load_job_config(None, ["data.buckets=[[16, 64, 64]]"])
     with pytest.raises(ConfigError, match="height and width must be positive pixels, got 0x64"):

@@ -219,3 +219,37 @@ def test_train_state_without_dataset_hash_reads_back_and_compares_the_index_hash
     assert (state.dataset_hash, state.num_samples) == ("", None)
     assert dataset_mismatch(state, tmp_path, {"content_hash": "sha256:abc", "num_samples": 6}) is None
     assert "predates dataset hashes" in dataset_mismatch(state, tmp_path, {"content_hash": "sha256:new"})
+
+
+def test_a_parameter_that_never_stepped_resumes_without_optimizer_state_and_the_next_steps_are_exact(tmp_path):
+    """An expert no sample has reached yet (`model.experts`) has no AdamW state in the checkpoint; resumed, it must
+    not get torch's fresh step-1 state (a non-strict load makes one), or its first update is biased."""
+    import copy
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transformer, self.transformer_2 = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+
+    def step(model, optimizer, which):
+        optimizer.zero_grad(set_to_none=True)
+        getattr(model, which)(torch.ones(2, 3)).pow(2).sum().backward()
+        optimizer.step()
+
+    torch.manual_seed(0)
+    straight = Pair()
+    initial = copy.deepcopy(straight)
+    optimizer = torch.optim.AdamW(straight.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    step(straight, optimizer, "transformer_2")  # step 1: only the low expert has samples
+    folder = save_checkpoint(tmp_path / "checkpoint_000001", model=straight, optimizer=optimizer, lr_scheduler=scheduler,
+                             train_state=TrainState(1, 0, 1, 1, ""), job_config={})
+    step(straight, optimizer, "transformer")  # step 2: the high expert's first update
+    resumed = copy.deepcopy(initial)
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    load_checkpoint(folder, transformer=resumed, optimizer=resumed_optimizer,
+                    lr_scheduler=torch.optim.lr_scheduler.LambdaLR(resumed_optimizer, lambda _: 1.0))
+    assert all(p not in resumed_optimizer.state for p in resumed.transformer.parameters())
+    step(resumed, resumed_optimizer, "transformer")
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

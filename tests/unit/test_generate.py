@@ -301,9 +301,10 @@ def test_stock_folder_without_recorded_buckets_needs_a_bucket(trained, tmp_path,
     with pytest.raises(GenerateArgumentError, match="records no training bucket: pass --bucket"):
         check_generate_args(stock, "a red ball", tmp_path / "out.mp4")
     assert check_generate_args(stock, "a red ball", tmp_path / "out.mp4", bucket="5x32x32")[1] == Bucket(5, 32, 32)
-    (stock / "model_index.json").write_text(json.dumps({"_class_name": "AnimateDiffPipeline"}))
+    (stock / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanVideoPipeline"}))
     with pytest.raises(ModelFolderError,
-                       match="holds a AnimateDiffPipeline pipeline; supported: CogVideoXImageToVideoPipeline, "
+                       match="holds a HunyuanVideoPipeline pipeline; supported: AnimateDiffPipeline, "
+                             "CogVideoXImageToVideoPipeline, "
                              "CogVideoXPipeline, EasyAnimateInpaintPipeline, EasyAnimatePipeline, "
                              "WanImageToVideoPipeline, WanPipeline"):
         inspect_model(stock)

@@ -191,8 +191,9 @@ def test_minilm_text_encoder_loads_offline_with_384_wide_hidden_states_minus_2()
 
 
 def test_get_family_error_lists_valid_families():
-    with pytest.raises(ValueError, match=r"unknown model family 'animatediff'; valid: cogvideox, easyanimate, wan"):
-        get_family("animatediff")
+    with pytest.raises(ValueError, match=r"unknown model family 'hunyuanvideo'; valid: animatediff, cogvideox, "
+                                         r"easyanimate, wan"):
+        get_family("hunyuanvideo")
 
 
 def test_pretrained_init_with_missing_folder_says_it_is_not_a_local_diffusers_folder(family, tmp_path):

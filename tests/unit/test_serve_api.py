@@ -714,9 +714,27 @@ def test_first_problem_is_reported_in_a_fixed_order():
 def test_check_image_reencodes_an_image_as_rgb_png():
     out = io.BytesIO()
     Image.new("RGBA", (20, 10), (1, 2, 3, 128)).save(out, format="WEBP", lossless=True)
-    png = _check_image(("a.webp", "image/webp", out.getvalue()), spec=IMAGE_CHECK_SPEC, limits=LIMITS)
+    png, size = _check_image(("a.webp", "image/webp", out.getvalue()), spec=IMAGE_CHECK_SPEC, limits=LIMITS)
+    assert size == (20, 10)
     with Image.open(io.BytesIO(png)) as image:
         assert (image.format, image.mode, image.size) == ("PNG", "RGB", (20, 10))
+
+
+def test_the_job_record_says_when_the_first_frame_is_stretched_to_the_videos_aspect_ratio():
+    """The stock pipelines resize the image to the video's size without cropping; vidray does the same and notes
+    it in the job's params when the aspect ratios differ."""
+    from vidray.serve.api import VideoRequest
+
+    def request(size):
+        return VideoRequest(prompt="a", model="m", width=64, height=32, num_frames=5, seconds="1", seed=0,
+                            num_inference_steps=2, guidance_scale=1.0, negative_prompt="", input_reference=b"png",
+                            input_reference_size=size)
+
+    stretched = request((40, 40)).input_reference_note()
+    assert stretched["size"] == "40x40" and stretched["resized_to"] == "64x32"
+    assert "resized to the video's size without cropping (stretched)" in stretched["note"]
+    assert request((128, 64)).input_reference_note() == {"size": "128x64", "resized_to": "64x32"}  # same aspect
+    assert request(None).input_reference_note() is None
 
 
 def test_model_spec_with_an_invalid_default_is_refused():

@@ -21,13 +21,15 @@ import torch  # noqa: E402
 from diffusers import WanImageToVideoPipeline  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from vidray.config import FlowConfig, I2VConfig, ModelConfig, job_config_from_dict  # noqa: E402
+from vidray.config import (ConfigError, ExpertsConfig, FlowConfig, I2VConfig, ModelConfig,  # noqa: E402
+                           job_config_from_dict)
 from vidray.data.buckets import Bucket  # noqa: E402
 from vidray.diffusion.sampler import generate_video, sample_latents  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.experts import TwoExperts  # noqa: E402
 from vidray.models.export import inspect_model, load_model, write_job_file  # noqa: E402
 from vidray.models.vae import frames_to_video  # noqa: E402
+from vidray.train.step import flow_matching_step_loss, sample_generator  # noqa: E402
 
 FAMILY = get_family("wan")
 BUCKET = Bucket(9, 32, 32)
@@ -318,15 +320,79 @@ def test_a_bad_boundary_or_half_an_expert_pair_fails_in_one_line(exported_expert
         FAMILY.load_pretrained(folder)
 
 
-def test_training_a_two_expert_folder_is_refused_on_the_driver_in_one_line(exported_experts, tmp_path):
+EXPERTS_CFG = dataclasses.replace(CFG, experts=ExpertsConfig(boundary_ratio=0.9))
+
+
+def test_model_experts_builds_two_tiny_experts_and_the_transformer_alone_equals_the_whole_build():
+    whole = FAMILY.build(EXPERTS_CFG, seed=3).transformer
+    alone = FAMILY.build_transformer(EXPERTS_CFG, seed=3)
+    assert isinstance(whole, TwoExperts) and whole.boundary_timestep == 900.0
+    assert whole.state_dict().keys() == alone.state_dict().keys()
+    assert all(torch.equal(v, alone.state_dict()[k]) for k, v in whole.state_dict().items())
+    high, low = whole.transformer.state_dict(), whole.transformer_2.state_dict()
+    assert not all(torch.equal(high[k], low[k]) for k in high)  # two draws, not one model twice
+    assert FAMILY.no_grad_parameter_names(whole) == []
+
+
+def test_each_expert_trains_only_on_the_samples_whose_timestep_falls_on_its_side():
+    """One training step of 16 samples: the high-noise expert gets exactly the samples at timesteps >= 900, the
+    low-noise one the rest, and each gets gradients from its own samples."""
+    experts = FAMILY.build_transformer(EXPERTS_CFG, seed=0)
+    seen = {"high": [], "low": []}
+    for name, expert in (("high", experts.transformer), ("low", experts.transformer_2)):
+        expert.register_forward_pre_hook(lambda _, args, kwargs, name=name: seen[name].extend(
+            kwargs["timestep"].tolist()), with_kwargs=True)
+    shape = FAMILY.latent_shape(BUCKET, 16)
+    latents = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    embeds, mask = torch.randn(16, 4, experts.config.text_dim), torch.ones(16, 4, dtype=torch.bool)
+    generators = [sample_generator(0, 1, key) for key in range(16)]
+    loss = flow_matching_step_loss(FAMILY, experts, latents, embeds, mask, FlowConfig(shift=5.0), generators,
+                                   inpaint_latents=FAMILY.empty_condition(shape))
+    loss.backward()
+    assert len(seen["high"]) + len(seen["low"]) == 16 and seen["high"] and seen["low"]
+    assert min(seen["high"]) >= 900 > max(seen["low"])
+    for expert in (experts.transformer, experts.transformer_2):
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in expert.parameters())
+
+
+def test_a_folders_experts_must_be_the_configs_on_the_driver_and_at_build(exported, exported_experts, tmp_path):
     from vidray.errors import UserError
     from vidray.train.trainer import check_job_inputs
 
-    _, out_dir, _ = exported_experts
-    job = job_config_from_dict({**JOB, "model": {**JOB["model"], "init": "pretrained",
-                                                 "pretrained_path": str(out_dir)},
-                                "data": {**JOB["data"], "shards_dir": str(tmp_path / "shards")},
-                                "storage": {"path": str(tmp_path / "runs")}})
-    with pytest.raises(UserError, match="holds two experts .* does not train the two experts yet") as err:
-        check_job_inputs(job)
+    _, one_dir, _ = exported
+    _, two_dir, _ = exported_experts
+    cases = [(two_dir, None, r"holds two experts .* but model.experts is null: set model.experts: "
+                             r"\{boundary_ratio: 0.8\}"),
+             (one_dir, 0.9, "holds one transformer but model.experts is set"),
+             (two_dir, 0.9, "switches its experts at boundary_ratio 0.8 but model.experts.boundary_ratio is 0.9")]
+    for folder, ratio, message in cases:
+        experts = None if ratio is None else {"boundary_ratio": ratio}
+        job = job_config_from_dict({**JOB, "model": {**JOB["model"], "init": "pretrained", "experts": experts,
+                                                     "pretrained_path": str(folder)},
+                                    "data": {**JOB["data"], "shards_dir": str(tmp_path / "shards")},
+                                    "storage": {"path": str(tmp_path / "runs")}})
+        with pytest.raises(UserError, match=message) as err:  # on the driver, before anything is reserved
+            check_job_inputs(job)
+        assert "\n" not in str(err.value)
+        with pytest.raises(ValueError, match=message):
+            FAMILY.build_transformer(job.model, seed=0)
+    matching = dataclasses.replace(CFG, init="pretrained", pretrained_path=str(two_dir),
+                                   experts=ExpertsConfig(boundary_ratio=BOUNDARY_RATIO))
+    assert isinstance(FAMILY.build_transformer(matching, seed=0), TwoExperts)
+
+
+@pytest.mark.parametrize("experts, extra, message", [
+    ({"boundary_ratio": 1.0}, {}, r"model.experts.boundary_ratio must be in \(0, 1\)"),
+    ({"boundary_ratio": True}, {}, "is a boolean, not a number"),
+    ({}, {"model": {"family": "easyanimate"}}, "model.family easyanimate has no two-expert model"),
+    ({}, {"model": {"lora": {"rank": 4}}}, "model.experts with model.lora is not supported yet"),
+    ({}, {"scaling": {"strategy": "fsdp"}}, "model.experts trains with scaling.strategy: ddp only"),
+    ({}, {"train": {"grad_compression": "powersgd"}}, "model.experts with train.grad_compression: powersgd"),
+    ({}, {"flow": {"num_train_timesteps": 500}}, "model.experts needs flow.num_train_timesteps 1000"),
+])
+def test_a_bad_experts_section_fails_at_load_in_one_line(experts, extra, message):
+    raw = {"model": {"family": "wan", "experts": experts, **extra.get("model", {})},
+           **{k: v for k, v in extra.items() if k != "model"}}
+    with pytest.raises(ConfigError, match=message) as err:
+        job_config_from_dict(raw)
     assert "\n" not in str(err.value)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from vidray.config import FlowConfig, I2VConfig, JobConfig, ModelConfig, job_config_from_dict
+from vidray.config import ExpertsConfig, FlowConfig, I2VConfig, JobConfig, ModelConfig, job_config_from_dict
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError, UserFileNotFound
 from vidray.locations import is_uri
@@ -104,15 +104,19 @@ JOB_FILE = "vidray_job.yaml"
 
 _PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate", "EasyAnimateInpaintPipeline": "easyanimate",
                       "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "CogVideoXPipeline": "cogvideox",
-                      "CogVideoXImageToVideoPipeline": "cogvideox"}
+                      "CogVideoXImageToVideoPipeline": "cogvideox", "AnimateDiffPipeline": "animatediff"}
 _IMAGE_TO_VIDEO_PIPELINES = ("EasyAnimateInpaintPipeline", "WanImageToVideoPipeline", "CogVideoXImageToVideoPipeline")
 """Stock pipeline classes of image-to-video models (a stock folder of one loads as `model.i2v: {condition: first}`)."""
-_PIPELINE_SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+_PIPELINE_SUBFOLDERS = ("vae", "text_encoder", "tokenizer", "scheduler")
+_DENOISER_SUBFOLDERS = ("transformer", "unet")
+"""A pipeline folder holds one of these (a DiT's `transformer/`; AnimateDiff's UNetMotionModel `unet/`)."""
 STOCK_MAX_SEQUENCE_LENGTH = 256
 """diffusers EasyAnimatePipeline.encode_prompt's default prompt length (tokens)."""
-STOCK_MAX_SEQUENCE_LENGTHS = {"easyanimate": STOCK_MAX_SEQUENCE_LENGTH, "wan": 512, "cogvideox": 226}
+STOCK_MAX_SEQUENCE_LENGTHS = {"easyanimate": STOCK_MAX_SEQUENCE_LENGTH, "wan": 512, "cogvideox": 226,
+                              "animatediff": 77}
 """The stock pipeline's default prompt length (tokens) by family: EasyAnimatePipeline.encode_prompt's 256,
-WanPipeline.__call__'s 512, CogVideoXPipeline.__call__'s 226."""
+WanPipeline.__call__'s 512, CogVideoXPipeline.__call__'s 226, AnimateDiffPipeline's CLIP tokenizer's
+model_max_length 77."""
 
 
 MODEL_INDEX = "model_index.json"
@@ -431,6 +435,8 @@ def _inspect_folder(path: Path) -> ModelInfo:
         return ModelInfo(path, "checkpoint", job.model.family, job, job.flow, job.model.max_sequence_length,
                          list(job.data.buckets), image_to_video=job.model.i2v is not None)
     missing = [name for name in _PIPELINE_SUBFOLDERS if not (path / name).is_dir()]
+    if not any((path / name).is_dir() for name in _DENOISER_SUBFOLDERS):
+        missing.insert(0, "transformer")
     if missing:
         raise ModelFolderError(
             f"diffusers folder {path} lacks {', '.join(missing)}/: it is incomplete; re-export it"
@@ -636,7 +642,8 @@ def _load_some(info: ModelInfo, wanted: set[str]) -> "Components":
         model_cfg, seed = info.job.model, info.job.train.seed
     else:
         base = info.job.model if info.job is not None else ModelConfig(
-            family=info.family_name, i2v=I2VConfig() if info.image_to_video else None)
+            family=info.family_name, i2v=I2VConfig() if info.image_to_video else None,
+            experts=_folder_experts(info.path))
         model_cfg = dataclasses.replace(base, init="pretrained", pretrained_path=str(info.path), vae_path=None,
                                         lora=None)
         seed = 0
@@ -651,6 +658,14 @@ def _load_some(info: ModelInfo, wanted: set[str]) -> "Components":
     if "text_encoder" in wanted:
         text_encoder, tokenizer = family.build_text_encoder(model_cfg, seed=seed)
     return Components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _folder_experts(path: Path) -> ExpertsConfig | None:
+    """`model.experts` of a stock pipeline folder: its model_index.json's `boundary_ratio` (two experts, diffusers'
+    `transformer_2`), or None (also for a ratio outside (0, 1), which the family's load then names)."""
+    ratio = json.loads((Path(path) / MODEL_INDEX).read_text()).get("boundary_ratio")
+    valid = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio < 1
+    return ExpertsConfig(boundary_ratio=ratio) if valid else None
 
 
 def _merge_adapters(transformer: "torch.nn.Module", info: ModelInfo, lora_path: str | Path | None) -> None:

@@ -5,7 +5,7 @@ family = get_family(job.model.family)               # ValueError lists the valid
 components = family.build(job.model, seed=job.train.seed)
 model_pred = family.predict(components.transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask)
 ```
-One file per family (`easyanimate.py`, `wan.py`, `cogvideox.py`) implementing `vidray.models.base.ModelFamily`; this module only
+One file per family (`easyanimate.py`, `wan.py`, `cogvideox.py`, `animatediff.py`) implementing `vidray.models.base.ModelFamily`; this module only
 registers them (it imports the families; the families import `base`, never this module).
 """
 
@@ -17,11 +17,13 @@ __all__ = ["Components", "Encoders", "ModelFamily", "FAMILIES", "get_family"]
 
 
 def _families() -> dict[str, ModelFamily]:
+    from vidray.models.animatediff import AnimateDiffFamily
     from vidray.models.cogvideox import CogVideoXFamily
     from vidray.models.easyanimate import EasyAnimateFamily
     from vidray.models.wan import WanFamily
 
-    return {"easyanimate": EasyAnimateFamily(), "wan": WanFamily(), "cogvideox": CogVideoXFamily()}
+    return {"easyanimate": EasyAnimateFamily(), "wan": WanFamily(), "cogvideox": CogVideoXFamily(),
+            "animatediff": AnimateDiffFamily()}
 
 
 FAMILIES: dict[str, ModelFamily] = _families()

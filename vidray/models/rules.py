@@ -8,6 +8,7 @@ imported. The family classes (`vidray.models.easyanimate`, ...) read their const
 | easyanimate | multiples of 16 | 1 or 4k+1 | VAE 8x spatial, causal 4x temporal compression; DiT patch 2 |
 | wan | multiples of 16 | 1 or 4k+1 | VAE 8x spatial, causal 4x temporal compression; DiT patch (1, 2, 2) |
 | cogvideox | multiples of 16 | 1 or 8k+1 | VAE 8x spatial, causal 4x temporal compression decoded 2 latent frames at a time (odd latent counts only); DiT patch 2, one latent frame per patch (1.0) |
+| animatediff | multiples of 64 | any | SD 1.5 image VAE 8x spatial applied per frame (no temporal compression); SD 1.5 UNet 3 downsamplers (8x) |
 
 A family whose VAE has no temporal compression (AnimateDiff's 16 frames, per-frame SD VAE) takes
 `temporal_compression=1`: any num_frames.
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 
 from vidray.data.buckets import Bucket, validate_bucket
 
-__all__ = ["BucketRules", "FAMILY_BUCKET_RULES", "IMAGE_TO_VIDEO_FAMILIES", "bucket_rules", "check_bucket"]
+__all__ = ["BucketRules", "EXPERT_FAMILIES", "FAMILY_BUCKET_RULES", "IMAGE_TO_VIDEO_FAMILIES", "bucket_rules",
+           "check_bucket"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ FAMILY_BUCKET_RULES: dict[str, BucketRules] = {
     "easyanimate": BucketRules(spatial_multiple=16, temporal_compression=4),
     "wan": BucketRules(spatial_multiple=16, temporal_compression=4),
     "cogvideox": BucketRules(spatial_multiple=16, temporal_compression=4, frame_step=8),
+    "animatediff": BucketRules(spatial_multiple=64, temporal_compression=1),
 }
 """Bucket rules by `model.family` (diffusers: AutoencoderKLMagvit spatial_compression_ratio 8 and
 temporal_compression_ratio 4, EasyAnimateTransformer3DModel patch_size 2; AutoencoderKLWan scale_factor_spatial 8
@@ -53,7 +56,12 @@ temporal_compression_ratio 4, CogVideoXTransformer3DModel patch_size 2 with patc
 latent frame count; `CogVideoXPipeline` makes (num_frames - 1) // 4 + 1 latent frames and checks only H, W % 8).
 CogVideoX's num_frames are 8k+1, not 4k+1: `AutoencoderKLCogVideoX._decode` decodes `num_latent_frames_batch_size`
 (2) latent frames at a time, the odd one in the first chunk, so only an odd latent count (F - 1) / 4 + 1 decodes
-back to F frames (5 frames -> 2 latent -> 8 decoded, in the stock pipeline too); CogVideoX's own 49 = 8 * 6 + 1."""
+back to F frames (5 frames -> 2 latent -> 8 decoded, in the stock pipeline too); CogVideoX's own 49 = 8 * 6 + 1.
+AnimateDiff: SD 1.5's AutoencoderKL (4 blocks: 8x spatial) encodes each frame alone (temporal 1: any num_frames,
+up to the motion modules' `motion_max_seq_length`, which `AnimateDiffFamily.predict` checks), and its
+UNet2DConditionModel (block_out_channels 320/640/1280/1280, 3 downsamplers: 8x) needs latent sides that are
+multiples of 8 for its skip connections to line up without interpolation: 8 * 8 = 64 px (AnimateDiff trains at 256
+and 512; `AnimateDiffPipeline.check_inputs` alone asks only multiples of 8)."""
 
 
 IMAGE_TO_VIDEO_FAMILIES = frozenset({"easyanimate", "wan", "cogvideox"})
@@ -61,6 +69,11 @@ IMAGE_TO_VIDEO_FAMILIES = frozenset({"easyanimate", "wan", "cogvideox"})
 `EasyAnimateInpaintPipeline`; Wan: the 36-channel transformer of `WanImageToVideoPipeline`; CogVideoX: the 1.0 I2V
 transformer of `CogVideoXImageToVideoPipeline`, first frame only); the config refuses `model.i2v` for the others at
 load."""
+
+
+EXPERT_FAMILIES = frozenset({"wan"})
+"""Families with a two-expert model that `model.experts` can build (Wan 2.2 A14B: `transformer` and
+`transformer_2` switched at `boundary_ratio`); the config refuses `model.experts` for the others at load."""
 
 
 def bucket_rules(family: str) -> BucketRules:

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 __all__ = [
     "TRIVIAL_CHAT_TEMPLATE",
     "TruncationStats",
+    "TINY_CLIP_TEXT_ENCODER",
     "TINY_T5_ENCODER",
+    "build_clip_text_encoder",
     "build_t5_text_encoder",
     "build_text_encoder",
     "build_tokenizer",
@@ -157,6 +159,43 @@ def build_t5_text_encoder(kind: Literal["minilm", "tiny_random"], *, variant: Li
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             text_encoder = model_class(config)
+    elif kind == "minilm":
+        text_encoder = BertModel.from_pretrained(minilm_path(), local_files_only=True)
+    else:
+        raise ValueError(f"unknown text encoder {kind!r}; valid: minilm, tiny_random")
+    return text_encoder.eval().requires_grad_(False), tokenizer
+
+
+TINY_CLIP_TEXT_ENCODER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    max_position_embeddings=512,  # what `text_encoder_max_tokens` answers for tiny_random (real CLIP: 77)
+)
+"""`transformers.CLIPTextConfig` keywords of the `tiny_random` text encoder of the families whose pipelines encode
+prompts with CLIP (AnimateDiff, as Stable Diffusion 1.5); vocab_size and the special token ids come from the
+tokenizer."""
+
+
+def build_clip_text_encoder(kind: Literal["minilm", "tiny_random"], *,
+                            seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A frozen (eval, requires_grad False) text encoder for a CLIP-encoded family, and MiniLM's tokenizer, offline
+    (CLIP's BPE vocabulary is not shipped here; MiniLM's is). `tiny_random`: a `CLIPTextModel(CLIPTextConfig(
+    **TINY_CLIP_TEXT_ENCODER))` (causal self-attention, final layer norm, as SD's text encoder) drawn under `seed` in
+    a forked RNG (the global RNG is left as it was), its pad/bos/eos ids the tokenizer's [PAD]/[CLS]/[SEP]; `minilm`:
+    the real MiniLM-L6 `BertModel` (`seed` unused), whose `last_hidden_state` (output 0) the pipeline takes as it
+    takes CLIP's. Raises ValueError for another `kind`."""
+    from transformers import BertModel, CLIPTextConfig, CLIPTextModel
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
+    if kind == "tiny_random":
+        config = CLIPTextConfig(**TINY_CLIP_TEXT_ENCODER, vocab_size=tokenizer.vocab_size,
+                                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id,
+                                eos_token_id=tokenizer.sep_token_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            text_encoder = CLIPTextModel(config)
     elif kind == "minilm":
         text_encoder = BertModel.from_pretrained(minilm_path(), local_files_only=True)
     else:

@@ -1,5 +1,6 @@
-"""Wan 2.1 text-to-video family: diffusers `WanTransformer3DModel` + `AutoencoderKLWan` + a UMT5 text encoder,
-exported as a stock `diffusers.WanPipeline` folder.
+"""Wan family: diffusers `WanTransformer3DModel` + `AutoencoderKLWan` + a UMT5 text encoder. Wan 2.1 text-to-video
+is exported as a stock `diffusers.WanPipeline` folder; image-to-video (`model.i2v`) as a `WanImageToVideoPipeline`;
+Wan 2.2 A14B's two experts (`model.experts`) as either, with `transformer_2` and `boundary_ratio`.
 
 Everything here mirrors diffusers/pipelines/wan/pipeline_wan.py (diffusers 0.42.1), so a transformer trained with
 `WanFamily.predict` behaves the same inside the stock pipeline:
@@ -27,12 +28,13 @@ first, or the first and the last) over zero frames, encoded by the VAE (mode) an
 condition channels, concatenated to the 16 noisy ones (transformer `in_channels` 36). It travels as the family's
 `inpaint_latents`. Exported as a stock `WanImageToVideoPipeline` with no image encoder.
 
-Two experts (Wan 2.2 A14B: `transformer` for high noise, `transformer_2` below `boundary_ratio`): a folder with both
-loads as one `vidray.models.experts.TwoExperts`, which routes each sample by its timestep as the stock pipelines do,
-so `vidray generate`, validation and serving sample it unchanged; it is exported back with both and the ratio.
+Two experts (Wan 2.2 A14B: `transformer` for high noise, `transformer_2` below `boundary_ratio`): `model.experts`
+builds two tiny transformers, or loads a folder with both, as one `vidray.models.experts.TwoExperts`, which routes
+each sample by its timestep as the stock pipelines do; so training (each sample trains the expert of its timestep),
+`vidray generate`, validation and serving use it unchanged, and it is exported back with both and the ratio.
 
 Not here yet: Wan 2.1 I2V's CLIP image embeddings (`image_dim`, `encoder_hidden_states_image`; such a folder is
-refused) and training the two experts (each in its own worker group).
+refused), and one worker group per expert (every worker holds both).
 """
 
 from __future__ import annotations
@@ -288,23 +290,61 @@ def load_vae_folder(path: str | Path) -> AutoencoderKLWan:
     return vae.eval().requires_grad_(False)
 
 
+EXPERTS_NUM_TRAIN_TIMESTEPS = 1000
+"""The scheduler's `num_train_timesteps` of a config-built two-expert model (the config requires it: Wan 2.2's)."""
+
+
 def _tiny_transformer(kind: TextEncoderKind, *, i2v: bool = False) -> WanTransformer3DModel:
     """TINY_I2V_TRANSFORMER (`i2v`) or TINY_TRANSFORMER at the global RNG's state, `text_dim` from the text
     encoder `kind`."""
     return WanTransformer3DModel(**(TINY_I2V_TRANSFORMER if i2v else TINY_TRANSFORMER), text_dim=text_dim(kind))
 
 
-def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int = 0, i2v: bool = False) -> Components:
+def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int = 0, i2v: bool = False,
+               boundary_ratio: float | None = None) -> Components:
     """Random tiny preset (fp32, CPU): the text encoder under `seed`, then TINY_TRANSFORMER (TINY_I2V_TRANSFORMER
     with `i2v`) and TINY_VAE under `seed` (in that order), each in a forked RNG (the global torch RNG is left as it
-    was)."""
+    was). With `boundary_ratio` (`model.experts`), a second transformer drawn right after the first: the two
+    experts, as `TwoExperts` (high noise first)."""
     text_encoder, tokenizer = build_text_encoder(text_encoder_kind, seed=seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = _tiny_transformer(text_encoder_kind, i2v=i2v)
+        transformer = _tiny_transformers(text_encoder_kind, i2v=i2v, boundary_ratio=boundary_ratio)
         vae = AutoencoderKLWan(**TINY_VAE)
     return Components(transformer=transformer.train(), vae=vae.eval().requires_grad_(False),
                       text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _tiny_transformers(kind: TextEncoderKind, *, i2v: bool, boundary_ratio: float | None) -> torch.nn.Module:
+    """The tiny transformer at the global RNG's state, or with `boundary_ratio` two of them (drawn in turn) as
+    `TwoExperts` over `EXPERTS_NUM_TRAIN_TIMESTEPS`."""
+    transformer = _tiny_transformer(kind, i2v=i2v)
+    if boundary_ratio is None:
+        return transformer
+    return TwoExperts(transformer, _tiny_transformer(kind, i2v=i2v), boundary_ratio=boundary_ratio,
+                      num_train_timesteps=EXPERTS_NUM_TRAIN_TIMESTEPS)
+
+
+def _boundary_of(model_cfg: ModelConfig) -> float | None:
+    """`model.experts.boundary_ratio`, or None for one transformer."""
+    return None if model_cfg.experts is None else model_cfg.experts.boundary_ratio
+
+
+def _check_experts(transformer: torch.nn.Module, model_cfg: ModelConfig, where: str) -> None:
+    """Raise ValueError when a folder's experts are not the config's: two experts without `model.experts`, one
+    with it, or another `boundary_ratio`."""
+    ratio = transformer.boundary_ratio if isinstance(transformer, TwoExperts) else None
+    wanted = _boundary_of(model_cfg)
+    if ratio == wanted:
+        return
+    if wanted is None:
+        raise ValueError(f"{where} holds two experts (transformer_2, boundary_ratio {ratio}, Wan 2.2 A14B) but "
+                         f"model.experts is null: set model.experts: {{boundary_ratio: {ratio}}} to train both")
+    if ratio is None:
+        raise ValueError(f"{where} holds one transformer but model.experts is set: give a two-expert folder "
+                         "(transformer_2/) or set model.experts to null")
+    raise ValueError(f"{where} switches its experts at boundary_ratio {ratio} but model.experts.boundary_ratio is "
+                     f"{wanted}: set it to {ratio}")
 
 
 def load_pretrained(path: str | Path) -> Components:
@@ -458,22 +498,28 @@ class WanFamily(ModelFamily):
         folder). `model.vae_path` replaces the VAE."""
         folder = pretrained_folder(model_cfg, "wan")
         if folder is None:
-            components = build_tiny(model_cfg.text_encoder, seed=seed, i2v=model_cfg.i2v is not None)
+            components = build_tiny(model_cfg.text_encoder, seed=seed, i2v=model_cfg.i2v is not None,
+                                    boundary_ratio=_boundary_of(model_cfg))
         else:
             components = load_pretrained(folder)
             _check_task(components.transformer, model_cfg, str(folder))
+            _check_experts(components.transformer, model_cfg, str(folder))
         if model_cfg.vae_path:
             components = dataclasses.replace(components, vae=load_vae_folder(model_cfg.vae_path))
         return components
 
     def check_trainable(self, model_cfg: ModelConfig) -> None:
-        """Raise ValueError for `init: pretrained` from a two-expert folder (Wan 2.2 A14B): both experts load for
-        sampling and serving, but training them (each in its own worker group) is not built yet."""
+        """Raise ValueError when a pretrained folder's experts are not `model.experts`' (`_check_experts`, from its
+        model_index.json alone: no weights read): two experts train only as two."""
         folder = pretrained_folder(model_cfg, "wan")
-        if folder is not None and (folder / "model_index.json").is_file() and _boundary_ratio(folder) is not None:
-            raise ValueError(f"model.pretrained_path {str(folder)!r} holds two experts (transformer_2, Wan 2.2 A14B): "
-                             "vidray generates from and serves it, but does not train the two experts yet; train "
-                             "from a one-transformer Wan folder")
+        if folder is None or not (folder / "model_index.json").is_file():
+            return  # the build says what is missing
+        ratio = _boundary_ratio(folder)
+        if ratio != _boundary_of(model_cfg):
+            probe = torch.nn.Module()
+            if ratio is not None:
+                probe = TwoExperts(torch.nn.Identity(), torch.nn.Identity(), boundary_ratio=ratio)
+            _check_experts(probe, model_cfg, f"model.pretrained_path {str(folder)!r}")
 
     def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> WanTransformer3DModel:
         """The transformer alone, equal to `build(model_cfg, seed=seed).transformer`, without the VAE or the text
@@ -482,10 +528,12 @@ class WanFamily(ModelFamily):
         if folder is not None:
             transformer = load_transformer(folder)
             _check_task(transformer, model_cfg, str(folder))
+            _check_experts(transformer, model_cfg, str(folder))
             return transformer
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            transformer = _tiny_transformer(model_cfg.text_encoder, i2v=model_cfg.i2v is not None)
+            transformer = _tiny_transformers(model_cfg.text_encoder, i2v=model_cfg.i2v is not None,
+                                             boundary_ratio=_boundary_of(model_cfg))
         return transformer.train()
 
     def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
@@ -641,7 +689,11 @@ class WanFamily(ModelFamily):
 
     def no_grad_parameter_names(self, transformer: WanTransformer3DModel) -> list[str]:
         """Trainable parameters without a gradient from `probe_loss` (`vidray.models.folders.unused_parameter_names`);
-        none in a T2V WanTransformer3DModel (no image branch)."""
+        none in a WanTransformer3DModel without CLIP image branch. `TwoExperts`: each expert probed alone (one probe
+        timestep reaches one expert only), names prefixed `transformer.` / `transformer_2.`."""
+        if isinstance(transformer, TwoExperts):
+            return [f"{name}.{param}" for name in ("transformer", "transformer_2")
+                    for param in unused_parameter_names(getattr(transformer, name), probe_loss)]
         return unused_parameter_names(transformer, probe_loss)
 
     def prompt_embeds_dim(self, transformer: WanTransformer3DModel) -> int:

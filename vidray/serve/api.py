@@ -280,6 +280,23 @@ class VideoRequest:
     """Stripped; "" when not given."""
     input_reference: bytes | None = field(default=None, repr=False)
     """The first-frame image re-encoded as RGB PNG bytes, or None for text-to-video."""
+    input_reference_size: tuple[int, int] | None = None
+    """(width, height) of `input_reference` in pixels, as uploaded; None for text-to-video."""
+
+    def input_reference_note(self) -> dict | None:
+        """What becomes of the first-frame image, for the job record: {"size": "WxH" as uploaded, "resized_to":
+        the video's "WxH", "note" when its aspect ratio differs (it is stretched: resized without cropping, as the
+        families' stock pipelines do: `VaeImageProcessor.preprocess`, EasyAnimate's `preprocess_image`)}; None
+        without an image."""
+        if self.input_reference_size is None:
+            return None
+        width, height = self.input_reference_size
+        record = {"size": f"{width}x{height}", "resized_to": self.size}
+        if width * self.height != height * self.width:
+            record["note"] = (f"input_reference is {width}x{height} but the video is {self.size}: the image is "
+                              "resized to the video's size without cropping (stretched), as the model's stock "
+                              "pipeline does; send an image of the video's aspect ratio to keep its proportions")
+        return record
 
     @property
     def size(self) -> str:
@@ -546,9 +563,9 @@ def parse_video_request(
     negative_prompt = "" if _is_blank(fields.get("negative_prompt") or "") else fields["negative_prompt"].strip()
 
     # 7. Image.
-    input_reference = None
+    input_reference = input_reference_size = None
     if image is not None:
-        input_reference = _check_image(image, spec=spec, limits=limits)
+        input_reference, input_reference_size = _check_image(image, spec=spec, limits=limits)
 
     return VideoRequest(
         prompt=prompt,
@@ -562,6 +579,7 @@ def parse_video_request(
         guidance_scale=guidance_scale,
         negative_prompt=negative_prompt,
         input_reference=input_reference,
+        input_reference_size=input_reference_size,
     )
 
 
@@ -583,8 +601,9 @@ def _image_too_large(filename: str, size: int, limits: ApiLimits) -> RequestErro
                         code="request_too_large")
 
 
-def _check_image(image: tuple[str, str, bytes], *, spec: ModelSpec, limits: ApiLimits) -> bytes:
-    """(filename, content_type, bytes) -> RGB PNG bytes. Raises RequestError 400/413 (param input_reference)."""
+def _check_image(image: tuple[str, str, bytes], *, spec: ModelSpec, limits: ApiLimits) -> tuple[bytes, tuple[int, int]]:
+    """(filename, content_type, bytes) -> (RGB PNG bytes, (width, height) in pixels). Raises RequestError 400/413
+    (param input_reference)."""
     from PIL import Image  # Pillow is a core dependency; imported here to keep `import vidray.serve.api` light.
 
     filename, _content_type, data = image
@@ -611,7 +630,7 @@ def _check_image(image: tuple[str, str, bytes], *, spec: ModelSpec, limits: ApiL
                            code="invalid_image") from None
     out = io.BytesIO()
     rgb.save(out, format="PNG")
-    return out.getvalue()
+    return out.getvalue(), (width, height)
 
 
 def _data_url_cap(limits: ApiLimits) -> int:

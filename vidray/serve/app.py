@@ -274,6 +274,8 @@ class VideoJobService:
             "guidance_scale": request.guidance_scale, "negative_prompt": request.negative_prompt,
             "fps": self.spec.fps,
         }
+        if (note := request.input_reference_note()) is not None:
+            params["input_reference"] = note  # its size, and a note when the video's aspect ratio stretches it
         job = await asyncio.to_thread(
             self.store.create, model=request.model or self.spec.name, prompt=request.prompt,
             size=f"{request.width}x{request.height}", seconds=request.seconds, params=params,

@@ -283,6 +283,20 @@ def _check_lora_match(directory: Path, lora_checkpoint: bool, saved: Any, transf
         )
 
 
+def _drop_unsaved_state(transformer: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: set[str]) -> None:
+    """Remove the optimizer state of every parameter of `transformer` whose name is not in `saved` (the names a
+    checkpoint's optimizer state holds: parameters that had stepped), so that it starts afresh at its first
+    gradient, as it would have in the run that wrote the checkpoint. Names as `get_optimizer_state_dict` gives
+    them (activation-checkpoint wrappers' `_checkpoint_wrapped_module.` removed); when a saved name matches none
+    of the model's (another naming), nothing is removed."""
+    named = {name.replace("_checkpoint_wrapped_module.", ""): param for name, param in transformer.named_parameters()}
+    if not saved <= set(named):
+        return
+    for name, param in named.items():
+        if name not in saved:
+            optimizer.state.pop(param, None)
+
+
 def read_train_state(directory: str | Path) -> TrainState:
     """TrainState of a checkpoint with its manifest and parts present (sizes and hashes are not checked here:
     `verify_checkpoint` does that). Raises IncompleteCheckpointError / DamagedCheckpointError."""
@@ -342,7 +356,12 @@ def load_checkpoint(
                                  lambda p: torch.load(p, map_location="cpu", weights_only=True))
     if manifest["format_version"] >= 3:
         try:
-            set_optimizer_state_dict(transformer, optimizer, optimizer_state, options=_state_dict_options())
+            # Not strict: a parameter that never got a gradient (an expert no sample has reached yet, `model.experts`)
+            # has no AdamW state. torch then gives it a fresh state at step 1, which would bias its first update;
+            # it resumes with none, as in the uninterrupted run (`_drop_unsaved_state`). The model load is strict.
+            set_optimizer_state_dict(transformer, optimizer, optimizer_state,
+                                     options=dataclasses.replace(_state_dict_options(), strict=False))
+            _drop_unsaved_state(transformer, optimizer, set(optimizer_state.get("state", {})))
         except (RuntimeError, KeyError, ValueError) as err:
             raise CheckpointError(
                 f"checkpoint {directory}: optimizer.pt does not fit this model's optimizer "

@@ -312,7 +312,8 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
     """Apply activation checkpointing, then the data parallelism of `scaling.strategy`, to the model each worker
     trains. Returns (the model to call, its CommHook).
 
-    `ddp`: DDP with `train.bucket_cap_mb` and the compression hook; the model is DDP-wrapped when the worker group
+    `ddp`: DDP with `train.bucket_cap_mb` and the compression hook (`find_unused_parameters` for a `TwoExperts`
+    transformer, `model.experts`); the model is DDP-wrapped when the worker group
     has more than one process, else `transformer` itself, which stays the unwrapped module whose state dict the
     checkpoint saves. `hook_wrapper(hook) -> hook`, if given, wraps the communication hook (benchmarks count the
     bytes each all-reduce sends with it). `example_loss(model)`: a scalar loss of a small batch, needed by PowerSGD
@@ -338,8 +339,13 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
         return transformer, CommHook("none")
     if job.scaling.strategy != "ddp":
         raise ValueError(f"scaling.strategy must be ddp, fsdp or hsdp, got {job.scaling.strategy!r}")
-    model = ray.train.torch.prepare_model(
-        transformer, parallel_strategy_kwargs={"bucket_cap_mb": job.train.bucket_cap_mb})
+    from vidray.models.experts import TwoExperts
+
+    # Two experts (`model.experts`): a micro-batch whose samples all fall on one side of the boundary leaves the
+    # other expert without gradients on this rank, so DDP must look for unused parameters at every backward.
+    ddp_kwargs = {"bucket_cap_mb": job.train.bucket_cap_mb,
+                  **({"find_unused_parameters": True} if isinstance(transformer, TwoExperts) else {})}
+    model = ray.train.torch.prepare_model(transformer, parallel_strategy_kwargs=ddp_kwargs)
     comm, hook = comm_hook_for(job.train.grad_compression, powersgd_rank=job.train.powersgd_rank)
     is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     if is_ddp and (hook is not None or hook_wrapper is not None):
