@@ -36,7 +36,7 @@ prometheus:
 # The unit tests alone (no Ray cluster, no training job; ~3 minutes on 2 cores): for iteration. `make test` stays
 # the full suite and is what CI runs.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q --durations=10 tests/unit
+	$(PY) -m pytest -q -n 2 --durations=10 tests/unit
 
 clean:
 	rm -rf $(VENV) outputs

@@ -151,10 +151,11 @@ class ExpertsConfig:
 class ModelConfig:
     family: Literal["easyanimate", "wan", "cogvideox", "animatediff"] = "easyanimate"
     """Model family from the registry in `vidray.models`: `easyanimate` (EasyAnimate V5.1 T2V, and I2V with
-    `model.i2v`), `wan` (Wan 2.1 T2V; I2V with `model.i2v`; Wan 2.2 A14B's two experts with `model.experts`), `cogvideox` (CogVideoX 1.0 T2V, v-prediction; `flow.num_train_timesteps` must be 1000 and `flow.shift`
-    is unused) or `animatediff` (AnimateDiff: SD 1.5 UNet + motion modules, epsilon; only the motion modules train;
-    `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused). Each family's bucket rules are in
-    `vidray.models.rules`."""
+    `model.i2v`), `wan` (Wan 2.1 T2V; I2V with `model.i2v`; Wan 2.2 A14B's two experts with `model.experts`),
+    `cogvideox` (CogVideoX 1.0 T2V, and I2V with `model.i2v`; v-prediction; `flow.num_train_timesteps` must be 1000
+    and `flow.shift` is unused) or `animatediff` (AnimateDiff: SD 1.5 UNet + motion modules, epsilon; only the
+    motion modules train; `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused). Each family's bucket
+    rules are in `vidray.models.rules`."""
     preset: Literal["tiny"] = "tiny"
     """Architecture preset used with `init: random` (ignored for `pretrained`)."""
     init: Literal["random", "pretrained"] = "random"
@@ -175,8 +176,9 @@ class ModelConfig:
     export writes the base pipeline with the adapters in `lora/` beside it."""
     i2v: I2VConfig | None = None
     """null: a text-to-video model. A section (`{condition: first, condition_dropout: 0.1}`; see `I2VConfig`): an
-    image-to-video (inpaint) model, for the families in `vidray.models.rules.IMAGE_TO_VIDEO_FAMILIES`; a pretrained
-    folder must then be an inpaint pipeline (EasyAnimate: `EasyAnimateInpaintPipeline`), and the export is one."""
+    image-to-video model, for the families in `vidray.models.rules.IMAGE_TO_VIDEO_FAMILIES`; a pretrained folder
+    must then be the family's image-to-video pipeline (`EasyAnimateInpaintPipeline`, `WanImageToVideoPipeline`,
+    `CogVideoXImageToVideoPipeline`), and the export is one."""
     experts: ExpertsConfig | None = None
     """null: one transformer. A section (`{boundary_ratio: 0.9}`; see `ExpertsConfig`): two experts switched at a
     timestep boundary, for the families in `vidray.models.rules.EXPERT_FAMILIES` (Wan 2.2 A14B); a pretrained

@@ -133,7 +133,7 @@ def test_the_image_to_video_model_trains_on_its_clips_first_frames_resumes_exact
     index = json.loads((export / "model_index.json").read_text())
     assert index["_class_name"] == pipeline_class
     experts = job("straight", 4).model.experts
-    if experts is not None:  # Wan 2.2 A14B's layout: both experts trained in the one run, exported as the stock has them
+    if experts is not None:  # Wan 2.2 A14B's layout: both experts trained in the one run, exported as stock
         assert index["boundary_ratio"] == experts.boundary_ratio and (export / "transformer_2").is_dir()
     pipe = getattr(diffusers, pipeline_class).from_pretrained(export, local_files_only=True)
     first_frame = np.random.default_rng(0).integers(0, 256, size=(64, 64, 3), dtype=np.uint8)

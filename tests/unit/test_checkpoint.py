@@ -242,8 +242,8 @@ def test_a_parameter_that_never_stepped_resumes_without_optimizer_state_and_the_
     optimizer = torch.optim.AdamW(straight.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     step(straight, optimizer, "transformer_2")  # step 1: only the low expert has samples
-    folder = save_checkpoint(tmp_path / "checkpoint_000001", model=straight, optimizer=optimizer, lr_scheduler=scheduler,
-                             train_state=TrainState(1, 0, 1, 1, ""), job_config={})
+    folder = save_checkpoint(tmp_path / "checkpoint_000001", model=straight, optimizer=optimizer,
+                             lr_scheduler=scheduler, train_state=TrainState(1, 0, 1, 1, ""), job_config={})
     step(straight, optimizer, "transformer")  # step 2: the high expert's first update
     resumed = copy.deepcopy(initial)
     resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)

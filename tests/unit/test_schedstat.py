@@ -37,7 +37,9 @@ def test_sampler_measures_a_busy_process_after_its_cpu_threshold():
     assert waited >= 1.0  # it sampled for its 1 s window, after the process had used its CPU threshold
     (thread,) = result["compute_threads"]
     assert thread["pid"] == busy.pid
-    assert thread["cores"] > 0.3  # a spinning thread on a 2-core machine shared with the test runner
+    # A spinning thread on a 2-core machine shared with the test runner (and, under `make test-fast`'s two
+    # pytest-xdist workers or other jobs, more): measured 0.2 cores at a load average of 12.
+    assert thread["cores"] > 0.05
     assert thread["runqueue_wait_s_per_s"] >= 0 and thread["nonvoluntary_switches_per_s"] >= 0
     assert result["slices_per_s"] > 0
 

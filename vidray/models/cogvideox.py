@@ -458,7 +458,8 @@ def probe_loss(model: torch.nn.Module, transformer: CogVideoXTransformer3DModel)
     laid out (B, F, C, H, W); an image-to-video transformer's C_in = 32 takes the image latents too; learned
     positional embeddings (CogVideoX-5b-I2V): `sample_height` x `sample_width`, the one size they take) with 2 text
     tokens (`max_text_seq_length` when positions span text and video: no rotary, or learned; `_joint_positions`),
-    from a seeded CPU generator (the global RNG is untouched); fp32 scalar. The probe of `no_grad_parameter_names` and of `vidray.train.parallel.prime_buckets`."""
+    from a seeded CPU generator (the global RNG is untouched); fp32 scalar. The probe of `no_grad_parameter_names`
+    and of `vidray.train.parallel.prime_buckets`."""
     cfg, param = transformer.config, next(transformer.parameters())
     g = torch.Generator().manual_seed(0)
     p = cfg.patch_size
@@ -516,8 +517,8 @@ class CogVideoXFamily(ModelFamily):
     def sampler_step(self, latents: torch.Tensor, model_pred: torch.Tensor, sigmas: torch.Tensor,
                      sigmas_next: torch.Tensor) -> torch.Tensor:
         """One DDIM step (eta 0) of latents (B, C, F, H, W) from timestep round(sigma * 1000) to
-        round(sigma_next * 1000) (both at most 999; -1: the clean end) given the v-prediction `model_pred` (`ddim.ddim_step`, as
-        `CogVideoXDDIMScheduler.step`)."""
+        round(sigma_next * 1000) (both at most 999; -1: the clean end) given the v-prediction `model_pred`
+        (`ddim.ddim_step`, as `CogVideoXDDIMScheduler.step`)."""
         return ddim.ddim_step(model_pred, latents, _timesteps(sigmas), _timesteps(sigmas_next), SCHEDULE,
                               "v_prediction")
 
@@ -744,7 +745,8 @@ class CogVideoXFamily(ModelFamily):
                 height // SPATIAL_COMPRESSION_RATIO, width // SPATIAL_COMPRESSION_RATIO)
 
     def no_grad_parameter_names(self, transformer: CogVideoXTransformer3DModel) -> list[str]:
-        """Trainable parameters without a gradient from `probe_loss` (`vidray.models.folders.unused_parameter_names`)."""
+        """Trainable parameters without a gradient from `probe_loss`
+        (`vidray.models.folders.unused_parameter_names`)."""
         return unused_parameter_names(transformer, probe_loss)
 
     def prompt_embeds_dim(self, transformer: CogVideoXTransformer3DModel) -> int:

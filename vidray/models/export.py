@@ -383,7 +383,8 @@ class ModelInfo:
     """The URI the model was given as (`path` is then its local cached copy, `fetch_model`); None for a folder."""
     image_to_video: bool = False
     """Whether the model takes a first-frame image: its job's `model.i2v` is set, or a stock folder's pipeline is an
-    image-to-video one (`EasyAnimateInpaintPipeline`, `WanImageToVideoPipeline`). Read through `family.supports_image_to_video(info)`."""
+    image-to-video one (`EasyAnimateInpaintPipeline`, `WanImageToVideoPipeline`, `CogVideoXImageToVideoPipeline`).
+    Read through `family.supports_image_to_video(info)`."""
 
     @property
     def family(self) -> "ModelFamily":
