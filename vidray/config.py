@@ -129,8 +129,9 @@ class ExpertsConfig:
     holds both experts (DDP); one worker group per expert, placed by label, is not built yet."""
 
     boundary_ratio: float = 0.9
-    """In (0, 1): the share of the timesteps the high-noise expert denoises (Wan2.2-I2V-A14B 0.9, T2V-A14B 0.875,
-    the `boundary_ratio` of their model_index.json)."""
+    """In (0, 1): where the experts switch, as a fraction of `flow.num_train_timesteps`: the high-noise expert takes
+    timesteps >= boundary_ratio x num_train_timesteps, the low-noise one those below (Wan2.2-I2V-A14B 0.9,
+    T2V-A14B 0.875, the `boundary_ratio` of their model_index.json)."""
 
     @field_validator("boundary_ratio", mode="before")
     @classmethod
@@ -142,8 +143,8 @@ class ExpertsConfig:
     @model_validator(mode="after")
     def _check_ratio(self) -> "ExpertsConfig":
         if not 0 < self.boundary_ratio < 1:
-            raise ValueError(f"model.experts.boundary_ratio must be in (0, 1) (the share of the timesteps the "
-                             f"high-noise expert denoises, e.g. 0.9), got {self.boundary_ratio}")
+            raise ValueError(f"model.experts.boundary_ratio must be in (0, 1) (the high-noise expert takes timesteps "
+                             f">= boundary_ratio x 1000, e.g. 0.9), got {self.boundary_ratio}")
         return self
 
 
@@ -827,7 +828,7 @@ class JobConfig:
         if val.bucket is not None:
             from vidray.data.buckets import parse_bucket
 
-            parse_bucket(val.bucket)
+            parse_bucket(val.bucket, self.model.family)  # the family's rule (AnimateDiff: 16 frames)
 
     def _check_strategy(self) -> None:
         """scaling.strategy, scaling.shard_group_size and what FSDP/HSDP do not support (issue 28 item 3)."""

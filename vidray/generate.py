@@ -12,7 +12,8 @@ import os
 import time
 from pathlib import Path
 
-from vidray.data.buckets import Bucket, parse_bucket
+from vidray.data.buckets import Bucket, parse_bucket_form, validate_bucket
+from vidray.models.rules import any_family_spatial_multiple
 from vidray.errors import UserError
 from vidray.locations import NOT_A_FOLDER, creation_problem
 from vidray.progress import progress_bar
@@ -162,8 +163,9 @@ def check_generate_args(
     if not _is_int(seed) or not 0 <= seed <= SEED_MAX:
         problems.append(f"--seed must be an integer in 0..{SEED_MAX} (2**63 - 1), got {seed!r}")
     if isinstance(bucket, str):
-        try:
-            bucket = parse_bucket(bucket)
+        try:  # here what no family takes (its form, sides off every family's multiple); the family's rule in pass 2
+            bucket = parse_bucket_form(bucket)
+            validate_bucket(bucket, spatial_multiple=any_family_spatial_multiple(), temporal_compression=1)
         except ValueError as err:
             problems.append(f"--bucket: {err}")
 
@@ -197,8 +199,8 @@ def check_generate_args(
     bucket = Bucket(*bucket)
     if image is not None and not info.family.supports_image_to_video(info):
         raise GenerateArgumentError(f"--image: the model {model_path} is text-to-video and takes no image; drop "
-                                    "--image or give an image-to-video model (a stock EasyAnimateInpaintPipeline folder, or "
-                                    "the export of a model.i2v run)")
+                                    "--image or give an image-to-video model (a stock EasyAnimateInpaintPipeline or "
+                                    "WanImageToVideoPipeline folder, or the export of a model.i2v run)")
     try:
         info.family.latent_shape(bucket, 1)
     except ValueError as err:
@@ -259,6 +261,10 @@ def generate_to_file(
     if info.buckets and bucket not in info.buckets:
         logger.warning("bucket %s is not one the model was trained at (%s); sampling it anyway",
                        bucket, ", ".join(map(str, info.buckets)))
+    i2v = info.job.model.i2v if info.job is not None else None
+    if last_image is not None and i2v is not None and i2v.condition == "first":
+        logger.warning("--last-image: the model was trained with model.i2v.condition: first (first frames only); "
+                       "it never saw a last-frame condition, so expect the last frame to be followed loosely")
 
     # 2. Load, warn about a cut prompt, denoise, write.
     import torch

@@ -111,3 +111,28 @@ def test_bucket_rules_come_from_the_model_family():
         load_job_config(None, ["data.buckets=[[16, 64, 64]]"])
     with pytest.raises(ConfigError, match="height and width must be positive pixels, got 0x64"):
         load_job_config(None, ["data.buckets=[[9, 0, 64]]"])
+
+
+def test_a_bucket_is_parsed_against_its_familys_rule_not_easyanimates():
+    """AnimateDiff's 16 frames (no temporal compression) broke `vidray train`, generate's --bucket and
+    train.validation.bucket, which parsed every bucket with EasyAnimate's 4k+1 rule (found by a fresh-user trial)."""
+    from vidray.config import ConfigError, job_config_from_dict
+    from vidray.data.buckets import parse_bucket, parse_bucket_form
+
+    assert parse_bucket("16x64x64", "animatediff") == Bucket(16, 64, 64)
+    with pytest.raises(ValueError, match="k\\*4\\+1"):
+        parse_bucket("16x64x64")  # no family: the default rule
+    with pytest.raises(ValueError, match="num_frames must be at most 32 for animatediff"):
+        parse_bucket("40x64x64", "animatediff")
+    with pytest.raises(ValueError, match="num_frames must be at least 1, got 0"):
+        parse_bucket("0x64x64", "animatediff")
+    with pytest.raises(ValueError, match="k\\*8\\+1"):
+        parse_bucket("5x64x64", "cogvideox")
+    assert parse_bucket_form("16x48x48") == Bucket(16, 48, 48)  # the form alone
+    job = job_config_from_dict({"model": {"family": "animatediff"}, "data": {"buckets": [[16, 64, 64]]},
+                                "train": {"validation": {"bucket": "16x64x64", "every_steps": 50,
+                                                         "prompts": ["a cat"]}}})
+    assert job.train.validation.bucket == "16x64x64"
+    with pytest.raises(ConfigError, match="num_frames must be at most 32 for animatediff") as err:
+        job_config_from_dict({"model": {"family": "animatediff"}, "data": {"buckets": [[40, 64, 64]]}})
+    assert "\n" not in str(err.value)

@@ -105,6 +105,24 @@ def test_the_export_loads_back_and_samples_the_same_video(built, tmp_path):
     assert (ours.astype(int) - theirs.astype(int)).__abs__().max() <= 1
 
 
+def test_vidray_generate_writes_the_families_video_from_its_export(built, tmp_path):
+    """`vidray generate`'s whole path (`generate_to_file`: argument checks, the prompt-length warning, sampling,
+    the mp4) on every family's export; a long prompt is counted as the family's tokenizer counts it (a new user
+    found Wan and AnimateDiff exports crashing here, on EasyAnimate's chat template)."""
+    from vidray.data.video import decode_mp4
+    from vidray.generate import generate_to_file
+
+    family, cfg, components = built
+    bucket = Bucket(*family.example_bucket)
+    out_dir = family.save_pipeline(components, tmp_path / "diffusers", FlowConfig(shift=3.0))
+    write_job_file(out_dir, job_config_from_dict({
+        "name": "generate", "model": {"family": family.name, "text_encoder": "tiny_random",
+                                      "max_sequence_length": cfg.max_sequence_length},
+        "data": {"buckets": [list(family.example_bucket)]}, "flow": {"shift": 3.0}}))
+    video = generate_to_file(out_dir, "a red fox " * 20, tmp_path / "out.mp4", num_inference_steps=2, seed=1, fps=8.0)
+    assert decode_mp4(video.read_bytes()).shape == (bucket.num_frames, bucket.height, bucket.width, 3)
+
+
 @pytest.mark.parametrize("kind", ["export", "checkpoint"])
 def test_each_serve_stage_loads_only_its_component_equal_to_the_whole_load(built, kind, tmp_path):
     """`load_model(components=...)` (what each serve stage calls) gives the same modules as the whole load, and

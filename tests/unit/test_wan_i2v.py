@@ -396,3 +396,17 @@ def test_a_bad_experts_section_fails_at_load_in_one_line(experts, extra, message
     with pytest.raises(ConfigError, match=message) as err:
         job_config_from_dict(raw)
     assert "\n" not in str(err.value)
+
+
+def test_a_last_image_for_a_model_trained_on_first_frames_only_is_sampled_with_a_warning(exported, tmp_path, caplog):
+    from vidray.generate import generate_to_file
+
+    _, out_dir, _ = exported  # its job file: model.i2v.condition first
+    first, last = tmp_path / "first.png", tmp_path / "last.png"
+    random_image(1).save(first)
+    random_image(2).save(last)
+    with caplog.at_level("WARNING", logger="vidray.generate"):
+        video = generate_to_file(out_dir, "a cat", tmp_path / "out.mp4", num_inference_steps=1, image=first,
+                                 last_image=last)
+    assert video.is_file()
+    assert "trained with model.i2v.condition: first" in caplog.text

@@ -17,14 +17,26 @@ class Bucket(NamedTuple):
         return f"{self.num_frames}x{self.height}x{self.width}"
 
 
-def parse_bucket(text: str) -> Bucket:
-    """'9x64x64' (the form `str(Bucket)` writes) -> Bucket(9, 64, 64). Raises ValueError naming the expected form
-    or the rule the bucket breaks (see `validate_bucket`)."""
+def parse_bucket_form(text: str) -> Bucket:
+    """'9x64x64' -> Bucket(9, 64, 64), its form alone checked (three positive-or-zero integers joined by x; what a
+    family takes is `parse_bucket`'s or `vidray.models.rules.check_bucket`'s). Raises ValueError naming the form."""
     parts = text.lower().split("x")
     if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
         raise ValueError(f"bucket must look like NUM_FRAMESxHEIGHTxWIDTH, e.g. 9x64x64, got {text!r}")
-    bucket = Bucket(*(int(p) for p in parts))
-    validate_bucket(bucket)
+    return Bucket(*(int(p) for p in parts))
+
+
+def parse_bucket(text: str, family: str | None = None) -> Bucket:
+    """'9x64x64' (the form `str(Bucket)` writes) -> Bucket(9, 64, 64). Raises ValueError naming the expected form
+    or the rule the bucket breaks: `family`'s (`vidray.models.rules.check_bucket`: AnimateDiff takes 16 frames,
+    CogVideoX 8k+1), or without one the defaults of `validate_bucket`."""
+    bucket = parse_bucket_form(text)
+    if family is None:
+        validate_bucket(bucket)
+    else:
+        from vidray.models.rules import check_bucket  # plain data (no torch); it imports this module
+
+        check_bucket(bucket, family)
     return bucket
 
 
@@ -42,9 +54,9 @@ def validate_bucket(bucket: Bucket, *, spatial_multiple: int = 16, temporal_comp
             f"got {height}x{width}"
         )
     if num_frames < 1 or (num_frames - 1) % temporal_compression:
-        raise ValueError(
-            f"bucket {bucket}: num_frames must be 1 or k*{temporal_compression}+1 (e.g. 9, 17, 49), got {num_frames}"
-        )
+        rule = ("at least 1" if temporal_compression == 1
+                else f"1 or k*{temporal_compression}+1 (e.g. {temporal_compression + 1}, {2 * temporal_compression + 1})")
+        raise ValueError(f"bucket {bucket}: num_frames must be {rule}, got {num_frames}")
 
 
 def assign_bucket(

@@ -23,8 +23,8 @@ def check_boundary_ratio(boundary_ratio: Any, where: str) -> float:
     """`boundary_ratio` as a float in (0, 1). Raises ValueError naming `where` otherwise (0 or 1 would leave one
     expert every step)."""
     if isinstance(boundary_ratio, bool) or not isinstance(boundary_ratio, (int, float)) or not 0 < boundary_ratio < 1:
-        raise ValueError(f"{where}: boundary_ratio must be a number in (0, 1) (the share of the timesteps the "
-                         f"high-noise expert denoises, 0.9 for Wan2.2-I2V-A14B), got {boundary_ratio!r}")
+        raise ValueError(f"{where}: boundary_ratio must be a number in (0, 1) (the high-noise expert takes timesteps "
+                         f">= boundary_ratio x num_train_timesteps; 0.9 for Wan2.2-I2V-A14B), got {boundary_ratio!r}")
     return float(boundary_ratio)
 
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from vidray.data.buckets import Bucket, validate_bucket
 
-__all__ = ["BucketRules", "EXPERT_FAMILIES", "FAMILY_BUCKET_RULES", "IMAGE_TO_VIDEO_FAMILIES", "bucket_rules",
-           "check_bucket"]
+__all__ = ["BucketRules", "EXPERT_FAMILIES", "FAMILY_BUCKET_RULES", "IMAGE_TO_VIDEO_FAMILIES",
+           "any_family_spatial_multiple", "bucket_rules", "check_bucket"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,9 @@ class BucketRules:
     frame_step: int | None = None
     """num_frames - 1 must be a multiple of it; None: `temporal_compression`. CogVideoX: 8 (see
     `FAMILY_BUCKET_RULES`)."""
+    max_frames: int | None = None
+    """The most frames a clip may have; None: no limit. AnimateDiff: 32, the frames its motion modules'
+    positional embeddings cover (`motion_max_seq_length` of the v1.5-v3 adapters)."""
 
     @property
     def num_frames_step(self) -> int:
@@ -46,7 +49,7 @@ FAMILY_BUCKET_RULES: dict[str, BucketRules] = {
     "easyanimate": BucketRules(spatial_multiple=16, temporal_compression=4),
     "wan": BucketRules(spatial_multiple=16, temporal_compression=4),
     "cogvideox": BucketRules(spatial_multiple=16, temporal_compression=4, frame_step=8),
-    "animatediff": BucketRules(spatial_multiple=64, temporal_compression=1),
+    "animatediff": BucketRules(spatial_multiple=64, temporal_compression=1, max_frames=32),
 }
 """Bucket rules by `model.family` (diffusers: AutoencoderKLMagvit spatial_compression_ratio 8 and
 temporal_compression_ratio 4, EasyAnimateTransformer3DModel patch_size 2; AutoencoderKLWan scale_factor_spatial 8
@@ -76,6 +79,14 @@ EXPERT_FAMILIES = frozenset({"wan"})
 `transformer_2` switched at `boundary_ratio`); the config refuses `model.experts` for the others at load."""
 
 
+def any_family_spatial_multiple() -> int:
+    """The multiple every family's bucket sides are multiples of (the gcd of their `spatial_multiple`s: 16): a side
+    off it fits no family, what `vidray generate` refuses before it reads the model."""
+    import math
+
+    return math.gcd(*(rules.spatial_multiple for rules in FAMILY_BUCKET_RULES.values()))
+
+
 def bucket_rules(family: str) -> BucketRules:
     """The rules of `family`. Raises ValueError naming the known families."""
     try:
@@ -89,3 +100,6 @@ def check_bucket(bucket: Bucket, family: str) -> None:
     rules = bucket_rules(family)
     validate_bucket(Bucket(*bucket), spatial_multiple=rules.spatial_multiple,
                     temporal_compression=rules.num_frames_step)
+    if rules.max_frames is not None and bucket[0] > rules.max_frames:
+        raise ValueError(f"bucket {Bucket(*bucket)}: num_frames must be at most {rules.max_frames} for {family} (its "
+                         f"motion modules cover {rules.max_frames} frames), got {bucket[0]}")

@@ -223,15 +223,19 @@ def build_tokenizer(model: "ModelConfig") -> PreTrainedTokenizerBase:
 
 
 def _chat_texts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[str]:
-    """Each prompt rendered through the tokenizer's chat template, as EasyAnimatePipeline.encode_prompt does."""
+    """Each prompt rendered through the tokenizer's chat template, as EasyAnimatePipeline.encode_prompt does; the
+    prompts as they are for a tokenizer without one (the T5 / umT5 / CLIP tokenizers of Wan, CogVideoX and
+    AnimateDiff, which their pipelines call on the plain text)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return list(prompts)
     messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]} for prompt in prompts]
     return [tokenizer.apply_chat_template([m], tokenize=False, add_generation_prompt=True) for m in messages]
 
 
 def count_prompt_tokens(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[int]:
-    """Untruncated length in tokens of each prompt, tokenized exactly as `encode_prompts` does it (chat template,
-    then the tokenizer with its special tokens, e.g. BERT's [CLS] ... [SEP]; without a chat template, the prompt as
-    given, as CogVideoX's and Wan's pipelines tokenize it), one int per prompt.
+    """Untruncated length in tokens of each prompt, tokenized exactly as `encode_prompts` does it (chat template
+    when the tokenizer has one, then the tokenizer with its special tokens, e.g. BERT's [CLS] ... [SEP]), one int
+    per prompt.
 
     A prompt is cut by `encode_prompts` when its count exceeds `max_sequence_length`; `count - max_sequence_length`
     tokens are then dropped from its end (the special tokens are kept).
@@ -240,11 +244,8 @@ def count_prompt_tokens(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[st
         raise ValueError(f"prompts must be a list of strings, got the string {prompts!r}")
     if not prompts:
         return []
-    # A tokenizer without a chat template (T5 / umT5 of CogVideoX and Wan, whose pipelines tokenize the prompt as
-    # given) counts the prompts themselves; EasyAnimate's always has one (`ensure_chat_template`).
-    texts = _chat_texts(tokenizer, prompts) if getattr(tokenizer, "chat_template", None) else list(prompts)
     # verbose=False: the "longer than the model's maximum" warning is ours to give, with the numbers.
-    encoded = tokenizer(text=texts, truncation=False, padding=False, verbose=False)
+    encoded = tokenizer(text=_chat_texts(tokenizer, prompts), truncation=False, padding=False, verbose=False)
     return [len(ids) for ids in encoded["input_ids"]]
 
 

@@ -378,7 +378,8 @@ class Worker:
                   f"{job.scaling.max_workers} workers x {job.micro_batches_per_step // job.scaling.max_workers} "
                   f"accumulated); precision {job.train.mixed_precision}, activation checkpointing "
                   f"{job.train.activation_checkpointing}, gradient compression {job.train.grad_compression}"
-                  + (f", EMA decay {job.train.ema.decay}" if self.ema else ""))
+                  + (f", EMA decay {job.train.ema.decay}" if self.ema else "")
+                  + _experts_note(job))
         self.window_start, self.window_steps = time.perf_counter(), 0
         run_start = time.perf_counter()
         self.first_step_done_unix: float | None = None  # wall clock when this attempt's first step finished
@@ -679,6 +680,13 @@ class Worker:
 
     def _log(self, message: str) -> None:
         _log(self.rank, message)
+
+
+def _experts_note(job: Any) -> str:
+    """", two experts switched at timestep T" for a `model.experts` job (the start-of-run line), else ""."""
+    if job.model.experts is None:
+        return ""
+    return f", two experts switched at timestep {job.model.experts.boundary_ratio * job.flow.num_train_timesteps:g}"
 
 
 def _build_unsharded(family: Any, job: Any) -> torch.nn.Module:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -343,8 +344,11 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
 
     # Two experts (`model.experts`): a micro-batch whose samples all fall on one side of the boundary leaves the
     # other expert without gradients on this rank, so DDP must look for unused parameters at every backward.
+    two_experts = isinstance(transformer, TwoExperts)
     ddp_kwargs = {"bucket_cap_mb": job.train.bucket_cap_mb,
-                  **({"find_unused_parameters": True} if isinstance(transformer, TwoExperts) else {})}
+                  **({"find_unused_parameters": True} if two_experts else {})}
+    if two_experts:  # DDP warns at a step whose samples reached both experts; that is expected, not a mistake
+        warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified in DDP constructor")
     model = ray.train.torch.prepare_model(transformer, parallel_strategy_kwargs=ddp_kwargs)
     comm, hook = comm_hook_for(job.train.grad_compression, powersgd_rank=job.train.powersgd_rank)
     is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)

@@ -310,10 +310,13 @@ class MemoryEstimate:
 
 def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy, *, bucket: Bucket,
                     batch_size: int, text_tokens: int, num_gpus: int = 1, encoders_bytes: int = 0,
-                    micro_batches_per_rank: int = 1, gpu_memory_bytes: int | None = None) -> MemoryEstimate:
+                    micro_batches_per_rank: int = 1, gpu_memory_bytes: int | None = None,
+                    experts_held: int = 1) -> MemoryEstimate:
     """Per-rank bytes of training `preset` with `strategy` on micro-batches of `batch_size` clips of `bucket`
     (`text_tokens` prompt tokens each), `num_gpus` ranks. `encoders_bytes`: frozen encoders on the same GPU.
     `micro_batches_per_rank` > 1: gradient accumulation (gradients live during the later forwards).
+    `experts_held` transformers of `preset`'s shape on each rank (`model.experts`: 2): the parameters, optimizer
+    state, gradients and DDP buckets count that many times; the activations once (each sample goes through one).
     `fits` is set against `gpu_memory_bytes` x (1 - HEADROOM) when given. Raises UserError for a bad bucket,
     ValueError for `num_gpus` or `batch_size` < 1.
     """
@@ -372,6 +375,12 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
         peak_backward = max(peak_backward, here)
         grads_above += 4 * block_share[i] / shard
     optimizer_step = resident + gradients
+    if experts_held > 1:  # the other experts' weights, optimizer state, buckets and gradients, all held
+        extra = (experts_held - 1) * (parameters + optimizer + ddp_buckets + gradients)
+        parameters, optimizer, ddp_buckets, gradients = (experts_held * x for x in
+                                                         (parameters, optimizer, ddp_buckets, gradients))
+        end_of_forward, peak_backward, optimizer_step = (x + extra for x in
+                                                         (end_of_forward, peak_backward, optimizer_step))
     peak = int(max(end_of_forward, peak_backward, optimizer_step))
     activations = sum(kept) + outside
     estimate = MemoryEstimate(
@@ -406,18 +415,24 @@ class PlanReport:
 
 def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: int, num_gpus: int,
          gpu_memory_bytes: int, lora_rank: int = DEFAULT_LORA_RANK, lora_targets: tuple[str, ...] | None = None,
-         encoders_bytes: int = 0, micro_batches_per_rank: int = 1) -> PlanReport:
+         encoders_bytes: int = 0, micro_batches_per_rank: int = 1, experts_held: int = 1) -> PlanReport:
     """Estimate every strategy in `STRATEGIES` for `preset` on `num_gpus` GPUs of `gpu_memory_bytes` each and pick
-    the first that fits with `HEADROOM`. Raises UserError for a bad bucket, rank or LoRA target."""
+    the first that fits with `HEADROOM`. `experts_held` 2 (`model.experts`): each rank holds two experts of the
+    preset's shape, and only the strategies `model.experts` trains with (ddp, full) are listed. Raises UserError
+    for a bad bucket, rank or LoRA target."""
     counts = count_model(preset, lora_rank=lora_rank, lora_targets=lora_targets)
     estimates = tuple(estimate_memory(preset, counts, s, bucket=bucket, batch_size=batch_size,
                                       text_tokens=text_tokens, num_gpus=num_gpus, encoders_bytes=encoders_bytes,
                                       micro_batches_per_rank=micro_batches_per_rank,
-                                      gpu_memory_bytes=gpu_memory_bytes)
-                      for s in STRATEGIES if not (s.kind.startswith("fsdp") and num_gpus < 2))
+                                      gpu_memory_bytes=gpu_memory_bytes, experts_held=experts_held)
+                      for s in STRATEGIES if not (s.kind.startswith("fsdp") and num_gpus < 2)
+                      and not (experts_held > 1 and s.kind != "ddp"))
     chosen = next((e for e in estimates if e.fits), None)
     notes = []
-    if preset.num_experts > 1:
+    if experts_held > 1:
+        notes.append(f"model.experts: every worker holds {experts_held} experts of {counts.total / 1e9:.1f} B "
+                     "parameters (their weights, gradients and optimizer state), trained with ddp")
+    elif preset.num_experts > 1:
         notes.append(f"{preset.name} has {preset.num_experts} experts of {counts.total / 1e9:.1f} B parameters; "
                      f"planned for one on the GPU (one trains per process)")
     if num_gpus < 2:
@@ -480,7 +495,13 @@ def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePre
     micro = math.ceil(job.micro_batches_per_step / max(num_gpus, 1)) if hasattr(job, "micro_batches_per_step") else 1
     return plan(preset, bucket=bucket, batch_size=batch, text_tokens=text_tokens, num_gpus=num_gpus,
                 gpu_memory_bytes=gpu_memory_bytes, lora_rank=rank, lora_targets=targets,
-                encoders_bytes=_encoders_on_gpu(job, preset), micro_batches_per_rank=micro)
+                encoders_bytes=_encoders_on_gpu(job, preset), micro_batches_per_rank=micro,
+                experts_held=_experts_held(job))
+
+
+def _experts_held(job: Any) -> int:
+    """Transformers each worker holds: 2 with `model.experts`, else 1."""
+    return 2 if getattr(job.model, "experts", None) is not None else 1
 
 
 def job_strategy(job: Any) -> Strategy:
@@ -508,7 +529,7 @@ def check_fits(job: Any, gpu_memory_bytes: int, num_gpus: int) -> PlanReport:
     requested = estimate_memory(report.preset, counts, wanted, bucket=report.bucket, batch_size=report.batch_size,
                                 text_tokens=report.text_tokens, num_gpus=num_gpus,
                                 encoders_bytes=_encoders_on_gpu(job, report.preset),
-                                gpu_memory_bytes=gpu_memory_bytes)
+                                gpu_memory_bytes=gpu_memory_bytes, experts_held=_experts_held(job))
     report = replace(report, requested=requested)
     if requested.fits:
         return report

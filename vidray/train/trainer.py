@@ -179,7 +179,7 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
             "fix the inputs or the buckets and re-run `vidray prepare`"
         )
     configured = set(job.data.buckets)
-    prepared = {parse_bucket(key) for key in index.get("bucket_counts", {})}
+    prepared = {parse_bucket(key, job.model.family) for key in index.get("bucket_counts", {})}
     unknown = prepared - configured
     if unknown:
         raise UserError(

@@ -45,7 +45,7 @@ def validation_bucket(job: Any) -> Any:
     from vidray.data.buckets import parse_bucket
 
     if job.train.validation.bucket:
-        return parse_bucket(job.train.validation.bucket)
+        return parse_bucket(job.train.validation.bucket, job.model.family)
     buckets = list(job.data.buckets)
     return next((b for b in buckets if b.num_frames > 1), buckets[0])
 
