@@ -153,10 +153,10 @@ class ModelConfig:
     family: Literal["easyanimate", "wan", "cogvideox", "animatediff"] = "easyanimate"
     """Model family from the registry in `vidray.models`: `easyanimate` (EasyAnimate V5.1 T2V, and I2V with
     `model.i2v`), `wan` (Wan 2.1 T2V; I2V with `model.i2v`; Wan 2.2 A14B's two experts with `model.experts`),
-    `cogvideox` (CogVideoX 1.0 T2V, v-prediction; `flow.num_train_timesteps` must be 1000 and `flow.shift` is
-    unused) or `animatediff` (AnimateDiff: SD 1.5 UNet + motion modules, epsilon; only the motion modules train;
-    `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused). Each family's bucket rules are in
-    `vidray.models.rules`."""
+    `cogvideox` (CogVideoX 1.0 T2V, and I2V with `model.i2v`; v-prediction; `flow.num_train_timesteps` must be 1000
+    and `flow.shift` is unused) or `animatediff` (AnimateDiff: SD 1.5 UNet + motion modules, epsilon; only the
+    motion modules train; `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused). Each family's bucket
+    rules are in `vidray.models.rules`."""
     preset: Literal["tiny"] = "tiny"
     """Architecture preset used with `init: random` (ignored for `pretrained`)."""
     init: Literal["random", "pretrained"] = "random"
@@ -178,8 +178,8 @@ class ModelConfig:
     i2v: I2VConfig | None = None
     """null: a text-to-video model. A section (`{condition: first, condition_dropout: 0.1}`; see `I2VConfig`): an
     image-to-video model, for the families in `vidray.models.rules.IMAGE_TO_VIDEO_FAMILIES`; a pretrained folder
-    must then be the family's image-to-video pipeline (`EasyAnimateInpaintPipeline`, `WanImageToVideoPipeline`), and
-    the export is one."""
+    must then be the family's image-to-video pipeline (`EasyAnimateInpaintPipeline`, `WanImageToVideoPipeline`,
+    `CogVideoXImageToVideoPipeline`), and the export is one."""
     experts: ExpertsConfig | None = None
     """null: one transformer. A section (`{boundary_ratio: 0.9}`; see `ExpertsConfig`): two experts switched at a
     timestep boundary, for the families in `vidray.models.rules.EXPERT_FAMILIES` (Wan 2.2 A14B); a pretrained

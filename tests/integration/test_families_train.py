@@ -94,14 +94,15 @@ def _stock_image_to_video_latents(pipe, image, num_frames: int, height: int, wid
 
 
 @pytest.mark.parametrize("config, pipeline_class", [("tiny_i2v.yaml", "EasyAnimateInpaintPipeline"),
-                                                    ("wan_i2v_tiny.yaml", "WanImageToVideoPipeline")])
+                                                    ("wan_i2v_tiny.yaml", "WanImageToVideoPipeline"),
+                                                    ("cogvideox_i2v_tiny.yaml", "CogVideoXImageToVideoPipeline")])
 def test_the_image_to_video_model_trains_on_its_clips_first_frames_resumes_exactly_and_exports_its_stock_pipeline(
         config, pipeline_class, local_ray, shards_dir, tmp_path):
     """An image-to-video config (EasyAnimate InP; Wan in Wan 2.2 A14B's layout, its two experts trained in the one
-    run): the encode stage computes each clip's condition (its own first frame given) beside its latents, into the
-    latent cache; the step trains on them with condition dropout; the resumed run repeats steps 3-4 exactly (both
-    experts' weights and optimizer state); the export is the family's stock image-to-video pipeline, which samples
-    from a first frame."""
+    run; CogVideoX 1.0 I2V): the encode stage computes each clip's condition (its own first frame given) beside its
+    latents, into the latent cache; the step trains on them with condition dropout; the resumed run repeats steps 3-4
+    exactly (both experts' weights and optimizer state); the export is the family's stock image-to-video pipeline,
+    which samples from a first frame."""
     import diffusers
     import numpy as np
     import torch
@@ -125,7 +126,7 @@ def test_the_image_to_video_model_trains_on_its_clips_first_frames_resumes_exact
     condition_channels = family.empty_condition((1, family.latent_channels, 1, 1, 1)).shape[1]
     entries = [load_file(p) for p in (tmp_path / "latents" / "vae").rglob("*.safetensors")]
     assert entries and all(set(e) == {"latents", "inpaint_latents"} for e in entries)
-    assert all(e["inpaint_latents"].shape[0] == condition_channels for e in entries)  # EasyAnimate 17, Wan 20
+    assert all(e["inpaint_latents"].shape[0] == condition_channels for e in entries)  # EasyAnimate 17, Wan 20, CogVideoX 16
     assert resumed.data["latent_hits"] > 0  # the resumed run read them back
 
     export = Path(straight.diffusers_dir)

@@ -304,6 +304,7 @@ def test_stock_folder_without_recorded_buckets_needs_a_bucket(trained, tmp_path,
     (stock / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanVideoPipeline"}))
     with pytest.raises(ModelFolderError,
                        match="holds a HunyuanVideoPipeline pipeline; supported: AnimateDiffPipeline, "
+                             "CogVideoXImageToVideoPipeline, "
                              "CogVideoXPipeline, EasyAnimateInpaintPipeline, EasyAnimatePipeline, "
                              "WanImageToVideoPipeline, WanPipeline"):
         inspect_model(stock)

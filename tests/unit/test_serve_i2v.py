@@ -1,7 +1,8 @@
 """Serving an image-to-video model of every family that has one, its stages outside Serve (no Ray): the VAE stage
-encodes a request's first frame (`input_reference`) into the condition `vidray generate --image` samples with, and
-the step-batched denoiser samples with it (or with the empty condition, text-to-video, without one) the latents
-`generate_video` gives; the store hands the runner the image a job was created with."""
+encodes a request's first frame (`input_reference`) into the condition `vidray generate --image` samples with (for
+CogVideoX a posterior sample drawn from the request's seed, as generate draws it), and the step-batched
+denoiser samples with it (or with the empty condition, text-to-video, without one) the latents `generate_video`
+gives; the store hands the runner the image a job was created with."""
 
 import asyncio
 import io
@@ -58,7 +59,7 @@ def _serve(model_dir, image: bytes | None, seed: int) -> torch.Tensor:
     async def run():
         embeds, mask = text.family.encode_prompt(text.text_encoder, text.tokenizer, ["a red fox"],
                                                  max_sequence_length=text.max_sequence_length, device="cpu")
-        condition = None if image is None else await vae.encode_image(image, tuple(BUCKET))
+        condition = None if image is None else await vae.encode_image(image, tuple(BUCKET), seed)
         request = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "negative_prompt_embeds": None,
                    "negative_prompt_attention_mask": None, "guidance_scale": 1.0,
                    "latent_shape": text.family.latent_shape(BUCKET, 1), "num_inference_steps": STEPS, "seed": seed,

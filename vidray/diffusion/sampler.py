@@ -280,9 +280,11 @@ def sample_latents(
 
 
 def _image_condition(family: ModelFamily, components: Components, bucket: Bucket, latent_shape: tuple[int, ...],
-                     image: Any, last_image: Any, device: torch.device) -> torch.Tensor | None:
+                     image: Any, last_image: Any, device: torch.device, seed: int) -> torch.Tensor | None:
     """`generate_video`'s inpaint latents (B, C_in, F_lat, H_lat, W_lat): the image condition repeated over the B
-    prompts, the empty condition for an image-to-video model without image, None for a text-to-video model."""
+    prompts, the empty condition for an image-to-video model without image, None for a text-to-video model. A family
+    that samples the image's posterior (`samples_image_posterior`: CogVideoX, as its stock pipeline does from its
+    generator) gets a CPU generator of its own seeded with `seed` (apart from the initial noise's)."""
     if image is None and last_image is not None:
         raise UserError("a last image needs a first image: give --image too")
     if not family.takes_image(components.transformer):
@@ -292,7 +294,8 @@ def _image_condition(family: ModelFamily, components: Components, bucket: Bucket
         return None
     if image is None:
         return family.empty_condition(latent_shape, device=device)
-    condition = family.encode_image_condition(components.vae, image, bucket, last_image=last_image)
+    extra = {"generator": torch.Generator("cpu").manual_seed(int(seed))} if family.samples_image_posterior else {}
+    condition = family.encode_image_condition(components.vae, image, bucket, last_image=last_image, **extra)
     return condition.to(device).repeat(latent_shape[0], *([1] * (condition.ndim - 1)))
 
 
@@ -328,7 +331,7 @@ def generate_video(
         raise ValueError(f"prompts must be a non-empty list of strings, got {prompts!r}")
     latent_shape = family.latent_shape(bucket, len(prompts))
     device = next(components.transformer.parameters()).device
-    inpaint_latents = _image_condition(family, components, bucket, latent_shape, image, last_image, device)
+    inpaint_latents = _image_condition(family, components, bucket, latent_shape, image, last_image, device, seed)
 
     # 2. Encode prompts (and the negative prompt for guidance)
     prompt_embeds, prompt_attention_mask = family.encode_prompt(

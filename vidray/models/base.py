@@ -124,12 +124,18 @@ class ModelFamily(abc.ABC):
         default says the family has no image-to-video model."""
         raise NotImplementedError(f"the {self.name} family has no image-to-video model: set model.i2v to null")
 
+    samples_image_posterior: bool = False
+    """Whether the family's stock image-to-video pipeline samples the image's VAE posterior from its generator
+    (CogVideoX: `retrieve_latents(vae.encode(image), generator)`) rather than taking its mode (EasyAnimate, Wan). Then
+    `encode_image_condition` also takes `generator=`, a CPU generator seeded with the request's seed (`vidray
+    generate --seed`, a served request's seed), which generate and serving pass only to such a family."""
+
     def encode_image_condition(self, vae: torch.nn.Module, image: Any, bucket: Bucket, *,
                                last_image: Any = None) -> torch.Tensor:
         """A first-frame image (PIL, uint8 (H, W, 3) array, or (3, H, W) float tensor in [0, 1]) and an optional last
         one -> the condition (1, C_in, F_lat, H_lat, W_lat) float32 of a `bucket` video, the images resized to the
-        bucket as the family's stock pipeline does (what `vidray generate --image` samples with). The default says
-        the family has no image-to-video model."""
+        bucket as the family's stock pipeline does (what `vidray generate --image` samples with). A family with
+        `samples_image_posterior` takes `generator=` too. The default says the family has no image-to-video model."""
         raise NotImplementedError(f"the {self.name} family has no image-to-video model: it takes no --image")
 
     def empty_condition(self, latent_shape: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:

@@ -19,26 +19,41 @@ trained with `CogVideoXFamily.predict` behaves the same inside the stock pipelin
   scheduler, so the stock pipeline takes the same DDIM steps as `vidray.diffusion.sampler`. A noise level sigma
   in [0, 1] is the timestep sigma * 1000 (rounded); the sampler's schedule ends at -1 / 1000 (the final alpha).
 
-Not here yet: image-to-video (`CogVideoXImageToVideoPipeline`: in_channels 32, image latents concatenated on
-channels) and CogVideoX 1.5 (`patch_size_t`, latent frames padded to a multiple of it, `ofs` embeddings); both
-kinds of folder are refused with that message.
+Image-to-video (`model.i2v`, condition `first`), as diffusers/pipelines/cogvideo/pipeline_cogvideox_image2video.py
+(`CogVideoXImageToVideoPipeline`, CogVideoX-5b-I2V) builds it: the transformer's `in_channels` is 32, the noisy latents
+(16) then the image latents (16) concatenated along channels; the image latents are the first frame resized to the
+bucket (`VideoProcessor.preprocess`: PIL LANCZOS to (H, W), [-1, 1]), encoded alone as a 1-frame video, a posterior
+SAMPLE drawn from the pipeline's generator (`latent_dist.sample(generator)`: vidray draws it from a CPU generator
+seeded with the request's seed, before and apart from the initial noise), times `scaling_factor` (divided by it when
+the VAE config sets `invert_scale_latents`, CogVideoX 1.5), then zeros over the other latent frames. The pipeline adds
+no other noise to the image; `ofs` is None (CogVideoX 1.0 has no `ofs_embed_dim`). Training conditions each clip on
+its own first frame encoded the same way but with the posterior MODE (deterministic, so the encode stage caches it;
+the finetuning scripts also add noise to the image and sample, which a cache cannot hold); a dropped condition
+(`model.i2v.condition_dropout`) and text-to-video through an I2V model get zero image latents, as the finetuning
+scripts' `noised_image_dropout` does. Exported as a stock `CogVideoXImageToVideoPipeline` folder.
+
+Not here yet: CogVideoX 1.5 (`patch_size_t`, latent frames padded to a multiple of it, `ofs` embeddings); its
+folders are refused with that message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
-from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline,
-                       CogVideoXTransformer3DModel)
+from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXImageToVideoPipeline,
+                       CogVideoXPipeline, CogVideoXTransformer3DModel)
 from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
 
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.diffusion import ddim
+from vidray.errors import UserError
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
@@ -48,16 +63,22 @@ from vidray.models.vae import decode_latents, encode_video
 
 __all__ = [
     "SCHEDULER_CONFIG",
+    "TINY_I2V_TRANSFORMER",
     "TINY_TRANSFORMER",
     "TINY_VAE",
     "CogVideoXFamily",
     "build_tiny",
+    "empty_condition",
+    "encode_image_latents",
     "encode_prompts",
+    "image_condition",
+    "preprocess_image",
     "load_pretrained",
     "load_vae_folder",
     "probe_loss",
     "rotary_positional_embeddings",
     "save_pipeline",
+    "takes_image_latents",
 ]
 
 LATENT_CHANNELS = 16
@@ -72,7 +93,13 @@ PATCH_SIZE = 2
 """CogVideoXTransformer3DModel `patch_size` (height and width); `patch_size_t` None: one latent frame per patch."""
 assert SPATIAL_COMPRESSION_RATIO * PATCH_SIZE == FAMILY_BUCKET_RULES["cogvideox"].spatial_multiple
 PIPELINE_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-"""The subfolders of a CogVideoX T2V diffusers folder that vidray loads."""
+"""The subfolders of a CogVideoX diffusers folder (T2V or I2V) that vidray loads."""
+T2V_PIPELINE = "CogVideoXPipeline"
+I2V_PIPELINE = "CogVideoXImageToVideoPipeline"
+I2V_IN_CHANNELS = 2 * LATENT_CHANNELS
+"""CogVideoX 1.0 I2V transformer `in_channels` (32): the noisy latents, then the image latents, along channels
+(`CogVideoXImageToVideoPipeline.__call__`: `latent_channels = in_channels // 2`, `torch.cat([latent_model_input,
+latent_image_input], dim=2)` in its (B, F, C, H, W) layout)."""
 NUM_TRAIN_TIMESTEPS = 1000
 
 SCHEDULER_CONFIG = dict(
@@ -116,6 +143,10 @@ TINY_TRANSFORMER = dict(
 )
 """Tiny DiT (inner dim 32, 2 blocks; ~62 k params with text_embed_dim 64), the CogVideoX-5b layout (3D rotary
 positions, so any prompt length). `text_embed_dim` is set from the text encoder's hidden size."""
+TINY_I2V_TRANSFORMER = dict(TINY_TRANSFORMER, in_channels=I2V_IN_CHANNELS)
+"""The tiny image-to-video transformer (`model.i2v`): TINY_TRANSFORMER taking the image latents too (in_channels 32,
+out_channels 16). No learned positional embeddings (CogVideoX-5b-I2V has them, which ties it to its 480x720
+`sample_height/width`; `predict` takes such a transformer at that size only), so any bucket works."""
 
 TINY_VAE = dict(
     block_out_channels=(8, 8, 8, 8),  # 4 blocks: 8x spatial
@@ -179,17 +210,33 @@ def _check_vae(vae: AutoencoderKLCogVideoX, where: str) -> None:
 
 def _check_transformer(config: Any, where: str) -> None:
     """Raise ValueError unless a transformer config (a `CogVideoXTransformer3DModel.config` or its config.json as a
-    dict) is CogVideoX 1.0 T2V's: patch_size_t and ofs_embed_dim null, in_channels 16, patch_size 2."""
+    dict) is CogVideoX 1.0's: patch_size_t and ofs_embed_dim null, patch_size 2, in_channels 16 (T2V) or 32 (I2V),
+    out_channels 16."""
     get = config.get
     if get("patch_size_t") is not None or get("ofs_embed_dim") is not None:
         raise ValueError(f"{where}: transformer has patch_size_t={get('patch_size_t')}, ofs_embed_dim="
                          f"{get('ofs_embed_dim')} (CogVideoX 1.5), but the cogvideox family runs CogVideoX 1.0 "
-                         "(patch_size_t null) only yet; give a CogVideoX-2b/5b T2V folder")
-    found = (get("in_channels"), get("patch_size"))
-    if found != (LATENT_CHANNELS, PATCH_SIZE):
-        raise ValueError(f"{where}: transformer (in_channels, patch_size) = {found}, but the cogvideox family "
-                         f"(CogVideoX text-to-video) expects {(LATENT_CHANNELS, PATCH_SIZE)}; image-to-video folders "
-                         "are not supported yet")
+                         "(patch_size_t null) only yet; give a CogVideoX-2b/5b or 5b-I2V folder")
+    found = (get("in_channels"), get("out_channels"), get("patch_size"))
+    valid = ((LATENT_CHANNELS, LATENT_CHANNELS, PATCH_SIZE), (I2V_IN_CHANNELS, LATENT_CHANNELS, PATCH_SIZE))
+    if found not in valid:
+        raise ValueError(f"{where}: transformer (in_channels, out_channels, patch_size) = {found}, but the cogvideox "
+                         f"family expects {valid[0]} (text-to-video) or {valid[1]} (image-to-video)")
+
+
+def _folder_pipeline(path: str | Path) -> str:
+    """The pipeline class a CogVideoX folder declares: `I2V_PIPELINE` when its model_index.json says so, else
+    `T2V_PIPELINE` (what `require_pipeline_folder` then checks, naming any other class)."""
+    try:
+        index = json.loads((Path(path) / "model_index.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return T2V_PIPELINE  # require_pipeline_folder names what is wrong
+    return I2V_PIPELINE if isinstance(index, dict) and index.get("_class_name") == I2V_PIPELINE else T2V_PIPELINE
+
+
+def _pipeline_class(path: str | Path) -> type:
+    """`CogVideoXImageToVideoPipeline` or `CogVideoXPipeline`, as the folder declares (`_folder_pipeline`)."""
+    return CogVideoXImageToVideoPipeline if _folder_pipeline(path) == I2V_PIPELINE else CogVideoXPipeline
 
 
 def _check_scheduler(folder: Path) -> None:
@@ -202,14 +249,39 @@ def _check_scheduler(folder: Path) -> None:
                              " only yet; give a folder with that scheduler")
 
 
-def _check_folder(path: str | Path) -> Path:
-    """`require_pipeline_folder` for a CogVideoXPipeline, then its scheduler's and transformer's configs (before any
-    weights load); returns the folder."""
-    folder = require_pipeline_folder(path, "CogVideoXPipeline", PIPELINE_COMPONENTS)
+def _check_folder(path: str | Path, model_cfg: ModelConfig | None = None) -> Path:
+    """`require_pipeline_folder` for a CogVideoXPipeline or CogVideoXImageToVideoPipeline, then its scheduler's and
+    transformer's configs (before any weights load): the pipeline class and the transformer's in_channels must
+    agree, and with `model_cfg` the folder's task must be the job's (`model.i2v` set for an image-to-video folder,
+    null for a text-to-video one). Returns the folder. Raises ValueError in one line naming the folder otherwise."""
+    pipeline = _folder_pipeline(path)
+    folder = require_pipeline_folder(path, pipeline, PIPELINE_COMPONENTS)
     _check_scheduler(folder)
-    _check_transformer(CogVideoXTransformer3DModel.load_config(folder, subfolder="transformer",
-                                                               local_files_only=True), str(folder))
+    config = CogVideoXTransformer3DModel.load_config(folder, subfolder="transformer", local_files_only=True)
+    _check_transformer(config, str(folder))
+    image_to_video = config["in_channels"] == I2V_IN_CHANNELS
+    if image_to_video != (pipeline == I2V_PIPELINE):
+        raise ValueError(f"pretrained_path {str(folder)!r} holds a {pipeline} whose transformer has in_channels "
+                         f"{config['in_channels']}: a {I2V_PIPELINE} takes {I2V_IN_CHANNELS}, a {T2V_PIPELINE} "
+                         f"{LATENT_CHANNELS}; re-export the folder")
+    if model_cfg is not None and image_to_video != (model_cfg.i2v is not None):
+        if model_cfg.i2v is not None:
+            fix = "give a CogVideoX image-to-video folder (CogVideoXImageToVideoPipeline), or set model.i2v to null"
+        else:
+            fix = "set model.i2v: {condition: first} to use it, or give a CogVideoX text-to-video folder"
+        raise ValueError(f"model.pretrained_path {str(folder)!r} holds a CogVideoX "
+                         f"{'image' if image_to_video else 'text'}-to-video model ({pipeline}) but model.i2v is "
+                         f"{'null' if model_cfg.i2v is None else 'set'}: {fix}")
     return folder
+
+
+def _check_condition(model_cfg: ModelConfig) -> None:
+    """Raise ValueError unless `model.i2v.condition` is `first`: CogVideoXImageToVideoPipeline takes one image, the
+    first frame."""
+    if model_cfg.i2v is not None and model_cfg.i2v.condition != "first":
+        raise ValueError(f"model.i2v.condition is {model_cfg.i2v.condition}, but CogVideoX image-to-video "
+                         "(CogVideoXImageToVideoPipeline) is conditioned on the first frame only: set "
+                         "model.i2v.condition: first")
 
 
 def _check_num_train_timesteps(num_train_timesteps: int) -> None:
@@ -242,34 +314,38 @@ def load_vae_folder(path: str | Path) -> AutoencoderKLCogVideoX:
     return vae.eval().requires_grad_(False)
 
 
-def _tiny_transformer(kind: TextEncoderKind) -> CogVideoXTransformer3DModel:
-    """TINY_TRANSFORMER at the global RNG's state, `text_embed_dim` from the text encoder `kind`."""
-    return CogVideoXTransformer3DModel(**TINY_TRANSFORMER, text_embed_dim=t5_text_width(kind))
+def _tiny_transformer(kind: TextEncoderKind, *, i2v: bool = False) -> CogVideoXTransformer3DModel:
+    """TINY_TRANSFORMER (TINY_I2V_TRANSFORMER with `i2v`) at the global RNG's state, `text_embed_dim` from the text
+    encoder `kind`."""
+    return CogVideoXTransformer3DModel(**(TINY_I2V_TRANSFORMER if i2v else TINY_TRANSFORMER),
+                                       text_embed_dim=t5_text_width(kind))
 
 
-def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int = 0) -> Components:
+def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int = 0, i2v: bool = False) -> Components:
     """Random tiny preset (fp32, CPU): the text encoder under `seed` (a 2-layer `T5EncoderModel` over MiniLM's
-    tokenizer, or MiniLM; `vidray.models.text_encoder.build_t5_text_encoder`), then TINY_TRANSFORMER and TINY_VAE
-    under `seed` (in that order), each in a forked RNG (the global torch RNG is left as it was)."""
+    tokenizer, or MiniLM; `vidray.models.text_encoder.build_t5_text_encoder`), then TINY_TRANSFORMER (with `i2v`:
+    TINY_I2V_TRANSFORMER) and TINY_VAE under `seed` (in that order), each in a forked RNG (the global torch RNG is
+    left as it was)."""
     text_encoder, tokenizer = build_t5_text_encoder(text_encoder_kind, variant="t5", seed=seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = _tiny_transformer(text_encoder_kind)
+        transformer = _tiny_transformer(text_encoder_kind, i2v=i2v)
         vae = AutoencoderKLCogVideoX(**TINY_VAE)
     return Components(transformer=transformer.train(), vae=vae.eval().requires_grad_(False),
                       text_encoder=text_encoder, tokenizer=tokenizer)
 
 
 def load_pretrained(path: str | Path) -> Components:
-    """transformer, vae, text_encoder and tokenizer of a local diffusers CogVideoX 1.0 T2V folder, offline.
+    """transformer, vae, text_encoder and tokenizer of a local diffusers CogVideoX 1.0 folder, offline: a
+    `CogVideoXPipeline` (T2V) or a `CogVideoXImageToVideoPipeline` (I2V, transformer in_channels 32).
 
     Raises FileNotFoundError naming the folder when it has no model_index.json or lacks a component subfolder,
     ValueError when it is another pipeline's folder (another family), its scheduler is not `SCHEDULER_CONFIG`'s
-    objective, or its layout is not CogVideoX 1.0 T2V's (1.5, image-to-video). The VAE and text encoder come back
-    frozen; the transformer in train mode.
+    objective, or its layout is not CogVideoX 1.0's (1.5; a pipeline class and in_channels that disagree). The VAE
+    and text encoder come back frozen; the transformer in train mode.
     """
     path = _check_folder(path)
-    pipe = CogVideoXPipeline.from_pretrained(path, local_files_only=True)
+    pipe = _pipeline_class(path).from_pretrained(path, local_files_only=True)
     _check_vae(pipe.vae, str(path))
     return Components(transformer=pipe.transformer.train(), vae=pipe.vae.eval().requires_grad_(False),
                       text_encoder=pipe.text_encoder.eval().requires_grad_(False), tokenizer=pipe.tokenizer)
@@ -277,7 +353,9 @@ def load_pretrained(path: str | Path) -> Components:
 
 def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
     """Write `components` as a complete diffusers folder (safetensors) that
-    `diffusers.CogVideoXPipeline.from_pretrained(out_dir, local_files_only=True)` loads and runs offline.
+    `diffusers.CogVideoXPipeline.from_pretrained(out_dir, local_files_only=True)` loads and runs offline; an
+    image-to-video transformer (`takes_image_latents`) is written as a `CogVideoXImageToVideoPipeline` (the same
+    components), which samples what `vidray generate --image` samples given the same image, seed and noise.
 
     The scheduler is `CogVideoXDDIMScheduler(**SCHEDULER_CONFIG)`: its `set_timesteps` gives the family's
     `inference_sigmas` and its `step` is `vidray.diffusion.ddim.ddim_step`, so the stock pipeline samples what
@@ -290,24 +368,106 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
     flow.num_train_timesteps is 1000. Returns `out_dir`.
     """
     _check_num_train_timesteps(flow.num_train_timesteps)
-    pipe = CogVideoXPipeline(tokenizer=components.tokenizer, text_encoder=components.text_encoder,
-                             vae=components.vae, transformer=components.transformer,
-                             scheduler=CogVideoXDDIMScheduler(**SCHEDULER_CONFIG))
+    pipeline = CogVideoXImageToVideoPipeline if takes_image_latents(components.transformer) else CogVideoXPipeline
+    pipe = pipeline(tokenizer=components.tokenizer, text_encoder=components.text_encoder,
+                    vae=components.vae, transformer=components.transformer,
+                    scheduler=CogVideoXDDIMScheduler(**SCHEDULER_CONFIG))
     return write_pipeline_folder(pipe, out_dir)
 
 
+def _joint_positions(config: Any) -> bool:
+    """Whether the transformer's patch embedding adds positional embeddings over text and video tokens jointly
+    (`CogVideoXPatchEmbed`: sincos without rotary positions, CogVideoX-2b; learned, CogVideoX-5b-I2V), so the prompt
+    must be exactly `max_text_seq_length` tokens."""
+    return bool(not config.use_rotary_positional_embeddings or config.use_learned_positional_embeddings)
+
+
+def takes_image_latents(transformer: torch.nn.Module) -> bool:
+    """Whether `transformer` (maybe DDP-wrapped) is an image-to-video model: its `in_channels` is 32 (noisy latents
+    + image latents), not 16."""
+    return int(unwrapped(transformer).config.in_channels) == I2V_IN_CHANNELS
+
+
+def preprocess_image(image: Any, bucket: Bucket) -> torch.Tensor:
+    """A first frame -> (1, 3, H, W) float32 in [-1, 1] at the bucket's size, as `CogVideoXImageToVideoPipeline`
+    preprocesses its `image` (`VideoProcessor(vae_scale_factor=8).preprocess(image, height, width)`: a PIL image
+    resized to (W, H) with LANCZOS, the whole image (no crop); a (3, H, W) float tensor in [0, 1] resized by
+    `F.interpolate`; both then 2x - 1). A uint8 (H, W, 3) array is taken as the PIL image it holds. Raises
+    ValueError for another kind of input."""
+    from diffusers.video_processor import VideoProcessor
+    from PIL import Image
+
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
+            raise ValueError(f"an image array must be uint8 (H, W, 3), got {image.dtype} {image.shape}")
+        image = Image.fromarray(image)
+    elif isinstance(image, torch.Tensor):
+        if image.ndim != 3 or image.shape[0] != 3 or not image.is_floating_point():
+            raise ValueError(f"an image tensor must be float (3, H, W) in [0, 1], got {image.dtype} "
+                             f"{tuple(image.shape)}")
+    elif not isinstance(image, Image.Image):
+        raise ValueError(f"image must be a PIL image, a uint8 (H, W, 3) array or a (3, H, W) tensor in [0, 1], "
+                         f"got {type(image).__name__}")
+    processor = VideoProcessor(vae_scale_factor=SPATIAL_COMPRESSION_RATIO)
+    return processor.preprocess(image, height=bucket.height, width=bucket.width).float()
+
+
+@torch.no_grad()
+def encode_image_latents(vae: AutoencoderKLCogVideoX, images: torch.Tensor, *,
+                         generator: torch.Generator | None = None) -> torch.Tensor:
+    """images (B, 3, H, W) float in [-1, 1] -> image latents (B, 16, 1, H/8, W/8) float32: each image encoded alone
+    as a 1-frame video, scaled as `CogVideoXImageToVideoPipeline.prepare_latents` does (`* scaling_factor`, or
+    `/ scaling_factor` when the VAE config sets `invert_scale_latents`).
+
+    With `generator`: the posterior sample `latent_dist.sample(generator)`, one draw per image in batch order, as the
+    pipeline's `retrieve_latents(vae.encode(img), generator)` (what generation uses, so a seed gives the stock
+    pipeline's latents). Without: the posterior mode (what training uses: deterministic, so the latent cache holds
+    it)."""
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be (B, 3, H, W), got {tuple(images.shape)}")
+    frames = images.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)  # (B, 3, 1, H, W)
+    latents = []
+    for i in range(frames.shape[0]):
+        posterior = vae.encode(frames[i:i + 1]).latent_dist
+        latents.append(posterior.sample(generator) if generator is not None else posterior.mode())
+    latents = torch.cat(latents).float()
+    scaling_factor = vae.config.scaling_factor
+    if getattr(vae.config, "invert_scale_latents", False):
+        return latents / scaling_factor
+    return latents * scaling_factor
+
+
+def image_condition(image_latents: torch.Tensor, num_latent_frames: int) -> torch.Tensor:
+    """image latents (B, 16, 1, H_lat, W_lat) -> the condition (B, 16, F_lat, H_lat, W_lat) float32: the image's
+    latent frame first, zeros over the other F_lat - 1 (the pipeline's `latent_padding`)."""
+    if image_latents.ndim != 5 or image_latents.shape[2] != 1:
+        raise ValueError(f"image_latents must be (B, C, 1, H, W), got {tuple(image_latents.shape)}")
+    padding = image_latents.new_zeros(*image_latents.shape[:2], num_latent_frames - 1, *image_latents.shape[3:])
+    return torch.cat([image_latents, padding], dim=2).float()
+
+
+def empty_condition(latent_shape: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:
+    """The no-image condition (B, 16, F_lat, H_lat, W_lat) float32 for latents of `latent_shape`: zeros, as the
+    CogVideoX I2V finetuning scripts drop the image (`noised_image_dropout`: `torch.zeros_like(image_latents)`)."""
+    batch_size, _, *grid = latent_shape
+    return torch.zeros(batch_size, LATENT_CHANNELS, *grid, dtype=torch.float32, device=device)
+
+
 def probe_loss(model: torch.nn.Module, transformer: CogVideoXTransformer3DModel) -> torch.Tensor:
-    """The output sum of `model` (`transformer`, maybe DDP-wrapped) on a fixed (1, 1, C, p, p) input (one patch,
-    laid out (B, F, C, H, W)) with 2 text tokens (`max_text_seq_length` without rotary positions), from a seeded CPU
-    generator (the global RNG is untouched); fp32 scalar. The probe of `no_grad_parameter_names` and of
-    `vidray.train.parallel.prime_buckets`."""
+    """The output sum of `model` (`transformer`, maybe DDP-wrapped) on a fixed (1, 1, C_in, p, p) input (one patch,
+    laid out (B, F, C, H, W); an image-to-video transformer's C_in = 32 takes the image latents too; learned
+    positional embeddings (CogVideoX-5b-I2V): `sample_height` x `sample_width`, the one size they take) with 2 text
+    tokens (`max_text_seq_length` when positions span text and video: no rotary, or learned; `_joint_positions`),
+    from a seeded CPU generator (the global RNG is untouched); fp32 scalar. The probe of `no_grad_parameter_names`
+    and of `vidray.train.parallel.prime_buckets`."""
     cfg, param = transformer.config, next(transformer.parameters())
     g = torch.Generator().manual_seed(0)
     p = cfg.patch_size
-    hidden_states = torch.randn(1, 1, cfg.in_channels, p, p, generator=g).to(param.device, param.dtype)
-    num_text = 2 if cfg.use_rotary_positional_embeddings else cfg.max_text_seq_length
+    height, width = (cfg.sample_height, cfg.sample_width) if cfg.use_learned_positional_embeddings else (p, p)
+    hidden_states = torch.randn(1, 1, cfg.in_channels, height, width, generator=g).to(param.device, param.dtype)
+    num_text = cfg.max_text_seq_length if _joint_positions(cfg) else 2
     prompt_embeds = torch.randn(1, num_text, cfg.text_embed_dim, generator=g).to(param.device, param.dtype)
-    rotary = (rotary_positional_embeddings(transformer, 1, p, p, param.device)
+    rotary = (rotary_positional_embeddings(transformer, 1, height, width, param.device)
               if cfg.use_rotary_positional_embeddings else None)
     return model(hidden_states=hidden_states, encoder_hidden_states=prompt_embeds,
                  timestep=torch.full((1,), 500, device=param.device), image_rotary_emb=rotary,
@@ -315,8 +475,9 @@ def probe_loss(model: torch.nn.Module, transformer: CogVideoXTransformer3DModel)
 
 
 class CogVideoXFamily(ModelFamily):
-    """CogVideoX 1.0 T2V: latents (B, 16, (F-1)/4+1, H/8, W/8), F = 1 or 8k+1, DiT patch 2 per latent frame, so H
-    and W multiples of 16; v-prediction on CogVideoX-2b's DDIM schedule."""
+    """CogVideoX 1.0 T2V and I2V: latents (B, 16, (F-1)/4+1, H/8, W/8), F = 1 or 8k+1, DiT patch 2 per latent
+    frame, so H and W multiples of 16; v-prediction on CogVideoX-2b's DDIM schedule. An I2V transformer (`model.i2v`,
+    condition `first`) takes the image latents (B, 16, F_lat, H_lat, W_lat) as `predict`'s `inpaint_latents`."""
 
     name = "cogvideox"
     latent_channels = LATENT_CHANNELS
@@ -325,6 +486,7 @@ class CogVideoXFamily(ModelFamily):
     spatial_multiple = SPATIAL_COMPRESSION_RATIO * PATCH_SIZE
     example_bucket = (9, 32, 32)
     objective = "v_prediction"
+    samples_image_posterior = True
 
     # 1. The objective: v-prediction (vidray.diffusion.ddim, as CogVideoXDDIMScheduler).
 
@@ -355,34 +517,42 @@ class CogVideoXFamily(ModelFamily):
     def sampler_step(self, latents: torch.Tensor, model_pred: torch.Tensor, sigmas: torch.Tensor,
                      sigmas_next: torch.Tensor) -> torch.Tensor:
         """One DDIM step (eta 0) of latents (B, C, F, H, W) from timestep round(sigma * 1000) to
-        round(sigma_next * 1000) (both at most 999; -1: the clean end) given the v-prediction `model_pred` (`ddim.ddim_step`, as
-        `CogVideoXDDIMScheduler.step`)."""
+        round(sigma_next * 1000) (both at most 999; -1: the clean end) given the v-prediction `model_pred`
+        (`ddim.ddim_step`, as `CogVideoXDDIMScheduler.step`)."""
         return ddim.ddim_step(model_pred, latents, _timesteps(sigmas), _timesteps(sigmas_next), SCHEDULE,
                               "v_prediction")
 
     # 2. Modules.
 
     def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
-        """`init: random` -> the `tiny` preset with `model_cfg.text_encoder` (`build_tiny`); `init: pretrained` ->
-        `load_pretrained(model_cfg.pretrained_path)`. `model.vae_path` replaces the VAE."""
+        """`init: random` -> the `tiny` preset with `model_cfg.text_encoder` (`build_tiny`; `model.i2v`: its
+        image-to-video transformer); `init: pretrained` -> `load_pretrained(model_cfg.pretrained_path)`, a T2V folder
+        for `model.i2v` null, an I2V one for `model.i2v` set (else a one-line ValueError naming the folder).
+        `model.vae_path` replaces the VAE."""
+        _check_condition(model_cfg)
         folder = pretrained_folder(model_cfg, "cogvideox")
-        components = load_pretrained(folder) if folder else build_tiny(model_cfg.text_encoder, seed=seed)
+        if folder is not None:
+            components = load_pretrained(_check_folder(folder, model_cfg))
+        else:
+            components = build_tiny(model_cfg.text_encoder, seed=seed, i2v=model_cfg.i2v is not None)
         if model_cfg.vae_path:
             components = dataclasses.replace(components, vae=load_vae_folder(model_cfg.vae_path))
         return components
 
     def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> CogVideoXTransformer3DModel:
         """The transformer alone, equal to `build(...).transformer`, without the VAE or the text encoder: the tiny
-        preset drawn first under `seed` (as in `build_tiny`); a folder's `transformer/` alone."""
+        preset drawn first under `seed` (as in `build_tiny`); a folder's `transformer/` alone (its task checked
+        against `model.i2v`, as in `build`)."""
+        _check_condition(model_cfg)
         folder = pretrained_folder(model_cfg, "cogvideox")
         if folder is not None:
-            _check_folder(folder)
+            _check_folder(folder, model_cfg)
             transformer = CogVideoXTransformer3DModel.from_pretrained(folder, subfolder="transformer",
                                                                       local_files_only=True)
             return transformer.train()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            transformer = _tiny_transformer(model_cfg.text_encoder)
+            transformer = _tiny_transformer(model_cfg.text_encoder, i2v=model_cfg.i2v is not None)
         return transformer.train()
 
     def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
@@ -392,8 +562,8 @@ class CogVideoXFamily(ModelFamily):
         if folder is None:
             c = self.build(model_cfg, seed=seed)
             return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
-        _check_folder(folder)
-        pipe = CogVideoXPipeline.from_pretrained(folder, transformer=None, local_files_only=True)
+        _check_folder(folder, model_cfg)
+        pipe = _pipeline_class(folder).from_pretrained(folder, transformer=None, local_files_only=True)
         _check_vae(pipe.vae, str(folder))
         vae = load_vae_folder(model_cfg.vae_path) if model_cfg.vae_path else pipe.vae.eval().requires_grad_(False)
         return Encoders(vae=vae, text_encoder=pipe.text_encoder.eval().requires_grad_(False),
@@ -405,8 +575,8 @@ class CogVideoXFamily(ModelFamily):
         folder = pretrained_folder(model_cfg, "cogvideox")
         if folder is None:
             return super().build_text_encoder(model_cfg, seed=seed)
-        _check_folder(folder)
-        pipe = CogVideoXPipeline.from_pretrained(folder, transformer=None, vae=None, local_files_only=True)
+        _check_folder(folder, model_cfg)
+        pipe = _pipeline_class(folder).from_pretrained(folder, transformer=None, vae=None, local_files_only=True)
         return pipe.text_encoder.eval().requires_grad_(False), pipe.tokenizer
 
     def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLCogVideoX:
@@ -417,7 +587,7 @@ class CogVideoXFamily(ModelFamily):
         folder = pretrained_folder(model_cfg, "cogvideox")
         if folder is None:
             return self.build_encoders(model_cfg, seed=seed).vae
-        _check_folder(folder)
+        _check_folder(folder, model_cfg)
         vae = AutoencoderKLCogVideoX.from_pretrained(folder, subfolder="vae", local_files_only=True)
         _check_vae(vae, str(folder))
         return vae.eval().requires_grad_(False)
@@ -452,9 +622,17 @@ class CogVideoXFamily(ModelFamily):
         timesteps: torch.Tensor,
         prompt_embeds: torch.Tensor,
         prompt_attention_mask: torch.Tensor,
+        *,
+        inpaint_latents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """noisy_latents (B, 16, F, H, W), timesteps (B,) integer-valued in 0..999, prompt_embeds (B, L, D),
         prompt_attention_mask (B, L) -> model_pred (B, 16, F, H, W), the v-prediction.
+
+        An image-to-video transformer (`takes_image_latents`) needs `inpaint_latents`: here the image latents
+        (B, 16, F, H, W) (`encode_clip_condition`, `encode_image_condition`, or `empty_condition`), concatenated after
+        the noisy latents along channels as CogVideoXImageToVideoPipeline does (`ofs` None: CogVideoX 1.0); a
+        text-to-video one takes none. With learned positional embeddings (CogVideoX-5b-I2V) the latents must be
+        `sample_height` x `sample_width`, as the transformer's patch embedding requires.
 
         Called exactly like CogVideoXPipeline's denoising loop: `hidden_states` = noisy_latents permuted to
         (B, F, C, H, W), `encoder_hidden_states` in its dtype, `timestep` as int64 (the scheduler's timesteps),
@@ -475,16 +653,33 @@ class CogVideoXFamily(ModelFamily):
                              f"(B, L) {tuple(prompt_embeds.shape[:2])}")
         inner = unwrapped(transformer)  # the training loop passes the DDP-wrapped model
         cfg = inner.config
-        if cfg.use_rotary_positional_embeddings:
-            rotary = rotary_positional_embeddings(inner, num_frames, height, width, noisy_latents.device)
-        else:
-            rotary = None
-            if prompt_embeds.shape[1] != cfg.max_text_seq_length:
-                raise ValueError(f"this CogVideoX transformer (sincos positions, no rotary) takes exactly "
-                                 f"max_text_seq_length={cfg.max_text_seq_length} text tokens, got "
-                                 f"{prompt_embeds.shape[1]}: set model.max_sequence_length: {cfg.max_text_seq_length}")
+        hidden_states = noisy_latents
+        if takes_image_latents(inner):
+            if inpaint_latents is None:
+                raise ValueError(f"the transformer is a CogVideoX image-to-video model: pass inpaint_latents, the "
+                                 f"image latents ({batch_size}, {LATENT_CHANNELS}, F, H, W) (family.empty_condition "
+                                 "for text-to-video)")
+            if inpaint_latents.shape != (batch_size, LATENT_CHANNELS, *noisy_latents.shape[2:]):
+                raise ValueError(f"inpaint_latents must be ({batch_size}, {LATENT_CHANNELS}, "
+                                 f"{', '.join(map(str, noisy_latents.shape[2:]))}), got {tuple(inpaint_latents.shape)}")
+            hidden_states = torch.cat([noisy_latents, inpaint_latents.to(noisy_latents.dtype)], dim=1)
+        elif inpaint_latents is not None:
+            raise ValueError("inpaint_latents given to a CogVideoX text-to-video transformer: it takes no image")
+        if cfg.use_learned_positional_embeddings and (height, width) != (cfg.sample_height, cfg.sample_width):
+            raise ValueError(f"this CogVideoX transformer has learned positional embeddings (CogVideoX-5b-I2V) for "
+                             f"{cfg.sample_height * SPATIAL_COMPRESSION_RATIO}x"
+                             f"{cfg.sample_width * SPATIAL_COMPRESSION_RATIO} videos only, got "
+                             f"{height * SPATIAL_COMPRESSION_RATIO}x{width * SPATIAL_COMPRESSION_RATIO}: set "
+                             "data.buckets to that height and width")
+        rotary = (rotary_positional_embeddings(inner, num_frames, height, width, noisy_latents.device)
+                  if cfg.use_rotary_positional_embeddings else None)
+        if _joint_positions(cfg) and prompt_embeds.shape[1] != cfg.max_text_seq_length:
+            kind = "learned positions" if cfg.use_learned_positional_embeddings else "sincos positions, no rotary"
+            raise ValueError(f"this CogVideoX transformer ({kind}) takes exactly "
+                             f"max_text_seq_length={cfg.max_text_seq_length} text tokens, got "
+                             f"{prompt_embeds.shape[1]}: set model.max_sequence_length: {cfg.max_text_seq_length}")
         model_pred = transformer(
-            hidden_states=noisy_latents.permute(0, 2, 1, 3, 4),  # (B, C, F, H, W) -> (B, F, C, H, W)
+            hidden_states=hidden_states.permute(0, 2, 1, 3, 4),  # (B, C, F, H, W) -> (B, F, C, H, W)
             encoder_hidden_states=prompt_embeds.to(dtype=noisy_latents.dtype),
             timestep=timesteps.round().to(torch.int64),
             image_rotary_emb=rotary,
@@ -492,7 +687,50 @@ class CogVideoXFamily(ModelFamily):
         )[0]
         return model_pred.permute(0, 2, 1, 3, 4)  # (B, F, C, H, W) -> (B, C, F, H, W)
 
-    # 4. Shapes, probes, export.
+    # 4. Image-to-video (CogVideoXImageToVideoPipeline).
+
+    def supports_image_to_video(self, info) -> bool:
+        """Whether the model `info` (`vidray.models.export.ModelInfo`) describes takes an image: `model.i2v` set, or
+        a stock `CogVideoXImageToVideoPipeline` folder."""
+        return bool(info.image_to_video)
+
+    def takes_image(self, transformer: CogVideoXTransformer3DModel) -> bool:
+        """`takes_image_latents`: the transformer's `in_channels` is 32, not 16."""
+        return takes_image_latents(transformer)
+
+    def encode_clip_condition(self, vae: AutoencoderKLCogVideoX, video: torch.Tensor, condition: str) -> torch.Tensor:
+        """A training clip (B, 3, F, H, W) in [-1, 1] -> its image latents (B, 16, F_lat, H_lat, W_lat) float32: the
+        clip's own first frame encoded alone (`encode_image_latents`, the posterior mode: deterministic, so it is
+        cached), zeros over the other latent frames (`image_condition`). Raises ValueError for a condition other
+        than `first` (the stock pipeline takes one image)."""
+        if condition != "first":
+            raise ValueError(f"model.i2v.condition is {condition}, but CogVideoX image-to-video is conditioned on the "
+                             "first frame only: set model.i2v.condition: first")
+        if video.ndim != 5 or video.shape[1] != 3:
+            raise ValueError(f"video must be (B, 3, F, H, W), got {tuple(video.shape)}")
+        num_latent_frames = (video.shape[2] - 1) // TEMPORAL_COMPRESSION_RATIO + 1
+        return image_condition(encode_image_latents(vae, video[:, :, 0]), num_latent_frames)
+
+    def encode_image_condition(self, vae: AutoencoderKLCogVideoX, image, bucket: Bucket, *, last_image=None,
+                               generator: torch.Generator | None = None) -> torch.Tensor:
+        """A first image -> image latents (1, 16, F_lat, H_lat, W_lat) float32 for `bucket`, as
+        CogVideoXImageToVideoPipeline's steps 5 (`preprocess_image`) and `prepare_latents` (`encode_image_latents`:
+        the posterior sampled from `generator`, the sampler's generator seeded with the request's seed, drawn before
+        anything else from it as the pipeline draws it before its noise; the mode without one; then
+        `image_condition`). Raises UserError (a ValueError) for a last image: the stock pipeline takes none."""
+        if last_image is not None:
+            raise UserError("CogVideoX image-to-video takes a first frame only (CogVideoXImageToVideoPipeline has no "
+                            "last image): drop --last-image")
+        bucket = Bucket(*bucket)
+        _, _, num_latent_frames, _, _ = self.latent_shape(bucket, 1)
+        image_latents = encode_image_latents(vae, preprocess_image(image, bucket), generator=generator)
+        return image_condition(image_latents, num_latent_frames)
+
+    def empty_condition(self, latent_shape: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:
+        """See module-level `empty_condition`: zeros (B, 16, F_lat, H_lat, W_lat)."""
+        return empty_condition(latent_shape, device)
+
+    # 5. Shapes, probes, export.
 
     def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:
         """(B, 16, (F-1)//4 + 1, H//8, W//8); e.g. Bucket(9, 64, 64), B=2 -> (2, 16, 3, 8, 8).
@@ -507,7 +745,8 @@ class CogVideoXFamily(ModelFamily):
                 height // SPATIAL_COMPRESSION_RATIO, width // SPATIAL_COMPRESSION_RATIO)
 
     def no_grad_parameter_names(self, transformer: CogVideoXTransformer3DModel) -> list[str]:
-        """Trainable parameters without a gradient from `probe_loss` (`vidray.models.folders.unused_parameter_names`)."""
+        """Trainable parameters without a gradient from `probe_loss`
+        (`vidray.models.folders.unused_parameter_names`)."""
         return unused_parameter_names(transformer, probe_loss)
 
     def prompt_embeds_dim(self, transformer: CogVideoXTransformer3DModel) -> int:

@@ -104,8 +104,8 @@ JOB_FILE = "vidray_job.yaml"
 
 _PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate", "EasyAnimateInpaintPipeline": "easyanimate",
                       "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "CogVideoXPipeline": "cogvideox",
-                      "AnimateDiffPipeline": "animatediff"}
-_IMAGE_TO_VIDEO_PIPELINES = ("EasyAnimateInpaintPipeline", "WanImageToVideoPipeline")
+                      "CogVideoXImageToVideoPipeline": "cogvideox", "AnimateDiffPipeline": "animatediff"}
+_IMAGE_TO_VIDEO_PIPELINES = ("EasyAnimateInpaintPipeline", "WanImageToVideoPipeline", "CogVideoXImageToVideoPipeline")
 """Stock pipeline classes of image-to-video models (a stock folder of one loads as `model.i2v: {condition: first}`)."""
 _PIPELINE_SUBFOLDERS = ("vae", "text_encoder", "tokenizer", "scheduler")
 _DENOISER_SUBFOLDERS = ("transformer", "unet")
@@ -383,8 +383,8 @@ class ModelInfo:
     """The URI the model was given as (`path` is then its local cached copy, `fetch_model`); None for a folder."""
     image_to_video: bool = False
     """Whether the model takes a first-frame image: its job's `model.i2v` is set, or a stock folder's pipeline is an
-    image-to-video one (`EasyAnimateInpaintPipeline`, `WanImageToVideoPipeline`). Read through
-    `family.supports_image_to_video(info)`."""
+    image-to-video one (`EasyAnimateInpaintPipeline`, `WanImageToVideoPipeline`, `CogVideoXImageToVideoPipeline`).
+    Read through `family.supports_image_to_video(info)`."""
 
     @property
     def family(self) -> "ModelFamily":

@@ -514,7 +514,7 @@ class VideoJobService:
             image = await asyncio.to_thread(self.store.read_input, job.id)
             if image is None:
                 return None  # deleted (or expired) meanwhile: its input went with it
-            condition = self.vae.encode_image.remote(image, (num_frames, height, width))
+            condition = self.vae.encode_image.remote(image, (num_frames, height, width), params["seed"])
         encoded = [await call for call in calls]
         inpaint_latents = None if condition is None else await condition
         progress["value"] = 5

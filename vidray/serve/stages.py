@@ -120,11 +120,13 @@ class VaeDecoder:
         self._decoding = asyncio.Lock()
         del model
 
-    async def encode_image(self, image: bytes, bucket: tuple[int, int, int]) -> Any:
+    async def encode_image(self, image: bytes, bucket: tuple[int, int, int], seed: int = 0) -> Any:
         """An image-to-video request's condition: `image` (the `input_reference` file's bytes: PNG, JPEG, ...) ->
         inpaint_latents (1, C_in, F_lat, H_lat, W_lat) float32 for a `bucket` (F, H, W) video, the image resized
         to the bucket as the family's stock pipeline does (`ModelFamily.encode_image_condition`, what `vidray
-        generate --image` samples with). Raises ValueError for bytes PIL cannot decode."""
+        generate --image` samples with; a family with `samples_image_posterior` gets a CPU generator seeded with the
+        request's `seed`, as generate gives it).
+        Raises ValueError for bytes PIL cannot decode."""
         import io
 
         import torch
@@ -140,7 +142,9 @@ class VaeDecoder:
 
         def run():
             with torch.inference_mode():
-                return self.family.encode_image_condition(self.vae, picture, Bucket(*bucket)).float().cpu()
+                extra = ({"generator": torch.Generator("cpu").manual_seed(int(seed))}
+                         if self.family.samples_image_posterior else {})
+                return self.family.encode_image_condition(self.vae, picture, Bucket(*bucket), **extra).float().cpu()
 
         async with self._decoding:  # the VAE is not re-entrant (class docstring)
             return await asyncio.to_thread(run)
