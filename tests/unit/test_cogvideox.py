@@ -185,6 +185,7 @@ def test_load_pretrained_round_trips_the_export_and_the_build_functions_agree(fa
     assert all(torch.equal(vae_folder[k], v) for k, v in loaded.vae.state_dict().items())
 
 
+@pytest.mark.slow  # 37 s on 2 cores: four builds of the tiny model, each with CogVideoX's VAE
 def test_the_tiny_preset_build_functions_agree_with_build(family):
     built = family.build(CFG, seed=7)
     alone = family.build_transformer(CFG, seed=7).state_dict()
