@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase  # tokenizers only: the driver's checks need no more
@@ -84,24 +84,26 @@ def build_text_encoder(
     from transformers import BertConfig, BertModel  # the modeling stack (~2-3 s on 2 cores): import late
 
     tokenizer = ensure_chat_template(AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True))
+    config = dict(vocab_size=tokenizer.vocab_size, hidden_size=TINY_RANDOM_HIDDEN_SIZE, num_hidden_layers=2,
+                  num_attention_heads=2, intermediate_size=4 * TINY_RANDOM_HIDDEN_SIZE, max_position_embeddings=512)
+    return _minilm_or_tiny(kind, seed=seed, tiny=lambda: BertModel(BertConfig(**config))), tokenizer
+
+
+def _minilm_or_tiny(kind: str, *, seed: int, tiny: Callable[[], PreTrainedModel]) -> PreTrainedModel:
+    """The frozen (eval, requires_grad False) offline text encoder of `kind`, what every family's builder shares:
+    `minilm` the real MiniLM-L6 `BertModel` (`seed` unused), `tiny_random` `tiny()` drawn under `seed` in a forked
+    RNG (the global RNG is left as it was). Raises ValueError for another `kind`."""
+    from transformers import BertModel
+
     if kind == "minilm":
         text_encoder = BertModel.from_pretrained(minilm_path(), local_files_only=True)
     elif kind == "tiny_random":
-        config = BertConfig(
-            vocab_size=tokenizer.vocab_size,
-            hidden_size=TINY_RANDOM_HIDDEN_SIZE,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=4 * TINY_RANDOM_HIDDEN_SIZE,
-            max_position_embeddings=512,
-        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            text_encoder = BertModel(config)
+            text_encoder = tiny()
     else:
         raise ValueError(f"unknown text encoder {kind!r}; valid: minilm, tiny_random")
-    text_encoder.eval().requires_grad_(False)
-    return text_encoder, tokenizer
+    return text_encoder.eval().requires_grad_(False)
 
 
 def text_hidden_size(kind: Literal["minilm", "tiny_random"]) -> int:
@@ -147,23 +149,15 @@ def build_t5_text_encoder(kind: Literal["minilm", "tiny_random"], *, variant: Li
     ("umt5", Wan) drawn under `seed` in a forked RNG (the global RNG is left as it was); `minilm`: the real
     MiniLM-L6 `BertModel` (`seed` and `variant` unused), whose `last_hidden_state` (output 0) the pipelines take as
     they take T5's. Raises ValueError for another `kind` or `variant`."""
-    from transformers import BertModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
     classes = {"t5": (T5Config, T5EncoderModel), "umt5": (UMT5Config, UMT5EncoderModel)}
     if variant not in classes:
         raise ValueError(f"unknown T5 variant {variant!r}; valid: t5, umt5")
     tokenizer = AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
-    if kind == "tiny_random":
-        config_class, model_class = classes[variant]
-        config = config_class(**TINY_T5_ENCODER, vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_token_id)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            text_encoder = model_class(config)
-    elif kind == "minilm":
-        text_encoder = BertModel.from_pretrained(minilm_path(), local_files_only=True)
-    else:
-        raise ValueError(f"unknown text encoder {kind!r}; valid: minilm, tiny_random")
-    return text_encoder.eval().requires_grad_(False), tokenizer
+    config_class, model_class = classes[variant]
+    config = dict(TINY_T5_ENCODER, vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_token_id)
+    return _minilm_or_tiny(kind, seed=seed, tiny=lambda: model_class(config_class(**config))), tokenizer
 
 
 TINY_CLIP_TEXT_ENCODER = dict(
@@ -186,21 +180,12 @@ def build_clip_text_encoder(kind: Literal["minilm", "tiny_random"], *,
     a forked RNG (the global RNG is left as it was), its pad/bos/eos ids the tokenizer's [PAD]/[CLS]/[SEP]; `minilm`:
     the real MiniLM-L6 `BertModel` (`seed` unused), whose `last_hidden_state` (output 0) the pipeline takes as it
     takes CLIP's. Raises ValueError for another `kind`."""
-    from transformers import BertModel, CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextConfig, CLIPTextModel
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
-    if kind == "tiny_random":
-        config = CLIPTextConfig(**TINY_CLIP_TEXT_ENCODER, vocab_size=tokenizer.vocab_size,
-                                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id,
-                                eos_token_id=tokenizer.sep_token_id)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            text_encoder = CLIPTextModel(config)
-    elif kind == "minilm":
-        text_encoder = BertModel.from_pretrained(minilm_path(), local_files_only=True)
-    else:
-        raise ValueError(f"unknown text encoder {kind!r}; valid: minilm, tiny_random")
-    return text_encoder.eval().requires_grad_(False), tokenizer
+    config = dict(TINY_CLIP_TEXT_ENCODER, vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_token_id,
+                  bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id)
+    return _minilm_or_tiny(kind, seed=seed, tiny=lambda: CLIPTextModel(CLIPTextConfig(**config))), tokenizer
 
 
 def build_tokenizer(model: "ModelConfig") -> PreTrainedTokenizerBase:
