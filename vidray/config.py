@@ -38,6 +38,15 @@ DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 """The attention projections, as diffusers' LoRA training scripts target them."""
 
 
+def _number_not_boolean(key: str, value: Any) -> Any:
+    """`value`, unless it is a boolean given for the number `key` of a nested section (`model.lora`, `model.i2v`,
+    `model.experts`, which `_scalar_type_errors` does not walk): pydantic's lax mode would read `true` as 1.
+    Raises ValueError naming the key."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: {str(value).lower()} is a boolean, not a number")
+    return value
+
+
 @dataclass(config=_STRICT, kw_only=True)
 class I2VConfig:
     """`model.i2v`: an image-to-video model, conditioned on the first frame (or the first and the last): the
@@ -58,9 +67,7 @@ class I2VConfig:
     @field_validator("condition_dropout", mode="before")
     @classmethod
     def _dropout_not_a_boolean(cls, value: Any) -> Any:
-        if isinstance(value, bool):  # pydantic's lax mode would read `true` as 1
-            raise ValueError(f"model.i2v.condition_dropout: {str(value).lower()} is a boolean, not a number")
-        return value
+        return _number_not_boolean("model.i2v.condition_dropout", value)
 
     @model_validator(mode="after")
     def _check_dropout(self) -> "I2VConfig":
@@ -92,9 +99,7 @@ class LoraConfig:
     @field_validator("rank", "alpha", "dropout", mode="before")
     @classmethod
     def _not_a_boolean(cls, value: Any, info) -> Any:
-        if isinstance(value, bool):  # pydantic's lax mode would read `true` as 1
-            raise ValueError(f"model.lora.{info.field_name}: {str(value).lower()} is a boolean, not a number")
-        return value
+        return _number_not_boolean(f"model.lora.{info.field_name}", value)
 
     @model_validator(mode="after")
     def _check_values(self) -> "LoraConfig":
@@ -136,9 +141,7 @@ class ExpertsConfig:
     @field_validator("boundary_ratio", mode="before")
     @classmethod
     def _ratio_not_a_boolean(cls, value: Any) -> Any:
-        if isinstance(value, bool):  # pydantic's lax mode would read `true` as 1
-            raise ValueError(f"model.experts.boundary_ratio: {str(value).lower()} is a boolean, not a number")
-        return value
+        return _number_not_boolean("model.experts.boundary_ratio", value)
 
     @model_validator(mode="after")
     def _check_ratio(self) -> "ExpertsConfig":
