@@ -330,10 +330,14 @@ def _boundary_of(model_cfg: ModelConfig) -> float | None:
     return None if model_cfg.experts is None else model_cfg.experts.boundary_ratio
 
 
-def _check_experts(transformer: torch.nn.Module, model_cfg: ModelConfig, where: str) -> None:
-    """Raise ValueError when a folder's experts are not the config's: two experts without `model.experts`, one
-    with it, or another `boundary_ratio`."""
-    ratio = transformer.boundary_ratio if isinstance(transformer, TwoExperts) else None
+def _ratio_of(transformer: torch.nn.Module) -> float | None:
+    """A `TwoExperts`' boundary_ratio, None for one transformer."""
+    return transformer.boundary_ratio if isinstance(transformer, TwoExperts) else None
+
+
+def _check_experts(ratio: float | None, model_cfg: ModelConfig, where: str) -> None:
+    """Raise ValueError when a folder's experts (`ratio`: its boundary_ratio, None for one transformer) are not the
+    config's: two experts without `model.experts`, one with it, or another `boundary_ratio`."""
     wanted = _boundary_of(model_cfg)
     if ratio == wanted:
         return
@@ -503,7 +507,7 @@ class WanFamily(ModelFamily):
         else:
             components = load_pretrained(folder)
             _check_task(components.transformer, model_cfg, str(folder))
-            _check_experts(components.transformer, model_cfg, str(folder))
+            _check_experts(_ratio_of(components.transformer), model_cfg, str(folder))
         if model_cfg.vae_path:
             components = dataclasses.replace(components, vae=load_vae_folder(model_cfg.vae_path))
         return components
@@ -514,12 +518,7 @@ class WanFamily(ModelFamily):
         folder = pretrained_folder(model_cfg, "wan")
         if folder is None or not (folder / "model_index.json").is_file():
             return  # the build says what is missing
-        ratio = _boundary_ratio(folder)
-        if ratio != _boundary_of(model_cfg):
-            probe = torch.nn.Module()
-            if ratio is not None:
-                probe = TwoExperts(torch.nn.Identity(), torch.nn.Identity(), boundary_ratio=ratio)
-            _check_experts(probe, model_cfg, f"model.pretrained_path {str(folder)!r}")
+        _check_experts(_boundary_ratio(folder), model_cfg, f"model.pretrained_path {str(folder)!r}")
 
     def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> WanTransformer3DModel:
         """The transformer alone, equal to `build(model_cfg, seed=seed).transformer`, without the VAE or the text
@@ -528,7 +527,7 @@ class WanFamily(ModelFamily):
         if folder is not None:
             transformer = load_transformer(folder)
             _check_task(transformer, model_cfg, str(folder))
-            _check_experts(transformer, model_cfg, str(folder))
+            _check_experts(_ratio_of(transformer), model_cfg, str(folder))
             return transformer
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
