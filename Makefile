@@ -22,8 +22,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) jobs/demo.py
 
+# The unit tests on two pytest-xdist processes (they start no Ray cluster), then the integration tests one at a
+# time (each starts its own Ray cluster, which takes both cores).
 test: $(STAMP) prometheus
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n 2 --durations=10 tests/unit
+	$(PY) -m pytest -q --durations=40 tests/integration tests/gpu
 
 # Debian's `prometheus` (2.42): the metrics tests start a real one. Installed as root when missing; otherwise a
 # one-line error says how.
