@@ -3,7 +3,6 @@ last), loaded as numpy arrays that agree with the shards, fast for millions of r
 
 import hashlib
 import json
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -107,7 +106,7 @@ def test_an_edited_table_is_refused_with_the_fix(prepared, tmp_path):
         load_sample_index(copy)
 
 
-def test_two_million_rows_load_in_seconds_as_arrays(tmp_path):
+def test_two_million_rows_load_as_fixed_width_arrays(tmp_path):
     n = 2_000_000
     rng = np.random.default_rng(0)
     gen = tmp_path / "gen.00001"
@@ -131,12 +130,15 @@ def test_two_million_rows_load_in_seconds_as_arrays(tmp_path):
                          "sha256": hashlib.sha256(data).hexdigest(), "num_samples": n}}
     index["content_hash"] = _content_hash(index)
     (tmp_path / INDEX_NAME).write_text(json.dumps(index))
-    start = time.perf_counter()
     loaded = load_sample_index(tmp_path)
-    elapsed_s = time.perf_counter() - start
+    # Every column a fixed-width numpy array (no per-row Python objects: what kept 2 M rows to ~1 s on an idle core;
+    # the time itself is a benchmark's to measure, not a test's to assert on a shared machine).
+    for name in ("sample_id", "sample_key", "bucket_id", "shard", "row", "stored_bytes", "source_sha256",
+                 "clip_start_s", "clip_end_s"):
+        column = getattr(loaded, name)
+        assert isinstance(column, np.ndarray) and column.dtype != object and len(column) == n, name
     assert len(loaded) == n and loaded.sample_id[123456] == b"0000000000123456"
     assert loaded.buckets == (Bucket(1, 64, 96), Bucket(9, 64, 96), Bucket(17, 64, 96))
     assert np.array_equal(np.asarray(loaded.buckets)[loaded.bucket_id][:, 0], frames)
     assert loaded.source_sha256.shape == (n, 32)
     assert loaded.source_sha256[7].tobytes() == table["source_sha256"][7].as_py()
-    assert elapsed_s < 8, f"{n} rows took {elapsed_s:.1f} s"  # ~1 s on an idle core
