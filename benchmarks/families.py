@@ -16,6 +16,9 @@ For each family of `vidray.models.registry.FAMILIES`, from its shipped tiny conf
 - `wan_two_experts_step_over_one_samples_per_s` (reported): the training step of Wan's two experts as one
   `TwoExperts` (`model.experts`: every worker holds both, each sample by the expert of its timestep) against one
   transformer of the same size, samples/s over samples/s, same batch and seeds.
+- `wan_two_experts_denoiser_over_pipeline_bytes` (goal <= 0.7): a two-expert export's (`model.experts`) bytes that
+  one expert's denoiser replica loads (`load_model(components=("transformer",), expert=...)`, as `Denoiser` and
+  `LowNoiseDenoiser` do; the larger of the two) over the whole pipeline's, both experts included.
 - `two_experts_over_one_samples_per_s` (goal >= 0.9): Wan 2.2 A14B's two experts in one job, one worker per
   expert, against one Wan model with two workers; a miss until one worker group per expert exists.
 
@@ -108,6 +111,18 @@ def stage_bytes(family, job, tmp: Path) -> dict[str, int]:
     return sizes
 
 
+def expert_stage_bytes(family, job, tmp: Path) -> tuple[int, int]:
+    """(bytes of the larger expert's denoiser load, bytes of the whole pipeline) of a two-expert export."""
+    from vidray.models.export import load_model, write_job_file
+
+    folder = family.save_pipeline(family.build(job.model, seed=0), tmp / "experts", job.flow)
+    write_job_file(folder, job)
+    whole = load_model(folder).components
+    experts = [module_bytes(load_model(folder, components=("transformer",), expert=expert).components.transformer)
+               for expert in ("high", "low")]
+    return max(experts), sum(module_bytes(getattr(whole, c)) for c in STAGES.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per family (after one warm-up)")
@@ -140,6 +155,10 @@ def main() -> None:
         two_s = train_step_seconds(FAMILIES["wan"], experts_job, args.steps)
         say(f"wan step: one transformer {one_s:.4f} s, two experts (each sample by its expert) {two_s:.4f} s")
         figures["wan_two_experts_step_over_one_samples_per_s"] = {"value": round(one_s / two_s, 3), "unit": "ratio"}
+        expert_bytes, whole_bytes = expert_stage_bytes(FAMILIES["wan"], experts_job, Path(tmp))
+        say(f"wan two experts: one expert's denoiser {expert_bytes} bytes of the pipeline's {whole_bytes}")
+        figures["wan_two_experts_denoiser_over_pipeline_bytes"] = {
+            "value": round(expert_bytes / whole_bytes, 4), "unit": "ratio", "goal": "<= 0.7"}
     figures["two_experts_over_one_samples_per_s"] = miss(
         "one worker group per expert (placed by label) is not built: every worker holds both experts; "
         "wan_two_experts_step_over_one_samples_per_s is that design's in-process step ratio", unit="ratio",

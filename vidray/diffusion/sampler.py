@@ -135,7 +135,8 @@ class DenoiseState:
     """One request in a continuous batch: its latents (1, C, F, H, W), its own schedule `sigmas`
     (num_inference_steps + 1,) from `family.inference_sigmas`, the next step index, its conditioning (prompt_embeds
     (1, L, D), prompt_attention_mask (1, L); negatives of the same shapes when guidance_scale > 1; an image-to-video
-    model's `inpaint_latents` (1, C_in, F, H, W))."""
+    model's `inpaint_latents` (1, C_in, F, H, W)). `end_step`: the step it is done at, when a stage takes only the
+    steps before it (one expert of two, `vidray.models.experts.expert_steps`); None: the schedule's end."""
 
     latents: torch.Tensor
     sigmas: torch.Tensor
@@ -146,14 +147,20 @@ class DenoiseState:
     negative_prompt_attention_mask: torch.Tensor | None = None
     step: int = 0
     inpaint_latents: torch.Tensor | None = None
+    end_step: int | None = None
 
     @property
     def num_inference_steps(self) -> int:
         return int(self.sigmas.shape[0]) - 1
 
     @property
+    def steps_left(self) -> int:
+        """Steps before it is done (to `end_step`, else the schedule's end)."""
+        return (self.num_inference_steps if self.end_step is None else self.end_step) - self.step
+
+    @property
     def done(self) -> bool:
-        return self.step >= self.num_inference_steps
+        return self.steps_left <= 0
 
     def batch_key(self) -> tuple:
         """States with equal keys can share a `step_states` call: latent shape, prompt shape, guidance on/off,

@@ -154,6 +154,16 @@ class ModelFamily(abc.ABC):
         Default: `build` and drop the rest; families override it to skip loading the VAE and text encoder."""
         return self.build(model_cfg, seed=seed).transformer
 
+    def build_expert(self, model_cfg: ModelConfig, *, seed: int, expert: str) -> torch.nn.Module:
+        """One expert of a two-expert model (`model.experts`, `vidray.models.experts.TwoExperts`): "high"
+        (diffusers' `transformer`) or "low" (`transformer_2`), what a serving stage of one expert loads. Default:
+        `build_transformer` (both experts) and keep the one; a family that loads a folder's experts one by one
+        overrides it, so a stage never holds the other expert. Raises ValueError (`pick_expert`) for another name
+        or a model without experts."""
+        from vidray.models.experts import pick_expert
+
+        return pick_expert(self.build_transformer(model_cfg, seed=seed), expert)
+
     def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
         """The frozen VAE, text encoder and tokenizer alone (what the encode stages load), equal to `build`'s.
         Default: `build` and drop the transformer."""

@@ -16,7 +16,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["TwoExperts", "check_boundary_ratio"]
+__all__ = ["EXPERTS", "TwoExperts", "check_boundary_ratio", "check_expert", "expert_steps", "pick_expert"]
+
+EXPERTS = ("high", "low")
+"""The experts' names: "high" is diffusers' `transformer` (timesteps >= the boundary), "low" its `transformer_2`."""
 
 
 def check_boundary_ratio(boundary_ratio: Any, where: str) -> float:
@@ -89,3 +92,35 @@ class TwoExperts(torch.nn.Module):
         for rows, output in outputs:
             merged[rows] = output
         return (merged,)
+
+
+def check_expert(expert: str) -> str:
+    """`expert` when it is one of `EXPERTS`; else ValueError naming them."""
+    if expert not in EXPERTS:
+        raise ValueError(f"expert {expert!r}: give one of {', '.join(EXPERTS)}")
+    return expert
+
+
+def pick_expert(transformer: torch.nn.Module, expert: str) -> torch.nn.Module:
+    """`transformer.transformer` ("high") or `transformer.transformer_2` ("low") of a `TwoExperts`. Raises
+    ValueError for another name, or when `transformer` is not two experts (the model has no `model.experts`)."""
+    check_expert(expert)
+    if not isinstance(transformer, TwoExperts):
+        raise ValueError(f"the {expert}-noise expert was asked for, but this model has one transformer (no "
+                         "transformer_2 / model.experts): serve it with one Denoiser")
+    return transformer.transformer if expert == "high" else transformer.transformer_2
+
+
+def expert_steps(timesteps: torch.Tensor, boundary_timestep: float, expert: str) -> tuple[int, int]:
+    """[start, end) of the steps of a schedule that `expert` takes, the step i calling the transformer at
+    `timesteps[i]` ((N,) float, N = num_inference_steps): the high-noise expert the steps with `timesteps[i] >=
+    boundary_timestep` (the stock pipelines' per-step rule, module docstring), the low-noise one the rest. A
+    decreasing schedule gives the high-noise expert a prefix: one expert hands the latents to the other once (seed
+    004's two-GPU layout). Raises ValueError for another name, or a schedule that crosses the boundary twice."""
+    check_expert(expert)
+    high = (timesteps >= boundary_timestep).tolist()
+    split = high.index(False) if False in high else len(high)
+    if any(high[split:]):
+        raise ValueError(f"the timesteps {timesteps.tolist()} cross the boundary {boundary_timestep} more than once: "
+                         "the experts cannot hand the latents over once")
+    return (0, split) if expert == "high" else (split, len(high))

@@ -54,6 +54,7 @@ __all__ = [
     "manifest_parts",
     "ModelFolderError",
     "ModelInfo",
+    "model_experts",
     "PARTS",
     "ADAPTER_PART",
     "READABLE_FORMAT_VERSIONS",
@@ -589,7 +590,7 @@ COMPONENTS = ("transformer", "vae", "text_encoder")
 
 
 def load_model(path: str | Path, *, lora_path: str | Path | None = None,
-               components: tuple[str, ...] = COMPONENTS) -> LoadedModel:
+               components: tuple[str, ...] = COMPONENTS, expert: str | None = None) -> LoadedModel:
     """Load a diffusers folder or a vidray checkpoint folder for sampling (see the module docstring); `path` may
     be a URI (`s3://...`), read through the local model cache (`inspect_model`, `fetch_model`).
 
@@ -605,7 +606,13 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None,
     `build_text_encoder` with the folder as `model.init: pretrained` (a checkpoint: its recorded model config and
     seed, then its transformer weights), equal to what the whole load gives.
 
-    Raises as `inspect_model` does (before any weights load); ValueError for a name not in `COMPONENTS`;
+    `expert`: for a two-expert model (`model_experts`), "high" or "low" loads that expert alone as the transformer
+    (`ModelFamily.build_expert`: a pipeline folder's other expert is never read; a checkpoint, which holds both in
+    one file, is read whole and the other dropped): what a serving stage of one expert loads. Needs "transformer"
+    in `components`.
+
+    Raises as `inspect_model` does (before any weights load); ValueError for a name not in `COMPONENTS`, or an
+    `expert` for a model without experts or without "transformer" in `components`;
     CheckpointError for a LoRA checkpoint whose adapters do not fit its config;
     `vidray.models.lora.LoraLoadError` for a `lora_path` that cannot be read or does not fit the transformer.
     """
@@ -613,10 +620,14 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None,
     if unknown or not components:
         raise ValueError(f"components {list(components)}: give one or more of {', '.join(COMPONENTS)}")
     info = inspect_model(path)
-    if set(components) == set(COMPONENTS):
+    if expert is not None and ("transformer" not in components or model_experts(info) is None):
+        raise ValueError(f"expert {expert!r}: model {info.source or info.path} "
+                         + ("has one transformer (no model.experts / transformer_2)" if model_experts(info) is None
+                            else "is loaded without its transformer (add it to components)"))
+    if set(components) == set(COMPONENTS) and expert is None:
         loaded = _load_all(info)
     else:
-        loaded = _load_some(info, set(components))
+        loaded = _load_some(info, set(components), expert)
     if loaded.transformer is not None:
         _merge_adapters(loaded.transformer, info, lora_path)
     for module in (loaded.transformer, loaded.vae, loaded.text_encoder):
@@ -635,9 +646,11 @@ def _load_all(info: ModelInfo) -> "Components":
     return info.family.load_pretrained(info.path)
 
 
-def _load_some(info: ModelInfo, wanted: set[str]) -> "Components":
-    """The `wanted` components alone (the others None), through the family's per-component builders."""
+def _load_some(info: ModelInfo, wanted: set[str], expert: str | None = None) -> "Components":
+    """The `wanted` components alone (the others None), through the family's per-component builders; the
+    transformer as the one `expert` when given (`load_model`)."""
     from vidray.models.base import Components
+    from vidray.models.experts import pick_expert
 
     if info.kind == "checkpoint":
         model_cfg, seed = info.job.model, info.job.train.seed
@@ -651,14 +664,27 @@ def _load_some(info: ModelInfo, wanted: set[str]) -> "Components":
     family = info.family
     transformer = vae = text_encoder = tokenizer = None
     if "transformer" in wanted:
-        transformer = family.build_transformer(model_cfg, seed=seed)
-        if info.kind == "checkpoint" and not is_lora_checkpoint(_read_manifest(info.path)):
-            transformer.load_state_dict(load_transformer_state(info.path))
+        if expert is not None and info.kind != "checkpoint":
+            transformer = family.build_expert(model_cfg, seed=seed, expert=expert)
+        else:
+            transformer = family.build_transformer(model_cfg, seed=seed)
+            if info.kind == "checkpoint" and not is_lora_checkpoint(_read_manifest(info.path)):
+                transformer.load_state_dict(load_transformer_state(info.path))
+            if expert is not None:
+                transformer = pick_expert(transformer, expert)
     if "vae" in wanted:
         vae = family.build_vae(model_cfg, seed=seed)
     if "text_encoder" in wanted:
         text_encoder, tokenizer = family.build_text_encoder(model_cfg, seed=seed)
     return Components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def model_experts(info: ModelInfo) -> ExpertsConfig | None:
+    """A model's two experts (`model.experts`: its `boundary_ratio`), from its recorded job config or a stock
+    folder's model_index.json; None for a model of one transformer. Reads configs only."""
+    if info.job is not None:
+        return info.job.model.experts
+    return _folder_experts(info.path)
 
 
 def _folder_experts(path: Path) -> ExpertsConfig | None:

@@ -55,7 +55,7 @@ from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.conditioning import condition_frames
-from vidray.models.experts import TwoExperts, check_boundary_ratio
+from vidray.models.experts import TwoExperts, check_boundary_ratio, check_expert
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
 from vidray.models.rules import FAMILY_BUCKET_RULES
@@ -533,6 +533,26 @@ class WanFamily(ModelFamily):
             torch.manual_seed(seed)
             transformer = _tiny_transformers(model_cfg.text_encoder, i2v=model_cfg.i2v is not None,
                                              boundary_ratio=_boundary_of(model_cfg))
+        return transformer.train()
+
+    def build_expert(self, model_cfg: ModelConfig, *, seed: int, expert: str) -> WanTransformer3DModel:
+        """One expert of a two-expert model (`ModelFamily.build_expert`): from a folder, its `transformer/`
+        ("high") or `transformer_2/` ("low") alone, the other never read (a 14 B expert each, Wan 2.2 A14B); the
+        tiny preset draws both and keeps the one. Raises ValueError when the folder or config has no experts."""
+        folder = pretrained_folder(model_cfg, "wan")
+        if folder is None:
+            return super().build_expert(model_cfg, seed=seed, expert=expert)
+        check_expert(expert)
+        path, _ = _pipeline_folder(folder)
+        ratio = _boundary_ratio(path)
+        _check_experts(ratio, model_cfg, str(path))
+        if ratio is None:
+            raise ValueError(f"{str(path)!r} holds one transformer (no transformer_2 / boundary_ratio): it has no "
+                             f"{expert}-noise expert to load alone; serve it with one Denoiser")
+        transformer = WanTransformer3DModel.from_pretrained(
+            path, subfolder="transformer" if expert == "high" else "transformer_2", local_files_only=True)
+        _check_transformer(transformer, f"{path} ({'transformer' if expert == 'high' else 'transformer_2'})")
+        _check_task(transformer, model_cfg, str(path))
         return transformer.train()
 
     def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:

@@ -5,7 +5,10 @@ serve run serve/serve_config.yaml        # import path serve.app:build_app, args
 ```
 `build_app(args)` validates the settings and the model folder (config files only, no weights) before Serve
 reserves anything, then binds: `VideoIngress` (HTTP, `vidray.serve.api`) -> handles to `TextEncoder`, `Denoiser`,
-`VaeDecoder` (`vidray.serve.stages`).
+`VaeDecoder` (`vidray.serve.stages`). A two-expert model (Wan 2.2 A14B: `transformer_2` and `boundary_ratio`) gets
+two denoiser deployments, `Denoiser` with the high-noise expert alone and `LowNoiseDenoiser` with the low-noise one,
+each with its own actor options (placement by label, GPUs: `serve/serve_config_experts.yaml`); a job's latents go
+from the first to the second at the boundary step.
 
 Jobs: `POST /v1/videos` writes a queued record to the job store (`vidray.serve.jobs`, sqlite under
 `store_dir`, held by one actor on the Ray head: `vidray.serve.store_actor`) and returns. Each ingress replica
@@ -55,6 +58,9 @@ from vidray.serve.stages import Denoiser, TextEncoder, VaeDecoder
 __all__ = ["ServeSettings", "ServeSettingsError", "VideoIngress", "VideoJobService", "build_app", "model_spec"]
 
 logger = logging.getLogger("ray.serve")
+
+LOW_NOISE_DENOISER = "LowNoiseDenoiser"
+"""The deployment of a two-expert model's low-noise expert (its high-noise one is `Denoiser`)."""
 
 
 class ServeSettingsError(UserError):
@@ -231,7 +237,8 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
 class VideoJobService:
     """What the HTTP routes call (`vidray.serve.api.VideoService`), plus the job runner of one ingress replica."""
 
-    def __init__(self, settings: ServeSettings, auth_token: str | tuple[str, ...] | None, text, denoiser, vae):
+    def __init__(self, settings: ServeSettings, auth_token: str | tuple[str, ...] | None, text, denoiser, vae,
+                 low_noise_denoiser=None):
         from vidray.models.export import inspect_model
 
         self.settings = settings
@@ -245,6 +252,9 @@ class VideoJobService:
         self.spec = model_spec(settings, self.info)
         self.store = _open_store(settings)
         self.text, self.denoiser, self.vae = text, denoiser, vae
+        self.low_noise_denoiser = low_noise_denoiser
+        """A two-expert model's second denoiser stage (`LowNoiseDenoiser`: the steps below the boundary, after
+        `denoiser`'s), or None: `denoiser` takes every step."""
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         """This runner's id; each claim's owner is this id + '#' + a claim number (`_next_owner`)."""
         self._num_claims = 0
@@ -529,33 +539,17 @@ class VideoJobService:
             "num_inference_steps": params["num_inference_steps"], "seed": params["seed"],
             "inpaint_latents": inpaint_latents, "sent_at": time.time(),
         }
-        latents = None
-        stream = self.denoiser.options(stream=True).denoise.remote(request)
-        try:
-            async for event in stream:
-                if "latents" in event:
-                    latents = event["latents"]
-                else:
-                    progress["value"] = 5 + int(90 * event["step"] / event["num_inference_steps"])
-                    now = time.monotonic()
-                    if now - progress.get("written_at", 0.0) >= 0.2:  # progress reaches the store 5x/s at most
-                        progress["written_at"] = now
-                        owned["value"] = await asyncio.to_thread(
-                            self.store.heartbeat, job.id, job.owner, progress=progress["value"],
-                            lease_s=self.settings.runner.lease_s)
-                if not owned["value"]:
-                    return None
-        finally:
-            if latents is None:
-                # Left early (the job was dropped, or this task cancelled): an unconsumed stream is not cancelled
-                # by Serve, and the Denoiser would step the request to its end for nobody. Best effort: a failure
-                # here must not replace the error that ended the stream (a dead replica is handled by the caller).
-                try:
-                    stream.cancel()
-                except Exception:  # noqa: BLE001
-                    logger.warning("job %s: cancelling its denoise request failed", job.id, exc_info=True)
-        if latents is None:
-            raise RuntimeError("the denoiser ended without latents")
+        # A two-expert model's high-noise stage hands its latents and step to the low-noise one (seed 004's layout).
+        final = None
+        for denoiser in (self.denoiser, self.low_noise_denoiser):
+            if denoiser is None:
+                continue
+            if final is not None:
+                request = {**request, "latents": final["latents"], "step": final["step"], "sent_at": time.time()}
+            final = await self._denoise(denoiser, request, job, progress, owned)
+            if final is None:
+                return None
+        latents = final["latents"]
         # 3. Decode and write the mp4 next to the store (same filesystem: the store moves it in atomically).
         frames = await self.vae.decode.remote(latents)
         mp4 = await asyncio.to_thread(self.store.temp_video)
@@ -569,6 +563,40 @@ class VideoJobService:
             mp4.unlink(missing_ok=True)
             return None
         return mp4
+
+
+    async def _denoise(self, denoiser, request: dict, job, progress: dict, owned: dict) -> dict | None:
+        """Stream `request` through one denoiser stage, following its step events into the job's progress; its
+        last event ({"latents", "step"}), or None if the job was lost meanwhile. Raises RuntimeError when the
+        stage ends without latents."""
+        final = None
+        stream = denoiser.options(stream=True).denoise.remote(request)
+        try:
+            async for event in stream:
+                if "latents" in event:
+                    final = event
+                else:
+                    progress["value"] = 5 + int(90 * event["step"] / event["num_inference_steps"])
+                    now = time.monotonic()
+                    if now - progress.get("written_at", 0.0) >= 0.2:  # progress reaches the store 5x/s at most
+                        progress["written_at"] = now
+                        owned["value"] = await asyncio.to_thread(
+                            self.store.heartbeat, job.id, job.owner, progress=progress["value"],
+                            lease_s=self.settings.runner.lease_s)
+                if not owned["value"]:
+                    return None
+        finally:
+            if final is None:
+                # Left early (the job was dropped, or this task cancelled): an unconsumed stream is not cancelled
+                # by Serve, and the Denoiser would step the request to its end for nobody. Best effort: a failure
+                # here must not replace the error that ended the stream (a dead replica is handled by the caller).
+                try:
+                    stream.cancel()
+                except Exception:  # noqa: BLE001
+                    logger.warning("job %s: cancelling its denoise request failed", job.id, exc_info=True)
+        if final is None:
+            raise RuntimeError("the denoiser ended without latents")
+        return final
 
 
 def _runs_on(loop: asyncio.AbstractEventLoop) -> bool:
@@ -640,10 +668,11 @@ api = build_api(current_service, on_error=count_http_error)
 class VideoIngress:
     """HTTP ingress: the OpenAI-compatible routes of `vidray.serve.api` over this replica's `VideoJobService`."""
 
-    def __init__(self, settings: dict[str, Any], auth_token: tuple[str, ...] | None, text, denoiser, vae):
+    def __init__(self, settings: dict[str, Any], auth_token: tuple[str, ...] | None, text, denoiser, vae,
+                 low_noise_denoiser=None):
         import vidray.serve.app as module  # this class arrives pickled by value: set the real module's global
 
-        self.service = VideoJobService(ServeSettings(**settings), auth_token, text, denoiser, vae)
+        self.service = VideoJobService(ServeSettings(**settings), auth_token, text, denoiser, vae, low_noise_denoiser)
         module._service = self.service
         try:
             self.service.ensure_runner()
@@ -718,7 +747,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     token (unless auth.disabled), the model folder (config files only), the policy against the Denoiser's
     max_ongoing_requests. Raises ServeSettingsError naming the key and the fix.
     """
-    from vidray.models.export import inspect_model, lora_path_problem
+    from vidray.models.export import inspect_model, lora_path_problem, model_experts
 
     try:
         settings = ServeSettings(**(args or {}))
@@ -741,21 +770,31 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     except UserError as err:
         raise ServeSettingsError(f"model_path: {err}") from None
     model_spec(settings, info)
+    if model_experts(info) is not None and settings.lora_path is not None:
+        raise ServeSettingsError(f"lora_path: model {settings.model_path} has two experts (transformer_2), and a LoRA "
+                                 "is merged into one transformer; remove lora_path")
     try:
         policy = PolicyConfig(**settings.policy.model_dump())
     except ValueError as err:
         raise ServeSettingsError(f"policy: {err}") from None
     _check_store(settings)
     denoiser = Denoiser.options(max_ongoing_requests=max(16, 2 * policy.max_batch_size))
+    experts = model_experts(info)
     logger.info("vidray serve: model %s, store %s, auth %s", settings.model_path, settings.store_dir,
                 "off" if auth_token is None else f"{len(auth_token)} bearer token(s)")
     if settings.auth.disabled:
         logger.warning("auth.disabled: true: the video API takes requests without a bearer token, so anyone who "
                        "can reach its port can create, read and delete videos; remove auth.disabled and set "
                        "auth.token_env or auth.token_file to require a token")
+    # A two-expert model (Wan 2.2 A14B): one deployment per expert, each placed by its own ray_actor_options.
+    expert_args = [("high",), ("low",)] if experts is not None else [()]
+    denoisers = [(denoiser if i == 0 else denoiser.options(name=LOW_NOISE_DENOISER)).bind(
+        settings.model_path, settings.policy.model_dump(), settings.lora_path, *args)
+        for i, args in enumerate(expert_args)]
     return VideoIngress.bind(
         settings.model_dump(), auth_token,
         TextEncoder.bind(settings.model_path),
-        denoiser.bind(settings.model_path, settings.policy.model_dump(), settings.lora_path),
+        denoisers[0],
         VaeDecoder.bind(settings.model_path),
+        *denoisers[1:],
     )

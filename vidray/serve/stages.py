@@ -60,16 +60,16 @@ def _max_ongoing_requests() -> int | None:
         return None
 
 
-def _load(model_path: str, component: str, lora_path: str | None = None):
+def _load(model_path: str, component: str, lora_path: str | None = None, expert: str | None = None):
     """The model folder's `component` alone ("transformer", "vae" or "text_encoder" with its tokenizer; the
     others are None and never read: `vidray.models.export.load_model`), with the LoRA at `lora_path` merged into
-    the transformer when given, on this replica's GPU when it has one (`ray_actor_options.num_gpus`), else the
-    CPU."""
+    the transformer when given, the transformer as the one `expert` of two when given, on this replica's GPU when
+    it has one (`ray_actor_options.num_gpus`), else the CPU."""
     import torch
 
     from vidray.models.export import load_model
 
-    model = load_model(model_path, lora_path=lora_path, components=(component,))
+    model = load_model(model_path, lora_path=lora_path, components=(component,), expert=expert)
     if torch.cuda.is_available():
         getattr(model.components, component).to("cuda")
     return model
@@ -189,14 +189,13 @@ def policy_inputs(running: list[_Request], pending: deque[_Request] | list[_Requ
       running one; 0 when there is none).
     - `running_progress`: per running request, (seconds since it arrived, steps left).
     """
-    remaining = [r.state.num_inference_steps - r.state.step for r in [*running, *pending]]
+    remaining = [r.state.steps_left for r in [*running, *pending]]
     first = pending[0].state if pending else (running[0].state if running else None)
     nbytes = 0 if first is None else tensor_bytes(first.prompt_embeds, first.negative_prompt_embeds, first.latents)
     return {
         "queue_depth": len(pending), "num_running": len(running),
         "num_steps": max(1, max(remaining)) if remaining else 1, "bytes_per_item": nbytes,
-        "running_progress": [(max(0.0, now - r.arrived_at), r.state.num_inference_steps - r.state.step)
-                             for r in running],
+        "running_progress": [(max(0.0, now - r.arrived_at), r.state.steps_left) for r in running],
     }
 
 
@@ -206,17 +205,30 @@ class Denoiser:
 
     `denoise(request)` streams `{"step": i, "num_inference_steps": n}` after the request's steps (at most every
     PROGRESS_EVERY_S seconds), then
-    `{"latents": (1, C, F_lat, H_lat, W_lat) float32}`. request keys: prompt_embeds (1, L, D),
-    prompt_attention_mask (1, L), negative_prompt_embeds / negative_prompt_attention_mask (or None),
+    `{"latents": (1, C, F_lat, H_lat, W_lat) float32, "step": the step they are at}`. request keys: prompt_embeds
+    (1, L, D), prompt_attention_mask (1, L), negative_prompt_embeds / negative_prompt_attention_mask (or None),
     guidance_scale (float >= 1), latent_shape (1, C, F_lat, H_lat, W_lat), num_inference_steps, seed, sent_at
     (unix seconds). Noise is drawn as `vidray generate` draws it (`initial_noise(latent_shape, seed)`).
+
+    Two experts (Wan 2.2 A14B, `expert`): a model of two is served by two deployments of this class, each loading
+    its expert alone (`expert="high"`, deployment `Denoiser`; `expert="low"`, `LowNoiseDenoiser`), each batching
+    its own steps. The high-noise one draws the noise and takes the steps whose timestep is >= the boundary
+    (`vidray.models.experts.expert_steps`), then hands its latents and step on; the low-noise one takes the
+    request's `latents` and `step` (keys it requires) and the steps after. Without `expert`, a two-expert model is
+    one `TwoExperts` that switches per step itself (both experts in one replica).
     """
 
-    def __init__(self, model_path: str, policy: dict[str, Any], lora_path: str | None = None):
-        model = _load(model_path, "transformer", lora_path)
+    def __init__(self, model_path: str, policy: dict[str, Any], lora_path: str | None = None,
+                 expert: str | None = None):
+        from vidray.models.export import inspect_model, model_experts
+
+        model = _load(model_path, "transformer", lora_path, expert)
         self.family, self.flow = model.family, model.flow
         self.transformer = model.components.transformer.eval()
         del model
+        self.expert = expert
+        self.boundary_timestep = (None if expert is None else model_experts(inspect_model(model_path)).boundary_ratio
+                                  * self.flow.num_train_timesteps)
         self.policy_config = PolicyConfig(**policy)
         self.policy = BatchPolicy(self.policy_config)
         max_ongoing = _max_ongoing_requests()
@@ -266,7 +278,7 @@ class Denoiser:
 
         # 1. The stage boundary: injected delay (benchmarks), then one transfer measurement.
         num_bytes = tensor_bytes(request["prompt_embeds"], request.get("negative_prompt_embeds"),
-                                 request.get("inpaint_latents"))
+                                 request.get("inpaint_latents"), request.get("latents"))
         delay = self.boundary_delay_s + (num_bytes / self.boundary_bytes_per_s if self.boundary_bytes_per_s else 0)
         if delay:
             await asyncio.sleep(delay)
@@ -274,11 +286,14 @@ class Denoiser:
         self.policy.observe_transfer(num_bytes, transfer_s)
         self.metrics.observe_transfer(transfer_s)
 
-        # 2. Queue the request's state for the step loop.
+        # 2. Queue the request's state for the step loop (at once done when this expert takes none of its steps).
+        sigmas = self.family.inference_sigmas(int(request["num_inference_steps"]), shift=self.flow.shift,
+                                              num_train_timesteps=self.flow.num_train_timesteps)
+        start, end = self._steps(request, sigmas)
         state = DenoiseState(
-            latents=initial_noise(tuple(request["latent_shape"]), int(request["seed"])),
-            sigmas=self.family.inference_sigmas(int(request["num_inference_steps"]), shift=self.flow.shift,
-                                                num_train_timesteps=self.flow.num_train_timesteps),
+            latents=(initial_noise(tuple(request["latent_shape"]), int(request["seed"])) if start == 0
+                     else request["latents"]),
+            sigmas=sigmas, step=start, end_step=end,
             prompt_embeds=request["prompt_embeds"],
             prompt_attention_mask=request["prompt_attention_mask"],
             guidance_scale=float(request.get("guidance_scale", 1.0)),
@@ -286,6 +301,10 @@ class Denoiser:
             negative_prompt_attention_mask=request.get("negative_prompt_attention_mask"),
             inpaint_latents=self._condition(request),
         )
+        if state.done:
+            self.metrics.count_request("completed")
+            yield {"latents": state.latents.float().cpu(), "step": state.step}
+            return
         now = time.monotonic()
         if self._last_arrival is not None:  # the recent gaps between arrivals, for the policy's wait
             self._arrival_gaps_s.append(now - self._last_arrival)
@@ -308,6 +327,21 @@ class Denoiser:
         finally:
             entry.cancelled = True
             self.metrics.count_request(entry.outcome or "cancelled")
+
+    def _steps(self, request: dict[str, Any], sigmas: Any) -> tuple[int, int | None]:
+        """[start, end) of the request's steps this replica takes: all (0, None) without an expert, else its
+        expert's (`expert_steps`). Raises ValueError when the low-noise expert gets no `latents` at the step it
+        starts from."""
+        if self.expert is None:
+            return 0, None
+        from vidray.models.experts import expert_steps
+
+        timesteps = self.family.model_timesteps(sigmas[:-1], self.flow.num_train_timesteps)
+        start, end = expert_steps(timesteps, self.boundary_timestep, self.expert)
+        if start > 0 and (request.get("latents") is None or request.get("step") != start):
+            raise ValueError(f"the low-noise expert starts at step {start} of {len(timesteps)}: the request must carry "
+                             f"the high-noise expert's latents and step {start}, got step {request.get('step')}")
+        return start, end
 
     def _condition(self, request: dict[str, Any]) -> Any:
         """An image-to-video model's condition for `request`: its "inpaint_latents" (1, C_in, F_lat, H_lat, W_lat),
@@ -418,7 +452,7 @@ class Denoiser:
             if r.state.done:
                 try:
                     check_finite_latents(r.state.latents, r.state.guidance_scale)
-                    r.events.put_nowait({"latents": r.state.latents.float().cpu()})
+                    r.events.put_nowait({"latents": r.state.latents.float().cpu(), "step": r.state.step})
                     r.outcome = "completed"
                 except NonFiniteLatentsError as err:  # the request fails with it; the others go on
                     r.events.put_nowait(err)
