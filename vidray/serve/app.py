@@ -564,7 +564,6 @@ class VideoJobService:
             return None
         return mp4
 
-
     async def _denoise(self, denoiser, request: dict, job, progress: dict, owned: dict) -> dict | None:
         """Stream `request` through one denoiser stage, following its step events into the job's progress; its
         last event ({"latents", "step"}), or None if the job was lost meanwhile. Raises RuntimeError when the
@@ -770,7 +769,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     except UserError as err:
         raise ServeSettingsError(f"model_path: {err}") from None
     model_spec(settings, info)
-    if model_experts(info) is not None and settings.lora_path is not None:
+    experts = model_experts(info)
+    if experts is not None and settings.lora_path is not None:
         raise ServeSettingsError(f"lora_path: model {settings.model_path} has two experts (transformer_2), and a LoRA "
                                  "is merged into one transformer; remove lora_path")
     try:
@@ -779,7 +779,6 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         raise ServeSettingsError(f"policy: {err}") from None
     _check_store(settings)
     denoiser = Denoiser.options(max_ongoing_requests=max(16, 2 * policy.max_batch_size))
-    experts = model_experts(info)
     logger.info("vidray serve: model %s, store %s, auth %s", settings.model_path, settings.store_dir,
                 "off" if auth_token is None else f"{len(auth_token)} bearer token(s)")
     if settings.auth.disabled:
