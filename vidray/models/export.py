@@ -643,7 +643,8 @@ def _load_some(info: ModelInfo, wanted: set[str]) -> "Components":
         model_cfg, seed = info.job.model, info.job.train.seed
     else:
         base = info.job.model if info.job is not None else ModelConfig(
-            family=info.family_name, i2v=I2VConfig() if info.image_to_video else None,
+            family=info.family_name, max_sequence_length=info.max_sequence_length,
+            i2v=I2VConfig(image_encoder=_folder_image_encoder(info.path)) if info.image_to_video else None,
             experts=_folder_experts(info.path))
         model_cfg = dataclasses.replace(base, init="pretrained", pretrained_path=str(info.path), vae_path=None,
                                         lora=None)
@@ -659,6 +660,12 @@ def _load_some(info: ModelInfo, wanted: set[str]) -> "Components":
     if "text_encoder" in wanted:
         text_encoder, tokenizer = family.build_text_encoder(model_cfg, seed=seed)
     return Components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def _folder_image_encoder(path: Path) -> bool:
+    """`model.i2v.image_encoder` of a stock image-to-video folder: whether its model_index.json names an
+    `image_encoder` (Wan 2.1 I2V's CLIP)."""
+    return (json.loads((Path(path) / MODEL_INDEX).read_text()).get("image_encoder") or [None])[0] is not None
 
 
 def _folder_experts(path: Path) -> ExpertsConfig | None:

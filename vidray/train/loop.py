@@ -465,7 +465,8 @@ class Worker:
 
     def _condition(self, batch: TrainBatch) -> dict[str, Any]:
         """An image-to-video model's (`model.i2v`) keyword arguments of `flow_matching_step_loss`: the batch's
-        inpaint_latents and `model.i2v.condition_dropout`; nothing for a text-to-video model. Raises RuntimeError
+        inpaint_latents (and image_embeds with `model.i2v.image_encoder`) and `model.i2v.condition_dropout`;
+        nothing for a text-to-video model. Raises RuntimeError
         when the encode stage delivered no condition for an image-to-video model."""
         i2v = self.job.model.i2v
         if i2v is None:
@@ -473,8 +474,14 @@ class Worker:
         if batch.inpaint_latents is None:
             raise RuntimeError(f"model.i2v is set but step {batch.step}'s micro-batch came without inpaint_latents "
                                "from the encode stage")
-        return {"inpaint_latents": batch.inpaint_latents.to(self.device),
-                "condition_dropout": i2v.condition_dropout}
+        condition = {"inpaint_latents": batch.inpaint_latents.to(self.device),
+                     "condition_dropout": i2v.condition_dropout}
+        if i2v.image_encoder:  # Wan 2.1 I2V: the CLIP image embeddings beside the latent condition
+            if batch.image_embeds is None:
+                raise RuntimeError(f"model.i2v.image_encoder is set but step {batch.step}'s micro-batch came without "
+                                   "image_embeds from the encode stage")
+            condition["image_embeds"] = batch.image_embeds.to(self.device)
+        return condition
 
     def _note_batch(self, batch: TrainBatch) -> None:
         """A micro-batch's loader counters, skipped shards and clips, and the nodes its stages ran on."""
