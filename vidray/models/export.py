@@ -584,8 +584,9 @@ def fetch_model(uri: str) -> Path:
     return target
 
 
-COMPONENTS = ("transformer", "vae", "text_encoder")
-"""The modules `load_model` can load; the tokenizer comes with the text encoder."""
+COMPONENTS = ("transformer", "vae", "text_encoder", "image_encoder")
+"""The modules `load_model` can load; the tokenizer comes with the text encoder, the image processor with the image
+encoder (None for a model that takes no image embeddings: only Wan 2.1 I2V's CLIP does)."""
 
 
 def load_model(path: str | Path, *, lora_path: str | Path | None = None,
@@ -619,7 +620,7 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None,
         loaded = _load_some(info, set(components))
     if loaded.transformer is not None:
         _merge_adapters(loaded.transformer, info, lora_path)
-    for module in (loaded.transformer, loaded.vae, loaded.text_encoder):
+    for module in (loaded.transformer, loaded.vae, loaded.text_encoder, loaded.image_encoder):
         if module is not None:
             module.eval()
     return LoadedModel(info.family, loaded, info.flow, info.max_sequence_length, list(info.buckets))
@@ -650,7 +651,7 @@ def _load_some(info: ModelInfo, wanted: set[str]) -> "Components":
                                         lora=None)
         seed = 0
     family = info.family
-    transformer = vae = text_encoder = tokenizer = None
+    transformer = vae = text_encoder = tokenizer = image_encoder = image_processor = None
     if "transformer" in wanted:
         transformer = family.build_transformer(model_cfg, seed=seed)
         if info.kind == "checkpoint" and not is_lora_checkpoint(_read_manifest(info.path)):
@@ -659,7 +660,10 @@ def _load_some(info: ModelInfo, wanted: set[str]) -> "Components":
         vae = family.build_vae(model_cfg, seed=seed)
     if "text_encoder" in wanted:
         text_encoder, tokenizer = family.build_text_encoder(model_cfg, seed=seed)
-    return Components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+    if "image_encoder" in wanted:
+        image_encoder, image_processor = family.build_image_encoder(model_cfg, seed=seed) or (None, None)
+    return Components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                      image_encoder=image_encoder, image_processor=image_processor)
 
 
 def _folder_image_encoder(path: Path) -> bool:
