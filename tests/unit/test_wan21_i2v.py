@@ -335,3 +335,17 @@ def test_the_encode_stage_hands_and_caches_each_clips_clip_embeddings_beside_its
         [pack_cached_latents(first_stage.vae_id, {1: entry})], dtype=object)})
     np.testing.assert_array_equal(out["image_embeds"][0, 1], entry["image_embeds"])
     np.testing.assert_array_equal(out["image_embeds"][0, 0], first["image_embeds"][0, 0])
+
+
+def test_the_end_of_run_export_holds_the_jobs_image_encoder(tmp_path):
+    """What rank 0 writes after training (`vidray.train.loop._export_pipeline`): the trained transformer with the
+    job's VAE, text encoder AND image encoder, a stock folder the pipeline loads."""
+    from vidray.train.loop import _export_pipeline
+
+    job = job_config_from_dict(JOB)
+    transformer = FAMILY.build_transformer(job.model, seed=job.train.seed)
+    out = _export_pipeline(FAMILY, transformer, job, None, str(tmp_path))
+    index = json.loads((tmp_path / "diffusers" / "model_index.json").read_text())
+    assert out == str(tmp_path / "diffusers") and index["image_encoder"] == ["transformers", "CLIPVisionModel"]
+    pipe = WanImageToVideoPipeline.from_pretrained(out, local_files_only=True)
+    assert isinstance(pipe.image_encoder, CLIPVisionModel) and pipe.transformer.config.image_dim == 32

@@ -709,7 +709,8 @@ def _build_unsharded(family: Any, job: Any) -> torch.nn.Module:
 
 def _export_pipeline(family: Any, trained_full: torch.nn.Module, job: Any, ema_weights: dict[str, torch.Tensor] | None,
                      run_dir: str) -> str:
-    """Rank 0's diffusers export of the trained DiT with the job's VAE and text encoder (and the job file) into
+    """Rank 0's diffusers export of the trained DiT with the job's VAE and text encoder (and a Wan 2.1 I2V model's
+    image encoder; the job file) into
     `<run_dir>/diffusers`; returns that folder. `ema_weights` ({parameter name: full average}, with
     `export.weights: ema`) replace the trained weights of those names. A local run folder is written directly; for
     a URI a local temp folder is uploaded with model_index.json last (`upload_dir`: a half-uploaded export never
@@ -718,11 +719,12 @@ def _export_pipeline(family: Any, trained_full: torch.nn.Module, job: Any, ema_w
     remote = is_uri(run_dir)
     diffusers_dir = f"{run_dir.rstrip('/')}/diffusers" if remote else str(Path(run_dir) / "diffusers")
     trained_full.eval()
-    encoders = family.build_encoders(job.model, seed=job.train.seed)  # the export's VAE and text encoder
+    encoders = family.build_encoders(job.model, seed=job.train.seed)  # the export's VAE and text (image) encoder
     if ema_weights is not None:
         copy_averages_to(trained_full, ema_weights)  # training is over: the export holds the averages
     components = Components(transformer=trained_full, vae=encoders.vae, text_encoder=encoders.text_encoder,
-                            tokenizer=encoders.tokenizer)
+                            tokenizer=encoders.tokenizer, image_encoder=encoders.image_encoder,
+                            image_processor=encoders.image_processor)
     if remote:
         from vidray.data.storage import upload_dir
         from vidray.models.export import MODEL_INDEX
