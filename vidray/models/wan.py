@@ -73,20 +73,23 @@ from vidray.models.text_encoder import TINY_T5_ENCODER, build_t5_text_encoder, t
 from vidray.models.vae import decode_latents, encode_video
 
 __all__ = [
+    "IMAGE_TOKENS",
     "TINY_I2V_TRANSFORMER",
+    "TINY_IMAGE_ENCODER",
+    "TINY_IMAGE_PROCESSOR",
     "TINY_TEXT_ENCODER",
     "TINY_TRANSFORMER",
     "TINY_VAE",
     "WanFamily",
     "build_text_encoder",
     "build_tiny",
-    "IMAGE_TOKENS",
-    "TINY_IMAGE_ENCODER",
+    "build_tiny_image_encoder",
+    "clip_frames",
     "condition_mask",
     "empty_condition",
     "empty_image_embeds",
-    "encode_image_embeds",
     "encode_condition",
+    "encode_image_embeds",
     "encode_prompts",
     "load_pretrained",
     "load_transformer",
@@ -95,6 +98,7 @@ __all__ = [
     "save_pipeline",
     "takes_condition",
     "takes_image_embeds",
+    "tiny_clip_transformer",
 ]
 
 LATENT_CHANNELS = 16
