@@ -47,6 +47,11 @@ def _number_not_boolean(key: str, value: Any) -> Any:
     return value
 
 
+WAN_CLIP_TEXT_TOKENS = 512
+"""The text tokens a Wan transformer with CLIP image embeddings takes: diffusers' `WanAttnProcessor` takes the first
+`encoder_hidden_states.shape[1] - 512` context tokens as the image's (transformer_wan.py, "hardcoded for now")."""
+
+
 @dataclass(config=_STRICT, kw_only=True)
 class I2VConfig:
     """`model.i2v`: an image-to-video model, conditioned on the first frame (or the first and the last): the
@@ -55,7 +60,8 @@ class I2VConfig:
     `EasyAnimateInpaintPipeline`), Wan's mask and condition latents (`WanImageToVideoPipeline`). One model serves
     both tasks, as EasyAnimate trains it: a sample without condition gets the empty (zero) condition, i.e.
     text-to-video. Training computes each clip's condition in the encode stage, from the frames it decodes anyway
-    (`jobs/configs/tiny_i2v.yaml`, `wan_i2v_tiny.yaml`); serving takes the first frame as `input_reference`."""
+    (`jobs/configs/tiny_i2v.yaml`, `wan_i2v_tiny.yaml`, `wan21_i2v_tiny.yaml`); serving takes the first frame as
+    `input_reference`."""
 
     condition: Literal["first", "first_last"] = "first"
     """Which frames of a training clip are given to the model: `first` (image-to-video) or `first_last` (the first
@@ -63,6 +69,14 @@ class I2VConfig:
     condition_dropout: float = 0.1
     """Probability, in [0, 1), that a training sample gets no condition (the text-to-video input), drawn from the
     sample's own generator (`vidray.train.step.sample_generator`: the same whatever the worker count)."""
+    image_encoder: bool = False
+    """`true`: the model also takes the CLIP image embeddings of its given frames, Wan 2.1 I2V's layout
+    (`WanImageToVideoPipeline` with `image_encoder` (`CLIPVisionModel`, its penultimate hidden states) and
+    `image_processor`; the transformer's `image_dim`), wan family only. `false`: the latent condition alone (Wan 2.2
+    A14B, EasyAnimate, CogVideoX). A pretrained folder must agree (it holds `image_encoder/` exactly when true); the
+    tiny preset builds a random CLIP vision tower. Wan's transformer splits its context at 512 text tokens, so such
+    a model needs `model.max_sequence_length: 512`; with `condition: first_last` it takes both frames' embeddings
+    (Wan 2.1 FLF2V: the transformer's `pos_embed_seq_len`)."""
 
     @field_validator("condition_dropout", mode="before")
     @classmethod
@@ -202,6 +216,17 @@ class ModelConfig:
         if self.experts is not None and self.family not in EXPERT_FAMILIES:
             raise ValueError(f"model.experts is set but model.family {self.family} has no two-expert model; use "
                              f"{', '.join(sorted(EXPERT_FAMILIES))} or set model.experts to null")
+        if self.i2v is not None and self.i2v.image_encoder:
+            if self.family != "wan":
+                raise ValueError(f"model.i2v.image_encoder is true but model.family {self.family} takes no CLIP image "
+                                 "embeddings (only wan: Wan 2.1 I2V); set model.i2v.image_encoder to false")
+            if self.max_sequence_length != WAN_CLIP_TEXT_TOKENS:
+                raise ValueError(f"model.i2v.image_encoder needs model.max_sequence_length {WAN_CLIP_TEXT_TOKENS} "
+                                 f"(Wan's transformer splits its context at {WAN_CLIP_TEXT_TOKENS} text tokens), got "
+                                 f"{self.max_sequence_length}: set model.max_sequence_length: {WAN_CLIP_TEXT_TOKENS}")
+            if self.experts is not None:
+                raise ValueError("model.i2v.image_encoder (Wan 2.1 I2V's CLIP) with model.experts (Wan 2.2 A14B, no "
+                                 "CLIP) is not a Wan model: set one of them to false / null")
         if self.experts is not None and self.lora is not None:
             raise ValueError("model.experts with model.lora is not supported yet: train the two experts fully "
                              "(model.lora: null)")

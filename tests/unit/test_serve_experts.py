@@ -65,14 +65,15 @@ def _png(seed: int) -> bytes:
     return buffer.getvalue()
 
 
-def _request(model_dir, condition, seed: int, steps: int) -> dict:
+def _request(model_dir, condition: dict | None, seed: int, steps: int) -> dict:
+    """A denoise request as the job runner builds it; `condition` is the VAE stage's `encode_image` answer."""
     model = load_model(str(model_dir), components=("text_encoder",))
     embeds, mask = model.family.encode_prompt(model.components.text_encoder, model.components.tokenizer,
                                               ["a red fox"], max_sequence_length=model.max_sequence_length)
     return {"prompt_embeds": embeds, "prompt_attention_mask": mask, "negative_prompt_embeds": None,
             "negative_prompt_attention_mask": None, "guidance_scale": 1.0,
             "latent_shape": model.family.latent_shape(BUCKET, 1), "num_inference_steps": steps, "seed": seed,
-            "inpaint_latents": condition, "sent_at": time.time()}
+            "inpaint_latents": None, **(condition or {}), "sent_at": time.time()}
 
 
 async def _last_event(denoiser, request: dict) -> dict:

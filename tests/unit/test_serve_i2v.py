@@ -2,7 +2,8 @@
 encodes a request's first frame (`input_reference`) into the condition `vidray generate --image` samples with (for
 CogVideoX a posterior sample drawn from the request's seed, as generate draws it), and the step-batched
 denoiser samples with it (or with the empty condition, text-to-video, without one) the latents `generate_video`
-gives; the store hands the runner the image a job was created with."""
+gives; the store hands the runner the image a job was created with. Wan 2.1 I2V (`wan21`: `model.i2v.image_encoder`)
+also gets the first frame's CLIP embeddings from the VAE stage (its image encoder loaded there), or zeros without."""
 
 import asyncio
 import io
@@ -29,15 +30,18 @@ BUCKET = Bucket(9, 32, 32)
 STEPS = 3
 
 
-@pytest.fixture(scope="module", params=sorted(IMAGE_TO_VIDEO_FAMILIES))
+@pytest.fixture(scope="module", params=[*sorted(IMAGE_TO_VIDEO_FAMILIES), "wan21"])
 def i2v_model_dir(request, tmp_path_factory):
-    family = get_family(request.param)
-    components = family.build(ModelConfig(family=family.name, text_encoder="tiny_random", max_sequence_length=16,
-                                          i2v=I2VConfig()), seed=0)
+    clip = request.param == "wan21"  # Wan 2.1 I2V: CLIP image embeddings, 512 text tokens
+    family = get_family("wan" if clip else request.param)
+    i2v, max_sequence_length = ({"image_encoder": True}, 512) if clip else ({}, 16)
+    components = family.build(ModelConfig(family=family.name, text_encoder="tiny_random",
+                                          max_sequence_length=max_sequence_length, i2v=I2VConfig(**i2v)), seed=0)
     out = family.save_pipeline(components, tmp_path_factory.mktemp("i2v") / "diffusers", FlowConfig(shift=3.0))
     write_job_file(out, job_config_from_dict({"name": "t", "model": {"family": family.name,
                                                                      "text_encoder": "tiny_random",
-                                                                     "max_sequence_length": 16, "i2v": {}},
+                                                                     "max_sequence_length": max_sequence_length,
+                                                                     "i2v": i2v},
                                               "data": {"buckets": [list(BUCKET)]}, "flow": {"shift": 3.0}}))
     return out
 
@@ -59,11 +63,11 @@ def _serve(model_dir, image: bytes | None, seed: int) -> torch.Tensor:
     async def run():
         embeds, mask = text.family.encode_prompt(text.text_encoder, text.tokenizer, ["a red fox"],
                                                  max_sequence_length=text.max_sequence_length, device="cpu")
-        condition = None if image is None else await vae.encode_image(image, tuple(BUCKET), seed)
+        condition = {} if image is None else await vae.encode_image(image, tuple(BUCKET), seed)
         request = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "negative_prompt_embeds": None,
                    "negative_prompt_attention_mask": None, "guidance_scale": 1.0,
                    "latent_shape": text.family.latent_shape(BUCKET, 1), "num_inference_steps": STEPS, "seed": seed,
-                   "inpaint_latents": condition, "sent_at": time.time()}
+                   "inpaint_latents": None, **condition, "sent_at": time.time()}
         async for event in denoiser.denoise(request):
             if "latents" in event:
                 return event["latents"]

@@ -150,7 +150,7 @@ class EncodeStage:
     uint8 and "clip_sha" (1,) JSON list of B sha256 hex ("" = not cacheable); "text" needs "captions" (1,) JSON
     list of B str. It returns the batch without "frames" (after "vae"), with "latents" (1, B, C, F_lat, H_lat,
     W_lat) float32 (for an image-to-video model also "inpaint_latents" (1, B, C_in, F_lat, H_lat, W_lat) float32,
-    `EncodeStage.latents`) and/or "prompt_embeds" (1, B, L, D) float32 + "prompt_attention_mask" (1, B, L) bool, the
+    and with `model.i2v.image_encoder` "image_embeds" (1, B, T, D_img) float32, `EncodeStage.latents`) and/or "prompt_embeds" (1, B, L, D) float32 + "prompt_attention_mask" (1, B, L) bool, the
     `ENCODE_STAT_KEYS` counters of this batch (added to those already present) and "<stage>_node" (1,) JSON
     {"node_id", "labels"} of the node the actor runs on.
     """
@@ -168,6 +168,8 @@ class EncodeStage:
             torch.set_num_threads(max(1, int(torch_threads)))
         self.model, self.seed = dict(model), int(seed)
         self.condition = (self.model.get("i2v") or {}).get("condition")  # an image-to-video model's condition frames
+        self.clip = bool((self.model.get("i2v") or {}).get("image_encoder"))  # ... also CLIP-embedded (Wan 2.1 I2V)
+        self.image_encoder = self.image_processor = None
         self.max_sequence_length = int(max_sequence_length)
         self._given = {k: v for k, v in (identities or {}).items() if v}
         self._ids: dict[str, str] = {}
@@ -216,7 +218,12 @@ class EncodeStage:
         built = {}
         if self.do_vae:
             self.vae = encoders.vae.to(self.device)
-            built["vae"] = latents_identity(module_identity(encoders.vae), self.model)
+            image_id = ""
+            if self.clip:
+                self.image_encoder = encoders.image_encoder.to(self.device)
+                self.image_processor = encoders.image_processor
+                image_id = image_encoder_identity(encoders.image_encoder, encoders.image_processor)
+            built["vae"] = latents_identity(module_identity(encoders.vae), self.model, image_id)
         if self.do_text:
             self.text_encoder = encoders.text_encoder.to(self.device)
             self.tokenizer = encoders.tokenizer
@@ -262,12 +269,14 @@ class EncodeStage:
     # -- encoding -------------------------------------------------------------------------------------------
 
     def latents(self, frames: np.ndarray, clip_sha: list[str], bucket: tuple[int, int, int],
-                cached: dict[int, dict[str, Any]] | None = None) -> tuple[Any, Any, int, int]:
+                cached: dict[int, dict[str, Any]] | None = None) -> tuple[Any, Any, Any, int, int]:
         """latents (B, C, F_lat, H_lat, W_lat) float32 of uint8 frames (B, F, H, W, 3), and for an image-to-video
         model (`model.i2v`) each clip's condition, inpaint_latents (B, C_in, F_lat, H_lat, W_lat) float32
         (`ModelFamily.encode_clip_condition` of the clip's own `model.i2v.condition` frames: no extra decode), else
-        None; each clip from the cache or encoded alone (then stored, both in one entry); returns (latents,
-        inpaint_latents, hits, misses). `cached`: {slot: entry ({"latents"[, "inpaint_latents"]}: (C, F_lat,
+        None, and for a model with CLIP image embeddings (`model.i2v.image_encoder`) each clip's image_embeds (B, T,
+        D_img) float32 (`ModelFamily.encode_clip_image_embeds` of the same frames), else None; each clip from the
+        cache or encoded alone (then stored, all in one entry); returns (latents, inpaint_latents, image_embeds,
+        hits, misses). `cached`: {slot: entry ({"latents"[, "inpaint_latents"]}: (C, F_lat,
         H_lat, W_lat) float32 each)} the decode operator already read from this cache (those clips were not
         decoded: their frames are zeros), counted as hits."""
         import torch
@@ -287,7 +296,8 @@ class EncodeStage:
                     self._keep(rel, found)
             else:
                 found = self._lookup(rel) if rel is not None else None
-            if found is not None and (self.condition is None or "inpaint_latents" in found):
+            if found is not None and (self.condition is None or "inpaint_latents" in found) and \
+                    (not self.clip or "image_embeds" in found):
                 hits += 1
             else:
                 found = self._encode_clip(np.array(frames[b:b + 1]))  # a writable copy of Ray's read-only block
@@ -299,10 +309,12 @@ class EncodeStage:
             entries.append(found)
         latents = torch.stack([e["latents"] for e in entries])
         inpaint = torch.stack([e["inpaint_latents"] for e in entries]) if self.condition is not None else None
-        return latents, inpaint, hits, misses
+        image_embeds = torch.stack([e["image_embeds"] for e in entries]) if self.clip else None
+        return latents, inpaint, image_embeds, hits, misses
 
     def _encode_clip(self, frames: np.ndarray) -> dict[str, Any]:
-        """One clip's cache entry: {"latents"[, "inpaint_latents"]} (each (C, F_lat, H_lat, W_lat) float32, CPU) of
+        """One clip's cache entry: {"latents"[, "inpaint_latents"[, "image_embeds" (T, D_img)]]} (each (C, F_lat,
+        H_lat, W_lat) float32, CPU) of
         uint8 frames (1, F, H, W, 3), encoded on this stage's device."""
         import torch
 
@@ -315,6 +327,9 @@ class EncodeStage:
             if self.condition is not None:
                 entry["inpaint_latents"] = self.family.encode_clip_condition(
                     self.vae, video, self.condition)[0].float().cpu()
+            if self.clip:
+                entry["image_embeds"] = self.family.encode_clip_image_embeds(
+                    self.image_encoder, self.image_processor, video, self.condition)[0].float().cpu()
         return entry
 
     def prompts(self, captions: list[str]) -> tuple[Any, Any, int, int]:
@@ -360,11 +375,14 @@ class EncodeStage:
                 raise RuntimeError(f"the decode operator read cached latents of VAE {vae_id[:12]} but this encode "
                                    f"stage runs VAE {self.vae_id[:12]}: the model's VAE files changed while the "
                                    "loader ran; restart the run")
-            latents, inpaint, hits, misses = self.latents(frames, clip_sha, tuple(frames.shape[1:4]), cached)
+            latents, inpaint, image_embeds, hits, misses = self.latents(frames, clip_sha, tuple(frames.shape[1:4]),
+                                                                        cached)
             out.pop("frames")
             out["latents"] = latents.numpy()[None]
             if inpaint is not None:
                 out["inpaint_latents"] = inpaint.numpy()[None]
+            if image_embeds is not None:
+                out["image_embeds"] = image_embeds.numpy()[None]
             stats["vae_hits"] += hits
             stats["vae_misses"] += misses
             stats["vae_s"] += time.perf_counter() - t0
@@ -411,28 +429,40 @@ def unpack_cached_latents(cell: Any) -> tuple[str, dict[int, dict[str, Any]]]:
     return str(header.get("__metadata__", {}).get("vae_id", "")), out
 
 
-def latents_identity(vae_id: str, model: dict[str, Any]) -> str:
+def latents_identity(vae_id: str, model: dict[str, Any], image_id: str = "") -> str:
     """The id naming a clip's latent cache entries (`LatentCache.latents_entry`): the VAE's `module_identity`
     `vae_id` for a text-to-video model; for an image-to-video one (`model.i2v`, whose entries hold the condition
     latents too, `ModelFamily.encode_clip_condition`), sha256 of the VAE's id and the condition frames
-    (`model.i2v.condition`), so the two kinds of entry never meet."""
+    (`model.i2v.condition`), so the two kinds of entry never meet; with CLIP image embeddings in the entries
+    (`model.i2v.image_encoder`), the image encoder's `image_encoder_identity` `image_id` too."""
     i2v = model.get("i2v") or {}
     if not i2v:
         return vae_id
-    return hashlib.sha256(f"{vae_id}|i2v:{i2v.get('condition', 'first')}".encode()).hexdigest()
+    clip = f"|clip:{image_id}" if image_id else ""
+    return hashlib.sha256(f"{vae_id}|i2v:{i2v.get('condition', 'first')}{clip}".encode()).hexdigest()
+
+
+def image_encoder_identity(image_encoder: Any, image_processor: Any) -> str:
+    """The identity of an image encoder in latent cache entries: `module_identity` of the encoder with its
+    processor's settings (another resize or normalisation over the same weights embeds differently)."""
+    return module_identity(image_encoder, extra=image_processor.to_json_string())
 
 
 def vae_identity(model: dict[str, Any], seed: int) -> str:
     """The `latents_identity` of the VAE an `EncodeStage` of this model section (`ModelConfig` as a dict) and
     `train.seed` loads: the `vae_id` of its latent cache entries, with the VAE built alone
-    (`ModelFamily.build_vae`: a pretrained folder's `vae/` only, never the text encoder). The decode operator
+    (`ModelFamily.build_vae`: a pretrained folder's `vae/` only, never the text encoder; a model with CLIP image
+    embeddings also its image encoder alone, `ModelFamily.build_image_encoder`). The decode operator
     uses it to find cached latents before it decodes a clip (`vidray.data.pipeline.ClipLoader`). Raises what
     `build_vae` raises for a bad model section."""
     from vidray.config import ModelConfig
     from vidray.models.registry import get_family
 
     model_cfg = ModelConfig(**model)
-    return latents_identity(module_identity(get_family(model_cfg.family).build_vae(model_cfg, seed=int(seed))), model)
+    family = get_family(model_cfg.family)
+    vae_id = module_identity(family.build_vae(model_cfg, seed=int(seed)))
+    clip = family.build_image_encoder(model_cfg, seed=int(seed))  # Wan 2.1 I2V's CLIP (its own files only), or None
+    return latents_identity(vae_id, model, image_encoder_identity(*clip) if clip is not None else "")
 
 
 def text_identity(model: dict[str, Any], seed: int) -> str:

@@ -151,7 +151,9 @@ class TrainBatch:
     With the encode stages (`RankLoader(encode=...)`, `vidray.data.encode`) frames is None and the batch carries
     latents (B, C_lat, F_lat, H_lat, W_lat) float32, prompt_embeds (B, L, D) float32 and prompt_attention_mask
     (B, L) bool instead, and for an image-to-video model (`model.i2v`) inpaint_latents (B, C_in, F_lat, H_lat,
-    W_lat) float32, each clip's condition (`ModelFamily.encode_clip_condition`); stage_nodes: {"vae" | "text":
+    W_lat) float32, each clip's condition (`ModelFamily.encode_clip_condition`), and for a model with CLIP image
+    embeddings (`model.i2v.image_encoder`) image_embeds (B, T, D_img) float32 (`ModelFamily.encode_clip_image_embeds`);
+    stage_nodes: {"vae" | "text":
     {"node_id", "labels"}} of the nodes that encoded it, and stats also has the `ENCODE_STAT_KEYS` counters.
     """
 
@@ -177,6 +179,7 @@ class TrainBatch:
     prompt_attention_mask: Any = None
     stage_nodes: dict[str, Any] = field(default_factory=dict)
     inpaint_latents: Any = None
+    image_embeds: Any = None
 
 
 class ClipLoader:
@@ -201,6 +204,8 @@ class ClipLoader:
             are cached is not decoded: its latents travel in "cached_latents" and its frames are zeros.
         image_to_video: the encode stage encodes an image-to-video model's condition too (`model.i2v`): a cached
             entry counts only with its condition latents.
+        image_embeds: the encode stage also embeds the condition frames with the model's CLIP
+            (`model.i2v.image_encoder`): a cached entry counts only with those image embeddings too.
 
     `__call__({"i": (R,) int64, "n": (R,) int64})` (a block of R rows, each the n planned steps i..i+n-1, all of
     one bucket: `plan_blocks`) returns one row per step, (S,) columns with S = sum(n): {"i", "frames" (S, B, F, H, W, 3) uint8 (each clip decoded straight into
@@ -215,7 +220,7 @@ class ClipLoader:
     def __init__(self, shards_dir: str, shard_entries: Sequence[dict[str, Any]], plan: dict[str, np.ndarray], *,
                  cache_dir: str, cache_bytes: int, hot_bytes: int, prefetch_window: int, open_shards: int,
                  local_ranks: int = 1, hash_clips: bool = True, latent_cache: str = "", vae_id: Any = None,
-                 image_to_video: bool = False):
+                 image_to_video: bool = False, image_embeds: bool = False):
         import json
 
         import ray
@@ -234,6 +239,7 @@ class ClipLoader:
         self.latent_cache = LatentCache(latent_cache) if latent_cache and self.hash_clips else None
         self.vae_id = vae_id if isinstance(vae_id, str) and vae_id else None
         self.image_to_video = bool(image_to_video)  # cached entries then hold the condition latents too
+        self.image_embeds = bool(image_embeds)  # ... and the CLIP image embeddings (Wan 2.1 I2V)
         self._vae_id_ref = vae_id[0] if isinstance(vae_id, (list, tuple)) and vae_id else None
         self.hot: OrderedDict[int, tuple[np.ndarray, str, str]] = OrderedDict()  # key -> (frames, caption, sha256)
         self.hot_used = 0
@@ -325,14 +331,16 @@ class ClipLoader:
         return self.vae_id
 
     def _cached_latents(self, rel: str) -> dict[str, np.ndarray] | None:
-        """Cache entry `rel`: {"latents"[, "inpaint_latents"]} (C, F_lat, H_lat, W_lat) float32 (numpy: this
+        """Cache entry `rel`: {"latents"[, "inpaint_latents"[, "image_embeds" (T, D_img)]]} (C, F_lat, H_lat, W_lat)
+        float32 (numpy: this
         operator never imports torch), or None (absent, damaged, or without an entry an image-to-video model
         needs: the clip is decoded and the encode stage rewrites the entry)."""
         t0 = time.perf_counter()
         found = self.latent_cache.get(rel, as_numpy=True)
         with self.lock:
             self.stats["decode_s"] += time.perf_counter() - t0
-        if found is None or "latents" not in found or (self.image_to_video and "inpaint_latents" not in found):
+        if found is None or "latents" not in found or (self.image_to_video and "inpaint_latents" not in found) or \
+                (self.image_embeds and "image_embeds" not in found):
             return None
         return found
 
@@ -656,6 +664,7 @@ class RankLoader:
                     "latent_cache": str(encode.get("latent_cache") or "") if encode else "",
                     "vae_id": (identities or {}).get("vae"),
                     "image_to_video": bool(encode and (encode["model"].get("i2v"))),
+                    "image_embeds": bool(encode and (encode["model"].get("i2v") or {}).get("image_encoder")),
                 },
             )
             for op in operators:  # the encode stages, each one actor on the nodes its placement allows
@@ -735,7 +744,7 @@ class RankLoader:
             raise StopIteration
         plan, batch = item
         ok = batch["ok"][0]
-        frames = latents = inpaint_latents = prompt_embeds = prompt_attention_mask = None
+        frames = latents = inpaint_latents = image_embeds = prompt_embeds = prompt_attention_mask = None
         with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; the step never writes to them
             warnings.simplefilter("ignore", UserWarning)
             if "frames" in batch:
@@ -744,6 +753,8 @@ class RankLoader:
                 latents = torch.from_numpy(batch["latents"][0])  # (B, C, F_lat, H_lat, W_lat)
             if "inpaint_latents" in batch:
                 inpaint_latents = torch.from_numpy(batch["inpaint_latents"][0])  # (B, C_in, F_lat, H_lat, W_lat)
+            if "image_embeds" in batch:
+                image_embeds = torch.from_numpy(batch["image_embeds"][0])  # (B, T, D_img)
             if "prompt_embeds" in batch:
                 prompt_embeds = torch.from_numpy(batch["prompt_embeds"][0])  # (B, L, D)
                 prompt_attention_mask = torch.from_numpy(batch["prompt_attention_mask"][0])  # (B, L)
@@ -772,6 +783,7 @@ class RankLoader:
             prompt_attention_mask=prompt_attention_mask,
             stage_nodes=stage_nodes,
             inpaint_latents=inpaint_latents,
+            image_embeds=image_embeds,
         )
 
     def close(self) -> None:

@@ -17,6 +17,9 @@ Image-to-video models (`family.takes_image`) get their condition, `inpaint_laten
 `predict` call; with guidance both branches get the same condition (only the prompt differs), as
 EasyAnimateInpaintPipeline concatenates `[inpaint_latents] * 2`. `generate_video` encodes it from `image` (and
 `last_image`) with `family.encode_image_condition`, or gives `family.empty_condition` (text-to-video) without one.
+A model that also takes image embeddings (`family.takes_image_embeds`: Wan 2.1 I2V's CLIP) gets `image_embeds`
+(B, T, D_img) beside it the same way (both guidance branches the same, as `WanImageToVideoPipeline` passes one
+`image_embeds` to both calls), from `family.encode_image_embeds`, or `family.empty_image_embeds` without an image.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def denoise_step(
     negative_prompt_embeds: torch.Tensor | None = None,
     negative_prompt_attention_mask: torch.Tensor | None = None,
     inpaint_latents: torch.Tensor | None = None,
+    image_embeds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sampler step (`family.sampler_step`: Euler for flow matching) for a batch of samples, each at its own
     noise level: latents (B, C, F, H, W) at `sigmas` (B,) -> latents at `sigmas_next` (B,), in latents' dtype.
@@ -81,7 +85,8 @@ def denoise_step(
     transformer call on [uncond, cond] (2B), then `uncond + guidance_scale * (cond - uncond)` with guidance_scale a
     float or a (B,) tensor (per sample). `inpaint_latents` (B, C_in, F, H, W): an image-to-video model's condition
     of each sample, passed to `family.predict` (repeated for both guidance branches); None for a text-to-video
-    model. Raises ValueError for shapes that do not line up.
+    model. `image_embeds` (B, T, D_img): the image embeddings of a model that `family.takes_image_embeds`, passed
+    the same way. Raises ValueError for shapes that do not line up.
     """
     batch_size = latents.shape[0]
     sigmas = torch.as_tensor(sigmas, dtype=torch.float32).reshape(-1)
@@ -111,6 +116,11 @@ def denoise_step(
             raise ValueError(f"inpaint_latents must have {batch_size} samples, got {tuple(inpaint_latents.shape)}")
         inpaint_latents = inpaint_latents.to(device=device, dtype=dtype)
         condition["inpaint_latents"] = torch.cat([inpaint_latents, inpaint_latents]) if do_cfg else inpaint_latents
+    if image_embeds is not None:
+        if image_embeds.shape[0] != batch_size:
+            raise ValueError(f"image_embeds must have {batch_size} samples, got {tuple(image_embeds.shape)}")
+        image_embeds = image_embeds.to(device=device, dtype=dtype)
+        condition["image_embeds"] = torch.cat([image_embeds, image_embeds]) if do_cfg else image_embeds
     model_pred = family.predict(transformer, model_input, t, prompt_embeds.to(device=device, dtype=dtype),
                                 prompt_attention_mask.to(device=device), **condition)
     if do_cfg:
@@ -135,8 +145,9 @@ class DenoiseState:
     """One request in a continuous batch: its latents (1, C, F, H, W), its own schedule `sigmas`
     (num_inference_steps + 1,) from `family.inference_sigmas`, the next step index, its conditioning (prompt_embeds
     (1, L, D), prompt_attention_mask (1, L); negatives of the same shapes when guidance_scale > 1; an image-to-video
-    model's `inpaint_latents` (1, C_in, F, H, W)). `end_step`: the step it is done at, when a stage takes only the
-    steps before it (one expert of two, `vidray.models.experts.expert_steps`); None: the schedule's end."""
+    model's `inpaint_latents` (1, C_in, F, H, W), and its `image_embeds` (1, T, D_img) when the model takes them).
+    `end_step`: the step it is done at, when a stage takes only the steps before it (one expert of two,
+    `vidray.models.experts.expert_steps`); None: the schedule's end."""
 
     latents: torch.Tensor
     sigmas: torch.Tensor
@@ -147,6 +158,7 @@ class DenoiseState:
     negative_prompt_attention_mask: torch.Tensor | None = None
     step: int = 0
     inpaint_latents: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
     end_step: int | None = None
 
     @property
@@ -164,9 +176,10 @@ class DenoiseState:
 
     def batch_key(self) -> tuple:
         """States with equal keys can share a `step_states` call: latent shape, prompt shape, guidance on/off,
-        image condition on/off."""
+        image condition on/off, image embeddings' shape (None without)."""
         return (tuple(self.latents.shape[1:]), tuple(self.prompt_embeds.shape[1:]),
-                self.negative_prompt_embeds is not None, self.inpaint_latents is not None)
+                self.negative_prompt_embeds is not None, self.inpaint_latents is not None,
+                None if self.image_embeds is None else tuple(self.image_embeds.shape[1:]))
 
 
 @torch.inference_mode()
@@ -197,6 +210,8 @@ def step_states(family: ModelFamily, transformer: torch.nn.Module, states: list[
                                         if do_cfg else None),
         inpaint_latents=(torch.cat([state.inpaint_latents for state in states])
                          if states[0].inpaint_latents is not None else None),
+        image_embeds=(torch.cat([state.image_embeds for state in states])
+                      if states[0].image_embeds is not None else None),
     )
     for state, new in zip(states, latents.split(1)):
         state.latents = new
@@ -221,6 +236,7 @@ def sample_latents(
     callback: Callable[[int, float, torch.Tensor], None] | None = None,
     latents: torch.Tensor | None = None,
     inpaint_latents: torch.Tensor | None = None,
+    image_embeds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Denoise pure noise into latents (B, C, F, H, W) (normalized, ready for `family.decode_latents`).
 
@@ -230,7 +246,8 @@ def sample_latents(
     guidance_scale > 1 needs negative_prompt_embeds/mask of the same shapes (e.g. the empty prompt).
     `callback(i, sigma, latents)` runs after step i (0-based), sigma being the step's starting noise level.
     `inpaint_latents` (B, C_in, F_lat, H_lat, W_lat): an image-to-video model's condition, in every step
-    (`denoise_step`); None for a text-to-video model.
+    (`denoise_step`); None for a text-to-video model. `image_embeds` (B, T, D_img): likewise, for a model that
+    `family.takes_image_embeds`.
     The transformer runs in eval mode (its previous mode is restored) under torch.inference_mode.
     Raises NonFiniteLatentsError when the result holds NaN or inf (`check_finite_latents`).
     """
@@ -277,6 +294,7 @@ def sample_latents(
                 negative_prompt_embeds=negative_prompt_embeds if do_cfg else None,
                 negative_prompt_attention_mask=negative_prompt_attention_mask if do_cfg else None,
                 inpaint_latents=inpaint_latents,
+                image_embeds=image_embeds,
             )
             if callback is not None:
                 callback(i, float(sigmas[i]), latents)
@@ -306,6 +324,26 @@ def _image_condition(family: ModelFamily, components: Components, bucket: Bucket
     return condition.to(device).repeat(latent_shape[0], *([1] * (condition.ndim - 1)))
 
 
+def _image_embeds(family: ModelFamily, components: Components, batch_size: int, image: Any, last_image: Any,
+                  device: torch.device) -> torch.Tensor | None:
+    """`generate_video`'s image embeddings (B, T, D_img) for a model that `family.takes_image_embeds` (Wan 2.1
+    I2V): `family.encode_image_embeds` of the image (and last image) repeated over the B prompts, as the stock
+    pipeline's `image_embeds.repeat(batch_size, 1, 1)`; `family.empty_image_embeds` without an image; None for any
+    other model."""
+    if not family.takes_image_embeds(components.transformer):
+        return None
+    empty = family.empty_image_embeds(components.transformer, batch_size, device=device)
+    if image is None:
+        return empty
+    embeds = family.encode_image_embeds(components.image_encoder, components.image_processor, image,
+                                        last_image=last_image)
+    if embeds.shape[1:] != empty.shape[1:]:
+        fix = "drop --last-image" if last_image is not None else "give --last-image too"
+        raise UserError(f"this model takes image embeddings {tuple(empty.shape[1:])} (one image, or a first and a last "
+                        f"one), the image(s) given make {tuple(embeds.shape[1:])}: {fix}")
+    return embeds.to(device).repeat(batch_size, 1, 1)
+
+
 @torch.inference_mode()
 def generate_video(
     family: ModelFamily,
@@ -331,7 +369,8 @@ def generate_video(
     after each denoising step. `image` (and `last_image`): the first (and last) frame of every video, for an
     image-to-video model (`family.takes_image`; PIL, uint8 (H, W, 3) or (3, H, W) in [0, 1]), resized to the bucket
     and encoded by `family.encode_image_condition`; such a model without `image` generates from text alone
-    (`family.empty_condition`). Raises UserError for an image given to a text-to-video model.
+    (`family.empty_condition`); a model that takes image embeddings also gets `family.encode_image_embeds` of them
+    (`family.empty_image_embeds` without). Raises UserError for an image given to a text-to-video model.
     """
     # 1. Check inputs and shapes
     if isinstance(prompts, str) or not prompts:
@@ -339,6 +378,7 @@ def generate_video(
     latent_shape = family.latent_shape(bucket, len(prompts))
     device = next(components.transformer.parameters()).device
     inpaint_latents = _image_condition(family, components, bucket, latent_shape, image, last_image, device, seed)
+    image_embeds = _image_embeds(family, components, len(prompts), image, last_image, device)
 
     # 2. Encode prompts (and the negative prompt for guidance)
     prompt_embeds, prompt_attention_mask = family.encode_prompt(
@@ -371,6 +411,7 @@ def generate_video(
         generator=generator,
         callback=callback,
         inpaint_latents=inpaint_latents,
+        image_embeds=image_embeds,
     )
 
     # 4. Decode to uint8 frames

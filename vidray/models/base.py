@@ -5,7 +5,8 @@ DiT + VAE + text encoder stack. Nothing outside `vidray/models/` knows a family'
 What a family owns: building its modules (`build`, `build_transformer`, `build_encoders`, `load_pretrained`),
 `encode_video` (latent normalisation included: EasyAnimate scales, Wan normalises per channel), `encode_prompt`,
 the image-to-video condition where the family has one (`takes_image`, `encode_clip_condition`,
-`encode_image_condition`, `empty_condition`; defaults raise for text-to-video families),
+`encode_image_condition`, `empty_condition`; defaults raise for text-to-video families; and for a model that also
+takes image embeddings, Wan 2.1 I2V's CLIP, `takes_image_embeds` and its encoders),
 the training objective (`noisy_latents`, `training_target`, `model_timesteps`) and the sampler's schedule and step
 (`inference_sigmas`, `sampler_step`), the transformer call (`predict`), its latent layout and bucket rules (`latent_shape`; the rules' numbers also in
 `vidray.models.rules`, which the config checks at load), and the diffusers pipeline it exports (`save_pipeline`).
@@ -40,6 +41,11 @@ class Components:
     """Frozen text encoder (eval, requires_grad False)."""
     tokenizer: Any
     """Its tokenizer (with a chat template; see `vidray.models.text_encoder`)."""
+    image_encoder: torch.nn.Module | None = None
+    """Frozen image encoder of a model that takes image embeddings (`ModelFamily.takes_image_embeds`: Wan 2.1 I2V's
+    `CLIPVisionModel`), else None."""
+    image_processor: Any = None
+    """Its image processor (`CLIPImageProcessor`), else None."""
 
 
 @dataclass
@@ -52,6 +58,10 @@ class Encoders:
     """Frozen text encoder (eval, requires_grad False)."""
     tokenizer: Any
     """Its tokenizer (with a chat template; see `vidray.models.text_encoder`)."""
+    image_encoder: torch.nn.Module | None = None
+    """Frozen image encoder (Wan 2.1 I2V's CLIP), for a model that takes image embeddings; else None."""
+    image_processor: Any = None
+    """Its image processor, else None."""
 
 
 class ModelFamily(abc.ABC):
@@ -144,6 +154,37 @@ class ModelFamily(abc.ABC):
         default says the family has no image-to-video model."""
         raise NotImplementedError(f"the {self.name} family has no image-to-video model")
 
+    def takes_image_embeds(self, transformer: torch.nn.Module) -> bool:
+        """Whether `transformer` also takes image embeddings (B, T, D_img) beside its latent condition (Wan 2.1 I2V's
+        CLIP embeddings): callers then pass `image_embeds` to `predict` too, from `encode_clip_image_embeds`,
+        `encode_image_embeds` or `empty_image_embeds`, travelling beside `inpaint_latents`. Default: False."""
+        return False
+
+    def encode_clip_image_embeds(self, image_encoder: torch.nn.Module, image_processor: Any, video: torch.Tensor,
+                                 condition: str) -> torch.Tensor:
+        """A training clip (B, 3, F, H, W) float in [-1, 1] -> the image embeddings (B, T, D_img) float32 of its own
+        `condition` frames, as the family's stock pipeline embeds those frames given as images. The default says
+        the family's models take none."""
+        raise NotImplementedError(f"the {self.name} family's models take no image embeddings")
+
+    def encode_image_embeds(self, image_encoder: torch.nn.Module, image_processor: Any, image: Any, *,
+                            last_image: Any = None) -> torch.Tensor:
+        """A first image (and an optional last; PIL, uint8 (H, W, 3) array or (3, H, W) float tensor in [0, 1]) ->
+        image embeddings (1, T, D_img) float32, as the family's stock pipeline embeds them. The default says the
+        family's models take none."""
+        raise NotImplementedError(f"the {self.name} family's models take no image embeddings")
+
+    def empty_image_embeds(self, transformer: torch.nn.Module, batch_size: int,
+                           device: torch.device | str | None = None) -> torch.Tensor:
+        """The image embeddings (B, T, D_img) float32 of samples with no image (condition dropout; text-to-video
+        through an image-to-video model), for `transformer`. The default says the family's models take none."""
+        raise NotImplementedError(f"the {self.name} family's models take no image embeddings")
+
+    def build_image_encoder(self, model_cfg: ModelConfig, *, seed: int) -> tuple[torch.nn.Module, Any] | None:
+        """The frozen image encoder and its processor alone, equal to `build_encoders`'s, or None for a model that
+        takes no image embeddings (what `vidray.data.encode.vae_identity` hashes with the VAE). Default: None."""
+        return None
+
     def check_trainable(self, model_cfg: ModelConfig) -> None:
         """Raise ValueError (one line: what and the fix) when `model_cfg` names a model the family loads, samples and
         serves but cannot train here; what `vidray train` checks on the driver before anything is reserved.
@@ -225,7 +266,8 @@ class ModelFamily(abc.ABC):
 
         A family with image-to-video models also takes the keyword `inpaint_latents` (B, C_in, F, H, W) (from
         `encode_clip_condition`, `encode_image_condition` or `empty_condition`), required when `takes_image`;
-        callers pass it only then, so a text-to-video family's signature stays as it is."""
+        callers pass it only then, so a text-to-video family's signature stays as it is. A model that
+        `takes_image_embeds` also takes the keyword `image_embeds` (B, T, D_img), passed only then."""
 
     @abc.abstractmethod
     def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:

@@ -585,8 +585,9 @@ def fetch_model(uri: str) -> Path:
     return target
 
 
-COMPONENTS = ("transformer", "vae", "text_encoder")
-"""The modules `load_model` can load; the tokenizer comes with the text encoder."""
+COMPONENTS = ("transformer", "vae", "text_encoder", "image_encoder")
+"""The modules `load_model` can load; the tokenizer comes with the text encoder, the image processor with the image
+encoder (None for a model that takes no image embeddings: only Wan 2.1 I2V's CLIP does)."""
 
 
 def load_model(path: str | Path, *, lora_path: str | Path | None = None,
@@ -630,7 +631,7 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None,
         loaded = _load_some(info, set(components), expert)
     if loaded.transformer is not None:
         _merge_adapters(loaded.transformer, info, lora_path)
-    for module in (loaded.transformer, loaded.vae, loaded.text_encoder):
+    for module in (loaded.transformer, loaded.vae, loaded.text_encoder, loaded.image_encoder):
         if module is not None:
             module.eval()
     return LoadedModel(info.family, loaded, info.flow, info.max_sequence_length, list(info.buckets))
@@ -656,13 +657,14 @@ def _load_some(info: ModelInfo, wanted: set[str], expert: str | None = None) -> 
         model_cfg, seed = info.job.model, info.job.train.seed
     else:
         base = info.job.model if info.job is not None else ModelConfig(
-            family=info.family_name, i2v=I2VConfig() if info.image_to_video else None,
+            family=info.family_name, max_sequence_length=info.max_sequence_length,
+            i2v=I2VConfig(image_encoder=_folder_image_encoder(info.path)) if info.image_to_video else None,
             experts=_folder_experts(info.path))
         model_cfg = dataclasses.replace(base, init="pretrained", pretrained_path=str(info.path), vae_path=None,
                                         lora=None)
         seed = 0
     family = info.family
-    transformer = vae = text_encoder = tokenizer = None
+    transformer = vae = text_encoder = tokenizer = image_encoder = image_processor = None
     if "transformer" in wanted:
         if expert is not None and info.kind != "checkpoint":
             transformer = family.build_expert(model_cfg, seed=seed, expert=expert)
@@ -676,7 +678,16 @@ def _load_some(info: ModelInfo, wanted: set[str], expert: str | None = None) -> 
         vae = family.build_vae(model_cfg, seed=seed)
     if "text_encoder" in wanted:
         text_encoder, tokenizer = family.build_text_encoder(model_cfg, seed=seed)
-    return Components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+    if "image_encoder" in wanted:
+        image_encoder, image_processor = family.build_image_encoder(model_cfg, seed=seed) or (None, None)
+    return Components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                      image_encoder=image_encoder, image_processor=image_processor)
+
+
+def _folder_image_encoder(path: Path) -> bool:
+    """`model.i2v.image_encoder` of a stock image-to-video folder: whether its model_index.json names an
+    `image_encoder` (Wan 2.1 I2V's CLIP)."""
+    return (json.loads((Path(path) / MODEL_INDEX).read_text()).get("image_encoder") or [None])[0] is not None
 
 
 def model_experts(info: ModelInfo) -> ExpertsConfig | None:

@@ -28,13 +28,22 @@ first, or the first and the last) over zero frames, encoded by the VAE (mode) an
 condition channels, concatenated to the 16 noisy ones (transformer `in_channels` 36). It travels as the family's
 `inpaint_latents`. Exported as a stock `WanImageToVideoPipeline` with no image encoder.
 
+Wan 2.1 I2V (`model.i2v.image_encoder: true`): the same latent condition plus the CLIP image embeddings of the given
+frames, as `WanImageToVideoPipeline.encode_image`: `image_processor(images=...)` (`CLIPImageProcessor`: resize,
+centre crop, normalise), then `image_encoder(..., output_hidden_states=True).hidden_states[-2]` of the
+`CLIPVisionModel`, (1, 257, image_dim) per image, passed to the transformer as `encoder_hidden_states_image` (its
+`image_dim` / `added_kv_proj_dim` image cross-attention). For the first and the last frame (Wan 2.1 FLF2V, the
+transformer's `pos_embed_seq_len` = 2 x 257) the two images' tokens are concatenated, (1, 514, image_dim), what the
+transformer's `view(-1, 2 * seq_len, D)` makes of the pipeline's (2, 257, D). They travel beside the latent
+condition as `image_embeds` (encode stage, latent cache, batch, `predict`); a sample without image (condition
+dropout, text-only generation) gets zeros for both. Exported with `image_encoder/` and `image_processor/`.
+
 Two experts (Wan 2.2 A14B: `transformer` for high noise, `transformer_2` below `boundary_ratio`): `model.experts`
 builds two tiny transformers, or loads a folder with both, as one `vidray.models.experts.TwoExperts`, which routes
 each sample by its timestep as the stock pipelines do; so training (each sample trains the expert of its timestep),
 `vidray generate`, validation and serving use it unchanged, and it is exported back with both and the ratio.
 
-Not here yet: Wan 2.1 I2V's CLIP image embeddings (`image_dim`, `encoder_hidden_states_image`; such a folder is
-refused), and one worker group per expert (every worker holds both).
+Not here yet: one worker group per expert (every worker holds both).
 """
 
 from __future__ import annotations
@@ -50,8 +59,9 @@ from diffusers import (AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanIma
                        WanTransformer3DModel)
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
+from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
-from vidray.config import FlowConfig, ModelConfig
+from vidray.config import WAN_CLIP_TEXT_TOKENS, FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.conditioning import condition_frames
@@ -63,16 +73,23 @@ from vidray.models.text_encoder import TINY_T5_ENCODER, build_t5_text_encoder, t
 from vidray.models.vae import decode_latents, encode_video
 
 __all__ = [
+    "IMAGE_TOKENS",
     "TINY_I2V_TRANSFORMER",
+    "TINY_IMAGE_ENCODER",
+    "TINY_IMAGE_PROCESSOR",
     "TINY_TEXT_ENCODER",
     "TINY_TRANSFORMER",
     "TINY_VAE",
     "WanFamily",
     "build_text_encoder",
     "build_tiny",
+    "build_tiny_image_encoder",
+    "clip_frames",
     "condition_mask",
     "empty_condition",
+    "empty_image_embeds",
     "encode_condition",
+    "encode_image_embeds",
     "encode_prompts",
     "load_pretrained",
     "load_transformer",
@@ -80,6 +97,8 @@ __all__ = [
     "probe_loss",
     "save_pipeline",
     "takes_condition",
+    "takes_image_embeds",
+    "tiny_clip_transformer",
 ]
 
 LATENT_CHANNELS = 16
@@ -91,7 +110,13 @@ PATCH_SIZE = (1, 2, 2)
 assert SPATIAL_COMPRESSION_RATIO * PATCH_SIZE[1] == FAMILY_BUCKET_RULES["wan"].spatial_multiple
 PIPELINE_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 """The subfolders of a Wan T2V (`WanPipeline`) or I2V (`WanImageToVideoPipeline`) diffusers folder that vidray
-loads (an I2V folder's `image_encoder/`, Wan 2.1's CLIP, is refused: `_check_transformer`)."""
+loads; a Wan 2.1 I2V folder also `CLIP_COMPONENTS`."""
+CLIP_COMPONENTS = ("image_encoder", "image_processor")
+"""The subfolders of a Wan 2.1 I2V folder (transformer `image_dim` set): its `CLIPVisionModel` and
+`CLIPImageProcessor`."""
+IMAGE_TOKENS = 257
+"""Tokens of one image's CLIP embeddings: Wan 2.1's CLIP ViT-H/14 at 224 px, 16 x 16 patches + the class token (the
+tiny preset's 32 px / patch 2 gives the same count)."""
 CONDITION_CHANNELS = TEMPORAL_COMPRESSION_RATIO + LATENT_CHANNELS
 """Channels of an I2V condition: the mask over one latent frame's 4 pixel frames, then the condition latents."""
 I2V_IN_CHANNELS = LATENT_CHANNELS + CONDITION_CHANNELS
@@ -116,6 +141,22 @@ RMS q/k norm across heads). `text_dim` is set from the text encoder's hidden siz
 TINY_I2V_TRANSFORMER = {**TINY_TRANSFORMER, "in_channels": I2V_IN_CHANNELS}
 """The tiny preset's image-to-video transformer (`model.i2v`): TINY_TRANSFORMER taking the 20 condition channels
 too, without CLIP image embeddings (`image_dim` None, Wan 2.2 A14B's layout)."""
+
+TINY_IMAGE_ENCODER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    projection_dim=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=2,
+)
+"""`transformers.CLIPVisionConfig` of the tiny preset's CLIP vision tower (Wan 2.1 I2V, `model.i2v.image_encoder`):
+(32 / 2)^2 + 1 = IMAGE_TOKENS tokens of width 32 (the transformer's `image_dim`)."""
+
+TINY_IMAGE_PROCESSOR = dict(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+"""`CLIPImageProcessor` of the tiny preset (its other settings the class defaults: bicubic resize, centre crop,
+rescale, OpenAI CLIP mean/std), sized for TINY_IMAGE_ENCODER's 32 px."""
 
 TINY_VAE = dict(
     base_dim=4,
@@ -198,19 +239,51 @@ def takes_condition(transformer: WanTransformer3DModel) -> bool:
     return int(unwrapped(transformer).config.in_channels) != LATENT_CHANNELS
 
 
+def takes_image_embeds(transformer: WanTransformer3DModel) -> bool:
+    """Whether `transformer` takes CLIP image embeddings (Wan 2.1 I2V: `image_dim` set), passed as
+    `encoder_hidden_states_image`. `transformer` may be DDP-wrapped."""
+    return unwrapped(transformer).config.image_dim is not None
+
+
+def image_tokens(transformer: WanTransformer3DModel) -> int:
+    """T of the image embeddings (B, T, image_dim) `transformer` takes: `pos_embed_seq_len` (2 x IMAGE_TOKENS, Wan
+    2.1 FLF2V: the first and the last frame) when set, else IMAGE_TOKENS (one image)."""
+    return int(unwrapped(transformer).config.pos_embed_seq_len or IMAGE_TOKENS)
+
+
 def _check_transformer(transformer: WanTransformer3DModel, where: str) -> None:
     """Raise ValueError for a transformer whose layout the family cannot drive: not 16 (T2V) or 36 (I2V) input
-    channels with patch (1, 2, 2), or a Wan 2.1 I2V transformer that takes CLIP image embeddings (`image_dim`)."""
+    channels with patch (1, 2, 2), CLIP image embeddings (`image_dim`) for a text-to-video one or without the
+    image cross-attention (`added_kv_proj_dim`), or a `pos_embed_seq_len` that is not one or two images' tokens."""
     config = transformer.config
     found = (config.in_channels, tuple(config.patch_size))
     if found not in ((LATENT_CHANNELS, PATCH_SIZE), (I2V_IN_CHANNELS, PATCH_SIZE)):
         raise ValueError(f"{where}: transformer (in_channels, patch_size) = {found}, but the wan family expects "
                          f"{(LATENT_CHANNELS, PATCH_SIZE)} (text-to-video) or {(I2V_IN_CHANNELS, PATCH_SIZE)} "
                          "(image-to-video)")
-    if config.image_dim is not None:
-        raise ValueError(f"{where}: transformer takes CLIP image embeddings (image_dim {config.image_dim}, Wan 2.1 "
-                         "image-to-video), which vidray does not compute yet; give a Wan 2.1 text-to-video folder "
-                         "or an image-to-video one without image_encoder (Wan 2.2 A14B's layout)")
+    if config.image_dim is not None and (config.in_channels != I2V_IN_CHANNELS or config.added_kv_proj_dim is None
+                                         or config.pos_embed_seq_len not in (None, 2 * IMAGE_TOKENS)):
+        raise ValueError(f"{where}: transformer takes CLIP image embeddings (image_dim {config.image_dim}) but has "
+                         f"in_channels {config.in_channels}, added_kv_proj_dim {config.added_kv_proj_dim}, "
+                         f"pos_embed_seq_len {config.pos_embed_seq_len}; a Wan 2.1 I2V transformer has in_channels "
+                         f"{I2V_IN_CHANNELS}, added_kv_proj_dim set and pos_embed_seq_len null or {2 * IMAGE_TOKENS}")
+
+
+def _check_image_encoder(image_encoder: CLIPVisionModel, transformer: WanTransformer3DModel, where: str) -> None:
+    """Raise ValueError unless the CLIP vision tower gives what `transformer` takes: hidden_size == image_dim and
+    IMAGE_TOKENS tokens per image ((image_size / patch_size)^2 + 1)."""
+    config = image_encoder.config
+    tokens = (config.image_size // config.patch_size) ** 2 + 1
+    image_dim = unwrapped(transformer).config.image_dim
+    if (config.hidden_size, tokens) != (image_dim, IMAGE_TOKENS):
+        raise ValueError(f"{where}: image_encoder gives {tokens} tokens of width {config.hidden_size} per image, but "
+                         f"the transformer takes {IMAGE_TOKENS} of width {image_dim} (image_dim); give the image "
+                         "encoder the transformer was trained with")
+
+
+def _uses_clip(model_cfg: ModelConfig) -> bool:
+    """`model.i2v.image_encoder`: a Wan 2.1 I2V model (CLIP image embeddings)."""
+    return model_cfg.i2v is not None and model_cfg.i2v.image_encoder
 
 
 def _check_task(transformer: WanTransformer3DModel, model_cfg: ModelConfig, where: str) -> None:
@@ -223,24 +296,54 @@ def _check_task(transformer: WanTransformer3DModel, model_cfg: ModelConfig, wher
         raise ValueError(f"{where} holds a text-to-video transformer (in_channels {LATENT_CHANNELS}) but model.i2v "
                          f"is set: give a WanImageToVideoPipeline folder (in_channels {I2V_IN_CHANNELS}) or set "
                          "model.i2v to null")
+    if takes_condition(transformer) and takes_image_embeds(transformer) != _uses_clip(model_cfg):
+        found = ("takes CLIP image embeddings (Wan 2.1 I2V)" if takes_image_embeds(transformer)
+                 else "takes no CLIP image embeddings (Wan 2.2 A14B's layout)")
+        raise ValueError(f"{where} holds an image-to-video transformer that {found}: set model.i2v.image_encoder: "
+                         f"{str(takes_image_embeds(transformer)).lower()}")
 
 
 def _pipeline_folder(path: str | Path) -> tuple[Path, type]:
     """(`path`, its pipeline class): a complete `WanPipeline` or `WanImageToVideoPipeline` folder, as its
     model_index.json names it. Raises FileNotFoundError / ValueError as `require_pipeline_folder` (another
-    family's folder, a missing component, a two-expert folder without `transformer_2/`), and ValueError for a Wan
-    2.1 CLIP-conditioned folder."""
+    family's folder, a missing component, a two-expert folder without `transformer_2/`), and ValueError for a
+    transformer with CLIP image embeddings (`image_dim`) without `image_encoder` / `image_processor`, or the
+    reverse (`_check_clip_folder`)."""
     path = require_pipeline_folder(path, "WanPipeline")
     class_name = json.loads((path / "model_index.json").read_text()).get("_class_name")
     pipeline_class = WanImageToVideoPipeline if class_name == "WanImageToVideoPipeline" else WanPipeline
     require_pipeline_folder(path, pipeline_class.__name__, PIPELINE_COMPONENTS)
     if _boundary_ratio(path) is not None:
         require_pipeline_folder(path, pipeline_class.__name__, ("transformer_2",))
-    if (json.loads((path / "model_index.json").read_text()).get("image_encoder") or [None])[0] is not None:
-        raise ValueError(f"pretrained_path {str(path)!r} is a Wan 2.1 image-to-video folder (image_encoder/: CLIP "
-                         "image embeddings), which vidray does not compute yet; give a Wan 2.1 text-to-video folder "
-                         "or an image-to-video one without image_encoder (Wan 2.2 A14B's layout)")
+    _check_clip_folder(path)
     return path, pipeline_class
+
+
+def _has_clip(path: Path) -> bool:
+    """Whether the folder's model_index.json names an `image_encoder` (Wan 2.1 I2V's CLIP)."""
+    return (json.loads((path / "model_index.json").read_text()).get("image_encoder") or [None])[0] is not None
+
+
+def _check_clip_folder(path: Path) -> None:
+    """Raise ValueError (one line, the folder and the fix) when the transformer's `image_dim` (transformer/
+    config.json) and the folder's CLIP (`image_encoder` and `image_processor` in model_index.json, their
+    subfolders) disagree: a Wan 2.1 I2V transformer needs both, a transformer without `image_dim` takes neither.
+    Raises FileNotFoundError for a named CLIP subfolder that is missing."""
+    index = json.loads((path / "model_index.json").read_text())
+    named = [name for name in CLIP_COMPONENTS if (index.get(name) or [None])[0] is not None]
+    config = path / "transformer" / "config.json"
+    image_dim = json.loads(config.read_text()).get("image_dim") if config.is_file() else None
+    if image_dim is not None and len(named) < len(CLIP_COMPONENTS):
+        missing = " and ".join(name for name in CLIP_COMPONENTS if name not in named)
+        raise ValueError(f"pretrained_path {str(path)!r}: the transformer takes CLIP image embeddings (image_dim "
+                         f"{image_dim}, Wan 2.1 I2V) but the folder has no {missing}: add the CLIPVisionModel "
+                         "image_encoder/ and CLIPImageProcessor image_processor/ it was trained with")
+    if image_dim is None and named:
+        raise ValueError(f"pretrained_path {str(path)!r} has {' and '.join(named)} but its transformer takes no "
+                         "CLIP image embeddings (image_dim null): remove image_encoder and image_processor from "
+                         "model_index.json, or give the Wan 2.1 I2V transformer they belong to")
+    if named:
+        require_pipeline_folder(path, "WanImageToVideoPipeline", CLIP_COMPONENTS)
 
 
 def _boundary_ratio(path: Path) -> float | None:
@@ -294,34 +397,66 @@ EXPERTS_NUM_TRAIN_TIMESTEPS = 1000
 """The scheduler's `num_train_timesteps` of a config-built two-expert model (the config requires it: Wan 2.2's)."""
 
 
-def _tiny_transformer(kind: TextEncoderKind, *, i2v: bool = False) -> WanTransformer3DModel:
+def _tiny_transformer(kind: TextEncoderKind, *, i2v: bool = False, clip: int = 0) -> WanTransformer3DModel:
     """TINY_I2V_TRANSFORMER (`i2v`) or TINY_TRANSFORMER at the global RNG's state, `text_dim` from the text
-    encoder `kind`."""
+    encoder `kind`. `clip` 1 or 2 (with `i2v`): Wan 2.1 I2V's layout, CLIP embeddings of that many images
+    (`tiny_clip_transformer`)."""
+    if clip:
+        return WanTransformer3DModel(**tiny_clip_transformer(clip), text_dim=text_dim(kind))
     return WanTransformer3DModel(**(TINY_I2V_TRANSFORMER if i2v else TINY_TRANSFORMER), text_dim=text_dim(kind))
 
 
+def tiny_clip_transformer(num_images: int) -> dict[str, Any]:
+    """The tiny preset's Wan 2.1 I2V transformer config: TINY_I2V_TRANSFORMER taking TINY_IMAGE_ENCODER's embeddings
+    (`image_dim` 32, `added_kv_proj_dim` the inner dim 32, as Wan2.1-I2V's 1280 and 5120); for 2 images (the first
+    and the last: `model.i2v.condition: first_last`) `pos_embed_seq_len` 2 x IMAGE_TOKENS, as Wan2.1-FLF2V."""
+    inner_dim = TINY_TRANSFORMER["num_attention_heads"] * TINY_TRANSFORMER["attention_head_dim"]
+    return {**TINY_I2V_TRANSFORMER, "image_dim": TINY_IMAGE_ENCODER["hidden_size"], "added_kv_proj_dim": inner_dim,
+            "pos_embed_seq_len": 2 * IMAGE_TOKENS if num_images == 2 else None}
+
+
+def _clip_images(model_cfg: ModelConfig) -> int:
+    """How many images' CLIP embeddings the config's model takes: 0 (no CLIP), 1 (`first`), 2 (`first_last`)."""
+    if not _uses_clip(model_cfg):
+        return 0
+    return 2 if model_cfg.i2v.condition == "first_last" else 1
+
+
+def build_tiny_image_encoder(*, seed: int = 0) -> tuple[CLIPVisionModel, CLIPImageProcessor]:
+    """The tiny preset's frozen random `CLIPVisionModel` (TINY_IMAGE_ENCODER, drawn under `seed` in a forked RNG:
+    the global torch RNG is left as it was) and its `CLIPImageProcessor` (TINY_IMAGE_PROCESSOR), offline."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        image_encoder = CLIPVisionModel(CLIPVisionConfig(**TINY_IMAGE_ENCODER))
+    return image_encoder.eval().requires_grad_(False), CLIPImageProcessor(**TINY_IMAGE_PROCESSOR)
+
+
 def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int = 0, i2v: bool = False,
-               boundary_ratio: float | None = None) -> Components:
+               boundary_ratio: float | None = None, clip: int = 0) -> Components:
     """Random tiny preset (fp32, CPU): the text encoder under `seed`, then TINY_TRANSFORMER (TINY_I2V_TRANSFORMER
     with `i2v`) and TINY_VAE under `seed` (in that order), each in a forked RNG (the global torch RNG is left as it
     was). With `boundary_ratio` (`model.experts`), a second transformer drawn right after the first: the two
-    experts, as `TwoExperts` (high noise first)."""
+    experts, as `TwoExperts` (high noise first). `clip` 1 or 2 (with `i2v`, `model.i2v.image_encoder`): Wan 2.1
+    I2V, the transformer `tiny_clip_transformer(clip)` and the CLIP vision tower `build_tiny_image_encoder(seed=)`."""
     text_encoder, tokenizer = build_text_encoder(text_encoder_kind, seed=seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = _tiny_transformers(text_encoder_kind, i2v=i2v, boundary_ratio=boundary_ratio)
+        transformer = _tiny_transformers(text_encoder_kind, i2v=i2v, boundary_ratio=boundary_ratio, clip=clip)
         vae = AutoencoderKLWan(**TINY_VAE)
+    image_encoder, image_processor = build_tiny_image_encoder(seed=seed) if clip else (None, None)
     return Components(transformer=transformer.train(), vae=vae.eval().requires_grad_(False),
-                      text_encoder=text_encoder, tokenizer=tokenizer)
+                      text_encoder=text_encoder, tokenizer=tokenizer, image_encoder=image_encoder,
+                      image_processor=image_processor)
 
 
-def _tiny_transformers(kind: TextEncoderKind, *, i2v: bool, boundary_ratio: float | None) -> torch.nn.Module:
+def _tiny_transformers(kind: TextEncoderKind, *, i2v: bool, boundary_ratio: float | None,
+                       clip: int = 0) -> torch.nn.Module:
     """The tiny transformer at the global RNG's state, or with `boundary_ratio` two of them (drawn in turn) as
     `TwoExperts` over `EXPERTS_NUM_TRAIN_TIMESTEPS`."""
-    transformer = _tiny_transformer(kind, i2v=i2v)
+    transformer = _tiny_transformer(kind, i2v=i2v, clip=clip)
     if boundary_ratio is None:
         return transformer
-    return TwoExperts(transformer, _tiny_transformer(kind, i2v=i2v), boundary_ratio=boundary_ratio,
+    return TwoExperts(transformer, _tiny_transformer(kind, i2v=i2v, clip=clip), boundary_ratio=boundary_ratio,
                       num_train_timesteps=EXPERTS_NUM_TRAIN_TIMESTEPS)
 
 
@@ -353,22 +488,36 @@ def _check_experts(ratio: float | None, model_cfg: ModelConfig, where: str) -> N
 
 def load_pretrained(path: str | Path) -> Components:
     """transformer, vae, text_encoder and tokenizer of a local diffusers Wan folder, offline: a `WanPipeline`
-    (text-to-video) or a one-transformer `WanImageToVideoPipeline` without image encoder (image-to-video). Its own
-    scheduler is not used: vidray samples with the job's flow shift.
+    (text-to-video) or a `WanImageToVideoPipeline` (image-to-video), with its `image_encoder` (CLIPVisionModel)
+    and `image_processor` when the transformer takes CLIP image embeddings (Wan 2.1 I2V). Its own scheduler is not
+    used: vidray samples with the job's flow shift.
 
     Raises FileNotFoundError naming the folder when it has no model_index.json or lacks a component subfolder,
     ValueError when it is another pipeline's folder (another family) or its layout is not one the family drives
-    (`_check_transformer`, `_check_vae`, `_boundary_ratio`). A two-expert folder (Wan 2.2 A14B) gives a
-    `TwoExperts` transformer. The VAE and text encoder come back
-    frozen; the transformer in train mode.
+    (`_check_transformer`, `_check_vae`, `_boundary_ratio`, `_check_clip_folder`, `_check_image_encoder`). A
+    two-expert folder (Wan 2.2 A14B) gives a `TwoExperts` transformer. The VAE, text encoder and image encoder
+    come back frozen; the transformer in train mode.
     """
     path, pipeline_class = _pipeline_folder(path)
-    pipe = pipeline_class.from_pretrained(path, image_encoder=None, image_processor=None, local_files_only=True) \
-        if pipeline_class is WanImageToVideoPipeline else pipeline_class.from_pretrained(path, local_files_only=True)
+    pipe = pipeline_class.from_pretrained(path, local_files_only=True)
     transformer = _experts_of(path, pipe.transformer, pipe.transformer_2)
     _check_vae(pipe.vae, str(path))
+    image_encoder, image_processor = _image_encoder_of(pipe, transformer, path)
     return Components(transformer=transformer.train(), vae=pipe.vae.eval().requires_grad_(False),
-                      text_encoder=pipe.text_encoder.eval().requires_grad_(False), tokenizer=pipe.tokenizer)
+                      text_encoder=pipe.text_encoder.eval().requires_grad_(False), tokenizer=pipe.tokenizer,
+                      image_encoder=image_encoder, image_processor=image_processor)
+
+
+def _image_encoder_of(pipe: Any, transformer: WanTransformer3DModel | None,
+                      path: Path) -> tuple[CLIPVisionModel | None, Any]:
+    """The loaded pipeline's frozen image encoder and processor ((None, None) for a folder without), checked
+    against `transformer` when it was loaded (`_check_image_encoder`)."""
+    image_encoder = getattr(pipe, "image_encoder", None)
+    if image_encoder is None:
+        return None, None
+    if transformer is not None:
+        _check_image_encoder(image_encoder, transformer, str(path))
+    return image_encoder.eval().requires_grad_(False), pipe.image_processor
 
 
 def load_transformer(path: str | Path) -> torch.nn.Module:
@@ -386,7 +535,9 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
     """Write `components` as a complete diffusers folder (safetensors) that the stock pipeline loads and runs
     offline: `diffusers.WanPipeline.from_pretrained(out_dir, local_files_only=True)`, or for an image-to-video
     transformer (`takes_condition`) `WanImageToVideoPipeline` (no `image_encoder`, `image_processor`,
-    `transformer_2` or `boundary_ratio`: the transformer takes no CLIP embeddings and samples every step).
+    `transformer_2` or `boundary_ratio`: the transformer takes no CLIP embeddings and samples every step), with the
+    components' `image_encoder` and `image_processor` for a transformer that takes CLIP embeddings (Wan 2.1 I2V;
+    ValueError when they are missing, or given for a transformer that takes none).
 
     The scheduler is `FlowMatchEulerDiscreteScheduler(shift=flow.shift, num_train_timesteps=
     flow.num_train_timesteps)` (not the stock Wan folders' `UniPCMultistepScheduler(flow_shift=...)`): its
@@ -400,6 +551,12 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=flow.shift, num_train_timesteps=flow.num_train_timesteps)
     modules = dict(tokenizer=components.tokenizer, text_encoder=components.text_encoder, vae=components.vae,
                    scheduler=scheduler, transformer=components.transformer)
+    if takes_image_embeds(components.transformer) != (components.image_encoder is not None) or \
+            (components.image_encoder is None) != (components.image_processor is None):
+        raise ValueError("a transformer with CLIP image embeddings (image_dim) is exported with its image_encoder and "
+                         "image_processor, and one without, with neither: the components disagree")
+    if components.image_encoder is not None:
+        modules.update(image_encoder=components.image_encoder, image_processor=components.image_processor)
     if isinstance(components.transformer, TwoExperts):
         experts = components.transformer
         if experts.boundary_timestep != experts.boundary_ratio * flow.num_train_timesteps:
@@ -471,18 +628,87 @@ def empty_condition(latent_shape: tuple[int, ...], device: torch.device | str | 
     return torch.zeros(batch_size, CONDITION_CHANNELS, *grid, dtype=torch.float32, device=device)
 
 
+def _clip_picture(image: Any) -> Any:
+    """An image as `WanImageToVideoPipeline.encode_image` is handed it by a user: a PIL image as is; a uint8 (H, W,
+    3) array, or a float (3, H, W) tensor in [0, 1] (rounded to uint8), as a PIL image (what `CLIPImageProcessor`
+    rescales by 1/255). Raises ValueError for another array layout."""
+    from PIL import Image
+
+    if isinstance(image, torch.Tensor):
+        image = image.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
+            raise ValueError(f"an image array must be uint8 (H, W, 3), got {image.dtype} {image.shape}")
+        image = Image.fromarray(image)
+    return image
+
+
+@torch.no_grad()
+def encode_image_embeds(image_encoder: CLIPVisionModel, image_processor: CLIPImageProcessor,
+                        images: list[Any], *, images_per_sample: int = 1) -> torch.Tensor:
+    """N = `images_per_sample` images per sample, B samples (`images`: B x N pictures, sample by sample) -> image
+    embeddings (B, N x 257,
+    D) float32 on the image encoder's device: `WanImageToVideoPipeline.encode_image` (diffusers 0.42.1),
+    `image_encoder(**image_processor(images=...), output_hidden_states=True).hidden_states[-2]`, (B x N, 257, D),
+    each sample's N images' tokens concatenated, as the transformer's `WanImageEmbedding` views the pipeline's
+    `encode_image([image, last_image]).repeat(B, 1, 1)` (`view(-1, 2 * seq_len, D)`). Pictures: PIL, uint8 (H, W,
+    3) arrays or (3, H, W) float tensors in [0, 1] (`_clip_picture`)."""
+    device = next(image_encoder.parameters()).device
+    inputs = image_processor(images=[_clip_picture(image) for image in images], return_tensors="pt").to(device)
+    hidden = image_encoder(**inputs, output_hidden_states=True).hidden_states[-2]  # (B * N, 257, D)
+    return hidden.reshape(len(images) // images_per_sample, -1, hidden.shape[-1]).float()  # (B, N * 257, D)
+
+
+def _per_image(image_embeds: torch.Tensor) -> torch.Tensor:
+    """image_embeds (B, N x 257, D), each sample's N images' tokens in a row -> (B x N, 257, D), what
+    `WanTransformer3DModel` takes as `encoder_hidden_states_image`: the pipeline's `encode_image([image,
+    last_image]).repeat(B, 1, 1)` layout, which the FLF2V transformer's `WanImageEmbedding` views back as
+    (B, 2 x 257, D) (a no-op for one image)."""
+    return image_embeds.reshape(-1, IMAGE_TOKENS, image_embeds.shape[-1])
+
+
+def clip_frames(video: torch.Tensor, condition: str) -> list[np.ndarray]:
+    """A clip batch (B, 3, F, H, W) in [-1, 1] -> the uint8 (H, W, 3) frames its `condition` gives to CLIP, sample
+    by sample: frame 0 (`first`), or frames 0 and F - 1 (`first_last`, two even for F = 1: the FLF2V transformer
+    takes two images' tokens), `round((x + 1) * 127.5)` (the inverse of `vidray.models.vae.frames_to_video`, exact
+    for frames decoded from uint8)."""
+    indices = [0, video.shape[2] - 1] if condition == "first_last" else [0]
+    if condition not in ("first", "first_last"):
+        condition_frames(video.shape[2], condition)  # raises naming the valid conditions
+    frames = ((video.detach().float().cpu() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    return [frames[b, :, i].permute(1, 2, 0).numpy() for b in range(video.shape[0]) for i in indices]
+
+
+def empty_image_embeds(transformer: WanTransformer3DModel, batch_size: int,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+    """The CLIP embeddings of a sample without an image (condition dropout; text-only generation through a Wan 2.1
+    I2V model), (B, T, image_dim) float32 zeros, T = `image_tokens(transformer)`: beside `empty_condition`'s zero
+    latent condition. `WanImageToVideoPipeline` always takes an image; the zeros are the text-to-video input
+    vidray's condition dropout trains."""
+    config = unwrapped(transformer).config
+    return torch.zeros(batch_size, image_tokens(transformer), config.image_dim, dtype=torch.float32, device=device)
+
+
 def probe_loss(model: torch.nn.Module, transformer: WanTransformer3DModel) -> torch.Tensor:
     """The output sum of `model` (`transformer`, maybe DDP-wrapped) on a fixed (1, C, 1, 2, 2) input (one patch of
     (1, 2, 2)) with 2 text tokens (a seeded CPU generator: the global RNG is untouched); fp32 scalar. The probe of
-    `no_grad_parameter_names` and of `vidray.train.parallel.prime_buckets`."""
+    `no_grad_parameter_names` and of `vidray.train.parallel.prime_buckets`. A transformer with CLIP image
+    embeddings (`takes_image_embeds`) gets (1, `image_tokens`, image_dim) of them and WAN_CLIP_TEXT_TOKENS text
+    tokens (its attention splits the context there), so its image branch gets a gradient too."""
     cfg, param = transformer.config, next(transformer.parameters())
     g = torch.Generator().manual_seed(0)
     _, ph, pw = cfg.patch_size
     noisy_latents = torch.randn(1, cfg.in_channels, 1, ph, pw, generator=g).to(param.device, param.dtype)
-    prompt_embeds = torch.randn(1, 2, cfg.text_dim, generator=g).to(param.device, param.dtype)
+    clip = takes_image_embeds(transformer)
+    prompt_embeds = torch.randn(1, WAN_CLIP_TEXT_TOKENS if clip else 2, cfg.text_dim, generator=g)
+    extra = {}
+    if clip:
+        extra["encoder_hidden_states_image"] = _per_image(torch.randn(1, image_tokens(transformer), cfg.image_dim,
+                                                                      generator=g).to(param.device, param.dtype))
     timesteps = torch.full((1,), 500.0, device=param.device)
-    return model(hidden_states=noisy_latents, timestep=timesteps, encoder_hidden_states=prompt_embeds,
-                 return_dict=False)[0].float().sum()
+    return model(hidden_states=noisy_latents, timestep=timesteps,
+                 encoder_hidden_states=prompt_embeds.to(param.device, param.dtype), return_dict=False,
+                 **extra)[0].float().sum()
 
 
 class WanFamily(ModelFamily):
@@ -497,13 +723,14 @@ class WanFamily(ModelFamily):
 
     def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
         """`init: random` -> the `tiny` preset with `model_cfg.text_encoder` (`build_tiny`; its image-to-video
-        transformer for `model.i2v`); `init: pretrained` -> `load_pretrained(model_cfg.pretrained_path)` (the
-        folder's own text encoder), whose task must be the config's (`model.i2v` set for an image-to-video
-        folder). `model.vae_path` replaces the VAE."""
+        transformer for `model.i2v`, Wan 2.1 I2V's with a tiny CLIP for `model.i2v.image_encoder`); `init:
+        pretrained` -> `load_pretrained(model_cfg.pretrained_path)` (the folder's own text and image encoders),
+        whose task must be the config's (`model.i2v` set for an image-to-video folder, `model.i2v.image_encoder`
+        for one with CLIP: `_check_task`). `model.vae_path` replaces the VAE."""
         folder = pretrained_folder(model_cfg, "wan")
         if folder is None:
             components = build_tiny(model_cfg.text_encoder, seed=seed, i2v=model_cfg.i2v is not None,
-                                    boundary_ratio=_boundary_of(model_cfg))
+                                    boundary_ratio=_boundary_of(model_cfg), clip=_clip_images(model_cfg))
         else:
             components = load_pretrained(folder)
             _check_task(components.transformer, model_cfg, str(folder))
@@ -532,7 +759,7 @@ class WanFamily(ModelFamily):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             transformer = _tiny_transformers(model_cfg.text_encoder, i2v=model_cfg.i2v is not None,
-                                             boundary_ratio=_boundary_of(model_cfg))
+                                             boundary_ratio=_boundary_of(model_cfg), clip=_clip_images(model_cfg))
         return transformer.train()
 
     def build_expert(self, model_cfg: ModelConfig, *, seed: int, expert: str) -> WanTransformer3DModel:
@@ -556,18 +783,40 @@ class WanFamily(ModelFamily):
         return transformer.train()
 
     def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
-        """The VAE, text encoder and tokenizer alone (frozen), equal to `build`'s: a folder is loaded with
-        `transformer=None` (diffusers skips it); the tiny preset replays `build_tiny`."""
+        """The VAE, text encoder and tokenizer (and a Wan 2.1 I2V model's image encoder and processor) alone
+        (frozen), equal to `build`'s: a folder is loaded with `transformer=None` (diffusers skips it); the tiny
+        preset replays `build_tiny`."""
         folder = pretrained_folder(model_cfg, "wan")
         if folder is None:
             c = self.build(model_cfg, seed=seed)
-            return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
+            return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer,
+                            image_encoder=c.image_encoder, image_processor=c.image_processor)
         folder, pipeline_class = _pipeline_folder(folder)
         pipe = pipeline_class.from_pretrained(folder, **_WITHOUT_TRANSFORMERS, local_files_only=True)
         _check_vae(pipe.vae, str(folder))
         vae = load_vae_folder(model_cfg.vae_path) if model_cfg.vae_path else pipe.vae.eval().requires_grad_(False)
+        image_encoder, image_processor = _image_encoder_of(pipe, None, folder)
         return Encoders(vae=vae, text_encoder=pipe.text_encoder.eval().requires_grad_(False),
-                        tokenizer=pipe.tokenizer)
+                        tokenizer=pipe.tokenizer, image_encoder=image_encoder, image_processor=image_processor)
+
+    def build_image_encoder(self, model_cfg: ModelConfig, *,
+                            seed: int) -> tuple[CLIPVisionModel, CLIPImageProcessor] | None:
+        """A Wan 2.1 I2V model's (`model.i2v.image_encoder`) frozen CLIP vision tower and processor alone, equal to
+        `build_encoders`'s: a folder's `image_encoder/` and `image_processor/` (nothing else read), the tiny
+        preset's `build_tiny_image_encoder`; None for any other model."""
+        if not _uses_clip(model_cfg):
+            return None
+        folder = pretrained_folder(model_cfg, "wan")
+        if folder is None:
+            return build_tiny_image_encoder(seed=seed)
+        folder, _ = _pipeline_folder(folder)
+        if not _has_clip(folder):
+            raise ValueError(f"pretrained_path {str(folder)!r} has no image_encoder but model.i2v.image_encoder is "
+                             "true: set it to false, or give a Wan 2.1 I2V folder")
+        image_encoder = CLIPVisionModel.from_pretrained(folder, subfolder="image_encoder", local_files_only=True)
+        image_processor = CLIPImageProcessor.from_pretrained(folder, subfolder="image_processor",
+                                                             local_files_only=True)
+        return image_encoder.eval().requires_grad_(False), image_processor
 
     def build_text_encoder(self, model_cfg: ModelConfig, *, seed: int):
         """The frozen text encoder (umT5) and tokenizer alone, equal to `build_encoders`'s: a folder is loaded
@@ -576,7 +825,8 @@ class WanFamily(ModelFamily):
         if folder is None:
             return super().build_text_encoder(model_cfg, seed=seed)
         folder, pipeline_class = _pipeline_folder(folder)
-        pipe = pipeline_class.from_pretrained(folder, **_WITHOUT_TRANSFORMERS, vae=None, local_files_only=True)
+        clip = dict(image_encoder=None, image_processor=None) if pipeline_class is WanImageToVideoPipeline else {}
+        pipe = pipeline_class.from_pretrained(folder, **_WITHOUT_TRANSFORMERS, vae=None, **clip, local_files_only=True)
         return pipe.text_encoder.eval().requires_grad_(False), pipe.tokenizer
 
     def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLWan:
@@ -628,6 +878,31 @@ class WanFamily(ModelFamily):
         """See module-level `empty_condition`: zeros (B, 20, F_lat, H_lat, W_lat)."""
         return empty_condition(latent_shape, device)
 
+    def takes_image_embeds(self, transformer: WanTransformer3DModel) -> bool:
+        """See module-level `takes_image_embeds`: the transformer's `image_dim` is set (Wan 2.1 I2V)."""
+        return takes_image_embeds(transformer)
+
+    def encode_clip_image_embeds(self, image_encoder: CLIPVisionModel, image_processor: CLIPImageProcessor,
+                                 video: torch.Tensor, condition: str) -> torch.Tensor:
+        """A training clip (B, 3, F, H, W) in [-1, 1] -> the CLIP embeddings (B, T, image_dim) float32 of its own
+        `condition` frames (`clip_frames`: frame 0, or 0 and F - 1, as uint8 pictures), `encode_image_embeds`d:
+        what the stock pipeline's `encode_image` makes of those frames given as `image` (and `last_image`)."""
+        per_sample = 2 if condition == "first_last" else 1
+        return encode_image_embeds(image_encoder, image_processor, clip_frames(video, condition),
+                                   images_per_sample=per_sample)
+
+    def encode_image_embeds(self, image_encoder: CLIPVisionModel, image_processor: CLIPImageProcessor, image: Any,
+                            *, last_image: Any = None) -> torch.Tensor:
+        """A first image (and an optional last) -> CLIP embeddings (1, T, image_dim) float32 (`encode_image_embeds`
+        of [image] or [image, last_image]), as `WanImageToVideoPipeline.__call__` step 4 embeds them."""
+        images = [image] if last_image is None else [image, last_image]
+        return encode_image_embeds(image_encoder, image_processor, images, images_per_sample=len(images))
+
+    def empty_image_embeds(self, transformer: WanTransformer3DModel, batch_size: int,
+                           device: torch.device | str | None = None) -> torch.Tensor:
+        """See module-level `empty_image_embeds`: zeros (B, T, image_dim)."""
+        return empty_image_embeds(transformer, batch_size, device)
+
     def encode_video(self, vae: AutoencoderKLWan, video: torch.Tensor) -> torch.Tensor:
         """`vidray.models.vae.encode_video`: (posterior mode - latents_mean) / latents_std per channel,
         (B, 16, (F-1)//4+1, H//8, W//8) float32."""
@@ -656,12 +931,18 @@ class WanFamily(ModelFamily):
         prompt_embeds: torch.Tensor,
         prompt_attention_mask: torch.Tensor,
         inpaint_latents: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """noisy_latents (B, 16, F, H, W), timesteps (B,) = sigmas * num_train_timesteps, prompt_embeds (B, L, D),
         prompt_attention_mask (B, L) -> model_pred (B, 16, F, H, W), the velocity (noise - latents). An
         image-to-video transformer (`takes_condition`) also takes its condition `inpaint_latents` (B, 20, F, H, W)
         (`encode_clip_condition`, `encode_image_condition`, `empty_condition`), concatenated after the noisy latents
-        along channels as `WanImageToVideoPipeline`'s loop does; a text-to-video one takes none (ValueError).
+        along channels as `WanImageToVideoPipeline`'s loop does; a text-to-video one takes none (ValueError). A
+        Wan 2.1 I2V transformer (`takes_image_embeds`) also takes `image_embeds` (B, T, image_dim), T =
+        `image_tokens` (`encode_clip_image_embeds`, `encode_image_embeds`, `empty_image_embeds`), passed as
+        `encoder_hidden_states_image` in the latents' dtype as the pipeline's loop does, one row per image
+        (`_per_image`: (B x N, 257, image_dim)) (ValueError when missing, misshapen, or given to another
+        transformer).
 
         Called exactly like WanPipeline's denoising loop: `hidden_states` and `encoder_hidden_states` in the
         latents' dtype, `timestep` as given (the pipeline passes the scheduler's float32 timesteps uncast),
@@ -688,11 +969,21 @@ class WanFamily(ModelFamily):
             hidden_states = torch.cat([noisy_latents, inpaint_latents.to(noisy_latents.dtype)], dim=1)
         elif inpaint_latents is not None:
             raise ValueError("a text-to-video transformer takes no inpaint_latents (the model has no image input)")
+        extra = {}
+        if takes_image_embeds(transformer):
+            expected = (batch_size, image_tokens(transformer), unwrapped(transformer).config.image_dim)
+            if image_embeds is None or tuple(image_embeds.shape) != expected:
+                found = None if image_embeds is None else tuple(image_embeds.shape)
+                raise ValueError(f"a Wan 2.1 I2V transformer needs its CLIP image_embeds {expected}, got {found}")
+            extra["encoder_hidden_states_image"] = _per_image(image_embeds.to(noisy_latents.dtype))
+        elif image_embeds is not None:
+            raise ValueError("this transformer takes no CLIP image_embeds (image_dim null)")
         return transformer(
             hidden_states=hidden_states,
             timestep=timesteps,
             encoder_hidden_states=prompt_embeds.to(dtype=noisy_latents.dtype),
             return_dict=False,
+            **extra,
         )[0]
 
     def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:
@@ -708,7 +999,7 @@ class WanFamily(ModelFamily):
 
     def no_grad_parameter_names(self, transformer: WanTransformer3DModel) -> list[str]:
         """Trainable parameters without a gradient from `probe_loss` (`vidray.models.folders.unused_parameter_names`);
-        none in a WanTransformer3DModel without CLIP image branch. `TwoExperts`: each expert probed alone (one probe
+        none in a WanTransformer3DModel (its CLIP image branch included: `probe_loss` feeds it image embeddings). `TwoExperts`: each expert probed alone (one probe
         timestep reaches one expert only), names prefixed `transformer.` / `transformer_2.`."""
         if isinstance(transformer, TwoExperts):
             return [f"{name}.{param}" for name in ("transformer", "transformer_2")

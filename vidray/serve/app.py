@@ -520,13 +520,13 @@ class VideoJobService:
         if guided:
             calls.append(self.text.encode.remote(params.get("negative_prompt", "")))
         condition = None
-        if job.input_reference is not None:  # image-to-video: the first frame's inpaint latents, by the VAE stage
+        if job.input_reference is not None:  # image-to-video: the first frame's condition, by the VAE stage
             image = await asyncio.to_thread(self.store.read_input, job.id)
             if image is None:
                 return None  # deleted (or expired) meanwhile: its input went with it
             condition = self.vae.encode_image.remote(image, (num_frames, height, width), params["seed"])
         encoded = [await call for call in calls]
-        inpaint_latents = None if condition is None else await condition
+        condition = {} if condition is None else await condition  # inpaint_latents[, image_embeds]
         progress["value"] = 5
         # 2. Denoise, following the step events.
         prompt_embeds, prompt_attention_mask = encoded[0]
@@ -537,7 +537,7 @@ class VideoJobService:
             "guidance_scale": params["guidance_scale"],
             "latent_shape": self.info.family.latent_shape((num_frames, height, width), 1),
             "num_inference_steps": params["num_inference_steps"], "seed": params["seed"],
-            "inpaint_latents": inpaint_latents, "sent_at": time.time(),
+            "inpaint_latents": None, **condition, "sent_at": time.time(),
         }
         # A two-expert model's high-noise stage hands its latents and step to the low-noise one (seed 004's layout).
         final = None

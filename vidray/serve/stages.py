@@ -60,18 +60,22 @@ def _max_ongoing_requests() -> int | None:
         return None
 
 
-def _load(model_path: str, component: str, lora_path: str | None = None, expert: str | None = None):
+def _load(model_path: str, component: str, lora_path: str | None = None, *, also: tuple[str, ...] = (),
+          expert: str | None = None):
     """The model folder's `component` alone ("transformer", "vae" or "text_encoder" with its tokenizer; the
-    others are None and never read: `vidray.models.export.load_model`), with the LoRA at `lora_path` merged into
-    the transformer when given, the transformer as the one `expert` of two when given, on this replica's GPU when
-    it has one (`ray_actor_options.num_gpus`), else the CPU."""
+    others are None and never read: `vidray.models.export.load_model`), and the components named in `also`
+    (the VAE stage's "image_encoder": None for a model without one), with the LoRA at `lora_path` merged into the
+    transformer when given, the transformer as the one `expert` of two when given, on this replica's GPU when it
+    has one (`ray_actor_options.num_gpus`), else the CPU."""
     import torch
 
     from vidray.models.export import load_model
 
-    model = load_model(model_path, lora_path=lora_path, components=(component,), expert=expert)
+    model = load_model(model_path, lora_path=lora_path, components=(component, *also), expert=expert)
     if torch.cuda.is_available():
-        getattr(model.components, component).to("cuda")
+        for name in (component, *also):
+            if getattr(model.components, name) is not None:
+                getattr(model.components, name).to("cuda")
     return model
 
 
@@ -104,7 +108,8 @@ class TextEncoder:
 @serve.deployment(name="VaeDecoder", max_ongoing_requests=8)
 class VaeDecoder:
     """latents (1, C_lat, F_lat, H_lat, W_lat) -> uint8 frames (F, H, W, 3) RGB; and for an image-to-video model
-    a first-frame image -> its condition (`encode_image`), with the same VAE.
+    a first-frame image -> its condition (`encode_image`), with the same VAE (and, for a model that takes image
+    embeddings, Wan 2.1 I2V's CLIP, the image encoder this stage also loads).
 
     One decode at a time per replica: the VAE is not re-entrant. diffusers' `AutoencoderKLMagvit` (EasyAnimate)
     keeps each call's causal-convolution state in its modules (`prev_features`, carried from one temporal chunk to
@@ -114,19 +119,22 @@ class VaeDecoder:
     """
 
     def __init__(self, model_path: str):
-        model = _load(model_path, "vae")
+        model = _load(model_path, "vae", also=("image_encoder",))
         self.family = model.family
         self.vae = model.components.vae
+        self.image_encoder = model.components.image_encoder  # None unless the model takes image embeddings
+        self.image_processor = model.components.image_processor
         self._decoding = asyncio.Lock()
         del model
 
     async def encode_image(self, image: bytes, bucket: tuple[int, int, int], seed: int = 0) -> Any:
         """An image-to-video request's condition: `image` (the `input_reference` file's bytes: PNG, JPEG, ...) ->
-        inpaint_latents (1, C_in, F_lat, H_lat, W_lat) float32 for a `bucket` (F, H, W) video, the image resized
-        to the bucket as the family's stock pipeline does (`ModelFamily.encode_image_condition`, what `vidray
-        generate --image` samples with; a family with `samples_image_posterior` gets a CPU generator seeded with the
-        request's `seed`, as generate gives it).
-        Raises ValueError for bytes PIL cannot decode."""
+        {"inpaint_latents": (1, C_in, F_lat, H_lat, W_lat) float32} for a `bucket` (F, H, W) video, the image
+        resized to the bucket as the family's stock pipeline does (`ModelFamily.encode_image_condition`, what
+        `vidray generate --image` samples with; a family with `samples_image_posterior` gets a CPU generator seeded
+        with the request's `seed`, as generate gives it), plus "image_embeds" (1, T, D_img) float32
+        (`ModelFamily.encode_image_embeds`) when the model has an image encoder (Wan 2.1 I2V): the request keys
+        the `Denoiser` reads. Raises ValueError for bytes PIL cannot decode."""
         import io
 
         import torch
@@ -144,7 +152,12 @@ class VaeDecoder:
             with torch.inference_mode():
                 extra = ({"generator": torch.Generator("cpu").manual_seed(int(seed))}
                          if self.family.samples_image_posterior else {})
-                return self.family.encode_image_condition(self.vae, picture, Bucket(*bucket), **extra).float().cpu()
+                condition = {"inpaint_latents": self.family.encode_image_condition(
+                    self.vae, picture, Bucket(*bucket), **extra).float().cpu()}
+                if self.image_encoder is not None:
+                    condition["image_embeds"] = self.family.encode_image_embeds(
+                        self.image_encoder, self.image_processor, picture).float().cpu()
+                return condition
 
         async with self._decoding:  # the VAE is not re-entrant (class docstring)
             return await asyncio.to_thread(run)
@@ -222,7 +235,7 @@ class Denoiser:
                  expert: str | None = None):
         from vidray.models.export import inspect_model, model_experts
 
-        model = _load(model_path, "transformer", lora_path, expert)
+        model = _load(model_path, "transformer", lora_path, expert=expert)
         self.family, self.flow = model.family, model.flow
         self.transformer = model.components.transformer.eval()
         del model
@@ -278,7 +291,7 @@ class Denoiser:
 
         # 1. The stage boundary: injected delay (benchmarks), then one transfer measurement.
         num_bytes = tensor_bytes(request["prompt_embeds"], request.get("negative_prompt_embeds"),
-                                 request.get("inpaint_latents"), request.get("latents"))
+                                 request.get("inpaint_latents"), request.get("image_embeds"), request.get("latents"))
         delay = self.boundary_delay_s + (num_bytes / self.boundary_bytes_per_s if self.boundary_bytes_per_s else 0)
         if delay:
             await asyncio.sleep(delay)
@@ -300,6 +313,7 @@ class Denoiser:
             negative_prompt_embeds=request.get("negative_prompt_embeds"),
             negative_prompt_attention_mask=request.get("negative_prompt_attention_mask"),
             inpaint_latents=self._condition(request),
+            image_embeds=self._image_embeds(request),
         )
         if state.done:
             self.metrics.count_request("completed")
@@ -356,6 +370,20 @@ class Denoiser:
         if inpaint is None:
             return self.family.empty_condition(tuple(request["latent_shape"]))
         return inpaint
+
+    def _image_embeds(self, request: dict[str, Any]) -> Any:
+        """A model's image embeddings for `request` when it takes them (`family.takes_image_embeds`, Wan 2.1 I2V):
+        its "image_embeds" (1, T, D_img) from the `VaeDecoder`, or the family's empty ones (text-to-video through
+        the model, as `vidray generate` without `--image`); None for any other model. Raises ValueError for image
+        embeddings sent to a model that takes none."""
+        image_embeds = request.get("image_embeds")
+        if not self.family.takes_image_embeds(self.transformer):
+            if image_embeds is not None:
+                raise ValueError("this model takes no image embeddings: a request carries no image_embeds")
+            return None
+        if image_embeds is None:
+            return self.family.empty_image_embeds(self.transformer, 1)
+        return image_embeds
 
     async def _step_loop(self) -> None:
         """Admit, step, release, forever (one task per replica). A failure outside a step (a bug) is logged and

@@ -465,7 +465,8 @@ class Worker:
 
     def _condition(self, batch: TrainBatch) -> dict[str, Any]:
         """An image-to-video model's (`model.i2v`) keyword arguments of `flow_matching_step_loss`: the batch's
-        inpaint_latents and `model.i2v.condition_dropout`; nothing for a text-to-video model. Raises RuntimeError
+        inpaint_latents (and image_embeds with `model.i2v.image_encoder`) and `model.i2v.condition_dropout`;
+        nothing for a text-to-video model. Raises RuntimeError
         when the encode stage delivered no condition for an image-to-video model."""
         i2v = self.job.model.i2v
         if i2v is None:
@@ -473,8 +474,14 @@ class Worker:
         if batch.inpaint_latents is None:
             raise RuntimeError(f"model.i2v is set but step {batch.step}'s micro-batch came without inpaint_latents "
                                "from the encode stage")
-        return {"inpaint_latents": batch.inpaint_latents.to(self.device),
-                "condition_dropout": i2v.condition_dropout}
+        condition = {"inpaint_latents": batch.inpaint_latents.to(self.device),
+                     "condition_dropout": i2v.condition_dropout}
+        if i2v.image_encoder:  # Wan 2.1 I2V: the CLIP image embeddings beside the latent condition
+            if batch.image_embeds is None:
+                raise RuntimeError(f"model.i2v.image_encoder is set but step {batch.step}'s micro-batch came without "
+                                   "image_embeds from the encode stage")
+            condition["image_embeds"] = batch.image_embeds.to(self.device)
+        return condition
 
     def _note_batch(self, batch: TrainBatch) -> None:
         """A micro-batch's loader counters, skipped shards and clips, and the nodes its stages ran on."""
@@ -702,7 +709,8 @@ def _build_unsharded(family: Any, job: Any) -> torch.nn.Module:
 
 def _export_pipeline(family: Any, trained_full: torch.nn.Module, job: Any, ema_weights: dict[str, torch.Tensor] | None,
                      run_dir: str) -> str:
-    """Rank 0's diffusers export of the trained DiT with the job's VAE and text encoder (and the job file) into
+    """Rank 0's diffusers export of the trained DiT with the job's VAE and text encoder (and a Wan 2.1 I2V model's
+    image encoder; the job file) into
     `<run_dir>/diffusers`; returns that folder. `ema_weights` ({parameter name: full average}, with
     `export.weights: ema`) replace the trained weights of those names. A local run folder is written directly; for
     a URI a local temp folder is uploaded with model_index.json last (`upload_dir`: a half-uploaded export never
@@ -711,11 +719,12 @@ def _export_pipeline(family: Any, trained_full: torch.nn.Module, job: Any, ema_w
     remote = is_uri(run_dir)
     diffusers_dir = f"{run_dir.rstrip('/')}/diffusers" if remote else str(Path(run_dir) / "diffusers")
     trained_full.eval()
-    encoders = family.build_encoders(job.model, seed=job.train.seed)  # the export's VAE and text encoder
+    encoders = family.build_encoders(job.model, seed=job.train.seed)  # the export's VAE and text (image) encoder
     if ema_weights is not None:
         copy_averages_to(trained_full, ema_weights)  # training is over: the export holds the averages
     components = Components(transformer=trained_full, vae=encoders.vae, text_encoder=encoders.text_encoder,
-                            tokenizer=encoders.tokenizer)
+                            tokenizer=encoders.tokenizer, image_encoder=encoders.image_encoder,
+                            image_processor=encoders.image_processor)
     if remote:
         from vidray.data.storage import upload_dir
         from vidray.models.export import MODEL_INDEX

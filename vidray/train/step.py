@@ -41,6 +41,7 @@ def flow_matching_step_loss(
     loss_weights: torch.Tensor | None = None,
     inpaint_latents: torch.Tensor | None = None,
     condition_dropout: float = 0.0,
+    image_embeds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rectified-flow loss of one batch (Esser et al. 2024, eq. 1-3; formulas in vidray.diffusion.flow_matching).
 
@@ -57,6 +58,9 @@ def flow_matching_step_loss(
             1 - condition_dropout, else gets `family.empty_condition` (the text-to-video input), drawn by
             `condition_keep` from the sample's own generator after its noise and sigma.
         condition_dropout: `model.i2v.condition_dropout`, in [0, 1).
+        image_embeds: the image embeddings (B, T, D_img) of a model that `family.takes_image_embeds` (Wan 2.1 I2V's
+            CLIP, `family.encode_clip_image_embeds`), or None. A sample that loses its condition loses these too
+            (zeros, `family.empty_image_embeds`), by the same draw.
     Returns:
         scalar fp32 loss: without weights, mse(model_pred, target) (flow matching: target = noise - latents); with weights,
         sum_i w_i * mse_i, mse_i being sample i's mean squared error (the caller normalises the sum).
@@ -76,6 +80,11 @@ def flow_matching_step_loss(
         keep = condition_keep(generator, batch_size, condition_dropout).to(latents.device)  # (B,) bool
         empty = family.empty_condition(tuple(latents.shape), device=latents.device).to(inpaint_latents.dtype)
         condition["inpaint_latents"] = torch.where(keep.view(-1, 1, 1, 1, 1), inpaint_latents, empty)
+        if image_embeds is not None:
+            no_image = family.empty_image_embeds(transformer, batch_size, device=latents.device)
+            condition["image_embeds"] = torch.where(keep.view(-1, 1, 1), image_embeds, no_image.to(image_embeds.dtype))
+    elif image_embeds is not None:
+        raise ValueError("image_embeds come with an image-to-video model's inpaint_latents")
     noisy_latents = family.noisy_latents(latents, noise, sigmas)  # the family's objective (flow matching here)
     timesteps = family.model_timesteps(sigmas, flow.num_train_timesteps)
     model_pred = family.predict(transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask,
