@@ -14,10 +14,16 @@ trained with `CogVideoXFamily.predict` behaves the same inside the stock pipelin
   it);
 - latents: `posterior mode * vae.config.scaling_factor`, decoded as `vae.decode(latents / scaling_factor)`
   (the pipeline's `decode_latents`; `vidray.models.vae` with a scalar scale and no shift);
-- objective and sampler: v-prediction on CogVideoX-2b's `CogVideoXDDIMScheduler` schedule (scaled-linear betas,
-  SNR shift 3, zero terminal SNR, trailing timesteps; `vidray.diffusion.ddim`), and the export carries that
-  scheduler, so the stock pipeline takes the same DDIM steps as `vidray.diffusion.sampler`. A noise level sigma
-  in [0, 1] is the timestep sigma * 1000 (rounded); the sampler's schedule ends at -1 / 1000 (the final alpha).
+- objective and sampler: v-prediction on the model's own `CogVideoXDDIMScheduler` schedule (`vidray.diffusion.ddim`
+  computes its alphas as `CogVideoXDDIMScheduler.__init__` does: betas, SNR shift, zero terminal SNR), DDIM steps on
+  its trailing timesteps, and the export carries that scheduler config, so the stock pipeline takes the same DDIM
+  steps as `vidray.diffusion.sampler`. The tiny preset and CogVideoX-2b folders carry `SCHEDULER_CONFIG`
+  (`snr_shift_scale` 3.0); CogVideoX-5b, 5b-I2V and 1.5 folders `SCHEDULER_CONFIG_5B` (1.0); a folder's config is
+  checked by `check_scheduler_config` (v-prediction, trailing, no clipping, 1000 train timesteps; any betas, SNR
+  shift, rescale and final alpha). The protocol's objective methods get tensors only, so the config of the model
+  the family last built or loaded is bound for the process (`bind_scheduler_config`), and `predict` refuses a
+  transformer of another. A noise level sigma in [0, 1] is the timestep sigma * 1000 (rounded); the sampler's
+  schedule ends at -1 / 1000 (the final alpha).
 
 Image-to-video (`model.i2v`, condition `first`), as diffusers/pipelines/cogvideo/pipeline_cogvideox_image2video.py
 (`CogVideoXImageToVideoPipeline`, CogVideoX-5b-I2V) builds it: the transformer's `in_channels` is 32, the noisy latents
@@ -63,14 +69,19 @@ from vidray.models.vae import decode_latents, encode_video
 
 __all__ = [
     "SCHEDULER_CONFIG",
+    "SCHEDULER_CONFIG_5B",
     "TINY_I2V_TRANSFORMER",
     "TINY_TRANSFORMER",
     "TINY_VAE",
     "CogVideoXFamily",
+    "bind_scheduler_config",
+    "bound_scheduler_config",
     "build_tiny",
+    "check_scheduler_config",
     "empty_condition",
     "encode_image_latents",
     "encode_prompts",
+    "folder_scheduler_config",
     "image_condition",
     "preprocess_image",
     "load_pretrained",
@@ -78,6 +89,8 @@ __all__ = [
     "probe_loss",
     "rotary_positional_embeddings",
     "save_pipeline",
+    "schedule_of",
+    "scheduler_config_of",
     "takes_image_latents",
 ]
 
@@ -115,18 +128,111 @@ SCHEDULER_CONFIG = dict(
     clip_sample=False,
     steps_offset=0,
 )
-"""CogVideoX-2b's scheduler/scheduler_config.json (`CogVideoXDDIMScheduler`): what the family trains and samples
-with, and what its export carries."""
-SCHEDULE = ddim.ddim_schedule(
-    NUM_TRAIN_TIMESTEPS, beta_start=SCHEDULER_CONFIG["beta_start"], beta_end=SCHEDULER_CONFIG["beta_end"],
-    beta_schedule=SCHEDULER_CONFIG["beta_schedule"], snr_shift_scale=SCHEDULER_CONFIG["snr_shift_scale"],
-    rescale_betas_zero_snr=SCHEDULER_CONFIG["rescale_betas_zero_snr"],
-    set_alpha_to_one=SCHEDULER_CONFIG["set_alpha_to_one"])
+"""CogVideoX-2b's scheduler/scheduler_config.json (`CogVideoXDDIMScheduler`): what the tiny preset trains and samples
+with and its export carries (a folder's own config is followed: `folder_scheduler_config`)."""
+SCHEDULER_CONFIG_5B = dict(SCHEDULER_CONFIG, snr_shift_scale=1.0)
+"""CogVideoX-5b's, 5b-I2V's and CogVideoX1.5-5B's scheduler/scheduler_config.json: CogVideoX-2b's but for
+`snr_shift_scale` 1.0 (no SNR shift). A folder's own config is what the family trains and samples with
+(`folder_scheduler_config`); this one is for tests and docs."""
+_FREE_KEYS = ("beta_start", "beta_end", "beta_schedule", "snr_shift_scale", "rescale_betas_zero_snr",
+              "set_alpha_to_one", "steps_offset")
+"""The scheduler keys a folder may set as it likes: `vidray.diffusion.ddim` follows each (steps_offset plays no part
+with trailing timesteps). The other keys of `SCHEDULER_CONFIG` must be as there (`check_scheduler_config`)."""
+
+
+def schedule_of(scheduler_config: dict[str, Any]) -> ddim.DDIMSchedule:
+    """The `vidray.diffusion.ddim` schedule of a checked `CogVideoXDDIMScheduler` config (`check_scheduler_config`):
+    alphas_cumprod (1000,) float64 as diffusers' `CogVideoXDDIMScheduler.__init__` computes them (betas, then the
+    SNR shift, then zero terminal SNR), and the final alpha."""
+    return ddim.ddim_schedule(
+        scheduler_config["num_train_timesteps"], beta_start=scheduler_config["beta_start"],
+        beta_end=scheduler_config["beta_end"], beta_schedule=scheduler_config["beta_schedule"],
+        snr_shift_scale=scheduler_config["snr_shift_scale"],
+        rescale_betas_zero_snr=scheduler_config["rescale_betas_zero_snr"],
+        set_alpha_to_one=scheduler_config["set_alpha_to_one"])
+
+
+SCHEDULE = schedule_of(SCHEDULER_CONFIG)
 """`SCHEDULER_CONFIG` as `vidray.diffusion.ddim` computes it (checked against CogVideoXDDIMScheduler in
 tests/unit/test_ddim.py)."""
-_SCHEDULE_KEYS = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule", "snr_shift_scale",
-                  "rescale_betas_zero_snr", "prediction_type", "set_alpha_to_one")
-"""Scheduler config keys a pretrained folder must share with `SCHEDULER_CONFIG` (they define the objective)."""
+
+
+def check_scheduler_config(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """A scheduler config (a folder's scheduler_config.json as a dict) -> the `SCHEDULER_CONFIG` keys with the
+    folder's values (diffusers' defaults where it has none), if the family can follow it: a `CogVideoXDDIMScheduler`
+    with v-prediction, 1000 train timesteps, trailing timesteps, no clipping and no `trained_betas`, any betas
+    (linear or scaled_linear), SNR shift, zero-terminal-SNR rescale and final alpha (`_FREE_KEYS`). Raises
+    ValueError in one line naming `where`, the key and the fix otherwise."""
+    name = config.get("_class_name", "CogVideoXDDIMScheduler")
+    if name != "CogVideoXDDIMScheduler":
+        raise ValueError(f"{where}: scheduler is {name}, but the cogvideox family samples with CogVideoXDDIMScheduler "
+                         "(DDIM on the same v-prediction schedule): set _class_name to CogVideoXDDIMScheduler in "
+                         "scheduler/scheduler_config.json")
+    full = dict(CogVideoXDDIMScheduler.from_config({k: v for k, v in config.items() if not k.startswith("_")}).config)
+    checked = {key: full[key] for key in SCHEDULER_CONFIG}
+    for key, expected in SCHEDULER_CONFIG.items():
+        if key not in _FREE_KEYS and checked[key] != expected:
+            raise ValueError(f"{where}: scheduler {key}={checked[key]!r}, but the cogvideox family trains and samples "
+                             f"with {key}={expected!r} (v-prediction, DDIM on trailing timesteps, as CogVideoX's own "
+                             f"folders): set {key}: {json.dumps(expected)} in scheduler/scheduler_config.json")
+    if full.get("trained_betas") is not None:
+        raise ValueError(f"{where}: scheduler trained_betas is set, but the cogvideox family computes its betas from "
+                         "beta_start, beta_end and beta_schedule: set trained_betas: null in "
+                         "scheduler/scheduler_config.json")
+    if checked["beta_schedule"] not in ("linear", "scaled_linear"):
+        raise ValueError(f"{where}: scheduler beta_schedule={checked['beta_schedule']!r}, but the cogvideox family "
+                         "follows 'linear' or 'scaled_linear' only: set one in scheduler/scheduler_config.json")
+    shift = checked["snr_shift_scale"]
+    if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not shift > 0:
+        raise ValueError(f"{where}: scheduler snr_shift_scale={shift!r} must be a number > 0 (3.0: CogVideoX-2b, 1.0: "
+                         "CogVideoX-5b and 1.5): fix scheduler/scheduler_config.json")
+    return checked
+
+
+_BOUND: dict[str, Any] = {"config": SCHEDULER_CONFIG, "schedule": SCHEDULE}
+"""The scheduler config the family's objective methods follow in this process (`bind_scheduler_config`)."""
+_TRANSFORMER_ATTRIBUTE = "_vidray_cogvideox_scheduler_config"
+"""The attribute a transformer the family built or loaded carries its scheduler config in (`scheduler_config_of`)."""
+
+
+def bind_scheduler_config(scheduler_config: dict[str, Any],
+                          transformer: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Make `scheduler_config` (checked: `check_scheduler_config`) the one `CogVideoXFamily.noisy_latents`,
+    `training_target` and `sampler_step` follow in this process, and attach it to `transformer` (what `predict` and
+    `save_pipeline` read). Returns the config bound before (to restore it).
+
+    Why a process-wide binding: the `ModelFamily` protocol hands those methods tensors only (no model, no job), and a
+    CogVideoX folder carries its own schedule (CogVideoX-2b's `snr_shift_scale` 3.0, 5b's and 1.5's 1.0). Every
+    family function that builds or loads a transformer binds its config (a training worker, a serve replica and
+    `vidray generate` each run one model), and `predict` refuses a transformer whose config is not the bound one, so
+    a process mixing schedules fails loudly rather than training or sampling on the wrong one."""
+    previous = _BOUND["config"]
+    if scheduler_config != previous:
+        _BOUND.update(config=dict(scheduler_config), schedule=schedule_of(scheduler_config))
+    if transformer is not None:
+        object.__setattr__(unwrapped(transformer), _TRANSFORMER_ATTRIBUTE, dict(scheduler_config))
+    return previous
+
+
+def bound_scheduler_config() -> dict[str, Any]:
+    """The scheduler config bound in this process (`bind_scheduler_config`; `SCHEDULER_CONFIG` until a folder with
+    another is loaded)."""
+    return dict(_BOUND["config"])
+
+
+def scheduler_config_of(transformer: torch.nn.Module) -> dict[str, Any]:
+    """The scheduler config `transformer` (maybe DDP-wrapped) was built or loaded with (`bind_scheduler_config`), else
+    the bound one (a transformer made outside the family)."""
+    config = getattr(unwrapped(transformer), _TRANSFORMER_ATTRIBUTE, None)
+    return dict(config) if config is not None else bound_scheduler_config()
+
+
+def folder_scheduler_config(folder: str | Path) -> dict[str, Any]:
+    """A CogVideoX folder's scheduler/scheduler_config.json, checked (`check_scheduler_config`, errors naming the
+    folder)."""
+    config = CogVideoXDDIMScheduler.load_config(folder, subfolder="scheduler", local_files_only=True)
+    return check_scheduler_config(config, f"pretrained_path {str(folder)!r}")
+
 
 TINY_TRANSFORMER = dict(
     num_attention_heads=2,
@@ -239,16 +345,6 @@ def _pipeline_class(path: str | Path) -> type:
     return CogVideoXImageToVideoPipeline if _folder_pipeline(path) == I2V_PIPELINE else CogVideoXPipeline
 
 
-def _check_scheduler(folder: Path) -> None:
-    """Raise ValueError unless the folder's scheduler config defines the family's objective (`SCHEDULER_CONFIG`)."""
-    config = CogVideoXDDIMScheduler.load_config(folder, subfolder="scheduler", local_files_only=True)
-    for key in _SCHEDULE_KEYS:
-        if key in config and config[key] != SCHEDULER_CONFIG[key]:
-            raise ValueError(f"pretrained_path {str(folder)!r}: scheduler {key}={config[key]!r}, but the cogvideox "
-                             f"family trains and samples with CogVideoX-2b's schedule ({key}={SCHEDULER_CONFIG[key]!r})"
-                             " only yet; give a folder with that scheduler")
-
-
 def _check_folder(path: str | Path, model_cfg: ModelConfig | None = None) -> Path:
     """`require_pipeline_folder` for a CogVideoXPipeline or CogVideoXImageToVideoPipeline, then its scheduler's and
     transformer's configs (before any weights load): the pipeline class and the transformer's in_channels must
@@ -256,7 +352,7 @@ def _check_folder(path: str | Path, model_cfg: ModelConfig | None = None) -> Pat
     null for a text-to-video one). Returns the folder. Raises ValueError in one line naming the folder otherwise."""
     pipeline = _folder_pipeline(path)
     folder = require_pipeline_folder(path, pipeline, PIPELINE_COMPONENTS)
-    _check_scheduler(folder)
+    folder_scheduler_config(folder)
     config = CogVideoXTransformer3DModel.load_config(folder, subfolder="transformer", local_files_only=True)
     _check_transformer(config, str(folder))
     image_to_video = config["in_channels"] == I2V_IN_CHANNELS
@@ -331,6 +427,7 @@ def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int 
         torch.manual_seed(seed)
         transformer = _tiny_transformer(text_encoder_kind, i2v=i2v)
         vae = AutoencoderKLCogVideoX(**TINY_VAE)
+    bind_scheduler_config(SCHEDULER_CONFIG, transformer)
     return Components(transformer=transformer.train(), vae=vae.eval().requires_grad_(False),
                       text_encoder=text_encoder, tokenizer=tokenizer)
 
@@ -340,13 +437,15 @@ def load_pretrained(path: str | Path) -> Components:
     `CogVideoXPipeline` (T2V) or a `CogVideoXImageToVideoPipeline` (I2V, transformer in_channels 32).
 
     Raises FileNotFoundError naming the folder when it has no model_index.json or lacks a component subfolder,
-    ValueError when it is another pipeline's folder (another family), its scheduler is not `SCHEDULER_CONFIG`'s
-    objective, or its layout is not CogVideoX 1.0's (1.5; a pipeline class and in_channels that disagree). The VAE
-    and text encoder come back frozen; the transformer in train mode.
+    ValueError when it is another pipeline's folder (another family), its scheduler config is one the family cannot
+    follow (`check_scheduler_config`), or its layout is not CogVideoX 1.0's (1.5; a pipeline class and in_channels
+    that disagree). The VAE and text encoder come back frozen; the transformer in train mode, its scheduler config
+    bound (`bind_scheduler_config`).
     """
     path = _check_folder(path)
     pipe = _pipeline_class(path).from_pretrained(path, local_files_only=True)
     _check_vae(pipe.vae, str(path))
+    bind_scheduler_config(folder_scheduler_config(path), pipe.transformer)
     return Components(transformer=pipe.transformer.train(), vae=pipe.vae.eval().requires_grad_(False),
                       text_encoder=pipe.text_encoder.eval().requires_grad_(False), tokenizer=pipe.tokenizer)
 
@@ -357,7 +456,9 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
     image-to-video transformer (`takes_image_latents`) is written as a `CogVideoXImageToVideoPipeline` (the same
     components), which samples what `vidray generate --image` samples given the same image, seed and noise.
 
-    The scheduler is `CogVideoXDDIMScheduler(**SCHEDULER_CONFIG)`: its `set_timesteps` gives the family's
+    The scheduler is `CogVideoXDDIMScheduler(**scheduler_config_of(transformer))`, the config the transformer was
+    built or loaded with (CogVideoX-2b's for the tiny preset, a 5b folder's `snr_shift_scale` 1.0 for a model
+    fine-tuned from it): its `set_timesteps` gives the family's
     `inference_sigmas` and its `step` is `vidray.diffusion.ddim.ddim_step`, so the stock pipeline samples what
     vidray samples (`flow.shift` plays no part: this is not flow matching). Two differences to know: the stock
     pipeline draws its initial noise laid out (B, F, C, H, W), so pass it vidray's noise permuted as `latents=` to
@@ -371,8 +472,22 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
     pipeline = CogVideoXImageToVideoPipeline if takes_image_latents(components.transformer) else CogVideoXPipeline
     pipe = pipeline(tokenizer=components.tokenizer, text_encoder=components.text_encoder,
                     vae=components.vae, transformer=components.transformer,
-                    scheduler=CogVideoXDDIMScheduler(**SCHEDULER_CONFIG))
+                    scheduler=CogVideoXDDIMScheduler(**scheduler_config_of(components.transformer)))
     return write_pipeline_folder(pipe, out_dir)
+
+
+def _check_bound(transformer: torch.nn.Module) -> None:
+    """Raise ValueError unless `transformer`'s scheduler config (`scheduler_config_of`) is the bound one: the
+    objective and the sampler step of this process follow the bound config (`bind_scheduler_config`)."""
+    own = getattr(transformer, _TRANSFORMER_ATTRIBUTE, None)
+    if own is not None and own != _BOUND["config"]:
+        keys = sorted(k for k in own if own[k] != _BOUND["config"].get(k))
+        found = ", ".join(f"{k}={own[k]!r}" for k in keys)
+        bound = ", ".join(f"{k}={_BOUND['config'].get(k)!r}" for k in keys)
+        raise ValueError(f"this CogVideoX transformer was loaded with scheduler {found}, but a model loaded after it "
+                         f"bound {bound} in this process (the objective and sampler follow one schedule per "
+                         "process): load it again (family.build / load_pretrained) or run each model in its own "
+                         "process")
 
 
 def _joint_positions(config: Any) -> bool:
@@ -476,7 +591,7 @@ def probe_loss(model: torch.nn.Module, transformer: CogVideoXTransformer3DModel)
 
 class CogVideoXFamily(ModelFamily):
     """CogVideoX 1.0 T2V and I2V: latents (B, 16, (F-1)/4+1, H/8, W/8), F = 1 or 8k+1, DiT patch 2 per latent
-    frame, so H and W multiples of 16; v-prediction on CogVideoX-2b's DDIM schedule. An I2V transformer (`model.i2v`,
+    frame, so H and W multiples of 16; v-prediction on the model's DDIM schedule (`bind_scheduler_config`). An I2V transformer (`model.i2v`,
     condition `first`) takes the image latents (B, 16, F_lat, H_lat, W_lat) as `predict`'s `inpaint_latents`."""
 
     name = "cogvideox"
@@ -491,14 +606,15 @@ class CogVideoXFamily(ModelFamily):
     # 1. The objective: v-prediction (vidray.diffusion.ddim, as CogVideoXDDIMScheduler).
 
     def noisy_latents(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-        """sqrt(a_t) * latents + sqrt(1 - a_t) * noise (B, C, F, H, W), t = round(sigma * 1000) in 0..999
-        (`vidray.diffusion.ddim.add_noise`, diffusers' `CogVideoXDDIMScheduler.add_noise`)."""
-        return ddim.add_noise(latents, noise, _train_timesteps(sigmas), SCHEDULE)
+        """sqrt(a_t) * latents + sqrt(1 - a_t) * noise (B, C, F, H, W), t = round(sigma * 1000) in 0..999, a_t of the
+        bound scheduler config (`bind_scheduler_config`) (`vidray.diffusion.ddim.add_noise`, diffusers'
+        `CogVideoXDDIMScheduler.add_noise`)."""
+        return ddim.add_noise(latents, noise, _train_timesteps(sigmas), _BOUND["schedule"])
 
     def training_target(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-        """The velocity sqrt(a_t) * noise - sqrt(1 - a_t) * latents (B, C, F, H, W) (`ddim.training_target`,
-        diffusers' `get_velocity`)."""
-        return ddim.training_target(latents, noise, _train_timesteps(sigmas), SCHEDULE, "v_prediction")
+        """The velocity sqrt(a_t) * noise - sqrt(1 - a_t) * latents (B, C, F, H, W), a_t of the bound scheduler
+        config (`ddim.training_target`, diffusers' `CogVideoXDDIMScheduler.get_velocity`)."""
+        return ddim.training_target(latents, noise, _train_timesteps(sigmas), _BOUND["schedule"], "v_prediction")
 
     def model_timesteps(self, sigmas: torch.Tensor, num_train_timesteps: int) -> torch.Tensor:
         """round(sigma * 1000) clamped to 0..999, (B,) float32 (`predict` passes them on as int64, as the pipeline
@@ -517,9 +633,9 @@ class CogVideoXFamily(ModelFamily):
     def sampler_step(self, latents: torch.Tensor, model_pred: torch.Tensor, sigmas: torch.Tensor,
                      sigmas_next: torch.Tensor) -> torch.Tensor:
         """One DDIM step (eta 0) of latents (B, C, F, H, W) from timestep round(sigma * 1000) to
-        round(sigma_next * 1000) (both at most 999; -1: the clean end) given the v-prediction `model_pred`
-        (`ddim.ddim_step`, as `CogVideoXDDIMScheduler.step`)."""
-        return ddim.ddim_step(model_pred, latents, _timesteps(sigmas), _timesteps(sigmas_next), SCHEDULE,
+        round(sigma_next * 1000) (both at most 999; -1: the clean end) given the v-prediction `model_pred`, on the
+        bound scheduler config's alphas (`ddim.ddim_step`, as `CogVideoXDDIMScheduler.step`)."""
+        return ddim.ddim_step(model_pred, latents, _timesteps(sigmas), _timesteps(sigmas_next), _BOUND["schedule"],
                               "v_prediction")
 
     # 2. Modules.
@@ -528,7 +644,7 @@ class CogVideoXFamily(ModelFamily):
         """`init: random` -> the `tiny` preset with `model_cfg.text_encoder` (`build_tiny`; `model.i2v`: its
         image-to-video transformer); `init: pretrained` -> `load_pretrained(model_cfg.pretrained_path)`, a T2V folder
         for `model.i2v` null, an I2V one for `model.i2v` set (else a one-line ValueError naming the folder).
-        `model.vae_path` replaces the VAE."""
+        `model.vae_path` replaces the VAE. Binds the model's scheduler config (`bind_scheduler_config`)."""
         _check_condition(model_cfg)
         folder = pretrained_folder(model_cfg, "cogvideox")
         if folder is not None:
@@ -542,17 +658,19 @@ class CogVideoXFamily(ModelFamily):
     def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> CogVideoXTransformer3DModel:
         """The transformer alone, equal to `build(...).transformer`, without the VAE or the text encoder: the tiny
         preset drawn first under `seed` (as in `build_tiny`); a folder's `transformer/` alone (its task checked
-        against `model.i2v`, as in `build`)."""
+        against `model.i2v`, as in `build`). Binds its scheduler config (`bind_scheduler_config`)."""
         _check_condition(model_cfg)
         folder = pretrained_folder(model_cfg, "cogvideox")
         if folder is not None:
             _check_folder(folder, model_cfg)
             transformer = CogVideoXTransformer3DModel.from_pretrained(folder, subfolder="transformer",
                                                                       local_files_only=True)
+            bind_scheduler_config(folder_scheduler_config(folder), transformer)
             return transformer.train()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             transformer = _tiny_transformer(model_cfg.text_encoder, i2v=model_cfg.i2v is not None)
+        bind_scheduler_config(SCHEDULER_CONFIG, transformer)
         return transformer.train()
 
     def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
@@ -638,8 +756,9 @@ class CogVideoXFamily(ModelFamily):
         (B, F, C, H, W), `encoder_hidden_states` in its dtype, `timestep` as int64 (the scheduler's timesteps),
         `image_rotary_emb` from `rotary_positional_embeddings` when the transformer uses rotary positions (else
         None), `return_dict=False`; the output is permuted back. prompt_attention_mask is checked for shape but not
-        passed (the transformer has no text mask). Raises ValueError for shapes that do not line up, or, without
-        rotary positions (CogVideoX-2b), a prompt length other than `max_text_seq_length`.
+        passed (the transformer has no text mask). Raises ValueError for shapes that do not line up, without
+        rotary positions (CogVideoX-2b) a prompt length other than `max_text_seq_length`, or a transformer whose
+        scheduler config is not the bound one (`bind_scheduler_config`: a model loaded after it has another).
         """
         if noisy_latents.ndim != 5:
             raise ValueError(f"noisy_latents must be (B, C, F, H, W), got {tuple(noisy_latents.shape)}")
@@ -653,6 +772,7 @@ class CogVideoXFamily(ModelFamily):
                              f"(B, L) {tuple(prompt_embeds.shape[:2])}")
         inner = unwrapped(transformer)  # the training loop passes the DDP-wrapped model
         cfg = inner.config
+        _check_bound(inner)
         hidden_states = noisy_latents
         if takes_image_latents(inner):
             if inpaint_latents is None:
