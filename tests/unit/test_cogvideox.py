@@ -151,10 +151,10 @@ def test_the_objective_is_v_prediction_on_the_exported_scheduler(family, exporte
 
 @pytest.fixture
 def restore_binding():
-    """Put back the process's bound CogVideoX scheduler config after a test that loads a model with another."""
-    before = cogvideox.bound_scheduler_config()
+    """Put back the process's bound CogVideoX model after a test that loads one with another schedule."""
+    before = cogvideox.bound_model()
     yield
-    cogvideox.bind_scheduler_config(before)
+    cogvideox.bind_model(*before)
 
 
 def _five_b_folder(out_dir, tmp_path):
@@ -173,7 +173,7 @@ def test_the_objective_and_a_sampler_step_follow_the_bound_scheduler_as_diffuser
     from diffusers import CogVideoXDDIMScheduler
 
     scheduler = CogVideoXDDIMScheduler(**scheduler_config)
-    cogvideox.bind_scheduler_config(cogvideox.check_scheduler_config(dict(scheduler.config), "test"))
+    cogvideox.bind_model(cogvideox.check_scheduler_config(dict(scheduler.config), "test"))
     g = torch.Generator().manual_seed(2)
     latents, noise = torch.randn(3, 16, 3, 4, 4, generator=g), torch.randn(3, 16, 3, 4, 4, generator=g)
     sigmas, t = torch.tensor([0.0, 0.6, 1.0]), torch.tensor([0, 600, 999])
@@ -199,7 +199,7 @@ def test_a_cogvideox_5b_scheduler_folder_trains_samples_and_exports_on_its_own_s
     cfg = ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(folder),
                       max_sequence_length=MAX_SEQUENCE_LENGTH)
     components = family.build(cfg, seed=0)
-    assert cogvideox.bound_scheduler_config() == cogvideox.SCHEDULER_CONFIG_5B
+    assert cogvideox.bound_model() == (cogvideox.SCHEDULER_CONFIG_5B, None)
     # training: the loss of a batch is the v-prediction MSE on the 5b schedule (diffusers' add_noise, get_velocity)
     from diffusers import CogVideoXDDIMScheduler
 
@@ -245,7 +245,7 @@ def test_a_transformer_of_another_schedule_than_the_bound_one_is_refused_in_one_
     family.build_transformer(ModelConfig(family="cogvideox", init="pretrained",
                                          pretrained_path=str(_five_b_folder(out_dir, tmp_path))), seed=0)
     embeds, mask = torch.randn(1, 4, 64), torch.ones(1, 4, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"loaded with scheduler snr_shift_scale=3.0, but a model loaded after it "
+    with pytest.raises(ValueError, match=r"loaded with snr_shift_scale=3.0, but a model loaded after it "
                                          r"bound snr_shift_scale=1.0 .* load it again") as err:
         family.predict(components.transformer, torch.zeros(1, 16, 1, 4, 4), torch.tensor([500.0]), embeds, mask)
     assert "\n" not in str(err.value)
@@ -351,7 +351,8 @@ def test_a_folder_that_is_not_cogvideox_t2v_is_refused_in_one_line_naming_it(fam
     (other / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
     transformer_config = json.loads((other / "transformer" / "config.json").read_text())
     (other / "transformer" / "config.json").write_text(json.dumps({**transformer_config, "patch_size_t": 2}))
-    with pytest.raises(ValueError, match="CogVideoX 1.5"):
+    with pytest.raises(ValueError, match=f"'{other}': transformer patch_size_t=2 but vae invert_scale_latents=false: "
+                                         "a CogVideoX 1.5 model"):
         family.build_transformer(ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(other)),
                                  seed=0)
 
