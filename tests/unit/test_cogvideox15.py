@@ -1,7 +1,8 @@
 """CogVideoX 1.5 text-to-video (`patch_size_t` 2) in the cogvideox family against the stock
 `diffusers.CogVideoXPipeline` (issue 29 part 3), on CPU in fp32, with the tiny 1.5 preset
 (`build_tiny(version="1.5")`: CogVideoX1.5-5B's layout and scheduler) written as a folder, the way a real
-CogVideoX1.5-5B folder comes in (`init: pretrained`).
+CogVideoX1.5-5B folder comes in (`init: pretrained`); and its image-to-video twin (CogVideoX1.5-5B-I2V's layout:
+`ofs_embed_dim`) against the stock `CogVideoXImageToVideoPipeline`.
 
 The latents of a 9-frame bucket have 3 latent frames, padded to 4 (a multiple of patch_size_t) by one leading frame:
 noise drawn for all 4 and denoised together by both samplers, the padding dropped before decoding
@@ -181,7 +182,8 @@ def _folder_with(folder, tmp_path, subfolder, **change):
     ("vae", {"invert_scale_latents": False},
      "transformer patch_size_t=2 but vae invert_scale_latents=false: a CogVideoX 1.5 model .* fix vae/config.json"),
     ("transformer", {"patch_size_t": 4}, "transformer patch_size_t=4, but the cogvideox family runs null"),
-    ("transformer", {"ofs_embed_dim": 512}, "ofs_embed_dim=512.* runs CogVideoX 1.5 text-to-video only yet"),
+    ("transformer", {"ofs_embed_dim": 32}, "ofs_embed_dim=32 on a text-to-video transformer .* set ofs_embed_dim: "
+                                           "null in transformer/config.json"),
     ("transformer", {"use_rotary_positional_embeddings": False},
      "set use_rotary_positional_embeddings: true in transformer/config.json"),
 ])
@@ -212,3 +214,77 @@ def test_a_1_0_transformer_while_the_1_5_model_is_bound_is_refused(family):
     with pytest.raises(ValueError, match="loaded with patch_size_t=None, snr_shift_scale=3.0, but a model loaded "
                                          "after it bound patch_size_t=2, snr_shift_scale=1.0"):
         family.predict(two_b, torch.zeros(1, 16, 4, 4, 4), torch.tensor([500.0]), embeds, mask)
+
+
+# CogVideoX 1.5 image-to-video (CogVideoX1.5-5B-I2V's layout: in_channels 32, ofs_embed_dim).
+
+def _image(size=(48, 40), seed=0):
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def i2v(family, tmp_path_factory, folder):
+    from diffusers import CogVideoXImageToVideoPipeline
+
+    from vidray.config import I2VConfig
+
+    components = cogvideox.build_tiny("tiny_random", seed=1, i2v=True, version="1.5")
+    out_dir = family.save_pipeline(components, tmp_path_factory.mktemp("export15i2v") / "diffusers", FLOW)
+    cfg = ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(out_dir),
+                      max_sequence_length=MAX_SEQUENCE_LENGTH, i2v=I2VConfig(condition="first"))
+    loaded = family.build(cfg, seed=0)
+    pipe = CogVideoXImageToVideoPipeline.from_pretrained(out_dir, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return loaded, out_dir, pipe
+
+
+@pytest.mark.parametrize("guidance_scale, steps", [(1.0, 2), (4.0, 4)])
+def test_image_to_video_1_5_gives_the_stock_pipelines_latents_and_frames(family, i2v, guidance_scale, steps):
+    components, out_dir, pipe = i2v
+    assert json.loads((out_dir / "model_index.json").read_text())["_class_name"] == "CogVideoXImageToVideoPipeline"
+    assert (pipe.transformer.config.patch_size_t, pipe.transformer.config.ofs_embed_dim) == (2, 32)
+    image, seen = _image(), []
+    frames = generate_video(family, components, [PROMPTS[0]], BUCKET, flow=FLOW, num_inference_steps=steps,
+                            guidance_scale=guidance_scale, max_sequence_length=MAX_SEQUENCE_LENGTH, seed=11,
+                            image=image, callback=lambda i, sigma, latents: seen.append(latents.clone()))
+    noise = initial_noise(family.latent_shape(BUCKET, 1), seed=11)
+    kwargs = dict(image=image, prompt=PROMPTS[0], num_frames=BUCKET.num_frames, height=BUCKET.height,
+                  width=BUCKET.width, num_inference_steps=steps, guidance_scale=guidance_scale,
+                  max_sequence_length=MAX_SEQUENCE_LENGTH)
+    stock = pipe(**kwargs, generator=torch.Generator().manual_seed(11), latents=_to_pipeline_layout(noise.clone()),
+                 output_type="latent").frames
+    assert seen[-1].shape == (1, 16, 4, 4, 4)
+    torch.testing.assert_close(seen[-1], _to_pipeline_layout(stock), atol=1e-5, rtol=1e-5)
+    stock_frames = pipe(**kwargs, generator=torch.Generator().manual_seed(11), latents=_to_pipeline_layout(noise),
+                        output_type="np").frames
+    assert frames.shape == stock_frames.shape == (1, *BUCKET, 3)
+    assert np.abs(frames.astype(int) - (stock_frames * 255).round().astype(int)).max() <= 1
+
+
+def test_image_to_video_1_5_trains_on_its_first_frame_in_the_padded_frame_with_ofs(family, i2v):
+    components, _, _ = i2v
+    video = torch.rand(2, 3, *BUCKET, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latents = family.encode_video(components.vae, video)
+    condition = family.encode_clip_condition(components.vae, video, "first")
+    assert condition.shape == latents.shape == (2, 16, 4, 4, 4)
+    torch.testing.assert_close(condition[:, :, :1], cogvideox.encode_image_latents(components.vae, video[:, :, 0]))
+    assert condition[:, :, 1:].abs().sum() == 0  # the image in frame 0 (the padding frame), zeros after
+    embeds, mask = family.encode_prompt(components.text_encoder, components.tokenizer, PROMPTS,
+                                        max_sequence_length=MAX_SEQUENCE_LENGTH)
+    loss = flow_matching_step_loss(family, components.transformer, latents, embeds, mask, FLOW,
+                                   torch.Generator().manual_seed(4), inpaint_latents=condition)
+    g = torch.Generator().manual_seed(4)
+    noise = torch.randn(latents.shape, generator=g)
+    t = (sample_sigmas(2, FLOW, generator=g).double() * 1000).round().long()
+    scheduler = CogVideoXDDIMScheduler(**cogvideox.SCHEDULER_CONFIG_5B)
+    noisy = scheduler.add_noise(latents, noise, t)
+    with torch.no_grad():  # the stock call: noisy then image latents on channels, ofs 2.0
+        rotary = cogvideox.rotary_positional_embeddings(components.transformer, 4, 4, 4, "cpu")
+        pred = components.transformer(
+            hidden_states=torch.cat([noisy, condition], dim=1).permute(0, 2, 1, 3, 4), encoder_hidden_states=embeds,
+            timestep=t, ofs=torch.full((1,), 2.0), image_rotary_emb=rotary, return_dict=False)[0]
+    expected = (pred.permute(0, 2, 1, 3, 4) - scheduler.get_velocity(latents, noise, t)).pow(2).mean()
+    torch.testing.assert_close(loss.detach(), expected, atol=1e-6, rtol=1e-5)
+    assert family.probe_loss(components.transformer, components.transformer).ndim == 0

@@ -51,10 +51,14 @@ frame before decoding (the pipeline's `latents[:, additional_frames:]`). `encode
 transformer disagree is refused), `latent_shape` by the bound model (`bind_model`). The 3D RoPE is the pipeline's
 1.5 one (`grid_type="slice"` of the `sample_height // 2` x `sample_width // 2` table, temporal positions over
 latent frame pairs); a bucket past that table is a one-line error. The latent cache holds padded latents under the
-1.5 VAE's own identity (its config differs from 1.0's).
+1.5 VAE's own identity (its config differs from 1.0's). CogVideoX 1.5 image-to-video (CogVideoX1.5-5B-I2V) as
+`CogVideoXImageToVideoPipeline` runs it: the image latents span the padded count, the image in frame 0 and zeros
+after (the pipeline's first-frame copy, `image_latents[:, :F % patch_size_t]`, is empty for the even padded count;
+the 1.5 I2V finetuning scripts lay them out the same), scaled by `1 / scaling_factor` (`invert_scale_latents`, as the
+pipeline; the finetuning scripts multiply, which the pipeline's comment calls the original training's slip), and the
+transformer gets `ofs` = `OFS` (2.0) when it has `ofs_embed_dim`.
 
-Not here yet: CogVideoX 1.5 image-to-video (CogVideoX1.5-5B-I2V: `ofs_embed_dim`, its padded image latents); such
-folders are refused in one line. `model.preset` has no 1.5 tiny preset (it is reached as a folder). Serving a 1.5
+Not here yet: `model.preset` has no 1.5 tiny preset (it is reached as a folder). Serving a 1.5
 model: the serve ingress asks `latent_shape` in a process that loads no CogVideoX model, so its latents come
 unpadded and the denoiser's `predict` refuses them in one line (a `ModelFamily` hook carrying the model to
 `latent_shape` and the objective methods would end this and the process-wide `bind_model`).
@@ -296,6 +300,14 @@ TINY_15_TRANSFORMER = dict(TINY_TRANSFORMER, patch_size_t=PATCH_SIZE_T_15, patch
 "slice" grid of `sample_height // 2` x `sample_width // 2` = 4 x 4 patches, so buckets up to 64 x 64 px). Built by
 `build_tiny(version="1.5")` (tests write it as a folder; `model.preset` has no 1.5 yet)."""
 
+TINY_15_I2V_TRANSFORMER = dict(TINY_15_TRANSFORMER, in_channels=I2V_IN_CHANNELS, ofs_embed_dim=32)
+"""The tiny CogVideoX 1.5 image-to-video DiT (CogVideoX1.5-5B-I2V's layout): TINY_15_TRANSFORMER taking the image
+latents too, with the `ofs` embedding (`ofs_embed_dim` = `time_embed_dim`, as 1.5-I2V's 512 = 512: it is added to
+the time embedding)."""
+OFS = 2.0
+"""The `ofs` a CogVideoX 1.5 image-to-video transformer gets (`ofs_embed_dim` set): `CogVideoXImageToVideoPipeline`
+passes `latents.new_full((1,), fill_value=2.0)`, as the 1.5 I2V finetuning scripts do."""
+
 TINY_VAE = dict(
     block_out_channels=(8, 8, 8, 8),  # 4 blocks: 8x spatial
     latent_channels=LATENT_CHANNELS,
@@ -408,17 +420,15 @@ def _check_layout(transformer_config: Any, vae_config: Any, where: str) -> None:
 def _check_transformer(config: Any, where: str) -> None:
     """Raise ValueError unless a transformer config (a `CogVideoXTransformer3DModel.config` or its config.json as a
     dict) is one the family runs: patch_size 2, in_channels 16 (T2V) or 32 (I2V), out_channels 16; patch_size_t null
-    (CogVideoX 1.0) or 2 (1.5, text-to-video; rotary positions); ofs_embed_dim null (CogVideoX1.5-5B-I2V's `ofs` is
-    not here yet)."""
+    (CogVideoX 1.0) or 2 (1.5; rotary positions); ofs_embed_dim null but for image-to-video (CogVideoX1.5-5B-I2V)."""
     get = config.get
     if get("patch_size_t") not in (None, PATCH_SIZE_T_15):
         raise ValueError(f"{where}: transformer patch_size_t={get('patch_size_t')}, but the cogvideox family runs "
                          f"null (CogVideoX 1.0) or {PATCH_SIZE_T_15} (CogVideoX 1.5) only; give a CogVideoX folder")
-    if get("ofs_embed_dim") is not None or (get("patch_size_t") is not None and get("in_channels") != LATENT_CHANNELS):
-        raise ValueError(f"{where}: transformer ofs_embed_dim={get('ofs_embed_dim')}, patch_size_t="
-                         f"{get('patch_size_t')}, in_channels={get('in_channels')} (CogVideoX 1.5 image-to-video), "
-                         "but the cogvideox family runs CogVideoX 1.5 text-to-video only yet; give a CogVideoX1.5-5B, "
-                         "CogVideoX-5b-I2V or 2b/5b folder")
+    if get("ofs_embed_dim") is not None and get("in_channels") != I2V_IN_CHANNELS:
+        raise ValueError(f"{where}: transformer ofs_embed_dim={get('ofs_embed_dim')} on a text-to-video transformer "
+                         f"(in_channels {get('in_channels')}), but CogVideoXPipeline passes no ofs: set ofs_embed_dim: "
+                         "null in transformer/config.json (only CogVideoX1.5-5B-I2V has it)")
     if get("patch_size_t") is not None and not get("use_rotary_positional_embeddings"):
         raise ValueError(f"{where}: transformer patch_size_t={get('patch_size_t')} without "
                          "use_rotary_positional_embeddings: CogVideoX 1.5 uses 3D rotary positions; set "
@@ -514,12 +524,10 @@ def load_vae_folder(path: str | Path) -> AutoencoderKLCogVideoX:
 
 def _tiny_transformer(kind: TextEncoderKind, *, i2v: bool = False,
                       version: Literal["1.0", "1.5"] = "1.0") -> CogVideoXTransformer3DModel:
-    """TINY_TRANSFORMER (TINY_I2V_TRANSFORMER with `i2v`; TINY_15_TRANSFORMER for `version` 1.5) at the global RNG's
-    state, `text_embed_dim` from the text encoder `kind`."""
+    """TINY_TRANSFORMER (TINY_I2V_TRANSFORMER with `i2v`; TINY_15_TRANSFORMER or TINY_15_I2V_TRANSFORMER for
+    `version` 1.5) at the global RNG's state, `text_embed_dim` from the text encoder `kind`."""
     if version == "1.5":
-        if i2v:
-            raise ValueError("the tiny CogVideoX 1.5 preset is text-to-video only (1.5 image-to-video is not here yet)")
-        layout = TINY_15_TRANSFORMER
+        layout = TINY_15_I2V_TRANSFORMER if i2v else TINY_15_TRANSFORMER
     elif version == "1.0":
         layout = TINY_I2V_TRANSFORMER if i2v else TINY_TRANSFORMER
     else:
@@ -533,7 +541,7 @@ def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int 
     tokenizer, or MiniLM; `vidray.models.text_encoder.build_t5_text_encoder`), then TINY_TRANSFORMER (with `i2v`:
     TINY_I2V_TRANSFORMER) and TINY_VAE under `seed` (in that order), each in a forked RNG (the global torch RNG is
     left as it was), bound with CogVideoX-2b's `SCHEDULER_CONFIG` (`bind_model`). `version` 1.5: TINY_15_TRANSFORMER
-    and TINY_15_VAE on CogVideoX1.5-5B's scheduler (`SCHEDULER_CONFIG_5B`), text-to-video only."""
+    (TINY_15_I2V_TRANSFORMER with `i2v`) and TINY_15_VAE on CogVideoX1.5-5B's scheduler (`SCHEDULER_CONFIG_5B`)."""
     text_encoder, tokenizer = build_t5_text_encoder(text_encoder_kind, variant="t5", seed=seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -700,8 +708,9 @@ def probe_loss(model: torch.nn.Module, transformer: CogVideoXTransformer3DModel)
     prompt_embeds = torch.randn(1, num_text, cfg.text_embed_dim, generator=g).to(param.device, param.dtype)
     rotary = (rotary_positional_embeddings(transformer, frames, height, width, param.device)
               if cfg.use_rotary_positional_embeddings else None)
+    ofs = hidden_states.new_full((1,), OFS) if cfg.ofs_embed_dim is not None else None
     return model(hidden_states=hidden_states, encoder_hidden_states=prompt_embeds,
-                 timestep=torch.full((1,), 500, device=param.device), image_rotary_emb=rotary,
+                 timestep=torch.full((1,), 500, device=param.device), ofs=ofs, image_rotary_emb=rotary,
                  return_dict=False)[0].float().sum()
 
 
@@ -878,8 +887,9 @@ class CogVideoXFamily(ModelFamily):
 
         An image-to-video transformer (`takes_image_latents`) needs `inpaint_latents`: here the image latents
         (B, 16, F, H, W) (`encode_clip_condition`, `encode_image_condition`, or `empty_condition`), concatenated after
-        the noisy latents along channels as CogVideoXImageToVideoPipeline does (`ofs` None: CogVideoX 1.0); a
-        text-to-video one takes none. With learned positional embeddings (CogVideoX-5b-I2V) the latents must be
+        the noisy latents along channels as CogVideoXImageToVideoPipeline does (`ofs` None for CogVideoX 1.0, `OFS`
+        for 1.5, whose transformer has `ofs_embed_dim`); a text-to-video one takes none. With learned positional
+        embeddings (CogVideoX-5b-I2V) the latents must be
         `sample_height` x `sample_width`, as the transformer's patch embedding requires.
 
         Called exactly like CogVideoXPipeline's denoising loop: `hidden_states` = noisy_latents permuted to
@@ -932,10 +942,12 @@ class CogVideoXFamily(ModelFamily):
             raise ValueError(f"this CogVideoX transformer ({kind}) takes exactly "
                              f"max_text_seq_length={cfg.max_text_seq_length} text tokens, got "
                              f"{prompt_embeds.shape[1]}: set model.max_sequence_length: {cfg.max_text_seq_length}")
+        ofs = noisy_latents.new_full((1,), OFS) if cfg.ofs_embed_dim is not None else None  # 1.5 I2V
         model_pred = transformer(
             hidden_states=hidden_states.permute(0, 2, 1, 3, 4),  # (B, C, F, H, W) -> (B, F, C, H, W)
             encoder_hidden_states=prompt_embeds.to(dtype=noisy_latents.dtype),
             timestep=timesteps.round().to(torch.int64),
+            ofs=ofs,
             image_rotary_emb=rotary,
             return_dict=False,
         )[0]
@@ -955,14 +967,18 @@ class CogVideoXFamily(ModelFamily):
     def encode_clip_condition(self, vae: AutoencoderKLCogVideoX, video: torch.Tensor, condition: str) -> torch.Tensor:
         """A training clip (B, 3, F, H, W) in [-1, 1] -> its image latents (B, 16, F_lat, H_lat, W_lat) float32: the
         clip's own first frame encoded alone (`encode_image_latents`, the posterior mode: deterministic, so it is
-        cached), zeros over the other latent frames (`image_condition`). Raises ValueError for a condition other
-        than `first` (the stock pipeline takes one image)."""
+        cached), zeros over the other latent frames (`image_condition`). CogVideoX 1.5 (`pads_latent_frames`): F_lat
+        counts the padding frame too, the image in frame 0 (as the 1.5 I2V finetuning scripts and the pipeline, whose
+        `image_latents[:, :F % p_t]` copy is empty for the even padded count, lay them out). Raises ValueError for a
+        condition other than `first` (the stock pipeline takes one image)."""
         if condition != "first":
             raise ValueError(f"model.i2v.condition is {condition}, but CogVideoX image-to-video is conditioned on the "
                              "first frame only: set model.i2v.condition: first")
         if video.ndim != 5 or video.shape[1] != 3:
             raise ValueError(f"video must be (B, 3, F, H, W), got {tuple(video.shape)}")
         num_latent_frames = (video.shape[2] - 1) // TEMPORAL_COMPRESSION_RATIO + 1
+        if pads_latent_frames(vae):  # CogVideoX 1.5: as many frames as the padded latents (`encode_video`)
+            num_latent_frames += latent_padding(num_latent_frames, PATCH_SIZE_T_15)
         return image_condition(encode_image_latents(vae, video[:, :, 0]), num_latent_frames)
 
     def encode_image_condition(self, vae: AutoencoderKLCogVideoX, image, bucket: Bucket, *, last_image=None,

@@ -71,9 +71,9 @@ and 512; `AnimateDiffPipeline.check_inputs` alone asks only multiples of 8)."""
 
 IMAGE_TO_VIDEO_FAMILIES = frozenset({"easyanimate", "wan", "cogvideox"})
 """Families with an image-to-video model that `model.i2v` can build (EasyAnimate: the InP transformer of
-`EasyAnimateInpaintPipeline`; Wan: the 36-channel transformer of `WanImageToVideoPipeline`; CogVideoX: the 1.0 I2V
-transformer of `CogVideoXImageToVideoPipeline`, first frame only); the config refuses `model.i2v` for the others at
-load."""
+`EasyAnimateInpaintPipeline`; Wan: the 36-channel transformer of `WanImageToVideoPipeline`; CogVideoX: the 1.0 or
+1.5 I2V transformer of `CogVideoXImageToVideoPipeline`, first frame only); the config refuses `model.i2v` for the
+others at load."""
 
 
 EXPERT_FAMILIES = frozenset({"wan"})
