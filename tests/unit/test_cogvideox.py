@@ -273,6 +273,20 @@ def test_a_scheduler_config_the_family_cannot_follow_is_one_line_naming_the_key_
                        "set_alpha_to_one": False}
 
 
+def test_vidray_train_refuses_a_folder_with_a_scheduler_it_cannot_follow_on_the_driver(family, exported, tmp_path):
+    _, out_dir, _ = exported
+    folder = _five_b_folder(out_dir, tmp_path)
+    cfg = ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(folder))
+    before = cogvideox.bound_model()
+    family.check_trainable(cfg)  # 5b's scheduler trains; nothing is loaded or bound
+    assert cogvideox.bound_model() == before
+    path = folder / "scheduler" / "scheduler_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "prediction_type": "epsilon"}))
+    with pytest.raises(ValueError, match=f"^pretrained_path '{folder}': scheduler prediction_type='epsilon'") as err:
+        family.check_trainable(cfg)
+    assert "\n" not in str(err.value)
+
+
 def test_a_transformer_without_rotary_positions_takes_exactly_max_text_seq_length_tokens(family):
     torch.manual_seed(0)
     transformer = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=16, in_channels=16,

@@ -783,6 +783,16 @@ class CogVideoXFamily(ModelFamily):
             components = dataclasses.replace(components, vae=vae)
         return components
 
+    def check_trainable(self, model_cfg: ModelConfig) -> None:
+        """What `vidray train` checks on the driver before anything is reserved: `model.i2v.condition` is `first`,
+        and a pretrained folder's configs (no weights read) are ones the family runs (`_check_folder`: its scheduler,
+        `check_scheduler_config`; its transformer and VAE layout, 1.0 or 1.5; its task against `model.i2v`). Raises
+        ValueError in one line naming the folder, the key and the fix."""
+        _check_condition(model_cfg)
+        folder = pretrained_folder(model_cfg, "cogvideox")
+        if folder is not None:
+            _check_folder(folder, model_cfg)
+
     def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> CogVideoXTransformer3DModel:
         """The transformer alone, equal to `build(...).transformer`, without the VAE or the text encoder: the tiny
         preset drawn first under `seed` (as in `build_tiny`); a folder's `transformer/` alone (its task checked
