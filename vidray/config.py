@@ -170,8 +170,8 @@ class ModelConfig:
     family: Literal["easyanimate", "wan", "cogvideox", "animatediff"] = "easyanimate"
     """Model family from the registry in `vidray.models`: `easyanimate` (EasyAnimate V5.1 T2V, and I2V with
     `model.i2v`), `wan` (Wan 2.1 T2V; I2V with `model.i2v`; Wan 2.2 A14B's two experts with `model.experts`),
-    `cogvideox` (CogVideoX 1.0 T2V, and I2V with `model.i2v`; v-prediction; `flow.num_train_timesteps` must be 1000
-    and `flow.shift` is unused) or `animatediff` (AnimateDiff: SD 1.5 UNet + motion modules, epsilon; only the
+    `cogvideox` (CogVideoX 1.0 T2V, and I2V with `model.i2v`; CogVideoX 1.5 T2V and I2V from a folder; v-prediction on the
+    folder's own scheduler; `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused) or `animatediff` (AnimateDiff: SD 1.5 UNet + motion modules, epsilon; only the
     motion modules train; `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused). Each family's bucket
     rules are in `vidray.models.rules`."""
     preset: Literal["tiny"] = "tiny"

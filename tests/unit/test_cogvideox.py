@@ -23,7 +23,7 @@ from diffusers import CogVideoXPipeline, CogVideoXTransformer3DModel  # noqa: E4
 from vidray.config import FlowConfig, ModelConfig  # noqa: E402
 from vidray.data.buckets import Bucket  # noqa: E402
 from vidray.diffusion.sampler import generate_video, initial_noise, sample_latents  # noqa: E402
-from vidray.models import get_family  # noqa: E402
+from vidray.models import cogvideox, get_family  # noqa: E402
 from vidray.models.export import inspect_model  # noqa: E402
 
 BUCKET = Bucket(9, 32, 32)
@@ -149,6 +149,144 @@ def test_the_objective_is_v_prediction_on_the_exported_scheduler(family, exporte
         family.inference_sigmas(4, shift=3.0, num_train_timesteps=500)
 
 
+@pytest.fixture
+def restore_binding():
+    """Put back the process's bound CogVideoX model after a test that loads one with another schedule."""
+    before = cogvideox.bound_model()
+    yield
+    cogvideox.bind_model(*before)
+
+
+def _five_b_folder(out_dir, tmp_path):
+    """The export with CogVideoX-5b's scheduler config (snr_shift_scale 1.0), as a CogVideoX-5b folder carries."""
+    folder = tmp_path / "five_b"
+    shutil.copytree(out_dir, folder)
+    path = folder / "scheduler" / "scheduler_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "snr_shift_scale": 1.0}))
+    return folder
+
+
+@pytest.mark.parametrize("scheduler_config", [cogvideox.SCHEDULER_CONFIG, cogvideox.SCHEDULER_CONFIG_5B],
+                         ids=["2b", "5b"])
+def test_the_objective_and_a_sampler_step_follow_the_bound_scheduler_as_diffusers(family, scheduler_config,
+                                                                                   restore_binding):
+    from diffusers import CogVideoXDDIMScheduler
+
+    scheduler = CogVideoXDDIMScheduler(**scheduler_config)
+    cogvideox.bind_model(cogvideox.check_scheduler_config(dict(scheduler.config), "test"))
+    g = torch.Generator().manual_seed(2)
+    latents, noise = torch.randn(3, 16, 3, 4, 4, generator=g), torch.randn(3, 16, 3, 4, 4, generator=g)
+    sigmas, t = torch.tensor([0.0, 0.6, 1.0]), torch.tensor([0, 600, 999])
+    torch.testing.assert_close(family.noisy_latents(latents, noise, sigmas), scheduler.add_noise(latents, noise, t),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(family.training_target(latents, noise, sigmas),
+                               scheduler.get_velocity(latents, noise, t), atol=1e-5, rtol=1e-5)
+    scheduler.set_timesteps(4)
+    steps = family.inference_sigmas(4, shift=1.0, num_train_timesteps=1000)
+    model_pred = torch.randn(1, 16, 3, 4, 4, generator=g)
+    for i in (0, 3):  # a middle step (999 -> 749) and the last (249 -> the clean end, final alpha 1)
+        ours = family.sampler_step(latents[:1], model_pred, steps[i:i + 1], steps[i + 1:i + 2])
+        stock = scheduler.step(model_pred, scheduler.timesteps[i], latents[:1], return_dict=False)[0]
+        torch.testing.assert_close(ours, stock, atol=1e-5, rtol=1e-5)
+
+
+def test_a_cogvideox_5b_scheduler_folder_trains_samples_and_exports_on_its_own_schedule(family, exported, tmp_path,
+                                                                                       restore_binding):
+    from vidray.train.step import flow_matching_step_loss
+
+    _, out_dir, _ = exported
+    folder = _five_b_folder(out_dir, tmp_path)
+    cfg = ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(folder),
+                      max_sequence_length=MAX_SEQUENCE_LENGTH)
+    components = family.build(cfg, seed=0)
+    assert cogvideox.bound_model() == (cogvideox.SCHEDULER_CONFIG_5B, None)
+    # training: the loss of a batch is the v-prediction MSE on the 5b schedule (diffusers' add_noise, get_velocity)
+    from diffusers import CogVideoXDDIMScheduler
+
+    scheduler = CogVideoXDDIMScheduler(**cogvideox.SCHEDULER_CONFIG_5B)
+    latents = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    embeds, mask = family.encode_prompt(components.text_encoder, components.tokenizer, PROMPTS[:1],
+                                        max_sequence_length=MAX_SEQUENCE_LENGTH)
+    loss = flow_matching_step_loss(family, components.transformer, latents, embeds, mask, FLOW,
+                                   torch.Generator().manual_seed(4))
+    g = torch.Generator().manual_seed(4)
+    noise = torch.randn(latents.shape, generator=g)
+    from vidray.diffusion.flow_matching import sample_sigmas
+
+    t = (sample_sigmas(1, FLOW, generator=g).double() * 1000).round().long()
+    with torch.no_grad():
+        pred = family.predict(components.transformer, scheduler.add_noise(latents, noise, t), t.float(), embeds, mask)
+    expected = (pred - scheduler.get_velocity(latents, noise, t)).pow(2).mean()
+    torch.testing.assert_close(loss.detach(), expected, atol=1e-6, rtol=1e-5)
+    # sampling: the stock pipeline of the folder (its 5b scheduler) gives vidray's latents
+    pipe = CogVideoXPipeline.from_pretrained(folder, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    latent_shape = family.latent_shape(BUCKET, 1)
+    noise = initial_noise(latent_shape, seed=6)
+    ours = sample_latents(family, components.transformer, embeds, mask, latent_shape=latent_shape,
+                          num_inference_steps=4, shift=FLOW.shift, num_train_timesteps=1000, latents=noise.clone())
+    stock = pipe(prompt=PROMPTS[:1], num_frames=BUCKET.num_frames, height=BUCKET.height, width=BUCKET.width,
+                 num_inference_steps=4, guidance_scale=1.0, max_sequence_length=MAX_SEQUENCE_LENGTH,
+                 latents=_to_pipeline_layout(noise.clone()), output_type="latent").frames
+    torch.testing.assert_close(ours, _to_pipeline_layout(stock), atol=1e-5, rtol=1e-5)
+    two_b = exported[2](prompt=PROMPTS[:1], num_frames=BUCKET.num_frames, height=BUCKET.height, width=BUCKET.width,
+                        num_inference_steps=4, guidance_scale=1.0, max_sequence_length=MAX_SEQUENCE_LENGTH,
+                        latents=_to_pipeline_layout(noise.clone()), output_type="latent").frames
+    assert (two_b - stock).abs().max() > 1e-2  # the same weights on 2b's schedule sample other latents
+    # the export of a model fine-tuned from it carries its scheduler
+    export = family.save_pipeline(components, tmp_path / "export", FLOW)
+    saved = json.loads((export / "scheduler" / "scheduler_config.json").read_text())
+    assert saved["snr_shift_scale"] == 1.0 and saved["timestep_spacing"] == "trailing"
+
+
+def test_a_transformer_of_another_schedule_than_the_bound_one_is_refused_in_one_line(family, exported, tmp_path,
+                                                                                      restore_binding):
+    components, out_dir, _ = exported
+    family.build_transformer(ModelConfig(family="cogvideox", init="pretrained",
+                                         pretrained_path=str(_five_b_folder(out_dir, tmp_path))), seed=0)
+    embeds, mask = torch.randn(1, 4, 64), torch.ones(1, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"loaded with snr_shift_scale=3.0, but a model loaded after it "
+                                         r"bound snr_shift_scale=1.0 .* load it again") as err:
+        family.predict(components.transformer, torch.zeros(1, 16, 1, 4, 4), torch.tensor([500.0]), embeds, mask)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"prediction_type": "epsilon"}, 'scheduler prediction_type=.epsilon., .* set prediction_type: "v_prediction"'),
+    ({"timestep_spacing": "linspace"}, 'set timestep_spacing: "trailing" in scheduler/scheduler_config.json'),
+    ({"clip_sample": True}, "set clip_sample: false"),
+    ({"num_train_timesteps": 500}, "set num_train_timesteps: 1000"),
+    ({"trained_betas": [0.1] * 1000}, "set trained_betas: null"),
+    ({"beta_schedule": "squaredcos_cap_v2"}, "follows 'linear' or 'scaled_linear' only"),
+    ({"snr_shift_scale": 0.0}, "snr_shift_scale=0.0 must be a number > 0"),
+    ({"_class_name": "CogVideoXDPMScheduler"}, "scheduler is CogVideoXDPMScheduler, .* set _class_name to "
+                                                "CogVideoXDDIMScheduler"),
+])
+def test_a_scheduler_config_the_family_cannot_follow_is_one_line_naming_the_key_and_the_fix(change, message):
+    with pytest.raises(ValueError, match=f"^pretrained_path '/x': .*{message}") as err:
+        cogvideox.check_scheduler_config({**cogvideox.SCHEDULER_CONFIG, **change}, "pretrained_path '/x'")
+    assert "\n" not in str(err.value)
+    checked = cogvideox.check_scheduler_config(
+        {"_class_name": "CogVideoXDDIMScheduler", **cogvideox.SCHEDULER_CONFIG_5B, "beta_end": 0.02,
+         "rescale_betas_zero_snr": False, "set_alpha_to_one": False, "clip_sample_range": 2.0}, "x")
+    assert checked == {**cogvideox.SCHEDULER_CONFIG_5B, "beta_end": 0.02, "rescale_betas_zero_snr": False,
+                       "set_alpha_to_one": False}
+
+
+def test_vidray_train_refuses_a_folder_with_a_scheduler_it_cannot_follow_on_the_driver(family, exported, tmp_path):
+    _, out_dir, _ = exported
+    folder = _five_b_folder(out_dir, tmp_path)
+    cfg = ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(folder))
+    before = cogvideox.bound_model()
+    family.check_trainable(cfg)  # 5b's scheduler trains; nothing is loaded or bound
+    assert cogvideox.bound_model() == before
+    path = folder / "scheduler" / "scheduler_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "prediction_type": "epsilon"}))
+    with pytest.raises(ValueError, match=f"^pretrained_path '{folder}': scheduler prediction_type='epsilon'") as err:
+        family.check_trainable(cfg)
+    assert "\n" not in str(err.value)
+
+
 def test_a_transformer_without_rotary_positions_takes_exactly_max_text_seq_length_tokens(family):
     torch.manual_seed(0)
     transformer = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=16, in_channels=16,
@@ -220,13 +358,15 @@ def test_a_folder_that_is_not_cogvideox_t2v_is_refused_in_one_line_naming_it(fam
     assert "\n" not in str(err.value)
     (other / "model_index.json").write_text(json.dumps(index))
     config = json.loads((other / "scheduler" / "scheduler_config.json").read_text())
-    (other / "scheduler" / "scheduler_config.json").write_text(json.dumps({**config, "snr_shift_scale": 1.0}))
-    with pytest.raises(ValueError, match=f"'{other}': scheduler snr_shift_scale=1.0"):
+    (other / "scheduler" / "scheduler_config.json").write_text(json.dumps({**config, "timestep_spacing": "leading"}))
+    with pytest.raises(ValueError, match=f"'{other}': scheduler timestep_spacing='leading', but .* set "
+                                         'timestep_spacing: "trailing" in scheduler/scheduler_config.json'):
         family.load_pretrained(other)
     (other / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
     transformer_config = json.loads((other / "transformer" / "config.json").read_text())
     (other / "transformer" / "config.json").write_text(json.dumps({**transformer_config, "patch_size_t": 2}))
-    with pytest.raises(ValueError, match="CogVideoX 1.5"):
+    with pytest.raises(ValueError, match=f"'{other}': transformer patch_size_t=2 but vae invert_scale_latents=false: "
+                                         "a CogVideoX 1.5 model"):
         family.build_transformer(ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(other)),
                                  seed=0)
 

@@ -1,4 +1,4 @@
-"""CogVideoX 1.0 text-to-video family: diffusers `CogVideoXTransformer3DModel` + `AutoencoderKLCogVideoX` + a T5 text
+"""CogVideoX 1.0 and 1.5 family: diffusers `CogVideoXTransformer3DModel` + `AutoencoderKLCogVideoX` + a T5 text
 encoder, trained with v-prediction and exported as a stock `diffusers.CogVideoXPipeline` folder.
 
 Everything here mirrors diffusers/pipelines/cogvideo/pipeline_cogvideox.py (diffusers 0.42.1), so a transformer
@@ -14,10 +14,16 @@ trained with `CogVideoXFamily.predict` behaves the same inside the stock pipelin
   it);
 - latents: `posterior mode * vae.config.scaling_factor`, decoded as `vae.decode(latents / scaling_factor)`
   (the pipeline's `decode_latents`; `vidray.models.vae` with a scalar scale and no shift);
-- objective and sampler: v-prediction on CogVideoX-2b's `CogVideoXDDIMScheduler` schedule (scaled-linear betas,
-  SNR shift 3, zero terminal SNR, trailing timesteps; `vidray.diffusion.ddim`), and the export carries that
-  scheduler, so the stock pipeline takes the same DDIM steps as `vidray.diffusion.sampler`. A noise level sigma
-  in [0, 1] is the timestep sigma * 1000 (rounded); the sampler's schedule ends at -1 / 1000 (the final alpha).
+- objective and sampler: v-prediction on the model's own `CogVideoXDDIMScheduler` schedule (`vidray.diffusion.ddim`
+  computes its alphas as `CogVideoXDDIMScheduler.__init__` does: betas, SNR shift, zero terminal SNR), DDIM steps on
+  its trailing timesteps, and the export carries that scheduler config, so the stock pipeline takes the same DDIM
+  steps as `vidray.diffusion.sampler`. The tiny preset and CogVideoX-2b folders carry `SCHEDULER_CONFIG`
+  (`snr_shift_scale` 3.0); CogVideoX-5b, 5b-I2V and 1.5 folders `SCHEDULER_CONFIG_5B` (1.0); a folder's config is
+  checked by `check_scheduler_config` (v-prediction, trailing, no clipping, 1000 train timesteps; any betas, SNR
+  shift, rescale and final alpha). The protocol's objective methods get tensors only, so the config of the model
+  the family last built or loaded is bound for the process (`bind_model`), and `predict` refuses a
+  transformer of another. A noise level sigma in [0, 1] is the timestep sigma * 1000 (rounded); the sampler's
+  schedule ends at -1 / 1000 (the final alpha).
 
 Image-to-video (`model.i2v`, condition `first`), as diffusers/pipelines/cogvideo/pipeline_cogvideox_image2video.py
 (`CogVideoXImageToVideoPipeline`, CogVideoX-5b-I2V) builds it: the transformer's `in_channels` is 32, the noisy latents
@@ -32,8 +38,30 @@ the finetuning scripts also add noise to the image and sample, which a cache can
 (`model.i2v.condition_dropout`) and text-to-video through an I2V model get zero image latents, as the finetuning
 scripts' `noised_image_dropout` does. Exported as a stock `CogVideoXImageToVideoPipeline` folder.
 
-Not here yet: CogVideoX 1.5 (`patch_size_t`, latent frames padded to a multiple of it, `ofs` embeddings); its
-folders are refused with that message.
+CogVideoX 1.5 text-to-video (CogVideoX1.5-5B folders: transformer `patch_size_t` 2, VAE `invert_scale_latents`,
+scheduler `snr_shift_scale` 1.0; the tiny preset's `build_tiny(version="1.5")`), as `CogVideoXPipeline.__call__`
+runs it: the latent frames of a bucket, (F - 1) // 4 + 1, odd for 1 or 8k+1 frames, are padded to a multiple of
+`patch_size_t` by one frame (`latent_padding`, the pipeline's `additional_frames`). The padding is part of the
+latents everywhere, not added inside `predict`: `latent_shape` gives the padded shape (the pipeline draws its noise
+for the padded count and denoises every frame, so vidray's sampler must too to give the same latents), `encode_video`
+pads a clip's latents by copying the first latent frame in front (as the CogVideoX 1.5 finetuning scripts'
+`compute_loss` does before drawing the noise, so the loss covers every frame) and `decode_latents` drops the leading
+frame before decoding (the pipeline's `latents[:, additional_frames:]`). `encode_video` and `decode_latents` know a
+1.5 model by its VAE's `invert_scale_latents` (diffusers' conversion sets it for 1.5 only; a folder whose VAE and
+transformer disagree is refused), `latent_shape` by the bound model (`bind_model`). The 3D RoPE is the pipeline's
+1.5 one (`grid_type="slice"` of the `sample_height // 2` x `sample_width // 2` table, temporal positions over
+latent frame pairs); a bucket past that table is a one-line error. The latent cache holds padded latents under the
+1.5 VAE's own identity (its config differs from 1.0's). CogVideoX 1.5 image-to-video (CogVideoX1.5-5B-I2V) as
+`CogVideoXImageToVideoPipeline` runs it: the image latents span the padded count, the image in frame 0 and zeros
+after (the pipeline's first-frame copy, `image_latents[:, :F % patch_size_t]`, is empty for the even padded count;
+the 1.5 I2V finetuning scripts lay them out the same), scaled by `1 / scaling_factor` (`invert_scale_latents`, as the
+pipeline; the finetuning scripts multiply, which the pipeline's comment calls the original training's slip), and the
+transformer gets `ofs` = `OFS` (2.0) when it has `ofs_embed_dim`.
+
+Not here yet: `model.preset` has no 1.5 tiny preset (it is reached as a folder). Serving a 1.5
+model: the serve ingress asks `latent_shape` in a process that loads no CogVideoX model, so its latents come
+unpadded and the denoiser's `predict` refuses them in one line (a `ModelFamily` hook carrying the model to
+`latent_shape` and the objective methods would end this and the process-wide `bind_model`).
 """
 
 from __future__ import annotations
@@ -41,7 +69,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -63,14 +91,20 @@ from vidray.models.vae import decode_latents, encode_video
 
 __all__ = [
     "SCHEDULER_CONFIG",
+    "SCHEDULER_CONFIG_5B",
     "TINY_I2V_TRANSFORMER",
     "TINY_TRANSFORMER",
     "TINY_VAE",
     "CogVideoXFamily",
+    "BoundModel",
+    "bind_model",
+    "bound_model",
     "build_tiny",
+    "check_scheduler_config",
     "empty_condition",
     "encode_image_latents",
     "encode_prompts",
+    "folder_scheduler_config",
     "image_condition",
     "preprocess_image",
     "load_pretrained",
@@ -78,6 +112,8 @@ __all__ = [
     "probe_loss",
     "rotary_positional_embeddings",
     "save_pipeline",
+    "schedule_of",
+    "scheduler_config_of",
     "takes_image_latents",
 ]
 
@@ -91,6 +127,9 @@ FRAME_STEP = FAMILY_BUCKET_RULES["cogvideox"].num_frames_step
 (`vidray.models.rules`)."""
 PATCH_SIZE = 2
 """CogVideoXTransformer3DModel `patch_size` (height and width); `patch_size_t` None: one latent frame per patch."""
+PATCH_SIZE_T_15 = 2
+"""CogVideoX 1.5's `patch_size_t`: two latent frames per patch, so its latent frames are padded to an even count (one
+leading frame for the odd counts of 8k+1 buckets; `latent_padding`). The only `patch_size_t` the family takes."""
 assert SPATIAL_COMPRESSION_RATIO * PATCH_SIZE == FAMILY_BUCKET_RULES["cogvideox"].spatial_multiple
 PIPELINE_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 """The subfolders of a CogVideoX diffusers folder (T2V or I2V) that vidray loads."""
@@ -115,18 +154,125 @@ SCHEDULER_CONFIG = dict(
     clip_sample=False,
     steps_offset=0,
 )
-"""CogVideoX-2b's scheduler/scheduler_config.json (`CogVideoXDDIMScheduler`): what the family trains and samples
-with, and what its export carries."""
-SCHEDULE = ddim.ddim_schedule(
-    NUM_TRAIN_TIMESTEPS, beta_start=SCHEDULER_CONFIG["beta_start"], beta_end=SCHEDULER_CONFIG["beta_end"],
-    beta_schedule=SCHEDULER_CONFIG["beta_schedule"], snr_shift_scale=SCHEDULER_CONFIG["snr_shift_scale"],
-    rescale_betas_zero_snr=SCHEDULER_CONFIG["rescale_betas_zero_snr"],
-    set_alpha_to_one=SCHEDULER_CONFIG["set_alpha_to_one"])
+"""CogVideoX-2b's scheduler/scheduler_config.json (`CogVideoXDDIMScheduler`): what the tiny preset trains and samples
+with and its export carries (a folder's own config is followed: `folder_scheduler_config`)."""
+SCHEDULER_CONFIG_5B = dict(SCHEDULER_CONFIG, snr_shift_scale=1.0)
+"""CogVideoX-5b's, 5b-I2V's and CogVideoX1.5-5B's scheduler/scheduler_config.json: CogVideoX-2b's but for
+`snr_shift_scale` 1.0 (no SNR shift). A folder's own config is what the family trains and samples with
+(`folder_scheduler_config`); this one is for tests and docs."""
+_FREE_KEYS = ("beta_start", "beta_end", "beta_schedule", "snr_shift_scale", "rescale_betas_zero_snr",
+              "set_alpha_to_one", "steps_offset")
+"""The scheduler keys a folder may set as it likes: `vidray.diffusion.ddim` follows each (steps_offset plays no part
+with trailing timesteps). The other keys of `SCHEDULER_CONFIG` must be as there (`check_scheduler_config`)."""
+
+
+def schedule_of(scheduler_config: dict[str, Any]) -> ddim.DDIMSchedule:
+    """The `vidray.diffusion.ddim` schedule of a checked `CogVideoXDDIMScheduler` config (`check_scheduler_config`):
+    alphas_cumprod (1000,) float64 as diffusers' `CogVideoXDDIMScheduler.__init__` computes them (betas, then the
+    SNR shift, then zero terminal SNR), and the final alpha."""
+    return ddim.ddim_schedule(
+        scheduler_config["num_train_timesteps"], beta_start=scheduler_config["beta_start"],
+        beta_end=scheduler_config["beta_end"], beta_schedule=scheduler_config["beta_schedule"],
+        snr_shift_scale=scheduler_config["snr_shift_scale"],
+        rescale_betas_zero_snr=scheduler_config["rescale_betas_zero_snr"],
+        set_alpha_to_one=scheduler_config["set_alpha_to_one"])
+
+
+SCHEDULE = schedule_of(SCHEDULER_CONFIG)
 """`SCHEDULER_CONFIG` as `vidray.diffusion.ddim` computes it (checked against CogVideoXDDIMScheduler in
 tests/unit/test_ddim.py)."""
-_SCHEDULE_KEYS = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule", "snr_shift_scale",
-                  "rescale_betas_zero_snr", "prediction_type", "set_alpha_to_one")
-"""Scheduler config keys a pretrained folder must share with `SCHEDULER_CONFIG` (they define the objective)."""
+
+
+def check_scheduler_config(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """A scheduler config (a folder's scheduler_config.json as a dict) -> the `SCHEDULER_CONFIG` keys with the
+    folder's values (diffusers' defaults where it has none), if the family can follow it: a `CogVideoXDDIMScheduler`
+    with v-prediction, 1000 train timesteps, trailing timesteps, no clipping and no `trained_betas`, any betas
+    (linear or scaled_linear), SNR shift, zero-terminal-SNR rescale and final alpha (`_FREE_KEYS`). Raises
+    ValueError in one line naming `where`, the key and the fix otherwise."""
+    name = config.get("_class_name", "CogVideoXDDIMScheduler")
+    if name != "CogVideoXDDIMScheduler":
+        raise ValueError(f"{where}: scheduler is {name}, but the cogvideox family samples with CogVideoXDDIMScheduler "
+                         "(DDIM on the same v-prediction schedule): set _class_name to CogVideoXDDIMScheduler in "
+                         "scheduler/scheduler_config.json")
+    full = dict(CogVideoXDDIMScheduler.from_config({k: v for k, v in config.items() if not k.startswith("_")}).config)
+    checked = {key: full[key] for key in SCHEDULER_CONFIG}
+    for key, expected in SCHEDULER_CONFIG.items():
+        if key not in _FREE_KEYS and checked[key] != expected:
+            raise ValueError(f"{where}: scheduler {key}={checked[key]!r}, but the cogvideox family trains and samples "
+                             f"with {key}={expected!r} (v-prediction, DDIM on trailing timesteps, as CogVideoX's own "
+                             f"folders): set {key}: {json.dumps(expected)} in scheduler/scheduler_config.json")
+    if full.get("trained_betas") is not None:
+        raise ValueError(f"{where}: scheduler trained_betas is set, but the cogvideox family computes its betas from "
+                         "beta_start, beta_end and beta_schedule: set trained_betas: null in "
+                         "scheduler/scheduler_config.json")
+    if checked["beta_schedule"] not in ("linear", "scaled_linear"):
+        raise ValueError(f"{where}: scheduler beta_schedule={checked['beta_schedule']!r}, but the cogvideox family "
+                         "follows 'linear' or 'scaled_linear' only: set one in scheduler/scheduler_config.json")
+    shift = checked["snr_shift_scale"]
+    if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not shift > 0:
+        raise ValueError(f"{where}: scheduler snr_shift_scale={shift!r} must be a number > 0 (3.0: CogVideoX-2b, 1.0: "
+                         "CogVideoX-5b and 1.5): fix scheduler/scheduler_config.json")
+    return checked
+
+
+class BoundModel(NamedTuple):
+    """What the family's tensor-only methods follow in this process (`bind_model`)."""
+
+    scheduler_config: dict[str, Any]
+    """The `CogVideoXDDIMScheduler` config of `noisy_latents`, `training_target` and `sampler_step`."""
+    patch_size_t: int | None
+    """The transformer's `patch_size_t` that `latent_shape` pads the latent frames to a multiple of (None: 1.0)."""
+
+
+_BOUND: dict[str, Any] = {"model": BoundModel(SCHEDULER_CONFIG, None), "schedule": SCHEDULE}
+"""The model the family's tensor-only methods follow in this process (`bind_model`), and its DDIM schedule."""
+_TRANSFORMER_ATTRIBUTE = "_vidray_cogvideox_scheduler_config"
+"""The attribute a transformer the family built or loaded carries its scheduler config in (`scheduler_config_of`)."""
+
+
+def bind_model(scheduler_config: dict[str, Any], patch_size_t: int | None = None,
+               transformer: torch.nn.Module | None = None) -> BoundModel:
+    """Make `scheduler_config` (checked: `check_scheduler_config`) the one `CogVideoXFamily.noisy_latents`,
+    `training_target` and `sampler_step` follow in this process and `patch_size_t` the one `latent_shape` pads for
+    (taken from `transformer.config` when a transformer is given), and attach the config to `transformer` (what
+    `predict` and `save_pipeline` read). Returns the model bound before (`bind_model(*previous)` restores it).
+
+    Why a process-wide binding: the `ModelFamily` protocol hands those methods tensors or a bucket only (no model,
+    no job), and a CogVideoX folder carries its own schedule (CogVideoX-2b's `snr_shift_scale` 3.0, 5b's and 1.5's
+    1.0) and latent layout (1.5: latent frames padded to a multiple of `patch_size_t`). Every family function that
+    builds or loads a transformer binds it (a training worker, a serve replica and `vidray generate` each run one
+    model), and `predict` refuses a transformer whose schedule or `patch_size_t` is not the bound one, so a process
+    mixing models fails loudly rather than training or sampling on the wrong schedule or shape."""
+    previous = _BOUND["model"]
+    if transformer is not None:
+        patch_size_t = unwrapped(transformer).config.patch_size_t
+        object.__setattr__(unwrapped(transformer), _TRANSFORMER_ATTRIBUTE, dict(scheduler_config))
+    model = BoundModel(dict(scheduler_config), patch_size_t)
+    schedule = _BOUND["schedule"] if model.scheduler_config == previous.scheduler_config else schedule_of(
+        model.scheduler_config)
+    _BOUND.update(model=model, schedule=schedule)
+    return previous
+
+
+def bound_model() -> BoundModel:
+    """The model bound in this process (`bind_model`; CogVideoX-2b's scheduler config and no `patch_size_t` until
+    the family builds or loads another)."""
+    return _BOUND["model"]
+
+
+def scheduler_config_of(transformer: torch.nn.Module) -> dict[str, Any]:
+    """The scheduler config `transformer` (maybe DDP-wrapped) was built or loaded with (`bind_model`), else
+    the bound one (a transformer made outside the family)."""
+    config = getattr(unwrapped(transformer), _TRANSFORMER_ATTRIBUTE, None)
+    return dict(config) if config is not None else dict(bound_model().scheduler_config)
+
+
+def folder_scheduler_config(folder: str | Path) -> dict[str, Any]:
+    """A CogVideoX folder's scheduler/scheduler_config.json, checked (`check_scheduler_config`, errors naming the
+    folder)."""
+    config = CogVideoXDDIMScheduler.load_config(folder, subfolder="scheduler", local_files_only=True)
+    return check_scheduler_config(config, f"pretrained_path {str(folder)!r}")
+
 
 TINY_TRANSFORMER = dict(
     num_attention_heads=2,
@@ -148,6 +294,20 @@ TINY_I2V_TRANSFORMER = dict(TINY_TRANSFORMER, in_channels=I2V_IN_CHANNELS)
 out_channels 16). No learned positional embeddings (CogVideoX-5b-I2V has them, which ties it to its 480x720
 `sample_height/width`; `predict` takes such a transformer at that size only), so any bucket works."""
 
+TINY_15_TRANSFORMER = dict(TINY_TRANSFORMER, patch_size_t=PATCH_SIZE_T_15, patch_bias=False, sample_height=8,
+                           sample_width=8, sample_frames=81)
+"""Tiny CogVideoX 1.5 DiT (CogVideoX1.5-5B's layout: `patch_size_t` 2, no patch bias, 3D rotary positions on the
+"slice" grid of `sample_height // 2` x `sample_width // 2` = 4 x 4 patches, so buckets up to 64 x 64 px). Built by
+`build_tiny(version="1.5")` (tests write it as a folder; `model.preset` has no 1.5 yet)."""
+
+TINY_15_I2V_TRANSFORMER = dict(TINY_15_TRANSFORMER, in_channels=I2V_IN_CHANNELS, ofs_embed_dim=32)
+"""The tiny CogVideoX 1.5 image-to-video DiT (CogVideoX1.5-5B-I2V's layout): TINY_15_TRANSFORMER taking the image
+latents too, with the `ofs` embedding (`ofs_embed_dim` = `time_embed_dim`, as 1.5-I2V's 512 = 512: it is added to
+the time embedding)."""
+OFS = 2.0
+"""The `ofs` a CogVideoX 1.5 image-to-video transformer gets (`ofs_embed_dim` set): `CogVideoXImageToVideoPipeline`
+passes `latents.new_full((1,), fill_value=2.0)`, as the 1.5 I2V finetuning scripts do."""
+
 TINY_VAE = dict(
     block_out_channels=(8, 8, 8, 8),  # 4 blocks: 8x spatial
     latent_channels=LATENT_CHANNELS,
@@ -157,6 +317,9 @@ TINY_VAE = dict(
     scaling_factor=0.7,  # CogVideoX-2b's VAE
 )
 """Tiny AutoencoderKLCogVideoX (~77 k params), same compression ratios and latent channels as CogVideoX's."""
+TINY_15_VAE = dict(TINY_VAE, invert_scale_latents=True)
+"""The tiny 1.5 VAE: CogVideoX 1.5's VAE config sets `invert_scale_latents` (diffusers' conversion script does for
+1.5 only), which the family reads as "latents padded for patch_size_t 2" (`pads_latent_frames`)."""
 
 TextEncoderKind = Literal["minilm", "tiny_random"]
 
@@ -187,16 +350,31 @@ def encode_prompts(text_encoder: torch.nn.Module, tokenizer: Any, prompts: list[
 
 def rotary_positional_embeddings(transformer: CogVideoXTransformer3DModel, latent_frames: int, latent_height: int,
                                  latent_width: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(freqs_cos, freqs_sin), each (F_lat * H_lat/p * W_lat/p, attention_head_dim) float32 on `device`: CogVideoX
-    1.0's 3D RoPE exactly as `CogVideoXPipeline._prepare_rotary_positional_embeddings` computes it for a video of
-    height H_lat * 8 and width W_lat * 8 (its grid is height // (vae_scale_factor_spatial * p) = H_lat // p),
-    cropped from the `sample_height` x `sample_width` base grid by `get_resize_crop_region_for_grid`."""
+    """(freqs_cos, freqs_sin), each (F_lat/p_t * H_lat/p * W_lat/p, attention_head_dim) float32 on `device`: the 3D
+    RoPE exactly as `CogVideoXPipeline._prepare_rotary_positional_embeddings` computes it for a video of height
+    H_lat * 8 and width W_lat * 8 (its grid is height // (vae_scale_factor_spatial * p) = H_lat // p). CogVideoX 1.0
+    (`patch_size_t` None, p_t = 1): cropped from the `sample_height` x `sample_width` base grid by
+    `get_resize_crop_region_for_grid`. CogVideoX 1.5: `grid_type="slice"` of a (sample_height // p, sample_width // p)
+    table over (F_lat + p_t - 1) // p_t temporal positions (F_lat the padded count). Raises ValueError when a 1.5 grid
+    exceeds that table (diffusers fails there with a shape error)."""
     cfg = transformer.config
-    p = cfg.patch_size
+    p, p_t = cfg.patch_size, cfg.patch_size_t
     grid_height, grid_width = latent_height // p, latent_width // p
-    crops = get_resize_crop_region_for_grid((grid_height, grid_width), cfg.sample_width // p, cfg.sample_height // p)
-    return get_3d_rotary_pos_embed(embed_dim=cfg.attention_head_dim, crops_coords=crops,
-                                   grid_size=(grid_height, grid_width), temporal_size=latent_frames, device=device)
+    if p_t is None:
+        crops = get_resize_crop_region_for_grid((grid_height, grid_width), cfg.sample_width // p,
+                                                cfg.sample_height // p)
+        return get_3d_rotary_pos_embed(embed_dim=cfg.attention_head_dim, crops_coords=crops,
+                                       grid_size=(grid_height, grid_width), temporal_size=latent_frames, device=device)
+    max_size = (cfg.sample_height // p, cfg.sample_width // p)
+    if grid_height > max_size[0] or grid_width > max_size[1]:
+        scale = SPATIAL_COMPRESSION_RATIO * p
+        raise ValueError(f"this CogVideoX 1.5 transformer's rotary table (transformer sample_height x sample_width = "
+                         f"{cfg.sample_height} x {cfg.sample_width} latent px) covers videos up to "
+                         f"{max_size[0] * scale}x{max_size[1] * scale} px, got {grid_height * scale}x"
+                         f"{grid_width * scale}: set data.buckets to at most that height and width")
+    return get_3d_rotary_pos_embed(embed_dim=cfg.attention_head_dim, crops_coords=None,
+                                   grid_size=(grid_height, grid_width), temporal_size=(latent_frames + p_t - 1) // p_t,
+                                   grid_type="slice", max_size=max_size, device=device)
 
 
 def _check_vae(vae: AutoencoderKLCogVideoX, where: str) -> None:
@@ -208,15 +386,53 @@ def _check_vae(vae: AutoencoderKLCogVideoX, where: str) -> None:
                          f"but the cogvideox family expects {expected}")
 
 
+def pads_latent_frames(vae: AutoencoderKLCogVideoX) -> bool:
+    """Whether `vae` is CogVideoX 1.5's (config `invert_scale_latents`, which diffusers' conversion sets for 1.5 only,
+    and which `_check_folder` and `build` check agrees with the transformer's `patch_size_t` 2): its latents are padded
+    to an even frame count (`latent_padding`) by `encode_video` and unpadded by `decode_latents`."""
+    return bool(getattr(vae.config, "invert_scale_latents", False))
+
+
+def latent_padding(num_latent_frames: int, patch_size_t: int | None) -> int:
+    """The latent frames CogVideoX 1.5 puts before the F_lat of a video so a multiple of `patch_size_t` reaches the
+    transformer: `patch_size_t - F_lat % patch_size_t` when that is not 0, else 0; 0 for 1.0 (None). As
+    `CogVideoXPipeline.__call__` (its `additional_frames`, noise drawn for them too, dropped before decoding:
+    `latents[:, additional_frames:]`) and the CogVideoX 1.5 finetuning scripts (`compute_loss`: the first latent frame
+    copied `F_lat % patch_size_t` times in front, the same count for patch_size_t 2). An 8k+1 bucket has an odd F_lat,
+    so 1.5 always pads one frame."""
+    if patch_size_t is None:
+        return 0
+    return (patch_size_t - num_latent_frames % patch_size_t) % patch_size_t
+
+
+def _check_layout(transformer_config: Any, vae_config: Any, where: str) -> None:
+    """Raise ValueError unless the VAE's `invert_scale_latents` (CogVideoX 1.5's VAE) agrees with the transformer's
+    `patch_size_t` (2: 1.5; null: 1.0): the family pads latent frames on the VAE's word (`pads_latent_frames`)."""
+    is_15 = transformer_config.get("patch_size_t") is not None
+    inverted = bool(vae_config.get("invert_scale_latents", False))
+    if is_15 != inverted:
+        raise ValueError(f"{where}: transformer patch_size_t={transformer_config.get('patch_size_t')} but vae "
+                         f"invert_scale_latents={str(inverted).lower()}: a CogVideoX 1.5 model (patch_size_t 2) has "
+                         "the 1.5 VAE (invert_scale_latents true, as diffusers' conversion writes it) and a 1.0 model "
+                         "neither; fix vae/config.json or give the model's own VAE")
+
+
 def _check_transformer(config: Any, where: str) -> None:
     """Raise ValueError unless a transformer config (a `CogVideoXTransformer3DModel.config` or its config.json as a
-    dict) is CogVideoX 1.0's: patch_size_t and ofs_embed_dim null, patch_size 2, in_channels 16 (T2V) or 32 (I2V),
-    out_channels 16."""
+    dict) is one the family runs: patch_size 2, in_channels 16 (T2V) or 32 (I2V), out_channels 16; patch_size_t null
+    (CogVideoX 1.0) or 2 (1.5; rotary positions); ofs_embed_dim null but for image-to-video (CogVideoX1.5-5B-I2V)."""
     get = config.get
-    if get("patch_size_t") is not None or get("ofs_embed_dim") is not None:
-        raise ValueError(f"{where}: transformer has patch_size_t={get('patch_size_t')}, ofs_embed_dim="
-                         f"{get('ofs_embed_dim')} (CogVideoX 1.5), but the cogvideox family runs CogVideoX 1.0 "
-                         "(patch_size_t null) only yet; give a CogVideoX-2b/5b or 5b-I2V folder")
+    if get("patch_size_t") not in (None, PATCH_SIZE_T_15):
+        raise ValueError(f"{where}: transformer patch_size_t={get('patch_size_t')}, but the cogvideox family runs "
+                         f"null (CogVideoX 1.0) or {PATCH_SIZE_T_15} (CogVideoX 1.5) only; give a CogVideoX folder")
+    if get("ofs_embed_dim") is not None and get("in_channels") != I2V_IN_CHANNELS:
+        raise ValueError(f"{where}: transformer ofs_embed_dim={get('ofs_embed_dim')} on a text-to-video transformer "
+                         f"(in_channels {get('in_channels')}), but CogVideoXPipeline passes no ofs: set ofs_embed_dim: "
+                         "null in transformer/config.json (only CogVideoX1.5-5B-I2V has it)")
+    if get("patch_size_t") is not None and not get("use_rotary_positional_embeddings"):
+        raise ValueError(f"{where}: transformer patch_size_t={get('patch_size_t')} without "
+                         "use_rotary_positional_embeddings: CogVideoX 1.5 uses 3D rotary positions; set "
+                         "use_rotary_positional_embeddings: true in transformer/config.json")
     found = (get("in_channels"), get("out_channels"), get("patch_size"))
     valid = ((LATENT_CHANNELS, LATENT_CHANNELS, PATCH_SIZE), (I2V_IN_CHANNELS, LATENT_CHANNELS, PATCH_SIZE))
     if found not in valid:
@@ -239,16 +455,6 @@ def _pipeline_class(path: str | Path) -> type:
     return CogVideoXImageToVideoPipeline if _folder_pipeline(path) == I2V_PIPELINE else CogVideoXPipeline
 
 
-def _check_scheduler(folder: Path) -> None:
-    """Raise ValueError unless the folder's scheduler config defines the family's objective (`SCHEDULER_CONFIG`)."""
-    config = CogVideoXDDIMScheduler.load_config(folder, subfolder="scheduler", local_files_only=True)
-    for key in _SCHEDULE_KEYS:
-        if key in config and config[key] != SCHEDULER_CONFIG[key]:
-            raise ValueError(f"pretrained_path {str(folder)!r}: scheduler {key}={config[key]!r}, but the cogvideox "
-                             f"family trains and samples with CogVideoX-2b's schedule ({key}={SCHEDULER_CONFIG[key]!r})"
-                             " only yet; give a folder with that scheduler")
-
-
 def _check_folder(path: str | Path, model_cfg: ModelConfig | None = None) -> Path:
     """`require_pipeline_folder` for a CogVideoXPipeline or CogVideoXImageToVideoPipeline, then its scheduler's and
     transformer's configs (before any weights load): the pipeline class and the transformer's in_channels must
@@ -256,9 +462,11 @@ def _check_folder(path: str | Path, model_cfg: ModelConfig | None = None) -> Pat
     null for a text-to-video one). Returns the folder. Raises ValueError in one line naming the folder otherwise."""
     pipeline = _folder_pipeline(path)
     folder = require_pipeline_folder(path, pipeline, PIPELINE_COMPONENTS)
-    _check_scheduler(folder)
+    folder_scheduler_config(folder)
     config = CogVideoXTransformer3DModel.load_config(folder, subfolder="transformer", local_files_only=True)
     _check_transformer(config, str(folder))
+    _check_layout(config, AutoencoderKLCogVideoX.load_config(folder, subfolder="vae", local_files_only=True),
+                  f"pretrained_path {str(folder)!r}")
     image_to_video = config["in_channels"] == I2V_IN_CHANNELS
     if image_to_video != (pipeline == I2V_PIPELINE):
         raise ValueError(f"pretrained_path {str(folder)!r} holds a {pipeline} whose transformer has in_channels "
@@ -314,23 +522,32 @@ def load_vae_folder(path: str | Path) -> AutoencoderKLCogVideoX:
     return vae.eval().requires_grad_(False)
 
 
-def _tiny_transformer(kind: TextEncoderKind, *, i2v: bool = False) -> CogVideoXTransformer3DModel:
-    """TINY_TRANSFORMER (TINY_I2V_TRANSFORMER with `i2v`) at the global RNG's state, `text_embed_dim` from the text
-    encoder `kind`."""
-    return CogVideoXTransformer3DModel(**(TINY_I2V_TRANSFORMER if i2v else TINY_TRANSFORMER),
-                                       text_embed_dim=t5_text_width(kind))
+def _tiny_transformer(kind: TextEncoderKind, *, i2v: bool = False,
+                      version: Literal["1.0", "1.5"] = "1.0") -> CogVideoXTransformer3DModel:
+    """TINY_TRANSFORMER (TINY_I2V_TRANSFORMER with `i2v`; TINY_15_TRANSFORMER or TINY_15_I2V_TRANSFORMER for
+    `version` 1.5) at the global RNG's state, `text_embed_dim` from the text encoder `kind`."""
+    if version == "1.5":
+        layout = TINY_15_I2V_TRANSFORMER if i2v else TINY_15_TRANSFORMER
+    elif version == "1.0":
+        layout = TINY_I2V_TRANSFORMER if i2v else TINY_TRANSFORMER
+    else:
+        raise ValueError(f"version must be '1.0' or '1.5', got {version!r}")
+    return CogVideoXTransformer3DModel(**layout, text_embed_dim=t5_text_width(kind))
 
 
-def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int = 0, i2v: bool = False) -> Components:
+def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int = 0, i2v: bool = False,
+               version: Literal["1.0", "1.5"] = "1.0") -> Components:
     """Random tiny preset (fp32, CPU): the text encoder under `seed` (a 2-layer `T5EncoderModel` over MiniLM's
     tokenizer, or MiniLM; `vidray.models.text_encoder.build_t5_text_encoder`), then TINY_TRANSFORMER (with `i2v`:
     TINY_I2V_TRANSFORMER) and TINY_VAE under `seed` (in that order), each in a forked RNG (the global torch RNG is
-    left as it was)."""
+    left as it was), bound with CogVideoX-2b's `SCHEDULER_CONFIG` (`bind_model`). `version` 1.5: TINY_15_TRANSFORMER
+    (TINY_15_I2V_TRANSFORMER with `i2v`) and TINY_15_VAE on CogVideoX1.5-5B's scheduler (`SCHEDULER_CONFIG_5B`)."""
     text_encoder, tokenizer = build_t5_text_encoder(text_encoder_kind, variant="t5", seed=seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = _tiny_transformer(text_encoder_kind, i2v=i2v)
-        vae = AutoencoderKLCogVideoX(**TINY_VAE)
+        transformer = _tiny_transformer(text_encoder_kind, i2v=i2v, version=version)
+        vae = AutoencoderKLCogVideoX(**(TINY_15_VAE if version == "1.5" else TINY_VAE))
+    bind_model(SCHEDULER_CONFIG_5B if version == "1.5" else SCHEDULER_CONFIG, transformer=transformer)
     return Components(transformer=transformer.train(), vae=vae.eval().requires_grad_(False),
                       text_encoder=text_encoder, tokenizer=tokenizer)
 
@@ -340,13 +557,15 @@ def load_pretrained(path: str | Path) -> Components:
     `CogVideoXPipeline` (T2V) or a `CogVideoXImageToVideoPipeline` (I2V, transformer in_channels 32).
 
     Raises FileNotFoundError naming the folder when it has no model_index.json or lacks a component subfolder,
-    ValueError when it is another pipeline's folder (another family), its scheduler is not `SCHEDULER_CONFIG`'s
-    objective, or its layout is not CogVideoX 1.0's (1.5; a pipeline class and in_channels that disagree). The VAE
-    and text encoder come back frozen; the transformer in train mode.
+    ValueError when it is another pipeline's folder (another family), its scheduler config is one the family cannot
+    follow (`check_scheduler_config`), or its layout is not CogVideoX 1.0's (1.5; a pipeline class and in_channels
+    that disagree). The VAE and text encoder come back frozen; the transformer in train mode, its scheduler config
+    bound (`bind_model`).
     """
     path = _check_folder(path)
     pipe = _pipeline_class(path).from_pretrained(path, local_files_only=True)
     _check_vae(pipe.vae, str(path))
+    bind_model(folder_scheduler_config(path), transformer=pipe.transformer)
     return Components(transformer=pipe.transformer.train(), vae=pipe.vae.eval().requires_grad_(False),
                       text_encoder=pipe.text_encoder.eval().requires_grad_(False), tokenizer=pipe.tokenizer)
 
@@ -357,7 +576,9 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
     image-to-video transformer (`takes_image_latents`) is written as a `CogVideoXImageToVideoPipeline` (the same
     components), which samples what `vidray generate --image` samples given the same image, seed and noise.
 
-    The scheduler is `CogVideoXDDIMScheduler(**SCHEDULER_CONFIG)`: its `set_timesteps` gives the family's
+    The scheduler is `CogVideoXDDIMScheduler(**scheduler_config_of(transformer))`, the config the transformer was
+    built or loaded with (CogVideoX-2b's for the tiny preset, a 5b folder's `snr_shift_scale` 1.0 for a model
+    fine-tuned from it): its `set_timesteps` gives the family's
     `inference_sigmas` and its `step` is `vidray.diffusion.ddim.ddim_step`, so the stock pipeline samples what
     vidray samples (`flow.shift` plays no part: this is not flow matching). Two differences to know: the stock
     pipeline draws its initial noise laid out (B, F, C, H, W), so pass it vidray's noise permuted as `latents=` to
@@ -371,8 +592,25 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
     pipeline = CogVideoXImageToVideoPipeline if takes_image_latents(components.transformer) else CogVideoXPipeline
     pipe = pipeline(tokenizer=components.tokenizer, text_encoder=components.text_encoder,
                     vae=components.vae, transformer=components.transformer,
-                    scheduler=CogVideoXDDIMScheduler(**SCHEDULER_CONFIG))
+                    scheduler=CogVideoXDDIMScheduler(**scheduler_config_of(components.transformer)))
     return write_pipeline_folder(pipe, out_dir)
+
+
+def _check_bound(transformer: torch.nn.Module) -> None:
+    """Raise ValueError unless `transformer`'s scheduler config (`scheduler_config_of`) and `patch_size_t` are the
+    bound model's (`bind_model`): the objective, the sampler step and the latent shape of this process follow it."""
+    bound = bound_model()
+    own = dict(getattr(transformer, _TRANSFORMER_ATTRIBUTE, None) or bound.scheduler_config)
+    own["patch_size_t"] = transformer.config.patch_size_t
+    theirs = {**bound.scheduler_config, "patch_size_t": bound.patch_size_t}
+    keys = sorted(k for k in own if own[k] != theirs.get(k))
+    if keys:
+        found = ", ".join(f"{k}={own[k]!r}" for k in keys)
+        other = ", ".join(f"{k}={theirs.get(k)!r}" for k in keys)
+        raise ValueError(f"this CogVideoX transformer was loaded with {found}, but a model loaded after it bound "
+                         f"{other} in this process (the objective, sampler and latent shape follow one model per "
+                         "process): load it again (family.build / load_pretrained) or run each model in its own "
+                         "process")
 
 
 def _joint_positions(config: Any) -> bool:
@@ -454,29 +692,32 @@ def empty_condition(latent_shape: tuple[int, ...], device: torch.device | str | 
 
 
 def probe_loss(model: torch.nn.Module, transformer: CogVideoXTransformer3DModel) -> torch.Tensor:
-    """The output sum of `model` (`transformer`, maybe DDP-wrapped) on a fixed (1, 1, C_in, p, p) input (one patch,
-    laid out (B, F, C, H, W); an image-to-video transformer's C_in = 32 takes the image latents too; learned
-    positional embeddings (CogVideoX-5b-I2V): `sample_height` x `sample_width`, the one size they take) with 2 text
-    tokens (`max_text_seq_length` when positions span text and video: no rotary, or learned; `_joint_positions`),
-    from a seeded CPU generator (the global RNG is untouched); fp32 scalar. The probe of `no_grad_parameter_names`
-    and of `vidray.train.parallel.prime_buckets`."""
+    """The output sum of `model` (`transformer`, maybe DDP-wrapped) on a fixed (1, p_t, C_in, p, p) input (one patch,
+    laid out (B, F, C, H, W), p_t = `patch_size_t` or 1; an image-to-video transformer's C_in = 32 takes the image
+    latents too; learned positional embeddings (CogVideoX-5b-I2V): `sample_height` x `sample_width`, the one size
+    they take) with 2 text tokens (`max_text_seq_length` when positions span text and video: no rotary, or learned;
+    `_joint_positions`), from a seeded CPU generator (the global RNG is untouched); fp32 scalar. The probe of
+    `no_grad_parameter_names` and of `vidray.train.parallel.prime_buckets`."""
     cfg, param = transformer.config, next(transformer.parameters())
     g = torch.Generator().manual_seed(0)
     p = cfg.patch_size
     height, width = (cfg.sample_height, cfg.sample_width) if cfg.use_learned_positional_embeddings else (p, p)
-    hidden_states = torch.randn(1, 1, cfg.in_channels, height, width, generator=g).to(param.device, param.dtype)
+    frames = cfg.patch_size_t or 1  # CogVideoX 1.5: one temporal patch
+    hidden_states = torch.randn(1, frames, cfg.in_channels, height, width, generator=g).to(param.device, param.dtype)
     num_text = cfg.max_text_seq_length if _joint_positions(cfg) else 2
     prompt_embeds = torch.randn(1, num_text, cfg.text_embed_dim, generator=g).to(param.device, param.dtype)
-    rotary = (rotary_positional_embeddings(transformer, 1, height, width, param.device)
+    rotary = (rotary_positional_embeddings(transformer, frames, height, width, param.device)
               if cfg.use_rotary_positional_embeddings else None)
+    ofs = hidden_states.new_full((1,), OFS) if cfg.ofs_embed_dim is not None else None
     return model(hidden_states=hidden_states, encoder_hidden_states=prompt_embeds,
-                 timestep=torch.full((1,), 500, device=param.device), image_rotary_emb=rotary,
+                 timestep=torch.full((1,), 500, device=param.device), ofs=ofs, image_rotary_emb=rotary,
                  return_dict=False)[0].float().sum()
 
 
 class CogVideoXFamily(ModelFamily):
-    """CogVideoX 1.0 T2V and I2V: latents (B, 16, (F-1)/4+1, H/8, W/8), F = 1 or 8k+1, DiT patch 2 per latent
-    frame, so H and W multiples of 16; v-prediction on CogVideoX-2b's DDIM schedule. An I2V transformer (`model.i2v`,
+    """CogVideoX 1.0 T2V and I2V, and 1.5 T2V: latents (B, 16, (F-1)/4+1, H/8, W/8), F = 1 or 8k+1, DiT patch 2 per
+    latent frame (1.5: per pair of latent frames, the latents padded by one leading frame: `latent_padding`), so H and
+    W multiples of 16; v-prediction on the model's DDIM schedule (`bind_model`). An I2V transformer (`model.i2v`,
     condition `first`) takes the image latents (B, 16, F_lat, H_lat, W_lat) as `predict`'s `inpaint_latents`."""
 
     name = "cogvideox"
@@ -491,14 +732,15 @@ class CogVideoXFamily(ModelFamily):
     # 1. The objective: v-prediction (vidray.diffusion.ddim, as CogVideoXDDIMScheduler).
 
     def noisy_latents(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-        """sqrt(a_t) * latents + sqrt(1 - a_t) * noise (B, C, F, H, W), t = round(sigma * 1000) in 0..999
-        (`vidray.diffusion.ddim.add_noise`, diffusers' `CogVideoXDDIMScheduler.add_noise`)."""
-        return ddim.add_noise(latents, noise, _train_timesteps(sigmas), SCHEDULE)
+        """sqrt(a_t) * latents + sqrt(1 - a_t) * noise (B, C, F, H, W), t = round(sigma * 1000) in 0..999, a_t of the
+        bound scheduler config (`bind_model`) (`vidray.diffusion.ddim.add_noise`, diffusers'
+        `CogVideoXDDIMScheduler.add_noise`)."""
+        return ddim.add_noise(latents, noise, _train_timesteps(sigmas), _BOUND["schedule"])
 
     def training_target(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-        """The velocity sqrt(a_t) * noise - sqrt(1 - a_t) * latents (B, C, F, H, W) (`ddim.training_target`,
-        diffusers' `get_velocity`)."""
-        return ddim.training_target(latents, noise, _train_timesteps(sigmas), SCHEDULE, "v_prediction")
+        """The velocity sqrt(a_t) * noise - sqrt(1 - a_t) * latents (B, C, F, H, W), a_t of the bound scheduler
+        config (`ddim.training_target`, diffusers' `CogVideoXDDIMScheduler.get_velocity`)."""
+        return ddim.training_target(latents, noise, _train_timesteps(sigmas), _BOUND["schedule"], "v_prediction")
 
     def model_timesteps(self, sigmas: torch.Tensor, num_train_timesteps: int) -> torch.Tensor:
         """round(sigma * 1000) clamped to 0..999, (B,) float32 (`predict` passes them on as int64, as the pipeline
@@ -517,9 +759,9 @@ class CogVideoXFamily(ModelFamily):
     def sampler_step(self, latents: torch.Tensor, model_pred: torch.Tensor, sigmas: torch.Tensor,
                      sigmas_next: torch.Tensor) -> torch.Tensor:
         """One DDIM step (eta 0) of latents (B, C, F, H, W) from timestep round(sigma * 1000) to
-        round(sigma_next * 1000) (both at most 999; -1: the clean end) given the v-prediction `model_pred`
-        (`ddim.ddim_step`, as `CogVideoXDDIMScheduler.step`)."""
-        return ddim.ddim_step(model_pred, latents, _timesteps(sigmas), _timesteps(sigmas_next), SCHEDULE,
+        round(sigma_next * 1000) (both at most 999; -1: the clean end) given the v-prediction `model_pred`, on the
+        bound scheduler config's alphas (`ddim.ddim_step`, as `CogVideoXDDIMScheduler.step`)."""
+        return ddim.ddim_step(model_pred, latents, _timesteps(sigmas), _timesteps(sigmas_next), _BOUND["schedule"],
                               "v_prediction")
 
     # 2. Modules.
@@ -528,7 +770,7 @@ class CogVideoXFamily(ModelFamily):
         """`init: random` -> the `tiny` preset with `model_cfg.text_encoder` (`build_tiny`; `model.i2v`: its
         image-to-video transformer); `init: pretrained` -> `load_pretrained(model_cfg.pretrained_path)`, a T2V folder
         for `model.i2v` null, an I2V one for `model.i2v` set (else a one-line ValueError naming the folder).
-        `model.vae_path` replaces the VAE."""
+        `model.vae_path` replaces the VAE. Binds the model's scheduler config (`bind_model`)."""
         _check_condition(model_cfg)
         folder = pretrained_folder(model_cfg, "cogvideox")
         if folder is not None:
@@ -536,23 +778,37 @@ class CogVideoXFamily(ModelFamily):
         else:
             components = build_tiny(model_cfg.text_encoder, seed=seed, i2v=model_cfg.i2v is not None)
         if model_cfg.vae_path:
-            components = dataclasses.replace(components, vae=load_vae_folder(model_cfg.vae_path))
+            vae = load_vae_folder(model_cfg.vae_path)
+            _check_layout(components.transformer.config, vae.config, f"model.vae_path {model_cfg.vae_path!r}")
+            components = dataclasses.replace(components, vae=vae)
         return components
+
+    def check_trainable(self, model_cfg: ModelConfig) -> None:
+        """What `vidray train` checks on the driver before anything is reserved: `model.i2v.condition` is `first`,
+        and a pretrained folder's configs (no weights read) are ones the family runs (`_check_folder`: its scheduler,
+        `check_scheduler_config`; its transformer and VAE layout, 1.0 or 1.5; its task against `model.i2v`). Raises
+        ValueError in one line naming the folder, the key and the fix."""
+        _check_condition(model_cfg)
+        folder = pretrained_folder(model_cfg, "cogvideox")
+        if folder is not None:
+            _check_folder(folder, model_cfg)
 
     def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> CogVideoXTransformer3DModel:
         """The transformer alone, equal to `build(...).transformer`, without the VAE or the text encoder: the tiny
         preset drawn first under `seed` (as in `build_tiny`); a folder's `transformer/` alone (its task checked
-        against `model.i2v`, as in `build`)."""
+        against `model.i2v`, as in `build`). Binds its scheduler config (`bind_model`)."""
         _check_condition(model_cfg)
         folder = pretrained_folder(model_cfg, "cogvideox")
         if folder is not None:
             _check_folder(folder, model_cfg)
             transformer = CogVideoXTransformer3DModel.from_pretrained(folder, subfolder="transformer",
                                                                       local_files_only=True)
+            bind_model(folder_scheduler_config(folder), transformer=transformer)
             return transformer.train()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             transformer = _tiny_transformer(model_cfg.text_encoder, i2v=model_cfg.i2v is not None)
+        bind_model(SCHEDULER_CONFIG, transformer=transformer)
         return transformer.train()
 
     def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
@@ -600,13 +856,24 @@ class CogVideoXFamily(ModelFamily):
 
     def encode_video(self, vae: AutoencoderKLCogVideoX, video: torch.Tensor) -> torch.Tensor:
         """`vidray.models.vae.encode_video`: posterior mode * vae.config.scaling_factor, (B, 16, (F-1)//4+1, H//8,
-        W//8) float32 (CogVideoX-2b's VAE: scaling_factor 0.7; the pipeline's decode divides by it)."""
-        return encode_video(vae, video)
+        W//8) float32 (CogVideoX-2b's VAE: scaling_factor 0.7; the pipeline's decode divides by it). CogVideoX 1.5's
+        VAE (`pads_latent_frames`): then padded to an even frame count by copies of the first latent frame in front
+        (`latent_padding`, one for an 8k+1 clip), as the 1.5 finetuning scripts' `compute_loss` pads before drawing
+        the noise: (B, 16, (F-1)//4+2, H//8, W//8)."""
+        latents = encode_video(vae, video)
+        if not pads_latent_frames(vae):
+            return latents
+        padding = latent_padding(latents.shape[2], PATCH_SIZE_T_15)
+        return torch.cat([latents[:, :, :1].repeat(1, 1, padding, 1, 1), latents], dim=2)
 
     def decode_latents(self, vae: AutoencoderKLCogVideoX, latents: torch.Tensor) -> torch.Tensor:
         """`vidray.models.vae.decode_latents`: vae.decode(latents / scaling_factor), as
         `CogVideoXPipeline.decode_latents` (after its (B, F, C, H, W) -> (B, C, F, H, W) permute), clamped to
-        [-1, 1], (B, 3, F, H, W) float32."""
+        [-1, 1], (B, 3, F, H, W) float32. CogVideoX 1.5's VAE (`pads_latent_frames`) takes the padded latents
+        (an even count, `latent_shape`) and drops the leading padding frame first, as the pipeline's
+        `latents[:, additional_frames:]` before `decode_latents`; an odd count is decoded as it is."""
+        if pads_latent_frames(vae) and latents.shape[2] % PATCH_SIZE_T_15 == 0:
+            latents = latents[:, :, 1:]
         return decode_latents(vae, latents)
 
     def encode_prompt(self, text_encoder, tokenizer, prompts: list[str], *, max_sequence_length: int,
@@ -630,16 +897,18 @@ class CogVideoXFamily(ModelFamily):
 
         An image-to-video transformer (`takes_image_latents`) needs `inpaint_latents`: here the image latents
         (B, 16, F, H, W) (`encode_clip_condition`, `encode_image_condition`, or `empty_condition`), concatenated after
-        the noisy latents along channels as CogVideoXImageToVideoPipeline does (`ofs` None: CogVideoX 1.0); a
-        text-to-video one takes none. With learned positional embeddings (CogVideoX-5b-I2V) the latents must be
+        the noisy latents along channels as CogVideoXImageToVideoPipeline does (`ofs` None for CogVideoX 1.0, `OFS`
+        for 1.5, whose transformer has `ofs_embed_dim`); a text-to-video one takes none. With learned positional
+        embeddings (CogVideoX-5b-I2V) the latents must be
         `sample_height` x `sample_width`, as the transformer's patch embedding requires.
 
         Called exactly like CogVideoXPipeline's denoising loop: `hidden_states` = noisy_latents permuted to
         (B, F, C, H, W), `encoder_hidden_states` in its dtype, `timestep` as int64 (the scheduler's timesteps),
         `image_rotary_emb` from `rotary_positional_embeddings` when the transformer uses rotary positions (else
         None), `return_dict=False`; the output is permuted back. prompt_attention_mask is checked for shape but not
-        passed (the transformer has no text mask). Raises ValueError for shapes that do not line up, or, without
-        rotary positions (CogVideoX-2b), a prompt length other than `max_text_seq_length`.
+        passed (the transformer has no text mask). Raises ValueError for shapes that do not line up, without
+        rotary positions (CogVideoX-2b) a prompt length other than `max_text_seq_length`, or a transformer whose
+        scheduler config is not the bound one (`bind_model`: a model loaded after it has another).
         """
         if noisy_latents.ndim != 5:
             raise ValueError(f"noisy_latents must be (B, C, F, H, W), got {tuple(noisy_latents.shape)}")
@@ -653,6 +922,11 @@ class CogVideoXFamily(ModelFamily):
                              f"(B, L) {tuple(prompt_embeds.shape[:2])}")
         inner = unwrapped(transformer)  # the training loop passes the DDP-wrapped model
         cfg = inner.config
+        _check_bound(inner)
+        if cfg.patch_size_t is not None and num_frames % cfg.patch_size_t:
+            raise ValueError(f"this CogVideoX 1.5 transformer (patch_size_t {cfg.patch_size_t}) takes latents padded "
+                             f"to a multiple of {cfg.patch_size_t} frames, got {num_frames}: pad them as "
+                             "family.encode_video and family.latent_shape do (one leading frame)")
         hidden_states = noisy_latents
         if takes_image_latents(inner):
             if inpaint_latents is None:
@@ -678,10 +952,12 @@ class CogVideoXFamily(ModelFamily):
             raise ValueError(f"this CogVideoX transformer ({kind}) takes exactly "
                              f"max_text_seq_length={cfg.max_text_seq_length} text tokens, got "
                              f"{prompt_embeds.shape[1]}: set model.max_sequence_length: {cfg.max_text_seq_length}")
+        ofs = noisy_latents.new_full((1,), OFS) if cfg.ofs_embed_dim is not None else None  # 1.5 I2V
         model_pred = transformer(
             hidden_states=hidden_states.permute(0, 2, 1, 3, 4),  # (B, C, F, H, W) -> (B, F, C, H, W)
             encoder_hidden_states=prompt_embeds.to(dtype=noisy_latents.dtype),
             timestep=timesteps.round().to(torch.int64),
+            ofs=ofs,
             image_rotary_emb=rotary,
             return_dict=False,
         )[0]
@@ -701,14 +977,18 @@ class CogVideoXFamily(ModelFamily):
     def encode_clip_condition(self, vae: AutoencoderKLCogVideoX, video: torch.Tensor, condition: str) -> torch.Tensor:
         """A training clip (B, 3, F, H, W) in [-1, 1] -> its image latents (B, 16, F_lat, H_lat, W_lat) float32: the
         clip's own first frame encoded alone (`encode_image_latents`, the posterior mode: deterministic, so it is
-        cached), zeros over the other latent frames (`image_condition`). Raises ValueError for a condition other
-        than `first` (the stock pipeline takes one image)."""
+        cached), zeros over the other latent frames (`image_condition`). CogVideoX 1.5 (`pads_latent_frames`): F_lat
+        counts the padding frame too, the image in frame 0 (as the 1.5 I2V finetuning scripts and the pipeline, whose
+        `image_latents[:, :F % p_t]` copy is empty for the even padded count, lay them out). Raises ValueError for a
+        condition other than `first` (the stock pipeline takes one image)."""
         if condition != "first":
             raise ValueError(f"model.i2v.condition is {condition}, but CogVideoX image-to-video is conditioned on the "
                              "first frame only: set model.i2v.condition: first")
         if video.ndim != 5 or video.shape[1] != 3:
             raise ValueError(f"video must be (B, 3, F, H, W), got {tuple(video.shape)}")
         num_latent_frames = (video.shape[2] - 1) // TEMPORAL_COMPRESSION_RATIO + 1
+        if pads_latent_frames(vae):  # CogVideoX 1.5: as many frames as the padded latents (`encode_video`)
+            num_latent_frames += latent_padding(num_latent_frames, PATCH_SIZE_T_15)
         return image_condition(encode_image_latents(vae, video[:, :, 0]), num_latent_frames)
 
     def encode_image_condition(self, vae: AutoencoderKLCogVideoX, image, bucket: Bucket, *, last_image=None,
@@ -733,16 +1013,21 @@ class CogVideoXFamily(ModelFamily):
     # 5. Shapes, probes, export.
 
     def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:
-        """(B, 16, (F-1)//4 + 1, H//8, W//8); e.g. Bucket(9, 64, 64), B=2 -> (2, 16, 3, 8, 8).
+        """(B, 16, (F-1)//4 + 1, H//8, W//8); e.g. Bucket(9, 64, 64), B=2 -> (2, 16, 3, 8, 8). With a CogVideoX 1.5
+        model bound (`bind_model`: `patch_size_t` 2) the latent frames are padded to its multiple
+        (`latent_padding`): Bucket(9, 64, 64) -> (2, 16, 4, 8, 8), the shape `CogVideoXPipeline` draws its noise in.
 
-        Raises ValueError unless H, W are multiples of 16 (8x VAE, patch 2) and F is 1 or 8k+1 (the transformer,
-        `patch_size_t` null, takes any latent frame count; the VAE decodes only odd ones back to F frames)."""
+        Raises ValueError unless H, W are multiples of 16 (8x VAE, patch 2) and F is 1 or 8k+1 (the 1.0 transformer,
+        `patch_size_t` null, takes any latent frame count and 1.5 an even one after padding; the VAE decodes only
+        odd counts back to F frames)."""
         validate_bucket(bucket, spatial_multiple=self.spatial_multiple, temporal_compression=FRAME_STEP)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         num_frames, height, width = bucket
-        return (batch_size, LATENT_CHANNELS, (num_frames - 1) // TEMPORAL_COMPRESSION_RATIO + 1,
-                height // SPATIAL_COMPRESSION_RATIO, width // SPATIAL_COMPRESSION_RATIO)
+        num_latent_frames = (num_frames - 1) // TEMPORAL_COMPRESSION_RATIO + 1
+        num_latent_frames += latent_padding(num_latent_frames, bound_model().patch_size_t)
+        return (batch_size, LATENT_CHANNELS, num_latent_frames, height // SPATIAL_COMPRESSION_RATIO,
+                width // SPATIAL_COMPRESSION_RATIO)
 
     def no_grad_parameter_names(self, transformer: CogVideoXTransformer3DModel) -> list[str]:
         """Trainable parameters without a gradient from `probe_loss`

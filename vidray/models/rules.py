@@ -7,7 +7,7 @@ imported. The family classes (`vidray.models.easyanimate`, ...) read their const
 |---|---|---|---|
 | easyanimate | multiples of 16 | 1 or 4k+1 | VAE 8x spatial, causal 4x temporal compression; DiT patch 2 |
 | wan | multiples of 16 | 1 or 4k+1 | VAE 8x spatial, causal 4x temporal compression; DiT patch (1, 2, 2) |
-| cogvideox | multiples of 16 | 1 or 8k+1 | VAE 8x spatial, causal 4x temporal compression decoded 2 latent frames at a time (odd latent counts only); DiT patch 2, one latent frame per patch (1.0) |
+| cogvideox | multiples of 16 | 1 or 8k+1 | VAE 8x spatial, causal 4x temporal compression decoded 2 latent frames at a time (odd latent counts only); DiT patch 2, one latent frame per patch (1.0) or two (1.5: the odd latent count padded by one leading frame, as `CogVideoXPipeline` does, so the same rule) |
 | animatediff | multiples of 64 | any | SD 1.5 image VAE 8x spatial applied per frame (no temporal compression); SD 1.5 UNet 3 downsamplers (8x) |
 
 A family whose VAE has no temporal compression (AnimateDiff's 16 frames, per-frame SD VAE) takes
@@ -60,6 +60,8 @@ latent frame count; `CogVideoXPipeline` makes (num_frames - 1) // 4 + 1 latent f
 CogVideoX's num_frames are 8k+1, not 4k+1: `AutoencoderKLCogVideoX._decode` decodes `num_latent_frames_batch_size`
 (2) latent frames at a time, the odd one in the first chunk, so only an odd latent count (F - 1) / 4 + 1 decodes
 back to F frames (5 frames -> 2 latent -> 8 decoded, in the stock pipeline too); CogVideoX's own 49 = 8 * 6 + 1.
+CogVideoX 1.5 (patch_size_t 2) keeps that rule: its pipeline pads the odd latent count by one frame for the
+transformer and drops it before decoding (81 = 8 * 10 + 1 frames -> 21 latent -> 22 denoised -> 21 decoded).
 AnimateDiff: SD 1.5's AutoencoderKL (4 blocks: 8x spatial) encodes each frame alone (temporal 1: any num_frames,
 up to the motion modules' `motion_max_seq_length`, which `AnimateDiffFamily.predict` checks), and its
 UNet2DConditionModel (block_out_channels 320/640/1280/1280, 3 downsamplers: 8x) needs latent sides that are
@@ -69,9 +71,9 @@ and 512; `AnimateDiffPipeline.check_inputs` alone asks only multiples of 8)."""
 
 IMAGE_TO_VIDEO_FAMILIES = frozenset({"easyanimate", "wan", "cogvideox"})
 """Families with an image-to-video model that `model.i2v` can build (EasyAnimate: the InP transformer of
-`EasyAnimateInpaintPipeline`; Wan: the 36-channel transformer of `WanImageToVideoPipeline`; CogVideoX: the 1.0 I2V
-transformer of `CogVideoXImageToVideoPipeline`, first frame only); the config refuses `model.i2v` for the others at
-load."""
+`EasyAnimateInpaintPipeline`; Wan: the 36-channel transformer of `WanImageToVideoPipeline`; CogVideoX: the 1.0 or
+1.5 I2V transformer of `CogVideoXImageToVideoPipeline`, first frame only); the config refuses `model.i2v` for the
+others at load."""
 
 
 EXPERT_FAMILIES = frozenset({"wan"})
