@@ -285,13 +285,19 @@ def _build_step(job: Any, device: Any, report: Any):
         "prompt_embeds": torch.randn(batch, tokens, family.prompt_embeds_dim(transformer), generator=g).to(device),
         "prompt_attention_mask": torch.ones(batch, tokens, dtype=torch.bool, device=device),
     }
+    # An image-to-video model's condition, as a text-only sample gets it (its shapes and cost are a clip's).
+    condition = {}
+    if family.takes_image(transformer):
+        condition["inpaint_latents"] = family.empty_condition(tuple(inputs["latents"].shape), device=device)
+    if family.takes_image_embeds(transformer):
+        condition["image_embeds"] = family.empty_image_embeds(transformer, batch, device=device)
 
     def one_step(step: int) -> None:
         optimizer.zero_grad(set_to_none=True)
         with precision.autocast():
             loss = flow_matching_step_loss(family, transformer, inputs["latents"], inputs["prompt_embeds"],
                                            inputs["prompt_attention_mask"], job.flow,
-                                           step_generator(job.train.seed, step, 0))
+                                           step_generator(job.train.seed, step, 0), **condition)
         precision.backward(loss)
         precision.unscale_(optimizer)
         if job.train.grad_clip_norm is not None:

@@ -200,3 +200,20 @@ def test_measure_is_skipped_when_the_workers_cannot_be_placed(capsys, monkeypatc
     assert "FAIL  resources: scaling.use_gpu=true" in out
     assert ("warn  measure: skipped: the job's workers cannot be placed (the cluster, resources or placement FAIL "
             "above): fix that first") in out
+
+
+@pytest.mark.parametrize("config", ["tiny_i2v.yaml", "wan_i2v_tiny.yaml", "wan21_i2v_tiny.yaml",
+                                    "cogvideox_i2v_tiny.yaml"])
+def test_simulated_step_gives_an_image_to_video_model_its_condition(config):
+    # Found in the Wan 2.1 work: `vidray doctor --measure` on any image-to-video config failed in the model's call, the
+    # simulated step passing no condition. It now passes a text-only sample's (the same shapes as a clip's).
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        step = dm.simulated_step(load_job_config(REPO / "jobs/configs" / config, ["model.text_encoder=tiny_random"]), "cpu",
+                                 num_steps=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert math.isfinite(step["step_s"]) and step["step_s"] > 0 and step["peak_bytes"] > 0, step
