@@ -77,7 +77,7 @@ def test_the_family_trains_on_2_workers_resumes_exactly_and_exports_its_stock_pi
         torch.testing.assert_close(final[-1], latents, atol=1e-5, rtol=1e-5)
 
 
-def _stock_image_to_video_latents(pipe, image, num_frames: int, height: int, width: int):
+def _stock_image_to_video_latents(pipe, image, num_frames: int, height: int, width: int, max_sequence_length: int):
     """Latents (1, C, F_lat, H_lat, W_lat) of the stock image-to-video pipeline `pipe` from a first frame `image`
     (PIL), 2 steps, no guidance, called as each pipeline takes an image."""
     import torch
@@ -90,17 +90,18 @@ def _stock_image_to_video_latents(pipe, image, num_frames: int, height: int, wid
         pipe.vae.register_to_config(cache_mag_vae=True)  # dropped on load; the pipeline's resize_mask reads it
         video, mask = get_image_to_video_latent([image], None, num_frames, (height, width))
         return pipe("a red fox", video=video, mask_video=mask, **kwargs).frames
-    return pipe(image=image, prompt="a red fox", max_sequence_length=32, **kwargs).frames
+    return pipe(image=image, prompt="a red fox", max_sequence_length=max_sequence_length, **kwargs).frames
 
 
 @pytest.mark.parametrize("config, pipeline_class", [("tiny_i2v.yaml", "EasyAnimateInpaintPipeline"),
                                                     ("wan_i2v_tiny.yaml", "WanImageToVideoPipeline"),
+                                                    ("wan21_i2v_tiny.yaml", "WanImageToVideoPipeline"),
                                                     ("cogvideox_i2v_tiny.yaml", "CogVideoXImageToVideoPipeline")])
 def test_the_image_to_video_model_trains_on_its_clips_first_frames_resumes_exactly_and_exports_its_stock_pipeline(
         config, pipeline_class, local_ray, shards_dir, tmp_path):
     """An image-to-video config (EasyAnimate InP; Wan in Wan 2.2 A14B's layout, its two experts trained in the one
-    run; CogVideoX 1.0 I2V): the encode stage computes each clip's condition (its own first frame given) beside its
-    latents, into the latent cache; the step trains on them with condition dropout; the resumed run repeats steps 3-4
+    run; Wan 2.1 with its CLIP image encoder; CogVideoX 1.0 I2V): the encode stage computes each clip's condition (its
+    own first frame given; and its CLIP image embeddings) beside its latents, into the latent cache; the step trains on them with condition dropout; the resumed run repeats steps 3-4
     exactly (both experts' weights and optimizer state); the export is the family's stock image-to-video pipeline,
     which samples from a first frame."""
     import diffusers
@@ -125,7 +126,8 @@ def test_the_image_to_video_model_trains_on_its_clips_first_frames_resumes_exact
     family = get_family(job("straight", 4).model.family)
     condition_channels = family.empty_condition((1, family.latent_channels, 1, 1, 1)).shape[1]
     entries = [load_file(p) for p in (tmp_path / "latents" / "vae").rglob("*.safetensors")]
-    assert entries and all(set(e) == {"latents", "inpaint_latents"} for e in entries)
+    cached = {"latents", "inpaint_latents"} | ({"image_embeds"} if job("straight", 4).model.i2v.image_encoder else set())
+    assert entries and all(set(e) == cached for e in entries)
     assert all(e["inpaint_latents"].shape[0] == condition_channels for e in entries)  # EasyAnimate 17, Wan 20, CogVideoX 16
     assert resumed.data["latent_hits"] > 0  # the resumed run read them back
 
@@ -137,5 +139,6 @@ def test_the_image_to_video_model_trains_on_its_clips_first_frames_resumes_exact
         assert index["boundary_ratio"] == experts.boundary_ratio and (export / "transformer_2").is_dir()
     pipe = getattr(diffusers, pipeline_class).from_pretrained(export, local_files_only=True)
     first_frame = np.random.default_rng(0).integers(0, 256, size=(64, 64, 3), dtype=np.uint8)
-    latents = _stock_image_to_video_latents(pipe, Image.fromarray(first_frame), 9, 64, 64)
+    latents = _stock_image_to_video_latents(pipe, Image.fromarray(first_frame), 9, 64, 64,
+                                            job("straight", 4).model.max_sequence_length)
     assert latents.shape[0] == 1 and torch.isfinite(latents).all()
