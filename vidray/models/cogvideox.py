@@ -23,8 +23,8 @@ trained with `CogVideoXFamily.predict` behaves the same inside the stock pipelin
   shift, rescale and final alpha). The protocol's objective methods get tensors only, so a `CogVideoXFamily`
   instance carries one model's config: `for_model(model_cfg)` reads it from a folder (configs only, no weights),
   `for_transformer(transformer)` from the transformer the family built or loaded (which carries it), and `predict`
-  refuses a transformer of another. A noise level sigma in [0, 1] is the timestep sigma * 1000 (rounded); the sampler's
-  schedule ends at -1 / 1000 (the final alpha).
+  refuses a transformer of another. A noise level sigma in [0, 1] is the timestep sigma * 1000 (rounded); the
+  sampler's schedule ends at -1 / 1000 (the final alpha).
 
 Image-to-video (`model.i2v`, condition `first`), as diffusers/pipelines/cogvideo/pipeline_cogvideox_image2video.py
 (`CogVideoXImageToVideoPipeline`, CogVideoX-5b-I2V) builds it: the transformer's `in_channels` is 32, the noisy latents
@@ -44,20 +44,21 @@ scheduler `snr_shift_scale` 1.0; the tiny preset's `build_tiny(version="1.5")`),
 runs it: the latent frames of a bucket, (F - 1) // 4 + 1, odd for 1 or 8k+1 frames, are padded to a multiple of
 `patch_size_t` by one frame (`latent_padding`, the pipeline's `additional_frames`). The padding is part of the
 latents everywhere, not added inside `predict`: `latent_shape` gives the padded shape (the pipeline draws its noise
-for the padded count and denoises every frame, so vidray's sampler must too to give the same latents), `encode_video`
-pads a clip's latents by copying the first latent frame in front (as the CogVideoX 1.5 finetuning scripts'
-`compute_loss` does before drawing the noise, so the loss covers every frame) and `decode_latents` drops the leading
-frame before decoding (the pipeline's `latents[:, additional_frames:]`). `encode_video` and `decode_latents` know a
-1.5 model by its VAE's `invert_scale_latents` (diffusers' conversion sets it for 1.5 only; a folder whose VAE and
-transformer disagree is refused), `latent_shape` by the family instance's `patch_size_t` (`for_model`). The 3D RoPE is the pipeline's
-1.5 one (`grid_type="slice"` of the `sample_height // 2` x `sample_width // 2` table, temporal positions over
-latent frame pairs); a bucket past that table is a one-line error. The latent cache holds padded latents under the
-1.5 VAE's own identity (its config differs from 1.0's). CogVideoX 1.5 image-to-video (CogVideoX1.5-5B-I2V) as
-`CogVideoXImageToVideoPipeline` runs it: the image latents span the padded count, the image in frame 0 and zeros
-after (the pipeline's first-frame copy, `image_latents[:, :F % patch_size_t]`, is empty for the even padded count;
-the 1.5 I2V finetuning scripts lay them out the same), scaled by `1 / scaling_factor` (`invert_scale_latents`, as the
-pipeline; the finetuning scripts multiply, which the pipeline's comment calls the original training's slip), and the
-transformer gets `ofs` = `OFS` (2.0) when it has `ofs_embed_dim`.
+for the padded count and denoises every frame, so vidray's sampler must too to give the same latents),
+`encode_video` pads a clip's latents by copying the first latent frame in front (as the CogVideoX 1.5 finetuning
+scripts' `compute_loss` does before drawing the noise, so the loss covers every frame) and `decode_latents` drops
+the leading frame before decoding (the pipeline's `latents[:, additional_frames:]`). `encode_video` and
+`decode_latents` know a 1.5 model by its VAE's `invert_scale_latents` (diffusers' conversion sets it for 1.5 only; a
+folder whose VAE and transformer disagree is refused), `latent_shape` by the family instance's `patch_size_t`
+(`for_model`). The 3D RoPE is the pipeline's 1.5 one (`grid_type="slice"` of the `sample_height // 2` x
+`sample_width // 2` table, temporal positions over latent frame pairs); a bucket past that table is a one-line
+error. The latent cache holds padded latents under the 1.5 VAE's own identity (its config differs from 1.0's).
+CogVideoX 1.5 image-to-video (CogVideoX1.5-5B-I2V) as `CogVideoXImageToVideoPipeline` runs it: the image latents
+span the padded count, the image in frame 0 and zeros after (the pipeline's first-frame copy, `image_latents[:, :F %
+patch_size_t]`, is empty for the even padded count; the 1.5 I2V finetuning scripts lay them out the same), scaled by
+`1 / scaling_factor` (`invert_scale_latents`, as the pipeline; the finetuning scripts multiply, which the pipeline's
+comment calls the original training's slip), and the transformer gets `ofs` = `OFS` (2.0) when it has
+`ofs_embed_dim`.
 
 Not here yet: `model.preset` has no 1.5 tiny preset (it is reached as a folder).
 """
@@ -704,9 +705,9 @@ class CogVideoXFamily(ModelFamily):
 
     def for_model(self, model_cfg: ModelConfig) -> "CogVideoXFamily":
         """The family of the model `model_cfg` describes, from configs only (no weights): a pretrained folder's
-        scheduler config (`folder_scheduler_config`) and transformer `patch_size_t`, checked as `check_trainable`
-        checks them (`_check_folder`, one-line errors naming the folder); the tiny preset's CogVideoX-2b
-        `SCHEDULER_CONFIG` and no `patch_size_t`. `self` when that is this family's model."""
+        scheduler config (`folder_scheduler_config`) and transformer `patch_size_t`, the folder checked first
+        (`_check_folder`: scheduler, transformer and VAE layout; one-line errors naming the folder); the tiny preset's
+        CogVideoX-2b `SCHEDULER_CONFIG` and no `patch_size_t`. `self` when that is this family's model."""
         folder = pretrained_folder(model_cfg, "cogvideox")
         if folder is None:
             return self._for(SCHEDULER_CONFIG, None)
