@@ -264,7 +264,7 @@ def _build_step(job: Any, device: Any, report: Any):
     from vidray.train.precision import Precision
     from vidray.train.step import flow_matching_step_loss, step_generator
 
-    family = get_family(job.model.family)
+    family = get_family(job.model.family).for_model(job.model)
     transformer = family.build_transformer(job.model, seed=job.train.seed).to(device)
     if job.model.lora is not None:
         from vidray.models.lora import apply_lora
@@ -575,7 +575,7 @@ def latent_batch_bytes(job: Any) -> tuple[int, str]:
     from vidray.train.plan import job_preset, largest_bucket
 
     bucket, batch = largest_bucket(job, job_preset(job))
-    shape = get_family(job.model.family).latent_shape(bucket, batch)
+    shape = get_family(job.model.family).for_model(job.model).latent_shape(bucket, batch)
     return 4 * math.prod(shape), f"{bucket.num_frames}x{bucket.height}x{bucket.width} x{batch}"
 
 

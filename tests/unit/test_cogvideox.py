@@ -149,14 +149,6 @@ def test_the_objective_is_v_prediction_on_the_exported_scheduler(family, exporte
         family.inference_sigmas(4, shift=3.0, num_train_timesteps=500)
 
 
-@pytest.fixture
-def restore_binding():
-    """Put back the process's bound CogVideoX model after a test that loads one with another schedule."""
-    before = cogvideox.bound_model()
-    yield
-    cogvideox.bind_model(*before)
-
-
 def _five_b_folder(out_dir, tmp_path):
     """The export with CogVideoX-5b's scheduler config (snr_shift_scale 1.0), as a CogVideoX-5b folder carries."""
     folder = tmp_path / "five_b"
@@ -168,12 +160,11 @@ def _five_b_folder(out_dir, tmp_path):
 
 @pytest.mark.parametrize("scheduler_config", [cogvideox.SCHEDULER_CONFIG, cogvideox.SCHEDULER_CONFIG_5B],
                          ids=["2b", "5b"])
-def test_the_objective_and_a_sampler_step_follow_the_bound_scheduler_as_diffusers(family, scheduler_config,
-                                                                                   restore_binding):
+def test_the_objective_and_a_sampler_step_follow_the_family_s_scheduler_as_diffusers(scheduler_config):
     from diffusers import CogVideoXDDIMScheduler
 
     scheduler = CogVideoXDDIMScheduler(**scheduler_config)
-    cogvideox.bind_model(cogvideox.check_scheduler_config(dict(scheduler.config), "test"))
+    family = cogvideox.CogVideoXFamily(cogvideox.check_scheduler_config(dict(scheduler.config), "test"))
     g = torch.Generator().manual_seed(2)
     latents, noise = torch.randn(3, 16, 3, 4, 4, generator=g), torch.randn(3, 16, 3, 4, 4, generator=g)
     sigmas, t = torch.tensor([0.0, 0.6, 1.0]), torch.tensor([0, 600, 999])
@@ -190,8 +181,7 @@ def test_the_objective_and_a_sampler_step_follow_the_bound_scheduler_as_diffuser
         torch.testing.assert_close(ours, stock, atol=1e-5, rtol=1e-5)
 
 
-def test_a_cogvideox_5b_scheduler_folder_trains_samples_and_exports_on_its_own_schedule(family, exported, tmp_path,
-                                                                                       restore_binding):
+def test_a_cogvideox_5b_scheduler_folder_trains_samples_and_exports_on_its_own_schedule(family, exported, tmp_path):
     from vidray.train.step import flow_matching_step_loss
 
     _, out_dir, _ = exported
@@ -199,7 +189,16 @@ def test_a_cogvideox_5b_scheduler_folder_trains_samples_and_exports_on_its_own_s
     cfg = ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(folder),
                       max_sequence_length=MAX_SEQUENCE_LENGTH)
     components = family.build(cfg, seed=0)
-    assert cogvideox.bound_model() == (cogvideox.SCHEDULER_CONFIG_5B, None)
+    embeds, mask = torch.randn(1, 4, 64), torch.ones(1, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"^this CogVideoX transformer has snr_shift_scale=1.0, but the family it is "
+                                         r"called through is bound to snr_shift_scale=3.0: use the family of its own "
+                                         r"model \(family.for_model\(model_cfg\)") as err:
+        family.predict(components.transformer, torch.zeros(1, 16, 3, 4, 4), torch.tensor([500.0]), embeds, mask)
+    assert "\n" not in str(err.value)
+    family = family.for_model(cfg)  # configs only: the folder's scheduler, no weights
+    assert (family.scheduler_config, family.patch_size_t) == (cogvideox.SCHEDULER_CONFIG_5B, None)
+    five_b = get_family("cogvideox").for_transformer(components.transformer)
+    assert (five_b.scheduler_config, five_b.patch_size_t) == (cogvideox.SCHEDULER_CONFIG_5B, None)
     # training: the loss of a batch is the v-prediction MSE on the 5b schedule (diffusers' add_noise, get_velocity)
     from diffusers import CogVideoXDDIMScheduler
 
@@ -239,15 +238,15 @@ def test_a_cogvideox_5b_scheduler_folder_trains_samples_and_exports_on_its_own_s
     assert saved["snr_shift_scale"] == 1.0 and saved["timestep_spacing"] == "trailing"
 
 
-def test_a_transformer_of_another_schedule_than_the_bound_one_is_refused_in_one_line(family, exported, tmp_path,
-                                                                                      restore_binding):
+def test_a_transformer_of_another_schedule_than_the_family_s_is_refused_in_one_line(family, exported, tmp_path):
     components, out_dir, _ = exported
-    family.build_transformer(ModelConfig(family="cogvideox", init="pretrained",
-                                         pretrained_path=str(_five_b_folder(out_dir, tmp_path))), seed=0)
+    five_b = family.for_model(ModelConfig(family="cogvideox", init="pretrained",
+                                          pretrained_path=str(_five_b_folder(out_dir, tmp_path))))
     embeds, mask = torch.randn(1, 4, 64), torch.ones(1, 4, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"loaded with snr_shift_scale=3.0, but a model loaded after it "
-                                         r"bound snr_shift_scale=1.0 .* load it again") as err:
-        family.predict(components.transformer, torch.zeros(1, 16, 1, 4, 4), torch.tensor([500.0]), embeds, mask)
+    with pytest.raises(ValueError, match=r"^this CogVideoX transformer has snr_shift_scale=3.0, but the family it is "
+                                         r"called through is bound to snr_shift_scale=1.0: use the family of its own "
+                                         r"model") as err:
+        five_b.predict(components.transformer, torch.zeros(1, 16, 1, 4, 4), torch.tensor([500.0]), embeds, mask)
     assert "\n" not in str(err.value)
 
 
@@ -277,9 +276,8 @@ def test_vidray_train_refuses_a_folder_with_a_scheduler_it_cannot_follow_on_the_
     _, out_dir, _ = exported
     folder = _five_b_folder(out_dir, tmp_path)
     cfg = ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(folder))
-    before = cogvideox.bound_model()
-    family.check_trainable(cfg)  # 5b's scheduler trains; nothing is loaded or bound
-    assert cogvideox.bound_model() == before
+    family.check_trainable(cfg)  # 5b's scheduler trains; nothing is loaded
+    assert family.scheduler_config == cogvideox.SCHEDULER_CONFIG  # the registered family is left as it was
     path = folder / "scheduler" / "scheduler_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "prediction_type": "epsilon"}))
     with pytest.raises(ValueError, match=f"^pretrained_path '{folder}': scheduler prediction_type='epsilon'") as err:

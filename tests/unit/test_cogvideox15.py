@@ -40,47 +40,47 @@ def _to_pipeline_layout(latents: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def family():
-    return get_family("cogvideox")
-
-
-@pytest.fixture(scope="module")
-def folder(family, tmp_path_factory):
-    """The tiny 1.5 preset's export: the folder every test loads (binding the 1.5 model), restored at the end."""
-    before = cogvideox.bound_model()
+def folder(tmp_path_factory):
+    """The tiny 1.5 preset's export: the folder every test loads."""
     components = cogvideox.build_tiny("tiny_random", seed=0, version="1.5")
-    out_dir = family.save_pipeline(components, tmp_path_factory.mktemp("export15") / "diffusers", FLOW)
-    yield out_dir
-    cogvideox.bind_model(*before)
+    family = get_family("cogvideox").for_transformer(components.transformer)
+    return family.save_pipeline(components, tmp_path_factory.mktemp("export15") / "diffusers", FLOW)
 
 
 @pytest.fixture(scope="module")
-def loaded(family, folder):
-    cfg = ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(folder),
-                      max_sequence_length=MAX_SEQUENCE_LENGTH)
-    components = family.build(cfg, seed=0)
+def model_cfg(folder):
+    return ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(folder),
+                       max_sequence_length=MAX_SEQUENCE_LENGTH)
+
+
+@pytest.fixture(scope="module")
+def family(model_cfg):
+    """The family of the 1.5 model (`for_model`: the folder's configs), as a process running it holds."""
+    return get_family("cogvideox").for_model(model_cfg)
+
+
+@pytest.fixture(scope="module")
+def loaded(family, folder, model_cfg):
+    components = family.build(model_cfg, seed=0)
     pipe = CogVideoXPipeline.from_pretrained(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return components, pipe
 
 
-@pytest.fixture(autouse=True)
-def bound_15(loaded):
-    """Each test starts with the 1.5 model bound (`family.build` of the folder), as a process running it has."""
-    cogvideox.bind_model(cogvideox.SCHEDULER_CONFIG_5B, transformer=loaded[0].transformer)
-
-
-def test_the_export_is_a_stock_cogvideox_pipeline_with_the_1_5_layout_and_scheduler(folder, loaded):
+def test_the_export_is_a_stock_cogvideox_pipeline_with_the_1_5_layout_and_scheduler(family, folder, loaded):
     _, pipe = loaded
     assert json.loads((folder / "model_index.json").read_text())["_class_name"] == "CogVideoXPipeline"
     assert pipe.transformer.config.patch_size_t == 2 and pipe.transformer.config.ofs_embed_dim is None
     assert pipe.vae.config.invert_scale_latents
     assert pipe.scheduler.config.snr_shift_scale == 1.0 and pipe.scheduler.config.timestep_spacing == "trailing"
-    assert cogvideox.bound_model().patch_size_t == 2
+    assert (family.scheduler_config, family.patch_size_t) == (cogvideox.SCHEDULER_CONFIG_5B, 2)
+    from_transformer = get_family("cogvideox").for_transformer(loaded[0].transformer)
+    assert (from_transformer.scheduler_config, from_transformer.patch_size_t) == (cogvideox.SCHEDULER_CONFIG_5B, 2)
 
 
 def test_the_latent_shape_pads_the_odd_latent_frames_by_one_as_the_pipeline(family, loaded):
     assert family.latent_shape(Bucket(9, 32, 48), 2) == (2, 16, 4, 4, 6)  # 3 latent frames + 1
+    assert get_family("cogvideox").latent_shape(Bucket(9, 32, 48), 2) == (2, 16, 3, 4, 6)  # 1.0's: unpadded
     assert family.latent_shape(Bucket(17, 32, 32), 1)[2] == 6  # 5 + 1
     assert family.latent_shape(Bucket(1, 32, 32), 1)[2] == 2  # 1 + 1: the pipeline's 1-frame video too
 
@@ -157,12 +157,12 @@ def test_decode_drops_the_padding_so_encode_then_decode_keeps_the_frame_count(fa
         torch.testing.assert_close(decoded, expected.clamp(-1, 1), atol=1e-6, rtol=0)
 
 
-def test_load_pretrained_round_trips_the_1_5_export_and_binds_it(family, folder, loaded, tmp_path):
+def test_load_pretrained_round_trips_the_1_5_export_and_its_scheduler(family, folder, loaded, tmp_path):
     components, _ = loaded
-    reloaded = family.load_pretrained(folder)
+    reloaded = get_family("cogvideox").load_pretrained(folder)
     assert all(torch.equal(v, reloaded.transformer.state_dict()[k])
                for k, v in components.transformer.state_dict().items())
-    assert cogvideox.bound_model() == (cogvideox.SCHEDULER_CONFIG_5B, 2)
+    assert cogvideox.scheduler_config_of(reloaded.transformer) == cogvideox.SCHEDULER_CONFIG_5B
     assert family.probe_loss(reloaded.transformer, reloaded.transformer).ndim == 0
     assert family.no_grad_parameter_names(reloaded.transformer) == []
     again = family.save_pipeline(reloaded, tmp_path / "again", FLOW)
@@ -207,13 +207,17 @@ def test_a_bucket_past_the_1_5_rotary_table_or_unpadded_latents_are_one_line_err
         family.predict(components.transformer, torch.zeros(1, 16, 3, 4, 4), torch.tensor([500.0]), embeds, mask)
 
 
-def test_a_1_0_transformer_while_the_1_5_model_is_bound_is_refused(family):
-    two_b = cogvideox.build_tiny("tiny_random", seed=0).transformer  # binds 1.0 ...
-    cogvideox.bind_model(cogvideox.SCHEDULER_CONFIG_5B, 2)  # ... then a 1.5 model is loaded after it
+def test_a_transformer_through_another_model_s_family_is_refused_in_one_line(family, loaded):
+    two_b = cogvideox.build_tiny("tiny_random", seed=0).transformer
     embeds, mask = torch.randn(1, 4, 64), torch.ones(1, 4, dtype=torch.bool)
-    with pytest.raises(ValueError, match="loaded with patch_size_t=None, snr_shift_scale=3.0, but a model loaded "
-                                         "after it bound patch_size_t=2, snr_shift_scale=1.0"):
+    with pytest.raises(ValueError, match=r"^this CogVideoX transformer has patch_size_t=None, snr_shift_scale=3.0, "
+                                         "but the family it is called through is bound to patch_size_t=2, "
+                                         "snr_shift_scale=1.0: use the family of its own model"):
         family.predict(two_b, torch.zeros(1, 16, 4, 4, 4), torch.tensor([500.0]), embeds, mask)
+    with pytest.raises(ValueError, match=r"^this CogVideoX transformer has patch_size_t=2, snr_shift_scale=1.0, but "
+                                         "the family it is called through is bound to patch_size_t=None"):
+        get_family("cogvideox").predict(loaded[0].transformer, torch.zeros(1, 16, 4, 4, 4), torch.tensor([500.0]),
+                                        embeds, mask)
 
 
 # CogVideoX 1.5 image-to-video (CogVideoX1.5-5B-I2V's layout: in_channels 32, ofs_embed_dim).

@@ -3,7 +3,9 @@ encodes a request's first frame (`input_reference`) into the condition `vidray g
 CogVideoX a posterior sample drawn from the request's seed, as generate draws it), and the step-batched
 denoiser samples with it (or with the empty condition, text-to-video, without one) the latents `generate_video`
 gives; the store hands the runner the image a job was created with. Wan 2.1 I2V (`wan21`: `model.i2v.image_encoder`)
-also gets the first frame's CLIP embeddings from the VAE stage (its image encoder loaded there), or zeros without."""
+also gets the first frame's CLIP embeddings from the VAE stage (its image encoder loaded there), or zeros without.
+A CogVideoX 1.5 model (text- and image-to-video) is served with its latent frames padded as generate pads them: the
+ingress, which loads no model, reads the padded latent shape from the folder's configs (`ModelInfo.family`)."""
 
 import asyncio
 import io
@@ -21,7 +23,7 @@ from vidray.config import FlowConfig, I2VConfig, ModelConfig, job_config_from_di
 from vidray.data.buckets import Bucket  # noqa: E402
 from vidray.diffusion.sampler import generate_video  # noqa: E402
 from vidray.models import get_family  # noqa: E402
-from vidray.models.export import load_model, write_job_file  # noqa: E402
+from vidray.models.export import inspect_model, load_model, write_job_file  # noqa: E402
 from vidray.models.rules import IMAGE_TO_VIDEO_FAMILIES  # noqa: E402
 from vidray.serve.stages import Denoiser, TextEncoder, VaeDecoder  # noqa: E402
 
@@ -55,7 +57,8 @@ def _png(seed: int) -> bytes:
 
 def _serve(model_dir, image: bytes | None, seed: int) -> torch.Tensor:
     """One request through the text, VAE and denoiser stage classes, as the ingress runner chains them (the text
-    stage's own encoder called as its `@serve.batch` method calls it: that decorator needs a replica)."""
+    stage's own encoder called as its `@serve.batch` method calls it: that decorator needs a replica), the latent
+    shape from the model's `ModelInfo.family` as the ingress takes it (`vidray.serve.app`)."""
     text = TextEncoder.func_or_class(str(model_dir))
     vae = VaeDecoder.func_or_class(str(model_dir))
     denoiser = Denoiser.func_or_class(str(model_dir), {"latency_target_s": 60.0, "max_batch_size": 2})
@@ -66,7 +69,8 @@ def _serve(model_dir, image: bytes | None, seed: int) -> torch.Tensor:
         condition = {} if image is None else await vae.encode_image(image, tuple(BUCKET), seed)
         request = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "negative_prompt_embeds": None,
                    "negative_prompt_attention_mask": None, "guidance_scale": 1.0,
-                   "latent_shape": text.family.latent_shape(BUCKET, 1), "num_inference_steps": STEPS, "seed": seed,
+                   "latent_shape": inspect_model(str(model_dir)).family.latent_shape(BUCKET, 1),
+                   "num_inference_steps": STEPS, "seed": seed,
                    "inpaint_latents": None, **condition, "sent_at": time.time()}
         async for event in denoiser.denoise(request):
             if "latents" in event:
@@ -115,3 +119,32 @@ def test_the_store_gives_the_runner_the_image_a_job_was_created_with(tmp_path):
     without = store.create(**common)
     assert store.read_input(with_image.id) == _png(1)
     assert store.read_input(without.id) is None and store.read_input("video_missing") is None
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["cogvideox15", "cogvideox15-i2v"])
+def cogvideox15_dir(request, tmp_path_factory):
+    """A tiny CogVideoX 1.5 export (`patch_size_t` 2; with the param, CogVideoX1.5-5B-I2V's layout) with its job
+    file, as `vidray train` writes it from a 1.5 folder."""
+    from vidray.models import cogvideox
+
+    components = cogvideox.build_tiny("tiny_random", seed=0, i2v=request.param, version="1.5")
+    family = get_family("cogvideox").for_transformer(components.transformer)
+    out = family.save_pipeline(components, tmp_path_factory.mktemp("cog15") / "diffusers", FlowConfig(shift=3.0))
+    write_job_file(out, job_config_from_dict({"name": "t", "model": {"family": "cogvideox",
+                                                                     "text_encoder": "tiny_random",
+                                                                     "max_sequence_length": 16,
+                                                                     **({"i2v": {}} if request.param else {})},
+                                              "data": {"buckets": [list(BUCKET)]}, "flow": {"shift": 3.0}}))
+    return out, request.param
+
+
+def test_a_cogvideox_1_5_model_serves_generate_s_padded_latents(cogvideox15_dir):
+    model_dir, i2v = cogvideox15_dir
+    padded = (1, 16, 4, 4, 4)  # 3 latent frames of 9 + the one leading frame of patch_size_t 2
+    assert inspect_model(str(model_dir)).family.latent_shape(BUCKET, 1) == padded  # the ingress's, from configs
+    assert get_family("cogvideox").latent_shape(BUCKET, 1)[2] == 3  # the registered (1.0) family's: unpadded
+    for image in ([_png(3), None] if i2v else [None]):  # first frame, text-only
+        served = _serve(model_dir, image, seed=11)
+        generated = _generate(model_dir, image, seed=11)
+        assert served.shape == generated.shape == padded
+        torch.testing.assert_close(served, generated, rtol=1e-5, atol=1e-5)

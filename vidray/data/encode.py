@@ -563,7 +563,7 @@ def encode_to_cache(job: Any, *, shards_dir: str | None = None, latent_cache: st
     placement = resolve_placement(job, alive_nodes(), autoscaler=autoscaler_max is not None)
     index = read_index(shards_dir)
     table = load_sample_index(shards_dir)
-    schedule = job_schedule(job, table, get_family(job.model.family))
+    schedule = job_schedule(job, table, get_family(job.model.family).for_model(job.model))  # as the loop's
     steps = plan_rank_steps(schedule, schedule.start(0), world_size=1, rank=0, first_step=1,
                             last_step=schedule.steps_per_epoch(1, 1), micro_batches=1)
     loader = RankLoader(shards_dir, index, table, steps, job.data, label_selector=placement.get("decode"),

@@ -65,7 +65,11 @@ class Encoders:
 
 
 class ModelFamily(abc.ABC):
-    """Interface of a model family. Instances are stateless; the latent layout is a family constant."""
+    """Interface of a model family. An instance may describe one model: the tensor-only methods (`noisy_latents`,
+    `training_target`, `model_timesteps`, `inference_sigmas`, `sampler_step`, `latent_shape`) get no model, so a
+    family whose schedule or latent layout differs between its models (CogVideoX: the scheduler's `snr_shift_scale`,
+    1.5's padded latent frames) gives that model's instance from `for_model` / `for_transformer`, and every caller
+    holding a concrete model asks those. For the other families they return the family itself."""
 
     name: str
     latent_channels: int
@@ -80,6 +84,17 @@ class ModelFamily(abc.ABC):
     """The training objective, as `noisy_latents` and `training_target` define it. The default is rectified flow
     (EasyAnimate, Wan): target = noise - latents. A family trained otherwise (CogVideoX: v-prediction; AnimateDiff:
     epsilon) overrides both methods (and its sampler); the training step calls only these."""
+
+    def for_model(self, model_cfg: ModelConfig) -> "ModelFamily":
+        """This family for the one model `model_cfg` describes (`init: pretrained`: the folder's configs, read
+        without weights; `init: random`: the preset), whose tensor-only methods follow that model. Raises as
+        `check_trainable` does for a folder the family cannot run. Default: `self` (nothing differs per model)."""
+        return self
+
+    def for_transformer(self, transformer: torch.nn.Module) -> "ModelFamily":
+        """This family for the model `transformer` (maybe DDP-wrapped), built or loaded by this family, is.
+        Default: `self`."""
+        return self
 
     def noisy_latents(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
         """latents, noise (B, C, F, H, W) and sigmas (B,) in [0, 1] -> the transformer's input (B, C, F, H, W).

@@ -20,10 +20,11 @@ trained with `CogVideoXFamily.predict` behaves the same inside the stock pipelin
   steps as `vidray.diffusion.sampler`. The tiny preset and CogVideoX-2b folders carry `SCHEDULER_CONFIG`
   (`snr_shift_scale` 3.0); CogVideoX-5b, 5b-I2V and 1.5 folders `SCHEDULER_CONFIG_5B` (1.0); a folder's config is
   checked by `check_scheduler_config` (v-prediction, trailing, no clipping, 1000 train timesteps; any betas, SNR
-  shift, rescale and final alpha). The protocol's objective methods get tensors only, so the config of the model
-  the family last built or loaded is bound for the process (`bind_model`), and `predict` refuses a
-  transformer of another. A noise level sigma in [0, 1] is the timestep sigma * 1000 (rounded); the sampler's
-  schedule ends at -1 / 1000 (the final alpha).
+  shift, rescale and final alpha). The protocol's objective methods get tensors only, so a `CogVideoXFamily`
+  instance carries one model's config: `for_model(model_cfg)` reads it from a folder (configs only, no weights),
+  `for_transformer(transformer)` from the transformer the family built or loaded (which carries it), and `predict`
+  refuses a transformer of another. A noise level sigma in [0, 1] is the timestep sigma * 1000 (rounded); the
+  sampler's schedule ends at -1 / 1000 (the final alpha).
 
 Image-to-video (`model.i2v`, condition `first`), as diffusers/pipelines/cogvideo/pipeline_cogvideox_image2video.py
 (`CogVideoXImageToVideoPipeline`, CogVideoX-5b-I2V) builds it: the transformer's `in_channels` is 32, the noisy latents
@@ -43,25 +44,23 @@ scheduler `snr_shift_scale` 1.0; the tiny preset's `build_tiny(version="1.5")`),
 runs it: the latent frames of a bucket, (F - 1) // 4 + 1, odd for 1 or 8k+1 frames, are padded to a multiple of
 `patch_size_t` by one frame (`latent_padding`, the pipeline's `additional_frames`). The padding is part of the
 latents everywhere, not added inside `predict`: `latent_shape` gives the padded shape (the pipeline draws its noise
-for the padded count and denoises every frame, so vidray's sampler must too to give the same latents), `encode_video`
-pads a clip's latents by copying the first latent frame in front (as the CogVideoX 1.5 finetuning scripts'
-`compute_loss` does before drawing the noise, so the loss covers every frame) and `decode_latents` drops the leading
-frame before decoding (the pipeline's `latents[:, additional_frames:]`). `encode_video` and `decode_latents` know a
-1.5 model by its VAE's `invert_scale_latents` (diffusers' conversion sets it for 1.5 only; a folder whose VAE and
-transformer disagree is refused), `latent_shape` by the bound model (`bind_model`). The 3D RoPE is the pipeline's
-1.5 one (`grid_type="slice"` of the `sample_height // 2` x `sample_width // 2` table, temporal positions over
-latent frame pairs); a bucket past that table is a one-line error. The latent cache holds padded latents under the
-1.5 VAE's own identity (its config differs from 1.0's). CogVideoX 1.5 image-to-video (CogVideoX1.5-5B-I2V) as
-`CogVideoXImageToVideoPipeline` runs it: the image latents span the padded count, the image in frame 0 and zeros
-after (the pipeline's first-frame copy, `image_latents[:, :F % patch_size_t]`, is empty for the even padded count;
-the 1.5 I2V finetuning scripts lay them out the same), scaled by `1 / scaling_factor` (`invert_scale_latents`, as the
-pipeline; the finetuning scripts multiply, which the pipeline's comment calls the original training's slip), and the
-transformer gets `ofs` = `OFS` (2.0) when it has `ofs_embed_dim`.
+for the padded count and denoises every frame, so vidray's sampler must too to give the same latents),
+`encode_video` pads a clip's latents by copying the first latent frame in front (as the CogVideoX 1.5 finetuning
+scripts' `compute_loss` does before drawing the noise, so the loss covers every frame) and `decode_latents` drops
+the leading frame before decoding (the pipeline's `latents[:, additional_frames:]`). `encode_video` and
+`decode_latents` know a 1.5 model by its VAE's `invert_scale_latents` (diffusers' conversion sets it for 1.5 only; a
+folder whose VAE and transformer disagree is refused), `latent_shape` by the family instance's `patch_size_t`
+(`for_model`). The 3D RoPE is the pipeline's 1.5 one (`grid_type="slice"` of the `sample_height // 2` x
+`sample_width // 2` table, temporal positions over latent frame pairs); a bucket past that table is a one-line
+error. The latent cache holds padded latents under the 1.5 VAE's own identity (its config differs from 1.0's).
+CogVideoX 1.5 image-to-video (CogVideoX1.5-5B-I2V) as `CogVideoXImageToVideoPipeline` runs it: the image latents
+span the padded count, the image in frame 0 and zeros after (the pipeline's first-frame copy, `image_latents[:, :F %
+patch_size_t]`, is empty for the even padded count; the 1.5 I2V finetuning scripts lay them out the same), scaled by
+`1 / scaling_factor` (`invert_scale_latents`, as the pipeline; the finetuning scripts multiply, which the pipeline's
+comment calls the original training's slip), and the transformer gets `ofs` = `OFS` (2.0) when it has
+`ofs_embed_dim`.
 
-Not here yet: `model.preset` has no 1.5 tiny preset (it is reached as a folder). Serving a 1.5
-model: the serve ingress asks `latent_shape` in a process that loads no CogVideoX model, so its latents come
-unpadded and the denoiser's `predict` refuses them in one line (a `ModelFamily` hook carrying the model to
-`latent_shape` and the objective methods would end this and the process-wide `bind_model`).
+Not here yet: `model.preset` has no 1.5 tiny preset (it is reached as a folder).
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -96,9 +95,6 @@ __all__ = [
     "TINY_TRANSFORMER",
     "TINY_VAE",
     "CogVideoXFamily",
-    "BoundModel",
-    "bind_model",
-    "bound_model",
     "build_tiny",
     "check_scheduler_config",
     "empty_condition",
@@ -215,56 +211,21 @@ def check_scheduler_config(config: dict[str, Any], where: str) -> dict[str, Any]
     return checked
 
 
-class BoundModel(NamedTuple):
-    """What the family's tensor-only methods follow in this process (`bind_model`)."""
-
-    scheduler_config: dict[str, Any]
-    """The `CogVideoXDDIMScheduler` config of `noisy_latents`, `training_target` and `sampler_step`."""
-    patch_size_t: int | None
-    """The transformer's `patch_size_t` that `latent_shape` pads the latent frames to a multiple of (None: 1.0)."""
-
-
-_BOUND: dict[str, Any] = {"model": BoundModel(SCHEDULER_CONFIG, None), "schedule": SCHEDULE}
-"""The model the family's tensor-only methods follow in this process (`bind_model`), and its DDIM schedule."""
 _TRANSFORMER_ATTRIBUTE = "_vidray_cogvideox_scheduler_config"
 """The attribute a transformer the family built or loaded carries its scheduler config in (`scheduler_config_of`)."""
 
 
-def bind_model(scheduler_config: dict[str, Any], patch_size_t: int | None = None,
-               transformer: torch.nn.Module | None = None) -> BoundModel:
-    """Make `scheduler_config` (checked: `check_scheduler_config`) the one `CogVideoXFamily.noisy_latents`,
-    `training_target` and `sampler_step` follow in this process and `patch_size_t` the one `latent_shape` pads for
-    (taken from `transformer.config` when a transformer is given), and attach the config to `transformer` (what
-    `predict` and `save_pipeline` read). Returns the model bound before (`bind_model(*previous)` restores it).
-
-    Why a process-wide binding: the `ModelFamily` protocol hands those methods tensors or a bucket only (no model,
-    no job), and a CogVideoX folder carries its own schedule (CogVideoX-2b's `snr_shift_scale` 3.0, 5b's and 1.5's
-    1.0) and latent layout (1.5: latent frames padded to a multiple of `patch_size_t`). Every family function that
-    builds or loads a transformer binds it (a training worker, a serve replica and `vidray generate` each run one
-    model), and `predict` refuses a transformer whose schedule or `patch_size_t` is not the bound one, so a process
-    mixing models fails loudly rather than training or sampling on the wrong schedule or shape."""
-    previous = _BOUND["model"]
-    if transformer is not None:
-        patch_size_t = unwrapped(transformer).config.patch_size_t
-        object.__setattr__(unwrapped(transformer), _TRANSFORMER_ATTRIBUTE, dict(scheduler_config))
-    model = BoundModel(dict(scheduler_config), patch_size_t)
-    schedule = _BOUND["schedule"] if model.scheduler_config == previous.scheduler_config else schedule_of(
-        model.scheduler_config)
-    _BOUND.update(model=model, schedule=schedule)
-    return previous
+def _attach_scheduler_config(transformer: torch.nn.Module, scheduler_config: dict[str, Any]) -> None:
+    """Record on `transformer` the (checked) scheduler config it was built or loaded with: what
+    `CogVideoXFamily.for_transformer`, `predict`'s check and `save_pipeline` read."""
+    object.__setattr__(unwrapped(transformer), _TRANSFORMER_ATTRIBUTE, dict(scheduler_config))
 
 
-def bound_model() -> BoundModel:
-    """The model bound in this process (`bind_model`; CogVideoX-2b's scheduler config and no `patch_size_t` until
-    the family builds or loads another)."""
-    return _BOUND["model"]
-
-
-def scheduler_config_of(transformer: torch.nn.Module) -> dict[str, Any]:
-    """The scheduler config `transformer` (maybe DDP-wrapped) was built or loaded with (`bind_model`), else
-    the bound one (a transformer made outside the family)."""
+def scheduler_config_of(transformer: torch.nn.Module, default: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The scheduler config `transformer` (maybe DDP-wrapped) was built or loaded with by the family, else `default`
+    (a transformer made outside the family; None: CogVideoX-2b's `SCHEDULER_CONFIG`)."""
     config = getattr(unwrapped(transformer), _TRANSFORMER_ATTRIBUTE, None)
-    return dict(config) if config is not None else dict(bound_model().scheduler_config)
+    return dict(config if config is not None else default if default is not None else SCHEDULER_CONFIG)
 
 
 def folder_scheduler_config(folder: str | Path) -> dict[str, Any]:
@@ -540,14 +501,16 @@ def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int 
     """Random tiny preset (fp32, CPU): the text encoder under `seed` (a 2-layer `T5EncoderModel` over MiniLM's
     tokenizer, or MiniLM; `vidray.models.text_encoder.build_t5_text_encoder`), then TINY_TRANSFORMER (with `i2v`:
     TINY_I2V_TRANSFORMER) and TINY_VAE under `seed` (in that order), each in a forked RNG (the global torch RNG is
-    left as it was), bound with CogVideoX-2b's `SCHEDULER_CONFIG` (`bind_model`). `version` 1.5: TINY_15_TRANSFORMER
-    (TINY_15_I2V_TRANSFORMER with `i2v`) and TINY_15_VAE on CogVideoX1.5-5B's scheduler (`SCHEDULER_CONFIG_5B`)."""
+    left as it was), the transformer carrying CogVideoX-2b's `SCHEDULER_CONFIG` (`scheduler_config_of`). `version`
+    1.5: TINY_15_TRANSFORMER (TINY_15_I2V_TRANSFORMER with `i2v`) and TINY_15_VAE on CogVideoX1.5-5B's scheduler
+    (`SCHEDULER_CONFIG_5B`). `CogVideoXFamily().for_transformer(components.transformer)` is the family of this
+    model."""
     text_encoder, tokenizer = build_t5_text_encoder(text_encoder_kind, variant="t5", seed=seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = _tiny_transformer(text_encoder_kind, i2v=i2v, version=version)
         vae = AutoencoderKLCogVideoX(**(TINY_15_VAE if version == "1.5" else TINY_VAE))
-    bind_model(SCHEDULER_CONFIG_5B if version == "1.5" else SCHEDULER_CONFIG, transformer=transformer)
+    _attach_scheduler_config(transformer, SCHEDULER_CONFIG_5B if version == "1.5" else SCHEDULER_CONFIG)
     return Components(transformer=transformer.train(), vae=vae.eval().requires_grad_(False),
                       text_encoder=text_encoder, tokenizer=tokenizer)
 
@@ -559,18 +522,19 @@ def load_pretrained(path: str | Path) -> Components:
     Raises FileNotFoundError naming the folder when it has no model_index.json or lacks a component subfolder,
     ValueError when it is another pipeline's folder (another family), its scheduler config is one the family cannot
     follow (`check_scheduler_config`), or its layout is not CogVideoX 1.0's (1.5; a pipeline class and in_channels
-    that disagree). The VAE and text encoder come back frozen; the transformer in train mode, its scheduler config
-    bound (`bind_model`).
+    that disagree). The VAE and text encoder come back frozen; the transformer in train mode, carrying the folder's
+    scheduler config (`scheduler_config_of`).
     """
     path = _check_folder(path)
     pipe = _pipeline_class(path).from_pretrained(path, local_files_only=True)
     _check_vae(pipe.vae, str(path))
-    bind_model(folder_scheduler_config(path), transformer=pipe.transformer)
+    _attach_scheduler_config(pipe.transformer, folder_scheduler_config(path))
     return Components(transformer=pipe.transformer.train(), vae=pipe.vae.eval().requires_grad_(False),
                       text_encoder=pipe.text_encoder.eval().requires_grad_(False), tokenizer=pipe.tokenizer)
 
 
-def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
+def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig, *,
+                  scheduler_config: dict[str, Any] | None = None) -> Path:
     """Write `components` as a complete diffusers folder (safetensors) that
     `diffusers.CogVideoXPipeline.from_pretrained(out_dir, local_files_only=True)` loads and runs offline; an
     image-to-video transformer (`takes_image_latents`) is written as a `CogVideoXImageToVideoPipeline` (the same
@@ -578,7 +542,8 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
 
     The scheduler is `CogVideoXDDIMScheduler(**scheduler_config_of(transformer))`, the config the transformer was
     built or loaded with (CogVideoX-2b's for the tiny preset, a 5b folder's `snr_shift_scale` 1.0 for a model
-    fine-tuned from it): its `set_timesteps` gives the family's
+    fine-tuned from it; `scheduler_config`, else `SCHEDULER_CONFIG`, for a transformer made outside the family):
+    its `set_timesteps` gives the family's
     `inference_sigmas` and its `step` is `vidray.diffusion.ddim.ddim_step`, so the stock pipeline samples what
     vidray samples (`flow.shift` plays no part: this is not flow matching). Two differences to know: the stock
     pipeline draws its initial noise laid out (B, F, C, H, W), so pass it vidray's noise permuted as `latents=` to
@@ -592,25 +557,25 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
     pipeline = CogVideoXImageToVideoPipeline if takes_image_latents(components.transformer) else CogVideoXPipeline
     pipe = pipeline(tokenizer=components.tokenizer, text_encoder=components.text_encoder,
                     vae=components.vae, transformer=components.transformer,
-                    scheduler=CogVideoXDDIMScheduler(**scheduler_config_of(components.transformer)))
+                    scheduler=CogVideoXDDIMScheduler(**scheduler_config_of(components.transformer,
+                                                                            scheduler_config)))
     return write_pipeline_folder(pipe, out_dir)
 
 
-def _check_bound(transformer: torch.nn.Module) -> None:
-    """Raise ValueError unless `transformer`'s scheduler config (`scheduler_config_of`) and `patch_size_t` are the
-    bound model's (`bind_model`): the objective, the sampler step and the latent shape of this process follow it."""
-    bound = bound_model()
-    own = dict(getattr(transformer, _TRANSFORMER_ATTRIBUTE, None) or bound.scheduler_config)
-    own["patch_size_t"] = transformer.config.patch_size_t
-    theirs = {**bound.scheduler_config, "patch_size_t": bound.patch_size_t}
+def _check_bound(transformer: torch.nn.Module, scheduler_config: dict[str, Any], patch_size_t: int | None) -> None:
+    """Raise ValueError in one line unless `transformer`'s scheduler config (`scheduler_config_of`, the family's
+    `scheduler_config` when it carries none) and `patch_size_t` are `scheduler_config` and `patch_size_t`, the model
+    the family instance is bound to (`CogVideoXFamily.for_model` / `for_transformer`): its objective, sampler step and
+    latent shape follow that model."""
+    own = {**scheduler_config_of(transformer, scheduler_config), "patch_size_t": transformer.config.patch_size_t}
+    theirs = {**scheduler_config, "patch_size_t": patch_size_t}
     keys = sorted(k for k in own if own[k] != theirs.get(k))
     if keys:
         found = ", ".join(f"{k}={own[k]!r}" for k in keys)
         other = ", ".join(f"{k}={theirs.get(k)!r}" for k in keys)
-        raise ValueError(f"this CogVideoX transformer was loaded with {found}, but a model loaded after it bound "
-                         f"{other} in this process (the objective, sampler and latent shape follow one model per "
-                         "process): load it again (family.build / load_pretrained) or run each model in its own "
-                         "process")
+        raise ValueError(f"this CogVideoX transformer has {found}, but the family it is called through is bound to "
+                         f"{other}: use the family of its own model (family.for_model(model_cfg) or "
+                         "family.for_transformer(transformer))")
 
 
 def _joint_positions(config: Any) -> bool:
@@ -717,8 +682,49 @@ def probe_loss(model: torch.nn.Module, transformer: CogVideoXTransformer3DModel)
 class CogVideoXFamily(ModelFamily):
     """CogVideoX 1.0 T2V and I2V, and 1.5 T2V: latents (B, 16, (F-1)/4+1, H/8, W/8), F = 1 or 8k+1, DiT patch 2 per
     latent frame (1.5: per pair of latent frames, the latents padded by one leading frame: `latent_padding`), so H and
-    W multiples of 16; v-prediction on the model's DDIM schedule (`bind_model`). An I2V transformer (`model.i2v`,
-    condition `first`) takes the image latents (B, 16, F_lat, H_lat, W_lat) as `predict`'s `inpaint_latents`."""
+    W multiples of 16; v-prediction on the model's DDIM schedule. An I2V transformer (`model.i2v`, condition `first`)
+    takes the image latents (B, 16, F_lat, H_lat, W_lat) as `predict`'s `inpaint_latents`.
+
+    An instance describes one model: its scheduler config (the objective's and sampler's DDIM schedule) and its
+    transformer's `patch_size_t` (the latent frames `latent_shape` pads for). The registered family
+    (`get_family("cogvideox")`) is CogVideoX-2b's (`SCHEDULER_CONFIG`, no `patch_size_t`: the tiny preset);
+    `for_model(model_cfg)` (a folder's configs, no weights) and `for_transformer(transformer)` give the family of
+    another model, and `predict` refuses a transformer of another schedule or layout in one line."""
+
+    def __init__(self, scheduler_config: dict[str, Any] | None = None, patch_size_t: int | None = None):
+        self.scheduler_config = dict(SCHEDULER_CONFIG if scheduler_config is None else scheduler_config)
+        """The checked `CogVideoXDDIMScheduler` config (`check_scheduler_config`) of `noisy_latents`,
+        `training_target` and `sampler_step`."""
+        self.patch_size_t = patch_size_t
+        """The transformer's `patch_size_t` (None: CogVideoX 1.0; 2: 1.5, whose latent frames `latent_shape` pads)."""
+        self.schedule = SCHEDULE if self.scheduler_config == SCHEDULER_CONFIG else schedule_of(self.scheduler_config)
+
+    def __repr__(self) -> str:
+        return (f"CogVideoXFamily(snr_shift_scale={self.scheduler_config['snr_shift_scale']}, "
+                f"patch_size_t={self.patch_size_t})")
+
+    def for_model(self, model_cfg: ModelConfig) -> "CogVideoXFamily":
+        """The family of the model `model_cfg` describes, from configs only (no weights): a pretrained folder's
+        scheduler config (`folder_scheduler_config`) and transformer `patch_size_t`, the folder checked first
+        (`_check_folder`: scheduler, transformer and VAE layout; one-line errors naming the folder); the tiny preset's
+        CogVideoX-2b `SCHEDULER_CONFIG` and no `patch_size_t`. `self` when that is this family's model."""
+        folder = pretrained_folder(model_cfg, "cogvideox")
+        if folder is None:
+            return self._for(SCHEDULER_CONFIG, None)
+        folder = _check_folder(folder)
+        config = CogVideoXTransformer3DModel.load_config(folder, subfolder="transformer", local_files_only=True)
+        return self._for(folder_scheduler_config(folder), config.get("patch_size_t"))
+
+    def for_transformer(self, transformer: torch.nn.Module) -> "CogVideoXFamily":
+        """The family of the model `transformer` (maybe DDP-wrapped) is: the scheduler config the family built or
+        loaded it with (`scheduler_config_of`; this family's for a transformer made elsewhere) and its
+        `patch_size_t`. `self` when that is this family's model."""
+        return self._for(scheduler_config_of(transformer, self.scheduler_config),
+                         unwrapped(transformer).config.patch_size_t)
+
+    def _for(self, scheduler_config: dict[str, Any], patch_size_t: int | None) -> "CogVideoXFamily":
+        same = (dict(scheduler_config), patch_size_t) == (self.scheduler_config, self.patch_size_t)
+        return self if same else CogVideoXFamily(scheduler_config, patch_size_t)
 
     name = "cogvideox"
     latent_channels = LATENT_CHANNELS
@@ -733,14 +739,13 @@ class CogVideoXFamily(ModelFamily):
 
     def noisy_latents(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
         """sqrt(a_t) * latents + sqrt(1 - a_t) * noise (B, C, F, H, W), t = round(sigma * 1000) in 0..999, a_t of the
-        bound scheduler config (`bind_model`) (`vidray.diffusion.ddim.add_noise`, diffusers'
-        `CogVideoXDDIMScheduler.add_noise`)."""
-        return ddim.add_noise(latents, noise, _train_timesteps(sigmas), _BOUND["schedule"])
+        family's scheduler config (`vidray.diffusion.ddim.add_noise`, diffusers' `CogVideoXDDIMScheduler.add_noise`)."""
+        return ddim.add_noise(latents, noise, _train_timesteps(sigmas), self.schedule)
 
     def training_target(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-        """The velocity sqrt(a_t) * noise - sqrt(1 - a_t) * latents (B, C, F, H, W), a_t of the bound scheduler
+        """The velocity sqrt(a_t) * noise - sqrt(1 - a_t) * latents (B, C, F, H, W), a_t of the family's scheduler
         config (`ddim.training_target`, diffusers' `CogVideoXDDIMScheduler.get_velocity`)."""
-        return ddim.training_target(latents, noise, _train_timesteps(sigmas), _BOUND["schedule"], "v_prediction")
+        return ddim.training_target(latents, noise, _train_timesteps(sigmas), self.schedule, "v_prediction")
 
     def model_timesteps(self, sigmas: torch.Tensor, num_train_timesteps: int) -> torch.Tensor:
         """round(sigma * 1000) clamped to 0..999, (B,) float32 (`predict` passes them on as int64, as the pipeline
@@ -760,8 +765,8 @@ class CogVideoXFamily(ModelFamily):
                      sigmas_next: torch.Tensor) -> torch.Tensor:
         """One DDIM step (eta 0) of latents (B, C, F, H, W) from timestep round(sigma * 1000) to
         round(sigma_next * 1000) (both at most 999; -1: the clean end) given the v-prediction `model_pred`, on the
-        bound scheduler config's alphas (`ddim.ddim_step`, as `CogVideoXDDIMScheduler.step`)."""
-        return ddim.ddim_step(model_pred, latents, _timesteps(sigmas), _timesteps(sigmas_next), _BOUND["schedule"],
+        family's scheduler config's alphas (`ddim.ddim_step`, as `CogVideoXDDIMScheduler.step`)."""
+        return ddim.ddim_step(model_pred, latents, _timesteps(sigmas), _timesteps(sigmas_next), self.schedule,
                               "v_prediction")
 
     # 2. Modules.
@@ -770,7 +775,8 @@ class CogVideoXFamily(ModelFamily):
         """`init: random` -> the `tiny` preset with `model_cfg.text_encoder` (`build_tiny`; `model.i2v`: its
         image-to-video transformer); `init: pretrained` -> `load_pretrained(model_cfg.pretrained_path)`, a T2V folder
         for `model.i2v` null, an I2V one for `model.i2v` set (else a one-line ValueError naming the folder).
-        `model.vae_path` replaces the VAE. Binds the model's scheduler config (`bind_model`)."""
+        `model.vae_path` replaces the VAE. The transformer carries the model's scheduler config
+        (`scheduler_config_of`): `for_model(model_cfg)` is its family."""
         _check_condition(model_cfg)
         folder = pretrained_folder(model_cfg, "cogvideox")
         if folder is not None:
@@ -796,19 +802,19 @@ class CogVideoXFamily(ModelFamily):
     def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> CogVideoXTransformer3DModel:
         """The transformer alone, equal to `build(...).transformer`, without the VAE or the text encoder: the tiny
         preset drawn first under `seed` (as in `build_tiny`); a folder's `transformer/` alone (its task checked
-        against `model.i2v`, as in `build`). Binds its scheduler config (`bind_model`)."""
+        against `model.i2v`, as in `build`), carrying the model's scheduler config (`scheduler_config_of`)."""
         _check_condition(model_cfg)
         folder = pretrained_folder(model_cfg, "cogvideox")
         if folder is not None:
             _check_folder(folder, model_cfg)
             transformer = CogVideoXTransformer3DModel.from_pretrained(folder, subfolder="transformer",
                                                                       local_files_only=True)
-            bind_model(folder_scheduler_config(folder), transformer=transformer)
+            _attach_scheduler_config(transformer, folder_scheduler_config(folder))
             return transformer.train()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             transformer = _tiny_transformer(model_cfg.text_encoder, i2v=model_cfg.i2v is not None)
-        bind_model(SCHEDULER_CONFIG, transformer=transformer)
+        _attach_scheduler_config(transformer, SCHEDULER_CONFIG)
         return transformer.train()
 
     def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
@@ -908,7 +914,7 @@ class CogVideoXFamily(ModelFamily):
         None), `return_dict=False`; the output is permuted back. prompt_attention_mask is checked for shape but not
         passed (the transformer has no text mask). Raises ValueError for shapes that do not line up, without
         rotary positions (CogVideoX-2b) a prompt length other than `max_text_seq_length`, or a transformer whose
-        scheduler config is not the bound one (`bind_model`: a model loaded after it has another).
+        scheduler config or `patch_size_t` is not the family's (`for_model`, `for_transformer`: another model's).
         """
         if noisy_latents.ndim != 5:
             raise ValueError(f"noisy_latents must be (B, C, F, H, W), got {tuple(noisy_latents.shape)}")
@@ -922,7 +928,7 @@ class CogVideoXFamily(ModelFamily):
                              f"(B, L) {tuple(prompt_embeds.shape[:2])}")
         inner = unwrapped(transformer)  # the training loop passes the DDP-wrapped model
         cfg = inner.config
-        _check_bound(inner)
+        _check_bound(inner, self.scheduler_config, self.patch_size_t)
         if cfg.patch_size_t is not None and num_frames % cfg.patch_size_t:
             raise ValueError(f"this CogVideoX 1.5 transformer (patch_size_t {cfg.patch_size_t}) takes latents padded "
                              f"to a multiple of {cfg.patch_size_t} frames, got {num_frames}: pad them as "
@@ -1013,8 +1019,8 @@ class CogVideoXFamily(ModelFamily):
     # 5. Shapes, probes, export.
 
     def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:
-        """(B, 16, (F-1)//4 + 1, H//8, W//8); e.g. Bucket(9, 64, 64), B=2 -> (2, 16, 3, 8, 8). With a CogVideoX 1.5
-        model bound (`bind_model`: `patch_size_t` 2) the latent frames are padded to its multiple
+        """(B, 16, (F-1)//4 + 1, H//8, W//8); e.g. Bucket(9, 64, 64), B=2 -> (2, 16, 3, 8, 8). For a CogVideoX 1.5
+        model's family (`for_model`, `for_transformer`: `patch_size_t` 2) the latent frames are padded to its multiple
         (`latent_padding`): Bucket(9, 64, 64) -> (2, 16, 4, 8, 8), the shape `CogVideoXPipeline` draws its noise in.
 
         Raises ValueError unless H, W are multiples of 16 (8x VAE, patch 2) and F is 1 or 8k+1 (the 1.0 transformer,
@@ -1025,7 +1031,7 @@ class CogVideoXFamily(ModelFamily):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         num_frames, height, width = bucket
         num_latent_frames = (num_frames - 1) // TEMPORAL_COMPRESSION_RATIO + 1
-        num_latent_frames += latent_padding(num_latent_frames, bound_model().patch_size_t)
+        num_latent_frames += latent_padding(num_latent_frames, self.patch_size_t)
         return (batch_size, LATENT_CHANNELS, num_latent_frames, height // SPATIAL_COMPRESSION_RATIO,
                 width // SPATIAL_COMPRESSION_RATIO)
 
@@ -1043,8 +1049,8 @@ class CogVideoXFamily(ModelFamily):
         return probe_loss(model, transformer)
 
     def save_pipeline(self, components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
-        """See module-level `save_pipeline`."""
-        return save_pipeline(components, out_dir, flow)
+        """See module-level `save_pipeline` (this family's scheduler config for a transformer that carries none)."""
+        return save_pipeline(components, out_dir, flow, scheduler_config=self.scheduler_config)
 
     def load_pretrained(self, path: str | Path) -> Components:
         """See module-level `load_pretrained`."""

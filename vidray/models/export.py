@@ -26,6 +26,7 @@ import hashlib
 import json
 import warnings
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -54,6 +55,7 @@ __all__ = [
     "manifest_parts",
     "ModelFolderError",
     "ModelInfo",
+    "model_config",
     "model_experts",
     "PARTS",
     "ADAPTER_PART",
@@ -387,12 +389,14 @@ class ModelInfo:
     image-to-video one (`EasyAnimateInpaintPipeline`, `WanImageToVideoPipeline`, `CogVideoXImageToVideoPipeline`).
     Read through `family.supports_image_to_video(info)`."""
 
-    @property
+    @functools.cached_property
     def family(self) -> "ModelFamily":
-        """The registered model family (imports torch and diffusers on first use)."""
+        """The registered model family for this model (`ModelFamily.for_model` of `model_config`: a checkpoint's
+        recorded model, a folder's own configs, no weights read), whose objective, sampler and `latent_shape` follow
+        it (CogVideoX's scheduler config and 1.5's padded latent frames). Imports torch and diffusers on first use."""
         from vidray.models.registry import get_family
 
-        return get_family(self.family_name)
+        return get_family(self.family_name).for_model(model_config(self)[0])
 
     def default_bucket(self) -> Bucket | None:
         """The first multi-frame training bucket (else the first bucket; None when none is recorded)."""
@@ -653,16 +657,7 @@ def _load_some(info: ModelInfo, wanted: set[str], expert: str | None = None) -> 
     from vidray.models.base import Components
     from vidray.models.experts import pick_expert
 
-    if info.kind == "checkpoint":
-        model_cfg, seed = info.job.model, info.job.train.seed
-    else:
-        base = info.job.model if info.job is not None else ModelConfig(
-            family=info.family_name, max_sequence_length=info.max_sequence_length,
-            i2v=I2VConfig(image_encoder=_folder_image_encoder(info.path)) if info.image_to_video else None,
-            experts=_folder_experts(info.path))
-        model_cfg = dataclasses.replace(base, init="pretrained", pretrained_path=str(info.path), vae_path=None,
-                                        lora=None)
-        seed = 0
+    model_cfg, seed = model_config(info)
     family = info.family
     transformer = vae = text_encoder = tokenizer = image_encoder = image_processor = None
     if "transformer" in wanted:
@@ -682,6 +677,19 @@ def _load_some(info: ModelInfo, wanted: set[str], expert: str | None = None) -> 
         image_encoder, image_processor = family.build_image_encoder(model_cfg, seed=seed) or (None, None)
     return Components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                       image_encoder=image_encoder, image_processor=image_processor)
+
+
+def model_config(info: ModelInfo) -> tuple[ModelConfig, int]:
+    """(the model config, the seed) that the family builds `info`'s model from, piece by piece (`load_model`) or
+    for its configs (`ModelInfo.family`): a checkpoint's recorded `job.model` and `train.seed`; a diffusers folder
+    as `init: pretrained` from itself (its recorded model config, else one read from its model_index.json) and 0."""
+    if info.kind == "checkpoint":
+        return info.job.model, info.job.train.seed
+    base = info.job.model if info.job is not None else ModelConfig(
+        family=info.family_name, max_sequence_length=info.max_sequence_length,
+        i2v=I2VConfig(image_encoder=_folder_image_encoder(info.path)) if info.image_to_video else None,
+        experts=_folder_experts(info.path))
+    return dataclasses.replace(base, init="pretrained", pretrained_path=str(info.path), vae_path=None, lora=None), 0
 
 
 def _folder_image_encoder(path: Path) -> bool:

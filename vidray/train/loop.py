@@ -206,7 +206,7 @@ class Worker:
         self.device = ray.train.torch.get_device()
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-        self.family = get_family(job.model.family)
+        self.family = get_family(job.model.family).for_model(job.model)  # its objective follows this model
         self.vae_run = job.train.objective == "vae"  # `vidray train-vae`: the transformer is the VAE's objective
         transformer, pretrained_weights = self._build_transformer()
         self._load_data(local_ranks=context.get_local_world_size())
