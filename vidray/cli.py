@@ -307,8 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(<run>/diffusers/lora, or peft's adapter_config.json + adapter_model.safetensors) or a "
                    ".safetensors file (a LoRA run's own export or checkpoint needs none)")
     p.add_argument("--image", help="first frame of the video (PNG or JPEG), resized to the bucket: for an "
-                   "image-to-video model only (a model.i2v run's export, a stock EasyAnimateInpaintPipeline or "
-                   "WanImageToVideoPipeline folder)")
+                   "image-to-video model only (a model.i2v run's export, a stock EasyAnimateInpaintPipeline, "
+                   "WanImageToVideoPipeline or CogVideoXImageToVideoPipeline folder)")
     p.add_argument("--last-image", help="last frame of the video (with --image): first-and-last conditioning")
     p.set_defaults(func=cmd_generate)
 

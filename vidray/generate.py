@@ -199,8 +199,12 @@ def check_generate_args(
     bucket = Bucket(*bucket)
     if image is not None and not info.family.supports_image_to_video(info):
         raise GenerateArgumentError(f"--image: the model {model_path} is text-to-video and takes no image; drop "
-                                    "--image or give an image-to-video model (a stock EasyAnimateInpaintPipeline or "
-                                    "WanImageToVideoPipeline folder, or the export of a model.i2v run)")
+                                    "--image or give an image-to-video model (a stock EasyAnimateInpaintPipeline, "
+                                    "WanImageToVideoPipeline or CogVideoXImageToVideoPipeline folder, or the export "
+                                    "of a model.i2v run)")
+    if image is not None and last_image is None and info.family.needs_last_image(info):
+        raise GenerateArgumentError(f"--image: the model {model_path} is conditioned on a first and a last frame "
+                                    "(its image encoder takes both): give --last-image too")
     try:
         info.family.latent_shape(bucket, 1)
     except ValueError as err:
@@ -275,7 +279,12 @@ def generate_to_file(
     from vidray.models.conditioning import load_image
 
     quiet_diffusers()  # "Loading pipeline components..." bars (vidray.logs)
-    model = load_model(model_path, lora_path=lora)
+    try:
+        model = load_model(model_path, lora_path=lora)
+    except UserError:
+        raise
+    except ValueError as err:  # the family's checks of a folder's layout (what `vidray train` checks on the driver)
+        raise UserError(f"--model {model_path}: the model family cannot load it: {err}") from None
     warn_if_prompt_truncated(model.components.tokenizer, prompt, model.max_sequence_length)
     started = time.monotonic()
     last_shown = [started]

@@ -349,3 +349,51 @@ def test_the_end_of_run_export_holds_the_jobs_image_encoder(tmp_path):
     assert out == str(tmp_path / "diffusers") and index["image_encoder"] == ["transformers", "CLIPVisionModel"]
     pipe = WanImageToVideoPipeline.from_pretrained(out, local_files_only=True)
     assert isinstance(pipe.image_encoder, CLIPVisionModel) and pipe.transformer.config.image_dim == 32
+
+
+def test_the_videos_api_refuses_an_image_for_a_first_and_last_frame_model_naming_why(exported, exported_flf, tmp_path):
+    # A new user's trial: a served Wan 2.1 FLF2V model queued every input_reference request, then failed it as
+    # internal_error (its CLIP takes two images; the Videos API gives one). It is now a 400 naming why.
+    import io
+
+    from vidray.serve.api import ApiLimits, RequestError, _check_image
+    from vidray.serve.app import ServeSettings, model_spec
+
+    flf = tmp_path / "flf"
+    shutil.copytree(exported_flf[1], flf)
+    assert FAMILY.needs_last_image(inspect_model(flf))  # a stock folder: its transformer config says
+    write_job_file(flf, job_config_from_dict({**JOB, "model": {**JOB["model"], "i2v": {"condition": "first_last",
+                                                                                      "image_encoder": True}}}))
+    png = io.BytesIO()
+    random_image(0).save(png, format="PNG")
+    spec = model_spec(ServeSettings(model_path=str(flf), store_dir=str(tmp_path / "s")), inspect_model(flf))
+    assert not spec.supports_image_to_video
+    with pytest.raises(RequestError, match="is conditioned on a first and a last frame, and the Videos API gives one "
+                                           "image"):
+        _check_image(("first.png", "image/png", png.getvalue()), spec=spec, limits=ApiLimits())
+    one_image = model_spec(ServeSettings(model_path=str(exported[1]), store_dir=str(tmp_path / "s")),
+                           inspect_model(exported[1]))
+    assert one_image.supports_image_to_video and not FAMILY.needs_last_image(inspect_model(exported[1]))
+    from vidray.generate import GenerateArgumentError, generate_to_file  # generate takes both frames, or says so
+
+    random_image(0).save(tmp_path / "first.png")
+    random_image(1).save(tmp_path / "last.png")
+    with pytest.raises(GenerateArgumentError, match="is conditioned on a first and a last frame .*: give --last-image"):
+        generate_to_file(flf, "a red fox", tmp_path / "flf.mp4", image=tmp_path / "first.png", num_inference_steps=1)
+    generate_to_file(flf, "a red fox", tmp_path / "flf.mp4", image=tmp_path / "first.png",
+                     last_image=tmp_path / "last.png", num_inference_steps=1)
+    assert (tmp_path / "flf.mp4").stat().st_size > 0
+
+
+def test_generate_on_a_folder_the_family_refuses_is_a_one_line_user_error(exported, tmp_path):
+    # A new user's trial: `vidray generate --model` on such a folder printed a traceback (train refused it in a line).
+    from vidray.errors import UserError
+    from vidray.generate import generate_to_file
+
+    no_clip = shutil.copytree(exported[1], tmp_path / "no-clip")
+    index = json.loads((no_clip / "model_index.json").read_text())
+    (no_clip / "model_index.json").write_text(json.dumps({**index, "image_encoder": [None, None]}))
+    with pytest.raises(UserError, match=rf"--model {no_clip}: the model family cannot load it: .*has no "
+                                        "image_encoder") as err:
+        generate_to_file(no_clip, "a red fox", tmp_path / "out.mp4", num_inference_steps=1)
+    assert "\n" not in str(err.value) and not (tmp_path / "out.mp4").exists()

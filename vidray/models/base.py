@@ -137,6 +137,12 @@ class ModelFamily(abc.ABC):
         an image request with a 400 naming the model. Default: False (the family has no image-to-video model)."""
         return False
 
+    def needs_last_image(self, info: Any) -> bool:
+        """Whether the image-to-video model `info` describes (configs only) cannot be conditioned on a first image
+        alone and needs the last one too (Wan 2.1 FLF2V, whose CLIP embeds both); what the Videos API, which takes
+        one image, refuses. Default: False."""
+        return False
+
     def takes_image(self, transformer: torch.nn.Module) -> bool:
         """Whether `transformer` is an image-to-video model, read from its config (what the sampler and the
         training step ask before passing `inpaint_latents` to `predict`). Default: False."""

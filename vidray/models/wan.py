@@ -847,6 +847,18 @@ class WanFamily(ModelFamily):
         or a stock `WanImageToVideoPipeline` folder."""
         return bool(info.image_to_video)
 
+    def needs_last_image(self, info) -> bool:
+        """Whether the model's CLIP takes a first and a last image (Wan 2.1 FLF2V: the transformer's
+        `pos_embed_seq_len` 2 x 257, or a job's `model.i2v` with `image_encoder` and `condition: first_last`), so
+        one image cannot condition it. Reads configs only."""
+        if not info.image_to_video:
+            return False
+        config_file = Path(info.path) / "transformer" / "config.json"
+        if config_file.is_file():
+            return json.loads(config_file.read_text()).get("pos_embed_seq_len") == 2 * IMAGE_TOKENS
+        i2v = info.job.model.i2v if info.job is not None else None
+        return bool(i2v and i2v.image_encoder and i2v.condition == "first_last")
+
     def takes_image(self, transformer: WanTransformer3DModel) -> bool:
         """`takes_condition`: the transformer's `in_channels` is 36, not 16."""
         return takes_condition(transformer)

@@ -232,6 +232,8 @@ class ModelSpec:
     """Denoising steps when a request gives no `num_inference_steps`."""
     default_guidance_scale: float = 6.0
     """Classifier-free guidance scale when a request gives no `guidance_scale` (1.0 = no guidance)."""
+    no_image_reason: str = "is a text-to-video model and takes no image"
+    """Why an `input_reference` is refused (with `supports_image_to_video` False), after the model's name."""
 
     def __post_init__(self) -> None:
         width, height = self.default_size
@@ -608,8 +610,8 @@ def _check_image(image: tuple[str, str, bytes], *, spec: ModelSpec, limits: ApiL
 
     filename, _content_type, data = image
     if not spec.supports_image_to_video:
-        raise RequestError(400, "input_reference", f"input_reference: {spec.name!r} is a text-to-video model and "
-                           "takes no image; send the request without input_reference")
+        raise RequestError(400, "input_reference", f"input_reference: {spec.name!r} {spec.no_image_reason}; send "
+                           "the request without input_reference")
     if len(data) > limits.max_image_bytes:
         raise _image_too_large(filename, len(data), limits)
     if not data:

@@ -228,7 +228,10 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
         max_height=settings.limits.max_height,
         max_num_frames=settings.limits.max_num_frames,
         valid_num_frames=valid_num_frames,
-        supports_image_to_video=family.supports_image_to_video(info),
+        supports_image_to_video=family.supports_image_to_video(info) and not family.needs_last_image(info),
+        **({"no_image_reason": "is conditioned on a first and a last frame, and the Videos API gives one image "
+                               "(use vidray generate --image --last-image)"}
+           if family.needs_last_image(info) else {}),
         default_num_inference_steps=settings.default_num_inference_steps,
         default_guidance_scale=settings.default_guidance_scale,
     )
@@ -539,7 +542,7 @@ class VideoJobService:
             "num_inference_steps": params["num_inference_steps"], "seed": params["seed"],
             "inpaint_latents": None, **condition, "sent_at": time.time(),
         }
-        # A two-expert model's high-noise stage hands its latents and step to the low-noise one (seed 004's layout).
+        # A two-expert model's high-noise stage hands its latents and step to the low-noise one.
         final = None
         for denoiser in (self.denoiser, self.low_noise_denoiser):
             if denoiser is None:
@@ -786,6 +789,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
                        "can reach its port can create, read and delete videos; remove auth.disabled and set "
                        "auth.token_env or auth.token_file to require a token")
     # A two-expert model (Wan 2.2 A14B): one deployment per expert, each placed by its own ray_actor_options.
+    if experts is not None:
+        logger.warning("model %s has two experts: the low-noise one runs in the %s deployment, whose actor options "
+                       "(GPUs, label_selector) come from its own deployments entry (serve/serve_config_experts.yaml "
+                       "has one); without one it gets Serve's defaults", settings.model_path, LOW_NOISE_DENOISER)
     expert_args = [("high",), ("low",)] if experts is not None else [()]
     denoisers = [(denoiser if i == 0 else denoiser.options(name=LOW_NOISE_DENOISER)).bind(
         settings.model_path, settings.policy.model_dump(), settings.lora_path, *args)
