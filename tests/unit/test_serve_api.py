@@ -544,6 +544,15 @@ def test_second_file_part_or_unexpected_file_field_is_400(client):
     assert_error(client.post("/v1/videos", content=twice, headers=headers), 400, "input_reference", "once")
 
 
+def test_input_reference_sent_as_a_text_field_is_told_to_come_as_a_file_part(client):
+    # A new user's trial: `-F input_reference=hello` was answered "unknown field(s) 'input_reference'; accepted
+    # fields: ... and the file part input_reference".
+    body = multipart({"prompt": "a", "input_reference": "hello"})
+    headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+    assert_error(client.post("/v1/videos", content=body, headers=headers), 400, "input_reference",
+                 "came as a text field; upload the image as a file part")
+
+
 def test_declared_content_length_over_the_limit_is_413_before_reading(client, service):
     headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
     response = client.post("/v1/videos", content=b"x" * (LIMITS.max_body_bytes + 1), headers=headers)

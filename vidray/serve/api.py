@@ -586,7 +586,13 @@ def parse_video_request(
 
 
 def _unknown_fields_error(unknown: list[str]) -> RequestError:
-    """The 400 for create fields that do not exist (`unknown` sorted), naming them (each cut to 60 characters)."""
+    """The 400 for create fields that do not exist (`unknown` sorted), naming them (each cut to 60 characters);
+    `input_reference` sent as a text field is told to come as a file part."""
+    if unknown == ["input_reference"]:
+        return RequestError(400, "input_reference", "input_reference came as a text field; upload the image as a "
+                            "file part (curl -F input_reference=@first.png), or in JSON as "
+                            "{\"input_reference\": {\"image_url\": \"data:image/png;base64,...\"}}",
+                            code="unknown_parameter")
     return RequestError(400, unknown[0], f"unknown field(s) {', '.join(_shown(u) for u in unknown)}; accepted "
                         f"fields: {', '.join(CREATE_FIELDS)} and the file part input_reference",
                         code="unknown_parameter")
