@@ -92,8 +92,8 @@ class ModelFamily(abc.ABC):
         return self
 
     def for_transformer(self, transformer: torch.nn.Module) -> "ModelFamily":
-        """This family for the model `transformer` (maybe DDP-wrapped), built or loaded by this family, is.
-        Default: `self`."""
+        """This family for the model of `transformer` (maybe DDP-wrapped), which this family built or loaded: its
+        tensor-only methods follow that model. Default: `self`."""
         return self
 
     def noisy_latents(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
