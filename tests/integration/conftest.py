@@ -54,6 +54,30 @@ def _holds_file_under(proc: Path, marker: str) -> bool:
     return False
 
 
+def end_processes_under(marker: str, attempts: int = 20) -> None:
+    """SIGKILL, by PID, every process `pids_mentioning(marker)` finds (`marker`: the temp or session folder of a
+    Ray cluster this test process started, so only that cluster's processes), until none is left or `attempts`
+    half-second rounds have passed. A worker outlives its killed raylet now and then (a `ray::TrainController`
+    reparented to init was seen after a module's `ray.shutdown()`)."""
+    for _ in range(attempts):
+        leftovers = pids_mentioning(marker)
+        if not leftovers:
+            return
+        for pid in leftovers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+
+
+def _session_dir() -> str:
+    """The session folder of the Ray this process is connected to (`/tmp/ray/session_<date>_<pid>`)."""
+    import ray
+
+    return ray._private.worker._global_node.get_session_dir_path()
+
+
 def ray_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update({k: env.get(k, v) for k, v in CLIENT_ENV.items()})
@@ -114,9 +138,11 @@ def local_ray():
     import ray
 
     started = init_ray_without_dashboard(num_cpus=4)
+    session_dir = _session_dir() if started else None
     yield ray
     if started:
         ray.shutdown()
+        end_processes_under(session_dir)
 
 
 
@@ -156,14 +182,18 @@ def loopback_cluster(nodes: list[dict], *, system_config: dict | None = None):
     if system_config is not None:
         head_args["_system_config"] = system_config
     cluster = Cluster(initialize_head=True, head_node_args=head_args)
+    session_dir = None
     try:
         handles = [cluster.add_node(node_ip_address="127.0.0.1", **node) for node in nodes]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address)
+        session_dir = _session_dir()
         yield cluster, handles
     finally:
         ray.shutdown()
         cluster.shutdown()
+        if session_dir is not None:
+            end_processes_under(session_dir)
 
 
 REFERENCE_STEPS = 40
@@ -326,16 +356,7 @@ class RayHead:
             except subprocess.TimeoutExpired:
                 self.process.kill()
         # Anything still alive that runs under our temp dir was started by this head: end it by PID.
-        for _ in range(20):
-            leftovers = pids_mentioning(self.temp_dir)
-            if not leftovers:
-                break
-            for pid in leftovers:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.5)
+        end_processes_under(self.temp_dir)
         self.log.close()
 
 
