@@ -406,13 +406,15 @@ class ModelInfo:
 
 @dataclass
 class LoadedModel:
-    """A model ready for sampling: family, components (eval mode), flow settings, prompt length, buckets."""
+    """A model ready for sampling: family, components (eval mode), flow settings, prompt length, buckets, and its two
+    experts' `boundary_ratio` (`model_experts`; None for one transformer)."""
 
     family: "ModelFamily"
     components: "Components"
     flow: FlowConfig
     max_sequence_length: int
     buckets: list[Bucket]
+    experts: ExpertsConfig | None = None
 
 
 def inspect_model(path: str | Path) -> ModelInfo:
@@ -625,9 +627,10 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None,
     if unknown or not components:
         raise ValueError(f"components {list(components)}: give one or more of {', '.join(COMPONENTS)}")
     info = inspect_model(path)
-    if expert is not None and ("transformer" not in components or model_experts(info) is None):
+    experts = model_experts(info)
+    if expert is not None and ("transformer" not in components or experts is None):
         raise ValueError(f"expert {expert!r}: model {info.source or info.path} "
-                         + ("has one transformer (no model.experts / transformer_2)" if model_experts(info) is None
+                         + ("has one transformer (no model.experts / transformer_2)" if experts is None
                             else "is loaded without its transformer (add it to components)"))
     if set(components) == set(COMPONENTS) and expert is None:
         loaded = _load_all(info)
@@ -638,7 +641,7 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None,
     for module in (loaded.transformer, loaded.vae, loaded.text_encoder, loaded.image_encoder):
         if module is not None:
             module.eval()
-    return LoadedModel(info.family, loaded, info.flow, info.max_sequence_length, list(info.buckets))
+    return LoadedModel(info.family, loaded, info.flow, info.max_sequence_length, list(info.buckets), experts)
 
 
 def _load_all(info: ModelInfo) -> "Components":

@@ -210,6 +210,7 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
         raise ServeSettingsError(f"model_path {info.path} records no training bucket (a stock diffusers folder); "
                                  "serve a folder exported by vidray training")
     family = info.family
+    needs_last_image = family.needs_last_image(info)  # the Videos API gives one image
 
     def valid_num_frames(num_frames: int) -> bool:
         try:
@@ -228,10 +229,9 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
         max_height=settings.limits.max_height,
         max_num_frames=settings.limits.max_num_frames,
         valid_num_frames=valid_num_frames,
-        supports_image_to_video=family.supports_image_to_video(info) and not family.needs_last_image(info),
+        supports_image_to_video=family.supports_image_to_video(info) and not needs_last_image,
         **({"no_image_reason": "is conditioned on a first and a last frame, and the Videos API gives one image "
-                               "(use vidray generate --image --last-image)"}
-           if family.needs_last_image(info) else {}),
+                               "(use vidray generate --image --last-image)"} if needs_last_image else {}),
         default_num_inference_steps=settings.default_num_inference_steps,
         default_guidance_scale=settings.default_guidance_scale,
     )
@@ -544,9 +544,7 @@ class VideoJobService:
         }
         # A two-expert model's high-noise stage hands its latents and step to the low-noise one.
         final = None
-        for denoiser in (self.denoiser, self.low_noise_denoiser):
-            if denoiser is None:
-                continue
+        for denoiser in filter(None, (self.denoiser, self.low_noise_denoiser)):
             if final is not None:
                 request = {**request, "latents": final["latents"], "step": final["step"], "sent_at": time.time()}
             final = await self._denoise(denoiser, request, job, progress, owned)
@@ -793,10 +791,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         logger.warning("model %s has two experts: the low-noise one runs in the %s deployment, whose actor options "
                        "(GPUs, label_selector) come from its own deployments entry (serve/serve_config_experts.yaml "
                        "has one); without one it gets Serve's defaults", settings.model_path, LOW_NOISE_DENOISER)
-    expert_args = [("high",), ("low",)] if experts is not None else [()]
-    denoisers = [(denoiser if i == 0 else denoiser.options(name=LOW_NOISE_DENOISER)).bind(
-        settings.model_path, settings.policy.model_dump(), settings.lora_path, *args)
-        for i, args in enumerate(expert_args)]
+    args = (settings.model_path, settings.policy.model_dump(), settings.lora_path)
+    denoisers = ([denoiser.bind(*args)] if experts is None else
+                 [denoiser.bind(*args, "high"), denoiser.options(name=LOW_NOISE_DENOISER).bind(*args, "low")])
     return VideoIngress.bind(
         settings.model_dump(), auth_token,
         TextEncoder.bind(settings.model_path),

@@ -233,15 +233,13 @@ class Denoiser:
 
     def __init__(self, model_path: str, policy: dict[str, Any], lora_path: str | None = None,
                  expert: str | None = None):
-        from vidray.models.export import inspect_model, model_experts
-
         model = _load(model_path, "transformer", lora_path, expert=expert)
         self.family, self.flow = model.family, model.flow
         self.transformer = model.components.transformer.eval()
-        del model
         self.expert = expert
-        self.boundary_timestep = (None if expert is None else model_experts(inspect_model(model_path)).boundary_ratio
-                                  * self.flow.num_train_timesteps)
+        self.boundary_timestep = (None if expert is None
+                                  else model.experts.boundary_ratio * self.flow.num_train_timesteps)
+        del model
         self.policy_config = PolicyConfig(**policy)
         self.policy = BatchPolicy(self.policy_config)
         max_ongoing = _max_ongoing_requests()
