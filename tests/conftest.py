@@ -89,6 +89,17 @@ def run_at_once(action, *, repeats: int, processes: int = 3, timeout_s: float = 
     return problems
 
 
+def guided_prompts(family, components, max_sequence_length: int):
+    """(prompt_embeds, mask, negative_prompt_embeds, negative_mask) of the batch ["a red ball", "waves"] with the
+    negatives ["", "blurry"], encoded by `family` with `components`' text encoder: the two guided requests the
+    image-to-video parity tests sample."""
+    embeds, mask = family.encode_prompt(components.text_encoder, components.tokenizer, ["a red ball", "waves"],
+                                        max_sequence_length=max_sequence_length)
+    negative, negative_mask = family.encode_prompt(components.text_encoder, components.tokenizer, ["", "blurry"],
+                                                   max_sequence_length=max_sequence_length)
+    return embeds, mask, negative, negative_mask
+
+
 @pytest.fixture(scope="session")
 def samples_dir() -> Path:
     """The repo's `samples/` folder: six small real clips/stills and their EasyAnimate `metadata.json`."""

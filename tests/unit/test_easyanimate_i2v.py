@@ -37,6 +37,8 @@ from vidray.models.export import inspect_model, load_model, write_job_file  # no
 from vidray.models.vae import frames_to_video  # noqa: E402
 from vidray.train.step import condition_keep, flow_matching_step_loss, sample_generator  # noqa: E402
 
+from tests.conftest import guided_prompts  # noqa: E402
+
 FAMILY = get_family("easyanimate")
 BUCKET = Bucket(9, 32, 32)
 FLOW = FlowConfig(shift=3.0, num_train_timesteps=1000)
@@ -66,12 +68,7 @@ def exported(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(exported):
-    components, _, _ = exported
-    embeds, mask = FAMILY.encode_prompt(components.text_encoder, components.tokenizer, ["a red ball", "waves"],
-                                        max_sequence_length=MAX_SEQUENCE_LENGTH)
-    negative, negative_mask = FAMILY.encode_prompt(components.text_encoder, components.tokenizer, ["", "blurry"],
-                                                   max_sequence_length=MAX_SEQUENCE_LENGTH)
-    return embeds, mask, negative, negative_mask
+    return guided_prompts(FAMILY, exported[0], MAX_SEQUENCE_LENGTH)
 
 
 def test_the_i2v_tiny_preset_is_an_inpaint_transformer_exported_as_the_stock_inpaint_pipeline(exported):

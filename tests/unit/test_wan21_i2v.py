@@ -31,6 +31,8 @@ from vidray.models.export import inspect_model, load_model, write_job_file  # no
 from vidray.models.vae import frames_to_video  # noqa: E402
 from vidray.train.step import flow_matching_step_loss, sample_generator  # noqa: E402
 
+from tests.conftest import guided_prompts  # noqa: E402
+
 FAMILY = get_family("wan")
 BUCKET = Bucket(9, 32, 32)
 FLOW = FlowConfig(shift=3.0, num_train_timesteps=1000)
@@ -72,12 +74,7 @@ def exported_flf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(exported):
-    components, _, _ = exported
-    embeds, mask = FAMILY.encode_prompt(components.text_encoder, components.tokenizer, ["a red ball", "waves"],
-                                        max_sequence_length=MAX_SEQUENCE_LENGTH)
-    negative, negative_mask = FAMILY.encode_prompt(components.text_encoder, components.tokenizer, ["", "blurry"],
-                                                   max_sequence_length=MAX_SEQUENCE_LENGTH)
-    return embeds, mask, negative, negative_mask
+    return guided_prompts(FAMILY, exported[0], MAX_SEQUENCE_LENGTH)
 
 
 def test_the_wan21_preset_has_a_clip_image_branch_and_exports_the_stock_pipeline_with_its_image_encoder(exported):
