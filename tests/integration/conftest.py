@@ -204,9 +204,10 @@ _UNINTERRUPTED: dict[str, tuple[dict[int, float], Path]] = {}
 
 
 def assert_same_training_state(checkpoint: str | Path, reference: str | Path) -> None:
-    """Exact resume: the transformer weights, every optimizer state tensor (AdamW's step, exp_avg, exp_avg_sq)
-    and the lr scheduler of `checkpoint` are bitwise equal (`torch.equal`, same dtype) to the `reference`
-    checkpoint's (the uninterrupted run at the same step, same world size: fp32 on CPU, fixed threads)."""
+    """Exact resume: the transformer weights, every optimizer state tensor (AdamW's step, exp_avg, exp_avg_sq;
+    every DCP entry of a sharded checkpoint) and the lr scheduler of `checkpoint` are bitwise equal (`torch.equal`,
+    same dtype) to the `reference` checkpoint's (the uninterrupted run at the same step, same world size: fp32 on
+    CPU, fixed threads)."""
     import torch
     from safetensors.torch import load_file
 
@@ -227,10 +228,17 @@ def assert_same_training_state(checkpoint: str | Path, reference: str | Path) ->
             assert a == b, (where, a, b)
 
     checkpoint, reference = Path(checkpoint), Path(reference)
-    same(load_file(checkpoint / "transformer.safetensors"), load_file(reference / "transformer.safetensors"),
-         "transformer")
-    same(torch.load(checkpoint / "optimizer.pt", weights_only=True),
-         torch.load(reference / "optimizer.pt", weights_only=True), "optimizer.pt")
+    if (checkpoint / "dcp").is_dir():  # a sharded checkpoint (FSDP, or two expert groups): every entry of every rank
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+        same(*(_load_state_dict_from_keys(storage_reader=FileSystemReader(str(c / "dcp")))
+               for c in (checkpoint, reference)), "dcp")
+    else:
+        same(load_file(checkpoint / "transformer.safetensors"), load_file(reference / "transformer.safetensors"),
+             "transformer")
+        same(torch.load(checkpoint / "optimizer.pt", weights_only=True),
+             torch.load(reference / "optimizer.pt", weights_only=True), "optimizer.pt")
     # LambdaLR's `_step_count` counts step() calls on this scheduler object (for its call-order warning); a resumed
     # run rebuilds the scheduler at the checkpoint's step (`vidray.train.optim.apply_optim_config`), so it differs
     # and is no training state. Everything else (last_epoch, base_lrs, _last_lr) must be equal.

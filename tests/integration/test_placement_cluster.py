@@ -1,7 +1,9 @@
 """Stages placed by node label on a local multi-node Ray cluster (`ray.cluster_utils.Cluster`, all on 127.0.0.1):
 an unlabeled head, a node labeled `vidray.io/stage=vae` and one labeled `dit`. The DiT trainers, the decode
 operators and the vae / text encode actors report, from inside, the labels of the node they ran on (`ray.get_runtime_context().get_node_labels()`),
-and a selector no node satisfies is refused within seconds, before anything is reserved."""
+and a selector no node satisfies is refused within seconds, before anything is reserved. The same two nodes also
+carry `vidray.io/expert=low` and `high`: Wan 2.2 A14B's two experts train as two worker groups, each on its
+labeled node and on its side of the timestep boundary, and resume exactly (issue 29)."""
 
 from __future__ import annotations
 
@@ -13,18 +15,20 @@ import pytest
 from vidray.config import load_job_config
 from vidray.placement import PlacementError
 
-from tests.integration.conftest import loopback_cluster
+from tests.integration.conftest import assert_same_training_state, loopback_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
 STAGE = "vidray.io/stage"
+EXPERT = "vidray.io/expert"
 
 
 @pytest.fixture(scope="module")
 def labeled_cluster():
-    """Head: 0 CPUs, no labels (the driver and Ray Train's controller); `vae` node: 2 CPUs; `dit` node: 3 CPUs."""
-    with loopback_cluster([{"num_cpus": 2, "labels": {STAGE: "vae"}},
-                           {"num_cpus": 3, "labels": {STAGE: "dit"}}]) as (cluster, _):
+    """Head: 0 CPUs, no labels (the driver and Ray Train's controller); `vae` node (also the low-noise expert's):
+    2 CPUs; `dit` node (also the high-noise expert's): 3 CPUs."""
+    with loopback_cluster([{"num_cpus": 2, "labels": {STAGE: "vae", EXPERT: "low"}},
+                           {"num_cpus": 3, "labels": {STAGE: "dit", EXPERT: "high"}}]) as (cluster, _):
         yield cluster
 
 
@@ -83,3 +87,39 @@ def test_a_selector_key_no_node_carries_is_refused_on_this_labeled_joined_cluste
     message = str(err.value)
     assert message.startswith("no node carries the label key vidray.io/zone that placement.dit.label_selector=")
     assert "a cluster joined by address" in message and "ray start --labels" in message
+
+
+def test_two_expert_groups_train_on_their_labeled_nodes_each_on_its_timesteps_and_resume_exactly(labeled_cluster,
+                                                                                                 shards_dir, tmp_path):
+    """Wan 2.2 A14B's layout (`jobs/configs/wan_i2v_tiny.yaml`): one worker per expert, each placed by its expert's
+    label selector, trains only its expert on timesteps of its side of 900; a run resumed from the step-2
+    checkpoint repeats both experts' losses of steps 3-4 and ends with the same weights and optimizer state."""
+    from vidray.train.trainer import run_training
+
+    def wan(name: str, *extra: str):
+        return load_job_config(REPO / "jobs/configs/wan_i2v_tiny.yaml", [
+            f"data.shards_dir={shards_dir}", f"storage.path={tmp_path / 'runs'}", f"name={name}",
+            "model.text_encoder=tiny_random", "train.max_steps=4", "train.log_every_steps=1",
+            "checkpoint.every_steps=2", "checkpoint.num_to_keep=null", "optim.warmup_steps=0",
+            "scaling.num_workers=2", "scaling.cpus_per_worker=1", "data.loader_cpus=0.5",
+            f"model.experts.high.label_selector={{{EXPERT}: high}}",
+            f"model.experts.low.label_selector={{{EXPERT}: low}}", f"data.latent_cache={tmp_path / 'latents'}",
+            *extra])
+
+    straight = run_training(wan("experts"))
+    assert sorted(straight.experts) == ["high", "low"] and sorted(sum(straight.experts.values(), [])) == [0, 1]
+    for rank in straight.placement:
+        expert = rank["expert"]
+        assert rank["rank"] in straight.experts[expert]
+        assert rank["trainer"]["labels"].get(EXPERT) == expert, rank  # placed by its own expert's selector
+        lowest, highest = rank["timestep_range"]
+        assert lowest >= 900 if expert == "high" else highest < 900, (expert, rank["timestep_range"])
+    assert [s for s, _ in straight.expert_losses["high"]] == [1, 2, 3, 4]
+    resumed = run_training(wan("experts-resumed",
+                               f"checkpoint.resume_from={Path(straight.run_dir) / 'checkpoint_000002'}"))
+    assert resumed.first_step == 3
+    for expert in ("high", "low"):
+        assert resumed.expert_losses[expert] == straight.expert_losses[expert][2:], expert
+    assert_same_training_state(Path(resumed.run_dir) / "checkpoint_000004",
+                               Path(straight.run_dir) / "checkpoint_000004")
+    assert (Path(straight.diffusers_dir) / "transformer_2").is_dir()  # both experts exported, from two ranks

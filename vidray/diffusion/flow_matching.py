@@ -21,6 +21,7 @@ from vidray.config import FlowConfig
 
 __all__ = [
     "shift_sigmas",
+    "unshift_sigmas",
     "sample_sigmas",
     "add_noise",
     "velocity_target",
@@ -51,16 +52,27 @@ def sample_sigmas(
     *,
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
+    sigma_range: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Draw training sigmas: (batch_size,) float32 in [0, 1], then `shift_sigmas(., flow.shift)`.
 
     `uniform`: U(0, 1). `logit_normal`: sigmoid(N(logit_mean, logit_std)) (SD3 section 3.1, "lognorm(m, s)").
     Random numbers are drawn on the generator's device (CPU by default, so a seed gives the same sigmas on any
     accelerator) and then moved to `device`.
+
+    `sigma_range` (lo, hi) with 0 <= lo < hi <= 1: the same distribution conditioned on lo <= sigma <= hi (the
+    shifted sigma), drawn exactly by inverse transform sampling from one U(0, 1) number per sample: the quantiles
+    of lo and hi under the unshifted draw bound a uniform, mapped back through the draw's inverse CDF (one expert's
+    side of a timestep boundary, `vidray.models.experts.expert_sigma_range`; the peers' per-expert runs restrict
+    the sampled timesteps the same way, e.g. DiffSynth-Studio's `--min/max_timestep_boundary`). Raises ValueError
+    for a range outside [0, 1] or empty.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     rng_device = generator.device if generator is not None else torch.device("cpu")
+    if sigma_range is not None:
+        sigmas = _sample_sigmas_between(batch_size, flow, sigma_range, generator=generator, rng_device=rng_device)
+        return sigmas.to(device=device if device is not None else rng_device)
     if flow.sigma_sampling == "uniform":
         sigmas = torch.rand(batch_size, generator=generator, device=rng_device, dtype=torch.float32)
     elif flow.sigma_sampling == "logit_normal":
@@ -69,6 +81,41 @@ def sample_sigmas(
     else:
         raise ValueError(f"unknown flow.sigma_sampling {flow.sigma_sampling!r}; valid: uniform, logit_normal")
     return shift_sigmas(sigmas, flow.shift).to(device=device if device is not None else rng_device)
+
+
+def unshift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """The inverse of `shift_sigmas`: `s / (shift - (shift - 1) * s)` for shifted sigmas `s` in [0, 1]. Raises
+    ValueError for shift <= 0."""
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    if shift == 1.0:
+        return sigmas
+    return sigmas / (shift - (shift - 1) * sigmas)
+
+
+def _sample_sigmas_between(batch_size: int, flow: FlowConfig, sigma_range: tuple[float, float], *,
+                           generator: torch.Generator | None, rng_device: torch.device) -> torch.Tensor:
+    """`sample_sigmas` conditioned on lo <= sigma <= hi (its docstring): (batch_size,) float32 on `rng_device`."""
+    lo, hi = (float(x) for x in sigma_range)
+    if not 0.0 <= lo < hi <= 1.0:
+        raise ValueError(f"sigma_range must satisfy 0 <= lo < hi <= 1, got {sigma_range}")
+    bounds = unshift_sigmas(torch.tensor([lo, hi], dtype=torch.float64), flow.shift)  # before the shift
+    if flow.sigma_sampling == "uniform":
+        quantiles = bounds  # U(0, 1)'s CDF is the identity
+    elif flow.sigma_sampling == "logit_normal":
+        quantiles = torch.special.ndtr((torch.logit(bounds) - flow.logit_mean) / flow.logit_std)
+    else:
+        raise ValueError(f"unknown flow.sigma_sampling {flow.sigma_sampling!r}; valid: uniform, logit_normal")
+    v = torch.rand(batch_size, generator=generator, device=rng_device, dtype=torch.float64).cpu()
+    p = quantiles[0] + v * (quantiles[1] - quantiles[0])
+    if flow.sigma_sampling == "uniform":
+        raw = p
+    else:
+        raw = torch.sigmoid(torch.special.ndtri(p) * flow.logit_std + flow.logit_mean)
+    # Rounding may step just outside the range: clamp to it (in float32, the sigmas' dtype).
+    sigmas = shift_sigmas(raw, flow.shift).to(torch.float32)
+    bounds32 = torch.tensor([lo, hi], dtype=torch.float32)
+    return sigmas.clamp(bounds32[0], bounds32[1]).to(rng_device)
 
 
 def _expand(sigmas: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["EXPERTS", "TwoExperts", "check_boundary_ratio", "check_expert", "expert_steps", "pick_expert"]
+__all__ = ["EXPERTS", "EXPERT_ATTRIBUTES", "ExpertSlot", "TwoExperts", "check_boundary_ratio", "check_expert",
+           "expert_sigma_range", "expert_steps", "pick_expert"]
 
 EXPERTS = ("high", "low")
 """The experts' names: "high" is diffusers' `transformer` (timesteps >= the boundary), "low" its `transformer_2`."""
+
+EXPERT_ATTRIBUTES = {"high": "transformer", "low": "transformer_2"}
+"""Each expert's attribute in `TwoExperts` (and `ExpertSlot`): its parameters' name prefix in a state dict, as in
+the stock pipeline's folders."""
 
 
 def check_boundary_ratio(boundary_ratio: Any, where: str) -> float:
@@ -124,3 +129,50 @@ def expert_steps(timesteps: torch.Tensor, boundary_timestep: float, expert: str)
         raise ValueError(f"the timesteps {timesteps.tolist()} cross the boundary {boundary_timestep} more than once: "
                          "the experts cannot hand the latents over once")
     return (0, split) if expert == "high" else (split, len(high))
+
+
+class ExpertSlot(torch.nn.Module):
+    """One expert of a `TwoExperts` alone, under the attribute `TwoExperts` gives it (`EXPERT_ATTRIBUTES`): what a
+    worker of one expert's group trains (`model.experts` layout groups). Its state dict keys are those of that
+    expert in `TwoExperts` (`transformer.*` or `transformer_2.*`), so the two groups' checkpoint parts together are
+    the state of `TwoExperts`. Called like the expert (returns what it returns).
+
+    Raises ValueError for an unknown expert name."""
+
+    def __init__(self, transformer: torch.nn.Module, expert: str):
+        super().__init__()
+        self.expert = check_expert(expert)
+        setattr(self, EXPERT_ATTRIBUTES[expert], transformer)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The expert itself."""
+        return getattr(self, EXPERT_ATTRIBUTES[self.expert])
+
+    @property
+    def config(self) -> Any:
+        return self.module.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.module.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def expert_sigma_range(expert: str, boundary_ratio: float) -> tuple[float, float]:
+    """The training sigmas (flow matching, timestep = sigma x num_train_timesteps) of `expert`'s side of the
+    boundary: "high" [boundary_ratio, 1], "low" [0, b) with b the float32 just below boundary_ratio, so its
+    timesteps stay below `TwoExperts.boundary_timestep` as the sampler routes them. Raises ValueError for another
+    name or a ratio outside (0, 1)."""
+    check_expert(expert)
+    ratio = check_boundary_ratio(boundary_ratio, "expert_sigma_range")
+    if expert == "high":
+        return ratio, 1.0
+    below = torch.nextafter(torch.tensor(ratio, dtype=torch.float32), torch.tensor(0.0, dtype=torch.float32))
+    return 0.0, float(below)

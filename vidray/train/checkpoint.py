@@ -314,10 +314,12 @@ def load_checkpoint(
     ema: torch.nn.Module | None = None,
     grad_scaler: Any = None,
     comm_hook: Any = None,
+    optimizer_key: str = "optimizer",
 ) -> TrainState:
     """Restore transformer, optimizer and lr scheduler (and `ema` / `grad_scaler` when given and saved) in place
     from a local checkpoint folder; return its TrainState. `comm_hook(saved)`, when given, is called with the saved
     `comm_hook.pt` (None when the checkpoint has none): the DDP hook restores its rank's state from it.
+    `optimizer_key`: a sharded checkpoint's key of this rank's optimizer state (`start_sharded_checkpoint`).
 
     The folder is always verified against its manifest first, every part's size and sha256 (~1 s per GB): a
     check on the driver cannot vouch for the bytes a worker reads later (a remote checkpoint is downloaded again
@@ -335,7 +337,7 @@ def load_checkpoint(
     if is_sharded_checkpoint(directory):  # a DCP folder (scaling.strategy: fsdp): loads into any strategy
         return load_sharded_checkpoint(directory, transformer=transformer, optimizer=optimizer,
                                        lr_scheduler=lr_scheduler, ema=ema, grad_scaler=grad_scaler,
-                                       comm_hook=comm_hook)
+                                       comm_hook=comm_hook, optimizer_key=optimizer_key)
     manifest = verify_checkpoint(directory)
     parts = manifest_parts(manifest)
     train_state = read_train_state(directory)
@@ -703,6 +705,7 @@ def start_sharded_checkpoint(
     grad_scaler: Any = None,
     process_group: Any = None,
     executor: ThreadPoolExecutor | None = None,
+    optimizer_key: str = "optimizer",
 ) -> PendingShardedCheckpoint:
     """Start writing this rank's part of a sharded checkpoint into its own local folder `directory`; a collective:
     every rank calls it (each with its own folder, on any node), then `finish()` on the result.
@@ -718,6 +721,11 @@ def start_sharded_checkpoint(
     as a full LoRA checkpoint's does. `ema` (the EMA's `AveragedModel`, sharded like the weights) is saved in the
     same DCP folder under `ema.`; the manifest then says `"ema": true`.
 
+    `optimizer_key`: the DCP key of this rank's optimizer state. Ranks that train different modules under
+    different names (`model.experts` layout groups: `vidray.train.expert_groups`) each save and load theirs under
+    a key of its own, since DCP keeps one copy of a key that several ranks hold (their `param_groups` differ);
+    their model states, named apart, share the "model" key.
+
     With `process_group` (a gloo group of every rank, used only for checkpoints) and `executor`, the write is
     asynchronous: `dcp.async_save` copies the state to CPU memory before it returns (the only time the step waits:
     the training step may change the weights at once), then writes it in a thread, DCP's collectives going over
@@ -732,7 +740,7 @@ def start_sharded_checkpoint(
 
     directory = Path(directory)
     (directory / DCP_DIR).mkdir(parents=True, exist_ok=True)
-    state = _sharded_state(model, optimizer, ema)
+    state = _sharded_state(model, optimizer, ema, optimizer_key=optimizer_key)
     extra: dict[str, Any] = {}
     if has_lora(model):
         extra["lora"] = lora_settings(model)
@@ -764,8 +772,8 @@ def start_sharded_checkpoint(
 
 
 def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   ema: torch.nn.Module | None) -> dict[str, Any]:
-    """The state a sharded checkpoint saves and loads, this rank's part of it: {"model", "optimizer"[, "ema"]}
+                   ema: torch.nn.Module | None, *, optimizer_key: str = "optimizer") -> dict[str, Any]:
+    """The state a sharded checkpoint saves and loads, this rank's part of it: {"model", `optimizer_key`[, "ema"]}
     (`get_model_state_dict` / `get_optimizer_state_dict`: DTensor shards under FSDP, full tensors otherwise). A
     model with LoRA adapters gives its trainable parameters only (the base is what the config's model init gives)."""
     from torch.distributed.checkpoint.state_dict import (
@@ -778,7 +786,7 @@ def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     options = StateDictOptions(ignore_frozen_params=has_lora(model))
     state = {"model": get_model_state_dict(model, options=options),
-             "optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
+             optimizer_key: get_optimizer_state_dict(model, optimizer, options=options)}
     if ema is not None:
         state["ema"] = get_model_state_dict(ema)
     return state
@@ -797,15 +805,18 @@ def save_sharded_checkpoint(
     dataset: Any = None,
     ema: torch.nn.Module | None = None,
     grad_scaler: Any = None,
+    optimizer_key: str = "optimizer",
 ) -> Path:
     """Write this rank's part of a sharded checkpoint into its own local folder `directory` at once and finish it
     (`start_sharded_checkpoint` without a process group, then `PendingShardedCheckpoint.finish`); a collective.
     Rank 0's folder then holds `manifest.json` listing every rank's files (sizes and sha256s); rank 0's copy
     (`CheckpointManager.upload_shard`) puts the manifest into the run folder only after every listed file is
-    there: the checkpoint is complete or absent, as a full one. Returns the folder."""
+    there: the checkpoint is complete or absent, as a full one. `optimizer_key`: as `start_sharded_checkpoint`.
+    Returns the folder."""
     return start_sharded_checkpoint(
         directory, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, train_state=train_state,
         job_config=job_config, rank=rank, world_size=world_size, dataset=dataset, ema=ema, grad_scaler=grad_scaler,
+        optimizer_key=optimizer_key,
     ).finish()
 
 
@@ -818,6 +829,7 @@ def load_sharded_checkpoint(
     ema: torch.nn.Module | None = None,
     grad_scaler: Any = None,
     comm_hook: Any = None,
+    optimizer_key: str = "optimizer",
 ) -> TrainState:
     """Restore a sharded checkpoint (`layout: dcp`) in place; return its TrainState. Every rank calls it (a
     collective when the model is sharded), reading the same folder.
@@ -829,7 +841,8 @@ def load_sharded_checkpoint(
     `set_optimizer_state_dict` (only the adapters, for a LoRA checkpoint into a model with the same adapters:
     its base is what the config's model init gave). `ema` (an `AveragedModel`, sharded or not) is restored when the
     checkpoint holds one (manifest `"ema": true`), else left as it is; `grad_scaler` from `grad_scaler.pt` when
-    saved. `comm_hook(None)` is called when given (no DDP hook state). Raises IncompleteCheckpointError /
+    saved. `comm_hook(None)` is called when given (no DDP hook state). `optimizer_key`: as `start_sharded_checkpoint`
+    saved it. Raises IncompleteCheckpointError /
     DamagedCheckpointError naming the file, CheckpointError when the saved tensors do not fit this model, or when
     a LoRA checkpoint meets a model without adapters or a full one a model with them (naming `model.lora`).
     """
@@ -841,14 +854,14 @@ def load_sharded_checkpoint(
     train_state = read_train_state(directory)
     _check_lora_match(directory, "lora" in manifest, manifest.get("lora"), transformer, part=DCP_DIR)
     with_ema = ema is not None and bool(manifest.get("ema"))
-    state = _sharded_state(transformer, optimizer, ema if with_ema else None)
+    state = _sharded_state(transformer, optimizer, ema if with_ema else None, optimizer_key=optimizer_key)
     options = StateDictOptions(strict=not manifest.get("lora"))  # LoRA: the adapters only
     try:
         with warnings.catch_warnings():  # one process without a process group (a plain model) loads it too
             warnings.filterwarnings("ignore", message=r"torch.distributed is .*uninitialized")
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory / DCP_DIR)))
         set_model_state_dict(transformer, state["model"], options=options)
-        set_optimizer_state_dict(transformer, optimizer, state["optimizer"], options=options)
+        set_optimizer_state_dict(transformer, optimizer, state[optimizer_key], options=options)
         if with_ema:
             set_model_state_dict(ema, state["ema"])
     except (RuntimeError, KeyError, ValueError) as err:

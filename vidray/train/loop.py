@@ -49,6 +49,7 @@ from vidray.data.pipeline import RankLoader, TrainBatch, encode_spec, iter_rank_
 from vidray.data.schedule import DataPosition, SampleSchedule, job_schedule
 from vidray.data.shards import GenerationLease, read_index
 from vidray.data.storage import open_storage
+from vidray.models.experts import EXPERTS, ExpertSlot
 from vidray.models.registry import Components, get_family
 from vidray.train.checkpoint import (
     CheckpointManager,
@@ -61,6 +62,7 @@ from vidray.train.checkpoint import (
     start_sharded_checkpoint,
 )
 from vidray.train.ema import EMA, copy_averages_to
+from vidray.train.expert_groups import ExpertGroups, form_expert_groups, gather_experts_to_rank0
 from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
 from vidray.train.parallel import (
     build_transformer,
@@ -160,7 +162,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     dit_s], ...] of this rank, "data": `TrainMetrics.summary()` of this rank (data wait, tier hits and misses,
     bytes fetched), "checkpoint_blocked_s": [[step, seconds the loop stood still for that checkpoint]],
     "first_step_done_unix": wall clock when this attempt's first step finished, "placement": per rank, the nodes
-    (id, labels) its trainer and its decode operators ran on (`_gather_placement`), "peak_rss_bytes": this worker
+    (id, labels) its trainer and its decode operators ran on (`_gather_placement`), its expert ("high" | "low"
+    with `model.experts` layout groups, else None) and the [lowest, highest] timestep it trained a sample at,
+    "experts": {expert: its ranks} (layout groups, else {}), "expert_losses": {expert: [[step, loss], ...]} (each
+    expert's mean loss over its ranks; layout groups, else {}), "peak_rss_bytes": this worker
     process's peak resident memory, "validation", "validation_wait_s": the validation samples written beside the
     training}.
     Optional key "placement": {stage: label selector} (`vidray.placement.resolve_placement`); "decode" places
@@ -208,6 +213,10 @@ class Worker:
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.family = get_family(job.model.family).for_model(job.model)  # its objective follows this model
         self.vae_run = job.train.objective == "vae"  # `vidray train-vae`: the transformer is the VAE's objective
+        self.experts = self._form_expert_groups()  # `model.experts` layout groups: this rank's expert, else None
+        # The data-parallel world this rank's gradients are averaged over: its expert's group, or every rank.
+        self.dp_rank, self.dp_size = ((self.experts.group_rank, self.experts.group_size) if self.experts
+                                      else (self.rank, self.world_size))
         transformer, pretrained_weights = self._build_transformer()
         self._load_data(local_ranks=context.get_local_world_size())
         self._parallelize(transformer, pretrained_weights)
@@ -217,6 +226,25 @@ class Worker:
 
     # Set-up ------------------------------------------------------------------------------------------------------
 
+    def _form_expert_groups(self) -> ExpertGroups | None:
+        """0. With `model.experts` layout groups, agree with the other ranks which expert each trains (by its
+        node's labels and the resolved `expert_high` / `expert_low` selectors) and make each expert's process
+        group (`vidray.train.expert_groups`, a collective); else None. Raises UserError when the ranks cannot be
+        split (an odd count, or more nodes of one expert than it has workers)."""
+        experts = self.job.model.experts
+        if experts is None or experts.layout != "groups" or self.vae_run:
+            return None
+        placement = self.loop_config.get("placement") or {}
+        try:
+            groups = form_expert_groups(self.rank, self.world_size, ray.get_runtime_context().get_node_labels(),
+                                        {e: placement.get(f"expert_{e}") or {} for e in EXPERTS},
+                                        experts.boundary_ratio)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+        self._log("two expert groups: " + ", ".join(f"{e}-noise expert on ranks {groups.ranks[e]}" for e in EXPERTS)
+                  + f"; each trains on its side of timestep {experts.boundary_ratio * self.job.flow.num_train_timesteps:g}")
+        return groups
+
     def _build_transformer(self) -> tuple[torch.nn.Module, str | None]:
         """1. The trainable transformer alone (the frozen VAE and text encoder run in the encode stages; a
         pretrained one on the meta device when sharded: `parallelize` then loads each rank's shards), with its
@@ -225,6 +253,10 @@ class Worker:
         if self.vae_run:
             transformer = VAEObjective(self.family.build_trainable_vae(job.model, seed=job.train.seed),
                                        job.vae_training)
+            transformer, pretrained_weights = transformer.to(self.device), None
+        elif self.experts is not None:  # this rank's expert alone, named as in `TwoExperts`
+            expert = self.experts.expert
+            transformer = ExpertSlot(self.family.build_expert(job.model, seed=job.train.seed, expert=expert), expert)
             transformer, pretrained_weights = transformer.to(self.device), None
         else:
             transformer, pretrained_weights = build_transformer(self.family, job, self.device)
@@ -265,11 +297,14 @@ class Worker:
         transformer.train()
         probe = vae_probe_loss if self.vae_run else lambda m: family.probe_loss(m, transformer)
         self.model, self.comm = parallelize(transformer, job, example_loss=probe,
-                                            pretrained_weights=pretrained_weights, device=self.device)
+                                            pretrained_weights=pretrained_weights, device=self.device,
+                                            process_group=None if self.experts is None else self.experts.group)
         self.transformer = transformer
         self.sharded = is_sharded(self.model)
-        self.ema = (EMA(transformer, job.train.ema)
-                    if job.train.ema is not None and (self.rank == 0 or self.sharded) else None)
+        # Every rank writes its part of the checkpoint (DCP): FSDP's shards, or each expert group's expert.
+        self.writes_shards = self.sharded or self.experts is not None
+        holds_ema = self.rank == 0 or self.sharded or (self.experts is not None and self.experts.is_leader)
+        self.ema = EMA(transformer, job.train.ema) if job.train.ema is not None and holds_ema else None
         self.optimizer = build_optimizer(transformer.parameters(), job.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, job.optim)
         self.precision = Precision(job.train.mixed_precision, self.device, sharded=self.sharded)
@@ -286,7 +321,8 @@ class Worker:
 
         state = _resume_state(self.loop_config, self.rank, transformer=self.transformer, optimizer=self.optimizer,
                               lr_scheduler=self.lr_scheduler, ema=None if self.ema is None else self.ema.averaged,
-                              grad_scaler=self.precision.grad_scaler, comm_hook=restore_comm_hook)
+                              grad_scaler=self.precision.grad_scaler, comm_hook=restore_comm_hook,
+                              **({"optimizer_key": self.experts.optimizer_key} if self.experts else {}))
         self.start_step = 1 if state is None else state.step + 1
         if state is not None:
             # This job's optim section wins over the restored one (lr, betas, weight decay, eps, warmup schedule).
@@ -304,7 +340,7 @@ class Worker:
         prefetched in schedule order, then the vae and text encode stages with the latent cache; a VAE run trains
         on the frames themselves: no encode stages)."""
         job, loop_config = self.job, self.loop_config
-        steps = iter_rank_steps(self.schedule, self.position, world_size=self.world_size, rank=self.rank,
+        steps = iter_rank_steps(self.schedule, self.position, world_size=self.dp_size, rank=self.dp_rank,
                                 first_step=self.start_step, last_step=job.train.max_steps,
                                 micro_batches=job.micro_batches_per_step)  # lazily
         placement = loop_config.get("placement") or {}  # {stage: label selector}, resolved on the driver
@@ -331,7 +367,10 @@ class Worker:
         (`dcp.async_save`): its collectives go over a gloo group of their own, and one thread per rank hashes the
         files once written."""
         job, loop_config, rank = self.job, self.loop_config, self.rank
-        self.window = LogWindow(self.world_size)
+        self.window = LogWindow(self.world_size, **({} if self.experts is None else {
+            "expert": self.experts.expert, "expert_sizes": {e: len(r) for e, r in self.experts.ranks.items()}}))
+        self.expert_history: dict[str, list[list[float]]] = {e: [] for e in (self.experts.ranks if self.experts else ())}
+        self.timestep_range: tuple[torch.Tensor, torch.Tensor] | None = None  # (min, max) trained, `_note_timesteps`
         self.history: list[list[float]] = []
         self.reported_steps: list[int] = []
         self.step_seconds: list[list[float]] = []  # [step, data_wait_s, encode_s, dit_s] of this rank
@@ -340,7 +379,7 @@ class Worker:
         self.upload_mode = (ray.train.CheckpointUploadMode.ASYNC if job.checkpoint.upload == "async"
                             else ray.train.CheckpointUploadMode.SYNC)
         self.checkpoint_group = self.checkpoint_writer = None
-        if self.sharded and job.checkpoint.upload == "async":
+        if self.writes_shards and job.checkpoint.upload == "async":
             self.checkpoint_group = dist.new_group(backend="gloo")
             self.checkpoint_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vidray-checkpoint")
         self.pending: tuple[PendingShardedCheckpoint, dict, float] | None = None
@@ -371,11 +410,13 @@ class Worker:
         sizes = ", ".join(f"{b} x{n}" for b, n in zip(schedule.buckets, schedule.batch_sizes.tolist()))
         self._log(f"training steps {self.start_step}..{max_steps} from epoch {self.position.epoch}, batch "
                   f"{self.position.batches_consumed}/{schedule.batches_per_epoch} "
-                  f"({schedule.steps_per_epoch(self.world_size, job.micro_batches_per_step)} steps/epoch of "
-                  f"{job.micro_batches_per_step} micro-batches at {self.world_size} workers; batch sizes {sizes})")
-        self._log(f"global batch {job.global_batch_size} samples per step (data.batch_size_per_worker "
-                  f"{job.data.batch_size_per_worker} x {job.micro_batches_per_step} micro-batches: "
-                  f"{job.scaling.max_workers} workers x {job.micro_batches_per_step // job.scaling.max_workers} "
+                  f"({schedule.steps_per_epoch(self.dp_size, job.micro_batches_per_step)} steps/epoch of "
+                  f"{job.micro_batches_per_step} micro-batches at {self.dp_size} workers"
+                  f"{' per expert' if self.experts else ''}; batch sizes {sizes})")
+        dp_workers = job.scaling.max_workers // (2 if self.experts else 1)
+        self._log(f"global batch {job.global_batch_size} samples per step{' per expert' if self.experts else ''} "
+                  f"(data.batch_size_per_worker {job.data.batch_size_per_worker} x {job.micro_batches_per_step} "
+                  f"micro-batches: {dp_workers} workers x {job.micro_batches_per_step // dp_workers} "
                   f"accumulated); precision {job.train.mixed_precision}, activation checkpointing "
                   f"{job.train.activation_checkpointing}, gradient compression {job.train.grad_compression}"
                   + (f", EMA decay {job.train.ema.decay}" if self.ema else "")
@@ -424,17 +465,19 @@ class Worker:
             self._note_batch(batch)
             # sum_i w_i mse_i * W / total weight (of all G micro-batches): summed over this rank's micro-batches
             # and averaged over the W ranks by DDP, the gradient is the mean over the step's real samples.
-            loss_weights = torch.from_numpy(batch.weights) * (self.world_size / batch.total_weight)
+            loss_weights = torch.from_numpy(batch.weights) * (self.dp_size / batch.total_weight)
             with gradient_sync(model, micro == num_micro - 1):  # DDP's no_sync / FSDP's set_requires_gradient_sync
                 generators = [sample_generator(job.train.seed, step, int(k)) for k in batch.sample_keys.tolist()]
                 with precision.autocast():
                     if self.vae_run:  # the clips' frames, uint8 (B, 3, F, H, W), straight from the loader
                         micro_loss = vae_micro_loss(model, batch.frames.to(device), generators, loss_weights)
                     else:  # latents and prompt_embeds (and I2V conditions) from the encode stages, or cached
-                        micro_loss = flow_matching_step_loss(
+                        micro_loss, timesteps = flow_matching_step_loss(
                             self.family, model, batch.latents.to(device), batch.prompt_embeds.to(device),
                             batch.prompt_attention_mask.to(device), job.flow, generators, loss_weights=loss_weights,
-                            **self._condition(batch))
+                            sigma_range=None if self.experts is None else self.experts.sigma_range,
+                            return_timesteps=True, **self._condition(batch))
+                        self._note_timesteps(timesteps, batch.weights)
                 precision.backward(micro_loss)
             loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
             if self.record:
@@ -483,6 +526,19 @@ class Worker:
             condition["image_embeds"] = batch.image_embeds.to(self.device)
         return condition
 
+    def _note_timesteps(self, timesteps: torch.Tensor, weights: Any) -> None:
+        """Keep the lowest and highest timestep this rank trained a real sample at (weight > 0; device tensors: no
+        host sync), reported at the end as "timestep_range"."""
+        if not (weights > 0).any():
+            return
+        real = torch.from_numpy(weights > 0).to(timesteps.device)
+        timesteps = timesteps.detach().float()
+        low = torch.where(real, timesteps, float("inf")).min()
+        high = torch.where(real, timesteps, float("-inf")).max()
+        if self.timestep_range is not None:
+            low, high = torch.minimum(low, self.timestep_range[0]), torch.maximum(high, self.timestep_range[1])
+        self.timestep_range = (low, high)
+
     def _note_batch(self, batch: TrainBatch) -> None:
         """A micro-batch's loader counters, skipped shards and clips, and the nodes its stages ran on."""
         _add_loader_stats(self.metrics_log, batch)
@@ -524,6 +580,8 @@ class Worker:
                     step, closed.lrs[-1],
                 )
         self.history.extend([closed.first_step + i, v] for i, v in enumerate(closed.losses))
+        for expert, losses in closed.expert_losses.items():
+            self.expert_history[expert].extend([closed.first_step + i, v] for i, v in enumerate(losses))
         metrics = closed.metrics
         self.metrics_log.observe_window(loss=metrics["loss"], lr=metrics["lr"],
                                         data_wait_fraction=min(1.0, data["data_wait_fraction"]))
@@ -561,7 +619,7 @@ class Worker:
         train_state = TrainState(step, position.epoch, position.batches_consumed, world_size,
                                  self.index.get("content_hash", ""), position.to_dict(self.schedule.buckets),
                                  self.data_hash, len(self.table))
-        if self.sharded:
+        if self.writes_shards:
             if rank == 0:
                 self.checkpoints.clear_for_sharded_write(checkpoint_dir_name(step))  # an interrupted earlier write
             if world_size > 1:
@@ -571,7 +629,8 @@ class Worker:
                 lr_scheduler=self.lr_scheduler, train_state=train_state, job_config=job.to_dict(), rank=rank,
                 world_size=world_size, dataset=self.data_rows, ema=None if self.ema is None else self.ema.averaged,
                 grad_scaler=self.precision.grad_scaler, process_group=self.checkpoint_group,
-                executor=self.checkpoint_writer)
+                executor=self.checkpoint_writer,
+                **({"optimizer_key": self.experts.optimizer_key} if self.experts else {}))
             self.pending = (started, metrics, time.perf_counter() - t_snapshot)
             if self.checkpoint_group is None:
                 self._report_sharded(self.pending)
@@ -635,7 +694,9 @@ class Worker:
         self.metrics_log.close()
         trained_samples = _gather_trained(self.trained, world_size) if self.record else []
         skipped = _agree_on_skipped(self.skipped, world_size)
-        nodes = _gather_placement({"rank": rank, "trainer": self.trainer_node,
+        timestep_range = None if self.timestep_range is None else [float(t) for t in self.timestep_range]
+        nodes = _gather_placement({"rank": rank, "trainer": self.trainer_node, "timestep_range": timestep_range,
+                                   "expert": None if self.experts is None else self.experts.expert,
                                    "loaders": list(self.loader_nodes.values()),
                                    **{stage: list(found.values()) for stage, found in self.stage_nodes.items()}},
                                   world_size)
@@ -645,10 +706,13 @@ class Worker:
             self._log(f"skipped {len(skipped_shards)} shard(s) and {len(skipped_clips)} clip(s) that could not be "
                       "read")
         run_dir = str(self.loop_config["run_dir"])
-        trained_full = full_model_for_export(self.model, self.transformer,
-                                             lambda: _build_unsharded(self.family, job), rank)
-        # export.weights: ema: the averages, gathered from every rank's shards under FSDP (a collective).
-        ema_weights = self.ema.full_averages() if self.ema is not None and job.export.weights == "ema" else None
+        if self.experts is not None:
+            trained_full, ema_weights = self._gather_experts()
+        else:
+            trained_full = full_model_for_export(self.model, self.transformer,
+                                                 lambda: _build_unsharded(self.family, job), rank)
+            # export.weights: ema: the averages, gathered from every rank's shards under FSDP (a collective).
+            ema_weights = self.ema.full_averages() if self.ema is not None and job.export.weights == "ema" else None
         if self.vae_run:  # the trained VAE as a diffusers folder, what a DiT job's model.vae_path names
             diffusers_dir = f"{run_dir.rstrip('/')}/{VAE_EXPORT_DIR}"
             if rank == 0:
@@ -669,6 +733,8 @@ class Worker:
             "validation": validated,
             "validation_wait_s": validation_wait_s,
             "losses": self.history,
+            "expert_losses": self.expert_history,
+            "experts": {} if self.experts is None else self.experts.ranks,
             "first_step": self.start_step,
             "last_step": job.train.max_steps,
             "steps_per_s": steps_per_s,
@@ -685,6 +751,21 @@ class Worker:
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
         }
 
+    def _gather_experts(self) -> tuple[torch.nn.Module | None, dict[str, torch.Tensor] | None]:
+        """Both experts on rank 0 for the export (collectives over the expert groups' gloo group): (a
+        `TwoExperts` with each group leader's trained weights, and with `export.weights: ema` their averages);
+        (None, None) on the other ranks."""
+        job = self.job
+        weights = gather_experts_to_rank0(self.experts, self.transformer.state_dict())
+        ema_weights = None
+        if job.train.ema is not None and job.export.weights == "ema":
+            ema_weights = gather_experts_to_rank0(self.experts, None if self.ema is None else self.ema.full_averages())
+        if self.rank != 0:
+            return None, None
+        full = _build_unsharded(self.family, job)
+        full.load_state_dict(weights, strict=True)
+        return full, ema_weights
+
     def _log(self, message: str) -> None:
         _log(self.rank, message)
 
@@ -693,7 +774,9 @@ def _experts_note(job: Any) -> str:
     """", two experts switched at timestep T" for a `model.experts` job (the start-of-run line), else ""."""
     if job.model.experts is None:
         return ""
-    return f", two experts switched at timestep {job.model.experts.boundary_ratio * job.flow.num_train_timesteps:g}"
+    experts = job.model.experts
+    held = "one worker group each" if experts.layout == "groups" else "both on every worker"
+    return f", two experts switched at timestep {experts.boundary_ratio * job.flow.num_train_timesteps:g} ({held})"
 
 
 def _build_unsharded(family: Any, job: Any) -> torch.nn.Module:
@@ -774,8 +857,8 @@ def _resume_position(schedule: SampleSchedule, state: TrainState | None, rank: i
 
 def _gather_placement(mine: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     """Every rank's {"rank", "trainer": {"node_id", "labels"}, "loaders": [{"node_id", "labels"}, ...], "vae": [...],
-    "text": [...]} (the nodes its DiT worker, its decode operators and its encode actors ran on), by rank (one
-    collective, at the end)."""
+    "text": [...], "expert", "timestep_range"} (the nodes its DiT worker, its decode operators and its encode actors
+    ran on; its expert and trained timesteps), by rank (one collective, at the end)."""
     parts = [mine]
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         parts = [None] * world_size

@@ -309,12 +309,13 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: Callable | None = None,
                 example_loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
                 pretrained_weights: str | None = None, device: torch.device | str | None = None,
-                ) -> tuple[torch.nn.Module, CommHook]:
+                process_group: Any = None) -> tuple[torch.nn.Module, CommHook]:
     """Apply activation checkpointing, then the data parallelism of `scaling.strategy`, to the model each worker
     trains. Returns (the model to call, its CommHook).
 
     `ddp`: DDP with `train.bucket_cap_mb` and the compression hook (`find_unused_parameters` for a `TwoExperts`
-    transformer, `model.experts`); the model is DDP-wrapped when the worker group
+    transformer, `model.experts` layout shared), over `process_group` when given (one expert's worker group,
+    `vidray.train.expert_groups`), else every worker; the model is DDP-wrapped when the worker group
     has more than one process, else `transformer` itself, which stays the unwrapped module whose state dict the
     checkpoint saves. `hook_wrapper(hook) -> hook`, if given, wraps the communication hook (benchmarks count the
     bytes each all-reduce sends with it). `example_loss(model)`: a scalar loss of a small batch, needed by PowerSGD
@@ -346,7 +347,8 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
     # other expert without gradients on this rank, so DDP must look for unused parameters at every backward.
     two_experts = isinstance(transformer, TwoExperts)
     ddp_kwargs = {"bucket_cap_mb": job.train.bucket_cap_mb,
-                  **({"find_unused_parameters": True} if two_experts else {})}
+                  **({"find_unused_parameters": True} if two_experts else {}),
+                  **({"process_group": process_group} if process_group is not None else {})}
     if two_experts:  # DDP warns at a step whose samples reached both experts; that is expected, not a mistake
         warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified in DDP constructor")
     model = ray.train.torch.prepare_model(transformer, parallel_strategy_kwargs=ddp_kwargs)

@@ -42,7 +42,9 @@ def flow_matching_step_loss(
     inpaint_latents: torch.Tensor | None = None,
     condition_dropout: float = 0.0,
     image_embeds: torch.Tensor | None = None,
-) -> torch.Tensor:
+    sigma_range: tuple[float, float] | None = None,
+    return_timesteps: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Rectified-flow loss of one batch (Esser et al. 2024, eq. 1-3; formulas in vidray.diffusion.flow_matching).
 
     Args:
@@ -61,20 +63,26 @@ def flow_matching_step_loss(
         image_embeds: the image embeddings (B, T, D_img) of a model that `family.takes_image_embeds` (Wan 2.1 I2V's
             CLIP, `family.encode_clip_image_embeds`), or None. A sample that loses its condition loses these too
             (zeros, `family.empty_image_embeds`), by the same draw.
+        sigma_range: (lo, hi): draw each sigma conditioned on lo <= sigma <= hi (`sample_sigmas`): one expert's
+            side of the timestep boundary when each expert trains in its own worker group (`model.experts`
+            layout groups, `vidray.models.experts.expert_sigma_range`); None: the whole range.
+        return_timesteps: also return the (B,) float32 timesteps the transformer was called with.
     Returns:
         scalar fp32 loss: without weights, mse(model_pred, target) (flow matching: target = noise - latents); with weights,
-        sum_i w_i * mse_i, mse_i being sample i's mean squared error (the caller normalises the sum).
+        sum_i w_i * mse_i, mse_i being sample i's mean squared error (the caller normalises the sum). With
+        `return_timesteps`, (loss, timesteps).
     """
     batch_size = latents.shape[0]
     if isinstance(generator, torch.Generator):
         noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype).to(latents.device)
-        sigmas = sample_sigmas(batch_size, flow, generator=generator).to(latents.device)  # (B,)
+        sigmas = sample_sigmas(batch_size, flow, generator=generator, sigma_range=sigma_range).to(latents.device)
     else:
         if len(generator) != batch_size:
             raise ValueError(f"got {len(generator)} generators for a batch of {batch_size} samples")
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=latents.dtype) for g in generator])
         noise = noise.to(latents.device)
-        sigmas = torch.cat([sample_sigmas(1, flow, generator=g) for g in generator]).to(latents.device)  # (B,)
+        sigmas = torch.cat([sample_sigmas(1, flow, generator=g, sigma_range=sigma_range)
+                            for g in generator]).to(latents.device)  # (B,)
     condition = {}
     if inpaint_latents is not None:
         keep = condition_keep(generator, batch_size, condition_dropout).to(latents.device)  # (B,) bool
@@ -91,9 +99,11 @@ def flow_matching_step_loss(
                                 **condition)
     target = family.training_target(latents, noise, sigmas)
     if loss_weights is None:
-        return flow_matching_loss(model_pred, target)
-    per_sample = (model_pred.float() - target.float()).pow(2).flatten(1).mean(dim=1)  # (B,)
-    return (per_sample * loss_weights.to(per_sample.device, torch.float32)).sum()
+        loss = flow_matching_loss(model_pred, target)
+    else:
+        per_sample = (model_pred.float() - target.float()).pow(2).flatten(1).mean(dim=1)  # (B,)
+        loss = (per_sample * loss_weights.to(per_sample.device, torch.float32)).sum()
+    return (loss, timesteps) if return_timesteps else loss
 
 
 def condition_keep(generator: torch.Generator | Sequence[torch.Generator], batch_size: int,

@@ -80,9 +80,14 @@ class TrainResult:
     first_step_done_unix: float | None = None
     placement: list[dict[str, Any]] = field(default_factory=list)
     """Per rank {"rank", "trainer": {"node_id", "labels"}, "loaders": [{"node_id", "labels"}, ...], "vae": [...],
-    "text": [...]}: the nodes (ids, labels) its DiT worker, its decode operators and its encode actors ran on, as
-    each saw them from inside
-    (`ray.get_runtime_context()`), for the last attempt."""
+    "text": [...], "expert", "timestep_range"}: the nodes (ids, labels) its DiT worker, its decode operators and its
+    encode actors ran on, as each saw them from inside (`ray.get_runtime_context()`), its expert (`model.experts`
+    layout groups, else None) and the [lowest, highest] timestep it trained a sample at, for the last attempt."""
+    experts: dict[str, list[int]] = field(default_factory=dict)
+    """{"high" | "low": the ranks of that expert's worker group} with `model.experts` layout groups, else {}."""
+    expert_losses: dict[str, list[list[float]]] = field(default_factory=dict)
+    """{"high" | "low": [step, loss] for each step, the mean over that expert's ranks} with `model.experts` layout
+    groups, else {}."""
     """Wall clock (`time.time()`, s) when the first step of the run's last attempt finished on rank 0 (after a
     worker failure: the first step after the restart); None when it trained no step."""
     peak_rss_bytes: int = 0
@@ -553,6 +558,8 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
         skipped_shards=out.get("skipped_shards", []),
         skipped_clips=out.get("skipped_clips", []),
         placement=out.get("placement", []),
+        experts=out.get("experts", {}),
+        expert_losses=out.get("expert_losses", {}),
         step_seconds=out.get("step_seconds", []),
         checkpoint_blocked_s=out.get("checkpoint_blocked_s", []),
         first_step_done_unix=out.get("first_step_done_unix"),

@@ -34,15 +34,22 @@ class ClosedWindow:
     metrics: dict[str, float]
     split_s: tuple[float, float, float]
     """Mean seconds per step of the window: (data wait, encode, DiT or VAE)."""
+    expert_losses: dict[str, list[float]] = field(default_factory=dict)
+    """With two expert groups (`LogWindow.expert`): {"high" | "low": each step's loss, the mean over that expert's
+    ranks}; else empty."""
 
 
 @dataclass
 class LogWindow:
     """The steps since the last report on one rank.
 
-    world_size: ranks averaging each step's loss and gradient norm at `close` (1: no collective)."""
+    world_size: ranks averaging each step's loss and gradient norm at `close` (1: no collective). expert and
+    expert_sizes: this rank's expert and each expert's worker count when the two experts train in groups
+    (`vidray.train.expert_groups`): `close` then also gives each expert's loss and gradient norm."""
 
     world_size: int
+    expert: str | None = None
+    expert_sizes: dict[str, int] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     """(,) per step: the sum of this rank's micro-batch losses."""
     grad_norms: list[torch.Tensor] = field(default_factory=list)
@@ -67,9 +74,13 @@ class LogWindow:
         whose overflowing steps the scaler skips), and the window's metrics. `data`: `TrainMetrics.window_summary()`.
         Raises NonFiniteTrainingError. The window is empty afterwards."""
         window = torch.stack([torch.stack(self.losses), torch.stack(self.grad_norms)])  # (2, steps)
-        if self.world_size > 1:
-            dist.all_reduce(window, op=dist.ReduceOp.AVG)
-        losses, grad_norms = window.tolist()
+        per_expert: dict[str, list[list[float]]] = {}
+        if self.expert is not None:
+            losses, grad_norms, per_expert = self._expert_means(window)
+        else:
+            if self.world_size > 1:
+                dist.all_reduce(window, op=dist.ReduceOp.AVG)
+            losses, grad_norms = window.tolist()
         first_step = step - len(losses) + 1
         lrs = list(self.lrs)
         check_finite_window(first_step, losses, grad_norms, lrs, check_grad_norms=check_grad_norms)
@@ -85,13 +96,30 @@ class LogWindow:
             "encode_time_s": float(split[1]),
             "dit_step_time_s": float(split[2]),
             **{f"{stage}_busy_fraction": data[f"{stage}_busy_fraction"] for stage in STAGES},
+            **{f"loss_{e}": float(np.mean(rows[0])) for e, rows in per_expert.items()},
+            **{f"grad_norm_{e}": float(np.mean(rows[1])) for e, rows in per_expert.items()},
         }
         self.losses.clear()
         self.grad_norms.clear()
         self.lrs.clear()
         self.seconds.clear()
         return ClosedWindow(first_step, losses, grad_norms, lrs, metrics, (float(split[0]), float(split[1]),
-                                                                            float(split[2])))
+                                                                            float(split[2])),
+                            {e: rows[0] for e, rows in per_expert.items()})
+
+
+    def _expert_means(self, window: torch.Tensor) -> tuple[list[float], list[float], dict[str, list[list[float]]]]:
+        """`window` (2, steps) of this rank -> (losses, grad_norms: means over every rank, {expert: [losses,
+        grad_norms], means over its ranks}); one all-reduce of (2 + 2E, steps): this rank's values also in its own
+        expert's two rows, zeros in the other's."""
+        experts = list(self.expert_sizes)
+        mine = torch.tensor([float(e == self.expert) for e in experts], device=window.device)
+        window = torch.cat([window, (mine[:, None, None] * window[None]).flatten(0, 1)])
+        if self.world_size > 1:
+            dist.all_reduce(window, op=dist.ReduceOp.SUM)
+        counts = [self.world_size] * 2 + [self.expert_sizes[e] for e in experts for _ in range(2)]
+        rows = (window / torch.tensor(counts, dtype=window.dtype, device=window.device)[:, None]).tolist()
+        return rows[0], rows[1], {e: rows[2 + 2 * i: 4 + 2 * i] for i, e in enumerate(experts)}
 
 
 def step_line(closed: ClosedWindow, *, max_steps: int, data: dict[str, float], vae_run: bool,

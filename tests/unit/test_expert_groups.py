@@ -1,0 +1,183 @@
+"""Wan 2.2 A14B's two experts as two worker groups (issue 29, `model.experts` layout groups): each expert draws its
+training sigmas from its side of the boundary only, with the distribution of the whole range conditioned on it;
+ranks split by their nodes' labels; and on two gloo processes (one per expert) each trains its own expert over its
+own group, the log window gives each expert's loss, a sharded checkpoint holds both experts under `TwoExperts`'
+names (loaded back by each rank, and as one `TwoExperts` in one process), and rank 0 gathers both for the
+export."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from tests.conftest import free_port, start_ranks
+
+from vidray.config import ExpertsConfig, FlowConfig, ModelConfig
+from vidray.data.buckets import Bucket
+from vidray.diffusion.flow_matching import sample_sigmas
+from vidray.models.experts import EXPERTS, ExpertSlot, TwoExperts, expert_sigma_range
+from vidray.models.registry import get_family
+from vidray.train.checkpoint import CheckpointManager, TrainState, load_checkpoint, save_sharded_checkpoint
+from vidray.train.expert_groups import assign_experts, form_expert_groups, gather_experts_to_rank0
+from vidray.train.step import flow_matching_step_loss, sample_generator
+from vidray.train.window import LogWindow
+
+FAMILY = get_family("wan")
+MODEL = ModelConfig(family="wan", text_encoder="tiny_random", max_sequence_length=8,
+                    experts=ExpertsConfig(boundary_ratio=0.9))
+FLOW = FlowConfig(sigma_sampling="logit_normal", shift=5.0)
+NAME = "checkpoint_000002"
+LABEL = "vidray.io/expert"
+
+
+@pytest.mark.parametrize("flow", [FlowConfig(sigma_sampling="uniform", shift=1.0),
+                                  FlowConfig(sigma_sampling="logit_normal", shift=5.0),
+                                  FlowConfig(sigma_sampling="logit_normal", logit_mean=0.5, logit_std=0.7, shift=3.0)],
+                         ids=["uniform", "logit_normal_shift5", "logit_normal_shifted_mean"])
+@pytest.mark.parametrize("expert", EXPERTS)
+def test_an_experts_sigmas_follow_the_whole_ranges_distribution_conditioned_on_its_side(flow, expert):
+    lo, hi = expert_sigma_range(expert, 0.9)
+    whole = sample_sigmas(400_000, flow, generator=torch.Generator().manual_seed(0))
+    side = whole[(whole >= lo) & (whole <= hi)]
+    drawn = sample_sigmas(40_000, flow, generator=torch.Generator().manual_seed(1), sigma_range=(lo, hi))
+    assert drawn.dtype == torch.float32 and drawn.shape == (40_000,)
+    assert bool(((drawn >= lo) & (drawn <= hi)).all())
+    q = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], dtype=torch.float64)
+    torch.testing.assert_close(torch.quantile(drawn.double(), q), torch.quantile(side.double(), q), atol=4e-3, rtol=0)
+    again = sample_sigmas(8, flow, generator=torch.Generator().manual_seed(1), sigma_range=(lo, hi))
+    assert torch.equal(again, drawn[:8])  # one generator, one draw per sample: the same sigmas again
+
+
+@pytest.mark.parametrize("expert", EXPERTS)
+def test_every_timestep_an_expert_trains_on_is_one_the_sampler_routes_to_it(expert):
+    sigmas = sample_sigmas(100_000, FLOW, generator=torch.Generator().manual_seed(2),
+                           sigma_range=expert_sigma_range(expert, 0.9))
+    timesteps = FAMILY.model_timesteps(sigmas, 1000)
+    high = timesteps >= 0.9 * 1000  # TwoExperts.high_noise: the stock pipelines' per-step rule
+    assert bool(high.all()) if expert == "high" else not bool(high.any())
+
+
+def test_a_sigma_range_outside_the_unit_interval_or_empty_is_refused():
+    for bad in [(0.5, 0.5), (0.6, 0.4), (-0.1, 0.5), (0.5, 1.5)]:
+        with pytest.raises(ValueError, match="sigma_range must satisfy 0 <= lo < hi <= 1"):
+            sample_sigmas(2, FLOW, sigma_range=bad)
+    with pytest.raises(ValueError, match="boundary_ratio must be a number in"):
+        expert_sigma_range("high", 1.0)
+
+
+def test_ranks_split_half_per_expert_by_their_nodes_labels():
+    selectors = {"high": {LABEL: "high"}, "low": {LABEL: "low"}}
+    assert assign_experts([{}] * 4, {}) == ["high", "high", "low", "low"]  # unlabeled: rank order
+    assert assign_experts([{LABEL: "low"}, {LABEL: "high"}], selectors) == ["low", "high"]
+    # A node only the high expert's selector excludes takes low; nodes both accept fill the room left.
+    assert assign_experts([{}, {LABEL: "high"}, {LABEL: "high"}, {}],
+                          {"high": {LABEL: "high"}}) == ["low", "high", "high", "low"]
+    with pytest.raises(ValueError, match="an even number of workers"):
+        assign_experts([{}] * 3, {})
+    with pytest.raises(ValueError, match="satisfies neither expert's selector"):
+        assign_experts([{LABEL: "high"}, {LABEL: "other"}], selectors)
+    with pytest.raises(ValueError, match=r"ranks \[0, 1\] can only train the high-noise expert"):
+        assign_experts([{LABEL: "high"}, {LABEL: "high"}], selectors)
+
+
+def _expert(expert: str, seed: int) -> ExpertSlot:
+    return ExpertSlot(FAMILY.build_expert(MODEL, seed=seed, expert=expert), expert)
+
+
+def _train(model, transformer, optimizer, groups, steps: range) -> list[float]:
+    """Steps of one micro-batch per rank: the sample keys are the step's, alike on every rank (both experts train
+    the same samples, each on its side of the boundary)."""
+    bucket = Bucket(*FAMILY.example_bucket)
+    text_dim = transformer.config.text_dim
+    losses = []
+    for step in steps:
+        data = torch.Generator().manual_seed(step)
+        latents = torch.randn(FAMILY.latent_shape(bucket, 2), generator=data)
+        embeds = torch.randn(2, MODEL.max_sequence_length, text_dim, generator=data)
+        mask = torch.ones(2, MODEL.max_sequence_length, dtype=torch.bool)
+        generators = [sample_generator(0, step, key) for key in (step, step + 100)]
+        optimizer.zero_grad(set_to_none=True)
+        loss = flow_matching_step_loss(FAMILY, model, latents, embeds, mask, FLOW, generators,
+                                       loss_weights=torch.full((2,), 0.5), sigma_range=groups.sigma_range)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def _worker(rank: int, world: int, port: int, tmp: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tmp_path = Path(tmp)
+    result: dict = {}
+    try:
+        groups = form_expert_groups(rank, world, {}, {}, 0.9)
+        transformer = _expert(groups.expert, seed=0)
+        model = torch.nn.parallel.DistributedDataParallel(transformer, process_group=groups.group)
+        optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-3)
+        lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        window = LogWindow(world, expert=groups.expert, expert_sizes={e: len(r) for e, r in groups.ranks.items()})
+        for loss in _train(model, transformer, optimizer, groups, range(1, 3)):
+            window.add(loss, torch.zeros(()), 1e-3, [0, 0.0, 0.0, 0.0])
+        closed = window.close(2, epoch=0, lr_now=1e-3, step_time_s=1.0,
+                              data={"data_wait_fraction": 0.0, **{f"{s}_busy_fraction": 0.0 for s in
+                                                                  ("decode", "vae", "text", "dit")}})
+        local = tmp_path / f"snapshot-rank{rank}"  # every rank its own folder, as on separate nodes
+        save_sharded_checkpoint(local, model=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                train_state=TrainState(2, 0, 4, world, ""), job_config={"name": "t"}, rank=rank,
+                                world_size=world, optimizer_key=groups.optimizer_key)
+        CheckpointManager(tmp_path / "run").upload_shard(local, NAME)
+        dist.barrier()
+        after = _train(model, transformer, optimizer, groups, range(3, 5))
+        # A fresh expert of other initial weights resumes from the checkpoint and takes the same steps 3 and 4.
+        fresh = _expert(groups.expert, seed=1)
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+        state = load_checkpoint(tmp_path / "run" / NAME, transformer=fresh, optimizer=fresh_optimizer,
+                                lr_scheduler=torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda step: 1.0),
+                                optimizer_key=groups.optimizer_key)
+        resumed = _train(torch.nn.parallel.DistributedDataParallel(fresh, process_group=groups.group), fresh,
+                         fresh_optimizer, groups, range(3, 5))
+        everyone = [None] * world
+        dist.all_gather_object(everyone, {"expert": groups.expert, "ranks": groups.ranks, "step": state.step,
+                                          "after": [x.item() for x in after], "resumed": [x.item() for x in resumed],
+                                          "window": closed.expert_losses, "loss": closed.losses,
+                                          "weights": {k: v.clone() for k, v in transformer.state_dict().items()}})
+        result["ranks"] = everyone
+        result["gathered"] = gather_experts_to_rank0(groups, transformer.state_dict())
+    finally:
+        if rank == 0:
+            torch.save(result, tmp_path / "result.pt")
+        dist.destroy_process_group()
+
+
+def test_two_ranks_train_one_expert_each_resume_from_one_checkpoint_and_gather_both_for_the_export(tmp_path):
+    start_ranks(_worker, (2, free_port(), str(tmp_path)), 2)
+    result = torch.load(tmp_path / "result.pt", weights_only=False)
+    high, low = result["ranks"]
+    assert (high["expert"], low["expert"]) == ("high", "low") and high["ranks"] == {"high": [0], "low": [1]}
+    for rank in (high, low):
+        assert rank["step"] == 2 and rank["resumed"] == pytest.approx(rank["after"], abs=1e-6)
+    # The window's mean over ranks and each expert's own loss, as every rank sees them.
+    assert high["window"] == low["window"] and set(high["window"]) == {"high", "low"}
+    assert high["loss"] == pytest.approx([(a + b) / 2 for a, b in zip(high["window"]["high"], high["window"]["low"])])
+    # One sharded checkpoint holds both experts under TwoExperts' names: one process loads it as a TwoExperts.
+    two = FAMILY.build_transformer(MODEL, seed=3)
+    assert isinstance(two, TwoExperts)
+    from vidray.models.export import sharded_entries
+
+    saved = sharded_entries(tmp_path / "run" / NAME, "model")
+    assert set(saved) == set(two.state_dict())
+    two.load_state_dict(saved, strict=True)
+    assert set(high["weights"]) | set(low["weights"]) == set(saved)
+    assert all(name.startswith("transformer.") for name in high["weights"])
+    # Rank 0 gets both experts' final weights, each from its own rank.
+    gathered = result["gathered"]
+    assert set(gathered) == set(saved)
+    for rank in (high, low):
+        for name, tensor in rank["weights"].items():
+            assert torch.equal(gathered[name], tensor), name
+    two.load_state_dict(gathered, strict=True)
