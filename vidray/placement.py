@@ -123,6 +123,43 @@ def expert_selectors(job: Any) -> dict[str, dict[str, str]]:
             for stage, side in EXPERT_STAGES.items()}
 
 
+def expert_of_ranks(placement: dict[str, dict[str, str]], node_labels: list[dict[str, str]]) -> list[str]:
+    """The expert, "high" or "low", of each world rank of a `model.experts.layout: groups` run, given the labels of
+    the node each rank runs on (`node_labels[rank]`, gathered from every rank) and the resolved `placement`
+    ({stage: selector}: `expert_high` / `expert_low`, else `dit`, else anywhere).
+
+    Ray Train places bundle i by the i-th selector of `ScalingConfig(label_selector=[...])` but numbers world
+    ranks by node and GPU id, not by bundle, so rank r < W/2 need not be a high-noise bundle. A rank whose node
+    only the high (low) selector admits is that expert's; the ranks both admit fill the high-noise half in rank
+    order, then the low one. The same on every rank (a pure function of the gathered labels). Raises ValueError
+    for an odd rank count, a rank whose node neither selector admits, or more than half of the ranks on nodes only
+    one expert admits (a placement Ray would not have made)."""
+    num_ranks = len(node_labels)
+    if num_ranks < 2 or num_ranks % 2:
+        raise ValueError(f"model.experts.layout: groups needs an even number of ranks >= 2, got {num_ranks}")
+    half = num_ranks // 2
+    dit = placement.get("dit") or {}
+    high_selector, low_selector = placement.get("expert_high") or dit, placement.get("expert_low") or dit
+    sides: list[str | None] = []
+    for rank, labels in enumerate(node_labels):
+        high, low = selector_matches(high_selector, labels), selector_matches(low_selector, labels)
+        if not (high or low):
+            raise ValueError(f"rank {rank}'s node ({labels}) satisfies neither expert's selector (high "
+                             f"{high_selector}, low {low_selector})")
+        sides.append(None if high and low else "high" if high else "low")
+    for side in ("high", "low"):
+        if sides.count(side) > half:
+            raise ValueError(f"{sides.count(side)} of {num_ranks} ranks run on nodes only the {side}-noise expert's "
+                             f"selector admits ({high_selector if side == 'high' else low_selector}): at most "
+                             f"{half} can train it")
+    missing_high = half - sides.count("high")
+    for rank, side in enumerate(sides):
+        if side is None:
+            sides[rank] = "high" if missing_high > 0 else "low"
+            missing_high -= sides[rank] == "high"
+    return [str(side) for side in sides]
+
+
 def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     """True if a node with `labels` satisfies every condition of `selector` (an empty selector: every node)."""
     return all(c.holds(labels) for c in parse_selector(selector))
