@@ -991,7 +991,7 @@ RESUME_RULES: dict[str, str] = {
     "model.vae_path": RESUME_FIXED,  # the latents the DiT learns come from this VAE
     "model.lora": RESUME_FIXED,  # the adapters' shapes and scale; a LoRA checkpoint holds only adapter weights
     "model.i2v": RESUME_FIXED,  # the transformer's input channels (inpaint latents) and what the data gives it
-    "model.experts": RESUME_FIXED,  # one transformer or two, and where they switch
+    "model.experts": RESUME_FIXED,  # one transformer or two, where they switch, which workers hold which and where
     # The data: shard identity is checked by the index's content hash, so folder and prepare-only keys may
     # change; buckets, fps and the batch sizes define the epoch's micro-batches, which the saved data position
     # counts (per bucket), so they must stay as they were.
@@ -1152,10 +1152,15 @@ def _same(old: Any, new: Any) -> bool:
 def diff_for_resume(saved: dict[str, Any], job: JobConfig) -> ResumeDiff:
     """Compare a checkpoint's saved config (`JobConfig.to_dict()` as written) with `job`, key by key.
 
-    Keys absent from `saved` (written by an older vidray) are taken as unchanged. Raises KeyError for a key of
-    `job` that `RESUME_RULES` does not classify (a bug: every field must be classified).
+    Keys absent from `saved` (written by an older vidray) are taken as unchanged; a `model.experts` saved before
+    `layout` existed is read as what that vidray trained: `layout: shared`, no expert selectors. Raises KeyError for
+    a key of `job` that `RESUME_RULES` does not classify (a bug: every field must be classified).
     """
     old_flat = flatten_config(saved or {})
+    old_experts = old_flat.get("model.experts")
+    if isinstance(old_experts, dict) and "layout" not in old_experts:
+        old_flat["model.experts"] = {**old_experts, "layout": "shared", "high": {"label_selector": {}},
+                                     "low": {"label_selector": {}}}
     new_flat = flatten_config(job.to_dict())
     fixed: dict[str, tuple[Any, Any]] = {}
     changeable: dict[str, tuple[Any, Any]] = {}

@@ -157,3 +157,11 @@ def test_each_rank_learns_its_expert_from_its_nodes_labels_not_its_rank():
         expert_of_ranks(placement, [HIGH, {"vidray.io/expert": "mid"}])
     with pytest.raises(ValueError, match="at most 1 can train it"):
         expert_of_ranks(placement, [HIGH, HIGH])
+
+
+def test_a_two_expert_run_saved_before_layout_existed_resumes_as_shared_only():
+    saved = job().to_dict()
+    saved["model"]["experts"] = {"boundary_ratio": 0.9}  # older vidray: every worker held both experts
+    assert not diff_for_resume(saved, job("model.experts.layout=shared")).fixed
+    refused = diff_for_resume(saved, job()).fixed_summary()
+    assert refused.startswith("model.experts: ") and "'layout': 'shared'" in refused and "'layout': 'groups'" in refused
