@@ -139,18 +139,48 @@ class LoraConfig:
 
 
 @dataclass(config=_STRICT, kw_only=True)
+class StagePlacement:
+    label_selector: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Ray label selector of the nodes this stage may run on, `{label key: value}` with Ray's value syntax
+    (`"v"`, `"!v"`, `"in(a,b)"`, `"!in(a,b)"`), e.g. `{"vidray.io/stage": "dit"}`; empty: anywhere.
+    Checked against the cluster before anything is reserved (`vidray.placement.resolve_placement`)."""
+
+    @field_validator("label_selector")
+    @classmethod
+    def _check_selector(cls, value: dict[str, str]) -> dict[str, str]:
+        from vidray.placement import parse_selector
+
+        parse_selector(value)
+        return value
+
+
+@dataclass(config=_STRICT, kw_only=True)
 class ExpertsConfig:
     """`model.experts`: two denoising experts trained in one job, as Wan 2.2 A14B is made: `transformer` (high
     noise) for timesteps >= `boundary_ratio x flow.num_train_timesteps`, `transformer_2` (low noise) below. Each
-    training sample goes to the expert of its sampled timestep, so each expert trains only on its side of the
-    boundary; both are checkpointed together with the one data position and exported as the stock pipeline's
-    `transformer` and `transformer_2` with `boundary_ratio` (`vidray.models.experts.TwoExperts`). Every worker
-    holds both experts (DDP); one worker group per expert, placed by label, is not built yet."""
+    expert trains only on its side of the boundary; both are checkpointed together with the one data position and
+    exported as the stock pipeline's `transformer` and `transformer_2` with `boundary_ratio`
+    (`vidray.models.experts.TwoExperts`). `layout` says which workers hold which expert: `groups` (one DDP worker
+    group per expert, each on the nodes `high` / `low` select) or `shared` (every worker holds both)."""
 
     boundary_ratio: float = 0.9
     """In (0, 1): where the experts switch, as a fraction of `flow.num_train_timesteps`: the high-noise expert takes
     timesteps >= boundary_ratio x num_train_timesteps, the low-noise one those below (Wan2.2-I2V-A14B 0.9,
     T2V-A14B 0.875, the `boundary_ratio` of their model_index.json)."""
+    layout: Literal["groups", "shared"] = "groups"
+    """`groups`: one worker group per expert in the one job: the first half of `scaling.num_workers` (an even int)
+    builds and trains only the high-noise expert, the second half only the low-noise one, each half its own DDP
+    group, on the nodes `high.label_selector` / `low.label_selector` select (with `placement.dit`'s). `shared`: every
+    worker holds both experts and sends each sample to the expert of its timestep (DDP over all workers; no
+    `high` / `low` selectors)."""
+    high: StagePlacement = dataclasses.field(default_factory=StagePlacement)
+    """`layout: groups` only: the nodes the high-noise expert's workers may run on, e.g. `{label_selector:
+    {vidray.io/expert: high}}`, on top of `placement.dit.label_selector` (a key in both must have the same value);
+    empty: wherever `placement.dit` allows. Checked against the cluster before anything is reserved
+    (`vidray.placement.resolve_placement`, stage `expert_high`)."""
+    low: StagePlacement = dataclasses.field(default_factory=StagePlacement)
+    """`layout: groups` only: the nodes the low-noise expert's workers may run on (as `high`; stage
+    `expert_low`)."""
 
     @field_validator("boundary_ratio", mode="before")
     @classmethod
@@ -162,6 +192,12 @@ class ExpertsConfig:
         if not 0 < self.boundary_ratio < 1:
             raise ValueError(f"model.experts.boundary_ratio must be in (0, 1) (the high-noise expert takes timesteps "
                              f">= boundary_ratio x 1000, e.g. 0.9), got {self.boundary_ratio}")
+        if self.layout == "shared":
+            for side in ("high", "low"):
+                if getattr(self, side).label_selector:
+                    raise ValueError(f"model.experts.{side}.label_selector is set but model.experts.layout is shared "
+                                     "(every worker holds both experts, placed by placement.dit): remove it or set "
+                                     "model.experts.layout: groups")
         return self
 
 
@@ -587,22 +623,6 @@ class ScalingConfig:
 
 
 @dataclass(config=_STRICT, kw_only=True)
-class StagePlacement:
-    label_selector: dict[str, str] = dataclasses.field(default_factory=dict)
-    """Ray label selector of the nodes this stage may run on, `{label key: value}` with Ray's value syntax
-    (`"v"`, `"!v"`, `"in(a,b)"`, `"!in(a,b)"`), e.g. `{"vidray.io/stage": "dit"}`; empty: anywhere.
-    Checked against the cluster before anything is reserved (`vidray.placement.resolve_placement`)."""
-
-    @field_validator("label_selector")
-    @classmethod
-    def _check_selector(cls, value: dict[str, str]) -> dict[str, str]:
-        from vidray.placement import parse_selector
-
-        parse_selector(value)
-        return value
-
-
-@dataclass(config=_STRICT, kw_only=True)
 class EncodePlacement(StagePlacement):
     num_cpus: float = 0.1
     """Logical CPUs of each of the stage's actors (one per training rank); also its torch threads, rounded, at
@@ -724,6 +744,7 @@ class JobConfig:
         if self.flow.shift <= 0:
             raise ValueError(f"flow.shift must be > 0, got {self.flow.shift}")
         self._check_workers()
+        self._check_expert_groups()
         if self.scaling.cpus_per_worker <= 0:
             raise ValueError(f"scaling.cpus_per_worker must be > 0, got {self.scaling.cpus_per_worker}")
         if self.data.tokens_per_batch is not None and self.data.tokens_per_batch < 1:
@@ -793,6 +814,31 @@ class JobConfig:
                 f"global batch. Set train.micro_batches_per_step >= {self.scaling.max_workers} (or null: the max "
                 f"worker count), or lower the max of scaling.num_workers to {given}"
             )
+
+    def _check_expert_groups(self) -> None:
+        """`model.experts.layout: groups`: an even, fixed worker count (half per expert), no fp16, and expert
+        selectors that agree with `placement.dit`'s (`scaling.strategy` is checked in `_check_strategy`)."""
+        experts = self.model.experts
+        if experts is None or experts.layout != "groups":
+            return
+        scaling = self.scaling
+        if scaling.elastic:
+            raise ValueError(f"model.experts.layout: groups needs a fixed worker count (half per expert), got "
+                             f"scaling.num_workers={list(scaling.num_workers)} (elastic): set scaling.num_workers to "
+                             "one even number, e.g. 2, or model.experts.layout: shared")
+        if scaling.num_workers < 2 or scaling.num_workers % 2:
+            raise ValueError(f"model.experts.layout: groups gives half of the workers to each expert, got "
+                             f"scaling.num_workers={scaling.num_workers}: set scaling.num_workers to an even number, "
+                             "or model.experts.layout: shared")
+        if self.train.mixed_precision == "fp16":
+            raise ValueError("train.mixed_precision: fp16 with model.experts.layout: groups is not supported (each "
+                             "expert's group would keep its own loss scale): use train.mixed_precision: bf16, or "
+                             "model.experts.layout: shared")
+        from vidray.placement import merge_selectors
+
+        for side in ("high", "low"):
+            merge_selectors(self.placement.dit.label_selector, getattr(experts, side).label_selector,
+                            setting=f"model.experts.{side}.label_selector")
 
     def _check_scale(self) -> None:
         """Precision, activation checkpointing, accumulation, compression and EMA keys (issue 28)."""
@@ -886,8 +932,10 @@ class JobConfig:
                                  f"{self.flow.num_train_timesteps}")
             return
         if self.model.experts is not None:
-            raise ValueError(f"model.experts trains with scaling.strategy: ddp only (every worker holds both "
-                             f"experts), got {scaling.strategy}")
+            why = ("each expert's half of the workers is one DDP group" if self.model.experts.layout == "groups"
+                   else "every worker holds both experts, replicated")
+            raise ValueError(f"model.experts trains with scaling.strategy: ddp only for now ({why}), got "
+                             f"{scaling.strategy}: set scaling.strategy: ddp")
         if train.grad_compression != "none":
             raise ValueError(f"train.grad_compression: {train.grad_compression} is a DDP communication hook; with "
                              f"scaling.strategy: {scaling.strategy} gradients are reduce-scattered in fp32 "
@@ -943,7 +991,7 @@ RESUME_RULES: dict[str, str] = {
     "model.vae_path": RESUME_FIXED,  # the latents the DiT learns come from this VAE
     "model.lora": RESUME_FIXED,  # the adapters' shapes and scale; a LoRA checkpoint holds only adapter weights
     "model.i2v": RESUME_FIXED,  # the transformer's input channels (inpaint latents) and what the data gives it
-    "model.experts": RESUME_FIXED,  # one transformer or two, and where they switch
+    "model.experts": RESUME_FIXED,  # one transformer or two, where they switch, which workers hold which and where
     # The data: shard identity is checked by the index's content hash, so folder and prepare-only keys may
     # change; buckets, fps and the batch sizes define the epoch's micro-batches, which the saved data position
     # counts (per bucket), so they must stay as they were.
@@ -1104,10 +1152,15 @@ def _same(old: Any, new: Any) -> bool:
 def diff_for_resume(saved: dict[str, Any], job: JobConfig) -> ResumeDiff:
     """Compare a checkpoint's saved config (`JobConfig.to_dict()` as written) with `job`, key by key.
 
-    Keys absent from `saved` (written by an older vidray) are taken as unchanged. Raises KeyError for a key of
-    `job` that `RESUME_RULES` does not classify (a bug: every field must be classified).
+    Keys absent from `saved` (written by an older vidray) are taken as unchanged; a `model.experts` saved before
+    `layout` existed is read as what that vidray trained: `layout: shared`, no expert selectors. Raises KeyError for
+    a key of `job` that `RESUME_RULES` does not classify (a bug: every field must be classified).
     """
     old_flat = flatten_config(saved or {})
+    old_experts = old_flat.get("model.experts")
+    if isinstance(old_experts, dict) and "layout" not in old_experts:
+        old_flat["model.experts"] = {**old_experts, "layout": "shared", "high": {"label_selector": {}},
+                                     "low": {"label_selector": {}}}
     new_flat = flatten_config(job.to_dict())
     fixed: dict[str, tuple[Any, Any]] = {}
     changeable: dict[str, tuple[Any, Any]] = {}

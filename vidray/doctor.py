@@ -280,7 +280,7 @@ def check_cluster(job: Any | None) -> list[Finding]:
 
     from vidray.data.encode import check_encode_resources
     from vidray.errors import UserError
-    from vidray.placement import PlacementError, alive_nodes, resolve_placement
+    from vidray.placement import STAGES, PlacementError, alive_nodes, expert_selectors, resolve_placement
     from vidray.runtime import (LOCAL_RAY, apply_ray_env_defaults, autoscaler_max_resources, check_ray_address,
                                 local_cluster_resources, will_start_local_ray)
     from vidray.train.trainer import check_resources, latent_cache_root
@@ -294,7 +294,7 @@ def check_cluster(job: Any | None) -> list[Finding]:
             found.extend(_resource_findings(job, resources, None, LOCAL_RAY, check_resources,
                                             check_encode_resources if latent_cache_root(job) else None))
             found.extend(_memory_findings(job, resources, local=True))
-            if any(getattr(job.placement, s).label_selector for s in ("dit", "decode", "vae", "text")):
+            if any(getattr(job.placement, s).label_selector for s in STAGES) or any(expert_selectors(job).values()):
                 found.append(Finding("ok", "placement", "the local node has no vidray labels: every stage runs on "
                                      "it, its label_selector dropped (`vidray.placement`)"))
         return found

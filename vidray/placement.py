@@ -8,7 +8,10 @@ for the decode operator). Stages placed today:
 - `decode`: each rank's Ray Data fetch + decode operator (`map_batches(label_selector=...)`,
   `vidray.data.pipeline.RankLoader`);
 - `vae`, `text`: each rank's encode actors (`vidray.data.encode.EncodeStage`, `map_batches(label_selector=...)`),
-  with their resources in `placement.vae|text.num_cpus|num_gpus`.
+  with their resources in `placement.vae|text.num_cpus|num_gpus`;
+- `expert_high`, `expert_low` (`model.experts.layout: groups`): the two halves of the Ray Train workers, one per
+  expert, placed by `placement.dit`'s selector merged with `model.experts.high|low.label_selector` (one selector
+  per worker: `ScalingConfig(label_selector=[...])`, `vidray.train.trainer.build_trainer_configs`).
 
 Selector values use Ray's syntax (Ray 2.60, `ray._private.label_utils.LABEL_SELECTOR_REGEX`): `"v"` (the label
 equals v), `"!v"` (it does not, or the node lacks the key), `"in(a,b)"`, `"!in(a,b)"`. Nodes get labels from
@@ -40,6 +43,10 @@ from vidray.errors import UserError
 
 STAGES = ("dit", "decode", "vae", "text")
 """The stages a `placement` section may name, in the order they are checked."""
+
+EXPERT_STAGES = {"expert_high": "high", "expert_low": "low"}
+"""The worker groups of `model.experts.layout: groups` ({stage: side of `model.experts`}): each half of the DiT
+trainers, placed by `placement.dit`'s selector merged with `model.experts.<side>.label_selector`."""
 
 _VALUE = r"[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"
 _SELECTOR_RE = re.compile(rf"^(?P<neg>!)?(?:in\((?P<set>{_VALUE}(?:, ?{_VALUE})*)\)|(?P<one>{_VALUE}))$")
@@ -91,6 +98,66 @@ def parse_selector(selector: dict[str, str], *, setting: str = "label_selector")
         values = match["set"].replace(" ", "").split(",") if match["set"] else [match["one"]]
         conditions.append(Condition(key, frozenset(values), bool(match["neg"])))
     return conditions
+
+
+def merge_selectors(base: dict[str, str], extra: dict[str, str], *, setting: str) -> dict[str, str]:
+    """`base` with `extra`'s keys added (a node must satisfy both). Raises ValueError naming `setting` when a key is
+    in both with different values (Ray takes one value per key, so the two could not both hold)."""
+    clash = sorted(k for k in set(base) & set(extra) if base[k] != extra[k])
+    if clash:
+        key = clash[0]
+        raise ValueError(f"{setting}: {key}: {extra[key]!r} clashes with placement.dit.label_selector's {key}: "
+                         f"{base[key]!r} (a node must satisfy both): give the key one value, or drop it from one of them")
+    return {**base, **extra}
+
+
+def expert_selectors(job: Any) -> dict[str, dict[str, str]]:
+    """{"expert_high": selector, "expert_low": selector} of a job with `model.experts.layout: groups`: each
+    `placement.dit.label_selector` merged with `model.experts.high|low.label_selector` (`merge_selectors`), empty
+    when neither sets one; {} for any other job."""
+    experts = getattr(job.model, "experts", None)
+    if experts is None or experts.layout != "groups":
+        return {}
+    return {stage: merge_selectors(job.placement.dit.label_selector, getattr(experts, side).label_selector,
+                                   setting=f"model.experts.{side}.label_selector")
+            for stage, side in EXPERT_STAGES.items()}
+
+
+def expert_of_ranks(placement: dict[str, dict[str, str]], node_labels: list[dict[str, str]]) -> list[str]:
+    """The expert, "high" or "low", of each world rank of a `model.experts.layout: groups` run, given the labels of
+    the node each rank runs on (`node_labels[rank]`, gathered from every rank) and the resolved `placement`
+    ({stage: selector}: `expert_high` / `expert_low`, else `dit`, else anywhere).
+
+    Ray Train places bundle i by the i-th selector of `ScalingConfig(label_selector=[...])` but numbers world
+    ranks by node and GPU id, not by bundle, so rank r < W/2 need not be a high-noise bundle. A rank whose node
+    only the high (low) selector admits is that expert's; the ranks both admit fill the high-noise half in rank
+    order, then the low one. The same on every rank (a pure function of the gathered labels). Raises ValueError
+    for an odd rank count, a rank whose node neither selector admits, or more than half of the ranks on nodes only
+    one expert admits (a placement Ray would not have made)."""
+    num_ranks = len(node_labels)
+    if num_ranks < 2 or num_ranks % 2:
+        raise ValueError(f"model.experts.layout: groups needs an even number of ranks >= 2, got {num_ranks}")
+    half = num_ranks // 2
+    dit = placement.get("dit") or {}
+    high_selector, low_selector = placement.get("expert_high") or dit, placement.get("expert_low") or dit
+    sides: list[str | None] = []
+    for rank, labels in enumerate(node_labels):
+        high, low = selector_matches(high_selector, labels), selector_matches(low_selector, labels)
+        if not (high or low):
+            raise ValueError(f"rank {rank}'s node ({labels}) satisfies neither expert's selector (high "
+                             f"{high_selector}, low {low_selector})")
+        sides.append(None if high and low else "high" if high else "low")
+    for side in ("high", "low"):
+        if sides.count(side) > half:
+            raise ValueError(f"{sides.count(side)} of {num_ranks} ranks run on nodes only the {side}-noise expert's "
+                             f"selector admits ({high_selector if side == 'high' else low_selector}): at most "
+                             f"{half} can train it")
+    missing_high = half - sides.count("high")
+    for rank, side in enumerate(sides):
+        if side is None:
+            sides[rank] = "high" if missing_high > 0 else "low"
+            missing_high -= sides[rank] == "high"
+    return [str(side) for side in sides]
 
 
 def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -151,12 +218,16 @@ def stage_needs(job: Any, stage: str) -> tuple[dict[str, float], int]:
     """(logical resources of one unit of `stage`, units that must fit at least): the DiT trainers need
     `scaling.cpus_per_worker` CPUs (and 1 GPU with `scaling.use_gpu`) each, `scaling.num_workers` (its min)
     of them; a decode operator needs `data.loader_cpus` CPUs, one per trainer; a vae / text encode actor its
-    `placement.<stage>.num_cpus` CPUs (and `num_gpus`, `memory` bytes), one per trainer."""
+    `placement.<stage>.num_cpus` CPUs (and `num_gpus`, `memory` bytes), one per trainer; an expert's group
+    (`expert_high`, `expert_low`) half of the DiT trainers."""
     if stage == "dit":
         need = {"CPU": float(job.scaling.cpus_per_worker)}
         if job.scaling.use_gpu:
             need["GPU"] = 1.0
         return need, job.scaling.min_workers
+    if stage in EXPERT_STAGES:
+        need, _ = stage_needs(job, "dit")
+        return need, job.scaling.max_workers // 2  # layout groups: a fixed, even worker count (vidray.config)
     if stage == "decode":
         return {"CPU": float(job.data.loader_cpus)}, job.scaling.min_workers
     if stage in ("vae", "text"):
@@ -167,7 +238,7 @@ def stage_needs(job: Any, stage: str) -> tuple[dict[str, float], int]:
         if cfg.memory:
             need["memory"] = float(cfg.memory)
         return need, job.scaling.min_workers
-    raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    raise ValueError(f"unknown stage {stage!r}; stages: {', '.join((*STAGES, *EXPERT_STAGES))}")
 
 
 def _units_that_fit(nodes: Iterable[NodeInfo], need: dict[str, float]) -> int:
@@ -178,11 +249,35 @@ def _units_that_fit(nodes: Iterable[NodeInfo], need: dict[str, float]) -> int:
     return total
 
 
+def _stage_selectors(job: Any) -> list[tuple[str, dict[str, str], str, str]]:
+    """(stage, selector, the setting as shown, the key to remove to run it anywhere) of each placed stage, in the
+    order they are checked: `STAGES`, then the expert groups of `model.experts.layout: groups` (`EXPERT_STAGES`)
+    whose own selector is set."""
+    out = [(stage, dict(getattr(job.placement, stage).label_selector),
+            f"placement.{stage}.label_selector={dict(getattr(job.placement, stage).label_selector)}",
+            f"placement.{stage}") for stage in STAGES]
+    dit = dict(job.placement.dit.label_selector)
+    for stage, merged in expert_selectors(job).items():
+        side = EXPERT_STAGES[stage]
+        own = dict(getattr(job.model.experts, side).label_selector)
+        if not own:
+            continue  # placement.dit's selector alone: the dit stage's outcome is the expert's
+        setting = f"model.experts.{side}.label_selector={own}" + (
+            f" (with placement.dit.label_selector: {merged})" if dit else "")
+        out.append((stage, merged, setting, f"model.experts.{side}.label_selector"))
+    return out
+
+
 def resolve_placement(
     job: Any, nodes: list[NodeInfo], *, autoscaler: bool = False, joined: bool | None = None
 ) -> dict[str, dict[str, str]]:
     """{stage: label selector to pass to Ray} for the stages `job.placement` places, given the cluster's alive
     `nodes`; stages without a selector, or whose selector is dropped (module docstring), are absent.
+
+    With `model.experts.layout: groups` two more stages, `expert_high` and `expert_low` (`EXPERT_STAGES`): each
+    half of the DiT trainers, placed by `placement.dit`'s selector merged with `model.experts.high|low`'s
+    (`expert_selectors`), needing `scaling.num_workers // 2` DiT workers' resources; present when that merged
+    selector is non-empty and kept. An expert without a selector of its own follows the `dit` stage's outcome.
 
     `joined`: whether the cluster was joined by address rather than started here (None: `joined_by_address()`).
     A selector whose keys no node carries is dropped with a printed line only on a cluster started here whose
@@ -194,20 +289,18 @@ def resolve_placement(
     the stage than it needs (`stage_needs`). With `autoscaler=True` these become printed warnings.
     """
     resolved: dict[str, dict[str, str]] = {}
-    problems: list[tuple[str, str]] = []  # (stage, problem): all reported at once, so all can be fixed at once
-    for stage in STAGES:
-        selector = dict(getattr(job.placement, stage).label_selector)
+    problems: list[tuple[str, str]] = []  # (key to remove, problem): all reported at once, so all can be fixed at once
+    for stage, selector, setting, key in _stage_selectors(job):
         if not selector:
             continue
-        setting = f"placement.{stage}.label_selector={selector}"
         known_keys = {k for node in nodes for k in node.labels}
         if not autoscaler and not known_keys & set(selector):
             if joined is None:
                 joined = joined_by_address()
             if joined or has_user_labels(nodes):
                 where = "a cluster joined by address" if joined else "a cluster with labeled nodes"
-                problems.append((stage, f"no node carries the label key {' or '.join(sorted(selector))} that "
-                                        f"{setting} needs ({where}: the {stage} stage would run unplaced)"))
+                problems.append((key, f"no node carries the label key {' or '.join(sorted(selector))} that "
+                                      f"{setting} needs ({where}: the {stage} stage would run unplaced)"))
                 continue
             print(f"[vidray] {setting}: no node of the cluster has a label {' or '.join(sorted(selector))}, so "
                   f"the {stage} stage runs wherever Ray places it (a cluster without labels)", flush=True)
@@ -223,9 +316,9 @@ def resolve_placement(
                        f"unit(s) of {need} that the job needs")
         if problem:
             if not autoscaler:
-                problems.append((stage, problem))
+                problems.append((key, problem))
                 continue
-            print(f"[vidray] warning: {_placement_message([(stage, problem)], nodes)}. The cluster has an "
+            print(f"[vidray] warning: {_placement_message([(key, problem)], nodes)}. The cluster has an "
                   "autoscaler whose node types' labels Ray does not report: the run waits for such a node, within "
                   "the worker group's start-up retries", flush=True)
         else:
@@ -235,12 +328,17 @@ def resolve_placement(
     if problems:
         raise PlacementError(_placement_message(problems, nodes),
                              [_placement_message([one], nodes) for one in problems])
+    if "dit" in resolved:  # an expert without a selector of its own goes where the dit stage goes
+        for stage, side in EXPERT_STAGES.items():
+            if stage in expert_selectors(job) and not getattr(job.model.experts, side).label_selector:
+                resolved[stage] = dict(resolved["dit"])
     return resolved
 
 
 def _placement_message(problems: list[tuple[str, str]], nodes: list[NodeInfo]) -> str:
-    """The stages' problems, the labels the cluster's nodes carry, and the fixes."""
-    stages = ", ".join(f"placement.{stage}" for stage, _ in problems)
+    """The stages' problems (each with the key to remove to run it anywhere), the labels the cluster's nodes carry,
+    and the fixes."""
+    stages = ", ".join(key for key, _ in problems)
     several = len(problems) > 1
     return (f"{'; '.join(problem for _, problem in problems)}; the cluster's {len(nodes)} alive node(s): "
             f"{_describe_labels(nodes)}. Fix the selector{'s' if several else ''}, label nodes (`ray start --labels "

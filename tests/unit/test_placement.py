@@ -173,7 +173,7 @@ def test_with_an_autoscaler_an_unmatched_selector_is_kept_with_a_warning(capsys)
 def test_the_driver_passes_the_dit_selector_to_ray_trains_scaling_config(tmp_path):
     from vidray.train.trainer import build_trainer_configs
 
-    scaling, _ = build_trainer_configs(job(), str(tmp_path), label_selector=DIT)
+    scaling, _ = build_trainer_configs(job(), str(tmp_path), placement={"dit": DIT, "vae": {"vidray.io/stage": "vae"}})
     assert scaling.label_selector == DIT
     plain, _ = build_trainer_configs(job(), str(tmp_path))
     assert plain.label_selector is None

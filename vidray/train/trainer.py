@@ -333,13 +333,14 @@ def _torch_trainer_class():
     return VidrayTorchTrainer
 
 
-def build_trainer_configs(job: JobConfig, storage_path: str, *, label_selector: dict[str, str] | None = None,
+def build_trainer_configs(job: JobConfig, storage_path: str, *, placement: dict[str, dict[str, str]] | None = None,
                           callbacks: list[Any] | None = None) -> tuple[Any, Any]:
     """(ray.train.ScalingConfig, ray.train.RunConfig) for `job`: workers and their resources, run name and
     storage (a `storage.path` URI with vidray's pyarrow filesystem), checkpoints kept, worker restarts
     (`train.max_failures`) and bounded worker-group start-up retries (`vidray.runtime.WORKER_GROUP_START_RETRIES`;
-    elastic jobs add one per allowed worker failure, -1 when `train.max_failures` is -1). `label_selector`: the
-    nodes the workers may run on (`placement.dit` as `vidray.placement.resolve_placement` resolved it)."""
+    elastic jobs add one per allowed worker failure, -1 when `train.max_failures` is -1). `placement`: {stage:
+    label selector} as `vidray.placement.resolve_placement` resolved it; the workers go where its `dit` entry
+    allows (`worker_label_selectors`), or, with `model.experts.layout: groups`, each its expert's half of them."""
     import ray.train
 
     from vidray.runtime import WORKER_GROUP_START_RETRIES
@@ -352,7 +353,7 @@ def build_trainer_configs(job: JobConfig, storage_path: str, *, label_selector: 
         num_workers=(job.scaling.min_workers, job.scaling.max_workers) if elastic else job.scaling.num_workers,
         use_gpu=job.scaling.use_gpu, resources_per_worker=resources,
         **({"elastic_resize_monitor_interval_s": float(job.scaling.resize_check_s)} if elastic else {}),
-        **({"label_selector": dict(label_selector)} if label_selector else {}),
+        **({"label_selector": selectors} if (selectors := worker_label_selectors(job, placement)) else {}),
     )
     storage_filesystem = None
     if is_uri(storage_path):
@@ -386,6 +387,30 @@ def build_trainer_configs(job: JobConfig, storage_path: str, *, label_selector: 
         worker_runtime_env={"env_vars": worker_env()},
     )
     return scaling, run
+
+
+def worker_label_selectors(job: JobConfig, placement: dict[str, dict[str, str]] | None
+                           ) -> dict[str, str] | list[dict[str, str]] | None:
+    """What `ScalingConfig(label_selector=)` gets from the resolved `placement` ({stage: selector}): None (the
+    workers go anywhere), the `dit` selector for every worker, or, with `model.experts.layout: groups`, one selector
+    per worker: `expert_high`'s for the first `scaling.num_workers // 2` workers (placement-group bundles), then
+    `expert_low`'s (each falling back to `dit`'s, else {}: Ray takes an empty dict as no constraint); None when
+    all of them are empty.
+
+    Ray Train 2.60 gives bundle i the i-th selector, but numbers world ranks by node and GPU id
+    (`WorkerGroup._assign_worker_ranks`), not by bundle: a worker learns its expert from its node's labels
+    (`vidray.placement.expert_of_ranks`), not from its rank."""
+    placement = placement or {}
+    dit = dict(placement.get("dit") or {})
+    experts = job.model.experts
+    if experts is None or experts.layout != "groups":
+        return dit or None
+    half = job.scaling.max_workers // 2  # layout groups: a fixed, even worker count (vidray.config)
+    high = dict(placement.get("expert_high") or dit)
+    low = dict(placement.get("expert_low") or dit)
+    if not (high or low):
+        return None
+    return [dict(high) for _ in range(half)] + [dict(low) for _ in range(half)]
 
 
 RESUME_HINT = "run the same command again to resume"
@@ -527,7 +552,7 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
                                                                       latent_cache=loop_config["latent_cache"]))
     bar = TrainProgress(first_step=plan.step + 1, max_steps=job.train.max_steps,
                         samples_per_step=job.global_batch_size)  # a terminal's bar, fed by the reports
-    scaling_config, run_config = build_trainer_configs(job, storage_path, label_selector=placement.get("dit"),
+    scaling_config, run_config = build_trainer_configs(job, storage_path, placement=placement,
                                                        callbacks=bar.callbacks)
     trainer = _torch_trainer_class()(
         train_loop_per_worker, train_loop_config=loop_config, scaling_config=scaling_config, run_config=run_config
