@@ -527,7 +527,8 @@ class TrainConfig:
     worker count, `scaling.num_workers` (or its max). Rank r of W trains micro-batches r, r+W, ... of the step
     with gradient accumulation, so the step's samples and loss (the mean over its real samples) do not depend on
     W: an elastic run keeps its global batch when it shrinks or grows. Must be >= the max worker count (every
-    worker needs one micro-batch)."""
+    worker needs one micro-batch). With `model.experts.layout: groups` it is each expert's global batch, over
+    its half of the workers (both experts train on the same samples)."""
     ray_metrics: bool = True
     """Record the training series (`vidray.metrics`) through Ray's metrics agent too (`ray.util.metrics`: each node's
     metrics export port carries them as `ray_vidray_*`); false: only the run folder's `.prom` files and the opt-in
@@ -806,12 +807,14 @@ class JobConfig:
             raise ValueError(f"scaling.resize_check_s must be >= 0 seconds, got {self.scaling.resize_check_s} "
                              "(default 60)")
         given = self.train.micro_batches_per_step
-        if given is not None and given < self.scaling.max_workers:
+        if given is not None and given < self.data_parallel_workers:
+            per_expert = (" per expert (model.experts.layout: groups)"
+                          if self.data_parallel_workers < self.scaling.max_workers else "")
             raise ValueError(
-                f"train.micro_batches_per_step={given} is smaller than the max worker count "
+                f"train.micro_batches_per_step={given} is smaller than the max worker count{per_expert} "
                 f"scaling.num_workers={workers if isinstance(workers, int) else list(workers)}: every worker trains "
                 f"at least one micro-batch per step, so no allowed worker count above {given} could keep this "
-                f"global batch. Set train.micro_batches_per_step >= {self.scaling.max_workers} (or null: the max "
+                f"global batch. Set train.micro_batches_per_step >= {self.data_parallel_workers} (or null: the max "
                 f"worker count), or lower the max of scaling.num_workers to {given}"
             )
 
@@ -945,11 +948,20 @@ class JobConfig:
 
     @property
     def micro_batches_per_step(self) -> int:
-        """G: `train.micro_batches_per_step`, or max workers x `train.grad_accumulation_steps` (1 when null)."""
+        """G: `train.micro_batches_per_step`, or the data-parallel workers x `train.grad_accumulation_steps` (1
+        when null). With `model.experts.layout: groups` G is each expert's: both groups deal the one schedule."""
         given = self.train.micro_batches_per_step
         if given is not None:
             return int(given)
-        return self.scaling.max_workers * (self.train.grad_accumulation_steps or 1)
+        return self.data_parallel_workers * (self.train.grad_accumulation_steps or 1)
+
+    @property
+    def data_parallel_workers(self) -> int:
+        """The (max) workers a gradient is averaged over: every worker, or with `model.experts.layout: groups`
+        each expert's half (`vidray.train.expert_groups`)."""
+        experts = self.model.experts
+        groups = experts is not None and experts.layout == "groups"
+        return self.scaling.max_workers // 2 if groups else self.scaling.max_workers
 
     @property
     def global_batch_size(self) -> int:

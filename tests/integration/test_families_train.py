@@ -93,14 +93,17 @@ def _stock_image_to_video_latents(pipe, image, num_frames: int, height: int, wid
     return pipe(image=image, prompt="a red fox", max_sequence_length=max_sequence_length, **kwargs).frames
 
 
-@pytest.mark.parametrize("config, pipeline_class", [("tiny_i2v.yaml", "EasyAnimateInpaintPipeline"),
-                                                    ("wan_i2v_tiny.yaml", "WanImageToVideoPipeline"),
-                                                    ("wan21_i2v_tiny.yaml", "WanImageToVideoPipeline"),
-                                                    ("cogvideox_i2v_tiny.yaml", "CogVideoXImageToVideoPipeline")])
+@pytest.mark.parametrize("config, pipeline_class, layout", [
+    ("tiny_i2v.yaml", "EasyAnimateInpaintPipeline", None),
+    # Two worker groups (the config's default layout) train on a labeled cluster in test_placement_cluster.py.
+    ("wan_i2v_tiny.yaml", "WanImageToVideoPipeline", "model.experts.layout=shared"),
+    ("wan21_i2v_tiny.yaml", "WanImageToVideoPipeline", None),
+    ("cogvideox_i2v_tiny.yaml", "CogVideoXImageToVideoPipeline", None)])
 def test_the_image_to_video_model_trains_on_its_clips_first_frames_resumes_exactly_and_exports_its_stock_pipeline(
-        config, pipeline_class, local_ray, shards_dir, tmp_path):
+        config, pipeline_class, layout, local_ray, shards_dir, tmp_path):
     """An image-to-video config (EasyAnimate InP; Wan in Wan 2.2 A14B's layout, its two experts trained in the one
-    run; Wan 2.1 with its CLIP image encoder; CogVideoX 1.0 I2V): the encode stage computes each clip's condition (its
+    run, both on every worker (`model.experts.layout: shared`); Wan 2.1 with its CLIP image encoder; CogVideoX 1.0
+    I2V): the encode stage computes each clip's condition (its
     own first frame given; and its CLIP image embeddings) beside its latents, into the latent cache; the step trains on them with condition dropout; the resumed run repeats steps 3-4
     exactly (both experts' weights and optimizer state); the export is the family's stock image-to-video pipeline,
     which samples from a first frame."""
@@ -117,7 +120,7 @@ def test_the_image_to_video_model_trains_on_its_clips_first_frames_resumes_exact
             f"data.shards_dir={shards_dir}", f"storage.path={tmp_path}", f"name={name}",
             "model.text_encoder=tiny_random", f"train.max_steps={max_steps}", "train.log_every_steps=1",
             "checkpoint.every_steps=2", "checkpoint.num_to_keep=null", "optim.warmup_steps=0",
-            f"data.latent_cache={tmp_path / 'latents'}", *extra])
+            f"data.latent_cache={tmp_path / 'latents'}", *([layout] if layout else []), *extra])
 
     straight = run_training(job("straight", 4))
     resumed = run_training(job("resumed", 4, f"checkpoint.resume_from={Path(straight.run_dir) / 'checkpoint_000002'}"))

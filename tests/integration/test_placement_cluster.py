@@ -122,4 +122,7 @@ def test_two_expert_groups_train_on_their_labeled_nodes_each_on_its_timesteps_an
         assert resumed.expert_losses[expert] == straight.expert_losses[expert][2:], expert
     assert_same_training_state(Path(resumed.run_dir) / "checkpoint_000004",
                                Path(straight.run_dir) / "checkpoint_000004")
-    assert (Path(straight.diffusers_dir) / "transformer_2").is_dir()  # both experts exported, from two ranks
+    from diffusers import WanImageToVideoPipeline  # both experts exported, gathered from two ranks
+
+    pipe = WanImageToVideoPipeline.from_pretrained(straight.diffusers_dir, local_files_only=True)
+    assert pipe.transformer_2 is not None and pipe.config.boundary_ratio == 0.9

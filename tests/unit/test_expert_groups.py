@@ -1,9 +1,9 @@
 """Wan 2.2 A14B's two experts as two worker groups (issue 29, `model.experts` layout groups): each expert draws its
 training sigmas from its side of the boundary only, with the distribution of the whole range conditioned on it;
-ranks split by their nodes' labels; and on two gloo processes (one per expert) each trains its own expert over its
-own group, the log window gives each expert's loss, a sharded checkpoint holds both experts under `TwoExperts`'
-names (loaded back by each rank, and as one `TwoExperts` in one process), and rank 0 gathers both for the
-export."""
+and on two gloo processes (one per expert; how ranks split by their nodes' labels: `test_expert_config.py`) each
+trains its own expert over its own group, the log window gives each expert's loss, a sharded checkpoint holds both
+experts under `TwoExperts`' names (loaded back by each rank, and as one `TwoExperts` in one process), and rank 0
+gathers both for the export."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from vidray.diffusion.flow_matching import sample_sigmas
 from vidray.models.experts import EXPERTS, ExpertSlot, TwoExperts, expert_sigma_range
 from vidray.models.registry import get_family
 from vidray.train.checkpoint import CheckpointManager, TrainState, load_checkpoint, save_sharded_checkpoint
-from vidray.train.expert_groups import assign_experts, form_expert_groups, gather_experts_to_rank0
+from vidray.train.expert_groups import form_expert_groups, gather_experts_to_rank0
 from vidray.train.step import flow_matching_step_loss, sample_generator
 from vidray.train.window import LogWindow
 
@@ -30,7 +30,6 @@ MODEL = ModelConfig(family="wan", text_encoder="tiny_random", max_sequence_lengt
                     experts=ExpertsConfig(boundary_ratio=0.9))
 FLOW = FlowConfig(sigma_sampling="logit_normal", shift=5.0)
 NAME = "checkpoint_000002"
-LABEL = "vidray.io/expert"
 
 
 @pytest.mark.parametrize("flow", [FlowConfig(sigma_sampling="uniform", shift=1.0),
@@ -66,21 +65,6 @@ def test_a_sigma_range_outside_the_unit_interval_or_empty_is_refused():
             sample_sigmas(2, FLOW, sigma_range=bad)
     with pytest.raises(ValueError, match="boundary_ratio must be a number in"):
         expert_sigma_range("high", 1.0)
-
-
-def test_ranks_split_half_per_expert_by_their_nodes_labels():
-    selectors = {"high": {LABEL: "high"}, "low": {LABEL: "low"}}
-    assert assign_experts([{}] * 4, {}) == ["high", "high", "low", "low"]  # unlabeled: rank order
-    assert assign_experts([{LABEL: "low"}, {LABEL: "high"}], selectors) == ["low", "high"]
-    # A node only the high expert's selector excludes takes low; nodes both accept fill the room left.
-    assert assign_experts([{}, {LABEL: "high"}, {LABEL: "high"}, {}],
-                          {"high": {LABEL: "high"}}) == ["low", "high", "high", "low"]
-    with pytest.raises(ValueError, match="an even number of workers"):
-        assign_experts([{}] * 3, {})
-    with pytest.raises(ValueError, match="satisfies neither expert's selector"):
-        assign_experts([{LABEL: "high"}, {LABEL: "other"}], selectors)
-    with pytest.raises(ValueError, match=r"ranks \[0, 1\] can only train the high-noise expert"):
-        assign_experts([{LABEL: "high"}, {LABEL: "high"}], selectors)
 
 
 def _expert(expert: str, seed: int) -> ExpertSlot:

@@ -241,22 +241,24 @@ def test_fsdp_with_lora_is_planned_with_the_base_sharded_and_checked_as_the_job_
     assert check_fits(job, 80 * 2**30, 1).requested.strategy.kind == "lora"
 
 
-def test_a_two_expert_job_is_planned_with_both_experts_on_each_worker_and_ddp_only():
-    """`model.experts` holds both experts on every worker and trains with ddp: the plan counts two experts'
-    weights, gradients and optimizer state and lists only ddp (it picked fsdp, which the config refuses: a
-    fresh-user trial)."""
+def test_a_two_expert_job_is_planned_with_its_layouts_experts_per_worker_and_ddp_only():
+    """`model.experts` trains with ddp: layout shared holds both experts on every worker (the plan counts two
+    experts' weights, gradients and optimizer state), layout groups one per worker (one expert's); both list only
+    ddp (it picked fsdp, which the config refuses: a fresh-user trial)."""
     from vidray.train.plan import plan_job
 
     gib = 2**30
     preset = get_preset("wan2.2-a14b")
     config = Path(__file__).resolve().parents[2] / "jobs/configs/wan_i2v_tiny.yaml"
-    one, two = load_job_config(config, ["model.experts=null"]), load_job_config(config)
+    one, two = load_job_config(config, ["model.experts=null"]), load_job_config(config, ["model.experts.layout=shared"])
     kwargs = dict(gpu_memory_bytes=80 * gib, num_gpus=8, preset=preset, bucket=Bucket(49, 512, 512))
-    single, pair = plan_job(one, **kwargs), plan_job(two, **kwargs)
-    assert {e.strategy.kind for e in pair.estimates} == {"ddp"}
+    single, pair, groups = plan_job(one, **kwargs), plan_job(two, **kwargs), plan_job(load_job_config(config), **kwargs)
+    assert {e.strategy.kind for e in pair.estimates} == {e.strategy.kind for e in groups.estimates} == {"ddp"}
     assert any(e.strategy.kind.startswith("fsdp") for e in single.estimates)
-    for a in pair.estimates:
+    for a, g in zip(pair.estimates, groups.estimates):
         b = next(e for e in single.estimates if e.strategy == a.strategy)
         assert (a.parameters, a.optimizer, a.gradients) == (2 * b.parameters, 2 * b.optimizer, 2 * b.gradients)
         assert a.activations == b.activations and a.peak_bytes > b.peak_bytes
+        assert (g.parameters, g.optimizer, g.gradients) == (b.parameters, b.optimizer, b.gradients)
     assert pair.chosen is None and "every worker holds 2 experts" in pair.notes[0]
+    assert "each worker holds one expert" in groups.notes[0] and "4 GPU(s) per expert" in groups.notes[0]

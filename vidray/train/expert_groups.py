@@ -4,8 +4,8 @@ Each Ray Train worker trains one expert: half the workers the high-noise `transf
 `transformer_2`. A worker learns its expert from its node's labels (Ray Train assigns ranks by node and GPU, not
 in the order of the per-worker label selectors, `vidray.train.trainer.build_trainer_configs`): a rank whose node
 matches only one expert's selector takes that expert; the others fill the experts in rank order up to half the
-workers each (`assign_experts`). Each expert's workers then form a data-parallel group of their own (DDP over a
-`torch.distributed` subgroup): its gradients are averaged within the group only.
+workers each (`vidray.placement.expert_of_ranks`). Each expert's workers then form a data-parallel group of their
+own (DDP over a `torch.distributed` subgroup): its gradients are averaged within the group only.
 
 Both groups deal the one sample schedule: each group is a data-parallel world of its own over the same steps
 (`group_rank` of `group_size`), so both experts see every sample of an epoch and the data position after a step
@@ -28,44 +28,9 @@ import torch
 import torch.distributed as dist
 
 from vidray.models.experts import EXPERTS, expert_sigma_range
-from vidray.placement import selector_matches
+from vidray.placement import expert_of_ranks
 
-__all__ = ["ExpertGroups", "assign_experts", "form_expert_groups", "gather_experts_to_rank0"]
-
-
-def assign_experts(node_labels: list[dict[str, str]], selectors: dict[str, dict[str, str]]) -> list[str]:
-    """Each rank's expert ("high" or "low"), given every rank's node labels (rank order) and each expert's label
-    selector (`{}`: any node). A rank whose node satisfies one expert's selector only takes that expert; the
-    others, in rank order, fill whichever expert still has room (half the ranks each; "high" first). Raises
-    ValueError when the world size is odd, or when more ranks can only take one expert than it has room for, or
-    a rank satisfies neither selector (naming the ranks and their labels)."""
-    world_size = len(node_labels)
-    if world_size < 2 or world_size % 2:
-        raise ValueError(f"model.experts layout groups needs an even number of workers (half per expert), got "
-                         f"{world_size}")
-    room = {expert: world_size // 2 for expert in EXPERTS}
-    experts: list[str | None] = [None] * world_size
-    flexible = []
-    for rank, labels in enumerate(node_labels):
-        fits = [e for e in EXPERTS if selector_matches(selectors.get(e) or {}, labels)]
-        if not fits:
-            raise ValueError(f"rank {rank} runs on a node (labels {labels}) that satisfies neither expert's "
-                             f"selector ({selectors}): check model.experts.high/low.label_selector")
-        if len(fits) == 1:
-            experts[rank] = fits[0]
-            room[fits[0]] -= 1
-        else:
-            flexible.append(rank)
-    full = [e for e in EXPERTS if room[e] < 0]
-    if full:
-        ranks = [r for r, e in enumerate(experts) if e == full[0]]
-        raise ValueError(f"ranks {ranks} can only train the {full[0]}-noise expert, more than its "
-                         f"{world_size // 2} worker(s): model.experts.{full[0]}.label_selector matches too many nodes")
-    for rank in flexible:
-        expert = next(e for e in EXPERTS if room[e] > 0)
-        experts[rank] = expert
-        room[expert] -= 1
-    return [e for e in experts if e is not None]
+__all__ = ["ExpertGroups", "form_expert_groups", "gather_experts_to_rank0"]
 
 
 @dataclass(frozen=True)
@@ -106,13 +71,13 @@ class ExpertGroups:
 
 
 def form_expert_groups(rank: int, world_size: int, node_labels: dict[str, str],
-                       selectors: dict[str, dict[str, str]], boundary_ratio: float) -> ExpertGroups:
+                       placement: dict[str, dict[str, str]], boundary_ratio: float) -> ExpertGroups:
     """Agree on every rank's expert and make the process groups (a collective: every rank calls it once, at the
-    same point). `node_labels`: this rank's node's labels; `selectors`: {"high" | "low": label selector}. Raises
-    ValueError as `assign_experts` (on every rank alike)."""
+    same point). `node_labels`: this rank's node's labels; `placement`: the resolved {stage: selector}
+    (`expert_high`, `expert_low`, `dit`). Raises ValueError as `expert_of_ranks` (on every rank alike)."""
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, dict(node_labels))
-    experts = assign_experts(everyone, selectors)
+    experts = expert_of_ranks(placement, everyone)
     ranks = {expert: [r for r, e in enumerate(experts) if e == expert] for expert in EXPERTS}
     groups = {expert: dist.new_group(ranks=ranks[expert]) for expert in EXPERTS}  # every rank makes both
     transfer = dist.new_group(backend="gloo")
@@ -120,7 +85,8 @@ def form_expert_groups(rank: int, world_size: int, node_labels: dict[str, str],
                         sigma_range=expert_sigma_range(experts[rank], boundary_ratio))
 
 
-def gather_experts_to_rank0(groups: ExpertGroups, state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+def gather_experts_to_rank0(groups: ExpertGroups,
+                            state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
     """The union of the group leaders' `state` ({name: tensor}, names under each expert's prefix) on rank 0, None
     elsewhere (a collective over `groups.transfer`: every rank calls it). Each leader that is not rank 0 sends its
     state to rank 0 (CPU tensors, pickled over gloo: the export's one copy of the other expert); other ranks send

@@ -234,15 +234,14 @@ class Worker:
         experts = self.job.model.experts
         if experts is None or experts.layout != "groups" or self.vae_run:
             return None
-        placement = self.loop_config.get("placement") or {}
         try:
             groups = form_expert_groups(self.rank, self.world_size, ray.get_runtime_context().get_node_labels(),
-                                        {e: placement.get(f"expert_{e}") or {} for e in EXPERTS},
-                                        experts.boundary_ratio)
+                                        self.loop_config.get("placement") or {}, experts.boundary_ratio)
         except ValueError as err:
             raise UserError(str(err)) from None
+        boundary = experts.boundary_ratio * self.job.flow.num_train_timesteps
         self._log("two expert groups: " + ", ".join(f"{e}-noise expert on ranks {groups.ranks[e]}" for e in EXPERTS)
-                  + f"; each trains on its side of timestep {experts.boundary_ratio * self.job.flow.num_train_timesteps:g}")
+                  + f"; each trains on its side of timestep {boundary:g}")
         return groups
 
     def _build_transformer(self) -> tuple[torch.nn.Module, str | None]:

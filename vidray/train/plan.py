@@ -415,23 +415,28 @@ class PlanReport:
 
 def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: int, num_gpus: int,
          gpu_memory_bytes: int, lora_rank: int = DEFAULT_LORA_RANK, lora_targets: tuple[str, ...] | None = None,
-         encoders_bytes: int = 0, micro_batches_per_rank: int = 1, experts_held: int = 1) -> PlanReport:
+         encoders_bytes: int = 0, micro_batches_per_rank: int = 1, experts_held: int = 1,
+         expert_groups: bool = False) -> PlanReport:
     """Estimate every strategy in `STRATEGIES` for `preset` on `num_gpus` GPUs of `gpu_memory_bytes` each and pick
-    the first that fits with `HEADROOM`. `experts_held` 2 (`model.experts`): each rank holds two experts of the
-    preset's shape, and only the strategies `model.experts` trains with (ddp, full) are listed. Raises UserError
-    for a bad bucket, rank or LoRA target."""
+    the first that fits with `HEADROOM`. `experts_held` 2 (`model.experts` layout shared): each rank holds two
+    experts of the preset's shape; `expert_groups` (layout groups): each rank holds one, half the GPUs per expert.
+    Either way only the strategies `model.experts` trains with (ddp, full) are listed. Raises UserError for a bad
+    bucket, rank or LoRA target."""
     counts = count_model(preset, lora_rank=lora_rank, lora_targets=lora_targets)
     estimates = tuple(estimate_memory(preset, counts, s, bucket=bucket, batch_size=batch_size,
                                       text_tokens=text_tokens, num_gpus=num_gpus, encoders_bytes=encoders_bytes,
                                       micro_batches_per_rank=micro_batches_per_rank,
                                       gpu_memory_bytes=gpu_memory_bytes, experts_held=experts_held)
                       for s in STRATEGIES if not (s.kind.startswith("fsdp") and num_gpus < 2)
-                      and not (experts_held > 1 and s.kind != "ddp"))
+                      and not ((experts_held > 1 or expert_groups) and s.kind != "ddp"))
     chosen = next((e for e in estimates if e.fits), None)
     notes = []
     if experts_held > 1:
         notes.append(f"model.experts: every worker holds {experts_held} experts of {counts.total / 1e9:.1f} B "
                      "parameters (their weights, gradients and optimizer state), trained with ddp")
+    elif expert_groups:
+        notes.append(f"model.experts layout groups: each worker holds one expert of {counts.total / 1e9:.1f} B "
+                     f"parameters ({num_gpus // 2} GPU(s) per expert), trained with ddp")
     elif preset.num_experts > 1:
         notes.append(f"{preset.name} has {preset.num_experts} experts of {counts.total / 1e9:.1f} B parameters; "
                      f"planned for one on the GPU (one trains per process)")
@@ -492,16 +497,21 @@ def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePre
     lora = job.model.lora
     rank = lora.rank if lora else DEFAULT_LORA_RANK
     targets = tuple(lora.target_modules) if lora else None
-    micro = math.ceil(job.micro_batches_per_step / max(num_gpus, 1)) if hasattr(job, "micro_batches_per_step") else 1
+    held = _experts_held(job)
+    groups = getattr(job.model, "experts", None) is not None and held == 1
+    data_parallel = max(num_gpus // 2, 1) if groups else max(num_gpus, 1)
+    micro = math.ceil(job.micro_batches_per_step / data_parallel) if hasattr(job, "micro_batches_per_step") else 1
     return plan(preset, bucket=bucket, batch_size=batch, text_tokens=text_tokens, num_gpus=num_gpus,
                 gpu_memory_bytes=gpu_memory_bytes, lora_rank=rank, lora_targets=targets,
                 encoders_bytes=_encoders_on_gpu(job, preset), micro_batches_per_rank=micro,
-                experts_held=_experts_held(job))
+                experts_held=held, expert_groups=groups)
 
 
 def _experts_held(job: Any) -> int:
-    """Transformers each worker holds: 2 with `model.experts`, else 1."""
-    return 2 if getattr(job.model, "experts", None) is not None else 1
+    """Transformers each worker holds: 2 with `model.experts` layout shared, else 1 (layout groups: one expert per
+    worker, `vidray.train.expert_groups`)."""
+    experts = getattr(job.model, "experts", None)
+    return 2 if experts is not None and getattr(experts, "layout", "shared") == "shared" else 1
 
 
 def job_strategy(job: Any) -> Strategy:

@@ -31,6 +31,8 @@ WINDOW_SCALARS = {
     "encode_time_s": "train/encode_time_s",
     "dit_step_time_s": "train/dit_step_time_s",
     **{f"{stage}_busy_fraction": f"stages/{stage}_busy_fraction" for stage in ("decode", "vae", "text", "dit")},
+    # Two expert groups (`model.experts` layout groups): each expert's mean over the window and its ranks.
+    **{f"{value}_{expert}": f"experts/{value}_{expert}" for value in ("loss", "grad_norm") for expert in ("high", "low")},
 }
 """TensorBoard tag of each window metric of the training loop's report (`vidray.train.loop`)."""
 STEP_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm"}
