@@ -1,8 +1,8 @@
 """Benchmark of issue 29's model families: each registered family's tiny training step, and how much of the model
-each serve stage replica holds. No Ray; one process.
+each serve stage replica holds, in one process; and Wan's two expert groups against one model, in Ray Train runs.
 
 Run:
-    .venv/bin/python benchmarks/families.py [--steps 5]
+    flock /tmp/vidray-ray.lock .venv/bin/python benchmarks/families.py [--steps 5] [--ray-pairs 2]   # ~6 min
 
 For each family of `vidray.models.registry.FAMILIES`, from its shipped tiny config (`jobs/configs/`: the one whose
 `model.family` it is) with `model.text_encoder: tiny_random`:
