@@ -255,7 +255,8 @@ def simulated_step(job: Any, device: Any, *, num_steps: int = STEPS) -> dict[str
 
 
 def _build_step(job: Any, device: Any, report: Any):
-    """(transformer, one-step callable, inputs) set up as `vidray.train.loop` sets them up on one rank."""
+    """(transformer, one-step callable, inputs) set up as `vidray.train.loop` sets them up on one rank (with
+    `model.experts` layout groups: the high-noise expert alone, on its side of the boundary)."""
     import torch
 
     from vidray.models.registry import get_family
@@ -265,7 +266,14 @@ def _build_step(job: Any, device: Any, report: Any):
     from vidray.train.step import flow_matching_step_loss, step_generator
 
     family = get_family(job.model.family).for_model(job.model)
-    transformer = family.build_transformer(job.model, seed=job.train.seed).to(device)
+    experts, sigma_range = job.model.experts, None
+    if experts is not None and experts.layout == "groups":  # a rank holds one expert (vidray.train.expert_groups)
+        from vidray.models.experts import ExpertSlot, expert_sigma_range
+
+        transformer = ExpertSlot(family.build_expert(job.model, seed=job.train.seed, expert="high"), "high")
+        transformer, sigma_range = transformer.to(device), expert_sigma_range("high", experts.boundary_ratio)
+    else:
+        transformer = family.build_transformer(job.model, seed=job.train.seed).to(device)
     if job.model.lora is not None:
         from vidray.models.lora import apply_lora
 
@@ -297,7 +305,8 @@ def _build_step(job: Any, device: Any, report: Any):
         with precision.autocast():
             loss = flow_matching_step_loss(family, transformer, inputs["latents"], inputs["prompt_embeds"],
                                            inputs["prompt_attention_mask"], job.flow,
-                                           step_generator(job.train.seed, step, 0), **condition)
+                                           step_generator(job.train.seed, step, 0), sigma_range=sigma_range,
+                                           **condition)
         precision.backward(loss)
         precision.unscale_(optimizer)
         if job.train.grad_clip_norm is not None:
@@ -755,9 +764,12 @@ def _bandwidth_fix(backend: str) -> str:
 
 
 def _comm_text(sweep: dict[str, Any], job: Any, step: dict[str, Any] | None) -> tuple[str, Level] | None:
-    """The job's gradient exchange per step, predicted at the measured algbw, against the step's compute."""
+    """The job's gradient exchange per step (one expert's, within its group, with `model.experts` layout groups),
+    predicted at the measured algbw, against the step's compute."""
     if not step or "error" in step:
         return None
+    if job.data_parallel_workers < 2 <= job.scaling.max_workers:  # model.experts layout groups of one worker each
+        return "each expert's worker group has one worker: its gradients are not all-reduced", "ok"
     nbytes = gradient_bytes(step["trainable"], job)
     if nbytes is None:
         return "train.grad_compression=powersgd sends a low-rank approximation: its exchange is not estimated", "ok"

@@ -340,7 +340,9 @@ def _placement_message(problems: list[tuple[str, str]], nodes: list[NodeInfo]) -
     and the fixes."""
     stages = ", ".join(key for key, _ in problems)
     several = len(problems) > 1
+    experts = [key.split(".")[2] for key, _ in problems if key.startswith("model.experts.")]
+    example = f"vidray.io/expert={experts[0]}" if experts else "vidray.io/stage=..."
     return (f"{'; '.join(problem for _, problem in problems)}; the cluster's {len(nodes)} alive node(s): "
             f"{_describe_labels(nodes)}. Fix the selector{'s' if several else ''}, label nodes (`ray start --labels "
-            f"vidray.io/stage=...`, or the cluster YAML's available_node_types.<type>.labels), or remove {stages} "
+            f"{example}`, or the cluster YAML's available_node_types.<type>.labels), or remove {stages} "
             f"to run {'them' if several else 'it'} anywhere")

@@ -217,3 +217,23 @@ def test_simulated_step_gives_an_image_to_video_model_its_condition(config):
     finally:
         torch.set_num_threads(threads)
     assert math.isfinite(step["step_s"]) and step["step_s"] > 0 and step["peak_bytes"] > 0, step
+
+
+def test_two_expert_groups_measure_one_expert_and_no_all_reduce_between_them():
+    # A fresh-user trial: `vidray doctor --measure` on wan_i2v_tiny.yaml (layout groups) timed both experts and
+    # predicted their gradients' all-reduce, where each of its workers trains one expert in a group of its own.
+    import torch
+
+    config = REPO / "jobs/configs/wan_i2v_tiny.yaml"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        groups, shared = (dm.simulated_step(load_job_config(config, ["model.text_encoder=tiny_random", *extra]), "cpu",
+                                            num_steps=2) for extra in ([], ["model.experts.layout=shared"]))
+    finally:
+        torch.set_num_threads(threads)
+    assert 2 * groups["trainable"] == shared["trainable"]  # one expert of the two
+    job = load_job_config(config, ["model.text_encoder=tiny_random"])
+    sweep = {"results": [{"bytes": 1024.0, "algbw": 1e9}]}
+    text, level = dm._comm_text(sweep, job, groups)
+    assert level == "ok" and text == "each expert's worker group has one worker: its gradients are not all-reduced"

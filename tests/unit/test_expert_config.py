@@ -112,6 +112,7 @@ def test_an_expert_selector_no_node_satisfies_fails_before_anything_is_reserved(
                                              r"'mid'\}.*or remove model.experts.high.label_selector") as err:
         resolve_placement(job("model.experts.high.label_selector={vidray.io/expert: mid}", PLACED[1]), CLUSTER)
     assert len(err.value.problems) == 1
+    assert "`ray start --labels vidray.io/expert=high`" in str(err.value)  # the label an expert's node needs
     # 4 workers: each expert's nodes must hold 2 of them (h1 has 2 CPUs: fits; a 1-CPU low node does not)
     small = [CLUSTER[1], node("l1", 1, **{"vidray.io/expert": "low"})]
     with pytest.raises(PlacementError, match=r"hold 1 of the 2 expert_low unit\(s\)"):

@@ -128,7 +128,7 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
         everyone = [None] * world
         dist.all_gather_object(everyone, {"expert": groups.expert, "ranks": groups.ranks, "step": state.step,
                                           "after": [x.item() for x in after], "resumed": [x.item() for x in resumed],
-                                          "window": closed.expert_losses, "loss": closed.losses,
+                                          "window": {e: v["loss"] for e, v in closed.experts.items()}, "loss": closed.losses,
                                           "weights": {k: v.clone() for k, v in transformer.state_dict().items()}})
         result["ranks"] = everyone
         result["gathered"] = gather_experts_to_rank0(groups, transformer.state_dict())

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from vidray.train.runlog import LOSS_PLOT, METRICS_FILE, STEP_SCALARS, TENSORBOARD_DIR, WINDOW_SCALARS, RunLog, \
-    read_scalars
+from vidray.train.runlog import EXPERT_SCALARS, LOSS_PLOT, METRICS_FILE, STEP_SCALARS, TENSORBOARD_DIR, \
+    WINDOW_SCALARS, RunLog, read_scalars
 
 WINDOW = {"step_time_s": 0.5, "data_wait_fraction": 0.25, "encode_time_s": 0.1, "dit_step_time_s": 0.3,
           "decode_busy_fraction": 0.1, "vae_busy_fraction": 0.2, "text_busy_fraction": 0.05,
@@ -22,6 +22,23 @@ def _train(log: RunLog, first: int, last: int, every: int = 3) -> None:
         steps = range(start, min(start + every, last + 1))
         log.log_window(start, [1 / s for s in steps], [2.0] * len(steps), [s * 1e-4 for s in steps],
                        WINDOW, samples_per_step=4)
+
+
+def test_a_two_expert_groups_run_logs_each_experts_loss_and_gradient_norm_per_step(tmp_path):
+    """`model.experts` layout groups (a fresh-user trial found the per-expert losses only in TensorBoard's window
+    means): every step's line of metrics.jsonl and TensorBoard's `experts/*` carry each expert's values."""
+    log = RunLog(str(tmp_path), start_step=1, title="t")
+    experts = {"high": {"loss": [1.5, 1.25], "grad_norm": [3.0, 2.0]},
+               "low": {"loss": [0.5, 0.75], "grad_norm": [1.0, 1.0]}}
+    log.log_window(1, [1.0, 1.0], [2.0, 1.5], [1e-4, 2e-4], WINDOW, samples_per_step=4, experts=experts)
+    log.close()
+    scalars = read_scalars(tmp_path)
+    assert set(scalars) == set(STEP_SCALARS.values()) | set(WINDOW_SCALARS.values()) | set(EXPERT_SCALARS.values())
+    assert scalars["experts/loss_high"] == [(1, 1.5), (2, 1.25)]
+    assert scalars["experts/grad_norm_low"] == [(1, 1.0), (2, 1.0)]
+    rows = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert rows[1] == {"step": 2, "loss": 1.0, "lr": 2e-4, "grad_norm": 1.5, "loss_high": 1.25, "grad_norm_high": 2.0,
+                       "loss_low": 0.75, "grad_norm_low": 1.0}
 
 
 def _png(path) -> bool:

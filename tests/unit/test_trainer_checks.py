@@ -452,6 +452,10 @@ def test_checkpoint_resume_never_refuses_existing_checkpoints_and_must_refuses_a
         run("modes", "sometimes")
 
 
+GROUPS = {"boundary_ratio": 0.9, "layout": "groups", "high": {"label_selector": {}}, "low": {"label_selector": {}}}
+WAN_EXPERTS = ["model.family=wan", "model.experts.boundary_ratio=0.9", "data.buckets=[[9,64,64],[1,64,64]]"]
+
+
 @pytest.mark.parametrize("saved, resumed, line", [
     ({"scaling": {"num_workers": 4}, "train": {"micro_batches_per_step": None}}, ["scaling.num_workers=2"],
      "global batch: 2 micro-batches per step, was 4 in the checkpoint (train.micro_batches_per_step is null: it "
@@ -464,6 +468,13 @@ def test_checkpoint_resume_never_refuses_existing_checkpoints_and_must_refuses_a
      "global batch: 4 micro-batches per step, was 6 in the checkpoint"),
     ({"scaling": {"num_workers": 2}, "train": {"micro_batches_per_step": None}},
      ["scaling.num_workers=1", "train.micro_batches_per_step=2"], None),
+    # Two expert groups (a fresh-user trial): G is each expert's, half the workers; unchanged on the same count.
+    ({"model": {"family": "wan", "experts": GROUPS},
+      "scaling": {"num_workers": 2}, "train": {}}, [*WAN_EXPERTS, "scaling.num_workers=2"], None),
+    ({"model": {"family": "wan", "experts": GROUPS},
+      "scaling": {"num_workers": 2}, "train": {}}, [*WAN_EXPERTS, "scaling.num_workers=4"],
+     "global batch: 2 micro-batches per step, was 1 in the checkpoint (train.micro_batches_per_step is null: it "
+     "follows the max worker count)"),
 ])
 def test_a_resume_that_changes_the_global_batch_says_so(job_and_index, tmp_path, capsys, saved, resumed, line):
     """The global batch G (micro-batches per step) follows the max worker count when train.micro_batches_per_step

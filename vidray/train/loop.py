@@ -49,7 +49,7 @@ from vidray.data.pipeline import RankLoader, TrainBatch, encode_spec, iter_rank_
 from vidray.data.schedule import DataPosition, SampleSchedule, job_schedule
 from vidray.data.shards import GenerationLease, read_index
 from vidray.data.storage import open_storage
-from vidray.models.experts import EXPERTS, ExpertSlot
+from vidray.models.experts import ExpertSlot
 from vidray.models.registry import Components, get_family
 from vidray.train.checkpoint import (
     CheckpointManager,
@@ -240,8 +240,8 @@ class Worker:
         except ValueError as err:
             raise UserError(str(err)) from None
         boundary = experts.boundary_ratio * self.job.flow.num_train_timesteps
-        self._log("two expert groups: " + ", ".join(f"{e}-noise expert on ranks {groups.ranks[e]}" for e in EXPERTS)
-                  + f"; each trains on its side of timestep {boundary:g}")
+        self._log(f"two expert groups: high-noise expert on ranks {groups.ranks['high']} (timesteps >= {boundary:g}), "
+                  f"low-noise expert on ranks {groups.ranks['low']} (timesteps < {boundary:g})")
         return groups
 
     def _build_transformer(self) -> tuple[torch.nn.Module, str | None]:
@@ -579,8 +579,8 @@ class Worker:
                     step, closed.lrs[-1],
                 )
         self.history.extend([closed.first_step + i, v] for i, v in enumerate(closed.losses))
-        for expert, losses in closed.expert_losses.items():
-            self.expert_history[expert].extend([closed.first_step + i, v] for i, v in enumerate(losses))
+        for expert, values in closed.experts.items():
+            self.expert_history[expert].extend([closed.first_step + i, v] for i, v in enumerate(values["loss"]))
         metrics = closed.metrics
         self.metrics_log.observe_window(loss=metrics["loss"], lr=metrics["lr"],
                                         data_wait_fraction=min(1.0, data["data_wait_fraction"]))
@@ -589,7 +589,7 @@ class Worker:
         self.metrics_log.write_textfile(self.metrics_file)
         if self.run_log is not None:
             self.run_log.log_window(closed.first_step, closed.losses, closed.grad_norms, closed.lrs, metrics,
-                                    samples_per_step=self.job.global_batch_size)
+                                    samples_per_step=self.job.global_batch_size, experts=closed.experts)
             if is_checkpoint:
                 self.run_log.flush()  # TensorBoard events, metrics.jsonl and loss.png in the run folder
         self.reported_steps.append(step)

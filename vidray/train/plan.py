@@ -432,19 +432,26 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
     chosen = next((e for e in estimates if e.fits), None)
     notes = []
     if experts_held > 1:
-        notes.append(f"model.experts: every worker holds {experts_held} experts of {counts.total / 1e9:.1f} B "
+        notes.append(f"model.experts: every worker holds {experts_held} experts of {_parameters(counts.total)} "
                      "parameters (their weights, gradients and optimizer state), trained with ddp")
     elif expert_groups:
-        notes.append(f"model.experts layout groups: each worker holds one expert of {counts.total / 1e9:.1f} B "
+        notes.append(f"model.experts layout groups: each worker holds one expert of {_parameters(counts.total)} "
                      f"parameters ({num_gpus // 2} GPU(s) per expert), trained with ddp")
     elif preset.num_experts > 1:
-        notes.append(f"{preset.name} has {preset.num_experts} experts of {counts.total / 1e9:.1f} B parameters; "
+        notes.append(f"{preset.name} has {preset.num_experts} experts of {_parameters(counts.total)} parameters; "
                      f"planned for one on the GPU (one trains per process)")
     if num_gpus < 2:
         notes.append("fsdp needs 2 or more GPUs: not listed")
     return PlanReport(preset=preset, counts=counts, bucket=bucket, batch_size=batch_size, text_tokens=text_tokens,
                       num_gpus=num_gpus, gpu_memory_bytes=gpu_memory_bytes, estimates=estimates, chosen=chosen,
                       notes=tuple(notes))
+
+
+def _parameters(count: int) -> str:
+    """A parameter count for a note: '14.3 B', '12.1 M', or '44,448' below a million."""
+    if count >= 1e9:
+        return f"{count / 1e9:.1f} B"
+    return f"{count / 1e6:.1f} M" if count >= 1e6 else f"{count:,}"
 
 
 def job_preset(job: Any) -> ShapePreset:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vidray.config import ConfigError, JobConfig, ResumeDiff, diff_for_resume
+from vidray.config import ConfigError, JobConfig, ResumeDiff, diff_for_resume, job_config_from_dict
 from vidray.errors import UserFileNotFound
 from vidray.locations import absolute_location
 
@@ -279,6 +279,8 @@ def check_resume(job: JobConfig, plan: ResumePlan, folder: Path, index: dict[str
         workers = job.scaling.describe_workers()  # "1 worker", "2 workers", "2-4 workers (elastic)"
         if job.scaling.elastic or state.world_size != job.scaling.num_workers:
             workers += f" (was {state.world_size})"
+        if job.data_parallel_workers < job.scaling.max_workers:  # model.experts layout groups: each expert's half
+            workers = f"{_plural(job.data_parallel_workers, 'worker', 'workers')} per expert of {workers}"
         workers += f", {_plural(job.micro_batches_per_step, 'micro-batch', 'micro-batches')} per step"
         print(f"[vidray] data position: epoch {state.epoch}, {state.batch_index} micro-batches of it done; the rest "
               f"of the epoch is dealt to {workers}, each sample exactly once", flush=True)
@@ -287,7 +289,7 @@ def check_resume(job: JobConfig, plan: ResumePlan, folder: Path, index: dict[str
             why = ""
             if job.train.micro_batches_per_step is None:
                 why = " (train.micro_batches_per_step is null: it follows the max worker count"
-                why += f"; set it to {saved_g} to keep the checkpoint's)" if saved_g >= job.scaling.max_workers \
+                why += f"; set it to {saved_g} to keep the checkpoint's)" if saved_g >= job.data_parallel_workers \
                     else ")"
             print(f"[vidray] global batch: {_plural(job.micro_batches_per_step, 'micro-batch', 'micro-batches')} "
                   f"per step, was {saved_g} in the checkpoint{why}", flush=True)
@@ -304,7 +306,13 @@ def _plural(n: int, one: str, many: str) -> str:
 
 def _saved_micro_batches_per_step(saved: dict[str, Any]) -> int | None:
     """G of a checkpoint's saved job config (`JobConfig.micro_batches_per_step`: train.micro_batches_per_step, else
-    the max of scaling.num_workers), or None when the saved config does not say (older vidray)."""
+    the data-parallel workers (each expert's half with `model.experts` layout groups) x grad_accumulation_steps), or
+    None when the saved config does not say (older vidray: then train.micro_batches_per_step, else the max of
+    scaling.num_workers)."""
+    try:
+        return job_config_from_dict(saved).micro_batches_per_step
+    except Exception:  # noqa: BLE001 - an older config that no longer loads: read the keys themselves
+        pass
     given = (saved.get("train") or {}).get("micro_batches_per_step")
     if given is not None:
         return int(given)

@@ -31,12 +31,14 @@ WINDOW_SCALARS = {
     "encode_time_s": "train/encode_time_s",
     "dit_step_time_s": "train/dit_step_time_s",
     **{f"{stage}_busy_fraction": f"stages/{stage}_busy_fraction" for stage in ("decode", "vae", "text", "dit")},
-    # Two expert groups (`model.experts` layout groups): each expert's mean over the window and its ranks.
-    **{f"{value}_{expert}": f"experts/{value}_{expert}" for value in ("loss", "grad_norm") for expert in ("high", "low")},
 }
 """TensorBoard tag of each window metric of the training loop's report (`vidray.train.loop`)."""
 STEP_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm"}
 """TensorBoard tag of each per-step value."""
+EXPERT_SCALARS = {f"{value}_{expert}": f"experts/{value}_{expert}" for value in ("loss", "grad_norm")
+                  for expert in ("high", "low")}
+"""TensorBoard tag of each per-step value of a run whose two experts train as two worker groups (`model.experts`
+layout groups): each expert's loss and gradient norm, the mean over its ranks (also in metrics.jsonl)."""
 
 
 class RunLog:
@@ -84,15 +86,21 @@ class RunLog:
         (self.local / METRICS_FILE).write_text(text)
 
     def log_window(self, first_step: int, losses: list[float], grad_norms: list[float], lrs: list[float],
-                   window: dict[str, float], *, samples_per_step: int) -> None:
+                   window: dict[str, float], *, samples_per_step: int,
+                   experts: dict[str, dict[str, list[float]]] | None = None) -> None:
         """Record the steps `first_step`.. of one log window: their mean-over-ranks `losses` and `grad_norms` and
         their `lrs` (one each per step), and the window metrics (`WINDOW_SCALARS` keys; samples/s is
-        `samples_per_step` / step_time_s) at the window's last step."""
+        `samples_per_step` / step_time_s) at the window's last step. `experts` ({"high" | "low": {"loss":
+        [...], "grad_norm": [...]}}, one value per step: `ClosedWindow.experts`) adds each expert's values to the
+        step's line and its `EXPERT_SCALARS` tags."""
         for i, (loss, grad_norm, lr) in enumerate(zip(losses, grad_norms, lrs)):
             row = {"step": first_step + i, "loss": float(loss), "lr": float(lr), "grad_norm": float(grad_norm)}
+            for expert, values in (experts or {}).items():
+                row.update({f"{name}_{expert}": float(per_step[i]) for name, per_step in values.items()})
             self.steps.append(row)
-            for key, tag in STEP_SCALARS.items():
-                self.writer.add_scalar(tag, row[key], row["step"])
+            for key, tag in (*STEP_SCALARS.items(), *EXPERT_SCALARS.items()):
+                if key in row:
+                    self.writer.add_scalar(tag, row[key], row["step"])
         last = first_step + len(losses) - 1
         values = dict(window)
         if values.get("step_time_s"):
