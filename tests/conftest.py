@@ -47,6 +47,17 @@ def start_ranks(fn, args: tuple, nprocs: int) -> None:
 
 
 
+def join_gloo(rank: int, world_size: int, port: int) -> None:
+    """In a rank `start_ranks` started: one torch thread, and the gloo process group of `world_size` ranks on
+    127.0.0.1:`port` (`free_port`). The caller destroys it (`dist.destroy_process_group`) when done."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 when asked (another process may take it before the caller binds it)."""
     import socket

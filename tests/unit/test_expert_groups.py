@@ -7,13 +7,12 @@ gathers both for the export."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from tests.conftest import free_port, start_ranks
+from tests.conftest import free_port, join_gloo, start_ranks
 
 from vidray.config import ExpertsConfig, FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket
@@ -23,7 +22,7 @@ from vidray.models.registry import get_family
 from vidray.train.checkpoint import CheckpointManager, TrainState, load_checkpoint, save_sharded_checkpoint
 from vidray.train.expert_groups import form_expert_groups, gather_experts_to_rank0
 from vidray.train.step import flow_matching_step_loss, sample_generator
-from vidray.train.window import LogWindow
+from vidray.train.window import ClosedWindow, LogWindow, step_line
 
 FAMILY = get_family("wan")
 MODEL = ModelConfig(family="wan", text_encoder="tiny_random", max_sequence_length=8,
@@ -93,9 +92,7 @@ def _train(model, transformer, optimizer, groups, steps: range) -> list[float]:
 
 
 def _worker(rank: int, world: int, port: int, tmp: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     tmp_path = Path(tmp)
     result: dict = {}
     try:
@@ -128,7 +125,8 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
         everyone = [None] * world
         dist.all_gather_object(everyone, {"expert": groups.expert, "ranks": groups.ranks, "step": state.step,
                                           "after": [x.item() for x in after], "resumed": [x.item() for x in resumed],
-                                          "window": {e: v["loss"] for e, v in closed.experts.items()}, "loss": closed.losses,
+                                          "window": {e: v["loss"] for e, v in closed.experts.items()},
+                                          "loss": closed.losses,
                                           "weights": {k: v.clone() for k, v in transformer.state_dict().items()}})
         result["ranks"] = everyone
         result["gathered"] = gather_experts_to_rank0(groups, transformer.state_dict())
@@ -165,3 +163,16 @@ def test_two_ranks_train_one_expert_each_resume_from_one_checkpoint_and_gather_b
         for name, tensor in rank["weights"].items():
             assert torch.equal(gathered[name], tensor), name
     two.load_state_dict(gathered, strict=True)
+
+
+def test_the_step_line_shows_each_experts_loss_after_the_mean_and_the_lr_the_step_used():
+    # A fresh-user trial: the per-expert losses were only in TensorBoard, and the line's lr was the next step's.
+    metrics = {"step": 1, "loss": 1.5379, "step_time_s": 0.1, "lr": 2e-4, "loss_high": 1.5227, "loss_low": 1.5532}
+    closed = ClosedWindow(1, [1.5379], [1.0], [1e-4], metrics, (0.0, 0.0, 0.1),
+                          {"high": {"loss": [1.5227], "grad_norm": [1.0]},
+                           "low": {"loss": [1.5532], "grad_norm": [1.0]}})
+    data = {"data_wait_fraction": 0.0, **{f"{s}_busy_fraction": 0.5 for s in ("decode", "vae", "text", "dit")},
+            **{k: 0.0 for k in ("hot_hits", "hot_misses", "warm_hits", "warm_misses", "decode_clips", "latent_hits",
+                                "latent_misses", "bytes_fetched")}}
+    line = step_line(closed, max_steps=6, data=data, vae_run=False, prefetch_lead=1)
+    assert line.startswith("step 1/6 loss 1.5379 high 1.5227 low 1.5532 step_time 0.100 s") and " lr 1.00e-04 " in line

@@ -8,7 +8,6 @@ fp16 under FSDP: `test_fsdp_adapters.py`."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tests.conftest import free_port, start_ranks
+from tests.conftest import free_port, join_gloo, start_ranks
 
 from vidray.config import ConfigError, FlowConfig, JobConfig, ModelConfig, job_config_from_dict
 from vidray.models.registry import get_family
@@ -120,9 +119,7 @@ def _sharded(seed: int = 0, strategy: str = "fsdp", shard_group_size: int | None
 
 
 def _worker(rank: int, world: int, port: int, task: str, tmp: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     tmp_path = Path(tmp)
     result: dict = {}
     try:

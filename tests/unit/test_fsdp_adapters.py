@@ -7,14 +7,13 @@ whose state the sharded checkpoint keeps."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from tests.conftest import free_port, start_ranks
+from tests.conftest import free_port, join_gloo, start_ranks
 from tests.unit.test_fsdp import FAMILY, MODEL, NAME, _batch, _full_state, _loss, _lr_scheduler
 from tests.unit.test_fsdp import _transformer as _full_transformer  # the full model, unused parameters frozen
 
@@ -90,9 +89,7 @@ def _save(tmp_path: Path, model, optimizer, ema: EMA | None, rank: int, world: i
 
 
 def _worker(rank: int, world: int, port: int, tmp: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     tmp_path = Path(tmp)
     result: dict = {}
     try:

@@ -4,12 +4,11 @@ PowerSGD's state resumed exactly, and gradient accumulation's global batch."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-from tests.conftest import free_port, start_ranks
+from tests.conftest import free_port, join_gloo, start_ranks
 
 from vidray.config import ConfigError, EMAConfig, FlowConfig, JobConfig, ModelConfig, job_config_from_dict
 from vidray.errors import UserError
@@ -181,9 +180,7 @@ def test_export_weights_ema_needs_train_ema_and_accumulation_sets_the_global_bat
 def _ddp_run(rank: int, world_size: int, port: int, kind: str, steps: int, split: int | None, out: str) -> None:
     """Train `steps` steps of DDP with hook `kind`; with `split`, stop after `split` steps, checkpoint everything
     (hook state gathered to rank 0, as the loop does), build everything afresh and load it, then go on."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    join_gloo(rank, world_size, port)
     sent: list[int] = []
 
     def counting(fn):

@@ -36,7 +36,28 @@ def check_boundary_ratio(boundary_ratio: Any, where: str) -> float:
     return float(boundary_ratio)
 
 
-class TwoExperts(torch.nn.Module):
+class _ExpertsModule(torch.nn.Module):
+    """What the sampler, the step and the stock pipelines read of a transformer, from its first expert: `config`
+    (the experts share their layout: in_channels, patch_size, text_dim), `dtype` and `device`."""
+
+    @property
+    def first_expert(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    @property
+    def config(self) -> Any:
+        return self.first_expert.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.first_expert.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.first_expert.parameters()).device
+
+
+class TwoExperts(_ExpertsModule):
     """`transformer` (the high-noise expert) for timesteps >= `boundary_timestep`, `transformer_2` (the low-noise
     one) below it; both take the same inputs and give the same output shape.
 
@@ -58,17 +79,9 @@ class TwoExperts(torch.nn.Module):
         self.boundary_timestep = self.boundary_ratio * num_train_timesteps
 
     @property
-    def config(self) -> Any:
-        """The high-noise expert's config (the experts share their layout: in_channels, patch_size, text_dim)."""
-        return self.transformer.config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
+    def first_expert(self) -> torch.nn.Module:
+        """The high-noise expert (its config, dtype and device are the model's)."""
+        return self.transformer
 
     def high_noise(self, timestep: torch.Tensor) -> torch.Tensor:
         """(B,) bool: which samples the high-noise expert takes, `timestep >= boundary_timestep`."""
@@ -131,7 +144,7 @@ def expert_steps(timesteps: torch.Tensor, boundary_timestep: float, expert: str)
     return (0, split) if expert == "high" else (split, len(high))
 
 
-class ExpertSlot(torch.nn.Module):
+class ExpertSlot(_ExpertsModule):
     """One expert of a `TwoExperts` alone, under the attribute `TwoExperts` gives it (`EXPERT_ATTRIBUTES`): what a
     worker of one expert's group trains (`model.experts` layout groups). Its state dict keys are those of that
     expert in `TwoExperts` (`transformer.*` or `transformer_2.*`), so the two groups' checkpoint parts together are
@@ -145,24 +158,12 @@ class ExpertSlot(torch.nn.Module):
         setattr(self, EXPERT_ATTRIBUTES[expert], transformer)
 
     @property
-    def module(self) -> torch.nn.Module:
+    def first_expert(self) -> torch.nn.Module:
         """The expert itself."""
         return getattr(self, EXPERT_ATTRIBUTES[self.expert])
 
-    @property
-    def config(self) -> Any:
-        return self.module.config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.module.parameters()).dtype
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.module.parameters()).device
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return self.first_expert(*args, **kwargs)
 
 
 def expert_sigma_range(expert: str, boundary_ratio: float) -> tuple[float, float]:

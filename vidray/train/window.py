@@ -127,14 +127,15 @@ def step_line(closed: ClosedWindow, *, max_steps: int, data: dict[str, float], v
     """The `step ...` line of a window: per step (means over the window) step time, encode, dit (or vae), data
     wait; the stages' busy fractions; counts over the window: hot-tier hits/lookups, warm-tier hits/shard opens,
     clips decoded, latents reused (latent cache or the encode stage's memory) / needed, MiB fetched from the shard
-    store; and how far the loader's prefetch runs ahead. With two expert groups each expert's loss follows the
-    mean (`loss 1.5379 high 1.5227 low 1.5532`)."""
+    store; and how far the loader's prefetch runs ahead. `lr` is the one the window's last step trained with (as
+    metrics.jsonl and TensorBoard record it; the report's `lr` is the next step's, what the optimizer holds). With
+    two expert groups each expert's loss follows the mean (`loss 1.5379 high 1.5227 low 1.5532`)."""
     m = closed.metrics
     data_wait, encode, compute = closed.split_s
     busy = " ".join(f"{stage} {100 * data[f'{stage}_busy_fraction']:.0f}%" for stage in STAGES)
     experts = "".join(f" {e} {m[f'loss_{e}']:.4f}" for e in ("high", "low") if f"loss_{e}" in m)
     return (f"step {m['step']}/{max_steps} loss {m['loss']:.4f}{experts} step_time {m['step_time_s']:.3f} s "
-            f"(encode {encode:.3f} s, {'vae' if vae_run else 'dit'} {compute:.3f} s) lr {m['lr']:.2e} data_wait "
+            f"(encode {encode:.3f} s, {'vae' if vae_run else 'dit'} {compute:.3f} s) lr {closed.lrs[-1]:.2e} data_wait "
             f"{data_wait:.3f} s ({100 * data['data_wait_fraction']:.0f}%) "
             f"busy [{busy}] hot {data['hot_hits']:.0f}/{data['hot_hits'] + data['hot_misses']:.0f} warm "
             f"{data['warm_hits']:.0f}/{data['warm_hits'] + data['warm_misses']:.0f} decoded "
