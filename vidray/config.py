@@ -934,6 +934,17 @@ class JobConfig:
                                  f"boundary_ratio x 1000, as Wan 2.2's scheduler has it), got "
                                  f"{self.flow.num_train_timesteps}")
             return
+        from vidray.models.rules import FSDP_BLOCKS, META_FAMILIES
+
+        if self.model.family not in FSDP_BLOCKS:
+            raise ValueError(f"scaling.strategy: {scaling.strategy} shards a transformer's blocks, and model.family "
+                             f"{self.model.family} has none to shard (families with FSDP: "
+                             f"{', '.join(sorted(FSDP_BLOCKS))}): set scaling.strategy: ddp")
+        if self.model.init == "pretrained" and self.model.family not in META_FAMILIES:
+            raise ValueError(f"model.init: pretrained with scaling.strategy: {scaling.strategy} is not supported for "
+                             f"model.family {self.model.family} yet (its transformer does not build on the meta "
+                             f"device; families that do: {', '.join(sorted(META_FAMILIES))}): set scaling.strategy: "
+                             "ddp")
         if self.model.experts is not None:
             why = ("each expert's half of the workers is one DDP group" if self.model.experts.layout == "groups"
                    else "every worker holds both experts, replicated")

@@ -283,7 +283,7 @@ def _build_step(job: Any, device: Any, report: Any):
         if name in no_grad:
             param.requires_grad_(False)
     transformer.train()
-    apply_activation_checkpointing(transformer, job.train.activation_checkpointing)
+    apply_activation_checkpointing(transformer, job.train.activation_checkpointing, family.block_lists(transformer))
     optimizer = build_optimizer(transformer.parameters(), job.optim)
     precision = Precision(job.train.mixed_precision, device)
     g = torch.Generator().manual_seed(job.train.seed)

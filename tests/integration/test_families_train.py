@@ -1,7 +1,8 @@
 """Every registered family beyond EasyAnimate (whose runs the rest of tests/integration covers) through the real
-loop (issue 29): its shipped tiny config trains on 2 Ray Train workers, checkpoints, resumes exactly, and exports a
-folder that its stock diffusers pipeline loads offline and samples from; and each image-to-video config the same
-way, each clip conditioned on its own first frame through the data plane."""
+loop (issue 29): its shipped tiny config trains on 2 Ray Train workers (Wan and CogVideoX sharded with FSDP),
+checkpoints, resumes exactly, and exports a folder that its stock diffusers pipeline loads offline and samples from;
+and each image-to-video config the same way (DDP), each clip conditioned on its own first frame through the data
+plane."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from tests.integration.conftest import assert_same_training_state
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
+SHARDED = {"wan": "fsdp", "cogvideox": "fsdp"}
+"""The text-to-video families trained here with FSDP (`scaling.strategy`): their DDP runs are the image-to-video
+cases below; AnimateDiff has no blocks to shard (`vidray.models.rules.FSDP_BLOCKS`)."""
 SAME_NOISE_AS_VIDRAY = ("animatediff",)
 """Families whose stock pipeline draws its initial noise from a seeded CPU generator in vidray's (B, C, F, H, W) layout
 (`vidray.diffusion.sampler.initial_noise`), so the same seed gives the same latents without passing `latents=`."""
@@ -50,9 +54,10 @@ def test_the_family_trains_on_2_workers_resumes_exactly_and_exports_its_stock_pi
     import diffusers
     import torch
 
-    straight = run_training(family_job(family, shards_dir, tmp_path, "straight", 4))
+    strategy = f"scaling.strategy={SHARDED.get(family, 'ddp')}"
+    straight = run_training(family_job(family, shards_dir, tmp_path, "straight", 4, strategy))
     # A second run resumes from the straight run's step-2 checkpoint: its steps 3 and 4 are the straight run's.
-    resumed = run_training(family_job(family, shards_dir, tmp_path, "resumed", 4,
+    resumed = run_training(family_job(family, shards_dir, tmp_path, "resumed", 4, strategy,
                                       f"checkpoint.resume_from={Path(straight.run_dir) / 'checkpoint_000002'}"))
     assert (straight.first_step, resumed.first_step, resumed.last_step) == (1, 3, 4)
     assert resumed.losses == straight.losses[2:]

@@ -304,6 +304,33 @@ class ModelFamily(abc.ABC):
         `vidray doctor --measure` feeds a simulated step. Families override it; the default says it is missing."""
         raise NotImplementedError(f"{type(self).__name__} has no prompt_embeds_dim")
 
+    def block_lists(self, transformer: torch.nn.Module) -> list[torch.nn.ModuleList] | None:
+        """The `nn.ModuleList`s of the transformer's blocks that activation checkpointing wraps and FSDP2 shards
+        one by one (`vidray.train.parallel`): the family's `vidray.models.rules.FSDP_BLOCKS` attribute of the
+        transformer, of each expert of a `TwoExperts`, or of the expert of an `ExpertSlot`; None for a family
+        without one (AnimateDiff) or a transformer that lacks it."""
+        from vidray.models.experts import ExpertSlot, TwoExperts
+        from vidray.models.rules import FSDP_BLOCKS
+
+        if isinstance(transformer, TwoExperts):
+            modules = [transformer.transformer, transformer.transformer_2]
+        else:
+            modules = [transformer.first_expert if isinstance(transformer, ExpertSlot) else transformer]
+        lists = [getattr(module, FSDP_BLOCKS.get(self.name, ""), None) for module in modules]
+        return lists if all(isinstance(blocks, torch.nn.ModuleList) for blocks in lists) else None
+
+    def build_transformer_on_meta(self, model_cfg: ModelConfig) -> tuple[torch.nn.Module, str]:
+        """(the pretrained transformer built on the meta device from its folder's config: shapes, no weights; the
+        folder of its safetensors), for sharded training (`vidray.train.parallel.load_sharded_from_safetensors`).
+        Families that train large pretrained models with FSDP override it; the default raises ValueError naming
+        the family (the config refuses the combination at load: `vidray.models.rules.META_FAMILIES`)."""
+        raise ValueError(f"model.init: pretrained with scaling.strategy: fsdp is not supported for {self.name} yet: "
+                         "use scaling.strategy: ddp")
+
+    def restore_buffers(self, transformer: torch.nn.Module) -> None:
+        """Re-create the non-persistent buffers (no weights file holds them) of a transformer built on the meta
+        device and materialised with `to_empty` (their values are garbage then). Default: none to restore."""
+
     def probe_loss(self, model: torch.nn.Module, transformer: torch.nn.Module) -> torch.Tensor:
         """A scalar loss of one tiny fixed input through `model` (`transformer`, maybe DDP-wrapped): what
         `vidray.train.parallel.prime_buckets` backpropagates. Families override it; the default says it is missing."""

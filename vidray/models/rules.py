@@ -81,6 +81,17 @@ EXPERT_FAMILIES = frozenset({"wan"})
 `transformer_2` switched at `boundary_ratio`); the config refuses `model.experts` for the others at load."""
 
 
+FSDP_BLOCKS = {"easyanimate": "transformer_blocks", "wan": "blocks", "cogvideox": "transformer_blocks"}
+"""Each family's `nn.ModuleList` of transformer blocks that FSDP2 shards one by one (`vidray.train.parallel.apply_fsdp`,
+`ModelFamily.fsdp_blocks`); a family absent here (AnimateDiff: motion modules spread through a UNet's down, mid
+and up blocks) trains with `scaling.strategy: ddp`, and the config refuses fsdp / hsdp for it at load."""
+
+
+META_FAMILIES = frozenset({"easyanimate", "wan"})
+"""Families whose pretrained transformer builds on the meta device for FSDP (`ModelFamily.build_transformer_on_meta`:
+each rank then loads only its shards); the config refuses `model.init: pretrained` with fsdp / hsdp for the others."""
+
+
 def any_family_spatial_multiple() -> int:
     """The multiple every family's bucket sides are multiples of (the gcd of their `spatial_multiple`s: 16): a side
     off it fits no family, what `vidray generate` refuses before it reads the model."""

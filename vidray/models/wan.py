@@ -57,6 +57,7 @@ import torch
 import numpy as np
 from diffusers import (AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline,
                        WanTransformer3DModel)
+from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
@@ -761,6 +762,36 @@ class WanFamily(ModelFamily):
             transformer = _tiny_transformers(model_cfg.text_encoder, i2v=model_cfg.i2v is not None,
                                              boundary_ratio=_boundary_of(model_cfg), clip=_clip_images(model_cfg))
         return transformer.train()
+
+    def build_transformer_on_meta(self, model_cfg: ModelConfig) -> tuple[WanTransformer3DModel, str]:
+        """(the folder's `transformer/` built on the meta device from its config.json: shapes, no weights; that
+        folder), for sharded training (`vidray.train.parallel.load_sharded_from_safetensors`, with
+        `restore_buffers` for the rotary embedding). Raises ValueError for a folder the family refuses
+        (`_pipeline_folder`), a transformer of another task, or two experts (`model.experts` trains with ddp)."""
+        folder = pretrained_folder(model_cfg, "wan")
+        if folder is None:
+            raise ValueError("model.init: pretrained needs model.pretrained_path, a WanPipeline folder")
+        path, _ = _pipeline_folder(folder)
+        if _boundary_ratio(path) is not None:
+            raise ValueError(f"{path} holds two experts (transformer_2, boundary_ratio): model.experts trains with "
+                             "scaling.strategy: ddp")
+        config = WanTransformer3DModel.load_config(str(path / "transformer"))
+        with torch.device("meta"):
+            transformer = WanTransformer3DModel.from_config(config)
+        _check_transformer(transformer, f"{path} (transformer)")
+        _check_task(transformer, model_cfg, str(path))
+        return transformer.train(), str(path / "transformer")
+
+    def restore_buffers(self, transformer: torch.nn.Module) -> None:
+        """The rotary embedding's `freqs_cos` / `freqs_sin` (non-persistent: no weights file holds them) of each
+        `WanRotaryPosEmbed` in `transformer`, computed again as its constructor computes them, on the device of
+        the transformer's parameters: after a meta-device build and `to_empty`, they are garbage."""
+        device = next(transformer.parameters()).device
+        for module in transformer.modules():
+            if isinstance(module, WanRotaryPosEmbed):
+                fresh = WanRotaryPosEmbed(module.attention_head_dim, module.patch_size, module.max_seq_len)
+                for name in ("freqs_cos", "freqs_sin"):
+                    setattr(module, name, getattr(fresh, name).to(device))
 
     def build_expert(self, model_cfg: ModelConfig, *, seed: int, expert: str) -> WanTransformer3DModel:
         """One expert of a two-expert model (`ModelFamily.build_expert`): from a folder, its `transformer/`

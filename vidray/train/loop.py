@@ -297,7 +297,8 @@ class Worker:
         probe = vae_probe_loss if self.vae_run else lambda m: family.probe_loss(m, transformer)
         self.model, self.comm = parallelize(transformer, job, example_loss=probe,
                                             pretrained_weights=pretrained_weights, device=self.device,
-                                            process_group=None if self.experts is None else self.experts.group)
+                                            process_group=None if self.experts is None else self.experts.group,
+                                            family=None if self.vae_run else family)
         self.transformer = transformer
         self.sharded = is_sharded(self.model)
         # Every rank writes its part of the checkpoint (DCP): FSDP's shards, or each expert group's expert.

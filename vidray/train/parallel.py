@@ -46,31 +46,37 @@ gradient is still zero, e.g. zero-initialised output layers) otherwise divides 0
 (seen on the tiny transformer at step 5 with torch's default 0)."""
 
 
-def apply_activation_checkpointing(transformer: torch.nn.Module, setting: str) -> int:
+def apply_activation_checkpointing(transformer: torch.nn.Module, setting: str,
+                                   blocks: list[torch.nn.ModuleList] | None = None) -> int:
     """Turn on activation checkpointing of `transformer`'s blocks per `train.activation_checkpointing`; returns
-    how many blocks are checkpointed.
+    how many blocks are checkpointed. `blocks`: the block lists (`ModelFamily.block_lists`: one per expert of a
+    two-expert model); default `[transformer.transformer_blocks]`.
 
     `full` uses the model's `enable_gradient_checkpointing()` when it has one (diffusers models), else wraps every
-    block; `every_<n>` wraps blocks 0, n, 2n, ... of `transformer_blocks` in
+    block; `every_<n>` wraps blocks 0, n, 2n, ... of each list in
     `torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper` (non-reentrant; the wrapper's
     state-dict hooks keep parameter names unchanged in `state_dict()` and in `torch.distributed.checkpoint`'s
-    helpers). Raises ValueError for a bad setting and for a model without `transformer_blocks`.
+    helpers). Raises ValueError for a bad setting and for a model without blocks.
     """
     stride = parse_activation_checkpointing(setting)
     if stride == 0:
         return 0
-    blocks = getattr(transformer, "transformer_blocks", None)
-    if not isinstance(blocks, torch.nn.ModuleList):
-        raise ValueError(f"train.activation_checkpointing: {type(transformer).__name__} has no transformer_blocks "
-                         "to checkpoint; set it to none")
+    if blocks is None and isinstance(getattr(transformer, "transformer_blocks", None), torch.nn.ModuleList):
+        blocks = [transformer.transformer_blocks]
     if stride == 1 and hasattr(transformer, "enable_gradient_checkpointing"):
-        transformer.enable_gradient_checkpointing()
-        return len(blocks)
+        transformer.enable_gradient_checkpointing()  # diffusers: every block that supports it
+        if blocks is None:
+            return sum(1 for m in transformer.modules() if getattr(m, "gradient_checkpointing", False) is True)
+        return sum(len(b) for b in blocks)
+    if blocks is None:
+        raise ValueError(f"train.activation_checkpointing: {setting}: {type(transformer).__name__} has no list of "
+                         "blocks to checkpoint; set it to none (or full for a diffusers model)")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    for i in range(0, len(blocks), stride):
-        blocks[i] = checkpoint_wrapper(blocks[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    return len(range(0, len(blocks), stride))
+    for one in blocks:
+        for i in range(0, len(one), stride):
+            one[i] = checkpoint_wrapper(one[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return sum(len(range(0, len(one), stride)) for one in blocks)
 
 
 def gather_to_rank0(obj: Any, rank: int, world_size: int) -> list[Any] | None:
@@ -236,9 +242,10 @@ def device_mesh(strategy: str, *, shard_group_size: int | None = None, device_ty
     raise ValueError(f"device_mesh: scaling.strategy must be fsdp or hsdp, got {strategy!r}")
 
 
-def apply_fsdp(transformer: torch.nn.Module, mesh, mp_policy, reshard_after_forward: bool = True) -> torch.nn.Module:
-    """FSDP2 (`torch.distributed.fsdp.fully_shard`) on each block of `transformer.transformer_blocks`, then on the
-    root (torchtitan's `apply_fsdp`: a block's parameters are all-gathered just before its forward and, with
+def apply_fsdp(transformer: torch.nn.Module, mesh, mp_policy, reshard_after_forward: bool = True, *,
+               blocks: torch.nn.ModuleList | None = None) -> torch.nn.Module:
+    """FSDP2 (`torch.distributed.fsdp.fully_shard`) on each block of `blocks` (the family's,
+    `ModelFamily.block_lists`; default `transformer.transformer_blocks`), then on the root (torchtitan's `apply_fsdp`: a block's parameters are all-gathered just before its forward and, with
     `reshard_after_forward`, freed after it; the root holds the rest: embeddings, norms, output projection).
     Parameters become `DTensor`s sharded on dim 0 over `mesh` (each rank holds 1/world of every tensor); the
     module is changed in place and returned (its class becomes an `FSDPModule`). The optimizer must be built
@@ -252,7 +259,8 @@ def apply_fsdp(transformer: torch.nn.Module, mesh, mp_policy, reshard_after_forw
     # op on it would skip the backward all-gather. vidray's loss reads `model_pred` out of place only
     # (`vidray.train.step.flow_matching_step_loss`), so the warning says nothing a user can act on.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    blocks = getattr(transformer, "transformer_blocks", None)
+    if blocks is None:
+        blocks = getattr(transformer, "transformer_blocks", None)
     if not isinstance(blocks, torch.nn.ModuleList):
         raise ValueError(f"scaling.strategy: fsdp: {type(transformer).__name__} has no transformer_blocks to shard; "
                          "use scaling.strategy: ddp")
@@ -309,7 +317,7 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: Callable | None = None,
                 example_loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
                 pretrained_weights: str | None = None, device: torch.device | str | None = None,
-                process_group: Any = None) -> tuple[torch.nn.Module, CommHook]:
+                process_group: Any = None, family: Any = None) -> tuple[torch.nn.Module, CommHook]:
     """Apply activation checkpointing, then the data parallelism of `scaling.strategy`, to the model each worker
     trains. Returns (the model to call, its CommHook).
 
@@ -323,21 +331,27 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
     `fsdp` / `hsdp`: `apply_fsdp` over `device_mesh` with `mixed_precision_policy(train.mixed_precision)`; the
     returned model is `transformer` itself, sharded in place (`is_sharded`), and the CommHook is `none`. With
     `pretrained_weights` (a meta-device transformer from `build_transformer`), each rank's shards are then
-    materialised on `device` and loaded file by file (`load_sharded_from_safetensors`).
+    materialised on `device` and loaded file by file (`load_sharded_from_safetensors`), the family restoring the
+    buffers no file holds. `family`: whose `block_lists` activation checkpointing and FSDP take (None:
+    `transformer_blocks`).
 
     Call before the optimizer is built (FSDP replaces the parameters with sharded ones) and before the checkpoint
     is restored (a sharded model loads its own shards)."""
     import ray.train.torch
 
-    apply_activation_checkpointing(transformer, job.train.activation_checkpointing)
+    blocks = None if family is None else family.block_lists(transformer)
+    apply_activation_checkpointing(transformer, job.train.activation_checkpointing, blocks)
     if job.scaling.strategy in ("fsdp", "hsdp"):
         device = torch.device(device) if device is not None else next(transformer.parameters()).device
         mesh = device_mesh(job.scaling.strategy, shard_group_size=job.scaling.shard_group_size,
                            device_type=device.type)
+        if blocks is not None and len(blocks) != 1:
+            raise ValueError("scaling.strategy: fsdp shards one transformer's blocks; model.experts trains with ddp")
         apply_fsdp(transformer, mesh, mixed_precision_policy(job.train.mixed_precision),
-                   job.scaling.reshard_after_forward)
+                   job.scaling.reshard_after_forward, blocks=None if blocks is None else blocks[0])
         if pretrained_weights is not None:
-            _load_pretrained_shards(transformer, pretrained_weights, device=device, seed=job.train.seed)
+            _load_pretrained_shards(transformer, pretrained_weights, device=device, seed=job.train.seed,
+                                    restore_buffers=None if family is None else family.restore_buffers)
         return transformer, CommHook("none")
     if job.scaling.strategy != "ddp":
         raise ValueError(f"scaling.strategy must be ddp, fsdp or hsdp, got {job.scaling.strategy!r}")
@@ -368,20 +382,22 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
     return model, comm
 
 
-def _load_pretrained_shards(transformer: torch.nn.Module, folder: str, *, device: torch.device, seed: int) -> None:
-    """Fill a meta-device, sharded transformer from its pretrained folder; LoRA adapters (`model.lora`, which no
-    pretrained file holds) then get their starting values (`vidray.models.lora.init_adapters` under `seed`)."""
+def _load_pretrained_shards(transformer: torch.nn.Module, folder: str, *, device: torch.device, seed: int,
+                            restore_buffers: Callable[[torch.nn.Module], None] | None = None) -> None:
+    """Fill a meta-device, sharded transformer from its pretrained folder (`restore_buffers`: the family's, for
+    buffers no file holds); LoRA adapters (`model.lora`, which no pretrained file holds) then get their starting
+    values (`vidray.models.lora.init_adapters` under `seed`)."""
     from vidray.models.lora import has_lora, init_adapters, is_adapter_parameter
 
     if not has_lora(transformer):
-        load_sharded_from_safetensors(transformer, folder, device=device)
+        load_sharded_from_safetensors(transformer, folder, device=device, restore_buffers=restore_buffers)
         return
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     # peft renames an adapted layer's own weights: `to_q.weight` -> `to_q.base_layer.weight`
     renamed = {k.replace(".base_layer.", "."): k for k in get_model_state_dict(transformer) if ".base_layer." in k}
     load_sharded_from_safetensors(transformer, folder, device=device, not_in_files=is_adapter_parameter,
-                                  names=lambda k: renamed.get(k, k))
+                                  names=lambda k: renamed.get(k, k), restore_buffers=restore_buffers)
     init_adapters(transformer, seed=seed)
 
 
@@ -415,14 +431,17 @@ def build_transformer_on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.
 
 def load_sharded_from_safetensors(model: torch.nn.Module, folder: str, *, device: torch.device | str = "cpu",
                                   not_in_files: Callable[[str], bool] | None = None,
-                                  names: Callable[[str], str] | None = None) -> int:
+                                  names: Callable[[str], str] | None = None,
+                                  restore_buffers: Callable[[torch.nn.Module], None] | None = None) -> int:
     """Materialise a meta-device, `fully_shard`-ed `model` on `device` (`to_empty`) and fill it from the diffusers
     weights in `folder` (`*.safetensors`, e.g. `diffusion_pytorch_model-00001-of-00003.safetensors`), one file at
     a time: rank 0 reads the file's tensors (`safetensors.safe_open`) and `set_model_state_dict(...,
     StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))` broadcasts them, each rank
     keeping only its shards; so no rank ever holds more than one file's tensors beside its shards. Every entry of
-    the model's state dict must come from the files; non-persistent buffers (not in a state dict) would be left
-    uninitialised by `to_empty`, so call it only for models without them (the EasyAnimate transformer has none).
+    the model's state dict must come from the files; non-persistent buffers (not in a state dict) are left
+    uninitialised by `to_empty`: `restore_buffers(model)` (the family's `ModelFamily.restore_buffers`) re-creates
+    them, and without it a model that has them is refused (the EasyAnimate transformer has none; Wan's rotary
+    embedding has two).
     `not_in_files(name)`: True for the state-dict entries the caller fills itself (LoRA adapters): they are not
     expected in the files, and are left uninitialised here. `names(file_key)`: the model's name of a file's tensor
     where they differ (LoRA: an adapted layer's `to_q.weight` is the model's `to_q.base_layer.weight`). Returns the
@@ -438,10 +457,12 @@ def load_sharded_from_safetensors(model: torch.nn.Module, folder: str, *, device
     if not files:
         raise FileNotFoundError(f"{folder} holds no *.safetensors file: give a diffusers transformer folder")
     non_persistent = [n for m_name, m in model.named_modules() for n in getattr(m, "_non_persistent_buffers_set", ())]
-    if non_persistent:
+    if non_persistent and restore_buffers is None:
         raise ValueError(f"{type(model).__name__} has non-persistent buffers ({non_persistent[0]}) that no weights "
                          "file holds: it cannot be built on the meta device; set model.init so it is built in full")
     model.to_empty(device=device)
+    if restore_buffers is not None:
+        restore_buffers(model)
     expected = {k for k in get_model_state_dict(model) if not_in_files is None or not not_in_files(k)}
     seen: set[str] = set()
     rank = dist.get_rank() if dist.is_initialized() else 0
