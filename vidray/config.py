@@ -1151,8 +1151,21 @@ class ResumeDiff:
         return ", ".join(f"{key}: {_shown(old)} -> {_shown(new)}" for key, (old, new) in self.changeable.items())
 
     def fixed_summary(self) -> str:
-        """`summary` of the fixed keys, joined by "; " (what a refused resume names)."""
-        return "; ".join(f"{key}: {_shown(old)} -> {_shown(new)}" for key, (old, new) in self.fixed.items())
+        """`summary` of the fixed keys, joined by "; " (what a refused resume names). A section that is one fixed
+        key (`model.experts`, `model.lora`, ...) and is set on both sides is shown by the entries that differ
+        (`model.experts.layout: 'groups' -> 'shared'`), not as two whole sections."""
+        return "; ".join(f"{k}: {_shown(old)} -> {_shown(new)}" for key, (old, new) in self.fixed.items()
+                         for k, (old, new) in _changed_entries(key, old, new))
+
+
+def _changed_entries(key: str, old: Any, new: Any) -> list[tuple[str, tuple[Any, Any]]]:
+    """[(dotted key, (old, new))] of what differs between two values of `key`: the differing entries of two dicts
+    (recursively), else the pair itself."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [(key, (old, new))]
+    entries = [entry for k in sorted(set(old) | set(new), key=str) if not _same(old.get(k), new.get(k))
+               for entry in _changed_entries(f"{key}.{k}", old.get(k), new.get(k))]
+    return entries or [(key, (old, new))]
 
 
 def _shown(value: Any) -> str:
