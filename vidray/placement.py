@@ -107,7 +107,8 @@ def merge_selectors(base: dict[str, str], extra: dict[str, str], *, setting: str
     if clash:
         key = clash[0]
         raise ValueError(f"{setting}: {key}: {extra[key]!r} clashes with placement.dit.label_selector's {key}: "
-                         f"{base[key]!r} (a node must satisfy both): give the key one value, or drop it from one of them")
+                         f"{base[key]!r} (a node must satisfy both): give the key one value, or drop it from one of "
+                         "them")
     return {**base, **extra}
 
 

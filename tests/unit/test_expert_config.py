@@ -62,7 +62,8 @@ def test_layout_and_the_experts_selectors_are_command_line_overrides():
     (["model.experts.layout=shared", "scaling.strategy=fsdp"], r"ddp only for now \(every worker holds both"),
     (["model.experts.layout=shared", "model.experts.high.label_selector={vidray.io/expert: high}"],
      "model.experts.high.label_selector is set but model.experts.layout is shared"),
-    (["placement.dit.label_selector={vidray.io/expert: gpu}", "model.experts.low.label_selector={vidray.io/expert: low}"],
+    (["placement.dit.label_selector={vidray.io/expert: gpu}",
+      "model.experts.low.label_selector={vidray.io/expert: low}"],
      "model.experts.low.label_selector: vidray.io/expert: 'low' clashes with placement.dit.label_selector's"),
     (["model.experts.layout=both"], "bad choice for 'model.experts.layout'"),
     (["model.experts.high.label_selector={vidray.io/expert: '-x'}"], "is not a label selector value"),
@@ -108,8 +109,9 @@ def test_an_expert_selector_merges_with_the_dits_and_an_expert_without_one_follo
 
 
 def test_an_expert_selector_no_node_satisfies_fails_before_anything_is_reserved():
-    with pytest.raises(PlacementError, match=r"no node satisfies model.experts.high.label_selector=\{'vidray.io/expert': "
-                                             r"'mid'\}.*or remove model.experts.high.label_selector") as err:
+    with pytest.raises(PlacementError, match=r"no node satisfies model.experts.high.label_selector="
+                                             r"\{'vidray.io/expert': 'mid'\}.*or remove "
+                                             r"model.experts.high.label_selector") as err:
         resolve_placement(job("model.experts.high.label_selector={vidray.io/expert: mid}", PLACED[1]), CLUSTER)
     assert len(err.value.problems) == 1
     assert "`ray start --labels vidray.io/expert=high`" in str(err.value)  # the label an expert's node needs

@@ -369,7 +369,9 @@ class Worker:
         job, loop_config, rank = self.job, self.loop_config, self.rank
         self.window = LogWindow(self.world_size, **({} if self.experts is None else {
             "expert": self.experts.expert, "expert_sizes": {e: len(r) for e, r in self.experts.ranks.items()}}))
-        self.expert_history: dict[str, list[list[float]]] = {e: [] for e in (self.experts.ranks if self.experts else ())}
+        # {expert: [[step, loss], ...]}, the mean over that expert's ranks (layout groups)
+        self.expert_history: dict[str, list[list[float]]] = {e: [] for e in (self.experts.ranks if self.experts
+                                                                               else ())}
         self.timestep_range: tuple[torch.Tensor, torch.Tensor] | None = None  # (min, max) trained, `_note_timesteps`
         self.history: list[list[float]] = []
         self.reported_steps: list[int] = []
@@ -413,7 +415,7 @@ class Worker:
                   f"({schedule.steps_per_epoch(self.dp_size, job.micro_batches_per_step)} steps/epoch of "
                   f"{job.micro_batches_per_step} micro-batches at {self.dp_size} workers"
                   f"{' per expert' if self.experts else ''}; batch sizes {sizes})")
-        dp_workers = job.scaling.max_workers // (2 if self.experts else 1)
+        dp_workers = job.data_parallel_workers
         self._log(f"global batch {job.global_batch_size} samples per step{' per expert' if self.experts else ''} "
                   f"(data.batch_size_per_worker {job.data.batch_size_per_worker} x {job.micro_batches_per_step} "
                   f"micro-batches: {dp_workers} workers x {job.micro_batches_per_step // dp_workers} "

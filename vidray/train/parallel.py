@@ -245,7 +245,8 @@ def device_mesh(strategy: str, *, shard_group_size: int | None = None, device_ty
 def apply_fsdp(transformer: torch.nn.Module, mesh, mp_policy, reshard_after_forward: bool = True, *,
                blocks: torch.nn.ModuleList | None = None) -> torch.nn.Module:
     """FSDP2 (`torch.distributed.fsdp.fully_shard`) on each block of `blocks` (the family's,
-    `ModelFamily.block_lists`; default `transformer.transformer_blocks`), then on the root (torchtitan's `apply_fsdp`: a block's parameters are all-gathered just before its forward and, with
+    `ModelFamily.block_lists`; default `transformer.transformer_blocks`), then on the root (torchtitan's
+    `apply_fsdp`: a block's parameters are all-gathered just before its forward and, with
     `reshard_after_forward`, freed after it; the root holds the rest: embeddings, norms, output projection).
     Parameters become `DTensor`s sharded on dim 0 over `mesh` (each rank holds 1/world of every tensor); the
     module is changed in place and returned (its class becomes an `FSDPModule`). The optimizer must be built
