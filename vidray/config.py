@@ -160,19 +160,21 @@ class ExpertsConfig:
     noise) for timesteps >= `boundary_ratio x flow.num_train_timesteps`, `transformer_2` (low noise) below. Each
     expert trains only on its side of the boundary; both are checkpointed together with the one data position and
     exported as the stock pipeline's `transformer` and `transformer_2` with `boundary_ratio`
-    (`vidray.models.experts.TwoExperts`). `layout` says which workers hold which expert: `groups` (one DDP worker
-    group per expert, each on the nodes `high` / `low` select) or `shared` (every worker holds both)."""
+    (`vidray.models.experts.TwoExperts`). `layout` says which workers hold which expert: `groups` (one worker group
+    per expert, DDP or FSDP within it, each on the nodes `high` / `low` select) or `shared` (every worker holds
+    both, DDP)."""
 
     boundary_ratio: float = 0.9
     """In (0, 1): where the experts switch, as a fraction of `flow.num_train_timesteps`: the high-noise expert takes
     timesteps >= boundary_ratio x num_train_timesteps, the low-noise one those below (Wan2.2-I2V-A14B 0.9,
     T2V-A14B 0.875, the `boundary_ratio` of their model_index.json)."""
     layout: Literal["groups", "shared"] = "groups"
-    """`groups`: one worker group per expert in the one job: the first half of `scaling.num_workers` (an even int)
-    builds and trains only the high-noise expert, the second half only the low-noise one, each half its own DDP
-    group, on the nodes `high.label_selector` / `low.label_selector` select (with `placement.dit`'s). `shared`: every
-    worker holds both experts and sends each sample to the expert of its timestep (DDP over all workers; no
-    `high` / `low` selectors)."""
+    """`groups`: one worker group per expert in the one job: half of `scaling.num_workers` (an even int) build and
+    train only the high-noise expert, half only the low-noise one (each worker learns its expert from its node's
+    labels), each half its own data-parallel group (`scaling.strategy` ddp, or fsdp: each expert sharded over its
+    half), on the nodes `high.label_selector` / `low.label_selector` select (with `placement.dit`'s).
+    `train.micro_batches_per_step` is then each expert's. `shared`: every worker holds both experts and sends each
+    sample to the expert of its timestep (DDP over all workers; no `high` / `low` selectors)."""
     high: StagePlacement = dataclasses.field(default_factory=StagePlacement)
     """`layout: groups` only: the nodes the high-noise expert's workers may run on, e.g. `{label_selector:
     {vidray.io/expert: high}}`, on top of `placement.dit.label_selector` (a key in both must have the same value);
@@ -945,11 +947,14 @@ class JobConfig:
                              f"model.family {self.model.family} yet (its transformer does not build on the meta "
                              f"device; families that do: {', '.join(sorted(META_FAMILIES))}): set scaling.strategy: "
                              "ddp")
-        if self.model.experts is not None:
-            why = ("each expert's half of the workers is one DDP group" if self.model.experts.layout == "groups"
-                   else "every worker holds both experts, replicated")
-            raise ValueError(f"model.experts trains with scaling.strategy: ddp only for now ({why}), got "
-                             f"{scaling.strategy}: set scaling.strategy: ddp")
+        if self.model.experts is not None and self.model.experts.layout == "shared":
+            raise ValueError(f"model.experts.layout: shared trains with scaling.strategy: ddp only (every worker holds "
+                             f"both experts, replicated), got {scaling.strategy}: set scaling.strategy: ddp, or "
+                             "model.experts.layout: groups to shard each expert within its half of the workers")
+        if self.model.experts is not None and scaling.strategy == "hsdp":
+            raise ValueError("model.experts.layout: groups shards each expert over its half of the workers with "
+                             "scaling.strategy: fsdp; hsdp is not supported with two experts: set scaling.strategy: "
+                             "fsdp")
         if train.grad_compression != "none":
             raise ValueError(f"train.grad_compression: {train.grad_compression} is a DDP communication hook; with "
                              f"scaling.strategy: {scaling.strategy} gradients are reduce-scattered in fp32 "

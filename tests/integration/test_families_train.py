@@ -100,15 +100,15 @@ def _stock_image_to_video_latents(pipe, image, num_frames: int, height: int, wid
 
 @pytest.mark.parametrize("config, pipeline_class, layout", [
     ("tiny_i2v.yaml", "EasyAnimateInpaintPipeline", None),
-    # Two worker groups (the config's default layout) train on a labeled cluster in test_placement_cluster.py.
-    ("wan_i2v_tiny.yaml", "WanImageToVideoPipeline", "model.experts.layout=shared"),
+    # The config's default layout (two worker groups, DDP); FSDP within each group trains on a labeled cluster in
+    # test_placement_cluster.py, and both experts on every worker (layout shared) in tests/unit (test_wan*.py).
+    ("wan_i2v_tiny.yaml", "WanImageToVideoPipeline", None),
     ("wan21_i2v_tiny.yaml", "WanImageToVideoPipeline", None),
     ("cogvideox_i2v_tiny.yaml", "CogVideoXImageToVideoPipeline", None)])
 def test_the_image_to_video_model_trains_on_its_clips_first_frames_resumes_exactly_and_exports_its_stock_pipeline(
         config, pipeline_class, layout, local_ray, shards_dir, tmp_path):
     """An image-to-video config (EasyAnimate InP; Wan in Wan 2.2 A14B's layout, its two experts trained in the one
-    run, both on every worker (`model.experts.layout: shared`); Wan 2.1 with its CLIP image encoder; CogVideoX 1.0
-    I2V): the encode stage computes each clip's condition (its
+    run as two worker groups; Wan 2.1 with its CLIP image encoder; CogVideoX 1.0 I2V): the encode stage computes each clip's condition (its
     own first frame given; and its CLIP image embeddings) beside its latents, into the latent cache; the step trains on them with condition dropout; the resumed run repeats steps 3-4
     exactly (both experts' weights and optimizer state); the export is the family's stock image-to-video pipeline,
     which samples from a first frame."""

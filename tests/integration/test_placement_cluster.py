@@ -91,9 +91,10 @@ def test_a_selector_key_no_node_carries_is_refused_on_this_labeled_joined_cluste
 
 def test_two_expert_groups_train_on_their_labeled_nodes_each_on_its_timesteps_and_resume_exactly(labeled_cluster,
                                                                                                  shards_dir, tmp_path):
-    """Wan 2.2 A14B's layout (`jobs/configs/wan_i2v_tiny.yaml`): one worker per expert, each placed by its expert's
-    label selector, trains only its expert on timesteps of its side of 900; a run resumed from the step-2
-    checkpoint repeats both experts' losses of steps 3-4 and ends with the same weights and optimizer state."""
+    """Wan 2.2 A14B's layout (`jobs/configs/wan_i2v_tiny.yaml`), FSDP within each expert's group: one worker per
+    expert, each placed by its expert's label selector, trains only its expert on timesteps of its side of 900; a
+    run resumed from the step-2 checkpoint repeats both experts' losses of steps 3-4 and ends with the same weights
+    and optimizer state; the export gathers both experts in full."""
     from vidray.train.trainer import run_training
 
     def wan(name: str, *extra: str):
@@ -101,7 +102,7 @@ def test_two_expert_groups_train_on_their_labeled_nodes_each_on_its_timesteps_an
             f"data.shards_dir={shards_dir}", f"storage.path={tmp_path / 'runs'}", f"name={name}",
             "model.text_encoder=tiny_random", "train.max_steps=4", "train.log_every_steps=1",
             "checkpoint.every_steps=2", "checkpoint.num_to_keep=null", "optim.warmup_steps=0",
-            "scaling.num_workers=2", "scaling.cpus_per_worker=1", "data.loader_cpus=0.5",
+            "scaling.num_workers=2", "scaling.strategy=fsdp", "scaling.cpus_per_worker=1", "data.loader_cpus=0.5",
             f"model.experts.high.label_selector={{{EXPERT}: high}}",
             f"model.experts.low.label_selector={{{EXPERT}: low}}", f"data.latent_cache={tmp_path / 'latents'}",
             *extra])

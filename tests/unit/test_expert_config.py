@@ -57,9 +57,10 @@ def test_layout_and_the_experts_selectors_are_command_line_overrides():
     (["scaling.num_workers=[2, 2]"], r"needs a fixed worker count"),
     (["train.mixed_precision=fp16", "scaling.use_gpu=true"], "train.mixed_precision: fp16 with "
                                                              "model.experts.layout: groups is not supported"),
-    (["scaling.strategy=fsdp"], r"model.experts trains with scaling.strategy: ddp only for now \(each expert's "
-                                r"half of the workers is one DDP group\), got fsdp"),
-    (["model.experts.layout=shared", "scaling.strategy=fsdp"], r"ddp only for now \(every worker holds both"),
+    (["scaling.strategy=hsdp", "scaling.shard_group_size=1"], r"hsdp is not supported with two experts: set "
+                                                               r"scaling.strategy: fsdp"),
+    (["model.experts.layout=shared", "scaling.strategy=fsdp"], r"layout: shared trains with scaling.strategy: ddp "
+                                                                r"only \(every worker holds both"),
     (["model.experts.layout=shared", "model.experts.high.label_selector={vidray.io/expert: high}"],
      "model.experts.high.label_selector is set but model.experts.layout is shared"),
     (["placement.dit.label_selector={vidray.io/expert: gpu}",

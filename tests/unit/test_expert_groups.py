@@ -3,11 +3,13 @@ training sigmas from its side of the boundary only, with the distribution of the
 and on two gloo processes (one per expert; how ranks split by their nodes' labels: `test_expert_config.py`) each
 trains its own expert over its own group, the log window gives each expert's loss, a sharded checkpoint holds both
 experts under `TwoExperts`' names (loaded back by each rank, and as one `TwoExperts` in one process), and rank 0
-gathers both for the export."""
+gathers both for the export; on four (two per expert) each expert is sharded with FSDP over its own group, trains
+as one process would, resumes, and loads its own subfolder of a pretrained folder on the meta device."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +22,8 @@ from vidray.diffusion.flow_matching import sample_sigmas
 from vidray.models.experts import EXPERTS, ExpertSlot, TwoExperts, expert_sigma_range
 from vidray.models.registry import get_family
 from vidray.train.checkpoint import CheckpointManager, TrainState, load_checkpoint, save_sharded_checkpoint
-from vidray.train.expert_groups import form_expert_groups, gather_experts_to_rank0
+from vidray.train.expert_groups import form_expert_groups, full_expert_state, gather_experts_to_rank0
+from vidray.train.parallel import _load_pretrained_shards, apply_fsdp, mixed_precision_policy
 from vidray.train.step import flow_matching_step_loss, sample_generator
 from vidray.train.window import ClosedWindow, LogWindow, step_line
 
@@ -176,3 +179,88 @@ def test_the_step_line_shows_each_experts_loss_after_the_mean_and_the_lr_the_ste
                                 "latent_misses", "bytes_fetched")}}
     line = step_line(closed, max_steps=6, data=data, vae_run=False, prefetch_lead=1)
     assert line.startswith("step 1/6 loss 1.5379 high 1.5227 low 1.5532 step_time 0.100 s") and " lr 1.00e-04 " in line
+
+
+def _fsdp_expert(groups, mesh, seed: int):
+    slot = _expert(groups.expert, seed)
+    no_grad = set(FAMILY.no_grad_parameter_names(slot))
+    for name, param in slot.named_parameters():
+        param.requires_grad_(name not in no_grad)
+    return apply_fsdp(slot, mesh, mixed_precision_policy("no"), blocks=FAMILY.block_lists(slot)[0])
+
+
+def _fsdp_worker(rank: int, world: int, port: int, tmp: str) -> None:
+    join_gloo(rank, world, port)
+    tmp_path = Path(tmp)
+    result: dict = {}
+    try:
+        groups = form_expert_groups(rank, world, {}, {}, 0.9)
+        mesh = groups.shard_mesh("cpu")
+        slot = _fsdp_expert(groups, mesh, seed=0)
+        optimizer = torch.optim.AdamW([p for p in slot.parameters() if p.requires_grad], lr=1e-3)
+        lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        first = [x.item() for x in _train(slot, slot, optimizer, groups, range(1, 3))]
+        local = tmp_path / f"snapshot-rank{rank}"
+        save_sharded_checkpoint(local, model=slot, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                train_state=TrainState(2, 0, 4, world, ""), job_config={"name": "t"}, rank=rank,
+                                world_size=world, optimizer_key=groups.optimizer_key)
+        CheckpointManager(tmp_path / "run").upload_shard(local, NAME)
+        dist.barrier()
+        after = [x.item() for x in _train(slot, slot, optimizer, groups, range(3, 5))]
+        fresh = _fsdp_expert(groups, mesh, seed=1)
+        fresh_optimizer = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-3)
+        load_checkpoint(tmp_path / "run" / NAME, transformer=fresh, optimizer=fresh_optimizer,
+                        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda step: 1.0),
+                        optimizer_key=groups.optimizer_key)
+        resumed = [x.item() for x in _train(fresh, fresh, fresh_optimizer, groups, range(3, 5))]
+        gathered = gather_experts_to_rank0(groups, full_expert_state(slot.state_dict()))
+        # A pretrained two-expert folder: each group reads its own expert's subfolder into a meta-device expert.
+        cfg = ModelConfig(family="wan", text_encoder="tiny_random", max_sequence_length=8, init="pretrained",
+                          pretrained_path=str(tmp_path / "pretrained"), experts=ExpertsConfig(boundary_ratio=0.9))
+        meta, folder = FAMILY.build_expert_on_meta(cfg, expert=groups.expert)
+        loaded = apply_fsdp(ExpertSlot(meta, groups.expert), mesh, mixed_precision_policy("no"),
+                            blocks=FAMILY.block_lists(ExpertSlot(meta, groups.expert))[0])
+        _load_pretrained_shards(loaded, folder, device=torch.device("cpu"), seed=0,
+                                restore_buffers=FAMILY.restore_buffers)
+        pretrained = gather_experts_to_rank0(groups, full_expert_state(loaded.state_dict()))
+        everyone = [None] * world
+        dist.all_gather_object(everyone, {"expert": groups.expert, "first": first, "after": after,
+                                          "resumed": resumed})
+        result.update(ranks=everyone, gathered=gathered, pretrained=pretrained)
+    finally:
+        if rank == 0:
+            torch.save(result, tmp_path / "fsdp.pt")
+        dist.destroy_process_group()
+
+
+def test_each_expert_shards_over_its_own_group_trains_as_one_process_resumes_and_loads_its_pretrained_folder(
+        tmp_path):
+    """`scaling.strategy: fsdp` with two expert groups of two ranks each: each expert is sharded over its group
+    alone (the "shard" row of an (expert, shard) mesh), trains the steps one unsharded process takes on the same
+    batches, resumes from a DCP checkpoint, and rank 0 gathers both experts in full; a pretrained Wan 2.2 A14B
+    folder loads expert by expert into meta-device experts, each group reading its own subfolder."""
+    torch.set_num_threads(1)
+    components = FAMILY.build(MODEL, seed=5)
+    FAMILY.save_pipeline(components, tmp_path / "pretrained", FLOW)
+    start_ranks(_fsdp_worker, (4, free_port(), str(tmp_path)), 4)
+    result = torch.load(tmp_path / "fsdp.pt", weights_only=False)
+    assert [r["expert"] for r in result["ranks"]] == ["high", "high", "low", "low"]
+    reference = {}
+    for expert in EXPERTS:
+        slot = _expert(expert, seed=0)
+        no_grad = set(FAMILY.no_grad_parameter_names(slot))
+        for name, param in slot.named_parameters():
+            param.requires_grad_(name not in no_grad)
+        optimizer = torch.optim.AdamW([p for p in slot.parameters() if p.requires_grad], lr=1e-3)
+        side = SimpleNamespace(sigma_range=expert_sigma_range(expert, 0.9))
+        losses = [x.item() for x in _train(slot, slot, optimizer, side, range(1, 5))]
+        reference.update({name: tensor for name, tensor in slot.state_dict().items()})
+        for rank in (r for r in result["ranks"] if r["expert"] == expert):
+            assert rank["first"] + rank["after"] == pytest.approx(losses, abs=1e-5), expert
+            assert rank["resumed"] == pytest.approx(rank["after"], abs=1e-6), expert
+    assert set(result["gathered"]) == set(reference) == set(FAMILY.build_transformer(MODEL, seed=0).state_dict())
+    for name, tensor in reference.items():
+        torch.testing.assert_close(result["gathered"][name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    two = components.transformer  # the pretrained folder's TwoExperts
+    for name, tensor in two.state_dict().items():
+        assert torch.equal(result["pretrained"][name], tensor), name

@@ -242,9 +242,9 @@ def test_fsdp_with_lora_is_planned_with_the_base_sharded_and_checked_as_the_job_
 
 
 def test_a_two_expert_job_is_planned_with_its_layouts_experts_per_worker_and_ddp_only():
-    """`model.experts` trains with ddp: layout shared holds both experts on every worker (the plan counts two
-    experts' weights, gradients and optimizer state), layout groups one per worker (one expert's); both list only
-    ddp (it picked fsdp, which the config refuses: a fresh-user trial)."""
+    """Layout shared holds both experts on every worker (the plan counts two experts' weights, gradients and
+    optimizer state) and lists only ddp (it picked fsdp, which the config refuses: a fresh-user trial); layout
+    groups holds one expert per worker, planned on its half of the GPUs, with ddp or fsdp within the group."""
     from vidray.train.plan import plan_job
 
     gib = 2**30
@@ -253,12 +253,16 @@ def test_a_two_expert_job_is_planned_with_its_layouts_experts_per_worker_and_ddp
     one, two = load_job_config(config, ["model.experts=null"]), load_job_config(config, ["model.experts.layout=shared"])
     kwargs = dict(gpu_memory_bytes=80 * gib, num_gpus=8, preset=preset, bucket=Bucket(49, 512, 512))
     single, pair, groups = plan_job(one, **kwargs), plan_job(two, **kwargs), plan_job(load_job_config(config), **kwargs)
-    assert {e.strategy.kind for e in pair.estimates} == {e.strategy.kind for e in groups.estimates} == {"ddp"}
+    assert {e.strategy.kind for e in pair.estimates} == {"ddp"}
+    assert {e.strategy.kind for e in groups.estimates} == {"ddp", "fsdp"}  # within each expert's group
     assert any(e.strategy.kind.startswith("fsdp") for e in single.estimates)
-    for a, g in zip(pair.estimates, groups.estimates):
+    for a in pair.estimates:
         b = next(e for e in single.estimates if e.strategy == a.strategy)
         assert (a.parameters, a.optimizer, a.gradients) == (2 * b.parameters, 2 * b.optimizer, 2 * b.gradients)
         assert a.activations == b.activations and a.peak_bytes > b.peak_bytes
+    per_group = plan_job(one, **{**kwargs, "num_gpus": 4})  # one expert alone on its 4 GPUs
+    for g in groups.estimates:
+        b = next(e for e in per_group.estimates if e.strategy == g.strategy)
         assert (g.parameters, g.optimizer, g.gradients) == (b.parameters, b.optimizer, b.gradients)
     assert pair.chosen is None and "every worker holds 2 experts" in pair.notes[0]
-    assert "each worker holds one expert" in groups.notes[0] and "4 GPU(s) per expert" in groups.notes[0]
+    assert "each worker holds one expert" in groups.notes[0] and "its group of 4 GPU(s)" in groups.notes[0]

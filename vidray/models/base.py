@@ -327,6 +327,13 @@ class ModelFamily(abc.ABC):
         raise ValueError(f"model.init: pretrained with scaling.strategy: fsdp is not supported for {self.name} yet: "
                          "use scaling.strategy: ddp")
 
+    def build_expert_on_meta(self, model_cfg: ModelConfig, *, expert: str) -> tuple[torch.nn.Module, str]:
+        """One expert of a pretrained two-expert folder on the meta device and the folder of its safetensors (what
+        `build_transformer_on_meta` is for one transformer): for FSDP within an expert's worker group. Families
+        with a two-expert model override it; the default raises ValueError naming the family."""
+        raise ValueError(f"model.experts with model.init: pretrained and scaling.strategy: fsdp is not supported for "
+                         f"{self.name}: use scaling.strategy: ddp")
+
     def restore_buffers(self, transformer: torch.nn.Module) -> None:
         """Re-create the non-persistent buffers (no weights file holds them) of a transformer built on the meta
         device and materialised with `to_empty` (their values are garbage then). Default: none to restore."""

@@ -782,6 +782,28 @@ class WanFamily(ModelFamily):
         _check_task(transformer, model_cfg, str(path))
         return transformer.train(), str(path / "transformer")
 
+    def build_expert_on_meta(self, model_cfg: ModelConfig, *, expert: str) -> tuple[WanTransformer3DModel, str]:
+        """One expert of a Wan 2.2 A14B folder on the meta device: its `transformer/` ("high") or `transformer_2/`
+        ("low") from that subfolder's config.json (shapes, no weights), and that subfolder, for FSDP within the
+        expert's worker group (`vidray.train.expert_groups`). Raises ValueError for a folder the family refuses, one
+        without two experts, or another task."""
+        check_expert(expert)
+        folder = pretrained_folder(model_cfg, "wan")
+        if folder is None:
+            raise ValueError("model.init: pretrained needs model.pretrained_path, a Wan 2.2 A14B folder")
+        path, _ = _pipeline_folder(folder)
+        ratio = _boundary_ratio(path)
+        _check_experts(ratio, model_cfg, str(path))
+        if ratio is None:
+            raise ValueError(f"{path} holds one transformer (no transformer_2 / boundary_ratio): set model.experts "
+                             "to null, or give a Wan 2.2 A14B folder")
+        subfolder = path / ("transformer" if expert == "high" else "transformer_2")
+        with torch.device("meta"):
+            transformer = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(str(subfolder)))
+        _check_transformer(transformer, str(subfolder))
+        _check_task(transformer, model_cfg, str(path))
+        return transformer.train(), str(subfolder)
+
     def restore_buffers(self, transformer: torch.nn.Module) -> None:
         """The rotary embedding's `freqs_cos` / `freqs_sin` (non-persistent: no weights file holds them) of each
         `WanRotaryPosEmbed` in `transformer`, computed again as its constructor computes them, on the device of

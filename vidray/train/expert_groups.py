@@ -13,6 +13,10 @@ is the same on every rank (one position in the checkpoint, exact resume). Each e
 on its own side of the boundary (`vidray.models.experts.expert_sigma_range`), as the peers' per-expert runs do
 (DiffSynth-Studio's `--min/max_timestep_boundary`, VideoX-Fun's Wan 2.2 scripts), here in one job.
 
+With `scaling.strategy: fsdp` each expert is sharded over its own group (`ExpertGroups.shard_mesh`: the "shard"
+dimension of an (expert, shard) mesh), and a pretrained expert builds on the meta device from its own subfolder,
+each rank reading that folder's files itself.
+
 The checkpoint is a sharded one (`vidray.train.checkpoint`, DCP): every rank writes its expert's state under
 that expert's names (`ExpertSlot`: `transformer.*` / `transformer_2.*`), DCP keeps one copy of what the ranks
 of a group hold alike, and the union is the state of `TwoExperts`, which the validator, `vidray generate` and the
@@ -30,7 +34,7 @@ import torch.distributed as dist
 from vidray.models.experts import EXPERTS, expert_sigma_range
 from vidray.placement import expert_of_ranks
 
-__all__ = ["ExpertGroups", "form_expert_groups", "gather_experts_to_rank0"]
+__all__ = ["ExpertGroups", "form_expert_groups", "full_expert_state", "gather_experts_to_rank0"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,15 @@ class ExpertGroups:
         """Whether this rank is its group's first (the one holding the EMA, as rank 0 does under DDP)."""
         return self.rank == self.ranks[self.expert][0]
 
+    def shard_mesh(self, device_type: str) -> Any:
+        """The 1-D `DeviceMesh` of this rank's expert's group, for FSDP within it (`scaling.strategy: fsdp`): the
+        "shard" dimension of a 2-D (expert, shard) mesh of the ranks [[high ranks], [low ranks]] (any rank order,
+        as `expert_of_ranks` gave them). A collective: every rank calls it at the same point."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        layout = torch.tensor([self.ranks["high"], self.ranks["low"]])
+        return DeviceMesh(device_type, layout, mesh_dim_names=("expert", "shard"))["shard"]
+
     @property
     def optimizer_key(self) -> str:
         """The sharded checkpoint's key of this expert's optimizer state (each expert's `param_groups` apart)."""
@@ -83,6 +96,15 @@ def form_expert_groups(rank: int, world_size: int, node_labels: dict[str, str],
     transfer = dist.new_group(backend="gloo")
     return ExpertGroups(rank=rank, expert=experts[rank], ranks=ranks, group=groups[experts[rank]], transfer=transfer,
                         sigma_range=expert_sigma_range(experts[rank], boundary_ratio))
+
+
+def full_expert_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with every `DTensor` gathered in full on CPU (`full_tensor`, a collective over its mesh: every rank
+    of the expert's group calls it, in the same order); plain tensors as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+            for name, value in state.items()}
 
 
 def gather_experts_to_rank0(groups: ExpertGroups,

@@ -62,7 +62,7 @@ from vidray.train.checkpoint import (
     start_sharded_checkpoint,
 )
 from vidray.train.ema import EMA, copy_averages_to
-from vidray.train.expert_groups import ExpertGroups, form_expert_groups, gather_experts_to_rank0
+from vidray.train.expert_groups import ExpertGroups, form_expert_groups, full_expert_state, gather_experts_to_rank0
 from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
 from vidray.train.parallel import (
     build_transformer,
@@ -255,8 +255,12 @@ class Worker:
             transformer, pretrained_weights = transformer.to(self.device), None
         elif self.experts is not None:  # this rank's expert alone, named as in `TwoExperts`
             expert = self.experts.expert
-            transformer = ExpertSlot(self.family.build_expert(job.model, seed=job.train.seed, expert=expert), expert)
-            transformer, pretrained_weights = transformer.to(self.device), None
+            if job.scaling.strategy == "fsdp" and job.model.init == "pretrained":  # its shards loaded after sharding
+                meta, pretrained_weights = self.family.build_expert_on_meta(job.model, expert=expert)
+                transformer = ExpertSlot(meta, expert)
+            else:
+                built = self.family.build_expert(job.model, seed=job.train.seed, expert=expert)
+                transformer, pretrained_weights = ExpertSlot(built, expert).to(self.device), None
         else:
             transformer, pretrained_weights = build_transformer(self.family, job, self.device)
         if job.model.lora is not None:
@@ -298,7 +302,7 @@ class Worker:
         self.model, self.comm = parallelize(transformer, job, example_loss=probe,
                                             pretrained_weights=pretrained_weights, device=self.device,
                                             process_group=None if self.experts is None else self.experts.group,
-                                            family=None if self.vae_run else family)
+                                            family=None if self.vae_run else family, mesh=self._expert_mesh())
         self.transformer = transformer
         self.sharded = is_sharded(self.model)
         # Every rank writes its part of the checkpoint (DCP): FSDP's shards, or each expert group's expert.
@@ -308,6 +312,13 @@ class Worker:
         self.optimizer = build_optimizer(transformer.parameters(), job.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, job.optim)
         self.precision = Precision(job.train.mixed_precision, self.device, sharded=self.sharded)
+
+    def _expert_mesh(self) -> Any:
+        """The mesh FSDP shards this rank's expert over (its group: `ExpertGroups.shard_mesh`, a collective), with
+        `model.experts` layout groups and `scaling.strategy: fsdp`; else None."""
+        if self.experts is None or self.job.scaling.strategy != "fsdp":
+            return None
+        return self.experts.shard_mesh(self.device.type)
 
     def _resume(self) -> None:
         """4. Restore the checkpoint this attempt starts from (`_resume_state`; the DDP hook restores its rank's
@@ -754,11 +765,11 @@ class Worker:
         }
 
     def _gather_experts(self) -> tuple[torch.nn.Module | None, dict[str, torch.Tensor] | None]:
-        """Both experts on rank 0 for the export (collectives over the expert groups' gloo group): (a
-        `TwoExperts` with each group leader's trained weights, and with `export.weights: ema` their averages);
-        (None, None) on the other ranks."""
+        """Both experts on rank 0 for the export (collectives: FSDP's full tensors within each group, then over the
+        expert groups' gloo group): (a `TwoExperts` with each group leader's trained weights, and with
+        `export.weights: ema` their averages); (None, None) on the other ranks."""
         job = self.job
-        weights = gather_experts_to_rank0(self.experts, self.transformer.state_dict())
+        weights = gather_experts_to_rank0(self.experts, full_expert_state(self.transformer.state_dict()))
         ema_weights = None
         if job.train.ema is not None and job.export.weights == "ema":
             ema_weights = gather_experts_to_rank0(self.experts, None if self.ema is None else self.ema.full_averages())

@@ -318,7 +318,7 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: Callable | None = None,
                 example_loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
                 pretrained_weights: str | None = None, device: torch.device | str | None = None,
-                process_group: Any = None, family: Any = None) -> tuple[torch.nn.Module, CommHook]:
+                process_group: Any = None, family: Any = None, mesh: Any = None) -> tuple[torch.nn.Module, CommHook]:
     """Apply activation checkpointing, then the data parallelism of `scaling.strategy`, to the model each worker
     trains. Returns (the model to call, its CommHook).
 
@@ -334,7 +334,8 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
     `pretrained_weights` (a meta-device transformer from `build_transformer`), each rank's shards are then
     materialised on `device` and loaded file by file (`load_sharded_from_safetensors`), the family restoring the
     buffers no file holds. `family`: whose `block_lists` activation checkpointing and FSDP take (None:
-    `transformer_blocks`).
+    `transformer_blocks`). `mesh`: the `DeviceMesh` FSDP shards over (one expert's group,
+    `vidray.train.expert_groups.ExpertGroups.shard_mesh`); None: `device_mesh` of every rank.
 
     Call before the optimizer is built (FSDP replaces the parameters with sharded ones) and before the checkpoint
     is restored (a sharded model loads its own shards)."""
@@ -344,8 +345,9 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
     apply_activation_checkpointing(transformer, job.train.activation_checkpointing, blocks)
     if job.scaling.strategy in ("fsdp", "hsdp"):
         device = torch.device(device) if device is not None else next(transformer.parameters()).device
-        mesh = device_mesh(job.scaling.strategy, shard_group_size=job.scaling.shard_group_size,
-                           device_type=device.type)
+        if mesh is None:
+            mesh = device_mesh(job.scaling.strategy, shard_group_size=job.scaling.shard_group_size,
+                               device_type=device.type)
         if blocks is not None and len(blocks) != 1:
             raise ValueError("scaling.strategy: fsdp shards one transformer's blocks; model.experts trains with ddp")
         apply_fsdp(transformer, mesh, mixed_precision_policy(job.train.mixed_precision),
@@ -386,10 +388,16 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
 def _load_pretrained_shards(transformer: torch.nn.Module, folder: str, *, device: torch.device, seed: int,
                             restore_buffers: Callable[[torch.nn.Module], None] | None = None) -> None:
     """Fill a meta-device, sharded transformer from its pretrained folder (`restore_buffers`: the family's, for
-    buffers no file holds); LoRA adapters (`model.lora`, which no pretrained file holds) then get their starting
-    values (`vidray.models.lora.init_adapters` under `seed`)."""
+    buffers no file holds; an `ExpertSlot` from its expert's folder, under its expert's names); LoRA adapters
+    (`model.lora`, which no pretrained file holds) then get their starting values (`vidray.models.lora.init_adapters`
+    under `seed`)."""
+    from vidray.models.experts import EXPERT_ATTRIBUTES, ExpertSlot
     from vidray.models.lora import has_lora, init_adapters, is_adapter_parameter
 
+    if isinstance(transformer, ExpertSlot):  # one expert of two (its group's ranks read its folder themselves)
+        load_sharded_from_safetensors(transformer, folder, device=device, restore_buffers=restore_buffers,
+                                      prefix=EXPERT_ATTRIBUTES[transformer.expert] + ".", broadcast=False)
+        return
     if not has_lora(transformer):
         load_sharded_from_safetensors(transformer, folder, device=device, restore_buffers=restore_buffers)
         return
@@ -433,7 +441,8 @@ def build_transformer_on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.
 def load_sharded_from_safetensors(model: torch.nn.Module, folder: str, *, device: torch.device | str = "cpu",
                                   not_in_files: Callable[[str], bool] | None = None,
                                   names: Callable[[str], str] | None = None,
-                                  restore_buffers: Callable[[torch.nn.Module], None] | None = None) -> int:
+                                  restore_buffers: Callable[[torch.nn.Module], None] | None = None,
+                                  prefix: str = "", broadcast: bool = True) -> int:
     """Materialise a meta-device, `fully_shard`-ed `model` on `device` (`to_empty`) and fill it from the diffusers
     weights in `folder` (`*.safetensors`, e.g. `diffusion_pytorch_model-00001-of-00003.safetensors`), one file at
     a time: rank 0 reads the file's tensors (`safetensors.safe_open`) and `set_model_state_dict(...,
@@ -445,7 +454,10 @@ def load_sharded_from_safetensors(model: torch.nn.Module, folder: str, *, device
     embedding has two).
     `not_in_files(name)`: True for the state-dict entries the caller fills itself (LoRA adapters): they are not
     expected in the files, and are left uninitialised here. `names(file_key)`: the model's name of a file's tensor
-    where they differ (LoRA: an adapted layer's `to_q.weight` is the model's `to_q.base_layer.weight`). Returns the
+    where they differ (LoRA: an adapted layer's `to_q.weight` is the model's `to_q.base_layer.weight`); `prefix`
+    goes before every file key (an `ExpertSlot`'s `transformer.` / `transformer_2.`). `broadcast` False: every rank
+    reads the files itself and keeps its shards (`full_state_dict` without `broadcast_from_rank0`: the ranks of
+    two expert groups load different files, so rank 0 cannot read for all). Returns the
     number of tensors loaded. Raises
     FileNotFoundError when `folder` holds no safetensors file and ValueError when the files miss a parameter or
     name one the model does not have."""
@@ -467,17 +479,18 @@ def load_sharded_from_safetensors(model: torch.nn.Module, folder: str, *, device
     expected = {k for k in get_model_state_dict(model) if not_in_files is None or not not_in_files(k)}
     seen: set[str] = set()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=False)
+    broadcast = broadcast and dist.is_initialized()
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=False)
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             file_keys = list(f.keys())
-            keys = [names(k) for k in file_keys] if names is not None else file_keys
+            keys = [prefix + (names(k) if names is not None else k) for k in file_keys]
             unknown = [k for k in keys if k not in expected]
             if unknown:
                 raise ValueError(f"{path.name} holds {unknown[0]}, which {type(model).__name__} does not have "
                                  f"({len(unknown)} unknown tensors): is {folder} this model family's transformer?")
             # broadcast_from_rank0: rank 0 reads the file, the others receive their shards (they pass nothing)
-            state = {k: f.get_tensor(fk) for k, fk in zip(keys, file_keys)} if rank == 0 else {}
+            state = {k: f.get_tensor(fk) for k, fk in zip(keys, file_keys)} if rank == 0 or not broadcast else {}
         set_model_state_dict(model, state, options=options)
         seen.update(keys)
     missing = sorted(expected - seen)

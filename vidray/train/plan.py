@@ -419,16 +419,17 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
          expert_groups: bool = False) -> PlanReport:
     """Estimate every strategy in `STRATEGIES` for `preset` on `num_gpus` GPUs of `gpu_memory_bytes` each and pick
     the first that fits with `HEADROOM`. `experts_held` 2 (`model.experts` layout shared): each rank holds two
-    experts of the preset's shape; `expert_groups` (layout groups): each rank holds one, half the GPUs per expert.
-    Either way only the strategies `model.experts` trains with (ddp, full) are listed. Raises UserError for a bad
-    bucket, rank or LoRA target."""
+    experts of the preset's shape, and only ddp (full) is listed; `expert_groups` (layout groups): each rank holds
+    one expert, `num_gpus` being one expert's group, and ddp and fsdp (full, no LoRA) are listed. Raises UserError
+    for a bad bucket, rank or LoRA target."""
     counts = count_model(preset, lora_rank=lora_rank, lora_targets=lora_targets)
     estimates = tuple(estimate_memory(preset, counts, s, bucket=bucket, batch_size=batch_size,
                                       text_tokens=text_tokens, num_gpus=num_gpus, encoders_bytes=encoders_bytes,
                                       micro_batches_per_rank=micro_batches_per_rank,
                                       gpu_memory_bytes=gpu_memory_bytes, experts_held=experts_held)
                       for s in STRATEGIES if not (s.kind.startswith("fsdp") and num_gpus < 2)
-                      and not ((experts_held > 1 or expert_groups) and s.kind != "ddp"))
+                      and not (experts_held > 1 and s.kind != "ddp")
+                      and not (expert_groups and s.kind not in ("ddp", "fsdp")))
     chosen = next((e for e in estimates if e.fits), None)
     notes = []
     if experts_held > 1:
@@ -436,7 +437,7 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
                      "parameters (their weights, gradients and optimizer state), trained with ddp")
     elif expert_groups:
         notes.append(f"model.experts layout groups: each worker holds one expert of {_parameters(counts.total)} "
-                     f"parameters ({num_gpus // 2} GPU(s) per expert), trained with ddp")
+                     f"parameters, planned on its group of {num_gpus} GPU(s) (ddp, or fsdp within the group)")
     elif preset.num_experts > 1:
         notes.append(f"{preset.name} has {preset.num_experts} experts of {_parameters(counts.total)} parameters; "
                      f"planned for one on the GPU (one trains per process)")
@@ -506,8 +507,9 @@ def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePre
     targets = tuple(lora.target_modules) if lora else None
     held = _experts_held(job)
     groups = getattr(job.model, "experts", None) is not None and held == 1
-    data_parallel = max(num_gpus // 2, 1) if groups else max(num_gpus, 1)
-    micro = math.ceil(job.micro_batches_per_step / data_parallel) if hasattr(job, "micro_batches_per_step") else 1
+    if groups:  # each expert on its half of the GPUs
+        num_gpus = max(num_gpus // 2, 1)
+    micro = math.ceil(job.micro_batches_per_step / max(num_gpus, 1)) if hasattr(job, "micro_batches_per_step") else 1
     return plan(preset, bucket=bucket, batch_size=batch, text_tokens=text_tokens, num_gpus=num_gpus,
                 gpu_memory_bytes=gpu_memory_bytes, lora_rank=rank, lora_targets=targets,
                 encoders_bytes=_encoders_on_gpu(job, preset), micro_batches_per_rank=micro,
