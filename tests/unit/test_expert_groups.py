@@ -181,11 +181,17 @@ def test_the_step_line_shows_each_experts_loss_after_the_mean_and_the_lr_the_ste
     assert line.startswith("step 1/6 loss 1.5379 high 1.5227 low 1.5532 step_time 0.100 s") and " lr 1.00e-04 " in line
 
 
-def _fsdp_expert(groups, mesh, seed: int):
-    slot = _expert(groups.expert, seed)
+def _trainable_expert(expert: str, seed: int) -> ExpertSlot:
+    """`_expert` with the parameters no gradient reaches frozen, as the training loop sets it up."""
+    slot = _expert(expert, seed)
     no_grad = set(FAMILY.no_grad_parameter_names(slot))
     for name, param in slot.named_parameters():
         param.requires_grad_(name not in no_grad)
+    return slot
+
+
+def _fsdp_expert(groups, mesh, seed: int):
+    slot = _trainable_expert(groups.expert, seed)
     return apply_fsdp(slot, mesh, mixed_precision_policy("no"), blocks=FAMILY.block_lists(slot)[0])
 
 
@@ -247,10 +253,7 @@ def test_each_expert_shards_over_its_own_group_trains_as_one_process_resumes_and
     assert [r["expert"] for r in result["ranks"]] == ["high", "high", "low", "low"]
     reference = {}
     for expert in EXPERTS:
-        slot = _expert(expert, seed=0)
-        no_grad = set(FAMILY.no_grad_parameter_names(slot))
-        for name, param in slot.named_parameters():
-            param.requires_grad_(name not in no_grad)
+        slot = _trainable_expert(expert, seed=0)
         optimizer = torch.optim.AdamW([p for p in slot.parameters() if p.requires_grad], lr=1e-3)
         side = SimpleNamespace(sigma_range=expert_sigma_range(expert, 0.9))
         losses = [x.item() for x in _train(slot, slot, optimizer, side, range(1, 5))]
