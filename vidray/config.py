@@ -839,11 +839,9 @@ class JobConfig:
             raise ValueError("train.mixed_precision: fp16 with model.experts.layout: groups is not supported (each "
                              "expert's group would keep its own loss scale): use train.mixed_precision: bf16, or "
                              "model.experts.layout: shared")
-        from vidray.placement import merge_selectors
+        from vidray.placement import expert_selectors
 
-        for side in ("high", "low"):
-            merge_selectors(self.placement.dit.label_selector, getattr(experts, side).label_selector,
-                            setting=f"model.experts.{side}.label_selector")
+        expert_selectors(self)  # raises for a key both selectors give different values
 
     def _check_scale(self) -> None:
         """Precision, activation checkpointing, accumulation, compression and EMA keys (issue 28)."""

@@ -330,8 +330,9 @@ def resolve_placement(
         raise PlacementError(_placement_message(problems, nodes),
                              [_placement_message([one], nodes) for one in problems])
     if "dit" in resolved:  # an expert without a selector of its own goes where the dit stage goes
+        groups = expert_selectors(job)
         for stage, side in EXPERT_STAGES.items():
-            if stage in expert_selectors(job) and not getattr(job.model.experts, side).label_selector:
+            if stage in groups and not getattr(job.model.experts, side).label_selector:
                 resolved[stage] = dict(resolved["dit"])
     return resolved
 

@@ -99,19 +99,22 @@ def _sample_sigmas_between(batch_size: int, flow: FlowConfig, sigma_range: tuple
     lo, hi = (float(x) for x in sigma_range)
     if not 0.0 <= lo < hi <= 1.0:
         raise ValueError(f"sigma_range must satisfy 0 <= lo < hi <= 1, got {sigma_range}")
-    bounds = unshift_sigmas(torch.tensor([lo, hi], dtype=torch.float64), flow.shift)  # before the shift
-    if flow.sigma_sampling == "uniform":
-        quantiles = bounds  # U(0, 1)'s CDF is the identity
-    elif flow.sigma_sampling == "logit_normal":
-        quantiles = torch.special.ndtr((torch.logit(bounds) - flow.logit_mean) / flow.logit_std)
+    if flow.sigma_sampling == "uniform":  # U(0, 1): its CDF and inverse CDF are the identity
+        def cdf(s: torch.Tensor) -> torch.Tensor:
+            return s
+
+        inverse_cdf = cdf
+    elif flow.sigma_sampling == "logit_normal":  # sigmoid(N(m, s)): through the normal's CDF and its inverse
+        def cdf(s: torch.Tensor) -> torch.Tensor:
+            return torch.special.ndtr((torch.logit(s) - flow.logit_mean) / flow.logit_std)
+
+        def inverse_cdf(p: torch.Tensor) -> torch.Tensor:
+            return torch.sigmoid(torch.special.ndtri(p) * flow.logit_std + flow.logit_mean)
     else:
         raise ValueError(f"unknown flow.sigma_sampling {flow.sigma_sampling!r}; valid: uniform, logit_normal")
+    quantiles = cdf(unshift_sigmas(torch.tensor([lo, hi], dtype=torch.float64), flow.shift))  # before the shift
     v = torch.rand(batch_size, generator=generator, device=rng_device, dtype=torch.float64).cpu()
-    p = quantiles[0] + v * (quantiles[1] - quantiles[0])
-    if flow.sigma_sampling == "uniform":
-        raw = p
-    else:
-        raw = torch.sigmoid(torch.special.ndtri(p) * flow.logit_std + flow.logit_mean)
+    raw = inverse_cdf(quantiles[0] + v * (quantiles[1] - quantiles[0]))
     # Rounding may step just outside the range: clamp to it (in float32, the sigmas' dtype).
     sigmas = shift_sigmas(raw, flow.shift).to(torch.float32)
     bounds32 = torch.tensor([lo, hi], dtype=torch.float32)

@@ -66,7 +66,7 @@ from vidray.config import WAN_CLIP_TEXT_TOKENS, FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.conditioning import condition_frames
-from vidray.models.experts import TwoExperts, check_boundary_ratio, check_expert
+from vidray.models.experts import EXPERT_ATTRIBUTES, TwoExperts, check_boundary_ratio, check_expert
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
 from vidray.models.rules import FAMILY_BUCKET_RULES
@@ -532,6 +532,24 @@ def load_transformer(path: str | Path) -> torch.nn.Module:
     return _experts_of(path, transformer, transformer_2).train()
 
 
+def _meta_transformer(model_cfg: ModelConfig, subfolder: str) -> tuple[WanTransformer3DModel, str]:
+    """The transformer in `subfolder` (`transformer` or `transformer_2`) of the job's pretrained folder, built on
+    the meta device from its config.json (shapes, no weights), and that subfolder's path. Raises ValueError without
+    `model.pretrained_path`, for a folder the family refuses (`_pipeline_folder`), experts that are not the job's
+    (`_check_experts`), or a transformer of another layout or task."""
+    folder = pretrained_folder(model_cfg, "wan")
+    if folder is None:
+        raise ValueError("model.init: pretrained needs model.pretrained_path, a WanPipeline folder")
+    path, _ = _pipeline_folder(folder)
+    _check_experts(_boundary_ratio(path), model_cfg, str(path))
+    source = path / subfolder
+    with torch.device("meta"):
+        transformer = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(str(source)))
+    _check_transformer(transformer, str(source))
+    _check_task(transformer, model_cfg, str(path))
+    return transformer.train(), str(source)
+
+
 def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
     """Write `components` as a complete diffusers folder (safetensors) that the stock pipeline loads and runs
     offline: `diffusers.WanPipeline.from_pretrained(out_dir, local_files_only=True)`, or for an image-to-video
@@ -766,43 +784,23 @@ class WanFamily(ModelFamily):
     def build_transformer_on_meta(self, model_cfg: ModelConfig) -> tuple[WanTransformer3DModel, str]:
         """(the folder's `transformer/` built on the meta device from its config.json: shapes, no weights; that
         folder), for sharded training (`vidray.train.parallel.load_sharded_from_safetensors`, with
-        `restore_buffers` for the rotary embedding). Raises ValueError for a folder the family refuses
-        (`_pipeline_folder`), a transformer of another task, or two experts (`model.experts` trains with ddp)."""
-        folder = pretrained_folder(model_cfg, "wan")
-        if folder is None:
-            raise ValueError("model.init: pretrained needs model.pretrained_path, a WanPipeline folder")
-        path, _ = _pipeline_folder(folder)
-        if _boundary_ratio(path) is not None:
-            raise ValueError(f"{path} holds two experts (transformer_2, boundary_ratio): model.experts trains with "
-                             "scaling.strategy: ddp")
-        config = WanTransformer3DModel.load_config(str(path / "transformer"))
-        with torch.device("meta"):
-            transformer = WanTransformer3DModel.from_config(config)
-        _check_transformer(transformer, f"{path} (transformer)")
-        _check_task(transformer, model_cfg, str(path))
-        return transformer.train(), str(path / "transformer")
+        `restore_buffers` for the rotary embedding). Raises ValueError as `_meta_transformer`, and for a job with
+        `model.experts` (each expert builds alone: `build_expert_on_meta`)."""
+        if _boundary_of(model_cfg) is not None:
+            raise ValueError("model.experts: each expert is sharded within its own worker group "
+                             "(model.experts.layout: groups), built from its own subfolder")
+        return _meta_transformer(model_cfg, "transformer")
 
     def build_expert_on_meta(self, model_cfg: ModelConfig, *, expert: str) -> tuple[WanTransformer3DModel, str]:
         """One expert of a Wan 2.2 A14B folder on the meta device: its `transformer/` ("high") or `transformer_2/`
         ("low") from that subfolder's config.json (shapes, no weights), and that subfolder, for FSDP within the
-        expert's worker group (`vidray.train.expert_groups`). Raises ValueError for a folder the family refuses, one
-        without two experts, or another task."""
+        expert's worker group (`vidray.train.expert_groups`). Raises ValueError for another expert name, a job
+        without `model.experts`, and as `_meta_transformer`."""
         check_expert(expert)
-        folder = pretrained_folder(model_cfg, "wan")
-        if folder is None:
-            raise ValueError("model.init: pretrained needs model.pretrained_path, a Wan 2.2 A14B folder")
-        path, _ = _pipeline_folder(folder)
-        ratio = _boundary_ratio(path)
-        _check_experts(ratio, model_cfg, str(path))
-        if ratio is None:
-            raise ValueError(f"{path} holds one transformer (no transformer_2 / boundary_ratio): set model.experts "
-                             "to null, or give a Wan 2.2 A14B folder")
-        subfolder = path / ("transformer" if expert == "high" else "transformer_2")
-        with torch.device("meta"):
-            transformer = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(str(subfolder)))
-        _check_transformer(transformer, str(subfolder))
-        _check_task(transformer, model_cfg, str(path))
-        return transformer.train(), str(subfolder)
+        if _boundary_of(model_cfg) is None:
+            raise ValueError(f"the {expert}-noise expert was asked for, but model.experts is null: set model.experts "
+                             "to train a Wan 2.2 A14B folder's two experts")
+        return _meta_transformer(model_cfg, EXPERT_ATTRIBUTES[expert])
 
     def restore_buffers(self, transformer: torch.nn.Module) -> None:
         """The rotary embedding's `freqs_cos` / `freqs_sin` (non-persistent: no weights file holds them) of each

@@ -349,7 +349,8 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
             mesh = device_mesh(job.scaling.strategy, shard_group_size=job.scaling.shard_group_size,
                                device_type=device.type)
         if blocks is not None and len(blocks) != 1:
-            raise ValueError("scaling.strategy: fsdp shards one transformer's blocks; model.experts trains with ddp")
+            raise ValueError("scaling.strategy: fsdp shards one transformer's blocks: two experts on every worker "
+                             "(model.experts.layout: shared) train with ddp")
         apply_fsdp(transformer, mesh, mixed_precision_policy(job.train.mixed_precision),
                    job.scaling.reshard_after_forward, blocks=None if blocks is None else blocks[0])
         if pretrained_weights is not None:
