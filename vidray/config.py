@@ -265,9 +265,6 @@ class ModelConfig:
             if self.experts is not None:
                 raise ValueError("model.i2v.image_encoder (Wan 2.1 I2V's CLIP) with model.experts (Wan 2.2 A14B, no "
                                  "CLIP) is not a Wan model: set one of them to false / null")
-        if self.experts is not None and self.lora is not None:
-            raise ValueError("model.experts with model.lora is not supported yet: train the two experts fully "
-                             "(model.lora: null)")
         return self
 
 

@@ -2,8 +2,8 @@
 an unlabeled head, a node labeled `vidray.io/stage=vae` and one labeled `dit`. The DiT trainers, the decode
 operators and the vae / text encode actors report, from inside, the labels of the node they ran on (`ray.get_runtime_context().get_node_labels()`),
 and a selector no node satisfies is refused within seconds, before anything is reserved. The same two nodes also
-carry `vidray.io/expert=low` and `high`: Wan 2.2 A14B's two experts train as two worker groups, each on its
-labeled node and on its side of the timestep boundary, and resume exactly (issue 29)."""
+carry `vidray.io/expert=low` and `high`: Wan 2.2 A14B's two experts train LoRA adapters as two worker groups, each
+on its labeled node and on its side of the timestep boundary, and resume exactly (issue 29)."""
 
 from __future__ import annotations
 
@@ -91,10 +91,13 @@ def test_a_selector_key_no_node_carries_is_refused_on_this_labeled_joined_cluste
 
 def test_two_expert_groups_train_on_their_labeled_nodes_each_on_its_timesteps_and_resume_exactly(labeled_cluster,
                                                                                                  shards_dir, tmp_path):
-    """Wan 2.2 A14B's layout (`jobs/configs/wan_i2v_tiny.yaml`), FSDP within each expert's group: one worker per
-    expert, each placed by its expert's label selector, trains only its expert on timesteps of its side of 900; a
-    run resumed from the step-2 checkpoint repeats both experts' losses of steps 3-4 and ends with the same weights
-    and optimizer state; the export gathers both experts in full."""
+    """Wan 2.2 A14B's layout (`jobs/configs/wan_i2v_tiny.yaml`) as the real 14 B experts train (LoRA adapters on
+    a base sharded with FSDP within each expert's group): one worker per expert, each placed by its expert's label
+    selector, trains only its expert's adapters on timesteps of its side of 900; a run resumed from the step-2
+    checkpoint repeats both experts' losses of steps 3-4 and ends with the same adapters and optimizer state; the
+    export is the stock pipeline with one LoRA folder per expert, which diffusers loads into `transformer` and
+    `transformer_2` and which samples as `vidray generate`'s model. Full fine-tuning of the two groups: with DDP
+    in test_families_train.py, with FSDP in tests/unit/test_expert_groups.py."""
     from vidray.train.trainer import run_training
 
     def wan(name: str, *extra: str):
@@ -105,7 +108,7 @@ def test_two_expert_groups_train_on_their_labeled_nodes_each_on_its_timesteps_an
             "scaling.num_workers=2", "scaling.strategy=fsdp", "scaling.cpus_per_worker=1", "data.loader_cpus=0.5",
             f"model.experts.high.label_selector={{{EXPERT}: high}}",
             f"model.experts.low.label_selector={{{EXPERT}: low}}", f"data.latent_cache={tmp_path / 'latents'}",
-            *extra])
+            "model.lora.rank=4", "optim.lr=0.01", *extra])
 
     straight = run_training(wan("experts"))
     assert sorted(straight.experts) == ["high", "low"] and sorted(sum(straight.experts.values(), [])) == [0, 1]
@@ -123,7 +126,24 @@ def test_two_expert_groups_train_on_their_labeled_nodes_each_on_its_timesteps_an
         assert resumed.expert_losses[expert] == straight.expert_losses[expert][2:], expert
     assert_same_training_state(Path(resumed.run_dir) / "checkpoint_000004",
                                Path(straight.run_dir) / "checkpoint_000004")
+    import torch
     from diffusers import WanImageToVideoPipeline  # both experts exported, gathered from two ranks
+
+    from vidray.models.export import load_model
 
     pipe = WanImageToVideoPipeline.from_pretrained(straight.diffusers_dir, local_files_only=True)
     assert pipe.transformer_2 is not None and pipe.config.boundary_ratio == 0.9
+    pipe.load_lora_weights(Path(straight.diffusers_dir) / "lora")
+    pipe.load_lora_weights(Path(straight.diffusers_dir) / "lora_2", load_into_transformer_2=True)
+    merged = load_model(straight.diffusers_dir).components.transformer  # what vidray generate samples with
+    config = pipe.transformer.config
+    generator = torch.Generator().manual_seed(0)
+    inputs = {"hidden_states": torch.randn(1, config.in_channels, 3, 8, 8, generator=generator),
+              "encoder_hidden_states": torch.randn(1, 16, config.text_dim, generator=generator), "return_dict": False}
+    with torch.no_grad():
+        for stock, timestep in ((pipe.transformer, 950.0), (pipe.transformer_2, 300.0)):
+            t = torch.tensor([timestep])
+            adapted = stock(timestep=t, **inputs)[0]
+            torch.testing.assert_close(adapted, merged(timestep=t, **inputs)[0], atol=1e-5, rtol=1e-4)
+            stock.disable_lora()  # the base alone: the trained adapters changed this expert's output
+            assert (stock(timestep=t, **inputs)[0] - adapted).abs().max() > 1e-4, timestep

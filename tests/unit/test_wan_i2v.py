@@ -383,7 +383,6 @@ def test_a_folders_experts_must_be_the_configs_on_the_driver_and_at_build(export
     ({"boundary_ratio": 1.0}, {}, r"model.experts.boundary_ratio must be in \(0, 1\)"),
     ({"boundary_ratio": True}, {}, "is a boolean, not a number"),
     ({}, {"model": {"family": "easyanimate"}}, "model.family easyanimate has no two-expert model"),
-    ({}, {"model": {"lora": {"rank": 4}}}, "model.experts with model.lora is not supported yet"),
     ({"layout": "shared"}, {"scaling": {"strategy": "fsdp"}},
      "model.experts.layout: shared trains with scaling.strategy: ddp only"),  # groups shard each expert: fine
     ({}, {"train": {"grad_compression": "powersgd"}}, "model.experts with train.grad_compression: powersgd"),

@@ -59,6 +59,8 @@ __all__ = [
     "model_experts",
     "PARTS",
     "ADAPTER_PART",
+    "EXPERT_LORA_DIRS",
+    "LORA_2_DIR",
     "READABLE_FORMAT_VERSIONS",
     "STOCK_MAX_SEQUENCE_LENGTH",
     "STOCK_MAX_SEQUENCE_LENGTHS",
@@ -93,7 +95,13 @@ OPTIONAL_PARTS = ("ema.safetensors", "grad_scaler.pt", "comm_hook.pt")
 """Parts a checkpoint holds when the run has them (an EMA of the transformer, a mixed-precision grad scaler);
 format 3 lists the parts present in the manifest's `parts`."""
 LORA_DIR = "lora"
-"""The folder beside an exported pipeline that holds a LoRA run's adapters (`vidray.models.lora`)."""
+"""The folder beside an exported pipeline that holds a LoRA run's adapters (`vidray.models.lora`); of a two-expert
+model's (`model.experts`), the high-noise expert's (diffusers' `transformer`)."""
+LORA_2_DIR = "lora_2"
+"""The folder beside a two-expert model's export that holds the low-noise expert's adapters (diffusers'
+`transformer_2`: `pipe.load_lora_weights(folder, load_into_transformer_2=True)`)."""
+EXPERT_LORA_DIRS = {"high": LORA_DIR, "low": LORA_2_DIR}
+"""Each expert's adapters folder (`vidray.models.experts.EXPERTS`) in a two-expert LoRA run's export."""
 DIFFUSERS_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 """diffusers' LoRA weights file (`LORA_WEIGHT_NAME_SAFE`)."""
 PEFT_CONFIG = "adapter_config.json"
@@ -722,13 +730,33 @@ def _merge_adapters(transformer: "torch.nn.Module", info: ModelInfo, lora_path: 
     if info.kind == "checkpoint" and is_lora_checkpoint(_read_manifest(info.path)):
         _merge_checkpoint_adapters(transformer, info)
     elif info.kind != "checkpoint" and (info.path / LORA_DIR).is_dir():  # a LoRA run's export: adapters beside it
-        from vidray.models.lora import load_lora_into
-
-        load_lora_into(transformer, info.path / LORA_DIR)
+        _merge_export_adapters(transformer, info.path)
     if lora_path is not None:
-        from vidray.models.lora import load_lora_into
+        from vidray.models.experts import TwoExperts
+        from vidray.models.lora import LoraLoadError, load_lora_into
 
+        if isinstance(transformer, TwoExperts):
+            raise LoraLoadError(f"LoRA {lora_path}: model {info.path} has two experts (transformer_2), and a LoRA "
+                                "merges into one transformer; remove --lora (a two-expert LoRA run's export merges "
+                                f"its own {LORA_DIR}/ and {LORA_2_DIR}/)")
         load_lora_into(transformer, lora_path)
+
+
+def _merge_export_adapters(transformer: "torch.nn.Module", folder: Path) -> None:
+    """A LoRA run's export: `<folder>/lora` merged into the transformer, or, for two experts, `lora/` into the
+    high-noise expert and `lora_2/` into the low-noise one (`EXPERT_LORA_DIRS`). Raises LoraLoadError naming the
+    folder when an expert's adapters are missing or do not fit it."""
+    from vidray.models.experts import TwoExperts, pick_expert
+    from vidray.models.lora import LoraLoadError, load_lora_into
+
+    if not isinstance(transformer, TwoExperts):
+        load_lora_into(transformer, folder / LORA_DIR)
+        return
+    for expert, name in EXPERT_LORA_DIRS.items():
+        if not (folder / name).is_dir():
+            raise LoraLoadError(f"LoRA export {folder} has two experts and {LORA_DIR}/ but no {name}/ (the "
+                                f"{expert}-noise expert's adapters): export the run again")
+        load_lora_into(pick_expert(transformer, expert), folder / name)
 
 
 def lora_path_problem(path: str | Path) -> str | None:
@@ -776,16 +804,23 @@ def export_pipeline(family: "ModelFamily", components: "Components", out_dir: st
     Loading it: `load_model(out_dir)` (vidray generate, serve) merges the adapters itself. A stock diffusers
     `EasyAnimatePipeline` (no LoRA loader in diffusers 0.42.1) takes them through peft:
     `pipe = EasyAnimatePipeline.from_pretrained(out_dir)`, then `peft.PeftModel.from_pretrained(pipe.transformer,
-    f"{out_dir}/lora")` (injects into `pipe.transformer` in place). Write the job file (`write_job_file`) after
+    f"{out_dir}/lora")` (injects into `pipe.transformer` in place). A two-expert model (`TwoExperts`) gets one folder
+    per expert (`EXPERT_LORA_DIRS`): `pipe.load_lora_weights(f"{out_dir}/lora")` then
+    `pipe.load_lora_weights(f"{out_dir}/lora_2", load_into_transformer_2=True)`. Write the job file (`write_job_file`) after
     this call: the pipeline folder is replaced as a whole. Returns `out_dir`.
     """
+    from vidray.models.experts import EXPERT_ATTRIBUTES, TwoExperts
     from vidray.models.lora import has_lora, save_lora_weights, without_lora
 
     if not has_lora(components.transformer):
         return family.save_pipeline(components, out_dir, flow)
     with without_lora(components.transformer):
         family.save_pipeline(components, out_dir, flow)
-    save_lora_weights(components.transformer, Path(out_dir) / LORA_DIR)
+    if isinstance(components.transformer, TwoExperts):  # one stock LoRA folder per expert
+        for expert, name in EXPERT_LORA_DIRS.items():
+            save_lora_weights(components.transformer, Path(out_dir) / name, prefix=EXPERT_ATTRIBUTES[expert] + ".")
+    else:
+        save_lora_weights(components.transformer, Path(out_dir) / LORA_DIR)
     return Path(out_dir)
 
 

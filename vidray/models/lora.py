@@ -363,18 +363,30 @@ def _config_json(config: "peft.LoraConfig") -> dict[str, Any]:
     return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
 
 
-def save_lora_weights(transformer: torch.nn.Module, out_dir: str | Path) -> Path:
+def save_lora_weights(transformer: torch.nn.Module, out_dir: str | Path, *, prefix: str = "") -> Path:
     """Write the transformer's adapters into `out_dir` (created) in both formats of the module docstring:
     `pytorch_lora_weights.safetensors` (diffusers) and `adapter_config.json` + `adapter_model.safetensors`
     (peft). Tensors on CPU in the adapters' dtype (about 2 * r * (in + out) values per adapted layer). Returns
-    `out_dir`. Raises ValueError when the model has no adapters."""
+    `out_dir`.
+
+    prefix: only the adapters of the submodule of that name, named as that module's own (`"transformer_2."`: the
+    low-noise expert of a `TwoExperts` whose adapters were applied to both, `vidray.models.experts`), so each
+    expert's folder is the file of one stock transformer (diffusers loads the low-noise one's with
+    `pipe.load_lora_weights(folder, load_into_transformer_2=True)`). Raises ValueError when the model (or the
+    prefixed submodule) has no adapters."""
     from safetensors.torch import save_file
 
     module = _unwrap(transformer)
     state = adapter_state_dict(module)
+    base = module
+    if prefix:
+        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        if not state:
+            raise ValueError(f"the transformer has no LoRA adapters under {prefix!r}")
+        base = module.get_submodule(prefix.rstrip("."))
     config = _config_json(_config_of(module))
     config["inference_mode"] = True
-    config["auto_mapping"] = {"base_model_class": type(module).__name__, "parent_library": type(module).__module__}
+    config["auto_mapping"] = {"base_model_class": type(base).__name__, "parent_library": type(base).__module__}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", DIFFUSERS_METADATA_KEY: json.dumps(

@@ -395,19 +395,21 @@ def _load_pretrained_shards(transformer: torch.nn.Module, folder: str, *, device
     from vidray.models.experts import EXPERT_ATTRIBUTES, ExpertSlot
     from vidray.models.lora import has_lora, init_adapters, is_adapter_parameter
 
-    if isinstance(transformer, ExpertSlot):  # one expert of two (its group's ranks read its folder themselves)
-        load_sharded_from_safetensors(transformer, folder, device=device, restore_buffers=restore_buffers,
-                                      prefix=EXPERT_ATTRIBUTES[transformer.expert] + ".", broadcast=False)
-        return
+    # One expert of two: its names carry its prefix, and its group's ranks read its folder themselves.
+    expert = isinstance(transformer, ExpertSlot)
+    prefix = EXPERT_ATTRIBUTES[transformer.expert] + "." if expert else ""
     if not has_lora(transformer):
-        load_sharded_from_safetensors(transformer, folder, device=device, restore_buffers=restore_buffers)
+        load_sharded_from_safetensors(transformer, folder, device=device, restore_buffers=restore_buffers,
+                                      prefix=prefix, broadcast=not expert)
         return
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    # peft renames an adapted layer's own weights: `to_q.weight` -> `to_q.base_layer.weight`
-    renamed = {k.replace(".base_layer.", "."): k for k in get_model_state_dict(transformer) if ".base_layer." in k}
+    # peft renames an adapted layer's own weights: `to_q.weight` -> `to_q.base_layer.weight` (file keys: no prefix)
+    renamed = {k.replace(".base_layer.", ".")[len(prefix):]: k[len(prefix):]
+               for k in get_model_state_dict(transformer) if ".base_layer." in k}
     load_sharded_from_safetensors(transformer, folder, device=device, not_in_files=is_adapter_parameter,
-                                  names=lambda k: renamed.get(k, k), restore_buffers=restore_buffers)
+                                  names=lambda k: renamed.get(k, k), restore_buffers=restore_buffers, prefix=prefix,
+                                  broadcast=not expert)
     init_adapters(transformer, seed=seed)
 
 
