@@ -241,10 +241,11 @@ def test_fsdp_with_lora_is_planned_with_the_base_sharded_and_checked_as_the_job_
     assert check_fits(job, 80 * 2**30, 1).requested.strategy.kind == "lora"
 
 
-def test_a_two_expert_job_is_planned_with_its_layouts_experts_per_worker_and_ddp_only():
+def test_a_two_expert_job_is_planned_with_its_layouts_experts_per_worker_and_the_strategies_it_takes():
     """Layout shared holds both experts on every worker (the plan counts two experts' weights, gradients and
-    optimizer state) and lists only ddp (it picked fsdp, which the config refuses: a fresh-user trial); layout
-    groups holds one expert per worker, planned on its half of the GPUs, with ddp or fsdp within the group."""
+    optimizer state) and lists only ddp and lora (it picked fsdp, which the config refuses: a fresh-user trial);
+    layout groups holds one expert per worker, planned on its half of the GPUs, with every strategy within the
+    group (LoRA per expert: what the 14 B experts need)."""
     from vidray.train.plan import plan_job
 
     gib = 2**30
@@ -253,8 +254,8 @@ def test_a_two_expert_job_is_planned_with_its_layouts_experts_per_worker_and_ddp
     one, two = load_job_config(config, ["model.experts=null"]), load_job_config(config, ["model.experts.layout=shared"])
     kwargs = dict(gpu_memory_bytes=80 * gib, num_gpus=8, preset=preset, bucket=Bucket(49, 512, 512))
     single, pair, groups = plan_job(one, **kwargs), plan_job(two, **kwargs), plan_job(load_job_config(config), **kwargs)
-    assert {e.strategy.kind for e in pair.estimates} == {"ddp"}
-    assert {e.strategy.kind for e in groups.estimates} == {"ddp", "fsdp"}  # within each expert's group
+    assert {e.strategy.kind for e in pair.estimates} == {"ddp", "lora"}
+    assert {e.strategy.kind for e in groups.estimates} == {"ddp", "fsdp", "lora", "fsdp+lora"}  # in each group
     assert any(e.strategy.kind.startswith("fsdp") for e in single.estimates)
     for a in pair.estimates:
         b = next(e for e in single.estimates if e.strategy == a.strategy)

@@ -419,25 +419,24 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
          expert_groups: bool = False) -> PlanReport:
     """Estimate every strategy in `STRATEGIES` for `preset` on `num_gpus` GPUs of `gpu_memory_bytes` each and pick
     the first that fits with `HEADROOM`. `experts_held` 2 (`model.experts` layout shared): each rank holds two
-    experts of the preset's shape, and only ddp (full) is listed; `expert_groups` (layout groups): each rank holds
-    one expert, `num_gpus` being one expert's group, and ddp and fsdp (full, no LoRA) are listed. Raises UserError
-    for a bad bucket, rank or LoRA target."""
+    experts of the preset's shape, and only ddp and lora (DDP, full or adapters) are listed; `expert_groups`
+    (layout groups): each rank holds one expert, `num_gpus` being one expert's group, and every strategy is listed.
+    Raises UserError for a bad bucket, rank or LoRA target."""
     counts = count_model(preset, lora_rank=lora_rank, lora_targets=lora_targets)
     estimates = tuple(estimate_memory(preset, counts, s, bucket=bucket, batch_size=batch_size,
                                       text_tokens=text_tokens, num_gpus=num_gpus, encoders_bytes=encoders_bytes,
                                       micro_batches_per_rank=micro_batches_per_rank,
                                       gpu_memory_bytes=gpu_memory_bytes, experts_held=experts_held)
                       for s in STRATEGIES if not (s.kind.startswith("fsdp") and num_gpus < 2)
-                      and not (experts_held > 1 and s.kind != "ddp")
-                      and not (expert_groups and s.kind not in ("ddp", "fsdp")))
+                      and not (experts_held > 1 and s.kind not in ("ddp", "lora")))
     chosen = next((e for e in estimates if e.fits), None)
     notes = []
     if experts_held > 1:
         notes.append(f"model.experts: every worker holds {experts_held} experts of {_parameters(counts.total)} "
-                     "parameters (their weights, gradients and optimizer state), trained with ddp")
+                     "parameters (their weights, gradients and optimizer state), trained with ddp (full or lora)")
     elif expert_groups:
         notes.append(f"model.experts layout groups: each worker holds one expert of {_parameters(counts.total)} "
-                     f"parameters, planned on its group of {num_gpus} GPU(s) (ddp, or fsdp within the group)")
+                     f"parameters, planned on its group of {num_gpus} GPU(s) (ddp, or fsdp within the group; lora per expert)")
     elif preset.num_experts > 1:
         notes.append(f"{preset.name} has {preset.num_experts} experts of {_parameters(counts.total)} parameters; "
                      f"planned for one on the GPU (one trains per process)")
