@@ -267,3 +267,21 @@ def test_a_two_expert_job_is_planned_with_its_layouts_experts_per_worker_and_the
         assert (g.parameters, g.optimizer, g.gradients) == (b.parameters, b.optimizer, b.gradients)
     assert pair.chosen is None and "every worker holds 2 experts" in pair.notes[0]
     assert "each worker holds one expert" in groups.notes[0] and "its group of 4 GPU(s)" in groups.notes[0]
+
+
+@pytest.mark.parametrize("config", ["wan_i2v_tiny.yaml", "wan21_i2v_tiny.yaml", "tiny_i2v.yaml",
+                                    "cogvideox_i2v_tiny.yaml", "tiny_t2v.yaml"])
+def test_a_jobs_plan_counts_the_transformer_its_family_builds_with_its_condition_channels(config):
+    """An image-to-video job's transformer takes its condition channels (Wan: 20 more, 44,448 parameters per expert
+    of `wan_i2v_tiny`, where the plan counted the text-to-video layout's 41,888: a fresh-user trial), and Wan 2.1
+    I2V's its CLIP image embeddings: the plan counts what the family builds, expert by expert."""
+    from vidray.models import get_family
+    from vidray.train.plan import count_model, job_preset
+
+    job = load_job_config(Path(__file__).resolve().parents[2] / "jobs/configs" / config)
+    built = get_family(job.model.family).build_transformer(job.model, seed=0)
+    one = built.first_expert if job.model.experts is not None else built
+    counted = count_model(job_preset(job)).total
+    assert counted == sum(p.numel() for p in one.parameters())
+    if config == "wan_i2v_tiny.yaml":
+        assert counted == 44_448

@@ -456,11 +456,22 @@ def _parameters(count: int) -> str:
 
 def job_preset(job: Any) -> ShapePreset:
     """The transformer shape of `job`: `model.pretrained_path`'s transformer/config.json when `model.init` is
-    pretrained, else the family's preset `model.preset` names (`vidray.models.presets.model_preset`). Raises
-    UserError / UserFileNotFound."""
+    pretrained, else the family's preset `model.preset` names (`vidray.models.presets.model_preset`) with the
+    config of the transformer the family builds for `job.model` (its image-to-video channels, Wan 2.1's image
+    embeddings, CogVideoX 1.5's `patch_size_t`). Raises UserError / UserFileNotFound."""
     if job.model.init == "pretrained":
         return preset_from_pretrained(job.model.pretrained_path)
-    return model_preset(job.model.family, job.model.preset, job.model.text_encoder)
+    shape = model_preset(job.model.family, job.model.preset, job.model.text_encoder)
+    # The transformer the family builds for this model config (an image-to-video one takes its condition channels,
+    # Wan 2.1's its CLIP image embeddings too): built on the meta device, its config is the shape planned.
+    import torch
+
+    from vidray.models import get_family
+
+    with torch.device("meta"):
+        transformer = get_family(job.model.family).build_transformer(job.model, seed=job.train.seed)
+    config = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
+    return ShapePreset(**{**shape.__dict__, "config": config})
 
 
 def largest_bucket(job: Any, preset: ShapePreset) -> tuple[Bucket, int]:
