@@ -142,7 +142,8 @@ def served(exported_i2v_model, tmp_path_factory):
     config = yaml.safe_load((REPO / "serve" / "serve_config.yaml").read_text())
     store_dir = tmp_path_factory.mktemp("store")
     app = config["applications"][0]
-    app["args"].update(model_path=str(exported_i2v_model), store_dir=str(store_dir), default_num_inference_steps=4)
+    app["args"].update(model_path=str(exported_i2v_model), store_dir=str(store_dir), default_num_inference_steps=4,
+                       crf=0)  # lossless mp4s: equal frames decode equal (ServeSettings.crf)
     app["args"]["runner"]["lease_s"] = 6.0
     config_path = tmp_path_factory.mktemp("config") / "serve_config.yaml"
 
@@ -197,12 +198,11 @@ def test_served_video_is_the_video_vidray_generate_makes_with_the_same_seed(serv
         served.wait_for(video.id, ("completed",))
         served_frames = decode_mp4(client.videos.download_content(video.id).read())
     local = generate_to_file(exported_i2v_model, "a cat on a wall", tmp_path / "local.mp4", bucket="5x32x32",
-                             num_inference_steps=3, seed=11, fps=8.0)
+                             num_inference_steps=3, seed=11, fps=8.0, crf=0)
     local_frames = decode_mp4(local.read_bytes())
     assert served_frames.shape == local_frames.shape
-    # Same latents -> same frames. libx264 (PyAV 18.1) does not always encode the same frames to the same bytes
-    # (200 encodes of one 9x64x64 clip gave 3 byte strings; tests/unit/test_generate.py), but 200 encodes of
-    # 5x32x32 frames gave one.
+    # Same latents -> same frames. Both mp4s are lossless (crf 0): libx264 does not always encode the same frames to
+    # the same bytes, and at crf 18 two encodes of one clip decoded up to 28 levels apart (ServeSettings.crf).
     assert abs(served_frames.astype(int) - local_frames.astype(int)).max() <= 1
 
 
@@ -234,9 +234,9 @@ def test_a_first_frame_input_reference_gives_the_video_vidray_generate_image_mak
     note = JobStore(served.store_dir).get(video.id).params["input_reference"]  # 48x40 into 32x32: said in the record
     assert note["size"] == "48x40" and note["resized_to"] == "32x32" and "stretched" in note["note"]
     local = generate_to_file(exported_i2v_model, "a cat on a wall", tmp_path / "local.mp4", bucket="5x32x32",
-                             num_inference_steps=3, seed=11, fps=8.0, image=image_path)
+                             num_inference_steps=3, seed=11, fps=8.0, image=image_path, crf=0)
     text_only = generate_to_file(exported_i2v_model, "a cat on a wall", tmp_path / "text.mp4", bucket="5x32x32",
-                                 num_inference_steps=3, seed=11, fps=8.0)
+                                 num_inference_steps=3, seed=11, fps=8.0, crf=0)
     local_frames, text_frames = decode_mp4(local.read_bytes()), decode_mp4(text_only.read_bytes())
     assert served_frames.shape == local_frames.shape
     assert abs(served_frames.astype(int) - local_frames.astype(int)).max() <= 1

@@ -47,8 +47,8 @@ class Family(NamedTuple):
     serve_config: str
     """The shipped Serve config (serve/) whose application this family's is based on."""
     bucket: str
-    """NUMxHxW of the training bucket and of every request: the fewest frames of a video the family makes, at the
-    smallest size it takes."""
+    """NUMxHxW of the training bucket and of every request: the smallest size the family takes; Wan's and
+    CogVideoX's fewest frames of a video (1 is a still), AnimateDiff's example bucket (its UNet takes any count)."""
 
 
 FAMILIES = {
