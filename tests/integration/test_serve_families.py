@@ -12,9 +12,10 @@ Each served video is the one `vidray generate` makes for the same prompt, seed, 
 lossless mp4s (`crf` 0), so their frames must match (within 1 level: the replicas' and this process's torch may
 sum in another order). At the shipped crf 18 libx264 does not always encode the same frames to the same bytes (4
 to 42 byte strings in 60 encodes of the CogVideoX clip here, frames up to 28 levels apart; ServeSettings.crf), and
-this comparison failed for CogVideoX. The image-to-video models also serve a text-only request (the empty condition they were trained
-with, `model.i2v.condition_dropout`). Each model is a tiny random one built from its family's shipped tiny job config
-(`jobs/configs/*_tiny.yaml`), exported by `export_pipeline` + `write_job_file` as the end of a training run does.
+this comparison failed for CogVideoX. The image-to-video models also serve a text-only request (the empty condition
+they were trained with, `model.i2v.condition_dropout`). Each model is a tiny random one built from its family's
+shipped tiny job config (`jobs/configs/*_tiny.yaml`), exported by `export_pipeline` + `write_job_file` as the end
+of a training run does.
 """
 
 from __future__ import annotations
