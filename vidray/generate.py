@@ -124,6 +124,7 @@ def check_generate_args(
     lora: str | Path | None = None,
     image: str | Path | None = None,
     last_image: str | Path | None = None,
+    crf: int = 18,
 ) -> tuple[ModelInfo, Bucket]:
     """Check every `generate_to_file` argument without loading any weights; returns the model's configs and the
     bucket to sample.
@@ -137,7 +138,8 @@ def check_generate_args(
     was not trained at is allowed (`generate_to_file` then logs a warning). lora: None, or a local LoRA folder
     (`<run>/diffusers/lora`) or .safetensors file (`vidray.models.export.lora_path_problem`). image, last_image:
     None or existing image files (the first and last frame), for an image-to-video model only (its family's
-    `supports_image_to_video`, read from the configs); a last image needs a first.
+    `supports_image_to_video`, read from the configs); a last image needs a first. crf: an int in 0..51 (the
+    mp4's H.264 constant rate factor, `vidray.data.video.write_mp4`).
 
     Two passes: first the arguments themselves and the model folder's kind (file checks, no torch import), then
     the model's configs and the bucket against its family. Raises GenerateArgumentError listing every bad
@@ -162,6 +164,8 @@ def check_generate_args(
         problems.append(f"--fps must be a finite frame rate in [{low:g}, {high:g}] frames/s, got {fps!r}")
     if not _is_int(seed) or not 0 <= seed <= SEED_MAX:
         problems.append(f"--seed must be an integer in 0..{SEED_MAX} (2**63 - 1), got {seed!r}")
+    if not _is_int(crf) or not 0 <= crf <= 51:
+        problems.append(f"crf must be an integer in 0..51 (libx264's constant rate factor, 0 = lossless), got {crf!r}")
     if isinstance(bucket, str):
         try:  # here what no family takes (its form, sides off every family's multiple); the family's rule in pass 2
             bucket = parse_bucket_form(bucket)
@@ -244,6 +248,7 @@ def generate_to_file(
     lora: str | Path | None = None,
     image: str | Path | None = None,
     last_image: str | Path | None = None,
+    crf: int = 18,
 ) -> Path:
     """Generate one video for `prompt` and write it as H.264 mp4 at `fps` frames/s. Returns the mp4 path.
 
@@ -253,14 +258,15 @@ def generate_to_file(
     `lora`: a LoRA (`<run>/diffusers/lora`, or a .safetensors file) merged into the transformer before sampling
     (`load_model(..., lora_path=lora)`; a LoRA run's own export or checkpoint needs none: its adapters are merged
     already). `image` (and `last_image`): image files of the first (and last) frame, for an image-to-video model;
-    resized to the bucket (`vidray.models.conditioning.image_to_video`). Raises GenerateArgumentError (before any
-    weights load), `vidray.models.lora.LoraLoadError` for a LoRA that does not fit the model, and
-    GenerateOutputError when the mp4 cannot be written.
+    resized to the bucket (`vidray.models.conditioning.image_to_video`). `crf`: the mp4's H.264 constant rate factor
+    (0 = lossless: the same frames always decode the same, which libx264 does not promise above 0; `vidray.serve.app`
+    ServeSettings.crf). Raises GenerateArgumentError (before any weights load), `vidray.models.lora.LoraLoadError`
+    for a LoRA that does not fit the model, and GenerateOutputError when the mp4 cannot be written.
     """
     # 1. Check every argument (no weights yet).
     info, bucket = check_generate_args(
         model_path, prompt, output, bucket=bucket, num_inference_steps=num_inference_steps,
-        guidance_scale=guidance_scale, fps=fps, seed=seed, lora=lora, image=image, last_image=last_image,
+        guidance_scale=guidance_scale, fps=fps, seed=seed, lora=lora, image=image, last_image=last_image, crf=crf,
     )
     if info.buckets and bucket not in info.buckets:
         logger.warning("bucket %s is not one the model was trained at (%s); sampling it anyway",
@@ -308,7 +314,7 @@ def generate_to_file(
             last_image=load_image(str(last_image)) if last_image is not None else None,
         )  # (1, F, H, W, 3) uint8
     try:
-        return write_mp4(frames[0], Path(output), float(fps))
+        return write_mp4(frames[0], Path(output), float(fps), crf=int(crf))
     except OSError as err:  # PyAV's FileNotFoundError, PermissionError, ... are OSErrors; so is a full disk
         raise GenerateOutputError(
             f"--output {output} could not be written ({type(err).__name__}: {err}); the video was generated but "

@@ -6,6 +6,7 @@ with a first frame (`input_reference`); `test_serve_failover.py` serves a text-t
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -88,6 +89,50 @@ def exported_i2v_model(tmp_path_factory):
     return out_dir
 
 
+@contextlib.contextmanager
+def serve_run(head, config: dict, config_path: Path, route_prefixes: tuple[str, ...] = ("",)):
+    """`serve run` of the Serve `config` (a parsed serve_config.yaml; its HTTP port is set here, once the head runs,
+    so that none of the head's processes takes it in between) written to `config_path`, on `head`'s cluster. Yields
+    (the proxy's root URL `http://127.0.0.1:<port>`, the `serve run` process, its log) once every application's
+    /healthz answers 200 (`route_prefixes`: one per application, "" for the root); stopped with Ctrl-C (SIGINT,
+    `serve run` then shuts its applications down) and then by PID at the end."""
+    log = Path(head.temp_dir) / "serve_run.log"
+    process = None
+    try:
+        port = free_port()
+        config["http_options"]["port"] = port
+        config_path.write_text(yaml.safe_dump(config))
+        with open(log, "w") as out:
+            process = subprocess.Popen(
+                [str(Path(sys.executable).parent / "serve"), "run", f"--address=127.0.0.1:{head.gcs_port}",
+                 str(config_path)], cwd=REPO, env=dict(head.env), stdout=out, stderr=subprocess.STDOUT,
+            )
+        root = f"http://127.0.0.1:{port}"
+        waiting = list(route_prefixes)
+        deadline = time.monotonic() + 240
+        while waiting and time.monotonic() < deadline:
+            text = log.read_text()
+            if process.poll() is not None or "DEPLOY_FAILED" in text or "ServeSettingsError" in text:
+                raise RuntimeError(f"serve run failed: {log.read_text()[-4000:]}")
+            try:
+                if _request("GET", f"{root}{waiting[0]}/healthz", token=None)[0] == 200:
+                    waiting.pop(0)
+                    continue
+            except (OSError, http.client.HTTPException):  # not up yet, or not yet our proxy on the port
+                pass
+            time.sleep(1)
+        if waiting:
+            raise TimeoutError(f"{root}{waiting[0]}/healthz did not answer in 240 s: {log.read_text()[-4000:]}")
+        yield root, process, log
+    finally:
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGINT)  # serve run shuts the application down on Ctrl-C
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
 @pytest.fixture(scope="module")
 def served(exported_i2v_model, tmp_path_factory):
     """`serve run` of the shipped config with model, store and port replaced; stopped by PID at the end."""
@@ -97,7 +142,8 @@ def served(exported_i2v_model, tmp_path_factory):
     config = yaml.safe_load((REPO / "serve" / "serve_config.yaml").read_text())
     store_dir = tmp_path_factory.mktemp("store")
     app = config["applications"][0]
-    app["args"].update(model_path=str(exported_i2v_model), store_dir=str(store_dir), default_num_inference_steps=4)
+    app["args"].update(model_path=str(exported_i2v_model), store_dir=str(store_dir), default_num_inference_steps=4,
+                       crf=0)  # lossless mp4s: equal frames decode equal (ServeSettings.crf)
     app["args"]["runner"]["lease_s"] = 6.0
     config_path = tmp_path_factory.mktemp("config") / "serve_config.yaml"
 
@@ -105,42 +151,10 @@ def served(exported_i2v_model, tmp_path_factory):
     # secret-backed env var would on a real cluster.
     # Custom metrics reach the node's Prometheus endpoint ~1 s after recording, not ~10 s (NOTES.md).
     head = start_ray_head("/tmp/vrs", extra_env={"VIDRAY_API_TOKEN": TOKEN, "RAY_metrics_report_interval_ms": "1000"})
-    log = Path(head.temp_dir) / "serve_run.log"
-    process = None
     try:
-        # The HTTP port is picked once the head runs, so that none of its processes takes it in between.
-        port = free_port()
-        config["http_options"]["port"] = port
-        config_path.write_text(yaml.safe_dump(config))
-        env = dict(head.env)
-        with open(log, "w") as out:
-            process = subprocess.Popen(
-                [str(Path(sys.executable).parent / "serve"), "run", f"--address=127.0.0.1:{head.gcs_port}",
-                 str(config_path)], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-            )
-        base_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            text = log.read_text()
-            if process.poll() is not None or "DEPLOY_FAILED" in text or "ServeSettingsError" in text:
-                raise RuntimeError(f"serve run failed: {log.read_text()[-4000:]}")
-            try:
-                code, _, _ = _request("GET", f"{base_url}/healthz", token=None)
-                if code == 200:
-                    break
-            except (OSError, http.client.HTTPException):  # not up yet, or not yet our proxy on the port
-                pass
-            time.sleep(1)
-        else:
-            raise TimeoutError(f"the app did not answer /healthz in 240 s: {log.read_text()[-4000:]}")
-        yield Served(head, base_url, store_dir, process, log)
+        with serve_run(head, config, config_path) as (base_url, process, log):
+            yield Served(head, base_url, store_dir, process, log)
     finally:
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGINT)  # serve run shuts the application down on Ctrl-C
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
         head.stop()
 
 
@@ -184,12 +198,11 @@ def test_served_video_is_the_video_vidray_generate_makes_with_the_same_seed(serv
         served.wait_for(video.id, ("completed",))
         served_frames = decode_mp4(client.videos.download_content(video.id).read())
     local = generate_to_file(exported_i2v_model, "a cat on a wall", tmp_path / "local.mp4", bucket="5x32x32",
-                             num_inference_steps=3, seed=11, fps=8.0)
+                             num_inference_steps=3, seed=11, fps=8.0, crf=0)
     local_frames = decode_mp4(local.read_bytes())
     assert served_frames.shape == local_frames.shape
-    # Same latents -> same frames. libx264 (PyAV 18.1) does not always encode the same frames to the same bytes
-    # (200 encodes of one 9x64x64 clip gave 3 byte strings; tests/unit/test_generate.py), but 200 encodes of
-    # 5x32x32 frames gave one.
+    # Same latents -> same frames. Both mp4s are lossless (crf 0): libx264 does not always encode the same frames to
+    # the same bytes, and at crf 18 two encodes of one clip decoded up to 28 levels apart (ServeSettings.crf).
     assert abs(served_frames.astype(int) - local_frames.astype(int)).max() <= 1
 
 
@@ -221,9 +234,9 @@ def test_a_first_frame_input_reference_gives_the_video_vidray_generate_image_mak
     note = JobStore(served.store_dir).get(video.id).params["input_reference"]  # 48x40 into 32x32: said in the record
     assert note["size"] == "48x40" and note["resized_to"] == "32x32" and "stretched" in note["note"]
     local = generate_to_file(exported_i2v_model, "a cat on a wall", tmp_path / "local.mp4", bucket="5x32x32",
-                             num_inference_steps=3, seed=11, fps=8.0, image=image_path)
+                             num_inference_steps=3, seed=11, fps=8.0, image=image_path, crf=0)
     text_only = generate_to_file(exported_i2v_model, "a cat on a wall", tmp_path / "text.mp4", bucket="5x32x32",
-                                 num_inference_steps=3, seed=11, fps=8.0)
+                                 num_inference_steps=3, seed=11, fps=8.0, crf=0)
     local_frames, text_frames = decode_mp4(local.read_bytes()), decode_mp4(text_only.read_bytes())
     assert served_frames.shape == local_frames.shape
     assert abs(served_frames.astype(int) - local_frames.astype(int)).max() <= 1

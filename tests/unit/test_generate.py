@@ -87,6 +87,8 @@ def test_generate_to_file_writes_an_mp4_with_the_buckets_frame_count_and_size(tr
     assert not noise_in(captured.out + captured.err)  # diffusers' "Loading pipeline components" bars (vidray.logs)
     frames = decode_mp4(out.read_bytes())
     assert frames.shape == (5, 32, 32, 3)  # the model's first multi-frame training bucket
+    lossless = generate_to_file(out_dir, "a red ball", tmp_path / "lossless.mp4", num_inference_steps=1, fps=4.0, crf=0)
+    assert lossless.stat().st_size > out.stat().st_size  # crf reaches the encoder (default 18)
     with caplog.at_level(logging.WARNING, logger="vidray"):
         other = generate_to_file(out_dir, "a red ball", tmp_path / "other.mp4", bucket="1x16x48", num_inference_steps=1)
     assert decode_mp4(other.read_bytes()).shape == (1, 16, 48, 3)
@@ -234,6 +236,8 @@ BAD_ARGUMENTS = [
     ({"bucket": "8x32x32"}, "num_frames must be 1 or k*4+1"),
     ({"bucket": "9x40x32"}, "multiples of 16"),
     ({"bucket": Bucket(9, 32, 24)}, "--bucket 9x32x24 cannot be made by the easyanimate model"),
+    ({"crf": 52}, "crf must be an integer in 0..51 (libx264's constant rate factor, 0 = lossless), got 52"),
+    ({"crf": -1}, "crf must be an integer in 0..51"),
 ]
 
 

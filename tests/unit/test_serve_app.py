@@ -251,3 +251,78 @@ def test_gauges_are_re_set_within_rays_metrics_report_interval(monkeypatch, inte
     else:
         monkeypatch.setenv("RAY_metrics_report_interval_ms", interval_ms)
     assert gauge_refresh_s() == refresh_s
+
+
+class _Stages:
+    """Stage handles that answer at once: the prompt's embeddings, one latents event, and `frames` as the decoded
+    video."""
+
+    def __init__(self, frames):
+        self.frames = frames
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, name):
+        import torch
+
+        async def answer(value):
+            return value
+
+        class Stream:
+            async def __aiter__(self):
+                yield {"latents": torch.zeros(1), "step": 2}
+
+            def cancel(self):
+                pass
+
+        class Method:
+            @staticmethod
+            def remote(*args, **kwargs):
+                if name == "denoise":
+                    return Stream()
+                return answer((torch.zeros(1, 4, 8), torch.ones(1, 4, dtype=torch.bool)) if name == "encode"
+                              else self.frames)
+
+        return Method()
+
+
+@pytest.mark.parametrize("crf", [0, 18])
+def test_the_runner_writes_the_mp4_at_the_settings_crf_and_crf_0_keeps_the_frames_exactly(model_dir, tmp_path, crf):
+    """`crf` reaches the encoder: 0 is lossless (the decoded frames are those of the lossless encode of the decoded
+    video, whatever libx264 decides), 18 the shipped default (smaller, lossy). Out of range is refused."""
+    import asyncio
+    import time
+
+    import numpy as np
+
+    from vidray.data.video import decode_mp4, encode_mp4
+    from vidray.serve.app import VideoJobService
+
+    frames = np.random.RandomState(0).randint(0, 256, (9, 64, 48, 3), dtype=np.uint8)
+    settings = ServeSettings(model_path=str(model_dir), store_dir=str(tmp_path / "store"), store_on="replica",
+                             crf=crf, runner={"poll_s": 0.05})
+
+    async def scenario():
+        stages = _Stages(frames)
+        service = VideoJobService(settings, None, stages, stages, stages)
+        params = {"num_frames": 9, "width": 48, "height": 64, "seed": 0, "num_inference_steps": 2,
+                  "guidance_scale": 1.0, "negative_prompt": "", "fps": 8.0}
+        job = service.store.create(model="m", prompt="a", size="48x64", seconds="1.125", params=params)
+        service.ensure_runner()
+        deadline = time.monotonic() + 30
+        while service.store.get(job.id).status not in ("completed", "failed") and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await service.shutdown(timeout_s=5)
+        return service.store.get(job.id), service.store
+
+    job, store = asyncio.run(scenario())
+    assert job.status == "completed", job
+    mp4 = store.video_path(job.id).read_bytes()
+    lossless = encode_mp4(frames, 8.0, crf=0)
+    if crf == 0:
+        np.testing.assert_array_equal(decode_mp4(mp4), decode_mp4(lossless))
+    else:
+        assert len(mp4) < len(lossless) / 1.5 and not np.array_equal(decode_mp4(mp4), decode_mp4(lossless))
+    with pytest.raises(ValueError, match="crf"):
+        ServeSettings(model_path=str(model_dir), crf=52)

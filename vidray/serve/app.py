@@ -166,6 +166,12 @@ class ServeSettings(_Section):
     stores, and a lost node takes its jobs)."""
     fps: float = Field(8.0, gt=0, le=240)
     """Frame rate of the mp4s; `seconds` of a request = num_frames / fps."""
+    crf: int = Field(18, ge=0, le=51)
+    """H.264 constant rate factor of the mp4s (libx264, yuv420p): 18 is close to lossless, higher is smaller and
+    worse (23 is x264's default), 0 is lossless (about 2x the bytes of 18 on the tiny models). Above 0 libx264 does
+    not always encode the same frames to the same bytes (PyAV 18.1: 4 to 42 byte strings in 60 encodes of one
+    9x32x32 clip, frames up to 28 levels apart), so two mp4s of one video can differ a little; with 0 they decode
+    to the same frames (the tests compare served videos with `vidray generate`'s so)."""
     default_num_inference_steps: int = Field(16, ge=1)
     default_guidance_scale: float = Field(1.0, ge=1.0)
     auth: AuthSettings = AuthSettings()
@@ -555,7 +561,7 @@ class VideoJobService:
         frames = await self.vae.decode.remote(latents)
         mp4 = await asyncio.to_thread(self.store.temp_video)
         try:
-            await asyncio.to_thread(write_mp4, frames, mp4, float(params["fps"]))
+            await asyncio.to_thread(write_mp4, frames, mp4, float(params["fps"]), crf=self.settings.crf)
         except BaseException:  # failed or cancelled mid-write: its temp file goes now, not at the sweep
             mp4.unlink(missing_ok=True)
             raise
