@@ -125,7 +125,14 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
               f"{result.diffusers_dir})")
         print(f"[vidray] {training_clips_psnr(result.diffusers_dir, job.data.shards_dir, family=job.model.family)}")
     else:
-        print(f"[vidray] diffusers pipeline: {result.diffusers_dir}")
+        adapters = ""
+        if job.model.lora is not None:  # the base pipeline, the adapters beside it (vidray.models.export)
+            from vidray.models.export import EXPERT_LORA_DIRS, LORA_DIR
+
+            folders = EXPERT_LORA_DIRS.values() if job.model.experts is not None else (LORA_DIR,)
+            adapters = (f" (the base model; the LoRA adapters in {' and '.join(f'{d}/' for d in folders)} beside it, "
+                        "which vidray generate and serving merge)")
+        print(f"[vidray] diffusers pipeline: {result.diffusers_dir}{adapters}")
     print(f"[vidray] curves: {result.run_dir}/loss.png, metrics.jsonl; tensorboard --logdir {result.run_dir}")
     for shard in result.skipped_shards:
         print(f"[vidray] skipped shard {shard['file']}: {shard['reason']}")

@@ -229,7 +229,8 @@ class ModelConfig:
     lora: LoraConfig | None = None
     """null: full fine-tuning of the transformer. A section (`{rank: 16}`; see `LoraConfig`): LoRA adapters on the
     base model that `init` / `pretrained_path` give; checkpoints then hold only the adapters, and the diffusers
-    export writes the base pipeline with the adapters in `lora/` beside it."""
+    export writes the base pipeline with the adapters in `lora/` beside it (with `model.experts`, each expert's
+    adapters: `lora/` for the high-noise `transformer`, `lora_2/` for the low-noise `transformer_2`)."""
     i2v: I2VConfig | None = None
     """null: a text-to-video model. A section (`{condition: first, condition_dropout: 0.1}`; see `I2VConfig`): an
     image-to-video model, for the families in `vidray.models.rules.IMAGE_TO_VIDEO_FAMILIES`; a pretrained folder

@@ -18,6 +18,7 @@ from tests.conftest import free_port, join_gloo, start_ranks
 
 from vidray.config import ExpertsConfig, FlowConfig, I2VConfig, LoraConfig, ModelConfig, job_config_from_dict
 from vidray.data.buckets import Bucket
+from vidray.generate import GenerateArgumentError, check_generate_args
 from vidray.models.experts import EXPERT_ATTRIBUTES, EXPERTS, ExpertSlot, TwoExperts
 from vidray.models.export import export_pipeline, load_model, sharded_entries, write_job_file
 from vidray.models.lora import LoraLoadError, adapter_state_dict, apply_lora, has_lora
@@ -26,6 +27,7 @@ from vidray.train.checkpoint import CheckpointManager, TrainState, load_checkpoi
 from vidray.train.expert_groups import form_expert_groups, full_expert_state, gather_experts_to_rank0
 from vidray.train.parallel import _load_pretrained_shards, apply_fsdp, mixed_precision_policy
 from vidray.train.step import flow_matching_step_loss, sample_generator
+from vidray.train.trainer import warn_if_lora_export
 
 FAMILY = get_family("wan")
 FLOW = FlowConfig(shift=3.0)
@@ -50,7 +52,8 @@ def _inputs(transformer, seed: int) -> dict:
             "encoder_hidden_states": torch.randn(1, 8, config.text_dim, generator=generator), "return_dict": False}
 
 
-def test_a_two_expert_lora_export_is_one_stock_lora_folder_per_expert_that_diffusers_and_load_model_merge(tmp_path):
+def test_a_two_expert_lora_export_is_one_stock_lora_folder_per_expert_that_diffusers_and_load_model_merge(tmp_path,
+                                                                                                         capsys):
     from diffusers import WanImageToVideoPipeline
     from safetensors import safe_open
 
@@ -85,11 +88,21 @@ def test_a_two_expert_lora_export_is_one_stock_lora_folder_per_expert_that_diffu
             torch.testing.assert_close(stock(timestep=t, **inputs)[0], trained, atol=1e-5, rtol=1e-4, msg=expert)
             merged = loaded.components.transformer(timestep=t, **inputs)[0]
             torch.testing.assert_close(merged, trained, atol=1e-5, rtol=1e-4, msg=expert)
+            # A serving stage of one expert loads that expert alone, with its own folder's adapters (a fresh-user
+            # trial: the low-noise stage merged lora/, the high-noise expert's).
+            alone = load_model(out, components=("transformer",), expert=expert).components.transformer
+            torch.testing.assert_close(alone(timestep=t, **inputs)[0], trained, atol=1e-5, rtol=1e-4, msg=expert)
             base = FAMILY.build(MODEL, seed=0).transformer(timestep=t, **inputs)[0]
             assert (base - trained).abs().max() > 1e-3, expert  # the adapters changed this expert
-    # An export missing one expert's adapters, or a --lora for a two-expert model: one line each.
+    # An export missing one expert's adapters, or a --lora for a two-expert model: one line each, the latter
+    # before any weights load (`check_generate_args`).
     with pytest.raises(LoraLoadError, match=r"has two experts \(transformer_2\), and a LoRA merges into one"):
         load_model(out, lora_path=out / "lora")
+    with pytest.raises(GenerateArgumentError, match=r"^--lora: model .* has two experts \(transformer_2\)"):
+        check_generate_args(out, "a fox", tmp_path / "out.mp4", lora=out / "lora")
+    # Training from the export starts from its base: said in one line (a fresh-user trial: silently).
+    assert warn_if_lora_export(_job(init="pretrained", pretrained_path=str(out)))
+    assert "is a LoRA run's export: this run starts from its base pipeline" in capsys.readouterr().err
     shutil.rmtree(out / "lora_2")
     with pytest.raises(LoraLoadError, match=r"has two experts and lora/ but no lora_2/ \(the low-noise expert's"):
         load_model(out)
@@ -191,6 +204,10 @@ def test_each_expert_trains_only_its_adapters_on_its_sharded_pretrained_base_and
             assert torch.equal(tensor, base[name.replace(".base_layer.", ".")]), name
     # The checkpoint as generate / the validator read it: the pretrained base with both experts' adapters merged.
     merged = load_model(tmp_path / "run" / NAME).components.transformer
+    # A serving stage of one expert: the checkpoint holds both experts' adapters in one part (a fresh-user trial:
+    # they were applied after the other expert was dropped, and did not fit).
+    alone = {expert: load_model(tmp_path / "run" / NAME, components=("transformer",), expert=expert).components
+             .transformer for expert in EXPERTS}
     trained = FAMILY.build_transformer(MODEL, seed=0)
     apply_lora(trained, LORA, seed=0)
     trained.load_state_dict(gathered, strict=True)
@@ -199,5 +216,7 @@ def test_each_expert_trains_only_its_adapters_on_its_sharded_pretrained_base_and
         for timestep in (950.0, 300.0):
             inputs = _inputs(trained, seed=3)
             t = torch.tensor([timestep])
-            torch.testing.assert_close(merged(timestep=t, **inputs)[0], trained(timestep=t, **inputs)[0], atol=1e-5,
-                                       rtol=1e-4)
+            expected = trained(timestep=t, **inputs)[0]
+            torch.testing.assert_close(merged(timestep=t, **inputs)[0], expected, atol=1e-5, rtol=1e-4)
+            expert = "high" if timestep >= 900 else "low"
+            torch.testing.assert_close(alone[expert](timestep=t, **inputs)[0], expected, atol=1e-5, rtol=1e-4)

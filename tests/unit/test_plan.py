@@ -285,3 +285,17 @@ def test_a_jobs_plan_counts_the_transformer_its_family_builds_with_its_condition
     assert counted == sum(p.numel() for p in one.parameters())
     if config == "wan_i2v_tiny.yaml":
         assert counted == 44_448
+
+
+def test_a_lora_job_is_picked_a_lora_strategy_where_a_full_fine_tune_would_fit_too():
+    """A job with `model.lora` asks for adapters: the plan picks the first LoRA strategy that fits, not the full
+    fine-tune that fits first (a fresh-user trial: `picked: ddp bf16` for a LoRA job, whose printed overrides then
+    described another run than the row picked)."""
+    from vidray.train.plan import plan_job
+
+    config = Path(__file__).resolve().parents[2] / "jobs/configs/tiny_t2v.yaml"
+    kwargs = dict(gpu_memory_bytes=80 * 2**30, num_gpus=2)
+    full, lora = plan_job(load_job_config(config), **kwargs), plan_job(load_job_config(config, ["model.lora.rank=4"]),
+                                                                      **kwargs)
+    assert full.chosen.strategy.kind == "ddp"
+    assert lora.chosen.strategy.kind == "lora" and any("model.lora is set" in note for note in lora.notes)

@@ -634,6 +634,8 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None,
     unknown = sorted(set(components) - set(COMPONENTS))
     if unknown or not components:
         raise ValueError(f"components {list(components)}: give one or more of {', '.join(COMPONENTS)}")
+    from vidray.models.experts import TwoExperts, pick_expert
+
     info = inspect_model(path)
     experts = model_experts(info)
     if expert is not None and ("transformer" not in components or experts is None):
@@ -645,7 +647,9 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None,
     else:
         loaded = _load_some(info, set(components), expert)
     if loaded.transformer is not None:
-        _merge_adapters(loaded.transformer, info, lora_path)
+        _merge_adapters(loaded.transformer, info, lora_path, expert=expert)
+        if expert is not None and isinstance(loaded.transformer, TwoExperts):  # a checkpoint's, read whole
+            loaded.transformer = pick_expert(loaded.transformer, expert)  # after both experts' adapters merged
     for module in (loaded.transformer, loaded.vae, loaded.text_encoder, loaded.image_encoder):
         if module is not None:
             module.eval()
@@ -664,9 +668,9 @@ def _load_all(info: ModelInfo) -> "Components":
 
 def _load_some(info: ModelInfo, wanted: set[str], expert: str | None = None) -> "Components":
     """The `wanted` components alone (the others None), through the family's per-component builders; the
-    transformer as the one `expert` when given (`load_model`)."""
+    transformer as the one `expert` when given, from a pipeline folder (a checkpoint holds both experts in one
+    file: both come back, and `load_model` picks the expert once a LoRA checkpoint's adapters are merged)."""
     from vidray.models.base import Components
-    from vidray.models.experts import pick_expert
 
     model_cfg, seed = model_config(info)
     family = info.family
@@ -675,11 +679,9 @@ def _load_some(info: ModelInfo, wanted: set[str], expert: str | None = None) -> 
         if expert is not None and info.kind != "checkpoint":
             transformer = family.build_expert(model_cfg, seed=seed, expert=expert)
         else:
-            transformer = family.build_transformer(model_cfg, seed=seed)
+            transformer = family.build_transformer(model_cfg, seed=seed)  # a checkpoint's experts: both
             if info.kind == "checkpoint" and not is_lora_checkpoint(_read_manifest(info.path)):
                 transformer.load_state_dict(load_transformer_state(info.path))
-            if expert is not None:
-                transformer = pick_expert(transformer, expert)
     if "vae" in wanted:
         vae = family.build_vae(model_cfg, seed=seed)
     if "text_encoder" in wanted:
@@ -725,38 +727,43 @@ def _folder_experts(path: Path) -> ExpertsConfig | None:
     return ExpertsConfig(boundary_ratio=ratio) if valid else None
 
 
-def _merge_adapters(transformer: "torch.nn.Module", info: ModelInfo, lora_path: str | Path | None) -> None:
-    """A LoRA checkpoint's adapters, an export's `lora/`, then `lora_path`, merged into `transformer`."""
+def _merge_adapters(transformer: "torch.nn.Module", info: ModelInfo, lora_path: str | Path | None, *,
+                    expert: str | None = None) -> None:
+    """A LoRA checkpoint's adapters, an export's `lora/` (`lora_2/`), then `lora_path`, merged into `transformer`
+    (one `expert` of two alone when given: an export's folder of that expert's adapters)."""
+    from vidray.models.experts import TwoExperts
+    from vidray.models.lora import LoraLoadError, load_lora_into
+
     if info.kind == "checkpoint" and is_lora_checkpoint(_read_manifest(info.path)):
         _merge_checkpoint_adapters(transformer, info)
     elif info.kind != "checkpoint" and (info.path / LORA_DIR).is_dir():  # a LoRA run's export: adapters beside it
-        _merge_export_adapters(transformer, info.path)
+        _merge_export_adapters(transformer, info.path, expert)
     if lora_path is not None:
-        from vidray.models.experts import TwoExperts
-        from vidray.models.lora import LoraLoadError, load_lora_into
-
-        if isinstance(transformer, TwoExperts):
+        if isinstance(transformer, TwoExperts) or expert is not None:
             raise LoraLoadError(f"LoRA {lora_path}: model {info.path} has two experts (transformer_2), and a LoRA "
                                 "merges into one transformer; remove --lora (a two-expert LoRA run's export merges "
                                 f"its own {LORA_DIR}/ and {LORA_2_DIR}/)")
         load_lora_into(transformer, lora_path)
 
 
-def _merge_export_adapters(transformer: "torch.nn.Module", folder: Path) -> None:
+def _merge_export_adapters(transformer: "torch.nn.Module", folder: Path, expert: str | None = None) -> None:
     """A LoRA run's export: `<folder>/lora` merged into the transformer, or, for two experts, `lora/` into the
-    high-noise expert and `lora_2/` into the low-noise one (`EXPERT_LORA_DIRS`). Raises LoraLoadError naming the
-    folder when an expert's adapters are missing or do not fit it."""
+    high-noise expert and `lora_2/` into the low-noise one (`EXPERT_LORA_DIRS`; `expert`: the transformer is that
+    expert alone, a serving stage's). Raises LoraLoadError naming the folder when an expert's adapters are missing
+    or do not fit it."""
     from vidray.models.experts import TwoExperts, pick_expert
     from vidray.models.lora import LoraLoadError, load_lora_into
 
-    if not isinstance(transformer, TwoExperts):
+    if expert is None and not isinstance(transformer, TwoExperts):
         load_lora_into(transformer, folder / LORA_DIR)
         return
-    for expert, name in EXPERT_LORA_DIRS.items():
+    for side, name in EXPERT_LORA_DIRS.items():
+        if expert is not None and side != expert:
+            continue
         if not (folder / name).is_dir():
             raise LoraLoadError(f"LoRA export {folder} has two experts and {LORA_DIR}/ but no {name}/ (the "
-                                f"{expert}-noise expert's adapters): export the run again")
-        load_lora_into(pick_expert(transformer, expert), folder / name)
+                                f"{side}-noise expert's adapters): export the run again")
+        load_lora_into(transformer if expert is not None else pick_expert(transformer, side), folder / name)
 
 
 def lora_path_problem(path: str | Path) -> str | None:

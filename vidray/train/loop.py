@@ -268,8 +268,10 @@ class Worker:
 
             apply_lora(transformer, job.model.lora, seed=job.train.seed)
             counts = lora_summary(transformer)
-            self._log(f"LoRA rank {job.model.lora.rank}: {counts['trainable']:,} of {counts['total']:,} parameters "
-                      "train")
+            whose = ("" if job.model.experts is None else " in each expert (each expert group its own adapters)"
+                     if self.experts is not None else " (both experts)")
+            self._log(f"LoRA rank {job.model.lora.rank} on {', '.join(job.model.lora.target_modules)}: "
+                      f"{counts['trainable']:,} of {counts['total']:,} parameters train{whose}")
         return transformer, pretrained_weights
 
     def _load_data(self, *, local_ranks: int) -> None:

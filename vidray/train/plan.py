@@ -416,12 +416,13 @@ class PlanReport:
 def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: int, num_gpus: int,
          gpu_memory_bytes: int, lora_rank: int = DEFAULT_LORA_RANK, lora_targets: tuple[str, ...] | None = None,
          encoders_bytes: int = 0, micro_batches_per_rank: int = 1, experts_held: int = 1,
-         expert_groups: bool = False) -> PlanReport:
+         expert_groups: bool = False, lora_job: bool = False) -> PlanReport:
     """Estimate every strategy in `STRATEGIES` for `preset` on `num_gpus` GPUs of `gpu_memory_bytes` each and pick
     the first that fits with `HEADROOM`. `experts_held` 2 (`model.experts` layout shared): each rank holds two
     experts of the preset's shape, and only ddp and lora (DDP, full or adapters) are listed; `expert_groups`
     (layout groups): each rank holds one expert, `num_gpus` being one expert's group, and every strategy is listed.
-    Raises UserError for a bad bucket, rank or LoRA target."""
+    `lora_job` (the job sets `model.lora`): the pick is the first LoRA strategy that fits (the others are listed
+    for reference). Raises UserError for a bad bucket, rank or LoRA target."""
     counts = count_model(preset, lora_rank=lora_rank, lora_targets=lora_targets)
     estimates = tuple(estimate_memory(preset, counts, s, bucket=bucket, batch_size=batch_size,
                                       text_tokens=text_tokens, num_gpus=num_gpus, encoders_bytes=encoders_bytes,
@@ -429,8 +430,10 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
                                       gpu_memory_bytes=gpu_memory_bytes, experts_held=experts_held)
                       for s in STRATEGIES if not (s.kind.startswith("fsdp") and num_gpus < 2)
                       and not (experts_held > 1 and s.kind not in ("ddp", "lora")))
-    chosen = next((e for e in estimates if e.fits), None)
+    chosen = next((e for e in estimates if e.fits and (not lora_job or "lora" in e.strategy.kind)), None)
     notes = []
+    if lora_job:
+        notes.append("model.lora is set: picked among the lora strategies (the full fine-tunes are for reference)")
     if experts_held > 1:
         notes.append(f"model.experts: every worker holds {experts_held} experts of {_parameters(counts.total)} "
                      "parameters (their weights, gradients and optimizer state), trained with ddp (full or lora)")
@@ -523,7 +526,7 @@ def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePre
     return plan(preset, bucket=bucket, batch_size=batch, text_tokens=text_tokens, num_gpus=num_gpus,
                 gpu_memory_bytes=gpu_memory_bytes, lora_rank=rank, lora_targets=targets,
                 encoders_bytes=_encoders_on_gpu(job, preset), micro_batches_per_rank=micro,
-                experts_held=held, expert_groups=groups)
+                experts_held=held, expert_groups=groups, lora_job=lora is not None)
 
 
 def _experts_held(job: Any) -> int:

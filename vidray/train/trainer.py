@@ -165,6 +165,7 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
         get_family(job.model.family).check_trainable(job.model)  # a model the family samples but cannot train
     except ValueError as err:
         raise UserError(str(err)) from None
+    warn_if_lora_export(job)
     from vidray.train.validation import check_validation_prompts
 
     check_validation_prompts(job)  # a prompt the text encoder would cut: before anything starts
@@ -201,6 +202,22 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
         return plan
     with plan_files(plan.checkpoint) as folder:
         return check_resume(job, plan, folder, index)
+
+
+def warn_if_lora_export(job: JobConfig) -> bool:
+    """Print one warning line, and return True, when `model.pretrained_path` is a LoRA run's export (a local
+    pipeline folder with its adapters in `lora/`, `vidray.models.export.LORA_DIR`): a run starts from the folder's
+    base pipeline, without those adapters (`vidray generate` and serving merge them; training does not). Resuming
+    the LoRA run's checkpoint continues its adapters."""
+    from vidray.models.export import LORA_DIR
+
+    path = job.model.pretrained_path
+    if job.model.init != "pretrained" or not path or is_uri(path) or not (Path(path) / LORA_DIR).is_dir():
+        return False
+    print(f"[vidray] warning: model.pretrained_path {path} is a LoRA run's export: this run starts from its base "
+          f"pipeline without the adapters in {LORA_DIR}/ (to continue those adapters, resume that run's checkpoint "
+          "with checkpoint.resume_from)", file=sys.stderr, flush=True)
+    return True
 
 
 def required_resources(job: JobConfig, num_workers: int | None = None) -> dict[str, float]:
