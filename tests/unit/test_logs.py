@@ -61,3 +61,27 @@ def test_vidray_train_and_the_ray_job_entry_point_take_verbose():
     out = subprocess.run([sys.executable, str(REPO_ROOT / "jobs/train.py"), "--help"], capture_output=True,
                          text=True, timeout=60, cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert "--verbose" in out.stdout
+
+
+FAMILY_PROBE = """
+import json, os, sys
+os.environ.update(json.loads(sys.argv[1]))
+from vidray.models import get_family
+family = get_family("wan")  # what a worker, an encode actor or a serve replica does before it loads weights
+from diffusers.utils import logging
+print(json.dumps({"bars": logging.is_progress_bar_enabled()}))
+"""
+
+
+def test_a_process_that_loads_a_family_has_diffusers_bars_off_unless_verbose():
+    """diffusers' `Loading pipeline components...` bars reached the console from encode actors, the text-identity
+    actor and serve replicas loading a pretrained folder (a fresh-user trial): every process that looks a family up
+    turns them off, as `vidray generate` and the validator did already; `--verbose` keeps them."""
+    env = {k: v for k, v in os.environ.items() if k != "VIDRAY_VERBOSE"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    seen = {}
+    for verbose in ("", "1"):
+        out = subprocess.run([sys.executable, "-c", FAMILY_PROBE, json.dumps({"VIDRAY_VERBOSE": verbose})], env=env,
+                             capture_output=True, text=True, timeout=120, check=True)
+        seen[verbose] = json.loads(out.stdout.splitlines()[-1])["bars"]
+    assert seen == {"": False, "1": True}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator, Mapping
 
+from vidray.logs import quiet_diffusers
 from vidray.models.base import Components, Encoders, ModelFamily
 
 __all__ = ["Components", "Encoders", "ModelFamily", "FAMILIES", "get_family"]
@@ -42,6 +43,9 @@ class _Families(Mapping):
         if name not in self._built:
             module, cls = self._registry[name].split(":")  # KeyError for an unknown name, as a dict
             self._built[name] = getattr(importlib.import_module(module), cls)()
+            # Every process that loads a family's weights gets here first (workers, encode actors, serve replicas,
+            # the validator): diffusers' "Loading pipeline components..." bars off in it (`vidray.logs`).
+            quiet_diffusers()
         return self._built[name]
 
     def __iter__(self) -> Iterator[str]:
