@@ -426,13 +426,14 @@ class Worker:
         self._log(f"training steps {self.start_step}..{max_steps} from epoch {self.position.epoch}, batch "
                   f"{self.position.batches_consumed}/{schedule.batches_per_epoch} "
                   f"({schedule.steps_per_epoch(self.dp_size, job.micro_batches_per_step)} steps/epoch of "
-                  f"{job.micro_batches_per_step} micro-batches at {self.dp_size} workers"
+                  f"{job.micro_batches_per_step} micro-batches at {_workers(self.dp_size)}"
                   f"{' per expert' if self.experts else ''}; batch sizes {sizes})")
         dp_workers = job.data_parallel_workers
         self._log(f"global batch {job.global_batch_size} samples per step{' per expert' if self.experts else ''} "
                   f"(data.batch_size_per_worker {job.data.batch_size_per_worker} x {job.micro_batches_per_step} "
-                  f"micro-batches: {dp_workers} workers x {job.micro_batches_per_step // dp_workers} "
-                  f"accumulated); precision {job.train.mixed_precision}, activation checkpointing "
+                  f"micro-batches: {_workers(dp_workers)} x {job.micro_batches_per_step // dp_workers} "
+                  f"accumulated); {job.scaling.strategy}, mixed precision {job.train.mixed_precision}, "
+                  "activation checkpointing "
                   f"{job.train.activation_checkpointing}, gradient compression {job.train.grad_compression}"
                   + (f", EMA decay {job.train.ema.decay}" if self.ema else "")
                   + _experts_note(job))
@@ -783,6 +784,11 @@ class Worker:
 
     def _log(self, message: str) -> None:
         _log(self.rank, message)
+
+
+def _workers(count: int) -> str:
+    """'1 worker', '2 workers'."""
+    return f"{count} worker{'' if count == 1 else 's'}"
 
 
 def _experts_note(job: Any) -> str:
