@@ -299,3 +299,16 @@ def test_a_lora_job_is_picked_a_lora_strategy_where_a_full_fine_tune_would_fit_t
                                                                       **kwargs)
     assert full.chosen.strategy.kind == "ddp"
     assert lora.chosen.strategy.kind == "lora" and any("model.lora is set" in note for note in lora.notes)
+
+
+def test_a_preset_planned_for_an_image_to_video_job_takes_its_condition_channels():
+    """`--preset wan2.2-a14b` is Wan's text-to-video layout; for an image-to-video job its patch embedding takes
+    the 20 condition channels too: 20 x (1 x 2 x 2) x 5120 more weights (a fresh-user trial: both configs planned
+    14,288,491,584)."""
+    from vidray.train.plan import plan_job
+
+    configs = Path(__file__).resolve().parents[2] / "jobs/configs"
+    kwargs = dict(gpu_memory_bytes=80 * 2**30, num_gpus=8, preset=get_preset("wan2.2-a14b"), bucket=Bucket(49, 512, 512))
+    t2v = plan_job(load_job_config(configs / "wan_t2v_tiny.yaml"), **kwargs).counts.total
+    i2v = plan_job(load_job_config(configs / "wan_i2v_tiny.yaml"), **kwargs).counts.total
+    assert t2v == 14_288_491_584 and i2v - t2v == 20 * 4 * 5120

@@ -508,7 +508,13 @@ def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePre
     """`plan` for a loaded job config: its model (or `preset`), its largest bucket (or `bucket`, with batch size 1
     when given), `model.max_sequence_length` text tokens (or the preset's when `preset` is given), the job's
     encoder placement and gradient accumulation, and `model.lora`'s rank and targets where the config has them."""
-    preset = preset or job_preset(job)
+    if preset is None:
+        preset = job_preset(job)
+    elif job.model.i2v is not None and preset.family == job.model.family:
+        # A preset is a text-to-video layout: an image-to-video job's transformer takes its condition channels too
+        # (Wan 36, EasyAnimate InP 33, CogVideoX I2V 32), as the family builds it.
+        in_channels = job_preset(job).config["in_channels"]
+        preset = ShapePreset(**{**preset.__dict__, "config": {**preset.config, "in_channels": in_channels}})
     if bucket is None:
         bucket, batch = largest_bucket(job, preset)
     else:
