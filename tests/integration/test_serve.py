@@ -90,12 +90,14 @@ def exported_i2v_model(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serve_run(head, config: dict, config_path: Path, route_prefixes: tuple[str, ...] = ("",)):
+def serve_run(head, config: dict, config_path: Path, route_prefixes: tuple[str, ...] = ("",),
+              deploy_failed_expected: bool = False):
     """`serve run` of the Serve `config` (a parsed serve_config.yaml; its HTTP port is set here, once the head runs,
     so that none of the head's processes takes it in between) written to `config_path`, on `head`'s cluster. Yields
     (the proxy's root URL `http://127.0.0.1:<port>`, the `serve run` process, its log) once every application's
     /healthz answers 200 (`route_prefixes`: one per application, "" for the root); stopped with Ctrl-C (SIGINT,
-    `serve run` then shuts its applications down) and then by PID at the end."""
+    `serve run` then shuts its applications down) and then by PID at the end. A deployment reported DEPLOY_FAILED
+    fails the start, unless `deploy_failed_expected` (an application whose stage is meant not to start)."""
     log = Path(head.temp_dir) / "serve_run.log"
     process = None
     try:
@@ -112,7 +114,8 @@ def serve_run(head, config: dict, config_path: Path, route_prefixes: tuple[str, 
         deadline = time.monotonic() + 240
         while waiting and time.monotonic() < deadline:
             text = log.read_text()
-            if process.poll() is not None or "DEPLOY_FAILED" in text or "ServeSettingsError" in text:
+            failed = "DEPLOY_FAILED" in text and not deploy_failed_expected
+            if process.poll() is not None or failed or "ServeSettingsError" in text:
                 raise RuntimeError(f"serve run failed: {log.read_text()[-4000:]}")
             try:
                 if _request("GET", f"{root}{waiting[0]}/healthz", token=None)[0] == 200:

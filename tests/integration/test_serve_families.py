@@ -7,12 +7,15 @@ each under its own route prefix, driven by the official `openai` SDK (`base_url`
 | /wan | serve/serve_config_experts.yaml | Wan 2.2 A14B image-to-video, two experts | first frame |
 | /cogvideox | serve/serve_config.yaml | CogVideoX image-to-video | first frame; text only |
 | /animatediff | serve/serve_config.yaml | AnimateDiff text-to-video | text; a first frame (400) |
+| /broken | serve/serve_config.yaml | the CogVideoX model with its transformer's weights file damaged | text (fails) |
 
 Each served video is the one `vidray generate` makes for the same prompt, seed, steps, size and image: both write
 lossless mp4s (`crf` 0), so their frames must match (within 1 level: the replicas' and this process's torch may
 sum in another order). At the shipped crf 18 libx264 does not always encode the same frames to the same bytes (4
 to 42 byte strings in 60 encodes of the CogVideoX clip here, frames up to 28 levels apart; ServeSettings.crf), and
-this comparison failed for CogVideoX. The image-to-video models also serve a text-only request (the empty condition
+this comparison failed for CogVideoX. A job of /broken, whose Denoiser replicas cannot load the model (Serve marks
+the deployment DEPLOY_FAILED), fails naming the stage instead of waiting for it for good (a fresh-user trial: a
+two-expert LoRA checkpoint that no denoiser could load held its job in_progress). The image-to-video models also serve a text-only request (the empty condition
 they were trained with, `model.i2v.condition_dropout`). Each model is a tiny random one built from its family's
 shipped tiny job config (`jobs/configs/*_tiny.yaml`), exported by `export_pipeline` + `write_job_file` as the end
 of a training run does.
@@ -21,6 +24,8 @@ of a training run does.
 from __future__ import annotations
 
 import copy
+import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -101,11 +106,24 @@ def served_families(family_models, tmp_path_factory) -> dict[str, Served]:
         app["args"].update(model_path=str(family_models[name]), model_name=_model_name(name),
                            store_dir=str(stores[name]), default_num_inference_steps=STEPS, crf=CRF)
         config["applications"].append(app)
+    # /broken: the CogVideoX model whose transformer weights do not load (its configs do: the ingress starts).
+    broken = tmp_path_factory.mktemp("broken") / "diffusers"
+    shutil.copytree(family_models["cogvideox"], broken)
+    for weights in (broken / "transformer").glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    app = copy.deepcopy(config["applications"][1])
+    stores["broken"] = tmp_path_factory.mktemp("store-broken")
+    app.update(name="broken", route_prefix="/broken")
+    app["args"].update(model_path=str(broken), model_name="vidray-broken", store_dir=str(stores["broken"]))
+    app["args"]["runner"]["lease_s"] = 6.0  # the heartbeat, which notices the failed stage, every 2 s
+    config["applications"].append(app)
+    names = (*FAMILIES, "broken")
     config_path = tmp_path_factory.mktemp("config") / "serve_config.yaml"
     head = start_ray_head("/tmp/vrf", extra_env={"VIDRAY_API_TOKEN": TOKEN})
     try:
-        with serve_run(head, config, config_path, tuple(f"/{name}" for name in FAMILIES)) as (root, process, log):
-            yield {name: Served(head, f"{root}/{name}", stores[name], process, log) for name in FAMILIES}
+        with serve_run(head, config, config_path, tuple(f"/{name}" for name in names),
+                       deploy_failed_expected=True) as (root, process, log):
+            yield {name: Served(head, f"{root}/{name}", stores[name], process, log) for name in names}
     finally:
         head.stop()
 
@@ -195,3 +213,17 @@ def test_animatediff_serves_generate_s_video_and_refuses_an_input_reference_nami
     assert refused.value.status_code == 400
     message = refused.value.body["message"] if isinstance(refused.value.body, dict) else str(refused.value)
     assert _model_name("animatediff") in message and "text-to-video" in message, message
+
+
+def test_a_job_whose_denoiser_cannot_load_its_model_fails_naming_the_stage_instead_of_waiting(served_families):
+    served = served_families["broken"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        video = served.client().videos.create(model="vidray-broken", prompt=PROMPT, size="32x32",
+                                              extra_body={"num_frames": 9, "seed": SEED, "num_inference_steps": 2})
+    done = served.wait_for(video.id, ("completed", "failed"), timeout_s=240)
+    assert done["status"] == "failed" and done["error"]["code"] == "internal_error", done
+    deadline = time.monotonic() + 30  # the replica's log line reaches serve run's output a moment later
+    while "StageUnavailableError: the Denoiser stage is DEPLOY_FAILED" not in served.log.read_text():
+        assert time.monotonic() < deadline, served.log.read_text()[-4000:]
+        time.sleep(1)

@@ -63,6 +63,17 @@ LOW_NOISE_DENOISER = "LowNoiseDenoiser"
 """The deployment of a two-expert model's low-noise expert (its high-noise one is `Denoiser`)."""
 
 
+class StageUnavailableError(RuntimeError):
+    """A stage deployment this job needs cannot serve it: Serve reports it DEPLOY_FAILED or UNHEALTHY (its
+    replicas fail to start, e.g. a model whose weights do not load). The message names the deployment, its status
+    and Serve's message."""
+
+
+UNAVAILABLE_STATUSES = ("DEPLOY_FAILED", "UNHEALTHY")
+"""Serve's deployment statuses (`ray.serve.schema.DeploymentStatus`) under which a stage takes no request: a call
+to it would wait for a replica that does not come."""
+
+
 class ServeSettingsError(UserError):
     """Application args that cannot work; raised by `build_app` before any replica starts."""
 
@@ -459,12 +470,18 @@ class VideoJobService:
         lease_s = self.settings.runner.lease_s
         progress = {"value": 0}
         owned = {"value": True}
+        stopped: dict[str, BaseException] = {}  # why the heartbeat stopped the render, if it did
         render = asyncio.get_running_loop().create_task(self._render(job, progress, owned))
         self._renders[job.id] = (render, owned, job.owner)
 
         async def heartbeat():
             while True:
                 await asyncio.sleep(lease_s / 3)
+                unavailable = await asyncio.to_thread(self.unavailable_stage)
+                if unavailable is not None:  # its call would wait for a replica that does not come
+                    stopped["error"] = StageUnavailableError(unavailable)
+                    render.cancel()
+                    return
                 try:
                     ok = await asyncio.to_thread(self.store.heartbeat, job.id, job.owner,
                                                  progress=progress["value"], lease_s=lease_s)
@@ -480,6 +497,8 @@ class VideoJobService:
             try:
                 mp4 = await render
             except asyncio.CancelledError:
+                if "error" in stopped:  # a stage it needs cannot start: the job fails (below), naming it
+                    raise stopped["error"] from None
                 if owned["value"]:  # this task itself was cancelled (the replica is stopping)
                     raise
                 mp4 = None
@@ -515,6 +534,28 @@ class VideoJobService:
             beat.cancel()
             if self._renders.get(job.id, (None, None, None))[2] == job.owner:
                 self._renders.pop(job.id)
+
+    def unavailable_stage(self) -> str | None:
+        """'<deployment> is <status>: <Serve's message>' for the first stage deployment of this application that
+        Serve reports DEPLOY_FAILED or UNHEALTHY (`UNAVAILABLE_STATUSES`), else None; also None where Serve cannot
+        say (stage objects outside Serve, as the unit tests chain them; Serve's controller not answering). A job
+        waiting on such a stage would wait for good: `_execute` fails it instead (`StageUnavailableError`). Blocks
+        on one call to Serve's controller (`serve.status()`): call it in a thread."""
+        stages = [h for h in (self.text, self.denoiser, self.low_noise_denoiser, self.vae) if h is not None]
+        names = [getattr(h, "deployment_name", None) for h in stages]
+        app = getattr(stages[0], "app_name", None) if stages else None
+        if app is None or not all(isinstance(n, str) for n in names):
+            return None
+        try:
+            deployments = serve.status().applications[app].deployments
+        except Exception:  # noqa: BLE001 - the controller restarting, or no such app: nothing to say now
+            return None
+        for name in names:
+            found = deployments.get(name)
+            status = getattr(found.status, "value", found.status) if found is not None else None
+            if status in UNAVAILABLE_STATUSES:
+                return f"the {name} stage is {status}: {found.message}"
+        return None
 
     async def _render(self, job, progress: dict, owned: dict) -> Path | None:
         """text (and, for an image-to-video job, its first frame through the VAE stage) -> denoise (streamed
