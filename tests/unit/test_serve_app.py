@@ -1,7 +1,9 @@
 """`build_app` checks the serve application's args before Serve starts anything: unknown keys, the bearer token,
 the model folder, and what the model can make (issue 8 items 1 and 6). No Ray is started here."""
 
+import asyncio
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -292,7 +294,6 @@ def test_the_runner_writes_the_mp4_at_the_settings_crf_and_crf_0_keeps_the_frame
     """`crf` reaches the encoder: 0 is lossless (the decoded frames are those of the lossless encode of the decoded
     video, whatever libx264 decides), 18 the shipped default (smaller, lossy). Out of range is refused."""
     import asyncio
-    import time
 
     import numpy as np
 
@@ -309,12 +310,7 @@ def test_the_runner_writes_the_mp4_at_the_settings_crf_and_crf_0_keeps_the_frame
         params = {"num_frames": 9, "width": 48, "height": 64, "seed": 0, "num_inference_steps": 2,
                   "guidance_scale": 1.0, "negative_prompt": "", "fps": 8.0}
         job = service.store.create(model="m", prompt="a", size="48x64", seconds="1.125", params=params)
-        service.ensure_runner()
-        deadline = time.monotonic() + 30
-        while service.store.get(job.id).status not in ("completed", "failed") and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        await service.shutdown(timeout_s=5)
-        return service.store.get(job.id), service.store
+        return await run_until_finished(service, job.id, timeout_s=30)
 
     job, store = asyncio.run(scenario())
     assert job.status == "completed", job
@@ -326,3 +322,14 @@ def test_the_runner_writes_the_mp4_at_the_settings_crf_and_crf_0_keeps_the_frame
         assert len(mp4) < len(lossless) / 1.5 and not np.array_equal(decode_mp4(mp4), decode_mp4(lossless))
     with pytest.raises(ValueError, match="crf"):
         ServeSettings(model_path=str(model_dir), crf=52)
+
+
+async def run_until_finished(service, job_id: str, *, timeout_s: float):
+    """Start `service`'s runner, wait (at most `timeout_s`) until job `job_id` is completed or failed, stop the
+    runner; returns (the job's record, the store)."""
+    service.ensure_runner()
+    deadline = time.monotonic() + timeout_s
+    while service.store.get(job_id).status not in ("completed", "failed") and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await service.shutdown(timeout_s=5)
+    return service.store.get(job_id), service.store

@@ -26,6 +26,7 @@ from vidray.models.experts import TwoExperts, expert_steps  # noqa: E402
 from vidray.models.export import load_model, write_job_file  # noqa: E402
 from vidray.serve.app import LOW_NOISE_DENOISER, ServeSettings, ServeSettingsError, VideoJobService, build_app  # noqa: E402,E501
 from vidray.serve.stages import Denoiser, VaeDecoder  # noqa: E402
+from tests.unit.test_serve_app import run_until_finished  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 BUCKET = Bucket(9, 32, 32)
@@ -195,12 +196,7 @@ def _render(experts_dir, tmp_path, denoisers: list) -> np.ndarray:
                   "guidance_scale": 1.0, "negative_prompt": "", "fps": 8.0}
         job = service.store.create(model="m", prompt="a red fox", size="32x32", seconds="1.125", params=params,
                                    input_reference=_png(4), input_suffix=".png")
-        service.ensure_runner()
-        deadline = time.monotonic() + 60
-        while service.store.get(job.id).status not in ("completed", "failed") and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        await service.shutdown(timeout_s=5)
-        return service.store.get(job.id), service.store
+        return await run_until_finished(service, job.id, timeout_s=60)
 
     job, store = asyncio.run(scenario())
     assert job.status == "completed", job
