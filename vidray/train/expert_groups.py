@@ -100,7 +100,8 @@ def form_expert_groups(rank: int, world_size: int, node_labels: dict[str, str],
 
 def full_expert_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` with every `DTensor` gathered in full on CPU (`full_tensor`, a collective over its mesh: every rank
-    of the expert's group calls it, in the same order); plain tensors as they are."""
+    of the expert's group calls it, in the same order); plain tensors as they are. The values may share storage
+    with the parameters (a plain tensor, or a group of one rank): copy them before the parameters change."""
     from torch.distributed.tensor import DTensor
 
     return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
