@@ -163,6 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         lora=args.lora,
         image=args.image,
         last_image=args.last_image,
+        crf=args.crf,
     )
     # Every argument first, before torch/diffusers are even imported: a typo answers in well under a second.
     check_generate_args(args.model, args.prompt, args.output, **kwargs)
@@ -317,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "image-to-video model only (a model.i2v run's export, a stock EasyAnimateInpaintPipeline, "
                    "WanImageToVideoPipeline or CogVideoXImageToVideoPipeline folder)")
     p.add_argument("--last-image", help="last frame of the video (with --image): first-and-last conditioning")
+    p.add_argument("--crf", type=int, default=18, help="the mp4's H.264 constant rate factor, 0..51: 0 is lossless "
+                   "(the frames exactly as sampled), higher is smaller (default: %(default)s)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("doctor", help="check this machine (libraries, devices), a job config (inputs, outputs, "

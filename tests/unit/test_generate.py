@@ -236,8 +236,8 @@ BAD_ARGUMENTS = [
     ({"bucket": "8x32x32"}, "num_frames must be 1 or k*4+1"),
     ({"bucket": "9x40x32"}, "multiples of 16"),
     ({"bucket": Bucket(9, 32, 24)}, "--bucket 9x32x24 cannot be made by the easyanimate model"),
-    ({"crf": 52}, "crf must be an integer in 0..51 (libx264's constant rate factor, 0 = lossless), got 52"),
-    ({"crf": -1}, "crf must be an integer in 0..51"),
+    ({"crf": 52}, "--crf must be an integer in 0..51 (libx264's constant rate factor, 0 = lossless), got 52"),
+    ({"crf": -1}, "--crf must be an integer in 0..51"),
 ]
 
 
@@ -314,15 +314,20 @@ def test_stock_folder_without_recorded_buckets_needs_a_bucket(trained, tmp_path,
         inspect_model(stock)
 
 
-def test_cli_generate_with_fps_0_exits_2_with_one_line_before_loading_weights(trained, tmp_path, no_weights, capsys):
+@pytest.mark.parametrize("flag, message", [
+    (["--fps", "0"], "--fps must be a finite frame rate in [0.01, 1000] frames/s, got 0.0"),
+    (["--crf", "60"], "--crf must be an integer in 0..51 (libx264's constant rate factor, 0 = lossless), got 60"),
+])
+def test_cli_generate_with_a_bad_flag_exits_2_with_one_line_before_loading_weights(trained, tmp_path, no_weights,
+                                                                                  capsys, flag, message):
     _, out_dir = trained
     start = time.perf_counter()
     code = main(["generate", "--model", str(out_dir), "--prompt", "a red ball", "--output", str(tmp_path / "o.mp4"),
-                 "--fps", "0"])
+                 *flag])
     assert time.perf_counter() - start < 1.0
     err = capsys.readouterr().err
     assert code == 2
-    assert err.startswith("vidray generate: error: --fps must be a finite frame rate in [0.01, 1000] frames/s, got 0.0")
+    assert err.startswith(f"vidray generate: error: {message}")
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
