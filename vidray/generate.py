@@ -166,7 +166,8 @@ def check_generate_args(
     if not _is_int(seed) or not 0 <= seed <= SEED_MAX:
         problems.append(f"--seed must be an integer in 0..{SEED_MAX} (2**63 - 1), got {seed!r}")
     if not _is_int(crf) or not 0 <= crf <= 51:
-        problems.append(f"--crf must be an integer in 0..51 (libx264's constant rate factor, 0 = lossless), got {crf!r}")
+        problems.append(f"--crf must be an integer in 0..51 (libx264's constant rate factor, 0 = lossless), "
+                        f"got {crf!r}")
     if isinstance(bucket, str):
         try:  # here what no family takes (its form, sides off every family's multiple); the family's rule in pass 2
             bucket = parse_bucket_form(bucket)

@@ -15,10 +15,10 @@ sum in another order). At the shipped crf 18 libx264 does not always encode the 
 to 42 byte strings in 60 encodes of the CogVideoX clip here, frames up to 28 levels apart; ServeSettings.crf), and
 this comparison failed for CogVideoX. A job of /broken, whose Denoiser replicas cannot load the model (Serve marks
 the deployment DEPLOY_FAILED), fails naming the stage instead of waiting for it for good (a fresh-user trial: a
-two-expert LoRA checkpoint that no denoiser could load held its job in_progress). The image-to-video models also serve a text-only request (the empty condition
-they were trained with, `model.i2v.condition_dropout`). Each model is a tiny random one built from its family's
-shipped tiny job config (`jobs/configs/*_tiny.yaml`), exported by `export_pipeline` + `write_job_file` as the end
-of a training run does.
+two-expert LoRA checkpoint that no denoiser could load held its job in_progress). The image-to-video models also
+serve a text-only request (the empty condition they were trained with, `model.i2v.condition_dropout`). Each model
+is a tiny random one built from its family's shipped tiny job config (`jobs/configs/*_tiny.yaml`), exported by
+`export_pipeline` + `write_job_file` as the end of a training run does.
 """
 
 from __future__ import annotations

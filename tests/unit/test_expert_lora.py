@@ -122,7 +122,8 @@ def _train(model, transformer, optimizer, sigma_range, steps: range) -> list[flo
         generators = [sample_generator(0, step, key) for key in (step, step + 100)]
         optimizer.zero_grad(set_to_none=True)
         loss = flow_matching_step_loss(FAMILY, model, latents, embeds, mask, FLOW, generators,
-                                       loss_weights=torch.full((2,), 0.5), sigma_range=sigma_range, inpaint_latents=condition)
+                                       loss_weights=torch.full((2,), 0.5), sigma_range=sigma_range,
+                                       inpaint_latents=condition)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())

@@ -308,7 +308,8 @@ def test_a_preset_planned_for_an_image_to_video_job_takes_its_condition_channels
     from vidray.train.plan import plan_job
 
     configs = Path(__file__).resolve().parents[2] / "jobs/configs"
-    kwargs = dict(gpu_memory_bytes=80 * 2**30, num_gpus=8, preset=get_preset("wan2.2-a14b"), bucket=Bucket(49, 512, 512))
+    kwargs = dict(gpu_memory_bytes=80 * 2**30, num_gpus=8, preset=get_preset("wan2.2-a14b"),
+                  bucket=Bucket(49, 512, 512))
     t2v = plan_job(load_job_config(configs / "wan_t2v_tiny.yaml"), **kwargs).counts.total
     i2v = plan_job(load_job_config(configs / "wan_i2v_tiny.yaml"), **kwargs).counts.total
     assert t2v == 14_288_491_584 and i2v - t2v == 20 * 4 * 5120

@@ -24,7 +24,8 @@ from vidray.diffusion.sampler import generate_video  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.experts import TwoExperts, expert_steps  # noqa: E402
 from vidray.models.export import load_model, write_job_file  # noqa: E402
-from vidray.serve.app import LOW_NOISE_DENOISER, ServeSettings, ServeSettingsError, VideoJobService, build_app  # noqa: E402,E501
+from vidray.serve.app import (LOW_NOISE_DENOISER, ServeSettings, ServeSettingsError, VideoJobService,  # noqa: E402
+                              build_app)
 from vidray.serve.stages import Denoiser, VaeDecoder  # noqa: E402
 from tests.unit.test_serve_app import run_until_finished  # noqa: E402
 

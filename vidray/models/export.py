@@ -813,8 +813,8 @@ def export_pipeline(family: "ModelFamily", components: "Components", out_dir: st
     `pipe = EasyAnimatePipeline.from_pretrained(out_dir)`, then `peft.PeftModel.from_pretrained(pipe.transformer,
     f"{out_dir}/lora")` (injects into `pipe.transformer` in place). A two-expert model (`TwoExperts`) gets one folder
     per expert (`EXPERT_LORA_DIRS`): `pipe.load_lora_weights(f"{out_dir}/lora")` then
-    `pipe.load_lora_weights(f"{out_dir}/lora_2", load_into_transformer_2=True)`. Write the job file (`write_job_file`) after
-    this call: the pipeline folder is replaced as a whole. Returns `out_dir`.
+    `pipe.load_lora_weights(f"{out_dir}/lora_2", load_into_transformer_2=True)`. Write the job file
+    (`write_job_file`) after this call: the pipeline folder is replaced as a whole. Returns `out_dir`.
     """
     from vidray.models.experts import EXPERT_ATTRIBUTES, TwoExperts
     from vidray.models.lora import has_lora, save_lora_weights, without_lora

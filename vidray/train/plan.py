@@ -439,7 +439,8 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
                      "parameters (their weights, gradients and optimizer state), trained with ddp (full or lora)")
     elif expert_groups:
         notes.append(f"model.experts layout groups: each worker holds one expert of {_parameters(counts.total)} "
-                     f"parameters, planned on its group of {num_gpus} GPU(s) (ddp, or fsdp within the group; lora per expert)")
+                     f"parameters, planned on its group of {num_gpus} GPU(s) (ddp, or fsdp within the group; lora "
+                     "per expert)")
     elif preset.num_experts > 1:
         notes.append(f"{preset.name} has {preset.num_experts} experts of {_parameters(counts.total)} parameters; "
                      f"planned for one on the GPU (one trains per process)")
