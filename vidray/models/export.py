@@ -611,7 +611,8 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None,
 
     A LoRA run's model comes back with its adapters merged into the transformer (`vidray.models.lora`): a
     checkpoint holding `ADAPTER_PART` is the base its config describes (`model.init`, the seed) plus those
-    adapters; an export is its base pipeline plus the adapters in `<export>/lora/`. `lora_path` (a local LoRA
+    adapters; an export is its base pipeline plus the adapters in `<export>/lora/` (two experts: each expert's in
+    `lora/` and `lora_2/`, `EXPERT_LORA_DIRS`). `lora_path` (a local LoRA
     folder or file, `vidray.models.lora.read_lora_weights`) is then merged in as well: what `vidray generate --lora`
     and the serve config's `lora_path` give.
 
@@ -623,8 +624,8 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None,
 
     `expert`: for a two-expert model (`model_experts`), "high" or "low" loads that expert alone as the transformer
     (`ModelFamily.build_expert`: a pipeline folder's other expert is never read; a checkpoint, which holds both in
-    one file, is read whole and the other dropped): what a serving stage of one expert loads. Needs "transformer"
-    in `components`.
+    one file, is read whole and the other dropped once its adapters, if any, are merged; an export's expert takes
+    its own adapters folder): what a serving stage of one expert loads. Needs "transformer" in `components`.
 
     Raises as `inspect_model` does (before any weights load); ValueError for a name not in `COMPONENTS`, or an
     `expert` for a model without experts or without "transformer" in `components`;
