@@ -64,14 +64,15 @@ LOW_NOISE_DENOISER = "LowNoiseDenoiser"
 
 
 class StageUnavailableError(RuntimeError):
-    """A stage deployment this job needs cannot serve it: Serve reports it DEPLOY_FAILED or UNHEALTHY (its
-    replicas fail to start, e.g. a model whose weights do not load). The message names the deployment, its status
-    and Serve's message."""
+    """A stage deployment this job needs cannot serve it: Serve reports it DEPLOY_FAILED (its replicas fail to
+    start, e.g. a model whose weights do not load). The message names the deployment, its status and Serve's
+    message."""
 
 
-UNAVAILABLE_STATUSES = ("DEPLOY_FAILED", "UNHEALTHY")
+UNAVAILABLE_STATUSES = ("DEPLOY_FAILED",)
 """Serve's deployment statuses (`ray.serve.schema.DeploymentStatus`) under which a stage takes no request: a call
-to it would wait for a replica that does not come."""
+to it would wait for a replica that does not come. Not UNHEALTHY: a replica that died is replaced, and its jobs
+are retried (`runner.max_attempts`); failing them then would end jobs that Serve recovers."""
 
 
 class ServeSettingsError(UserError):
@@ -537,7 +538,7 @@ class VideoJobService:
 
     def unavailable_stage(self) -> str | None:
         """'<deployment> is <status>: <Serve's message>' for the first stage deployment of this application that
-        Serve reports DEPLOY_FAILED or UNHEALTHY (`UNAVAILABLE_STATUSES`), else None; also None where Serve cannot
+        Serve reports DEPLOY_FAILED (`UNAVAILABLE_STATUSES`), else None; also None where Serve cannot
         say (stage objects outside Serve, as the unit tests chain them; Serve's controller not answering). A job
         waiting on such a stage would wait for good: `_execute` fails it instead (`StageUnavailableError`). Blocks
         on one call to Serve's controller (`serve.status()`): call it in a thread."""
