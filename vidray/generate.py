@@ -26,6 +26,7 @@ from vidray.models.export import (  # re-exported: these lived here before the s
     load_model,
     lora_path_problem,
     model_experts,
+    two_experts_lora_problem,
     write_job_file,
 )
 
@@ -204,9 +205,7 @@ def check_generate_args(
             raise GenerateArgumentError(f"--model {model_path} records no training bucket: pass --bucket, e.g. 9x64x64")
     bucket = Bucket(*bucket)
     if lora is not None and model_experts(info) is not None:
-        raise GenerateArgumentError(f"--lora: model {model_path} has two experts (transformer_2), and a LoRA merges "
-                                    "into one transformer; remove --lora (a two-expert LoRA run's export merges its "
-                                    "own lora/ and lora_2/)")
+        raise GenerateArgumentError(two_experts_lora_problem(model_path, "--lora"))
     if image is not None and not info.family.supports_image_to_video(info):
         raise GenerateArgumentError(f"--image: the model {model_path} is text-to-video and takes no image; drop "
                                     "--image or give an image-to-video model (a stock EasyAnimateInpaintPipeline, "

@@ -8,6 +8,8 @@ as one process would, resumes, and loads its own subfolder of a pretrained folde
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +24,7 @@ from vidray.diffusion.flow_matching import sample_sigmas
 from vidray.models.experts import EXPERTS, ExpertSlot, TwoExperts, expert_sigma_range
 from vidray.models.registry import get_family
 from vidray.train.checkpoint import CheckpointManager, TrainState, load_checkpoint, save_sharded_checkpoint
-from vidray.train.expert_groups import form_expert_groups, full_expert_state, gather_experts_to_rank0
+from vidray.train.expert_groups import ExpertGroups, form_expert_groups, full_expert_state, gather_experts_to_rank0
 from vidray.train.parallel import _load_pretrained_shards, apply_fsdp, mixed_precision_policy
 from vidray.train.step import flow_matching_step_loss, sample_generator
 from vidray.train.window import ClosedWindow, LogWindow, step_line
@@ -94,12 +96,24 @@ def _train(model, transformer, optimizer, groups, steps: range) -> list[float]:
     return losses
 
 
-def _worker(rank: int, world: int, port: int, tmp: str) -> None:
+@contextlib.contextmanager
+def expert_rank(rank: int, world: int, port: int, out: Path) -> Iterator[tuple[ExpertGroups, dict]]:
+    """In a rank `start_ranks` started: the gloo group, this rank's `ExpertGroups` (no node labels: the experts
+    split in rank order; boundary 0.9) and a result dict, which rank 0 saves to `out` at the end whatever happens
+    (the test reads it); then the process group is destroyed."""
     join_gloo(rank, world, port)
-    tmp_path = Path(tmp)
     result: dict = {}
     try:
-        groups = form_expert_groups(rank, world, {}, {}, 0.9)
+        yield form_expert_groups(rank, world, {}, {}, 0.9), result
+    finally:
+        if rank == 0:
+            torch.save(result, out)
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, port: int, tmp: str) -> None:
+    tmp_path = Path(tmp)
+    with expert_rank(rank, world, port, tmp_path / "result.pt") as (groups, result):
         transformer = _expert(groups.expert, seed=0)
         model = torch.nn.parallel.DistributedDataParallel(transformer, process_group=groups.group)
         optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-3)
@@ -133,10 +147,6 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
                                           "weights": {k: v.clone() for k, v in transformer.state_dict().items()}})
         result["ranks"] = everyone
         result["gathered"] = gather_experts_to_rank0(groups, transformer.state_dict())
-    finally:
-        if rank == 0:
-            torch.save(result, tmp_path / "result.pt")
-        dist.destroy_process_group()
 
 
 def test_two_ranks_train_one_expert_each_resume_from_one_checkpoint_and_gather_both_for_the_export(tmp_path):
@@ -196,11 +206,8 @@ def _fsdp_expert(groups, mesh, seed: int):
 
 
 def _fsdp_worker(rank: int, world: int, port: int, tmp: str) -> None:
-    join_gloo(rank, world, port)
     tmp_path = Path(tmp)
-    result: dict = {}
-    try:
-        groups = form_expert_groups(rank, world, {}, {}, 0.9)
+    with expert_rank(rank, world, port, tmp_path / "fsdp.pt") as (groups, result):
         mesh = groups.shard_mesh("cpu")
         slot = _fsdp_expert(groups, mesh, seed=0)
         optimizer = torch.optim.AdamW([p for p in slot.parameters() if p.requires_grad], lr=1e-3)
@@ -233,10 +240,6 @@ def _fsdp_worker(rank: int, world: int, port: int, tmp: str) -> None:
         dist.all_gather_object(everyone, {"expert": groups.expert, "first": first, "after": after,
                                           "resumed": resumed})
         result.update(ranks=everyone, gathered=gathered, pretrained=pretrained)
-    finally:
-        if rank == 0:
-            torch.save(result, tmp_path / "fsdp.pt")
-        dist.destroy_process_group()
 
 
 def test_each_expert_shards_over_its_own_group_trains_as_one_process_resumes_and_loads_its_pretrained_folder(

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tests.conftest import free_port, join_gloo, start_ranks
+from tests.conftest import free_port, start_ranks
+from tests.unit.test_expert_groups import expert_rank
 
 from vidray.config import ExpertsConfig, FlowConfig, I2VConfig, LoraConfig, ModelConfig, job_config_from_dict
 from vidray.data.buckets import Bucket
@@ -24,7 +25,7 @@ from vidray.models.export import export_pipeline, load_model, sharded_entries, w
 from vidray.models.lora import LoraLoadError, adapter_state_dict, apply_lora, has_lora
 from vidray.models.registry import get_family
 from vidray.train.checkpoint import CheckpointManager, TrainState, load_checkpoint, save_sharded_checkpoint
-from vidray.train.expert_groups import form_expert_groups, full_expert_state, gather_experts_to_rank0
+from vidray.train.expert_groups import full_expert_state, gather_experts_to_rank0
 from vidray.train.parallel import _load_pretrained_shards, apply_fsdp, mixed_precision_policy
 from vidray.train.step import flow_matching_step_loss, sample_generator
 from vidray.train.trainer import warn_if_lora_export
@@ -144,11 +145,8 @@ def _adapted_expert(groups, mesh, folder_config: ModelConfig):
 
 
 def _lora_worker(rank: int, world: int, port: int, tmp: str) -> None:
-    join_gloo(rank, world, port)
     tmp_path = Path(tmp)
-    result: dict = {}
-    try:
-        groups = form_expert_groups(rank, world, {}, {}, 0.9)
+    with expert_rank(rank, world, port, tmp_path / "lora.pt") as (groups, result):
         mesh = groups.shard_mesh("cpu")
         cfg = ModelConfig(**{**MODEL.__dict__, "init": "pretrained", "pretrained_path": str(tmp_path / "pretrained"),
                              "lora": LORA})
@@ -174,10 +172,6 @@ def _lora_worker(rank: int, world: int, port: int, tmp: str) -> None:
         dist.all_gather_object(everyone, {"expert": groups.expert, "first": first, "after": after,
                                           "resumed": resumed, "trainable": trainable})
         result.update(ranks=everyone, gathered=at_checkpoint)
-    finally:
-        if rank == 0:
-            torch.save(result, tmp_path / "lora.pt")
-        dist.destroy_process_group()
 
 
 def test_each_expert_trains_only_its_adapters_on_its_sharded_pretrained_base_and_resumes_from_them_alone(tmp_path):

@@ -70,6 +70,7 @@ __all__ = [
     "export_pipeline",
     "fetch_model",
     "lora_path_problem",
+    "two_experts_lora_problem",
     "model_cache_dir",
     "file_sha256",
     "inspect_model",
@@ -741,10 +742,15 @@ def _merge_adapters(transformer: "torch.nn.Module", info: ModelInfo, lora_path: 
         _merge_export_adapters(transformer, info.path, expert)
     if lora_path is not None:
         if isinstance(transformer, TwoExperts) or expert is not None:
-            raise LoraLoadError(f"LoRA {lora_path}: model {info.path} has two experts (transformer_2), and a LoRA "
-                                "merges into one transformer; remove --lora (a two-expert LoRA run's export merges "
-                                f"its own {LORA_DIR}/ and {LORA_2_DIR}/)")
+            raise LoraLoadError(two_experts_lora_problem(info.path, "lora_path"))
         load_lora_into(transformer, lora_path)
+
+
+def two_experts_lora_problem(model: str | Path, setting: str) -> str:
+    """Why a LoRA path given as `setting` (`--lora`, `lora_path`) cannot go with the two-expert model at `model`
+    (`model_experts`), in one line naming the setting: a LoRA merges into one transformer."""
+    return (f"{setting}: model {model} has two experts (transformer_2), and a LoRA merges into one transformer; "
+            f"remove {setting} (a two-expert LoRA run's export merges its own {LORA_DIR}/ and {LORA_2_DIR}/)")
 
 
 def _merge_export_adapters(transformer: "torch.nn.Module", folder: Path, expert: str | None = None) -> None:
@@ -758,13 +764,14 @@ def _merge_export_adapters(transformer: "torch.nn.Module", folder: Path, expert:
     if expert is None and not isinstance(transformer, TwoExperts):
         load_lora_into(transformer, folder / LORA_DIR)
         return
-    for side, name in EXPERT_LORA_DIRS.items():
-        if expert is not None and side != expert:
-            continue
+    targets = {expert: transformer} if expert is not None else {side: pick_expert(transformer, side)
+                                                                  for side in EXPERT_LORA_DIRS}
+    for side, module in targets.items():
+        name = EXPERT_LORA_DIRS[side]
         if not (folder / name).is_dir():
             raise LoraLoadError(f"LoRA export {folder} has two experts and {LORA_DIR}/ but no {name}/ (the "
                                 f"{side}-noise expert's adapters): export the run again")
-        load_lora_into(transformer if expert is not None else pick_expert(transformer, side), folder / name)
+        load_lora_into(module, folder / name)
 
 
 def lora_path_problem(path: str | Path) -> str | None:

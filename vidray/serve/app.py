@@ -795,7 +795,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     token (unless auth.disabled), the model folder (config files only), the policy against the Denoiser's
     max_ongoing_requests. Raises ServeSettingsError naming the key and the fix.
     """
-    from vidray.models.export import inspect_model, lora_path_problem, model_experts
+    from vidray.models.export import inspect_model, lora_path_problem, model_experts, two_experts_lora_problem
 
     try:
         settings = ServeSettings(**(args or {}))
@@ -820,8 +820,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     model_spec(settings, info)
     experts = model_experts(info)
     if experts is not None and settings.lora_path is not None:
-        raise ServeSettingsError(f"lora_path: model {settings.model_path} has two experts (transformer_2), and a LoRA "
-                                 "is merged into one transformer; remove lora_path")
+        raise ServeSettingsError(two_experts_lora_problem(settings.model_path, "lora_path"))
     try:
         policy = PolicyConfig(**settings.policy.model_dump())
     except ValueError as err:
