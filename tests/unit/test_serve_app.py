@@ -333,3 +333,51 @@ async def run_until_finished(service, job_id: str, *, timeout_s: float):
         await asyncio.sleep(0.05)
     await service.shutdown(timeout_s=5)
     return service.store.get(job_id), service.store
+
+
+class _StageHandle:
+    """A stage handle as Serve gives one to the ingress: only its deployment and application names are read here."""
+
+    def __init__(self, deployment_name: str):
+        self.deployment_name, self.app_name = deployment_name, "app"
+
+
+def test_every_running_jobs_stage_check_shares_one_serve_status_call_per_heartbeat(model_dir, tmp_path, monkeypatch):
+    """The heartbeat of each running job asks whether a stage is DEPLOY_FAILED; with many jobs the replica still
+    asks Serve's controller once per beat (`runner.lease_s` / 3), and the answer names the failed stage."""
+    import threading
+
+    from ray.serve.schema import ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
+
+    import vidray.serve.app as app_module
+    from vidray.serve.app import VideoJobService
+
+    calls = []
+
+    def status():
+        calls.append(time.monotonic())
+        time.sleep(0.05)  # a controller round trip: concurrent checks must wait for this one, not ask again
+        deployments = {name: DeploymentStatusOverview(status="HEALTHY", status_trigger="CONFIG_UPDATE_COMPLETED",
+                                                      replica_states={"RUNNING": 1}, message="")
+                       for name in ("TextEncoder", "VaeDecoder")}
+        deployments["Denoiser"] = DeploymentStatusOverview(
+            status="DEPLOY_FAILED", status_trigger="REPLICA_STARTUP_FAILED", replica_states={},
+            message="the replica's constructor raised")
+        return ServeStatus(applications={"app": ApplicationStatusOverview(
+            status="DEPLOY_FAILED", message="", last_deployed_time_s=0.0, deployments=deployments)})
+
+    monkeypatch.setattr(app_module.serve, "status", status)
+    settings = ServeSettings(model_path=str(model_dir), store_dir=str(tmp_path / "store"), fps=8.0,
+                             store_on="replica", runner={"lease_s": 1.5})  # a beat every 0.5 s
+    service = VideoJobService(settings, None, _StageHandle("TextEncoder"), _StageHandle("Denoiser"),
+                              _StageHandle("VaeDecoder"))
+    answers = []
+    beats = [threading.Thread(target=lambda: answers.append(service.unavailable_stage())) for _ in range(16)]
+    for beat in beats:
+        beat.start()
+    for beat in beats:
+        beat.join()
+    assert len(calls) == 1
+    assert answers == ["the Denoiser stage is DEPLOY_FAILED: the replica's constructor raised"] * 16
+    time.sleep(0.55)  # the next beat asks again
+    assert service.unavailable_stage() == answers[0] and len(calls) == 2

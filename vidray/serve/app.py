@@ -39,6 +39,7 @@ import math
 import os
 import socket
 import sqlite3
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -293,6 +294,10 @@ class VideoJobService:
         self.metrics = JobMetrics()
         self._store_counted_at = -math.inf  # monotonic seconds of the last `store.counts()` for the gauge
         self._swept_at = -math.inf  # monotonic seconds of the last retention / temp-file sweep
+        self._stage_check_lock = threading.Lock()
+        self._stage_checked: tuple[float, str | None] = (-math.inf, None)
+        """(monotonic seconds, result) of the last `serve.status()` stage check (`unavailable_stage`): shared by
+        every running job's heartbeat, so the controller is asked once per beat, not once per job."""
 
     # --- routes -------------------------------------------------------------------------------------------------
     async def submit(self, request: VideoRequest, *, client: str = ANONYMOUS_CLIENT) -> dict:
@@ -540,8 +545,22 @@ class VideoJobService:
         """'<deployment> is <status>: <Serve's message>' for the first stage deployment of this application that
         Serve reports DEPLOY_FAILED (`UNAVAILABLE_STATUSES`), else None; also None where Serve cannot
         say (stage objects outside Serve, as the unit tests chain them; Serve's controller not answering). A job
-        waiting on such a stage would wait for good: `_execute` fails it instead (`StageUnavailableError`). Blocks
-        on one call to Serve's controller (`serve.status()`): call it in a thread."""
+        waiting on such a stage would wait for good: `_execute` fails it instead (`StageUnavailableError`).
+
+        Every running job's heartbeat asks this once per beat (`runner.lease_s` / 3); one answer serves them all
+        for that long, so Serve's controller gets one `serve.status()` per beat from this replica, however many
+        jobs run. Blocks on that call (and on a concurrent caller making it): call it in a thread."""
+        max_age_s = self.settings.runner.lease_s / 3
+        with self._stage_check_lock:
+            checked_at, found = self._stage_checked
+            if time.monotonic() - checked_at < max_age_s:
+                return found
+            found = self._query_unavailable_stage()
+            self._stage_checked = (time.monotonic(), found)
+            return found
+
+    def _query_unavailable_stage(self) -> str | None:
+        """`unavailable_stage`'s answer from one `serve.status()` call."""
         stages = [h for h in (self.text, self.denoiser, self.low_noise_denoiser, self.vae) if h is not None]
         names = [getattr(h, "deployment_name", None) for h in stages]
         app = getattr(stages[0], "app_name", None) if stages else None
