@@ -37,7 +37,7 @@ prometheus:
 		(Debian's package; the metrics tests start one)" >&2; exit 1; }
 
 # The unit tests alone (no Ray cluster, no training job), on two pytest-xdist processes, without the few marked
-# `slow` (several processes or a CLI subprocess each, 10 s or more): for iteration. `make test` stays the full
+# `slow` (several processes or a CLI subprocess each, about 8 s or more): for iteration. `make test` stays the full
 # suite and is what CI runs.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not slow" --durations=10 tests/unit

@@ -222,6 +222,7 @@ def test_learned_positional_embeddings_as_cogvideox_5b_i2v_sample_as_the_stock_p
                        torch.ones(1, 4, dtype=bool), inpaint_latents=big[..., :4, :4])
 
 
+@pytest.mark.slow
 def test_pretrained_i2v_folder_loads_and_a_task_mismatch_is_one_line_naming_the_folder(family, exported, tmp_path):
     components, out_dir, _ = exported
     cfg = dataclasses.replace(CFG, init="pretrained", pretrained_path=str(out_dir))

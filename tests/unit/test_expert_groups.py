@@ -149,6 +149,7 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
         result["gathered"] = gather_experts_to_rank0(groups, transformer.state_dict())
 
 
+@pytest.mark.slow
 def test_two_ranks_train_one_expert_each_resume_from_one_checkpoint_and_gather_both_for_the_export(tmp_path):
     start_ranks(_worker, (2, free_port(), str(tmp_path)), 2)
     result = torch.load(tmp_path / "result.pt", weights_only=False)
@@ -242,6 +243,7 @@ def _fsdp_worker(rank: int, world: int, port: int, tmp: str) -> None:
         result.update(ranks=everyone, gathered=gathered, pretrained=pretrained)
 
 
+@pytest.mark.slow
 def test_each_expert_shards_over_its_own_group_trains_as_one_process_resumes_and_loads_its_pretrained_folder(
         tmp_path):
     """`scaling.strategy: fsdp` with two expert groups of two ranks each: each expert is sharded over its group

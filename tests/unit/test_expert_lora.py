@@ -174,6 +174,7 @@ def _lora_worker(rank: int, world: int, port: int, tmp: str) -> None:
         result.update(ranks=everyone, gathered=at_checkpoint)
 
 
+@pytest.mark.slow
 def test_each_expert_trains_only_its_adapters_on_its_sharded_pretrained_base_and_resumes_from_them_alone(tmp_path):
     """The real A14B's setting at tiny size: each expert group builds its expert on the meta device from its own
     subfolder of a pretrained Wan 2.2 folder, applies the adapters, shards over its group (FSDP), and trains the

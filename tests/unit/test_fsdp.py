@@ -231,6 +231,7 @@ def _reference_steps(per_rank_world: int) -> tuple[list[list[float]], dict[str, 
 
 @pytest.mark.parametrize("task,world", [("train", 2), ("train_hsdp", 2), ("train_hsdp2", 4)],
                          ids=["fsdp-2", "hsdp-2-groups-of-1", "hsdp-2-groups-of-2"])
+@pytest.mark.slow
 def test_fsdp_trains_like_the_unsharded_model_with_a_global_grad_norm_and_accumulation(task, world, tmp_path):
     """HSDP with 2 groups of 2 (4 ranks): each shard group holds the model once, the gradients are averaged over
     the groups too; every case matches the unsharded model's steps over the same `world` batches."""
@@ -297,6 +298,7 @@ def test_a_damaged_or_unfinished_shard_is_refused_naming_the_file(tmp_path):
         verify_checkpoint(folder)
 
 
+@pytest.mark.slow
 def test_rank0_upload_writes_the_manifest_only_after_every_rank_s_files_arrive(tmp_path):
     _run("save", 2, tmp_path)
     run = CheckpointManager(tmp_path / "late")
@@ -321,6 +323,7 @@ def test_rank0_upload_writes_the_manifest_only_after_every_rank_s_files_arrive(t
     assert lonely.latest() is None
 
 
+@pytest.mark.slow
 def test_a_full_ddp_checkpoint_loads_into_an_fsdp_model(tmp_path):
     torch.set_num_threads(1)
     model = _transformer()

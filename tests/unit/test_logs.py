@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO_ROOT
 
 PROBE = """
@@ -73,6 +75,7 @@ print(json.dumps({"bars": logging.is_progress_bar_enabled()}))
 """
 
 
+@pytest.mark.slow
 def test_a_process_that_loads_a_family_has_diffusers_bars_off_unless_verbose():
     """diffusers' `Loading pipeline components...` bars reached the console from encode actors, the text-identity
     actor and serve replicas loading a pretrained folder (a fresh-user trial): every process that looks a family up

@@ -229,6 +229,7 @@ def _ddp(kind: str, steps: int, split: int | None, tmp_path) -> dict:
     return torch.load(out, weights_only=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fp16", "powersgd"])
 def test_each_compression_hook_trains_and_resumes_exactly(kind, tmp_path):
     # bf16's hook needs NCCL: refused on CPU at config load (below), run by tests/gpu/run.sh.

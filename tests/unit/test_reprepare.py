@@ -83,6 +83,7 @@ def good_dataset(tmp_path, samples_dir) -> tuple[Path, dict]:
     return shards_dir, _snapshot(shards_dir)
 
 
+@pytest.mark.slow
 def test_a_sigkilled_vidray_prepare_leaves_the_old_dataset_exactly(tmp_path, samples_dir, good_dataset):
     shards_dir, before = good_dataset
     source = _bigger_source(samples_dir, tmp_path, copies=10)
