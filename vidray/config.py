@@ -1372,7 +1372,8 @@ def load_job_config(path: str | Path | None = None, overrides: Sequence[str] = (
     if path is not None:
         path = Path(path)
         if path.is_dir():
-            examples = ", ".join(sorted(p.name for p in path.glob("*.yaml"))[:5])
+            names = sorted(p.name for p in path.glob("*.yaml"))
+            examples = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
             raise UserError(f"job config {path} is a folder, not a YAML file; give one file"
                             + (f" (it holds {examples})" if examples else ""))
         if not path.is_file():

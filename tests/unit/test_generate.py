@@ -340,3 +340,25 @@ def test_a_guidance_scale_that_overflows_the_latents_is_an_error_not_a_black_vid
         generate_to_file(out_dir, "a red ball", tmp_path / "black.mp4", num_inference_steps=1, guidance_scale=1e300)
     assert not (tmp_path / "black.mp4").exists()
     generate_to_file(out_dir, "a red ball", tmp_path / "ok.mp4", num_inference_steps=1, guidance_scale=6.0)
+
+
+def test_a_vae_runs_checkpoint_is_refused_in_one_line_naming_what_to_give_instead(tmp_path, capsys):
+    """A new user's trial: `vidray generate --model <run>-vae/checkpoint_000250` (the demo writes that folder beside
+    the DiT's) failed loading the VAE's weights into a transformer, with a traceback of key names."""
+    from vidray.train.checkpoint import TrainState, save_checkpoint
+    from vidray.train.vae import VAEObjective, vae_training_job
+
+    job = vae_training_job(job_config_from_dict(JOB))
+    vae = VAEObjective(get_family("easyanimate").build_trainable_vae(job.model, seed=0), job.vae_training)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=1e-3)
+    checkpoint = save_checkpoint(
+        tmp_path / f"{job.name}" / "checkpoint_000003", model=vae, optimizer=optimizer,
+        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        train_state=TrainState(step=3, epoch=0, batch_index=3, world_size=1, index_hash="unused"),
+        job_config=job.to_dict())
+    code = main(["generate", "--model", str(checkpoint), "--prompt", "a red ball", "--output",
+                 str(tmp_path / "o.mp4")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"is a checkpoint of the VAE run {job.name} (train.objective: vae), not of a DiT" in err
+    assert "diffusers/" in err and f"{job.name}/vae" in err and "model.vae_path" in err

@@ -612,3 +612,19 @@ def test_one_gpu_is_not_called_gpus():
     job = load_job_config(None, ["scaling.num_workers=1", "scaling.use_gpu=true"])
     with pytest.raises(RequestCannotBeMetError, match=r"^scaling.use_gpu=true with 1 worker needs 1 GPU; the cluster has 0"):
         check_resources(job, {"CPU": 8.0, "GPU": 0.0}, where="the cluster")
+
+
+def test_a_vae_run_at_its_last_step_names_vae_training_max_steps_the_key_to_raise(job_and_index):
+    """`vidray train-vae` sets the run's train.max_steps from vae_training.max_steps: raising train.max_steps would
+    change nothing, so the refusal names the key that continues the run."""
+    import dataclasses
+
+    from vidray.train.vae import vae_training_job
+
+    job, index, _ = job_and_index
+    vae_job = vae_training_job(dataclasses.replace(job, vae_training=dataclasses.replace(job.vae_training,
+                                                                                          max_steps=5)))
+    fake_checkpoint(vae_job.run_dir / "checkpoint_000005", step=5, index_hash=index["content_hash"])
+    with pytest.raises(ConfigError, match="already at step 5 >= vae_training.max_steps 5: raise "
+                                          "vae_training.max_steps to continue"):
+        check_job_inputs(vae_job)

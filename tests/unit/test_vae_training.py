@@ -192,3 +192,12 @@ def test_psnr_and_the_side_by_side_pictures(tmp_path):
     video = decode_mp4(mp4.read_bytes())
     assert video.shape == (5, 32, 96, 3)  # the three next to each other
     assert abs(int(video[0, 16, 80, 0]) - 200) <= 3 and int(video[3, 16, 80, 0]) <= 3
+
+
+def test_a_family_whose_vae_cannot_train_here_is_refused_naming_both_ways_on(tmp_path):
+    job = load_job_config(REPO / "jobs/configs/wan_t2v_tiny.yaml")
+    with pytest.raises(ConfigError) as err:
+        vae_training_job(job)
+    message = str(err.value)
+    assert message.startswith("train-vae: the wan family's VAE cannot be trained here yet") and "\n" not in message
+    assert "model.vae_path" in message and "easyanimate" in message

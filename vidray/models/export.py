@@ -435,7 +435,7 @@ def inspect_model(path: str | Path) -> ModelInfo:
     there: `ModelInfo.path` is the local copy, `ModelInfo.source` the URI.
 
     Raises UserFileNotFound when `path` does not exist, ModelFolderError when it is neither kind of folder,
-    is a pipeline of an unsupported class, or lacks a component subfolder; ConfigError for a recorded job config
+    is a pipeline of an unsupported class, lacks a component subfolder, or is a `vidray train-vae` checkpoint; ConfigError for a recorded job config
     that no longer validates; the checkpoint module's errors for an incomplete checkpoint; ModelDownloadError
     when a URI's store cannot be read.
     """
@@ -449,6 +449,11 @@ def _inspect_folder(path: Path) -> ModelInfo:
     _check_model_kind(path)
     if (path / MANIFEST).is_file():
         job = job_config_from_dict(read_job_config(path))
+        if job.train.objective == "vae":
+            raise ModelFolderError(
+                f"{path} is a checkpoint of the VAE run {job.name} (train.objective: vae), not of a DiT: give the DiT "
+                f"run's diffusers/ folder or one of its checkpoint_NNNNNN folders; this run's trained VAE is its "
+                f"{path.parent.name}/vae folder, which a DiT job uses as model.vae_path")
         return ModelInfo(path, "checkpoint", job.model.family, job, job.flow, job.model.max_sequence_length,
                          list(job.data.buckets), image_to_video=job.model.i2v is not None)
     missing = [name for name in _PIPELINE_SUBFOLDERS if not (path / name).is_dir()]

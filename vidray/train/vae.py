@@ -46,7 +46,8 @@ def vae_training_job(job: JobConfig) -> JobConfig:
     family = get_family(job.model.family)
     if type(family).build_trainable_vae is ModelFamily.build_trainable_vae:
         raise ConfigError(f"train-vae: the {family.name} family's VAE cannot be trained here yet (model.family); "
-                          "train-vae supports easyanimate")
+                          "train-vae supports easyanimate: train an easyanimate job's VAE, or give a trained VAE "
+                          "folder in model.vae_path")
     problems = []
     if job.model.lora is not None:
         problems.append("model.lora is set (LoRA adapts the DiT): remove it for train-vae")
