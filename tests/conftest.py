@@ -14,7 +14,7 @@ NOISE_LINES = (
     "Loading weights", "Progress bars disabled", "Writing model shards", "Loading pipeline components",
     "execution finished in", "Requesting resources", "Started training worker group", "Setting up process group",
     "Moving model to device", "Wrapping provided model in DistributedDataParallel", "Started a local Ray instance",
-    "Generated new authentication token",
+    "Generated new authentication token", "Token authentication is enabled for this Ray cluster",
 )
 """Lines of Ray and the libraries that drowned vidray's own in a default run (a new user's trial; `vidray.logs`
 says where each comes from and which setting switches it off)."""

@@ -69,10 +69,22 @@ def set_verbose() -> None:
 
 
 def apply_local_cluster_defaults() -> None:
-    """Before `ray.init` starts a local cluster: `LOCAL_CLUSTER_ENV` (user values kept), unless verbose."""
+    """Before `ray.init` starts a local cluster: `LOCAL_CLUSTER_ENV` (user values kept), and Ray's "Token
+    authentication is enabled for this Ray cluster" warning off (its module's logger at ERROR: Ray 2.60 enables
+    token auth for every new local cluster and says so at WARNING; `RAY_AUTH_MODE` keeps its meaning), unless
+    verbose."""
     if not is_verbose():
         for key, value in LOCAL_CLUSTER_ENV.items():
             os.environ.setdefault(key, value)
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+
+
+def plain_worker_prefixes() -> None:
+    """Before `ray.init`: when this process's stdout is not a terminal (a log file, `ray job submit`), Ray's
+    `(RayTrainWorker pid=N)` prefixes without colour codes (Ray's own `RAY_COLOR_PREFIX=0`; a value the user set
+    is kept)."""
+    if not sys.stdout.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 def ray_init_logging_level() -> int:

@@ -63,8 +63,9 @@ def init_ray(*, num_cpus: int | None = None, log_to_driver: bool = True) -> bool
         )
     if ray.is_initialized():
         return False
-    from vidray.logs import apply_local_cluster_defaults, ray_init_logging_level
+    from vidray.logs import apply_local_cluster_defaults, plain_worker_prefixes, ray_init_logging_level
 
+    plain_worker_prefixes()
     if os.environ.get("RAY_ADDRESS"):
         check_ray_address(os.environ["RAY_ADDRESS"])
         ray.init(log_to_driver=log_to_driver, logging_level=ray_init_logging_level())

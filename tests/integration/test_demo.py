@@ -37,6 +37,7 @@ def test_the_demo_trains_the_vae_then_the_dit_on_its_latents_and_shows_the_clip_
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     assert not noise_in(text), noise_in(text)
+    assert "(RayTrainWorker pid=" in text and "\x1b[" not in text  # not a terminal: Ray's prefixes uncoloured
     steps = [line for line in text.splitlines() if line.startswith("== ")]
     assert [s.split()[1] for s in steps] == ["1.", "2.", "3.", "4.", "summary"], steps
     # The VAE run (step 2) prints no caption check (its captions reach no model) and names its step "vae".
