@@ -2,7 +2,7 @@
 -> a generated video that resembles its caption's training clip.
 
 1. prepare the clips shipped in samples/ into Parquet shards;
-2. train the tiny EasyAnimate VAE on them (`vidray train-vae`: 2 Ray Train workers, a local Ray started in-process)
+2. train the tiny EasyAnimate VAE on them (`vidray train-vae`: 1 Ray Train worker of 2 CPUs, a local Ray started in-process)
    and print its reconstruction PSNR on the training clips;
 3. train the tiny DiT on that VAE's latents (`model.vae_path`);
 4. generate a video for `--prompt` (by default a training clip's caption) from the trained pipeline, and from the
@@ -94,7 +94,7 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
         print(f"== 2. train the VAE: keeping the trained VAE {vae_dir}", flush=True)
     else:
         _start_afresh(vae_job, resume)
-        print(f"== 2. train the VAE {vae_job.name}: {vae_job.scaling.num_workers} workers, {vae_job.train.max_steps} "
+        print(f"== 2. train the VAE {vae_job.name}: {_workers(vae_job.scaling.num_workers)}, {vae_job.train.max_steps} "
               "steps", flush=True)
         vae_dir = Path(run_training(vae_job, resume_hint=RESUME_HINT).diffusers_dir)
     vae_psnr = training_clips_psnr(str(vae_dir), job.data.shards_dir, family=job.model.family)
@@ -102,7 +102,7 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
 
     job = dataclasses.replace(job, model=dataclasses.replace(job.model, vae_path=str(vae_dir)))
     _start_afresh(job, resume)
-    print(f"== 3. train the DiT {job.name} on its latents: {job.scaling.num_workers} workers, {job.train.max_steps} "
+    print(f"== 3. train the DiT {job.name} on its latents: {_workers(job.scaling.num_workers)}, {job.train.max_steps} "
           "steps", flush=True)
     result = run_training(job, resume_hint=RESUME_HINT)
     import ray
@@ -141,6 +141,11 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
           "/ left to right)")
     print(f"total wall time:    {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def _workers(num_workers: int) -> str:
+    """'1 worker', '2 workers'."""
+    return f"{num_workers} worker{'s' if num_workers != 1 else ''}"
 
 
 def _start_afresh(job: JobConfig, resume: bool) -> None:
