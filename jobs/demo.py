@@ -2,8 +2,8 @@
 -> a generated video that resembles its caption's training clip.
 
 1. prepare the clips shipped in samples/ into Parquet shards;
-2. train the tiny EasyAnimate VAE on them (`vidray train-vae`: 1 Ray Train worker of 2 CPUs, a local Ray started in-process)
-   and print its reconstruction PSNR on the training clips;
+2. train the tiny EasyAnimate VAE on them (`vidray train-vae`: 1 Ray Train worker of 2 CPUs, a local Ray started
+   in-process) and print its reconstruction PSNR on the training clips;
 3. train the tiny DiT on that VAE's latents (`model.vae_path`);
 4. generate a video for `--prompt` (by default a training clip's caption) from the trained pipeline, and from the
    same pipeline with the DiT at its random init (the baseline); write the training clip, its reconstruction and

@@ -435,9 +435,9 @@ def inspect_model(path: str | Path) -> ModelInfo:
     there: `ModelInfo.path` is the local copy, `ModelInfo.source` the URI.
 
     Raises UserFileNotFound when `path` does not exist, ModelFolderError when it is neither kind of folder,
-    is a pipeline of an unsupported class, lacks a component subfolder, or is a `vidray train-vae` checkpoint; ConfigError for a recorded job config
-    that no longer validates; the checkpoint module's errors for an incomplete checkpoint; ModelDownloadError
-    when a URI's store cannot be read.
+    is a pipeline of an unsupported class, lacks a component subfolder, or is a `vidray train-vae` checkpoint;
+    ConfigError for a recorded job config that no longer validates; the checkpoint module's errors for an
+    incomplete checkpoint; ModelDownloadError when a URI's store cannot be read.
     """
     if is_uri(path):
         return dataclasses.replace(_inspect_folder(fetch_model(str(path))), source=str(path))
