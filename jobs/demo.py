@@ -29,7 +29,6 @@ from vidray.config import JobConfig, load_job_config
 from vidray.data.ingest import prepare_data
 from vidray.data.shards import INDEX_NAME, read_report, report_path
 from vidray.errors import UserError
-from vidray.generate import generate_to_file
 from vidray.locations import absolute_location
 from vidray.logs import set_verbose
 from vidray.train.trainer import run_training
@@ -94,7 +93,7 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
         print(f"== 2. train the VAE: keeping the trained VAE {vae_dir}", flush=True)
     else:
         _start_afresh(vae_job, resume)
-        print(f"== 2. train the VAE {vae_job.name}: {_workers(vae_job.scaling.num_workers)}, {vae_job.train.max_steps} "
+        print(f"== 2. train the VAE {vae_job.name}: {vae_job.scaling.describe_workers()}, {vae_job.train.max_steps} "
               "steps", flush=True)
         vae_dir = Path(run_training(vae_job, resume_hint=RESUME_HINT).diffusers_dir)
     vae_psnr = training_clips_psnr(str(vae_dir), job.data.shards_dir, family=job.model.family)
@@ -102,7 +101,7 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
 
     job = dataclasses.replace(job, model=dataclasses.replace(job.model, vae_path=str(vae_dir)))
     _start_afresh(job, resume)
-    print(f"== 3. train the DiT {job.name} on its latents: {_workers(job.scaling.num_workers)}, {job.train.max_steps} "
+    print(f"== 3. train the DiT {job.name} on its latents: {job.scaling.describe_workers()}, {job.train.max_steps} "
           "steps", flush=True)
     result = run_training(job, resume_hint=RESUME_HINT)
     import ray
@@ -129,7 +128,7 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
         print(f"{resumed}trained {len(losses)} DiT steps this run (too few for a first/last 10 comparison): "
               f"mean loss {losses.mean():.4f}")
     print(f"DiT steps {result.first_step}..{result.last_step} at {result.steps_per_s:.2f} steps/s "
-          f"({job.scaling.num_workers} workers)")
+          f"({job.scaling.describe_workers()})")
     print(f"kept {num_kept} files as {num_samples} clips, skipped {num_skipped} "
           f"(report: {report_path(absolute_location(job.data.shards_dir))})")
     print(f"trained VAE:        {vae_dir}")
@@ -141,11 +140,6 @@ def run_demo(job: JobConfig, *, prompt: str, resume: bool) -> int:
           "/ left to right)")
     print(f"total wall time:    {time.perf_counter() - started:.0f} s")
     return 0
-
-
-def _workers(num_workers: int) -> str:
-    """'1 worker', '2 workers'."""
-    return f"{num_workers} worker{'s' if num_workers != 1 else ''}"
 
 
 def _start_afresh(job: JobConfig, resume: bool) -> None:

@@ -15,6 +15,8 @@ setting, not filtered from the text afterwards:
 | `Loading weights: 100%...`, `Writing model shards` | transformers' tqdm bars | `HF_HUB_DISABLE_PROGRESS_BARS=1`, `TRANSFORMERS_VERBOSITY=error` |
 | `Loading pipeline components...` | diffusers' tqdm bars | `DIFFUSERS_VERBOSITY=error`, `diffusers.utils.logging.disable_progress_bar()` |
 | `Started a local Ray instance`, `Generated new authentication token` | `ray.init`'s INFO lines | `ray.init(logging_level=WARNING)` (`ray_init_logging_level`) |
+| `Token authentication is enabled for this Ray cluster...` | `ray.init` starting a local cluster (Ray 2.60 enables token auth there and says so at WARNING) | its module's logger at ERROR on a local cluster vidray starts (`apply_local_cluster_defaults`) |
+| colour codes around `(RayTrainWorker pid=N)` in a log file or `ray job submit` | Ray's driver-side prefix of forwarded worker lines | `RAY_COLOR_PREFIX=0` when stdout is not a terminal (`plain_worker_prefixes`) |
 
 The environment settings are put into `os.environ` when `vidray` is imported (before transformers, diffusers or
 Ray Data are), so a local cluster's processes inherit them, and Ray Train's workers on a cluster get them through
