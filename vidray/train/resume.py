@@ -263,8 +263,9 @@ def check_resume(job: JobConfig, plan: ResumePlan, folder: Path, index: dict[str
         )
     state = read_train_state(folder)
     if state.step >= job.train.max_steps:
-        key = "vae_training.max_steps" if job.train.objective == "vae" else "train.max_steps"  # a train-vae run's
-        raise ConfigError(  # train.max_steps is vae_training.max_steps (`vidray.train.vae.vae_training_job`)
+        # A train-vae run's train.max_steps is vae_training.max_steps (`vidray.train.vae.vae_training_job`).
+        key = "vae_training.max_steps" if job.train.objective == "vae" else "train.max_steps"
+        raise ConfigError(
             f"{resume} is already at step {state.step} >= {key} {job.train.max_steps}: raise "
             f"{key} to continue the run, or choose a new name to start afresh"
         )
