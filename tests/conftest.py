@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,49 @@ def tiny_serve_model_dir(tmp_path_factory) -> Path:
                                                                      "max_sequence_length": 16},
                                               "data": {"buckets": [[9, 64, 48]]}}))
     return out
+
+
+def assert_same_training_state(checkpoint: str | Path, reference: str | Path) -> None:
+    """Exact resume: the transformer weights, every optimizer state tensor (AdamW's step, exp_avg, exp_avg_sq;
+    every DCP entry of a sharded checkpoint) and the lr scheduler of `checkpoint` are bitwise equal (`torch.equal`,
+    same dtype) to the `reference` checkpoint's (the uninterrupted run at the same step, same world size: fp32 on
+    CPU, fixed threads)."""
+    import torch
+    from safetensors.torch import load_file
+
+    def same(a, b, where: str) -> None:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
+            assert a.dtype == b.dtype and torch.equal(a, b), (
+                f"{where} differs: max |diff| {(a.double() - b.double()).abs().max().item():.3g}")
+        elif isinstance(a, dict):
+            assert isinstance(b, dict) and a.keys() == b.keys(), where
+            for key in a:
+                same(a[key], b[key], f"{where}.{key}")
+        elif isinstance(a, (list, tuple)):
+            assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+            for i, (x, y) in enumerate(zip(a, b)):
+                same(x, y, f"{where}[{i}]")
+        else:
+            assert a == b, (where, a, b)
+
+    checkpoint, reference = Path(checkpoint), Path(reference)
+    if (checkpoint / "dcp").is_dir():  # a sharded checkpoint (FSDP, or two expert groups): every entry of every rank
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+        with warnings.catch_warnings():  # read in this one process, without a process group
+            warnings.filterwarnings("ignore", message=r"torch.distributed is .*uninitialized")
+            same(*(_load_state_dict_from_keys(storage_reader=FileSystemReader(str(c / "dcp")))
+                   for c in (checkpoint, reference)), "dcp")
+    else:
+        same(load_file(checkpoint / "transformer.safetensors"), load_file(reference / "transformer.safetensors"),
+             "transformer")
+        same(torch.load(checkpoint / "optimizer.pt", weights_only=True),
+             torch.load(reference / "optimizer.pt", weights_only=True), "optimizer.pt")
+    # LambdaLR's `_step_count` counts step() calls on this scheduler object (for its call-order warning); a resumed
+    # run rebuilds the scheduler at the checkpoint's step (`vidray.train.optim.apply_optim_config`), so it differs
+    # and is no training state. Everything else (last_epoch, base_lrs, _last_lr) must be equal.
+    schedulers = [{k: v for k, v in torch.load(c / "lr_scheduler.pt", weights_only=True).items() if k != "_step_count"}
+                  for c in (checkpoint, reference)]
+    same(*schedulers, "lr_scheduler.pt")

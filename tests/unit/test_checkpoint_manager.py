@@ -169,13 +169,12 @@ def test_a_remote_checkpoint_with_same_size_different_weights_is_refused_by_the_
     assert manager.verify("checkpoint_000004", hashes=False)["step"] == 4  # the driver's size check passes
     # The worker's load (`_resume_state`) on its first attempt (no Ray Train checkpoint yet): the driver's
     # planned checkpoint.resume_from, or the run folder's latest after a restart of the worker group.
-    monkeypatch.setattr(loop, "_ray_checkpoint_name", lambda: None)
     loop_config = ({"run_dir": run, "resume_from": f"{run}/checkpoint_000004", "start_step": 4}
                    if start == "resume_from" else {"run_dir": run, "resume_from": None, "start_step": 2})
     model, optimizer, scheduler = model_and_optimizer(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(DamagedCheckpointError) as err:
-        loop._resume_state(loop_config, 0, transformer=model, optimizer=optimizer, lr_scheduler=scheduler)
+        loop._resume_state(loop_config, 0, None, transformer=model, optimizer=optimizer, lr_scheduler=scheduler)
     message = str(err.value)
     assert err.value.part == "transformer.safetensors" and "\n" not in message
     assert message.startswith(f"checkpoint {run}/checkpoint_000004: transformer.safetensors does not match the sha256")

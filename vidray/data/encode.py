@@ -178,7 +178,7 @@ class EncodeStage:
         self.hot_bytes = int(hot_bytes)
         self.hot: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.hot_used = 0
-        self.node = json.dumps(_node_info())
+        self.node = json.dumps(node_info())
 
     # -- the encoders, built on the first miss ---------------------------------------------------------------
 
@@ -483,7 +483,7 @@ def text_encoder_identity(text_encoder: Any, tokenizer: Any) -> str:
     return module_identity(text_encoder, extra=type(tokenizer).__name__)
 
 
-def _node_info() -> dict[str, Any]:
+def node_info() -> dict[str, Any]:
     """{"node_id", "labels"} of the node this process runs on ({} outside Ray)."""
     import ray
 

@@ -223,13 +223,11 @@ class ClipLoader:
                  image_to_video: bool = False, image_embeds: bool = False):
         import json
 
-        import ray
-
         from vidray.data.cache import ShardCache
+        from vidray.data.encode import node_info
         from vidray.data.storage import open_storage
 
-        runtime = ray.get_runtime_context()
-        self.node = json.dumps({"node_id": runtime.get_node_id(), "labels": runtime.get_node_labels()})
+        self.node = json.dumps(node_info())  # {} outside Ray (`LocalLoader`)
         self.storage = open_storage(shards_dir)
         self.entries = list(shard_entries)
         self.plan = plan
@@ -476,6 +474,10 @@ class ClipLoader:
         return concat_rows([self._step(i) for first, n in zip(batch["i"].tolist(), batch["n"].tolist())
                             for i in range(int(first), int(first) + int(n))])
 
+    def close(self) -> None:
+        """End the decode threads (an actor's end does it under Ray Data; `LocalLoader` calls it per window)."""
+        self._pool.shutdown(wait=True)
+
     def _step(self, i: int) -> dict[str, np.ndarray]:
         """Planned step `i`: one output row (the class docstring's columns)."""
         import json
@@ -606,17 +608,8 @@ class RankLoader:
 
     def _dataset(self, window: list[RankStep]):
         shards_dir, index, table, data, local_ranks = self._args
-        rows = [s.rows for s in window]
-        flat = np.concatenate(rows)
-        plan = {
-            "offsets": np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64),
-            "shard": table.shard[flat].astype(np.int32),
-            "row": table.row[flat].astype(np.int32),
-            "key": table.sample_key[flat].astype(np.int64),
-            "bucket": np.array([tuple(s.bucket) for s in window], dtype=np.int32),
-        }
-        return self._build(shards_dir, index, plan, data, local_ranks, self._label_selector, self._encode,
-                           self._identities)
+        return self._build(shards_dir, index, window_plan(window, table), data, local_ranks, self._label_selector,
+                           self._encode, self._identities)
 
     @staticmethod
     def _build(shards_dir: str, index: dict[str, Any], plan: dict[str, np.ndarray], data: Any, local_ranks: int,
@@ -653,19 +646,7 @@ class RankLoader:
                 zero_copy_batch=True,
                 max_restarts=0,  # see NO_ACTOR_RESTARTS
                 fn_constructor_args=(str(shards_dir), index["shards"], plan),
-                fn_constructor_kwargs={
-                    "cache_dir": data.cache_dir,
-                    "cache_bytes": int(data.cache_bytes),
-                    "hot_bytes": int(data.hot_bytes),
-                    "prefetch_window": int(data.prefetch_window_batches),
-                    "open_shards": 2 * int(data.shuffle_block_shards) + 2,
-                    "local_ranks": int(local_ranks),
-                    "hash_clips": bool(operators),
-                    "latent_cache": str(encode.get("latent_cache") or "") if encode else "",
-                    "vae_id": (identities or {}).get("vae"),
-                    "image_to_video": bool(encode and (encode["model"].get("i2v"))),
-                    "image_embeds": bool(encode and (encode["model"].get("i2v") or {}).get("image_encoder")),
-                },
+                fn_constructor_kwargs=clip_loader_kwargs(data, local_ranks, encode, identities),
             )
             for op in operators:  # the encode stages, each one actor on the nodes its placement allows
                 dataset = dataset.map_batches(
@@ -680,14 +661,7 @@ class RankLoader:
                     zero_copy_batch=True,
                     max_restarts=0,  # see NO_ACTOR_RESTARTS
                     fn_constructor_args=(op["what"], encode["model"], int(encode["seed"])),
-                    fn_constructor_kwargs={
-                        "max_sequence_length": int(encode["max_sequence_length"]),
-                        "latent_cache": str(encode.get("latent_cache") or ""),
-                        "hot_bytes": int(data.hot_bytes),
-                        "num_gpus": op["num_gpus"],
-                        "torch_threads": max(1, int(round(op["num_cpus"]))),
-                        "identities": identities or {},
-                    },
+                    fn_constructor_kwargs=encode_stage_kwargs(op, encode, data, identities),
                 )
         return dataset
 
@@ -726,10 +700,6 @@ class RankLoader:
         return self
 
     def __next__(self) -> TrainBatch:
-        import json
-
-        import torch
-
         if self._done:
             raise StopIteration
         t0 = time.perf_counter()
@@ -743,48 +713,7 @@ class RankLoader:
             self._done = True
             raise StopIteration
         plan, batch = item
-        ok = batch["ok"][0]
-        frames = latents = inpaint_latents = image_embeds = prompt_embeds = prompt_attention_mask = None
-        with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; the step never writes to them
-            warnings.simplefilter("ignore", UserWarning)
-            if "frames" in batch:
-                frames = torch.from_numpy(batch["frames"][0]).permute(0, 4, 1, 2, 3)  # (B, 3, F, H, W), no copy
-            if "latents" in batch:
-                latents = torch.from_numpy(batch["latents"][0])  # (B, C, F_lat, H_lat, W_lat)
-            if "inpaint_latents" in batch:
-                inpaint_latents = torch.from_numpy(batch["inpaint_latents"][0])  # (B, C_in, F_lat, H_lat, W_lat)
-            if "image_embeds" in batch:
-                image_embeds = torch.from_numpy(batch["image_embeds"][0])  # (B, T, D_img)
-            if "prompt_embeds" in batch:
-                prompt_embeds = torch.from_numpy(batch["prompt_embeds"][0])  # (B, L, D)
-                prompt_attention_mask = torch.from_numpy(batch["prompt_attention_mask"][0])  # (B, L)
-        stage_nodes = {stage: json.loads(str(batch[f"{stage}_node"][0]))
-                       for stage in ("vae", "text") if f"{stage}_node" in batch}
-        return TrainBatch(
-            step=plan.step,
-            epoch=plan.epoch,
-            bucket=plan.bucket,
-            frames=frames,
-            captions=json.loads(str(batch["captions"][0])),
-            sample_ids=self.sample_ids[plan.rows].tolist(),
-            sample_keys=self.sample_keys[plan.rows],
-            weights=plan.weights * ok,
-            total_weight=plan.total_weight,
-            next_position=plan.next_position,
-            data_wait_s=wait,
-            prefetch_lead=lead,
-            stats={k: float(batch[k][0]) for k in (*STAT_KEYS, *ENCODE_STAT_KEYS) if k in batch},
-            skipped=json.loads(str(batch["skipped"][0])),
-            micro=plan.micro,
-            num_micro=plan.num_micro,
-            loader_node=json.loads(str(batch["node"][0])),
-            latents=latents,
-            prompt_embeds=prompt_embeds,
-            prompt_attention_mask=prompt_attention_mask,
-            stage_nodes=stage_nodes,
-            inpaint_latents=inpaint_latents,
-            image_embeds=image_embeds,
-        )
+        return train_batch(plan, batch, self.sample_ids, self.sample_keys, data_wait_s=wait, prefetch_lead=lead)
 
     def close(self) -> None:
         """Stop the background thread (the Ray Data executor shuts down with its iterator)."""
@@ -798,6 +727,168 @@ class RankLoader:
                 pass
             self._thread.join(timeout=10)
 
+
+
+class LocalLoader:
+    """`RankLoader` in this process: the same plan, the same `ClipLoader` and `EncodeStage` operators called in
+    order on each block (`plan_blocks`), the same `TrainBatch`es; no Ray, no background thread (a batch is made
+    when the trainer asks for it, so `data_wait_s` is the time it took). What an in-process `Worker`
+    (`vidray.train.context.LocalContext`) and the unit tests use. Same arguments as `RankLoader`; `label_selector`
+    is ignored (one process, one node). The encoders are built once, on the first cache miss, and kept across
+    windows; with a latent cache the decode operator knows the VAE's identity from the start (computed here, which
+    builds the VAE once), so clips whose latents are cached are not decoded."""
+
+    def __init__(self, shards_dir: str, index: dict[str, Any], table: Any, steps: Iterable[RankStep], data: Any,
+                 sample_ids: np.ndarray | None = None, local_ranks: int = 1, window_steps: int = 2048,
+                 label_selector: dict[str, str] | None = None, encode: dict[str, Any] | None = None):
+        del label_selector  # one process: no placement
+        self.sample_ids = table.sample_id.astype(str) if sample_ids is None else sample_ids
+        self.sample_keys = table.sample_key
+        self._args = (str(shards_dir), index, table, data, int(local_ranks))
+        self._encode = encode
+        self._steps = iter(steps)
+        self._window_steps = max(1, int(window_steps))
+        self._stages: list[Any] | None = None
+        self._rows = self._generate()
+
+    def _make_stages(self) -> tuple[list[Any], dict[str, str]]:
+        """The encode operators of `encode` (`encode_operators`) as plain objects, and the identities the decode
+        operator needs to skip cached clips ({"vae": id} with a latent cache, else {})."""
+        from vidray.data.encode import EncodeStage
+
+        encode, data = self._encode, self._args[3]
+        if not encode:
+            return [], {}
+        stages = [EncodeStage(op["what"], encode["model"], int(encode["seed"]),
+                              **encode_stage_kwargs(op, encode, data, None)) for op in encode_operators(encode)]
+        vae = next((stage for stage in stages if stage.do_vae), None)
+        identities = {"vae": vae.vae_id} if encode.get("latent_cache") and vae is not None else {}
+        return stages, identities
+
+    def _generate(self) -> Iterator[tuple[RankStep, dict[str, np.ndarray]]]:
+        shards_dir, index, table, data, local_ranks = self._args
+        stages, identities = self._make_stages()
+        while window := list(itertools.islice(self._steps, self._window_steps)):
+            plan = window_plan(window, table)
+            clip_loader = ClipLoader(shards_dir, index["shards"], plan,
+                                     **clip_loader_kwargs(data, local_ranks, self._encode, identities))
+            try:
+                for first, n in plan_blocks(plan["bucket"], np.diff(plan["offsets"]), int(data.block_batches)):
+                    block = clip_loader({"i": np.array([first]), "n": np.array([n])})
+                    for stage in stages:
+                        block = stage(block)
+                    for row in block_rows(block):
+                        yield window[int(row["i"][0])], row
+            finally:
+                clip_loader.close()
+
+    def __iter__(self) -> Iterator[TrainBatch]:
+        return self
+
+    def __next__(self) -> TrainBatch:
+        t0 = time.perf_counter()
+        plan, row = next(self._rows)  # StopIteration at the end of the plan
+        return train_batch(plan, row, self.sample_ids, self.sample_keys, data_wait_s=time.perf_counter() - t0)
+
+    def close(self) -> None:
+        """Stop making batches (the decode operator's threads end with its window)."""
+        self._rows.close()
+
+
+def window_plan(window: list[RankStep], table: Any) -> dict[str, np.ndarray]:
+    """The decode operator's plan of a window of steps (`ClipLoader`'s `plan` argument): flat arrays of the
+    clips' shard, row and key, each step's offsets into them and its bucket."""
+    rows = [s.rows for s in window]
+    flat = np.concatenate(rows)
+    return {
+        "offsets": np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64),
+        "shard": table.shard[flat].astype(np.int32),
+        "row": table.row[flat].astype(np.int32),
+        "key": table.sample_key[flat].astype(np.int64),
+        "bucket": np.array([tuple(s.bucket) for s in window], dtype=np.int32),
+    }
+
+
+def clip_loader_kwargs(data: Any, local_ranks: int, encode: dict[str, Any] | None,
+                       identities: dict[str, Any] | None) -> dict[str, Any]:
+    """`ClipLoader`'s keyword arguments for a job's `data` section and encode spec (`encode_spec`, or None)."""
+    operators = encode_operators(encode) if encode else []
+    return {
+        "cache_dir": data.cache_dir,
+        "cache_bytes": int(data.cache_bytes),
+        "hot_bytes": int(data.hot_bytes),
+        "prefetch_window": int(data.prefetch_window_batches),
+        "open_shards": 2 * int(data.shuffle_block_shards) + 2,
+        "local_ranks": int(local_ranks),
+        "hash_clips": bool(operators),
+        "latent_cache": str(encode.get("latent_cache") or "") if encode else "",
+        "vae_id": (identities or {}).get("vae"),
+        "image_to_video": bool(encode and (encode["model"].get("i2v"))),
+        "image_embeds": bool(encode and (encode["model"].get("i2v") or {}).get("image_encoder")),
+    }
+
+
+def encode_stage_kwargs(op: dict[str, Any], encode: dict[str, Any], data: Any,
+                        identities: dict[str, Any] | None) -> dict[str, Any]:
+    """`EncodeStage`'s keyword arguments for one of `encode_operators(encode)`."""
+    return {
+        "max_sequence_length": int(encode["max_sequence_length"]),
+        "latent_cache": str(encode.get("latent_cache") or ""),
+        "hot_bytes": int(data.hot_bytes),
+        "num_gpus": op["num_gpus"],
+        "torch_threads": max(1, int(round(op["num_cpus"]))),
+        "identities": identities or {},
+    }
+
+
+def train_batch(plan: RankStep, batch: dict[str, np.ndarray], sample_ids: np.ndarray, sample_keys: np.ndarray, *,
+                data_wait_s: float, prefetch_lead: int = 0) -> TrainBatch:
+    """The `TrainBatch` of one loader row (the decode operator's columns, after the encode stages) for its
+    planned step `plan`; tensors share the row's memory (no copy)."""
+    import torch
+
+    ok = batch["ok"][0]
+    frames = latents = inpaint_latents = image_embeds = prompt_embeds = prompt_attention_mask = None
+    with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; the step never writes to them
+        warnings.simplefilter("ignore", UserWarning)
+        if "frames" in batch:
+            frames = torch.from_numpy(batch["frames"][0]).permute(0, 4, 1, 2, 3)  # (B, 3, F, H, W), no copy
+        if "latents" in batch:
+            latents = torch.from_numpy(batch["latents"][0])  # (B, C, F_lat, H_lat, W_lat)
+        if "inpaint_latents" in batch:
+            inpaint_latents = torch.from_numpy(batch["inpaint_latents"][0])  # (B, C_in, F_lat, H_lat, W_lat)
+        if "image_embeds" in batch:
+            image_embeds = torch.from_numpy(batch["image_embeds"][0])  # (B, T, D_img)
+        if "prompt_embeds" in batch:
+            prompt_embeds = torch.from_numpy(batch["prompt_embeds"][0])  # (B, L, D)
+            prompt_attention_mask = torch.from_numpy(batch["prompt_attention_mask"][0])  # (B, L)
+    stage_nodes = {stage: json.loads(str(batch[f"{stage}_node"][0]))
+                   for stage in ("vae", "text") if f"{stage}_node" in batch}
+    return TrainBatch(
+        step=plan.step,
+        epoch=plan.epoch,
+        bucket=plan.bucket,
+        frames=frames,
+        captions=json.loads(str(batch["captions"][0])),
+        sample_ids=sample_ids[plan.rows].tolist(),
+        sample_keys=sample_keys[plan.rows],
+        weights=plan.weights * ok,
+        total_weight=plan.total_weight,
+        next_position=plan.next_position,
+        data_wait_s=data_wait_s,
+        prefetch_lead=prefetch_lead,
+        stats={k: float(batch[k][0]) for k in (*STAT_KEYS, *ENCODE_STAT_KEYS) if k in batch},
+        skipped=json.loads(str(batch["skipped"][0])),
+        micro=plan.micro,
+        num_micro=plan.num_micro,
+        loader_node=json.loads(str(batch["node"][0])),
+        latents=latents,
+        prompt_embeds=prompt_embeds,
+        prompt_attention_mask=prompt_attention_mask,
+        stage_nodes=stage_nodes,
+        inpaint_latents=inpaint_latents,
+        image_embeds=image_embeds,
+    )
 
 
 def encode_spec(job: Any, placement: dict[str, Any] | None = None, *, latent_cache: str = "") -> dict[str, Any]:

@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ray.train
-import ray.train.torch
 import torch
 import torch.distributed as dist
 
@@ -45,12 +43,13 @@ from vidray.models.export import export_pipeline, write_job_file
 from vidray.metrics import TrainMetrics
 from vidray.data.cache import check_cache_budget
 from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
-from vidray.data.pipeline import RankLoader, TrainBatch, encode_spec, iter_rank_steps
+from vidray.data.pipeline import TrainBatch, encode_spec, iter_rank_steps
 from vidray.data.schedule import DataPosition, SampleSchedule, job_schedule
 from vidray.data.shards import GenerationLease, read_index
 from vidray.data.storage import open_storage
 from vidray.models.experts import ExpertSlot
 from vidray.models.registry import Components, get_family
+from vidray.train.context import RayTrainContext, WorkerContext
 from vidray.train.checkpoint import (
     CheckpointManager,
     TrainState,
@@ -74,7 +73,6 @@ from vidray.train.parallel import (
 )
 from vidray.train.precision import Precision
 from vidray.train.runlog import RunLog
-from vidray.train.validation import start_validator, wait_for_validations
 from vidray.train.window import LogWindow, step_line
 from vidray.train.vae import (
     VAE_EXPORT_DIR,
@@ -98,7 +96,8 @@ def _log(rank: int, message: str) -> None:
         print(f"[vidray] {message}", file=sys.__stdout__, flush=True)
 
 
-def _resume_state(loop_config: dict[str, Any], rank: int, **targets: Any) -> TrainState | None:
+def _resume_state(loop_config: dict[str, Any], rank: int, restart_name: str | None, **targets: Any
+                  ) -> TrainState | None:
     """Load the checkpoint this attempt starts from (precedence: `vidray.train.trainer` module docstring).
 
     A checkpoint written during this `fit()` (any step after the driver's start point `loop_config["start_step"]`,
@@ -112,7 +111,7 @@ def _resume_state(loop_config: dict[str, Any], rank: int, **targets: Any) -> Tra
     against the manifest after this worker's download and before loading (DamagedCheckpointError naming the part).
     """
     start_step = int(loop_config.get("start_step") or 0)
-    ray_name = _ray_checkpoint_name()  # every rank's: it names the source in the log line below
+    ray_name = restart_name  # every rank's (`WorkerContext.restart_checkpoint`): it names the source in the log line
     name = None
     if rank == 0:
         candidates = [c for c in (ray_name, CheckpointManager(loop_config["run_dir"]).latest())
@@ -135,12 +134,6 @@ def _resume_state(loop_config: dict[str, Any], rank: int, **targets: Any) -> Tra
         _log(rank, f"started from checkpoint {start} at step {state.step}")
         return state
     return None
-
-
-def _ray_checkpoint_name() -> str | None:
-    """The folder name of Ray Train's latest registered checkpoint of this `fit()`, or None."""
-    checkpoint = ray.train.get_checkpoint()
-    return None if checkpoint is None else Path(checkpoint.path).name
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
@@ -172,7 +165,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     the decode operator.
     """
     quiet_ray_train_worker()  # Ray Train's per-report TrainingReport dump (vidray.logs)
-    return Worker(loop_config).run()
+    upload_async = loop_config["job"].get("checkpoint", {}).get("upload") == "async"
+    return Worker(loop_config, RayTrainContext(upload_async=upload_async)).run()
 
 
 @dataclass
@@ -203,12 +197,11 @@ class Worker:
     writes the checkpoints, then exports (`_finish`).
     """
 
-    def __init__(self, loop_config: dict[str, Any]):
+    def __init__(self, loop_config: dict[str, Any], context: WorkerContext):
         self.loop_config = loop_config
         self.job = job = job_config_from_dict(loop_config["job"])
-        context = ray.train.get_context()
-        self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
-        self.device = ray.train.torch.get_device()
+        self.context = context
+        self.rank, self.world_size, self.device = context.rank, context.world_size, context.device
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.family = get_family(job.model.family).for_model(job.model)  # its objective follows this model
@@ -218,10 +211,10 @@ class Worker:
         self.dp_rank, self.dp_size = ((self.experts.group_rank, self.experts.group_size) if self.experts
                                       else (self.rank, self.world_size))
         transformer, pretrained_weights = self._build_transformer()
-        self._load_data(local_ranks=context.get_local_world_size())
+        self._load_data(local_ranks=context.local_world_size)
         self._parallelize(transformer, pretrained_weights)
         self._resume()
-        self._start_loader(local_ranks=context.get_local_world_size())
+        self._start_loader(local_ranks=context.local_world_size)
         self._start_outputs()
 
     # Set-up ------------------------------------------------------------------------------------------------------
@@ -235,7 +228,7 @@ class Worker:
         if experts is None or experts.layout != "groups" or self.vae_run:
             return None
         try:
-            groups = form_expert_groups(self.rank, self.world_size, ray.get_runtime_context().get_node_labels(),
+            groups = form_expert_groups(self.rank, self.world_size, self.context.node()["labels"],
                                         self.loop_config.get("placement") or {}, experts.boundary_ratio)
         except ValueError as err:
             raise UserError(str(err)) from None
@@ -332,7 +325,8 @@ class Worker:
             if why:
                 self._log(why)
 
-        state = _resume_state(self.loop_config, self.rank, transformer=self.transformer, optimizer=self.optimizer,
+        state = _resume_state(self.loop_config, self.rank, self.context.restart_checkpoint(),
+                              transformer=self.transformer, optimizer=self.optimizer,
                               lr_scheduler=self.lr_scheduler, ema=None if self.ema is None else self.ema.averaged,
                               grad_scaler=self.precision.grad_scaler, comm_hook=restore_comm_hook,
                               **({"optimizer_key": self.experts.optimizer_key} if self.experts else {}))
@@ -360,12 +354,11 @@ class Worker:
         encode = None if self.vae_run else encode_spec(job, placement, latent_cache=loop_config.get("latent_cache", ""))
         if encode is not None and loop_config.get("identities"):  # the driver's identity tasks (vidray.train.trainer)
             encode["identities"] = loop_config["identities"]
-        self.loader = RankLoader(self.shards_dir, self.index, self.table, steps, job.data,
-                                 sample_ids=self.table.sample_id.astype(str), local_ranks=local_ranks,
-                                 label_selector=placement.get("decode"), encode=encode)
+        self.loader = self.context.loader(self.shards_dir, self.index, self.table, steps, job.data,
+                                          sample_ids=self.table.sample_id.astype(str), local_ranks=local_ranks,
+                                          label_selector=placement.get("decode"), encode=encode)
         self.batches = iter(self.loader)
-        runtime = ray.get_runtime_context()
-        self.trainer_node = {"node_id": runtime.get_node_id(), "labels": runtime.get_node_labels()}
+        self.trainer_node = self.context.node()
         self.loader_nodes: dict[str, dict[str, Any]] = {}  # node_id -> {"node_id", "labels"} of the decode operators
         self.stage_nodes: dict[str, dict[str, dict[str, Any]]] = {"vae": {}, "text": {}}  # the same, encode actors
         self.skipped: list[dict[str, str]] = []
@@ -391,15 +384,15 @@ class Worker:
         self.step_seconds: list[list[float]] = []  # [step, data_wait_s, encode_s, dit_s] of this rank
         self.checkpoint_blocked_s: list[list[float]] = []  # [step, seconds the loop stood still for its checkpoint]
         self.checkpoints = CheckpointManager(loop_config["run_dir"])
-        self.upload_mode = (ray.train.CheckpointUploadMode.ASYNC if job.checkpoint.upload == "async"
-                            else ray.train.CheckpointUploadMode.SYNC)
+        self.context.bind(self.checkpoints)  # its upload functions copy each reported checkpoint into the run folder
         self.checkpoint_group = self.checkpoint_writer = None
         if self.writes_shards and job.checkpoint.upload == "async":
             self.checkpoint_group = dist.new_group(backend="gloo")
             self.checkpoint_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vidray-checkpoint")
         self.pending: tuple[PendingShardedCheckpoint, dict, float] | None = None
         """(the sharded checkpoint being written, its step's metrics, seconds its start held the step)"""
-        self.metrics_log = TrainMetrics(rank=rank, run=job.name, export_to_ray=job.train.ray_metrics)
+        self.metrics_log = TrainMetrics(rank=rank, run=job.name,
+                                        export_to_ray=job.train.ray_metrics and self.context.exports_ray_metrics)
         # The textfile needs a local folder: the run folder's, or for a run folder on object storage this node's
         # temp folder (the Prometheus endpoint of `train.metrics_port` serves the same figures either way).
         metrics_root = (Path(tempfile.gettempdir()) / "vidray-metrics" / job.name if is_uri(loop_config["run_dir"])
@@ -410,9 +403,8 @@ class Worker:
         self.run_log = (RunLog(loop_config["run_dir"], start_step=self.start_step, title=job.name)
                         if rank == 0 else None)
         self.validate_every = job.train.validation.every_steps
-        self.validator = (start_validator(loop_config["run_dir"], job)
+        self.validator = (self.context.start_validator(loop_config["run_dir"], job)
                           if rank == 0 and self.validate_every else None)
-        self.validations: list[Any] = []  # refs of the validations handed to the validator
 
     # The loop ------------------------------------------------------------------------------------------------------
 
@@ -616,8 +608,7 @@ class Worker:
         if is_checkpoint:
             self._checkpoint(step, metrics)
         else:
-            # Asynchronous mode for plain reports too: a synchronous report would wait for the copy in flight.
-            ray.train.report(metrics, checkpoint_upload_mode=self.upload_mode)
+            self.context.report(metrics)
         self.window_start, self.window_steps = time.perf_counter(), 0
 
     # Checkpoints ---------------------------------------------------------------------------------------------------
@@ -637,7 +628,8 @@ class Worker:
                                  self.data_hash, len(self.table))
         if self.writes_shards:
             if rank == 0:
-                self.checkpoints.clear_for_sharded_write(checkpoint_dir_name(step))  # an interrupted earlier write
+                # an interrupted earlier write
+                self.context.clear_for_sharded_write(self.checkpoints, checkpoint_dir_name(step))
             if world_size > 1:
                 dist.barrier()
             started = start_sharded_checkpoint(
@@ -660,10 +652,8 @@ class Worker:
                 lr_scheduler=self.lr_scheduler, train_state=train_state, job_config=job.to_dict(),
                 dataset=self.data_rows, ema=None if self.ema is None else self.ema.averaged,
                 grad_scaler=self.precision.grad_scaler, comm_hook_state=hook_state)
-            checkpoint = ray.train.Checkpoint.from_directory(str(snapshot))
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name(step),
-                         checkpoint_upload_mode=self.upload_mode, delete_local_checkpoint_after_upload=True,
-                         checkpoint_upload_fn=self.checkpoints.ray_upload_fn())
+            checkpoint = snapshot
+        self.context.report(metrics, checkpoint=checkpoint, name=checkpoint_dir_name(step))
         self.checkpoint_blocked_s.append([step, time.perf_counter() - t_snapshot])
         self._maybe_validate(step)
 
@@ -681,10 +671,7 @@ class Worker:
         started, step_metrics, started_s = entry
         t_wait = time.perf_counter()
         snapshot = started.finish()
-        ray.train.report(step_metrics, checkpoint=ray.train.Checkpoint.from_directory(str(snapshot)),
-                         checkpoint_dir_name=checkpoint_dir_name(started.step), checkpoint_upload_mode=self.upload_mode,
-                         delete_local_checkpoint_after_upload=True,
-                         checkpoint_upload_fn=self.checkpoints.ray_shard_upload_fn())
+        self.context.report(step_metrics, checkpoint=snapshot, name=checkpoint_dir_name(started.step), sharded=True)
         self.checkpoint_blocked_s.append([started.step, started_s + time.perf_counter() - t_wait])
         self._maybe_validate(started.step)
 
@@ -692,7 +679,7 @@ class Worker:
         """Hand the checkpoint of `step` to the validator when validation is due (it waits for the copy; the
         training goes on)."""
         if self.validator is not None and step % self.validate_every == 0:
-            self.validations.append(self.validator.validate.remote(step))
+            self.validator.submit(step)
 
     # The end -------------------------------------------------------------------------------------------------------
 
@@ -737,8 +724,9 @@ class Worker:
         else:
             diffusers_dir = (_export_pipeline(self.family, trained_full, job, ema_weights, run_dir) if rank == 0
                              else f"{run_dir.rstrip('/')}/diffusers")
-        validated, validation_wait_s, validation_problems = wait_for_validations(self.validations)  # after export
-        if self.validations:
+        validated, validation_wait_s, validation_problems = (self.validator.wait() if self.validator is not None
+                                                             else ([], 0.0, []))  # after export
+        if self.validator is not None and len(self.validator):
             steps = ", ".join(str(v["step"]) for v in validated) or "none"
             took = ", ".join(f"{v['seconds']:.1f}" for v in validated)
             self._log(f"validation samples at steps {steps} in {run_dir}/validation (each took {took} s beside the "

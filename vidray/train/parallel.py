@@ -7,8 +7,8 @@
   `gradient_checkpointing` (every transformer block recomputed in the backward, `torch.utils.checkpoint` without
   reentrancy); `every_<n>` wraps every n-th block in torch's `checkpoint_wrapper` (as torchtitan's selective AC does).
   Either way the gradients equal those without it: the recompute is the same forward.
-- DDP (`ray.train.torch.prepare_model`, gloo on CPU and NCCL on GPU) with `train.bucket_cap_mb` (the all-reduce of a
-  full bucket overlaps the rest of the backward) and `train.grad_compression`'s hook: torch's
+- DDP (`wrap_ddp`, what Ray Train's `prepare_model` does; gloo on CPU and NCCL on GPU) with `train.bucket_cap_mb`
+  (the all-reduce of a full bucket overlaps the rest of the backward) and `train.grad_compression`'s hook: torch's
   `default_hooks.fp16_compress_hook` / `bf16_compress_hook` (the bucket is cast, all-reduced and cast back: half the
   bytes) or `powerSGD_hook.powerSGD_hook` (rank-r factors P, Q of each bucket's gradient matrix instead of the matrix,
   with error feedback; Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression", NeurIPS 2019).
@@ -339,8 +339,6 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
 
     Call before the optimizer is built (FSDP replaces the parameters with sharded ones) and before the checkpoint
     is restored (a sharded model loads its own shards)."""
-    import ray.train.torch
-
     blocks = None if family is None else family.block_lists(transformer)
     apply_activation_checkpointing(transformer, job.train.activation_checkpointing, blocks)
     if job.scaling.strategy in ("fsdp", "hsdp"):
@@ -369,7 +367,7 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
                   **({"process_group": process_group} if process_group is not None else {})}
     if two_experts:  # DDP warns at a step whose samples reached both experts; that is expected, not a mistake
         warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified in DDP constructor")
-    model = ray.train.torch.prepare_model(transformer, parallel_strategy_kwargs=ddp_kwargs)
+    model = wrap_ddp(transformer, device if device is not None else next(transformer.parameters()).device, ddp_kwargs)
     comm, hook = comm_hook_for(job.train.grad_compression, powersgd_rank=job.train.powersgd_rank)
     is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     if is_ddp and (hook is not None or hook_wrapper is not None):
@@ -384,6 +382,21 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
     if not is_ddp:
         comm = CommHook(comm.kind)  # one process: no all-reduce, no hook state
     return model, comm
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device | str, ddp_kwargs: dict[str, Any]) -> torch.nn.Module:
+    """`model` on `device`, wrapped in DistributedDataParallel (with `ddp_kwargs`) when the default process group
+    has more than one rank; unwrapped on one rank, or with no group. What Ray Train's `prepare_model` does (its
+    device ids on a GPU), without needing a Ray Train worker: the in-process `Worker` takes the same path."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = model.to(device)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return model
+    if device.type == "cuda":
+        ddp_kwargs = {"device_ids": [device], "output_device": device, **ddp_kwargs}
+    return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
 
 
 def _load_pretrained_shards(transformer: torch.nn.Module, folder: str, *, device: torch.device, seed: int,

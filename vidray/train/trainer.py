@@ -545,19 +545,8 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
 
     # 3. Move checkpoints newer than an explicit start point aside, then run.
     storage_path = absolute_location(job.storage.path)
-    remote = is_uri(storage_path)
-    run_dir = f"{storage_path.rstrip('/')}/{job.name}" if remote else Path(storage_path) / job.name  # URI: a str
     set_aside(plan)
-    loop_config = {
-        "job": job.to_dict(),
-        "run_dir": plan.manager.location(),  # a local path or the URI
-        "shards_dir": absolute_location(job.data.shards_dir),
-        "resume_from": str(plan.checkpoint) if plan.checkpoint else None,
-        "start_step": plan.step,  # checkpoints of later steps were written during this fit (a restart's own)
-        "record_sample_ids": record_sample_ids,
-        "placement": placement,
-        "latent_cache": latent_cache_root(job),
-    }
+    loop_config = build_loop_config(job, plan, placement=placement, record_sample_ids=record_sample_ids)
     if loop_config["latent_cache"]:
         # The encoders' identities name their cache entries; computed once (and once per driver process), on the
         # stages' nodes, while the workers start, so that the loaders skip decoding clips whose latents are cached
@@ -585,16 +574,46 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
         print(interrupted_note(plan, job, resume_hint), file=sys.stderr, flush=True)
         raise
     apply_num_to_keep(plan, job, {Path(checkpoint.path).name for checkpoint, _ in result.best_checkpoints or []})
-    out = result.return_value or {}
+    return train_result(job, result.return_value or {}, metrics=result.metrics, checkpoint_path=(
+        _storage_uri(storage_path, result.checkpoint.path) if result.checkpoint else None))
+
+
+def run_dir_of(job: JobConfig) -> Path | str:
+    """`<storage.path>/<name>`: a local Path, or the URI string when `storage.path` is one."""
+    storage_path = absolute_location(job.storage.path)
+    return f"{storage_path.rstrip('/')}/{job.name}" if is_uri(storage_path) else Path(storage_path) / job.name
+
+
+def build_loop_config(job: JobConfig, plan: ResumePlan, *, placement: dict[str, Any],
+                      record_sample_ids: bool) -> dict[str, Any]:
+    """The `loop_config` every rank's `Worker` is built from (`vidray.train.loop.train_loop_per_worker` documents
+    its keys), for a checked job, its resume plan and its resolved placement ({} on one node)."""
+    return {
+        "job": job.to_dict(),
+        "run_dir": plan.manager.location(),  # a local path or the URI
+        "shards_dir": absolute_location(job.data.shards_dir),
+        "resume_from": str(plan.checkpoint) if plan.checkpoint else None,
+        "start_step": plan.step,  # checkpoints of later steps were written during this fit (a restart's own)
+        "record_sample_ids": record_sample_ids,
+        "placement": placement,
+        "latent_cache": latent_cache_root(job),
+    }
+
+
+def train_result(job: JobConfig, out: dict[str, Any], *, metrics: dict[str, Any] | None,
+                 checkpoint_path: str | None) -> TrainResult:
+    """The `TrainResult` of a run from rank 0's return value `out` (`Worker.run`), the metrics reported with the
+    last checkpoint and that checkpoint's folder."""
+    run_dir = run_dir_of(job)
     return TrainResult(
         run_dir=run_dir,
-        checkpoint_path=_storage_uri(storage_path, result.checkpoint.path) if result.checkpoint else None,
+        checkpoint_path=checkpoint_path,
         diffusers_dir=out.get("diffusers_dir", f"{run_dir}/diffusers"),
         losses=out.get("losses", []),
         first_step=out.get("first_step", 0),
         last_step=out.get("last_step", 0),
         steps_per_s=out.get("steps_per_s", 0.0),
-        metrics=result.metrics,
+        metrics=metrics,
         reported_steps=out.get("reported_steps", []),
         trained_samples=out.get("trained_samples", []),
         skipped_shards=out.get("skipped_shards", []),

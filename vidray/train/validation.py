@@ -246,3 +246,45 @@ def start_validator(run_dir: str, job: Any) -> Any:
     if selector:
         options["label_selector"] = selector
     return ray.remote(Validator).options(**options).remote(run_dir, job.to_dict())
+
+
+class RayValidations:
+    """Validations run by one `Validator` actor (`start_validator`) beside the training: `submit(step)` hands it a
+    checkpoint's step (the training goes on), `wait()` waits for those still running at the end
+    (`wait_for_validations`). What a Ray Train worker's rank 0 uses (`vidray.train.context.RayTrainContext`)."""
+
+    def __init__(self, run_dir: str, job: Any):
+        self._actor = start_validator(run_dir, job)
+        self._refs: list[Any] = []
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def submit(self, step: int) -> None:
+        self._refs.append(self._actor.validate.remote(step))
+
+    def wait(self) -> tuple[list[dict[str, Any]], float, list[str]]:
+        return wait_for_validations(self._refs)
+
+
+class LocalValidations:
+    """Validations run in this process (`vidray.train.context.LocalContext`): `submit(step)` samples the prompts
+    from that step's checkpoint at once (the training waits for it); `wait()` returns what was sampled, the same
+    tuple as `wait_for_validations` (a validation that raised is one line in its problems, as there)."""
+
+    def __init__(self, run_dir: str, job: Any):
+        self._validator = Validator(run_dir, job.to_dict())
+        self._results: list[dict[str, Any]] = []
+        self._problems: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self._results) + len(self._problems)
+
+    def submit(self, step: int) -> None:
+        try:
+            self._results.append(self._validator.validate(step))
+        except Exception as err:  # noqa: BLE001 - reported, the run's training stands
+            self._problems.append(f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300]}")
+
+    def wait(self) -> tuple[list[dict[str, Any]], float, list[str]]:
+        return sorted(self._results, key=lambda r: r["step"]), 0.0, list(self._problems)
