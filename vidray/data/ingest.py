@@ -617,14 +617,14 @@ def prepare(
             )
             if bucket is None:
                 raise MediaError(_no_bucket_reason(info, is_image, buckets, fps))
+            too_small = source_floor_reason(bucket, height=info.height, width=info.width,
+                                            min_side_px=min_source_side_px, max_upscale=max_upscale)
+            if too_small:  # checked first: a 1x1 px test pattern is no content at any rate
+                raise MediaError(too_small)
             too_slow = rate_change_reason(bucket, duration_s=info.duration_s, clip_fps=sampled_fps(info, bucket, fps),
                                           fps=fps, max_rate_change=max_rate_change)
             if too_slow:
                 raise MediaError(too_slow)
-            too_small = source_floor_reason(bucket, height=info.height, width=info.width,
-                                            min_side_px=min_source_side_px, max_upscale=max_upscale)
-            if too_small:
-                raise MediaError(too_small)
             clips, note = _read_clips(item.file_path, info, bucket, buckets, fps, is_image, scene_split)
         except MediaError as err:
             skipped.append((str(item.file_path), _short_reason(err, item.file_path)))
