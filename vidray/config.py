@@ -292,6 +292,14 @@ class DataConfig:
     max_upscale: float = 8.0
     """`vidray prepare` skips a source that its bucket would enlarge more than this factor (bucket side over the
     source's covering side, e.g. 240x320 into 64x64 is 0.27, 8x8 into 64x64 is 8.0), with the reason."""
+    max_rate_change: float = 1.5
+    """The most a short source's sampled rate may differ from `fps`, as a factor max(clip_fps / fps, fps / clip_fps)
+    >= 1. A source too short for every bucket of its aspect ratio at `fps` takes the bucket needing the smallest
+    change, sampled by taking every k-th source frame (its motion then plays clip_fps / fps times slower than its
+    bucket-mates'); beyond this factor `vidray prepare` skips it, with the reason. 1.5 keeps the rate spread of
+    ordinary footage (24 vs 16 fps) and the shipped 0.82 s Newton's cradle GIF in a 9-frame bucket at 8 fps
+    (1.37x), and refuses the 2-3x slow motion of a sub-second clip stretched over a 17-frame bucket; 1.0 keeps only
+    clips sampled at `fps`."""
     samples_per_shard: int = 64
     """Clips per Parquet shard."""
     batch_size_per_worker: int = 2
@@ -771,6 +779,9 @@ class JobConfig:
         if not self.data.max_upscale >= 1:
             raise ValueError(f"data.max_upscale must be >= 1.0 (the most a bucket may enlarge a source), got "
                              f"{self.data.max_upscale} (default 8.0)")
+        if not self.data.max_rate_change >= 1:
+            raise ValueError(f"data.max_rate_change must be >= 1.0 (a factor; 1.0 keeps only clips sampled at "
+                             f"data.fps), got {self.data.max_rate_change} (default 1.5)")
         if self.train.grad_clip_norm is not None and not self.train.grad_clip_norm > 0:
             raise ValueError(f"train.grad_clip_norm must be > 0 or null (no clipping), got {self.train.grad_clip_norm}: "
                              "a negative norm flips the gradients' sign and 0 zeroes them")
@@ -1031,6 +1042,7 @@ RESUME_RULES: dict[str, str] = {
     "data.max_clips_per_source": RESUME_CHANGEABLE,
     "data.min_source_side_px": RESUME_CHANGEABLE,  # prepare-only: which sources are too small to keep
     "data.max_upscale": RESUME_CHANGEABLE,
+    "data.max_rate_change": RESUME_CHANGEABLE,  # prepare-only: which short sources are kept
     "data.group_by_caption": RESUME_CHANGEABLE,  # prepare-only: how samples are grouped into shards
     "data.hot_bytes": RESUME_CHANGEABLE,  # loader budgets and prefetch depth: how fast, not what is trained
     "data.prefetch_batches": RESUME_CHANGEABLE,

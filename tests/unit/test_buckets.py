@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from vidray.data.buckets import Bucket, assign_bucket, validate_bucket
+from vidray.data.buckets import (
+    Bucket,
+    assign_bucket,
+    rate_change_factor,
+    rate_change_reason,
+    validate_bucket,
+)
 
 BUCKETS = [Bucket(9, 64, 64), Bucket(9, 64, 112), Bucket(9, 112, 64), Bucket(17, 64, 112), Bucket(1, 64, 64)]
 
@@ -53,6 +59,40 @@ def test_assign_bucket_prefers_a_bucket_filled_at_data_fps_over_a_longer_one_at_
                          num_frames_at_fps=10) == Bucket(17, 64, 112)
     assert assign_bucket(num_frames=20, height=480, width=854, buckets=BUCKETS, num_frames_at_fps=20) == Bucket(
         17, 64, 112)
+
+
+def test_a_source_too_short_for_data_fps_takes_the_bucket_changing_its_rate_least():
+    # A square source of 36 frames at 43.9 fps (0.82 s) holds 7 frames at 8 fps: every bucket needs the stride fallback. Sampled rates:
+    # 9 frames 10.98 fps (1.37x), 17 frames 21.95 (2.74x), 33 frames 43.9 (5.49x). Without a rate, the longest.
+    rates = {9: 10.98, 17: 21.95, 33: 43.9}
+    change = lambda b: rate_change_factor(rates[b.num_frames], 8.0)  # noqa: E731
+    buckets = [Bucket(33, 64, 64), Bucket(17, 64, 64), Bucket(9, 64, 64), Bucket(9, 64, 112)]
+    assert assign_bucket(num_frames=36, height=200, width=200, buckets=buckets, num_frames_at_fps=7,
+                         rate_change=change) == Bucket(9, 64, 64)
+    assert assign_bucket(num_frames=36, height=200, width=200, buckets=buckets, num_frames_at_fps=7) == Bucket(
+        33, 64, 64)
+    # Aspect ratio still comes first, and a bucket filled at data.fps before any rate change.
+    assert assign_bucket(num_frames=36, height=200, width=200, buckets=buckets[:2] + [Bucket(9, 64, 112)],
+                         num_frames_at_fps=7, rate_change=change) == Bucket(17, 64, 64)
+    at_fps = lambda b: 1.0 if b.num_frames <= 20 else rate_change_factor(43.9, 8.0)  # noqa: E731 - 20 at 8 fps
+    assert assign_bucket(num_frames=36, height=200, width=200, buckets=buckets, num_frames_at_fps=20,
+                         rate_change=at_fps) == Bucket(17, 64, 64)
+    # Equal changes: the longer bucket (more of the clip at the same rate).
+    assert assign_bucket(num_frames=36, height=200, width=200, buckets=[Bucket(13, 64, 64), Bucket(17, 64, 64)],
+                         num_frames_at_fps=7, rate_change=lambda b: 2.744) == Bucket(17, 64, 64)
+
+
+def test_rate_change_is_a_factor_of_at_least_one_either_way_and_its_bound_names_the_setting():
+    assert rate_change_factor(8.0, 8.0) == 1.0
+    assert rate_change_factor(12.0, 8.0) == rate_change_factor(8.0, 12.0) == 1.5
+    with pytest.raises(ValueError, match="> 0 frames/s"):
+        rate_change_factor(0.0, 8.0)
+    assert rate_change_reason(Bucket(9, 64, 64), duration_s=0.82, clip_fps=10.98, fps=8.0, max_rate_change=1.5) is None
+    assert rate_change_reason(Bucket(9, 64, 64), duration_s=1.0, clip_fps=12.0, fps=8.0, max_rate_change=1.5) is None
+    reason = rate_change_reason(Bucket(9, 64, 64), duration_s=0.9, clip_fps=5.0, fps=8.0, max_rate_change=1.5)
+    assert reason == ("too short for data.fps 8: 0.90 s, the nearest bucket 9x64x64 needs it sampled at 5 fps, a 1.60x "
+                      "rate change (motion 1.60x faster) > data.max_rate_change 1.5 (raise it to keep such clips, or "
+                      "add a bucket with fewer frames)")
 
 
 def test_images_go_to_single_frame_buckets():

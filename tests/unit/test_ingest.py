@@ -452,9 +452,43 @@ def test_prepare_reports_a_clip_sampled_above_data_fps_to_fill_its_bucket(tmp_pa
     assert report["num_off_rate"] == 1 and report["off_rate"][0]["slowdown"] == pytest.approx(1.372, abs=1e-3)
 
 
+def test_a_short_clip_takes_the_bucket_that_changes_its_rate_least_not_the_longest(tmp_path, samples_dir):
+    # Issue 43's example: Newton's cradle (36 frames at 43.9 fps, 0.82 s) fills no bucket at 8 fps. It went to the
+    # longest one it holds frames for, 17x64x64, by every 2nd frame: 21.95 fps, its motion 2.7x slower than its
+    # bucket-mates'. The 9-frame bucket (every 4th frame, 10.98 fps: 1.37x) changes its rate least.
+    source = one_sample_source(tmp_path, samples_dir, "newtonscradle_200x150.gif")
+    summary = prepare(source, tmp_path / "shards", [[17, 64, 64], [9, 64, 64]], FPS, 8, progress=None)
+    (row,) = iter_samples(tmp_path / "shards")
+    assert (row["num_frames"], row["fps"]) == (9, pytest.approx(10.98, abs=0.01))
+    assert summary.bucket_counts == {"17x64x64": 0, "9x64x64": 1}
+    assert "newtonscradle_200x150.gif at 10.98 fps (1.4x slower)" in str(summary)  # the rate used, reported
+
+
+def test_a_short_clip_beyond_max_rate_change_is_skipped_with_the_setting_to_raise(tmp_path, samples_dir):
+    # With 17x64x64 alone, the cradle's nearest bucket needs 21.95 fps: a 2.74x change > data.max_rate_change 1.5.
+    source = one_sample_source(tmp_path, samples_dir, "newtonscradle_200x150.gif")
+    summary = prepare(source, tmp_path / "shards", [[17, 64, 64]], FPS, 8, progress=None)
+    ((path, reason),) = summary.skipped
+    assert path.endswith("newtonscradle_200x150.gif") and summary.num_kept == 0
+    assert reason == ("too short for data.fps 8: 0.82 s, the nearest bucket 17x64x64 needs it sampled at 21.95 fps, "
+                      "a 2.74x rate change (motion 2.74x slower) > data.max_rate_change 1.5 (raise it to keep such "
+                      "clips, or add a bucket with fewer frames)")
+    assert f"newtonscradle_200x150.gif: {reason}" in str(summary)
+    report = json.loads(Path(summary.report_path).read_text())  # nothing kept: last_failed_report.json
+    assert report["skipped"] == [{"path": path, "reason": reason}]
+    # Raised, the bound keeps it, at the rate said in the off-rate report.
+    summary = prepare(source, tmp_path / "kept", [[17, 64, 64]], FPS, 8, progress=None, max_rate_change=3.0)
+    ((_, clip_fps),) = summary.off_rate
+    assert summary.skipped == [] and clip_fps == pytest.approx(21.95, abs=0.01)
+    assert read_report(tmp_path / "kept")["off_rate"][0]["slowdown"] == pytest.approx(2.744, abs=1e-3)
+    with pytest.raises(ValueError, match="max_rate_change must be >= 1.0"):
+        prepare(source, tmp_path / "bad", [[17, 64, 64]], FPS, 8, progress=None, max_rate_change=0.5)
+
+
 @pytest.mark.parametrize("override, message", [
     ("data.min_source_side_px=-1", "data.min_source_side_px must be >= 0 pixels"),
     ("data.max_upscale=0.5", "data.max_upscale must be >= 1.0"),
+    ("data.max_rate_change=0.9", r"data.max_rate_change must be >= 1.0 \(a factor"),
 ])
 def test_source_floor_settings_are_checked_at_load(override, message):
     from vidray.config import ConfigError, load_job_config

@@ -35,7 +35,14 @@ if TYPE_CHECKING:
     from vidray.config import DataConfig, ModelConfig
     from vidray.models.text_encoder import TruncationStats
 
-from vidray.data.buckets import Bucket, assign_bucket, source_floor_reason, validate_bucket
+from vidray.data.buckets import (
+    Bucket,
+    assign_bucket,
+    rate_change_factor,
+    rate_change_reason,
+    source_floor_reason,
+    validate_bucket,
+)
 from vidray.data.grouping import SHARDS_PER_GROUPING, CaptionEmbedder, balanced_groups
 from vidray.data.shards import INDEX_NAME, ShardWriter
 from vidray.data.storage import is_uri
@@ -321,7 +328,7 @@ class PrepareSummary:
     """Source paths listed more than once: one entry per listing after the first (reported only)."""
     off_rate: list[tuple[str, float]] = field(default_factory=list)
     """(source path, sampled fps) of each kept clip sampled at another rate than `fps` to fill its bucket (its
-    motion plays sampled_fps / fps times slower than its bucket-mates')."""
+    motion plays sampled_fps / fps times slower than its bucket-mates'; at most `data.max_rate_change` times)."""
     grouped_by_caption: bool = False
     """Whether each shard holds similar captions of its bucket (`prepare(group_by_caption=True)`); every shard
     holds one bucket either way."""
@@ -355,10 +362,12 @@ class PrepareSummary:
             more = " ..." if len(self.duplicate_listings) > 5 else ""
             text += f" Listed more than once: {len(self.duplicate_listings)} extra listing(s) ({names}{more})."
         if self.off_rate:
-            names = ", ".join(f"{Path(p).name} at {r:.4g} fps ({r / self.fps:.1f}x slower)" for p, r in self.off_rate[:5])
+            names = ", ".join(
+                f"{Path(p).name} at {r:.4g} fps ({rate_change_factor(r, self.fps):.1f}x "
+                f"{'slower' if r > self.fps else 'faster'})" for p, r in self.off_rate[:5])
             more = " ..." if len(self.off_rate) > 5 else ""
-            text += (f" Sampled at another rate than {self.fps:g} fps to fill their bucket (motion slower than "
-                     f"their bucket-mates'): {len(self.off_rate)} clip(s) ({names}{more}).")
+            text += (f" Sampled at another rate than {self.fps:g} fps to fill their bucket (motion slower or faster "
+                     f"than their bucket-mates'): {len(self.off_rate)} clip(s) ({names}{more}).")
         if not self.committed:
             text += " No sample was kept: nothing committed"
             if self.had_previous:
@@ -481,6 +490,7 @@ def prepare(
     family: str = "easyanimate",
     min_source_side_px: int = 16,
     max_upscale: float = 8.0,
+    max_rate_change: float = 1.5,
 ) -> PrepareSummary:
     """Turn the files listed in `source` into Parquet shards in `shards_dir` (see `vidray.data.shards`).
 
@@ -501,10 +511,13 @@ def prepare(
     `scene_split`: how videos lasting at least two clips of their bucket are split at scene cuts into several
     samples (`vidray.data.scenes`; None: one clip per source, from its start).
     A source too small for content is skipped with its reason (`source_floor_reason`): its shorter displayed side
-    under `min_source_side_px` pixels, or its bucket enlarging it more than `max_upscale` times. A clip sampled at
-    another rate than `fps` to fill its bucket (the stride fallback of `vidray.data.video`: its motion plays
-    `clip_fps / fps` times slower than its bucket-mates') is kept and listed in the report (`num_off_rate`,
-    `off_rate`: path, sampled fps, slowdown) and counted in the summary.
+    under `min_source_side_px` pixels, or its bucket enlarging it more than `max_upscale` times. A source too
+    short for every bucket of its aspect ratio at `fps` goes to the bucket that changes its rate least
+    (`assign_bucket` with `rate_change_factor`: max(clip_fps / fps, fps / clip_fps) >= 1, clip_fps the rate of the
+    stride fallback of `vidray.data.video`), and is sampled at that other rate: its motion plays `clip_fps / fps`
+    times slower than its bucket-mates'. Such a clip is kept when the change is at most `max_rate_change`, and
+    listed in the report (`num_off_rate`, `off_rate`: path, sampled fps, slowdown = clip_fps / fps) and counted in
+    the summary; beyond it, skipped with its reason (`rate_change_reason`).
     A prepare that keeps no sample commits nothing: the new generation is deleted, `index.json` and the previous
     dataset (if any) stay exactly as they were, and the report (every skip reason, `committed: false`) goes to
     `<shards_dir>/last_failed_report.json`, outside any generation; the summary says "nothing committed".
@@ -532,6 +545,9 @@ def prepare(
     if min_source_side_px < 0 or not max_upscale >= 1:
         raise ValueError(f"min_source_side_px must be >= 0 px and max_upscale >= 1.0, got {min_source_side_px} "
                          f"and {max_upscale}")
+    if not max_rate_change >= 1:
+        raise ValueError(f"max_rate_change must be >= 1.0 (a factor; 1.0 keeps only clips sampled at fps), got "
+                         f"{max_rate_change}")
     items = read_source(source)
 
     # 2. Start a new generation beside the committed one (which stays readable until step 4 switches the index).
@@ -597,13 +613,18 @@ def prepare(
             bucket = assign_bucket(
                 num_frames=num_frames_available(info, fps), height=info.height, width=info.width,
                 buckets=buckets, is_image=is_image, num_frames_at_fps=num_frames_at_fps(info, fps),
+                rate_change=lambda b: rate_change_factor(sampled_fps(info, b, fps), fps),
             )
             if bucket is None:
                 raise MediaError(_no_bucket_reason(info, is_image, buckets, fps))
             too_small = source_floor_reason(bucket, height=info.height, width=info.width,
                                             min_side_px=min_source_side_px, max_upscale=max_upscale)
-            if too_small:
+            if too_small:  # checked first: a 1x1 px test pattern is no content at any rate
                 raise MediaError(too_small)
+            too_slow = rate_change_reason(bucket, duration_s=info.duration_s, clip_fps=sampled_fps(info, bucket, fps),
+                                          fps=fps, max_rate_change=max_rate_change)
+            if too_slow:
+                raise MediaError(too_slow)
             clips, note = _read_clips(item.file_path, info, bucket, buckets, fps, is_image, scene_split)
         except MediaError as err:
             skipped.append((str(item.file_path), _short_reason(err, item.file_path)))
@@ -775,5 +796,6 @@ def prepare_data(
         group_by_caption=data.group_by_caption,
         min_source_side_px=data.min_source_side_px,
         max_upscale=data.max_upscale,
+        max_rate_change=data.max_rate_change,
         **({"family": model.family} if model is not None else {}),
     )
