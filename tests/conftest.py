@@ -245,3 +245,19 @@ def assert_same_training_state(checkpoint: str | Path, reference: str | Path) ->
     schedulers = [{k: v for k, v in torch.load(c / "lr_scheduler.pt", weights_only=True).items() if k != "_step_count"}
                   for c in (checkpoint, reference)]
     same(*schedulers, "lr_scheduler.pt")
+
+
+@pytest.fixture(scope="session")
+def shards_dir(tmp_path_factory):
+    """The shipped clips prepared with the tiny job's buckets, 4 samples per shard: once per session, shared by
+    every module that only reads it (no test writes into it; the latent cache under it, `data.latent_cache: auto`,
+    fills with the first run and serves the rest), so the session's reference run (`uninterrupted_run`) is
+    trained once for all of them. The unit tests of the in-process loop use it too (`tests/unit/test_worker.py`)."""
+    from vidray.config import load_job_config
+    from vidray.data.ingest import prepare
+
+    out = tmp_path_factory.mktemp("shards")
+    summary = prepare(REPO_ROOT / "samples" / "metadata.json", out, buckets=load_job_config(
+        REPO_ROOT / "jobs/configs/tiny_t2v.yaml").data.buckets, fps=8.0, samples_per_shard=4)
+    assert summary.num_kept >= 4
+    return out

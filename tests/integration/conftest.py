@@ -88,22 +88,6 @@ def ray_env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="session")
-def shards_dir(tmp_path_factory):
-    """The shipped clips prepared with the tiny job's buckets, 4 samples per shard: once per session, shared by
-    every module that only reads it (no test writes into it; the latent cache under it, `data.latent_cache: auto`,
-    fills with the first run and serves the rest), so the session's reference run (`uninterrupted_run`) is
-    trained once for all of them."""
-    from vidray.config import load_job_config
-    from vidray.data.ingest import prepare
-
-    out = tmp_path_factory.mktemp("shards")
-    summary = prepare(REPO / "samples" / "metadata.json", out, buckets=load_job_config(
-        REPO / "jobs/configs/tiny_t2v.yaml").data.buckets, fps=8.0, samples_per_shard=4)
-    assert summary.num_kept >= 4
-    return out
-
-
 def init_ray_without_dashboard(num_cpus: int = 4) -> bool:
     """`vidray.runtime.init_ray(num_cpus=...)` (a new local cluster on 127.0.0.1 as vidray starts it; True when it
     started one) without Ray's dashboard: its head process and the ~10 module processes it starts in Ray 2.60.

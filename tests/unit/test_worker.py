@@ -12,25 +12,13 @@ import pytest
 
 from vidray.config import load_job_config
 from vidray.errors import UserError
-from vidray.train.checkpoint import read_train_state
+from vidray.train.checkpoint import DamagedCheckpointError, read_train_state, verify_checkpoint
 from vidray.train.local import train_in_process
-from vidray.train.trainer import run_training
+from vidray.train.trainer import check_job_inputs, run_training
 
 from tests.conftest import assert_same_training_state
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def shards_dir(tmp_path_factory) -> Path:
-    """The shipped clips prepared with the tiny job's buckets (as the integration tests' `shards_dir`)."""
-    from vidray.data.ingest import prepare
-
-    out = tmp_path_factory.mktemp("shards")
-    summary = prepare(REPO / "samples" / "metadata.json", out, buckets=load_job_config(
-        REPO / "jobs/configs/tiny_t2v.yaml").data.buckets, fps=8.0, samples_per_shard=4)
-    assert summary.num_kept >= 4
-    return out
 
 
 def tiny_job(shards_dir: Path, storage: Path, *overrides: str, name: str = "run"):
@@ -75,6 +63,67 @@ def test_a_run_with_micro_batches_accumulates_the_global_batch_of_its_workers(sh
                                     "train.micro_batches_per_step=2"))
     two = train_in_process(tiny_job(shards_dir, tmp_path / "b", "train.max_steps=2", "scaling.num_workers=2"))
     assert [loss for _, loss in one.losses] == pytest.approx([loss for _, loss in two.losses], rel=1e-6)
+
+
+def resume_job(shards_dir: Path, storage: Path, *overrides: str):
+    return load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
+        f"data.shards_dir={shards_dir}", f"storage.path={storage}", "name=resume", "model.text_encoder=tiny_random",
+        "optim.warmup_steps=0", *overrides])
+
+
+def checkpoint_lr(checkpoint: Path) -> float:
+    import torch
+
+    state = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)
+    return state["param_groups"][0]["lr"]
+
+
+def test_changed_settings_take_effect_and_a_damaged_checkpoint_is_recovered_from(shards_dir, tmp_path):
+    # 1. The reported case: 10 steps at lr 1e-3 ...
+    first = train_in_process(resume_job(shards_dir, tmp_path, "optim.lr=1e-3", "train.max_steps=10", "train.log_every_steps=5",
+                             "checkpoint.every_steps=5", "checkpoint.num_to_keep=2"))
+    assert first.metrics["lr"] == pytest.approx(1e-3)
+    assert first.reported_steps == [5, 10]
+
+    # 2. ... resumed to step 20 at lr 1e-5 with other cadences, num_to_keep and no gradient clipping: all apply.
+    second = train_in_process(resume_job(shards_dir, tmp_path, "optim.lr=1e-5", "train.max_steps=20", "train.log_every_steps=3",
+                              "checkpoint.every_steps=4", "checkpoint.num_to_keep=3", "train.grad_clip_norm=null"))
+    run_dir = tmp_path / "resume"
+    assert second.first_step == 11 and [int(s) for s, _ in second.losses] == list(range(11, 21))
+    assert second.metrics["lr"] == pytest.approx(1e-5)  # the lr the optimizer holds, reported
+    assert checkpoint_lr(run_dir / "checkpoint_000020") == pytest.approx(1e-5)
+    assert checkpoint_lr(run_dir / "checkpoint_000012") == pytest.approx(1e-5)  # from the first resumed step on
+    assert second.reported_steps == [12, 15, 16, 18, 20]  # log every 3, checkpoint every 4, last step
+    assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == [
+        "checkpoint_000012", "checkpoint_000016", "checkpoint_000020"]  # num_to_keep=3
+    assert second.metrics["grad_norm"] == 0.0  # clipping off: no norm measured (it is > 0 with clipping)
+    assert first.metrics["grad_norm"] > 0.0
+
+    # 3. The newest checkpoint's model file is cut in half: refused on the driver, naming the last good one.
+    part = run_dir / "checkpoint_000020" / "transformer.safetensors"
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    good = (run_dir / "checkpoint_000016").resolve()
+    with pytest.raises(DamagedCheckpointError, match=rf"checkpoint_000020: transformer.safetensors .*"
+                                                     rf"checkpoint.resume_from={good}"):
+        train_in_process(resume_job(shards_dir, tmp_path, "optim.lr=1e-5", "train.max_steps=24"))
+
+    # 4. The override it names recovers the run under the same name: it starts at step 17, and the damaged
+    #    checkpoint is moved aside, not loaded, not overwritten in place.
+    third = train_in_process(resume_job(shards_dir, tmp_path, "optim.lr=1e-5", "train.max_steps=24", "checkpoint.every_steps=4",
+                             "checkpoint.num_to_keep=3", f"checkpoint.resume_from={good}"))
+    assert third.first_step == 17 and [int(s) for s, _ in third.losses] == list(range(17, 25))
+    verify_checkpoint(run_dir / "checkpoint_000020")  # rewritten by this run, whole
+    assert read_train_state(third.checkpoint_path).step == 24
+    # The run's rotation knew only 20 and 24 (the earlier list was set aside with the damaged checkpoint);
+    # num_to_keep=3 still holds in the run folder: the newest older checkpoint, 16, stays, 12 goes.
+    assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == [
+        "checkpoint_000016", "checkpoint_000020", "checkpoint_000024"]
+    damaged = list((run_dir / "set_aside").glob("*/checkpoint_000020"))
+    assert len(damaged) == 1
+    with pytest.raises(DamagedCheckpointError):
+        verify_checkpoint(damaged[0])
+    plan = check_job_inputs(resume_job(shards_dir, tmp_path, "optim.lr=1e-5", "train.max_steps=30"))
+    assert plan.checkpoint.name == "checkpoint_000024"  # the run goes on from its own latest checkpoint again
 
 
 def test_a_diverged_run_stops_at_its_first_report_and_writes_no_checkpoint(shards_dir, tmp_path):
