@@ -92,7 +92,8 @@ STAGES: tuple[str, ...] = ("decode", "vae", "text", "dit")
 """The stages a micro-batch passes, whose busy seconds and clips `add_stage` counts (decode: fetch + decode in the
 loader, its clips those actually decoded (not those whose cached latents it read); vae / text: the encode actors,
 their clips the batch slots they served, encoded or reused; dit: the trainer's forward, backward and optimizer
-step, its clips the batch slots trained)."""
+step, its clips the batch slots trained; a VAE run (`train.objective: vae`) counts its trainer's step as `vae`:
+`vidray.train.window.compute_stage`)."""
 SKIP_KINDS: tuple[str, ...] = ("clip", "shard")
 
 DATA_WAIT_BUCKETS_S: tuple[float, ...] = (

@@ -75,7 +75,7 @@ from vidray.train.parallel import (
 from vidray.train.precision import Precision
 from vidray.train.runlog import RunLog
 from vidray.train.validation import start_validator, wait_for_validations
-from vidray.train.window import LogWindow, step_line
+from vidray.train.window import LogWindow, compute_stage, step_line
 from vidray.train.vae import (
     VAE_EXPORT_DIR,
     VAEObjective,
@@ -213,6 +213,7 @@ class Worker:
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.family = get_family(job.model.family).for_model(job.model)  # its objective follows this model
         self.vae_run = job.train.objective == "vae"  # `vidray train-vae`: the transformer is the VAE's objective
+        self.compute_stage = compute_stage(job.train.objective)  # what the step line, metrics and TensorBoard call it
         self.experts = self._form_expert_groups()  # `model.experts` layout groups: this rank's expert, else None
         # The data-parallel world this rank's gradients are averaged over: its expert's group, or every rank.
         self.dp_rank, self.dp_size = ((self.experts.group_rank, self.experts.group_size) if self.experts
@@ -380,7 +381,7 @@ class Worker:
         (`dcp.async_save`): its collectives go over a gloo group of their own, and one thread per rank hashes the
         files once written."""
         job, loop_config, rank = self.job, self.loop_config, self.rank
-        self.window = LogWindow(self.world_size, **({} if self.experts is None else {
+        self.window = LogWindow(self.world_size, compute=self.compute_stage, **({} if self.experts is None else {
             "expert": self.experts.expert, "expert_sizes": {e: len(r) for e, r in self.experts.ranks.items()}}))
         # {expert: [[step, loss], ...]}, the mean over that expert's ranks (layout groups)
         self.expert_history: dict[str, list[list[float]]] = {e: [] for e in (self.experts.ranks if self.experts
@@ -575,7 +576,7 @@ class Worker:
         self.step_seconds.append(seconds)
         self.metrics_log.observe_step(data_wait_s=outcome.data_wait_s, step_s=outcome.data_wait_s + outcome.dit_s,
                                       samples=outcome.clips)
-        self.metrics_log.add_stage("dit", busy_s=outcome.dit_s, clips=outcome.clips)
+        self.metrics_log.add_stage(self.compute_stage, busy_s=outcome.dit_s, clips=outcome.clips)
         self.metrics_log.set_step(step)
 
     def _report(self, step: int, outcome: StepOutcome, *, is_checkpoint: bool) -> None:
@@ -601,7 +602,7 @@ class Worker:
         metrics = closed.metrics
         self.metrics_log.observe_window(loss=metrics["loss"], lr=metrics["lr"],
                                         data_wait_fraction=min(1.0, data["data_wait_fraction"]))
-        self._log(step_line(closed, max_steps=self.job.train.max_steps, data=data, vae_run=self.vae_run,
+        self._log(step_line(closed, max_steps=self.job.train.max_steps, data=data,
                             prefetch_lead=outcome.prefetch_lead))
         self.metrics_log.write_textfile(self.metrics_file)
         if self.run_log is not None:
