@@ -900,7 +900,8 @@ def _agree_on_skipped(skipped: list[dict[str, str]], world_size: int) -> list[di
 
 
 def _add_loader_stats(metrics: TrainMetrics, batch: TrainBatch) -> None:
-    """Feed one micro-batch's loader counters (`vidray.data.pipeline.STAT_KEYS`) into the metrics."""
+    """Feed one micro-batch's loader counters (`vidray.data.pipeline.STAT_KEYS`) and the stages' work spans into
+    the metrics."""
     s = batch.stats
     metrics.add_cache("hot", hits=int(s["hot_hits"]), misses=int(s["hot_misses"]))
     metrics.add_cache("warm", hits=int(s["warm_hits"]), misses=int(s["warm_misses"]))
@@ -909,12 +910,20 @@ def _add_loader_stats(metrics: TrainMetrics, batch: TrainBatch) -> None:
         metrics.add_skipped("shard" if "file" in item else "clip")
     metrics.set_prefetch_lead(batch.prefetch_lead)
     decoded = int(s["hot_misses"]) - int(s.get("decodes_skipped", 0))  # a miss whose latents were cached: no decode
-    metrics.add_stage("decode", busy_s=float(s["decode_s"] + s["fetch_s"]), clips=decoded)
+    metrics.add_stage("decode", busy_s=float(s["decode_s"] + s["fetch_s"]), clips=decoded, **_span(s, "decode"))
     for stage, tier in (("vae", "latent"), ("text", "prompt")):
         if f"{stage}_s" in s:
             hits, misses = int(s[f"{stage}_hits"]), int(s[f"{stage}_misses"])
             metrics.add_cache(tier, hits=hits, misses=misses)
-            metrics.add_stage(stage, busy_s=float(s[f"{stage}_s"]), clips=hits + misses)
+            metrics.add_stage(stage, busy_s=float(s[f"{stage}_s"]), clips=hits + misses, **_span(s, stage))
+
+
+def _span(stats: dict[str, float], stage: str) -> dict[str, float]:
+    """{"start", "end"}: the wall-clock seconds between which `stage` worked on the micro-batch
+    (`vidray.data.pipeline.DECODE_SPAN_KEYS`, `vidray.data.encode.ENCODE_SPAN_KEYS`), for `TrainMetrics.add_stage`
+    to count only the part inside the log window; {} when the batch carries none."""
+    start, end = stats.get(f"{stage}_start_unix"), stats.get(f"{stage}_end_unix")
+    return {"start": start, "end": end} if start is not None and end is not None and end >= start else {}
 
 
 def _record_path(loop_config: dict[str, Any], rank: int) -> Path | None:
