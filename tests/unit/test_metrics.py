@@ -306,3 +306,29 @@ def test_prefetched_work_counts_only_inside_the_window_that_receives_it():
     assert total["wall_s"] == 16.0 and total["decode_busy_fraction"] == pytest.approx(5.0 / 16.0)
     with pytest.raises(ValueError, match="start and end"):
         metrics.add_stage("decode", busy_s=1.0, clips=1, start=1016.0, end=1015.0)
+
+
+def test_the_loop_hands_the_stages_timestamps_from_the_batch_to_the_window():
+    """`vidray.train.loop._add_loader_stats` with a micro-batch as the loader and the encode stage leave it: the
+    spans in its stats (DECODE_SPAN_KEYS, ENCODE_SPAN_KEYS) are what the window clips."""
+    from vidray.data.buckets import Bucket
+    from vidray.data.encode import ENCODE_STAT_KEYS
+    from vidray.data.pipeline import STAT_KEYS, TrainBatch
+    from vidray.train.loop import _add_loader_stats
+
+    clock = Clock(2000.0)
+    metrics = TrainMetrics(rank=0, run="r", clock=clock)
+    clock.now = 2004.0
+    stats = {**dict.fromkeys(STAT_KEYS, 0.0), **dict.fromkeys(ENCODE_STAT_KEYS, 0.0), "hot_misses": 2.0,
+             "decode_s": 3.0, "decode_start_unix": 1999.0, "decode_end_unix": 2002.0,  # 2 s inside [2000, 2004]
+             "vae_s": 1.0, "vae_misses": 2.0, "vae_start_unix": 2002.0, "vae_end_unix": 2003.0,
+             "text_s": 0.5, "text_misses": 2.0, "text_start_unix": 1998.0, "text_end_unix": 1998.5}  # before it
+    batch = TrainBatch(step=1, epoch=0, bucket=Bucket(9, 64, 64), frames=None, captions=["a", "b"],
+                       sample_ids=["x", "y"], sample_keys=np.arange(2), weights=np.ones(2, np.float32),
+                       total_weight=2.0, next_position=None, stats=stats)
+    _add_loader_stats(metrics, batch)
+    window = metrics.window_summary()
+    assert window["wall_s"] == 4.0
+    assert (window["decode_busy_fraction"], window["vae_busy_fraction"], window["text_busy_fraction"]) == \
+        pytest.approx((0.5, 0.25, 0.0))
+    assert (window["decode_busy_s"], window["text_busy_s"]) == (3.0, 0.5)
