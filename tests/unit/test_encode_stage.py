@@ -15,7 +15,13 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from vidray.config import FlowConfig, ModelConfig  # noqa: E402
-from vidray.data.encode import ENCODE_SPAN_KEYS, ENCODE_STAT_KEYS, EncodeStage, LatentCache, module_identity  # noqa: E402
+from vidray.data.encode import (  # noqa: E402
+    ENCODE_SPAN_KEYS,
+    ENCODE_STAT_KEYS,
+    EncodeStage,
+    LatentCache,
+    module_identity,
+)
 from vidray.models import get_family  # noqa: E402
 
 from tests.conftest import run_at_once  # noqa: E402

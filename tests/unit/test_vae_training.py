@@ -222,8 +222,9 @@ def test_a_vae_runs_step_line_metrics_and_tensorboard_tags_say_vae_not_dit(tmp_p
         window.add(torch.tensor(0.5), torch.tensor(1.0), 1e-3, [step, 0.01, 0.0, 0.2])
     data = metrics.window_summary()
     assert data["vae_busy_s"] == pytest.approx(0.4) and data["dit_busy_s"] == 0.0
-    busy = {s: metrics.registry.get_sample_value("vidray_stage_busy_seconds_total",
-                                                 {"rank": "0", "run": vae_job.name, "stage": s}) for s in ("vae", "dit")}
+    labels = {"rank": "0", "run": vae_job.name}
+    busy = {s: metrics.registry.get_sample_value("vidray_stage_busy_seconds_total", {**labels, "stage": s})
+            for s in ("vae", "dit")}
     assert busy == {"vae": pytest.approx(0.4), "dit": 0.0}  # the Prometheus series' stage label
     closed = window.close(2, epoch=0, lr_now=1e-3, step_time_s=0.21, data=data)
     assert "vae_step_time_s" in closed.metrics and "vae_busy_fraction" in closed.metrics

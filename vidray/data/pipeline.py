@@ -149,8 +149,9 @@ class TrainBatch:
     captions: B strings; sample_ids: B strings; sample_keys: (B,) int64 (keys the per-sample noise); weights: (B,)
     float32, 0 for padding, repeats and skipped clips; plus the plan's step, epoch, bucket, total_weight,
     next_position, micro and num_micro (`RankStep`). data_wait_s: seconds the trainer waited for this batch; prefetch_lead: batches that were ready
-    behind it when it was taken; stats: `STAT_KEYS` counters of this batch and its `DECODE_SPAN_KEYS`; skipped: [{"file" or "sample_id",
-    "reason"}] first seen in this batch; loader_node: {"node_id", "labels"} of the node its decode operator ran on.
+    behind it when it was taken; stats: `STAT_KEYS` counters of this batch and its `DECODE_SPAN_KEYS`; skipped:
+    [{"file" or "sample_id", "reason"}] first seen in this batch; loader_node: {"node_id", "labels"} of the node its
+    decode operator ran on.
 
     With the encode stages (`RankLoader(encode=...)`, `vidray.data.encode`) frames is None and the batch carries
     latents (B, C_lat, F_lat, H_lat, W_lat) float32, prompt_embeds (B, L, D) float32 and prompt_attention_mask

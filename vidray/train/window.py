@@ -145,11 +145,12 @@ class LogWindow:
 
 def step_line(closed: ClosedWindow, *, max_steps: int, data: dict[str, float], prefetch_lead: Any) -> str:
     """The `step ...` line of a window: per step (means over the window) step time, encode, dit (or vae: the
-    window's `compute` stage), data wait; the busy fractions of the run's stages (`run_stages`); counts over the window: hot-tier hits/lookups, warm-tier hits/shard opens,
-    clips decoded, latents reused (latent cache or the encode stage's memory) / needed, MiB fetched from the shard
-    store; and how far the loader's prefetch runs ahead. `lr` is the one the window's last step trained with (as
-    metrics.jsonl and TensorBoard record it; the report's `lr` is the next step's, what the optimizer holds). With
-    two expert groups each expert's loss follows the mean (`loss 1.5379 high 1.5227 low 1.5532`)."""
+    window's `compute` stage), data wait; the busy fractions of the run's stages (`run_stages`); counts over the
+    window: hot-tier hits/lookups, warm-tier hits/shard opens, clips decoded, latents reused (latent cache or the
+    encode stage's memory) / needed, MiB fetched from the shard store; and how far the loader's prefetch runs
+    ahead. `lr` is the one the window's last step trained with (as metrics.jsonl and TensorBoard record it; the
+    report's `lr` is the next step's, what the optimizer holds). With two expert groups each expert's loss follows
+    the mean (`loss 1.5379 high 1.5227 low 1.5532`)."""
     m = closed.metrics
     data_wait, encode, compute = closed.split_s
     busy = " ".join(f"{stage} {100 * data[f'{stage}_busy_fraction']:.0f}%" for stage in run_stages(closed.compute))
