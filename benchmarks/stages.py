@@ -15,8 +15,10 @@ Figures:
 - `cached_over_online`: cached_clips_s / online_clips_s; goal >= 1.0 (cached latents must not be slower).
 - `online_data_wait_fraction`, `cached_data_wait_fraction`: the share of the trainers' step time spent waiting for
   the next micro-batch (`vidray.metrics`), rank 0.
-- `online_vae_busy_fraction`, `cached_vae_busy_fraction`, `*_decode_busy_fraction`, `*_dit_busy_fraction`: seconds
-  each stage worked for rank 0 / rank 0's step seconds (> 1 is possible: the stages run beside the trainer).
+- `online_vae_busy_fraction`, `cached_vae_busy_fraction`, `*_decode_busy_fraction`, `*_dit_busy_fraction`: the
+  share of rank 0's wall time each stage worked for it (`vidray.metrics.TrainMetrics.summary`: each stage's
+  timestamped work, clipped to the log window that received it; at most 1 per stage actor). Figures recorded
+  before 2026-12-06 divided the stage seconds by rank 0's step seconds instead, and could exceed 1.
 - `sixteen_nodes_placed`: on a `ray.cluster_utils.Cluster` of 16 nodes on this machine (an unlabeled head with no
   CPUs, 3 `vae`, 4 `dit` and 8 `decode` nodes of 1 logical CPU each: 15 on 2 cores), the tiny job with 4 workers
   (1 CPU each), decode operators of 0.5 CPU and vae+text actors of 0.25 + 0.25 CPU placed by label: the share of

@@ -442,7 +442,8 @@ class ValidationConfig:
     in an actor beside the training (`vidray.train.validation`): one mp4 per prompt and a PNG grid of their
     frames in `<run>/validation/step_<N>/`, and the videos in TensorBoard. null: no validation."""
     prompts: list[str] = dataclasses.field(default_factory=list)
-    """The fixed prompts sampled at each validation (each with the same seed every time)."""
+    """The fixed prompts sampled at each validation (each with the same seed every time); they need `every_steps`
+    (prompts without it fail at load)."""
     images: list[str] = dataclasses.field(default_factory=list)
     """An image-to-video model's (`model.i2v`) fixed first frames, one image file (PNG, JPEG) per prompt, each
     conditioning its prompt's sample as `vidray generate --image` does; empty: text-only samples (the empty
@@ -889,6 +890,11 @@ class JobConfig:
         checked before the run starts, `vidray.train.trainer.check_job_inputs`)."""
         val = self.train.validation
         if val.every_steps is None:
+            if val.prompts:
+                raise ValueError(f"train.validation.prompts lists {len(val.prompts)} prompt(s) but "
+                                 "train.validation.every_steps is not set, so they would never be sampled: set "
+                                 "train.validation.every_steps (a multiple of checkpoint.every_steps), or remove "
+                                 "train.validation.prompts")
             return
         every = self.checkpoint.every_steps
         if val.every_steps < 1 or val.every_steps % every:

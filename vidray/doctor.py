@@ -11,7 +11,9 @@ what `vidray train` would do or refuse, without reserving anything or training:
 - the job (with CONFIG): the config and overrides, `data.source` (its listed files that are missing; the source
   the shards were prepared from when it is another file), the prepared shards in `data.shards_dir` (or
   that `prepare` has not run), `storage.path`, `data.latent_cache`, and where `train` would start (step 1, or the
-  checkpoint it resumes from; or why it would refuse, e.g. another driver training the run now);
+  checkpoint it resumes from; or why it would refuse, e.g. another driver training the run now); before any shard
+  exists, `train`'s checks that need none (`vidray.train.trainer.check_job_settings`: the text encoder's limit,
+  the validation prompts' token counts, `model.vae_path`);
 - the cluster: with `RAY_ADDRESS`, it joins the cluster (no resources reserved; an address where nothing answers,
   or the dashboard's URL, is a FAIL at once: `vidray.runtime.check_ray_address`) and checks its nodes, labels and
   resources (the autoscaler's limit included) against the job; without it, the local cluster `vidray train`
@@ -158,7 +160,7 @@ def check_job(job: Any) -> list[Finding]:
     from vidray.data.shards import INDEX_NAME, read_index
     from vidray.data.storage import open_storage
     from vidray.errors import UserError, UserFileNotFound
-    from vidray.train.trainer import check_job_inputs, run_folder_lock
+    from vidray.train.trainer import check_job_inputs, check_job_settings, run_folder_lock
 
     found = [Finding("ok", "config", f"job {job.name!r}: {job.model.family} ({job.model.init}, text encoder "
                      f"{job.model.text_encoder}), {len(job.data.buckets)} bucket(s), scaling.num_workers="
@@ -216,6 +218,14 @@ def check_job(job: Any) -> list[Finding]:
             found.append(Finding("fail", "train", f"`vidray train` would refuse: {err}"))
         except OSError as err:  # the store failed between the checks above and this one
             found.append(Finding("fail", "train", f"reading the run's checkpoints or shards failed: {err}"))
+    else:  # no shards yet: what needs none (the text encoder's limit, the validation prompts, model.vae_path)
+        try:
+            _captured(lambda: check_job_settings(job))
+            found.append(Finding("ok", "train", "the model, its max_sequence_length, the validation prompts and "
+                                 "model.vae_path pass `vidray train`'s checks (the shards' own wait for `vidray "
+                                 "prepare`)"))
+        except UserError as err:
+            found.append(Finding("fail", "train", f"`vidray train` would refuse: {err}"))
     return found
 
 

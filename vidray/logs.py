@@ -16,6 +16,7 @@ setting, not filtered from the text afterwards:
 | `Loading pipeline components...` | diffusers' tqdm bars | `DIFFUSERS_VERBOSITY=error`, `diffusers.utils.logging.disable_progress_bar()` |
 | `Started a local Ray instance`, `Generated new authentication token` | `ray.init`'s INFO lines | `ray.init(logging_level=WARNING)` (`ray_init_logging_level`) |
 | `Token authentication is enabled for this Ray cluster...` | `ray.init` starting a local cluster (Ray 2.60 enables token auth there and says so at WARNING) | its module's logger at ERROR on a local cluster vidray starts (`apply_local_cluster_defaults`) |
+| `reducer.cpp ... find_unused_parameters=True was specified in DDP constructor, but did not find any unused parameters` | torch's C++ DDP reducer (printed to stderr once per worker, no Python warning) with two experts on every worker (`model.experts.layout: shared`), whose DDP needs the flag | spent once at wrap time with stderr captured and that line dropped (`vidray.train.parallel.quiet_unused_parameters_warning`, `stderr_without`) |
 | colour codes around `(RayTrainWorker pid=N)` in a log file or `ray job submit` | Ray's driver-side prefix of forwarded worker lines | `RAY_COLOR_PREFIX=0` when stdout is not a terminal (`plain_worker_prefixes`) |
 
 The environment settings are put into `os.environ` when `vidray` is imported (before transformers, diffusers or
@@ -25,9 +26,12 @@ Ray Data are), so a local cluster's processes inherit them, and Ray Train's work
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
 
 VERBOSE_ENV = "VIDRAY_VERBOSE"
 """`1`: keep Ray's and the libraries' own detail (what `--verbose` sets)."""
@@ -138,3 +142,25 @@ def quiet_diffusers() -> None:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
+
+
+@contextlib.contextmanager
+def stderr_without(text: str) -> Iterator[None]:
+    """Capture this process's file descriptor 2 (C and C++ code's stderr too, not only `sys.stderr`) while the
+    block runs, then write back every captured line except those containing `text`. For a line a library prints
+    from native code, where no logger or warning filter reaches; keep the block short: what it prints shows only
+    after it ends."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = b"".join(line for line in captured.read().splitlines(keepends=True) if text.encode() not in line)
+            while kept:
+                kept = kept[os.write(2, kept):]

@@ -35,7 +35,10 @@ Histogram buckets run from 1 ms to 60 s (data wait) and to 300 s (step time). Th
 hit: the shard is on node-local disk), the hot tier counts decoded clips (a hit: the clip is in memory), the
 latent and prompt tiers count clips and captions of the latent cache (a miss: encoded by the vae / text stage).
 `rate(vidray_stage_busy_seconds_total[1m])` is a stage's busy fraction: the stage nearest 1 is the bottleneck,
-and the queue ahead of the trainer is `vidray_prefetch_lead_batches`. A skipped
+and the queue ahead of the trainer is `vidray_prefetch_lead_batches`. The counter takes a micro-batch's seconds
+when the trainer receives it (a stage running ahead shows as a burst over a short range); the log window's
+`<stage>_busy_fraction` (`window_summary`) counts only the part of each stage's timestamped work inside the
+window (`add_stage`), at most 1 for one stage actor. A skipped
 shard failed its checksum or could not be fetched after retries; a skipped clip no longer decodes. As
 prometheus-client does by default, counters and histograms also expose a `<name>_created` gauge (Unix seconds).
 
@@ -74,8 +77,9 @@ from __future__ import annotations
 import math
 import numbers
 import threading
+import time
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server, write_to_textfile
 
@@ -92,7 +96,8 @@ STAGES: tuple[str, ...] = ("decode", "vae", "text", "dit")
 """The stages a micro-batch passes, whose busy seconds and clips `add_stage` counts (decode: fetch + decode in the
 loader, its clips those actually decoded (not those whose cached latents it read); vae / text: the encode actors,
 their clips the batch slots they served, encoded or reused; dit: the trainer's forward, backward and optimizer
-step, its clips the batch slots trained)."""
+step, its clips the batch slots trained; a VAE run (`train.objective: vae`) counts its trainer's step as `vae`:
+`vidray.train.window.compute_stage`)."""
 SKIP_KINDS: tuple[str, ...] = ("clip", "shard")
 
 DATA_WAIT_BUCKETS_S: tuple[float, ...] = (
@@ -104,7 +109,7 @@ STEP_BUCKETS_S: tuple[float, ...] = (
 
 _SUMMARY_COUNTERS = ("data_wait_s", "step_s", "steps", *(f"{t}_{k}" for t in CACHE_TIERS for k in ("hits", "misses")),
                      "bytes_fetched", "skipped_clips", "skipped_shards",
-                     *(f"{s}_{k}" for s in STAGES for k in ("busy_s", "clips")))
+                     *(f"{s}_{k}" for s in STAGES for k in ("busy_s", "busy_in_window_s", "clips")))
 """Keys of `summary()` that add up over time (a window is the difference of two totals)."""
 
 
@@ -164,10 +169,12 @@ class TrainMetrics:
     """
 
     def __init__(self, *, rank: int, run: str, registry: CollectorRegistry | None = None,
-                 export_to_ray: bool = False, node: str | None = None) -> None:
+                 export_to_ray: bool = False, node: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         """`rank`: the Ray Train world rank (>= 0), `run`: the job name; both become labels of every series.
         `export_to_ray`: also record every series with `ray.util.metrics` (call it in a Ray worker), tagged `run`,
-        `rank` and `node` (default: this worker's node IP).
+        `rank` and `node` (default: this worker's node IP). `clock`: wall-clock seconds, the clock the stages
+        timestamp their work with (`add_stage`'s start and end): `time.time`.
 
         Raises ValueError on a negative rank or an empty run name, and prometheus-client's ValueError when
         `registry` already holds `vidray_*` series (one TrainMetrics per registry).
@@ -196,8 +203,10 @@ class TrainMetrics:
                 self._child(name, value)
 
         self._lock = threading.Lock()
+        self._clock = clock
         self._totals = dict.fromkeys(_SUMMARY_COUNTERS, 0.0)
         self._window_start = dict(self._totals)
+        self._opened_at = self._window_opened_at = clock()  # wall clock (s): this object's start, the window's
         self._prefetch_lead = 0
         self._server = None
         self._thread: threading.Thread | None = None
@@ -266,18 +275,34 @@ class TrainMetrics:
             self._totals[f"{tier}_hits"] += hits
             self._totals[f"{tier}_misses"] += misses
 
-    def add_stage(self, stage: str, *, busy_s: float, clips: int) -> None:
-        """Count `busy_s` seconds (>= 0) and `clips` (>= 0) of `stage` (`STAGES`) for one micro-batch. Raises
-        ValueError on another stage, a negative count or a negative or non-finite time."""
+    def add_stage(self, stage: str, *, busy_s: float, clips: int, start: float | None = None,
+                  end: float | None = None) -> None:
+        """Count `busy_s` seconds (>= 0) and `clips` (>= 0) of `stage` (`STAGES`) for one micro-batch, received
+        now. `start`, `end`: wall-clock seconds (`time.time()` where the stage did the work) between which the
+        stage worked on it; without them the work is taken as done just now (`[now - busy_s, now]`: the trainer's
+        own step). The busy fraction counts only the part of `[start, end]` inside the open window (clipped to
+        `[window start, now]`): prefetched work done before the window opened was the earlier window's, so one
+        stage actor, working on one micro-batch at a time, is busy at most 100 % of a window. The Prometheus
+        counter `vidray_stage_busy_seconds_total` takes `busy_s` whole. Raises ValueError on another stage, a
+        negative count, a negative or non-finite time, or `end` before `start` (or only one of them)."""
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
         if not math.isfinite(busy_s) or busy_s < 0:
             raise ValueError(f"busy_s must be a finite number of seconds >= 0, got {busy_s!r}")
+        if (start is None) != (end is None) or (start is not None and not (math.isfinite(start) and
+                                                                          math.isfinite(end) and end >= start)):
+            raise ValueError(f"start and end must be given together, wall-clock seconds with end >= start, got "
+                             f"{start!r}, {end!r}")
         clips = _check_count("clips", clips)
         self._record("vidray_stage_busy_seconds", busy_s, stage)
         self._record("vidray_stage_clips", clips, stage)
+        now = self._clock()
+        if start is None:
+            start, end = now - busy_s, now
         with self._lock:
+            in_window = max(0.0, min(end, now) - max(start, self._window_opened_at))
             self._totals[f"{stage}_busy_s"] += busy_s
+            self._totals[f"{stage}_busy_in_window_s"] += in_window
             self._totals[f"{stage}_clips"] += clips
 
     def add_bytes_fetched(self, n: int) -> None:
@@ -316,22 +341,29 @@ class TrainMetrics:
         Keys: `data_wait_s` (s, summed over steps), `data_wait_fraction` (data wait / step time, both summed;
         0.0 before any step), `step_s` (s, summed), `steps`, `<tier>_hits` and `<tier>_misses` of each
         `CACHE_TIERS`, `bytes_fetched` (bytes), `prefetch_lead` (batches, the current value), `skipped_clips`,
-        `skipped_shards`, and per stage of `STAGES` `<stage>_busy_s`, `<stage>_clips` and `<stage>_busy_fraction`
-        (busy seconds / step seconds: the share of the trainer's wall time the stage was working for it; the
-        largest names the bottleneck).
+        `skipped_shards`, `wall_s` (s, wall clock since this object was made), and per stage of `STAGES`
+        `<stage>_busy_s` (its seconds, whenever done), `<stage>_busy_in_window_s` (the part of its work inside the
+        window in which the trainer received it, `add_stage`), `<stage>_clips` and `<stage>_busy_fraction`
+        (`<stage>_busy_in_window_s` / `wall_s`: the share of the wall time the stage was working for this rank,
+        at most 1 for one stage actor; the largest names the bottleneck).
         """
         with self._lock:
             totals, lead = dict(self._totals), self._prefetch_lead
-        return _with_derived(totals, lead)
+            wall_s = self._clock() - self._opened_at
+        return _with_derived(totals, lead, wall_s)
 
     def window_summary(self) -> dict[str, float]:
-        """`summary()`'s keys counted since the previous `window_summary()` call (or since creation): call it once
-        per log window. `prefetch_lead` is the current value; `summary()`'s totals are not reset."""
+        """`summary()`'s keys counted since the previous `window_summary()` call (or since creation), which opens
+        the next window: call it once per log window. `wall_s` is the window's wall time, and a stage's
+        `busy_fraction` its work inside the window over it (`add_stage`). `prefetch_lead` is the current value;
+        `summary()`'s totals are not reset."""
         with self._lock:
             totals = dict(self._totals)
             start, self._window_start = self._window_start, totals
             lead = self._prefetch_lead
-        return _with_derived({k: totals[k] - start[k] for k in _SUMMARY_COUNTERS}, lead)
+            now = self._clock()
+            wall_s, self._window_opened_at = now - self._window_opened_at, now
+        return _with_derived({k: totals[k] - start[k] for k in _SUMMARY_COUNTERS}, lead, wall_s)
 
     # --- exposition ------------------------------------------------------------------------------------------
 
@@ -400,12 +432,14 @@ def _ray_series(rank: int, run: str, node: str | None) -> dict[str, object]:
     return out
 
 
-def _with_derived(counts: dict[str, float], prefetch_lead: int) -> dict[str, float]:
-    """`counts` as floats plus `data_wait_fraction` (0.0 without step time) and `prefetch_lead`."""
+def _with_derived(counts: dict[str, float], prefetch_lead: int, wall_s: float) -> dict[str, float]:
+    """`counts` as floats plus `data_wait_fraction` (0.0 without step time), `wall_s`, each stage's
+    `busy_fraction` (its in-window busy seconds / `wall_s`; 0.0 without wall time) and `prefetch_lead`."""
     out = {k: float(v) for k, v in counts.items()}
     out["data_wait_fraction"] = out["data_wait_s"] / out["step_s"] if out["step_s"] > 0 else 0.0
+    out["wall_s"] = float(wall_s)
     for stage in STAGES:
-        out[f"{stage}_busy_fraction"] = out[f"{stage}_busy_s"] / out["step_s"] if out["step_s"] > 0 else 0.0
+        out[f"{stage}_busy_fraction"] = out[f"{stage}_busy_in_window_s"] / wall_s if wall_s > 0 else 0.0
     out["prefetch_lead"] = float(prefetch_lead)
     return out
 

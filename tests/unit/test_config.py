@@ -196,3 +196,17 @@ def test_a_cogvideox_job_with_another_number_of_train_timesteps_fails_at_load():
                                           "flow.num_train_timesteps: 1000"):
         load_job_config(Path(__file__).resolve().parents[2] / "jobs/configs/cogvideox_t2v_tiny.yaml",
                         ["flow.num_train_timesteps=500"])
+
+
+def test_validation_prompts_without_every_steps_fail_at_load_naming_both_keys(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("train:\n  validation:\n    prompts: [\"a red kite over a beach\"]\n")
+    with pytest.raises(ConfigError) as err:
+        load_job_config(path)
+    message = str(err.value)
+    assert "train.validation.prompts" in message and "train.validation.every_steps" in message
+    assert "\n" not in message.strip()
+    # With the cadence set the same prompts load; without prompts no cadence is needed.
+    job = load_job_config(path, ["train.validation.every_steps=50", "checkpoint.every_steps=50"])
+    assert job.train.validation.prompts == ["a red kite over a beach"]
+    assert load_job_config(None).train.validation.prompts == []

@@ -293,3 +293,24 @@ def test_an_error_with_a_remote_traceback_is_one_line_with_its_first_and_last_li
     assert _one_line(text) == ("Initialization failure from server: ... RuntimeError: Starting Ray client server "
                                "failed. See ray_client_server_23000.err for detailed logs.")
     assert _one_line("Failed to connect.") == "Failed to connect."
+
+
+def test_without_shards_the_validation_prompts_are_still_checked(capsys, monkeypatch, tmp_path):
+    # No shards folder at all: the checks that need no shard (the text encoder's limit, the validation prompts'
+    # token counts) still run, as `vidray train` would run them first.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    base = [CONFIG, f"data.shards_dir={tmp_path / 'no_such_folder'}", f"storage.path={tmp_path / 'runs'}",
+            "model.text_encoder=tiny_random", "model.max_sequence_length=16", "train.validation.every_steps=50",
+            "checkpoint.every_steps=50"]
+    assert not (tmp_path / "no_such_folder").exists()
+    code, found = doctor(capsys, *base, "train.validation.prompts=[\"a kite\", \"" + "very " * 40 + "long\"]")
+    assert code == 1
+    [train] = found["train"]
+    assert train.startswith("FAIL `vidray train` would refuse: train.validation.prompts[1] ")
+    assert "longer than model.max_sequence_length=16" in train
+    assert found["data.shards_dir"][0].startswith("warn ") and "no prepared shards" in found["data.shards_dir"][0]
+
+    code, found = doctor(capsys, *base, "train.validation.prompts=[\"a kite\"]")
+    assert code == 0
+    assert found["train"][0].startswith("ok ") and "validation prompts" in found["train"][0]
+    assert not (tmp_path / "no_such_folder").exists()

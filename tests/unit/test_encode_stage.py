@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -14,7 +15,13 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from vidray.config import FlowConfig, ModelConfig  # noqa: E402
-from vidray.data.encode import ENCODE_STAT_KEYS, EncodeStage, LatentCache, module_identity  # noqa: E402
+from vidray.data.encode import (  # noqa: E402
+    ENCODE_SPAN_KEYS,
+    ENCODE_STAT_KEYS,
+    EncodeStage,
+    LatentCache,
+    module_identity,
+)
 from vidray.models import get_family  # noqa: E402
 
 from tests.conftest import run_at_once  # noqa: E402
@@ -53,8 +60,15 @@ def test_stage_outputs_shapes_and_the_cache_returns_the_same_bits(tmp_path):
     frames = _frames(0)
     shas = ["a" * 64, "b" * 64]
     captions = ["a red ball", "waves on a beach"]
-    first = _stage(str(tmp_path))(_batch(frames, shas, captions))
+    stage = _stage(str(tmp_path))
+    before = time.time()
+    first = stage(_batch(frames, shas, captions))
+    after = time.time()
     assert "frames" not in first
+    # When each stage worked on the batch, wall clock (the trainer clips it to its log window): vae, then text.
+    spans = [float(first[k][0]) for k in ENCODE_SPAN_KEYS]  # vae start, vae end, text start, text end
+    assert before <= spans[0] <= spans[1] <= spans[2] <= spans[3] <= after, spans
+    assert spans[1] - spans[0] <= first["vae_s"][0] + 0.05 and spans[3] - spans[2] <= first["text_s"][0] + 0.05
     assert first["latents"].shape == (1, 2, 16, 2, 4, 4) and first["latents"].dtype == np.float32
     assert first["prompt_embeds"].shape == (1, 2, 16, 64) and first["prompt_attention_mask"].dtype == bool
     assert (first["vae_misses"][0], first["vae_hits"][0]) == (2, 0)

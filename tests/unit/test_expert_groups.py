@@ -188,7 +188,7 @@ def test_the_step_line_shows_each_experts_loss_after_the_mean_and_the_lr_the_ste
     data = {"data_wait_fraction": 0.0, **{f"{s}_busy_fraction": 0.5 for s in ("decode", "vae", "text", "dit")},
             **{k: 0.0 for k in ("hot_hits", "hot_misses", "warm_hits", "warm_misses", "decode_clips", "latent_hits",
                                 "latent_misses", "bytes_fetched")}}
-    line = step_line(closed, max_steps=6, data=data, vae_run=False, prefetch_lead=1)
+    line = step_line(closed, max_steps=6, data=data, prefetch_lead=1)
     assert line.startswith("step 1/6 loss 1.5379 high 1.5227 low 1.5532 step_time 0.100 s") and " lr 1.00e-04 " in line
 
 

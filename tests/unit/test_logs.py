@@ -88,3 +88,47 @@ def test_a_process_that_loads_a_family_has_diffusers_bars_off_unless_verbose():
                              capture_output=True, text=True, timeout=120, check=True)
         seen[verbose] = json.loads(out.stdout.splitlines()[-1])["bars"]
     assert seen == {"": False, "1": True}
+
+
+DDP_STEPS = r"""
+import os, sys
+import torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+if sys.argv[2] == "quiet":
+    from vidray.train.parallel import quiet_unused_parameters_warning
+    print("before", file=sys.stderr, flush=True)
+    quiet_unused_parameters_warning()
+# Two experts' DDP as `model.experts.layout: shared` builds it: find_unused_parameters, and steps that use both.
+class Both(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.high, self.low = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.high(x) + self.low(x)
+
+
+model = torch.nn.parallel.DistributedDataParallel(Both(), find_unused_parameters=True)
+for _ in range(2):
+    model(torch.ones(3, 2)).sum().backward()
+print("steps done", file=sys.stderr, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("mode", ["quiet", "plain"])
+def test_ddp_s_unused_parameters_advice_reaches_stderr_only_without_the_quieting(mode):
+    from tests.conftest import free_port
+    from vidray.train.parallel import UNUSED_PARAMETERS_WARNING
+
+    env = {k: v for k, v in os.environ.items() if k != "VIDRAY_VERBOSE"}
+    out = subprocess.run([sys.executable, "-c", DDP_STEPS, str(free_port()), mode], cwd=REPO_ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "steps done" in out.stderr
+    if mode == "quiet":  # the line is gone, what else reached stderr meanwhile stays
+        assert UNUSED_PARAMETERS_WARNING not in out.stderr, out.stderr
+        assert out.stderr.index("before") < out.stderr.index("steps done")
+    else:  # what the quieting stops: torch's C++ reducer prints it once, no Python warning
+        assert out.stderr.count(UNUSED_PARAMETERS_WARNING) == 1, out.stderr

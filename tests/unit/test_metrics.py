@@ -119,7 +119,9 @@ def test_summary_reports_totals_and_data_wait_fraction(metrics):
     summary = metrics.summary()
 
     stages = {f"{stage}_{k}": 0.0 for stage in ("decode", "vae", "text", "dit")
-              for k in ("busy_s", "clips", "busy_fraction")}
+              for k in ("busy_s", "busy_in_window_s", "clips", "busy_fraction")}
+    assert summary["wall_s"] > 0.0
+    del summary["wall_s"]  # wall clock since the object was made
     assert summary == pytest.approx({
         "data_wait_s": 0.4, "data_wait_fraction": 0.2, "step_s": 2.0, "steps": 2, "hot_hits": 7, "hot_misses": 2,
         "warm_hits": 0, "warm_misses": 1, "latent_hits": 0, "latent_misses": 0, "prompt_hits": 0,
@@ -227,12 +229,26 @@ def test_two_ranks_in_one_registry_is_refused_but_separate_objects_are_independe
     assert (a.summary()["hot_hits"], b.summary()["hot_hits"]) == (1.0, 0.0)
 
 
-def test_stage_busy_seconds_give_busy_fractions_and_counters(metrics):
+class Clock:
+    """Wall-clock seconds that a test sets (`TrainMetrics(clock=)`), standing for `time.time`."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_stage_busy_seconds_give_busy_fractions_and_counters():
+    clock = Clock()
+    metrics = TrainMetrics(rank=1, run="tiny-t2v", clock=clock)
+    clock.now += 2.0
     metrics.observe_step(data_wait_s=0.0, step_s=2.0)
-    metrics.add_stage("vae", busy_s=1.5, clips=4)
-    metrics.add_stage("dit", busy_s=0.5, clips=0)
+    metrics.add_stage("vae", busy_s=1.5, clips=4, start=clock.now - 1.75, end=clock.now - 0.25)
+    metrics.add_stage("dit", busy_s=0.5, clips=0)  # no span: the trainer's own work, just done
     metrics.add_cache("latent", hits=3, misses=1)
     summary = metrics.summary()
+    assert summary["wall_s"] == 2.0
     assert summary["vae_busy_fraction"] == pytest.approx(0.75) and summary["dit_busy_fraction"] == pytest.approx(0.25)
     assert summary["vae_clips"] == 4 and summary["latent_hits"] == 3
     s = _samples(generate_latest(metrics.registry).decode())
@@ -257,3 +273,62 @@ def test_ray_series_names_what_ray_exports_for_every_series(metrics):
     assert RAY_SERIES["ray_vidray_cache_hits_total"] == "counter"
     assert RAY_SERIES["ray_vidray_data_wait_seconds_bucket"] == "histogram"
     assert RAY_SERIES["ray_vidray_train_loss"] == "gauge"
+
+
+def test_prefetched_work_counts_only_inside_the_window_that_receives_it():
+    """A stage that ran ahead (prefetch) delivers, in a short window, work mostly done before the window opened:
+    only the overlap with the window counts, so one stage actor is never busy more than 100 % of a window."""
+    clock = Clock(1000.0)
+    metrics = TrainMetrics(rank=0, run="r", clock=clock)
+    clock.now = 1010.0
+    metrics.window_summary()                      # the window [1010, 1012] opens
+    clock.now = 1012.0
+    # Four micro-batches decoded back to back over [1004, 1012], all delivered in this window: 6 s of their 8 s
+    # were worked before it opened. The vae stage encoded one wholly before it opened, delivered only now.
+    for start in (1004.0, 1006.0, 1008.0, 1010.0):
+        metrics.add_stage("decode", busy_s=2.0, clips=2, start=start, end=start + 2.0)
+    metrics.add_stage("vae", busy_s=1.5, clips=2, start=1007.0, end=1008.5)
+    window = metrics.window_summary()
+    assert window["wall_s"] == 2.0
+    assert window["decode_busy_s"] == 8.0          # the seconds worked, whenever (Prometheus' counter takes them)
+    assert window["decode_busy_in_window_s"] == 2.0  # [1010, 1012] of the last batch only
+    assert window["decode_busy_fraction"] == 1.0   # was 8 s / 2 s = 400 % when counted where received
+    assert window["vae_busy_fraction"] == 0.0
+    assert metrics.registry.get_sample_value("vidray_stage_busy_seconds_total",
+                                             {"rank": "0", "run": "r", "stage": "decode"}) == 8.0
+
+    # A span straddling the window's start: its part inside [1012, 1016] counts, 3 s of 4 s.
+    clock.now = 1016.0
+    metrics.add_stage("decode", busy_s=4.0, clips=2, start=1011.0, end=1015.0)
+    window = metrics.window_summary()
+    assert window["decode_busy_in_window_s"] == 3.0 and window["decode_busy_fraction"] == pytest.approx(0.75)
+    total = metrics.summary()  # the run: 5 s in-window over 16 s of wall time, never above 1
+    assert total["wall_s"] == 16.0 and total["decode_busy_fraction"] == pytest.approx(5.0 / 16.0)
+    with pytest.raises(ValueError, match="start and end"):
+        metrics.add_stage("decode", busy_s=1.0, clips=1, start=1016.0, end=1015.0)
+
+
+def test_the_loop_hands_the_stages_timestamps_from_the_batch_to_the_window():
+    """`vidray.train.loop._add_loader_stats` with a micro-batch as the loader and the encode stage leave it: the
+    spans in its stats (DECODE_SPAN_KEYS, ENCODE_SPAN_KEYS) are what the window clips."""
+    from vidray.data.buckets import Bucket
+    from vidray.data.encode import ENCODE_STAT_KEYS
+    from vidray.data.pipeline import STAT_KEYS, TrainBatch
+    from vidray.train.loop import _add_loader_stats
+
+    clock = Clock(2000.0)
+    metrics = TrainMetrics(rank=0, run="r", clock=clock)
+    clock.now = 2004.0
+    stats = {**dict.fromkeys(STAT_KEYS, 0.0), **dict.fromkeys(ENCODE_STAT_KEYS, 0.0), "hot_misses": 2.0,
+             "decode_s": 3.0, "decode_start_unix": 1999.0, "decode_end_unix": 2002.0,  # 2 s inside [2000, 2004]
+             "vae_s": 1.0, "vae_misses": 2.0, "vae_start_unix": 2002.0, "vae_end_unix": 2003.0,
+             "text_s": 0.5, "text_misses": 2.0, "text_start_unix": 1998.0, "text_end_unix": 1998.5}  # before it
+    batch = TrainBatch(step=1, epoch=0, bucket=Bucket(9, 64, 64), frames=None, captions=["a", "b"],
+                       sample_ids=["x", "y"], sample_keys=np.arange(2), weights=np.ones(2, np.float32),
+                       total_weight=2.0, next_position=None, stats=stats)
+    _add_loader_stats(metrics, batch)
+    window = metrics.window_summary()
+    assert window["wall_s"] == 4.0
+    assert (window["decode_busy_fraction"], window["vae_busy_fraction"], window["text_busy_fraction"]) == \
+        pytest.approx((0.5, 0.25, 0.0))
+    assert (window["decode_busy_s"], window["text_busy_s"]) == (3.0, 0.5)

@@ -201,3 +201,43 @@ def test_a_family_whose_vae_cannot_train_here_is_refused_naming_both_ways_on(tmp
     message = str(err.value)
     assert message.startswith("train-vae: the wan family's VAE cannot be trained here yet") and "\n" not in message
     assert "model.vae_path" in message and "easyanimate" in message
+
+
+def test_a_vae_runs_step_line_metrics_and_tensorboard_tags_say_vae_not_dit(tmp_path):
+    from vidray.metrics import TrainMetrics
+    from vidray.train.runlog import RunLog, read_scalars
+    from vidray.train.window import LogWindow, compute_stage, step_line
+
+    vae_job = vae_training_job(load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [f"storage.path={tmp_path}"]))
+    stage = compute_stage(vae_job.train.objective)
+    assert stage == "vae" and compute_stage(load_job_config(None).train.objective) == "dit"
+
+    # The metrics the loop feeds (`_count_step`, `_add_loader_stats`): the trainer's step counts as the vae stage.
+    metrics = TrainMetrics(rank=0, run=vae_job.name)
+    window = LogWindow(1, compute=stage)
+    for step in (1, 2):
+        metrics.observe_step(data_wait_s=0.01, step_s=0.21, samples=2)
+        metrics.add_stage(stage, busy_s=0.2, clips=2)
+        metrics.add_stage("decode", busy_s=0.05, clips=2)
+        window.add(torch.tensor(0.5), torch.tensor(1.0), 1e-3, [step, 0.01, 0.0, 0.2])
+    data = metrics.window_summary()
+    assert data["vae_busy_s"] == pytest.approx(0.4) and data["dit_busy_s"] == 0.0
+    labels = {"rank": "0", "run": vae_job.name}
+    busy = {s: metrics.registry.get_sample_value("vidray_stage_busy_seconds_total", {**labels, "stage": s})
+            for s in ("vae", "dit")}
+    assert busy == {"vae": pytest.approx(0.4), "dit": 0.0}  # the Prometheus series' stage label
+    closed = window.close(2, epoch=0, lr_now=1e-3, step_time_s=0.21, data=data)
+    assert "vae_step_time_s" in closed.metrics and "vae_busy_fraction" in closed.metrics
+    assert not any(key.startswith("dit") for key in closed.metrics), closed.metrics
+
+    line = step_line(closed, max_steps=2, data=data, prefetch_lead=0)
+    assert "(encode 0.000 s, vae 0.200 s)" in line and "busy [decode " in line and " vae " in line
+    assert "dit" not in line, line
+
+    run_log = RunLog(str(tmp_path / "run"), start_step=1)
+    run_log.log_window(closed.first_step, closed.losses, closed.grad_norms, closed.lrs, closed.metrics,
+                       samples_per_step=2)
+    run_log.close()
+    tags = set(read_scalars(tmp_path / "run"))
+    assert {"train/vae_step_time_s", "stages/vae_busy_fraction", "stages/decode_busy_fraction"} <= tags
+    assert not [tag for tag in tags if "dit" in tag], tags

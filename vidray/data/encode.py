@@ -44,6 +44,9 @@ import numpy as np
 ENCODE_STAT_KEYS = ("vae_s", "vae_hits", "vae_misses", "text_s", "text_hits", "text_misses")
 """Per-micro-batch counters of the encode stages: seconds busy (cache reads + encoding + writes), cache hits (hot
 or stored) and misses (encoded here)."""
+ENCODE_SPAN_KEYS = ("vae_start_unix", "vae_end_unix", "text_start_unix", "text_end_unix")
+"""Wall-clock seconds (`time.time()` on the stage's node) between which each encode stage worked on a micro-batch:
+the trainer counts only the part inside its log window (`vidray.metrics.TrainMetrics.add_stage`)."""
 
 CACHE_FORMAT = 1
 """Part of every identity: bump it when the stored layout or the encoding changes."""
@@ -151,7 +154,8 @@ class EncodeStage:
     list of B str. It returns the batch without "frames" (after "vae"), with "latents" (1, B, C, F_lat, H_lat,
     W_lat) float32 (for an image-to-video model also "inpaint_latents" (1, B, C_in, F_lat, H_lat, W_lat) float32,
     and with `model.i2v.image_encoder` "image_embeds" (1, B, T, D_img) float32, `EncodeStage.latents`) and/or "prompt_embeds" (1, B, L, D) float32 + "prompt_attention_mask" (1, B, L) bool, the
-    `ENCODE_STAT_KEYS` counters of this batch (added to those already present) and "<stage>_node" (1,) JSON
+    `ENCODE_STAT_KEYS` counters of this batch (added to those already present), the stage's `ENCODE_SPAN_KEYS`
+    (when it started and ended the batch, wall clock) and "<stage>_node" (1,) JSON
     {"node_id", "labels"} of the node the actor runs on.
     """
 
@@ -365,8 +369,9 @@ class EncodeStage:
     def _row(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = dict(batch)
         stats = {k: float(out[k][0]) if k in out else 0.0 for k in ENCODE_STAT_KEYS}
+        spans: dict[str, float] = {}
         if self.do_vae:
-            t0 = time.perf_counter()
+            t0, spans["vae_start_unix"] = time.perf_counter(), time.time()
             frames = batch["frames"][0]  # (B, F, H, W, 3)
             clip_sha = json.loads(str(batch["clip_sha"][0]))
             vae_id, cached = unpack_cached_latents(out.pop("cached_latents")[0]) if "cached_latents" in out \
@@ -386,17 +391,19 @@ class EncodeStage:
             stats["vae_hits"] += hits
             stats["vae_misses"] += misses
             stats["vae_s"] += time.perf_counter() - t0
+            spans["vae_end_unix"] = time.time()
             out["vae_node"] = np.array([self.node], dtype=object)
         if self.do_text:
-            t0 = time.perf_counter()
+            t0, spans["text_start_unix"] = time.perf_counter(), time.time()
             embeds, mask, hits, misses = self.prompts(json.loads(str(batch["captions"][0])))
             out["prompt_embeds"] = embeds.numpy()[None]
             out["prompt_attention_mask"] = mask.numpy()[None]
             stats["text_hits"] += hits
             stats["text_misses"] += misses
             stats["text_s"] += time.perf_counter() - t0
+            spans["text_end_unix"] = time.time()
             out["text_node"] = np.array([self.node], dtype=object)
-        out.update({k: np.array([v], dtype=np.float64) for k, v in stats.items()})
+        out.update({k: np.array([v], dtype=np.float64) for k, v in (*stats.items(), *spans.items())})
         return out
 
 

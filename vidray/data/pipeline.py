@@ -69,7 +69,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vidray.data.buckets import Bucket
-from vidray.data.encode import (ENCODE_STAT_KEYS, EncodeStage, LatentCache, block_rows, concat_rows,
+from vidray.data.encode import (ENCODE_SPAN_KEYS, ENCODE_STAT_KEYS, EncodeStage, LatentCache, block_rows, concat_rows,
                                 pack_cached_latents, text_identity, vae_identity)
 from vidray.data.schedule import DataPosition, SampleSchedule
 from vidray.logs import quiet_ray_data
@@ -88,6 +88,10 @@ STAT_KEYS = ("hot_hits", "hot_misses", "warm_hits", "warm_misses", "bytes_fetche
 (shard opens from an object store: a miss is a download), bytes read from the cold store, shard files read into
 the loader's memory, seconds decoding (and reading cached latents) and seconds fetching/reading shards, and clips
 not decoded because their latents were found in the latent cache (hot misses that skipped the decoder)."""
+DECODE_SPAN_KEYS = ("decode_start_unix", "decode_end_unix")
+"""Wall-clock seconds (`time.time()` on the loader's node) between which a `ClipLoader` worked on a micro-batch
+(fetching, reading cached latents, decoding): the trainer counts only the part inside its log window
+(`vidray.metrics.TrainMetrics.add_stage`), however far ahead the loader ran."""
 
 
 @dataclass(frozen=True)
@@ -145,8 +149,9 @@ class TrainBatch:
     captions: B strings; sample_ids: B strings; sample_keys: (B,) int64 (keys the per-sample noise); weights: (B,)
     float32, 0 for padding, repeats and skipped clips; plus the plan's step, epoch, bucket, total_weight,
     next_position, micro and num_micro (`RankStep`). data_wait_s: seconds the trainer waited for this batch; prefetch_lead: batches that were ready
-    behind it when it was taken; stats: `STAT_KEYS` counters of this batch; skipped: [{"file" or "sample_id",
-    "reason"}] first seen in this batch; loader_node: {"node_id", "labels"} of the node its decode operator ran on.
+    behind it when it was taken; stats: `STAT_KEYS` counters of this batch and its `DECODE_SPAN_KEYS`; skipped:
+    [{"file" or "sample_id", "reason"}] first seen in this batch; loader_node: {"node_id", "labels"} of the node its
+    decode operator ran on.
 
     With the encode stages (`RankLoader(encode=...)`, `vidray.data.encode`) frames is None and the batch carries
     latents (B, C_lat, F_lat, H_lat, W_lat) float32, prompt_embeds (B, L, D) float32 and prompt_attention_mask
@@ -154,7 +159,8 @@ class TrainBatch:
     W_lat) float32, each clip's condition (`ModelFamily.encode_clip_condition`), and for a model with CLIP image
     embeddings (`model.i2v.image_encoder`) image_embeds (B, T, D_img) float32 (`ModelFamily.encode_clip_image_embeds`);
     stage_nodes: {"vae" | "text":
-    {"node_id", "labels"}} of the nodes that encoded it, and stats also has the `ENCODE_STAT_KEYS` counters.
+    {"node_id", "labels"}} of the nodes that encoded it, and stats also has the `ENCODE_STAT_KEYS` counters and
+    `ENCODE_SPAN_KEYS` of the stages that ran.
     """
 
     step: int
@@ -214,7 +220,7 @@ class ClipLoader:
     `vidray.data.encode`), with `latent_cache` "cached_latents" (S,) bytes (`vidray.data.encode.pack_cached_latents`
     of the slots read from the cache, b"" for none),
     "ok" (S, B) bool, "skipped" (S,) JSON str, "node" (S,) JSON str {"node_id", "labels"} of the node this
-    operator runs on (`vidray.placement`), and one (S,) column per `STAT_KEYS`}.
+    operator runs on (`vidray.placement`), and one (S,) column per `STAT_KEYS` and `DECODE_SPAN_KEYS`}.
     """
 
     def __init__(self, shards_dir: str, shard_entries: Sequence[dict[str, Any]], plan: dict[str, np.ndarray], *,
@@ -482,6 +488,7 @@ class ClipLoader:
         """Planned step `i`: one output row (the class docstring's columns)."""
         import json
 
+        started = time.time()  # wall clock: the span of this micro-batch's work (DECODE_SPAN_KEYS)
         with self._cond:
             self._wanted = i
             self._cond.notify_all()
@@ -516,6 +523,7 @@ class ClipLoader:
         if self.latent_cache is not None:
             out["cached_latents"] = np.array([pack_cached_latents(self.vae_id or "", cached)], dtype=object)
         out.update({k: np.array([v], dtype=np.float64) for k, v in stats.items()})
+        out.update({k: np.array([v], dtype=np.float64) for k, v in zip(DECODE_SPAN_KEYS, (started, time.time()))})
         return out
 
 
@@ -877,7 +885,8 @@ def train_batch(plan: RankStep, batch: dict[str, np.ndarray], sample_ids: np.nda
         next_position=plan.next_position,
         data_wait_s=data_wait_s,
         prefetch_lead=prefetch_lead,
-        stats={k: float(batch[k][0]) for k in (*STAT_KEYS, *ENCODE_STAT_KEYS) if k in batch},
+        stats={k: float(batch[k][0]) for k in (*STAT_KEYS, *DECODE_SPAN_KEYS, *ENCODE_STAT_KEYS,
+                                               *ENCODE_SPAN_KEYS) if k in batch},
         skipped=json.loads(str(batch["skipped"][0])),
         micro=plan.micro,
         num_micro=plan.num_micro,

@@ -73,7 +73,7 @@ from vidray.train.parallel import (
 )
 from vidray.train.precision import Precision
 from vidray.train.runlog import RunLog
-from vidray.train.window import LogWindow, step_line
+from vidray.train.window import LogWindow, compute_stage, step_line
 from vidray.train.vae import (
     VAE_EXPORT_DIR,
     VAEObjective,
@@ -206,6 +206,7 @@ class Worker:
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.family = get_family(job.model.family).for_model(job.model)  # its objective follows this model
         self.vae_run = job.train.objective == "vae"  # `vidray train-vae`: the transformer is the VAE's objective
+        self.compute_stage = compute_stage(job.train.objective)  # what the step line, metrics and TensorBoard call it
         self.experts = self._form_expert_groups()  # `model.experts` layout groups: this rank's expert, else None
         # The data-parallel world this rank's gradients are averaged over: its expert's group, or every rank.
         self.dp_rank, self.dp_size = ((self.experts.group_rank, self.experts.group_size) if self.experts
@@ -373,7 +374,7 @@ class Worker:
         (`dcp.async_save`): its collectives go over a gloo group of their own, and one thread per rank hashes the
         files once written."""
         job, loop_config, rank = self.job, self.loop_config, self.rank
-        self.window = LogWindow(self.world_size, **({} if self.experts is None else {
+        self.window = LogWindow(self.world_size, compute=self.compute_stage, **({} if self.experts is None else {
             "expert": self.experts.expert, "expert_sizes": {e: len(r) for e, r in self.experts.ranks.items()}}))
         # {expert: [[step, loss], ...]}, the mean over that expert's ranks (layout groups)
         self.expert_history: dict[str, list[list[float]]] = {e: [] for e in (self.experts.ranks if self.experts
@@ -567,7 +568,7 @@ class Worker:
         self.step_seconds.append(seconds)
         self.metrics_log.observe_step(data_wait_s=outcome.data_wait_s, step_s=outcome.data_wait_s + outcome.dit_s,
                                       samples=outcome.clips)
-        self.metrics_log.add_stage("dit", busy_s=outcome.dit_s, clips=outcome.clips)
+        self.metrics_log.add_stage(self.compute_stage, busy_s=outcome.dit_s, clips=outcome.clips)
         self.metrics_log.set_step(step)
 
     def _report(self, step: int, outcome: StepOutcome, *, is_checkpoint: bool) -> None:
@@ -593,7 +594,7 @@ class Worker:
         metrics = closed.metrics
         self.metrics_log.observe_window(loss=metrics["loss"], lr=metrics["lr"],
                                         data_wait_fraction=min(1.0, data["data_wait_fraction"]))
-        self._log(step_line(closed, max_steps=self.job.train.max_steps, data=data, vae_run=self.vae_run,
+        self._log(step_line(closed, max_steps=self.job.train.max_steps, data=data,
                             prefetch_lead=outcome.prefetch_lead))
         self.metrics_log.write_textfile(self.metrics_file)
         if self.run_log is not None:
@@ -887,7 +888,8 @@ def _agree_on_skipped(skipped: list[dict[str, str]], world_size: int) -> list[di
 
 
 def _add_loader_stats(metrics: TrainMetrics, batch: TrainBatch) -> None:
-    """Feed one micro-batch's loader counters (`vidray.data.pipeline.STAT_KEYS`) into the metrics."""
+    """Feed one micro-batch's loader counters (`vidray.data.pipeline.STAT_KEYS`) and the stages' work spans into
+    the metrics."""
     s = batch.stats
     metrics.add_cache("hot", hits=int(s["hot_hits"]), misses=int(s["hot_misses"]))
     metrics.add_cache("warm", hits=int(s["warm_hits"]), misses=int(s["warm_misses"]))
@@ -896,12 +898,20 @@ def _add_loader_stats(metrics: TrainMetrics, batch: TrainBatch) -> None:
         metrics.add_skipped("shard" if "file" in item else "clip")
     metrics.set_prefetch_lead(batch.prefetch_lead)
     decoded = int(s["hot_misses"]) - int(s.get("decodes_skipped", 0))  # a miss whose latents were cached: no decode
-    metrics.add_stage("decode", busy_s=float(s["decode_s"] + s["fetch_s"]), clips=decoded)
+    metrics.add_stage("decode", busy_s=float(s["decode_s"] + s["fetch_s"]), clips=decoded, **_span(s, "decode"))
     for stage, tier in (("vae", "latent"), ("text", "prompt")):
         if f"{stage}_s" in s:
             hits, misses = int(s[f"{stage}_hits"]), int(s[f"{stage}_misses"])
             metrics.add_cache(tier, hits=hits, misses=misses)
-            metrics.add_stage(stage, busy_s=float(s[f"{stage}_s"]), clips=hits + misses)
+            metrics.add_stage(stage, busy_s=float(s[f"{stage}_s"]), clips=hits + misses, **_span(s, stage))
+
+
+def _span(stats: dict[str, float], stage: str) -> dict[str, float]:
+    """{"start", "end"}: the wall-clock seconds between which `stage` worked on the micro-batch
+    (`vidray.data.pipeline.DECODE_SPAN_KEYS`, `vidray.data.encode.ENCODE_SPAN_KEYS`), for `TrainMetrics.add_stage`
+    to count only the part inside the log window; {} when the batch carries none."""
+    start, end = stats.get(f"{stage}_start_unix"), stats.get(f"{stage}_end_unix")
+    return {"start": start, "end": end} if start is not None and end is not None and end >= start else {}
 
 
 def _record_path(loop_config: dict[str, Any], rank: int) -> Path | None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -315,6 +314,40 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+UNUSED_PARAMETERS_WARNING = "find_unused_parameters=True was specified in DDP constructor, but did not find any " \
+    "unused parameters"
+"""The start of the line torch's C++ DDP reducer prints to stderr (`TORCH_WARN_ONCE` in `search_unused_parameters`,
+once per process) the first time a forward uses every parameter of a DDP model built with
+`find_unused_parameters=True`."""
+
+
+def quiet_unused_parameters_warning(process_group: Any = None, *, device: torch.device | str = "cpu") -> None:
+    """Spend the reducer's once-per-process `UNUSED_PARAMETERS_WARNING`, in silence, unless verbose (`vidray.logs`).
+
+    Two experts on every worker (`model.experts` layout shared) need DDP's `find_unused_parameters`: a micro-batch
+    whose samples fall on one side of the boundary leaves the other expert without gradients. A micro-batch that
+    reaches both experts uses every parameter, and the reducer then prints its advice to turn the flag off, from C++
+    to the process's stderr (no Python warning that `warnings.filterwarnings` could stop), once per worker. Here a
+    one-weight DDP model with the flag, over `process_group` (None: the default group; a collective: every rank of
+    the group calls this), runs one forward and backward that uses its weight, with file descriptor 2 captured:
+    the line torch prints then is dropped, anything else printed meanwhile is written back. torch warns once per
+    process, so the real model's steps print nothing."""
+    from vidray.logs import is_verbose, stderr_without
+
+    if is_verbose():
+        return
+    device = torch.device(device)
+    probe = torch.nn.Linear(1, 1, bias=False, device=device)
+    kwargs: dict[str, Any] = {"find_unused_parameters": True}
+    if process_group is not None:
+        kwargs["process_group"] = process_group
+    if device.type == "cuda":
+        kwargs["device_ids"] = [device.index if device.index is not None else torch.cuda.current_device()]
+    with stderr_without(UNUSED_PARAMETERS_WARNING):
+        ddp = torch.nn.parallel.DistributedDataParallel(probe, **kwargs)
+        ddp(torch.ones(1, 1, device=device)).sum().backward()
+
+
 def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: Callable | None = None,
                 example_loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
                 pretrained_weights: str | None = None, device: torch.device | str | None = None,
@@ -323,7 +356,8 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
     trains. Returns (the model to call, its CommHook).
 
     `ddp`: DDP with `train.bucket_cap_mb` and the compression hook (`find_unused_parameters` for a `TwoExperts`
-    transformer, `model.experts` layout shared), over `process_group` when given (one expert's worker group,
+    transformer, `model.experts` layout shared, its reducer's advice to turn it off silenced:
+    `quiet_unused_parameters_warning`), over `process_group` when given (one expert's worker group,
     `vidray.train.expert_groups`), else every worker; the model is DDP-wrapped when the worker group
     has more than one process, else `transformer` itself, which stays the unwrapped module whose state dict the
     checkpoint saves. `hook_wrapper(hook) -> hook`, if given, wraps the communication hook (benchmarks count the
@@ -365,11 +399,11 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
     ddp_kwargs = {"bucket_cap_mb": job.train.bucket_cap_mb,
                   **({"find_unused_parameters": True} if two_experts else {}),
                   **({"process_group": process_group} if process_group is not None else {})}
-    if two_experts:  # DDP warns at a step whose samples reached both experts; that is expected, not a mistake
-        warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified in DDP constructor")
     model = wrap_ddp(transformer, device if device is not None else next(transformer.parameters()).device, ddp_kwargs)
     comm, hook = comm_hook_for(job.train.grad_compression, powersgd_rank=job.train.powersgd_rank)
     is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    if two_experts and is_ddp:  # DDP's reducer warns at a step whose samples reached both experts: expected here
+        quiet_unused_parameters_warning(process_group, device=next(transformer.parameters()).device)
     if is_ddp and (hook is not None or hook_wrapper is not None):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

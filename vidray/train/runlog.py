@@ -2,7 +2,8 @@
 
 - `tensorboard/`: TensorBoard event files (`tensorboard --logdir <run folder>`): per step `train/loss`, `train/lr`,
   `train/grad_norm`; per log window `train/step_time_s`, `train/samples_per_s`, `data/wait_fraction`,
-  `stages/<stage>_busy_fraction` (decode, vae, text, dit), `train/encode_time_s`, `train/dit_step_time_s`;
+  `stages/<stage>_busy_fraction` (decode, vae, text, dit; a VAE run: decode and vae, its trainer's stage),
+  `train/encode_time_s`, `train/dit_step_time_s` (a VAE run: `train/vae_step_time_s`);
 - `metrics.jsonl`: one line per step, {"step", "loss", "lr", "grad_norm"} (loss and grad norm are the mean over
   ranks), the data behind the curves;
 - `loss.png`: the loss curve of the whole run (raw and smoothed), redrawn at each checkpoint and at the end.
@@ -30,6 +31,7 @@ WINDOW_SCALARS = {
     "data_wait_fraction": "data/wait_fraction",
     "encode_time_s": "train/encode_time_s",
     "dit_step_time_s": "train/dit_step_time_s",
+    "vae_step_time_s": "train/vae_step_time_s",  # a VAE run's step (`vidray.train.window.compute_stage`)
     **{f"{stage}_busy_fraction": f"stages/{stage}_busy_fraction" for stage in ("decode", "vae", "text", "dit")},
 }
 """TensorBoard tag of each window metric of the training loop's report (`vidray.train.loop`)."""

@@ -156,22 +156,8 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     from vidray.data.shards import read_index, report_path
 
     check_job_outputs(job)
-    from vidray.models.text_encoder import check_max_sequence_length
-
-    check_max_sequence_length(job.model)
-    from vidray.models.registry import get_family
-
-    try:
-        get_family(job.model.family).check_trainable(job.model)  # a model the family samples but cannot train
-    except ValueError as err:
-        raise UserError(str(err)) from None
+    check_job_settings(job)
     warn_if_lora_export(job)
-    from vidray.train.validation import check_validation_prompts
-
-    check_validation_prompts(job)  # a prompt the text encoder would cut: before anything starts
-    from vidray.train.vae import check_vae_path
-
-    check_vae_path(job)  # a model.vae_path that is not a VAE folder: before anything starts
     shards = open_storage(job.data.shards_dir)  # a folder or a URI (vidray.data.storage)
     shards.check_reachable("data.shards_dir")  # an S3 fault in one line, not a traceback
     index = read_index(shards)
@@ -202,6 +188,25 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
         return plan
     with plan_files(plan.checkpoint) as folder:
         return check_resume(job, plan, folder, index)
+
+
+def check_job_settings(job: JobConfig) -> None:
+    """The checks of `check_job_inputs` that need no prepared shard (`vidray doctor` runs them before `vidray
+    prepare` has): `model.max_sequence_length` against the text encoder's limit, a model the family can train, the
+    validation prompts' token counts and images (`check_validation_prompts`), and `model.vae_path`. Raises
+    ConfigError or UserError naming the key and the fix."""
+    from vidray.models.registry import get_family
+    from vidray.models.text_encoder import check_max_sequence_length
+    from vidray.train.vae import check_vae_path
+    from vidray.train.validation import check_validation_prompts
+
+    check_max_sequence_length(job.model)
+    try:
+        get_family(job.model.family).check_trainable(job.model)  # a model the family samples but cannot train
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    check_validation_prompts(job)  # a prompt the text encoder would cut: before anything starts
+    check_vae_path(job)  # a model.vae_path that is not a VAE folder: before anything starts
 
 
 def warn_if_lora_export(job: JobConfig) -> bool:

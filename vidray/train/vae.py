@@ -59,7 +59,8 @@ def vae_training_job(job: JobConfig) -> JobConfig:
         raise ConfigError(f"train-vae: {'; '.join(problems)}")
     vt: VAETrainingConfig = job.vae_training
     train = dataclasses.replace(job.train, objective="vae", max_steps=vt.max_steps, ema=None,
-                                validation=dataclasses.replace(job.train.validation, every_steps=None))
+                                validation=dataclasses.replace(job.train.validation, every_steps=None, prompts=[],
+                                                                images=[]))
     data = dataclasses.replace(job.data, latent_cache="off",
                                batch_size_per_worker=vt.batch_size_per_worker or job.data.batch_size_per_worker)
     return dataclasses.replace(

@@ -18,14 +18,30 @@ import torch.distributed as dist
 from vidray.train.step import check_finite_window
 
 STAGES = ("decode", "vae", "text", "dit")
-"""The stages whose busy fraction a window reports (`vidray.metrics.TrainMetrics.window_summary`)."""
+"""The stages whose busy fraction a DiT run's window reports (`vidray.metrics.TrainMetrics.window_summary`)."""
+VAE_RUN_STAGES = ("decode", "vae")
+"""The stages of a VAE run (`train.objective: vae`): the loader decodes, the trainer's step trains the VAE (its
+stage is `vae`); no encode stage and no DiT run."""
+
+
+def compute_stage(objective: str) -> str:
+    """The stage the trainer's step is, by `train.objective`: `vae` for a VAE run, `dit` otherwise. Its busy
+    seconds (`TrainMetrics.add_stage`), the step line's compute time, the report's `<stage>_step_time_s` and the
+    TensorBoard tags carry this name."""
+    return "vae" if objective == "vae" else "dit"
+
+
+def run_stages(compute: str) -> tuple[str, ...]:
+    """The stages whose busy fractions a run with trainer stage `compute` (`compute_stage`) reports."""
+    return VAE_RUN_STAGES if compute == "vae" else STAGES
 
 
 @dataclass
 class ClosedWindow:
     """One log window's steps, agreed over the ranks: `losses` and `grad_norms` (mean over ranks, host floats) and
     `lrs` of steps `first_step`.., and `metrics` (the report's: step, epoch, loss, step_time_s, lr, grad_norm,
-    data_wait_fraction, encode_time_s, dit_step_time_s, <stage>_busy_fraction)."""
+    data_wait_fraction, encode_time_s, <compute>_step_time_s (dit, or vae for a VAE run), <stage>_busy_fraction
+    of `run_stages(compute)`)."""
 
     first_step: int
     losses: list[float]
@@ -34,6 +50,8 @@ class ClosedWindow:
     metrics: dict[str, float]
     split_s: tuple[float, float, float]
     """Mean seconds per step of the window: (data wait, encode, DiT or VAE)."""
+    compute: str = "dit"
+    """The trainer's stage (`compute_stage`): `dit`, or `vae` for a VAE run."""
     experts: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     """With two expert groups (`LogWindow.expert`): {"high" | "low": {"loss": [...], "grad_norm": [...]}}, each
     step's value, the mean over that expert's ranks; else empty."""
@@ -45,10 +63,12 @@ class LogWindow:
 
     world_size: ranks averaging each step's loss and gradient norm at `close` (1: no collective). expert and
     expert_sizes: this rank's expert and each expert's worker count when the two experts train in groups
-    (`vidray.train.expert_groups`): `close` then also gives each expert's loss and gradient norm."""
+    (`vidray.train.expert_groups`): `close` then also gives each expert's loss and gradient norm. compute: the
+    trainer's stage (`compute_stage`), which names its step time and the busy fractions reported."""
 
     world_size: int
     expert: str | None = None
+    compute: str = "dit"
     expert_sizes: dict[str, int] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     """(,) per step: the sum of this rank's micro-batch losses."""
@@ -94,8 +114,8 @@ class LogWindow:
             "grad_norm": float(np.mean(grad_norms)),
             "data_wait_fraction": data["data_wait_fraction"],
             "encode_time_s": float(split[1]),
-            "dit_step_time_s": float(split[2]),
-            **{f"{stage}_busy_fraction": data[f"{stage}_busy_fraction"] for stage in STAGES},
+            f"{self.compute}_step_time_s": float(split[2]),
+            **{f"{stage}_busy_fraction": data[f"{stage}_busy_fraction"] for stage in run_stages(self.compute)},
             **{f"loss_{e}": float(np.mean(rows[0])) for e, rows in per_expert.items()},
             **{f"grad_norm_{e}": float(np.mean(rows[1])) for e, rows in per_expert.items()},
         }
@@ -105,7 +125,8 @@ class LogWindow:
         self.seconds.clear()
         return ClosedWindow(first_step, losses, grad_norms, lrs, metrics, (float(split[0]), float(split[1]),
                                                                             float(split[2])),
-                            {e: {"loss": rows[0], "grad_norm": rows[1]} for e, rows in per_expert.items()})
+                            experts={e: {"loss": rows[0], "grad_norm": rows[1]} for e, rows in per_expert.items()},
+                            compute=self.compute)
 
 
     def _expert_means(self, window: torch.Tensor) -> tuple[list[float], list[float], dict[str, list[list[float]]]]:
@@ -122,20 +143,20 @@ class LogWindow:
         return rows[0], rows[1], {e: rows[2 + 2 * i: 4 + 2 * i] for i, e in enumerate(experts)}
 
 
-def step_line(closed: ClosedWindow, *, max_steps: int, data: dict[str, float], vae_run: bool,
-              prefetch_lead: Any) -> str:
-    """The `step ...` line of a window: per step (means over the window) step time, encode, dit (or vae), data
-    wait; the stages' busy fractions; counts over the window: hot-tier hits/lookups, warm-tier hits/shard opens,
-    clips decoded, latents reused (latent cache or the encode stage's memory) / needed, MiB fetched from the shard
-    store; and how far the loader's prefetch runs ahead. `lr` is the one the window's last step trained with (as
-    metrics.jsonl and TensorBoard record it; the report's `lr` is the next step's, what the optimizer holds). With
-    two expert groups each expert's loss follows the mean (`loss 1.5379 high 1.5227 low 1.5532`)."""
+def step_line(closed: ClosedWindow, *, max_steps: int, data: dict[str, float], prefetch_lead: Any) -> str:
+    """The `step ...` line of a window: per step (means over the window) step time, encode, dit (or vae: the
+    window's `compute` stage), data wait; the busy fractions of the run's stages (`run_stages`); counts over the
+    window: hot-tier hits/lookups, warm-tier hits/shard opens, clips decoded, latents reused (latent cache or the
+    encode stage's memory) / needed, MiB fetched from the shard store; and how far the loader's prefetch runs
+    ahead. `lr` is the one the window's last step trained with (as metrics.jsonl and TensorBoard record it; the
+    report's `lr` is the next step's, what the optimizer holds). With two expert groups each expert's loss follows
+    the mean (`loss 1.5379 high 1.5227 low 1.5532`)."""
     m = closed.metrics
     data_wait, encode, compute = closed.split_s
-    busy = " ".join(f"{stage} {100 * data[f'{stage}_busy_fraction']:.0f}%" for stage in STAGES)
+    busy = " ".join(f"{stage} {100 * data[f'{stage}_busy_fraction']:.0f}%" for stage in run_stages(closed.compute))
     experts = "".join(f" {e} {m[f'loss_{e}']:.4f}" for e in ("high", "low") if f"loss_{e}" in m)
     return (f"step {m['step']}/{max_steps} loss {m['loss']:.4f}{experts} step_time {m['step_time_s']:.3f} s "
-            f"(encode {encode:.3f} s, {'vae' if vae_run else 'dit'} {compute:.3f} s) lr {closed.lrs[-1]:.2e} data_wait "
+            f"(encode {encode:.3f} s, {closed.compute} {compute:.3f} s) lr {closed.lrs[-1]:.2e} data_wait "
             f"{data_wait:.3f} s ({100 * data['data_wait_fraction']:.0f}%) "
             f"busy [{busy}] hot {data['hot_hits']:.0f}/{data['hot_hits'] + data['hot_misses']:.0f} warm "
             f"{data['warm_hits']:.0f}/{data['warm_hits'] + data['warm_misses']:.0f} decoded "
