@@ -7,7 +7,13 @@ have the same resources (1 CPU), 0 nodes at start: `vae` (`vidray.io/stage: vae`
 dit`), so only a label can choose between them. The tiny job's VAE and text encode stages select `vidray.io/stage:
 vae`. Proved: no worker node before the job; the autoscaler starts one node, of type `vae`, and no other; every
 rank's encode actors ran on it (node id and labels, seen from inside the actors); the job trains its steps; the
-node is gone within the idle timeout (0.1 min) plus a few autoscaler rounds; no process of the test is left.
+node goes away once idle for the idle timeout (0.1 min); no process of the test is left.
+
+How long it takes on 2 cores (issue 48): the test took 83 s right after the unit tests and 208 s with a unit-test
+run beside it (every phase stretches: the autoscaler's node start, that node's encode actor importing torch, Ray
+Train's workers). It therefore waits for conditions (the driver's progress, `run_driver`; the node's removal,
+`autoscaler_driver.IDLE_WAIT_S`) with bounds far above those figures, not against the one 240 s deadline that a
+loaded machine's full `make test` missed.
 
 Ray 2.60 facts this rests on (installed source):
 - Only autoscaler v2 scales up for a label selector: `autoscaler/v2/scheduler.py` `_try_schedule_one` refuses a
@@ -37,10 +43,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from tests.integration.autoscaler_driver import IDLE_WAIT_S
 from tests.integration.conftest import free_port, pids_mentioning, ray_env, start_ray_head
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,25 +126,67 @@ def autoscaling_head():
         assert pids_mentioning(head.temp_dir) == [], "a process of the test's cluster outlived it"
 
 
+DRIVER_SILENCE_S = 240.0
+"""Longest the driver may print nothing before the test calls it hung (s). Its longest quiet stretch is the vae
+node's start plus its encode actor's first batch: 25 s alone, ~60 s with two other processes busy beside it."""
+DRIVER_LIMIT_S = 540.0
+"""Longest the driver may run in all (s), below pytest's 600 s per test. Measured on 2 cores, the driver alone took
+72 s, and the whole test 83 s right after the unit tests and 208 s with a unit-test run (two pytest processes)
+beside it: the 240 s deadline on the driver that this replaced was within reach of a loaded machine, which failed
+the test in a full `make test` (issue 48)."""
+
+
+def run_driver(command: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """Run the job driver to its end: (exit code, its stdout and stderr). It is waited for as long as it makes
+    progress (a line at least every `DRIVER_SILENCE_S`, up to `DRIVER_LIMIT_S` in all) instead of against one fixed
+    deadline: on 2 cores every phase of it (Ray's autoscaler starting a node, that node's actors importing torch,
+    Ray Train's workers) stretches with whatever else runs. Raises AssertionError, with the output's tail, when it
+    stalls or runs past the limit (it is killed first)."""
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    lines: list[str] = []
+    last_line = [time.monotonic()]
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append(line)
+            last_line[0] = time.monotonic()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    started = time.monotonic()
+    while process.poll() is None:
+        now = time.monotonic()
+        silent, running = now - last_line[0], now - started
+        if silent > DRIVER_SILENCE_S or running > DRIVER_LIMIT_S:
+            process.kill()
+            process.wait()
+            reader.join(timeout=5)
+            why = (f"printed nothing for {silent:.0f} s" if silent > DRIVER_SILENCE_S
+                   else f"ran past {DRIVER_LIMIT_S:.0f} s")
+            raise AssertionError(f"the driver {why} (killed after {running:.0f} s): " + "".join(lines)[-6000:])
+        time.sleep(0.5)
+    reader.join(timeout=30)
+    return process.returncode, "".join(lines)
+
+
 def test_a_vae_stage_selector_starts_one_vae_node_that_runs_it_and_goes_away_when_idle(autoscaling_head, shards_dir,
                                                                                        tmp_path):
     head = autoscaling_head
-    driver = subprocess.run(
+    returncode, output = run_driver(
         [sys.executable, str(REPO / "tests/integration/autoscaler_driver.py"),
          f"data.shards_dir={shards_dir}", f"storage.path={tmp_path / 'runs'}", "name=autoscaled",
          "model.text_encoder=tiny_random", "train.max_steps=2", "train.log_every_steps=1", "checkpoint.every_steps=2",
          "scaling.num_workers=2", "scaling.cpus_per_worker=1", "data.loader_cpus=0.5",
          f"data.latent_cache={tmp_path / 'latents'}",  # empty: the encode actors must encode
          f"placement.vae.label_selector={{{STAGE}: vae}}", f"placement.text.label_selector={{{STAGE}: vae}}"],
-        cwd=REPO, env={**ray_env(), "RAY_ADDRESS": f"127.0.0.1:{head.gcs_port}",
-                       # the cluster YAML the head's autoscaler runs with (RayHead wrote it): vidray's only way to
-                       # learn on Ray 2.60 that the cluster grows (autoscaler_driver.py's docstring)
-                       "VIDRAY_AUTOSCALER_CONFIG": str(Path(head.temp_dir) / "autoscaling.yaml")},
-        capture_output=True, text=True,
-        timeout=240,
+        env={**ray_env(), "RAY_ADDRESS": f"127.0.0.1:{head.gcs_port}",
+             # the cluster YAML the head's autoscaler runs with (RayHead wrote it): vidray's only way to learn on
+             # Ray 2.60 that the cluster grows (autoscaler_driver.py's docstring)
+             "VIDRAY_AUTOSCALER_CONFIG": str(Path(head.temp_dir) / "autoscaling.yaml")},
     )
-    lines = [line for line in driver.stdout.splitlines() if line.startswith("RESULT ")]
-    assert driver.returncode == 0 and lines, driver.stdout[-4000:] + driver.stderr[-4000:]
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert returncode == 0 and lines, output[-8000:]
     seen = json.loads(lines[-1].removeprefix("RESULT "))
 
     # 0. vidray read the autoscaler's limit from the cluster YAML (Ray 2.60 reports none to the GCS).
@@ -164,6 +215,10 @@ def test_a_vae_stage_selector_starts_one_vae_node_that_runs_it_and_goes_away_whe
     assert {m for m in scaling if m.startswith("Adding")} == {"Adding 1 node(s) of type vae."}, scaling
     assert scaling[-1] == "Removing 1 nodes of type vae (idle).", scaling
 
-    # 3. Idle, the vae node went away (idle timeout 6 s + a few 1 s autoscaler rounds), and no node came instead.
+    # 3. Idle, the vae node went away, and no node came instead. The autoscaler removes it once it has been idle
+    #    for the idle timeout (6 s), at its next 1 s round: 0-6 s after the job's end alone (it idles during the
+    #    export); the driver waits for that condition up to IDLE_WAIT_S (autoscaler_driver.py), which a loaded
+    #    machine's slower rounds stay far within.
     assert {n["node_id"]: n["alive"] for n in seen["nodes_after_idle"]} == {FAKE_HEAD_NODE_ID: True, vae_node: False}
-    assert seen["idle_wait_s"] < IDLE_TIMEOUT_MIN * 60 + 20, seen["idle_wait_s"]
+    assert seen["idle_wait_s"] < IDLE_WAIT_S, seen["idle_wait_s"]
+    print(f"the vae node went away {seen['idle_wait_s']:.1f} s after the job's end")
