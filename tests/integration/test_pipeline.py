@@ -11,34 +11,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vidray.config import DataConfig, load_job_config
-from vidray.data.index import load_sample_index
-from vidray.data.ingest import prepare
-from vidray.data.pipeline import RankLoader, plan_rank_steps
-from vidray.data.schedule import SampleSchedule
-from vidray.data.shards import load_samples, read_index
+from vidray.config import load_job_config
+from vidray.data.pipeline import RankLoader
+from vidray.data.shards import load_samples
+
+from tests.unit.test_clip_loader import plan_and_loader, shards_dir  # noqa: F401 (a module-scoped fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def shards_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shards")
-    buckets = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml").data.buckets
-    prepare(REPO / "samples" / "metadata.json", out, buckets=buckets, fps=8.0, samples_per_shard=2,
-            progress=None, scene_split=None)
-    return out
-
-
-def _loader(shards_dir, *, world_size=1, rank=0, steps=6, window_steps=2048, **data):
-    index = read_index(shards_dir)
-    table = load_sample_index(shards_dir)
-    schedule = SampleSchedule(table.bucket_id, table.buckets, batch_sizes=2, seed=0, shards=table.shard,
-                              shuffle_block_shards=2)
-    plan = plan_rank_steps(schedule, schedule.start(0), world_size=world_size, rank=rank, first_step=1,
-                           last_step=steps)
-    return plan, RankLoader(str(shards_dir), index, table, plan, DataConfig(**data), window_steps=window_steps)
+def _loader(shards_dir, **kwargs):
+    return plan_and_loader(shards_dir, loader_class=RankLoader, **kwargs)
 
 
 @pytest.mark.parametrize("block_batches", [1, 8])  # a Ray Data block per micro-batch, or blocks of 1, 2, 4 ...

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def shards_dir(tmp_path_factory):
+    """The shipped clips in shards of 2 (tests/integration/test_pipeline.py uses it too)."""
     out = tmp_path_factory.mktemp("shards")
     buckets = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml").data.buckets
     prepare(REPO / "samples" / "metadata.json", out, buckets=buckets, fps=8.0, samples_per_shard=2,
@@ -33,19 +34,22 @@ def shards_dir(tmp_path_factory):
     return out
 
 
-def _loader(shards_dir, *, world_size=1, rank=0, steps=6, window_steps=2048, **data):
+def plan_and_loader(shards_dir, *, loader_class=LocalLoader, world_size=1, rank=0, steps=6, window_steps=2048,
+                    **data):
+    """(the `RankStep`s of `rank` for steps 1..`steps` from the start, seed 0, batches of 2; a `loader_class`
+    (`LocalLoader` or the Ray Data `RankLoader`) of them, `data`: `DataConfig` keys)."""
     index = read_index(shards_dir)
     table = load_sample_index(shards_dir)
     schedule = SampleSchedule(table.bucket_id, table.buckets, batch_sizes=2, seed=0, shards=table.shard,
                               shuffle_block_shards=2)
     plan = plan_rank_steps(schedule, schedule.start(0), world_size=world_size, rank=rank, first_step=1,
                            last_step=steps)
-    return plan, LocalLoader(str(shards_dir), index, table, plan, DataConfig(**data), window_steps=window_steps)
+    return plan, loader_class(str(shards_dir), index, table, plan, DataConfig(**data), window_steps=window_steps)
 
 
 def test_hot_tier_serves_later_epochs_without_reading_or_decoding(shards_dir):
     n = len(load_sample_index(shards_dir))
-    plan, loader = _loader(shards_dir, steps=12)
+    plan, loader = plan_and_loader(shards_dir, steps=12)
     batches = list(loader)
     epochs = sorted({b.epoch for b in batches})
     assert len(epochs) >= 2
@@ -57,7 +61,7 @@ def test_hot_tier_serves_later_epochs_without_reading_or_decoding(shards_dir):
     shards = len(read_index(shards_dir)["shards"])
     assert sum(b.stats["shard_reads"] for b in first) == shards  # each shard read once in the epoch
 
-    _, cold = _loader(shards_dir, steps=12, hot_bytes=0)
+    _, cold = plan_and_loader(shards_dir, steps=12, hot_bytes=0)
     cold_batches = list(cold)
     # Hot tier off: every clip is decoded every time it comes up (a clip repeated within a batch: once).
     assert sum(b.stats["hot_misses"] for b in cold_batches) == sum(len(set(b.sample_ids)) for b in cold_batches)
@@ -90,7 +94,7 @@ def test_a_clip_that_no_longer_decodes_is_skipped_with_weight_zero_and_reported(
                                 pa.array(videos, type=pa.binary()))
 
     bad_id = _rewrite_shard(copy, 0, garble_first_clip)
-    plan, loader = _loader(copy, steps=8)
+    plan, loader = plan_and_loader(copy, steps=8)
     batches = list(loader)
     assert len(batches) == 8  # training goes on
     skipped = [s for b in batches for s in b.skipped]
@@ -113,7 +117,7 @@ def test_a_shard_failing_its_checksum_is_skipped_and_its_clips_weigh_zero(shards
     data = bytearray(path.read_bytes())
     data[-100] ^= 0xFF
     path.write_bytes(bytes(data))
-    _, loader = _loader(copy, steps=8)
+    _, loader = plan_and_loader(copy, steps=8)
     batches = list(loader)
     skipped = [s for b in batches for s in b.skipped]
     assert [s.get("file") for s in skipped] == [bad["file"]] and "sha256" in skipped[0]["reason"]

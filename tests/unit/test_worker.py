@@ -80,14 +80,16 @@ def checkpoint_lr(checkpoint: Path) -> float:
 
 def test_changed_settings_take_effect_and_a_damaged_checkpoint_is_recovered_from(shards_dir, tmp_path):
     # 1. The reported case: 10 steps at lr 1e-3 ...
-    first = train_in_process(resume_job(shards_dir, tmp_path, "optim.lr=1e-3", "train.max_steps=10", "train.log_every_steps=5",
-                             "checkpoint.every_steps=5", "checkpoint.num_to_keep=2"))
+    first = train_in_process(resume_job(shards_dir, tmp_path, "optim.lr=1e-3", "train.max_steps=10",
+                                        "train.log_every_steps=5", "checkpoint.every_steps=5",
+                                        "checkpoint.num_to_keep=2"))
     assert first.metrics["lr"] == pytest.approx(1e-3)
     assert first.reported_steps == [5, 10]
 
     # 2. ... resumed to step 20 at lr 1e-5 with other cadences, num_to_keep and no gradient clipping: all apply.
-    second = train_in_process(resume_job(shards_dir, tmp_path, "optim.lr=1e-5", "train.max_steps=20", "train.log_every_steps=3",
-                              "checkpoint.every_steps=4", "checkpoint.num_to_keep=3", "train.grad_clip_norm=null"))
+    second = train_in_process(resume_job(shards_dir, tmp_path, "optim.lr=1e-5", "train.max_steps=20",
+                                         "train.log_every_steps=3", "checkpoint.every_steps=4",
+                                         "checkpoint.num_to_keep=3", "train.grad_clip_norm=null"))
     run_dir = tmp_path / "resume"
     assert second.first_step == 11 and [int(s) for s, _ in second.losses] == list(range(11, 21))
     assert second.metrics["lr"] == pytest.approx(1e-5)  # the lr the optimizer holds, reported
@@ -109,8 +111,9 @@ def test_changed_settings_take_effect_and_a_damaged_checkpoint_is_recovered_from
 
     # 4. The override it names recovers the run under the same name: it starts at step 17, and the damaged
     #    checkpoint is moved aside, not loaded, not overwritten in place.
-    third = train_in_process(resume_job(shards_dir, tmp_path, "optim.lr=1e-5", "train.max_steps=24", "checkpoint.every_steps=4",
-                             "checkpoint.num_to_keep=3", f"checkpoint.resume_from={good}"))
+    third = train_in_process(resume_job(shards_dir, tmp_path, "optim.lr=1e-5", "train.max_steps=24",
+                                        "checkpoint.every_steps=4", "checkpoint.num_to_keep=3",
+                                        f"checkpoint.resume_from={good}"))
     assert third.first_step == 17 and [int(s) for s, _ in third.losses] == list(range(17, 25))
     verify_checkpoint(run_dir / "checkpoint_000020")  # rewritten by this run, whole
     assert read_train_state(third.checkpoint_path).step == 24

@@ -1,4 +1,6 @@
-"""`train_loop_per_worker`: what every Ray Train worker runs, a `Worker`.
+"""The `Worker`: one rank's training, what every Ray Train worker runs (`train_loop_per_worker`, a thin adapter
+with a `RayTrainContext`) and what `vidray.train.local.train_in_process` runs in this process (a `LocalContext`):
+everything it needs of where it runs comes through that context (`vidray.train.context`).
 
 Steps (the `Worker`'s methods): 1. build the model family's transformer (alone: the VAE and text encoder run in the
 encode stages; LoRA adapters applied when `model.lora` is set); 2. load the sample table (not the clips) and build
@@ -101,8 +103,8 @@ def _resume_state(loop_config: dict[str, Any], rank: int, restart_name: str | No
     """Load the checkpoint this attempt starts from (precedence: `vidray.train.trainer` module docstring).
 
     A checkpoint written during this `fit()` (any step after the driver's start point `loop_config["start_step"]`,
-    so on a restart after a worker or node failure) wins: the newer of Ray Train's `get_checkpoint()` and the run
-    folder's latest complete checkpoint. The folder's can be newer: Ray registers a checkpoint only once every rank's
+    so on a restart after a worker or node failure) wins: the newer of `restart_name` (Ray Train's `get_checkpoint()`,
+    `WorkerContext.restart_checkpoint`; None in process) and the run folder's latest complete checkpoint. The folder's can be newer: Ray registers a checkpoint only once every rank's
     report of it has reached the controller, so a node lost after rank 0 finished the copy (manifest last: complete
     means whole) but before that would otherwise send the run back a whole checkpoint interval. Rank 0's choice is
     broadcast, so every rank loads the same one. Otherwise the driver's planned `loop_config["resume_from"]` is
@@ -111,10 +113,9 @@ def _resume_state(loop_config: dict[str, Any], rank: int, restart_name: str | No
     against the manifest after this worker's download and before loading (DamagedCheckpointError naming the part).
     """
     start_step = int(loop_config.get("start_step") or 0)
-    ray_name = restart_name  # every rank's (`WorkerContext.restart_checkpoint`): it names the source in the log line
-    name = None
+    name = None  # restart_name is every rank's (`WorkerContext.restart_checkpoint`): it names the source below
     if rank == 0:
-        candidates = [c for c in (ray_name, CheckpointManager(loop_config["run_dir"]).latest())
+        candidates = [c for c in (restart_name, CheckpointManager(loop_config["run_dir"]).latest())
                       if c is not None and checkpoint_step(c) > start_step]
         name = max(candidates, key=checkpoint_step, default=None)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -123,7 +124,7 @@ def _resume_state(loop_config: dict[str, Any], rank: int, restart_name: str | No
         name = chosen[0]
     if name is not None:
         state = CheckpointManager(loop_config["run_dir"]).load(name, **targets)
-        source = "Ray Train's latest" if name == ray_name else "the run folder's latest complete"
+        source = "Ray Train's latest" if name == restart_name else "the run folder's latest complete"
         _log(rank, f"restarted from this run's checkpoint {name} at step {state.step} ({source})")
         return state
     start = loop_config.get("resume_from")
@@ -137,7 +138,7 @@ def _resume_state(loop_config: dict[str, Any], rank: int, restart_name: str | No
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
-    """Ray Train entry point: `Worker(loop_config).run()`. `loop_config`: {"job": JobConfig.to_dict(), "run_dir":
+    """Ray Train entry point: `Worker(loop_config, RayTrainContext(...)).run()`. `loop_config`: {"job": JobConfig.to_dict(), "run_dir":
     absolute path, "shards_dir": absolute path, "resume_from": checkpoint folder or None, "start_step": its step
     (0 if none)}.
 
@@ -188,7 +189,7 @@ class StepOutcome:
 
 
 class Worker:
-    """One Ray Train worker's training run (the module docstring's steps 1-6).
+    """One rank's training run (the module docstring's steps 1-6), given its `WorkerContext`.
 
     `__init__` sets up: the transformer (with LoRA), the sample schedule, the parallel wrapper
     (`vidray.train.parallel.parallelize`), the EMA, optimizer, lr schedule and precision, the resumed state, and
