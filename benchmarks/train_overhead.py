@@ -37,6 +37,7 @@ One run, on the same transformer, latent shape, batch, text length, thread count
      reported beside it (`whole_step_time_ratio`); with a loop that logs no split, `step_time_ratio` compares
      the whole step.
 Each output line of both runs is time-stamped on arrival; known log lines give a phase breakdown of the start-up.
+`start_to_first_step_ratio` is vidray's start-up over the peer's (goal <= 2.0: issue 43, part 3).
 
 Ray starts on 127.0.0.1 (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`) and the CLI stops it when it exits. The figures
 move with the machine's load (2 cores shared with anything else running): `details.load_avg_1m` records it.
@@ -260,6 +261,9 @@ def measure(tmp_dir: str | Path, *, steps: int = 300, warmup: int = 100, num_wor
     figures = {
         "step_time_ratio": {"value": round(compared / peer["median_step_s"], 3), "unit": "x", "goal": "<= 1.05"},
         "step_time_ratio_vs_faster_peer_run": {"value": round(compared / min(peer_medians), 3), "unit": "x"},
+        # Issue 43, part 3: `vidray train`'s launch to its first step within 2x of the peer's (the same run).
+        "start_to_first_step_ratio": {"value": round(vidray_start["start_to_first_step_s"]
+                                                     / peer["start_to_first_step_s"], 2), "unit": "x", "goal": "<= 2.0"},
         "start_to_first_step_s": {"value": round(vidray_start["start_to_first_step_s"], 2), "unit": "s"},
         "peer_start_to_first_step_s": {"value": round(peer["start_to_first_step_s"], 2), "unit": "s"},
         "vidray_dit_step_s": ({"value": round(dit, 4), "unit": "s"} if dit is not None else
