@@ -607,13 +607,6 @@ class RankLoader:
         self._thread = threading.Thread(target=self._run, name="vidray-rank-loader", daemon=True)
         self._thread.start()
 
-    def _windows(self) -> Iterator[list[RankStep]]:
-        while True:
-            window = list(itertools.islice(self._steps, self._window_steps))
-            if not window:
-                return
-            yield window
-
     def _dataset(self, window: list[RankStep]):
         shards_dir, index, table, data, local_ranks = self._args
         return self._build(shards_dir, index, window_plan(window, table), data, local_ranks, self._label_selector,
@@ -677,7 +670,7 @@ class RankLoader:
         try:
             if self._encode and self._encode.get("latent_cache"):
                 self._identities = self._encode.get("identities") or encoder_identity_refs(self._encode)
-            for window in self._windows():
+            for window in windows(self._steps, self._window_steps):
                 dataset = self._dataset(window)
                 batches = dataset.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)
                 i = -1
@@ -776,7 +769,7 @@ class LocalLoader:
     def _generate(self) -> Iterator[tuple[RankStep, dict[str, np.ndarray]]]:
         shards_dir, index, table, data, local_ranks = self._args
         stages, identities = self._make_stages()
-        while window := list(itertools.islice(self._steps, self._window_steps)):
+        for window in windows(self._steps, self._window_steps):
             plan = window_plan(window, table)
             clip_loader = ClipLoader(shards_dir, index["shards"], plan,
                                      **clip_loader_kwargs(data, local_ranks, self._encode, identities))
@@ -801,6 +794,12 @@ class LocalLoader:
     def close(self) -> None:
         """Stop making batches (the decode operator's threads end with its window)."""
         self._rows.close()
+
+
+def windows(steps: Iterator[RankStep], window_steps: int) -> Iterator[list[RankStep]]:
+    """`steps` in lists of `window_steps` (the last one shorter), taken lazily: one loader window each."""
+    while window := list(itertools.islice(steps, window_steps)):
+        yield window
 
 
 def window_plan(window: list[RankStep], table: Any) -> dict[str, np.ndarray]:

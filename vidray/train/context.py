@@ -11,7 +11,7 @@ validator) comes through one object, so the same loop runs
 - in this process (`LocalContext`, what `vidray.train.local.train_in_process` and the unit tests build): one rank,
   or N ranks of a gloo group started by the caller; a checkpoint is copied into the run folder at once by the same
   `CheckpointManager.upload` (manifest last) and rotated to `checkpoint.num_to_keep` here; the loader runs the same
-  decode and encode operators in a thread of this process (`vidray.data.pipeline.LocalLoader`); validation samples
+  decode and encode operators in this process (`vidray.data.pipeline.LocalLoader`); validation samples
   in this process between steps.
 
 Nothing else in the loop knows which one it has.
@@ -37,6 +37,12 @@ class WorkerContext:
     device: torch.device
     exports_ray_metrics: bool = False
     """Whether the rank's metrics can also go through Ray's metrics agent (`train.ray_metrics`)."""
+    _manager: Any = None
+
+    def bind(self, manager: Any) -> None:
+        """The run's `CheckpointManager`: what `report` hands each checkpoint to (under Ray Train, through the
+        upload functions its controller calls)."""
+        self._manager = manager
 
     def node(self) -> dict[str, Any]:
         """{"node_id", "labels"} of the node this rank runs on ({"node_id": "local", "labels": {}} in-process)."""
@@ -84,7 +90,6 @@ class RayTrainContext(WorkerContext):
         self.device = ray.train.torch.get_device()
         self.upload_mode = (ray.train.CheckpointUploadMode.ASYNC if upload_async
                             else ray.train.CheckpointUploadMode.SYNC)
-        self._manager = None
 
     def node(self) -> dict[str, Any]:
         import ray
@@ -97,10 +102,6 @@ class RayTrainContext(WorkerContext):
 
         checkpoint = ray.train.get_checkpoint()
         return None if checkpoint is None else Path(checkpoint.path).name
-
-    def bind(self, manager: Any) -> None:
-        """The run's `CheckpointManager`, whose upload functions Ray Train's controller calls."""
-        self._manager = manager
 
     def report(self, metrics: dict[str, Any], *, checkpoint: str | Path | None = None, name: str | None = None,
                sharded: bool = False) -> None:
@@ -146,16 +147,12 @@ class LocalContext(WorkerContext):
 
     def __post_init__(self) -> None:
         self.local_world_size = self.world_size
-        self._manager = None
 
     def node(self) -> dict[str, Any]:
         return {"node_id": "local", "labels": {}}
 
     def restart_checkpoint(self) -> str | None:
         return None  # an in-process run has one attempt: nothing restarts it
-
-    def bind(self, manager: Any) -> None:
-        self._manager = manager
 
     def report(self, metrics: dict[str, Any], *, checkpoint: str | Path | None = None, name: str | None = None,
                sharded: bool = False) -> None:

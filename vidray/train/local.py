@@ -104,13 +104,12 @@ def run_rank(loop_config: dict[str, Any], *, rank: int, world_size: int) -> tupl
 def _spawn_ranks(loop_config: dict[str, Any], world_size: int) -> tuple[dict[str, Any], list, list[str]]:
     """`run_rank` on `world_size` gloo ranks, each in a process of its own (`torch.multiprocessing.spawn`,
     rendezvous through a file store); rank 0's result. A rank's exception is raised here with its message."""
+    import torch
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="vidray-ranks-") as tmp:
         store, results = Path(tmp) / "store", Path(tmp) / "rank0.pt"
         mp.spawn(_rank_main, args=(world_size, loop_config, str(store), str(results)), nprocs=world_size, join=True)
-        import torch
-
         return torch.load(results, weights_only=False)
 
 
