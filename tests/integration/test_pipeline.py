@@ -58,20 +58,30 @@ def test_a_long_plan_streams_window_by_window_in_order(local_ray, shards_dir):
             np.testing.assert_array_equal(batch.frames[i].permute(1, 2, 3, 0).numpy(), decoded[sample_id])
 
 
-def test_the_drivers_identity_tasks_name_the_encode_stages_entries_and_are_computed_once(local_ray):
+def test_the_drivers_identity_tasks_name_the_encode_stages_entries_and_are_computed_once(local_ray, tmp_path):
     """The identities the tasks compute (on the stages' nodes, while the workers start) are the encode stage's
-    (`EncodeStage.vae_id`, its entries' folder), and a second call in this driver reuses them (no new task). What
-    the decode operator does with them: tests/unit/test_clip_loader.py."""
+    (`EncodeStage.vae_id`, its entries' folder), and a second call in this driver reuses them (no new task); a
+    later driver reads them from the cache's memo and starts no task (`vidray.data.identities`). What the decode
+    operator does with them: tests/unit/test_clip_loader.py."""
     import dataclasses
 
     import ray
 
+    from vidray.data import pipeline
     from vidray.data.encode import text_identity, vae_identity
     from vidray.data.pipeline import encode_spec, encoder_identity_refs
 
     job = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", ["model.text_encoder=tiny_random"])
-    spec = encode_spec(job, {}, latent_cache="/unused")
+    spec = encode_spec(job, {}, latent_cache=str(tmp_path / "cache"))
     refs = encoder_identity_refs(spec)
-    assert ray.get(refs["vae"][0]) == vae_identity(dataclasses.asdict(job.model), job.train.seed)
-    assert ray.get(refs["text"][0]) == text_identity(dataclasses.asdict(job.model), job.train.seed)
+    assert all(isinstance(refs[stage], list) for stage in ("vae", "text"))  # tasks: nothing remembered yet
+    answers = {"vae": ray.get(refs["vae"][0]), "text": ray.get(refs["text"][0])}
+    assert answers["vae"] == vae_identity(dataclasses.asdict(job.model), job.train.seed)
+    assert answers["text"] == text_identity(dataclasses.asdict(job.model), job.train.seed)
     assert encoder_identity_refs(spec) == refs
+    pipeline._IDENTITY_REFS.clear()  # what a new driver process starts with
+    assert encoder_identity_refs(spec) == answers  # read from the memo the tasks wrote: plain str, no task
+    assert len(list((tmp_path / "cache" / "identities").glob("*.json"))) == 2
+    pipeline._IDENTITY_REFS.clear()
+    other = encode_spec(job, {}, latent_cache=str(tmp_path / "other"))  # another cache holds no memo: tasks again
+    assert all(isinstance(v, list) for v in encoder_identity_refs(other).values())

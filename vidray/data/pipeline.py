@@ -34,8 +34,9 @@ The tiers a clip goes through on its way to the trainer (`ClipLoader`):
 - **latents** (with the encode stages and a latent cache, `vidray.data.encode`): a clip whose latents the cache
   holds for the stage's VAE is not decoded at all. The loader reads its mp4 bytes only to hash them (the cache
   key), reads the cached latents and hands them to the encode stage with zeros for frames. It learns the VAE's
-  identity from a task (`encoder_identity_refs`; training's driver starts it while the workers start, else the
-  loader with its first window), without waiting for it: clips are decoded until the identity arrives. The encode
+  identity from the cache's memo of it (`vidray.data.identities`: unchanged encoders start no task) or from a task
+  (`encoder_identity_refs`; training's driver starts it while the workers start, else the loader with its first
+  window), without waiting for it: clips are decoded until the identity arrives. The encode
   stages name their entries with the same tasks' identities and load an encoder only on a miss;
 - the queue of `data.prefetch_batches` decoded micro-batches ahead of the trainer (Ray Data's streaming executor
   decodes ahead of the queue within its object-store budget).
@@ -55,7 +56,6 @@ import hashlib
 import itertools
 import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 import queue
 import threading
 import time
@@ -70,7 +70,7 @@ import pyarrow.parquet as pq
 
 from vidray.data.buckets import Bucket
 from vidray.data.encode import (ENCODE_SPAN_KEYS, ENCODE_STAT_KEYS, EncodeStage, LatentCache, block_rows, concat_rows,
-                                pack_cached_latents, text_identity, vae_identity)
+                                pack_cached_latents)
 from vidray.data.schedule import DataPosition, SampleSchedule
 from vidray.logs import quiet_ray_data
 
@@ -916,45 +916,43 @@ def encode_spec(job: Any, placement: dict[str, Any] | None = None, *, latent_cac
 
 
 _IDENTITY_REFS: dict[tuple[str, ...], list[Any]] = {}
-"""`encoder_identity_refs`' memo: {(node id, job id, stage, model section, seed, selector, files): [ObjectRef]}."""
+"""`encoder_identity_refs`' memo: {(node id, job id, stage, memo key, selector): [ObjectRef] or str}."""
 
 
-def _model_files_signature(model: dict[str, Any]) -> str:
-    """(relative path, size, mtime_ns) of every file of the model section's pretrained folder and `vae_path`
-    folder, as JSON ("" for random init without a vae_path): what changes when a user replaces the weights under
-    the same path (e.g. `vidray train-vae` run again)."""
-    folders = [model.get("pretrained_path") if model.get("init") == "pretrained" else None, model.get("vae_path")]
-    files = [(str(f), f.stat().st_size, f.stat().st_mtime_ns)
-             for folder in folders if folder and Path(folder).is_dir()
-             for f in sorted(Path(folder).rglob("*")) if f.is_file()]
-    return json.dumps(files) if files else ""
-
-
-def encoder_identity_refs(encode: dict[str, Any]) -> dict[str, list[Any]]:
-    """{"vae": [ObjectRef of the str `vidray.data.encode.vae_identity`], "text": [ObjectRef of
-    `vidray.data.encode.text_identity`]} of an encode spec's encoders, each computed by a Ray task on the nodes
-    its stage's `label_selector` allows (those hold the model files). The tasks ask for no CPU: they run once per
-    run, for a few seconds (each loads its encoder alone), and must not wait behind the stage actors that hold
+def encoder_identity_refs(encode: dict[str, Any]) -> dict[str, Any]:
+    """{"vae": identity, "text": identity} of an encode spec's encoders, each the str remembered in the latent cache
+    (`vidray.data.identities`: a run whose encoders are unchanged since one that computed them starts no task), or
+    else a one-item list holding the ObjectRef of a Ray task computing it (`identity_task`, which remembers it) on
+    the nodes its stage's `label_selector` allows (those hold the model files). The tasks ask for no CPU: they run
+    once, for a few seconds (each loads its encoder alone), and must not wait behind the stage actors that hold
     the CPUs. With them the decode operator finds cached latents before it decodes, and the encode stages name
     their cache entries without loading an encoder until a miss (`vidray.data.encode.EncodeStage`).
 
-    Memoized in this process per Ray cluster and driver (node and job id), model section, seed, selector and,
-    for a pretrained folder, the size and mtime of each of its files: later runs of one driver (a notebook, a
-    test session) reuse the refs and start no task."""
+    Also memoized in this process per Ray cluster and driver (node and job id), stage inputs (`memo_key`: model
+    section, seed, a pretrained folder's file sizes and mtimes, library versions and encoder code) and selector:
+    later runs of one driver (a notebook, a test session) reuse the refs."""
     import ray
 
+    from vidray.data.identities import identity_task, memo_key, model_files_signature, read_identity
+
     runtime = ray.get_runtime_context()
-    files = _model_files_signature(encode["model"])
-    refs = {}
-    for stage, fn in (("vae", vae_identity), ("text", text_identity)):
+    files = model_files_signature(encode["model"])
+    cache_root = str(encode.get("latent_cache") or "")
+    refs: dict[str, Any] = {}
+    for stage in ("vae", "text"):
         selector = encode[stage].get("label_selector") or {}
-        key = (runtime.get_node_id(), runtime.get_job_id(), stage, json.dumps(encode["model"], sort_keys=True),
-               str(int(encode["seed"])), json.dumps(selector, sort_keys=True), files)
-        if key not in _IDENTITY_REFS:
-            task = ray.remote(num_cpus=0, max_retries=0)(fn)
-            _IDENTITY_REFS[key] = [task.options(**({"label_selector": selector} if selector else {})).remote(
-                encode["model"], int(encode["seed"]))]
-        refs[stage] = _IDENTITY_REFS[key]
+        key = memo_key(stage, encode["model"], int(encode["seed"]), files)
+        process_key = (runtime.get_node_id(), runtime.get_job_id(), key, json.dumps(selector, sort_keys=True))
+        if process_key not in _IDENTITY_REFS:
+            remembered = read_identity(cache_root, key) if cache_root else None
+            if remembered is not None:
+                _IDENTITY_REFS[process_key] = remembered
+            else:
+                task = ray.remote(num_cpus=0, max_retries=0)(identity_task)
+                _IDENTITY_REFS[process_key] = [task.options(
+                    name=f"{stage}_identity", **({"label_selector": selector} if selector else {})).remote(
+                    stage, encode["model"], int(encode["seed"]), cache_root, key)]
+        refs[stage] = _IDENTITY_REFS[process_key]
     return refs
 
 
