@@ -512,6 +512,20 @@ class CheckpointManager:
                 where = self.location(name)
                 raise type(err)(str(err).replace(str(local), where), where, err.part) from None
 
+    def train_state(self, name: str) -> TrainState:
+        """The TrainState of checkpoint `name` (its step and data position), reading only its manifest and
+        `train_state.json` (a remote checkpoint's weights are not downloaded): what a worker plans its start from
+        before the model is built. Not hashed here: `load` checks every part before the weights are used. Raises
+        IncompleteCheckpointError / DamagedCheckpointError naming the checkpoint's storage location."""
+        with self.fetch(name, parts=(MANIFEST, "train_state.json")) as local:
+            try:
+                return read_train_state(local)
+            except CheckpointError as err:
+                if self.is_local:
+                    raise
+                where = self.location(name)
+                raise type(err)(str(err).replace(str(local), where), where, err.part) from None
+
     def verify(self, name: str, *, hashes: bool = True) -> dict[str, Any]:
         """`verify_checkpoint` of checkpoint `name`; returns its manifest. Remote checkpoints are checked without
         downloading the parts when `hashes` is False (sizes from the listing), else fetched and hashed. Errors name

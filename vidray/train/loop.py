@@ -2,20 +2,22 @@
 with a `RayTrainContext`) and what `vidray.train.local.train_in_process` runs in this process (a `LocalContext`):
 everything it needs of where it runs comes through that context (`vidray.train.context`).
 
-Steps (the `Worker`'s methods): 1. build the model family's transformer (alone: the VAE and text encoder run in the
-encode stages; LoRA adapters applied when `model.lora` is set); 2. load the sample table (not the clips) and build
-the world-size-independent sample schedule (`vidray.data.schedule`); 3. activation checkpointing, then DDP with its
-communication hook or FSDP2 (`vidray.train.parallel.parallelize`), then the EMA, optimizer, lr schedule and
-precision; 4. restore the checkpoint the driver chose (or this fit's own latest after a restart) with its data
-position and the hook's state, then re-apply this job's `optim` section to it; 5. plan this rank's steps from the
-data position at this run's world size (every rank the same bucket; G = `train.micro_batches_per_step`
-micro-batches per step, rank r training r, r+W, ... with gradient accumulation; noise and sigma keyed by (seed,
-step, sample)) and stream them through the rank's Ray Data loader (`vidray.data.pipeline`: cold -> warm -> hot,
-prefetched in schedule order, then the vae and text encode stages of `vidray.data.encode` with the latent cache),
-which delivers latents and prompt_embeds; `Worker.train_step` trains on them, and every `train.log_every_steps`
+Steps (the `Worker`'s methods), in the order they run: 1. load the sample table (not the clips) and build the
+world-size-independent sample schedule (`vidray.data.schedule`); 2. choose the checkpoint this attempt starts from
+(the driver's, or this fit's own latest after a restart) and read its step and data position alone; 3. plan this
+rank's steps from that position at this run's world size (every rank the same bucket; G =
+`train.micro_batches_per_step` micro-batches per step, rank r training r, r+W, ... with gradient accumulation;
+noise and sigma keyed by (seed, step, sample)) and start streaming them through the rank's Ray Data loader
+(`vidray.data.pipeline`: cold -> warm -> hot, prefetched in schedule order, then the vae and text encode stages of
+`vidray.data.encode` with the latent cache), which decodes its first batches while 4. the model family's
+transformer is built (alone: the VAE and text encoder run in the encode stages; LoRA adapters applied when
+`model.lora` is set), 5. activation checkpointing, then DDP with its communication hook or FSDP2
+(`vidray.train.parallel.parallelize`), then the EMA, optimizer, lr schedule and precision, and 6. the checkpoint's
+weights, optimizer and hook state are restored and this job's `optim` section re-applied to them. Then
+`Worker.train_step` trains on the loader's latents and prompt_embeds, and every `train.log_every_steps`
 the log window (`vidray.train.window`) reports loss, gradient norm and step time, with a checkpoint every
 `checkpoint.every_steps`; a NaN/Inf loss, gradient norm or weight stops the run (checked at each report and before
-each checkpoint, with no extra host sync per step); 6. rank 0 saves the diffusers pipeline.
+each checkpoint, with no extra host sync per step); at the end rank 0 saves the diffusers pipeline.
 
 Errors that a retry cannot fix are raised as `vidray.errors.UserError`s: the driver's callback
 (`vidray.train.trainer`) ends the run at the first one instead of letting Ray Train retry it.
@@ -53,6 +55,7 @@ from vidray.models.experts import ExpertSlot
 from vidray.models.registry import Components, get_family
 from vidray.train.context import RayTrainContext, WorkerContext
 from vidray.train.checkpoint import (
+    CheckpointError,
     CheckpointManager,
     TrainState,
     checkpoint_dir_name,
@@ -98,19 +101,18 @@ def _log(rank: int, message: str) -> None:
         print(f"[vidray] {message}", file=sys.__stdout__, flush=True)
 
 
-def _resume_state(loop_config: dict[str, Any], rank: int, restart_name: str | None, **targets: Any
-                  ) -> TrainState | None:
-    """Load the checkpoint this attempt starts from (precedence: `vidray.train.trainer` module docstring).
+def _choose_start(loop_config: dict[str, Any], rank: int, restart_name: str | None
+                  ) -> tuple[CheckpointManager, str, str] | None:
+    """The checkpoint this attempt starts from, as (the manager of its folder, its name, how it was chosen), or
+    None (step 1). Every rank gets the same answer.
 
     A checkpoint written during this `fit()` (any step after the driver's start point `loop_config["start_step"]`,
     so on a restart after a worker or node failure) wins: the newer of `restart_name` (Ray Train's `get_checkpoint()`,
-    `WorkerContext.restart_checkpoint`; None in process) and the run folder's latest complete checkpoint. The folder's can be newer: Ray registers a checkpoint only once every rank's
-    report of it has reached the controller, so a node lost after rank 0 finished the copy (manifest last: complete
-    means whole) but before that would otherwise send the run back a whole checkpoint interval. Rank 0's choice is
-    broadcast, so every rank loads the same one. Otherwise the driver's planned `loop_config["resume_from"]` is
-    loaded, or None is returned (step 1). `targets`: what `CheckpointManager.load` restores (transformer, optimizer,
-    lr_scheduler, and ema / grad_scaler / comm_hook when the run has them). Every load is `CheckpointManager.load`: each part's sha256 is checked
-    against the manifest after this worker's download and before loading (DamagedCheckpointError naming the part).
+    `WorkerContext.restart_checkpoint`; None in process) and the run folder's latest complete checkpoint. The
+    folder's can be newer: Ray registers a checkpoint only once every rank's report of it has reached the
+    controller, so a node lost after rank 0 finished the copy (manifest last: complete means whole) but before that
+    would otherwise send the run back a whole checkpoint interval. Rank 0's choice is broadcast, so every rank loads
+    the same one. Otherwise the driver's planned `loop_config["resume_from"]`, or None.
     """
     start_step = int(loop_config.get("start_step") or 0)
     name = None  # restart_name is every rank's (`WorkerContext.restart_checkpoint`): it names the source below
@@ -123,18 +125,32 @@ def _resume_state(loop_config: dict[str, Any], rank: int, restart_name: str | No
         dist.broadcast_object_list(chosen, src=0)
         name = chosen[0]
     if name is not None:
-        state = CheckpointManager(loop_config["run_dir"]).load(name, **targets)
         source = "Ray Train's latest" if name == restart_name else "the run folder's latest complete"
-        _log(rank, f"restarted from this run's checkpoint {name} at step {state.step} ({source})")
-        return state
+        return CheckpointManager(loop_config["run_dir"]), name, f"restarted from this run's checkpoint {name} ({source})"
     start = loop_config.get("resume_from")
     if start:
-        # Hashed again after this worker's download, whatever the driver checked (a remote part can change since).
         parent, name = start.rstrip("/").rsplit("/", 1) if is_uri(start) else (Path(start).parent, Path(start).name)
-        state = CheckpointManager(parent).load(name, **targets)
-        _log(rank, f"started from checkpoint {start} at step {state.step}")
-        return state
+        return CheckpointManager(parent), name, f"started from checkpoint {start}"
     return None
+
+
+def _resume_state(loop_config: dict[str, Any], rank: int, restart_name: str | None, **targets: Any
+                  ) -> TrainState | None:
+    """Load the checkpoint this attempt starts from (`_choose_start`; precedence: `vidray.train.trainer` module
+    docstring) into `targets` (what `CheckpointManager.load` restores: transformer, optimizer, lr_scheduler, and
+    ema / grad_scaler / comm_hook when the run has them) and return its TrainState, or None (step 1). Every load is
+    `CheckpointManager.load`: each part's sha256 is checked against the manifest after this worker's download and
+    before loading (DamagedCheckpointError naming the part)."""
+    return _load_start(_choose_start(loop_config, rank, restart_name), rank, **targets)
+
+
+def _load_start(start: tuple[CheckpointManager, str, str] | None, rank: int, **targets: Any) -> TrainState | None:
+    if start is None:
+        return None
+    manager, name, how = start
+    state = manager.load(name, **targets)  # hashed again after this worker's download, whatever was checked before
+    _log(rank, f"{how} at step {state.step}")
+    return state
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
@@ -191,9 +207,10 @@ class StepOutcome:
 class Worker:
     """One rank's training run (the module docstring's steps 1-6), given its `WorkerContext`.
 
-    `__init__` sets up: the transformer (with LoRA), the sample schedule, the parallel wrapper
-    (`vidray.train.parallel.parallelize`), the EMA, optimizer, lr schedule and precision, the resumed state, and
-    this rank's loader. `run()` trains every step with `train_step` (the one place precision, accumulation and
+    `__init__` sets up: the sample schedule, where this attempt starts, this rank's loader (started before the
+    model, so its first batches decode while the model is built), the transformer (with LoRA), the parallel
+    wrapper (`vidray.train.parallel.parallelize`), the EMA, optimizer, lr schedule and precision, and the resumed
+    state. `run()` trains every step with `train_step` (the one place precision, accumulation and
     the parallel wrapper meet: torchtitan's `Trainer.train_step`), reports each log window (`LogWindow`) and
     writes the checkpoints, then exports (`_finish`).
     """
@@ -212,12 +229,19 @@ class Worker:
         # The data-parallel world this rank's gradients are averaged over: its expert's group, or every rank.
         self.dp_rank, self.dp_size = ((self.experts.group_rank, self.experts.group_size) if self.experts
                                       else (self.rank, self.world_size))
-        transformer, pretrained_weights = self._build_transformer()
+        # The loader starts first: its actors start and its first batches decode while the model is built
+        # (issue 43: the start-up's steps overlap instead of waiting on each other).
         self._load_data(local_ranks=context.local_world_size)
-        self._parallelize(transformer, pretrained_weights)
-        self._resume()
+        self._plan_start()
         self._start_loader(local_ranks=context.local_world_size)
-        self._start_outputs()
+        try:
+            transformer, pretrained_weights = self._build_transformer()
+            self._parallelize(transformer, pretrained_weights)
+            self._resume()
+            self._start_outputs()
+        except BaseException:
+            self.loader.close()
+            raise
 
     # Set-up ------------------------------------------------------------------------------------------------------
 
@@ -240,7 +264,7 @@ class Worker:
         return groups
 
     def _build_transformer(self) -> tuple[torch.nn.Module, str | None]:
-        """1. The trainable transformer alone (the frozen VAE and text encoder run in the encode stages; a
+        """4. The trainable transformer alone (the frozen VAE and text encoder run in the encode stages; a
         pretrained one on the meta device when sharded: `parallelize` then loads each rank's shards), with its
         LoRA adapters when `model.lora` is set (before the probe, AC, DDP and the optimizer)."""
         job = self.job
@@ -270,7 +294,7 @@ class Worker:
         return transformer, pretrained_weights
 
     def _load_data(self, *, local_ranks: int) -> None:
-        """2. The sample table and the schedule; the clips stay in the shards until the loader streams them.
+        """1. The sample table and the schedule; the clips stay in the shards until the loader streams them.
         Object-store shards come through this node's warm disk cache (one download per shard per node), whose
         budget must hold the largest shard (checked here, before any step)."""
         self.shards_dir = shards_dir = self.loop_config["shards_dir"]
@@ -283,7 +307,7 @@ class Worker:
         self.data_rows = dataset_rows(shards_dir)
 
     def _parallelize(self, transformer: torch.nn.Module, pretrained_weights: str | None) -> None:
-        """3. Parameters that never get a gradient frozen (they break DDP's reducer: 'Expected to have finished
+        """5. Parameters that never get a gradient frozen (they break DDP's reducer: 'Expected to have finished
         reduction'; found by a probe step); activation checkpointing, then DDP (gloo on CPU, NCCL on GPU) with its
         communication hook, or FSDP2 (`scaling.strategy`); then the EMA (rank 0's under DDP, every rank's shards
         under FSDP), the optimizer (of the sharded parameters under FSDP), lr schedule and precision (autocast,
@@ -317,35 +341,49 @@ class Worker:
             return None
         return self.experts.shard_mesh(self.device.type)
 
-    def _resume(self) -> None:
-        """4. Restore the checkpoint this attempt starts from (`_resume_state`; the DDP hook restores its rank's
-        PowerSGD state, or says why it starts afresh), re-apply this job's `optim` section, and find the data
-        position. Raises UserError when the checkpoint was trained on other data."""
-
-        def restore_comm_hook(saved: dict[str, Any] | None) -> None:
-            why = self.comm.load_state(saved, self.rank, self.world_size)
-            if why:
-                self._log(why)
-
-        state = _resume_state(self.loop_config, self.rank, self.context.restart_checkpoint(),
-                              transformer=self.transformer, optimizer=self.optimizer,
-                              lr_scheduler=self.lr_scheduler, ema=None if self.ema is None else self.ema.averaged,
-                              grad_scaler=self.precision.grad_scaler, comm_hook=restore_comm_hook,
-                              **({"optimizer_key": self.experts.optimizer_key} if self.experts else {}))
+    def _plan_start(self) -> None:
+        """2. Where this attempt starts, before any model is built: the checkpoint it resumes (`_choose_start`), its
+        step and data position (read from its `train_state.json` alone). Raises UserError when the checkpoint was
+        trained on other data or its position does not fit this schedule."""
+        self.start_from = _choose_start(self.loop_config, self.rank, self.context.restart_checkpoint())
+        state = None
+        if self.start_from is not None:
+            manager, name, _ = self.start_from
+            state = manager.train_state(name)
         self.start_step = 1 if state is None else state.step + 1
-        if state is not None:
-            # This job's optim section wins over the restored one (lr, betas, weight decay, eps, warmup schedule).
-            self.lr_scheduler = apply_optim_config(self.optimizer, self.job.optim, step=state.step)
-        if self.ema is not None and self.ema.num_updates == 0:
-            self.ema.reset()  # an EMA added on resume (or not yet updated) starts from these weights
         self.data_hash = dataset_hash(self.data_rows)
         problem = None if state is None else dataset_mismatch(state, self.shards_dir, self.index, self.data_rows)
         if problem:
             raise UserError(f"the checkpoint {problem}")  # deterministic: never retried (see vidray.train.trainer)
         self.position = _resume_position(self.schedule, state, self.rank)
 
+    def _resume(self) -> None:
+        """6. Restore the checkpoint `_plan_start` chose (`_load_start`; the DDP hook restores its rank's PowerSGD
+        state, or says why it starts afresh) and re-apply this job's `optim` section. Raises CheckpointError when
+        the checkpoint's step changed since `_plan_start` read it (rewritten during the start-up)."""
+
+        def restore_comm_hook(saved: dict[str, Any] | None) -> None:
+            why = self.comm.load_state(saved, self.rank, self.world_size)
+            if why:
+                self._log(why)
+
+        state = _load_start(self.start_from, self.rank,
+                            transformer=self.transformer, optimizer=self.optimizer,
+                            lr_scheduler=self.lr_scheduler, ema=None if self.ema is None else self.ema.averaged,
+                            grad_scaler=self.precision.grad_scaler, comm_hook=restore_comm_hook,
+                            **({"optimizer_key": self.experts.optimizer_key} if self.experts else {}))
+        if state is not None:
+            if state.step + 1 != self.start_step:
+                raise CheckpointError(f"checkpoint {self.start_from[1]} is at step {state.step} but was at step "
+                                      f"{self.start_step - 1} when this attempt started: it was rewritten; restart "
+                                      "the run")
+            # This job's optim section wins over the restored one (lr, betas, weight decay, eps, warmup schedule).
+            self.lr_scheduler = apply_optim_config(self.optimizer, self.job.optim, step=state.step)
+        if self.ema is not None and self.ema.num_updates == 0:
+            self.ema.reset()  # an EMA added on resume (or not yet updated) starts from these weights
+
     def _start_loader(self, *, local_ranks: int) -> None:
-        """5a. This rank's steps, streamed by its Ray Data loader (`vidray.data.pipeline`: cold -> warm -> hot,
+        """3. This rank's steps, streamed by its Ray Data loader (`vidray.data.pipeline`: cold -> warm -> hot,
         prefetched in schedule order, then the vae and text encode stages with the latent cache; a VAE run trains
         on the frames themselves: no encode stages)."""
         job, loop_config = self.job, self.loop_config
@@ -369,7 +407,7 @@ class Worker:
         self.record_path = _record_path(loop_config, self.rank) if self.record else None
 
     def _start_outputs(self) -> None:
-        """5b. What the run reports and writes: the log window, metrics (textfile, Ray's agent, the opt-in
+        """7. What the run reports and writes: the log window, metrics (textfile, Ray's agent, the opt-in
         endpoint), the run log (TensorBoard, metrics.jsonl, loss.png) and validator on rank 0, and the checkpoint
         manager; a sharded checkpoint with `checkpoint.upload: async` is written beside the training
         (`dcp.async_save`): its collectives go over a gloo group of their own, and one thread per rank hashes the
@@ -686,7 +724,7 @@ class Worker:
     # The end -------------------------------------------------------------------------------------------------------
 
     def _finish(self, steps_per_s: float) -> dict[str, Any]:
-        """6. Close the loader and logs, agree on what was skipped and trained, and export: rank 0 saves the
+        """8. Close the loader and logs, agree on what was skipped and trained, and export: rank 0 saves the
         trained pipeline in diffusers format (safetensors) with the job file (`_export_pipeline`), or a VAE run's
         VAE (`vidray.train.vae.save_vae`); a sharded model's full weights (and EMA) are gathered to rank 0 first
         (collectives: every rank takes part). Returns `train_loop_per_worker`'s result."""
