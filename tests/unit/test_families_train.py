@@ -6,7 +6,7 @@ diffusers pipeline loads offline and samples from; and each image-to-video confi
 conditioned on its own first frame through the data plane. Wan 2.2 A14B's two expert groups need Ray Train's
 worker group: `tests/integration/test_families_train.py` runs that config with `run_training`, through
 `check_image_to_video_run` here. Until issue 43 these ran as 14 Ray Train runs of 2 workers (~4.5 min of start-up);
-several ranks' collectives stay covered by tests/integration (test_train.py: DDP, test_train_fsdp.py: FSDP)."""
+several ranks' collectives are covered by tests/integration/test_train.py (DDP under Ray Train) and tests/unit/test_train_fsdp.py (FSDP on spawned ranks)."""
 
 from __future__ import annotations
 
