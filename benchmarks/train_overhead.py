@@ -177,14 +177,16 @@ def run_peer(config: Path, latents: str, text_len: int, threads: int, num_worker
             "start_to_first_step_s": start_wall, "wall_s": wall}
 
 
-def run_vidray(job_path: Path, warmup: int, tmp: Path, log_name: str = "vidray.log") -> dict:
+def run_vidray(job_path: Path, warmup: int, tmp: Path, log_name: str = "vidray.log", *, verbose: bool = False) -> dict:
     """`vidray train` of `job_path`: start-up phases (s since launch; `start_to_first_step_s` when the run logs its
     step 1), the logged step times (s: one per `train.log_every_steps` window, each the window's mean) and their
     median over the windows after step `warmup` (None when there are none). Raises RuntimeError naming the log
     when the run fails or logs no step."""
     cmd = [str(VENV_BIN / "vidray"), "train", str(job_path)]
     log = tmp / log_name
-    wall, lines, code = _timed_run(cmd, _env(), log, 900)
+    # verbose: Ray's own start-up lines (controller, worker group, process group) reach the log, so that every
+    # phase of VIDRAY_PHASES is found; they are a few lines, not a cost.
+    wall, lines, code = _timed_run(cmd, _env(**({"VIDRAY_VERBOSE": "1"} if verbose else {})), log, 900)
     if code != 0:
         raise RuntimeError(f"vidray train failed (exit {code}); see {log}")
     phases: dict[str, float] = {}
@@ -240,7 +242,7 @@ def measure(tmp_dir: str | Path, *, steps: int = 300, warmup: int = 100, num_wor
         raise RuntimeError(f"vidray prepare failed (exit {prep.returncode}): {prep.stderr[-2000:]}")
     config, latents, text_len, threads = _peer_inputs(job_path, tmp)
     peer = run_peer(config, latents, text_len, threads, num_workers, steps, warmup, tmp)
-    vidray_start = run_vidray(start_job, 0, tmp, "vidray_start.log")
+    vidray_start = run_vidray(start_job, 0, tmp, "vidray_start.log", verbose=True)
     if vidray_start["start_to_first_step_s"] is None:
         raise RuntimeError(f"no `step 1/` line in vidray's start-up run; see {tmp / 'vidray_start.log'}")
     vidray = run_vidray(job_path, warmup, tmp)

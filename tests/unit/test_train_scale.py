@@ -1,6 +1,6 @@
 """Issue 28 through the real loop (the `Worker` on 2 gloo ranks spawned in process, `train_in_process`; moved from
-the integration tier, issue 43: Ray Train adds nothing these behaviours depend on): bf16 autocast, activation checkpointing, PowerSGD
-compression, gradient accumulation and an EMA together, checkpointed, resumed exactly, and the EMA exported; and
+the integration tier, issue 43: Ray Train adds nothing these behaviours depend on): bf16 autocast, activation
+checkpointing, PowerSGD compression, gradient accumulation and an EMA together, checkpointed, resumed exactly, and the EMA exported; and
 LoRA on an FSDP-sharded base with a sharded EMA of its adapters, the same way."""
 
 from __future__ import annotations

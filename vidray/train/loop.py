@@ -126,7 +126,8 @@ def _choose_start(loop_config: dict[str, Any], rank: int, restart_name: str | No
         name = chosen[0]
     if name is not None:
         source = "Ray Train's latest" if name == restart_name else "the run folder's latest complete"
-        return CheckpointManager(loop_config["run_dir"]), name, f"restarted from this run's checkpoint {name} ({source})"
+        how = f"restarted from this run's checkpoint {name} ({source})"
+        return CheckpointManager(loop_config["run_dir"]), name, how
     start = loop_config.get("resume_from")
     if start:
         parent, name = start.rstrip("/").rsplit("/", 1) if is_uri(start) else (Path(start).parent, Path(start).name)
