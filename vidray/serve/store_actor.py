@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from vidray.serve.jobs import JobStore, JobStoreUnavailableError, new_temp_mp4, sweep_old_files
+from vidray.serve.jobs import JobStore, JobStoreUnavailableError, StoreOwnedError, new_temp_mp4, sweep_old_files
 
 __all__ = ["FORWARDED", "HeadJobStore", "JobStoreActor", "JobStoreUnavailableError", "STORE_NAMESPACE",
            "head_job_store"]
@@ -61,14 +61,15 @@ class JobStoreActor:
             newer schema) end the actor; `head_job_store` raises them.
     """
 
-    def __init__(self, root: str, max_attempts: int, retention_s: float | None) -> None:
-        self.store = JobStore(root, max_attempts=max_attempts, retention_s=retention_s)
+    def __init__(self, root: str, max_attempts: int, retention_s: float | None, app: str | None = None) -> None:
+        self.store = JobStore(root, max_attempts=max_attempts, retention_s=retention_s, app=app)
 
-    def configure(self, max_attempts: int, retention_s: float | None) -> None:
+    def configure(self, max_attempts: int, retention_s: float | None, app: str | None = None) -> None:
         """Take the settings of the app that asked last (`head_job_store` calls it each time): one actor per store
         folder, whatever `runner.max_attempts` and `retention.hours` a redeploy gives. Raises ValueError as
-        `JobStore` does for bad values."""
-        self.store = JobStore(self.store.root, max_attempts=max_attempts, retention_s=retention_s)
+        `JobStore` does for bad values, and `StoreOwnedError` (a ValueError) when `app` does not own the
+        folder."""
+        self.store = JobStore(self.store.root, max_attempts=max_attempts, retention_s=retention_s, app=app)
 
     def describe(self) -> dict:
         """``{"root", "node_id", "pid"}``: where the store runs (tests check it is the head)."""
@@ -173,19 +174,22 @@ class HeadJobStore:
         return local + [Path(p) for p in self._wait(self.actor.sweep_temp.remote(older_than_s))]
 
 
-def head_job_store(root: str | Path, *, max_attempts: int, retention_s: float | None) -> HeadJobStore:
+def head_job_store(root: str | Path, *, max_attempts: int, retention_s: float | None,
+                   app: str | None = None) -> HeadJobStore:
     """The job store of folder `root` on the Ray head node: the named detached `JobStoreActor` of that folder,
     started if none runs yet (every replica asking gets the same one), given these settings (the last app to ask
     sets them) and checked to answer. The actor outlives `serve shutdown` (it holds the open store and nothing
     else); `ray.kill(ray.get_actor(name, namespace="vidray"))` removes it, its name `vidray-job-store-<hash>`
     as `ray list actors --filter "class_name=JobStoreActor"` shows it.
 
-    Needs a connected Ray (`ray.init`, as in every Serve replica). `root` is a path on the head's disk.
+    Needs a connected Ray (`ray.init`, as in every Serve replica). `root` is a path on the head's disk. `app`:
+    the Serve app asking, which must own `root` (`vidray.serve.jobs.claim_store`); None skips the check.
 
     Raises:
         RuntimeError: Ray is not connected (serve with `store_on: replica` without Ray).
-        ValueError: the store cannot be opened at `root` (a file there, a newer schema, not sqlite): the last line
-            of `JobStore`'s error on the head, e.g. "FileExistsError: [Errno 17] File exists: '/data/serve'".
+        ValueError: the store cannot be opened at `root` (a file there, a newer schema, not sqlite, another app's
+            folder): the last line of `JobStore`'s error on the head, e.g. "FileExistsError: [Errno 17] File
+            exists: '/data/serve'".
         JobStoreUnavailableError: the actor did not start within 120 s (no head node resource free?).
     """
     import ray
@@ -200,11 +204,13 @@ def head_job_store(root: str | Path, *, max_attempts: int, retention_s: float | 
     actor = ray.remote(JobStoreActor).options(
         name=f"vidray-job-store-{key}", namespace=STORE_NAMESPACE, get_if_exists=True, lifetime="detached",
         num_cpus=0, resources={HEAD_NODE_RESOURCE_NAME: 0.001}, max_restarts=-1, max_task_retries=0,
-    ).remote(root, max_attempts, retention_s)
+    ).remote(root, max_attempts, retention_s, app)
     store = HeadJobStore(actor, root, Path(tempfile.gettempdir()) / "vidray-serve" / key)
     try:
-        ray.get(actor.configure.remote(max_attempts, retention_s), timeout=_START_TIMEOUT_S)
-    except ray.exceptions.RayTaskError as err:  # configure refused the settings
+        ray.get(actor.configure.remote(max_attempts, retention_s, app), timeout=_START_TIMEOUT_S)
+    except ray.exceptions.RayTaskError as err:  # configure refused the settings, or another app owns the folder
+        if isinstance(err.cause, StoreOwnedError):
+            raise StoreOwnedError(str(err.cause)) from None
         raise ValueError(f"the job store at {root} refused its settings: {err.cause}") from None
     except ray.exceptions.RayActorError as err:
         if err.actor_init_failed:  # JobStore's own error; Ray keeps only its text, whose last line names it
