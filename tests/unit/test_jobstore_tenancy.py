@@ -90,7 +90,8 @@ def test_a_client_over_its_byte_quota_is_refused_and_keeps_every_job_and_file(tm
     image = _png_bytes()
     first = _create(store, client="alice", input_reference=image, max_client_bytes=len(image) + 50)
     _finish(store, "alice")  # its mp4 (112 bytes) puts alice over the quota
-    with pytest.raises(StorageFullError, match=f"stores {len(image) + 112} bytes .* quota is {len(image) + 50} bytes .*max_stored_bytes_per_token.*delete") as err:
+    words = f"stores {len(image) + 112} bytes .* quota is {len(image) + 50} bytes .*max_stored_bytes_per_token.*delete"
+    with pytest.raises(StorageFullError, match=words) as err:
         _create(store, "more", client="alice", input_reference=image, max_client_bytes=len(image) + 50)
     assert (err.value.scope, err.value.used_bytes) == ("client", len(image) + 112)
     assert sorted(p.name for p in store.inputs_dir.iterdir()) == [f"{first.id}.png"]  # the refused image is gone
@@ -105,7 +106,8 @@ def test_the_stores_quota_and_the_free_space_floor_refuse_creates_and_claims_wai
     store = JobStore(tmp_path)
     _create(store, client="alice")
     _finish(store)
-    with pytest.raises(StorageFullError, match="store holds 112 bytes, its quota is 100 bytes .*max_stored_bytes") as err:
+    with pytest.raises(StorageFullError, match="store holds 112 bytes, its quota is 100 bytes .*max_stored_bytes") \
+            as err:
         _create(store, client="bob", max_store_bytes=100)
     assert err.value.scope == "store"
     huge = 2**62  # more free space than any disk has
