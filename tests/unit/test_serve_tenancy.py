@@ -257,3 +257,17 @@ def test_a_second_app_on_a_store_folder_refuses_to_start_naming_the_folder_and_t
     with pytest.raises(StoreOwnedError, match=r"^store_dir .*store belongs to Serve app 'vidray' .*not to app "
                                               r"'vidray-i2v': give each app its own store_dir"):
         VideoJobService(settings, (TOKEN_A,), stages.text, stages.denoiser, stages.vae, app_name="vidray-i2v")
+
+
+def test_the_tenancy_keys_are_documented_in_serving_md_with_their_defaults():
+    from pathlib import Path
+
+    from vidray.serve.app import AuthSettings, LimitSettings
+
+    doc = (Path(__file__).resolve().parents[2] / "docs/serving.md").read_text()
+    for key in ("auth.admin_token_file", "limits.max_stored_bytes_per_token", "limits.max_stored_bytes",
+                "limits.min_free_bytes", "Idempotency-Key", "owner.json", "serve-store-pvc.yaml"):
+        assert key in doc, key
+    limits = LimitSettings()
+    assert (limits.max_stored_bytes_per_token, limits.min_free_bytes) == (10 * 2**30, 512 * 2**20)
+    assert "(10 GiB)" in doc and "(512 MiB)" in doc and AuthSettings().admin_token_file is None
