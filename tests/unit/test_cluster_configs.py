@@ -191,3 +191,27 @@ def test_the_autoscalers_limit_is_read_from_the_cluster_yaml(tmp_path, monkeypat
     path.write_text("- a list")
     with pytest.raises(UserError, match=r"cluster.yaml' is no mapping"):
         cluster_yaml_max_resources(path)
+
+
+@pytest.mark.parametrize("name", ["kuberay.yaml", "kuberay-rayservice.yaml"])
+def test_both_kuberay_configs_keep_the_serve_job_store_on_a_claim_that_outlives_the_head_pod(name):
+    """Issue 44 part 4: the job store (sqlite + mp4s) on the head pod's disk died with the pod. Both KubeRay
+    configs mount the standalone PersistentVolumeClaim of serve-store-pvc.yaml (not an emptyDir or an ephemeral
+    claim, which go with the pod) on the head, and the RayService's app keeps its store_dir on it."""
+    doc = yaml.safe_load((CONFIGS / name).read_text())
+    spec = doc["spec"].get("rayClusterConfig", doc["spec"])
+    pod = spec["headGroupSpec"]["template"]["spec"]
+    claim = yaml.safe_load((CONFIGS / "serve-store-pvc.yaml").read_text())
+    assert claim["kind"] == "PersistentVolumeClaim" and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    (container,) = pod["containers"]
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in container.get("volumeMounts", [])}
+    on_claim = [path for path, volume in mounts.items()
+                if volume.get("persistentVolumeClaim", {}).get("claimName") == claim["metadata"]["name"]]
+    assert on_claim == ["/data/vidray-serve"], mounts
+    if "serveConfigV2" in doc["spec"]:
+        (app,) = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"]
+        assert app["args"]["store_on"] == "head"
+        assert Path(app["args"]["store_dir"]).is_relative_to(on_claim[0])
+    else:  # the RayCluster's header tells `serve deploy` users to put store_dir there
+        assert f"args.store_dir: {on_claim[0]}" in (CONFIGS / name).read_text()

@@ -555,6 +555,7 @@ def test_a_version_1_store_is_migrated_in_place_keeping_its_jobs(tmp_path):
     store = JobStore(tmp_path)
     job_id = _create(store).id
     with sqlite3.connect(tmp_path / "jobs.sqlite3") as conn:  # back to what version 1 wrote
+        _back_to_version_2(conn)
         conn.execute("DROP TABLE clients")
         conn.execute("DROP INDEX jobs_client_status")
         conn.execute("DROP INDEX jobs_expiry")
@@ -564,3 +565,30 @@ def test_a_version_1_store_is_migrated_in_place_keeping_its_jobs(tmp_path):
     job = JobStore(tmp_path).get(job_id)
     assert (job.client, job.expires_at, job.status) == (jobs.ANONYMOUS_CLIENT, None, "queued")
     assert JobStore(tmp_path).claim("runner-a", lease_s=30).id == job_id
+
+
+def _back_to_version_2(conn: sqlite3.Connection) -> None:
+    """Undo what schema version 3 added (bytes, the per-client list index, idempotency keys)."""
+    conn.execute("DROP TABLE idempotency_keys")
+    conn.execute("DROP INDEX jobs_client_order")
+    conn.execute("ALTER TABLE jobs DROP COLUMN bytes")
+    conn.execute("PRAGMA user_version = 2")
+
+
+def test_a_version_2_store_is_migrated_counting_each_jobs_bytes_from_its_files(tmp_path):
+    store = JobStore(tmp_path)
+    image = _png_bytes()
+    job = _create(store, input_reference=image)
+    claimed = store.claim("runner-a", lease_s=30)
+    mp4 = _write_mp4(store.temp_video())
+    mp4_bytes = mp4.stat().st_size
+    assert store.complete(claimed.id, claimed.owner, mp4)
+    other = _create(store, client="bob")
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as conn:
+        _back_to_version_2(conn)
+    store = JobStore(tmp_path)
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as conn:
+        sizes = dict(conn.execute("SELECT id, bytes FROM jobs").fetchall())
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert sizes == {job.id: len(image) + mp4_bytes, other.id: 0}
+    assert store.get(job.id).status == "completed"

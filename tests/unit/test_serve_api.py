@@ -97,11 +97,11 @@ class FakeVideoService:
         self.files[video_id] = path
         self.videos[video_id].update(status="completed", progress=100, completed_at=1_700_000_100)
 
-    def get(self, video_id: str) -> dict | None:
+    def get(self, video_id: str, *, client: str | None = None) -> dict | None:
         video = self.videos.get(video_id)
         return dict(video) if video is not None else None
 
-    def list(self, *, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
+    def list(self, *, after: str | None, limit: int, order: str, client: str | None = None) -> tuple[list[dict], bool]:
         ordered = sorted(self.videos.values(), key=lambda v: (v["created_at"], v["id"]), reverse=order == "desc")
         ids = [v["id"] for v in ordered]
         if after is not None and after not in ids:  # as JobStore.list does
@@ -110,11 +110,11 @@ class FakeVideoService:
         page = ordered[start:start + limit]
         return [dict(v) for v in page], start + limit < len(ordered)
 
-    def delete(self, video_id: str) -> bool:
+    def delete(self, video_id: str, *, client: str | None = None) -> bool:
         self.files.pop(video_id, None)
         return self.videos.pop(video_id, None) is not None
 
-    def open_video(self, video_id: str):
+    def open_video(self, video_id: str, *, client: str | None = None):
         video = self.videos.get(video_id)
         path = self.files.get(video_id) if video and video["status"] == "completed" else None
         try:

@@ -212,7 +212,7 @@ def test_shutdown_hands_running_and_just_claimed_jobs_back_and_stops_the_runner(
         # then, so no claim that began earlier can take it.)
         claim, block, claiming, second = service.store.claim, threading.Event(), threading.Event(), []
 
-        def claim_during_the_stop(owner, lease_s):
+        def claim_during_the_stop(owner, lease_s, **free):
             if block.is_set() and not claiming.is_set():
                 claiming.set()
                 deadline = time.monotonic() + 10
@@ -221,7 +221,7 @@ def test_shutdown_hands_running_and_just_claimed_jobs_back_and_stops_the_runner(
                 time.sleep(0.2)
                 second.append(service.store.create(model="m", prompt="b", size="48x64", seconds="1",
                                                    params=params).id)
-            return claim(owner, lease_s)
+            return claim(owner, lease_s, **free)
 
         service.store.claim = claim_during_the_stop
         first = service.store.create(model="m", prompt="a", size="48x64", seconds="1", params=params)

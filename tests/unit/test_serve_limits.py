@@ -146,9 +146,9 @@ def test_healthz_says_only_ok_at_once_while_v1_status_counts_off_the_event_loop(
     assert _create(client, "a0").status_code == 200
     counts = service.store.counts
 
-    def slow_counts():  # a store under load: a full count takes a second
+    def slow_counts(**scope):  # a store under load: a full count takes a second
         time.sleep(1.0)
-        return counts()
+        return counts(**scope)
 
     service.store.counts = slow_counts
     answers = {}
@@ -213,10 +213,10 @@ def test_a_delete_racing_a_download_is_a_404_not_a_500(serve):
         """The worst interleaving: the DELETE lands after the store found the file, as it opens it."""
 
         def __fspath__(self) -> str:
-            service.delete(video_id)
+            service.delete(video_id, client=None)
             return super().__fspath__()
 
-    service.store.video_path = lambda vid: RemovedAsItIsOpened(video_path(vid))
+    service.store.video_path = lambda vid, **scope: RemovedAsItIsOpened(video_path(vid, **scope))
     response = client.get(f"/v1/videos/{video_id}/content")
     assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
 

@@ -18,9 +18,20 @@ Routes (`build_api`), as the official `openai` SDK (3.57, `client.videos.*`) cal
 | `GET /v1/status` | (none) | `service.status()`: the model and the job counts (authenticated) |
 | `GET /healthz` | (none) | `{"status": "ok"}` (200) or `{"status": "not ok"}` (503) only; no token, no store |
 
-Clients are told apart by their bearer token (`client_id`, a short hash): `POST /v1/videos` beyond the service's
-caps on unfinished jobs answers 429 `rate_limit_exceeded` with `Retry-After` (seconds), and a store that cannot be
-written answers 507 (disk full) or 503, never a 500.
+Clients are told apart by their bearer token (`client_id`, a short hash). Each client sees only its own videos:
+retrieve, download, list and delete are scoped to the caller, and another client's id answers the same 404 as an
+unknown one (existence is not confirmed); the service's admin tokens (`VideoService.admin_clients`) see every
+client's. `POST /v1/videos` beyond the service's caps on unfinished jobs answers 429 `rate_limit_exceeded` with
+`Retry-After` (seconds); a client whose stored bytes reached its quota 403 `storage_quota_exceeded`; a store that
+reached its own quota, or whose disk is short or full, 507 `insufficient_storage`; another store failure 503; never
+a 500.
+
+An `Idempotency-Key` header on `POST /v1/videos` (1..255 printable ASCII characters; the SDK sends it with
+``extra_headers={"Idempotency-Key": key}``) makes a create safe to retry: the same key and request from the same
+client answer the job the first one made (also when the first answer was lost to a timeout), and the same key with
+a different request is a 422 `idempotency_key_reused` (the IETF draft "The Idempotency-Key HTTP Header Field"
+answers a reused key with another payload 422; 409 it keeps for a first request still in flight, which cannot
+happen here: the key is written in the transaction that inserts the job).
 
 Every error, ours or the framework's (unknown route, wrong method), answers in the OpenAI error shape
 ``{"error": {"message", "type", "param", "code"}}`` with a message naming the field, the value, the rule and the fix.
@@ -62,7 +73,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 from starlette.types import Message, Receive
 
-from vidray.serve.jobs import ANONYMOUS_CLIENT, JobStoreUnavailableError, QueueFullError
+from vidray.serve.jobs import (
+    ANONYMOUS_CLIENT,
+    IdempotencyKeyReusedError,
+    JobStoreUnavailableError,
+    QueueFullError,
+    StorageFullError,
+    check_idempotency_key,
+)
 
 __all__ = [
     "ApiLimits",
@@ -729,40 +747,51 @@ class VideoService(Protocol):
     """
 
     auth_token: str | Sequence[str] | None
-    """Bearer token(s) every route but /healthz requires, one per client; None disables auth."""
+    """Bearer token(s) every route but /healthz requires, one per client (admin tokens included); None disables
+    auth."""
+    admin_clients: frozenset[str]
+    """`client_id`s of the admin tokens: their reads, lists and deletes see every client's videos (optional
+    attribute; none when absent)."""
     limits: ApiLimits
     spec: ModelSpec
 
-    async def submit(self, request: VideoRequest, *, client: str = ANONYMOUS_CLIENT) -> dict:
+    async def submit(self, request: VideoRequest, *, client: str = ANONYMOUS_CLIENT,
+                     idempotency_key: str | None = None) -> dict:
         """Record a job for `request` of `client` (`check_bearer`'s id) durably and queue it; returns its video
-        object (status `queued`). Raises `QueueFullError` past a cap on unfinished jobs, OSError or
-        sqlite3.Error when the store cannot be written."""
+        object (status `queued`), or, for an `idempotency_key` the client sent before with the same request, the
+        job that made. Raises `QueueFullError` past a cap on unfinished jobs, `StorageFullError` past a byte quota
+        or with the disk short, `IdempotencyKeyReusedError` for a key sent before with another request, OSError
+        or sqlite3.Error when the store cannot be written."""
         ...
 
-    def get(self, video_id: str) -> dict | None:
-        """The video object, or None for an unknown (or deleted) id."""
+    def get(self, video_id: str, *, client: str | None) -> dict | None:
+        """The video object, or None for an unknown (or deleted) id, or one of another client than `client`
+        (None: any client's)."""
         ...
 
-    def list(self, *, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
-        """Up to `limit` video objects by `created_at` (`order` "asc" | "desc"), starting after the id `after`;
-        returns (objects, has_more). Raises LookupError when `after` is not a stored id (a 400 naming it)."""
+    def list(self, *, after: str | None, limit: int, order: str, client: str | None) -> tuple[list[dict], bool]:
+        """Up to `limit` of `client`'s video objects (None: every client's) by `created_at` (`order` "asc" |
+        "desc"), starting after the id `after`; returns (objects, has_more). Raises LookupError when `after` is
+        not a stored id of `client` (a 400 naming it)."""
         ...
 
-    def delete(self, video_id: str) -> bool:
-        """Delete the job and its files; False for an unknown id."""
+    def delete(self, video_id: str, *, client: str | None) -> bool:
+        """Delete `client`'s job (None: any client's) and its files; False for an unknown id or another
+        client's."""
         ...
 
-    def open_video(self, video_id: str) -> BinaryIO | None:
-        """The finished mp4 opened for reading (the caller closes it), or None when the job is not completed (or
-        its file is gone)."""
+    def open_video(self, video_id: str, *, client: str | None) -> BinaryIO | None:
+        """The finished mp4 of `client`'s job (None: any client's) opened for reading (the caller closes it), or
+        None when the job is not completed, another client's, or its file is gone."""
         ...
 
     def health(self) -> dict:
         """``{"status": "ok"}`` or ``{"status": "not ok"}``, in constant time (no store access): for /healthz."""
         ...
 
-    async def status(self) -> dict:
-        """The model and the job counts for the authenticated `GET /v1/status` (read off the event loop)."""
+    async def status(self, *, client: str | None = None) -> dict:
+        """The model and the job counts of `client` (None: all) for the authenticated `GET /v1/status` (read off
+        the event loop)."""
         ...
 
 
@@ -806,7 +835,7 @@ def _check_declared_length(request: Request, limits: ApiLimits) -> None:
 _QUERY_CAPS = {"after": MAX_ID_CHARS, "limit": MAX_NUMBER_CHARS, "order": MAX_CHOICE_CHARS,
                "variant": MAX_CHOICE_CHARS}
 _PATH_CAPS = {"video_id": MAX_ID_CHARS}
-_HEADER_CAPS = ("authorization", "content-type", "content-length")
+_HEADER_CAPS = ("authorization", "content-type", "content-length", "idempotency-key")
 
 
 def _check_request_lengths(request: Request) -> None:
@@ -1188,14 +1217,26 @@ def _chunks(video_file) -> Iterator[bytes]:
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-async def _submit(service: VideoService, request: VideoRequest, client: str) -> dict:
+async def _submit(service: VideoService, request: VideoRequest, client: str, idempotency_key: str | None) -> dict:
     """`service.submit`, its refusals as answers: a full queue is a 429 `rate_limit_exceeded` with `Retry-After`;
-    a full disk a 507 and any other storage failure a 503, each with `Retry-After` and no server path."""
+    the client's byte quota a 403 `storage_quota_exceeded` (the client frees room by deleting; a 403, unlike a 429,
+    is not retried by the SDK); a key reused with another request a 422 `idempotency_key_reused`; the store's quota,
+    a disk short of its free-space floor or a full disk a 507 and any other storage failure a 503, each with
+    `Retry-After` and no server path."""
     retry = {"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}
     try:
-        return await service.submit(request, client=client)
+        if idempotency_key is None:  # services that predate the header take no such argument
+            return await service.submit(request, client=client)
+        return await service.submit(request, client=client, idempotency_key=idempotency_key)
     except QueueFullError as err:
         raise RequestError(429, None, str(err), code="rate_limit_exceeded", headers=retry) from None
+    except StorageFullError as err:
+        if err.scope == "client":
+            raise RequestError(403, None, str(err), code="storage_quota_exceeded") from None
+        logging.getLogger(__name__).error("creating a video job refused: %s", err)
+        raise RequestError(507, None, str(err), code="insufficient_storage", headers=retry) from None
+    except IdempotencyKeyReusedError as err:
+        raise RequestError(422, "idempotency-key", str(err), code="idempotency_key_reused") from None
     except (OSError, sqlite3.Error) as err:
         full = (getattr(err, "errno", None) in _NO_SPACE
                 or getattr(err, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL)
@@ -1283,12 +1324,17 @@ def build_api(get_service: Callable[[], VideoService | None],
         return service
 
     def authorized(request: Request) -> VideoService:
+        """The service, once the bearer token is checked: ``request.state.client`` is the caller's client id and
+        ``request.state.scope`` the client whose videos it may see (None for an admin: everyone's)."""
         service = service_or_503()
-        request.state.client = check_bearer(request.headers.get("authorization"), service.auth_token)
+        client = check_bearer(request.headers.get("authorization"), service.auth_token)
+        request.state.client = client
+        request.state.scope = None if client in getattr(service, "admin_clients", ()) else client
         return service
 
-    async def video_or_404(service: VideoService, video_id: str) -> dict:
-        video = await run_in_threadpool(service.get, video_id)
+    async def video_or_404(service: VideoService, video_id: str, scope: str | None) -> dict:
+        # Another client's id gets exactly this answer: a 403 would confirm that the id exists.
+        video = await run_in_threadpool(lambda: service.get(video_id, client=scope))
         if video is None:
             raise RequestError(404, "video_id", f"no video with id {video_id!r}; list them with GET /v1/videos",
                                code="not_found")
@@ -1303,12 +1349,18 @@ def build_api(get_service: Callable[[], VideoService | None],
 
     @app.get("/v1/status")
     async def status(request: Request) -> JSONResponse:
-        return JSONResponse(await authorized(request).status())
+        return JSONResponse(await authorized(request).status(client=request.state.scope))
 
     @app.post("/v1/videos")
     async def create_video(request: Request) -> JSONResponse:
         service = authorized(request)
         limits = service.limits
+        idempotency_key = request.headers.get("idempotency-key")
+        if idempotency_key is not None:
+            try:
+                check_idempotency_key(idempotency_key)
+            except ValueError as err:
+                raise RequestError(400, "idempotency-key", f"Idempotency-Key header: {err}") from None
         # Size first, before any parser reads the body: the declared length, then a count as it streams in.
         _check_declared_length(request, limits)
         limited = Request(request.scope, _counting_receive(request.receive, limits.max_body_bytes))
@@ -1331,7 +1383,7 @@ def build_api(get_service: Callable[[], VideoService | None],
             video_request = await run_in_threadpool(
                 parse_video_request, fields, image, spec=service.spec, limits=limits
             )
-        return JSONResponse(await _submit(service, video_request, request.state.client))
+        return JSONResponse(await _submit(service, video_request, request.state.client, idempotency_key))
 
     @app.get("/v1/videos")
     async def list_videos(
@@ -1347,7 +1399,8 @@ def build_api(get_service: Callable[[], VideoService | None],
         if order not in ("asc", "desc"):
             raise RequestError(400, "order", f"order must be 'asc' or 'desc', got {order!r}")
         try:
-            data, has_more = await run_in_threadpool(service.list, after=after or None, limit=count, order=order)
+            data, has_more = await run_in_threadpool(service.list, after=after or None, limit=count, order=order,
+                                                     client=request.state.scope)
         except LookupError as err:  # an unknown cursor (was a 500: a new user's trial)
             raise RequestError(400, "after", str(err)) from None
         return JSONResponse({
@@ -1361,7 +1414,7 @@ def build_api(get_service: Callable[[], VideoService | None],
     @app.get("/v1/videos/{video_id}")
     async def retrieve_video(request: Request, video_id: str) -> JSONResponse:
         service = authorized(request)
-        video = await video_or_404(service, video_id)
+        video = await video_or_404(service, video_id, request.state.scope)
         headers = {"openai-poll-after-ms": str(POLL_AFTER_MS)} if video.get("status") in _UNFINISHED else None
         return JSONResponse(video, headers=headers)
 
@@ -1371,7 +1424,7 @@ def build_api(get_service: Callable[[], VideoService | None],
         if variant not in (None, "", "video"):
             raise RequestError(400, "variant", f"variant {variant!r} is not available; only 'video' (the mp4) is "
                                "served here")
-        video = await video_or_404(service, video_id)
+        video = await video_or_404(service, video_id, request.state.scope)
         status = video.get("status")
         if status != "completed":
             if status == "failed":
@@ -1383,7 +1436,7 @@ def build_api(get_service: Callable[[], VideoService | None],
             raise RequestError(409, "video_id", f"video {video_id!r} is {detail}", code="video_not_ready")
         # Opened here, once: a DELETE (or the retention sweep) after this point unlinks the name, and the download
         # still finishes from the open file (or the bytes fetched from the head's store); one before it is a 404.
-        video_file = await run_in_threadpool(service.open_video, video_id)
+        video_file = await run_in_threadpool(lambda: service.open_video(video_id, client=request.state.scope))
         if video_file is None:
             raise RequestError(404, "video_id", f"video {video_id!r} is completed but its mp4 is no longer "
                                "stored (expired or deleted); create it again", code="not_found")
@@ -1395,7 +1448,7 @@ def build_api(get_service: Callable[[], VideoService | None],
     @app.delete("/v1/videos/{video_id}")
     async def delete_video(request: Request, video_id: str) -> JSONResponse:
         service = authorized(request)
-        if not await run_in_threadpool(service.delete, video_id):
+        if not await run_in_threadpool(lambda: service.delete(video_id, client=request.state.scope)):
             raise RequestError(404, "video_id", f"no video with id {video_id!r}; list them with GET /v1/videos",
                                code="not_found")
         return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})

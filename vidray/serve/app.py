@@ -50,7 +50,7 @@ from ray import serve
 
 from vidray.errors import UserError
 from vidray.locations import is_uri
-from vidray.serve.api import ApiLimits, ModelSpec, VideoRequest, build_api
+from vidray.serve.api import ApiLimits, ModelSpec, VideoRequest, build_api, client_id
 from vidray.serve.metrics import JobMetrics, gauge_refresh_s
 from vidray.serve.jobs import ANONYMOUS_CLIENT, JobStore, JobStoreUnavailableError
 from vidray.serve.policy import PolicyConfig
@@ -91,6 +91,11 @@ class AuthSettings(_Section):
     """A file holding the bearer tokens, one per line (blank lines and lines starting with '#' are skipped), e.g. a
     mounted secret; wins over token_env. Each token is one client for `limits.max_queued_jobs_per_token` and fair
     scheduling; each at least 16 characters."""
+    admin_token_file: str | None = None
+    """A file of admin bearer tokens, one per line (as token_file; each at least 16 characters), e.g. a mounted
+    secret: an admin token reads, downloads, lists and deletes every client's videos, where any other token sees
+    only its own (another client's id is a 404). Its own creates count as its own client. A file, not the tokens
+    themselves, so serve_config.yaml holds no secret. null: no admin."""
     disabled: bool = False
     """True serves without authentication (say so explicitly; the default refuses to start without a token)."""
 
@@ -118,6 +123,17 @@ class LimitSettings(_Section):
     max_queued_jobs_per_token: int = Field(100, ge=1)
     """Most unfinished (queued + in_progress) jobs of one bearer token (of everyone when auth is disabled); a create
     beyond it is a 429 with `Retry-After`."""
+    max_stored_bytes_per_token: int | None = Field(10 * 2**30, ge=1)
+    """Byte quota of one bearer token's stored files (its input images and finished mp4s, until deleted or
+    expired); a create once they reach it is a 403 `storage_quota_exceeded` naming the quota (delete videos to
+    free room); jobs already queued still finish, so a token may pass it by at most its unfinished jobs' videos.
+    null: no quota."""
+    max_stored_bytes: int | None = Field(None, ge=1)
+    """Byte quota of the whole store (all tokens' files); a create once they reach it is a 507. null: bounded by
+    `min_free_bytes` alone."""
+    min_free_bytes: int | None = Field(512 * 2**20, ge=1)
+    """Free bytes kept on the store's disk: below it a create is a 507 (checked before the image is written) and
+    no runner starts a job (they wait, queued, until space is freed). null: no check (a full disk is still a 507)."""
 
 
 class RetentionSettings(_Section):
@@ -222,6 +238,27 @@ def _read_tokens(auth: AuthSettings) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(tokens))
 
 
+def _read_admin_tokens(auth: AuthSettings) -> tuple[str, ...]:
+    """The admin tokens of `auth.admin_token_file` (none without one). Raises ServeSettingsError when the file is
+    missing, a folder, holds none, holds one shorter than 16 characters, or auth is disabled (no token to tell an
+    admin by)."""
+    if auth.admin_token_file is None:
+        return ()
+    path = Path(auth.admin_token_file).expanduser()
+    if auth.disabled:
+        raise ServeSettingsError(f"auth.admin_token_file {path} is set while auth.disabled is true: without "
+                                 "authentication every request is one client that sees all; remove one of them")
+    if not path.is_file():
+        raise ServeSettingsError(f"auth.admin_token_file {path} is {'a folder' if path.is_dir() else 'missing'}; "
+                                 "give the file that holds the admin tokens, one per line, or remove the key")
+    tokens = [line.strip() for line in path.read_text().splitlines()]
+    tokens = [token for token in tokens if token and not token.startswith("#")]
+    if not tokens or any(len(token) < 16 for token in tokens):
+        raise ServeSettingsError(f"auth.admin_token_file {path} holds no token, or one shorter than 16 characters; "
+                                 "write one token of at least 16 characters per line")
+    return tuple(dict.fromkeys(tokens))
+
+
 def model_spec(settings: ServeSettings, info) -> ModelSpec:
     """What the model folder (`vidray.models.export.ModelInfo`) can make, bounded by settings.limits."""
     bucket = info.default_bucket()
@@ -260,19 +297,26 @@ class VideoJobService:
     """What the HTTP routes call (`vidray.serve.api.VideoService`), plus the job runner of one ingress replica."""
 
     def __init__(self, settings: ServeSettings, auth_token: str | tuple[str, ...] | None, text, denoiser, vae,
-                 low_noise_denoiser=None):
+                 low_noise_denoiser=None, *, admin_tokens: tuple[str, ...] = (), app_name: str | None = None):
+        """`auth_token`: the clients' tokens (None: no auth); `admin_tokens`: tokens that see every client's
+        videos (accepted too); `app_name`: the Serve app, which must own `store_dir` (`vidray.serve.jobs.
+        claim_store`; None skips the check). Raises `StoreOwnedError` when another app owns `store_dir`."""
         from vidray.models.export import inspect_model
 
         self.settings = settings
-        self.auth_token = auth_token
+        if auth_token is not None and isinstance(auth_token, str):
+            auth_token = (auth_token,)
+        self.auth_token = None if auth_token is None else tuple(dict.fromkeys((*auth_token, *admin_tokens)))
         """The bearer token(s) every route but /healthz requires (`vidray.serve.api.check_bearer`); None: no auth."""
+        self.admin_clients = frozenset(client_id(token) for token in admin_tokens)
+        """`client_id`s of the admin tokens: they see every client's videos."""
         limits = settings.limits
         self.limits = ApiLimits(max_body_bytes=limits.max_body_bytes, max_prompt_chars=limits.max_prompt_chars,
                                 max_image_bytes=limits.max_image_bytes, max_image_px=limits.max_image_px,
                                 max_num_inference_steps=limits.max_num_inference_steps)
         self.info = inspect_model(settings.model_path)
         self.spec = model_spec(settings, self.info)
-        self.store = _open_store(settings)
+        self.store = _open_store(settings, app=app_name)
         self.text, self.denoiser, self.vae = text, denoiser, vae
         self.low_noise_denoiser = low_noise_denoiser
         """A two-expert model's second denoiser stage (`LowNoiseDenoiser`: the steps below the boundary, after
@@ -300,10 +344,13 @@ class VideoJobService:
         every running job's heartbeat, so the controller is asked once per beat, not once per job."""
 
     # --- routes -------------------------------------------------------------------------------------------------
-    async def submit(self, request: VideoRequest, *, client: str = ANONYMOUS_CLIENT) -> dict:
-        """Store the job for `client` (a hash of its bearer token). Raises `vidray.serve.jobs.QueueFullError` past
-        `limits.max_queued_jobs` or `limits.max_queued_jobs_per_token`, OSError / sqlite3 errors when the store
-        cannot be written (the route answers 429, 507, 503)."""
+    async def submit(self, request: VideoRequest, *, client: str = ANONYMOUS_CLIENT,
+                     idempotency_key: str | None = None) -> dict:
+        """Store the job for `client` (a hash of its bearer token), or answer the job an `idempotency_key` of
+        this client made for the same request. Raises `vidray.serve.jobs.QueueFullError` past
+        `limits.max_queued_jobs` or `limits.max_queued_jobs_per_token`, `StorageFullError` past a byte quota or
+        with the disk under `limits.min_free_bytes`, `IdempotencyKeyReusedError`, OSError / sqlite3 errors when
+        the store cannot be written (the route answers 429, 403 or 507, 422, 507 or 503)."""
         params = {
             "num_frames": request.num_frames, "width": request.width, "height": request.height,
             "seed": request.seed, "num_inference_steps": request.num_inference_steps,
@@ -318,31 +365,37 @@ class VideoJobService:
             input_reference=request.input_reference, client=client,
             max_unfinished=self.settings.limits.max_queued_jobs,
             max_unfinished_per_client=self.settings.limits.max_queued_jobs_per_token,
+            idempotency_key=idempotency_key,
+            max_client_bytes=self.settings.limits.max_stored_bytes_per_token,
+            max_store_bytes=self.settings.limits.max_stored_bytes,
+            min_free_bytes=self.settings.limits.min_free_bytes,
         )
         self.ensure_runner()
         self._wake.set()
         return job.to_openai()
 
-    def get(self, video_id: str) -> dict | None:
-        job = self.store.get(video_id)
+    def get(self, video_id: str, *, client: str | None) -> dict | None:
+        """`client`'s video object (None: any client's), or None (`JobStore.get`)."""
+        job = self.store.get(video_id, client=client)
         return None if job is None else job.to_openai()
 
-    def list(self, *, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
-        jobs, has_more = self.store.list(after=after, limit=limit, order=order)
+    def list(self, *, after: str | None, limit: int, order: str, client: str | None) -> tuple[list[dict], bool]:
+        """A page of `client`'s video objects (None: every client's) (`JobStore.list`)."""
+        jobs, has_more = self.store.list(after=after, limit=limit, order=order, client=client)
         return [job.to_openai() for job in jobs], has_more
 
-    def delete(self, video_id: str) -> bool:
-        """Delete the job (`JobStore.delete`). A render of it in this replica stops at once, and its Denoiser
-        request leaves the running batch after the step in flight; a render in another ingress replica stops at
-        its next progress event or heartbeat (`runner.lease_s` / 3 at most)."""
-        deleted = self.store.delete(video_id)
+    def delete(self, video_id: str, *, client: str | None) -> bool:
+        """Delete `client`'s job (None: any client's) (`JobStore.delete`). A render of it in this replica stops at
+        once, and its Denoiser request leaves the running batch after the step in flight; a render in another
+        ingress replica stops at its next progress event or heartbeat (`runner.lease_s` / 3 at most)."""
+        deleted = self.store.delete(video_id, client=client)
         if deleted:
             self._drop(video_id)
         return deleted
 
-    def open_video(self, video_id: str):
-        """The finished mp4 opened for reading, or None (`JobStore.open_video`)."""
-        return self.store.open_video(video_id)
+    def open_video(self, video_id: str, *, client: str | None):
+        """`client`'s finished mp4 (None: any client's) opened for reading, or None (`JobStore.open_video`)."""
+        return self.store.open_video(video_id, client=client)
 
     def health(self) -> dict:
         """``{"status": "ok"}`` while this replica's runner runs (restarting it if it ended), else
@@ -351,10 +404,10 @@ class VideoJobService:
         running = self._runner_task is not None and not self._runner_task.done()
         return {"status": "ok" if running and not self._stopping else "not ok"}
 
-    async def status(self) -> dict:
-        """For the authenticated `GET /v1/status`: the model name, the store's job counts by status (read in a
-        thread, off the event loop) and the jobs rendering in this replica."""
-        counts = await asyncio.to_thread(self.store.counts)
+    async def status(self, *, client: str | None = None) -> dict:
+        """For the authenticated `GET /v1/status`: the model name, `client`'s job counts by status (None: all
+        clients'; read in a thread, off the event loop) and the jobs rendering in this replica."""
+        counts = await asyncio.to_thread(lambda: self.store.counts(client=client))
         return {"object": "status", "model": self.spec.name, "jobs": counts, "running_here": len(self._active)}
 
     # --- runner -------------------------------------------------------------------------------------------------
@@ -379,7 +432,8 @@ class VideoJobService:
                     self._swept_at = time.monotonic()
                     await asyncio.to_thread(self._sweep)
                 while not self._stopping and len(self._active) < self.settings.runner.max_concurrent_jobs:
-                    job = await asyncio.to_thread(self.store.claim, self._next_owner(), self.settings.runner.lease_s)
+                    job = await asyncio.to_thread(self.store.claim, self._next_owner(), self.settings.runner.lease_s,
+                                                  min_free_bytes=self.settings.limits.min_free_bytes)
                     if job is None:
                         break
                     if self._stopping:  # claimed while the replica began to stop: straight back to the queue
@@ -736,10 +790,13 @@ class VideoIngress:
     """HTTP ingress: the OpenAI-compatible routes of `vidray.serve.api` over this replica's `VideoJobService`."""
 
     def __init__(self, settings: dict[str, Any], auth_token: tuple[str, ...] | None, text, denoiser, vae,
-                 low_noise_denoiser=None):
+                 low_noise_denoiser=None, *, admin_tokens: tuple[str, ...] = ()):
         import vidray.serve.app as module  # this class arrives pickled by value: set the real module's global
 
-        self.service = VideoJobService(ServeSettings(**settings), auth_token, text, denoiser, vae, low_noise_denoiser)
+        # The Serve app's name owns store_dir: a second app on the same folder fails here, naming both.
+        app_name = serve.get_replica_context().app_name
+        self.service = VideoJobService(ServeSettings(**settings), auth_token, text, denoiser, vae, low_noise_denoiser,
+                                       admin_tokens=admin_tokens, app_name=app_name)
         module._service = self.service
         try:
             self.service.ensure_runner()
@@ -780,17 +837,19 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(problems)
 
 
-def _open_store(settings: ServeSettings):
+def _open_store(settings: ServeSettings, app: str | None = None):
     """The job store the settings name: the head's store actor (`store_on: head`, needs a connected Ray), or a
-    `JobStore` on this node's disk. Raises what `JobStore` raises when `store_dir` cannot hold a store, and
+    `JobStore` on this node's disk; owned by Serve app `app` (None: no owner check). Raises what `JobStore` raises
+    when `store_dir` cannot hold a store or belongs to another app (`StoreOwnedError`), and
     `JobStoreUnavailableError` when the head's actor does not start."""
     hours = settings.retention.hours
     retention_s = None if hours is None else hours * 3600.0
     if settings.store_on == "head":
         from vidray.serve.store_actor import head_job_store
 
-        return head_job_store(settings.store_dir, max_attempts=settings.runner.max_attempts, retention_s=retention_s)
-    return JobStore(settings.store_dir, max_attempts=settings.runner.max_attempts, retention_s=retention_s)
+        return head_job_store(settings.store_dir, max_attempts=settings.runner.max_attempts, retention_s=retention_s,
+                              app=app)
+    return JobStore(settings.store_dir, max_attempts=settings.runner.max_attempts, retention_s=retention_s, app=app)
 
 
 def _check_store(settings: ServeSettings) -> None:
@@ -821,6 +880,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     except ValidationError as err:
         raise ServeSettingsError(f"serve_config.yaml application args: {_describe(err)}") from None
     auth_token = _read_tokens(settings.auth)
+    admin_tokens = _read_admin_tokens(settings.auth)
     root = Path.cwd()
     settings = settings.model_copy(update={
         "model_path": (settings.model_path if is_uri(settings.model_path)  # a URI: fetched into the model cache
@@ -866,4 +926,5 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         denoisers[0],
         VaeDecoder.bind(settings.model_path),
         *denoisers[1:],
+        admin_tokens=admin_tokens,
     )

@@ -11,6 +11,7 @@ Layout under the store's root folder::
     root/videos/<id>.mp4       finished videos, moved in by `JobStore.complete`
     root/inputs/<id>.<ext>     first-frame images given with `POST /v1/videos` (``input_reference``)
     root/tmp/                  mp4s being written by a runner (`JobStore.temp_video`), swept by `sweep_temp`
+    root/owner.json            the Serve app that owns the store (`claim_store`; written once, atomically)
 
 A job's life::
 
@@ -33,6 +34,17 @@ Rules the store enforces:
 - Bounds: `create` refuses a job beyond ``max_unfinished`` (total) or ``max_unfinished_per_client`` unfinished
   (queued + in_progress) jobs with `QueueFullError`; `claim` takes clients' queues round-robin (FIFO within a
   client); a finished job expires ``retention_s`` after it finished and `sweep_expired` removes it and its files.
+- Bytes: each job counts the bytes of its files (input image + mp4, column ``bytes``). `create` refuses a job with
+  `StorageFullError` when its client's files already hold ``max_client_bytes``, the store's ``max_store_bytes``,
+  or the disk has less than ``min_free_bytes`` free; `claim` hands out no job while the disk is that short (the
+  jobs wait, queued). Nothing stored is removed to make room.
+- Tenancy: `get`, `list`, `delete`, `video_path`, `open_video` and `counts` take ``client``: given, they see only
+  that client's jobs (another client's id is answered exactly as an unknown one); None sees all (the runner,
+  admins). ``jobs_client_order`` indexes the per-client list.
+- Idempotency: `create` with an ``idempotency_key`` records (client, key, a hash of the request) in the same
+  transaction that inserts the job; the same key and request from the same client later returns that job instead
+  of a new one, and the same key with another request raises `IdempotencyKeyReusedError`. A key lives as long as
+  its job.
 
 The response object follows the OpenAI Videos API (`VideoJob.to_openai`; see NOTES.md "OpenAI Videos API").
 """
@@ -41,7 +53,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -59,9 +73,13 @@ __all__ = [
     "ANONYMOUS_CLIENT",
     "JOB_STATUSES",
     "TERMINAL_STATUSES",
+    "IdempotencyKeyReusedError",
     "JobStore",
     "JobStoreUnavailableError",
     "QueueFullError",
+    "StorageFullError",
+    "StoreOwnedError",
+    "claim_store",
     "VideoJob",
     "is_job_id",
     "new_job_id",
@@ -73,7 +91,7 @@ JOB_STATUSES = ("queued", "in_progress", "completed", "failed")
 TERMINAL_STATUSES = ("completed", "failed")
 """Statuses a job never leaves (except by deletion)."""
 
-_SCHEMA_VERSION = 2
+_SCHEMA_VERSION = 3
 ANONYMOUS_CLIENT = "anonymous"
 """The client of every job when auth is disabled (all requests are one client)."""
 _JOB_ID_RE = re.compile(r"video_[0-9a-f]{32}")
@@ -117,6 +135,28 @@ CREATE TABLE IF NOT EXISTS clients (
 """Version 1 -> 2: the client (a hash of its bearer token) of each job, its expiry, and each client's turn in
 round-robin claims (`clients.last_claim`: a counter, larger = claimed more recently)."""
 
+_SCHEMA_V3 = """
+ALTER TABLE jobs ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX IF NOT EXISTS jobs_client_order ON jobs (client, created_at, seq);
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    client          TEXT    NOT NULL,
+    key             TEXT    NOT NULL,
+    request_sha256  TEXT    NOT NULL,
+    job_id          TEXT    NOT NULL,
+    created_at      INTEGER NOT NULL,
+    PRIMARY KEY (client, key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_keys_job ON idempotency_keys (job_id);
+"""
+"""Version 2 -> 3 (issue 44): the bytes each job's files hold (quotas), the per-client list index, and the
+idempotency keys of creates."""
+
+OWNER_FILE = "owner.json"
+"""The file in a store's root naming the Serve app that owns it (`claim_store`)."""
+
+MAX_IDEMPOTENCY_KEY_CHARS = 255
+"""Longest accepted idempotency key (Stripe's limit), in characters; printable ASCII only."""
+
 _COLUMNS = (
     "id, created_at, status, progress, model, prompt, size, seconds, params, attempts, owner, lease_until, "
     "completed_at, error, input_reference, client, expires_at"
@@ -142,6 +182,86 @@ class QueueFullError(Exception):
         super().__init__(f"{who} {unfinished} unfinished (queued or in_progress) videos, the most allowed is "
                          f"{limit}; wait for some to finish (or delete queued ones), then retry")
         self.scope, self.limit, self.unfinished = scope, limit, unfinished
+
+
+class StorageFullError(Exception):
+    """`JobStore.create` refused a job because bytes ran short; nothing was stored.
+
+    Attributes:
+        scope: ``"client"`` (this client's files reached its quota: a 4xx, the client frees room by deleting its
+            videos), ``"store"`` (all clients' files reached the store's quota) or ``"disk"`` (the disk under the
+            store has less free space than the floor): the last two are the server's (507).
+        limit_bytes: the quota (client, store) or the free-space floor (disk), bytes.
+        used_bytes: the bytes that scope's files hold now (client, store), or the bytes free on the disk (disk).
+    """
+
+    def __init__(self, scope: str, limit_bytes: int, used_bytes: int) -> None:
+        used, limit = _bytes_text(used_bytes), _bytes_text(limit_bytes)
+        if scope == "client":
+            message = (f"this client (bearer token) stores {used} of videos and images, its quota is {limit} "
+                       "(limits.max_stored_bytes_per_token); delete videos it no longer needs (DELETE "
+                       "/v1/videos/{id}), then retry")
+        elif scope == "store":
+            message = (f"the server's video store holds {used}, its quota is {limit} (limits.max_stored_bytes); "
+                       "retry later, and tell its operator")
+        else:
+            message = (f"the server's disk has {used} free, below the {limit} it keeps free "
+                       "(limits.min_free_bytes); retry later, and tell its operator")
+        super().__init__(message)
+        self.scope, self.limit_bytes, self.used_bytes = scope, limit_bytes, used_bytes
+
+
+class IdempotencyKeyReusedError(Exception):
+    """`JobStore.create` was given an idempotency key its client already used for a different request (another
+    prompt, size, parameter or image); nothing was stored. Attributes: ``job_id``, the job the key made."""
+
+    def __init__(self, key: str, job_id: str) -> None:
+        super().__init__(f"Idempotency-Key {key!r} was already used by this client for a different request (it made "
+                         f"video {job_id!r}); send a new key for a new request, or resend the first request "
+                         "unchanged to get that video")
+        self.key, self.job_id = key, job_id
+
+
+class StoreOwnedError(ValueError):
+    """A store folder belongs to another Serve app (`claim_store`). One line naming the folder, both apps and the
+    fix."""
+
+
+def claim_store(root: str | Path, app: str) -> None:
+    """Make Serve app `app` the owner of the store folder `root`, or check that it already is.
+
+    The first app to open a folder writes ``root/owner.json`` (``{"app": ..., "claimed_at": unix s}``) atomically:
+    a temp file hard-linked to the final name, so two apps starting at once cannot both win. Two apps on one store
+    would take and render each other's jobs; a redeploy of the same app (same name) passes.
+
+    Raises:
+        StoreOwnedError: the folder belongs to another app; the message names the folder, its owner and the fix
+            (give each app its own ``store_dir``, or remove the owner file once that app is gone).
+        ValueError: `app` is empty, or the owner file is not what this function writes.
+        OSError: the folder cannot be written.
+    """
+    _check_str("app", app)
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    owner_file = root / OWNER_FILE
+    tmp = root / f".{OWNER_FILE}.{uuid.uuid4().hex}.tmp"
+    tmp.write_text(json.dumps({"app": app, "claimed_at": int(time.time())}) + "\n")
+    try:
+        os.link(tmp, owner_file)  # atomic and exclusive: fails if an owner file exists
+        return
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    try:
+        owner = json.loads(owner_file.read_text())["app"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"store_dir {root}: {owner_file} is not a vidray owner file ({exc}); remove it") from None
+    if owner != app:
+        raise StoreOwnedError(
+            f"store_dir {root} belongs to Serve app {owner!r} ({owner_file}), not to app {app!r}: give each app its "
+            f"own store_dir, or remove {owner_file} once app {owner!r} is gone to hand its jobs over"
+        )
 
 
 def new_job_id() -> str:
@@ -283,14 +403,18 @@ class JobStore:
             (2 = one retry). Must be >= 1.
         retention_s: seconds a finished (completed or failed) job is kept after it finished, then removed with
             its files by `sweep_expired`; None keeps jobs until deleted.
+        app: the Serve app opening the store: it must own the folder (`claim_store`: the first app to open it
+            does); None skips the check (tests, tools).
 
     Raises:
+        StoreOwnedError: `root` belongs to another app than `app`.
         ValueError: `max_attempts` < 1, `retention_s` not a number > 0, or ``jobs.sqlite3`` was written by a newer
             schema version.
         sqlite3.DatabaseError: ``jobs.sqlite3`` exists but is not a sqlite database.
     """
 
-    def __init__(self, root: str | Path, *, max_attempts: int = 2, retention_s: float | None = None) -> None:
+    def __init__(self, root: str | Path, *, max_attempts: int = 2, retention_s: float | None = None,
+                 app: str | None = None) -> None:
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError(f"max_attempts must be an int >= 1 (2 = one retry), got {max_attempts!r}")
         if retention_s is not None:
@@ -302,8 +426,11 @@ class JobStore:
         self.videos_dir = self.root / "videos"
         self.inputs_dir = self.root / "inputs"
         self.tmp_dir = self.root / "tmp"
+        self._short_warned_at = -math.inf  # monotonic s of the last "disk short" warning of `claim`
         for folder in (self.root, self.videos_dir, self.inputs_dir, self.tmp_dir):
             folder.mkdir(parents=True, exist_ok=True)
+        if app is not None:
+            claim_store(self.root, app)
         self._init_db()
 
     def __repr__(self) -> str:
@@ -351,6 +478,13 @@ class JobStore:
             if version in (0, 1):  # a version-1 store gains its columns in place: its jobs stay
                 for statement in filter(str.strip, _SCHEMA_V2.split(";")):
                     conn.execute(statement)
+            if version in (0, 1, 2):  # version 3: each job's bytes, counted from the files it has now
+                for statement in filter(str.strip, _SCHEMA_V3.split(";")):
+                    conn.execute(statement)
+                for job_id, input_reference in conn.execute("SELECT id, input_reference FROM jobs").fetchall():
+                    size = _file_bytes(self.videos_dir / f"{job_id}.mp4")
+                    size += 0 if input_reference is None else _file_bytes(Path(input_reference))
+                    conn.execute("UPDATE jobs SET bytes = ? WHERE id = ?", (size, job_id))
                 conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
             elif version != _SCHEMA_VERSION:
                 raise ValueError(
@@ -373,8 +507,13 @@ class JobStore:
         client: str = ANONYMOUS_CLIENT,
         max_unfinished: int | None = None,
         max_unfinished_per_client: int | None = None,
+        idempotency_key: str | None = None,
+        max_client_bytes: int | None = None,
+        max_store_bytes: int | None = None,
+        min_free_bytes: int | None = None,
     ) -> VideoJob:
-        """Store a new job, ``queued`` with progress 0, and its first-frame image if given.
+        """Store a new job, ``queued`` with progress 0, and its first-frame image if given; or, for an
+        idempotency key this client used before with the same request, return the job that key made.
 
         The fields are stored as given: the ingress validates them (size, frame count, prompt length, image)
         before calling this.
@@ -388,20 +527,33 @@ class JobStore:
             client: who asks (a short hash of the bearer token; `ANONYMOUS_CLIENT` without auth).
             max_unfinished, max_unfinished_per_client: caps on unfinished (queued + in_progress) jobs in the store
                 and of `client`, checked atomically with the insert; None = no cap.
+            idempotency_key: the client's key for this request (`check_idempotency_key`'s rule), recorded in the
+                transaction that inserts the job; None: every call makes a job.
+            max_client_bytes, max_store_bytes: quotas on the bytes of `client`'s files and of all files (input
+                images + mp4s), checked atomically with the insert; None = no quota.
+            min_free_bytes: refuse when the disk under the store has less free space than this; None = no check.
 
         Returns:
-            The new job.
+            The new job (or the job the same key and request made before, in its current state).
 
         Raises:
-            QueueFullError: a cap is reached (nothing is stored).
+            QueueFullError: a cap on unfinished jobs is reached (nothing is stored).
+            StorageFullError: a byte quota is reached or the disk is short (nothing is stored).
+            IdempotencyKeyReusedError: `idempotency_key` made another request's job (nothing is stored).
             TypeError: a field has the wrong type (model, prompt, size, seconds must be str; params a dict;
                 input_reference bytes).
-            ValueError: params is not JSON-serializable, or input_suffix is not a dot and 1-8 letters/digits.
+            ValueError: params is not JSON-serializable, input_suffix is not a dot and 1-8 letters/digits, or
+                idempotency_key breaks its rule.
         """
         for name, value in (("model", model), ("size", size), ("seconds", seconds), ("client", client)):
             _check_str(name, value)
         _check_cap("max_unfinished", max_unfinished)
         _check_cap("max_unfinished_per_client", max_unfinished_per_client)
+        for name, value in (("max_client_bytes", max_client_bytes), ("max_store_bytes", max_store_bytes),
+                            ("min_free_bytes", min_free_bytes)):
+            _check_cap(name, value)
+        if idempotency_key is not None:
+            check_idempotency_key(idempotency_key)
         _check_str("prompt", prompt, allow_empty=True)
         if not isinstance(params, dict):
             raise TypeError(f"params must be a dict of generation parameters, got {type(params).__name__}")
@@ -413,30 +565,61 @@ class JobStore:
             raise TypeError(f"input_reference must be the image file's bytes, got {type(input_reference).__name__}")
         if not isinstance(input_suffix, str) or _SUFFIX_RE.fullmatch(input_suffix) is None:
             raise ValueError(f"input_suffix must be a dot and 1-8 letters or digits like '.png', got {input_suffix!r}")
+        image = None if input_reference is None else bytes(input_reference)
+        request_sha256 = _request_sha256(model, prompt, size, seconds, params_json, image)
 
         job_id = new_job_id()
         input_path: Path | None = None
-        if input_reference is not None:
+        if image is not None:
+            if min_free_bytes is not None and free_bytes(self.root) < min_free_bytes:  # before writing the image
+                raise StorageFullError("disk", min_free_bytes, free_bytes(self.root))
             # 1. The image first (temp file + rename), so a row never names a half-written file.
             input_path = self.inputs_dir / f"{job_id}{input_suffix.lower()}"
             tmp = input_path.with_name(f".{input_path.name}.{uuid.uuid4().hex}.tmp")
-            tmp.write_bytes(bytes(input_reference))
-            os.replace(tmp, input_path)
-        # 2. Then the row; if it cannot be written, the image goes too.
+            try:
+                tmp.write_bytes(image)
+                os.replace(tmp, input_path)
+            finally:
+                tmp.unlink(missing_ok=True)
+        # 2. Then the row, with its key, in one transaction; if it is not written, the image goes too.
         created_at = int(time.time())
+        existing: tuple | None = None
         try:
             with self._write() as conn:
-                _check_room(conn, client, max_unfinished, max_unfinished_per_client)
-                conn.execute(
-                    f"INSERT INTO jobs ({_COLUMNS}) VALUES (?, ?, 'queued', 0, ?, ?, ?, ?, ?, 0, NULL, NULL, NULL, "
-                    "NULL, ?, ?, NULL)",
-                    (job_id, created_at, model, prompt, size, seconds, params_json,
-                     str(input_path) if input_path is not None else None, client),
-                )
+                if idempotency_key is not None:
+                    row = conn.execute(
+                        "SELECT request_sha256, job_id FROM idempotency_keys WHERE client = ? AND key = ?",
+                        (client, idempotency_key),
+                    ).fetchone()
+                    if row is not None and row[0] != request_sha256:
+                        raise IdempotencyKeyReusedError(idempotency_key, row[1])
+                    if row is not None:  # read in this transaction: `delete` removes a job and its key together
+                        existing = conn.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (row[1],)).fetchone()
+                if existing is None:
+                    _check_room(conn, client, max_unfinished, max_unfinished_per_client)
+                    _check_bytes(conn, self.root, client, max_client_bytes=max_client_bytes,
+                                 max_store_bytes=max_store_bytes, min_free_bytes=min_free_bytes)
+                    conn.execute(
+                        f"INSERT INTO jobs ({_COLUMNS}, bytes) VALUES (?, ?, 'queued', 0, ?, ?, ?, ?, ?, 0, NULL, "
+                        "NULL, NULL, NULL, ?, ?, NULL, ?)",
+                        (job_id, created_at, model, prompt, size, seconds, params_json,
+                         str(input_path) if input_path is not None else None, client,
+                         0 if image is None else len(image)),
+                    )
+                    if idempotency_key is not None:
+                        conn.execute(
+                            "INSERT INTO idempotency_keys (client, key, request_sha256, job_id, created_at) "
+                            "VALUES (?, ?, ?, ?, ?)",
+                            (client, idempotency_key, request_sha256, job_id, created_at),
+                        )
         except BaseException:
             if input_path is not None:
                 input_path.unlink(missing_ok=True)
             raise
+        if existing is not None:  # a repeat of a create that was stored: its job, and no second image
+            if input_path is not None:
+                input_path.unlink(missing_ok=True)
+            return _row_to_job(existing)
         job = self.get(job_id)
         if job is None:  # deleted between our insert and this read: hand back what was stored
             job = VideoJob(
@@ -447,16 +630,18 @@ class JobStore:
             )
         return job
 
-    def get(self, job_id: str) -> VideoJob | None:
-        """The job with this id, or None if there is none (also for a string that is not a job id)."""
+    def get(self, job_id: str, *, client: str | None = None) -> VideoJob | None:
+        """The job with this id, or None if there is none (also for a string that is not a job id, and for
+        another client's job when `client` is given: None sees every client's)."""
         if not is_job_id(job_id):
             return None
         with self._connect() as conn:
-            row = conn.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            and_client, scope = _client_filter(client)
+            row = conn.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?{and_client}", (job_id, *scope)).fetchone()
         return _row_to_job(row) if row is not None else None
 
     def list(
-        self, *, after: str | None = None, limit: int = 20, order: str = "desc"
+        self, *, after: str | None = None, limit: int = 20, order: str = "desc", client: str | None = None
     ) -> tuple[list[VideoJob], bool]:
         """One page of jobs in creation order (ties broken by insertion order), as ``GET /v1/videos`` pages.
 
@@ -464,14 +649,16 @@ class JobStore:
             after: the id of the last job of the previous page (the cursor); None for the first page.
             limit: page size, 1..100.
             order: ``"desc"`` (newest first) or ``"asc"`` (oldest first).
+            client: only this client's jobs (read through the ``jobs_client_order`` index; another client's id
+                as `after` is unknown); None: every client's.
 
         Returns:
             ``(page, has_more)``: up to `limit` jobs, and whether more follow the page.
 
         Raises:
             ValueError: limit outside 1..100, order not asc/desc.
-            LookupError: `after` is not the id of a stored job (the message says to start again from the first
-                page; the HTTP layer answers it with a 400 naming `after`).
+            LookupError: `after` is not the id of a stored job (of `client`) (the message says to start again from
+                the first page; the HTTP layer answers it with a 400 naming `after`).
         """
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= _MAX_LIST_LIMIT:
             raise ValueError(f"limit must be an int in 1..{_MAX_LIST_LIMIT}, got {limit!r}")
@@ -485,14 +672,18 @@ class JobStore:
             # One read transaction, so the cursor lookup and the page see the same snapshot.
             conn.execute("BEGIN")
             try:
+                and_client, scope = _client_filter(client)
+                where = "WHERE client = ?" if client is not None else ""
                 if after is None:
                     rows = conn.execute(
-                        f"SELECT {_COLUMNS} FROM jobs ORDER BY created_at {direction}, seq {direction} LIMIT ?",
-                        (limit + 1,),
+                        f"SELECT {_COLUMNS} FROM jobs {where} ORDER BY created_at {direction}, seq {direction} "
+                        "LIMIT ?",
+                        (*scope, limit + 1),
                     ).fetchall()
                 else:
                     cursor = conn.execute(
-                        "SELECT created_at, seq FROM jobs WHERE id = ?", (after,)
+                        f"SELECT created_at, seq FROM jobs WHERE id = ?{and_client}",
+                        (after, *scope),
                     ).fetchone() if is_job_id(after) else None
                     if cursor is None:
                         raise LookupError(
@@ -501,37 +692,48 @@ class JobStore:
                         )
                     rows = conn.execute(
                         f"SELECT {_COLUMNS} FROM jobs WHERE (created_at, seq) {cmp} (?, ?) "
-                        f"ORDER BY created_at {direction}, seq {direction} LIMIT ?",
-                        (cursor[0], cursor[1], limit + 1),
+                        f"{and_client} ORDER BY created_at {direction}, seq {direction} LIMIT ?",
+                        (cursor[0], cursor[1], *scope, limit + 1),
                     ).fetchall()
             finally:
                 conn.execute("COMMIT")
         page = [_row_to_job(row) for row in rows[:limit]]
         return page, len(rows) > limit
 
-    def counts(self) -> dict[str, int]:
-        """How many jobs are in each status: ``{status: count}`` with every status of `JOB_STATUSES`."""
+    def counts(self, *, client: str | None = None) -> dict[str, int]:
+        """How many jobs are in each status: ``{status: count}`` with every status of `JOB_STATUSES`; only
+        `client`'s jobs when given."""
         with self._connect() as conn:
-            rows = conn.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
+            if client is not None:
+                rows = conn.execute("SELECT status, COUNT(*) FROM jobs WHERE client = ? GROUP BY status",
+                                    (client,)).fetchall()
+            else:
+                rows = conn.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
         counts = dict.fromkeys(JOB_STATUSES, 0)
         counts.update({status: int(n) for status, n in rows})
         return counts
 
-    def delete(self, job_id: str) -> bool:
-        """Remove a job's record, its video and its input image, whatever its status.
+    def delete(self, job_id: str, *, client: str | None = None) -> bool:
+        """Remove a job's record, its idempotency key, its video and its input image, whatever its status.
 
         A runner working on the job then gets False from `heartbeat` (and `complete`, `fail`) and should stop.
 
+        Args:
+            client: only a job of this client is removed (another client's is answered as unknown); None: any.
+
         Returns:
-            True if the job existed.
+            True if the job existed (and was `client`'s).
         """
         if not is_job_id(job_id):
             return False
         with self._write() as conn:
-            row = conn.execute("SELECT input_reference FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            and_client, scope = _client_filter(client)
+            row = conn.execute(f"SELECT input_reference FROM jobs WHERE id = ?{and_client}",
+                               (job_id, *scope)).fetchone()
             if row is None:
                 return False
             conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            conn.execute("DELETE FROM idempotency_keys WHERE job_id = ?", (job_id,))
         # After the commit: `complete` moves a video in only while the row exists, under the write lock, so no
         # video can appear for this id from now on.
         self._remove_files(job_id, row[0])
@@ -558,13 +760,14 @@ class JobStore:
                 "SELECT id, input_reference FROM jobs WHERE expires_at IS NOT NULL AND expires_at < ?", (now,)
             ).fetchall()
             conn.executemany("DELETE FROM jobs WHERE id = ?", [(job_id,) for job_id, _ in rows])
+            conn.executemany("DELETE FROM idempotency_keys WHERE job_id = ?", [(job_id,) for job_id, _ in rows])
         for job_id, input_reference in rows:
             self._remove_files(job_id, input_reference)
         return [job_id for job_id, _ in rows]
 
     # ------------------------------------------------------------------ the runner's side
 
-    def claim(self, owner: str, lease_s: float) -> VideoJob | None:
+    def claim(self, owner: str, lease_s: float, *, min_free_bytes: int | None = None) -> VideoJob | None:
         """Take the next ``queued`` job for `owner`: it becomes ``in_progress``, attempts + 1, leased until
         now + `lease_s` seconds. Exclusive across threads and processes: no two callers get the same job.
 
@@ -578,14 +781,28 @@ class JobStore:
         The runner renews the lease with `heartbeat` well within `lease_s`; a job whose lease ran out is
         handed back by `recover_expired`.
 
+        Args:
+            min_free_bytes: hand out no job while the disk under the store has less free space than this (its mp4
+                could not be stored): the jobs stay queued; a warning is logged at most once a minute. None: no
+                check.
+
         Returns:
-            The claimed job, or None if no job is queued.
+            The claimed job, or None if no job is queued (or the disk is short).
 
         Raises:
             ValueError: owner empty, or lease_s not a finite number > 0.
         """
         _check_str("owner", owner)
         lease_s = _check_lease(lease_s)
+        _check_cap("min_free_bytes", min_free_bytes)
+        if min_free_bytes is not None and (free := free_bytes(self.root)) < min_free_bytes:
+            now = time.monotonic()
+            if now - self._short_warned_at >= 60.0:
+                self._short_warned_at = now
+                logging.getLogger(__name__).warning(
+                    "job store %s: %s free on its disk, below limits.min_free_bytes (%s): no job is started until "
+                    "space is freed (queued jobs wait)", self.root, _bytes_text(free), _bytes_text(min_free_bytes))
+            return None
         with self._write() as conn:
             row = conn.execute(
                 "SELECT j.id, j.client FROM jobs AS j LEFT JOIN clients AS c ON c.client = j.client "
@@ -658,8 +875,8 @@ class JobStore:
                 now = int(time.time())
                 conn.execute(
                     "UPDATE jobs SET status = 'completed', progress = 100, completed_at = ?, expires_at = ?, "
-                    "lease_until = NULL, error = NULL WHERE id = ?",
-                    (now, self._expiry(now), job_id),
+                    "lease_until = NULL, error = NULL, bytes = bytes + ? WHERE id = ?",
+                    (now, self._expiry(now), _file_bytes(target), job_id),
                 )
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -777,18 +994,20 @@ class JobStore:
 
     # ------------------------------------------------------------------ files
 
-    def video_path(self, job_id: str) -> Path | None:
-        """The finished mp4 of a ``completed`` job, or None (not completed, deleted, or its file is gone)."""
-        job = self.get(job_id)
+    def video_path(self, job_id: str, *, client: str | None = None) -> Path | None:
+        """The finished mp4 of a ``completed`` job (of `client`, when given), or None (not completed, deleted,
+        another client's, or its file is gone)."""
+        job = self.get(job_id, client=client)
         if job is None or job.status != "completed":
             return None
         path = self.videos_dir / f"{job.id}.mp4"
         return path if path.is_file() else None
 
-    def open_video(self, job_id: str) -> BinaryIO | None:
-        """The finished mp4 of a ``completed`` job opened for reading (a delete after this call unlinks the name;
-        the open file still reads to its end), or None (not completed, deleted, or its file is gone)."""
-        path = self.video_path(job_id)
+    def open_video(self, job_id: str, *, client: str | None = None) -> BinaryIO | None:
+        """The finished mp4 of a ``completed`` job (of `client`, when given) opened for reading (a delete after
+        this call unlinks the name; the open file still reads to its end), or None (not completed, deleted,
+        another client's, or its file is gone)."""
+        path = self.video_path(job_id, client=client)
         try:
             return None if path is None else open(path, "rb")  # noqa: SIM115 - the caller closes it
         except FileNotFoundError:
@@ -841,6 +1060,72 @@ def sweep_old_files(folder: Path, *, older_than_s: float, now: float | None = No
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
     return removed
+
+
+def _bytes_text(num_bytes: int) -> str:
+    """``"512 bytes"`` below 1 MiB, else ``"12.3 MiB"``."""
+    return f"{num_bytes} bytes" if num_bytes < 2**20 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def _client_filter(client: str | None) -> tuple[str, tuple]:
+    """The SQL that keeps one client's rows (`` AND client = ?`` and its parameter), or nothing for None."""
+    if client is None:
+        return "", ()
+    _check_str("client", client)
+    return " AND client = ?", (client,)
+
+
+def _file_bytes(path: Path) -> int:
+    """The size of the file at `path` in bytes, 0 when there is none."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def free_bytes(folder: Path) -> int:
+    """Bytes free for an unprivileged writer on the filesystem holding `folder` (`shutil.disk_usage`)."""
+    return shutil.disk_usage(folder).free
+
+
+def _check_bytes(conn: sqlite3.Connection, root: Path, client: str, *, max_client_bytes: int | None,
+                 max_store_bytes: int | None, min_free_bytes: int | None) -> None:
+    """Inside a write transaction: raise StorageFullError when the client's or the store's files reached their
+    quota, or the disk under `root` has less than `min_free_bytes` free."""
+    if max_client_bytes is not None:
+        mine = conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM jobs WHERE client = ?", (client,)).fetchone()[0]
+        if mine >= max_client_bytes:
+            raise StorageFullError("client", max_client_bytes, int(mine))
+    if max_store_bytes is not None:
+        total = conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM jobs").fetchone()[0]
+        if total >= max_store_bytes:
+            raise StorageFullError("store", max_store_bytes, int(total))
+    if min_free_bytes is not None:
+        free = free_bytes(root)
+        if free < min_free_bytes:
+            raise StorageFullError("disk", min_free_bytes, free)
+
+
+def _request_sha256(model: str, prompt: str, size: str, seconds: str, params_json: str,
+                    input_reference: bytes | None) -> str:
+    """A hash of everything a create stores: two requests with the same hash make the same video."""
+    digest = hashlib.sha256()
+    for part in (model, prompt, size, seconds, params_json):
+        encoded = part.encode("utf-8", "surrogatepass")
+        digest.update(len(encoded).to_bytes(8, "big") + encoded)
+    digest.update(b"-" if input_reference is None else b"+" + hashlib.sha256(input_reference).digest())
+    return digest.hexdigest()
+
+
+def check_idempotency_key(key: object) -> str:
+    """`key` if it is a usable idempotency key: a str of 1..255 printable ASCII characters (0x20-0x7E, as an
+    HTTP header's structured string holds). Raises ValueError naming the rule."""
+    if (not isinstance(key, str) or not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS
+            or any(not " " <= ch <= "~" for ch in key)):
+        shown = repr(key)[:80]
+        raise ValueError(f"an idempotency key must be 1..{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters "
+                         f"(e.g. a uuid4), got {shown}")
+    return key
 
 
 def _check_room(conn: sqlite3.Connection, client: str, max_total: int | None, max_client: int | None) -> None:
