@@ -60,6 +60,11 @@ __all__ = ["ServeSettings", "ServeSettingsError", "VideoIngress", "VideoJobServi
 
 logger = logging.getLogger("ray.serve")
 
+IMAGE_SIDE_FACTOR = 2
+"""An `input_reference` side may be up to this many times the largest video side the model makes (its largest
+training bucket, or the largest size `limits` lets a request ask): it is resized down to the video's size, and a
+larger image only costs decode time (`ModelSpec.max_image_px`)."""
+
 LOW_NOISE_DENOISER = "LowNoiseDenoiser"
 """The deployment of a two-expert model's low-noise expert (its high-noise one is `Denoiser`)."""
 
@@ -74,6 +79,12 @@ UNAVAILABLE_STATUSES = ("DEPLOY_FAILED",)
 """Serve's deployment statuses (`ray.serve.schema.DeploymentStatus`) under which a stage takes no request: a call
 to it would wait for a replica that does not come. Not UNHEALTHY: a replica that died is replaced, and its jobs
 are retried (`runner.max_attempts`); failing them then would end jobs that Serve recovers."""
+
+
+class InputReferenceGoneError(RuntimeError):
+    """A job's first-frame image is no longer stored although the job is: deleted once its last attempt had
+    encoded it, then the job was handed back (`JobStore.requeue`). The job fails with code
+    `input_reference_gone`."""
 
 
 class ServeSettingsError(UserError):
@@ -103,7 +114,14 @@ class LimitSettings(_Section):
     max_image_bytes: int = Field(4 * 2**20, ge=1)
     """Largest `input_reference` image file in bytes (413 above it)."""
     max_image_px: int = Field(4096, ge=16)
-    """Largest `input_reference` side in pixels (400 above it)."""
+    """Largest `input_reference` side in pixels (400 above it); the model's own bound applies when smaller: twice
+    the largest side of its training buckets and of max_width / max_height (the image is resized to the video)."""
+    image_decode_workers: int = Field(2, ge=1, le=64)
+    """Threads that decode `input_reference` images, at most this many at once, in a pool of their own: image work
+    never takes the threads the other routes (reads, downloads) run in."""
+    image_decode_timeout_s: float = Field(10.0, gt=0, le=600)
+    """Seconds an image may wait for a decode thread and decode: past it a create is refused (400 when the decode
+    itself ran that long, 503 with Retry-After when the decode threads were busy)."""
     max_num_inference_steps: int = Field(100, ge=1)
     """Most denoising steps a request may ask (400 above it)."""
     max_width: int = Field(1024, ge=16)
@@ -238,6 +256,8 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
             return False
         return True
 
+    largest_side = max([settings.limits.max_width, settings.limits.max_height]
+                       + [max(b.height, b.width) for b in info.buckets])
     return ModelSpec(
         name=settings.model_name,
         default_size=(bucket.width, bucket.height),
@@ -253,6 +273,7 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
                                "(use vidray generate --image --last-image)"} if needs_last_image else {}),
         default_num_inference_steps=settings.default_num_inference_steps,
         default_guidance_scale=settings.default_guidance_scale,
+        max_image_px=IMAGE_SIDE_FACTOR * largest_side,
     )
 
 
@@ -269,7 +290,9 @@ class VideoJobService:
         limits = settings.limits
         self.limits = ApiLimits(max_body_bytes=limits.max_body_bytes, max_prompt_chars=limits.max_prompt_chars,
                                 max_image_bytes=limits.max_image_bytes, max_image_px=limits.max_image_px,
-                                max_num_inference_steps=limits.max_num_inference_steps)
+                                max_num_inference_steps=limits.max_num_inference_steps,
+                                image_decode_workers=limits.image_decode_workers,
+                                image_decode_timeout_s=limits.image_decode_timeout_s)
         self.info = inspect_model(settings.model_path)
         self.spec = model_spec(settings, self.info)
         self.store = _open_store(settings)
@@ -316,6 +339,7 @@ class VideoJobService:
             self.store.create, model=request.model or self.spec.name, prompt=request.prompt,
             size=f"{request.width}x{request.height}", seconds=request.seconds, params=params,
             input_reference=request.input_reference, client=client,
+            **({"input_suffix": request.input_reference_suffix} if request.input_reference is not None else {}),
             max_unfinished=self.settings.limits.max_queued_jobs,
             max_unfinished_per_client=self.settings.limits.max_queued_jobs_per_token,
         )
@@ -514,6 +538,7 @@ class VideoJobService:
             done = await asyncio.to_thread(self.store.complete, job.id, job.owner, mp4)
             if done:
                 self.metrics.count_job("completed", seconds=time.time() - job.created_at)
+                await self._release_input(job)
             else:
                 mp4.unlink(missing_ok=True)
         except JobStoreUnavailableError as err:
@@ -528,6 +553,11 @@ class VideoJobService:
             logger.warning("job %s: a stage replica died (%s); job now %s", job.id, type(err).__name__, status)
             if status is not None:
                 self.metrics.count_job("retried" if status == "queued" else "failed")
+            if status == "failed":
+                await self._release_input(job)
+        except InputReferenceGoneError as err:
+            if await asyncio.to_thread(self.store.fail, job.id, job.owner, "input_reference_gone", str(err)):
+                self.metrics.count_job("failed")
         except Exception as err:  # noqa: BLE001 - any other failure fails this job with its reason
             code = failure_code(err)
             if code == "internal_error":
@@ -536,10 +566,22 @@ class VideoJobService:
                 logger.warning("job %s failed (%s): %s", job.id, code, failure_message(err))
             if await asyncio.to_thread(self.store.fail, job.id, job.owner, code, failure_message(err)):
                 self.metrics.count_job("failed")
+                await self._release_input(job)
         finally:
             beat.cancel()
             if self._renders.get(job.id, (None, None, None))[2] == job.owner:
                 self._renders.pop(job.id)
+
+    async def _release_input(self, job) -> None:
+        """Delete `job`'s first-frame image from the store (`JobStore.drop_input`) once nothing needs it: the VAE
+        stage encoded it on the job's last attempt, or the job finished. Best effort: a store that does not answer
+        leaves the file to the job's expiry, which removes it with the video."""
+        if job.input_reference is None:
+            return
+        try:
+            await asyncio.to_thread(self.store.drop_input, job.id)
+        except Exception:  # noqa: BLE001 - the job's outcome stands; the retention sweep removes the file later
+            logger.warning("job %s: its input_reference was not deleted now", job.id, exc_info=True)
 
     def unavailable_stage(self) -> str | None:
         """'<deployment> is <status>: <Serve's message>' for the first stage deployment of this application that
@@ -593,10 +635,16 @@ class VideoJobService:
         if job.input_reference is not None:  # image-to-video: the first frame's condition, by the VAE stage
             image = await asyncio.to_thread(self.store.read_input, job.id)
             if image is None:
-                return None  # deleted (or expired) meanwhile: its input went with it
+                if await asyncio.to_thread(self.store.get, job.id) is None:
+                    return None  # deleted (or expired) meanwhile: its input went with it
+                raise InputReferenceGoneError(
+                    "the input_reference image was deleted after an earlier attempt encoded it (the job was handed "
+                    "back by a stopping replica); create the video again")
             condition = self.vae.encode_image.remote(image, (num_frames, height, width), params["seed"])
         encoded = [await call for call in calls]
         condition = {} if condition is None else await condition  # inpaint_latents[, image_embeds]
+        if job.input_reference is not None and job.attempts >= self.settings.runner.max_attempts:
+            await self._release_input(job)  # encoded, and no later attempt can need it
         progress["value"] = 5
         # 2. Denoise, following the step events.
         prompt_embeds, prompt_attention_mask = encoded[0]
