@@ -420,7 +420,7 @@ def test_any_create_request_is_queued_as_sent_or_a_fast_one_line_4xx_naming_the_
     from vidray.serve.api import CREATE_FIELDS, MAX_SEED
 
     client, service = fuzz_client
-    spec, limits = service.spec, service.limits
+    spec = service.spec
     real_images = _fuzz_images()
     unknown = st.dictionaries(st.sampled_from(["colour", "input_reference", "Prompt", "seed ", "prompt\x00"]),
                               st.text(max_size=10), min_size=1, max_size=2)
@@ -441,7 +441,8 @@ def test_any_create_request_is_queued_as_sent_or_a_fast_one_line_4xx_naming_the_
 
     @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(fields=fields_strategy, image=images_strategy, image_as=st.sampled_from(["file", "file", "url", "broken-url"]))
+    @given(fields=fields_strategy, image=images_strategy,
+           image_as=st.sampled_from(["file", "file", "url", "broken-url"]))
     def one_request(fields, image, image_as):
         for transport in ("multipart", "urlencoded", "json"):
             check(fields, image, transport, image_as)

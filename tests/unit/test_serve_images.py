@@ -95,7 +95,8 @@ def test_libjpegs_own_progressive_files_are_within_the_scan_bound_and_one_more_s
 
 def test_a_crafted_many_scan_jpeg_is_refused_within_100_ms_of_cpu_before_any_decode(tmp_path):
     crafted = jpeg_with_scans(60_000)  # ~1 MiB of tiny scans: each one a pass over the image for the decoder
-    assert images.jpeg_header(crafted, max_scans=10**6, max_segments=10**6).num_scans == 60_000  # a real JPEG, walked to its end
+    # A real JPEG, walked to its end:
+    assert images.jpeg_header(crafted, max_scans=10**6, max_segments=10**6).num_scans == 60_000
     limits = ApiLimits(max_image_bytes=len(crafted))
     start = time.process_time()
     error = refused(crafted, limits=limits)

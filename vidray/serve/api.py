@@ -37,7 +37,6 @@ import binascii
 import errno
 import hashlib
 import hmac
-import io
 import json
 import logging
 import math

@@ -21,7 +21,10 @@ Faults (documented outcome, tested): a stage replica that dies under a job (its 
 it is queued again for one more attempt (`runner.max_attempts`, default 2), and a second death marks it failed with
 `error.code = "replica_died"`. An ingress replica that dies stops renewing its jobs' leases; any runner's sweep
 re-queues them (or fails them with `runner_lost` after the last attempt) once `runner.lease_s` has passed. Serve
-restarts dead replicas. A job deleted while running is dropped by its runner at the next progress update.
+restarts dead replicas. A stage Serve reports DEPLOY_FAILED fails its jobs at the next heartbeat; one with no
+replica placed (no node satisfies its label selector or has its resources) is named in `GET /v1/status` and fails
+its jobs with `stage_unplaced` after `runner.unplaced_stage_timeout_s` (`VideoJobService.stage_problems`). A job
+deleted while running is dropped by its runner at the next progress update.
 
 Bounds (issue 27 item 2): each bearer token is a client (`auth.token_file` may list several; the store keeps a short
 hash, never the token); `limits.max_queued_jobs` and `limits.max_queued_jobs_per_token` cap unfinished jobs (429
@@ -43,7 +46,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
@@ -75,6 +78,13 @@ class StageUnavailableError(RuntimeError):
     message."""
 
 
+class StageUnplacedError(StageUnavailableError):
+    """A stage deployment this job needs has no replica running and Serve cannot place one: its replicas wait to
+    be scheduled (no alive node satisfies its `label_selector`, or none has its resources: Ray leaves such an actor
+    PENDING without error) for longer than `runner.unplaced_stage_timeout_s`. The job fails with code
+    `stage_unplaced` and this message (it names the deployment, no host)."""
+
+
 UNAVAILABLE_STATUSES = ("DEPLOY_FAILED",)
 """Serve's deployment statuses (`ray.serve.schema.DeploymentStatus`) under which a stage takes no request: a call
 to it would wait for a replica that does not come. Not UNHEALTHY: a replica that died is replaced, and its jobs
@@ -85,6 +95,25 @@ class InputReferenceGoneError(RuntimeError):
     """A job's first-frame image is no longer stored although the job is: deleted once its last attempt had
     encoded it, then the job was handed back (`JobStore.requeue`). The job fails with code
     `input_reference_gone`."""
+
+
+SERVE_UNSCHEDULED_NOTE = "to be scheduled"
+"""What Serve's deployment status message says of replicas still waiting for a node (ray 2.60,
+`serve/_private/deployment_state.py`: "... has N replicas that have taken more than 30s to be scheduled ..."): set
+after RAY_SERVE_SLOW_STARTUP_WARNING_S (30 s) of PENDING_ALLOCATION, kept until the deployment changes status."""
+
+
+class StageProblem(NamedTuple):
+    """A stage deployment that cannot take work (`VideoJobService.stage_problems`)."""
+
+    deployment: str
+    kind: Literal["failed", "unplaced"]
+    serve_message: str
+    """Serve's status message for the deployment."""
+    seen_at: float
+    """Monotonic seconds when this replica first saw it so (for "failed": when last checked)."""
+    waiting_s: float
+    """Seconds since `seen_at`, as of the call that returned it."""
 
 
 class ServeSettingsError(UserError):
@@ -158,6 +187,12 @@ class RunnerSettings(_Section):
     """Claims per job: 2 = one retry after a replica died under it."""
     poll_s: float = Field(0.5, gt=0)
     """How often an idle runner looks for queued jobs (submissions to this replica wake it at once)."""
+    unplaced_stage_timeout_s: float = Field(300.0, gt=0)
+    """Seconds a running job waits for a stage that has no replica running while Serve reports its replicas waiting
+    to be scheduled (no node satisfies its label_selector or has its resources; Serve says so after
+    RAY_SERVE_SLOW_STARTUP_WARNING_S, 30 s), before the job fails with `stage_unplaced`: time for an autoscaler to
+    start a matching node. A stage with one replica placed takes every request meanwhile (Serve routes only to
+    running replicas). `GET /v1/status` names an unplaced stage at once."""
 
 
 class PolicySettings(_Section):
@@ -318,9 +353,11 @@ class VideoJobService:
         self._store_counted_at = -math.inf  # monotonic seconds of the last `store.counts()` for the gauge
         self._swept_at = -math.inf  # monotonic seconds of the last retention / temp-file sweep
         self._stage_check_lock = threading.Lock()
-        self._stage_checked: tuple[float, str | None] = (-math.inf, None)
-        """(monotonic seconds, result) of the last `serve.status()` stage check (`unavailable_stage`): shared by
-        every running job's heartbeat, so the controller is asked once per beat, not once per job."""
+        self._stage_checked: tuple[float, list[StageProblem]] = (-math.inf, [])
+        """(monotonic seconds, result) of the last `serve.status()` stage check (`stage_problems`): shared by every
+        running job's heartbeat and `GET /v1/status`, so the controller is asked once per beat, not once per job."""
+        self._unplaced_since: dict[str, float] = {}
+        """deployment -> monotonic seconds when this replica first saw it unplaced (cleared once it is placed)."""
 
     # --- routes -------------------------------------------------------------------------------------------------
     async def submit(self, request: VideoRequest, *, client: str = ANONYMOUS_CLIENT) -> dict:
@@ -377,9 +414,17 @@ class VideoJobService:
 
     async def status(self) -> dict:
         """For the authenticated `GET /v1/status`: the model name, the store's job counts by status (read in a
-        thread, off the event loop) and the jobs rendering in this replica."""
+        thread, off the event loop), the jobs rendering in this replica, and the stages that cannot take work:
+        `"stages": {"unplaced": [{"stage", "waiting_s", "message"}], "failed": [...]}` (`stage_problems`; empty
+        lists when every stage is placed and healthy, or outside Serve)."""
         counts = await asyncio.to_thread(self.store.counts)
-        return {"object": "status", "model": self.spec.name, "jobs": counts, "running_here": len(self._active)}
+        problems = await asyncio.to_thread(self.stage_problems)
+        stages: dict[str, list[dict]] = {"unplaced": [], "failed": []}
+        for problem in problems:
+            stages[problem.kind].append({"stage": problem.deployment, "waiting_s": round(problem.waiting_s, 1),
+                                         "message": problem.serve_message})
+        return {"object": "status", "model": self.spec.name, "jobs": counts, "running_here": len(self._active),
+                "stages": stages}
 
     # --- runner -------------------------------------------------------------------------------------------------
     def ensure_runner(self) -> None:
@@ -509,7 +554,7 @@ class VideoJobService:
                 await asyncio.sleep(lease_s / 3)
                 unavailable = await asyncio.to_thread(self.unavailable_stage)
                 if unavailable is not None:  # its call would wait for a replica that does not come
-                    stopped["error"] = StageUnavailableError(unavailable)
+                    stopped["error"] = unavailable
                     render.cancel()
                     return
                 try:
@@ -583,41 +628,76 @@ class VideoJobService:
         except Exception:  # noqa: BLE001 - the job's outcome stands; the retention sweep removes the file later
             logger.warning("job %s: its input_reference was not deleted now", job.id, exc_info=True)
 
-    def unavailable_stage(self) -> str | None:
-        """'<deployment> is <status>: <Serve's message>' for the first stage deployment of this application that
-        Serve reports DEPLOY_FAILED (`UNAVAILABLE_STATUSES`), else None; also None where Serve cannot
-        say (stage objects outside Serve, as the unit tests chain them; Serve's controller not answering). A job
-        waiting on such a stage would wait for good: `_execute` fails it instead (`StageUnavailableError`).
+    def unavailable_stage(self) -> StageUnavailableError | None:
+        """The error to fail a running job with, when a stage deployment of this application cannot take its
+        request, else None: a stage Serve reports DEPLOY_FAILED (`UNAVAILABLE_STATUSES`) at once
+        (`StageUnavailableError`, '<deployment> is DEPLOY_FAILED: <Serve's message>'); a stage unplaced
+        (`stage_problems`) for more than `runner.unplaced_stage_timeout_s` (`StageUnplacedError`). None also where
+        Serve cannot say (stage objects outside Serve, as the unit tests chain them; the controller not answering).
+        A job waiting on such a stage would wait for good: `_execute` fails it instead.
+
+        Blocks on one `serve.status()` call per heartbeat at most (`stage_problems`): call it in a thread."""
+        timeout_s = self.settings.runner.unplaced_stage_timeout_s
+        for problem in self.stage_problems():
+            if problem.kind == "failed":
+                return StageUnavailableError(f"the {problem.deployment} stage is DEPLOY_FAILED: "
+                                             f"{problem.serve_message}")
+            if problem.waiting_s > timeout_s:
+                return StageUnplacedError(
+                    f"the {problem.deployment} stage has no replica running: Serve could not place one on any node "
+                    f"for {problem.waiting_s:.0f} s (no node satisfies its label_selector or has its resources; "
+                    f"runner.unplaced_stage_timeout_s is {timeout_s:g} s); the server's operator must add a "
+                    "matching node or fix the stage's placement; create the video again later")
+        return None
+
+    def stage_problems(self) -> list[StageProblem]:
+        """The stage deployments of this application that cannot take work now, from Serve's status: DEPLOY_FAILED
+        ones (kind "failed"), and unplaced ones (kind "unplaced": no replica RUNNING while Serve reports replicas
+        that "have taken more than N s to be scheduled", its message for replicas still PENDING_ALLOCATION); a
+        stage with a running replica is fine whatever its other replicas wait for (Serve routes to running ones).
 
         Every running job's heartbeat asks this once per beat (`runner.lease_s` / 3); one answer serves them all
-        for that long, so Serve's controller gets one `serve.status()` per beat from this replica, however many
-        jobs run. Blocks on that call (and on a concurrent caller making it): call it in a thread."""
+        (and `GET /v1/status`) for that long, so Serve's controller gets one `serve.status()` per beat from this
+        replica, however many jobs run. Blocks on that call (and on a concurrent caller making it): call it in a
+        thread."""
         max_age_s = self.settings.runner.lease_s / 3
         with self._stage_check_lock:
             checked_at, found = self._stage_checked
-            if time.monotonic() - checked_at < max_age_s:
-                return found
-            found = self._query_unavailable_stage()
-            self._stage_checked = (time.monotonic(), found)
-            return found
+            if time.monotonic() - checked_at >= max_age_s:
+                found = self._query_stage_problems()
+                self._stage_checked = (time.monotonic(), found)
+        now = time.monotonic()
+        return [problem._replace(waiting_s=now - problem.seen_at) for problem in found]
 
-    def _query_unavailable_stage(self) -> str | None:
-        """`unavailable_stage`'s answer from one `serve.status()` call."""
+    def _query_stage_problems(self) -> list[StageProblem]:
+        """`stage_problems`'s answer from one `serve.status()` call; keeps `_unplaced_since` (call under the lock)."""
         stages = [h for h in (self.text, self.denoiser, self.low_noise_denoiser, self.vae) if h is not None]
         names = [getattr(h, "deployment_name", None) for h in stages]
         app = getattr(stages[0], "app_name", None) if stages else None
         if app is None or not all(isinstance(n, str) for n in names):
-            return None
+            return []
         try:
             deployments = serve.status().applications[app].deployments
         except Exception:  # noqa: BLE001 - the controller restarting, or no such app: nothing to say now
-            return None
+            return []
+        problems = []
+        now = time.monotonic()
         for name in names:
             found = deployments.get(name)
-            status = getattr(found.status, "value", found.status) if found is not None else None
+            if found is None:
+                continue
+            status = getattr(found.status, "value", found.status)
+            running = (found.replica_states or {}).get("RUNNING", 0)
             if status in UNAVAILABLE_STATUSES:
-                return f"the {name} stage is {status}: {found.message}"
-        return None
+                problems.append(StageProblem(name, "failed", found.message, now, 0.0))
+            elif running == 0 and SERVE_UNSCHEDULED_NOTE in (found.message or ""):
+                seen_at = self._unplaced_since.setdefault(name, now)
+                if seen_at == now:
+                    logger.warning("the %s stage has no replica placed: %s", name, found.message)
+                problems.append(StageProblem(name, "unplaced", found.message, seen_at, 0.0))
+                continue
+            self._unplaced_since.pop(name, None)
+        return problems
 
     async def _render(self, job, progress: dict, owned: dict) -> Path | None:
         """text (and, for an image-to-video job, its first frame through the VAE stage) -> denoise (streamed
@@ -739,14 +819,14 @@ def _stage_error(err: BaseException) -> BaseException:
 def failure_message(err: BaseException, limit: int = 500) -> str:
     """A failed job's `error.message` for the client, at most `limit` characters.
 
-    For a request that cannot be made (`failure_code` "invalid_request": a vidray `UserError` a stage raised),
-    "<type>: <message>" of that error, which says what to change. For anything else ("internal_error") a generic
-    sentence with a short error id: the exception's text can hold server paths and host names, so it goes to the
+    For a request that cannot be made (`failure_code` "invalid_request": a vidray `UserError` a stage raised) or a
+    stage that no node can hold ("stage_unplaced"), "<type>: <message>" of that error, which says what to change.
+    For anything else ("internal_error") a generic sentence with a short error id: the exception's text can hold server paths and host names, so it goes to the
     server log only, logged here at ERROR with the same id (the id is a hash of the text: equal errors, equal ids).
     `_stage_error` unwraps Ray's RayTaskError (its text is the remote traceback with terminal colour codes).
     """
     text = f"{type(_stage_error(err)).__name__}: {_stage_error(err)}"
-    if failure_code(err) == "invalid_request":
+    if failure_code(err) in ("invalid_request", "stage_unplaced"):
         return text[:limit]
     error_id = hashlib.sha256(text.encode("utf-8", "backslashreplace")).hexdigest()[:8]
     logger.error("internal error id %s: %s", error_id, text)
@@ -757,7 +837,9 @@ def failure_message(err: BaseException, limit: int = 500) -> str:
 def failure_code(err: BaseException) -> str:
     """A failed job's `error.code`: "invalid_request" when the stage's error is a vidray `UserError` (what the
     request asked for cannot be made, e.g. `NonFiniteLatentsError` from a huge guidance_scale: resending it fails
-    again), else "internal_error"."""
+    again), "stage_unplaced" for a stage no node can hold (`StageUnplacedError`), else "internal_error"."""
+    if isinstance(err, StageUnplacedError):
+        return "stage_unplaced"
     return "invalid_request" if isinstance(_stage_error(err), UserError) else "internal_error"
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import io
 import re
 import struct
 from dataclasses import dataclass
@@ -259,9 +260,7 @@ def decode_image(data: bytes, header: ImageHeader, *, max_side_px: int) -> tuple
     Raises:
         ImageRefused: Pillow cannot decode it (its error named), or its size is above `max_side_px`.
     """
-    import io
-
-    from PIL import Image
+    from PIL import Image  # only where an image is decoded: `import vidray.serve.api` stays light
 
     try:
         with Image.open(io.BytesIO(data), formats=(header.format,)) as img:
