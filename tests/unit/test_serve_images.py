@@ -213,7 +213,8 @@ def _post(address: str, body: bytes) -> int:
 def test_get_answers_while_forty_image_uploads_are_in_flight(image_server):
     """Forty uploads of a big progressive JPEG (each ~0.1 s of CPU to decode): before, each held one of
     Starlette's 40 route threads while it decoded (and re-encoded a PNG), and a GET waited for them all; now they
-    wait for the image pool's 2 threads on the event loop, and the GET's store read gets a route thread at once."""
+    wait for the image pool's 2 threads on the event loop, and the GET's store read gets a route thread at once
+    (under a second even on a loaded machine)."""
     address, service = image_server
     service.videos["video_0001"] = {"id": "video_0001", "object": "video", "status": "queued", "progress": 0,
                                     "created_at": 1, "model": SPEC.name, "seconds": "1", "size": "64x48"}
@@ -232,7 +233,7 @@ def test_get_answers_while_forty_image_uploads_are_in_flight(image_server):
     assert response.status == 200 and b"video_0001" in response.read()
     for upload in uploads:
         upload.join(timeout=120)
-    assert get_s < 0.5 and in_flight >= 20, (get_s, in_flight)
+    assert get_s < 1.0 and in_flight >= 20, (get_s, in_flight)  # 2.3 s with the decodes in the route threads
     assert statuses == [200] * 40 and len(service.requests) == 40
     assert all(r.input_reference == body[body.index(b"\xff\xd8"):body.rindex(b"\r\n--")] for r in service.requests)
 
