@@ -234,8 +234,11 @@ def test_a_first_frame_input_reference_gives_the_video_vidray_generate_image_mak
         served_frames = decode_mp4(client.videos.download_content(video.id).read())
     from vidray.serve.jobs import JobStore
 
-    note = JobStore(served.store_dir).get(video.id).params["input_reference"]  # 48x40 into 32x32: said in the record
+    record = JobStore(served.store_dir).get(video.id)
+    note = record.params["input_reference"]  # 48x40 into 32x32: said in the record
     assert note["size"] == "48x40" and note["resized_to"] == "32x32" and "stretched" in note["note"]
+    # The upload was kept as sent (a .png, its own bytes) and deleted once the job no longer needed it (issue 44).
+    assert record.input_reference.endswith(f"{video.id}.png") and not Path(record.input_reference).exists()
     local = generate_to_file(exported_i2v_model, "a cat on a wall", tmp_path / "local.mp4", bucket="5x32x32",
                              num_inference_steps=3, seed=11, fps=8.0, image=image_path, crf=0)
     text_only = generate_to_file(exported_i2v_model, "a cat on a wall", tmp_path / "text.mp4", bucket="5x32x32",

@@ -102,6 +102,17 @@ def test_a_client_over_its_byte_quota_is_refused_and_keeps_every_job_and_file(tm
     assert _create(store, client="alice", max_client_bytes=len(image) + 50).client == "alice"
 
 
+def test_an_image_dropped_after_the_vae_stage_no_longer_counts_against_the_quota(tmp_path):
+    store = JobStore(tmp_path)
+    image = _png_bytes()
+    first = _create(store, client="alice", input_reference=image)
+    quota = {"max_client_bytes": len(image) - 1}  # alice is over it while her image is kept
+    with pytest.raises(StorageFullError):
+        _create(store, "more", client="alice", input_reference=image, **quota)
+    assert store.drop_input(first.id) and not store.drop_input(first.id)  # the second: nothing left to drop
+    assert _create(store, "more", client="alice", input_reference=image, **quota).client == "alice"
+
+
 def test_the_stores_quota_and_the_free_space_floor_refuse_creates_and_claims_wait(tmp_path):
     store = JobStore(tmp_path)
     _create(store, client="alice")

@@ -519,7 +519,10 @@ def _image_error(image: tuple[str, str, bytes]) -> RequestError:
 
 def test_check_image_refuses_undecodable_empty_and_oversized_images_naming_the_file():
     error = _image_error(("first.png", "image/png", b"\x89PNG not really"))
-    assert (error.status, error.code) == (400, "invalid_image") and "'first.png'" in error.message
+    assert (error.status, error.code) == (400, "unsupported_image_format") and "'first.png'" in error.message
+    assert "only PNG, JPEG or WebP images are accepted" in error.message
+    error = _image_error(("first.png", "image/png", png_bytes()[:20]))  # the PNG magic, its header cut
+    assert (error.status, error.code) == (400, "invalid_image") and "cut short" in error.message
     assert "empty" in _image_error(("empty.png", "image/png", b"")).message
     assert "600x20" in _image_error(("huge.png", "image/png", png_bytes(600, 20))).message
 
@@ -720,13 +723,15 @@ def test_first_problem_is_reported_in_a_fixed_order():
     assert info.value.param == "prompt"
 
 
-def test_check_image_reencodes_an_image_as_rgb_png():
+def test_check_image_keeps_the_upload_as_sent_and_reads_its_size_from_the_header():
     out = io.BytesIO()
     Image.new("RGBA", (20, 10), (1, 2, 3, 128)).save(out, format="WEBP", lossless=True)
-    png, size = _check_image(("a.webp", "image/webp", out.getvalue()), spec=IMAGE_CHECK_SPEC, limits=LIMITS)
-    assert size == (20, 10)
-    with Image.open(io.BytesIO(png)) as image:
-        assert (image.format, image.mode, image.size) == ("PNG", "RGB", (20, 10))
+    header = _check_image(("a.webp", "image/webp", out.getvalue()), spec=IMAGE_CHECK_SPEC, limits=LIMITS)
+    assert (header.format, header.width, header.height, header.suffix) == ("WEBP", 20, 10, ".webp")
+    request = parse_video_request({"prompt": "a"}, ("a.webp", "image/webp", out.getvalue()), spec=IMAGE_CHECK_SPEC,
+                                  limits=LIMITS)
+    assert request.input_reference == out.getvalue()  # the upload's own bytes, not a re-encode
+    assert (request.input_reference_size, request.input_reference_suffix) == ((20, 10), ".webp")
 
 
 def test_the_job_record_says_when_the_first_frame_is_stretched_to_the_videos_aspect_ratio():

@@ -378,6 +378,81 @@ def test_every_running_jobs_stage_check_shares_one_serve_status_call_per_heartbe
     for beat in beats:
         beat.join()
     assert len(calls) == 1
-    assert answers == ["the Denoiser stage is DEPLOY_FAILED: the replica's constructor raised"] * 16
+    assert [str(a) for a in answers] == ["the Denoiser stage is DEPLOY_FAILED: the replica's constructor raised"] * 16
     time.sleep(0.55)  # the next beat asks again
-    assert service.unavailable_stage() == answers[0] and len(calls) == 2
+    assert str(service.unavailable_stage()) == str(answers[0]) and len(calls) == 2
+
+
+UNSCHEDULED = ("Deployment 'Denoiser' in application 'app' has 1 replicas that have taken more than 30s to be "
+               "scheduled. This may be due to waiting for the cluster to auto-scale or for a runtime environment to be "
+               "installed. Resources required for each replica: {\"CPU\": 1}, total resources available: {}. Use "
+               "`ray status` for more details.")
+"""Serve's (ray 2.60) status message of a deployment whose replica waits for a node (PENDING_ALLOCATION)."""
+
+
+def _serve_status(denoiser_replicas: dict[str, int], message: str = UNSCHEDULED):
+    """A `serve.status()` answer: TextEncoder and VaeDecoder healthy, the Denoiser with these replica states and
+    message (Serve reports UPDATING while a replica waits to start)."""
+    from ray.serve.schema import ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
+
+    deployments = {name: DeploymentStatusOverview(status="HEALTHY", status_trigger="CONFIG_UPDATE_COMPLETED",
+                                                  replica_states={"RUNNING": 1}, message="")
+                   for name in ("TextEncoder", "VaeDecoder")}
+    deployments["Denoiser"] = DeploymentStatusOverview(status="UPDATING", status_trigger="CONFIG_UPDATE_STARTED",
+                                                       replica_states=denoiser_replicas, message=message)
+    return ServeStatus(applications={"app": ApplicationStatusOverview(
+        status="DEPLOYING", message="", last_deployed_time_s=0.0, deployments=deployments)})
+
+
+def test_a_stage_with_a_placed_replica_takes_the_jobs_and_an_unplaced_one_is_named_then_fails_them(
+        model_dir, tmp_path, monkeypatch):
+    """Issue 44 part 8. A Denoiser with one replica running and one waiting for a node is no problem (Serve routes
+    to the running one). With none running and Serve reporting its replica unscheduled, `GET /v1/status` names the
+    stage at once, and a job waiting on it fails after `runner.unplaced_stage_timeout_s` with `stage_unplaced`
+    and a message naming the stage (before, it stayed in_progress for good: Ray leaves the replica PENDING)."""
+    import vidray.serve.app as app_module
+    from vidray.serve.app import StageUnplacedError, VideoJobService
+
+    answer = {"status": _serve_status({"RUNNING": 1, "STARTING": 1})}
+    monkeypatch.setattr(app_module.serve, "status", lambda: answer["status"])
+    settings = ServeSettings(model_path=str(model_dir), store_dir=str(tmp_path / "store"), store_on="replica",
+                             runner={"lease_s": 0.6, "poll_s": 0.05, "unplaced_stage_timeout_s": 1.0})
+    service = VideoJobService(settings, None, _StageHandle("TextEncoder"), _StageHandle("Denoiser"),
+                              _StageHandle("VaeDecoder"))
+    assert service.stage_problems() == [] and service.unavailable_stage() is None  # one replica placed
+    answer["status"] = _serve_status({"STARTING": 2}, message="")
+    time.sleep(0.25)
+    assert service.stage_problems() == []  # starting, not (yet) reported unscheduled: a model loading
+    answer["status"] = _serve_status({"STARTING": 2})
+    time.sleep(0.25)
+    status = asyncio.run(service.status())
+    assert [p["stage"] for p in status["stages"]["unplaced"]] == ["Denoiser"] and status["stages"]["failed"] == []
+    assert "to be scheduled" in status["stages"]["unplaced"][0]["message"]
+    assert service.unavailable_stage() is None  # within the bounded wait: an autoscaler may add a node
+
+    class Stage(_Hang, _StageHandle):  # a handle of this app whose calls never answer (no replica to run them)
+        def __init__(self, name):
+            _Hang.__init__(self)
+            _StageHandle.__init__(self, name)
+
+    async def scenario():
+        stages = [Stage(name) for name in ("TextEncoder", "Denoiser", "VaeDecoder")]
+        for stage in stages:
+            stage.started = asyncio.Event()
+        runner = VideoJobService(settings, None, *stages)
+        params = {"num_frames": 9, "width": 48, "height": 64, "seed": 0, "num_inference_steps": 2,
+                  "guidance_scale": 1.0, "negative_prompt": "", "fps": 8.0}
+        job = runner.store.create(model="m", prompt="a", size="48x64", seconds="1", params=params)
+        start = time.monotonic()
+        record, _store = await run_until_finished(runner, job.id, timeout_s=20)
+        return record, time.monotonic() - start
+
+    job, waited_s = asyncio.run(scenario())
+    assert job.status == "failed" and job.error["code"] == "stage_unplaced", job
+    assert "the Denoiser stage has no replica running: Serve could not place one on any node" in job.error["message"]
+    assert "add a matching node or fix the stage's placement" in job.error["message"]
+    assert 1.0 < waited_s < 10, waited_s
+    assert isinstance(service.unavailable_stage(), StageUnplacedError)  # past the wait here too
+    answer["status"] = _serve_status({"RUNNING": 1, "STARTING": 1})  # a node joined: placed again
+    time.sleep(0.25)
+    assert service.stage_problems() == [] and service.unavailable_stage() is None

@@ -48,7 +48,6 @@ import binascii
 import errno
 import hashlib
 import hmac
-import io
 import json
 import logging
 import math
@@ -73,6 +72,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 from starlette.types import Message, Receive
 
+from vidray.serve import images
 from vidray.serve.jobs import (
     ANONYMOUS_CLIENT,
     IdempotencyKeyReusedError,
@@ -206,16 +206,26 @@ class ApiLimits:
     max_image_bytes: int = 4 * 2**20
     """`input_reference` image file, in bytes (as uploaded); larger -> 413."""
     max_image_px: int = 4096
-    """`input_reference` width and height, each, in pixels."""
+    """`input_reference` width and height, each, in pixels: an upper bound over the model's own
+    (`ModelSpec.max_image_px`); the smaller one applies."""
     max_num_inference_steps: int = 100
     """Upper bound on `num_inference_steps` (compute per request)."""
+    image_decode_workers: int = 2
+    """Threads that decode `input_reference` images, at most this many at once (`vidray.serve.images.ImageDecoder`:
+    a pool of their own, not the route threads)."""
+    image_decode_timeout_s: float = 10.0
+    """Seconds an image may wait for a decode thread and decode, together: past it the request is refused (400 when
+    the decode itself ran that long, 503 with Retry-After when no thread came free)."""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_prompt_chars", "max_image_bytes", "max_image_px",
-                     "max_num_inference_steps"):
+                     "max_num_inference_steps", "image_decode_workers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ApiLimits.{name} must be a positive integer, got {value!r}")
+        timeout = self.image_decode_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(f"ApiLimits.image_decode_timeout_s must be a positive number of seconds, got {timeout!r}")
 
 
 @dataclass(frozen=True)
@@ -252,6 +262,10 @@ class ModelSpec:
     """Classifier-free guidance scale when a request gives no `guidance_scale` (1.0 = no guidance)."""
     no_image_reason: str = "is a text-to-video model and takes no image"
     """Why an `input_reference` is refused (with `supports_image_to_video` False), after the model's name."""
+    max_image_px: int | None = None
+    """Largest `input_reference` width and height in pixels this model takes (the image is resized to the video's
+    size: `vidray.serve.app.model_spec` sets twice the largest side of its buckets and of the sizes it serves);
+    None: only `ApiLimits.max_image_px` applies."""
 
     def __post_init__(self) -> None:
         width, height = self.default_size
@@ -299,9 +313,18 @@ class VideoRequest:
     negative_prompt: str
     """Stripped; "" when not given."""
     input_reference: bytes | None = field(default=None, repr=False)
-    """The first-frame image re-encoded as RGB PNG bytes, or None for text-to-video."""
+    """The first-frame image file's own bytes, as uploaded (PNG, JPEG or WebP; not re-encoded), or None for
+    text-to-video."""
     input_reference_size: tuple[int, int] | None = None
-    """(width, height) of `input_reference` in pixels, as uploaded; None for text-to-video."""
+    """(width, height) of `input_reference` in pixels, from its header; None for text-to-video."""
+    input_reference_format: str | None = None
+    """Its format, a key of `vidray.serve.images.IMAGE_FORMATS` ("PNG", "JPEG", "WEBP"); None for text-to-video."""
+
+    @property
+    def input_reference_suffix(self) -> str | None:
+        """The suffix the job store files the image under (".png", ".jpg", ".webp"), or None."""
+        fmt = self.input_reference_format
+        return None if fmt is None else images.IMAGE_FORMATS[fmt]
 
     def input_reference_note(self) -> dict | None:
         """What becomes of the first-frame image, for the job record: {"size": "WxH" as uploaded, "resized_to":
@@ -478,8 +501,9 @@ def parse_video_request(
             - `guidance_scale`: finite, >= 1.0, default `spec.default_guidance_scale`.
             - `negative_prompt`: at most `limits.max_prompt_chars` characters, default "".
         image: the `input_reference` upload as (filename, content_type, bytes), or None. Its content type is not
-            trusted; the bytes must decode with PIL (first frame of animated formats), each side at most
-            `limits.max_image_px`; re-encoded as RGB PNG.
+            trusted: `_check_image` checks the bytes without decoding them (PNG, JPEG or WebP by their magic
+            bytes, each side at most `_image_side_limit`, a JPEG's scans bounded); the route then decodes them in
+            the image pool (`vidray.serve.images.ImageDecoder`). Kept as uploaded, not re-encoded.
         spec: what the serving model can make.
         limits: request size limits.
 
@@ -583,9 +607,11 @@ def parse_video_request(
     negative_prompt = "" if _is_blank(fields.get("negative_prompt") or "") else fields["negative_prompt"].strip()
 
     # 7. Image.
-    input_reference = input_reference_size = None
+    input_reference = input_reference_size = input_reference_format = None
     if image is not None:
-        input_reference, input_reference_size = _check_image(image, spec=spec, limits=limits)
+        header = _check_image(image, spec=spec, limits=limits)
+        input_reference, input_reference_format = image[2], header.format
+        input_reference_size = (header.width, header.height)
 
     return VideoRequest(
         prompt=prompt,
@@ -600,6 +626,7 @@ def parse_video_request(
         negative_prompt=negative_prompt,
         input_reference=input_reference,
         input_reference_size=input_reference_size,
+        input_reference_format=input_reference_format,
     )
 
 
@@ -627,36 +654,49 @@ def _image_too_large(filename: str, size: int, limits: ApiLimits) -> RequestErro
                         code="request_too_large")
 
 
-def _check_image(image: tuple[str, str, bytes], *, spec: ModelSpec, limits: ApiLimits) -> tuple[bytes, tuple[int, int]]:
-    """(filename, content_type, bytes) -> (RGB PNG bytes, (width, height) in pixels). Raises RequestError 400/413
-    (param input_reference)."""
-    from PIL import Image  # Pillow is a core dependency; imported here to keep `import vidray.serve.api` light.
+def _image_side_limit(spec: ModelSpec, limits: ApiLimits) -> int:
+    """The largest `input_reference` width and height in pixels: the model's (`ModelSpec.max_image_px`) within the
+    operator's `ApiLimits.max_image_px`."""
+    return min(limits.max_image_px, spec.max_image_px or limits.max_image_px)
 
+
+def _check_image(image: tuple[str, str, bytes], *, spec: ModelSpec, limits: ApiLimits) -> images.ImageHeader:
+    """(filename, content_type, bytes) -> its header, checked without decoding (`vidray.serve.images.inspect_image`:
+    PNG, JPEG or WebP by the magic bytes, each side at most `_image_side_limit`, a JPEG's marker walk bounding its
+    scans). Linear in the bytes, milliseconds at most. Raises RequestError 400 (413 over `limits.max_image_bytes`),
+    param input_reference, naming what was wrong and what is accepted."""
     filename, _content_type, data = image
     if not spec.supports_image_to_video:
         raise RequestError(400, "input_reference", f"input_reference: {spec.name!r} {spec.no_image_reason}; send "
                            "the request without input_reference")
     if len(data) > limits.max_image_bytes:
         raise _image_too_large(filename, len(data), limits)
-    if not data:
-        raise RequestError(400, "input_reference", f"input_reference {filename!r} is empty; upload an image file")
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            width, height = img.size  # from the header, before any pixels are decoded
-            if width > limits.max_image_px or height > limits.max_image_px:
-                raise RequestError(400, "input_reference", f"input_reference {filename!r} is {width}x{height} "
-                                   f"pixels, above the limit {limits.max_image_px} per side; resize it")
-            img.load()
-            rgb = img.convert("RGB")
-    except RequestError:
-        raise
-    except Exception as exc:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError, ValueError)
-        raise RequestError(400, "input_reference", f"input_reference {filename!r} is not an image PIL can decode "
-                           f"({type(exc).__name__}: {exc}); upload a PNG, JPEG or WebP file",
-                           code="invalid_image") from None
-    out = io.BytesIO()
-    rgb.save(out, format="PNG")
-    return out.getvalue(), (width, height)
+        return images.inspect_image(data, max_side_px=_image_side_limit(spec, limits),
+                                    what=f"input_reference {_shown(filename)}")
+    except images.ImageRefused as err:
+        raise _image_error(err, filename) from None
+
+
+def _image_error(err: images.ImageRefused, filename: str) -> RequestError:
+    """An `ImageRefused` as the request's answer (param input_reference; a 503 gets Retry-After)."""
+    message = str(err)
+    if not message.startswith("input_reference"):
+        message = f"input_reference {_shown(filename)}: {message}"
+    headers = {"Retry-After": "2"} if err.status == 503 else None
+    return RequestError(err.status, "input_reference", message, code=err.code, headers=headers)
+
+
+async def _decode_image(request: VideoRequest, spec: ModelSpec, limits: ApiLimits, filename: str) -> None:
+    """Decode the request's image in the image pool within `limits.image_decode_timeout_s` (`vidray.serve.images.
+    ImageDecoder`), so a job is stored only for an image that decodes. Raises RequestError as `_image_error`."""
+    header = images.ImageHeader(request.input_reference_format, *request.input_reference_size)
+    try:
+        await images.decoder(limits.image_decode_workers).decode(
+            request.input_reference, header, max_side_px=_image_side_limit(spec, limits),
+            timeout_s=limits.image_decode_timeout_s)
+    except images.ImageRefused as err:
+        raise _image_error(err, filename) from None
 
 
 def _data_url_cap(limits: ApiLimits) -> int:
@@ -1377,12 +1417,10 @@ def build_api(get_service: Callable[[], VideoService | None],
                                    code="unsupported_media_type")
         except _BodyTooLarge:
             raise _too_large(limits, None) from None
-        if image is None:
-            video_request = parse_video_request(fields, None, spec=service.spec, limits=limits)
-        else:  # decoding an image can take ~100 ms: off the event loop, which serves every other request
-            video_request = await run_in_threadpool(
-                parse_video_request, fields, image, spec=service.spec, limits=limits
-            )
+        # Fields and the image's header on the loop (bounded, linear); the image's decode in its own pool.
+        video_request = parse_video_request(fields, image, spec=service.spec, limits=limits)
+        if video_request.input_reference is not None:
+            await _decode_image(video_request, service.spec, limits, image[0])
         return JSONResponse(await _submit(service, video_request, request.state.client, idempotency_key))
 
     @app.get("/v1/videos")

@@ -21,7 +21,10 @@ Faults (documented outcome, tested): a stage replica that dies under a job (its 
 it is queued again for one more attempt (`runner.max_attempts`, default 2), and a second death marks it failed with
 `error.code = "replica_died"`. An ingress replica that dies stops renewing its jobs' leases; any runner's sweep
 re-queues them (or fails them with `runner_lost` after the last attempt) once `runner.lease_s` has passed. Serve
-restarts dead replicas. A job deleted while running is dropped by its runner at the next progress update.
+restarts dead replicas. A stage Serve reports DEPLOY_FAILED fails its jobs at the next heartbeat; one with no
+replica placed (no node satisfies its label selector or has its resources) is named in `GET /v1/status` and fails
+its jobs with `stage_unplaced` after `runner.unplaced_stage_timeout_s` (`VideoJobService.stage_problems`). A job
+deleted while running is dropped by its runner at the next progress update.
 
 Bounds (issue 27 item 2): each bearer token is a client (`auth.token_file` may list several; the store keeps a short
 hash, never the token); `limits.max_queued_jobs` and `limits.max_queued_jobs_per_token` cap unfinished jobs (429
@@ -43,7 +46,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
@@ -60,6 +63,11 @@ __all__ = ["ServeSettings", "ServeSettingsError", "VideoIngress", "VideoJobServi
 
 logger = logging.getLogger("ray.serve")
 
+IMAGE_SIDE_FACTOR = 2
+"""An `input_reference` side may be up to this many times the largest video side the model makes (its largest
+training bucket, or the largest size `limits` lets a request ask): it is resized down to the video's size, and a
+larger image only costs decode time (`ModelSpec.max_image_px`)."""
+
 LOW_NOISE_DENOISER = "LowNoiseDenoiser"
 """The deployment of a two-expert model's low-noise expert (its high-noise one is `Denoiser`)."""
 
@@ -70,10 +78,42 @@ class StageUnavailableError(RuntimeError):
     message."""
 
 
+class StageUnplacedError(StageUnavailableError):
+    """A stage deployment this job needs has no replica running and Serve cannot place one: its replicas wait to
+    be scheduled (no alive node satisfies its `label_selector`, or none has its resources: Ray leaves such an actor
+    PENDING without error) for longer than `runner.unplaced_stage_timeout_s`. The job fails with code
+    `stage_unplaced` and this message (it names the deployment, no host)."""
+
+
 UNAVAILABLE_STATUSES = ("DEPLOY_FAILED",)
 """Serve's deployment statuses (`ray.serve.schema.DeploymentStatus`) under which a stage takes no request: a call
 to it would wait for a replica that does not come. Not UNHEALTHY: a replica that died is replaced, and its jobs
 are retried (`runner.max_attempts`); failing them then would end jobs that Serve recovers."""
+
+
+class InputReferenceGoneError(RuntimeError):
+    """A job's first-frame image is no longer stored although the job is: deleted once its last attempt had
+    encoded it, then the job was handed back (`JobStore.requeue`). The job fails with code
+    `input_reference_gone`."""
+
+
+SERVE_UNSCHEDULED_NOTE = "to be scheduled"
+"""What Serve's deployment status message says of replicas still waiting for a node (ray 2.60,
+`serve/_private/deployment_state.py`: "... has N replicas that have taken more than 30s to be scheduled ..."): set
+after RAY_SERVE_SLOW_STARTUP_WARNING_S (30 s) of PENDING_ALLOCATION, kept until the deployment changes status."""
+
+
+class StageProblem(NamedTuple):
+    """A stage deployment that cannot take work (`VideoJobService.stage_problems`)."""
+
+    deployment: str
+    kind: Literal["failed", "unplaced"]
+    serve_message: str
+    """Serve's status message for the deployment."""
+    seen_at: float
+    """Monotonic seconds when this replica first saw it so (for "failed": when last checked)."""
+    waiting_s: float
+    """Seconds since `seen_at`, as of the call that returned it."""
 
 
 class ServeSettingsError(UserError):
@@ -108,7 +148,14 @@ class LimitSettings(_Section):
     max_image_bytes: int = Field(4 * 2**20, ge=1)
     """Largest `input_reference` image file in bytes (413 above it)."""
     max_image_px: int = Field(4096, ge=16)
-    """Largest `input_reference` side in pixels (400 above it)."""
+    """Largest `input_reference` side in pixels (400 above it); the model's own bound applies when smaller: twice
+    the largest side of its training buckets and of max_width / max_height (the image is resized to the video)."""
+    image_decode_workers: int = Field(2, ge=1, le=64)
+    """Threads that decode `input_reference` images, at most this many at once, in a pool of their own: image work
+    never takes the threads the other routes (reads, downloads) run in."""
+    image_decode_timeout_s: float = Field(10.0, gt=0, le=600)
+    """Seconds an image may wait for a decode thread and decode: past it a create is refused (400 when the decode
+    itself ran that long, 503 with Retry-After when the decode threads were busy)."""
     max_num_inference_steps: int = Field(100, ge=1)
     """Most denoising steps a request may ask (400 above it)."""
     max_width: int = Field(1024, ge=16)
@@ -156,6 +203,12 @@ class RunnerSettings(_Section):
     """Claims per job: 2 = one retry after a replica died under it."""
     poll_s: float = Field(0.5, gt=0)
     """How often an idle runner looks for queued jobs (submissions to this replica wake it at once)."""
+    unplaced_stage_timeout_s: float = Field(300.0, gt=0)
+    """Seconds a running job waits for a stage that has no replica running while Serve reports its replicas waiting
+    to be scheduled (no node satisfies its label_selector or has its resources; Serve says so after
+    RAY_SERVE_SLOW_STARTUP_WARNING_S, 30 s), before the job fails with `stage_unplaced`: time for an autoscaler to
+    start a matching node. A stage with one replica placed takes every request meanwhile (Serve routes only to
+    running replicas). `GET /v1/status` names an unplaced stage at once."""
 
 
 class PolicySettings(_Section):
@@ -275,6 +328,8 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
             return False
         return True
 
+    largest_side = max([settings.limits.max_width, settings.limits.max_height]
+                       + [max(b.height, b.width) for b in info.buckets])
     return ModelSpec(
         name=settings.model_name,
         default_size=(bucket.width, bucket.height),
@@ -290,6 +345,7 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
                                "(use vidray generate --image --last-image)"} if needs_last_image else {}),
         default_num_inference_steps=settings.default_num_inference_steps,
         default_guidance_scale=settings.default_guidance_scale,
+        max_image_px=IMAGE_SIDE_FACTOR * largest_side,
     )
 
 
@@ -313,7 +369,9 @@ class VideoJobService:
         limits = settings.limits
         self.limits = ApiLimits(max_body_bytes=limits.max_body_bytes, max_prompt_chars=limits.max_prompt_chars,
                                 max_image_bytes=limits.max_image_bytes, max_image_px=limits.max_image_px,
-                                max_num_inference_steps=limits.max_num_inference_steps)
+                                max_num_inference_steps=limits.max_num_inference_steps,
+                                image_decode_workers=limits.image_decode_workers,
+                                image_decode_timeout_s=limits.image_decode_timeout_s)
         self.info = inspect_model(settings.model_path)
         self.spec = model_spec(settings, self.info)
         self.store = _open_store(settings, app=app_name)
@@ -339,9 +397,11 @@ class VideoJobService:
         self._store_counted_at = -math.inf  # monotonic seconds of the last `store.counts()` for the gauge
         self._swept_at = -math.inf  # monotonic seconds of the last retention / temp-file sweep
         self._stage_check_lock = threading.Lock()
-        self._stage_checked: tuple[float, str | None] = (-math.inf, None)
-        """(monotonic seconds, result) of the last `serve.status()` stage check (`unavailable_stage`): shared by
-        every running job's heartbeat, so the controller is asked once per beat, not once per job."""
+        self._stage_checked: tuple[float, list[StageProblem]] = (-math.inf, [])
+        """(monotonic seconds, result) of the last `serve.status()` stage check (`stage_problems`): shared by every
+        running job's heartbeat and `GET /v1/status`, so the controller is asked once per beat, not once per job."""
+        self._unplaced_since: dict[str, float] = {}
+        """deployment -> monotonic seconds when this replica first saw it unplaced (cleared once it is placed)."""
 
     # --- routes -------------------------------------------------------------------------------------------------
     async def submit(self, request: VideoRequest, *, client: str = ANONYMOUS_CLIENT,
@@ -363,6 +423,7 @@ class VideoJobService:
             self.store.create, model=request.model or self.spec.name, prompt=request.prompt,
             size=f"{request.width}x{request.height}", seconds=request.seconds, params=params,
             input_reference=request.input_reference, client=client,
+            **({"input_suffix": request.input_reference_suffix} if request.input_reference is not None else {}),
             max_unfinished=self.settings.limits.max_queued_jobs,
             max_unfinished_per_client=self.settings.limits.max_queued_jobs_per_token,
             idempotency_key=idempotency_key,
@@ -406,9 +467,17 @@ class VideoJobService:
 
     async def status(self, *, client: str | None = None) -> dict:
         """For the authenticated `GET /v1/status`: the model name, `client`'s job counts by status (None: all
-        clients'; read in a thread, off the event loop) and the jobs rendering in this replica."""
+        clients'; read in a thread, off the event loop), the jobs rendering in this replica, and the stages that
+        cannot take work: `"stages": {"unplaced": [{"stage", "waiting_s", "message"}], "failed": [...]}`
+        (`stage_problems`; empty lists when every stage is placed and healthy, or outside Serve)."""
         counts = await asyncio.to_thread(lambda: self.store.counts(client=client))
-        return {"object": "status", "model": self.spec.name, "jobs": counts, "running_here": len(self._active)}
+        problems = await asyncio.to_thread(self.stage_problems)
+        stages: dict[str, list[dict]] = {"unplaced": [], "failed": []}
+        for problem in problems:
+            stages[problem.kind].append({"stage": problem.deployment, "waiting_s": round(problem.waiting_s, 1),
+                                         "message": problem.serve_message})
+        return {"object": "status", "model": self.spec.name, "jobs": counts, "running_here": len(self._active),
+                "stages": stages}
 
     # --- runner -------------------------------------------------------------------------------------------------
     def ensure_runner(self) -> None:
@@ -539,7 +608,7 @@ class VideoJobService:
                 await asyncio.sleep(lease_s / 3)
                 unavailable = await asyncio.to_thread(self.unavailable_stage)
                 if unavailable is not None:  # its call would wait for a replica that does not come
-                    stopped["error"] = StageUnavailableError(unavailable)
+                    stopped["error"] = unavailable
                     render.cancel()
                     return
                 try:
@@ -568,6 +637,7 @@ class VideoJobService:
             done = await asyncio.to_thread(self.store.complete, job.id, job.owner, mp4)
             if done:
                 self.metrics.count_job("completed", seconds=time.time() - job.created_at)
+                await self._release_input(job)
             else:
                 mp4.unlink(missing_ok=True)
         except JobStoreUnavailableError as err:
@@ -582,6 +652,11 @@ class VideoJobService:
             logger.warning("job %s: a stage replica died (%s); job now %s", job.id, type(err).__name__, status)
             if status is not None:
                 self.metrics.count_job("retried" if status == "queued" else "failed")
+            if status == "failed":
+                await self._release_input(job)
+        except InputReferenceGoneError as err:
+            if await asyncio.to_thread(self.store.fail, job.id, job.owner, "input_reference_gone", str(err)):
+                self.metrics.count_job("failed")
         except Exception as err:  # noqa: BLE001 - any other failure fails this job with its reason
             code = failure_code(err)
             if code == "internal_error":
@@ -590,46 +665,93 @@ class VideoJobService:
                 logger.warning("job %s failed (%s): %s", job.id, code, failure_message(err))
             if await asyncio.to_thread(self.store.fail, job.id, job.owner, code, failure_message(err)):
                 self.metrics.count_job("failed")
+                await self._release_input(job)
         finally:
             beat.cancel()
             if self._renders.get(job.id, (None, None, None))[2] == job.owner:
                 self._renders.pop(job.id)
 
-    def unavailable_stage(self) -> str | None:
-        """'<deployment> is <status>: <Serve's message>' for the first stage deployment of this application that
-        Serve reports DEPLOY_FAILED (`UNAVAILABLE_STATUSES`), else None; also None where Serve cannot
-        say (stage objects outside Serve, as the unit tests chain them; Serve's controller not answering). A job
-        waiting on such a stage would wait for good: `_execute` fails it instead (`StageUnavailableError`).
+    async def _release_input(self, job) -> None:
+        """Delete `job`'s first-frame image from the store (`JobStore.drop_input`) once nothing needs it: the VAE
+        stage encoded it on the job's last attempt, or the job finished. Best effort: a store that does not answer
+        leaves the file to the job's expiry, which removes it with the video."""
+        if job.input_reference is None:
+            return
+        try:
+            await asyncio.to_thread(self.store.drop_input, job.id)
+        except Exception:  # noqa: BLE001 - the job's outcome stands; the retention sweep removes the file later
+            logger.warning("job %s: its input_reference was not deleted now", job.id, exc_info=True)
+
+    def unavailable_stage(self) -> StageUnavailableError | None:
+        """The error to fail a running job with, when a stage deployment of this application cannot take its
+        request, else None: a stage Serve reports DEPLOY_FAILED (`UNAVAILABLE_STATUSES`) at once
+        (`StageUnavailableError`, '<deployment> is DEPLOY_FAILED: <Serve's message>'); a stage unplaced
+        (`stage_problems`) for more than `runner.unplaced_stage_timeout_s` (`StageUnplacedError`). None also where
+        Serve cannot say (stage objects outside Serve, as the unit tests chain them; the controller not answering).
+        A job waiting on such a stage would wait for good: `_execute` fails it instead.
+
+        Blocks on one `serve.status()` call per heartbeat at most (`stage_problems`): call it in a thread."""
+        timeout_s = self.settings.runner.unplaced_stage_timeout_s
+        for problem in self.stage_problems():
+            if problem.kind == "failed":
+                return StageUnavailableError(f"the {problem.deployment} stage is DEPLOY_FAILED: "
+                                             f"{problem.serve_message}")
+            if problem.waiting_s > timeout_s:
+                return StageUnplacedError(
+                    f"the {problem.deployment} stage has no replica running: Serve could not place one on any node "
+                    f"for {problem.waiting_s:.0f} s (no node satisfies its label_selector or has its resources; "
+                    f"runner.unplaced_stage_timeout_s is {timeout_s:g} s); the server's operator must add a "
+                    "matching node or fix the stage's placement; create the video again later")
+        return None
+
+    def stage_problems(self) -> list[StageProblem]:
+        """The stage deployments of this application that cannot take work now, from Serve's status: DEPLOY_FAILED
+        ones (kind "failed"), and unplaced ones (kind "unplaced": no replica RUNNING while Serve reports replicas
+        that "have taken more than N s to be scheduled", its message for replicas still PENDING_ALLOCATION); a
+        stage with a running replica is fine whatever its other replicas wait for (Serve routes to running ones).
 
         Every running job's heartbeat asks this once per beat (`runner.lease_s` / 3); one answer serves them all
-        for that long, so Serve's controller gets one `serve.status()` per beat from this replica, however many
-        jobs run. Blocks on that call (and on a concurrent caller making it): call it in a thread."""
+        (and `GET /v1/status`) for that long, so Serve's controller gets one `serve.status()` per beat from this
+        replica, however many jobs run. Blocks on that call (and on a concurrent caller making it): call it in a
+        thread."""
         max_age_s = self.settings.runner.lease_s / 3
         with self._stage_check_lock:
             checked_at, found = self._stage_checked
-            if time.monotonic() - checked_at < max_age_s:
-                return found
-            found = self._query_unavailable_stage()
-            self._stage_checked = (time.monotonic(), found)
-            return found
+            if time.monotonic() - checked_at >= max_age_s:
+                found = self._query_stage_problems()
+                self._stage_checked = (time.monotonic(), found)
+        now = time.monotonic()
+        return [problem._replace(waiting_s=now - problem.seen_at) for problem in found]
 
-    def _query_unavailable_stage(self) -> str | None:
-        """`unavailable_stage`'s answer from one `serve.status()` call."""
+    def _query_stage_problems(self) -> list[StageProblem]:
+        """`stage_problems`'s answer from one `serve.status()` call; keeps `_unplaced_since` (call under the lock)."""
         stages = [h for h in (self.text, self.denoiser, self.low_noise_denoiser, self.vae) if h is not None]
         names = [getattr(h, "deployment_name", None) for h in stages]
         app = getattr(stages[0], "app_name", None) if stages else None
         if app is None or not all(isinstance(n, str) for n in names):
-            return None
+            return []
         try:
             deployments = serve.status().applications[app].deployments
         except Exception:  # noqa: BLE001 - the controller restarting, or no such app: nothing to say now
-            return None
+            return []
+        problems = []
+        now = time.monotonic()
         for name in names:
             found = deployments.get(name)
-            status = getattr(found.status, "value", found.status) if found is not None else None
+            if found is None:
+                continue
+            status = getattr(found.status, "value", found.status)
+            running = (found.replica_states or {}).get("RUNNING", 0)
             if status in UNAVAILABLE_STATUSES:
-                return f"the {name} stage is {status}: {found.message}"
-        return None
+                problems.append(StageProblem(name, "failed", found.message, now, 0.0))
+            elif running == 0 and SERVE_UNSCHEDULED_NOTE in (found.message or ""):
+                seen_at = self._unplaced_since.setdefault(name, now)
+                if seen_at == now:
+                    logger.warning("the %s stage has no replica placed: %s", name, found.message)
+                problems.append(StageProblem(name, "unplaced", found.message, seen_at, 0.0))
+                continue
+            self._unplaced_since.pop(name, None)
+        return problems
 
     async def _render(self, job, progress: dict, owned: dict) -> Path | None:
         """text (and, for an image-to-video job, its first frame through the VAE stage) -> denoise (streamed
@@ -647,10 +769,16 @@ class VideoJobService:
         if job.input_reference is not None:  # image-to-video: the first frame's condition, by the VAE stage
             image = await asyncio.to_thread(self.store.read_input, job.id)
             if image is None:
-                return None  # deleted (or expired) meanwhile: its input went with it
+                if await asyncio.to_thread(self.store.get, job.id) is None:
+                    return None  # deleted (or expired) meanwhile: its input went with it
+                raise InputReferenceGoneError(
+                    "the input_reference image was deleted after an earlier attempt encoded it (the job was handed "
+                    "back by a stopping replica); create the video again")
             condition = self.vae.encode_image.remote(image, (num_frames, height, width), params["seed"])
         encoded = [await call for call in calls]
         condition = {} if condition is None else await condition  # inpaint_latents[, image_embeds]
+        if job.input_reference is not None and job.attempts >= self.settings.runner.max_attempts:
+            await self._release_input(job)  # encoded, and no later attempt can need it
         progress["value"] = 5
         # 2. Denoise, following the step events.
         prompt_embeds, prompt_attention_mask = encoded[0]
@@ -745,14 +873,14 @@ def _stage_error(err: BaseException) -> BaseException:
 def failure_message(err: BaseException, limit: int = 500) -> str:
     """A failed job's `error.message` for the client, at most `limit` characters.
 
-    For a request that cannot be made (`failure_code` "invalid_request": a vidray `UserError` a stage raised),
-    "<type>: <message>" of that error, which says what to change. For anything else ("internal_error") a generic
-    sentence with a short error id: the exception's text can hold server paths and host names, so it goes to the
+    For a request that cannot be made (`failure_code` "invalid_request": a vidray `UserError` a stage raised) or a
+    stage that no node can hold ("stage_unplaced"), "<type>: <message>" of that error, which says what to change.
+    For anything else ("internal_error") a generic sentence with a short error id: the exception's text can hold server paths and host names, so it goes to the
     server log only, logged here at ERROR with the same id (the id is a hash of the text: equal errors, equal ids).
     `_stage_error` unwraps Ray's RayTaskError (its text is the remote traceback with terminal colour codes).
     """
     text = f"{type(_stage_error(err)).__name__}: {_stage_error(err)}"
-    if failure_code(err) == "invalid_request":
+    if failure_code(err) in ("invalid_request", "stage_unplaced"):
         return text[:limit]
     error_id = hashlib.sha256(text.encode("utf-8", "backslashreplace")).hexdigest()[:8]
     logger.error("internal error id %s: %s", error_id, text)
@@ -763,7 +891,9 @@ def failure_message(err: BaseException, limit: int = 500) -> str:
 def failure_code(err: BaseException) -> str:
     """A failed job's `error.code`: "invalid_request" when the stage's error is a vidray `UserError` (what the
     request asked for cannot be made, e.g. `NonFiniteLatentsError` from a huge guidance_scale: resending it fails
-    again), else "internal_error"."""
+    again), "stage_unplaced" for a stage no node can hold (`StageUnplacedError`), else "internal_error"."""
+    if isinstance(err, StageUnplacedError):
+        return "stage_unplaced"
     return "invalid_request" if isinstance(_stage_error(err), UserError) else "internal_error"
 
 

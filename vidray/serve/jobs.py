@@ -1024,6 +1024,23 @@ class JobStore:
         except FileNotFoundError:
             return None
 
+    def drop_input(self, job_id: str) -> bool:
+        """Delete job `job_id`'s first-frame image file (its record keeps the path, so `read_input` then answers
+        None) and take its bytes off the job's count (the byte quotas, `limits.max_stored_bytes*`): the runner
+        calls it once the VAE stage no longer needs the image. True if a file was removed."""
+        job = self.get(job_id) if is_job_id(job_id) else None
+        if job is None or job.input_reference is None:
+            return False
+        path = Path(job.input_reference)
+        with self._write() as conn:  # the count and the file change together
+            size = _file_bytes(path)
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return False
+            conn.execute("UPDATE jobs SET bytes = MAX(0, bytes - ?) WHERE id = ?", (size, job_id))
+        return True
+
     def temp_video(self) -> Path:
         """A new empty file ``tmp/<random>.mp4`` for a runner to write a video into before `complete` moves it in
         (same filesystem: the move is atomic). The runner removes it if the job ends otherwise; `sweep_temp`

@@ -33,6 +33,7 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
+from vidray.serve.images import IMAGE_FORMATS
 from vidray.serve.metrics import DenoiserMetrics, gauge_refresh_s
 from vidray.serve.policy import BatchPolicy, PolicyConfig, check_max_ongoing_requests
 
@@ -143,7 +144,7 @@ class VaeDecoder:
         from vidray.data.buckets import Bucket
 
         try:
-            with Image.open(io.BytesIO(bytes(image))) as opened:
+            with Image.open(io.BytesIO(bytes(image)), formats=tuple(IMAGE_FORMATS)) as opened:  # as the ingress took
                 picture = opened.convert("RGB")
         except UnidentifiedImageError:
             raise ValueError("input_reference is not an image PIL can decode") from None

@@ -54,7 +54,7 @@ STORE_NAMESPACE = "vidray"
 
 FORWARDED = frozenset({
     "create", "get", "list", "delete", "counts", "claim", "heartbeat", "fail", "release", "requeue",
-    "recover_expired", "sweep_expired", "read_input", "video_path",
+    "recover_expired", "sweep_expired", "read_input", "video_path", "drop_input",
 })
 """`JobStore` methods a `HeadJobStore` forwards to the actor unchanged (arguments and answer as `JobStore`'s)."""
 
