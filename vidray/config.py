@@ -279,7 +279,8 @@ class DataConfig:
     `file://...` (`vidray.data.storage`)."""
     cache_dir: str = DEFAULT_CACHE_DIR
     """Node-local folder of the warm shard cache (`vidray.data.cache`): shards fetched from object storage,
-    named by their sha256. Local `shards_dir` folders are read in place and never copied here."""
+    named by their sha256. Local `shards_dir` folders are read in place and never copied here. Created with mode
+    0700; a folder of another user, a symlink or one every user can write is refused (`vidray.private_dirs`)."""
     cache_bytes: int = DEFAULT_CACHE_BYTES
     """Byte budget of the warm cache on each node (LRU eviction); must hold at least the largest shard."""
     buckets: list[Bucket] = dataclasses.field(default_factory=lambda: [Bucket(9, 64, 64), Bucket(1, 64, 64)])
