@@ -5,7 +5,9 @@ what vidray writes there.
 
 `private_dir(path)` makes the folder (each missing component with mode 0700) or checks the one there: a real
 folder, not a symlink, owned by this user and not writable by others; and every folder above it owned by this user
-or root, not writable by others unless sticky (as `/tmp` is). `open_exclusive` creates a new file that no one else
+or root, not writable by others unless sticky (as `/tmp` is). A mount point owned by this user or root is accepted
+as it is (a Kubernetes emptyDir, root's and 0777, such as the KubeRay configs mount at the default cache folder:
+only that pod's containers reach it), the folders made inside it are checked as above. `open_exclusive` creates a new file that no one else
 made first (`O_CREAT | O_EXCL | O_NOFOLLOW`, mode 0600). The model is OpenSSH's StrictModes and Python's own
 `tempfile.mkstemp` (O_EXCL, 0600).
 """
@@ -36,6 +38,8 @@ def _problem(path: Path, st: os.stat_result, *, final: bool) -> str | None:
         st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         return "is not a folder"
+    if st.st_uid in (uid, 0) and os.path.ismount(path):  # a volume of its own (a Kubernetes emptyDir is root's, 0777
+        return None  # without the sticky bit): only this pod's containers reach it; what vidray makes inside is checked
     if final and st.st_uid != uid:
         return f"is owned by uid {st.st_uid}, not by you (uid {uid})"
     if not final and st.st_uid not in (uid, 0):

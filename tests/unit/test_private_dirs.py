@@ -91,3 +91,21 @@ def test_open_exclusive_never_follows_a_planted_symlink(tmp_path):
     fd = open_exclusive(tmp_path / "new.tmp")
     os.close(fd)
     assert _mode(tmp_path / "new.tmp") == 0o600
+
+
+@as_root
+def test_a_mount_of_root_that_every_user_can_write_is_accepted_and_what_is_made_inside_is_private(tmp_path,
+                                                                                                  monkeypatch):
+    """The KubeRay configs mount an emptyDir (root's, mode 0777, no sticky bit) at the default cache folder: a
+    mount point is a volume only that pod's containers reach, so it is accepted; the cache's own folders inside
+    are made 0700 and checked. A folder that is not a mount point, the same otherwise, is refused."""
+    volume = tmp_path / "vidray-cache"
+    volume.mkdir()
+    volume.chmod(0o777)
+    with pytest.raises(PrivateDirError, match="is writable by every user"):
+        private_dir(volume)
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: str(p) == str(volume) or real_ismount(p))
+    cache = ShardCache(volume, budget_bytes=2**20)
+    assert [_mode(volume / d) for d in ("shards", "locks", "reserved")] == [0o700] * 3
+    assert cache.cache_dir == volume

@@ -156,7 +156,7 @@ class ShardCache:
         was cached, or another process downloaded it while this one waited). Safe to use from several threads."""
         path = self.path(entry["sha256"])
         key = entry["sha256"]
-        fd = os.open(self.locks_dir / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.locks_dir / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             downloaded = False
             while True:
@@ -221,7 +221,7 @@ class ShardCache:
         if size > self.budget_bytes:
             raise UserError(f"data.cache_bytes={self.budget_bytes} is smaller than shard size {size} bytes: raise it "
                             f"to at least {size}")
-        lock_fd = os.open(self.cache_dir / ".evict.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock_fd = os.open(self.cache_dir / ".evict.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             self.sweep_dead()
@@ -243,7 +243,7 @@ class ShardCache:
                 key = p.name.removesuffix(".parquet")
                 if key == keep:
                     continue
-                kfd = os.open(self.locks_dir / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+                kfd = os.open(self.locks_dir / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
                 try:
                     fcntl.flock(kfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
