@@ -172,6 +172,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """`vidray export CHECKPOINT OUT_DIR`: a training checkpoint (full or sharded) as the safetensors pipeline
+    folder that serving and `vidray generate` load (`vidray.models.export.export_checkpoint`)."""
+    from vidray.models.export import export_checkpoint
+
+    print(f"[vidray] exported {args.checkpoint} to {export_checkpoint(args.checkpoint, args.out_dir)}")
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Print the doctor's findings (`vidray.doctor`); 1 when any is FAIL. A config that does not load is a FAIL
     finding, not a usage error: the environment and cluster checks still run."""
@@ -321,6 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--crf", type=int, default=18, help="the mp4's H.264 constant rate factor, 0..51: 0 is lossless "
                    "(the frames exactly as sampled), higher is smaller (default: %(default)s)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("export", help="write a training checkpoint (full or sharded) as the safetensors pipeline "
+                       "folder that serving and generate load")
+    p.add_argument("checkpoint", help="a checkpoint folder (<run>/checkpoint_000200) or its URI")
+    p.add_argument("out_dir", help="the pipeline folder to write (replaced as a whole)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("doctor", help="check this machine (libraries, devices), a job config (inputs, outputs, "
                        "where train would start) and the Ray cluster (RAY_ADDRESS, or the local one) before a run")

@@ -279,7 +279,8 @@ class DataConfig:
     `file://...` (`vidray.data.storage`)."""
     cache_dir: str = DEFAULT_CACHE_DIR
     """Node-local folder of the warm shard cache (`vidray.data.cache`): shards fetched from object storage,
-    named by their sha256. Local `shards_dir` folders are read in place and never copied here."""
+    named by their sha256. Local `shards_dir` folders are read in place and never copied here. Created with mode
+    0700; a folder of another user, a symlink or one every user can write is refused (`vidray.private_dirs`)."""
     cache_bytes: int = DEFAULT_CACHE_BYTES
     """Byte budget of the warm cache on each node (LRU eviction); must hold at least the largest shard."""
     buckets: list[Bucket] = dataclasses.field(default_factory=lambda: [Bucket(9, 64, 64), Bucket(1, 64, 64)])
@@ -509,8 +510,9 @@ class TrainConfig:
     and optimizer state stay fp32 (`vidray.train.precision`)."""
     activation_checkpointing: str = "none"
     """Recompute transformer blocks' activations in the backward instead of keeping them: `none`, `full` (every
-    block) or `every_<n>` (every n-th block, e.g. `every_2`). Same gradients, less memory, ~1/3 more compute
-    (`vidray.train.parallel.apply_activation_checkpointing`)."""
+    block) or `every_<n>` (every n-th block, e.g. `every_2`; only for a family with a list of transformer blocks,
+    `vidray.models.rules.FSDP_BLOCKS`: not AnimateDiff, refused at load). Same gradients, less memory, ~1/3 more
+    compute (`vidray.train.parallel.apply_activation_checkpointing`)."""
     grad_accumulation_steps: int | None = None
     """Micro-batches each worker accumulates per optimizer step: the global batch is `data.batch_size_per_worker` x
     the max worker count x this (printed at start). Sets `micro_batches_per_step` to max workers x this; null: 1
@@ -863,7 +865,14 @@ class JobConfig:
         if train.grad_compression == "bf16" and not self.scaling.use_gpu:
             raise ValueError("train.grad_compression: bf16 needs NCCL (scaling.use_gpu: true): torch's bf16 hook does "
                              "not run over gloo; on CPU use train.grad_compression: fp16 (the same bytes)")
-        parse_activation_checkpointing(train.activation_checkpointing)
+        if parse_activation_checkpointing(train.activation_checkpointing) > 1 and train.objective != "vae":
+            from vidray.models.rules import FSDP_BLOCKS  # plain data: no torch
+
+            if self.model.family not in FSDP_BLOCKS:  # every_<n> wraps every n-th block of the family's block list
+                raise ValueError(
+                    f"train.activation_checkpointing: {train.activation_checkpointing}: model.family "
+                    f"{self.model.family} has no list of transformer blocks to take every n-th of (families with "
+                    f"one: {', '.join(sorted(FSDP_BLOCKS))}); use full (diffusers' gradient checkpointing) or none")
         if train.grad_accumulation_steps is not None:
             if train.grad_accumulation_steps < 1:
                 raise ValueError(f"train.grad_accumulation_steps must be >= 1 micro-batches per worker, got "

@@ -26,6 +26,7 @@ from vidray.models.export import (  # re-exported: these lived here before the s
     load_model,
     lora_path_problem,
     model_experts,
+    sharded_checkpoint_problem,
     two_experts_lora_problem,
     write_job_file,
 )
@@ -199,6 +200,8 @@ def check_generate_args(
         info = inspect_model(model_path)
     except UserError as err:
         raise GenerateArgumentError(f"--model: {err}") from None
+    if problem := sharded_checkpoint_problem(info):
+        raise GenerateArgumentError(f"--model: {problem}")
     if bucket is None:
         bucket = info.default_bucket()
         if bucket is None:

@@ -3,7 +3,7 @@
 #   bash tests/gpu/run.sh            # <= 8 minutes; the last line is one JSON object of figures
 # The lent machine's python3 has torch, peft, transformers and safetensors but not diffusers, pydantic or Ray:
 # wheels in .whl/ (fetched here with `bash tests/gpu/run.sh --fetch-wheels`, git-ignored, carried with the
-# working tree) are installed first. Parts that need Ray (the tiny job, serving) report a miss without it.
+# working tree) are installed first. The part that needs Ray (the tiny job) reports a miss without it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WHEELS=(diffusers==0.42.1 pydantic==2.14.4 pydantic-core==2.50.5 typing-inspection==0.4.5 annotated-types==0.8.0)

@@ -15,7 +15,9 @@ others):
   `MixedPrecisionPolicy`) training the tiny transformer: its loss falls.
 - `tiny`: the tiny job through Ray Train on the GPU with `train.mixed_precision` bf16 and fp16 (needs Ray and the
   data stack; the lent machine has neither unless carried: then a miss naming what is missing).
-- `serve`: one request through the serving app on the GPU (needs Ray Serve; likewise).
+
+Serving is not among them: one request through the serving app on a GPU is not measured by this script (the app
+runs on CPU in `tests/integration/test_serve.py`).
 
 On CPU (`--device cpu`) it runs the same code on the tiny preset and a small bucket: `tests/unit/test_gpu_script.py`
 runs it so that this script cannot rot between GPU loans.
@@ -207,16 +209,7 @@ def part_tiny(args, device: torch.device) -> dict[str, Any]:
     return {"figures": figures}
 
 
-def part_serve(args, device: torch.device) -> dict[str, Any]:
-    try:
-        import ray.serve  # noqa: F401
-    except ImportError:
-        return {"figures": {"serve_one_request_s": miss("ray[serve] is not installed here", unit="s")}}
-    return {"figures": {"serve_one_request_s": miss("not wired yet: run tests/integration/test_serve.py with "
-                                                    "serve.device: cuda on a GPU cluster", unit="s")}}
-
-
-PARTS: dict[str, Callable] = {"big": part_big, "fsdp1": part_fsdp1, "tiny": part_tiny, "serve": part_serve}
+PARTS: dict[str, Callable] = {"big": part_big, "fsdp1": part_fsdp1, "tiny": part_tiny}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -320,3 +320,24 @@ def test_the_shipped_animatediff_config_builds_the_animatediff_family_for_its_bu
     for bucket in job.data.buckets:
         assert family.latent_shape(bucket, 1)[1] == transformer.config.in_channels
         assert bucket[0] <= transformer.config.motion_max_seq_length
+
+
+def test_every_nth_block_checkpointing_is_refused_at_load_and_full_checkpointing_runs(family):
+    """AnimateDiff has no list of transformer blocks (its motion modules sit in a UNet's down, mid and up blocks):
+    `every_<n>` is refused in one line when the config loads, not in the worker; `full` (diffusers' own gradient
+    checkpointing of the UNet) is accepted and turns on."""
+    from vidray.train.parallel import apply_activation_checkpointing
+
+    raw = {"name": "ac", "model": {"family": "animatediff"}, "data": {"buckets": [[16, 64, 64]]},
+           "flow": {"num_train_timesteps": 1000}}
+    with pytest.raises(ValueError) as refused:
+        job_config_from_dict({**raw, "train": {"activation_checkpointing": "every_2"}})
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("train.activation_checkpointing: every_2: model.family "
+                                                      "animatediff has no list of transformer blocks")
+    assert "use full" in message
+    job = job_config_from_dict({**raw, "train": {"activation_checkpointing": "full"}})
+    transformer = family.build_transformer(job.model, seed=0)
+    assert apply_activation_checkpointing(transformer, "full", family.block_lists(transformer)) > 0
+    assert job_config_from_dict({**raw, "model": {"family": "easyanimate"}, "data": {"buckets": [[9, 64, 64]]},
+                                 "train": {"activation_checkpointing": "every_2"}})  # a family with blocks: fine

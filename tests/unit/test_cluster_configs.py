@@ -4,9 +4,11 @@ labels agree with what vidray pins and places on."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shlex
+import urllib.parse
 from importlib import resources
 from pathlib import Path
 
@@ -134,8 +136,132 @@ def test_images_are_rays_at_the_pinned_version():
     assert base == _launcher()["docker"]["image"] == f"rayproject/ray:{ray.__version__}-py311-gpu"
     pinned = re.search(r'"ray\[[a-z,]+\]==([0-9.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
     assert pinned == ray.__version__
-    for path in ("pyproject.toml", "README.md", "vidray", "jobs", "serve"):  # what the Dockerfile copies
-        assert (REPO / path).exists(), path
+
+
+def test_the_image_copies_what_pip_install_and_the_kuberay_entrypoints_need():
+    """The Dockerfile's COPY sources exist, and hold pyproject.toml, its readme, every package its setuptools
+    config finds, the job script the RayJob's entrypoint runs and the Serve app module the RayService imports."""
+    import tomllib
+
+    dockerfile = (CONFIGS / "Dockerfile").read_text()
+    copied = set()
+    for line in re.findall(r"^COPY (.+)$", dockerfile, re.M):
+        sources = [w for w in line.split() if not w.startswith("--")][:-1]
+        for source in sources:
+            assert (REPO / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
+        copied.update(sources)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    needed = {"pyproject.toml", project["project"]["readme"]}
+    includes = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    needed |= {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()
+               and any(re.fullmatch(pattern.replace("*", ".*"), p.name) for pattern in includes)}
+    entrypoint = yaml.safe_load((CONFIGS / "kuberay-rayjob.yaml").read_text())["spec"]["entrypoint"]
+    needed.add(re.search(r"python (\S+\.py)", entrypoint).group(1).split("/")[0])
+    service = yaml.safe_load(yaml.safe_load((CONFIGS / "kuberay-rayservice.yaml").read_text())["spec"]["serveConfigV2"])
+    needed |= {app["import_path"].split(".")[0] for app in service["applications"]}
+    assert "vidray" in needed and "serve" in needed and "jobs" in needed
+    assert needed <= copied, f"the image lacks {sorted(needed - copied)}"
+
+
+def _access_stack() -> dict:
+    return yaml.safe_load((CONFIGS / "aws-access.yaml").read_text())
+
+
+def test_the_launcher_names_the_access_stacks_group_and_profiles_so_ray_creates_neither(monkeypatch):
+    """Ray 2.60's launcher, given no SecurityGroupIds, creates a group with SSH from 0.0.0.0/0, and given no head
+    IamInstanceProfile, a role with AmazonEC2FullAccess + AmazonS3FullAccess: its own bootstrap steps, run on the
+    shipped config in moto's mock AWS, create neither."""
+    import boto3
+    from moto import mock_aws
+    from ray.autoscaler._private.aws import config as aws_config
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    launcher = _launcher()
+    stack = _access_stack()
+    cluster = stack["Parameters"]["ClusterName"]["Default"]
+    assert launcher["cluster_name"] == cluster
+    profiles = {name: spec["node_config"].get("IamInstanceProfile")
+                for name, spec in launcher["available_node_types"].items()}
+    assert profiles.pop(launcher["head_node_type"]) == {"Name": f"{cluster}-head"}
+    assert set(map(str, profiles.values())) == {str({"Name": f"{cluster}-worker"})}, profiles
+    assert stack["Resources"]["HeadProfile"]["Properties"]["InstanceProfileName"] == {"Fn::Sub": "${ClusterName}-head"}
+    assert stack["Resources"]["WorkerProfile"]["Properties"]["InstanceProfileName"] == {
+        "Fn::Sub": "${ClusterName}-worker"}
+    for name, spec in launcher["available_node_types"].items():
+        assert spec["node_config"].get("SecurityGroupIds") == ["sg-VIDRAY"], name  # the documented placeholder
+    with mock_aws():
+        config = {**launcher, "head_node": {}}
+        config = aws_config._configure_iam_role(config)
+        config = aws_config._configure_security_group(config)
+        ec2 = boto3.client("ec2", region_name=launcher["provider"]["region"])
+        groups = ec2.describe_security_groups()["SecurityGroups"]
+        assert [g["GroupName"] for g in groups] == ["default"]  # none created, so no SSH from 0.0.0.0/0
+        assert boto3.client("iam", region_name="us-east-1").list_roles()["Roles"] == []
+    assert "0.0.0.0/0" not in yaml.safe_dump(launcher)  # nor any rule of its own
+
+
+def test_the_access_stack_opens_ssh_to_the_given_cidr_only_and_grants_one_bucket_prefix(monkeypatch):
+    """cluster_configs/aws-access.yaml passes cfn-lint (no error or warning), refuses 0.0.0.0/0 (its pattern and its
+    rule; no default), and deployed into moto's mock AWS gives SSH from SshCidr alone, the rest only between the
+    nodes, S3 only under Bucket/Prefix, EC2 and iam:PassRole (of the worker role) to the head only."""
+    import boto3
+    import cfnlint.api
+    from moto import mock_aws
+
+    text = (CONFIGS / "aws-access.yaml").read_text()
+    problems = [str(m) for m in cfnlint.api.lint_all(text) if m.rule.id[0] in "EW"]
+    assert problems == []
+    stack = _access_stack()
+    ssh = stack["Parameters"]["SshCidr"]
+    assert "Default" not in ssh
+    assert re.fullmatch(ssh["AllowedPattern"], "203.0.113.7/32") and re.fullmatch(ssh["AllowedPattern"], "10.0.0.0/8")
+    for wide in ("0.0.0.0/0", "0.0.0.0/1", "1.2.3.4/0"):
+        assert not re.fullmatch(ssh["AllowedPattern"], wide), wide
+    (assertion,) = stack["Rules"]["NoOpenSsh"]["Assertions"]
+    assert assertion["Assert"] == {"Fn::Not": [{"Fn::Equals": [{"Ref": "SshCidr"}, "0.0.0.0/0"]}]}
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    with mock_aws():
+        ec2 = boto3.client("ec2", region_name="us-west-2")
+        vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+        cloudformation = boto3.client("cloudformation", region_name="us-west-2")
+        params = {"SshCidr": "203.0.113.7/32", "VpcId": vpc, "Bucket": "my-bucket", "Prefix": "vidray/"}
+        cloudformation.create_stack(StackName="vidray-access", TemplateBody=text, Capabilities=["CAPABILITY_NAMED_IAM"],
+                                    Parameters=[{"ParameterKey": k, "ParameterValue": v} for k, v in params.items()])
+        outputs = {o["OutputKey"]: o["OutputValue"]
+                   for o in cloudformation.describe_stacks(StackName="vidray-access")["Stacks"][0]["Outputs"]}
+        (group,) = ec2.describe_security_groups(GroupIds=[outputs["SecurityGroupId"]])["SecurityGroups"]
+        opened = [(r["IpProtocol"], r.get("FromPort"), r.get("ToPort"), [x["CidrIp"] for x in r["IpRanges"]])
+                  for r in group["IpPermissions"] if r["IpRanges"] or r.get("Ipv6Ranges")]
+        assert opened == [("tcp", 22, 22, ["203.0.113.7/32"])]
+        internal = [r for r in group["IpPermissions"] if not r["IpRanges"]]
+        assert [[p["GroupId"] for p in r["UserIdGroupPairs"]] for r in internal] == [[group["GroupId"]]]
+        iam = boto3.client("iam", region_name="us-east-1")
+        assert {outputs["HeadInstanceProfile"], outputs["WorkerInstanceProfile"]} == {"vidray-head", "vidray-worker"}
+        statements = {}
+        for role in ("vidray-head", "vidray-worker"):
+            statements[role] = []
+            for name in iam.list_role_policies(RoleName=role)["PolicyNames"]:
+                document = iam.get_role_policy(RoleName=role, PolicyName=name)["PolicyDocument"]
+                if isinstance(document, str):  # moto 5.2 keeps a CloudFormation-made policy as its Python repr
+                    document = ast.literal_eval(urllib.parse.unquote(document))
+                statements[role] += document["Statement"]
+        worker_role = iam.get_role(RoleName="vidray-worker")["Role"]["Arn"]
+    for role, granted in statements.items():
+        for statement in granted:
+            actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+            assert not any(a in ("*", "s3:*", "ec2:*", "iam:*") for a in actions), (role, actions)
+            if any(a.startswith("s3:") for a in actions):
+                assert statement["Resource"] in ("arn:aws:s3:::my-bucket/vidray/*", "arn:aws:s3:::my-bucket"), statement
+            if role == "vidray-worker":
+                assert all(a.startswith("s3:") for a in actions), actions  # a worker launches nothing
+            if "iam:PassRole" in actions:
+                assert statement["Resource"] == worker_role
+            if "ec2:TerminateInstances" in actions:
+                assert statement["Condition"] == {"StringEquals": {"ec2:ResourceTag/ray-cluster-name": "vidray"}}
+    assert any("ec2:RunInstances" in s["Action"] for s in statements["vidray-head"])
 
 
 def test_both_clusters_run_with_rays_token_auth_and_give_serving_its_token():

@@ -198,12 +198,13 @@ def test_each_expert_trains_only_its_adapters_on_its_sharded_pretrained_base_and
     for name, tensor in gathered.items():  # the frozen base stayed the pretrained weights
         if ".lora_" not in name:
             assert torch.equal(tensor, base[name.replace(".base_layer.", ".")]), name
-    # The checkpoint as generate / the validator read it: the pretrained base with both experts' adapters merged.
-    merged = load_model(tmp_path / "run" / NAME).components.transformer
+    # The checkpoint as the validator (and `vidray export`) reads it: the pretrained base with both experts' adapters
+    # merged (serving and generate refuse a sharded checkpoint: they take its export).
+    merged = load_model(tmp_path / "run" / NAME, allow_sharded=True).components.transformer
     # A serving stage of one expert: the checkpoint holds both experts' adapters in one part (a fresh-user trial:
     # they were applied after the other expert was dropped, and did not fit).
-    alone = {expert: load_model(tmp_path / "run" / NAME, components=("transformer",), expert=expert).components
-             .transformer for expert in EXPERTS}
+    alone = {expert: load_model(tmp_path / "run" / NAME, components=("transformer",), expert=expert,
+                                allow_sharded=True).components.transformer for expert in EXPERTS}
     trained = FAMILY.build_transformer(MODEL, seed=0)
     apply_lora(trained, LORA, seed=0)
     trained.load_state_dict(gathered, strict=True)

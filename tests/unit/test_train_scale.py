@@ -116,8 +116,8 @@ def test_fsdp_lora_run_with_ema_trains_only_adapters_checkpoints_them_sharded_re
     for name, value in averages.items():
         assert torch.equal(exported[f"base_model.model.{name}"], value), name
     assert any(not torch.equal(averages[k], adapters[k.replace(".weight", ".default.weight")]) for k in averages)
-    # The sharded LoRA checkpoint serves (`vidray generate --model <checkpoint>`): the base with its adapters merged.
-    served = load_model(reference, components=("transformer",)).components.transformer.state_dict()
+    # The sharded LoRA checkpoint as the validator and `vidray export` read it: the base with its adapters merged.
+    served = load_model(reference, components=("transformer",), allow_sharded=True).components.transformer.state_dict()
     base = {}
     for path in (export / "transformer").glob("*.safetensors"):
         base.update(load_file(path))

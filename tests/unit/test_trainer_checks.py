@@ -628,3 +628,31 @@ def test_a_vae_run_at_its_last_step_names_vae_training_max_steps_the_key_to_rais
     with pytest.raises(ConfigError, match="already at step 5 >= vae_training.max_steps 5: raise "
                                           "vae_training.max_steps to continue"):
         check_job_inputs(vae_job)
+
+
+def test_powersgd_with_adamw_warns_of_the_loss_gap_the_docs_measured(job_and_index, capsys):
+    """A PowerSGD run (vidray's optimizer is always AdamW) is warned on the driver, in one line, of the gap
+    docs/training-at-scale.md measured; the words are the docs' own; an fp16-compressed run is not warned."""
+    import dataclasses
+    import re
+
+    from vidray.train.trainer import POWERSGD_ADAMW_GAP
+
+    job, _, _ = job_and_index
+    docs = " ".join((REPO / "docs/training-at-scale.md").read_text().split())
+    gap, advice = POWERSGD_ADAMW_GAP
+    measured = re.search(r"PowerSGD with AdamW fits slower .*?: after 200 steps the loss is (\d+) % above it at rank 4 "
+                         r"\((\d+) % at rank 16", docs)
+    assert measured and gap == (f"after 200 steps the loss is {measured.group(1)} % above the uncompressed run's at "
+                                f"rank 4 ({measured.group(2)} % at rank 16)")
+    assert advice.replace("train.grad_compression: ", "") in docs.replace("`", "")  # the docs say `fp16`
+    job = dataclasses.replace(job, name="powersgd-warning")  # a run folder no other test here writes checkpoints to
+    powersgd = dataclasses.replace(job, train=dataclasses.replace(job.train, grad_compression="powersgd"))
+    capsys.readouterr()
+    check_job_inputs(powersgd)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "powersgd" in line]
+    assert len(lines) == 1 and lines[0].startswith("[vidray] warning: train.grad_compression: powersgd (rank 4) with "
+                                                   "AdamW fits slower") and gap in lines[0] and advice in lines[0]
+    fp16 = dataclasses.replace(job, train=dataclasses.replace(job.train, grad_compression="fp16"))
+    check_job_inputs(fp16)
+    assert "powersgd" not in capsys.readouterr().err

@@ -40,6 +40,7 @@ from typing import Any, Iterator
 
 from vidray.data.storage import check_sha256
 from vidray.errors import UserError
+from vidray.private_dirs import PrivateDirError, open_exclusive, private_dir
 
 DEFAULT_CACHE_DIR = str(Path(tempfile.gettempdir()) / "vidray-cache")
 DEFAULT_CACHE_BYTES = 20 * 2**30
@@ -85,8 +86,9 @@ def check_cache_budget(cache_bytes: int, index: dict[str, Any], *, local_ranks: 
 class ShardCache:
     """Node-local, content-addressed disk cache of shards under a byte budget (see the module docstring).
 
-    `cache_dir`: the folder (created); `budget_bytes`: most bytes of cached shards (> 0).
-    Raises ValueError for a budget < 1 and UserError when `cache_dir` cannot be created."""
+    `cache_dir`: the folder (created private: `vidray.private_dirs.private_dir`); `budget_bytes`: most bytes of
+    cached shards (> 0). Raises ValueError for a budget < 1 and UserError when `cache_dir` cannot be created or is
+    not private (another user's folder, a symlink, writable by every user)."""
 
     def __init__(self, cache_dir: str | Path = DEFAULT_CACHE_DIR, budget_bytes: int = DEFAULT_CACHE_BYTES):
         if budget_bytes < 1:
@@ -96,12 +98,12 @@ class ShardCache:
         self.files_dir = self.cache_dir / "shards"
         self.locks_dir = self.cache_dir / "locks"
         self.reserved_dir = self.cache_dir / "reserved"
-        try:
-            for folder in (self.files_dir, self.locks_dir, self.reserved_dir):
-                folder.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise UserError(f"cannot create the shard cache {self.cache_dir} ({err.strerror}); set data.cache_dir "
-                            "to a writable node-local folder") from None
+        try:  # private: 0700, ours, no symlink (the default is under the shared temp folder)
+            for folder in (self.cache_dir, self.files_dir, self.locks_dir, self.reserved_dir):
+                private_dir(folder)
+        except PrivateDirError as err:
+            raise UserError(f"shard cache: {err}; set data.cache_dir to a writable node-local folder of yours") \
+                from None
         self.stats = CacheStats()
         self.sweep_dead()
 
@@ -154,7 +156,7 @@ class ShardCache:
         was cached, or another process downloaded it while this one waited). Safe to use from several threads."""
         path = self.path(entry["sha256"])
         key = entry["sha256"]
-        fd = os.open(self.locks_dir / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.locks_dir / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             downloaded = False
             while True:
@@ -193,7 +195,8 @@ class ShardCache:
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         for attempt in range(2):
             digest = hashlib.sha256()
-            with storage.open_input_file(entry["file"]) as src, tmp.open("wb") as dst:
+            tmp.unlink(missing_ok=True)  # this PID's own leftover: opened exclusively below (no symlink followed)
+            with storage.open_input_file(entry["file"]) as src, os.fdopen(open_exclusive(tmp), "wb") as dst:
                 while chunk := src.read(8 << 20):
                     digest.update(chunk)
                     dst.write(chunk)
@@ -218,7 +221,7 @@ class ShardCache:
         if size > self.budget_bytes:
             raise UserError(f"data.cache_bytes={self.budget_bytes} is smaller than shard size {size} bytes: raise it "
                             f"to at least {size}")
-        lock_fd = os.open(self.cache_dir / ".evict.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock_fd = os.open(self.cache_dir / ".evict.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             self.sweep_dead()
@@ -240,7 +243,7 @@ class ShardCache:
                 key = p.name.removesuffix(".parquet")
                 if key == keep:
                     continue
-                kfd = os.open(self.locks_dir / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+                kfd = os.open(self.locks_dir / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
                 try:
                     fcntl.flock(kfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:

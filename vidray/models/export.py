@@ -67,6 +67,7 @@ __all__ = [
     "MODEL_CACHE_ENV",
     "MODEL_INDEX",
     "ModelDownloadError",
+    "export_checkpoint",
     "export_pipeline",
     "fetch_model",
     "lora_path_problem",
@@ -78,6 +79,7 @@ __all__ = [
     "load_adapter_state",
     "load_transformer_state",
     "read_job_config",
+    "sharded_checkpoint_problem",
     "sharded_entries",
     "verify_checkpoint",
     "write_job_file",
@@ -337,16 +339,23 @@ def load_transformer_state(directory: str | Path) -> "dict[str, torch.Tensor]":
 
 def sharded_entries(directory: str | Path, key: str) -> "dict[str, torch.Tensor]":
     """The `key` entries ("model", "ema") of a sharded checkpoint's DCP folder, every rank's shards joined, read in
-    full, on CPU, in one process (no process group: what serving and validation are). Raises
-    IncompleteCheckpointError when the folder has no DCP metadata."""
-    from torch.distributed.checkpoint import FileSystemReader
+    full, on CPU, in one process (no process group: what `vidray export` and validation are), never unpickling data
+    from storage (`vidray.models.dcp_reader`). Raises IncompleteCheckpointError when the folder has no DCP metadata,
+    DamagedCheckpointError (one line) when `.metadata` or an entry holds anything a DCP checkpoint does not."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+    from vidray.models.dcp_reader import SafeFileSystemReader, dcp_errors, read_dcp_metadata
+
     directory = Path(directory)
-    with warnings.catch_warnings():  # one process without a process group is what serving is
+    if not (directory / "dcp/.metadata").is_file():
+        raise IncompleteCheckpointError(f"checkpoint {directory} is missing dcp/.metadata; use an earlier checkpoint",
+                                        directory=directory, part="dcp/.metadata")
+    read_dcp_metadata(directory / "dcp/.metadata")  # restricted unpickler: a hostile file is refused unread
+    reader = SafeFileSystemReader(str(directory / "dcp"))
+    with warnings.catch_warnings(), dcp_errors(reader):  # one process without a process group is what export is
         warnings.filterwarnings("ignore", message=r"torch.distributed is .*uninitialized")
         state = _read_part(directory, "dcp/.metadata", lambda p: _load_state_dict_from_keys(
-            keys={key}, storage_reader=FileSystemReader(str(p.parent))))
+            keys={key}, storage_reader=reader))
     return dict(state[key].items())
 
 
@@ -611,7 +620,8 @@ encoder (None for a model that takes no image embeddings: only Wan 2.1 I2V's CLI
 
 
 def load_model(path: str | Path, *, lora_path: str | Path | None = None,
-               components: tuple[str, ...] = COMPONENTS, expert: str | None = None) -> LoadedModel:
+               components: tuple[str, ...] = COMPONENTS, expert: str | None = None,
+               allow_sharded: bool = False) -> LoadedModel:
     """Load a diffusers folder or a vidray checkpoint folder for sampling (see the module docstring); `path` may
     be a URI (`s3://...`), read through the local model cache (`inspect_model`, `fetch_model`).
 
@@ -633,7 +643,12 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None,
     one file, is read whole and the other dropped once its adapters, if any, are merged; an export's expert takes
     its own adapters folder): what a serving stage of one expert loads. Needs "transformer" in `components`.
 
-    Raises as `inspect_model` does (before any weights load); ValueError for a name not in `COMPONENTS`, or an
+    `allow_sharded`: load a sharded (`layout: dcp`) training checkpoint too (validation and `export_checkpoint`
+    do, through `vidray.models.dcp_reader`); serving and `vidray generate` read only safetensors, so without it such
+    a checkpoint is refused (`sharded_checkpoint_problem`: export it first).
+
+    Raises as `inspect_model` does (before any weights load); CheckpointError for a sharded checkpoint without
+    `allow_sharded`; ValueError for a name not in `COMPONENTS`, or an
     `expert` for a model without experts or without "transformer" in `components`;
     CheckpointError for a LoRA checkpoint whose adapters do not fit its config;
     `vidray.models.lora.LoraLoadError` for a `lora_path` that cannot be read or does not fit the transformer.
@@ -644,6 +659,9 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None,
     from vidray.models.experts import TwoExperts, pick_expert
 
     info = inspect_model(path)
+    problem = None if allow_sharded else sharded_checkpoint_problem(info)
+    if problem:
+        raise CheckpointError(problem, directory=info.path, part=MANIFEST)
     experts = model_experts(info)
     if expert is not None and ("transformer" not in components or experts is None):
         raise ValueError(f"expert {expert!r}: model {info.source or info.path} "
@@ -811,6 +829,47 @@ def _merge_checkpoint_adapters(transformer: "torch.nn.Module", info: ModelInfo) 
         raise CheckpointError(f"checkpoint {info.path}: {ADAPTER_PART} does not fit its config's model.lora ({err})",
                               directory=info.path, part=ADAPTER_PART) from None
     merge_lora(transformer)
+
+
+def sharded_checkpoint_problem(info: ModelInfo) -> str | None:
+    """One line refusing a sharded (`layout: dcp`) training checkpoint as a model to serve or generate from (a
+    DCP folder is pickle-based: serving reads the safetensors export), naming the command that exports it; None for
+    any other model. Reads the manifest only."""
+    if info.kind != "checkpoint" or _read_manifest(info.path).get("layout") != "dcp":
+        return None
+    where = info.source or info.path
+    return (f"{where} is a sharded (DCP) training checkpoint, which serving and vidray generate do not load: export "
+            f"it to safetensors first with `vidray export {where} OUT_DIR` and give OUT_DIR")
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write a training checkpoint (full or sharded, LoRA or not; a local folder or a URI) as the diffusers
+    pipeline folder the end of a run writes (`export_pipeline` + `write_job_file`: safetensors, the LoRA adapters
+    in `lora/`), what serving and `vidray generate` load; `vidray export CHECKPOINT OUT_DIR`. The trained weights
+    are exported (not an EMA). A sharded checkpoint is read in one process without unpickling anything from
+    storage (`vidray.models.dcp_reader`). Returns `out_dir`. Raises ModelFolderError for a folder that is no
+    checkpoint, CheckpointError (IncompleteCheckpointError / DamagedCheckpointError naming the file) as
+    `verify_checkpoint`."""
+    from vidray.models.lora import adapter_state_dict, apply_lora, load_adapter_state_dict
+
+    info = inspect_model(checkpoint)
+    if info.kind != "checkpoint":
+        raise ModelFolderError(f"{checkpoint} is already a pipeline folder (model_index.json): serve it as it is")
+    job = info.job
+    components = info.family.build(job.model, seed=job.train.seed)
+    if is_lora_checkpoint(_read_manifest(info.path)):
+        if job.model.lora is None:
+            raise CheckpointError(f"checkpoint {info.path} holds LoRA adapters but its config.yaml has no "
+                                  "model.lora: it was not written by vidray", directory=info.path, part="config.yaml")
+        apply_lora(components.transformer, job.model.lora, seed=job.train.seed)
+        load_adapter_state_dict(components.transformer,
+                                {**adapter_state_dict(components.transformer), **load_adapter_state(info.path)})
+    else:
+        components.transformer.load_state_dict(load_transformer_state(info.path))
+    components.transformer.eval()
+    export_pipeline(info.family, components, out_dir, info.flow)
+    write_job_file(out_dir, job)
+    return Path(out_dir)
 
 
 def export_pipeline(family: "ModelFamily", components: "Components", out_dir: str | Path, flow: FlowConfig) -> Path:

@@ -1003,7 +1003,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     token (unless auth.disabled), the model folder (config files only), the policy against the Denoiser's
     max_ongoing_requests. Raises ServeSettingsError naming the key and the fix.
     """
-    from vidray.models.export import inspect_model, lora_path_problem, model_experts, two_experts_lora_problem
+    from vidray.models.export import (inspect_model, lora_path_problem, model_experts, sharded_checkpoint_problem,
+                                      two_experts_lora_problem)
 
     try:
         settings = ServeSettings(**(args or {}))
@@ -1026,6 +1027,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         info = inspect_model(settings.model_path)
     except UserError as err:
         raise ServeSettingsError(f"model_path: {err}") from None
+    if problem := sharded_checkpoint_problem(info):  # a DCP folder is pickle-based: serve its safetensors export
+        raise ServeSettingsError(f"model_path: {problem}")
     model_spec(settings, info)
     experts = model_experts(info)
     if experts is not None and settings.lora_path is not None:

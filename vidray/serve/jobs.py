@@ -69,6 +69,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from vidray.private_dirs import private_dir
+
 __all__ = [
     "ANONYMOUS_CLIENT",
     "JOB_STATUSES",
@@ -1055,8 +1057,9 @@ class JobStore:
 
 
 def new_temp_mp4(folder: Path) -> Path:
-    """A new empty ``<folder>/<random>.mp4`` (the folder is made if missing)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """A new empty ``<folder>/<random>.mp4`` (mkstemp: O_EXCL, 0600), in a folder made private if missing
+    (`vidray.private_dirs.private_dir`: 0700, ours, no symlink; else PrivateDirError)."""
+    private_dir(folder)
     fd, name = tempfile.mkstemp(suffix=".mp4", dir=folder)
     os.close(fd)
     return Path(name)

@@ -848,8 +848,9 @@ def load_sharded_checkpoint(
     """Restore a sharded checkpoint (`layout: dcp`) in place; return its TrainState. Every rank calls it (a
     collective when the model is sharded), reading the same folder.
 
-    The folder is verified against its manifest first (every file of every rank: size and sha256). Then
-    `torch.distributed.checkpoint.load` fills this run's own state dicts (`get_model_state_dict` /
+    The folder is verified against its manifest first (every file of every rank: size and sha256), then read
+    without unpickling anything from storage (`vidray.models.dcp_reader`: a restricted unpickler for `.metadata`,
+    `weights_only=True` for every entry). Then `torch.distributed.checkpoint.load` fills this run's own state dicts (`get_model_state_dict` /
     `get_optimizer_state_dict` of `transformer`), which DCP reshards: the checkpoint loads on any worker count and
     strategy, into an FSDP model (its shards) or a plain/DDP one (full tensors); then `set_model_state_dict` /
     `set_optimizer_state_dict` (only the adapters, for a LoRA checkpoint into a model with the same adapters:
@@ -863,6 +864,8 @@ def load_sharded_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
+    from vidray.models.dcp_reader import SafeFileSystemReader, dcp_errors, read_dcp_metadata
+
     directory = Path(directory)
     manifest = verify_checkpoint(directory)
     train_state = read_train_state(directory)
@@ -870,14 +873,18 @@ def load_sharded_checkpoint(
     with_ema = ema is not None and bool(manifest.get("ema"))
     state = _sharded_state(transformer, optimizer, ema if with_ema else None, optimizer_key=optimizer_key)
     options = StateDictOptions(strict=not manifest.get("lora"))  # LoRA: the adapters only
+    read_dcp_metadata(directory / DCP_DIR / ".metadata")  # restricted unpickler: a hostile file is refused unread
+    reader = SafeFileSystemReader(str(directory / DCP_DIR))
     try:
-        with warnings.catch_warnings():  # one process without a process group (a plain model) loads it too
+        with warnings.catch_warnings(), dcp_errors(reader):  # one process without a process group loads it too
             warnings.filterwarnings("ignore", message=r"torch.distributed is .*uninitialized")
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory / DCP_DIR)))
+            dcp.load(state, storage_reader=reader)
         set_model_state_dict(transformer, state["model"], options=options)
         set_optimizer_state_dict(transformer, optimizer, state[optimizer_key], options=options)
         if with_ema:
             set_model_state_dict(ema, state["ema"])
+    except CheckpointError:
+        raise  # refused by the safe reader (dcp_errors): already names the file
     except (RuntimeError, KeyError, ValueError) as err:
         raise CheckpointError(
             f"checkpoint {directory}: {DCP_DIR}/ does not fit this model and optimizer "

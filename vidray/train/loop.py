@@ -44,6 +44,7 @@ from vidray.errors import UserError
 from vidray.locations import is_uri
 from vidray.logs import quiet_ray_train_worker
 from vidray.models.export import export_pipeline, write_job_file
+from vidray.private_dirs import private_dir
 from vidray.metrics import TrainMetrics
 from vidray.data.cache import check_cache_budget
 from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
@@ -436,8 +437,8 @@ class Worker:
                                         export_to_ray=job.train.ray_metrics and self.context.exports_ray_metrics)
         # The textfile needs a local folder: the run folder's, or for a run folder on object storage this node's
         # temp folder (the Prometheus endpoint of `train.metrics_port` serves the same figures either way).
-        metrics_root = (Path(tempfile.gettempdir()) / "vidray-metrics" / job.name if is_uri(loop_config["run_dir"])
-                        else Path(loop_config["run_dir"]) / "metrics")
+        metrics_root = (private_dir(Path(tempfile.gettempdir()) / "vidray-metrics" / job.name)  # 0700, ours
+                        if is_uri(loop_config["run_dir"]) else Path(loop_config["run_dir"]) / "metrics")
         self.metrics_file = metrics_root / f"rank_{rank}.prom"
         if job.train.metrics_port is not None:
             self.metrics_log.serve(job.train.metrics_port + rank)

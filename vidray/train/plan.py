@@ -70,6 +70,7 @@ __all__ = [
     "parse_bytes",
     "plan",
     "plan_job",
+    "plan_measured",
 ]
 
 HEADROOM = 0.10
@@ -411,6 +412,8 @@ class PlanReport:
     requested: MemoryEstimate | None = None
     """The estimate of the job's own strategy, when the job names one (`check_fits`)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    measured: bool = False
+    """Planned by `plan_measured` (a step measured on the meta device), not by the DiT formulas."""
 
 
 def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: int, num_gpus: int,
@@ -508,7 +511,10 @@ def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePre
              bucket: Bucket | None = None) -> PlanReport:
     """`plan` for a loaded job config: its model (or `preset`), its largest bucket (or `bucket`, with batch size 1
     when given), `model.max_sequence_length` text tokens (or the preset's when `preset` is given), the job's
-    encoder placement and gradient accumulation, and `model.lora`'s rank and targets where the config has them."""
+    encoder placement and gradient accumulation, and `model.lora`'s rank and targets where the config has them.
+    A family without the DiT formulas (`LORA_TARGETS`: AnimateDiff's UNet) is planned by `plan_measured`."""
+    if job.model.family not in LORA_TARGETS:
+        return plan_measured(job, gpu_memory_bytes=gpu_memory_bytes, num_gpus=num_gpus, bucket=bucket)
     if preset is None:
         preset = job_preset(job)
     elif job.model.i2v is not None and preset.family == job.model.family:
@@ -534,6 +540,84 @@ def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePre
                 gpu_memory_bytes=gpu_memory_bytes, lora_rank=rank, lora_targets=targets,
                 encoders_bytes=_encoders_on_gpu(job, preset), micro_batches_per_rank=micro,
                 experts_held=held, expert_groups=groups, lora_job=lora is not None)
+
+
+MEASURED_STRATEGIES: tuple[Strategy, ...] = tuple(Strategy("ddp", ac, precision) for ac in (False, True)
+                                                  for precision in ("bf16", "fp32"))
+"""What `plan_measured` plans for a family without the DiT formulas: DDP (the family's trainable parameters:
+AnimateDiff's motion modules), with or without `full` activation checkpointing, bf16 or fp32."""
+
+
+def plan_measured(job: Any, *, gpu_memory_bytes: int, num_gpus: int, bucket: Bucket | None = None) -> PlanReport:
+    """The plan of a job whose family has no per-block formulas (AnimateDiff's UNet): its transformer, as the family
+    builds it, on the meta device, one forward and backward of its largest bucket (or `bucket`, batch 1) measured
+    there (`vidray.train.memory.measure_meta_step`: parameters, gradients of the trained parameters, activations),
+    with and without `enable_gradient_checkpointing`; then, per rank, AdamW's state (8 bytes a trained parameter),
+    DDP's buckets (4, with 2 or more GPUs) and the encoders sharing the GPU are added. bf16 autocast is planned as
+    the fp32 measurement plus a bf16 copy of every Linear / conv weight (2 bytes each): its activations are narrower,
+    so this is an upper bound (1.7x the measured bf16 step of the tiny UNet on CPU; fp32 plans ~7 % high:
+    `tests/unit/test_plan.py`). The encoders are not planned (0). Raises UserError for a bucket the family refuses."""
+    import torch
+
+    from vidray.models import get_family
+    from vidray.train.memory import measure_meta_step
+
+    family = get_family(job.model.family)
+    if bucket is None:
+        bucket, batch = max(((Bucket(*b), job.data.batch_size_per_worker) for b in job.data.buckets),
+                            key=lambda bb: math.prod(bb[0]) * bb[1])
+    else:
+        bucket, batch = Bucket(*bucket), 1
+    text_tokens = job.model.max_sequence_length
+    with torch.device("meta"):
+        transformer = family.build_transformer(job.model, seed=job.train.seed)
+    for name in family.no_grad_parameter_names(transformer):  # trained parameters that get no gradient
+        transformer.get_parameter(name).requires_grad_(False)
+    transformer.train()
+    try:
+        shape = family.latent_shape(bucket, batch)
+    except ValueError as err:
+        raise UserError(f"bucket {bucket.num_frames}x{bucket.height}x{bucket.width}: {err}") from None
+    width = family.prompt_embeds_dim(transformer)
+
+    def loss() -> torch.Tensor:
+        latents = torch.randn(shape, device="meta")
+        pred = family.predict(transformer, latents, torch.full((batch,), 500.0, device="meta"),
+                              torch.randn(batch, text_tokens, width, device="meta"),
+                              torch.ones(batch, text_tokens, dtype=torch.bool, device="meta"))
+        return torch.nn.functional.mse_loss(pred.float(), torch.randn_like(pred, dtype=torch.float32))
+
+    measured: dict[bool, tuple[int, int]] = {False: measure_meta_step(transformer, loss)}
+    transformer.zero_grad(set_to_none=True)
+    transformer.enable_gradient_checkpointing()  # train.activation_checkpointing: full
+    measured[True] = measure_meta_step(transformer, loss)
+    total = sum(p.numel() for p in transformer.parameters())
+    trained = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+    cast = sum(m.weight.numel() for m in transformer.modules()
+               if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv3d)))
+    encoders = 0
+    estimates = []
+    for strategy in MEASURED_STRATEGIES:
+        parameter_bytes, step_peak = measured[strategy.activation_checkpointing]
+        copies = 2 * cast if strategy.precision == "bf16" else 0
+        optimizer, buckets, gradients = 8 * trained, (4 * trained if num_gpus > 1 else 0), 4 * trained
+        activations = max(step_peak - parameter_bytes - gradients, 0) + copies
+        peak = max(step_peak + copies, parameter_bytes + gradients) + optimizer + buckets + encoders
+        estimates.append(MemoryEstimate(strategy=strategy, parameters=parameter_bytes, gradients=gradients,
+                                        optimizer=optimizer, activations=activations, activations_peak_block=0,
+                                        ddp_buckets=buckets, encoders=encoders, peak_bytes=peak,
+                                        fits=peak <= (1 - HEADROOM) * gpu_memory_bytes))
+    preset = ShapePreset(name=f"{job.model.family} ({job.model.init}: {job.model.pretrained_path or job.model.preset})",
+                         family=job.model.family, config={})
+    counts = ModelCounts(total=total, trainable=trained, blocks=(), block_matmul_weights=(),
+                         other_matmul_weights=cast, lora_parameters=0, lora_rank=0, num_layers=0,
+                         num_mmdit_layers=0, dim=0, ffn_dim=0, heads=0, head_dim=0)
+    chosen = next((e for e in estimates if e.fits), None)
+    notes = (f"{job.model.family}: measured on the meta device (one forward and backward of the bucket); planned "
+             "with ddp only (fsdp and lora are not trained for this family)",)
+    return PlanReport(preset=preset, counts=counts, bucket=bucket, batch_size=batch, text_tokens=text_tokens,
+                      num_gpus=num_gpus, gpu_memory_bytes=gpu_memory_bytes, estimates=tuple(estimates),
+                      chosen=chosen, notes=notes, measured=True)
 
 
 def _experts_held(job: Any) -> int:
@@ -562,6 +646,23 @@ def check_fits(job: Any, gpu_memory_bytes: int, num_gpus: int) -> PlanReport:
     none does, and the largest bucket to lower). Returns the report when it fits."""
     report = plan_job(job, gpu_memory_bytes=gpu_memory_bytes, num_gpus=num_gpus)
     wanted = job_strategy(job)
+    if report.measured:  # every strategy such a family trains with is in the report
+        requested = next((e for e in report.estimates if e.strategy == wanted), None)
+        if requested is None:
+            raise UserError(f"the planner has no {wanted.name} for model.family {job.model.family} (it plans "
+                            f"{', '.join(e.strategy.name for e in report.estimates)}): set scaling.strategy=ddp "
+                            "without model.lora")
+        report = replace(report, requested=requested)
+        if requested.fits:
+            return report
+        budget = (1 - HEADROOM) * gpu_memory_bytes
+        fix = (f"{report.chosen.strategy.name} fits ({format_bytes(report.chosen.peak_bytes)}): "
+               f"{_how(report.chosen.strategy)}" if report.chosen is not None else
+               "no strategy fits: lower the largest bucket or data.batch_size_per_worker, or use larger GPUs")
+        raise UserError(f"predicted out of memory: {wanted.name} needs {format_bytes(requested.peak_bytes)} per GPU "
+                        f"for bucket {report.bucket.num_frames}x{report.bucket.height}x{report.bucket.width} "
+                        f"x{report.batch_size}, over {format_bytes(budget)} ({100 - 100 * HEADROOM:.0f}% of "
+                        f"{format_bytes(gpu_memory_bytes)}); {fix} (`vidray plan` prints the table)")
     if wanted.kind.startswith("fsdp") and num_gpus < 2:  # one rank holds everything: planned as unsharded
         wanted = replace(wanted, kind="lora" if wanted.kind == "fsdp+lora" else "ddp")
     counts = report.counts
@@ -616,12 +717,19 @@ def format_report(report: PlanReport) -> str:
     """The plan as a fixed-width table (GiB per rank), the pick and the notes."""
     c = report.counts
     b = report.bucket
+    if report.measured:
+        head = [f"model {report.preset.name}: {c.total:,} parameters, {c.trainable:,} trained",
+                f"largest bucket {b.num_frames}x{b.height}x{b.width} x{report.batch_size} per GPU, "
+                f"{report.text_tokens} text tokens; {report.num_gpus} GPU(s) of "
+                f"{format_bytes(report.gpu_memory_bytes)}, {100 * HEADROOM:.0f}% headroom"]
+    else:
+        head = [f"model {report.preset.name}: {c.total:,} parameters ({c.num_layers} blocks x {c.dim}), LoRA rank "
+                f"{c.lora_rank}: {c.lora_parameters:,} adapter parameters",
+                f"largest bucket {b.num_frames}x{b.height}x{b.width} x{report.batch_size} per GPU: "
+                f"{sequence_lengths(report.preset, b)[0]:,} video + {report.text_tokens} text tokens; "
+                f"{report.num_gpus} GPU(s) of {format_bytes(report.gpu_memory_bytes)}, {100 * HEADROOM:.0f}% headroom"]
     lines = [
-        f"model {report.preset.name}: {c.total:,} parameters ({c.num_layers} blocks x {c.dim}), LoRA rank "
-        f"{c.lora_rank}: {c.lora_parameters:,} adapter parameters",
-        f"largest bucket {b.num_frames}x{b.height}x{b.width} x{report.batch_size} per GPU: "
-        f"{sequence_lengths(report.preset, b)[0]:,} video + {report.text_tokens} text tokens; "
-        f"{report.num_gpus} GPU(s) of {format_bytes(report.gpu_memory_bytes)}, {100 * HEADROOM:.0f}% headroom",
+        *head,
         "",
         f"{'strategy':<18}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'AC blk':>8}{'buckets':>8}"
         f"{'encoders':>9}{'peak':>8}  fits",

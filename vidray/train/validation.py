@@ -164,7 +164,7 @@ class Validator:
         runs, whose EMA holds unmerged adapters: their merged trained weights are sampled)."""
         from vidray.models.export import inspect_model, load_model
 
-        model = load_model(checkpoint)
+        model = load_model(checkpoint, allow_sharded=True)  # the run's own checkpoint, read without unpickling
         if self.job.train.ema is not None and self.job.model.lora is None:
             from vidray.train.ema import load_ema_into
 
