@@ -6,11 +6,13 @@ The service behind the routes is an in-memory fake (`FakeVideoService`) that rec
 
 from __future__ import annotations
 
+import contextlib
 import io
 import random
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -142,12 +144,11 @@ def slot() -> ServiceSlot:
     return ServiceSlot()
 
 
-@pytest.fixture(scope="module")
-def server_url(slot: ServiceSlot):
-    """A real uvicorn server on 127.0.0.1 (a free port) serving `build_api`, in a thread; yields its base URL."""
-    app = build_api(lambda: slot.service)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
+@contextlib.contextmanager
+def uvicorn_in_thread(app, *, log_level: str = "warning") -> Iterator[int]:
+    """A real uvicorn server on 127.0.0.1 (a free port) serving the ASGI `app` in a thread; yields its port and
+    stops it on exit. Raises RuntimeError when it does not start within 10 s."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level=log_level, lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -155,10 +156,18 @@ def server_url(slot: ServiceSlot):
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("uvicorn did not start within 10 s")
         time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=5)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server_url(slot: ServiceSlot):
+    """A real uvicorn server on 127.0.0.1 (a free port) serving `build_api`, in a thread; yields its base URL."""
+    with uvicorn_in_thread(build_api(lambda: slot.service)) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture

@@ -24,9 +24,8 @@ from urllib.parse import quote
 
 import httpx2
 import pytest
-import uvicorn
 
-from tests.unit.test_serve_api import BOUNDARY, TOKEN, FakeVideoService, ServiceSlot
+from tests.unit.test_serve_api import BOUNDARY, TOKEN, FakeVideoService, ServiceSlot, uvicorn_in_thread
 from vidray.serve.api import ApiLimits, build_api
 
 MIB = 2**20
@@ -98,17 +97,8 @@ def fuzz_server(tmp_path_factory):
     slot = ServiceSlot()
     slot.service = FakeVideoService(tmp_path_factory.mktemp("fuzz"), limits=ApiLimits())
     clock = ServerClock(build_api(lambda: slot.service))
-    server = uvicorn.Server(uvicorn.Config(clock, host="127.0.0.1", port=0, log_level="critical", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start within 10 s"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", clock, slot.service
-    server.should_exit = True
-    thread.join(timeout=5)
+    with uvicorn_in_thread(clock, log_level="critical") as port:
+        yield f"http://127.0.0.1:{port}", clock, slot.service
 
 
 def _multipart(name: str, value: bytes) -> bytes:

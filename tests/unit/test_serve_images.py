@@ -14,11 +14,11 @@ import time
 
 import numpy as np
 import pytest
-import uvicorn
 from PIL import Image
 from starlette.testclient import TestClient
 
-from tests.unit.test_serve_api import BOUNDARY, SPEC, TOKEN, FakeVideoService, ServiceSlot, multipart
+from tests.unit.test_serve_api import (BOUNDARY, SPEC, TOKEN, FakeVideoService, ServiceSlot, multipart,
+                                      uvicorn_in_thread)
 from vidray.serve import images
 from vidray.serve.api import ApiLimits, ModelSpec, RequestError, _check_image, build_api
 
@@ -188,17 +188,8 @@ def image_server(tmp_path):
     slot = ServiceSlot()
     slot.service = FakeVideoService(tmp_path, spec=I2V_SPEC, limits=ApiLimits(
         max_body_bytes=16 * 2**20, max_image_bytes=8 * 2**20, image_decode_timeout_s=120))
-    server = uvicorn.Server(uvicorn.Config(build_api(lambda: slot.service), host="127.0.0.1", port=0,
-                                           log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start within 10 s"
-        time.sleep(0.01)
-    yield f"127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", slot.service
-    server.should_exit = True
-    thread.join(timeout=10)
+    with uvicorn_in_thread(build_api(lambda: slot.service)) as port:
+        yield f"127.0.0.1:{port}", slot.service
 
 
 def _post(address: str, body: bytes) -> int:

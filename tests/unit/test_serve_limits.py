@@ -6,6 +6,7 @@ FastAPI app (Starlette's TestClient), with stage handles that render in millisec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import sqlite3
@@ -68,25 +69,37 @@ class Stages:
         return np.zeros((9, 64, 48, 3), np.uint8)
 
 
-@pytest.fixture
-def serve(tiny_serve_model_dir, tmp_path):
-    """make(step_s, **settings sections) -> (service, client as alice, stages); each service is stopped after."""
+@contextlib.contextmanager
+def serve_maker(model_dir, tmp_path, *, headers: dict[str, str] | None = None, **service_kwargs):
+    """Yields make(step_s, **settings sections) -> (service, TestClient sending `headers`, stages): a
+    `VideoJobService` of tokens A and B (plus `service_kwargs`) on the tiny model with fake stages taking `step_s`
+    per call, its store in `tmp_path`; every service made is stopped on exit."""
     made = []
 
     def make(step_s: float = 0.01, **sections):
-        settings = ServeSettings(model_path=str(tiny_serve_model_dir), store_dir=str(tmp_path / "store"), fps=8.0,
+        settings = ServeSettings(model_path=str(model_dir), store_dir=str(tmp_path / "store"), fps=8.0,
                                  store_on="replica", **sections)
         stages = Stages(step_s)
-        service = VideoJobService(settings, (TOKEN_A, TOKEN_B), stages.text, stages.denoiser, stages.vae)
-        client = TestClient(build_api(lambda: service), headers={"Authorization": f"Bearer {TOKEN_A}"})
+        service = VideoJobService(settings, (TOKEN_A, TOKEN_B), stages.text, stages.denoiser, stages.vae,
+                                  **service_kwargs)
+        client = TestClient(build_api(lambda: service), headers=headers or {})
         client.__enter__()
         made.append((client, service))
         return service, client, stages
 
-    yield make
-    for client, service in made:
-        client.portal.call(service.shutdown, 2.0)
-        client.__exit__(None, None, None)
+    try:
+        yield make
+    finally:
+        for client, service in made:
+            client.portal.call(service.shutdown, 2.0)
+            client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def serve(tiny_serve_model_dir, tmp_path):
+    """make(step_s, **settings sections) -> (service, client as alice, stages); each service is stopped after."""
+    with serve_maker(tiny_serve_model_dir, tmp_path, headers={"Authorization": f"Bearer {TOKEN_A}"}) as make:
+        yield make
 
 
 def _create(client: TestClient, prompt: str, token: str = TOKEN_A):

@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 from starlette.testclient import TestClient
 
-from tests.unit.test_serve_limits import TOKEN_A, TOKEN_B, Stages, _wait_for
+from tests.unit.test_serve_limits import TOKEN_A, TOKEN_B, Stages, _wait_for, serve_maker
 from vidray.serve.api import build_api
 from vidray.serve.app import ServeSettings, VideoJobService
 
@@ -30,23 +30,8 @@ def _auth(token: str) -> dict:
 @pytest.fixture
 def serve(tiny_serve_model_dir, tmp_path):
     """make(**settings sections) -> (service, TestClient without a token); alice, bob and an admin."""
-    made = []
-
-    def make(step_s: float = 0.01, **sections):
-        settings = ServeSettings(model_path=str(tiny_serve_model_dir), store_dir=str(tmp_path / "store"), fps=8.0,
-                                 store_on="replica", **sections)
-        stages = Stages(step_s)
-        service = VideoJobService(settings, (TOKEN_A, TOKEN_B), stages.text, stages.denoiser, stages.vae,
-                                  admin_tokens=(TOKEN_ADMIN,), app_name="vidray")
-        client = TestClient(build_api(lambda: service))
-        client.__enter__()
-        made.append((client, service))
-        return service, client
-
-    yield make
-    for client, service in made:
-        client.portal.call(service.shutdown, 2.0)
-        client.__exit__(None, None, None)
+    with serve_maker(tiny_serve_model_dir, tmp_path, admin_tokens=(TOKEN_ADMIN,), app_name="vidray") as make:
+        yield lambda *args, **sections: make(*args, **sections)[:2]
 
 
 def _create(client: TestClient, token: str, prompt: str = "a red fox", **headers):
