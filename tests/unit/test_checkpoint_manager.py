@@ -179,3 +179,21 @@ def test_a_remote_checkpoint_with_same_size_different_weights_is_refused_by_the_
     assert err.value.part == "transformer.safetensors" and "\n" not in message
     assert message.startswith(f"checkpoint {run}/checkpoint_000004: transformer.safetensors does not match the sha256")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was loaded
+
+
+@pytest.mark.parametrize("start", ["run_folder", "resume_from"])
+def test_the_worker_says_which_checkpoint_it_started_from_and_at_which_step(tmp_path, capfd, start):
+    """The log line of the worker's load (`_resume_state`), which users and tests/integration/test_checkpoint_faults
+    read: the run folder's latest after a restart of the worker group, or the driver's checkpoint.resume_from."""
+    from vidray.train import loop
+
+    run = tmp_path / "run"
+    CheckpointManager(str(run)).upload(snapshot(tmp_path, 4), checkpoint_dir_name(4))
+    loop_config = ({"run_dir": str(run), "resume_from": str(run / "checkpoint_000004"), "start_step": 4}
+                   if start == "resume_from" else {"run_dir": str(run), "resume_from": None, "start_step": 2})
+    model, optimizer, scheduler = model_and_optimizer(0)
+    state = loop._resume_state(loop_config, 0, None, transformer=model, optimizer=optimizer, lr_scheduler=scheduler)
+    assert state.step == 4
+    said = ("restarted from this run's checkpoint checkpoint_000004 at step 4 (the run folder's latest complete)"
+            if start == "run_folder" else f"started from checkpoint {run / 'checkpoint_000004'} at step 4")
+    assert f"[vidray] {said}\n" in capfd.readouterr().out

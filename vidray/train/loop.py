@@ -104,8 +104,8 @@ def _log(rank: int, message: str) -> None:
 
 def _choose_start(loop_config: dict[str, Any], rank: int, restart_name: str | None
                   ) -> tuple[CheckpointManager, str, str] | None:
-    """The checkpoint this attempt starts from, as (the manager of its folder, its name, how it was chosen), or
-    None (step 1). Every rank gets the same answer.
+    """The checkpoint this attempt starts from, as (the manager of its folder, its name, the log line saying how it
+    was chosen, with `{step}` for its step), or None (step 1). Every rank gets the same answer.
 
     A checkpoint written during this `fit()` (any step after the driver's start point `loop_config["start_step"]`,
     so on a restart after a worker or node failure) wins: the newer of `restart_name` (Ray Train's `get_checkpoint()`,
@@ -127,12 +127,12 @@ def _choose_start(loop_config: dict[str, Any], rank: int, restart_name: str | No
         name = chosen[0]
     if name is not None:
         source = "Ray Train's latest" if name == restart_name else "the run folder's latest complete"
-        how = f"restarted from this run's checkpoint {name} ({source})"
+        how = f"restarted from this run's checkpoint {name} at step {{step}} ({source})"
         return CheckpointManager(loop_config["run_dir"]), name, how
     start = loop_config.get("resume_from")
     if start:
         parent, name = start.rstrip("/").rsplit("/", 1) if is_uri(start) else (Path(start).parent, Path(start).name)
-        return CheckpointManager(parent), name, f"started from checkpoint {start}"
+        return CheckpointManager(parent), name, f"started from checkpoint {start} at step {{step}}"
     return None
 
 
@@ -151,7 +151,7 @@ def _load_start(start: tuple[CheckpointManager, str, str] | None, rank: int, **t
         return None
     manager, name, how = start
     state = manager.load(name, **targets)  # hashed again after this worker's download, whatever was checked before
-    _log(rank, f"{how} at step {state.step}")
+    _log(rank, how.replace("{step}", str(state.step)))
     return state
 
 
