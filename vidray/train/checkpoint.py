@@ -503,28 +503,29 @@ class CheckpointManager:
         downloaded (`fetch`), then every part's size and sha256 is checked against the manifest before anything is
         loaded. Raises the `load_checkpoint` errors, naming the checkpoint's storage location (not the temp copy)
         and the part."""
-        with self.fetch(name) as local:
-            try:
-                return load_checkpoint(local, **targets)
-            except CheckpointError as err:
-                if self.is_local:
-                    raise
-                where = self.location(name)
-                raise type(err)(str(err).replace(str(local), where), where, err.part) from None
+        with self.fetch(name) as local, self._errors_name_location(name, local):
+            return load_checkpoint(local, **targets)
 
     def train_state(self, name: str) -> TrainState:
         """The TrainState of checkpoint `name` (its step and data position), reading only its manifest and
         `train_state.json` (a remote checkpoint's weights are not downloaded): what a worker plans its start from
         before the model is built. Not hashed here: `load` checks every part before the weights are used. Raises
         IncompleteCheckpointError / DamagedCheckpointError naming the checkpoint's storage location."""
-        with self.fetch(name, parts=(MANIFEST, "train_state.json")) as local:
-            try:
-                return read_train_state(local)
-            except CheckpointError as err:
-                if self.is_local:
-                    raise
-                where = self.location(name)
-                raise type(err)(str(err).replace(str(local), where), where, err.part) from None
+        with self.fetch(name, parts=(MANIFEST, "train_state.json")) as local, \
+                self._errors_name_location(name, local):
+            return read_train_state(local)
+
+    @contextlib.contextmanager
+    def _errors_name_location(self, name: str, local: Path) -> Iterator[None]:
+        """A CheckpointError raised inside names checkpoint `name`'s storage location, not `local`, its temporary
+        download (a local checkpoint's errors already name it)."""
+        try:
+            yield
+        except CheckpointError as err:
+            if self.is_local:
+                raise
+            where = self.location(name)
+            raise type(err)(str(err).replace(str(local), where), where, err.part) from None
 
     def verify(self, name: str, *, hashes: bool = True) -> dict[str, Any]:
         """`verify_checkpoint` of checkpoint `name`; returns its manifest. Remote checkpoints are checked without
