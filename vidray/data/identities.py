@@ -42,12 +42,10 @@ def model_files_signature(model: dict[str, Any]) -> str:
 @functools.lru_cache(maxsize=1)
 def _code_signature() -> str:
     """sha256 of the libraries' versions and of the vidray source that builds and hashes encoders."""
-    import diffusers
-    import torch
-    import transformers
+    from importlib.metadata import version  # the installed versions, without importing the libraries
 
     root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256(f"{torch.__version__}|{diffusers.__version__}|{transformers.__version__}".encode())
+    digest = hashlib.sha256("|".join(version(name) for name in ("torch", "diffusers", "transformers")).encode())
     for path in sorted([*(root / "models").glob("*.py"), root / "data" / "encode.py"]):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
