@@ -654,6 +654,44 @@ class EncodePlacement(StagePlacement):
         return self
 
 
+STORAGE_DTYPES = ("auto", "fp32", "bf16", "fp8")
+"""`memory.storage_dtype` choices (`vidray.models.storage` applies them)."""
+INFERENCE_OFFLOADS = ("none", "model", "group", "sequential")
+"""`memory.offload` choices (`vidray.models.offload` applies them)."""
+
+
+@dataclass(config=_STRICT, kw_only=True)
+class MemoryConfig:
+    """Where the weights live and in which dtype: one schema for training (`memory:` of a job), generation
+    (`vidray generate --storage-dtype/--offload`, validation) and serving (`memory:` of the serve config). The
+    planner (`vidray plan`) counts every mode; `vidray train`, `vidray generate` and the Serve app refuse a mode the
+    device cannot run, or that does not fit, before anything is reserved or loaded."""
+
+    storage_dtype: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
+    """Storage dtype of every frozen weight: the text and image encoders, the VAE, the base under LoRA, a Wan2.2
+    expert that is not training, and every weight at inference. `bf16`: stored and computed in bfloat16. `fp8`:
+    stored as float8_e4m3fn and cast to bfloat16 one layer at a time for its computation (diffusers' layerwise
+    casting; norms, embeddings and the output projection stay bf16), about half bf16's bytes at a measured quality
+    cost (`benchmarks/memory_modes.py`). `auto`: bf16 on a CUDA device, fp32 on CPU. Trainable weights keep fp32
+    masters in every mode."""
+    block_swap: int = 0
+    """Training on CUDA with `model.lora`: how many of the frozen base's transformer blocks (the last ones) live in
+    pinned host memory and stream to the GPU one block ahead on a side stream, host-to-device only (they are frozen:
+    nothing is copied back), for the forward and the backward: musubi-tuner's `blocks_to_swap`. 0: every block stays
+    on the GPU. Must be below the model's block count."""
+    fsdp_cpu_offload: bool = False
+    """Training with `scaling.strategy: fsdp | hsdp`: FSDP2's `CPUOffloadPolicy`: sharded parameters, gradients and
+    optimizer state live in pinned host memory, and the optimizer step runs on the CPU (full fine-tuning of a model
+    that does not fit even sharded)."""
+    offload: Literal["none", "model", "group", "sequential"] = "none"
+    """Inference (`vidray generate`, validation samples, the serving stages) on CUDA: `none`: every component on
+    the GPU; `model`: one component on the GPU at a time, the rest in host memory (diffusers'
+    `enable_model_cpu_offload`; a Wan2.2 model holds one expert at a time); `group`: the transformer's blocks
+    stream from pinned host memory one group ahead on a side stream (diffusers' `enable_group_offload`,
+    block level); `sequential`: every layer is moved to the GPU for its own computation (diffusers'
+    `enable_sequential_cpu_offload`: the least GPU memory, the slowest). On CPU only `none` applies."""
+
+
 @dataclass(config=_STRICT, kw_only=True)
 class PlacementConfig:
     """Where each stage runs (`vidray.placement`): a label selector per stage. Resources: the DiT trainers'
@@ -702,6 +740,8 @@ class JobConfig:
     """What the diffusers export at the end of training holds."""
     vae_training: VAETrainingConfig = dataclasses.field(default_factory=VAETrainingConfig)
     """`vidray train-vae`: the VAE run's length, learning rate and loss weights."""
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+    """Frozen weights' storage dtype and offload, for training, validation and the export's generation."""
 
     @model_validator(mode="after")
     def _cross_checks(self):
@@ -757,6 +797,7 @@ class JobConfig:
             raise ValueError(f"flow.shift must be > 0, got {self.flow.shift}")
         self._check_workers()
         self._check_expert_groups()
+        self._check_memory()
         if self.scaling.cpus_per_worker <= 0:
             raise ValueError(f"scaling.cpus_per_worker must be > 0, got {self.scaling.cpus_per_worker}")
         if self.data.tokens_per_batch is not None and self.data.tokens_per_batch < 1:
@@ -806,6 +847,25 @@ class JobConfig:
         if self.train.seed < 0:
             raise ValueError(f"train.seed must be >= 0, got {self.train.seed}")
         return self
+
+    def _check_memory(self) -> None:
+        """`memory`'s modes against the job: what they train and the device they need (one line each, naming the
+        mode and what to use instead). The block count is checked when the model is built."""
+        mem = self.memory
+        if mem.block_swap < 0:
+            raise ValueError(f"memory.block_swap must be >= 0 blocks (0: off), got {mem.block_swap}")
+        if mem.block_swap and self.model.lora is None:
+            raise ValueError(f"memory.block_swap: {mem.block_swap} swaps the frozen base under LoRA: set model.lora, "
+                             "or use memory.fsdp_cpu_offload for full fine-tuning (scaling.strategy: fsdp)")
+        if mem.block_swap and not self.scaling.use_gpu:
+            raise ValueError(f"memory.block_swap: {mem.block_swap} needs a CUDA device (scaling.use_gpu: true): on CPU "
+                             "every weight is in host memory already; use memory.block_swap: 0")
+        if mem.fsdp_cpu_offload and self.scaling.strategy == "ddp":
+            raise ValueError("memory.fsdp_cpu_offload: true needs scaling.strategy: fsdp or hsdp (FSDP2's "
+                             "CPUOffloadPolicy); with ddp use memory.block_swap under model.lora")
+        if mem.offload != "none" and not self.scaling.use_gpu:
+            raise ValueError(f"memory.offload: {mem.offload} needs a CUDA device (scaling.use_gpu: true): on CPU every "
+                             "component is in host memory already; use memory.offload: none")
 
     def _check_workers(self) -> None:
         """scaling.num_workers (an int >= 1 or [min, max] with 1 <= min <= max), scaling.resize_check_s and
@@ -1042,6 +1102,12 @@ RESUME_RULES: dict[str, str] = {
     "model.lora": RESUME_FIXED,  # the adapters' shapes and scale; a LoRA checkpoint holds only adapter weights
     "model.i2v": RESUME_FIXED,  # the transformer's input channels (inpaint latents) and what the data gives it
     "model.experts": RESUME_FIXED,  # one transformer or two, where they switch, which workers hold which and where
+    # Where weights live: the checkpoint holds fp32 trainable weights in every mode, so a resumed run may change
+    # how the frozen ones are stored or offloaded (the loss moves a little with the storage dtype).
+    "memory.storage_dtype": RESUME_CHANGEABLE,
+    "memory.block_swap": RESUME_CHANGEABLE,
+    "memory.fsdp_cpu_offload": RESUME_CHANGEABLE,
+    "memory.offload": RESUME_CHANGEABLE,
     # The data: shard identity is checked by the index's content hash, so folder and prepare-only keys may
     # change; buckets, fps and the batch sizes define the epoch's micro-batches, which the saved data position
     # counts (per bucket), so they must stay as they were.
