@@ -850,28 +850,34 @@ def _export_pipeline(family: Any, trained_full: torch.nn.Module, job: Any, ema_w
     a URI a local temp folder is uploaded with model_index.json last (`upload_dir`: a half-uploaded export never
     looks like a model; the whole upload is retried, then the worker fails with a StorageTransferError naming the
     URI, and Ray Train's restart exports again from the last checkpoint)."""
+    from vidray.models.export import BASE_REF, MODEL_INDEX, lora_export_base
+
     remote = is_uri(run_dir)
     diffusers_dir = f"{run_dir.rstrip('/')}/diffusers" if remote else str(Path(run_dir) / "diffusers")
     trained_full.eval()
-    encoders = family.build_encoders(job.model, seed=job.train.seed)  # the export's VAE and text (image) encoder
+    base = lora_export_base(job)  # a LoRA run on a pretrained base: the adapters and a reference to the base
     if ema_weights is not None:
         copy_averages_to(trained_full, ema_weights)  # training is over: the export holds the averages
-    components = Components(transformer=trained_full, vae=encoders.vae, text_encoder=encoders.text_encoder,
-                            tokenizer=encoders.tokenizer, image_encoder=encoders.image_encoder,
-                            image_processor=encoders.image_processor)
+    if base is None:
+        encoders = family.build_encoders(job.model, seed=job.train.seed)  # the export's VAE, text (image) encoder
+        components = Components(transformer=trained_full, vae=encoders.vae, text_encoder=encoders.text_encoder,
+                                tokenizer=encoders.tokenizer, image_encoder=encoders.image_encoder,
+                                image_processor=encoders.image_processor)
+    else:  # nothing but the adapters is written: no encoder is loaded
+        components = Components(transformer=trained_full, vae=None, text_encoder=None, tokenizer=None)
+    what = "diffusers pipeline" if base is None else f"LoRA adapters (base {base})"
     if remote:
         from vidray.data.storage import upload_dir
-        from vidray.models.export import MODEL_INDEX
 
         with tempfile.TemporaryDirectory(prefix="vidray-export-") as tmp:
-            export_pipeline(family, components, tmp, job.flow)
-            write_job_file(tmp, job)
-            num_bytes = upload_dir(tmp, diffusers_dir, marker=MODEL_INDEX)
-        _log(0, f"saved diffusers pipeline to {diffusers_dir} ({num_bytes / 2**20:.1f} MiB uploaded)")
+            export_pipeline(family, components, f"{tmp}/out", job.flow, base=base)
+            write_job_file(f"{tmp}/out", job)
+            num_bytes = upload_dir(f"{tmp}/out", diffusers_dir, marker=MODEL_INDEX if base is None else BASE_REF)
+        _log(0, f"saved {what} to {diffusers_dir} ({num_bytes / 2**20:.1f} MiB uploaded)")
     else:
-        export_pipeline(family, components, diffusers_dir, job.flow)
+        export_pipeline(family, components, diffusers_dir, job.flow, base=base)
         write_job_file(diffusers_dir, job)
-        _log(0, f"saved diffusers pipeline to {diffusers_dir}")
+        _log(0, f"saved {what} to {diffusers_dir}")
     return diffusers_dir
 
 
