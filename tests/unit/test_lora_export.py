@@ -230,3 +230,43 @@ def test_a_lora_checkpoint_exports_adapter_only_and_merges_from_its_pretrained_b
     b = load_file(str(from_export / "transformer/diffusion_pytorch_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert adapter_state_dict(transformer)  # the run's transformer keeps its adapters
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp"])
+def test_the_end_of_a_lora_run_on_a_pretrained_base_gathers_and_writes_only_the_adapters(shards_dir, tmp_path,
+                                                                                         strategy):
+    """Through the real loop (2 gloo ranks, FSDP-sharded base): the export is `lora/` + base_model.json + the job
+    file, and loads as the base with the checkpoint's adapters merged (what `vidray export` of it gives)."""
+    from pathlib import Path
+
+    from vidray.config import ModelConfig, load_job_config
+    from vidray.models.export import load_adapter_state
+    from vidray.train.local import train_in_process
+
+    repo = Path(__file__).resolve().parents[2]
+    family = get_family("easyanimate")
+    base = family.save_pipeline(family.build(ModelConfig(text_encoder="tiny_random"), seed=0), tmp_path / "base",
+                                FLOW)
+    job = load_job_config(repo / "jobs/configs/tiny_t2v.yaml", [
+        f"data.shards_dir={shards_dir}", f"storage.path={tmp_path / 'runs'}", "name=lora-base", "model.init=pretrained",
+        f"model.pretrained_path={base}", "model.lora.rank=4", f"scaling.strategy={strategy}", "train.max_steps=2",
+        "checkpoint.every_steps=2", "train.log_every_steps=1"])
+    result = train_in_process(job, world_size=2)
+    out = Path(result.diffusers_dir)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [
+        BASE_REF, "lora/adapter_config.json", "lora/adapter_model.safetensors", "lora/pytorch_lora_weights.safetensors",
+        JOB_FILE]
+    assert json.loads((out / BASE_REF).read_text())["base"] == str(base.resolve())
+    from safetensors.torch import load_file
+
+    exported = load_file(str(out / LORA_DIR / "adapter_model.safetensors"))
+    saved = load_adapter_state(result.run_dir / "checkpoint_000002")
+    assert {f"base_model.model.{k}" for k in saved} <= set(exported)
+    assert all(torch.equal(exported[f"base_model.model.{k}"], v) for k, v in saved.items())
+    assert any(v.abs().max() > 0 for k, v in saved.items() if ".lora_B." in k)  # trained
+    merged = load_model(out, components=("transformer",)).components.transformer.state_dict()
+    from_checkpoint = load_model(result.run_dir / "checkpoint_000002", components=("transformer",),
+                                 allow_sharded=True).components.transformer.state_dict()
+    for key, value in from_checkpoint.items():
+        torch.testing.assert_close(merged[key], value, atol=1e-6, rtol=1e-5, msg=key)

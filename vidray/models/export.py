@@ -29,7 +29,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import yaml
 
@@ -73,6 +73,7 @@ __all__ = [
     "MODEL_CACHE_ENV",
     "MODEL_INDEX",
     "ModelDownloadError",
+    "export_adapters",
     "export_checkpoint",
     "export_pipeline",
     "fetch_model",
@@ -1072,9 +1073,6 @@ def export_pipeline(family: "ModelFamily", components: "Components", out_dir: st
     through peft, `peft.PeftModel.from_pretrained(pipe.transformer, f"{out_dir}/lora")` (injects in place).
     A merged folder on request: `vidray export --merge-lora` (`vidray.models.merge.export_merged`).
     """
-    import shutil
-    import tempfile
-
     from vidray.models.experts import EXPERT_ATTRIBUTES, TwoExperts
     from vidray.models.lora import has_lora, save_lora_weights, without_lora
 
@@ -1094,6 +1092,16 @@ def export_pipeline(family: "ModelFamily", components: "Components", out_dir: st
             family.save_pipeline(components, out_dir, flow)
         save_adapters(out_dir)
         return out_dir
+    return _write_adapter_export(out_dir, base, save_adapters)
+
+
+def _write_adapter_export(out_dir: Path, base: str | Path, save_adapters: "Callable[[Path], None]") -> Path:
+    """An adapter-only export: `save_adapters(folder)` and `BASE_REF` written into a temp folder beside `out_dir`,
+    which then replaces `out_dir` as a whole."""
+    import shutil
+    import tempfile
+
+    out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
@@ -1105,6 +1113,29 @@ def export_pipeline(family: "ModelFamily", components: "Components", out_dir: st
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def export_adapters(state: "dict[str, torch.Tensor]", lora_cfg: Any, base_class: type, out_dir: str | Path,
+                    base: str | Path, *, experts: bool = False) -> Path:
+    """The adapter-only export of `export_pipeline(..., base=...)` from the adapter tensors alone (no model in
+    memory): what the end of a LoRA run writes after gathering only the adapters to rank 0 (megabytes, where the
+    base is gigabytes). `state`: `vidray.models.lora.adapter_state_dict`'s naming (`...to_q.lora_A.weight`); with
+    `experts`, each name under its expert's prefix (`transformer.` / `transformer_2.`, `EXPERT_ATTRIBUTES`), each
+    expert's written to its folder (`EXPERT_LORA_DIRS`). `lora_cfg`: the run's `model.lora`; `base_class`: the
+    adapted transformer's class. Returns `out_dir`. Raises ValueError when an expert has no adapters."""
+    from vidray.models.experts import EXPERT_ATTRIBUTES
+    from vidray.models.lora import save_adapter_state
+
+    def save_adapters(folder: Path) -> None:
+        if not experts:
+            save_adapter_state(state, lora_cfg, base_class, folder / LORA_DIR)
+            return
+        for expert, name in EXPERT_LORA_DIRS.items():
+            prefix = EXPERT_ATTRIBUTES[expert] + "."
+            save_adapter_state({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, lora_cfg,
+                               base_class, folder / name)
+
+    return _write_adapter_export(Path(out_dir), base, save_adapters)
 
 
 def write_job_file(diffusers_dir: str | Path, job: JobConfig) -> Path:

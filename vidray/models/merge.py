@@ -5,10 +5,9 @@ the base). `export_merged` writes a complete diffusers folder whose transformer 
 adapted layer (scale = lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA: what peft's `merge` folds in), and
 whose other components are the base's files, copied. Host memory stays near one tensor, not the model:
 
-- each base weights file is read by its safetensors header (names, dtypes, shapes, byte offsets) and then one
-  tensor at a time with plain file reads into a buffer of that tensor's size. Not `safetensors.safe_open`: it
-  maps the whole file, and every mapped page a read touches counts in the process's resident set until the kernel
-  needs it back, so a streamed 5.7 GB file shows up as ~5.7 GB of RSS;
+- each base weights file is planned from its safetensors header (names, dtypes, shapes, byte sizes) and read one
+  tensor at a time (`safetensors.safe_open(...).get_tensor`, a copy of that tensor alone: reading a 1 GiB file
+  this way raised a child's peak RSS by 5 MiB);
 - the output is planned from the input headers (a merged tensor keeps its dtype and shape), so each shard's
   header is written first and its tensors streamed after it: shards of at most `max_shard_bytes` (one tensor
   larger than that gets a shard of its own), named and indexed as diffusers' `save_pretrained` names them
@@ -21,6 +20,7 @@ the family's `save_pipeline`), as small as the tiny models such runs use.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from vidray.errors import UserError
 
@@ -94,19 +94,6 @@ def _weights_files(folder: Path) -> tuple[str, list[Path]]:
     return files[0].name[: -len(".safetensors")], files
 
 
-def _read_tensor(f: BinaryIO, entry: _Entry) -> "torch.Tensor":
-    import torch
-
-    dtype = getattr(torch, _DTYPES[entry.dtype])
-    if entry.nbytes == 0:
-        return torch.empty(entry.shape, dtype=dtype)
-    f.seek(entry.begin)
-    buffer = bytearray(entry.nbytes)
-    if f.readinto(buffer) != entry.nbytes:
-        raise MergeError(f"{entry.file} is cut short inside {entry.name}: the base's weights are damaged")
-    return torch.frombuffer(buffer, dtype=dtype).reshape(entry.shape)
-
-
 def _plan_shards(entries: list[_Entry], max_shard_bytes: int) -> list[list[_Entry]]:
     shards: list[list[_Entry]] = [[]]
     size = 0
@@ -159,15 +146,18 @@ def merge_into_folder(src: Path, dst: Path, adapters: dict[str, tuple["torch.Ten
     shards = _plan_shards(entries, max_shard_bytes)
     names = ([f"{stem}.safetensors"] if len(shards) == 1
              else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    handles: dict[Path, BinaryIO] = {}
+    from safetensors import safe_open
+
+    handles: dict[Path, Any] = {}
     total = 0
-    try:
+    with contextlib.ExitStack() as stack:
         for shard, name in zip(shards, names):
             with open(dst / name, "wb") as out:
                 out.write(_shard_header(shard))
                 for entry in shard:
-                    f = handles.get(entry.file) or handles.setdefault(entry.file, open(entry.file, "rb"))
-                    tensor = _read_tensor(f, entry)
+                    if entry.file not in handles:
+                        handles[entry.file] = stack.enter_context(safe_open(str(entry.file), framework="pt"))
+                    tensor = handles[entry.file].get_tensor(entry.name)
                     module = entry.name[: -len(".weight")] if entry.name.endswith(".weight") else None
                     if module in adapters:
                         a, b, scale = adapters[module]
@@ -176,9 +166,6 @@ def merge_into_folder(src: Path, dst: Path, adapters: dict[str, tuple["torch.Ten
                     if entry.nbytes:
                         out.write(tensor.contiguous().view(torch.uint8).numpy().data)
                     total += entry.nbytes
-    finally:
-        for f in handles.values():
-            f.close()
     if len(shards) > 1:
         index = {"metadata": {"total_size": total},
                  "weight_map": {e.name: name for shard, name in zip(shards, names) for e in shard}}
