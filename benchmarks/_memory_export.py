@@ -12,8 +12,8 @@
   written (no process owns it).
 
 Set-up: a base of the Wan2.1-T2V-1.3B transformer's shape (`WAN21_1_3B`: dim 1536, 30 layers, ffn 8960, 12 heads;
-1.42 B parameters) with random weights in float32 (5.7 GB: the dtype vidray trains and exports in; Wan-AI's own
-1.3B checkpoint is bf16, 2.8 GB, which halves the base and the streamed tensors alike), written once, tensor by
+1.42 B parameters) with random weights in float32 (5.7 GB: the dtype vidray trains and exports in; in bf16 the
+shape is 2.8 GB, the base and each streamed tensor halved alike), written once, tensor by
 tensor, as safetensors shards of at most 2 GiB with diffusers' index into a temp folder (a pipeline folder holding
 the transformer alone, the other components' folders empty), removed at the end. The LoRA: `model.lora` rank 16
 on the default attention projections (240 layers), with random A and B, built on the meta device (the base's
