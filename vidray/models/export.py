@@ -697,8 +697,8 @@ def _check_model_kind(path: str | Path) -> None:
         raise UserFileNotFound(f"model {path} does not exist; give <run>/diffusers or <run>/checkpoint_NNNNNN")
     if not any((path / marker).is_file() for marker in (MANIFEST, MODEL_INDEX, BASE_REF)):
         raise ModelFolderError(
-            f"model {path} is neither a diffusers folder (model_index.json), a LoRA export ({BASE_REF}) nor a "
-            f"vidray checkpoint ({MANIFEST}); give <run>/diffusers or <run>/checkpoint_NNNNNN"
+            f"model {path} is neither a diffusers folder (model_index.json) nor a vidray checkpoint ({MANIFEST}) "
+            f"nor a LoRA export ({BASE_REF}); give <run>/diffusers or <run>/checkpoint_NNNNNN"
         )
 
 
