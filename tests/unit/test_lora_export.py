@@ -270,3 +270,46 @@ def test_the_end_of_a_lora_run_on_a_pretrained_base_gathers_and_writes_only_the_
                                  allow_sharded=True).components.transformer.state_dict()
     for key, value in from_checkpoint.items():
         torch.testing.assert_close(merged[key], value, atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_a_two_expert_adapter_export_from_the_adapters_alone_loads_in_stock_diffusers_vidray_and_merges(tmp_path):
+    """Wan 2.2 A14B's layout: `export_adapters` (what the end of a run writes from the gathered adapters alone)
+    gives `lora/` + `lora_2/` + base_model.json; the stock pipeline from the base with both folders loaded, vidray's
+    load_model and the streamed merged export all compute what the adapted experts do."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+
+    from vidray.models.export import export_adapters
+    from vidray.models.lora import adapter_state_dict
+
+    raw = {"family": "wan", "text_encoder": "tiny_random", "max_sequence_length": 8, "i2v": {},
+           "experts": {"boundary_ratio": 0.9}}
+    base_model = job_config_from_dict({"name": "b", "model": raw, "data": {"buckets": [[5, 32, 32]]}}).model
+    base = FAMILY.save_pipeline(FAMILY.build(base_model, seed=0), tmp_path / "base", FLOW)
+    job = job_config_from_dict({"name": "experts-lora", "model": {**raw, "init": "pretrained",
+                                                                  "pretrained_path": str(base), "lora": {"rank": 4}},
+                                "data": {"buckets": [[5, 32, 32]]}, "flow": {"shift": FLOW.shift}})
+    two = _adapted(job)
+    out = export_adapters(adapter_state_dict(two), job.model.lora, WanTransformer3DModel, tmp_path / "diffusers",
+                          lora_export_base(job), experts=True)
+    write_job_file(out, job)
+    assert sorted(p.name for p in out.iterdir()) == [BASE_REF, "lora", "lora_2", JOB_FILE]
+    pipe = WanImageToVideoPipeline.from_pretrained(base, local_files_only=True)
+    pipe.load_lora_weights(out / "lora")
+    pipe.load_lora_weights(out / "lora_2", load_into_transformer_2=True)
+    loaded = load_model(out, components=("transformer",)).components.transformer
+    merged = export_merged(out, tmp_path / "merged")
+    streamed = {attribute: WanTransformer3DModel.from_pretrained(merged / attribute).eval()
+                for attribute in ("transformer", "transformer_2")}
+    generator = torch.Generator().manual_seed(2)
+    inputs = {"hidden_states": torch.randn(1, two.config.in_channels, 3, 8, 8, generator=generator),
+              "encoder_hidden_states": torch.randn(1, 8, two.config.text_dim, generator=generator),
+              "return_dict": False}
+    with torch.no_grad():
+        for attribute, stock, timestep in (("transformer", pipe.transformer, 950.0),
+                                           ("transformer_2", pipe.transformer_2, 300.0)):
+            t = torch.tensor([timestep])
+            trained = two(timestep=t, **inputs)[0]
+            for name, result in (("stock", stock(timestep=t, **inputs)[0]),
+                                 ("load_model", loaded(timestep=t, **inputs)[0]),
+                                 ("merged", streamed[attribute](timestep=t, **inputs)[0])):
+                torch.testing.assert_close(result, trained, atol=1e-5, rtol=1e-4, msg=f"{attribute} {name}")
