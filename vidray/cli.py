@@ -130,8 +130,13 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
             from vidray.models.export import EXPERT_LORA_DIRS, LORA_DIR
 
             folders = EXPERT_LORA_DIRS.values() if job.model.experts is not None else (LORA_DIR,)
-            adapters = (f" (the base model; the LoRA adapters in {' and '.join(f'{d}/' for d in folders)} beside it, "
-                        "which vidray generate and serving merge)")
+            from vidray.models.export import lora_export_base
+
+            adapters = (f" (the LoRA adapters in {' and '.join(f'{d}/' for d in folders)} and base_model.json, the "
+                        f"reference to the base {lora_export_base(job)}: vidray generate and serving merge them; "
+                        "`vidray export --merge-lora` writes one merged folder)" if lora_export_base(job)
+                        else f" (the base model; the LoRA adapters in {' and '.join(f'{d}/' for d in folders)} "
+                        "beside it, which vidray generate and serving merge)")
         print(f"[vidray] diffusers pipeline: {result.diffusers_dir}{adapters}")
     print(f"[vidray] curves: {result.run_dir}/loss.png, metrics.jsonl; tensorboard --logdir {result.run_dir}")
     for shard in result.skipped_shards:
@@ -174,7 +179,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """`vidray export CHECKPOINT OUT_DIR`: a training checkpoint (full or sharded) as the safetensors pipeline
-    folder that serving and `vidray generate` load (`vidray.models.export.export_checkpoint`)."""
+    folder that serving and `vidray generate` load (`vidray.models.export.export_checkpoint`; a LoRA run on a
+    pretrained base: its adapters and a reference to the base). `--merge-lora`: a LoRA checkpoint or export as one
+    merged pipeline folder, streamed tensor by tensor (`vidray.models.merge.export_merged`)."""
+    if args.merge_lora:
+        from vidray.models.merge import export_merged
+
+        print(f"[vidray] merged the LoRA of {args.checkpoint} into {export_merged(args.checkpoint, args.out_dir)}")
+        return 0
     from vidray.models.export import export_checkpoint
 
     print(f"[vidray] exported {args.checkpoint} to {export_checkpoint(args.checkpoint, args.out_dir)}")
@@ -333,8 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a training checkpoint (full or sharded) as the safetensors pipeline "
                        "folder that serving and generate load")
-    p.add_argument("checkpoint", help="a checkpoint folder (<run>/checkpoint_000200) or its URI")
-    p.add_argument("out_dir", help="the pipeline folder to write (replaced as a whole)")
+    p.add_argument("checkpoint", help="a checkpoint folder (<run>/checkpoint_000200) or its URI; with --merge-lora "
+                   "also a LoRA run's export (<run>/diffusers)")
+    p.add_argument("out_dir", help="the pipeline folder to write (replaced as a whole; with --merge-lora a new one)")
+    p.add_argument("--merge-lora", action="store_true", help="write a LoRA run's model as one complete pipeline "
+                   "folder with the adapters folded into the base's weights (streamed tensor by tensor; host memory "
+                   "near one tensor) instead of the adapters and a reference to the base")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("doctor", help="check this machine (libraries, devices), a job config (inputs, outputs, "

@@ -228,9 +228,11 @@ class ModelConfig:
     VAE. `vidray train-vae` itself ignores it (it trains the VAE that `init` gives)."""
     lora: LoraConfig | None = None
     """null: full fine-tuning of the transformer. A section (`{rank: 16}`; see `LoraConfig`): LoRA adapters on the
-    base model that `init` / `pretrained_path` give; checkpoints then hold only the adapters, and the diffusers
-    export writes the base pipeline with the adapters in `lora/` beside it (with `model.experts`, each expert's
-    adapters: `lora/` for the high-noise `transformer`, `lora_2/` for the low-noise `transformer_2`)."""
+    base model that `init` / `pretrained_path` give; checkpoints then hold only the adapters. The export holds the
+    adapters in `lora/` (with `model.experts`, each expert's: `lora/` for the high-noise `transformer`, `lora_2/` for
+    the low-noise `transformer_2`); on a pretrained base only them and `base_model.json` (the base's folder and a
+    fingerprint, never a copy of the base), with `init: random` (whose base exists in no folder) or a `vae_path`
+    beside the base pipeline they were trained on. `vidray export --merge-lora` writes a merged folder."""
     i2v: I2VConfig | None = None
     """null: a text-to-video model. A section (`{condition: first, condition_dropout: 0.1}`; see `I2VConfig`): an
     image-to-video model, for the families in `vidray.models.rules.IMAGE_TO_VIDEO_FAMILIES`; a pretrained folder

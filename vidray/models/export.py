@@ -29,7 +29,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import yaml
 
@@ -59,6 +59,12 @@ __all__ = [
     "model_experts",
     "PARTS",
     "ADAPTER_PART",
+    "BASE_REF",
+    "BaseModelError",
+    "base_fingerprint",
+    "lora_export_base",
+    "resolve_base",
+    "write_base_reference",
     "EXPERT_LORA_DIRS",
     "LORA_2_DIR",
     "READABLE_FORMAT_VERSIONS",
@@ -67,6 +73,7 @@ __all__ = [
     "MODEL_CACHE_ENV",
     "MODEL_INDEX",
     "ModelDownloadError",
+    "export_adapters",
     "export_checkpoint",
     "export_pipeline",
     "fetch_model",
@@ -115,6 +122,11 @@ READABLE_FORMAT_VERSIONS = (1, 2, 3)
 _HASH_CHUNK_BYTES = 8 * 1024 * 1024
 JOB_FILE = "vidray_job.yaml"
 """Name of the resolved job config written beside an exported diffusers pipeline."""
+BASE_REF = "base_model.json"
+"""An adapter-only LoRA export's reference to its base pipeline (`write_base_reference`, `resolve_base`): a
+JSON object {"format": 1, "base": <location>, "sha256": <fingerprint>, "files": {...}}. Written last: it is the
+export's commit marker, as model_index.json is a full export's."""
+BASE_REF_FORMAT = 1
 
 _PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate", "EasyAnimateInpaintPipeline": "easyanimate",
                       "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "CogVideoXPipeline": "cogvideox",
@@ -176,6 +188,144 @@ def file_sha256(path: str | Path) -> str:
         while chunk := f.read(_HASH_CHUNK_BYTES):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+class BaseModelError(UserError):
+    """An adapter-only LoRA export whose base (`BASE_REF`) cannot be used: its reference is unreadable, the base
+    folder is gone, it is a hub id (nothing loads from a hub here), or its fingerprint no longer matches the one
+    recorded at export. The message names the export's `base_model.json` and how to fix it. Raised before any
+    weights load."""
+
+
+def _safetensors_header(path: Path) -> bytes:
+    """The first 8 + N bytes of a safetensors file: its little-endian u64 header length N and the JSON header
+    (every tensor's name, dtype, shape and byte offsets). Raises ValueError for a file too short to hold it."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes)")
+        length = int.from_bytes(head, "little")
+        body = f.read(length)
+    if len(body) != length:
+        raise ValueError(f"{path} is not a safetensors file (its header is cut short)")
+    return head + body
+
+
+def base_fingerprint(folder: str | Path) -> dict[str, Any]:
+    """What an adapter-only export records of its base pipeline folder, read in milliseconds (no weight byte):
+    {"sha256": hex, "files": {relative path: entry}} over `model_index.json` and every file of each component
+    subfolder it names (`transformer/`, `transformer_2/`, `vae/`, `text_encoder/`, ...):
+    - `*.json` (model_index.json, config.json, the weights' `*.safetensors.index.json`, tokenizer and scheduler
+      configs): {"sha256": of the file's bytes, "size_bytes"};
+    - `*.safetensors` (weights): {"header_sha256": of its header (`8 + N` bytes: every tensor's name, dtype,
+      shape, offsets), "size_bytes"};
+    - any other file: {"size_bytes"}.
+    "sha256" is the sha256 of `files` as sorted compact JSON. It identifies the base's architecture, weight layout
+    and file sizes (a re-saved, re-sharded or other checkpoint differs), not every weight value: hashing every
+    weight byte would cost ~1 s per GB at each load. Raises BaseModelError when the folder has no readable
+    model_index.json."""
+    folder = Path(folder)
+    try:
+        index = json.loads((folder / MODEL_INDEX).read_text())
+    except (OSError, ValueError) as err:
+        raise BaseModelError(f"base {folder} has no readable {MODEL_INDEX} ({err}): give a diffusers folder") from None
+    files: dict[str, dict[str, Any]] = {}
+    paths = [folder / MODEL_INDEX]
+    for name, value in sorted(index.items()):
+        if isinstance(value, list) and value and value[0] is not None and (folder / name).is_dir():
+            paths += sorted(p for p in (folder / name).rglob("*") if p.is_file())
+    for path in paths:
+        entry: dict[str, Any] = {"size_bytes": path.stat().st_size}
+        if path.suffix == ".json":
+            entry["sha256"] = file_sha256(path)
+        elif path.suffix == ".safetensors":
+            try:
+                entry["header_sha256"] = hashlib.sha256(_safetensors_header(path)).hexdigest()
+            except ValueError as err:
+                raise BaseModelError(f"base {folder}: {err}") from None
+        files[path.relative_to(folder).as_posix()] = entry
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return {"sha256": digest, "files": files}
+
+
+def lora_export_base(job: JobConfig) -> str | None:
+    """The base an adapter-only export of `job` refers to (`export_pipeline(base=...)`), or None when the run's
+    export holds its own base pipeline: `model.pretrained_path` made absolute (a URI as it is) for a LoRA run with
+    `model.init: pretrained`; None for a full fine-tuning run, for `init: random` (the random base exists in no
+    folder: the export is where it is written once), and for a run with `model.vae_path` (its VAE is not the
+    base's: the export writes the pipeline with it)."""
+    model = job.model
+    if model.lora is None or model.init != "pretrained" or not model.pretrained_path or model.vae_path:
+        return None
+    return model.pretrained_path if is_uri(model.pretrained_path) else str(Path(model.pretrained_path).resolve())
+
+
+def write_base_reference(out_dir: str | Path, base: str | Path) -> Path:
+    """Write `BASE_REF` into `out_dir`: {"format": 1, "base": `base` (a local folder, made absolute; an
+    `s3://`/`file://` URI as given), "sha256" and "files": `base_fingerprint` of the base folder (a URI's base is
+    read through the model cache, `fetch_model`)}. Returns the file. Raises BaseModelError as `resolve_base`
+    does for a base that cannot be read."""
+    base = str(base) if is_uri(base) else str(Path(base).resolve())
+    local = fetch_model(base) if is_uri(base) else Path(base)
+    if not (local / MODEL_INDEX).is_file():
+        raise BaseModelError(f"base {base} is no diffusers folder ({MODEL_INDEX}): a LoRA export refers to the "
+                             "pipeline folder of model.pretrained_path")
+    record = {"format": BASE_REF_FORMAT, "base": base, **base_fingerprint(local)}
+    out = Path(out_dir) / BASE_REF
+    out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return out
+
+
+def _looks_like_hub_id(location: str) -> bool:
+    """`org/name` (one slash, no leading `/` or `.`): what the Hugging Face Hub names a model."""
+    return not Path(location).is_absolute() and location.count("/") == 1 and not location.startswith(".")
+
+
+def resolve_base(export_dir: str | Path) -> Path:
+    """The local base pipeline folder of the adapter-only LoRA export `export_dir` (its `BASE_REF`), checked
+    against the fingerprint recorded at export (`base_fingerprint`). `base` may be a local folder (absolute), a URI
+    (`s3://...`, copied once into the model cache by `fetch_model`, which raises ModelDownloadError naming the
+    credentials when the store cannot be read), or a hub id, which is refused (nothing loads from a hub here).
+    Edit `base` in the file to move the base: the fingerprint must still match.
+
+    Raises BaseModelError, one line naming `<export>/base_model.json` and the fix: an unreadable reference, a
+    base folder that is gone, a hub id, a fingerprint that no longer matches (naming the first file that
+    differs), or a URI base that cannot be read (`fetch_model`'s line: the store, the credentials
+    AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL)."""
+    ref_path = Path(export_dir) / BASE_REF
+    try:
+        record = json.loads(ref_path.read_text())
+        base, recorded = str(record["base"]), str(record["sha256"])
+        recorded_files = dict(record.get("files") or {})
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise BaseModelError(f"{ref_path} cannot be read ({type(err).__name__}: {err}); export the run again "
+                             "(vidray export CHECKPOINT OUT_DIR)") from None
+    if record.get("format") != BASE_REF_FORMAT:
+        raise BaseModelError(f"{ref_path} has format {record.get('format')!r}; this vidray reads "
+                             f"{BASE_REF_FORMAT}: use the vidray that wrote it")
+    if is_uri(base):
+        try:
+            local = fetch_model(base)
+        except UserError as err:  # the store's one line (credentials, endpoint), naming the reference
+            raise BaseModelError(f"{ref_path}: base {err}") from None
+    elif Path(base).is_dir():
+        local = Path(base)
+    elif _looks_like_hub_id(base):
+        raise BaseModelError(f"{ref_path}: base {base!r} is a hub id, and nothing loads from a hub here: download "
+                             "it (e.g. `hf download " + base + " --local-dir DIR`) and set \"base\" to that local folder")
+    else:
+        raise BaseModelError(f"{ref_path}: the base folder {base} is gone; set \"base\" in that file to where the "
+                             "base pipeline now is (a local folder or an s3:// URI; its fingerprint must match)")
+    found = base_fingerprint(local)
+    if found["sha256"] != recorded:
+        changed = sorted(set(found["files"]) ^ set(recorded_files)
+                         | {k for k in found["files"].keys() & recorded_files.keys()
+                            if found["files"][k] != recorded_files[k]})
+        what = f" ({changed[0]} differs{f' among {len(changed)} files' if len(changed) > 1 else ''})" if changed else ""
+        raise BaseModelError(f"{ref_path}: base {base} no longer matches the one these adapters were trained on "
+                             f"(sha256 {found['sha256'][:12]}, recorded {recorded[:12]}){what}; restore that base "
+                             "or point \"base\" at a copy of it; vidray never loads a different base silently")
+    return local
 
 
 def _read_manifest(directory: Path) -> dict[str, Any]:
@@ -401,11 +551,15 @@ class ModelInfo:
     buckets: list[Bucket]
     """Training buckets (empty for a stock folder)."""
     source: str | None = None
-    """The URI the model was given as (`path` is then its local cached copy, `fetch_model`); None for a folder."""
+    """The URI the model was given as (`path` is then its local cached copy, `fetch_model`), or the adapter-only
+    LoRA export as given (`path` is then its base); None for a folder."""
     image_to_video: bool = False
     """Whether the model takes a first-frame image: its job's `model.i2v` is set, or a stock folder's pipeline is an
     image-to-video one (`EasyAnimateInpaintPipeline`, `WanImageToVideoPipeline`, `CogVideoXImageToVideoPipeline`).
     Read through `family.supports_image_to_video(info)`."""
+    adapters: Path | None = None
+    """An adapter-only LoRA export (`BASE_REF`): its local folder, holding `lora/` (`lora_2/`) and the job file;
+    `path` is then its base pipeline folder (`resolve_base`: found and fingerprint-checked). None otherwise."""
 
     @functools.cached_property
     def family(self) -> "ModelFamily":
@@ -456,6 +610,8 @@ def inspect_model(path: str | Path) -> ModelInfo:
 def _inspect_folder(path: Path) -> ModelInfo:
     """`inspect_model` of a local folder."""
     _check_model_kind(path)
+    if (path / BASE_REF).is_file() and not (path / MODEL_INDEX).is_file():
+        return _inspect_adapter_export(path)
     if (path / MANIFEST).is_file():
         job = job_config_from_dict(read_job_config(path))
         if job.train.objective == "vae":
@@ -495,6 +651,26 @@ def _inspect_folder(path: Path) -> ModelInfo:
                      image_to_video=class_name in _IMAGE_TO_VIDEO_PIPELINES)
 
 
+def _inspect_adapter_export(path: Path) -> ModelInfo:
+    """`inspect_model` of an adapter-only LoRA export: its base resolved and checked (`resolve_base`), read as a
+    diffusers folder, with the export's job file (required) and `adapters` = the export."""
+    if not (path / JOB_FILE).is_file():
+        raise ModelFolderError(f"LoRA export {path} has {BASE_REF} but no {JOB_FILE}: it is incomplete; export the "
+                               "run again")
+    job = job_config_from_dict(yaml.safe_load((path / JOB_FILE).read_text()))
+    if not any((path / name).is_dir() for name in EXPERT_LORA_DIRS.values()):
+        raise ModelFolderError(f"LoRA export {path} has {BASE_REF} but no {LORA_DIR}/: it is incomplete; export "
+                               "the run again")
+    base = resolve_base(path)
+    base_info = _inspect_folder(base)
+    if base_info.kind != "diffusers" or base_info.adapters is not None:
+        raise BaseModelError(f"{path / BASE_REF}: base {base} is not a diffusers pipeline folder")
+    _check_folder_task(base, job)
+    return ModelInfo(base, "diffusers", job.model.family, job, job.flow, job.model.max_sequence_length,
+                     list(job.data.buckets), source=str(path), image_to_video=job.model.i2v is not None,
+                     adapters=path)
+
+
 def _check_folder_task(path: Path, job: JobConfig) -> None:
     """Raise ModelFolderError when an export's recorded `model.i2v` and its pipeline class disagree (an image-to-video
     job beside a text-to-video pipeline, or the reverse): a folder edited by hand or mixed up."""
@@ -519,10 +695,10 @@ def _check_model_kind(path: str | Path) -> None:
     path = Path(path)
     if not path.exists():
         raise UserFileNotFound(f"model {path} does not exist; give <run>/diffusers or <run>/checkpoint_NNNNNN")
-    if not ((path / MANIFEST).is_file() or (path / "model_index.json").is_file()):
+    if not any((path / marker).is_file() for marker in (MANIFEST, MODEL_INDEX, BASE_REF)):
         raise ModelFolderError(
-            f"model {path} is neither a diffusers folder (model_index.json) nor a vidray checkpoint "
-            f"({MANIFEST}); give <run>/diffusers or <run>/checkpoint_NNNNNN"
+            f"model {path} is neither a diffusers folder (model_index.json) nor a vidray checkpoint ({MANIFEST}) "
+            f"nor a LoRA export ({BASE_REF}); give <run>/diffusers or <run>/checkpoint_NNNNNN"
         )
 
 
@@ -535,12 +711,13 @@ def model_cache_dir() -> Path:
 
 def _stored_model_marker(storage) -> tuple[str, Any]:
     """(marker name, its pyarrow FileInfo) of a model folder in a `vidray.data.storage.Storage`: manifest.json (a
-    checkpoint) or model_index.json (a diffusers export). Raises as `fetch_model` does."""
+    checkpoint), model_index.json (a diffusers export) or base_model.json (an adapter-only LoRA export). Raises as
+    `fetch_model` does."""
     import pyarrow.fs as pafs
 
     where = storage.display()
     try:
-        for marker in (MANIFEST, MODEL_INDEX):
+        for marker in (MANIFEST, MODEL_INDEX, BASE_REF):
             info = storage.info(marker)
             if info.type == pafs.FileType.File:
                 return marker, info
@@ -761,8 +938,8 @@ def _merge_adapters(transformer: "torch.nn.Module", info: ModelInfo, lora_path: 
 
     if info.kind == "checkpoint" and is_lora_checkpoint(_read_manifest(info.path)):
         _merge_checkpoint_adapters(transformer, info)
-    elif info.kind != "checkpoint" and (info.path / LORA_DIR).is_dir():  # a LoRA run's export: adapters beside it
-        _merge_export_adapters(transformer, info.path, expert)
+    elif info.kind != "checkpoint" and ((info.adapters or info.path) / LORA_DIR).is_dir():  # a LoRA run's export
+        _merge_export_adapters(transformer, info.adapters or info.path, expert)
     if lora_path is not None:
         if isinstance(transformer, TwoExperts) or expert is not None:
             raise LoraLoadError(two_experts_lora_problem(info.path, "lora_path"))
@@ -867,40 +1044,98 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     else:
         components.transformer.load_state_dict(load_transformer_state(info.path))
     components.transformer.eval()
-    export_pipeline(info.family, components, out_dir, info.flow)
+    export_pipeline(info.family, components, out_dir, info.flow, base=lora_export_base(job))
     write_job_file(out_dir, job)
     return Path(out_dir)
 
 
-def export_pipeline(family: "ModelFamily", components: "Components", out_dir: str | Path, flow: FlowConfig) -> Path:
-    """The end-of-run diffusers export, for full and LoRA runs alike: `family.save_pipeline(components, out_dir,
-    flow)` (a complete stock pipeline folder, written to a temp folder and renamed); when the transformer holds
-    LoRA adapters, the pipeline is written with the BASE transformer (the adapters swapped out meanwhile,
-    `vidray.models.lora.without_lora`: nothing is copied or merged) and the adapters go to `<out_dir>/lora/`
-    (`vidray.models.lora.save_lora_weights`: diffusers' `pytorch_lora_weights.safetensors` and peft's
-    `adapter_config.json` + `adapter_model.safetensors`).
+def export_pipeline(family: "ModelFamily", components: "Components", out_dir: str | Path, flow: FlowConfig, *,
+                    base: str | Path | None = None) -> Path:
+    """The end-of-run diffusers export, for full and LoRA runs alike. Returns `out_dir`; write the job file
+    (`write_job_file`) after this call: the folder is replaced as a whole.
 
-    Loading it: `load_model(out_dir)` (vidray generate, serve) merges the adapters itself. A stock diffusers
-    `EasyAnimatePipeline` (no LoRA loader in diffusers 0.42.1) takes them through peft:
-    `pipe = EasyAnimatePipeline.from_pretrained(out_dir)`, then `peft.PeftModel.from_pretrained(pipe.transformer,
-    f"{out_dir}/lora")` (injects into `pipe.transformer` in place). A two-expert model (`TwoExperts`) gets one folder
-    per expert (`EXPERT_LORA_DIRS`): `pipe.load_lora_weights(f"{out_dir}/lora")` then
-    `pipe.load_lora_weights(f"{out_dir}/lora_2", load_into_transformer_2=True)`. Write the job file
-    (`write_job_file`) after this call: the pipeline folder is replaced as a whole. Returns `out_dir`.
+    - No adapters on the transformer: `family.save_pipeline(components, out_dir, flow)` (a complete stock pipeline
+      folder, written to a temp folder and renamed).
+    - Adapters and `base` (`lora_export_base(job)`: a LoRA run of `model.init: pretrained`): an adapter-only
+      export, never a copy of the base: the adapters in `<out_dir>/lora/` (`vidray.models.lora.save_lora_weights`:
+      diffusers' `pytorch_lora_weights.safetensors` and peft's `adapter_config.json` + `adapter_model.safetensors`;
+      a two-expert model (`TwoExperts`) one folder per expert, `EXPERT_LORA_DIRS`) and `BASE_REF`, the base's
+      location and fingerprint (`write_base_reference`). Only the adapters of `components` are read (the other
+      components may be None).
+    - Adapters and no `base` (`init: random`, whose base exists in no folder, or a run with its own `vae_path`):
+      the pipeline is written with the BASE transformer (adapters swapped out meanwhile, `without_lora`: nothing
+      merged) and the adapters beside it in `lora/` (`lora_2/`).
+
+    Loading it: `load_model(out_dir)` (vidray generate, serve) finds the base, checks it and merges the adapters.
+    Stock diffusers: `pipe = WanPipeline.from_pretrained(base)` (the folder itself when it holds model_index.json),
+    `pipe.load_lora_weights(f"{out_dir}/lora")`, and for two experts `pipe.load_lora_weights(f"{out_dir}/lora_2",
+    load_into_transformer_2=True)`. diffusers 0.42.1's `EasyAnimatePipeline` has no LoRA loader: take them
+    through peft, `peft.PeftModel.from_pretrained(pipe.transformer, f"{out_dir}/lora")` (injects in place).
+    A merged folder on request: `vidray export --merge-lora` (`vidray.models.merge.export_merged`).
     """
     from vidray.models.experts import EXPERT_ATTRIBUTES, TwoExperts
     from vidray.models.lora import has_lora, save_lora_weights, without_lora
 
     if not has_lora(components.transformer):
         return family.save_pipeline(components, out_dir, flow)
-    with without_lora(components.transformer):
-        family.save_pipeline(components, out_dir, flow)
-    if isinstance(components.transformer, TwoExperts):  # one stock LoRA folder per expert
+
+    def save_adapters(folder: Path) -> None:
+        if isinstance(components.transformer, TwoExperts):  # one stock LoRA folder per expert
+            for expert, name in EXPERT_LORA_DIRS.items():
+                save_lora_weights(components.transformer, folder / name, prefix=EXPERT_ATTRIBUTES[expert] + ".")
+        else:
+            save_lora_weights(components.transformer, folder / LORA_DIR)
+
+    out_dir = Path(out_dir)
+    if base is None:
+        with without_lora(components.transformer):
+            family.save_pipeline(components, out_dir, flow)
+        save_adapters(out_dir)
+        return out_dir
+    return _write_adapter_export(out_dir, base, save_adapters)
+
+
+def _write_adapter_export(out_dir: Path, base: str | Path, save_adapters: "Callable[[Path], None]") -> Path:
+    """An adapter-only export: `save_adapters(folder)` and `BASE_REF` written into a temp folder beside `out_dir`,
+    which then replaces `out_dir` as a whole."""
+    import shutil
+    import tempfile
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        save_adapters(tmp)
+        write_base_reference(tmp, base)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def export_adapters(state: "dict[str, torch.Tensor]", lora_cfg: Any, base_class: type, out_dir: str | Path,
+                    base: str | Path, *, experts: bool = False) -> Path:
+    """The adapter-only export of `export_pipeline(..., base=...)` from the adapter tensors alone (no model in
+    memory): what the end of a LoRA run writes after gathering only the adapters to rank 0 (megabytes, where the
+    base is gigabytes). `state`: `vidray.models.lora.adapter_state_dict`'s naming (`...to_q.lora_A.weight`); with
+    `experts`, each name under its expert's prefix (`transformer.` / `transformer_2.`, `EXPERT_ATTRIBUTES`), each
+    expert's written to its folder (`EXPERT_LORA_DIRS`). `lora_cfg`: the run's `model.lora`; `base_class`: the
+    adapted transformer's class. Returns `out_dir`. Raises ValueError when an expert has no adapters."""
+    from vidray.models.experts import EXPERT_ATTRIBUTES
+    from vidray.models.lora import save_adapter_state
+
+    def save_adapters(folder: Path) -> None:
+        if not experts:
+            save_adapter_state(state, lora_cfg, base_class, folder / LORA_DIR)
+            return
         for expert, name in EXPERT_LORA_DIRS.items():
-            save_lora_weights(components.transformer, Path(out_dir) / name, prefix=EXPERT_ATTRIBUTES[expert] + ".")
-    else:
-        save_lora_weights(components.transformer, Path(out_dir) / LORA_DIR)
-    return Path(out_dir)
+            prefix = EXPERT_ATTRIBUTES[expert] + "."
+            save_adapter_state({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, lora_cfg,
+                               base_class, folder / name)
+
+    return _write_adapter_export(Path(out_dir), base, save_adapters)
 
 
 def write_job_file(diffusers_dir: str | Path, job: JobConfig) -> Path:

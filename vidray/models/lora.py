@@ -78,6 +78,7 @@ __all__ = [
     "merge_lora",
     "peft_lora_config",
     "read_lora_weights",
+    "save_adapter_state",
     "save_lora_weights",
     "without_lora",
 ]
@@ -374,8 +375,6 @@ def save_lora_weights(transformer: torch.nn.Module, out_dir: str | Path, *, pref
     expert's folder is the file of one stock transformer (diffusers loads the low-noise one's with
     `pipe.load_lora_weights(folder, load_into_transformer_2=True)`). Raises ValueError when the model (or the
     prefixed submodule) has no adapters."""
-    from safetensors.torch import save_file
-
     module = _unwrap(transformer)
     state = adapter_state_dict(module)
     base = module
@@ -384,9 +383,36 @@ def save_lora_weights(transformer: torch.nn.Module, out_dir: str | Path, *, pref
         if not state:
             raise ValueError(f"the transformer has no LoRA adapters under {prefix!r}")
         base = module.get_submodule(prefix.rstrip("."))
-    config = _config_json(_config_of(module))
+    return _write_lora_files(state, _config_of(module), type(base), out_dir)
+
+
+def _plain_class(cls: type) -> type:
+    """`cls` without FSDP2's wrapper class (`fully_shard` makes `FSDP<Class>`): the model's own class."""
+    return next((c for c in cls.__mro__ if not c.__name__.startswith("FSDP")), cls)
+
+
+def save_adapter_state(state: dict[str, torch.Tensor], lora_cfg: "LoraConfig", base_class: type,
+                       out_dir: str | Path) -> Path:
+    """`save_lora_weights` from the adapter tensors alone (`adapter_state_dict`'s naming, `...to_q.lora_A.weight`)
+    and the run's `model.lora`, with no model in memory: what the end of a sharded LoRA run writes after gathering
+    only the adapters. `base_class`: the adapted transformer's class (peft's `auto_mapping`; an FSDP2 wrapper class
+    is unwrapped). Returns `out_dir`. Raises ValueError for an empty `state`."""
+    if not state:
+        raise ValueError("no LoRA adapter tensors to save")
+    return _write_lora_files(state, peft_lora_config(lora_cfg), base_class, out_dir)
+
+
+def _write_lora_files(state: dict[str, torch.Tensor], peft_config: "peft.LoraConfig", base_class: type,
+                      out_dir: str | Path) -> Path:
+    """The two formats of the module docstring in `out_dir`: diffusers' file with the config in its metadata, and
+    peft's adapter_config.json + adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    base_class = _plain_class(base_class)
+    config = _config_json(peft_config)
     config["inference_mode"] = True
-    config["auto_mapping"] = {"base_model_class": type(base).__name__, "parent_library": type(base).__module__}
+    config["auto_mapping"] = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", DIFFUSERS_METADATA_KEY: json.dumps(

@@ -43,7 +43,7 @@ from vidray.config import job_config_from_dict
 from vidray.errors import UserError
 from vidray.locations import is_uri
 from vidray.logs import quiet_ray_train_worker
-from vidray.models.export import export_pipeline, write_job_file
+from vidray.models.export import export_pipeline, lora_export_base, write_job_file
 from vidray.private_dirs import private_dir
 from vidray.metrics import TrainMetrics
 from vidray.data.cache import check_cache_budget
@@ -729,7 +729,9 @@ class Worker:
         """8. Close the loader and logs, agree on what was skipped and trained, and export: rank 0 saves the
         trained pipeline in diffusers format (safetensors) with the job file (`_export_pipeline`), or a VAE run's
         VAE (`vidray.train.vae.save_vae`); a sharded model's full weights (and EMA) are gathered to rank 0 first
-        (collectives: every rank takes part). Returns `train_loop_per_worker`'s result."""
+        (collectives: every rank takes part). A LoRA run on a pretrained base (`lora_export_base`) gathers its
+        adapters alone and writes them with a reference to the base (`_export_adapters`). Returns
+        `train_loop_per_worker`'s result."""
         job, rank, world_size = self.job, self.rank, self.world_size
         self.loader.close()
         self.lease.release()
@@ -751,19 +753,24 @@ class Worker:
             self._log(f"skipped {len(skipped_shards)} shard(s) and {len(skipped_clips)} clip(s) that could not be "
                       "read")
         run_dir = str(self.loop_config["run_dir"])
-        if self.experts is not None:
+        base = None if self.vae_run else lora_export_base(job)
+        if base is not None:  # a LoRA run on a pretrained base: only the adapters are gathered and written
+            adapters = self._gather_adapters()
+            diffusers_dir = (_export_adapters(adapters, job, base, run_dir, self.transformer) if rank == 0
+                             else f"{run_dir.rstrip('/')}/diffusers")
+        elif self.experts is not None:
             trained_full, ema_weights = self._gather_experts()
         else:
             trained_full = full_model_for_export(self.model, self.transformer,
                                                  lambda: _build_unsharded(self.family, job), rank)
             # export.weights: ema: the averages, gathered from every rank's shards under FSDP (a collective).
             ema_weights = self.ema.full_averages() if self.ema is not None and job.export.weights == "ema" else None
-        if self.vae_run:  # the trained VAE as a diffusers folder, what a DiT job's model.vae_path names
+        if base is None and self.vae_run:  # the trained VAE as a diffusers folder, what model.vae_path names
             diffusers_dir = f"{run_dir.rstrip('/')}/{VAE_EXPORT_DIR}"
             if rank == 0:
                 save_vae(trained_full.vae.eval(), diffusers_dir)
                 self._log(f"saved the trained VAE to {diffusers_dir} (use it with model.vae_path={diffusers_dir})")
-        else:
+        elif base is None:
             diffusers_dir = (_export_pipeline(self.family, trained_full, job, ema_weights, run_dir) if rank == 0
                              else f"{run_dir.rstrip('/')}/diffusers")
         validated, validation_wait_s, validation_problems = (self.validator.wait() if self.validator is not None
@@ -796,6 +803,34 @@ class Worker:
             "data": self.metrics_log.summary(),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
         }
+
+    def _gather_adapters(self) -> dict[str, torch.Tensor] | None:
+        """The trained adapters alone on rank 0, for an adapter-only export (collectives: every rank calls it):
+        {name: tensor} in `adapter_state_dict`'s naming (a two-expert run's under each expert's prefix), with
+        `export.weights: ema` the adapters' averages in place of the trained values; None on the other ranks. The
+        base's weights are never gathered (a 14 B expert's 53 GiB stay sharded where they are)."""
+        from vidray.models.lora import adapter_key, adapter_state_dict, is_adapter_parameter
+
+        job = self.job
+        ema = job.train.ema is not None and job.export.weights == "ema"
+        if self.experts is not None:
+            own = {k: v for k, v in self.transformer.state_dict().items() if is_adapter_parameter(k)}
+            state = gather_experts_to_rank0(self.experts, full_expert_state(own))
+            averages = (gather_experts_to_rank0(self.experts, None if self.ema is None else self.ema.full_averages())
+                        if ema else None)
+        else:
+            state = adapter_state_dict(self.transformer)  # FSDP: each adapter gathered in full (a collective)
+            averages = self.ema.full_averages() if ema and self.ema is not None else None
+        if self.rank != 0:
+            return None
+
+        def named(name: str) -> str:  # activation checkpoint wrappers (`every_<n>`) add a level to the names
+            return adapter_key(name.replace("_checkpoint_wrapped_module.", ""))
+
+        adapters = {named(k): v.detach().to("cpu", copy=True) for k, v in state.items()}
+        if averages:
+            adapters.update({named(k): v for k, v in averages.items() if is_adapter_parameter(k)})
+        return adapters
 
     def _gather_experts(self) -> tuple[torch.nn.Module | None, dict[str, torch.Tensor] | None]:
         """Both experts on rank 0 for the export (collectives: FSDP's full tensors within each group, then over the
@@ -839,6 +874,35 @@ def _build_unsharded(family: Any, job: Any) -> torch.nn.Module:
 
         apply_lora(transformer, job.model.lora, seed=job.train.seed)
     return transformer
+
+
+def _export_adapters(adapters: dict[str, torch.Tensor], job: Any, base: str, run_dir: str,
+                     transformer: torch.nn.Module) -> str:
+    """Rank 0's adapter-only export of a LoRA run on a pretrained base (`vidray.models.export.export_adapters`:
+    `lora/` (two experts: and `lora_2/`), `base_model.json`, the job file) into `<run_dir>/diffusers`; returns that
+    folder. For a URI, a local temp folder uploaded with base_model.json last (as `_export_pipeline`)."""
+    from vidray.models.export import BASE_REF, export_adapters
+
+    remote = is_uri(run_dir)
+    diffusers_dir = f"{run_dir.rstrip('/')}/diffusers" if remote else str(Path(run_dir) / "diffusers")
+    inner = getattr(transformer, "first_expert", None)
+    base_class = type(inner if isinstance(inner, torch.nn.Module) else getattr(transformer, "module", transformer))
+
+    def write(folder: str) -> None:
+        export_adapters(adapters, job.model.lora, base_class, folder, base, experts=job.model.experts is not None)
+        write_job_file(folder, job)
+
+    if remote:
+        from vidray.data.storage import upload_dir
+
+        with tempfile.TemporaryDirectory(prefix="vidray-export-") as tmp:
+            write(f"{tmp}/out")
+            num_bytes = upload_dir(f"{tmp}/out", diffusers_dir, marker=BASE_REF)
+        _log(0, f"saved the LoRA adapters to {diffusers_dir} (base {base}; {num_bytes / 2**20:.1f} MiB uploaded)")
+    else:
+        write(diffusers_dir)
+        _log(0, f"saved the LoRA adapters to {diffusers_dir} (base {base}, referred to, not copied)")
+    return diffusers_dir
 
 
 def _export_pipeline(family: Any, trained_full: torch.nn.Module, job: Any, ema_weights: dict[str, torch.Tensor] | None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,11 +234,20 @@ def warn_if_lora_export(job: JobConfig) -> bool:
     """Print one warning line, and return True, when `model.pretrained_path` is a LoRA run's export (a local
     pipeline folder with its adapters in `lora/`, `vidray.models.export.LORA_DIR`): a run starts from the folder's
     base pipeline, without those adapters (`vidray generate` and serving merge them; training does not). Resuming
-    the LoRA run's checkpoint continues its adapters."""
-    from vidray.models.export import LORA_DIR
+    the LoRA run's checkpoint continues its adapters. Raises UserError for an adapter-only export (`base_model.json`,
+    no pipeline of its own): a run cannot start from adapters alone; the line names its base and `vidray export
+    --merge-lora`."""
+    from vidray.models.export import BASE_REF, LORA_DIR, MODEL_INDEX
 
     path = job.model.pretrained_path
-    if job.model.init != "pretrained" or not path or is_uri(path) or not (Path(path) / LORA_DIR).is_dir():
+    if job.model.init != "pretrained" or not path or is_uri(path):
+        return False
+    if (Path(path) / BASE_REF).is_file() and not (Path(path) / MODEL_INDEX).is_file():
+        base = json.loads((Path(path) / BASE_REF).read_text()).get("base")
+        raise UserError(f"model.pretrained_path {path} is an adapter-only LoRA export (its base is {base}): start from "
+                        f"that base, resume the LoRA run's checkpoint to continue its adapters, or merge them first "
+                        f"(`vidray export --merge-lora {path} OUT_DIR`) and give OUT_DIR")
+    if not (Path(path) / LORA_DIR).is_dir():
         return False
     print(f"[vidray] warning: model.pretrained_path {path} is a LoRA run's export: this run starts from its base "
           f"pipeline without the adapters in {LORA_DIR}/ (to continue those adapters, resume that run's checkpoint "
