@@ -96,6 +96,7 @@ def _gpu_pids() -> dict[int, float]:
 
 def part_ray_serve(args, cuda: bool, tmp: Path, export: str) -> dict[str, Any]:
     import yaml
+    from ray import serve
     from ray.serve._private import api as serve_api
     from ray.serve.schema import ServeDeploySchema
     from ray.util.state import list_actors
@@ -113,7 +114,15 @@ def part_ray_serve(args, cuda: bool, tmp: Path, export: str) -> dict[str, Any]:
         deployment["num_replicas"] = 1
     t0 = time.perf_counter()
     client = serve_api.serve_start(http_options=config["http_options"], proxy_location=config["proxy_location"])
-    client.deploy_apps(ServeDeploySchema.model_validate(config), _blocking=True)
+    client.deploy_apps(ServeDeploySchema.model_validate(config), _blocking=False)
+    deadline = time.monotonic() + args.deploy_timeout_s  # Serve's own blocking deploy gives up after 60 s
+    while (status := serve.status().applications.get(app["name"])) is None or status.status != "RUNNING":
+        if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"Serve app {status.status}: {' '.join(str(status.message).split())[:300]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Serve app not RUNNING after {args.deploy_timeout_s:.0f} s "
+                               f"({None if status is None else status.status})")
+        time.sleep(0.5)
     deploy_s = time.perf_counter() - t0
     base = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
@@ -155,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when torch sees one)")
     ap.add_argument("--steps", type=int, default=4, help="training steps of the tiny job")
     ap.add_argument("--serve-steps", type=int, default=4, help="denoising steps of the served request")
+    ap.add_argument("--deploy-timeout-s", type=float, default=240.0, help="longest wait for the Serve app, s")
     args = ap.parse_args(argv)
     os.environ.setdefault("VIDRAY_API_TOKEN", TOKEN)
     os.environ.setdefault("NCCL_DEBUG", "INFO")
