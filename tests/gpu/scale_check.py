@@ -13,11 +13,12 @@ others):
   model FLOPs, PaLM appendix B).
 - `fsdp1`: FSDP2 on one rank (`torch.distributed` with world size 1: fully_shard per block then the root, bf16
   `MixedPrecisionPolicy`) training the tiny transformer: its loss falls.
-- `tiny`: the tiny job through Ray Train on the GPU with `train.mixed_precision` bf16 and fp16 (needs Ray and the
-  data stack; the lent machine has neither unless carried: then a miss naming what is missing).
+- `tiny`: the tiny job through Ray Train on the GPU with `train.mixed_precision` bf16 and fp16, text encoder
+  `tiny_random` (needs Ray and the data stack: `run.sh` installs the Ray pack, `tests/gpu/raypack.py`, which carries
+  MiniLM's tokenizer but not its weights; without the pack a miss naming what is missing).
 
-Serving is not among them: one request through the serving app on a GPU is not measured by this script (the app
-runs on CPU in `tests/integration/test_serve.py`).
+Serving is not among them: `tests/gpu/ray_rows.py` (run before this script by `run.sh`) serves one request through
+the Serve app on the GPU.
 
 On CPU (`--device cpu`) it runs the same code on the tiny preset and a small bucket: `tests/unit/test_gpu_script.py`
 runs it so that this script cannot rot between GPU loans.
@@ -200,6 +201,7 @@ def part_tiny(args, device: torch.device) -> dict[str, Any]:
             job = load_job_config(REPO / "jobs/configs/tiny_t2v.yaml", [
                 f"data.source={REPO / 'samples/metadata.json'}", f"data.shards_dir={tmp}/shards",
                 f"storage.path={tmp}/runs", f"scaling.use_gpu={device.type == 'cuda'}", "scaling.num_workers=1",
+                "model.text_encoder=tiny_random",
                 f"train.mixed_precision={precision}", "train.max_steps=40", "train.log_every_steps=20",
                 "checkpoint.every_steps=40"])
             prepare_data(job.data)
