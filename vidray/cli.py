@@ -255,9 +255,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     `--preset` and the `--frames/--height/--width` bucket; 1 when no strategy fits."""
     from vidray.data.buckets import Bucket
     from vidray.models.presets import get_preset
-    from vidray.train.plan import format_report, parse_bytes, plan_job
+    from vidray.train.plan import format_report, host_memory_bytes, parse_bytes, plan_job
 
     gpu_memory = parse_bytes(args.gpu_memory)
+    host_memory = parse_bytes(args.host_memory) if args.host_memory else host_memory_bytes()
     sizes = (args.frames, args.height, args.width)
     if any(v is not None for v in sizes) and not all(v is not None for v in sizes):
         raise UserError("--frames, --height and --width go together: give all three (e.g. --frames 49 "
@@ -268,7 +269,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     job = _load(args)
     num_gpus = args.gpus if args.gpus is not None else job.scaling.min_workers
     bucket = Bucket(*sizes) if all(v is not None for v in sizes) else None
-    report = plan_job(job, gpu_memory_bytes=gpu_memory, num_gpus=num_gpus, preset=preset, bucket=bucket)
+    report = plan_job(job, gpu_memory_bytes=gpu_memory, num_gpus=num_gpus, preset=preset, bucket=bucket,
+                      host_memory=host_memory)
     print(format_report(report))
     return 0 if report.chosen is not None else 1
 
@@ -356,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(p)
     p.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 80GiB, 141GB (default: %(default)s)")
     p.add_argument("--gpus", type=int, help="GPUs (ranks) the job trains on (default: scaling.num_workers, its min)")
+    p.add_argument("--host-memory", help="host memory of one node, e.g. 256GiB: the offload modes' pinned host "
+                   "memory (block swap, FSDP CPU offload) is checked against it, shared by the node's ranks (up to "
+                   "8) (default: $VIDRAY_HOST_MEMORY, else this machine's memory)")
     p.add_argument("--preset", help="plan this shape preset instead of the job's model: tiny, medium, "
                    "easyanimate-v5-7b, easyanimate-v5.1-12b, wan2.1-14b, wan2.2-a14b, wan-tiny, cogvideox-tiny")
     p.add_argument("--frames", type=int, help="bucket to plan instead of the job's largest (with --height, --width)")
