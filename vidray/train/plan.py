@@ -594,8 +594,9 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
          expert_groups: bool = False, lora_job: bool = False, host_memory_bytes: int | None = None,
          ranks_per_node: int | None = None) -> PlanReport:
     """Estimate every strategy in `STRATEGIES`, in each of its memory modes (`strategy_modes`), for `preset` on
-    `num_gpus` GPUs of `gpu_memory_bytes` each, and pick the cheapest that fits with `HEADROOM`: the modes in
-    `MemoryMode.transfer_rank` order first (no transfer < fp8 < block swap < FSDP CPU offload), the strategies in
+    `num_gpus` GPUs of `gpu_memory_bytes` each, and pick the cheapest that fits with `HEADROOM`: full fine-tuning
+    before LoRA (a full fine-tune with CPU offload is still the run asked for), then the modes in
+    `MemoryMode.transfer_rank` order (no transfer < fp8 < block swap < FSDP CPU offload), the strategies in
     `STRATEGIES` order within a mode. `encoders_bytes`: the encoders sharing the GPU, or their bytes by storage
     dtype (`{"fp32": .., "bf16": .., "fp8": ..}`). `host_memory_bytes`: one node's host memory (None: not checked),
     shared by `ranks_per_node` ranks (default min(num_gpus, 8)). `experts_held` 2 (`model.experts` layout shared): each rank holds two
@@ -628,7 +629,8 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
                 rows.append(estimate(s, mode))
     estimates = tuple(rows)
     order = {s: i for i, s in enumerate(STRATEGIES)}
-    ranked = sorted(estimates, key=lambda e: (e.mode.transfer_rank, order[e.strategy]))
+    # A full fine-tune stays one while any mode fits it (LoRA trains another thing); then the modes by transfer.
+    ranked = sorted(estimates, key=lambda e: ("lora" in e.strategy.kind, e.mode.transfer_rank, order[e.strategy]))
     chosen = next((e for e in ranked if e.fits and (not lora_job or "lora" in e.strategy.kind)), None)
     notes = []
     if lora_job:
@@ -678,6 +680,20 @@ def job_preset(job: Any) -> ShapePreset:
         transformer = get_family(job.model.family).build_transformer(job.model, seed=job.train.seed)
     config = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
     return ShapePreset(**{**shape.__dict__, "config": config})
+
+
+def _job_in_channels(job: Any) -> int:
+    """The transformer's input channels for `job` (an image-to-video one's condition channels included): from
+    `model.pretrained_path`'s config when that folder exists, else as the family builds its random model for the
+    same `model:` section (the channel rule depends on the family and `model.i2v`, not on the size), so a config
+    whose pretrained folder is a placeholder still plans with `--preset`."""
+    import dataclasses
+    from pathlib import Path
+
+    if job.model.init == "pretrained" and not (Path(job.model.pretrained_path) / "transformer").is_dir():
+        model = dataclasses.replace(job.model, init="random", pretrained_path=None, preset="tiny")
+        job = dataclasses.replace(job, model=model)
+    return job_preset(job).config["in_channels"]
 
 
 def largest_bucket(job: Any, preset: ShapePreset) -> tuple[Bucket, int]:
@@ -747,7 +763,7 @@ def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePre
     elif job.model.i2v is not None and preset.family == job.model.family:
         # A preset is a text-to-video layout: an image-to-video job's transformer takes its condition channels too
         # (Wan 36, EasyAnimate InP 33, CogVideoX I2V 32), as the family builds it.
-        in_channels = job_preset(job).config["in_channels"]
+        in_channels = _job_in_channels(job)
         preset = ShapePreset(**{**preset.__dict__, "config": {**preset.config, "in_channels": in_channels}})
     if bucket is None:
         bucket, batch = largest_bucket(job, preset)
