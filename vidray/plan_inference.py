@@ -7,7 +7,7 @@ CUDA device. `vidray plan --inference` prints it.
 |---|---|---|
 | transformer | its parameters in the storage dtype: bf16 2 bytes; fp8 1 byte a castable Linear / conv parameter, 2 for the rest (`vidray.train.plan.frozen_bytes`); Wan2.2: each expert | the meta-device build (`count_model`) |
 | text encoder, VAE | parameters x 2 (bf16) or 1 (fp8: nearly all of both are Linear / conv weights) | `vidray.models.presets` (public checkpoints' counts) |
-| denoising step | one block's working set (bf16, no autograd): per token max(attention: 6 D x 2 + a fp32 norm copy 4 D, MLP: 2 D x 2 + 2 F x 2), x 2 with classifier-free guidance (the batch doubles); + the latents (4 fp32 copies: noisy, predicted, guided, scheduler step) and prompt_embeds (bf16) | diffusers' blocks in bf16: the residual, norm output, q, k, v, attention output; the MLP's hidden and GELU output |
+| denoising step | one block's working set (a = 2 bytes in bf16, no autograd): per token max(attention: 12 D x a + a fp32 norm copy 4 D, MLP: 4 D x a + 2 F x a), x 2 with classifier-free guidance (the batch doubles); + the latents (4 fp32 copies: noisy, predicted, guided, scheduler step) and prompt_embeds | the residual, norm output, both streams' q, k, v and their joint concatenation, the attention output; the MLP's input, hidden and GELU output; calibrated on the measured CPU step of the medium EasyAnimate preset (`benchmarks/_memory_planner.py`: 9 % low with 6 D x a and 2 D x a, within 4 % with these), not a census of Wan's blocks |
 | VAE decode | 3 tensors of 8 frames x H x W x 128 channels (bf16): the full-resolution decoder stage of a temporal slice | EasyAnimate's MagVit (block_out_channels 128..512) decodes in temporal slices; Wan's VAE frame by frame with a 2-frame cache |
 
 Per offload mode (diffusers' names; `vidray.models.offload.apply_inference_offload` applies them):
@@ -37,7 +37,7 @@ from typing import Literal
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError
 
-__all__ = ["INFERENCE_MODES", "InferenceEstimate", "InferenceReport", "check_inference_fits",
+__all__ = ["INFERENCE_MODES", "InferenceEstimate", "InferenceReport", "check_generation_fits", "check_inference_fits",
            "format_inference_report", "inference_preset", "plan_inference"]
 
 Offload = Literal["none", "model", "group", "sequential"]
@@ -143,7 +143,7 @@ def plan_inference(preset, *, bucket: Bucket, gpu_memory_bytes: int, guidance: b
             a = 4 if storage == "fp32" else 2
             # 1. The denoising step: one block's working set over its tokens, the latents, the prompt embeddings.
             tokens = n_video + (text_tokens if preset.family in ("easyanimate", "cogvideox") else 0)
-            per_token = max(6 * d * a + 4 * d, 2 * d * a + 2 * f * a)
+            per_token = max(12 * d * a + 4 * d, 4 * d * a + 2 * f * a)
             denoise = batch * (tokens * per_token + text_tokens * text_width * a) + 4 * latent_elems * 4
             decode = 3 * min(bucket.num_frames, VAE_SLICE_FRAMES) * bucket.height * bucket.width * \
                 VAE_FULL_RES_CHANNELS * a
@@ -247,3 +247,21 @@ def check_inference_fits(model, *, bucket: Bucket, gpu_memory_bytes: int, storag
     raise UserError(f"predicted out of memory: generating {bucket.num_frames}x{bucket.height}x{bucket.width} with "
                     f"{preset.name} in {storage} storage, offload {offload} needs {what}; {fix}")
 
+
+
+def check_generation_fits(model_path, bucket: Bucket, device, *, storage: str = "auto", offload: str = "none",
+                          guidance_scale: float = 1.0) -> InferenceEstimate | None:
+    """The pre-load check of `vidray generate` and the Serve app: on a CUDA `device` (a torch.device or its name),
+    `check_inference_fits` of the local diffusers folder `model_path` against that GPU's total memory; `storage`
+    auto is bf16 there. Returns None, checking nothing, on any other device (CPU keeps working as before) or for a
+    model that is not a local folder (a URI: checked once downloaded, by the caller). Raises UserError when the
+    generation is predicted not to fit (see `check_inference_fits`)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not (Path(model_path) / "transformer" / "config.json").is_file():
+        return None
+    gpu_memory = torch.cuda.get_device_properties(device).total_memory
+    return check_inference_fits(model_path, bucket=bucket, gpu_memory_bytes=gpu_memory,
+                                storage="bf16" if storage == "auto" else storage, offload=offload,
+                                guidance=guidance_scale > 1)
