@@ -884,13 +884,15 @@ def job_strategy(job: Any) -> Strategy:
     return Strategy(kind, ac, precision)
 
 
-def check_fits(job: Any, gpu_memory_bytes: int, num_gpus: int, *, host_memory: int | None = None) -> PlanReport:
+def check_fits(job: Any, gpu_memory_bytes: int, num_gpus: int, *, host_memory: int | None = None,
+               preset: ShapePreset | None = None) -> PlanReport:
     """Plan `job` on `num_gpus` GPUs of `gpu_memory_bytes` and refuse it when its own strategy, in its own memory
     mode (`memory:`), is predicted not to fit the GPU, or (with `host_memory`, one node's bytes) its pinned host
     memory the node: raises UserError, one line, naming the predicted peak, the GPU and the strategy and mode that
     would fit with their config keys (or that none does, and the largest bucket to lower). Returns the report
-    when it fits."""
-    report = plan_job(job, gpu_memory_bytes=gpu_memory_bytes, num_gpus=num_gpus, host_memory=host_memory)
+    when it fits. `preset`: plan this shape instead of the job's model (`vidray plan --preset`)."""
+    report = plan_job(job, gpu_memory_bytes=gpu_memory_bytes, num_gpus=num_gpus, host_memory=host_memory,
+                      preset=preset)
     wanted = job_strategy(job)
     if report.measured:  # every strategy such a family trains with is in the report
         requested = next((e for e in report.estimates if e.strategy == wanted), None)
