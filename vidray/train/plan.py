@@ -7,10 +7,14 @@ What one rank holds during a steady-state step (forward, backward, fused AdamW s
 | term | bytes per rank | notes |
 |---|---|---|
 | parameters | 4 P (fp32 master weights, also under bf16 autocast) | fsdp: 4 P / n + the unsharded block(s) being computed |
+| frozen base (LoRA) | P x 4 / 2 bytes in `memory.storage_dtype` fp32 / bf16; fp8: 1 byte a castable parameter (Linear / conv outside diffusers' layerwise-casting skip patterns), 2 for the rest; the adapters 4 bytes (fp32 masters) | fp8 under autocast also keeps a bf16 copy of each castable weight it computed with until the backward (measured: `benchmarks/_memory_planner.py`); with AC only the recomputed block's; bf16 keeps none |
+| block swap N (LoRA, not fsdp) | device: the frozen base minus the last N blocks' bytes, plus 2 of them in flight | host: the N blocks' bytes, pinned (musubi-tuner's `blocks_to_swap`) |
+| FSDP CPU offload | device: the gathered blocks + one block's unsharded gradients; no optimizer state | host: the shard of the fp32 parameters, gradients and AdamW state (FSDP2 `CPUOffloadPolicy`) |
 | gradients | 4 P_train | fsdp: 4 P_train / n + one unsharded block's; ddp adds its buckets, 4 P_train more |
 | optimizer | 8 P_train (AdamW exp_avg + exp_avg_sq, fp32) | fsdp: / n |
 | activations | sum over blocks of what autograd saves (`block_activation_bytes`) + the rest of the model | AC: the blocks' inputs + one block recomputed |
-| encoders | frozen VAE + text encoder weights, when their stage shares the trainer's GPU | `placement.vae/text.num_gpus` in (0, 1) |
+| encoders | frozen VAE + text encoder weights, when their stage shares the trainer's GPU, in the row's storage dtype | `placement.vae/text.num_gpus` in (0, 1) |
+| host (checked per node) | the pinned host bytes above x the ranks on a node (min(GPUs, 8)) <= 70 % of the node's memory (`HOST_HEADROOM`: Ray's object store takes 30 % by default) | `vidray plan --host-memory`, `$VIDRAY_HOST_MEMORY`, else this machine's memory |
 
 P: the transformer's parameters, counted exactly by building the diffusers class on the meta device; P_train: those
 that get a gradient (all, minus the last MMDiT block's unused text-output path; LoRA: the adapters,
@@ -32,8 +36,14 @@ AC, LoRA, LoRA + AC). FSDP is not measured on CPU in tests: its terms are the DD
 plus the unsharded block (`fully_shard` per block, `reshard_after_forward=True`: one block gathered and the next
 prefetched, in the parameter dtype).
 
-Strategies are tried in order of communication per step (least first) and the first that fits with
-`HEADROOM` spare is picked: ddp (one all-reduce of the gradients) < fsdp (all-gather of the parameters twice plus a
+Each strategy is listed in each memory mode it runs (`strategy_modes`: fp32 rows keep fp32; bf16 rows store the
+frozen weights in bf16, LoRA also in fp8 and fp8 + the fewest swapped blocks that fit, full FSDP also with CPU
+offload). The pick: full fine-tuning before LoRA (a full fine-tune with CPU offload is still the run asked for), then
+the modes by transfer per step (`MemoryMode.transfer_rank`): bf16 / fp32 storage (bf16 storage of a frozen base is
+free under bf16 autocast, which computes in bf16 anyway) < fp8 storage (no transfer, a measured quality cost) < block
+swap (host-to-device traffic every step) < FSDP CPU offload (parameters, gradients and the optimizer step through
+host memory), then the strategies, in order of communication per step (least first), the first that fits with
+`HEADROOM` spare (and the node's host memory) is picked: ddp (one all-reduce of the gradients) < fsdp (all-gather of the parameters twice plus a
 reduce-scatter: ~1.5x ddp's bytes) < fsdp+AC (the same traffic plus a second forward: ~33 % more compute) < lora (a
 full-model forward and backward for a few MB of adapters: cheap, but it trains another thing) < lora+AC < fsdp+lora
 (the base sharded too: its all-gathers again, for adapters only) < fsdp+lora+AC. bf16 comes before fp32 within
@@ -620,6 +630,8 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
         if (s.kind.startswith("fsdp") and num_gpus < 2) or (experts_held > 1 and s.kind not in ("ddp", "lora")):
             continue
         for mode in strategy_modes(s):
+            if mode.block_swap < 0 and rows and rows[-1].fits:  # fp8 fits without swapping: no swap row
+                continue
             if mode.block_swap < 0:  # the fewest swapped blocks that fit (all but one when none does)
                 # 3 or more: with 2 blocks in flight, fewer save nothing
                 swaps = [estimate(s, replace(mode, block_swap=n)) for n in range(3, counts.num_layers)]
