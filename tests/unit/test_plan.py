@@ -333,7 +333,8 @@ def test_the_planner_plans_every_registered_family_and_a_gpu_run_of_each_is_not_
     configs = {}
     for path in sorted(Path("jobs/configs").glob("*.yaml")):
         job = load_job_config(path, ["scaling.use_gpu=true"])
-        configs.setdefault(job.model.family, job)
+        if job.model.init != "pretrained":  # the seed scenarios' configs name placeholder folders (test_plan_modes)
+            configs.setdefault(job.model.family, job)
     assert set(FAMILIES) <= set(configs), f"no shipped config for {sorted(set(FAMILIES) - set(configs))}"
     for family in FAMILIES:
         job = configs[family]
