@@ -1067,14 +1067,19 @@ def check_cluster_fits(job: Any, resources: dict[str, float], *, gpu_memory_byte
     cluster has no GPU or the job does not use one (CPU runs are not planned); raises UserError when the job's
     strategy is predicted not to fit; else a one-line summary. When the GPUs' memory is unknown, the summary says
     so and how to give it (VIDRAY_GPU_MEMORY) instead of refusing. `gpu_memory_bytes`: one GPU's memory when the
-    caller knows it (the local GPU's `torch.cuda.get_device_properties(0).total_memory`)."""
+    caller knows it (the local GPU's `torch.cuda.get_device_properties(0).total_memory`). The pinned host memory of
+    an offload mode is checked against `$VIDRAY_HOST_MEMORY` (one node's) when set; Ray's resources do not give one
+    node's physical memory, so without it the host is not checked here."""
     if not resources.get("GPU", 0) or not job.scaling.use_gpu:
         return None
     gpu_memory = gpu_memory_bytes or cluster_gpu_memory_bytes(resources)
     if gpu_memory is None:
         return (f"the GPUs' memory is unknown (no accelerator_type the planner knows): set {GPU_MEMORY_ENV}=80GiB "
                 f"(one GPU's memory) to check the job fits before GPUs are reserved")
-    report = check_fits(job, gpu_memory, job.scaling.min_workers)
+    import os
+
+    host = parse_bytes(os.environ[HOST_MEMORY_ENV]) if os.environ.get(HOST_MEMORY_ENV) else None
+    report = check_fits(job, gpu_memory, job.scaling.min_workers, host_memory=host)
     e = report.requested
     return (f"{e.strategy.name} predicted {format_bytes(e.peak_bytes)} per GPU of {format_bytes(gpu_memory)} "
             f"(`vidray plan` for the table)")
