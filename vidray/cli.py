@@ -267,9 +267,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     `--preset` and the `--frames/--height/--width` bucket; 1 when no strategy fits."""
     from vidray.data.buckets import Bucket
     from vidray.models.presets import get_preset
-    from vidray.train.plan import format_report, parse_bytes, plan_job
+    from vidray.train.plan import format_report, host_memory_bytes, parse_bytes, plan_job
 
     gpu_memory = parse_bytes(args.gpu_memory)
+    host_memory = parse_bytes(args.host_memory) if args.host_memory else host_memory_bytes()
     sizes = (args.frames, args.height, args.width)
     if any(v is not None for v in sizes) and not all(v is not None for v in sizes):
         raise UserError("--frames, --height and --width go together: give all three (e.g. --frames 49 "
@@ -277,11 +278,53 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus is not None and args.gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {args.gpus}")
     preset = get_preset(args.preset) if args.preset else None  # before the config: a typo answers at once
+    if args.inference:
+        return _plan_inference(args, preset, gpu_memory, host_memory, sizes)
+    if args.config is None:
+        raise UserError("vidray plan needs a job config (e.g. jobs/configs/tiny_t2v.yaml), or --inference with a "
+                        "config, a model folder or --preset")
     job = _load(args)
     num_gpus = args.gpus if args.gpus is not None else job.scaling.min_workers
     bucket = Bucket(*sizes) if all(v is not None for v in sizes) else None
-    report = plan_job(job, gpu_memory_bytes=gpu_memory, num_gpus=num_gpus, preset=preset, bucket=bucket)
+    report = plan_job(job, gpu_memory_bytes=gpu_memory, num_gpus=num_gpus, preset=preset, bucket=bucket,
+                      host_memory=host_memory)
     print(format_report(report))
+    return 0 if report.chosen is not None else 1
+
+
+def _plan_inference(args: argparse.Namespace, preset, gpu_memory: int, host_memory: int, sizes) -> int:
+    """`vidray plan --inference`: the generation plan of `--preset`, a diffusers folder or a job config's model, at
+    the `--frames/--height/--width` bucket (or the job's largest); 1 when no offload mode fits."""
+    from vidray.data.buckets import Bucket
+    from vidray.plan_inference import format_inference_report, inference_preset, plan_inference
+    from vidray.train.plan import job_preset, largest_bucket
+
+    bucket = Bucket(*sizes) if all(v is not None for v in sizes) else None
+    text_tokens = None
+    from pathlib import Path
+
+    if args.config is not None and Path(args.config).is_dir():
+        if preset is None:
+            preset = inference_preset(args.config)
+    elif args.config is not None:
+        job = _load(args)
+        if preset is None:
+            preset = job_preset(job)
+            text_tokens = job.model.max_sequence_length
+        if job.model.experts is not None and preset.num_experts < 2:
+            from vidray.models.presets import ShapePreset
+
+            preset = ShapePreset(**{**preset.__dict__, "num_experts": 2})
+        if bucket is None:
+            bucket = largest_bucket(job, preset)[0]
+    if preset is None:
+        raise UserError("vidray plan --inference needs a model: --preset NAME, a diffusers folder or a job config")
+    if bucket is None:
+        raise UserError("vidray plan --inference needs the video size: --frames, --height and --width (e.g. "
+                        "--frames 49 --height 576 --width 1008)")
+    report = plan_inference(preset, bucket=bucket, gpu_memory_bytes=gpu_memory, guidance=args.guidance_scale > 1,
+                            text_tokens=text_tokens, host_memory_bytes=host_memory)
+    print(format_inference_report(report))
     return 0 if report.chosen is not None else 1
 
 
@@ -368,10 +411,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("plan", help="print per-GPU memory of each training strategy (ddp, fsdp, AC, LoRA; bf16/fp32) "
-                       "for the job's model and largest bucket, and the one that fits; reserves nothing")
-    with_config(p)
+                       "and memory mode (frozen storage bf16/fp8, block swap, FSDP CPU offload) for the job's model "
+                       "and largest bucket, and the one that fits; with --inference, of generating one video in "
+                       "each offload mode; reserves nothing")
+    p.add_argument("config", nargs="?", help="job YAML, e.g. jobs/configs/tiny_t2v.yaml; with --inference also a "
+                   "diffusers model folder, or nothing with --preset")
+    p.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides, e.g. train.max_steps=20")
+    p.add_argument("--inference", action="store_true", help="plan generation instead of training: which storage "
+                   "dtype and offload mode (none, model, group, sequential) fits one GPU of --gpu-memory")
+    p.add_argument("--guidance-scale", type=float, default=5.0, help="--inference: classifier-free guidance scale "
+                   "(above 1 doubles the denoising batch; default: %(default)s)")
     p.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 80GiB, 141GB (default: %(default)s)")
     p.add_argument("--gpus", type=int, help="GPUs (ranks) the job trains on (default: scaling.num_workers, its min)")
+    p.add_argument("--host-memory", help="host memory of one node, e.g. 256GiB: the offload modes' pinned host "
+                   "memory (block swap, FSDP CPU offload) is checked against it, shared by the node's ranks (up to "
+                   "8) (default: $VIDRAY_HOST_MEMORY, else this machine's memory)")
     p.add_argument("--preset", help="plan this shape preset instead of the job's model: tiny, medium, "
                    "easyanimate-v5-7b, easyanimate-v5.1-12b, wan2.1-14b, wan2.2-a14b, wan-tiny, cogvideox-tiny")
     p.add_argument("--frames", type=int, help="bucket to plan instead of the job's largest (with --height, --width)")

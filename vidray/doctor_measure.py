@@ -233,7 +233,7 @@ def simulated_step(job: Any, device: Any, *, num_steps: int = STEPS) -> dict[str
     {"error": "<type>: <message>", "oom": bool} when a step raised."""
     import torch
 
-    from vidray.train.plan import estimate_memory, plan_job
+    from vidray.train.plan import MemoryMode, estimate_memory, job_mode, plan_job
 
     if num_steps < 2:
         raise ValueError(f"num_steps must be >= 2 (the first warms up), got {num_steps}")
@@ -242,7 +242,8 @@ def simulated_step(job: Any, device: Any, *, num_steps: int = STEPS) -> dict[str
     report = plan_job(job, gpu_memory_bytes=2**60, num_gpus=1)
     strategy = single_rank_strategy(job)
     planned = estimate_memory(report.preset, report.counts, strategy, bucket=report.bucket,
-                              batch_size=report.batch_size, text_tokens=report.text_tokens, num_gpus=1)
+                              batch_size=report.batch_size, text_tokens=report.text_tokens, num_gpus=1,
+                              mode=MemoryMode(job_mode(job).storage if strategy.precision == "bf16" else "fp32"))
     out: dict[str, Any] = {"preset": report.preset.name, "bucket": list(report.bucket), "batch": report.batch_size,
                            "text_tokens": report.text_tokens, "strategy": strategy.name, "device": device.type,
                            "planned_bytes": planned.peak_bytes}

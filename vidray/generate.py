@@ -293,6 +293,10 @@ def generate_to_file(
     from vidray.models.conditioning import load_image
 
     quiet_diffusers()  # "Loading pipeline components..." bars (vidray.logs)
+    from vidray.plan_inference import check_generation_fits
+
+    # Refuse what does not fit the GPU before any weights load; on CPU (this path's device today) nothing is checked.
+    check_generation_fits(model_path, bucket, "cpu", guidance_scale=guidance_scale)
     try:
         model = load_model(model_path, lora_path=lora)
     except UserError:

@@ -171,7 +171,7 @@ def test_a_folder_given_as_the_config_is_named_a_folder_not_missing(capsys):
     # The reported case (a new user's trial): `vidray prepare jobs/configs` said the folder does not exist.
     assert main(["prepare", str(REPO / "jobs" / "configs")]) == 2
     err = capsys.readouterr().err
-    assert "is a folder, not a YAML file" in err and "tiny_t2v.yaml" in err and err.count("\n") == 1
+    assert "is a folder, not a YAML file" in err and "animatediff_t2v_tiny.yaml" in err and err.count("\n") == 1
 
 
 def test_generate_argument_errors_exit_2_naming_each_argument(tmp_path, capsys):

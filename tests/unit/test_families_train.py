@@ -39,7 +39,7 @@ def family_config(family: str) -> Path:
     """The shipped tiny config whose model.family is `family`."""
     for path in sorted((REPO / "jobs" / "configs").glob("*.yaml")):
         model = yaml.safe_load(path.read_text()).get("model") or {}
-        if model.get("family") == family and not model.get("i2v"):
+        if model.get("family") == family and not model.get("i2v") and model.get("init") != "pretrained":
             return path
     raise LookupError(f"no config under jobs/configs/ has model.family: {family}")
 

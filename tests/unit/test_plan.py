@@ -207,8 +207,9 @@ def test_check_fits_refuses_naming_the_strategy_that_fits():
     with pytest.raises(UserError) as err:
         check_fits(job, 3 * 2**30, 2)
     message = str(err.value)
-    assert "\n" not in message and message.startswith("predicted out of memory: ddp fp32 needs")
-    assert "fsdp+AC bf16 fits" in message and "scaling.strategy=fsdp" in message
+    assert "\n" not in message and message.startswith("predicted out of memory: ddp fp32, fp32 frozen needs")
+    assert "fsdp+AC bf16, bf16 frozen fits" in message and "scaling.strategy=fsdp" in message
+    assert "memory.storage_dtype=bf16" in message
     assert check_fits(_job("scaling.use_gpu=true"), 80 * 2**30, 2).requested.fits
 
 
@@ -233,10 +234,12 @@ def test_fsdp_with_lora_is_planned_with_the_base_sharded_and_checked_as_the_job_
     assert job_strategy(job).kind == "fsdp+lora"
     report = check_fits(job, 80 * 2**30, 8)
     assert report.requested.strategy.kind == "fsdp+lora"
-    by_name = {e.strategy.name: e for e in report.estimates}
-    lora, sharded = by_name["lora bf16"], by_name["fsdp+lora bf16"]
+    by_name = {e.name: e for e in report.estimates}
+    lora, sharded = by_name["lora bf16, bf16 frozen"], by_name["fsdp+lora bf16, bf16 frozen"]
     assert sharded.optimizer < lora.optimizer and sharded.ddp_buckets == 0
-    assert sharded.parameters < lora.parameters / 2  # an eighth, plus two gathered blocks of the tiny model
+    counts = report.counts  # an eighth of the bf16 base and the fp32 adapters, plus two gathered bf16 blocks
+    assert sharded.parameters == -(-(2 * counts.total + 4 * counts.lora_parameters) // 8) + 2 * 2 * max(counts.blocks)
+    assert sharded.parameters < lora.parameters
     # on one GPU there is nothing to shard: planned as lora
     assert check_fits(job, 80 * 2**30, 1).requested.strategy.kind == "lora"
 
@@ -258,14 +261,21 @@ def test_a_two_expert_job_is_planned_with_its_layouts_experts_per_worker_and_the
     assert {e.strategy.kind for e in groups.estimates} == {"ddp", "fsdp", "lora", "fsdp+lora"}  # in each group
     assert any(e.strategy.kind.startswith("fsdp") for e in single.estimates)
     for a in pair.estimates:
-        b = next(e for e in single.estimates if e.strategy == a.strategy)
+        b = next((e for e in single.estimates if (e.strategy, e.mode) == (a.strategy, a.mode)), None)
+        if b is None:  # a block-swap row: the fewest blocks that fit differ
+            continue
         assert (a.parameters, a.optimizer, a.gradients) == (2 * b.parameters, 2 * b.optimizer, 2 * b.gradients)
         assert a.activations == b.activations and a.peak_bytes > b.peak_bytes
     per_group = plan_job(one, **{**kwargs, "num_gpus": 4})  # one expert alone on its 4 GPUs
     for g in groups.estimates:
-        b = next(e for e in per_group.estimates if e.strategy == g.strategy)
+        b = next(e for e in per_group.estimates if (e.strategy, e.mode) == (g.strategy, g.mode))
         assert (g.parameters, g.optimizer, g.gradients) == (b.parameters, b.optimizer, b.gradients)
-    assert pair.chosen is None and "every worker holds 2 experts" in pair.notes[0]
+    # Full fine-tuning of two 14 B experts per worker fits no 80 GiB GPU; LoRA on both bf16-stored bases does
+    # (2 x 2 bytes x 14.3 B = 53.6 GiB of frozen weights + the adapters' fp32 masters)
+    assert pair.chosen.strategy.kind == "lora" and pair.chosen.mode.storage == "bf16"
+    c = pair.counts
+    assert pair.chosen.parameters == 2 * (2 * c.total + 4 * c.lora_parameters)
+    assert "every worker holds 2 experts" in pair.notes[0]
     assert "each worker holds one expert" in groups.notes[0] and "its group of 4 GPU(s)" in groups.notes[0]
 
 
@@ -323,7 +333,8 @@ def test_the_planner_plans_every_registered_family_and_a_gpu_run_of_each_is_not_
     configs = {}
     for path in sorted(Path("jobs/configs").glob("*.yaml")):
         job = load_job_config(path, ["scaling.use_gpu=true"])
-        configs.setdefault(job.model.family, job)
+        if job.model.init != "pretrained":  # the seed scenarios' configs name placeholder folders (test_plan_modes)
+            configs.setdefault(job.model.family, job)
     assert set(FAMILIES) <= set(configs), f"no shipped config for {sorted(set(FAMILIES) - set(configs))}"
     for family in FAMILIES:
         job = configs[family]

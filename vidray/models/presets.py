@@ -28,10 +28,11 @@ count with the published checkpoint's, where one was found):
   wan_t2v_14B.py`, mirrored in ml-explore/mlx-examples `video/Wan2.1/wan/configs/wan_t2v_14B.py`; diffusers'
   `WanTransformer3DModel` names them num_attention_heads, attention_head_dim, ffn_dim, ...).
 - Wan 2.2 A14B: two experts (high-noise and low-noise), each the Wan 2.1 14B transformer (Wan-AI/Wan2.2
-  `wan/configs/wan_t2v_A14B.py`: same dim, ffn_dim, heads and layers; boundary 0.875). Assumed for planning: one
-  expert trains per process at a time (as the reference trainers do: a run trains the high-noise or the low-noise
-  expert, or alternates by timestep with only the active one on the GPU), so one 14B transformer is on the GPU;
-  the second is counted only in `num_experts` and in the report's note.
+  `wan/configs/wan_t2v_A14B.py`: same dim, ffn_dim, heads and layers; boundary 0.875). Planned as the job lays
+  the experts out (`vidray.train.plan.plan_job`): `model.experts.layout: groups` (or no `model.experts`) puts one
+  14B transformer on each GPU (each expert on its half of the GPUs; the other expert is not on that GPU at all),
+  `shared` two on every GPU; generation (`vidray.plan_inference`) holds both without offload, one with model
+  offload.
 
 The frozen encoders' sizes (used only when they share the trainer's GPU) are parameter counts of the public
 checkpoints, in the dtype they run in: Qwen2-VL-7B-Instruct 8.29 B (bf16), umT5-XXL encoder 5.68 B (bf16),

@@ -7,10 +7,14 @@ What one rank holds during a steady-state step (forward, backward, fused AdamW s
 | term | bytes per rank | notes |
 |---|---|---|
 | parameters | 4 P (fp32 master weights, also under bf16 autocast) | fsdp: 4 P / n + the unsharded block(s) being computed |
+| frozen base (LoRA) | P x 4 / 2 bytes in `memory.storage_dtype` fp32 / bf16; fp8: 1 byte a castable parameter (Linear / conv outside diffusers' layerwise-casting skip patterns), 2 for the rest; the adapters 4 bytes (fp32 masters) | fp8 under autocast also keeps a bf16 copy of each castable weight it computed with until the backward (measured: `benchmarks/_memory_planner.py`); with AC only the recomputed block's; bf16 keeps none |
+| block swap N (LoRA, not fsdp) | device: the frozen base minus the last N blocks' bytes, plus 2 of them in flight | host: the N blocks' bytes, pinned (musubi-tuner's `blocks_to_swap`) |
+| FSDP CPU offload | device: the gathered blocks + one block's unsharded gradients; no optimizer state | host: the shard of the fp32 parameters, gradients and AdamW state (FSDP2 `CPUOffloadPolicy`) |
 | gradients | 4 P_train | fsdp: 4 P_train / n + one unsharded block's; ddp adds its buckets, 4 P_train more |
 | optimizer | 8 P_train (AdamW exp_avg + exp_avg_sq, fp32) | fsdp: / n |
 | activations | sum over blocks of what autograd saves (`block_activation_bytes`) + the rest of the model | AC: the blocks' inputs + one block recomputed |
-| encoders | frozen VAE + text encoder weights, when their stage shares the trainer's GPU | `placement.vae/text.num_gpus` in (0, 1) |
+| encoders | frozen VAE + text encoder weights, when their stage shares the trainer's GPU, in the row's storage dtype | `placement.vae/text.num_gpus` in (0, 1) |
+| host (checked per node) | the pinned host bytes above x the ranks on a node (min(GPUs, 8)) <= 70 % of the node's memory (`HOST_HEADROOM`: Ray's object store takes 30 % by default) | `vidray plan --host-memory`, `$VIDRAY_HOST_MEMORY`, else this machine's memory |
 
 P: the transformer's parameters, counted exactly by building the diffusers class on the meta device; P_train: those
 that get a gradient (all, minus the last MMDiT block's unused text-output path; LoRA: the adapters,
@@ -32,8 +36,14 @@ AC, LoRA, LoRA + AC). FSDP is not measured on CPU in tests: its terms are the DD
 plus the unsharded block (`fully_shard` per block, `reshard_after_forward=True`: one block gathered and the next
 prefetched, in the parameter dtype).
 
-Strategies are tried in order of communication per step (least first) and the first that fits with
-`HEADROOM` spare is picked: ddp (one all-reduce of the gradients) < fsdp (all-gather of the parameters twice plus a
+Each strategy is listed in each memory mode it runs (`strategy_modes`: fp32 rows keep fp32; bf16 rows store the
+frozen weights in bf16, LoRA also in fp8 and fp8 + the fewest swapped blocks that fit, full FSDP also with CPU
+offload). The pick: full fine-tuning before LoRA (a full fine-tune with CPU offload is still the run asked for), then
+the modes by transfer per step (`MemoryMode.transfer_rank`): bf16 / fp32 storage (bf16 storage of a frozen base is
+free under bf16 autocast, which computes in bf16 anyway) < fp8 storage (no transfer, a measured quality cost) < block
+swap (host-to-device traffic every step) < FSDP CPU offload (parameters, gradients and the optimizer step through
+host memory), then the strategies, in order of communication per step (least first), the first that fits with
+`HEADROOM` spare (and the node's host memory) is picked: ddp (one all-reduce of the gradients) < fsdp (all-gather of the parameters twice plus a
 reduce-scatter: ~1.5x ddp's bytes) < fsdp+AC (the same traffic plus a second forward: ~33 % more compute) < lora (a
 full-model forward and backward for a few MB of adapters: cheap, but it trains another thing) < lora+AC < fsdp+lora
 (the base sharded too: its all-gathers again, for adapters only) < fsdp+lora+AC. bf16 comes before fp32 within
@@ -54,7 +64,9 @@ from vidray.models.presets import ShapePreset, meta_model, model_preset, preset_
 
 __all__ = [
     "HEADROOM",
+    "HOST_HEADROOM",
     "MemoryEstimate",
+    "MemoryMode",
     "ModelCounts",
     "PlanReport",
     "STRATEGIES",
@@ -67,10 +79,14 @@ __all__ = [
     "estimate_memory",
     "format_bytes",
     "format_report",
+    "frozen_bytes",
+    "host_memory_bytes",
+    "job_mode",
     "parse_bytes",
     "plan",
     "plan_job",
     "plan_measured",
+    "strategy_modes",
 ]
 
 HEADROOM = 0.10
@@ -103,6 +119,59 @@ STRATEGIES: tuple[Strategy, ...] = tuple(
     for precision in ("bf16", "fp32")
 )
 """Every strategy the planner reports, in the order it prefers them (see the module docstring)."""
+
+StorageDtype = Literal["fp32", "bf16", "fp8"]
+
+STORAGE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
+"""Bytes of one stored frozen weight, by `memory.storage_dtype` (fp8: float8_e4m3fn, the Linear / conv weights
+only; norms, embeddings and biases-free layers diffusers' layerwise casting skips stay bf16: `frozen_bytes`)."""
+
+HOST_HEADROOM = 0.30
+"""Fraction of a node's host memory the planner leaves to others: Ray's object store takes 30 % of the RAM by
+default (`object_store_memory`), and the OS, the data loaders and the page cache need the rest. A plan fits the
+host when its pinned host bytes x the ranks on the node <= (1 - HOST_HEADROOM) x the node's memory."""
+
+
+@dataclass(frozen=True)
+class MemoryMode:
+    """Where a strategy's frozen weights live and in which dtype (`vidray.config.MemoryConfig`): `storage` of the
+    frozen weights (the base under LoRA, the encoders on the GPU; trainable weights keep fp32 masters),
+    `block_swap` (the last N blocks of the frozen base in pinned host memory, streamed host-to-device one block
+    ahead: the device holds the resident blocks + 2 in flight), `fsdp_cpu_offload` (FSDP2's CPUOffloadPolicy:
+    the sharded parameters, gradients and optimizer state in host memory, the gathered block on the device)."""
+
+    storage: StorageDtype = "fp32"
+    block_swap: int = 0
+    fsdp_cpu_offload: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = [f"{self.storage} frozen"]
+        if self.block_swap:
+            parts.append(f"swap {self.block_swap}")
+        if self.fsdp_cpu_offload:
+            parts.append("cpu offload")
+        return ", ".join(parts)
+
+    @property
+    def transfer_rank(self) -> int:
+        """The mode's place in the pick order: 0 fp32 / bf16 storage (no transfer: bf16 is what bf16 autocast
+        computes in anyway), 1 fp8 storage (no transfer, a quality cost), 2 block swap (host-to-device traffic every
+        step), 3 FSDP CPU offload (parameters, gradients and the optimizer step through host memory)."""
+        if self.fsdp_cpu_offload:
+            return 3
+        if self.block_swap:
+            return 2
+        return 1 if self.storage == "fp8" else 0
+
+    def keys(self) -> str:
+        """The `memory.*` config keys that ask for this mode."""
+        keys = [f"memory.storage_dtype={self.storage}"]
+        if self.block_swap:
+            keys.append(f"memory.block_swap={self.block_swap}")
+        if self.fsdp_cpu_offload:
+            keys.append("memory.fsdp_cpu_offload=true")
+        return " ".join(keys)
 
 
 # 1. Parameter counts (exact, from the meta-device build).
@@ -146,6 +215,26 @@ class ModelCounts:
     ffn_dim: int
     heads: int
     head_dim: int
+    block_castable: tuple[int, ...] = ()
+    """Parameters of each block that fp8 storage casts (those of the Linear / conv layers diffusers' layerwise
+    casting does not skip: `FP8_SKIP_PATTERNS`); the rest of the block stays bf16."""
+    other_castable: int = 0
+    """The same outside the blocks."""
+
+
+FP8_SKIP_PATTERNS = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$", "lora_")
+"""Module names fp8 storage leaves in bf16: diffusers' `DEFAULT_SKIP_MODULES_PATTERN` (layerwise casting) plus the
+LoRA adapters (trainable, fp32)."""
+
+
+def frozen_bytes(counts: ModelCounts, storage: StorageDtype, block: int | None = None) -> int:
+    """Bytes of the frozen transformer (or of block `block`) stored in `storage`: 4 or 2 bytes a parameter for fp32
+    and bf16; fp8: 1 byte a castable parameter (`ModelCounts.block_castable`), 2 for the rest."""
+    total = counts.total if block is None else counts.blocks[block]
+    if storage != "fp8":
+        return STORAGE_BYTES[storage] * total
+    castable = (sum(counts.block_castable) + counts.other_castable) if block is None else counts.block_castable[block]
+    return castable + 2 * (total - castable)
 
 
 def count_model(preset: ShapePreset, *, lora_rank: int = DEFAULT_LORA_RANK,
@@ -177,6 +266,16 @@ def count_model(preset: ShapePreset, *, lora_rank: int = DEFAULT_LORA_RANK,
                             f"{', '.join(suffixes)}")
         lora += sum(lora_rank * (m.in_features + m.out_features) for m in hits)
     total = sum(p.numel() for p in model.parameters())
+    castable_types = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+
+    def castable(root: torch.nn.Module, prefix: str) -> int:
+        return sum(p.numel() for name, m in root.named_modules(prefix=prefix) if isinstance(m, castable_types)
+                   and not any(re.search(pat, name) for pat in FP8_SKIP_PATTERNS) for p in m.parameters())
+
+    block_prefix = "blocks" if preset.family == "wan" else "transformer_blocks"
+    block_cast = tuple(castable(b, f"{block_prefix}.{i}") for i, b in enumerate(blocks))
+    all_cast = sum(p.numel() for name, m in model.named_modules() if isinstance(m, castable_types)
+                   and not any(re.search(pat, name) for pat in FP8_SKIP_PATTERNS) for p in m.parameters())
     dead = 0
     if preset.family == "easyanimate" and blocks[-1].txt_ff is not None:  # the last block's text output is dropped
         last = blocks[-1]
@@ -190,7 +289,7 @@ def count_model(preset: ShapePreset, *, lora_rank: int = DEFAULT_LORA_RANK,
     return ModelCounts(total=total, trainable=total - dead, blocks=block_params, block_matmul_weights=block_mm,
                        other_matmul_weights=all_mm - sum(block_mm), lora_parameters=lora, lora_rank=lora_rank,
                        num_layers=len(blocks), num_mmdit_layers=mmdit, dim=dim, ffn_dim=ffn_dim, heads=heads,
-                       head_dim=head_dim)
+                       head_dim=head_dim, block_castable=block_cast, other_castable=all_cast - sum(block_cast))
 
 
 # 2. Tokens of a bucket.
@@ -273,10 +372,14 @@ def _outside_blocks_bytes(family: str, precision: Precision, video_tokens: int, 
     return video_tokens * (dim * 4 + (3 if frozen else 4) * dim * a) + text_tokens * dim * 4 + 6 * latent_elems * 4
 
 
-def _block_inputs_bytes(family: str, video_tokens: int, text_tokens: int, dim: int) -> int:
-    """What activation checkpointing keeps per block and sample: its inputs (the fp32 residual stream; EasyAnimate
-    and CogVideoX also the text stream, which every block updates; Wan's text embeddings are one tensor shared by all blocks)."""
-    return (video_tokens + (text_tokens if family in ("easyanimate", "cogvideox") else 0)) * dim * 4
+def _block_inputs_bytes(family: str, video_tokens: int, text_tokens: int, dim: int,
+                        precision: Precision = "fp32") -> int:
+    """What activation checkpointing keeps per block and sample: its inputs (the residual stream: fp32, except
+    Wan's under bf16 autocast, where the patch embedding's output is bf16 and every block returns `.type_as` it:
+    2 bytes; EasyAnimate and CogVideoX also the text stream, which every block updates; Wan's text embeddings are
+    one tensor shared by all blocks)."""
+    width = 2 if family == "wan" and precision == "bf16" else 4
+    return (video_tokens + (text_tokens if family in ("easyanimate", "cogvideox") else 0)) * dim * width
 
 
 def _backward_temporaries(precision: Precision, tokens: int, dim: int, ffn_dim: int) -> int:
@@ -307,19 +410,39 @@ class MemoryEstimate:
     encoders: int
     peak_bytes: int
     fits: bool = False
+    """Fits the GPU (`peak_bytes` within HEADROOM) and, when the node's host memory is known, the host."""
+    mode: MemoryMode = MemoryMode()
+    host_bytes: int = 0
+    """Pinned host memory this rank needs for its offloaded weights (block swap: the swapped blocks; FSDP CPU
+    offload: its shard of the parameters, gradients and optimizer state); 0 without offload."""
+    fits_host: bool = True
+    """`host_bytes` x the ranks on a node within (1 - HOST_HEADROOM) of the node's memory (True when unknown)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.strategy.name}, {self.mode.name}"
 
 
 def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy, *, bucket: Bucket,
                     batch_size: int, text_tokens: int, num_gpus: int = 1, encoders_bytes: int = 0,
                     micro_batches_per_rank: int = 1, gpu_memory_bytes: int | None = None,
-                    experts_held: int = 1) -> MemoryEstimate:
+                    experts_held: int = 1, mode: MemoryMode = MemoryMode(), host_memory_bytes: int | None = None,
+                    ranks_per_node: int = 1) -> MemoryEstimate:
     """Per-rank bytes of training `preset` with `strategy` on micro-batches of `batch_size` clips of `bucket`
     (`text_tokens` prompt tokens each), `num_gpus` ranks. `encoders_bytes`: frozen encoders on the same GPU.
     `micro_batches_per_rank` > 1: gradient accumulation (gradients live during the later forwards).
     `experts_held` transformers of `preset`'s shape on each rank (`model.experts`: 2): the parameters, optimizer
     state, gradients and DDP buckets count that many times; the activations once (each sample goes through one).
-    `fits` is set against `gpu_memory_bytes` x (1 - HEADROOM) when given. Raises UserError for a bad bucket,
-    ValueError for `num_gpus` or `batch_size` < 1.
+    `mode`: the frozen weights' storage dtype and offload (`MemoryMode`; the default, fp32 storage without offload,
+    is what the trainer held before `memory:` existed): under LoRA the frozen base is stored in `mode.storage`
+    (fp8 also keeps a bf16 copy of every castable weight it computes with until the backward, as fp32 storage under
+    autocast does: measured, `benchmarks/_memory_planner.py`; with AC only the recomputed block's), block swap moves
+    the last N blocks' bytes to pinned host memory (2 stay in flight on the device), FSDP CPU offload moves the
+    sharded parameters, gradients and optimizer state to host memory (the gathered blocks and one block's
+    gradients stay). `fits` is set against `gpu_memory_bytes` x (1 - HEADROOM) when given and, with
+    `host_memory_bytes` (one node's), against `host_bytes` x `ranks_per_node` <= (1 - HOST_HEADROOM) x it.
+    Raises UserError for a bad bucket, ValueError for `num_gpus` or `batch_size` < 1 or a mode the strategy cannot
+    run (block swap without LoRA or with FSDP, FSDP CPU offload without FSDP).
     """
     if num_gpus < 1 or batch_size < 1:
         raise ValueError(f"num_gpus and batch_size must be >= 1, got {num_gpus} and {batch_size}")
@@ -327,6 +450,10 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
     a_bf16 = strategy.precision == "bf16"
     lora = strategy.kind in ("lora", "fsdp+lora")
     fsdp = strategy.kind in ("fsdp", "fsdp+lora")
+    if mode.block_swap and (not lora or fsdp):
+        raise ValueError(f"block swap applies to the frozen base of lora (without fsdp), not {strategy.name}")
+    if mode.fsdp_cpu_offload and not fsdp:
+        raise ValueError(f"fsdp cpu offload needs an fsdp strategy, not {strategy.name}")
     shard = num_gpus if fsdp else 1
     p_total, p_train = counts.total, (counts.lora_parameters if lora else counts.trainable)
     block_share = [(b * p_train / max(counts.trainable, 1)) if not lora else
@@ -338,11 +465,23 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
     gathered = 0
     if fsdp:
         gathered = 2 * max(counts.blocks) * (2 if a_bf16 else 4)
-    parameters = math.ceil(4 * (p_total + (counts.lora_parameters if lora else 0)) / shard) + gathered
+    # LoRA: the frozen base in its storage dtype (fp32 masters only for the adapters); block swap: the last N
+    # blocks in pinned host memory, 2 of them in flight on the device.
+    base = frozen_bytes(counts, mode.storage) if lora else 4 * p_total
+    host_bytes = 0
+    if mode.block_swap:
+        n_swap = min(mode.block_swap, counts.num_layers)
+        swapped = [frozen_bytes(counts, mode.storage, i) for i in range(counts.num_layers - n_swap, counts.num_layers)]
+        host_bytes = sum(swapped)
+        base -= host_bytes - sum(sorted(swapped)[-min(n_swap, 2):])
+    parameters = math.ceil((base + (4 * counts.lora_parameters if lora else 0)) / shard) + gathered
     optimizer = math.ceil(8 * p_train / shard)
     ddp_buckets = 4 * p_train if (num_gpus > 1 and not fsdp) else 0
     # fsdp: one block's unsharded gradients before their reduce-scatter (fsdp+lora: its adapters')
     gradients = math.ceil(4 * p_train / shard) + (math.ceil(4 * max(block_share)) if fsdp else 0)
+    if mode.fsdp_cpu_offload:  # the shards live in host memory; the device keeps the gathered blocks, one block's
+        host_bytes = (parameters - gathered) + optimizer + (gradients - math.ceil(4 * max(block_share)))
+        parameters, optimizer, gradients = gathered, 0, math.ceil(4 * max(block_share))
     resident = parameters + optimizer + ddp_buckets + encoders_bytes
 
     # 2. Activations per block (x batch), bf16 weight copies, the rest of the model.
@@ -352,9 +491,12 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
                                                  ffn_dim=counts.ffn_dim, heads=counts.heads,
                                                  lora_rank=counts.lora_rank if lora else 0) for m in mmdit]
     copies = [2 * w if (a_bf16 and not fsdp) else 0 for w in counts.block_matmul_weights]  # fsdp: params are bf16
+    if lora and mode.storage != "fp32":  # bf16: autocast casts nothing; fp8: each castable weight's bf16 copy
+        copies = ([2 * w for w in counts.block_castable] if mode.storage == "fp8" and not fsdp
+                  else [0] * counts.num_layers)
     outside = batch_size * _outside_blocks_bytes(preset.family, strategy.precision, n_video, text_tokens,
                                                  latent_elems, counts.dim, frozen=lora)
-    inputs = batch_size * _block_inputs_bytes(preset.family, n_video, text_tokens, counts.dim)
+    inputs = batch_size * _block_inputs_bytes(preset.family, n_video, text_tokens, counts.dim, strategy.precision)
     tokens = n_video + (text_tokens if preset.family in ("easyanimate", "cogvideox") else 0)
     transient = batch_size * _backward_temporaries(strategy.precision, tokens, counts.dim, counts.ffn_dim)
     accumulated = math.ceil(4 * p_train / shard) if micro_batches_per_rank > 1 else 0
@@ -384,12 +526,15 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
                                                          (end_of_forward, peak_backward, optimizer_step))
     peak = int(max(end_of_forward, peak_backward, optimizer_step))
     activations = sum(kept) + outside
+    host_bytes *= experts_held
+    fits_host = host_memory_bytes is None or host_bytes * ranks_per_node <= (1 - HOST_HEADROOM) * host_memory_bytes
     estimate = MemoryEstimate(
         strategy=strategy, parameters=parameters, gradients=gradients, optimizer=optimizer, activations=activations,
         activations_peak_block=(max(saved) + max(copies)) if strategy.activation_checkpointing else 0,
-        ddp_buckets=ddp_buckets, encoders=encoders_bytes, peak_bytes=peak)
+        ddp_buckets=ddp_buckets, encoders=encoders_bytes, peak_bytes=peak, mode=mode, host_bytes=host_bytes,
+        fits_host=fits_host)
     if gpu_memory_bytes is not None:
-        estimate = replace(estimate, fits=peak <= (1 - HEADROOM) * gpu_memory_bytes)
+        estimate = replace(estimate, fits=peak <= (1 - HEADROOM) * gpu_memory_bytes and fits_host)
     return estimate
 
 
@@ -411,29 +556,94 @@ class PlanReport:
     """The first estimate in `STRATEGIES` order that fits; None when none does."""
     requested: MemoryEstimate | None = None
     """The estimate of the job's own strategy, when the job names one (`check_fits`)."""
+    host_memory_bytes: int | None = None
+    """One node's host memory the modes' pinned host bytes were checked against (None: not checked)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     measured: bool = False
     """Planned by `plan_measured` (a step measured on the meta device), not by the DiT formulas."""
+    lora_job: bool = False
+    """The job sets `model.lora`: only the LoRA rows are candidates."""
+
+    def nearest(self) -> MemoryEstimate | None:
+        """When nothing fits: the candidate row (host memory permitting) with the smallest peak per GPU."""
+        rows = [e for e in self.estimates if e.fits_host and (not self.lora_job or "lora" in e.strategy.kind)]
+        return min(rows, key=lambda e: e.peak_bytes) if rows else None
+
+
+def none_fits(report: PlanReport) -> str:
+    """What to change when nothing fits `report`: the row that needs the least, the GPU it would fit, and the
+    other ways out (one clause, for a one-line refusal)."""
+    near = report.nearest()
+    if near is None:
+        return "no strategy fits the node's host memory: use nodes with more memory, or fewer ranks per node"
+    need = near.peak_bytes / (1 - HEADROOM)
+    return (f"none fits: the least is {near.name} at {format_bytes(near.peak_bytes)} per GPU, which fits GPUs of "
+            f"{format_bytes(need)} or more ({_how(near)}); else lower the largest bucket (frames, height x width) or "
+            f"the batch size")
+
+
+def strategy_modes(strategy: Strategy) -> tuple[MemoryMode, ...]:
+    """The memory modes the planner lists for `strategy` (block swap's count is found by `plan`: 0 here stands for
+    "the fewest blocks that fit"). fp32 strategies: fp32 storage only (the reference rows). bf16: the frozen
+    weights in bf16 (free under bf16 autocast); LoRA also fp8 and fp8 + block swap (not with FSDP); FSDP full
+    fine-tuning also FSDP2 CPU offload."""
+    if strategy.precision == "fp32":
+        return (MemoryMode("fp32"),)
+    if strategy.kind == "lora":
+        return MemoryMode("bf16"), MemoryMode("fp8"), MemoryMode("fp8", block_swap=-1)
+    if strategy.kind == "fsdp+lora":
+        return MemoryMode("bf16"), MemoryMode("fp8")
+    if strategy.kind == "fsdp":
+        return MemoryMode("bf16"), MemoryMode("bf16", fsdp_cpu_offload=True)
+    return (MemoryMode("bf16"),)
 
 
 def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: int, num_gpus: int,
          gpu_memory_bytes: int, lora_rank: int = DEFAULT_LORA_RANK, lora_targets: tuple[str, ...] | None = None,
-         encoders_bytes: int = 0, micro_batches_per_rank: int = 1, experts_held: int = 1,
-         expert_groups: bool = False, lora_job: bool = False) -> PlanReport:
-    """Estimate every strategy in `STRATEGIES` for `preset` on `num_gpus` GPUs of `gpu_memory_bytes` each and pick
-    the first that fits with `HEADROOM`. `experts_held` 2 (`model.experts` layout shared): each rank holds two
+         encoders_bytes: int | dict[str, int] = 0, micro_batches_per_rank: int = 1, experts_held: int = 1,
+         expert_groups: bool = False, lora_job: bool = False, host_memory_bytes: int | None = None,
+         ranks_per_node: int | None = None) -> PlanReport:
+    """Estimate every strategy in `STRATEGIES`, in each of its memory modes (`strategy_modes`), for `preset` on
+    `num_gpus` GPUs of `gpu_memory_bytes` each, and pick the cheapest that fits with `HEADROOM`: full fine-tuning
+    before LoRA (a full fine-tune with CPU offload is still the run asked for), then the modes in
+    `MemoryMode.transfer_rank` order (no transfer < fp8 < block swap < FSDP CPU offload), the strategies in
+    `STRATEGIES` order within a mode. `encoders_bytes`: the encoders sharing the GPU, or their bytes by storage
+    dtype (`{"fp32": .., "bf16": .., "fp8": ..}`). `host_memory_bytes`: one node's host memory (None: not checked),
+    shared by `ranks_per_node` ranks (default min(num_gpus, 8)). `experts_held` 2 (`model.experts` layout shared): each rank holds two
     experts of the preset's shape, and only ddp and lora (DDP, full or adapters) are listed; `expert_groups`
     (layout groups): each rank holds one expert, `num_gpus` being one expert's group, and every strategy is listed.
     `lora_job` (the job sets `model.lora`): the pick is the first LoRA strategy that fits (the others are listed
     for reference). Raises UserError for a bad bucket, rank or LoRA target."""
     counts = count_model(preset, lora_rank=lora_rank, lora_targets=lora_targets)
-    estimates = tuple(estimate_memory(preset, counts, s, bucket=bucket, batch_size=batch_size,
-                                      text_tokens=text_tokens, num_gpus=num_gpus, encoders_bytes=encoders_bytes,
-                                      micro_batches_per_rank=micro_batches_per_rank,
-                                      gpu_memory_bytes=gpu_memory_bytes, experts_held=experts_held)
-                      for s in STRATEGIES if not (s.kind.startswith("fsdp") and num_gpus < 2)
-                      and not (experts_held > 1 and s.kind not in ("ddp", "lora")))
-    chosen = next((e for e in estimates if e.fits and (not lora_job or "lora" in e.strategy.kind)), None)
+    per_node = ranks_per_node or min(num_gpus, 8)
+
+    def estimate(s: Strategy, mode: MemoryMode) -> MemoryEstimate:
+        encoders = encoders_bytes[mode.storage] if isinstance(encoders_bytes, dict) else encoders_bytes
+        return estimate_memory(preset, counts, s, bucket=bucket, batch_size=batch_size, text_tokens=text_tokens,
+                               num_gpus=num_gpus, encoders_bytes=encoders,
+                               micro_batches_per_rank=micro_batches_per_rank, gpu_memory_bytes=gpu_memory_bytes,
+                               experts_held=experts_held, mode=mode, host_memory_bytes=host_memory_bytes,
+                               ranks_per_node=per_node)
+
+    rows = []
+    for s in STRATEGIES:
+        if (s.kind.startswith("fsdp") and num_gpus < 2) or (experts_held > 1 and s.kind not in ("ddp", "lora")):
+            continue
+        for mode in strategy_modes(s):
+            if mode.block_swap < 0 and rows and rows[-1].fits:  # fp8 fits without swapping: no swap row
+                continue
+            if mode.block_swap < 0:  # the fewest swapped blocks that fit (all but one when none does)
+                # 3 or more: with 2 blocks in flight, fewer save nothing
+                swaps = [estimate(s, replace(mode, block_swap=n)) for n in range(3, counts.num_layers)]
+                if swaps:
+                    rows.append(next((e for e in swaps if e.fits), swaps[-1]))
+            else:
+                rows.append(estimate(s, mode))
+    estimates = tuple(rows)
+    order = {s: i for i, s in enumerate(STRATEGIES)}
+    # A full fine-tune stays one while any mode fits it (LoRA trains another thing); then the modes by transfer.
+    ranked = sorted(estimates, key=lambda e: ("lora" in e.strategy.kind, e.mode.transfer_rank, order[e.strategy]))
+    chosen = next((e for e in ranked if e.fits and (not lora_job or "lora" in e.strategy.kind)), None)
     notes = []
     if lora_job:
         notes.append("model.lora is set: picked among the lora strategies (the full fine-tunes are for reference)")
@@ -449,9 +659,12 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
                      f"planned for one on the GPU (one trains per process)")
     if num_gpus < 2:
         notes.append("fsdp needs 2 or more GPUs: not listed")
+    if host_memory_bytes is not None and any(not e.fits_host for e in estimates):
+        notes.append(f"host: {per_node} rank(s) per node share {format_bytes(host_memory_bytes)}, "
+                     f"{100 * HOST_HEADROOM:.0f}% kept free; a mode whose pinned host memory exceeds that is refused")
     return PlanReport(preset=preset, counts=counts, bucket=bucket, batch_size=batch_size, text_tokens=text_tokens,
                       num_gpus=num_gpus, gpu_memory_bytes=gpu_memory_bytes, estimates=estimates, chosen=chosen,
-                      notes=tuple(notes))
+                      notes=tuple(notes), host_memory_bytes=host_memory_bytes, lora_job=lora_job)
 
 
 def _parameters(count: int) -> str:
@@ -481,6 +694,20 @@ def job_preset(job: Any) -> ShapePreset:
     return ShapePreset(**{**shape.__dict__, "config": config})
 
 
+def _job_in_channels(job: Any) -> int:
+    """The transformer's input channels for `job` (an image-to-video one's condition channels included): from
+    `model.pretrained_path`'s config when that folder exists, else as the family builds its random model for the
+    same `model:` section (the channel rule depends on the family and `model.i2v`, not on the size), so a config
+    whose pretrained folder is a placeholder still plans with `--preset`."""
+    import dataclasses
+    from pathlib import Path
+
+    if job.model.init == "pretrained" and not (Path(job.model.pretrained_path) / "transformer").is_dir():
+        model = dataclasses.replace(job.model, init="random", pretrained_path=None, preset="tiny")
+        job = dataclasses.replace(job, model=model)
+    return job_preset(job).config["in_channels"]
+
+
 def largest_bucket(job: Any, preset: ShapePreset) -> tuple[Bucket, int]:
     """The bucket of `job.data.buckets` whose micro-batch has the most tokens, and its batch size
     (`data.tokens_per_batch`'s rule when set, else `data.batch_size_per_worker`)."""
@@ -497,21 +724,49 @@ def largest_bucket(job: Any, preset: ShapePreset) -> tuple[Bucket, int]:
     return best[1], best[2]
 
 
-def _encoders_on_gpu(job: Any, preset: ShapePreset) -> int:
-    """Bytes of the frozen encoders whose stage takes a fraction of a GPU (Ray packs it beside a trainer)."""
+def _encoders_on_gpu(job: Any, preset: ShapePreset, storage: StorageDtype | None = None) -> int:
+    """Bytes of the frozen encoders whose stage takes a fraction of a GPU (Ray packs it beside a trainer), stored
+    in `storage` (None or fp32: as they run without `memory.storage_dtype`: the text encoder in its checkpoint's
+    dtype, the VAE fp32; bf16: 2 bytes a parameter; fp8: 1, nearly all of both being Linear / conv weights)."""
     total = 0
     if 0 < job.placement.text.num_gpus < 1:
-        total += preset.text_encoder_params * preset.text_encoder_bytes_per_param
+        total += preset.text_encoder_params * (preset.text_encoder_bytes_per_param if storage in (None, "fp32")
+                                               else min(STORAGE_BYTES[storage], preset.text_encoder_bytes_per_param))
     if 0 < job.placement.vae.num_gpus < 1:
-        total += preset.vae_params * 4
+        total += preset.vae_params * STORAGE_BYTES[storage or "fp32"]
     return total
 
 
+def job_mode(job: Any) -> MemoryMode:
+    """The memory mode `job` asks for (`memory:`): `storage_dtype` auto is bf16 with `scaling.use_gpu` (the device
+    vidray plans), fp32 without."""
+    memory = getattr(job, "memory", None)
+    if memory is None:
+        return MemoryMode("bf16" if job.scaling.use_gpu else "fp32")
+    storage = memory.storage_dtype if memory.storage_dtype != "auto" else ("bf16" if job.scaling.use_gpu else "fp32")
+    return MemoryMode(storage, block_swap=memory.block_swap, fsdp_cpu_offload=memory.fsdp_cpu_offload)
+
+
+HOST_MEMORY_ENV = "VIDRAY_HOST_MEMORY"
+"""Environment variable giving one node's host memory (e.g. `256GiB`) for the host check of offload modes."""
+
+
+def host_memory_bytes() -> int:
+    """One node's host memory: `$VIDRAY_HOST_MEMORY` when set, else this machine's physical memory
+    (`os.sysconf`: SC_PHYS_PAGES x SC_PAGE_SIZE)."""
+    import os
+
+    if os.environ.get(HOST_MEMORY_ENV):
+        return parse_bytes(os.environ[HOST_MEMORY_ENV])
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePreset | None = None,
-             bucket: Bucket | None = None) -> PlanReport:
+             bucket: Bucket | None = None, host_memory: int | None = None) -> PlanReport:
     """`plan` for a loaded job config: its model (or `preset`), its largest bucket (or `bucket`, with batch size 1
     when given), `model.max_sequence_length` text tokens (or the preset's when `preset` is given), the job's
     encoder placement and gradient accumulation, and `model.lora`'s rank and targets where the config has them.
+    `host_memory`: one node's host memory the offload modes are checked against (None: not checked).
     A family without the DiT formulas (`LORA_TARGETS`: AnimateDiff's UNet) is planned by `plan_measured`."""
     if job.model.family not in LORA_TARGETS:
         return plan_measured(job, gpu_memory_bytes=gpu_memory_bytes, num_gpus=num_gpus, bucket=bucket)
@@ -520,7 +775,7 @@ def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePre
     elif job.model.i2v is not None and preset.family == job.model.family:
         # A preset is a text-to-video layout: an image-to-video job's transformer takes its condition channels too
         # (Wan 36, EasyAnimate InP 33, CogVideoX I2V 32), as the family builds it.
-        in_channels = job_preset(job).config["in_channels"]
+        in_channels = _job_in_channels(job)
         preset = ShapePreset(**{**preset.__dict__, "config": {**preset.config, "in_channels": in_channels}})
     if bucket is None:
         bucket, batch = largest_bucket(job, preset)
@@ -538,8 +793,9 @@ def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePre
     micro = math.ceil(job.micro_batches_per_step / max(num_gpus, 1)) if hasattr(job, "micro_batches_per_step") else 1
     return plan(preset, bucket=bucket, batch_size=batch, text_tokens=text_tokens, num_gpus=num_gpus,
                 gpu_memory_bytes=gpu_memory_bytes, lora_rank=rank, lora_targets=targets,
-                encoders_bytes=_encoders_on_gpu(job, preset), micro_batches_per_rank=micro,
-                experts_held=held, expert_groups=groups, lora_job=lora is not None)
+                encoders_bytes={s: _encoders_on_gpu(job, preset, s) for s in STORAGE_BYTES},
+                micro_batches_per_rank=micro, experts_held=held, expert_groups=groups, lora_job=lora is not None,
+                host_memory_bytes=host_memory, ranks_per_node=min(num_gpus * (2 if groups else 1), 8))
 
 
 MEASURED_STRATEGIES: tuple[Strategy, ...] = tuple(Strategy("ddp", ac, precision) for ac in (False, True)
@@ -640,11 +896,15 @@ def job_strategy(job: Any) -> Strategy:
     return Strategy(kind, ac, precision)
 
 
-def check_fits(job: Any, gpu_memory_bytes: int, num_gpus: int) -> PlanReport:
-    """Plan `job` on `num_gpus` GPUs of `gpu_memory_bytes` and refuse it when its own strategy is predicted not to
-    fit: raises UserError, one line, naming the predicted peak, the GPU and the strategy that would fit (or that
-    none does, and the largest bucket to lower). Returns the report when it fits."""
-    report = plan_job(job, gpu_memory_bytes=gpu_memory_bytes, num_gpus=num_gpus)
+def check_fits(job: Any, gpu_memory_bytes: int, num_gpus: int, *, host_memory: int | None = None,
+               preset: ShapePreset | None = None) -> PlanReport:
+    """Plan `job` on `num_gpus` GPUs of `gpu_memory_bytes` and refuse it when its own strategy, in its own memory
+    mode (`memory:`), is predicted not to fit the GPU, or (with `host_memory`, one node's bytes) its pinned host
+    memory the node: raises UserError, one line, naming the predicted peak, the GPU and the strategy and mode that
+    would fit with their config keys (or that none does, and the largest bucket to lower). Returns the report
+    when it fits. `preset`: plan this shape instead of the job's model (`vidray plan --preset`)."""
+    report = plan_job(job, gpu_memory_bytes=gpu_memory_bytes, num_gpus=num_gpus, host_memory=host_memory,
+                      preset=preset)
     wanted = job_strategy(job)
     if report.measured:  # every strategy such a family trains with is in the report
         requested = next((e for e in report.estimates if e.strategy == wanted), None)
@@ -657,38 +917,54 @@ def check_fits(job: Any, gpu_memory_bytes: int, num_gpus: int) -> PlanReport:
             return report
         budget = (1 - HEADROOM) * gpu_memory_bytes
         fix = (f"{report.chosen.strategy.name} fits ({format_bytes(report.chosen.peak_bytes)}): "
-               f"{_how(report.chosen.strategy)}" if report.chosen is not None else
+               f"{_how(report.chosen)}" if report.chosen is not None else
                "no strategy fits: lower the largest bucket or data.batch_size_per_worker, or use larger GPUs")
         raise UserError(f"predicted out of memory: {wanted.name} needs {format_bytes(requested.peak_bytes)} per GPU "
                         f"for bucket {report.bucket.num_frames}x{report.bucket.height}x{report.bucket.width} "
                         f"x{report.batch_size}, over {format_bytes(budget)} ({100 - 100 * HEADROOM:.0f}% of "
                         f"{format_bytes(gpu_memory_bytes)}); {fix} (`vidray plan` prints the table)")
-    if wanted.kind.startswith("fsdp") and num_gpus < 2:  # one rank holds everything: planned as unsharded
+    if wanted.kind.startswith("fsdp") and report.num_gpus < 2:  # one rank holds everything: planned as unsharded
         wanted = replace(wanted, kind="lora" if wanted.kind == "fsdp+lora" else "ddp")
     counts = report.counts
-    requested = estimate_memory(report.preset, counts, wanted, bucket=report.bucket, batch_size=report.batch_size,
-                                text_tokens=report.text_tokens, num_gpus=num_gpus,
-                                encoders_bytes=_encoders_on_gpu(job, report.preset),
-                                gpu_memory_bytes=gpu_memory_bytes, experts_held=_experts_held(job))
+    mode = job_mode(job)
+    if wanted.precision == "fp32" and mode.storage != "fp32":
+        mode = replace(mode, storage="fp32")  # fp32 compute: the frozen weights are planned as fp32 (no autocast)
+    try:
+        requested = estimate_memory(report.preset, counts, wanted, bucket=report.bucket, batch_size=report.batch_size,
+                                    text_tokens=report.text_tokens, num_gpus=report.num_gpus,
+                                    encoders_bytes=_encoders_on_gpu(job, report.preset, mode.storage),
+                                    gpu_memory_bytes=gpu_memory_bytes, experts_held=_experts_held(job), mode=mode,
+                                    host_memory_bytes=host_memory,
+                                    ranks_per_node=min(job.scaling.max_workers if hasattr(job.scaling, "max_workers")
+                                                       else num_gpus, 8))
+    except ValueError as err:
+        raise UserError(f"memory: {err}: {mode.keys()} does not apply to {wanted.name}") from None
     report = replace(report, requested=requested)
     if requested.fits:
         return report
     budget = (1 - HEADROOM) * gpu_memory_bytes
-    where = (f"{wanted.name} needs {format_bytes(requested.peak_bytes)} per GPU for bucket "
-             f"{report.bucket.num_frames}x{report.bucket.height}x{report.bucket.width} x{report.batch_size}, over "
-             f"{format_bytes(budget)} ({100 - 100 * HEADROOM:.0f}% of {format_bytes(gpu_memory_bytes)})")
-    if report.chosen is not None:
-        fix = f"{report.chosen.strategy.name} fits ({format_bytes(report.chosen.peak_bytes)}): {_how(report.chosen.strategy)}"
+    bucket = f"{report.bucket.num_frames}x{report.bucket.height}x{report.bucket.width} x{report.batch_size}"
+    if requested.peak_bytes <= budget:  # the GPU fits; the node's host memory does not
+        where = (f"{wanted.name}, {mode.name} needs {format_bytes(requested.host_bytes)} of pinned host memory per "
+                 f"rank, over {100 - 100 * HOST_HEADROOM:.0f}% of the node's {format_bytes(host_memory)}")
     else:
-        fix = "no strategy fits: lower the largest bucket or data.batch_size_per_worker, or use larger GPUs"
+        where = (f"{wanted.name}, {mode.name} needs {format_bytes(requested.peak_bytes)} per GPU for bucket {bucket}, "
+                 f"over {format_bytes(budget)} ({100 - 100 * HEADROOM:.0f}% of {format_bytes(gpu_memory_bytes)})")
+    if report.chosen is not None:
+        fix = f"{report.chosen.name} fits ({format_bytes(report.chosen.peak_bytes)}): {_how(report.chosen)}"
+    else:
+        fix = none_fits(report)
     raise UserError(f"predicted out of memory: {where}; {fix} (`vidray plan` prints the table)")
 
 
-def _how(strategy: Strategy) -> str:
+def _how(estimate: MemoryEstimate) -> str:
+    """The config keys that ask for `estimate`'s strategy and memory mode."""
+    strategy = estimate.strategy
     keys = {"ddp": "scaling.strategy=ddp", "fsdp": "scaling.strategy=fsdp", "lora": "set model.lora",
             "fsdp+lora": "scaling.strategy=fsdp and set model.lora"}[strategy.kind]
     ac = " train.activation_checkpointing=full" if strategy.activation_checkpointing else ""
-    return f"{keys}{ac} train.mixed_precision={'bf16' if strategy.precision == 'bf16' else 'no'}"
+    return (f"{keys}{ac} train.mixed_precision={'bf16' if strategy.precision == 'bf16' else 'no'} "
+            f"{estimate.mode.keys()}")
 
 
 # 6. Units and the table.
@@ -731,8 +1007,8 @@ def format_report(report: PlanReport) -> str:
     lines = [
         *head,
         "",
-        f"{'strategy':<18}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'AC blk':>8}{'buckets':>8}"
-        f"{'encoders':>9}{'peak':>8}  fits",
+        f"{'strategy':<18}{'memory mode':<22}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'AC blk':>8}"
+        f"{'buckets':>8}{'encoders':>9}{'peak':>8}{'host':>8}  fits",
     ]
 
     unit, scale = ("GiB", 2**30) if max(e.peak_bytes for e in report.estimates) >= 2**30 else ("MiB", 2**20)
@@ -741,19 +1017,21 @@ def format_report(report: PlanReport) -> str:
         return f"{x / scale:.1f}"
 
     for e in report.estimates:
-        mark = "yes" if e.fits else "no"
+        mark = "yes" if e.fits else ("no (host)" if not e.fits_host else "no")
         if report.chosen is e:
             mark += "  <- picked"
-        lines.append(f"{e.strategy.name:<18}{gib(e.parameters):>8}{gib(e.gradients):>8}{gib(e.optimizer):>8}"
-                     f"{gib(e.activations):>8}{gib(e.activations_peak_block):>8}{gib(e.ddp_buckets):>8}"
-                     f"{gib(e.encoders):>9}{gib(e.peak_bytes):>8}  {mark}")
+        lines.append(f"{e.strategy.name:<18}{e.mode.name:<22}{gib(e.parameters):>8}{gib(e.gradients):>8}"
+                     f"{gib(e.optimizer):>8}{gib(e.activations):>8}{gib(e.activations_peak_block):>8}"
+                     f"{gib(e.ddp_buckets):>8}{gib(e.encoders):>9}{gib(e.peak_bytes):>8}{gib(e.host_bytes):>8}  {mark}")
     lines.append("")
     lines.append(f"{unit} per rank; peak = simulated peak of a step (gradients replace activations during the backward, "
-                 "so it is below the sum)")
+                 "so it is below the sum); host = pinned host memory per rank (block swap, FSDP CPU offload)")
     if report.chosen is not None:
-        lines.append(f"picked: {report.chosen.strategy.name} ({_how(report.chosen.strategy)})")
+        c = report.chosen
+        lines.append(f"picked: {c.name}: {format_bytes(c.peak_bytes)} per GPU, {format_bytes(c.host_bytes)} pinned "
+                     f"host memory per rank ({_how(c)})")
     else:
-        lines.append("picked: none fits; lower the bucket or the batch size, or use larger GPUs")
+        lines.append(f"picked: {none_fits(report)}")
     lines.extend(f"note: {n}" for n in report.notes)
     return "\n".join(lines)
 
@@ -789,14 +1067,19 @@ def check_cluster_fits(job: Any, resources: dict[str, float], *, gpu_memory_byte
     cluster has no GPU or the job does not use one (CPU runs are not planned); raises UserError when the job's
     strategy is predicted not to fit; else a one-line summary. When the GPUs' memory is unknown, the summary says
     so and how to give it (VIDRAY_GPU_MEMORY) instead of refusing. `gpu_memory_bytes`: one GPU's memory when the
-    caller knows it (the local GPU's `torch.cuda.get_device_properties(0).total_memory`)."""
+    caller knows it (the local GPU's `torch.cuda.get_device_properties(0).total_memory`). The pinned host memory of
+    an offload mode is checked against `$VIDRAY_HOST_MEMORY` (one node's) when set; Ray's resources do not give one
+    node's physical memory, so without it the host is not checked here."""
     if not resources.get("GPU", 0) or not job.scaling.use_gpu:
         return None
     gpu_memory = gpu_memory_bytes or cluster_gpu_memory_bytes(resources)
     if gpu_memory is None:
         return (f"the GPUs' memory is unknown (no accelerator_type the planner knows): set {GPU_MEMORY_ENV}=80GiB "
                 f"(one GPU's memory) to check the job fits before GPUs are reserved")
-    report = check_fits(job, gpu_memory, job.scaling.min_workers)
+    import os
+
+    host = parse_bytes(os.environ[HOST_MEMORY_ENV]) if os.environ.get(HOST_MEMORY_ENV) else None
+    report = check_fits(job, gpu_memory, job.scaling.min_workers, host_memory=host)
     e = report.requested
     return (f"{e.strategy.name} predicted {format_bytes(e.peak_bytes)} per GPU of {format_bytes(gpu_memory)} "
             f"(`vidray plan` for the table)")
