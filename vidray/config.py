@@ -685,6 +685,13 @@ class MemoryConfig:
     """Training with `scaling.strategy: fsdp | hsdp`: FSDP2's `CPUOffloadPolicy`: sharded parameters, gradients and
     optimizer state live in pinned host memory, and the optimizer step runs on the CPU (full fine-tuning of a model
     that does not fit even sharded)."""
+    activation_offload: bool = False
+    """Training with `train.activation_checkpointing` (full or every_<n>): what autograd saves in the DiT's forward
+    (the checkpointed blocks' inputs, what the layers outside the blocks save) is copied to pinned host memory and
+    back for the backward, while each checkpointed block's recomputation stays on the device (torchtune's
+    `enable_activation_offloading`; `vidray.train.step.ActivationOffload`, torch's `save_on_cpu`). Cost: one
+    device-to-host copy of each saved tensor in the forward and one host-to-device copy in the backward, every
+    step; the planner tries it after block swap. On CPU the tensors are in host memory already (nothing moves)."""
     offload: Literal["none", "model", "group", "sequential"] = "none"
     """Inference (`vidray generate`, validation samples, the serving stages) on CUDA: `none`: every component on
     the GPU; `model`: one component on the GPU at a time, the rest in host memory (diffusers'
@@ -865,6 +872,12 @@ class JobConfig:
         if mem.fsdp_cpu_offload and self.scaling.strategy == "ddp":
             raise ValueError("memory.fsdp_cpu_offload: true needs scaling.strategy: fsdp or hsdp (FSDP2's "
                              "CPUOffloadPolicy); with ddp use memory.block_swap under model.lora")
+        if mem.activation_offload and self.train.activation_checkpointing == "none":
+            raise ValueError("memory.activation_offload: true offloads the checkpointed blocks' inputs: set "
+                             "train.activation_checkpointing: full (or every_<n>), or memory.activation_offload: false")
+        if mem.activation_offload and self.train.objective == "vae":
+            raise ValueError("memory.activation_offload: true applies to the DiT's forward, not train.objective: vae; "
+                             "set memory.activation_offload: false")
         if mem.offload != "none" and not self.scaling.use_gpu:
             raise ValueError(f"memory.offload: {mem.offload} needs a CUDA device (scaling.use_gpu: true): on CPU every "
                              "component is in host memory already; use memory.offload: none")
@@ -1108,6 +1121,7 @@ RESUME_RULES: dict[str, str] = {
     # how the frozen ones are stored or offloaded (the loss moves a little with the storage dtype).
     "memory.storage_dtype": RESUME_CHANGEABLE,
     "memory.block_swap": RESUME_CHANGEABLE,
+    "memory.activation_offload": RESUME_CHANGEABLE,
     "memory.fsdp_cpu_offload": RESUME_CHANGEABLE,
     "memory.offload": RESUME_CHANGEABLE,
     # The data: shard identity is checked by the index's content hash, so folder and prepare-only keys may

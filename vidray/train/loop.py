@@ -89,6 +89,7 @@ from vidray.train.vae import (
     vae_probe_loss,
 )
 from vidray.train.step import (
+    ActivationOffload,
     NonFiniteTrainingError,
     flow_matching_step_loss,
     non_finite_parameters,
@@ -335,6 +336,9 @@ class Worker:
         self.optimizer = build_optimizer(transformer.parameters(), job.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, job.optim)
         self.precision = Precision(job.train.mixed_precision, self.device, sharded=self.sharded)
+        # memory.activation_offload: the forward's saved tensors (the checkpointed blocks' inputs) in pinned host RAM
+        self.activation_offload = (ActivationOffload(pin_memory=self.device.type == "cuda")
+                                   if job.memory.activation_offload else None)
 
     def _expert_mesh(self) -> Any:
         """The mesh FSDP shards this rank's expert over (its group: `ExpertGroups.shard_mesh`, a collective), with
@@ -526,7 +530,8 @@ class Worker:
                             self.family, model, batch.latents.to(device), batch.prompt_embeds.to(device),
                             batch.prompt_attention_mask.to(device), job.flow, generators, loss_weights=loss_weights,
                             sigma_range=None if self.experts is None else self.experts.sigma_range,
-                            return_timesteps=True, **self._condition(batch))
+                            return_timesteps=True, activation_offload=self.activation_offload,
+                            **self._condition(batch))
                         self._note_timesteps(timesteps, batch.weights)
                 precision.backward(micro_loss)
             loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import struct
@@ -12,6 +13,50 @@ import torch
 from vidray.config import FlowConfig
 from vidray.diffusion.flow_matching import flow_matching_loss, sample_sigmas
 from vidray.errors import UserError
+
+
+class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
+    """`memory.activation_offload`: while active (`with offload:`), every tensor autograd saves for the backward is
+    copied to host memory (pinned when `pin_memory`, so the copies can be asynchronous) and copied back to its device
+    when the backward unpacks it: torch's `torch.autograd.graph.save_on_cpu`, plus two counters (`packed_tensors`,
+    `packed_bytes`, since the last `reset`) and one exception, as in torchtune's `OffloadActivations`: a parameter
+    is kept as it is (it lives on the device for the whole step; copying it would only add traffic).
+
+    Under non-reentrant activation checkpointing (`train.activation_checkpointing`: diffusers'
+    `enable_gradient_checkpointing` and `checkpoint_wrapper` both use `torch.utils.checkpoint` with
+    `use_reentrant=False`), torch 2.13's checkpoint saves each block's inputs outside its own saved-tensor hooks
+    (`_CheckpointFrame.save_inputs` -> `_make_saved_tensor`), so these hooks pack them; the tensors saved inside a
+    checkpointed block go to the checkpoint's own (innermost) hooks, which keep nothing and recompute them in the
+    backward, on the device. So the forward's saved tensors (the blocks' inputs, what the layers outside the blocks
+    save) live in host memory, and one block's recomputed activations are on the device at a time. Cost: one
+    device-to-host copy of each saved tensor in the forward, one host-to-device copy in the backward. On CPU the
+    tensors are already in host memory: they are counted, not copied. Reusable: enter it once per forward."""
+
+    def __init__(self, pin_memory: bool = False):
+        self.packed_tensors = 0
+        self.packed_bytes = 0
+
+        def pack(tensor: torch.Tensor) -> tuple[torch.device | None, torch.Tensor]:
+            if isinstance(tensor, torch.nn.Parameter):
+                return None, tensor
+            self.packed_tensors += 1
+            self.packed_bytes += tensor.numel() * tensor.element_size()
+            if tensor.device.type == "cpu":
+                return None, tensor
+            host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout,
+                               pin_memory=pin_memory and not tensor.is_sparse)
+            host.copy_(tensor, non_blocking=pin_memory)
+            return tensor.device, host
+
+        def unpack(packed: tuple[torch.device | None, torch.Tensor]) -> torch.Tensor:
+            device, tensor = packed
+            return tensor if device is None else tensor.to(device, non_blocking=pin_memory)
+
+        super().__init__(pack, unpack)
+
+    def reset(self) -> None:
+        """Zero the counters."""
+        self.packed_tensors = self.packed_bytes = 0
 
 
 def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
@@ -44,6 +89,7 @@ def flow_matching_step_loss(
     image_embeds: torch.Tensor | None = None,
     sigma_range: tuple[float, float] | None = None,
     return_timesteps: bool = False,
+    activation_offload: ActivationOffload | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Rectified-flow loss of one batch (Esser et al. 2024, eq. 1-3; formulas in vidray.diffusion.flow_matching).
 
@@ -67,6 +113,8 @@ def flow_matching_step_loss(
             side of the timestep boundary when each expert trains in its own worker group (`model.experts`
             layout groups, `vidray.models.experts.expert_sigma_range`); None: the whole range.
         return_timesteps: also return the (B,) float32 timesteps the transformer was called with.
+        activation_offload: run the transformer's forward under these hooks (`memory.activation_offload`): what
+            autograd saves there lives in host memory until the backward; None: on the device.
     Returns:
         scalar fp32 loss: without weights, mse(model_pred, target) (flow matching: target = noise - latents); with weights,
         sum_i w_i * mse_i, mse_i being sample i's mean squared error (the caller normalises the sum). With
@@ -95,8 +143,9 @@ def flow_matching_step_loss(
         raise ValueError("image_embeds come with an image-to-video model's inpaint_latents")
     noisy_latents = family.noisy_latents(latents, noise, sigmas)  # the family's objective (flow matching here)
     timesteps = family.model_timesteps(sigmas, flow.num_train_timesteps)
-    model_pred = family.predict(transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask,
-                                **condition)
+    with activation_offload if activation_offload is not None else contextlib.nullcontext():
+        model_pred = family.predict(transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask,
+                                    **condition)
     target = family.training_target(latents, noise, sigmas)
     if loss_weights is None:
         loss = flow_matching_loss(model_pred, target)
