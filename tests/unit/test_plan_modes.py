@@ -1,4 +1,5 @@
-"""The planner's memory modes (`vidray.train.plan`: frozen storage fp32/bf16/fp8, block swap, FSDP2 CPU offload;
+"""The planner's memory modes (`vidray.train.plan`: frozen storage fp32/bf16/fp8, block swap, activation offload,
+FSDP2 CPU offload;
 `vidray.plan_inference`: generation's storage x offload) on the seeds' scenarios, through the shipped configs and
 `vidray plan` (exit 0 when something fits, 1 when nothing does), and the fp8 storage against a measured CPU step.
 No Ray, no weights: the large models are built on the meta device."""
@@ -31,49 +32,80 @@ def _plan(capsys, *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-def test_a14b_lora_on_two_24gib_gpus_fits_one_expert_per_gpu_in_fp8_with_block_swap(capsys):
-    """The seeds' two-4090 setup, at the shipped config's 49x480x832: each GPU holds one expert (layout groups), its
-    frozen base in fp8 with the last blocks swapped to pinned host memory, and its adapters."""
+def test_a14b_lora_81x480x832_on_two_24gib_gpus_fits_one_expert_per_gpu_with_activation_offload(capsys):
+    """The seeds' two-4090 setup at the issue's 81x480x832 (21 x 30 x 52 = 32,760 video tokens): each GPU holds one
+    expert (layout groups), its frozen base in fp8 with the last blocks swapped to pinned host memory, its adapters,
+    and with `memory.activation_offload` the checkpointed blocks' inputs (40 x 32,760 x 5120 x 2 bytes = 12.5 GiB)
+    and the token-wide tensors saved outside the blocks in pinned host memory: what the device keeps is the
+    recomputed block (9.0 GiB), its backward's temporaries and the resident weights."""
     code, out = _plan(capsys, A14B, "--preset", "wan2.2-a14b", "--gpu-memory", "24GiB", "--host-memory", "64GiB")
     assert code == 0, out
     picked = next(line for line in out.splitlines() if line.startswith("picked:"))
-    assert "lora+AC bf16, fp8 frozen, swap" in picked and "pinned host memory per rank" in picked
-    assert "memory.storage_dtype=fp8 memory.block_swap=" in picked
+    assert picked.startswith("picked: lora+AC bf16, fp8 frozen, swap 18, act offload: 21.5 GiB per GPU, 20.0 GiB "
+                             "pinned host memory per rank"), picked
+    assert "memory.storage_dtype=fp8 memory.block_swap=18 memory.activation_offload=true" in picked
     assert "each worker holds one expert" in out and "its group of 1 GPU(s)" in out
-    report = plan_job(load_job_config(A14B), gpu_memory_bytes=24 * GIB, num_gpus=2,
-                      preset=get_preset("wan2.2-a14b"), host_memory=64 * GIB)
+    # The same command line as the issue's (its tiny config, the preset, the bucket on the command line).
+    code, out = _plan(capsys, str(ROOT / "jobs/configs/wan_i2v_tiny.yaml"), "--preset", "wan2.2-a14b", "--frames",
+                      "81", "--height", "480", "--width", "832", "--gpus", "2", "--gpu-memory", "24GiB",
+                      "--host-memory", "64GiB")
+    assert code == 0 and "memory.activation_offload=true" in out, out
+    job = load_job_config(A14B)
+    assert tuple(job.data.buckets[0]) == (81, 480, 832)
+    report = plan_job(job, gpu_memory_bytes=24 * GIB, num_gpus=2, preset=get_preset("wan2.2-a14b"),
+                      host_memory=64 * GIB)
     chosen, counts = report.chosen, report.counts
-    # One expert, not two: the device holds less than one fp8 base (the swapped blocks are in host memory) and
-    # the host exactly the swapped blocks' fp8 bytes.
-    n = chosen.mode.block_swap
-    assert chosen.parameters < frozen_bytes(counts, "fp8")
-    assert chosen.host_bytes == sum(frozen_bytes(counts, "fp8", i) for i in range(40 - n, 40))
+    n, tokens, dim = chosen.mode.block_swap, 32_760, 5120
+    assert chosen.mode == MemoryMode("fp8", block_swap=n, activation_offload=True)
+    # host: the swapped blocks' fp8 bytes + every block's bf16 input + what the layers outside the blocks save over
+    # the video tokens (the patch embedding's fp32 output, 3 D bf16 for LoRA) and the text tokens (fp32)
+    swapped = sum(frozen_bytes(counts, "fp8", i) for i in range(40 - n, 40))
+    activations = 40 * tokens * dim * 2 + tokens * (dim * 4 + 3 * dim * 2) + 512 * dim * 4
+    assert chosen.host_bytes == swapped + activations
+    # The device no longer holds the inputs: without the offload the same swap peaks in the top block's backward
+    # with the 39 blocks' inputs below it on the device, 12.2 GiB more at least.
+    plain = estimate_memory(report.preset, counts, chosen.strategy, bucket=report.bucket, batch_size=1,
+                            text_tokens=512, num_gpus=1, mode=MemoryMode("fp8", block_swap=n))
+    assert plain.peak_bytes - chosen.peak_bytes > 39 * tokens * dim * 2 and not plain.peak_bytes < 0.9 * 24 * GIB
     # The choice is expressible as the job's own keys: the shipped config asks for exactly the picked mode.
-    assert job_mode(load_job_config(A14B)) == chosen.mode
-    assert check_fits(load_job_config(A14B), 24 * GIB, 2, host_memory=64 * GIB,
-                      preset=get_preset("wan2.2-a14b")).requested.fits
-
-
-def test_a14b_at_81x480x832_is_refused_on_24_and_16_gib_by_honest_counting_saying_what_would_fit(capsys):
-    """81x480x832 is 21 x 30 x 52 = 32,760 video tokens. With full AC in bf16 one expert's step holds, at least
-    (the fp8 base with 39 of 40 blocks swapped: 1.4 GiB of weights on the device):
-      checkpointed block inputs   40 x 32,760 x 5120 x 2 bytes            = 12.5 GiB
-      outside the blocks          32,760 x (5120 x 4 + 3 x 5120 x 2)      =  1.6 GiB
-      the recomputed block (LoRA) 32,760 x (6 D x 4 + 12 D x 2 + F x 2 + ...) = 8.4 GiB + 0.65 GiB bf16 weight copies
-      its backward temporaries    32,760 x (2 x 13,824 x 2 + 6 x 5120 x 2) =  3.6 GiB
-    = 28.2 GiB, over 90 % of 24 GiB (21.6 GiB): it fits GPUs of 31.3 GiB or more, so the planner refuses it and
-    says so; the shipped config trains 49x480x832 instead (21.3 GiB)."""
-    for memory in ("24GiB", "16GiB"):
-        code, out = _plan(capsys, A14B, "--preset", "wan2.2-a14b", "--frames", "81", "--height", "480",
-                          "--width", "832", "--gpus", "2", "--gpu-memory", memory, "--host-memory", "64GiB")
-        assert code == 1, out
-        picked = next(line for line in out.splitlines() if line.startswith("picked:"))
-        assert picked.startswith("picked: none fits: the least is lora+AC bf16, fp8 frozen, swap 39 at 28.2 GiB")
-        assert "fits GPUs of 31.3 GiB or more" in picked and "memory.block_swap=39" in picked
-    job = load_job_config(A14B, ["data.buckets=[[81,480,832]]"])
+    assert job_mode(job) == chosen.mode
+    assert check_fits(job, 24 * GIB, 2, host_memory=64 * GIB, preset=get_preset("wan2.2-a14b")).requested.fits
+    # Two ranks' pinned bytes must fit the node: on a 48 GiB node (33.6 GiB for pinned memory) it is refused.
     with pytest.raises(UserError) as err:
-        check_fits(job, 16 * GIB, 2, host_memory=64 * GIB, preset=get_preset("wan2.2-a14b"))
-    assert "\n" not in str(err.value) and "the least is lora+AC bf16, fp8 frozen" in str(err.value)
+        check_fits(job, 24 * GIB, 2, host_memory=48 * GIB, preset=get_preset("wan2.2-a14b"))
+    assert "pinned host memory per rank" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a14b_at_81x480x832_is_refused_on_16_gib_by_honest_counting_saying_what_would_fit(capsys):
+    """On 2 x 16 GiB (14.4 GiB budget) nothing fits: with activation offload and 39 of 40 blocks swapped one
+    expert's step still holds the recomputed block (LoRA: 8.4 GiB + 0.65 GiB of bf16 weight copies), its backward's
+    temporaries (32,760 x (2 x 13,824 x 2 + 6 x 5120 x 2) = 3.6 GiB) and the resident weights: 14.6 GiB, GPUs of
+    16.2 GiB or more; and that mode pins 26.8 GiB per rank, which a 64 GiB node cannot give two ranks, where the
+    least is block swap alone at 28.2 GiB (the count before activation offload existed)."""
+    args = (A14B, "--preset", "wan2.2-a14b", "--gpus", "2", "--gpu-memory", "16GiB")
+    code, out = _plan(capsys, *args, "--host-memory", "128GiB")
+    assert code == 1, out
+    picked = next(line for line in out.splitlines() if line.startswith("picked:"))
+    assert picked.startswith("picked: none fits: the least is lora+AC bf16, fp8 frozen, swap 39, act offload at "
+                             "14.6 GiB"), picked
+    assert "fits GPUs of 16.2 GiB or more" in picked and "memory.activation_offload=true" in picked
+    code, out = _plan(capsys, *args, "--host-memory", "64GiB")
+    assert code == 1, out
+    picked = next(line for line in out.splitlines() if line.startswith("picked:"))
+    assert picked.startswith("picked: none fits: the least is lora+AC bf16, fp8 frozen, swap 39 at 28.2 GiB"), picked
+    assert "fits GPUs of 31.3 GiB or more" in picked and "memory.block_swap=39" in picked
+    with pytest.raises(UserError) as err:
+        check_fits(load_job_config(A14B), 16 * GIB, 2, host_memory=128 * GIB, preset=get_preset("wan2.2-a14b"))
+    message = str(err.value)
+    assert "\n" not in message and "the least is lora+AC bf16, fp8 frozen, swap 39, act offload" in message
+
+
+def test_activation_offload_needs_activation_checkpointing_in_the_planner():
+    preset = get_preset("wan2.1-14b")
+    with pytest.raises(ValueError, match="activation offload needs activation checkpointing"):
+        estimate_memory(preset, count_model(preset), Strategy("lora", False, "bf16"), bucket=Bucket(49, 480, 832),
+                        batch_size=1, text_tokens=512, mode=MemoryMode("fp8", activation_offload=True))
+    assert MemoryMode("fp8", block_swap=3).transfer_rank < MemoryMode("fp8", activation_offload=True).transfer_rank
 
 
 def test_easyanimate_7b_generation_and_lora_fit_one_24gib_gpu(capsys):

@@ -9,6 +9,7 @@ What one rank holds during a steady-state step (forward, backward, fused AdamW s
 | parameters | 4 P (fp32 master weights, also under bf16 autocast) | fsdp: 4 P / n + the unsharded block(s) being computed |
 | frozen base (LoRA) | P x 4 / 2 bytes in `memory.storage_dtype` fp32 / bf16; fp8: 1 byte a castable parameter (Linear / conv outside diffusers' layerwise-casting skip patterns), 2 for the rest; the adapters 4 bytes (fp32 masters) | fp8 under autocast also keeps a bf16 copy of each castable weight it computed with until the backward (measured: `benchmarks/_memory_planner.py`); with AC only the recomputed block's; bf16 keeps none |
 | block swap N (LoRA, not fsdp) | device: the frozen base minus the last N blocks' bytes, plus 2 of them in flight | host: the N blocks' bytes, pinned (musubi-tuner's `blocks_to_swap`) |
+| activation offload (AC) | device: no block inputs, the latent-sized loss tensors only outside the blocks; the recomputed block as before | host: every block's inputs + the token-wide tensors saved outside the blocks, once per rank (`vidray.train.step.ActivationOffload`, torch's `save_on_cpu`; torchtune's `enable_activation_offloading`) |
 | FSDP CPU offload | device: the gathered blocks + one block's unsharded gradients; no optimizer state | host: the shard of the fp32 parameters, gradients and AdamW state (FSDP2 `CPUOffloadPolicy`) |
 | gradients | 4 P_train | fsdp: 4 P_train / n + one unsharded block's; ddp adds its buckets, 4 P_train more |
 | optimizer | 8 P_train (AdamW exp_avg + exp_avg_sq, fp32) | fsdp: / n |
@@ -38,10 +39,12 @@ prefetched, in the parameter dtype).
 
 Each strategy is listed in each memory mode it runs (`strategy_modes`: fp32 rows keep fp32; bf16 rows store the
 frozen weights in bf16, LoRA also in fp8 and fp8 + the fewest swapped blocks that fit, full FSDP also with CPU
-offload). The pick: full fine-tuning before LoRA (a full fine-tune with CPU offload is still the run asked for), then
+offload, LoRA + AC also fp8 + activation offload with the fewest swapped blocks that fit, none included). The
+pick: full fine-tuning before LoRA (a full fine-tune with CPU offload is still the run asked for), then
 the modes by transfer per step (`MemoryMode.transfer_rank`): bf16 / fp32 storage (bf16 storage of a frozen base is
 free under bf16 autocast, which computes in bf16 anyway) < fp8 storage (no transfer, a measured quality cost) < block
-swap (host-to-device traffic every step) < FSDP CPU offload (parameters, gradients and the optimizer step through
+swap (host-to-device traffic every step) < activation offload (the saved activations to the host in the forward and
+back in the backward, every step) < FSDP CPU offload (parameters, gradients and the optimizer step through
 host memory), then the strategies, in order of communication per step (least first), the first that fits with
 `HEADROOM` spare (and the node's host memory) is picked: ddp (one all-reduce of the gradients) < fsdp (all-gather of the parameters twice plus a
 reduce-scatter: ~1.5x ddp's bytes) < fsdp+AC (the same traffic plus a second forward: ~33 % more compute) < lora (a
@@ -138,11 +141,14 @@ class MemoryMode:
     frozen weights (the base under LoRA, the encoders on the GPU; trainable weights keep fp32 masters),
     `block_swap` (the last N blocks of the frozen base in pinned host memory, streamed host-to-device one block
     ahead: the device holds the resident blocks + 2 in flight), `fsdp_cpu_offload` (FSDP2's CPUOffloadPolicy:
-    the sharded parameters, gradients and optimizer state in host memory, the gathered block on the device)."""
+    the sharded parameters, gradients and optimizer state in host memory, the gathered block on the device),
+    `activation_offload` (with AC: the checkpointed blocks' inputs and what the layers outside the blocks save, in
+    pinned host memory: `vidray.train.step.ActivationOffload`)."""
 
     storage: StorageDtype = "fp32"
     block_swap: int = 0
     fsdp_cpu_offload: bool = False
+    activation_offload: bool = False
 
     @property
     def name(self) -> str:
@@ -151,14 +157,19 @@ class MemoryMode:
             parts.append(f"swap {self.block_swap}")
         if self.fsdp_cpu_offload:
             parts.append("cpu offload")
+        if self.activation_offload:
+            parts.append("act offload")
         return ", ".join(parts)
 
     @property
     def transfer_rank(self) -> int:
         """The mode's place in the pick order: 0 fp32 / bf16 storage (no transfer: bf16 is what bf16 autocast
         computes in anyway), 1 fp8 storage (no transfer, a quality cost), 2 block swap (host-to-device traffic every
-        step), 3 FSDP CPU offload (parameters, gradients and the optimizer step through host memory)."""
+        step), 3 activation offload (the saved activations copied to the host and back every step, with or without
+        block swap), 4 FSDP CPU offload (parameters, gradients and the optimizer step through host memory)."""
         if self.fsdp_cpu_offload:
+            return 4
+        if self.activation_offload:
             return 3
         if self.block_swap:
             return 2
@@ -171,6 +182,8 @@ class MemoryMode:
             keys.append(f"memory.block_swap={self.block_swap}")
         if self.fsdp_cpu_offload:
             keys.append("memory.fsdp_cpu_offload=true")
+        if self.activation_offload:
+            keys.append("memory.activation_offload=true")
         return " ".join(keys)
 
 
@@ -454,6 +467,8 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
         raise ValueError(f"block swap applies to the frozen base of lora (without fsdp), not {strategy.name}")
     if mode.fsdp_cpu_offload and not fsdp:
         raise ValueError(f"fsdp cpu offload needs an fsdp strategy, not {strategy.name}")
+    if mode.activation_offload and not strategy.activation_checkpointing:
+        raise ValueError(f"activation offload needs activation checkpointing, not {strategy.name}")
     shard = num_gpus if fsdp else 1
     p_total, p_train = counts.total, (counts.lora_parameters if lora else counts.trainable)
     block_share = [(b * p_train / max(counts.trainable, 1)) if not lora else
@@ -497,13 +512,19 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
     outside = batch_size * _outside_blocks_bytes(preset.family, strategy.precision, n_video, text_tokens,
                                                  latent_elems, counts.dim, frozen=lora)
     inputs = batch_size * _block_inputs_bytes(preset.family, n_video, text_tokens, counts.dim, strategy.precision)
+    offloaded = 0  # activation offload: pinned host bytes of the saved activations (counted once per rank)
+    if mode.activation_offload:  # the token-wide saved tensors outside the blocks and every block's inputs go to
+        # the host; the latent-sized ones (the loss's inputs, outside the offloaded forward) stay
+        latent_part = batch_size * 6 * latent_elems * 4
+        offloaded = (outside - latent_part) + counts.num_layers * inputs
+        outside = latent_part
     tokens = n_video + (text_tokens if preset.family in ("easyanimate", "cogvideox") else 0)
     transient = batch_size * _backward_temporaries(strategy.precision, tokens, counts.dim, counts.ffn_dim)
     accumulated = math.ceil(4 * p_train / shard) if micro_batches_per_rank > 1 else 0
 
     # 3. The three moments.
     if strategy.activation_checkpointing:
-        kept = [inputs] * counts.num_layers
+        kept = [0 if mode.activation_offload else inputs] * counts.num_layers
         cache = 2 * counts.other_matmul_weights + sum(copies) if (a_bf16 and not lora and not fsdp) else 0
         end_of_forward = resident + accumulated + outside + sum(kept) + cache
     else:
@@ -526,7 +547,7 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
                                                          (end_of_forward, peak_backward, optimizer_step))
     peak = int(max(end_of_forward, peak_backward, optimizer_step))
     activations = sum(kept) + outside
-    host_bytes *= experts_held
+    host_bytes = host_bytes * experts_held + offloaded  # one sample goes through one expert
     fits_host = host_memory_bytes is None or host_bytes * ranks_per_node <= (1 - HOST_HEADROOM) * host_memory_bytes
     estimate = MemoryEstimate(
         strategy=strategy, parameters=parameters, gradients=gradients, optimizer=optimizer, activations=activations,
@@ -583,16 +604,20 @@ def none_fits(report: PlanReport) -> str:
 
 
 def strategy_modes(strategy: Strategy) -> tuple[MemoryMode, ...]:
-    """The memory modes the planner lists for `strategy` (block swap's count is found by `plan`: 0 here stands for
+    """The memory modes the planner lists for `strategy` (block swap's count is found by `plan`: -1 here stands for
     "the fewest blocks that fit"). fp32 strategies: fp32 storage only (the reference rows). bf16: the frozen
-    weights in bf16 (free under bf16 autocast); LoRA also fp8 and fp8 + block swap (not with FSDP); FSDP full
+    weights in bf16 (free under bf16 autocast); LoRA also fp8 and fp8 + block swap (not with FSDP), and with AC
+    fp8 + activation offload (+ the fewest swapped blocks that fit, none included; fsdp+lora: no swap); FSDP full
     fine-tuning also FSDP2 CPU offload."""
     if strategy.precision == "fp32":
         return (MemoryMode("fp32"),)
+    ac = strategy.activation_checkpointing
     if strategy.kind == "lora":
-        return MemoryMode("bf16"), MemoryMode("fp8"), MemoryMode("fp8", block_swap=-1)
+        offload = (MemoryMode("fp8", block_swap=-1, activation_offload=True),) if ac else ()
+        return MemoryMode("bf16"), MemoryMode("fp8"), MemoryMode("fp8", block_swap=-1), *offload
     if strategy.kind == "fsdp+lora":
-        return MemoryMode("bf16"), MemoryMode("fp8")
+        offload = (MemoryMode("fp8", activation_offload=True),) if ac else ()
+        return MemoryMode("bf16"), MemoryMode("fp8"), *offload
     if strategy.kind == "fsdp":
         return MemoryMode("bf16"), MemoryMode("bf16", fsdp_cpu_offload=True)
     return (MemoryMode("bf16"),)
@@ -632,9 +657,12 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
         for mode in strategy_modes(s):
             if mode.block_swap < 0 and rows and rows[-1].fits:  # fp8 fits without swapping: no swap row
                 continue
+            if mode.activation_offload and rows and rows[-1].fits:  # fits without copying activations: no row
+                continue
             if mode.block_swap < 0:  # the fewest swapped blocks that fit (all but one when none does)
-                # 3 or more: with 2 blocks in flight, fewer save nothing
-                swaps = [estimate(s, replace(mode, block_swap=n)) for n in range(3, counts.num_layers)]
+                # 3 or more: with 2 blocks in flight, fewer save nothing (activation offload: none tried first)
+                counts_tried = ([0] if mode.activation_offload else []) + list(range(3, counts.num_layers))
+                swaps = [estimate(s, replace(mode, block_swap=n)) for n in counts_tried]
                 if swaps:
                     rows.append(next((e for e in swaps if e.fits), swaps[-1]))
             else:
@@ -744,7 +772,8 @@ def job_mode(job: Any) -> MemoryMode:
     if memory is None:
         return MemoryMode("bf16" if job.scaling.use_gpu else "fp32")
     storage = memory.storage_dtype if memory.storage_dtype != "auto" else ("bf16" if job.scaling.use_gpu else "fp32")
-    return MemoryMode(storage, block_swap=memory.block_swap, fsdp_cpu_offload=memory.fsdp_cpu_offload)
+    return MemoryMode(storage, block_swap=memory.block_swap, fsdp_cpu_offload=memory.fsdp_cpu_offload,
+                      activation_offload=getattr(memory, "activation_offload", False))
 
 
 HOST_MEMORY_ENV = "VIDRAY_HOST_MEMORY"
@@ -1007,7 +1036,7 @@ def format_report(report: PlanReport) -> str:
     lines = [
         *head,
         "",
-        f"{'strategy':<18}{'memory mode':<22}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'AC blk':>8}"
+        f"{'strategy':<18}{'memory mode':<34}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'AC blk':>8}"
         f"{'buckets':>8}{'encoders':>9}{'peak':>8}{'host':>8}  fits",
     ]
 
@@ -1020,12 +1049,13 @@ def format_report(report: PlanReport) -> str:
         mark = "yes" if e.fits else ("no (host)" if not e.fits_host else "no")
         if report.chosen is e:
             mark += "  <- picked"
-        lines.append(f"{e.strategy.name:<18}{e.mode.name:<22}{gib(e.parameters):>8}{gib(e.gradients):>8}"
+        lines.append(f"{e.strategy.name:<18}{e.mode.name:<34}{gib(e.parameters):>8}{gib(e.gradients):>8}"
                      f"{gib(e.optimizer):>8}{gib(e.activations):>8}{gib(e.activations_peak_block):>8}"
                      f"{gib(e.ddp_buckets):>8}{gib(e.encoders):>9}{gib(e.peak_bytes):>8}{gib(e.host_bytes):>8}  {mark}")
     lines.append("")
     lines.append(f"{unit} per rank; peak = simulated peak of a step (gradients replace activations during the backward, "
-                 "so it is below the sum); host = pinned host memory per rank (block swap, FSDP CPU offload)")
+                 "so it is below the sum); host = pinned host memory per rank (block swap, FSDP CPU offload, "
+                 "activation offload)")
     if report.chosen is not None:
         c = report.chosen
         lines.append(f"picked: {c.name}: {format_bytes(c.peak_bytes)} per GPU, {format_bytes(c.host_bytes)} pinned "
