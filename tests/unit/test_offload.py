@@ -169,3 +169,24 @@ def test_cli_storage_dtypes_write_close_videos(model_dir, tmp_path):
     for dtype in ("bf16", "fp8"):
         diff = np.abs(videos[dtype] - videos["fp32"])
         assert 0 < diff.mean() < 3.0, dtype  # computed in bf16 (not fp32's frames), close to them
+
+
+def test_the_export_names_no_device_and_keeps_fp32_weights_so_one_folder_serves_on_either(tmp_path):
+    # The same folder is sampled on CPU (fp32) and on a GPU (bf16 / fp8 chosen at load): export_pipeline records
+    # neither a device nor an inference dtype, and the weights stay float32 as trained.
+    import json
+
+    from safetensors import safe_open
+
+    from vidray.models.export import export_pipeline
+
+    family = get_family("wan")
+    out = export_pipeline(family, _build("wan"), tmp_path / "diffusers", FLOW)
+    configs = [json.loads(path.read_text()) for path in out.glob("*/config.json")] + [
+        json.loads((out / "model_index.json").read_text())]
+    for config in configs:
+        assert not {"device", "device_map", "torch_dtype"} & set(config), config
+        assert config.get("dtype", "float32") == "float32"  # transformers records its weights' dtype
+    for path in out.glob("*/*.safetensors"):
+        with safe_open(str(path), "pt") as weights:
+            assert {str(weights.get_slice(key).get_dtype()) for key in weights.keys()} == {"F32"}, path.parent.name
