@@ -190,3 +190,17 @@ def test_the_export_names_no_device_and_keeps_fp32_weights_so_one_folder_serves_
     for path in out.glob("*/*.safetensors"):
         with safe_open(str(path), "pt") as weights:
             assert {str(weights.get_slice(key).get_dtype()) for key in weights.keys()} == {"F32"}, path.parent.name
+
+
+def test_validation_samples_per_the_jobs_memory_and_drops_offload_on_a_validator_without_gpu(caplog):
+    from vidray.models.export import LoadedModel
+    from vidray.train.validation import prepare_validation
+
+    family = get_family("easyanimate")
+    model = LoadedModel(family=family, components=_build("easyanimate"), flow=FLOW, max_sequence_length=16,
+                        buckets=[BUCKET])
+    with caplog.at_level("WARNING"):
+        assert prepare_validation(model, MemoryConfig(storage_dtype="bf16", offload="model")) == torch.bfloat16
+    assert "memory.offload: model applies on a GPU only" in caplog.text
+    assert {p.dtype for p in model.components.transformer.parameters()} == {torch.bfloat16}
+    assert not hasattr(model.components.transformer, "_hf_hook")  # no offload hooks on CPU
