@@ -234,28 +234,23 @@ def check_generate_args(
     return info, bucket
 
 
-def memory_problems(storage_dtype: str, offload: str, *, where: str = "--") -> list[str]:
-    """Why `storage_dtype` / `offload` (`vidray.config.MemoryConfig`'s values) cannot run here: an unknown value,
-    or an offload mode other than none without a CUDA GPU (`vidray.models.offload.offload_problem`; torch is
-    imported only to ask that). `where`: "--" names the CLI flags, "memory." the config keys. Empty when both
-    can."""
-    from vidray.config import MemoryConfig
-
-    flag = (lambda key: f"--{key.replace('_', '-')}") if where == "--" else (lambda key: f"{where}{key}")
+def memory_problems(storage_dtype: str, offload: str) -> list[str]:
+    """Why `--storage-dtype` / `--offload` (`vidray.config.MemoryConfig`'s values) cannot run here: an unknown
+    value, or an offload mode other than none without a CUDA GPU (torch is imported only to ask that). Empty when
+    both can."""
     problems = []
     storage_choices = typing.get_args(MemoryConfig.__pydantic_fields__["storage_dtype"].annotation)
     offload_choices = typing.get_args(MemoryConfig.__pydantic_fields__["offload"].annotation)
     if storage_dtype not in storage_choices:
-        problems.append(f"{flag('storage_dtype')} {storage_dtype!r}: give one of {', '.join(storage_choices)}")
+        problems.append(f"--storage-dtype {storage_dtype!r}: give one of {', '.join(storage_choices)}")
     if offload not in offload_choices:
-        problems.append(f"{flag('offload')} {offload!r}: give one of {', '.join(offload_choices)}")
+        problems.append(f"--offload {offload!r}: give one of {', '.join(offload_choices)}")
     elif offload != "none":
         import torch
 
         if not torch.cuda.is_available():
-            problems.append(f"{flag('offload')} {offload} needs a CUDA GPU (it moves weights between host memory and "
-                            f"the GPU) and none is visible here: use {flag('offload')} none (memory.offload: none) "
-                            "on CPU")
+            problems.append(f"--offload {offload} needs a CUDA GPU (it moves weights between host memory and the GPU) "
+                            "and none is visible here: use --offload none (memory.offload: none) on CPU")
     return problems
 
 
@@ -305,8 +300,9 @@ def generate_to_file(
     (0 = lossless: the same frames always decode the same, which libx264 does not promise above 0; `vidray.serve.app`
     ServeSettings.crf). `storage_dtype`, `offload`: the weights' dtype and placement (`vidray.config.MemoryConfig`,
     `vidray.models.offload.prepare_for_inference`): on a CUDA GPU the model runs there, in bf16 by default (auto);
-    on CPU in fp32 as always (bf16 / fp8 when asked). Raises GenerateArgumentError (before any weights load), `vidray.models.lora.LoraLoadError`
-    for a LoRA that does not fit the model, and GenerateOutputError when the mp4 cannot be written.
+    on CPU in fp32 as always (bf16 / fp8 when asked). Raises GenerateArgumentError (before any weights load),
+    `vidray.models.lora.LoraLoadError` for a LoRA that does not fit the model, and GenerateOutputError when the mp4
+    cannot be written.
     """
     # 1. Check every argument (no weights yet).
     info, bucket = check_generate_args(

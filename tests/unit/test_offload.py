@@ -204,3 +204,14 @@ def test_validation_samples_per_the_jobs_memory_and_drops_offload_on_a_validator
     assert "memory.offload: model applies on a GPU only" in caplog.text
     assert {p.dtype for p in model.components.transformer.parameters()} == {torch.bfloat16}
     assert not hasattr(model.components.transformer, "_hf_hook")  # no offload hooks on CPU
+
+
+def test_group_offload_moves_the_text_encoder_off_the_device_while_the_transformer_runs():
+    components = _placed("easyanimate", "fp32", "group")
+    hooks = components.text_encoder._hf_hook.group
+    assert [h.module for h in hooks] == [components.text_encoder, components.vae]
+    seen = []
+    components.transformer.register_forward_hook(
+        lambda module, args, output: seen.append([h.module for h in hooks if h.resident]))
+    _frames("easyanimate", components, steps=2)
+    assert seen == [[], []]  # nothing else on the device during the two denoising steps

@@ -177,7 +177,8 @@ def encode_video(vae: AutoencoderKL, video: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"video must be (B, 3, F, H, W), got {tuple(video.shape)}")
     batch_size, _, num_frames, height, width = video.shape
     frames = video.permute(0, 2, 1, 3, 4).reshape(batch_size * num_frames, 3, height, width)  # (B*F, 3, H, W)
-    mode = vae.encode(frames.to(device=execution_device(vae), dtype=compute_dtype(vae))).latent_dist.mode()  # (B*F, 4, h, w)
+    frames = frames.to(device=execution_device(vae), dtype=compute_dtype(vae))
+    mode = vae.encode(frames).latent_dist.mode()  # (B*F, 4, h, w)
     latents = mode * vae.config.scaling_factor
     latents = latents.reshape(batch_size, num_frames, *latents.shape[1:]).permute(0, 2, 1, 3, 4)  # (B, 4, F, h, w)
     return latents.float().contiguous()

@@ -230,7 +230,14 @@ def apply_inference_offload(components: Any, mode: str, device: torch.device | s
             apply_group_offloading(expert, onload_device=device, offload_device=torch.device("cpu"),
                                    offload_type="block_level", num_blocks_per_group=1,
                                    use_stream=device.type == "cuda")
-        _model_offload(others, device)
+        group = _model_offload(others, device)
+
+        def offload_others(module, args) -> None:  # the text encoder leaves the device when denoising starts
+            for hook in group:
+                hook.offload()
+
+        for expert in experts:
+            expert.register_forward_pre_hook(offload_others)
     else:  # sequential
         from accelerate import cpu_offload
 

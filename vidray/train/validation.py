@@ -4,10 +4,10 @@ Every `train.validation.every_steps` (a multiple of `checkpoint.every_steps`) ra
 `Validator` actor that it started beside the training (`start_validator`: `train.validation.num_cpus` logical
 CPUs on the nodes `placement.vae` allows, since it loads the VAE and the text encoder). The actor waits until
 that step's checkpoint is complete in the run folder, loads it (`vidray.models.export.load_model`: its weights, a
-LoRA run's adapters merged; the EMA when the run keeps one, `train.ema`), places it per the job's `memory` section
-(`prepare_validation`: on its GPU in bf16 when it has one, on CPU in fp32 otherwise), samples each of `prompts` with the same
-seed, bucket and sampler settings every time (an image-to-video model with `images`, each prompt's fixed first
-frame), and writes into `<run>/validation/step_<N>/`:
+LoRA run's adapters merged; the EMA when the run keeps one, `train.ema`), places it per the job's `memory`
+section (`prepare_validation`: on its GPU in bf16 when it has one, on CPU in fp32 otherwise), samples each of
+`prompts` with the same seed, bucket and sampler settings every time (an image-to-video model with `images`, each
+prompt's fixed first frame), and writes into `<run>/validation/step_<N>/`:
 
 - `<i>.mp4`: prompt i's video (H.264, the job's `data.fps`);
 - `grid.png`: one row per prompt, one column per frame;
