@@ -169,6 +169,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         image=args.image,
         last_image=args.last_image,
         crf=args.crf,
+        storage_dtype=args.storage_dtype,
+        offload=args.offload,
     )
     # Every argument first, before torch/diffusers are even imported: a typo answers in well under a second.
     check_generate_args(args.model, args.prompt, args.output, **kwargs)
@@ -384,6 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--last-image", help="last frame of the video (with --image): first-and-last conditioning")
     p.add_argument("--crf", type=int, default=18, help="the mp4's H.264 constant rate factor, 0..51: 0 is lossless "
                    "(the frames exactly as sampled), higher is smaller (default: %(default)s)")
+    p.add_argument("--storage-dtype", default="auto", help="the weights' dtype: auto (bf16 on a CUDA GPU, fp32 on "
+                   "CPU), fp32, bf16, or fp8 (float8_e4m3fn storage, bf16 compute, per layer) (default: %(default)s)")
+    p.add_argument("--offload", default="none", help="where the weights wait on a CUDA GPU: none (all on the GPU), "
+                   "model (one component at a time), group (the transformer's blocks stream from host memory), "
+                   "sequential (each layer for its own computation: the least GPU memory) (default: %(default)s)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("export", help="write a training checkpoint (full or sharded) as the safetensors pipeline "

@@ -694,11 +694,12 @@ class MemoryConfig:
     step; the planner tries it after block swap. On CPU the tensors are in host memory already (nothing moves)."""
     offload: Literal["none", "model", "group", "sequential"] = "none"
     """Inference (`vidray generate`, validation samples, the serving stages) on CUDA: `none`: every component on
-    the GPU; `model`: one component on the GPU at a time, the rest in host memory (diffusers'
-    `enable_model_cpu_offload`; a Wan2.2 model holds one expert at a time); `group`: the transformer's blocks
-    stream from pinned host memory one group ahead on a side stream (diffusers' `enable_group_offload`,
-    block level); `sequential`: every layer is moved to the GPU for its own computation (diffusers'
-    `enable_sequential_cpu_offload`: the least GPU memory, the slowest). On CPU only `none` applies."""
+    the GPU; `model`: one component on the GPU at a time, the rest in host memory (what diffusers'
+    `enable_model_cpu_offload` does, with a small accelerate hook per component, `vidray.models.offload`; a Wan2.2
+    model holds one expert at a time); `group`: the transformer's blocks stream from host memory one block ahead
+    on a side stream (diffusers' `apply_group_offloading`, block level), the other components as `model`;
+    `sequential`: every layer is moved to the GPU for its own computation (accelerate's `cpu_offload`, as
+    diffusers' `enable_sequential_cpu_offload`: the least GPU memory, the slowest). On CPU only `none` applies."""
 
 
 @dataclass(config=_STRICT, kw_only=True)

@@ -10,8 +10,10 @@ import logging
 import math
 import os
 import time
+import typing
 from pathlib import Path
 
+from vidray.config import MemoryConfig
 from vidray.data.buckets import Bucket, parse_bucket_form, validate_bucket
 from vidray.models.rules import any_family_spatial_multiple
 from vidray.errors import UserError
@@ -44,6 +46,7 @@ __all__ = [
     "generate_to_file",
     "inspect_model",
     "load_model",
+    "memory_problems",
     "warn_if_prompt_truncated",
     "write_job_file",
 ]
@@ -128,6 +131,8 @@ def check_generate_args(
     image: str | Path | None = None,
     last_image: str | Path | None = None,
     crf: int = 18,
+    storage_dtype: str = "auto",
+    offload: str = "none",
 ) -> tuple[ModelInfo, Bucket]:
     """Check every `generate_to_file` argument without loading any weights; returns the model's configs and the
     bucket to sample.
@@ -142,7 +147,9 @@ def check_generate_args(
     (`<run>/diffusers/lora`) or .safetensors file (`vidray.models.export.lora_path_problem`). image, last_image:
     None or existing image files (the first and last frame), for an image-to-video model only (its family's
     `supports_image_to_video`, read from the configs); a last image needs a first. crf: an int in 0..51 (the
-    mp4's H.264 constant rate factor, `vidray.data.video.write_mp4`).
+    mp4's H.264 constant rate factor, `vidray.data.video.write_mp4`). storage_dtype: one of auto, fp32, bf16, fp8
+    and offload: one of none, model, group, sequential (`vidray.config.MemoryConfig`); an offload mode other than
+    none needs a CUDA GPU (only then is torch imported here, to ask `torch.cuda.is_available()`).
 
     Two passes: first the arguments themselves and the model folder's kind (file checks, no torch import), then
     the model's configs and the bucket against its family. Raises GenerateArgumentError listing every bad
@@ -170,6 +177,7 @@ def check_generate_args(
     if not _is_int(crf) or not 0 <= crf <= 51:
         problems.append(f"--crf must be an integer in 0..51 (libx264's constant rate factor, 0 = lossless), "
                         f"got {crf!r}")
+    problems.extend(memory_problems(storage_dtype, offload))
     if isinstance(bucket, str):
         try:  # here what no family takes (its form, sides off every family's multiple); the family's rule in pass 2
             bucket = parse_bucket_form(bucket)
@@ -226,6 +234,26 @@ def check_generate_args(
     return info, bucket
 
 
+def memory_problems(storage_dtype: str, offload: str) -> list[str]:
+    """Why `--storage-dtype` / `--offload` (`vidray.config.MemoryConfig`'s values) cannot run here: an unknown
+    value, or an offload mode other than none without a CUDA GPU (torch is imported only to ask that). Empty when
+    both can."""
+    problems = []
+    storage_choices = typing.get_args(MemoryConfig.__pydantic_fields__["storage_dtype"].annotation)
+    offload_choices = typing.get_args(MemoryConfig.__pydantic_fields__["offload"].annotation)
+    if storage_dtype not in storage_choices:
+        problems.append(f"--storage-dtype {storage_dtype!r}: give one of {', '.join(storage_choices)}")
+    if offload not in offload_choices:
+        problems.append(f"--offload {offload!r}: give one of {', '.join(offload_choices)}")
+    elif offload != "none":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append(f"--offload {offload} needs a CUDA GPU (it moves weights between host memory and the GPU) "
+                            "and none is visible here: use --offload none (memory.offload: none) on CPU")
+    return problems
+
+
 def warn_if_prompt_truncated(tokenizer, prompt: str, max_sequence_length: int) -> int:
     """Log a warning when `prompt` is longer than `max_sequence_length` tokens (counted as `encode_prompts`
     tokenizes: chat template + special tokens). Returns the number of tokens dropped (0 when it fits)."""
@@ -257,6 +285,8 @@ def generate_to_file(
     image: str | Path | None = None,
     last_image: str | Path | None = None,
     crf: int = 18,
+    storage_dtype: str = "auto",
+    offload: str = "none",
 ) -> Path:
     """Generate one video for `prompt` and write it as H.264 mp4 at `fps` frames/s. Returns the mp4 path.
 
@@ -268,13 +298,17 @@ def generate_to_file(
     already). `image` (and `last_image`): image files of the first (and last) frame, for an image-to-video model;
     resized to the bucket (`vidray.models.conditioning.image_to_video`). `crf`: the mp4's H.264 constant rate factor
     (0 = lossless: the same frames always decode the same, which libx264 does not promise above 0; `vidray.serve.app`
-    ServeSettings.crf). Raises GenerateArgumentError (before any weights load), `vidray.models.lora.LoraLoadError`
-    for a LoRA that does not fit the model, and GenerateOutputError when the mp4 cannot be written.
+    ServeSettings.crf). `storage_dtype`, `offload`: the weights' dtype and placement (`vidray.config.MemoryConfig`,
+    `vidray.models.offload.prepare_for_inference`): on a CUDA GPU the model runs there, in bf16 by default (auto);
+    on CPU in fp32 as always (bf16 / fp8 when asked). Raises GenerateArgumentError (before any weights load),
+    `vidray.models.lora.LoraLoadError` for a LoRA that does not fit the model, and GenerateOutputError when the mp4
+    cannot be written.
     """
     # 1. Check every argument (no weights yet).
     info, bucket = check_generate_args(
         model_path, prompt, output, bucket=bucket, num_inference_steps=num_inference_steps,
         guidance_scale=guidance_scale, fps=fps, seed=seed, lora=lora, image=image, last_image=last_image, crf=crf,
+        storage_dtype=storage_dtype, offload=offload,
     )
     if info.buckets and bucket not in info.buckets:
         logger.warning("bucket %s is not one the model was trained at (%s); sampling it anyway",
@@ -291,18 +325,25 @@ def generate_to_file(
     from vidray.diffusion.sampler import generate_video
     from vidray.logs import quiet_diffusers
     from vidray.models.conditioning import load_image
+    from vidray.models.offload import inference_device, prepare_for_inference
 
-    quiet_diffusers()  # "Loading pipeline components..." bars (vidray.logs)
     from vidray.plan_inference import check_generation_fits
 
-    # Refuse what does not fit the GPU before any weights load; on CPU (this path's device today) nothing is checked.
-    check_generation_fits(model_path, bucket, "cpu", guidance_scale=guidance_scale)
+    quiet_diffusers()  # "Loading pipeline components..." bars (vidray.logs)
+    device = inference_device()
+    # Refuse what does not fit the GPU before any weights load; on CPU nothing is checked.
+    check_generation_fits(model_path, bucket, device, storage=storage_dtype, offload=offload,
+                          guidance_scale=guidance_scale)
     try:
         model = load_model(model_path, lora_path=lora)
     except UserError:
         raise
     except ValueError as err:  # the family's checks of a folder's layout (what `vidray train` checks on the driver)
         raise UserError(f"--model {model_path}: the model family cannot load it: {err}") from None
+    compute = prepare_for_inference(model.components, MemoryConfig(storage_dtype=storage_dtype, offload=offload),
+                                    device, family_name=model.family.name)
+    logger.info("sampling on %s in %s (memory.storage_dtype %s, memory.offload %s)", device,
+                str(compute).removeprefix("torch."), storage_dtype, offload)
     warn_if_prompt_truncated(model.components.tokenizer, prompt, model.max_sequence_length)
     started = time.monotonic()
     last_shown = [started]

@@ -171,3 +171,42 @@ def test_denoiser_counts_each_request_once_by_outcome_and_every_step_in_its_metr
     asyncio.run(run())
     assert outcomes == ["completed", "cancelled", "failed"]
     assert steps[:NUM_STEPS] == [1] * NUM_STEPS and 1 <= len(steps) - NUM_STEPS < 200
+
+
+def test_the_serve_configs_memory_reaches_each_stage_fp8_storage_on_cpu(tiny_serve_model_dir, base_request):
+    # `memory:` of the serve config (issue 45): fp8 storage, bf16 compute, on a replica without a GPU; the stages
+    # sample latents close to the fp32 stage's, and decode them.
+    from vidray.models.offload import compute_dtype
+    from vidray.serve.stages import TextEncoder, VaeDecoder
+
+    policy = {"latency_target_s": 60.0, "max_batch_size": 2}
+    fp32 = Denoiser.func_or_class(str(tiny_serve_model_dir), policy)
+    fp8 = Denoiser.func_or_class(str(tiny_serve_model_dir), policy, memory={"storage_dtype": "fp8"})
+    assert {p.dtype for p in fp32.transformer.parameters()} == {torch.float32}
+    assert torch.float8_e4m3fn in {p.dtype for p in fp8.transformer.parameters()}
+    assert compute_dtype(fp8.transformer) == torch.bfloat16
+
+    def latents(denoiser):
+        async def run():
+            async for event in denoiser.denoise(dict(base_request, seed=5, sent_at=time.time())):
+                if "latents" in event:
+                    return event["latents"]
+        return asyncio.run(run())
+
+    reference, stored = latents(fp32), latents(fp8)
+    assert stored.dtype == torch.float32 and stored.shape == reference.shape
+    assert 0 < (stored - reference).abs().mean() < 0.1 * reference.abs().mean()
+    text = TextEncoder.func_or_class(str(tiny_serve_model_dir), memory={"storage_dtype": "bf16"})
+    embeds, _ = text.family.encode_prompt(text.text_encoder, text.tokenizer, ["a red ball"],  # what encode() runs
+                                          max_sequence_length=text.max_sequence_length, device="cpu")
+    assert embeds.dtype == torch.float32 and compute_dtype(text.text_encoder) == torch.bfloat16
+    decoder = VaeDecoder.func_or_class(str(tiny_serve_model_dir), memory={"storage_dtype": "bf16"})
+    assert asyncio.run(decoder.decode(stored)).shape == (9, 64, 48, 3)
+
+
+def test_an_offload_mode_on_a_replica_without_a_gpu_is_one_line_naming_the_mode(tiny_serve_model_dir):
+    from vidray.errors import UserError
+
+    with pytest.raises(UserError, match="^memory.offload: group needs a CUDA GPU .* use memory.offload: none"):
+        Denoiser.func_or_class(str(tiny_serve_model_dir), {"latency_target_s": 60.0},
+                               memory={"offload": "group"})

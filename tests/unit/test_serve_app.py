@@ -89,6 +89,22 @@ def test_token_file_and_explicitly_disabled_auth_build_the_app_and_disabled_auth
         build_app(_args(model_dir, tmp_path, auth={"token_file": str(tmp_path)}))
 
 
+def test_memory_reaches_every_stage_and_training_only_keys_are_refused(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("VIDRAY_API_TOKEN", TOKEN)
+    app = build_app(_args(model_dir, tmp_path, memory={"storage_dtype": "fp8", "offload": "model"}))
+    ingress = app._bound_deployment
+    stages = [arg._bound_deployment for arg in ingress.init_args[2:5]]
+    assert [stage.name for stage in stages] == ["TextEncoder", "Denoiser", "VaeDecoder"]
+    for stage in stages:
+        assert stage.init_kwargs["memory"] == {"storage_dtype": "fp8", "block_swap": 0, "fsdp_cpu_offload": False,
+                                               "offload": "model"}, stage.name
+    for key, value in (("block_swap", 4), ("fsdp_cpu_offload", True)):
+        with pytest.raises(ServeSettingsError, match=f"^memory.{key} is training-only .* remove memory.{key}$"):
+            build_app(_args(model_dir, tmp_path, memory={key: value}))
+    with pytest.raises(ServeSettingsError, match="memory.storage_dtype"):
+        build_app(_args(model_dir, tmp_path, memory={"storage_dtype": "fp4"}))
+
+
 def test_a_model_path_that_is_not_a_model_is_refused_before_any_weights(tmp_path, monkeypatch):
     monkeypatch.setenv("VIDRAY_API_TOKEN", TOKEN)
     (tmp_path / "empty").mkdir()

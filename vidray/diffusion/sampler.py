@@ -33,6 +33,7 @@ import torch
 from vidray.config import FlowConfig
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError
+from vidray.models.offload import compute_dtype, execution_device
 from vidray.models.registry import Components, ModelFamily
 from vidray.models.vae import video_to_frames
 
@@ -76,7 +77,10 @@ def denoise_step(
     image_embeds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sampler step (`family.sampler_step`: Euler for flow matching) for a batch of samples, each at its own
-    noise level: latents (B, C, F, H, W) at `sigmas` (B,) -> latents at `sigmas_next` (B,), in latents' dtype.
+    noise level: latents (B, C, F, H, W) at `sigmas` (B,) -> latents at `sigmas_next` (B,), float32 on the
+    transformer's execution device (`vidray.models.offload.execution_device`). The transformer's input is cast to
+    its compute dtype (`compute_dtype`: bf16 on a GPU, fp32 on CPU by default) and its prediction back to float32
+    for the step, as diffusers' flow-matching pipelines keep float32 latents beside a bf16 transformer (WanPipeline).
 
     timesteps = `family.model_timesteps(sigmas)` (B,) go to `family.predict` in their own dtype (float32 for flow
     matching, as in training; the family casts them as its pipeline does: EasyAnimate to the latents' dtype, Wan
@@ -101,13 +105,12 @@ def denoise_step(
     if do_cfg and (negative_prompt_attention_mask is None or negative_prompt_embeds.shape != prompt_embeds.shape):
         raise ValueError("classifier-free guidance needs negative_prompt_embeds of prompt_embeds' shape "
                          f"{tuple(prompt_embeds.shape)} and their negative_prompt_attention_mask")
-    param = next(transformer.parameters())
-    device, dtype = param.device, param.dtype
-    latents = latents.to(device=device, dtype=dtype)
+    device, dtype = execution_device(transformer), compute_dtype(transformer)
+    latents = latents.to(device=device, dtype=torch.float32)
     if do_cfg:
         prompt_embeds = torch.cat([negative_prompt_embeds, prompt_embeds])
         prompt_attention_mask = torch.cat([negative_prompt_attention_mask, prompt_attention_mask])
-    model_input = torch.cat([latents, latents]) if do_cfg else latents
+    model_input = (torch.cat([latents, latents]) if do_cfg else latents).to(dtype)
     t = family.model_timesteps(sigmas, num_train_timesteps).to(device=device)
     t = torch.cat([t, t]) if do_cfg else t
     condition = {}
@@ -122,7 +125,7 @@ def denoise_step(
         image_embeds = image_embeds.to(device=device, dtype=dtype)
         condition["image_embeds"] = torch.cat([image_embeds, image_embeds]) if do_cfg else image_embeds
     model_pred = family.predict(transformer, model_input, t, prompt_embeds.to(device=device, dtype=dtype),
-                                prompt_attention_mask.to(device=device), **condition)
+                                prompt_attention_mask.to(device=device), **condition).float()
     if do_cfg:
         pred_uncond, pred_cond = model_pred.chunk(2)
         scale = torch.as_tensor(guidance_scale, dtype=pred_cond.dtype, device=device)
@@ -266,8 +269,7 @@ def sample_latents(
         if negative_prompt_embeds.shape != prompt_embeds.shape:
             raise ValueError(f"negative_prompt_embeds {tuple(negative_prompt_embeds.shape)} must match "
                              f"prompt_embeds {tuple(prompt_embeds.shape)}")
-    param = next(transformer.parameters())
-    device, dtype = param.device, param.dtype
+    device = execution_device(transformer)
 
     # 2. Prepare the schedule: (num_inference_steps + 1,) sigmas on the host, 1 -> 0
     sigmas = family.inference_sigmas(num_inference_steps, shift=shift, num_train_timesteps=num_train_timesteps)
@@ -278,7 +280,7 @@ def sample_latents(
         latents = torch.randn(latent_shape, generator=generator, device=rng_device, dtype=torch.float32)
     elif tuple(latents.shape) != tuple(latent_shape):
         raise ValueError(f"latents {tuple(latents.shape)} must have latent_shape {tuple(latent_shape)}")
-    latents = latents.to(device=device, dtype=dtype)
+    latents = latents.to(device=device, dtype=torch.float32)
 
     # 4. Denoising loop: one `denoise_step` per schedule step, every sample at the same sigma
     was_training = transformer.training
@@ -376,7 +378,7 @@ def generate_video(
     if isinstance(prompts, str) or not prompts:
         raise ValueError(f"prompts must be a non-empty list of strings, got {prompts!r}")
     latent_shape = family.latent_shape(bucket, len(prompts))
-    device = next(components.transformer.parameters()).device
+    device = execution_device(components.transformer)
     inpaint_latents = _image_condition(family, components, bucket, latent_shape, image, last_image, device, seed)
     image_embeds = _image_embeds(family, components, len(prompts), image, last_image, device)
 

@@ -41,6 +41,7 @@ import torch
 from diffusers import (AnimateDiffPipeline, AutoencoderKL, DDIMScheduler, MotionAdapter, UNet2DConditionModel,
                        UNetMotionModel)
 
+from vidray.models.offload import compute_dtype, execution_device
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.diffusion import ddim
@@ -160,7 +161,7 @@ def encode_prompts(text_encoder: torch.nn.Module, tokenizer: Any, prompts: list[
         raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
     text_inputs = tokenizer(list(prompts), padding="max_length", max_length=max_sequence_length, truncation=True,
                             return_attention_mask=True, return_tensors="pt")
-    te_device = next(text_encoder.parameters()).device
+    te_device = execution_device(text_encoder)
     prompt_embeds = text_encoder(text_inputs.input_ids.to(te_device), attention_mask=None)[0]  # (B, L, D)
     device = device if device is not None else te_device
     return (prompt_embeds.to(device=device, dtype=torch.float32),
@@ -176,7 +177,8 @@ def encode_video(vae: AutoencoderKL, video: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"video must be (B, 3, F, H, W), got {tuple(video.shape)}")
     batch_size, _, num_frames, height, width = video.shape
     frames = video.permute(0, 2, 1, 3, 4).reshape(batch_size * num_frames, 3, height, width)  # (B*F, 3, H, W)
-    mode = vae.encode(frames.to(device=vae.device, dtype=vae.dtype)).latent_dist.mode()  # (B*F, 4, h, w)
+    frames = frames.to(device=execution_device(vae), dtype=compute_dtype(vae))
+    mode = vae.encode(frames).latent_dist.mode()  # (B*F, 4, h, w)
     latents = mode * vae.config.scaling_factor
     latents = latents.reshape(batch_size, num_frames, *latents.shape[1:]).permute(0, 2, 1, 3, 4)  # (B, 4, F, h, w)
     return latents.float().contiguous()
@@ -190,7 +192,7 @@ def decode_latents(vae: AutoencoderKL, latents: torch.Tensor, decode_chunk_size:
     decoded `decode_chunk_size` frames at a time, unfolded."""
     if latents.ndim != 5:
         raise ValueError(f"latents must be (B, C, F, H, W), got {tuple(latents.shape)}")
-    latents = 1 / vae.config.scaling_factor * latents.to(device=vae.device, dtype=vae.dtype)
+    latents = 1 / vae.config.scaling_factor * latents.to(device=execution_device(vae), dtype=compute_dtype(vae))
     batch_size, channels, num_frames, height, width = latents.shape
     latents = latents.permute(0, 2, 1, 3, 4).reshape(batch_size * num_frames, channels, height, width)
     video = torch.cat([vae.decode(latents[i:i + decode_chunk_size]).sample

@@ -77,6 +77,7 @@ from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoX
 from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
 
+from vidray.models.offload import compute_dtype, execution_device
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.diffusion import ddim
@@ -302,7 +303,7 @@ def encode_prompts(text_encoder: torch.nn.Module, tokenizer: Any, prompts: list[
         raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
     text_inputs = tokenizer(list(prompts), padding="max_length", max_length=max_sequence_length, truncation=True,
                             add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
-    te_device = next(text_encoder.parameters()).device
+    te_device = execution_device(text_encoder)
     prompt_embeds = text_encoder(text_inputs.input_ids.to(te_device))[0]  # (B, L, D)
     device = device if device is not None else te_device
     return (prompt_embeds.to(device=device, dtype=torch.float32),
@@ -628,7 +629,7 @@ def encode_image_latents(vae: AutoencoderKLCogVideoX, images: torch.Tensor, *,
     it)."""
     if images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"images must be (B, 3, H, W), got {tuple(images.shape)}")
-    frames = images.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)  # (B, 3, 1, H, W)
+    frames = images.to(device=execution_device(vae), dtype=compute_dtype(vae)).unsqueeze(2)  # (B, 3, 1, H, W)
     latents = []
     for i in range(frames.shape[0]):
         posterior = vae.encode(frames[i:i + 1]).latent_dist

@@ -27,6 +27,7 @@ from diffusers import AutoencoderKLMagvit, EasyAnimateInpaintPipeline, EasyAnima
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.easyanimate.pipeline_easyanimate_inpaint import resize_mask
 
+from vidray.models.offload import compute_dtype, execution_device
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
@@ -295,7 +296,7 @@ def encode_inpaint_latents(vae: AutoencoderKLMagvit, video: torch.Tensor, mask: 
     masked_video_latents, cache_mag_vae) * scaling_factor` (trilinear, the first frame resized alone)."""
     if video.ndim != 5 or video.shape[1] != 3:
         raise ValueError(f"video must be (B, 3, F, H, W), got {tuple(video.shape)}")
-    masked = masked_video(video.float(), mask.float()).to(device=vae.device, dtype=vae.dtype)
+    masked = masked_video(video.float(), mask.float()).to(device=execution_device(vae), dtype=compute_dtype(vae))
     scaling_factor = vae.config.scaling_factor
     latents = torch.cat([vae.encode(masked[i:i + 1])[0].mode() for i in range(masked.shape[0])]) * scaling_factor
     mask_latents = resize_mask(1 - mask.to(latents.device, torch.float32), latents, _process_first_frame_only(vae))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase  # tokenizers only: the driver's checks need no more
 
+from vidray.models.offload import execution_device
 from vidray.errors import UserFileNotFound
 
 if TYPE_CHECKING:
@@ -383,9 +384,9 @@ def encode_prompts(
         return_attention_mask=True,
         padding_side="right",
         return_tensors="pt",
-    ).to(text_encoder.device)
+    ).to(execution_device(text_encoder))
     prompt_embeds = text_encoder(
         input_ids=text_inputs.input_ids, attention_mask=text_inputs.attention_mask, output_hidden_states=True
     ).hidden_states[-2]  # (B, L, D)
-    device = device if device is not None else text_encoder.device
+    device = device if device is not None else execution_device(text_encoder)
     return prompt_embeds.to(device=device, dtype=torch.float32), text_inputs.attention_mask.to(device=device).bool()

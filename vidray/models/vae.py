@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vidray.models.offload import compute_dtype, execution_device
+
 __all__ = ["encode_video", "decode_latents", "frames_to_video", "uint8_to_video", "video_to_frames"]
 
 
@@ -46,7 +48,7 @@ def encode_video(vae, video: torch.Tensor) -> torch.Tensor:
     """
     if video.ndim != 5 or video.shape[1] != 3:
         raise ValueError(f"video must be (B, 3, F, H, W), got {tuple(video.shape)}")
-    posterior = vae.encode(video.to(device=vae.device, dtype=vae.dtype)).latent_dist
+    posterior = vae.encode(video.to(device=execution_device(vae), dtype=compute_dtype(vae))).latent_dist
     mode = posterior.mode()
     scale, shift = _scale_and_shift(vae, mode.device, mode.dtype)
     return ((mode - shift) * scale).float()
@@ -61,8 +63,9 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """
     if latents.ndim != 5:
         raise ValueError(f"latents must be (B, C, F, H, W), got {tuple(latents.shape)}")
-    scale, shift = _scale_and_shift(vae, vae.device, vae.dtype)
-    latents = latents.to(device=vae.device, dtype=vae.dtype) / scale + shift
+    device, dtype = execution_device(vae), compute_dtype(vae)
+    scale, shift = _scale_and_shift(vae, device, dtype)
+    latents = latents.to(device=device, dtype=dtype) / scale + shift
     video = vae.decode(latents, return_dict=False)[0]
     return video.float().clamp(-1.0, 1.0)
 

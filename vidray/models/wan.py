@@ -62,6 +62,7 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
+from vidray.models.offload import execution_device
 from vidray.config import WAN_CLIP_TEXT_TOKENS, FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
@@ -214,7 +215,7 @@ def encode_prompts(text_encoder: torch.nn.Module, tokenizer: Any, prompts: list[
     )
     mask = text_inputs.attention_mask  # (B, L)
     seq_lens = mask.gt(0).sum(dim=1).long()  # (B,)
-    te_device = next(text_encoder.parameters()).device
+    te_device = execution_device(text_encoder)
     prompt_embeds = text_encoder(text_inputs.input_ids.to(te_device), mask.to(te_device)).last_hidden_state
     keep = torch.arange(max_sequence_length, device=te_device)[None, :] < seq_lens.to(te_device)[:, None]  # (B, L)
     prompt_embeds = torch.where(keep[..., None], prompt_embeds, torch.zeros((), dtype=prompt_embeds.dtype,

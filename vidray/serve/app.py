@@ -36,6 +36,7 @@ with `Retry-After` beyond them); runners take clients' queues round-robin; finis
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import math
@@ -51,6 +52,7 @@ from typing import Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
+from vidray.config import MemoryConfig
 from vidray.errors import UserError
 from vidray.locations import is_uri
 from vidray.serve.api import ApiLimits, ModelSpec, VideoRequest, build_api, client_id
@@ -261,6 +263,25 @@ class ServeSettings(_Section):
     policy: PolicySettings = PolicySettings()
     runner: RunnerSettings = RunnerSettings()
     retention: RetentionSettings = RetentionSettings()
+    memory: MemoryConfig = MemoryConfig()
+    """The stages' weights (`vidray.config.MemoryConfig`): `storage_dtype` (auto: bf16 on a replica with a GPU, fp32
+    on one without; fp8: float8 storage, bf16 compute) and `offload` (none | model | group | sequential: needs the
+    replica to have a GPU, `ray_actor_options.num_gpus`). The training-only keys `block_swap` and
+    `fsdp_cpu_offload` are refused. The model folder says nothing about a device: the same folder serves on
+    either."""
+
+
+TRAINING_ONLY_MEMORY = ("block_swap", "fsdp_cpu_offload")
+"""`memory` keys that apply to training alone (refused in the serve config)."""
+
+
+def _memory_problem(memory: MemoryConfig) -> str | None:
+    """A training-only `memory` key set away from its default, as one line; None when there is none."""
+    for key in TRAINING_ONLY_MEMORY:
+        if getattr(memory, key) != getattr(MemoryConfig(), key):
+            return (f"memory.{key} is training-only (`vidray train`'s memory section); serving takes "
+                    f"memory.storage_dtype and memory.offload: remove memory.{key}")
+    return None
 
 
 def _read_tokens(auth: AuthSettings) -> tuple[str, ...] | None:
@@ -1010,6 +1031,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         settings = ServeSettings(**(args or {}))
     except ValidationError as err:
         raise ServeSettingsError(f"serve_config.yaml application args: {_describe(err)}") from None
+    if problem := _memory_problem(settings.memory):
+        raise ServeSettingsError(problem)
     auth_token = _read_tokens(settings.auth)
     admin_tokens = _read_admin_tokens(settings.auth)
     root = Path.cwd()
@@ -1051,13 +1074,17 @@ def build_app(args: dict[str, Any]) -> serve.Application:
                        "(GPUs, label_selector) come from its own deployments entry (serve/serve_config_experts.yaml "
                        "has one); without one it gets Serve's defaults", settings.model_path, LOW_NOISE_DENOISER)
     args = (settings.model_path, settings.policy.model_dump(), settings.lora_path)
-    denoisers = ([denoiser.bind(*args)] if experts is None else
-                 [denoiser.bind(*args, "high"), denoiser.options(name=LOW_NOISE_DENOISER).bind(*args, "low")])
+    memory = dataclasses.asdict(settings.memory)
+    largest = (settings.limits.max_num_frames, settings.limits.max_height, settings.limits.max_width)
+    kw = dict(memory=memory, largest_request=largest)
+    denoisers = ([denoiser.bind(*args, **kw)] if experts is None else
+                 [denoiser.bind(*args, "high", **kw),
+                  denoiser.options(name=LOW_NOISE_DENOISER).bind(*args, "low", **kw)])
     return VideoIngress.bind(
         settings.model_dump(), auth_token,
-        TextEncoder.bind(settings.model_path),
+        TextEncoder.bind(settings.model_path, memory=memory),
         denoisers[0],
-        VaeDecoder.bind(settings.model_path),
+        VaeDecoder.bind(settings.model_path, memory=memory),
         *denoisers[1:],
         admin_tokens=admin_tokens,
     )

@@ -4,7 +4,9 @@ A request travels ingress -> `TextEncoder.encode` (prompt_embeds (1, L, D) + mas
 stream of progress events, then latents (1, C, F_lat, H_lat, W_lat)) -> `VaeDecoder.decode` (uint8 frames
 (F, H, W, 3)). Each deployment loads only its own component of the model folder (`vidray.models.export.load_model`
 with `components`: the text encoder, the transformer, the VAE) and has its own
-`ray_actor_options` (label selector, GPUs, CPUs) and autoscaling in `serve/serve_config.yaml`.
+`ray_actor_options` (label selector, GPUs, CPUs) and autoscaling in `serve/serve_config.yaml`. A replica with a GPU
+runs its component there in the serve config's `memory.storage_dtype` (auto: bf16; Wan's VAE in fp32) and
+`memory.offload`; one without, on the CPU in fp32 (`vidray.models.offload.prepare_for_inference`).
 
 The denoiser runs continuous batching at the denoising step (iteration-level batching, Orca, Yu et al. OSDI 2022):
 requests of one latent shape share a running batch; between two steps finished requests leave and waiting ones
@@ -62,22 +64,40 @@ def _max_ongoing_requests() -> int | None:
 
 
 def _load(model_path: str, component: str, lora_path: str | None = None, *, also: tuple[str, ...] = (),
-          expert: str | None = None):
+          expert: str | None = None, memory: dict[str, Any] | None = None):
     """The model folder's `component` alone ("transformer", "vae" or "text_encoder" with its tokenizer; the
     others are None and never read: `vidray.models.export.load_model`), and the components named in `also`
     (the VAE stage's "image_encoder": None for a model without one), with the LoRA at `lora_path` merged into the
     transformer when given, the transformer as the one `expert` of two when given, on this replica's GPU when it
-    has one (`ray_actor_options.num_gpus`), else the CPU."""
-    import torch
-
+    has one (`ray_actor_options.num_gpus`), else the CPU, stored and placed per `memory` (the serve config's
+    `memory:`, a `vidray.config.MemoryConfig` as a dict; None: the defaults, bf16 on a GPU and fp32 on CPU:
+    `vidray.models.offload.prepare_for_inference`). Raises UserError for an offload mode on a replica without a
+    GPU."""
+    from vidray.config import MemoryConfig
     from vidray.models.export import load_model
+    from vidray.models.offload import inference_device, prepare_for_inference
 
     model = load_model(model_path, lora_path=lora_path, components=(component, *also), expert=expert)
-    if torch.cuda.is_available():
-        for name in (component, *also):
-            if getattr(model.components, name) is not None:
-                getattr(model.components, name).to("cuda")
+    device = inference_device()
+    compute = prepare_for_inference(model.components, MemoryConfig(**(memory or {})), device,
+                                    family_name=model.family.name)
+    logger.info("%s of %s on %s in %s", component, model_path, device, str(compute).removeprefix("torch."))
     return model
+
+
+def _check_fits(model_path: str, largest_request: tuple[int, int, int], memory: dict[str, Any] | None) -> None:
+    """On a replica with a GPU, refuse (UserError, one line naming the mode that would fit) a model whose largest
+    request (num_frames, height, width: the serve config's `limits.max_*`), with guidance, is predicted not to fit
+    its GPU in the configured `memory` modes (`vidray.plan_inference.check_generation_fits`; one request: a batch
+    of several adds their activations). Nothing is checked on CPU."""
+    from vidray.config import MemoryConfig
+    from vidray.data.buckets import Bucket
+    from vidray.models.offload import inference_device
+    from vidray.plan_inference import check_generation_fits
+
+    mem = MemoryConfig(**(memory or {}))
+    check_generation_fits(model_path, Bucket(*largest_request), inference_device(), storage=mem.storage_dtype,
+                          offload=mem.offload, guidance_scale=2.0)
 
 
 @serve.deployment(name="TextEncoder", max_ongoing_requests=32)
@@ -85,8 +105,8 @@ class TextEncoder:
     """prompts -> prompt_embeds (1, L, D) float32 and prompt_attention_mask (1, L) bool, L the model's
     max_sequence_length; prompts of concurrent requests are encoded in one batch (`@serve.batch`)."""
 
-    def __init__(self, model_path: str):
-        model = _load(model_path, "text_encoder")
+    def __init__(self, model_path: str, memory: dict[str, Any] | None = None):
+        model = _load(model_path, "text_encoder", memory=memory)
         self.family = model.family
         self.text_encoder = model.components.text_encoder
         self.tokenizer = model.components.tokenizer
@@ -119,8 +139,8 @@ class VaeDecoder:
     `asyncio.Lock`, not in threads; more throughput comes from more replicas (`autoscaling_config`).
     """
 
-    def __init__(self, model_path: str):
-        model = _load(model_path, "vae", also=("image_encoder",))
+    def __init__(self, model_path: str, memory: dict[str, Any] | None = None):
+        model = _load(model_path, "vae", also=("image_encoder",), memory=memory)
         self.family = model.family
         self.vae = model.components.vae
         self.image_encoder = model.components.image_encoder  # None unless the model takes image embeddings
@@ -233,8 +253,11 @@ class Denoiser:
     """
 
     def __init__(self, model_path: str, policy: dict[str, Any], lora_path: str | None = None,
-                 expert: str | None = None):
-        model = _load(model_path, "transformer", lora_path, expert=expert)
+                 expert: str | None = None, memory: dict[str, Any] | None = None,
+                 largest_request: tuple[int, int, int] | None = None):
+        if largest_request is not None:  # before any weight loads: a GPU too small for the limits' largest video
+            _check_fits(model_path, largest_request, memory)
+        model = _load(model_path, "transformer", lora_path, expert=expert, memory=memory)
         self.family, self.flow = model.family, model.flow
         self.transformer = model.components.transformer.eval()
         self.expert = expert

@@ -4,9 +4,10 @@ Every `train.validation.every_steps` (a multiple of `checkpoint.every_steps`) ra
 `Validator` actor that it started beside the training (`start_validator`: `train.validation.num_cpus` logical
 CPUs on the nodes `placement.vae` allows, since it loads the VAE and the text encoder). The actor waits until
 that step's checkpoint is complete in the run folder, loads it (`vidray.models.export.load_model`: its weights, a
-LoRA run's adapters merged; the EMA when the run keeps one, `train.ema`), samples each of `prompts` with the same
-seed, bucket and sampler settings every time (an image-to-video model with `images`, each prompt's fixed first
-frame), and writes into `<run>/validation/step_<N>/`:
+LoRA run's adapters merged; the EMA when the run keeps one, `train.ema`), places it per the job's `memory`
+section (`prepare_validation`: on its GPU in bf16 when it has one, on CPU in fp32 otherwise), samples each of
+`prompts` with the same seed, bucket and sampler settings every time (an image-to-video model with `images`, each
+prompt's fixed first frame), and writes into `<run>/validation/step_<N>/`:
 
 - `<i>.mp4`: prompt i's video (H.264, the job's `data.fps`);
 - `grid.png`: one row per prompt, one column per frame;
@@ -80,6 +81,26 @@ def _check_validation_images(job: Any) -> None:
             load_image(str(path))
         except (FileNotFoundError, ValueError) as err:
             raise UserError(f"train.validation.images[{i}]: {err}") from None
+
+
+def prepare_validation(model: Any, memory: Any) -> Any:
+    """Place a loaded model (`vidray.models.export.LoadedModel`) for sampling on this process's device per the job's
+    `memory` section (`vidray.models.offload.prepare_for_inference`): on a CUDA GPU in `memory.storage_dtype`
+    (auto: bf16) with `memory.offload`; on CPU (a validator actor without a GPU) in fp32 unless the storage dtype is
+    set, and without offload (it needs a GPU: logged once, not an error, since the run's `memory.offload` was
+    checked for its trainers' device). Returns the compute dtype."""
+    import dataclasses
+    import logging
+
+    from vidray.models.offload import inference_device, prepare_for_inference
+
+    device = inference_device()
+    if device.type != "cuda" and memory.offload != "none":
+        logging.getLogger(__name__).warning(
+            "validation samples on CPU (its actor has no GPU): memory.offload: %s applies on a GPU only, so it "
+            "samples without offload", memory.offload)
+        memory = dataclasses.replace(memory, offload="none")
+    return prepare_for_inference(model.components, memory, device, family_name=model.family.name)
 
 
 class Validator:
@@ -169,6 +190,7 @@ class Validator:
             from vidray.train.ema import load_ema_into
 
             load_ema_into(model.components.transformer, inspect_model(checkpoint).path)
+        prepare_validation(model, self.job.memory)
         return model
 
     def _tensorboard(self, step: int, videos: list[np.ndarray], grid: np.ndarray) -> None:
