@@ -97,8 +97,8 @@ def test_memory_reaches_every_stage_and_training_only_keys_are_refused(model_dir
     assert [stage.name for stage in stages] == ["TextEncoder", "Denoiser", "VaeDecoder"]
     for stage in stages:
         assert stage.init_kwargs["memory"] == {"storage_dtype": "fp8", "block_swap": 0, "fsdp_cpu_offload": False,
-                                               "offload": "model"}, stage.name
-    for key, value in (("block_swap", 4), ("fsdp_cpu_offload", True)):
+                                               "offload": "model", "activation_offload": False}, stage.name
+    for key, value in (("block_swap", 4), ("fsdp_cpu_offload", True), ("activation_offload", True)):
         with pytest.raises(ServeSettingsError, match=f"^memory.{key} is training-only .* remove memory.{key}$"):
             build_app(_args(model_dir, tmp_path, memory={key: value}))
     with pytest.raises(ServeSettingsError, match="memory.storage_dtype"):

@@ -266,12 +266,12 @@ class ServeSettings(_Section):
     memory: MemoryConfig = MemoryConfig()
     """The stages' weights (`vidray.config.MemoryConfig`): `storage_dtype` (auto: bf16 on a replica with a GPU, fp32
     on one without; fp8: float8 storage, bf16 compute) and `offload` (none | model | group | sequential: needs the
-    replica to have a GPU, `ray_actor_options.num_gpus`). The training-only keys `block_swap` and
-    `fsdp_cpu_offload` are refused. The model folder says nothing about a device: the same folder serves on
+    replica to have a GPU, `ray_actor_options.num_gpus`). The training-only keys `block_swap`,
+    `fsdp_cpu_offload` and `activation_offload` are refused. The model folder says nothing about a device: the same folder serves on
     either."""
 
 
-TRAINING_ONLY_MEMORY = ("block_swap", "fsdp_cpu_offload")
+TRAINING_ONLY_MEMORY = ("block_swap", "fsdp_cpu_offload", "activation_offload")
 """`memory` keys that apply to training alone (refused in the serve config)."""
 
 
