@@ -860,6 +860,13 @@ class JobConfig:
         if mem.block_swap and not self.scaling.use_gpu:
             raise ValueError(f"memory.block_swap: {mem.block_swap} needs a CUDA device (scaling.use_gpu: true): on CPU "
                              "every weight is in host memory already; use memory.block_swap: 0")
+        if mem.block_swap and self.train.activation_checkpointing != "full":
+            raise ValueError(f"memory.block_swap: {mem.block_swap} needs train.activation_checkpointing: full (each "
+                             "swapped block is recomputed in the backward, which brings its weights back; without it "
+                             f"autograd keeps every block's GPU copy), got {self.train.activation_checkpointing!r}")
+        if mem.storage_dtype in ("bf16", "fp8") and self.model.lora is not None and self.train.mixed_precision == "no":
+            raise ValueError(f"memory.storage_dtype: {mem.storage_dtype} computes the frozen base in bf16: set "
+                             "train.mixed_precision: bf16 (autocast), or use memory.storage_dtype: fp32")
         if mem.fsdp_cpu_offload and self.scaling.strategy == "ddp":
             raise ValueError("memory.fsdp_cpu_offload: true needs scaling.strategy: fsdp or hsdp (FSDP2's "
                              "CPUOffloadPolicy); with ddp use memory.block_swap under model.lora")

@@ -70,6 +70,7 @@ from vidray.train.ema import EMA, copy_averages_to
 from vidray.train.expert_groups import ExpertGroups, form_expert_groups, full_expert_state, gather_experts_to_rank0
 from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
 from vidray.train.parallel import (
+    FROZEN_BASE_PLACED,
     build_transformer,
     clip_grad_norm_,
     full_model_for_export,
@@ -270,6 +271,10 @@ class Worker:
         pretrained one on the meta device when sharded: `parallelize` then loads each rank's shards), with its
         LoRA adapters when `model.lora` is set (before the probe, AC, DDP and the optimizer)."""
         job = self.job
+        # A LoRA run's frozen base is built in host memory: its storage dtype (and block swap) apply there, before
+        # the GPU holds any of it (a 14 B expert in fp32 would not fit where its fp8 copy does).
+        stored_base = job.model.lora is not None and job.scaling.strategy == "ddp"
+        build_device = torch.device("cpu") if stored_base else self.device
         if self.vae_run:
             transformer = VAEObjective(self.family.build_trainable_vae(job.model, seed=job.train.seed),
                                        job.vae_training)
@@ -281,9 +286,9 @@ class Worker:
                 transformer = ExpertSlot(meta, expert)
             else:
                 built = self.family.build_expert(job.model, seed=job.train.seed, expert=expert)
-                transformer, pretrained_weights = ExpertSlot(built, expert).to(self.device), None
+                transformer, pretrained_weights = ExpertSlot(built, expert).to(build_device), None
         else:
-            transformer, pretrained_weights = build_transformer(self.family, job, self.device)
+            transformer, pretrained_weights = build_transformer(self.family, job, build_device)
         if job.model.lora is not None:
             from vidray.models.lora import apply_lora, lora_summary
 
@@ -293,7 +298,41 @@ class Worker:
                      if self.experts is not None else " (both experts)")
             self._log(f"LoRA rank {job.model.lora.rank} on {', '.join(job.model.lora.target_modules)}: "
                       f"{counts['trainable']:,} of {counts['total']:,} parameters train{whose}")
+        if stored_base and not self.vae_run:
+            transformer = self._place_frozen_base(transformer)
         return transformer, pretrained_weights
+
+    def _place_frozen_base(self, transformer: torch.nn.Module) -> torch.nn.Module:
+        """4b. A LoRA run's frozen base (built in host memory): its `memory.storage_dtype`
+        (`vidray.models.storage`; under `model.experts` layout shared both experts' bases, layout groups hold this
+        rank's expert alone), then `memory.block_swap` (its last N blocks stay in pinned host memory,
+        `vidray.train.block_swap`), then the rest to the device."""
+        from vidray.models.storage import apply_storage_dtype, module_storage_bytes, storage_dtype_name
+
+        job = self.job
+        try:
+            dtype = apply_storage_dtype(transformer, job.memory.storage_dtype, self.device,
+                                        mixed_precision=job.train.mixed_precision)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+        if dtype != torch.float32:
+            self._log(f"frozen base stored in {storage_dtype_name(dtype)} (memory.storage_dtype: "
+                      f"{job.memory.storage_dtype}): {module_storage_bytes(transformer) / 2**30:.2f} GiB")
+        if job.memory.block_swap:
+            from vidray.train.block_swap import apply_block_swap
+
+            try:
+                swaps = apply_block_swap(transformer, self.family.block_lists(transformer), job.memory.block_swap,
+                                         self.device)
+            except ValueError as err:
+                raise UserError(str(err)) from None
+            self._log(f"block swap: the last {job.memory.block_swap} blocks of {swaps[0].num_blocks} in pinned host "
+                      f"memory ({sum(s.host_bytes() for s in swaps) / 2**30:.2f} GiB), streamed one block ahead")
+        else:
+            transformer = transformer.to(self.device)
+        if dtype != torch.float32 or job.memory.block_swap:
+            setattr(transformer, FROZEN_BASE_PLACED, storage_dtype_name(dtype))
+        return transformer
 
     def _load_data(self, *, local_ranks: int) -> None:
         """1. The sample table and the schedule; the clips stay in the shards until the loader streams them.

@@ -418,6 +418,12 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
     return model, comm
 
 
+FROZEN_BASE_PLACED = "_vidray_frozen_base"
+"""Attribute a LoRA run's transformer carries once its frozen base is stored (`memory.storage_dtype` other than
+fp32) or block-swapped (`memory.block_swap`) and placed on the device: `wrap_ddp` then neither moves it nor lets
+DDP broadcast its frozen weights. Its value: the storage dtype's name."""
+
+
 def wrap_ddp(model: torch.nn.Module, device: torch.device | str, ddp_kwargs: dict[str, Any]) -> torch.nn.Module:
     """`model` on `device`, wrapped in DistributedDataParallel (with `ddp_kwargs`) when the default process group
     has more than one rank; unwrapped on one rank, or with no group. What Ray Train's `prepare_model` does (its
@@ -425,9 +431,18 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device | str, ddp_kwargs: dic
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = model.to(device)
+    if getattr(model, FROZEN_BASE_PLACED, None) is None:  # else placed already: block swap's blocks stay on the host
+        model = model.to(device)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return model
+    if getattr(model, FROZEN_BASE_PLACED, None) is not None:
+        # A LoRA base stored in bf16 / fp8 or block-swapped: DDP neither broadcasts it (gloo has no float8, and
+        # swapped blocks are in host memory) nor reduces it (frozen): every rank built the same base (one seed, or
+        # the same pretrained files).
+        from vidray.models.storage import frozen_parameter_names
+
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, frozen_parameter_names(model) + [name for name, _ in model.named_buffers()])
     if device.type == "cuda":
         ddp_kwargs = {"device_ids": [device], "output_device": device, **ddp_kwargs}
     return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
