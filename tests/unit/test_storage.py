@@ -130,3 +130,36 @@ def test_module_storage_bytes_counts_dtype():
     assert module_storage_bytes(linear) == 44 * 4
     linear.to(torch.bfloat16)
     assert module_storage_bytes(linear) == 44 * 2
+
+
+def test_encode_stage_storage_names_other_cache_entries(tmp_path):
+    """fp8 encoders (VAE and text encoder, layerwise casting under bf16 autocast) encode close to the fp32 ones, and
+    their identities (cache entry names) and memo keys differ, so fp8 latents never meet fp32 ones in the cache."""
+    import dataclasses
+    import json
+
+    import numpy as np
+
+    from vidray.data.encode import EncodeStage
+    from vidray.data.identities import memo_key
+
+    model = ModelConfig(text_encoder="tiny_random", max_sequence_length=16)
+    frames = np.random.default_rng(0).integers(0, 256, (1, 5, 32, 32, 3), dtype=np.uint8)
+    batch = {"i": np.array([0]), "frames": frames[None], "clip_sha": np.array([json.dumps([""])]),
+             "captions": np.array([json.dumps(["a red ball"])])}
+    out = {}
+    for storage in ("fp32", "fp8"):
+        stage = EncodeStage("vae+text", dataclasses.asdict(model), 0, max_sequence_length=16,
+                            storage={"vae": storage, "text": storage})
+        out[storage] = (stage(batch), stage.vae_id, stage.text_id)
+        if storage == "fp8":
+            assert any(p.dtype == torch.float8_e4m3fn for p in stage.vae.parameters())
+            assert any(p.dtype == torch.float8_e4m3fn for p in stage.text_encoder.parameters())
+    (full, vae32, text32), (low, vae8, text8) = out["fp32"], out["fp8"]
+    assert vae32 != vae8 and text32 != text8
+    for key in ("latents", "prompt_embeds"):
+        a, b = torch.from_numpy(full[key][0]), torch.from_numpy(low[key][0]).float()
+        assert a.shape == b.shape and not torch.equal(a, b)
+        assert (a - b).norm() < 0.3 * a.norm()  # fp8 weights: close, not equal
+    raw = dataclasses.asdict(model)
+    assert memo_key("vae", raw, 0, "") == memo_key("vae", raw, 0, "", "fp32") != memo_key("vae", raw, 0, "", "fp8")
