@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["STORAGE_DTYPES", "apply_storage_dtype", "frozen_parameter_names", "module_storage_bytes",
-           "resolve_storage_dtype", "storage_dtype_name"]
+__all__ = ["STORAGE_DTYPES", "apply_storage_dtype", "frozen_parameter_names", "input_dtype",
+           "module_storage_bytes", "resolve_storage_dtype", "storage_dtype_name"]
 
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 """`memory.storage_dtype` (other than `auto`) -> the dtype frozen weights are stored in."""
@@ -134,6 +134,14 @@ def apply_storage_dtype(module: torch.nn.Module, setting: str, device: torch.dev
         apply_layerwise_casting(module, storage_dtype=dtype, compute_dtype=COMPUTE_DTYPE,
                                 skip_modules_pattern=_skip_patterns(module), non_blocking=False)
     return dtype
+
+
+def input_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype a family's probe makes its inputs in, from the model's first parameter `param`: its dtype, but
+    fp32 when it is a frozen weight stored in bf16 / fp8 (the model then runs under bf16 autocast)."""
+    if param.dtype == torch.float8_e4m3fn or (param.dtype == COMPUTE_DTYPE and not param.requires_grad):
+        return torch.float32
+    return param.dtype
 
 
 def module_storage_bytes(module: torch.nn.Module) -> int:

@@ -25,6 +25,7 @@ Errors that a retry cannot fix are raised as `vidray.errors.UserError`s: the dri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -354,13 +355,21 @@ class Worker:
         under FSDP), the optimizer (of the sharded parameters under FSDP), lr schedule and precision (autocast,
         fp16's grad scaler)."""
         job, family = self.job, self.family
-        no_grad = set(unused_parameter_names(transformer) if self.vae_run else
-                      family.no_grad_parameter_names(transformer))
+        # A base stored in bf16 / fp8 computes in bf16: its probes run under bf16 autocast, as its steps do.
+        stored = getattr(transformer, FROZEN_BASE_PLACED, None) not in (None, "fp32")
+        probe_context = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if stored else \
+            contextlib.nullcontext
+        with probe_context():
+            no_grad = set(unused_parameter_names(transformer) if self.vae_run else
+                          family.no_grad_parameter_names(transformer))
         for name, param in transformer.named_parameters():
             if name in no_grad:
                 param.requires_grad_(False)
         transformer.train()
-        probe = vae_probe_loss if self.vae_run else lambda m: family.probe_loss(m, transformer)
+
+        def probe(m: torch.nn.Module) -> torch.Tensor:
+            with probe_context():
+                return vae_probe_loss(m) if self.vae_run else family.probe_loss(m, transformer)
         self.model, self.comm = parallelize(transformer, job, example_loss=probe,
                                             pretrained_weights=pretrained_weights, device=self.device,
                                             process_group=None if self.experts is None else self.experts.group,
