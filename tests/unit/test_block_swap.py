@@ -79,3 +79,18 @@ def test_config_needs_activation_checkpointing():
         job_config_from_dict(job)
     job["train"] = {"activation_checkpointing": "full"}
     assert job_config_from_dict(job).memory.block_swap == 2
+
+
+def test_the_gpu_memory_rows_script_runs_its_block_swap_row_on_cpu():
+    """tests/gpu/memory_rows.py cannot rot between GPU loans: its CPU smoke run trains the same first loss with and
+    without the swap, and its CUDA figures are misses that say so."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    import memory_rows
+
+    figures = memory_rows.block_swap_rows("cpu", steps=2)
+    assert figures["block_swap_same_loss"]["value"] is True
+    assert figures["block_swap_host_bytes"]["value"] > 0
+    assert figures["block_swap_step_time_over_resident"]["miss"].startswith("no CUDA")
