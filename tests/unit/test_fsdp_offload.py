@@ -37,3 +37,27 @@ def test_offload_policy_is_cpu_offload_only_when_asked():
     assert isinstance(fsdp_offload_policy(True, "cpu"), CPUOffloadPolicy)
     assert not fsdp_offload_policy(True, "cpu").pin_memory
     assert not isinstance(fsdp_offload_policy(False, "cpu"), CPUOffloadPolicy)
+
+
+def test_parallelize_puts_the_cpu_offload_policy_on_every_sharded_module(tmp_path):
+    """One gloo rank in this process: `parallelize` with `memory.fsdp_cpu_offload: true` gives the root and every
+    block FSDP2's `CPUOffloadPolicy` (false: the default policy, no offload)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from vidray.config import ModelConfig, job_config_from_dict
+    from vidray.models import get_family
+    from vidray.train.parallel import parallelize
+
+    fam = get_family("easyanimate")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for offload in (True, False):
+            transformer = fam.build_transformer(ModelConfig(text_encoder="tiny_random"), seed=0)
+            job = job_config_from_dict({"scaling": {"strategy": "fsdp"}, "memory": {"fsdp_cpu_offload": offload}})
+            parallelize(transformer, job, device="cpu", family=fam)
+            modules = [transformer, *fam.block_lists(transformer)[0]]
+            policies = [m._get_fsdp_state()._fsdp_param_group.offload_policy for m in modules]
+            assert all(isinstance(p, CPUOffloadPolicy) == offload for p in policies), (offload, policies)
+    finally:
+        dist.destroy_process_group()
