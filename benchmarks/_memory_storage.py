@@ -8,8 +8,8 @@
 - `lora_fp8_over_bf16_final_loss`, `lora_fp8_loss_falls`, `lora_bf16_loss_falls`: the tiny job
   (`jobs/configs/tiny_t2v.yaml`, tiny_random text encoder) with LoRA (rank 8) trained in this process
   (`train_in_process`, the loop's own path) on the shipped samples, its base stored in fp8 vs in bf16
-  (`memory.storage_dtype`), same seed, 60 steps under bf16 autocast: mean loss of the last 10 steps fp8 / bf16,
-  and whether each run's last-10 mean is below its first-10 mean.
+  (`memory.storage_dtype`), same seed, 60 steps under bf16 autocast and full activation checkpointing: mean loss
+  of the last 10 steps fp8 / bf16, and whether each run's last-10 mean is below its first-10 mean.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def _lora_losses(steps: int = 60) -> dict[str, Any]:
                        model={**raw["model"], "text_encoder": "tiny_random", "lora": {"rank": 8, "alpha": 8.0}},
                        data={**raw["data"], "shards_dir": str(shards)},
                        optim={"lr": 3.0e-3, "warmup_steps": 5},
-                       train={**raw["train"], "max_steps": steps, "mixed_precision": "bf16", "log_every_steps": 10},
+                       train={**raw["train"], "max_steps": steps, "mixed_precision": "bf16", "log_every_steps": 10,
+                              "activation_checkpointing": "full"},
                        checkpoint={**raw["checkpoint"], "every_steps": steps},
                        memory={"storage_dtype": setting})
             result = train_in_process(job_config_from_dict(job))

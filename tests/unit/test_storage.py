@@ -163,3 +163,43 @@ def test_encode_stage_storage_names_other_cache_entries(tmp_path):
         assert (a - b).norm() < 0.3 * a.norm()  # fp8 weights: close, not equal
     raw = dataclasses.asdict(model)
     assert memo_key("vae", raw, 0, "") == memo_key("vae", raw, 0, "", "fp32") != memo_key("vae", raw, 0, "", "fp8")
+
+
+def test_fp8_without_recomputation_keeps_bf16_weight_copies_so_the_config_refuses_it():
+    """Measured: without activation checkpointing autograd saves each fp8 layer's bf16 compute copy of its weight
+    for the backward (the gradient of a LoRA layer's input goes through W), so an fp8 base holds more than a bf16
+    one until the backward; with `full` the saved tensors are the same as bf16's. The config refuses fp8 + LoRA
+    without activation checkpointing."""
+    from vidray.config import job_config_from_dict
+    from vidray.train.parallel import apply_activation_checkpointing
+
+    def saved_copies(setting: str, ac: str) -> int:
+        fam, transformer = lora_transformer()
+        apply_storage_dtype(transformer, setting, CPU)
+        apply_activation_checkpointing(transformer, ac, fam.block_lists(transformer))
+        own = {p.untyped_storage().data_ptr() for p in transformer.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(x):
+            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            return x
+
+        g = torch.Generator().manual_seed(3)
+        latents = torch.randn(fam.latent_shape(BUCKET, 2), generator=g)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), torch.autocast("cpu", dtype=torch.bfloat16):
+            flow_matching_step_loss(fam, transformer, latents, torch.randn(2, 6, 64, generator=g),
+                                    torch.ones(2, 6, dtype=torch.bool), FLOW, torch.Generator().manual_seed(5))
+        return sum(v for k, v in seen.items() if k not in own)
+
+    _, transformer = lora_transformer()
+    fp8_layers_bf16 = sum(p.numel() * 2 for n, p in transformer.named_parameters() if ".base_layer." in n)
+    assert saved_copies("fp8", "none") - saved_copies("bf16", "none") > 0.5 * fp8_layers_bf16
+    assert saved_copies("fp8", "full") == saved_copies("bf16", "full")
+    job = {"model": {"lora": {"rank": 4}}, "train": {"mixed_precision": "bf16"}, "memory": {"storage_dtype": "fp8"}}
+    with pytest.raises(ValueError, match="memory.storage_dtype: fp8 under model.lora needs "
+                                         "train.activation_checkpointing: full"):
+        job_config_from_dict(job)
+    job["train"]["activation_checkpointing"] = "full"
+    assert job_config_from_dict(job).memory.storage_dtype == "fp8"
+    with pytest.raises(ValueError, match="memory.storage_dtype: bf16 computes the frozen base in bf16"):
+        job_config_from_dict({"model": {"lora": {"rank": 4}}, "memory": {"storage_dtype": "bf16"}})
