@@ -203,3 +203,29 @@ def test_fp8_without_recomputation_keeps_bf16_weight_copies_so_the_config_refuse
     assert job_config_from_dict(job).memory.storage_dtype == "fp8"
     with pytest.raises(ValueError, match="memory.storage_dtype: bf16 computes the frozen base in bf16"):
         job_config_from_dict({"model": {"lora": {"rank": 4}}, "memory": {"storage_dtype": "bf16"}})
+
+
+def test_a_run_with_an_fp8_base_exports_its_adapters_on_the_fp32_base(shards_dir, tmp_path):
+    """The loop's own path (`train_in_process`): the base is stored in fp8 while training, and the export holds
+    the trained adapters on the fp32 base it was given, never the fp8-rounded copy."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from vidray.config import load_job_config
+    from vidray.train.local import train_in_process
+
+    repo = Path(__file__).resolve().parents[2]
+    job = load_job_config(repo / "jobs/configs/tiny_t2v.yaml", [
+        f"data.shards_dir={shards_dir}", f"storage.path={tmp_path}", "name=fp8", "model.text_encoder=tiny_random",
+        "train.max_steps=2", "train.log_every_steps=2", "checkpoint.every_steps=2", "train.mixed_precision=bf16",
+        "train.activation_checkpointing=full", "model.lora={rank: 4, alpha: 4.0}", "memory.storage_dtype=fp8"])
+    result = train_in_process(job)
+    assert all(loss == loss for _, loss in result.losses)  # finite
+    weights = {}
+    for f in sorted(Path(result.diffusers_dir, "transformer").glob("*.safetensors")):
+        weights.update(load_file(f))
+    assert weights and all(t.dtype == torch.float32 for t in weights.values())
+    fresh = get_family("easyanimate").build_transformer(job.model, seed=job.train.seed)
+    untouched = [n for n, _ in fresh.named_parameters() if "norm" in n and n in weights]
+    assert untouched and all(torch.equal(weights[n], dict(fresh.named_parameters())[n]) for n in untouched)

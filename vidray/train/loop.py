@@ -801,6 +801,11 @@ class Worker:
         run_dir = str(self.loop_config["run_dir"])
         if self.experts is not None:
             trained_full, ema_weights = self._gather_experts()
+        elif getattr(self.transformer, FROZEN_BASE_PLACED, None) is not None:
+            # A base stored in bf16 / fp8 or block-swapped is not what the run was given: the export holds the
+            # trained adapters on a fresh fp32 base (the seeded or pretrained weights), never the stored copy.
+            trained_full = _with_fresh_base(self.family, job, self.transformer) if rank == 0 else None
+            ema_weights = self.ema.full_averages() if self.ema is not None and job.export.weights == "ema" else None
         else:
             trained_full = full_model_for_export(self.model, self.transformer,
                                                  lambda: _build_unsharded(self.family, job), rank)
@@ -876,6 +881,16 @@ def _experts_note(job: Any) -> str:
     experts = job.model.experts
     held = "one worker group each" if experts.layout == "groups" else "both on every worker"
     return f", two experts switched at timestep {experts.boundary_ratio * job.flow.num_train_timesteps:g} ({held})"
+
+
+def _with_fresh_base(family: Any, job: Any, transformer: torch.nn.Module) -> torch.nn.Module:
+    """`_build_unsharded` (fp32, host memory) holding `transformer`'s trained LoRA adapters: the export of a run
+    whose frozen base was stored in bf16 / fp8 or block-swapped (`memory`)."""
+    from vidray.models.lora import adapter_state_dict, load_adapter_state_dict
+
+    full = _build_unsharded(family, job)
+    load_adapter_state_dict(full, adapter_state_dict(transformer))
+    return full
 
 
 def _build_unsharded(family: Any, job: Any) -> torch.nn.Module:
