@@ -874,8 +874,8 @@ class JobConfig:
             raise ValueError(f"memory.storage_dtype: {mem.storage_dtype} computes the frozen base in bf16: set "
                              "train.mixed_precision: bf16 (autocast), or use memory.storage_dtype: fp32")
         if mem.storage_dtype == "fp8" and self.model.lora is not None and self.train.activation_checkpointing == "none":
-            raise ValueError("memory.storage_dtype: fp8 under model.lora needs train.activation_checkpointing: full (or "
-                             "every_<n>): without recomputation autograd keeps each layer's bf16 copy of its weight "
+            raise ValueError("memory.storage_dtype: fp8 under model.lora needs train.activation_checkpointing: full "
+                             "(or every_<n>): without recomputation autograd keeps each layer's bf16 copy of its weight "
                              "for the backward, more than a bf16 base holds; or use memory.storage_dtype: bf16")
         if mem.fsdp_cpu_offload and self.scaling.strategy == "ddp":
             raise ValueError("memory.fsdp_cpu_offload: true needs scaling.strategy: fsdp or hsdp (FSDP2's "

@@ -81,7 +81,8 @@ def test_bf16_keeps_trainable_parameters():
 
 
 def test_fp8_lora_trains_and_matches_a_dequantized_base():
-    """fp8 storage = the bf16 base rounded to fp8 once: about the same loss and adapter gradients as a bf16 model holding
+    """fp8 storage = the bf16 base rounded to fp8 once: about the same loss and adapter gradients as a bf16 model
+    holding
     those rounded weights, under bf16 autocast; and the adapters learn (AdamW steps lower the loss)."""
     fam, stored = lora_transformer()
     reference = copy.deepcopy(stored)

@@ -35,7 +35,6 @@ a CUDA device without bf16 (compute capability < 8.0) is refused for `bf16` / `f
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import torch
 
