@@ -675,12 +675,18 @@ class MemoryConfig:
     stored as float8_e4m3fn and cast to bfloat16 one layer at a time for its computation (diffusers' layerwise
     casting; norms, embeddings and the output projection stay bf16), about half bf16's bytes at a measured quality
     cost (`benchmarks/memory_modes.py`). `auto`: bf16 on a CUDA device, fp32 on CPU. Trainable weights keep fp32
-    masters in every mode."""
+    masters in every mode. Training (`vidray.models.storage`): the base under `model.lora` with `scaling.strategy:
+    ddp` (a sharded base stays FSDP's), and the encode stages' encoders (auto: bf16 on a GPU stage); a bf16 / fp8
+    base computes under autocast, so it needs `train.mixed_precision: bf16` (auto then stays fp32), and fp8 needs
+    `train.activation_checkpointing` (without recomputation autograd keeps each layer's bf16 weight copy for the
+    backward). With `model.experts` layout groups a rank holds its own expert only; layout shared stores both."""
     block_swap: int = 0
     """Training on CUDA with `model.lora`: how many of the frozen base's transformer blocks (the last ones) live in
     pinned host memory and stream to the GPU one block ahead on a side stream, host-to-device only (they are frozen:
     nothing is copied back), for the forward and the backward: musubi-tuner's `blocks_to_swap`. 0: every block stays
-    on the GPU. Must be below the model's block count."""
+    on the GPU. Must be below the model's block count (checked when the model is built). Needs
+    `train.activation_checkpointing: full`: each swapped block is recomputed in the backward, which brings its
+    weights back one block ahead (`vidray.train.block_swap`)."""
     fsdp_cpu_offload: bool = False
     """Training with `scaling.strategy: fsdp | hsdp`: FSDP2's `CPUOffloadPolicy`: sharded parameters, gradients and
     optimizer state live in pinned host memory, and the optimizer step runs on the CPU (full fine-tuning of a model
@@ -870,6 +876,17 @@ class JobConfig:
         if mem.block_swap and not self.scaling.use_gpu:
             raise ValueError(f"memory.block_swap: {mem.block_swap} needs a CUDA device (scaling.use_gpu: true): on CPU "
                              "every weight is in host memory already; use memory.block_swap: 0")
+        if mem.block_swap and self.train.activation_checkpointing != "full":
+            raise ValueError(f"memory.block_swap: {mem.block_swap} needs train.activation_checkpointing: full (each "
+                             "swapped block is recomputed in the backward, which brings its weights back; without it "
+                             f"autograd keeps every block's GPU copy), got {self.train.activation_checkpointing!r}")
+        if mem.storage_dtype in ("bf16", "fp8") and self.model.lora is not None and self.train.mixed_precision == "no":
+            raise ValueError(f"memory.storage_dtype: {mem.storage_dtype} computes the frozen base in bf16: set "
+                             "train.mixed_precision: bf16 (autocast), or use memory.storage_dtype: fp32")
+        if mem.storage_dtype == "fp8" and self.model.lora is not None and self.train.activation_checkpointing == "none":
+            raise ValueError("memory.storage_dtype: fp8 under model.lora needs train.activation_checkpointing: full "
+                             "(or every_<n>): without recomputation autograd keeps each layer's bf16 copy of its weight "
+                             "for the backward, more than a bf16 base holds; or use memory.storage_dtype: bf16")
         if mem.fsdp_cpu_offload and self.scaling.strategy == "ddp":
             raise ValueError("memory.fsdp_cpu_offload: true needs scaling.strategy: fsdp or hsdp (FSDP2's "
                              "CPUOffloadPolicy); with ddp use memory.block_swap under model.lora")

@@ -26,7 +26,7 @@ from vidray.models.offload import (  # noqa: E402
     execution_device,
     offload_problem,
     prepare_for_inference,
-    resolve_storage_dtype,
+    inference_dtypes,
 )
 
 FLOW = FlowConfig(shift=3.0)
@@ -78,11 +78,11 @@ def test_the_cpu_default_changes_nothing_fp32_frames_as_before():
 
 
 def test_storage_dtypes_store_and_compute_as_named():
-    assert resolve_storage_dtype("auto", "cpu") == (torch.float32, torch.float32)
-    assert resolve_storage_dtype("auto", "cuda") == (torch.bfloat16, torch.bfloat16)
-    assert resolve_storage_dtype("fp8", "cpu") == (torch.float8_e4m3fn, torch.bfloat16)
+    assert inference_dtypes("auto", "cpu") == (torch.float32, torch.float32)
+    assert inference_dtypes("auto", "cuda") == (torch.bfloat16, torch.bfloat16)
+    assert inference_dtypes("fp8", "cpu") == (torch.float8_e4m3fn, torch.bfloat16)
     with pytest.raises(ValueError, match="fp4"):
-        resolve_storage_dtype("fp4", "cpu")
+        inference_dtypes("fp4", "cpu")
     fp32, fp8 = _build("wan"), _placed("wan", "fp8", "none")
     weights = dict(fp8.transformer.named_parameters())
     linear = [n for n, m in fp8.transformer.named_modules() if isinstance(m, torch.nn.Linear) and "blocks" in n]

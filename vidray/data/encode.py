@@ -161,7 +161,7 @@ class EncodeStage:
 
     def __init__(self, what: str, model: dict[str, Any], seed: int, *, max_sequence_length: int,
                  latent_cache: str = "", hot_bytes: int = 0, num_gpus: float = 0.0, torch_threads: int = 1,
-                 identities: dict[str, Any] | None = None):
+                 identities: dict[str, Any] | None = None, storage: dict[str, str] | None = None):
         import torch
 
         if what not in ("vae", "text", "vae+text"):
@@ -179,6 +179,7 @@ class EncodeStage:
         self._ids: dict[str, str] = {}
         self.family = self.vae = self.text_encoder = self.tokenizer = None  # built on the first miss
         self.cache = LatentCache(latent_cache) if latent_cache else None
+        self.storage = {"vae": "fp32", "text": "fp32", **(storage or {})}  # `memory.storage_dtype`, resolved
         self.hot_bytes = int(hot_bytes)
         self.hot: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.hot_used = 0
@@ -219,19 +220,26 @@ class EncodeStage:
         model_cfg = ModelConfig(**self.model)
         family = get_family(model_cfg.family)
         encoders = family.build_encoders(model_cfg, seed=self.seed)
+        from vidray.models.storage import apply_storage_dtype
+
         built = {}
         if self.do_vae:
-            self.vae = encoders.vae.to(self.device)
             image_id = ""
             if self.clip:
+                image_id = image_encoder_identity(encoders.image_encoder, encoders.image_processor)
+                apply_storage_dtype(encoders.image_encoder, self.storage["vae"], self.device)
                 self.image_encoder = encoders.image_encoder.to(self.device)
                 self.image_processor = encoders.image_processor
-                image_id = image_encoder_identity(encoders.image_encoder, encoders.image_processor)
-            built["vae"] = latents_identity(module_identity(encoders.vae), self.model, image_id)
+            built["vae"] = stored_identity(latents_identity(module_identity(encoders.vae), self.model, image_id),
+                                           self.storage["vae"])
+            apply_storage_dtype(encoders.vae, self.storage["vae"], self.device)  # in host memory, then moved
+            self.vae = encoders.vae.to(self.device)
         if self.do_text:
+            built["text"] = stored_identity(text_encoder_identity(encoders.text_encoder, encoders.tokenizer),
+                                            self.storage["text"])
+            apply_storage_dtype(encoders.text_encoder, self.storage["text"], self.device)
             self.text_encoder = encoders.text_encoder.to(self.device)
             self.tokenizer = encoders.tokenizer
-            built["text"] = text_encoder_identity(encoders.text_encoder, self.tokenizer)
         for stage, identity in built.items():
             known = self._ids.get(stage)
             if known is None and stage in self._given:
@@ -242,6 +250,17 @@ class EncodeStage:
                                    "while the run went on; restart the run")
             self._ids[stage] = identity
         self.family = family
+
+    def _autocast(self, stage: str) -> Any:
+        """bf16 autocast around a stage's encoder when its weights are stored in bf16 / fp8 (the fp32 frames and
+        the weights then meet in bf16); nothing for fp32."""
+        import contextlib
+
+        import torch
+
+        if self.storage[stage] == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     # -- the hot tier and the store -------------------------------------------------------------------------
 
@@ -326,7 +345,7 @@ class EncodeStage:
 
         self._load_encoders()
         video = frames_to_video(frames).to(self.device)
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast("vae"):
             entry = {"latents": self.family.encode_video(self.vae, video)[0].float().cpu()}
             if self.condition is not None:
                 entry["inpaint_latents"] = self.family.encode_clip_condition(
@@ -347,7 +366,7 @@ class EncodeStage:
             found = self._lookup(rel)
             if found is None:
                 self._load_encoders()
-                with torch.no_grad():
+                with torch.no_grad(), self._autocast("text"):
                     e, m = self.family.encode_prompt(self.text_encoder, self.tokenizer, [caption],
                                                      max_sequence_length=self.max_sequence_length)
                 found = {"prompt_embeds": e[0].float().cpu(), "prompt_attention_mask": m[0].cpu()}
@@ -447,6 +466,15 @@ def latents_identity(vae_id: str, model: dict[str, Any], image_id: str = "") -> 
         return vae_id
     clip = f"|clip:{image_id}" if image_id else ""
     return hashlib.sha256(f"{vae_id}|i2v:{i2v.get('condition', 'first')}{clip}".encode()).hexdigest()
+
+
+def stored_identity(identity: str, storage: str) -> str:
+    """The identity of an encoder stored in `storage` (`fp32`, `bf16`, `fp8`: `memory.storage_dtype` resolved for
+    its stage): `identity` (of the fp32 module) for fp32, else sha256 of it and the dtype (bf16 / fp8 encoders
+    write other latents and embeddings: their cache entries never meet fp32 ones)."""
+    if storage == "fp32":
+        return identity
+    return hashlib.sha256(f"{identity}|storage:{storage}".encode()).hexdigest()
 
 
 def image_encoder_identity(image_encoder: Any, image_processor: Any) -> str:

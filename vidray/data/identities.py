@@ -52,12 +52,15 @@ def _code_signature() -> str:
     return digest.hexdigest()
 
 
-def memo_key(stage: str, model: dict[str, Any], seed: int, files: str | None = None) -> str:
+def memo_key(stage: str, model: dict[str, Any], seed: int, files: str | None = None, storage: str = "fp32") -> str:
     """The name of a stage's remembered identity: `<stage>-<sha256 of its inputs>` (module docstring). `files`:
-    `model_files_signature(model)` when the caller has it (computed here otherwise)."""
+    `model_files_signature(model)` when the caller has it (computed here otherwise). `storage`: the encoders'
+    storage dtype (`memory.storage_dtype` resolved for the stage: `fp32`, `bf16`, `fp8`); part of the key when not
+    fp32 (bf16 / fp8 encoders write other latents), so fp32 keys are those of earlier runs."""
     files = model_files_signature(model) if files is None else files
     inputs = json.dumps({"stage": stage, "model": model, "seed": int(seed), "files": files,
-                         "code": _code_signature()}, sort_keys=True, default=str)
+                         "code": _code_signature(), **({"storage": storage} if storage != "fp32" else {})},
+                        sort_keys=True, default=str)
     return f"{stage}-{hashlib.sha256(inputs.encode()).hexdigest()[:40]}"
 
 
@@ -82,12 +85,14 @@ def write_identity(cache_root: str, key: str, identity: str) -> None:
         f"{MEMO_FOLDER}/{key}.json", json.dumps({"identity": identity}).encode())
 
 
-def identity_task(stage: str, model: dict[str, Any], seed: int, cache_root: str, key: str) -> str:
-    """A Ray task's body: the stage's identity (`vidray.data.encode.vae_identity` / `text_identity`), remembered
-    under `key` in the latent cache at `cache_root` (when given) for later runs. Raises what those raise."""
-    from vidray.data.encode import text_identity, vae_identity
+def identity_task(stage: str, model: dict[str, Any], seed: int, cache_root: str, key: str,
+                  storage: str = "fp32") -> str:
+    """A Ray task's body: the stage's identity (`vidray.data.encode.vae_identity` / `text_identity`, with the
+    stage's storage dtype `storage`: `stored_identity`), remembered under `key` in the latent cache at `cache_root`
+    (when given) for later runs. Raises what those raise."""
+    from vidray.data.encode import stored_identity, text_identity, vae_identity
 
-    identity = (vae_identity if stage == "vae" else text_identity)(model, seed)
+    identity = stored_identity((vae_identity if stage == "vae" else text_identity)(model, seed), storage)
     if cache_root:
         write_identity(cache_root, key, identity)
     return identity

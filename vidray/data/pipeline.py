@@ -845,6 +845,7 @@ def encode_stage_kwargs(op: dict[str, Any], encode: dict[str, Any], data: Any,
         "num_gpus": op["num_gpus"],
         "torch_threads": max(1, int(round(op["num_cpus"]))),
         "identities": identities or {},
+        "storage": dict(encode.get("storage") or {}),
     }
 
 
@@ -912,6 +913,12 @@ def encode_spec(job: Any, placement: dict[str, Any] | None = None, *, latent_cac
         cfg = getattr(job.placement, stage)
         spec[stage] = {"label_selector": dict(placement.get(stage) or {}), "num_cpus": float(cfg.num_cpus),
                        "num_gpus": float(cfg.num_gpus), "memory": int(cfg.memory)}
+    # The encoders' storage dtype per stage (`memory.storage_dtype`; auto: bf16 on a GPU stage, fp32 on CPU): it
+    # names their cache entries (`vidray.data.encode.stored_identity`). Only when not all fp32 (earlier specs).
+    storage = {stage: (job.memory.storage_dtype if job.memory.storage_dtype != "auto" else
+                       "bf16" if spec[stage]["num_gpus"] > 0 else "fp32") for stage in ("vae", "text")}
+    if set(storage.values()) != {"fp32"}:
+        spec["storage"] = storage
     return spec
 
 
@@ -941,7 +948,8 @@ def encoder_identity_refs(encode: dict[str, Any]) -> dict[str, Any]:
     refs: dict[str, Any] = {}
     for stage in ("vae", "text"):
         selector = encode[stage].get("label_selector") or {}
-        key = memo_key(stage, encode["model"], int(encode["seed"]), files)
+        storage = (encode.get("storage") or {}).get(stage, "fp32")
+        key = memo_key(stage, encode["model"], int(encode["seed"]), files, storage)
         process_key = (runtime.get_node_id(), runtime.get_job_id(), key, json.dumps(selector, sort_keys=True))
         if process_key not in _IDENTITY_REFS:
             remembered = read_identity(cache_root, key) if cache_root else None
@@ -951,7 +959,7 @@ def encoder_identity_refs(encode: dict[str, Any]) -> dict[str, Any]:
                 task = ray.remote(num_cpus=0, max_retries=0)(identity_task)
                 _IDENTITY_REFS[process_key] = [task.options(
                     name=f"{stage}_identity", **({"label_selector": selector} if selector else {})).remote(
-                    stage, encode["model"], int(encode["seed"]), cache_root, key)]
+                    stage, encode["model"], int(encode["seed"]), cache_root, key, storage)]
         refs[stage] = _IDENTITY_REFS[process_key]
     return refs
 

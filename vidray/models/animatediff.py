@@ -42,6 +42,7 @@ from diffusers import (AnimateDiffPipeline, AutoencoderKL, DDIMScheduler, Motion
                        UNetMotionModel)
 
 from vidray.models.offload import compute_dtype, execution_device
+from vidray.models.storage import input_dtype
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.diffusion import ddim
@@ -371,11 +372,12 @@ def probe_loss(model: torch.nn.Module, unet: UNetMotionModel) -> torch.Tensor:
     text tokens per frame, from a seeded CPU generator (the global RNG is untouched); fp32 scalar. The probe of
     `no_grad_parameter_names` and of `vidray.train.parallel.prime_buckets`."""
     cfg, param = unet.config, next(unet.parameters())
+    dtype = input_dtype(param)  # fp32 when the base is stored in bf16 / fp8 (autocast)
     g = torch.Generator().manual_seed(0)
     side = 2 ** (len(cfg.block_out_channels) - 1)
     num_frames = 2
-    sample = torch.randn(1, cfg.in_channels, num_frames, side, side, generator=g).to(param.device, param.dtype)
-    prompt_embeds = torch.randn(1, 2, cfg.cross_attention_dim, generator=g).to(param.device, param.dtype)
+    sample = torch.randn(1, cfg.in_channels, num_frames, side, side, generator=g).to(param.device, dtype)
+    prompt_embeds = torch.randn(1, 2, cfg.cross_attention_dim, generator=g).to(param.device, dtype)
     return model(sample, torch.full((1,), 500, device=param.device),
                  encoder_hidden_states=prompt_embeds.repeat_interleave(num_frames, dim=0),
                  return_dict=False)[0].float().sum()

@@ -78,6 +78,7 @@ from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
 
 from vidray.models.offload import compute_dtype, execution_device
+from vidray.models.storage import input_dtype
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.diffusion import ddim
@@ -665,13 +666,14 @@ def probe_loss(model: torch.nn.Module, transformer: CogVideoXTransformer3DModel)
     `_joint_positions`), from a seeded CPU generator (the global RNG is untouched); fp32 scalar. The probe of
     `no_grad_parameter_names` and of `vidray.train.parallel.prime_buckets`."""
     cfg, param = transformer.config, next(transformer.parameters())
+    dtype = input_dtype(param)  # fp32 when the base is stored in bf16 / fp8 (autocast)
     g = torch.Generator().manual_seed(0)
     p = cfg.patch_size
     height, width = (cfg.sample_height, cfg.sample_width) if cfg.use_learned_positional_embeddings else (p, p)
     frames = cfg.patch_size_t or 1  # CogVideoX 1.5: one temporal patch
-    hidden_states = torch.randn(1, frames, cfg.in_channels, height, width, generator=g).to(param.device, param.dtype)
+    hidden_states = torch.randn(1, frames, cfg.in_channels, height, width, generator=g).to(param.device, dtype)
     num_text = cfg.max_text_seq_length if _joint_positions(cfg) else 2
-    prompt_embeds = torch.randn(1, num_text, cfg.text_embed_dim, generator=g).to(param.device, param.dtype)
+    prompt_embeds = torch.randn(1, num_text, cfg.text_embed_dim, generator=g).to(param.device, dtype)
     rotary = (rotary_positional_embeddings(transformer, frames, height, width, param.device)
               if cfg.use_rotary_positional_embeddings else None)
     ofs = hidden_states.new_full((1,), OFS) if cfg.ofs_embed_dim is not None else None

@@ -28,6 +28,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.easyanimate.pipeline_easyanimate_inpaint import resize_mask
 
 from vidray.models.offload import compute_dtype, execution_device
+from vidray.models.storage import input_dtype
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
@@ -330,16 +331,17 @@ def probe_loss(model: torch.nn.Module, transformer: EasyAnimateTransformer3DMode
     transformer gets its noisy latents' C = `out_channels` and the rest of its `in_channels` as `inpaint_latents`,
     as `predict` calls it."""
     cfg, param = transformer.config, next(transformer.parameters())
+    dtype = input_dtype(param)  # fp32 when the base is stored in bf16 / fp8 (autocast)
     g = torch.Generator().manual_seed(0)
     p = cfg.patch_size
     channels = cfg.out_channels if takes_inpaint_latents(transformer) else cfg.in_channels
-    noisy_latents = torch.randn(1, channels, 1, 2 * p, 2 * p, generator=g).to(param.device, param.dtype)
-    prompt_embeds = torch.randn(1, 2, cfg.text_embed_dim, generator=g).to(param.device, param.dtype)
-    timesteps = torch.full((1,), 500.0, device=param.device, dtype=param.dtype)
+    noisy_latents = torch.randn(1, channels, 1, 2 * p, 2 * p, generator=g).to(param.device, dtype)
+    prompt_embeds = torch.randn(1, 2, cfg.text_embed_dim, generator=g).to(param.device, dtype)
+    timesteps = torch.full((1,), 500.0, device=param.device, dtype=dtype)
     extra = {}
     if takes_inpaint_latents(transformer):
         extra["inpaint_latents"] = torch.randn(1, cfg.in_channels - channels, 1, 2 * p, 2 * p, generator=g).to(
-            param.device, param.dtype)
+            param.device, dtype)
     return model(noisy_latents, timesteps, encoder_hidden_states=prompt_embeds, return_dict=False,
                  **extra)[0].float().sum()
 

@@ -37,7 +37,7 @@ from accelerate.hooks import ModelHook
 from accelerate.utils import send_to_device
 
 __all__ = ["OFFLOAD_MODES", "OneResidentHook", "apply_inference_offload", "compute_dtype", "execution_device",
-           "inference_device", "offload_problem", "prepare_for_inference", "resolve_storage_dtype",
+           "inference_device", "offload_problem", "prepare_for_inference", "inference_dtypes",
            "vae_compute_dtype"]
 
 OFFLOAD_MODES = ("none", "model", "group", "sequential")
@@ -75,8 +75,9 @@ def inference_device(gpu: bool | None = None) -> torch.device:
     return torch.device("cuda") if gpu else torch.device("cpu")
 
 
-def resolve_storage_dtype(setting: str, device: torch.device | str) -> tuple[torch.dtype, torch.dtype]:
-    """(storage dtype, compute dtype) for `memory.storage_dtype: setting` on `device`: auto -> bf16 on CUDA, fp32
+def inference_dtypes(setting: str, device: torch.device | str) -> tuple[torch.dtype, torch.dtype]:
+    """(storage dtype, compute dtype) of inference for `memory.storage_dtype: setting` on `device` (training's is
+    `vidray.models.storage.resolve_storage_dtype`): auto -> bf16 on CUDA, fp32
     elsewhere; fp32 -> (float32, float32); bf16 -> (bfloat16, bfloat16); fp8 -> (float8_e4m3fn, bfloat16). Raises
     ValueError for another setting."""
     if setting not in STORAGE_DTYPES:
@@ -94,33 +95,20 @@ def vae_compute_dtype(family_name: str, compute: torch.dtype) -> torch.dtype:
 
 
 def _apply_storage(module: torch.nn.Module, setting: str, device: torch.device) -> None:
-    """Store `module`'s weights per `memory.storage_dtype: setting` (`vidray.models.storage.apply_storage_dtype`
-    when the storage helper's module is present).
+    """Store `module`'s weights per `memory.storage_dtype: setting` for inference: every parameter is frozen
+    first (an inference module never trains), then `vidray.models.storage.apply_storage_dtype` casts them: bf16, or
+    fp8 through diffusers' layerwise casting (float8_e4m3fn storage, bf16 compute; norms, embeddings, the output
+    projection and a transformers encoder's `_keep_in_fp32_modules` stay bf16). fp32 leaves the module as it is."""
+    from vidray.models.storage import apply_storage_dtype, storage_dtype_name
 
-    TODO(storage owner): this fallback is the minimal form of `vidray.models.storage.apply_storage_dtype`; replace
-    it with that call on merge. fp32 / bf16: `.to(dtype)`; fp8: bf16, then diffusers' `apply_layerwise_casting`
-    (float8_e4m3fn storage, bf16 compute; its "auto" skip pattern keeps norms, embeddings and the output projection
-    in bf16)."""
-    try:
-        from vidray.models.storage import apply_storage_dtype  # the storage helper's (issue 45)
-    except ImportError:
-        apply_storage_dtype = None
-    if apply_storage_dtype is not None:
-        apply_storage_dtype(module, setting, device)
+    storage, _ = inference_dtypes(setting, device)
+    if storage == torch.float32:
         return
-    storage, compute = resolve_storage_dtype(setting, device)
-    module.to(compute)
-    if storage != compute:
-        from diffusers.hooks import apply_layerwise_casting
-
-        if hasattr(module, "enable_layerwise_casting"):  # a diffusers model: its own skip patterns too (Wan's
-            module.enable_layerwise_casting(storage_dtype=storage, compute_dtype=compute)  # condition_embedder)
-        else:  # a transformers text encoder: its `_keep_in_fp32_modules` too (UMT5 casts inputs to `wo`'s dtype)
-            from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
-
-            keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
-            apply_layerwise_casting(module, storage_dtype=storage, compute_dtype=compute,
-                                    skip_modules_pattern=(*DEFAULT_SKIP_MODULES_PATTERN, *keep))
+    module.requires_grad_(False)
+    apply_storage_dtype(module, storage_dtype_name(storage), "cpu")  # cast in host memory, before any move
+    for buf in module.buffers():  # floating buffers follow the weights, as `module.to(torch.bfloat16)` does
+        if buf.is_floating_point() and buf.dtype == torch.float32:
+            buf.data = buf.data.to(torch.bfloat16)
 
 
 def _mark(module: torch.nn.Module | None, device: torch.device, dtype: torch.dtype) -> None:
@@ -259,7 +247,7 @@ def prepare_for_inference(components: Any, memory: Any, device: torch.device | s
     problem = offload_problem(memory.offload, device.type == "cuda")
     if problem:
         raise UserError(problem)
-    storage, compute = resolve_storage_dtype(memory.storage_dtype, device)
+    storage, compute = inference_dtypes(memory.storage_dtype, device)
     setting = memory.storage_dtype if memory.storage_dtype != "auto" else ("bf16" if compute != torch.float32
                                                                           else "fp32")
     transformer = getattr(components, "transformer", None)

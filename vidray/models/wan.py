@@ -63,6 +63,7 @@ from diffusers.video_processor import VideoProcessor
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
 from vidray.models.offload import execution_device
+from vidray.models.storage import input_dtype
 from vidray.config import WAN_CLIP_TEXT_TOKENS, FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
@@ -716,18 +717,19 @@ def probe_loss(model: torch.nn.Module, transformer: WanTransformer3DModel) -> to
     embeddings (`takes_image_embeds`) gets (1, `image_tokens`, image_dim) of them and WAN_CLIP_TEXT_TOKENS text
     tokens (its attention splits the context there), so its image branch gets a gradient too."""
     cfg, param = transformer.config, next(transformer.parameters())
+    dtype = input_dtype(param)  # fp32 when the base is stored in bf16 / fp8 (autocast)
     g = torch.Generator().manual_seed(0)
     _, ph, pw = cfg.patch_size
-    noisy_latents = torch.randn(1, cfg.in_channels, 1, ph, pw, generator=g).to(param.device, param.dtype)
+    noisy_latents = torch.randn(1, cfg.in_channels, 1, ph, pw, generator=g).to(param.device, dtype)
     clip = takes_image_embeds(transformer)
     prompt_embeds = torch.randn(1, WAN_CLIP_TEXT_TOKENS if clip else 2, cfg.text_dim, generator=g)
     extra = {}
     if clip:
         extra["encoder_hidden_states_image"] = _per_image(torch.randn(1, image_tokens(transformer), cfg.image_dim,
-                                                                      generator=g).to(param.device, param.dtype))
+                                                                      generator=g).to(param.device, dtype))
     timesteps = torch.full((1,), 500.0, device=param.device)
     return model(hidden_states=noisy_latents, timestep=timesteps,
-                 encoder_hidden_states=prompt_embeds.to(param.device, param.dtype), return_dict=False,
+                 encoder_hidden_states=prompt_embeds.to(param.device, dtype), return_dict=False,
                  **extra)[0].float().sum()
 
 

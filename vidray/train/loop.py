@@ -25,6 +25,7 @@ Errors that a retry cannot fix are raised as `vidray.errors.UserError`s: the dri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -70,6 +71,7 @@ from vidray.train.ema import EMA, copy_averages_to
 from vidray.train.expert_groups import ExpertGroups, form_expert_groups, full_expert_state, gather_experts_to_rank0
 from vidray.train.optim import apply_optim_config, build_lr_scheduler, build_optimizer
 from vidray.train.parallel import (
+    FROZEN_BASE_PLACED,
     build_transformer,
     clip_grad_norm_,
     full_model_for_export,
@@ -271,6 +273,10 @@ class Worker:
         pretrained one on the meta device when sharded: `parallelize` then loads each rank's shards), with its
         LoRA adapters when `model.lora` is set (before the probe, AC, DDP and the optimizer)."""
         job = self.job
+        # A LoRA run's frozen base is built in host memory: its storage dtype (and block swap) apply there, before
+        # the GPU holds any of it (a 14 B expert in fp32 would not fit where its fp8 copy does).
+        stored_base = job.model.lora is not None and job.scaling.strategy == "ddp"
+        build_device = torch.device("cpu") if stored_base else self.device
         if self.vae_run:
             transformer = VAEObjective(self.family.build_trainable_vae(job.model, seed=job.train.seed),
                                        job.vae_training)
@@ -282,9 +288,9 @@ class Worker:
                 transformer = ExpertSlot(meta, expert)
             else:
                 built = self.family.build_expert(job.model, seed=job.train.seed, expert=expert)
-                transformer, pretrained_weights = ExpertSlot(built, expert).to(self.device), None
+                transformer, pretrained_weights = ExpertSlot(built, expert).to(build_device), None
         else:
-            transformer, pretrained_weights = build_transformer(self.family, job, self.device)
+            transformer, pretrained_weights = build_transformer(self.family, job, build_device)
         if job.model.lora is not None:
             from vidray.models.lora import apply_lora, lora_summary
 
@@ -294,7 +300,41 @@ class Worker:
                      if self.experts is not None else " (both experts)")
             self._log(f"LoRA rank {job.model.lora.rank} on {', '.join(job.model.lora.target_modules)}: "
                       f"{counts['trainable']:,} of {counts['total']:,} parameters train{whose}")
+        if stored_base and not self.vae_run:
+            transformer = self._place_frozen_base(transformer)
         return transformer, pretrained_weights
+
+    def _place_frozen_base(self, transformer: torch.nn.Module) -> torch.nn.Module:
+        """4b. A LoRA run's frozen base (built in host memory): its `memory.storage_dtype`
+        (`vidray.models.storage`; under `model.experts` layout shared both experts' bases, layout groups hold this
+        rank's expert alone), then `memory.block_swap` (its last N blocks stay in pinned host memory,
+        `vidray.train.block_swap`), then the rest to the device."""
+        from vidray.models.storage import apply_storage_dtype, module_storage_bytes, storage_dtype_name
+
+        job = self.job
+        try:
+            dtype = apply_storage_dtype(transformer, job.memory.storage_dtype, self.device,
+                                        mixed_precision=job.train.mixed_precision)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+        if dtype != torch.float32:
+            self._log(f"frozen base stored in {storage_dtype_name(dtype)} (memory.storage_dtype: "
+                      f"{job.memory.storage_dtype}): {module_storage_bytes(transformer) / 2**30:.2f} GiB")
+        if job.memory.block_swap:
+            from vidray.train.block_swap import apply_block_swap
+
+            try:
+                swaps = apply_block_swap(transformer, self.family.block_lists(transformer), job.memory.block_swap,
+                                         self.device)
+            except ValueError as err:
+                raise UserError(str(err)) from None
+            self._log(f"block swap: the last {job.memory.block_swap} blocks of {swaps[0].num_blocks} in pinned host "
+                      f"memory ({sum(s.host_bytes() for s in swaps) / 2**30:.2f} GiB), streamed one block ahead")
+        else:
+            transformer = transformer.to(self.device)
+        if dtype != torch.float32 or job.memory.block_swap:
+            setattr(transformer, FROZEN_BASE_PLACED, storage_dtype_name(dtype))
+        return transformer
 
     def _load_data(self, *, local_ranks: int) -> None:
         """1. The sample table and the schedule; the clips stay in the shards until the loader streams them.
@@ -316,13 +356,21 @@ class Worker:
         under FSDP), the optimizer (of the sharded parameters under FSDP), lr schedule and precision (autocast,
         fp16's grad scaler)."""
         job, family = self.job, self.family
-        no_grad = set(unused_parameter_names(transformer) if self.vae_run else
-                      family.no_grad_parameter_names(transformer))
+        # A base stored in bf16 / fp8 computes in bf16: its probes run under bf16 autocast, as its steps do.
+        stored = getattr(transformer, FROZEN_BASE_PLACED, None) not in (None, "fp32")
+        probe_context = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if stored else \
+            contextlib.nullcontext
+        with probe_context():
+            no_grad = set(unused_parameter_names(transformer) if self.vae_run else
+                          family.no_grad_parameter_names(transformer))
         for name, param in transformer.named_parameters():
             if name in no_grad:
                 param.requires_grad_(False)
         transformer.train()
-        probe = vae_probe_loss if self.vae_run else lambda m: family.probe_loss(m, transformer)
+
+        def probe(m: torch.nn.Module) -> torch.Tensor:
+            with probe_context():
+                return vae_probe_loss(m) if self.vae_run else family.probe_loss(m, transformer)
         self.model, self.comm = parallelize(transformer, job, example_loss=probe,
                                             pretrained_weights=pretrained_weights, device=self.device,
                                             process_group=None if self.experts is None else self.experts.group,
@@ -765,6 +813,11 @@ class Worker:
                              else f"{run_dir.rstrip('/')}/diffusers")
         elif self.experts is not None:
             trained_full, ema_weights = self._gather_experts()
+        elif getattr(self.transformer, FROZEN_BASE_PLACED, None) is not None:
+            # A base stored in bf16 / fp8 or block-swapped is not what the run was given: the export holds the
+            # trained adapters on a fresh fp32 base (the seeded or pretrained weights), never the stored copy.
+            trained_full = _with_fresh_base(self.family, job, self.transformer) if rank == 0 else None
+            ema_weights = self.ema.full_averages() if self.ema is not None and job.export.weights == "ema" else None
         else:
             trained_full = full_model_for_export(self.model, self.transformer,
                                                  lambda: _build_unsharded(self.family, job), rank)
@@ -868,6 +921,16 @@ def _experts_note(job: Any) -> str:
     experts = job.model.experts
     held = "one worker group each" if experts.layout == "groups" else "both on every worker"
     return f", two experts switched at timestep {experts.boundary_ratio * job.flow.num_train_timesteps:g} ({held})"
+
+
+def _with_fresh_base(family: Any, job: Any, transformer: torch.nn.Module) -> torch.nn.Module:
+    """`_build_unsharded` (fp32, host memory) holding `transformer`'s trained LoRA adapters: the export of a run
+    whose frozen base was stored in bf16 / fp8 or block-swapped (`memory`)."""
+    from vidray.models.lora import adapter_state_dict, load_adapter_state_dict
+
+    full = _build_unsharded(family, job)
+    load_adapter_state_dict(full, adapter_state_dict(transformer))
+    return full
 
 
 def _build_unsharded(family: Any, job: Any) -> torch.nn.Module:

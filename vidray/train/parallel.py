@@ -241,8 +241,19 @@ def device_mesh(strategy: str, *, shard_group_size: int | None = None, device_ty
     raise ValueError(f"device_mesh: scaling.strategy must be fsdp or hsdp, got {strategy!r}")
 
 
+def fsdp_offload_policy(enabled: bool, device: torch.device | str):
+    """FSDP2's offload policy for `memory.fsdp_cpu_offload`: `CPUOffloadPolicy(pin_memory=True on CUDA)` when
+    enabled (sharded parameters, gradients and optimizer state in host memory; each block's parameters copied to
+    the device for its all-gather, the optimizer step on the CPU), else the default `OffloadPolicy()` (none)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not enabled:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=torch.device(device).type == "cuda")
+
+
 def apply_fsdp(transformer: torch.nn.Module, mesh, mp_policy, reshard_after_forward: bool = True, *,
-               blocks: torch.nn.ModuleList | None = None) -> torch.nn.Module:
+               blocks: torch.nn.ModuleList | None = None, offload_policy: Any = None) -> torch.nn.Module:
     """FSDP2 (`torch.distributed.fsdp.fully_shard`) on each block of `blocks` (the family's,
     `ModelFamily.block_lists`; default `transformer.transformer_blocks`), then on the root (torchtitan's
     `apply_fsdp`: a block's parameters are all-gathered just before its forward and, with
@@ -264,11 +275,12 @@ def apply_fsdp(transformer: torch.nn.Module, mesh, mp_policy, reshard_after_forw
     if not isinstance(blocks, torch.nn.ModuleList):
         raise ValueError(f"scaling.strategy: fsdp: {type(transformer).__name__} has no transformer_blocks to shard; "
                          "use scaling.strategy: ddp")
+    offload = {} if offload_policy is None else {"offload_policy": offload_policy}
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again first in the backward: keeping them saves one all-gather.
         fully_shard(block, mesh=mesh, mp_policy=mp_policy,
-                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(transformer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **offload)
+    fully_shard(transformer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, **offload)
     return transformer
 
 
@@ -384,7 +396,8 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
             raise ValueError("scaling.strategy: fsdp shards one transformer's blocks: two experts on every worker "
                              "(model.experts.layout: shared) train with ddp")
         apply_fsdp(transformer, mesh, mixed_precision_policy(job.train.mixed_precision),
-                   job.scaling.reshard_after_forward, blocks=None if blocks is None else blocks[0])
+                   job.scaling.reshard_after_forward, blocks=None if blocks is None else blocks[0],
+                   offload_policy=fsdp_offload_policy(job.memory.fsdp_cpu_offload, device))
         if pretrained_weights is not None:
             _load_pretrained_shards(transformer, pretrained_weights, device=device, seed=job.train.seed,
                                     restore_buffers=None if family is None else family.restore_buffers)
@@ -418,6 +431,12 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
     return model, comm
 
 
+FROZEN_BASE_PLACED = "_vidray_frozen_base"
+"""Attribute a LoRA run's transformer carries once its frozen base is stored (`memory.storage_dtype` other than
+fp32) or block-swapped (`memory.block_swap`) and placed on the device: `wrap_ddp` then neither moves it nor lets
+DDP broadcast its frozen weights. Its value: the storage dtype's name."""
+
+
 def wrap_ddp(model: torch.nn.Module, device: torch.device | str, ddp_kwargs: dict[str, Any]) -> torch.nn.Module:
     """`model` on `device`, wrapped in DistributedDataParallel (with `ddp_kwargs`) when the default process group
     has more than one rank; unwrapped on one rank, or with no group. What Ray Train's `prepare_model` does (its
@@ -425,9 +444,18 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device | str, ddp_kwargs: dic
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = model.to(device)
+    if getattr(model, FROZEN_BASE_PLACED, None) is None:  # else placed already: block swap's blocks stay on the host
+        model = model.to(device)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return model
+    if getattr(model, FROZEN_BASE_PLACED, None) is not None:
+        # A LoRA base stored in bf16 / fp8 or block-swapped: DDP neither broadcasts it (gloo has no float8, and
+        # swapped blocks are in host memory) nor reduces it (frozen): every rank built the same base (one seed, or
+        # the same pretrained files).
+        from vidray.models.storage import frozen_parameter_names
+
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, frozen_parameter_names(model) + [name for name, _ in model.named_buffers()])
     if device.type == "cuda":
         ddp_kwargs = {"device_ids": [device], "output_device": device, **ddp_kwargs}
     return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)

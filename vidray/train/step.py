@@ -213,8 +213,13 @@ def check_finite_window(
 
 
 def non_finite_parameters(module: torch.nn.Module) -> list[str]:
-    """Names of parameters holding a NaN or Inf (one host sync for the whole module; call at checkpoint time)."""
-    named = list(module.named_parameters())
+    """Names of parameters holding a NaN or Inf (one host sync for the whole module; call at checkpoint time).
+    Frozen weights stored in fp8 (`memory.storage_dtype`, which torch's `isfinite` does not take) or swapped to
+    host memory (`memory.block_swap`) are left out: they never change during training."""
+    every = list(module.named_parameters())
+    device = next((p.device for _, p in every if p.requires_grad), None)
+    named = [(name, p) for name, p in every if p.requires_grad or (
+        p.dtype != torch.float8_e4m3fn and (device is None or p.device == device))]
     if not named:
         return []
     # A sharded (FSDP, DTensor) parameter is checked on this rank's shard, then the flags are agreed over ranks
