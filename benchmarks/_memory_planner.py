@@ -30,27 +30,14 @@ LORA_RANK = 8
 
 
 def _apply_storage(model: torch.nn.Module, storage: str) -> str:
-    """Store `model`'s frozen weights in `storage`; returns how it was applied (for the details)."""
+    """Store `model`'s frozen weights in `storage` (`vidray.models.storage.apply_storage_dtype`, what training
+    does); returns how it was applied (for the details)."""
     if storage == "fp32":
         return "fp32 (unchanged)"
-    try:
-        from vidray.models.storage import apply_storage_dtype
-    except ImportError:
-        apply_storage_dtype = None
-    if apply_storage_dtype is not None:
-        apply_storage_dtype(model, storage, torch.device("cpu"))
-        return "vidray.models.storage.apply_storage_dtype"
-    for p in model.parameters():
-        if not p.requires_grad:
-            p.data = p.data.to(torch.bfloat16)
-    if storage == "fp8":
-        from diffusers.hooks import apply_layerwise_casting
-        from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+    from vidray.models.storage import apply_storage_dtype
 
-        apply_layerwise_casting(model, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16,
-                                skip_modules_pattern=tuple(DEFAULT_SKIP_MODULES_PATTERN) + ("lora_",))
-        return "bf16 cast + diffusers apply_layerwise_casting (vidray.models.storage absent on this branch)"
-    return "bf16 cast of the frozen weights"
+    apply_storage_dtype(model, storage, torch.device("cpu"))
+    return "vidray.models.storage.apply_storage_dtype"
 
 
 def _training_rows() -> list[dict[str, Any]]:

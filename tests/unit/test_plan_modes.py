@@ -209,8 +209,7 @@ def test_a_lora_step_on_a_bf16_or_fp8_stored_base_is_planned_within_15_percent(s
     to float8_e4m3fn with bf16 compute; the adapters fp32): the measured step holds a bf16 copy of every castable
     weight until the backward, which the plan counts (`benchmarks/_memory_planner.py` measures the medium preset)."""
     from diffusers import EasyAnimateTransformer3DModel
-    from diffusers.hooks import apply_layerwise_casting
-    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+    from vidray.models.storage import apply_storage_dtype
     from peft import LoraConfig, inject_adapter_in_model
 
     from vidray.train.memory import measure_training_step
@@ -222,12 +221,7 @@ def test_a_lora_step_on_a_bf16_or_fp8_stored_base_is_planned_within_15_percent(s
     model = EasyAnimateTransformer3DModel(**preset.config)
     model.requires_grad_(False)
     inject_adapter_in_model(LoraConfig(r=8, lora_alpha=8, target_modules=list(LORA_TARGETS["easyanimate"])), model)
-    for p in model.parameters():
-        if not p.requires_grad:
-            p.data = p.data.to(torch.bfloat16)
-    if storage == "fp8":
-        apply_layerwise_casting(model, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16,
-                                skip_modules_pattern=tuple(DEFAULT_SKIP_MODULES_PATTERN) + ("lora_",))
+    apply_storage_dtype(model, storage, "cpu")  # bf16, or fp8 through diffusers' layerwise casting
     model.train()
 
     def inputs():
