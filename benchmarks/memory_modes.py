@@ -2,7 +2,7 @@
 present (`figures()` -> {name: {"value", "unit", "goal"}}, with optional details under `_details`) is run in turn
 and its figures merged; a module whose run raised gives its figures as misses (`benchmarks/_figures.py`).
 
-Run: PYTHONPATH=$PWD .venv/bin/python benchmarks/memory_modes.py [--only export]
+Run: .venv/bin/python benchmarks/memory_modes.py [--only export]   (about 15 minutes on 2 cores)
 
 The last stdout line is one JSON object: {"benchmark": "memory_modes", "figures": {...}, "details": {...}}.
 """
@@ -16,7 +16,8 @@ import sys
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the _memory_* modules
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # vidray and `benchmarks._figures`
 
 from _figures import fill_misses  # noqa: E402
 

@@ -135,7 +135,7 @@ print(json.dumps({{"frames": frames, "answer": answer}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "RAY_", "VIRTUAL_ENV"))}
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONNOUSERSITE="1")
     try:
-        done = subprocess.run(["flock", "/tmp/vidray-ray.lock", python, "-c", code], env=env, cwd=tmp_path,
+        done = subprocess.run([python, "-c", code], env=env, cwd=tmp_path,
                               capture_output=True, text=True, timeout=240)
     finally:
         _end_processes_under(temp_dir)
