@@ -608,7 +608,7 @@ def strategy_modes(strategy: Strategy) -> tuple[MemoryMode, ...]:
     "the fewest blocks that fit"). fp32 strategies: fp32 storage only (the reference rows). bf16: the frozen
     weights in bf16 (free under bf16 autocast); LoRA also fp8 and fp8 + block swap (not with FSDP), and with AC
     fp8 + activation offload (+ the fewest swapped blocks that fit, none included; fsdp+lora: no swap); FSDP full
-    fine-tuning also FSDP2 CPU offload."""
+    fine-tuning also FSDP2 CPU offload, and with AC activation offload (with or without the CPU offload)."""
     if strategy.precision == "fp32":
         return (MemoryMode("fp32"),)
     ac = strategy.activation_checkpointing
@@ -619,7 +619,9 @@ def strategy_modes(strategy: Strategy) -> tuple[MemoryMode, ...]:
         offload = (MemoryMode("fp8", activation_offload=True),) if ac else ()
         return MemoryMode("bf16"), MemoryMode("fp8"), *offload
     if strategy.kind == "fsdp":
-        return MemoryMode("bf16"), MemoryMode("bf16", fsdp_cpu_offload=True)
+        offload = ((MemoryMode("bf16", activation_offload=True),
+                    MemoryMode("bf16", fsdp_cpu_offload=True, activation_offload=True)) if ac else ())
+        return MemoryMode("bf16"), MemoryMode("bf16", fsdp_cpu_offload=True), *offload
     return (MemoryMode("bf16"),)
 
 
