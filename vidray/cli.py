@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from vidray.config import JobConfig, load_job_config
 from vidray.errors import UserError
@@ -303,11 +304,21 @@ def _plan_inference(args: argparse.Namespace, preset, gpu_memory: int, host_memo
 
     bucket = Bucket(*sizes) if all(v is not None for v in sizes) else None
     text_tokens = None
-    from pathlib import Path
-
+    serve = _serve_config_args(args.config) if args.config is not None and Path(args.config).is_file() else None
+    storage, offload = "bf16", None
     if args.config is not None and Path(args.config).is_dir():
         if preset is None:
             preset = inference_preset(args.config)
+    elif serve is not None:  # a serve config: its model, its limits' largest video, its memory modes
+        if preset is None:
+            if not (Path(serve.model_path) / "transformer" / "config.json").is_file():
+                raise UserError(f"{args.config}: model_path {serve.model_path} is not a diffusers folder here: give "
+                                "--preset NAME (e.g. --preset easyanimate-v5-7b) to plan its shape")
+            preset = inference_preset(serve.model_path)
+        if bucket is None:
+            bucket = Bucket(serve.limits.max_num_frames, serve.limits.max_height, serve.limits.max_width)
+        storage = "bf16" if serve.memory.storage_dtype in ("auto", "fp32") else serve.memory.storage_dtype
+        offload = serve.memory.offload
     elif args.config is not None:
         job = _load(args)
         if preset is None:
@@ -327,7 +338,31 @@ def _plan_inference(args: argparse.Namespace, preset, gpu_memory: int, host_memo
     report = plan_inference(preset, bucket=bucket, gpu_memory_bytes=gpu_memory, guidance=args.guidance_scale > 1,
                             text_tokens=text_tokens, host_memory_bytes=host_memory)
     print(format_inference_report(report))
+    if offload is not None:  # a serve config: does its own memory section fit?
+        own = next(e for e in report.estimates if (e.storage, e.offload) == (storage, offload))
+        print(f"the serve config's memory (storage {storage}, offload {offload}): "
+              f"{'fits' if own.fits else 'does not fit'}")
+        return 0 if own.fits else 1
     return 0 if report.chosen is not None else 1
+
+
+def _serve_config_args(path: str):
+    """The first application's settings (`vidray.serve.app.ServeSettings`) of a Serve config file (a YAML with
+    `applications`), or None for any other file (a job config). Raises UserError for a serve config whose args do
+    not validate."""
+    import yaml
+
+    raw = yaml.safe_load(Path(path).read_text())
+    if not isinstance(raw, dict) or not raw.get("applications"):
+        return None
+    from pydantic import ValidationError
+
+    from vidray.serve.app import ServeSettings
+
+    try:
+        return ServeSettings(**(raw["applications"][0].get("args") or {}))
+    except ValidationError as err:
+        raise UserError(f"{path}: its first application's args do not validate: {err.errors()[0]['msg']}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -422,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "and largest bucket, and the one that fits; with --inference, of generating one video in "
                        "each offload mode; reserves nothing")
     p.add_argument("config", nargs="?", help="job YAML, e.g. jobs/configs/tiny_t2v.yaml; with --inference also a "
-                   "diffusers model folder, or nothing with --preset")
+                   "serve config (serve/serve_config.yaml), a diffusers model folder, or nothing with --preset")
     p.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides, e.g. train.max_steps=20")
     p.add_argument("--inference", action="store_true", help="plan generation instead of training: which storage "
                    "dtype and offload mode (none, model, group, sequential) fits one GPU of --gpu-memory")

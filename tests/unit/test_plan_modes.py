@@ -240,3 +240,26 @@ def test_a_lora_step_on_a_bf16_or_fp8_stored_base_is_planned_within_15_percent(s
 
 def test_headroom_constants_are_the_documented_ones():
     assert HEADROOM == 0.10 and HOST_HEADROOM == 0.30
+
+
+@pytest.mark.parametrize("memory, fits", [("{storage_dtype: fp8, offload: model}", True),
+                                          ("{storage_dtype: auto, offload: none}", False)])
+def test_plan_inference_of_a_serve_config_checks_its_own_memory_section(capsys, tmp_path, memory, fits):
+    """`vidray plan --inference serve_config.yaml`: the limits' largest video (49x576x1008 here) of EasyAnimateV5-7b
+    on one 24 GiB GPU; the seeds' fp8 + model offload row fits, bf16 without offload does not (exit 1)."""
+    config = tmp_path / "serve_config.yaml"
+    config.write_text(f"""applications:
+  - name: vidray
+    import_path: vidray.serve.app:build_app
+    args:
+      model_path: {tmp_path}/no-model
+      limits: {{max_num_frames: 49, max_height: 576, max_width: 1008}}
+      memory: {memory}
+""")
+    code, out = _plan(capsys, "--inference", str(config), "--preset", "easyanimate-v5-7b", "--gpu-memory", "24GiB",
+                      "--host-memory", "64GiB")
+    assert "49x576x1008" in out.replace(" ", "") or "49 x 576 x 1008" in out, out
+    assert code == (0 if fits else 1), out
+    assert "the serve config's memory" in out and (" fits" if fits else "does not fit") in out.splitlines()[-1]
+    code = main(["plan", "--inference", str(config), "--gpu-memory", "24GiB"])  # no folder, no --preset
+    assert code == 2 and "is not a diffusers folder here: give --preset" in capsys.readouterr().err
