@@ -887,6 +887,10 @@ class JobConfig:
             raise ValueError("memory.storage_dtype: fp8 under model.lora needs train.activation_checkpointing: full "
                              "(or every_<n>): without recomputation autograd keeps each layer's bf16 copy of its weight "
                              "for the backward, more than a bf16 base holds; or use memory.storage_dtype: bf16")
+        if mem.storage_dtype in ("bf16", "fp8") and self.model.lora is not None and self.scaling.strategy != "ddp":
+            raise ValueError(f"memory.storage_dtype: {mem.storage_dtype} stores a replicated LoRA base; with "
+                             f"scaling.strategy: {self.scaling.strategy} FSDP2 shards the base in fp32: use "
+                             "scaling.strategy: ddp (with memory.block_swap), or memory.storage_dtype: auto")
         if mem.fsdp_cpu_offload and self.scaling.strategy == "ddp":
             raise ValueError("memory.fsdp_cpu_offload: true needs scaling.strategy: fsdp or hsdp (FSDP2's "
                              "CPUOffloadPolicy); with ddp use memory.block_swap under model.lora")

@@ -235,10 +235,10 @@ def test_fsdp_with_lora_is_planned_with_the_base_sharded_and_checked_as_the_job_
     report = check_fits(job, 80 * 2**30, 8)
     assert report.requested.strategy.kind == "fsdp+lora"
     by_name = {e.name: e for e in report.estimates}
-    lora, sharded = by_name["lora bf16, bf16 frozen"], by_name["fsdp+lora bf16, bf16 frozen"]
+    lora, sharded = by_name["lora bf16, bf16 frozen"], by_name["fsdp+lora bf16, fp32 frozen"]
     assert sharded.optimizer < lora.optimizer and sharded.ddp_buckets == 0
-    counts = report.counts  # an eighth of the bf16 base and the fp32 adapters, plus two gathered bf16 blocks
-    assert sharded.parameters == -(-(2 * counts.total + 4 * counts.lora_parameters) // 8) + 2 * 2 * max(counts.blocks)
+    counts = report.counts  # an eighth of the fp32 base (FSDP2's shards) and adapters, plus two gathered bf16 blocks
+    assert sharded.parameters == -(-(4 * counts.total + 4 * counts.lora_parameters) // 8) + 2 * 2 * max(counts.blocks)
     assert sharded.parameters < lora.parameters
     # on one GPU there is nothing to shard: planned as lora
     assert check_fits(job, 80 * 2**30, 1).requested.strategy.kind == "lora"

@@ -5,6 +5,7 @@ with an fp8-stored base under bf16 autocast."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,3 +231,18 @@ def test_a_run_with_an_fp8_base_exports_its_adapters_on_the_fp32_base(shards_dir
     fresh = get_family("easyanimate").build_transformer(job.model, seed=job.train.seed)
     untouched = [n for n, _ in fresh.named_parameters() if "norm" in n and n in weights]
     assert untouched and all(torch.equal(weights[n], dict(fresh.named_parameters())[n]) for n in untouched)
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp8"])
+def test_a_stored_base_under_fsdp_is_refused_at_config_time(storage):
+    """FSDP2 shards a LoRA run's base as fp32 (the storage dtype applies to a replicated base): asking for bf16 / fp8
+    storage with scaling.strategy fsdp is a one-line error naming the fix, not a plan that counts bytes the
+    trainer never saves."""
+    from vidray.config import ConfigError, load_job_config
+
+    repo = Path(__file__).resolve().parents[2]
+    with pytest.raises(ConfigError, match=f"memory.storage_dtype: {storage} stores a replicated LoRA base.*"
+                                          "scaling.strategy: ddp"):
+        load_job_config(repo / "jobs/configs/tiny_t2v.yaml", [
+            "model.lora.rank=4", "scaling.strategy=fsdp", "train.mixed_precision=bf16",
+            "train.activation_checkpointing=full", f"memory.storage_dtype={storage}"])

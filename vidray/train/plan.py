@@ -606,8 +606,9 @@ def none_fits(report: PlanReport) -> str:
 def strategy_modes(strategy: Strategy) -> tuple[MemoryMode, ...]:
     """The memory modes the planner lists for `strategy` (block swap's count is found by `plan`: -1 here stands for
     "the fewest blocks that fit"). fp32 strategies: fp32 storage only (the reference rows). bf16: the frozen
-    weights in bf16 (free under bf16 autocast); LoRA also fp8 and fp8 + block swap (not with FSDP), and with AC
-    fp8 + activation offload (+ the fewest swapped blocks that fit, none included; fsdp+lora: no swap); FSDP full
+    weights in bf16 (free under bf16 autocast); LoRA also fp8 and fp8 + block swap, and with AC fp8 + activation
+    offload (+ the fewest swapped blocks that fit, none included); fsdp+lora: the base sharded in fp32 (what FSDP2
+    holds: the storage dtype applies to a replicated base only), with AC also activation offload; FSDP full
     fine-tuning also FSDP2 CPU offload, and with AC activation offload (with or without the CPU offload)."""
     if strategy.precision == "fp32":
         return (MemoryMode("fp32"),)
@@ -615,9 +616,9 @@ def strategy_modes(strategy: Strategy) -> tuple[MemoryMode, ...]:
     if strategy.kind == "lora":
         offload = (MemoryMode("fp8", block_swap=-1, activation_offload=True),) if ac else ()
         return MemoryMode("bf16"), MemoryMode("fp8"), MemoryMode("fp8", block_swap=-1), *offload
-    if strategy.kind == "fsdp+lora":
-        offload = (MemoryMode("fp8", activation_offload=True),) if ac else ()
-        return MemoryMode("bf16"), MemoryMode("fp8"), *offload
+    if strategy.kind == "fsdp+lora":  # FSDP2 shards the base as fp32 (vidray.models.storage stores a replicated one)
+        offload = (MemoryMode("fp32", activation_offload=True),) if ac else ()
+        return MemoryMode("fp32"), *offload
     if strategy.kind == "fsdp":
         offload = ((MemoryMode("bf16", activation_offload=True),
                     MemoryMode("bf16", fsdp_cpu_offload=True, activation_offload=True)) if ac else ())
@@ -769,11 +770,13 @@ def _encoders_on_gpu(job: Any, preset: ShapePreset, storage: StorageDtype | None
 
 def job_mode(job: Any) -> MemoryMode:
     """The memory mode `job` asks for (`memory:`): `storage_dtype` auto is bf16 with `scaling.use_gpu` (the device
-    vidray plans), fp32 without."""
+    vidray plans), fp32 without; a LoRA base sharded by FSDP2 (fsdp / hsdp) is fp32."""
     memory = getattr(job, "memory", None)
     if memory is None:
         return MemoryMode("bf16" if job.scaling.use_gpu else "fp32")
     storage = memory.storage_dtype if memory.storage_dtype != "auto" else ("bf16" if job.scaling.use_gpu else "fp32")
+    if job.model.lora is not None and job.scaling.strategy != "ddp":
+        storage = "fp32"  # FSDP2 shards the frozen base as fp32 (config refuses bf16 / fp8 there)
     return MemoryMode(storage, block_swap=memory.block_swap, fsdp_cpu_offload=memory.fsdp_cpu_offload,
                       activation_offload=getattr(memory, "activation_offload", False))
 
