@@ -47,7 +47,7 @@ def _training_rows() -> list[dict[str, Any]]:
     from vidray.data.buckets import Bucket
     from vidray.models.presets import get_preset
     from vidray.train.memory import measure_training_step
-    from vidray.train.plan import LORA_TARGETS, MemoryMode, Strategy, count_model, estimate_memory
+    from vidray.train.plan import lora_targets, MemoryMode, Strategy, count_model, estimate_memory
 
     preset = get_preset("medium")
     counts = count_model(preset, lora_rank=LORA_RANK)
@@ -60,7 +60,7 @@ def _training_rows() -> list[dict[str, Any]]:
             model = EasyAnimateTransformer3DModel(**preset.config)
             model.requires_grad_(False)
             inject_adapter_in_model(LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK,
-                                               target_modules=list(LORA_TARGETS["easyanimate"])), model)
+                                               target_modules=list(lora_targets("easyanimate"))), model)
             how = _apply_storage(model, storage)
             if ac:
                 model.enable_gradient_checkpointing()

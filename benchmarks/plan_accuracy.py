@@ -34,7 +34,7 @@ def planner_vs_measured(cases: dict = CASES) -> list[dict]:
     from vidray.data.buckets import Bucket
     from vidray.models.presets import get_preset
     from vidray.train.memory import measure_training_step
-    from vidray.train.plan import LORA_TARGETS, Strategy, count_model, estimate_memory
+    from vidray.train.plan import lora_targets, Strategy, count_model, estimate_memory
 
     rows = []
     for name, (bucket, batch) in cases.items():
@@ -50,7 +50,7 @@ def planner_vs_measured(cases: dict = CASES) -> list[dict]:
                     if kind == "lora":
                         model.requires_grad_(False)
                         inject_adapter_in_model(LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK,
-                                                           target_modules=list(LORA_TARGETS["easyanimate"])), model)
+                                                           target_modules=list(lora_targets("easyanimate"))), model)
                     if ac:
                         model.enable_gradient_checkpointing()
                     model.train()

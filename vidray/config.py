@@ -25,6 +25,7 @@ from pydantic.dataclasses import dataclass
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.data.cache import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR
 from vidray.errors import UserError, UserFileNotFound
+from vidray.models.cards import all_cards, get_card  # plain data: no torch
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
@@ -36,6 +37,11 @@ class ConfigError(UserError):
 
 DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 """The attention projections, as diffusers' LoRA training scripts target them."""
+
+
+def _families_with(capability: str) -> str:
+    """The registered families whose card has `capability` (a truthy field, e.g. `blocks`), comma-separated."""
+    return ", ".join(sorted(card.name for card in all_cards() if getattr(card, capability)))
 
 
 def _number_not_boolean(key: str, value: Any) -> Any:
@@ -205,13 +211,14 @@ class ExpertsConfig:
 
 @dataclass(config=_STRICT, kw_only=True)
 class ModelConfig:
-    family: Literal["easyanimate", "wan", "cogvideox", "animatediff"] = "easyanimate"
-    """Model family from the registry in `vidray.models`: `easyanimate` (EasyAnimate V5.1 T2V, and I2V with
+    family: str = "easyanimate"
+    """Model family: the name of a registered family card (`vidray.models.cards`): `easyanimate` (EasyAnimate V5.1 T2V, and I2V with
     `model.i2v`), `wan` (Wan 2.1 T2V; I2V with `model.i2v`; Wan 2.2 A14B's two experts with `model.experts`),
     `cogvideox` (CogVideoX 1.0 T2V, and I2V with `model.i2v`; CogVideoX 1.5 T2V and I2V from a folder; v-prediction on the
     folder's own scheduler; `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused) or `animatediff` (AnimateDiff: SD 1.5 UNet + motion modules, epsilon; only the
-    motion modules train; `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused). Each family's bucket
-    rules are in `vidray.models.rules`."""
+    motion modules train; `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused), or a family added
+    without editing vidray (`docs/adding-a-family.md`). Each family's bucket rules are its card's
+    (`vidray.models.rules`)."""
     preset: Literal["tiny"] = "tiny"
     """Architecture preset used with `init: random` (ignored for `pretrained`)."""
     init: Literal["random", "pretrained"] = "random"
@@ -235,32 +242,39 @@ class ModelConfig:
     beside the base pipeline they were trained on. `vidray export --merge-lora` writes a merged folder."""
     i2v: I2VConfig | None = None
     """null: a text-to-video model. A section (`{condition: first, condition_dropout: 0.1}`; see `I2VConfig`): an
-    image-to-video model, for the families in `vidray.models.rules.IMAGE_TO_VIDEO_FAMILIES`; a pretrained folder
+    image-to-video model, for the families whose card names an image-to-video pipeline; a pretrained folder
     must then be the family's image-to-video pipeline (`EasyAnimateInpaintPipeline`, `WanImageToVideoPipeline`,
     `CogVideoXImageToVideoPipeline`), and the export is one."""
     experts: ExpertsConfig | None = None
     """null: one transformer. A section (`{boundary_ratio: 0.9}`; see `ExpertsConfig`): two experts switched at a
-    timestep boundary, for the families in `vidray.models.rules.EXPERT_FAMILIES` (Wan 2.2 A14B); a pretrained
+    timestep boundary, for the families whose card says `experts` (Wan 2.2 A14B); a pretrained
     folder must then hold both (`transformer_2/`, the same `boundary_ratio`)."""
+
+    @field_validator("family")
+    @classmethod
+    def _check_family(cls, family: str) -> str:
+        get_card(family)  # ValueError: unknown model family '...'; valid: ...
+        return family
 
     @model_validator(mode="after")
     def _check_pretrained(self):
         if self.init == "pretrained" and not self.pretrained_path:
             raise ValueError("model.init is 'pretrained' but model.pretrained_path is empty: give a local diffusers folder")
-        from vidray.models.rules import IMAGE_TO_VIDEO_FAMILIES  # plain data: no torch
-
-        if self.i2v is not None and self.family not in IMAGE_TO_VIDEO_FAMILIES:
+        card = get_card(self.family)
+        if self.i2v is not None and not card.image_to_video:
+            able = [c.name for c in all_cards() if c.image_to_video]
             raise ValueError(f"model.i2v is set but model.family {self.family} has no image-to-video model here; "
-                             f"use one of {', '.join(sorted(IMAGE_TO_VIDEO_FAMILIES))} or set model.i2v to null")
-        from vidray.models.rules import EXPERT_FAMILIES
-
-        if self.experts is not None and self.family not in EXPERT_FAMILIES:
+                             f"use one of {', '.join(sorted(able))} or set model.i2v to null")
+        if self.experts is not None and not card.experts:
+            able = [c.name for c in all_cards() if c.experts]
             raise ValueError(f"model.experts is set but model.family {self.family} has no two-expert model; use "
-                             f"{', '.join(sorted(EXPERT_FAMILIES))} or set model.experts to null")
+                             f"{', '.join(sorted(able))} or set model.experts to null")
         if self.i2v is not None and self.i2v.image_encoder:
-            if self.family != "wan":
+            if not card.clip_image_encoder:
+                able = [c.name for c in all_cards() if c.clip_image_encoder]
                 raise ValueError(f"model.i2v.image_encoder is true but model.family {self.family} takes no CLIP image "
-                                 "embeddings (only wan: Wan 2.1 I2V); set model.i2v.image_encoder to false")
+                                 f"embeddings (only {', '.join(sorted(able))}: Wan 2.1 I2V); set "
+                                 "model.i2v.image_encoder to false")
             if self.max_sequence_length != WAN_CLIP_TEXT_TOKENS:
                 raise ValueError(f"model.i2v.image_encoder needs model.max_sequence_length {WAN_CLIP_TEXT_TOKENS} "
                                  f"(Wan's transformer splits its context at {WAN_CLIP_TEXT_TOKENS} text tokens), got "
@@ -513,7 +527,7 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     """Recompute transformer blocks' activations in the backward instead of keeping them: `none`, `full` (every
     block) or `every_<n>` (every n-th block, e.g. `every_2`; only for a family with a list of transformer blocks,
-    `vidray.models.rules.FSDP_BLOCKS`: not AnimateDiff, refused at load). Same gradients, less memory, ~1/3 more
+    its card's `blocks`: not AnimateDiff, refused at load). Same gradients, less memory, ~1/3 more
     compute (`vidray.train.parallel.apply_activation_checkpointing`)."""
     grad_accumulation_steps: int | None = None
     """Micro-batches each worker accumulates per optimizer step: the global batch is `data.batch_size_per_worker` x
@@ -769,7 +783,7 @@ class JobConfig:
             except ValueError as err:
                 raise ValueError(f"data.buckets: {err} (the rule of model.family={self.model.family}, "
                                  "vidray.models.rules)") from None
-        if self.model.family in ("cogvideox", "animatediff") and self.flow.num_train_timesteps != 1000:
+        if get_card(self.model.family).objective == "ddim" and self.flow.num_train_timesteps != 1000:
             raise ValueError(f"flow.num_train_timesteps is {self.flow.num_train_timesteps}, but model.family: "
                              f"{self.model.family} trains on a 1000-step DDIM schedule: set flow.num_train_timesteps: "
                              "1000")
@@ -963,13 +977,11 @@ class JobConfig:
             raise ValueError("train.grad_compression: bf16 needs NCCL (scaling.use_gpu: true): torch's bf16 hook does "
                              "not run over gloo; on CPU use train.grad_compression: fp16 (the same bytes)")
         if parse_activation_checkpointing(train.activation_checkpointing) > 1 and train.objective != "vae":
-            from vidray.models.rules import FSDP_BLOCKS  # plain data: no torch
-
-            if self.model.family not in FSDP_BLOCKS:  # every_<n> wraps every n-th block of the family's block list
+            if get_card(self.model.family).blocks is None:  # every_<n> wraps every n-th block of the card's list
                 raise ValueError(
                     f"train.activation_checkpointing: {train.activation_checkpointing}: model.family "
                     f"{self.model.family} has no list of transformer blocks to take every n-th of (families with "
-                    f"one: {', '.join(sorted(FSDP_BLOCKS))}); use full (diffusers' gradient checkpointing) or none")
+                    f"one: {_families_with('blocks')}); use full (diffusers' gradient checkpointing) or none")
         if train.grad_accumulation_steps is not None:
             if train.grad_accumulation_steps < 1:
                 raise ValueError(f"train.grad_accumulation_steps must be >= 1 micro-batches per worker, got "
@@ -1055,16 +1067,15 @@ class JobConfig:
                                  f"boundary_ratio x 1000, as Wan 2.2's scheduler has it), got "
                                  f"{self.flow.num_train_timesteps}")
             return
-        from vidray.models.rules import FSDP_BLOCKS, META_FAMILIES
-
-        if self.model.family not in FSDP_BLOCKS:
+        card = get_card(self.model.family)
+        if card.blocks is None:
             raise ValueError(f"scaling.strategy: {scaling.strategy} shards a transformer's blocks, and model.family "
                              f"{self.model.family} has none to shard (families with FSDP: "
-                             f"{', '.join(sorted(FSDP_BLOCKS))}): set scaling.strategy: ddp")
-        if self.model.init == "pretrained" and self.model.family not in META_FAMILIES:
+                             f"{_families_with('blocks')}): set scaling.strategy: ddp")
+        if self.model.init == "pretrained" and not card.meta_build:
             raise ValueError(f"model.init: pretrained with scaling.strategy: {scaling.strategy} is not supported for "
                              f"model.family {self.model.family} yet (its transformer does not build on the meta "
-                             f"device; families that do: {', '.join(sorted(META_FAMILIES))}): set scaling.strategy: "
+                             f"device; families that do: {_families_with('meta_build')}): set scaling.strategy: "
                              "ddp")
         if self.model.experts is not None and self.model.experts.layout == "shared":
             raise ValueError(f"model.experts.layout: shared trains with scaling.strategy: ddp only (every worker holds "

@@ -36,6 +36,7 @@ from typing import Literal
 
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError
+from vidray.models.cards import get_card
 
 __all__ = ["INFERENCE_MODES", "InferenceEstimate", "InferenceReport", "check_generation_fits", "check_inference_fits",
            "format_inference_report", "inference_preset", "plan_inference"]
@@ -110,13 +111,13 @@ def _shape_terms(preset) -> tuple[int, int, int]:
     """(largest Linear weight of the transformer, its non-block parameters, text width) from the meta build."""
     import torch
 
-    from vidray.models.presets import meta_model
+    from vidray.models.presets import meta_model, planner_facts
 
     model = meta_model(preset)
     largest = max(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    blocks = model.blocks if preset.family == "wan" else model.transformer_blocks
+    blocks = getattr(model, get_card(preset.family).blocks)
     nonblock = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in blocks.parameters())
-    text_width = int(preset.config.get("text_dim") or preset.config.get("text_embed_dim") or 4096)
+    text_width = int(preset.config.get(planner_facts(preset.family).text_width_key) or 4096)
     return largest, nonblock, text_width
 
 
@@ -132,6 +133,7 @@ def plan_inference(preset, *, bucket: Bucket, gpu_memory_bytes: int, guidance: b
                                    sequence_lengths)
 
     counts = count_model(preset)
+    text_in_blocks = get_card(preset.family).planner.token_flow != "cross_attention"  # Wan: cross-attention keys
     n_video, latent_elems = sequence_lengths(preset, bucket)
     text_tokens = text_tokens or preset.text_seq_len
     largest_linear, nonblock, text_width = _shape_terms(preset)
@@ -142,7 +144,7 @@ def plan_inference(preset, *, bucket: Bucket, gpu_memory_bytes: int, guidance: b
         for storage in storages:
             a = 4 if storage == "fp32" else 2
             # 1. The denoising step: one block's working set over its tokens, the latents, the prompt embeddings.
-            tokens = n_video + (text_tokens if preset.family in ("easyanimate", "cogvideox") else 0)
+            tokens = n_video + (text_tokens if text_in_blocks else 0)
             per_token = max(12 * d * a + 4 * d, 4 * d * a + 2 * f * a)
             denoise = batch * (tokens * per_token + text_tokens * text_width * a) + 4 * latent_elems * 4
             decode = 3 * min(bucket.num_frames, VAE_SLICE_FRAMES) * bucket.height * bucket.width * \

@@ -60,7 +60,7 @@ def train_row(preset_name: str, storage: str, ac: bool, device: torch.device) ->
     from _memory_planner import _apply_storage
     from vidray.data.buckets import Bucket
     from vidray.models.presets import get_preset
-    from vidray.train.plan import LORA_TARGETS, MemoryMode, Strategy, count_model, estimate_memory
+    from vidray.train.plan import lora_targets, MemoryMode, Strategy, count_model, estimate_memory
 
     preset = get_preset(preset_name)
     bucket = Bucket(*BUCKET)
@@ -70,7 +70,7 @@ def train_row(preset_name: str, storage: str, ac: bool, device: torch.device) ->
         torch.manual_seed(0)
         model = EasyAnimateTransformer3DModel(**preset.config)
         model.requires_grad_(False)
-        inject_adapter_in_model(LoraConfig(r=8, lora_alpha=8, target_modules=list(LORA_TARGETS["easyanimate"])),
+        inject_adapter_in_model(LoraConfig(r=8, lora_alpha=8, target_modules=list(lora_targets("easyanimate"))),
                                 model)
         _apply_storage(model, storage)
         return model.to(device)

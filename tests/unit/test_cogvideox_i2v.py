@@ -29,7 +29,7 @@ from vidray.models import get_family  # noqa: E402
 from vidray.models.base import Components  # noqa: E402
 from vidray.models.cogvideox import SCHEDULER_CONFIG, TINY_I2V_TRANSFORMER, preprocess_image  # noqa: E402
 from vidray.models.export import inspect_model  # noqa: E402
-from vidray.models.rules import IMAGE_TO_VIDEO_FAMILIES  # noqa: E402
+from vidray.models.cards import get_card  # noqa: E402
 from vidray.train.step import flow_matching_step_loss  # noqa: E402
 
 BUCKET = Bucket(9, 32, 32)
@@ -84,7 +84,7 @@ def _stock(family, pipe, image, seed, steps, guidance_scale, output_type="latent
 
 def test_the_export_is_a_cogvideox_image_to_video_pipeline_taking_32_channels(family, exported):
     components, out_dir, pipe = exported
-    assert "cogvideox" in IMAGE_TO_VIDEO_FAMILIES
+    assert get_card("cogvideox").image_to_video
     assert json.loads((out_dir / "model_index.json").read_text())["_class_name"] == "CogVideoXImageToVideoPipeline"
     assert (pipe.transformer.config.in_channels, pipe.transformer.config.out_channels) == (32, 16)
     assert pipe.transformer.config.ofs_embed_dim is None and pipe.transformer.config.patch_size_t is None

@@ -31,8 +31,7 @@ from vidray.errors import UserError  # noqa: E402
 from vidray.generate import GenerateArgumentError, check_generate_args  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.base import ModelFamily  # noqa: E402
-from vidray.models.registry import FAMILIES  # noqa: E402
-from vidray.models.rules import IMAGE_TO_VIDEO_FAMILIES  # noqa: E402
+from vidray.models.cards import all_cards  # noqa: E402
 from vidray.models.export import inspect_model, load_model, write_job_file  # noqa: E402
 from vidray.models.vae import frames_to_video  # noqa: E402
 from vidray.train.step import condition_keep, flow_matching_step_loss, sample_generator  # noqa: E402
@@ -272,7 +271,7 @@ def test_an_image_for_a_t2v_model_and_a_bad_condition_dropout_fail_in_one_line(e
             job_config_from_dict({**JOB, "model": {**JOB["model"], "i2v": {"condition_dropout": dropout}}})
         assert "\n" not in str(err.value)
     # A family with no image-to-video model, when one is registered (easyanimate, wan and cogvideox all have one).
-    for t2v_only in sorted(set(FAMILIES) - IMAGE_TO_VIDEO_FAMILIES)[:1]:
+    for t2v_only in sorted(card.name for card in all_cards() if not card.image_to_video)[:1]:
         with pytest.raises(ConfigError, match=f"model.i2v is set but model.family {t2v_only} has no image-to-video"):
             job_config_from_dict({"model": {"family": t2v_only, "i2v": {}}})
     with pytest.raises(NotImplementedError, match="the easyanimate family has no image-to-video model"):

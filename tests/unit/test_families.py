@@ -1,7 +1,8 @@
 """Every registered model family through the same checks (issue 29, part 0): the family is the only way in.
 
-A new family is one file in `vidray/models/` plus its line in `vidray.models.registry`; these tests then run it
-through what the trainer, the sampler, the exporter and the serve stages ask of it: build the tiny preset, encode a
+A new family is one file with its `ModelFamily` subclass and its card (`vidray.models.cards`); these tests then run
+every registered family, and the toy family the tests folder adds without an edit under `vidray/`
+(`tests/families/toy_family.py`), through what the trainer, the sampler, the exporter and the serve stages ask of it: build the tiny preset, encode a
 clip and prompts, predict, take a training loss, take one sampler step, export a stock diffusers folder, load it
 back, decode. No module outside `vidray/models/` may import a family module: they reach a family through the
 registry only.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,15 +23,24 @@ from vidray.data.buckets import Bucket
 from vidray.diffusion.flow_matching import inference_sigmas
 from vidray.diffusion.sampler import denoise_step, generate_video
 from vidray.models.export import load_model, write_job_file
-from vidray.models.registry import FAMILIES
+from vidray.models.cards import register_card, unregister_card
+from vidray.models.registry import FAMILIES, forget_family
 from vidray.train.step import flow_matching_step_loss
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILY_MODULES = {type(family).__module__ for family in FAMILIES.values()}
+sys.path.insert(0, str(REPO / "tests" / "families"))
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=[*sorted(FAMILIES), "toy"])
 def built(request):
+    """(family, model config, tiny components) of each built-in family and of the toy one, whose card is
+    registered for its tests only (`register_card`) and removed after them."""
+    if request.param == "toy":
+        from toy_family import TOY_CARD
+
+        register_card(TOY_CARD)
+        request.addfinalizer(lambda: (unregister_card("toy"), forget_family("toy")))
     family = FAMILIES[request.param]
     cfg = ModelConfig(family=family.name, text_encoder="tiny_random", max_sequence_length=16)
     return family, cfg, family.build(cfg, seed=0)

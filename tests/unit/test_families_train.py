@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # 2 runs and a stock pipeline's sampling each: ~10-20 s
 SHARDED = {"wan": "fsdp", "cogvideox": "fsdp"}
 """The text-to-video families trained here with FSDP (`scaling.strategy`): their DDP runs are the image-to-video
-cases below; AnimateDiff has no blocks to shard (`vidray.models.rules.FSDP_BLOCKS`)."""
+cases below; AnimateDiff has no blocks to shard (its card's `blocks` is None)."""
 SAME_NOISE_AS_VIDRAY = ("animatediff",)
 """Families whose stock pipeline draws its initial noise from a seeded CPU generator in vidray's (B, C, F, H, W) layout
 (`vidray.diffusion.sampler.initial_noise`), so the same seed gives the same latents without passing `latents=`."""

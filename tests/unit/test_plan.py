@@ -16,7 +16,7 @@ from vidray.data.buckets import Bucket
 from vidray.errors import UserError
 from vidray.models.presets import get_preset
 from vidray.train.memory import measure_training_step, saved_tensor_census
-from vidray.train.plan import (LORA_TARGETS, Strategy, block_activation_bytes, check_cluster_fits, check_fits,
+from vidray.train.plan import (lora_targets, Strategy, block_activation_bytes, check_cluster_fits, check_fits,
                                cluster_gpu_memory_bytes, count_model, estimate_memory, job_strategy,
                                format_report, parse_bytes, plan_job)
 
@@ -38,7 +38,7 @@ def _lora(model: torch.nn.Module, family: str) -> None:
     from peft import LoraConfig, inject_adapter_in_model
 
     model.requires_grad_(False)
-    inject_adapter_in_model(LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, target_modules=list(LORA_TARGETS[family])),
+    inject_adapter_in_model(LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, target_modules=list(lora_targets(family))),
                             model)
 
 

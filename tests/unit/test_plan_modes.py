@@ -214,14 +214,14 @@ def test_a_lora_step_on_a_bf16_or_fp8_stored_base_is_planned_within_15_percent(s
     from peft import LoraConfig, inject_adapter_in_model
 
     from vidray.train.memory import measure_training_step
-    from vidray.train.plan import LORA_TARGETS
+    from vidray.train.plan import lora_targets
 
     torch.set_num_threads(1)
     preset = get_preset("tiny")
     torch.manual_seed(0)
     model = EasyAnimateTransformer3DModel(**preset.config)
     model.requires_grad_(False)
-    inject_adapter_in_model(LoraConfig(r=8, lora_alpha=8, target_modules=list(LORA_TARGETS["easyanimate"])), model)
+    inject_adapter_in_model(LoraConfig(r=8, lora_alpha=8, target_modules=list(lora_targets("easyanimate"))), model)
     apply_storage_dtype(model, storage, "cpu")  # bf16, or fp8 through diffusers' layerwise casting
     model.train()
 

@@ -24,7 +24,7 @@ from vidray.data.buckets import Bucket  # noqa: E402
 from vidray.diffusion.sampler import generate_video  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import inspect_model, load_model, write_job_file  # noqa: E402
-from vidray.models.rules import IMAGE_TO_VIDEO_FAMILIES  # noqa: E402
+from vidray.models.cards import BUILTIN_CARDS  # noqa: E402
 from vidray.serve.stages import Denoiser, TextEncoder, VaeDecoder  # noqa: E402
 
 BUCKET = Bucket(9, 32, 32)
@@ -32,7 +32,7 @@ BUCKET = Bucket(9, 32, 32)
 STEPS = 3
 
 
-@pytest.fixture(scope="module", params=[*sorted(IMAGE_TO_VIDEO_FAMILIES), "wan21"])
+@pytest.fixture(scope="module", params=[*sorted(c.name for c in BUILTIN_CARDS if c.image_to_video), "wan21"])
 def i2v_model_dir(request, tmp_path_factory):
     clip = request.param == "wan21"  # Wan 2.1 I2V: CLIP image embeddings, 512 text tokens
     family = get_family("wan" if clip else request.param)

@@ -49,7 +49,7 @@ from vidray.diffusion import ddim
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
-from vidray.models.rules import FAMILY_BUCKET_RULES
+from vidray.models.cards import get_card
 from vidray.models.text_encoder import build_clip_text_encoder, text_hidden_size
 
 __all__ = [
@@ -71,9 +71,9 @@ LATENT_CHANNELS = 4
 """Stable Diffusion's AutoencoderKL `latent_channels`: the UNet's in_channels."""
 SPATIAL_COMPRESSION_RATIO = 8
 """2 ** (len(block_out_channels) - 1) with 4 VAE blocks: the pipeline's `vae_scale_factor`."""
-TEMPORAL_COMPRESSION_RATIO = FAMILY_BUCKET_RULES["animatediff"].temporal_compression
+TEMPORAL_COMPRESSION_RATIO = get_card("animatediff").bucket_rules.temporal_compression
 """1: the SD VAE encodes every frame alone, so one latent frame per frame and any num_frames."""
-SPATIAL_MULTIPLE = FAMILY_BUCKET_RULES["animatediff"].spatial_multiple
+SPATIAL_MULTIPLE = get_card("animatediff").bucket_rules.spatial_multiple
 """64: the 8x VAE times SD 1.5's UNet (3 downsamplers, 8x), so every skip connection lines up
 (`vidray.models.rules`)."""
 PIPELINE_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")

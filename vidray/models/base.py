@@ -23,6 +23,7 @@ import torch
 
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket
+from vidray.models.cards import FamilyCard, get_card
 from vidray.diffusion.flow_matching import (add_noise, euler_step, inference_sigmas, timesteps_from_sigmas,
                                              velocity_target)
 
@@ -84,6 +85,11 @@ class ModelFamily(abc.ABC):
     """The training objective, as `noisy_latents` and `training_target` define it. The default is rectified flow
     (EasyAnimate, Wan): target = noise - latents. A family trained otherwise (CogVideoX: v-prediction; AnimateDiff:
     epsilon) overrides both methods (and its sampler); the training step calls only these."""
+
+    @property
+    def card(self) -> FamilyCard:
+        """This family's card (`vidray.models.cards`): its bucket rules, capabilities and planner facts."""
+        return get_card(self.name)
 
     def for_model(self, model_cfg: ModelConfig) -> "ModelFamily":
         """This family for the one model `model_cfg` describes (`init: pretrained`: the folder's configs, read
@@ -306,24 +312,23 @@ class ModelFamily(abc.ABC):
 
     def block_lists(self, transformer: torch.nn.Module) -> list[torch.nn.ModuleList] | None:
         """The `nn.ModuleList`s of the transformer's blocks that activation checkpointing wraps and FSDP2 shards
-        one by one (`vidray.train.parallel`): the family's `vidray.models.rules.FSDP_BLOCKS` attribute of the
+        one by one (`vidray.train.parallel`): the family card's `blocks` attribute of the
         transformer, of each expert of a `TwoExperts`, or of the expert of an `ExpertSlot`; None for a family
         without one (AnimateDiff) or a transformer that lacks it."""
         from vidray.models.experts import ExpertSlot, TwoExperts
-        from vidray.models.rules import FSDP_BLOCKS
-
         if isinstance(transformer, TwoExperts):
             modules = [transformer.transformer, transformer.transformer_2]
         else:
             modules = [transformer.first_expert if isinstance(transformer, ExpertSlot) else transformer]
-        lists = [getattr(module, FSDP_BLOCKS.get(self.name, ""), None) for module in modules]
+        attribute = self.card.blocks
+        lists = [getattr(module, attribute, None) if attribute else None for module in modules]
         return lists if all(isinstance(blocks, torch.nn.ModuleList) for blocks in lists) else None
 
     def build_transformer_on_meta(self, model_cfg: ModelConfig) -> tuple[torch.nn.Module, str]:
         """(the pretrained transformer built on the meta device from its folder's config: shapes, no weights; the
         folder of its safetensors), for sharded training (`vidray.train.parallel.load_sharded_from_safetensors`).
         Families that train large pretrained models with FSDP override it; the default raises ValueError naming
-        the family (the config refuses the combination at load: `vidray.models.rules.META_FAMILIES`)."""
+        the family (the config refuses the combination at load unless the card says `meta_build`)."""
         raise ValueError(f"model.init: pretrained with scaling.strategy: fsdp is not supported for {self.name} yet: "
                          "use scaling.strategy: ddp")
 

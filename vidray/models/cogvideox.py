@@ -86,7 +86,7 @@ from vidray.errors import UserError
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
-from vidray.models.rules import FAMILY_BUCKET_RULES
+from vidray.models.cards import get_card
 from vidray.models.text_encoder import build_t5_text_encoder, t5_text_width
 from vidray.models.vae import decode_latents, encode_video
 
@@ -119,8 +119,8 @@ LATENT_CHANNELS = 16
 """AutoencoderKLCogVideoX `latent_channels` (CogVideoX 1.0 T2V: the transformer's in_channels)."""
 SPATIAL_COMPRESSION_RATIO = 8
 """2 ** (len(block_out_channels) - 1) with 4 blocks: the pipeline's `vae_scale_factor_spatial`."""
-TEMPORAL_COMPRESSION_RATIO = FAMILY_BUCKET_RULES["cogvideox"].temporal_compression
-FRAME_STEP = FAMILY_BUCKET_RULES["cogvideox"].num_frames_step
+TEMPORAL_COMPRESSION_RATIO = get_card("cogvideox").bucket_rules.temporal_compression
+FRAME_STEP = get_card("cogvideox").bucket_rules.num_frames_step
 """num_frames is 1 or 8k+1: the VAE decodes 2 latent frames at a time, so only odd latent counts round-trip
 (`vidray.models.rules`)."""
 PATCH_SIZE = 2
@@ -128,7 +128,7 @@ PATCH_SIZE = 2
 PATCH_SIZE_T_15 = 2
 """CogVideoX 1.5's `patch_size_t`: two latent frames per patch, so its latent frames are padded to an even count (one
 leading frame for the odd counts of 8k+1 buckets; `latent_padding`). The only `patch_size_t` the family takes."""
-assert SPATIAL_COMPRESSION_RATIO * PATCH_SIZE == FAMILY_BUCKET_RULES["cogvideox"].spatial_multiple
+assert SPATIAL_COMPRESSION_RATIO * PATCH_SIZE == get_card("cogvideox").bucket_rules.spatial_multiple
 PIPELINE_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 """The subfolders of a CogVideoX diffusers folder (T2V or I2V) that vidray loads."""
 T2V_PIPELINE = "CogVideoXPipeline"

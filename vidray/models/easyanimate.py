@@ -35,7 +35,7 @@ from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.conditioning import generate_mask, image_to_video, masked_video
 from vidray.models.folders import (require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
-from vidray.models.rules import FAMILY_BUCKET_RULES
+from vidray.models.cards import get_card
 from vidray.models.text_encoder import build_text_encoder, encode_prompts, ensure_chat_template, text_hidden_size
 from vidray.models.vae import decode_latents, encode_video
 
@@ -54,9 +54,9 @@ __all__ = [
 LATENT_CHANNELS = 16
 """EasyAnimate V5.x latent channels; the tiny preset uses the same so shapes do not depend on the preset."""
 SPATIAL_COMPRESSION_RATIO = 8
-TEMPORAL_COMPRESSION_RATIO = FAMILY_BUCKET_RULES["easyanimate"].temporal_compression
+TEMPORAL_COMPRESSION_RATIO = get_card("easyanimate").bucket_rules.temporal_compression
 PATCH_SIZE = 2
-assert SPATIAL_COMPRESSION_RATIO * PATCH_SIZE == FAMILY_BUCKET_RULES["easyanimate"].spatial_multiple
+assert SPATIAL_COMPRESSION_RATIO * PATCH_SIZE == get_card("easyanimate").bucket_rules.spatial_multiple
 
 TINY_TRANSFORMER = dict(
     num_attention_heads=4,

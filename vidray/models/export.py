@@ -37,6 +37,7 @@ from vidray.config import ExpertsConfig, FlowConfig, I2VConfig, JobConfig, Model
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError, UserFileNotFound
 from vidray.locations import is_uri
+from vidray.models.cards import all_cards, card_for_pipeline
 
 if TYPE_CHECKING:
     import torch
@@ -68,8 +69,6 @@ __all__ = [
     "EXPERT_LORA_DIRS",
     "LORA_2_DIR",
     "READABLE_FORMAT_VERSIONS",
-    "STOCK_MAX_SEQUENCE_LENGTH",
-    "STOCK_MAX_SEQUENCE_LENGTHS",
     "MODEL_CACHE_ENV",
     "MODEL_INDEX",
     "ModelDownloadError",
@@ -128,21 +127,14 @@ JSON object {"format": 1, "base": <location>, "sha256": <fingerprint>, "files": 
 export's commit marker, as model_index.json is a full export's."""
 BASE_REF_FORMAT = 1
 
-_PIPELINE_FAMILIES = {"EasyAnimatePipeline": "easyanimate", "EasyAnimateInpaintPipeline": "easyanimate",
-                      "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "CogVideoXPipeline": "cogvideox",
-                      "CogVideoXImageToVideoPipeline": "cogvideox", "AnimateDiffPipeline": "animatediff"}
-_IMAGE_TO_VIDEO_PIPELINES = ("EasyAnimateInpaintPipeline", "WanImageToVideoPipeline", "CogVideoXImageToVideoPipeline")
-"""Stock pipeline classes of image-to-video models (a stock folder of one loads as `model.i2v: {condition: first}`)."""
+# Which stock pipeline classes load as which family, and which of them are image-to-video (a stock folder of one
+# loads as `model.i2v: {condition: first}`), is each family card's `pipelines` (`vidray.models.cards`).
 _PIPELINE_SUBFOLDERS = ("vae", "text_encoder", "tokenizer", "scheduler")
 _DENOISER_SUBFOLDERS = ("transformer", "unet")
 """A pipeline folder holds one of these (a DiT's `transformer/`; AnimateDiff's UNetMotionModel `unet/`)."""
-STOCK_MAX_SEQUENCE_LENGTH = 256
-"""diffusers EasyAnimatePipeline.encode_prompt's default prompt length (tokens)."""
-STOCK_MAX_SEQUENCE_LENGTHS = {"easyanimate": STOCK_MAX_SEQUENCE_LENGTH, "wan": 512, "cogvideox": 226,
-                              "animatediff": 77}
-"""The stock pipeline's default prompt length (tokens) by family: EasyAnimatePipeline.encode_prompt's 256,
-WanPipeline.__call__'s 512, CogVideoXPipeline.__call__'s 226, AnimateDiffPipeline's CLIP tokenizer's
-model_max_length 77."""
+# The stock pipeline's default prompt length (tokens) is each family card's `text_seq_len`:
+# EasyAnimatePipeline.encode_prompt's 256, WanPipeline.__call__'s 512, CogVideoXPipeline.__call__'s 226,
+# AnimateDiffPipeline's CLIP tokenizer's model_max_length 77.
 
 
 MODEL_INDEX = "model_index.json"
@@ -547,7 +539,7 @@ class ModelInfo:
     """The resolved job config it was trained with (None for a stock diffusers folder without vidray_job.yaml)."""
     flow: FlowConfig
     max_sequence_length: int
-    """Prompt length in tokens the model was trained with (STOCK_MAX_SEQUENCE_LENGTH for a stock folder)."""
+    """Prompt length in tokens the model was trained with (the family card's `text_seq_len` for a stock folder)."""
     buckets: list[Bucket]
     """Training buckets (empty for a stock folder)."""
     source: str | None = None
@@ -638,17 +630,18 @@ def _inspect_folder(path: Path) -> ModelInfo:
         scheduler = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
     except (OSError, json.JSONDecodeError, AttributeError) as err:
         raise ModelFolderError(f"diffusers folder {path}: unreadable model_index.json or scheduler config ({err})")
-    if class_name not in _PIPELINE_FAMILIES:
+    card = card_for_pipeline(class_name)
+    if card is None:
+        supported = sorted(name for c in all_cards() for name in c.pipelines)
         raise ModelFolderError(
             f"model {path} holds a {class_name or 'unknown'} pipeline; "
-            f"supported: {', '.join(sorted(_PIPELINE_FAMILIES))}"
+            f"supported: {', '.join(supported)}"
         )
     # FlowMatchEulerDiscreteScheduler says `shift`; the stock Wan folders' UniPCMultistepScheduler `flow_shift`.
     flow = FlowConfig(shift=float(scheduler.get("shift", scheduler.get("flow_shift", 1.0))),
                       num_train_timesteps=int(scheduler.get("num_train_timesteps", 1000)))
-    family_name = _PIPELINE_FAMILIES[class_name]
-    return ModelInfo(path, "diffusers", family_name, None, flow, STOCK_MAX_SEQUENCE_LENGTHS[family_name], [],
-                     image_to_video=class_name in _IMAGE_TO_VIDEO_PIPELINES)
+    return ModelInfo(path, "diffusers", card.name, None, flow, card.text_seq_len, [],
+                     image_to_video=card.pipelines[class_name])
 
 
 def _inspect_adapter_export(path: Path) -> ModelInfo:
@@ -678,7 +671,8 @@ def _check_folder_task(path: Path, job: JobConfig) -> None:
         class_name = json.loads((path / "model_index.json").read_text()).get("_class_name", "")
     except (OSError, json.JSONDecodeError, AttributeError) as err:
         raise ModelFolderError(f"diffusers folder {path}: unreadable model_index.json ({err})") from None
-    if (class_name in _IMAGE_TO_VIDEO_PIPELINES) != (job.model.i2v is not None):
+    card = card_for_pipeline(class_name)
+    if (card is not None and card.pipelines[class_name]) != (job.model.i2v is not None):
         recorded = "sets model.i2v" if job.model.i2v is not None else "has model.i2v null"
         raise ModelFolderError(f"diffusers folder {path} holds a {class_name} but its {JOB_FILE} {recorded}: "
                                "re-export the run, or remove the job file to load the folder as a stock pipeline")

@@ -36,6 +36,8 @@ import torch
 from accelerate.hooks import ModelHook
 from accelerate.utils import send_to_device
 
+from vidray.models.cards import get_card
+
 __all__ = ["OFFLOAD_MODES", "OneResidentHook", "apply_inference_offload", "compute_dtype", "execution_device",
            "inference_device", "offload_problem", "prepare_for_inference", "inference_dtypes",
            "vae_compute_dtype"]
@@ -46,12 +48,11 @@ OFFLOAD_MODES = ("none", "model", "group", "sequential")
 STORAGE_DTYPES = ("auto", "fp32", "bf16", "fp8")
 """`memory.storage_dtype` values."""
 
-FP32_VAE_FAMILIES = frozenset({"wan"})
-"""Families whose VAE computes in float32 whatever the storage dtype: diffusers' Wan examples load
-`AutoencoderKLWan` with `torch_dtype=torch.float32` beside a bf16 pipeline (docs/source/en/api/pipelines/wan.md,
-0.42.1). CogVideoX's, EasyAnimate's and AnimateDiff's examples run the whole pipeline, VAE included, in bf16 / fp16,
-so their VAE follows the storage dtype (bf16; fp8 storage is not used for a VAE: its convolutions are a small part
-of the bytes and the decode's quality is what the user sees)."""
+# Which VAE computes in float32 is its family card's `fp32_vae` (`vidray.models.cards`): diffusers' Wan examples load
+# `AutoencoderKLWan` with `torch_dtype=torch.float32` beside a bf16 pipeline (docs/source/en/api/pipelines/wan.md,
+# 0.42.1). CogVideoX's, EasyAnimate's and AnimateDiff's examples run the whole pipeline, VAE included, in bf16 / fp16,
+# so their VAE follows the storage dtype (bf16; fp8 storage is not used for a VAE: its convolutions are a small part
+# of the bytes and the decode's quality is what the user sees).
 
 _EXECUTION = "_vidray_execution"
 """Attribute holding a module's (device, compute dtype) once `prepare_for_inference` placed it."""
@@ -90,8 +91,8 @@ def inference_dtypes(setting: str, device: torch.device | str) -> tuple[torch.dt
 
 def vae_compute_dtype(family_name: str, compute: torch.dtype) -> torch.dtype:
     """The VAE's dtype for a model of `family_name` whose other components compute in `compute`: float32 for
-    `FP32_VAE_FAMILIES` (Wan), else `compute`."""
-    return torch.float32 if family_name in FP32_VAE_FAMILIES else compute
+    the family card says `fp32_vae` (Wan), else `compute`."""
+    return torch.float32 if get_card(family_name).fp32_vae else compute
 
 
 def _apply_storage(module: torch.nn.Module, setting: str, device: torch.device) -> None:

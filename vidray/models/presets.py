@@ -46,24 +46,23 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from vidray.errors import UserError, UserFileNotFound
+from vidray.models.cards import all_cards, get_card
 
-__all__ = ["PRESETS", "ShapePreset", "get_preset", "model_preset", "preset_from_pretrained"]
-
-Family = Literal["easyanimate", "wan", "cogvideox"]
-
+__all__ = ["PRESETS", "ShapePreset", "get_preset", "model_preset", "planner_facts", "preset_from_pretrained"]
 
 @dataclass(frozen=True)
 class ShapePreset:
     """A transformer's shape: enough to count its parameters and model its activations, no weights."""
 
     name: str
-    family: Family
-    """`easyanimate` (EasyAnimateTransformer3DModel: MMDiT, text tokens in every block), `wan`
-    (WanTransformer3DModel: self-attention over video tokens, cross-attention to the text) or `cogvideox`
-    (CogVideoXTransformer3DModel: text and video tokens through the same attention and MLP in every block)."""
+    family: str
+    """A family whose card has planner facts (`vidray.models.cards.PlannerFacts`): `easyanimate`
+    (EasyAnimateTransformer3DModel: MMDiT, text tokens in every block), `wan` (WanTransformer3DModel:
+    self-attention over video tokens, cross-attention to the text) or `cogvideox` (CogVideoXTransformer3DModel:
+    text and video tokens through the same attention and MLP in every block)."""
     config: dict[str, Any]
     """Keyword arguments of the diffusers class (its `config.json` without the `_`-keys)."""
     text_encoder_params: int = 0
@@ -79,7 +78,8 @@ class ShapePreset:
 
     @property
     def class_name(self) -> str:
-        return _CLASS_NAMES[self.family]
+        """The diffusers transformer class (the family card's `planner.transformer_class`)."""
+        return planner_facts(self.family).transformer_class
 
     @property
     def key(self) -> str:
@@ -124,14 +124,19 @@ def _wan_tiny_config() -> dict[str, Any]:
 
 _FILLED_ON_USE = {"tiny": _tiny_config, "wan-tiny": _wan_tiny_config, "cogvideox-tiny": _cogvideox_tiny_config}
 """Presets whose config lives with the family (imports diffusers): filled in by `get_preset`."""
-_JOB_PRESETS: dict[tuple[str, str], str] = {("easyanimate", "tiny"): "tiny", ("wan", "tiny"): "wan-tiny",
-                                             ("cogvideox", "tiny"): "cogvideox-tiny"}
-"""(model.family, model.preset) -> the shape preset of a job's `init: random` model."""
-_TEXT_WIDTH_KEYS = {"easyanimate": "text_embed_dim", "wan": "text_dim", "cogvideox": "text_embed_dim"}
-"""The transformer config key that holds the text encoder's hidden size, by family."""
-_CLASS_NAMES = {"easyanimate": "EasyAnimateTransformer3DModel", "wan": "WanTransformer3DModel",
-                "cogvideox": "CogVideoXTransformer3DModel"}
-"""The diffusers transformer class of each family."""
+
+
+def planner_facts(family: str):
+    """The planner facts of `family`'s card (`vidray.models.cards.PlannerFacts`). Raises UserError when the family
+    has none (it is planned by measuring: `vidray.train.plan.plan_measured`) or is unknown."""
+    try:
+        facts = get_card(family).planner
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if facts is None:
+        raise UserError(f"model family {family} has no planner facts in its card (its model is planned by "
+                        "measuring a step)")
+    return facts
 
 
 PRESETS: dict[str, ShapePreset] = {
@@ -180,14 +185,14 @@ def model_preset(family: str, preset: str, text_encoder: str) -> ShapePreset:
     """The shape of a job's `init: random` model: `model.family` + `model.preset` (e.g. wan + tiny -> `wan-tiny`),
     its text width set for `model.text_encoder` (`tiny_random`: 64, `minilm`: the preset's 384). Raises UserError
     naming the valid (family, preset) pairs."""
-    try:
-        name = _JOB_PRESETS[(family, preset)]
-    except KeyError:
-        valid = ", ".join(f"{f}/{p}" for f, p in _JOB_PRESETS)
-        raise UserError(f"no shape preset for model.family={family} model.preset={preset}; valid: {valid}") from None
-    shape = get_preset(name)
+    tiny = {card.name: card.planner.tiny_preset for card in all_cards() if card.planner and card.planner.tiny_preset}
+    if preset != "tiny" or family not in tiny:
+        valid = ", ".join(f"{f}/tiny" for f in tiny)
+        raise UserError(f"no shape preset for model.family={family} model.preset={preset}; valid: {valid}")
+    shape = get_preset(tiny[family])
     if text_encoder == "tiny_random":
-        shape = ShapePreset(**{**shape.__dict__, "config": {**shape.config, _TEXT_WIDTH_KEYS[family]: 64}})
+        width_key = planner_facts(family).text_width_key
+        shape = ShapePreset(**{**shape.__dict__, "config": {**shape.config, width_key: 64}})
     return shape
 
 
@@ -207,7 +212,7 @@ def preset_from_pretrained(path: str | Path) -> ShapePreset:
         raw = json.loads(config_path.read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"{config_path} is not a readable JSON config: {err}") from None
-    families = {class_name: family for family, class_name in _CLASS_NAMES.items()}
+    families = {card.planner.transformer_class: card.name for card in all_cards() if card.planner}
     class_name = raw.get("_class_name")
     if class_name not in families:
         raise UserError(f"{config_path}: _class_name {class_name!r} is not one the planner knows; valid: "
@@ -224,7 +229,7 @@ def _meta_model(key: str):
     import diffusers
 
     config = {k: (tuple(v) if isinstance(v, list) else v) for k, v in json.loads(config_json).items()}
-    cls = getattr(diffusers, _CLASS_NAMES[family])
+    cls = getattr(diffusers, planner_facts(family).transformer_class)
     with torch.device("meta"):
         return cls(**config)
 

@@ -5,9 +5,9 @@ family = get_family(job.model.family)               # ValueError lists the valid
 components = family.build(job.model, seed=job.train.seed)
 model_pred = family.predict(components.transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask)
 ```
-One file per family (`easyanimate.py`, `wan.py`, `cogvideox.py`, `animatediff.py`) implementing `vidray.models.base.ModelFamily`; this module only
-registers them (the families import `base`, never this module). A family's module is imported on first use of its
-name: every Ray Train worker, encode stage actor and serve replica imports the registry, and importing all four
+One file per family (`easyanimate.py`, `wan.py`, `cogvideox.py`, `animatediff.py`) implementing `vidray.models.base.ModelFamily`, named by
+its card's `family_class` (`vidray.models.cards`); this module only builds them (the families import `base`, never
+this module). A family's module is imported on first use of its name: every Ray Train worker, encode stage actor and serve replica imports the registry, and importing all four
 families costs each about 0.8 s of CPU more than importing the one it runs (measured on 2 cores: 6.3 s vs 5.5 s,
 most of both being diffusers itself).
 """
@@ -19,43 +19,67 @@ from collections.abc import Iterator, Mapping
 
 from vidray.logs import quiet_diffusers
 from vidray.models.base import Components, Encoders, ModelFamily
+from vidray.models.cards import FamilyCard, FamilyCardError, all_cards, get_card
 
-__all__ = ["Components", "Encoders", "ModelFamily", "FAMILIES", "get_family"]
-
-_REGISTRY: dict[str, str] = {
-    "easyanimate": "vidray.models.easyanimate:EasyAnimateFamily",
-    "wan": "vidray.models.wan:WanFamily",
-    "cogvideox": "vidray.models.cogvideox:CogVideoXFamily",
-    "animatediff": "vidray.models.animatediff:AnimateDiffFamily",
-}
-"""{family name: "module:class"}: the one line a new family adds."""
-
+__all__ = ["Components", "Encoders", "ModelFamily", "FAMILIES", "forget_family", "get_family"]
 
 class _Families(Mapping):
-    """{name: ModelFamily} over `_REGISTRY`, each family built (its module imported) on first access, then kept.
-    Iterating or `len` imports nothing; `.values()` / `.items()` import every family."""
+    """{name: ModelFamily} over the registered cards (`vidray.models.cards.all_cards`), each family built (its
+    module imported) on first access, then kept. Iterating or `len` imports nothing; `.values()` / `.items()`
+    import every family."""
 
-    def __init__(self, registry: dict[str, str]):
-        self._registry = registry
+    def __init__(self) -> None:
         self._built: dict[str, ModelFamily] = {}
 
     def __getitem__(self, name: str) -> ModelFamily:
         if name not in self._built:
-            module, cls = self._registry[name].split(":")  # KeyError for an unknown name, as a dict
-            self._built[name] = getattr(importlib.import_module(module), cls)()
+            try:
+                card = get_card(name)
+            except ValueError:
+                raise KeyError(name) from None
+            self._built[name] = _build(card)
             # Every process that loads a family's weights gets here first (workers, encode actors, serve replicas,
             # the validator): diffusers' "Loading pipeline components..." bars off in it (`vidray.logs`).
             quiet_diffusers()
         return self._built[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._registry)
+        return iter([card.name for card in all_cards()])
 
     def __len__(self) -> int:
-        return len(self._registry)
+        return len(all_cards())
+
+    def forget(self, name: str) -> None:
+        self._built.pop(name, None)
 
 
-FAMILIES: Mapping[str, ModelFamily] = _Families(_REGISTRY)
+def _build(card: FamilyCard) -> ModelFamily:
+    """An instance of the card's `family_class`. Raises FamilyCardError (one line, naming the card and the field)
+    when its module does not import, the class is missing or not a ModelFamily, its `name` differs from the
+    card's, or the card claims image-to-video and the class has no condition (`encode_clip_condition`)."""
+    module, _, cls_name = card.family_class.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+    except ImportError as err:
+        raise FamilyCardError(f"family card {card.name!r}: family_class module {module!r} does not import: "
+                              f"{err}") from None
+    except AttributeError:
+        raise FamilyCardError(f"family card {card.name!r}: family_class {card.family_class!r}: module {module} has "
+                              f"no {cls_name}") from None
+    if not (isinstance(cls, type) and issubclass(cls, ModelFamily)):
+        raise FamilyCardError(f"family card {card.name!r}: family_class {card.family_class!r} is not a "
+                              "vidray.models.base.ModelFamily subclass")
+    if getattr(cls, "name", None) != card.name:
+        raise FamilyCardError(f"family card {card.name!r}: family_class {card.family_class!r} has name "
+                              f"{getattr(cls, 'name', None)!r}; make them equal")
+    if card.image_to_video and cls.encode_clip_condition is ModelFamily.encode_clip_condition:
+        i2v = [name for name, is_i2v in card.pipelines.items() if is_i2v]
+        raise FamilyCardError(f"family card {card.name!r}: pipelines name image-to-video {', '.join(i2v)} but "
+                              f"{card.family_class} has no condition (encode_clip_condition); mark them False")
+    return cls()
+
+
+FAMILIES: Mapping[str, ModelFamily] = _Families()
 
 
 def get_family(name: str) -> ModelFamily:
@@ -65,3 +89,8 @@ def get_family(name: str) -> ModelFamily:
         return FAMILIES[name]
     except KeyError:
         raise ValueError(f"unknown model family {name!r}; valid: {', '.join(sorted(FAMILIES))}") from None
+
+
+def forget_family(name: str) -> None:
+    """Drop the built family `name` from the cache (after `vidray.models.cards.unregister_card` in a test)."""
+    FAMILIES.forget(name)

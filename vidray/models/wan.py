@@ -71,7 +71,7 @@ from vidray.models.conditioning import condition_frames
 from vidray.models.experts import EXPERT_ATTRIBUTES, TwoExperts, check_boundary_ratio, check_expert
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
-from vidray.models.rules import FAMILY_BUCKET_RULES
+from vidray.models.cards import get_card
 from vidray.models.text_encoder import TINY_T5_ENCODER, build_t5_text_encoder, t5_text_width
 from vidray.models.vae import decode_latents, encode_video
 
@@ -107,10 +107,10 @@ __all__ = [
 LATENT_CHANNELS = 16
 """Wan 2.1 VAE `z_dim`; the tiny preset uses the same so shapes do not depend on the preset."""
 SPATIAL_COMPRESSION_RATIO = 8
-TEMPORAL_COMPRESSION_RATIO = FAMILY_BUCKET_RULES["wan"].temporal_compression
+TEMPORAL_COMPRESSION_RATIO = get_card("wan").bucket_rules.temporal_compression
 PATCH_SIZE = (1, 2, 2)
 """WanTransformer3DModel patch (frames, height, width)."""
-assert SPATIAL_COMPRESSION_RATIO * PATCH_SIZE[1] == FAMILY_BUCKET_RULES["wan"].spatial_multiple
+assert SPATIAL_COMPRESSION_RATIO * PATCH_SIZE[1] == get_card("wan").bucket_rules.spatial_multiple
 PIPELINE_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 """The subfolders of a Wan T2V (`WanPipeline`) or I2V (`WanImageToVideoPipeline`) diffusers folder that vidray
 loads; a Wan 2.1 I2V folder also `CLIP_COMPONENTS`."""

@@ -60,10 +60,11 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from vidray.config import DEFAULT_LORA_TARGET_MODULES, LoraConfig
+from vidray.config import LoraConfig
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError
-from vidray.models.presets import ShapePreset, meta_model, model_preset, preset_from_pretrained
+from vidray.models.cards import get_card
+from vidray.models.presets import ShapePreset, meta_model, model_preset, planner_facts, preset_from_pretrained
 
 __all__ = [
     "HEADROOM",
@@ -189,16 +190,26 @@ class MemoryMode:
 
 # 1. Parameter counts (exact, from the meta-device build).
 
-LORA_TARGETS = {
-    "easyanimate": ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
-    "wan": tuple(DEFAULT_LORA_TARGET_MODULES),
-    "cogvideox": tuple(DEFAULT_LORA_TARGET_MODULES),  # one set of projections serves the text and video tokens
-}
-"""LoRA target modules the activation formula models, by family (peft `target_modules` suffixes): the attention
-projections of both streams. `model.lora.target_modules`' default (`to_q`, `to_k`, `to_v`, `to_out.0`) leaves
-EasyAnimate's text-stream projections frozen, which saves their inputs: the lora rows then plan a little high
-(~10 % of the block activations at rank 8 on the tiny block), never low. Adapter parameter counts use the job's
-own targets."""
+def lora_targets(family: str) -> tuple[str, ...]:
+    """LoRA target modules the activation formula models for `family` (its card's `planner.lora_targets`, peft
+    `target_modules` suffixes): the attention projections of every stream. `model.lora.target_modules`' default
+    (`to_q`, `to_k`, `to_v`, `to_out.0`) leaves EasyAnimate's text-stream projections frozen, which saves their
+    inputs: the lora rows then plan a little high (~10 % of the block activations at rank 8 on the tiny block),
+    never low. Adapter parameter counts use the job's own targets. Raises UserError for a family without planner
+    facts."""
+    return planner_facts(family).lora_targets
+
+
+def _token_flow(family: str) -> str:
+    """The card's `planner.token_flow` of `family`: which activation formula its blocks follow."""
+    return planner_facts(family).token_flow
+
+
+def _text_in_blocks(family: str) -> bool:
+    """Whether text tokens go through every block as a stream of their own (dual or single stream: EasyAnimate,
+    CogVideoX), rather than as cross-attention keys and values shared by all blocks (Wan)."""
+    return _token_flow(family) != "cross_attention"
+
 
 DEFAULT_LORA_RANK = LoraConfig().rank
 """`model.lora.rank`'s default: what the table's lora rows assume for a job without `model.lora`."""
@@ -254,7 +265,7 @@ def count_model(preset: ShapePreset, *, lora_rank: int = DEFAULT_LORA_RANK,
                 lora_targets: tuple[str, ...] | None = None) -> ModelCounts:
     """Exact parameter counts of `preset`'s transformer, built on the meta device (no memory allocated).
 
-    `lora_targets`: module-name suffixes the adapters go on (default `LORA_TARGETS[family]`). Raises UserError when
+    `lora_targets`: module-name suffixes the adapters go on (default `lora_targets(family)`). Raises UserError when
     a target matches no Linear (naming the Linear suffixes that exist) or `lora_rank` < 1.
     """
     import torch
@@ -262,8 +273,10 @@ def count_model(preset: ShapePreset, *, lora_rank: int = DEFAULT_LORA_RANK,
     if lora_rank < 1:
         raise UserError(f"lora rank must be >= 1, got {lora_rank}")
     model = meta_model(preset)
-    targets = tuple(lora_targets or LORA_TARGETS[preset.family])
-    blocks = model.blocks if preset.family == "wan" else model.transformer_blocks
+    facts = planner_facts(preset.family)
+    targets = tuple(lora_targets or facts.lora_targets)
+    block_prefix = get_card(preset.family).blocks
+    blocks = getattr(model, block_prefix)
     block_params = tuple(sum(p.numel() for p in b.parameters()) for b in blocks)
     block_mm = tuple(sum(m.weight.numel() for m in b.modules() if isinstance(m, torch.nn.Linear)) for b in blocks)
     all_mm = sum(m.weight.numel() for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d,
@@ -285,20 +298,20 @@ def count_model(preset: ShapePreset, *, lora_rank: int = DEFAULT_LORA_RANK,
         return sum(p.numel() for name, m in root.named_modules(prefix=prefix) if isinstance(m, castable_types)
                    and not any(re.search(pat, name) for pat in FP8_SKIP_PATTERNS) for p in m.parameters())
 
-    block_prefix = "blocks" if preset.family == "wan" else "transformer_blocks"
     block_cast = tuple(castable(b, f"{block_prefix}.{i}") for i, b in enumerate(blocks))
     all_cast = sum(p.numel() for name, m in model.named_modules() if isinstance(m, castable_types)
                    and not any(re.search(pat, name) for pat in FP8_SKIP_PATTERNS) for p in m.parameters())
     dead = 0
-    if preset.family == "easyanimate" and blocks[-1].txt_ff is not None:  # the last block's text output is dropped
+    dual = facts.token_flow == "dual_stream"
+    if dual and getattr(blocks[-1], "txt_ff", None) is not None:  # the last block's text output is dropped
         last = blocks[-1]
         dead = sum(p.numel() for p in last.txt_ff.parameters()) + sum(p.numel() for p in
                                                                        last.attn1.to_add_out.parameters())
     cfg = model.config
     heads, head_dim = int(cfg.num_attention_heads), int(cfg.attention_head_dim)
     dim = heads * head_dim
-    ffn_dim = int(cfg.ffn_dim) if preset.family == "wan" else 4 * dim  # diffusers FeedForward: mult 4
-    mmdit = sum(1 for b in blocks if getattr(b, "txt_ff", None) is not None) if preset.family == "easyanimate" else 0
+    ffn_dim = int(cfg[facts.ffn_dim_key]) if facts.ffn_dim_key else 4 * dim  # diffusers FeedForward: mult 4
+    mmdit = sum(1 for b in blocks if getattr(b, "txt_ff", None) is not None) if dual else 0
     return ModelCounts(total=total, trainable=total - dead, blocks=block_params, block_matmul_weights=block_mm,
                        other_matmul_weights=all_mm - sum(block_mm), lora_parameters=lora, lora_rank=lora_rank,
                        num_layers=len(blocks), num_mmdit_layers=mmdit, dim=dim, ffn_dim=ffn_dim, heads=heads,
@@ -347,12 +360,18 @@ def block_activation_bytes(family: str, *, mmdit: bool, precision: Precision, vi
     - CogVideoX block (`CogVideoXBlock`: text and video tokens through the same norms, joint attention and MLP; one
       set of projections): the EasyAnimate single-stream count per token, for every token, video and text alike
       (the census of a 128-wide block with 3D RoPE: within 4 % in fp32 and bf16, full and LoRA; test_plan).
-    The bf16 copies of the block's weights are not included (`estimate_memory` adds them).
+    The bf16 copies of the block's weights are not included (`estimate_memory` adds them). `family`'s card picks
+    the formula by its `planner.token_flow`: `dual_stream` as EasyAnimate, `cross_attention` as Wan,
+    `single_stream` as CogVideoX. Raises UserError for a family without planner facts.
     """
     a = 4 if precision == "fp32" else 2
     r = lora_rank
     stats_ea, stats_wan = 4 * (5 * heads + 4), 4 * (2 * heads + 9)
-    if family == "easyanimate":
+    flow = _token_flow(family)
+    if flow == "single_stream":  # text and video tokens through the same layers: a dual-stream block without the
+        # text stream's own layers, over the joint sequence
+        video_tokens, text_tokens, mmdit, flow = video_tokens + text_tokens, 0, False, "dual_stream"
+    if flow == "dual_stream":
         if r:
             per_video = 2 * dim * 4 + (8 if precision == "fp32" else 10) * dim * a + ffn_dim * a + 4 * r * a
         else:
@@ -360,7 +379,7 @@ def block_activation_bytes(family: str, *, mmdit: bool, precision: Precision, vi
         per_video += stats_ea
         per_text = per_video - (0 if mmdit else dim * a)
         return video_tokens * per_video + text_tokens * per_text
-    if family == "wan":
+    if flow == "cross_attention":
         if r:
             per_video = 6 * dim * 4 + (8 if precision == "fp32" else 12) * dim * a + ffn_dim * a + 6 * r * a
             per_text = (4 * dim * 4 if precision == "fp32" else dim * 4 + 3 * dim * a) + 2 * r * a
@@ -368,11 +387,7 @@ def block_activation_bytes(family: str, *, mmdit: bool, precision: Precision, vi
             per_video = 12 * dim * 4 + (10 if precision == "fp32" else 12) * dim * a + 2 * ffn_dim * a
             per_text = 5 * dim * 4 if precision == "fp32" else 2 * dim * 4 + 3 * dim * a
         return video_tokens * (per_video + stats_wan) + text_tokens * per_text
-    if family == "cogvideox":  # one stream: text and video tokens through the same layers
-        return block_activation_bytes("easyanimate", mmdit=False, precision=precision,
-                                      video_tokens=video_tokens + text_tokens, text_tokens=0, dim=dim,
-                                      ffn_dim=ffn_dim, heads=heads, lora_rank=lora_rank)
-    raise ValueError(f"unknown family {family!r}; valid: easyanimate, wan, cogvideox")
+    raise AssertionError(flow)  # FamilyCard refuses any other token_flow
 
 
 def _outside_blocks_bytes(family: str, precision: Precision, video_tokens: int, text_tokens: int, latent_elems: int,
@@ -391,8 +406,8 @@ def _block_inputs_bytes(family: str, video_tokens: int, text_tokens: int, dim: i
     Wan's under bf16 autocast, where the patch embedding's output is bf16 and every block returns `.type_as` it:
     2 bytes; EasyAnimate and CogVideoX also the text stream, which every block updates; Wan's text embeddings are
     one tensor shared by all blocks)."""
-    width = 2 if family == "wan" and precision == "bf16" else 4
-    return (video_tokens + (text_tokens if family in ("easyanimate", "cogvideox") else 0)) * dim * width
+    width = 2 if not _text_in_blocks(family) and precision == "bf16" else 4
+    return (video_tokens + (text_tokens if _text_in_blocks(family) else 0)) * dim * width
 
 
 def _backward_temporaries(precision: Precision, tokens: int, dim: int, ffn_dim: int) -> int:
@@ -518,7 +533,7 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
         latent_part = batch_size * 6 * latent_elems * 4
         offloaded = (outside - latent_part) + counts.num_layers * inputs
         outside = latent_part
-    tokens = n_video + (text_tokens if preset.family in ("easyanimate", "cogvideox") else 0)
+    tokens = n_video + (text_tokens if _text_in_blocks(preset.family) else 0)
     transient = batch_size * _backward_temporaries(strategy.precision, tokens, counts.dim, counts.ffn_dim)
     accumulated = math.ceil(4 * p_train / shard) if micro_batches_per_rank > 1 else 0
 
@@ -801,8 +816,8 @@ def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePre
     when given), `model.max_sequence_length` text tokens (or the preset's when `preset` is given), the job's
     encoder placement and gradient accumulation, and `model.lora`'s rank and targets where the config has them.
     `host_memory`: one node's host memory the offload modes are checked against (None: not checked).
-    A family without the DiT formulas (`LORA_TARGETS`: AnimateDiff's UNet) is planned by `plan_measured`."""
-    if job.model.family not in LORA_TARGETS:
+    A family whose card has no planner facts (AnimateDiff's UNet) is planned by `plan_measured`."""
+    if get_card(job.model.family).planner is None:
         return plan_measured(job, gpu_memory_bytes=gpu_memory_bytes, num_gpus=num_gpus, bucket=bucket)
     if preset is None:
         preset = job_preset(job)
