@@ -22,10 +22,10 @@ import yaml
 from pydantic import ConfigDict, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
+from vidray.cards import all_cards, get_card  # plain data: no torch
 from vidray.data.buckets import Bucket, validate_bucket
 from vidray.data.cache import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR
 from vidray.errors import UserError, UserFileNotFound
-from vidray.models.cards import all_cards, get_card  # plain data: no torch
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
@@ -212,7 +212,7 @@ class ExpertsConfig:
 @dataclass(config=_STRICT, kw_only=True)
 class ModelConfig:
     family: str = "easyanimate"
-    """Model family: the name of a registered family card (`vidray.models.cards`): `easyanimate` (EasyAnimate V5.1 T2V, and I2V with
+    """Model family: the name of a registered family card (`vidray.cards`): `easyanimate` (EasyAnimate V5.1 T2V, and I2V with
     `model.i2v`), `wan` (Wan 2.1 T2V; I2V with `model.i2v`; Wan 2.2 A14B's two experts with `model.experts`),
     `cogvideox` (CogVideoX 1.0 T2V, and I2V with `model.i2v`; CogVideoX 1.5 T2V and I2V from a folder; v-prediction on the
     folder's own scheduler; `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused) or `animatediff` (AnimateDiff: SD 1.5 UNet + motion modules, epsilon; only the

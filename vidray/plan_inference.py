@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from vidray.cards import get_card
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError
-from vidray.models.cards import get_card
 
 __all__ = ["INFERENCE_MODES", "InferenceEstimate", "InferenceReport", "check_generation_fits", "check_inference_fits",
            "format_inference_report", "inference_preset", "plan_inference"]

@@ -5,7 +5,7 @@ with bucket rules of its own (sides multiples of 32), planned by measuring (no p
 in `VIDRAY_FAMILY_CARDS=toy_family:TOY_CARD` for other processes (with this folder on PYTHONPATH).
 """
 
-from vidray.models.cards import BucketRules, FamilyCard
+from vidray.cards import BucketRules, FamilyCard
 from vidray.models.wan import WanFamily
 
 

@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from diffusers import CogVideoXDDIMScheduler, CogVideoXImageToVideoPipeline, CogVideoXTransformer3DModel  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from vidray.cards import get_card  # noqa: E402
 from vidray.config import FlowConfig, I2VConfig, ModelConfig  # noqa: E402
 from vidray.data.buckets import Bucket  # noqa: E402
 from vidray.diffusion.sampler import generate_video, initial_noise  # noqa: E402
@@ -29,7 +30,6 @@ from vidray.models import get_family  # noqa: E402
 from vidray.models.base import Components  # noqa: E402
 from vidray.models.cogvideox import SCHEDULER_CONFIG, TINY_I2V_TRANSFORMER, preprocess_image  # noqa: E402
 from vidray.models.export import inspect_model  # noqa: E402
-from vidray.models.cards import get_card  # noqa: E402
 from vidray.train.step import flow_matching_step_loss  # noqa: E402
 
 BUCKET = Bucket(9, 32, 32)

@@ -24,6 +24,7 @@ from diffusers import EasyAnimateInpaintPipeline  # noqa: E402
 from diffusers.pipelines.easyanimate.pipeline_easyanimate_inpaint import get_image_to_video_latent  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from vidray.cards import all_cards  # noqa: E402
 from vidray.config import ConfigError, FlowConfig, I2VConfig, ModelConfig, job_config_from_dict  # noqa: E402
 from vidray.data.buckets import Bucket  # noqa: E402
 from vidray.diffusion.sampler import generate_video, sample_latents  # noqa: E402
@@ -31,7 +32,6 @@ from vidray.errors import UserError  # noqa: E402
 from vidray.generate import GenerateArgumentError, check_generate_args  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.base import ModelFamily  # noqa: E402
-from vidray.models.cards import all_cards  # noqa: E402
 from vidray.models.export import inspect_model, load_model, write_job_file  # noqa: E402
 from vidray.models.vae import frames_to_video  # noqa: E402
 from vidray.train.step import condition_keep, flow_matching_step_loss, sample_generator  # noqa: E402

@@ -1,6 +1,6 @@
 """Every registered model family through the same checks (issue 29, part 0): the family is the only way in.
 
-A new family is one file with its `ModelFamily` subclass and its card (`vidray.models.cards`); these tests then run
+A new family is one file with its `ModelFamily` subclass and its card (`vidray.cards`); these tests then run
 every registered family, and the toy family the tests folder adds without an edit under `vidray/`
 (`tests/families/toy_family.py`), through what the trainer, the sampler, the exporter and the serve stages ask of it: build the tiny preset, encode a
 clip and prompts, predict, take a training loss, take one sampler step, export a stock diffusers folder, load it
@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from vidray.cards import register_card, unregister_card
 from vidray.config import FlowConfig, ModelConfig, job_config_from_dict
 from vidray.data.buckets import Bucket
 from vidray.diffusion.flow_matching import inference_sigmas
 from vidray.diffusion.sampler import denoise_step, generate_video
 from vidray.models.export import load_model, write_job_file
-from vidray.models.cards import register_card, unregister_card
 from vidray.models.registry import FAMILIES, forget_family
 from vidray.train.step import flow_matching_step_loss
 

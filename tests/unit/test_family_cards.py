@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from vidray.config import DEFAULT_LORA_TARGET_MODULES, ConfigError, job_config_from_dict
-from vidray.models.cards import (BUILTIN_CARDS, FAMILY_CARDS_ENV, BucketRules, FamilyCard, FamilyCardError, all_cards,
+from vidray.cards import (BUILTIN_CARDS, FAMILY_CARDS_ENV, BucketRules, FamilyCard, FamilyCardError, all_cards,
                                  card_for_pipeline, get_card, register_card, unregister_card)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def _card(**fields) -> FamilyCard:
 
 
 def test_the_builtin_cards_load_without_torch_and_answer_what_the_tables_did():
-    code = ("import sys, vidray.config, vidray.models.cards, vidray.models.rules, vidray.models.presets; "
+    code = ("import sys, vidray.config, vidray.cards, vidray.models.rules, vidray.models.presets; "
             "print('torch' in sys.modules, 'diffusers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.split() == ["False", "False"]
@@ -81,16 +81,21 @@ def test_an_unregistered_family_is_refused_naming_the_registered_ones():
 
 
 def test_every_registered_family_plans_its_tiny_config(toy):
+    """`vidray plan` and the check a GPU run passes before its workers start (`check_cluster_fits`, what the
+    trainer calls on a cluster with GPUs) plan every registered family; a family without planner facts
+    (AnimateDiff, the toy) by measuring a step."""
     from vidray.models.registry import get_family
-    from vidray.train.plan import plan_job
+    from vidray.train.plan import check_cluster_fits, plan_job
 
     planned = {}
     for card in all_cards():
-        job = job_config_from_dict({"name": "plan", "model": {"family": card.name},
+        job = job_config_from_dict({"name": "plan", "model": {"family": card.name}, "scaling": {"use_gpu": True},
                                     "data": {"buckets": [list(get_family(card.name).example_bucket)]}})
         report = plan_job(job, gpu_memory_bytes=24 << 30, num_gpus=1)
         assert report.chosen is not None and report.chosen.fits, card.name
         planned[card.name] = report.chosen.peak_bytes
+        line = check_cluster_fits(job, {"GPU": 1.0, "CPU": 8.0}, gpu_memory_bytes=24 << 30)
+        assert line is not None and "predicted" in line and "per GPU of 24.0 GiB" in line, (card.name, line)
     assert set(planned) == {"easyanimate", "wan", "cogvideox", "animatediff", "toy"}
     assert all(peak > 0 for peak in planned.values())
 
@@ -178,3 +183,35 @@ def test_the_bucket_rules_of_a_card_are_what_the_family_class_reads():
         assert family.spatial_multiple == rules.spatial_multiple, name
         assert family.temporal_compression_ratio == rules.temporal_compression, name
         assert family.card is get_card(name)
+
+
+@pytest.mark.slow
+def test_the_toy_family_prepares_trains_exports_and_generates_through_the_real_loop(toy, tmp_path):
+    """The toy family (registered from the tests folder, no edit under `vidray/`) through what a user runs:
+    `prepare` with its bucket rules (a side off its 32 px multiple refused), the training loop in this process
+    (`train_in_process`: the Worker, its decode and encode operators, a checkpoint, the export) and
+    `vidray generate` from the export."""
+    from vidray.config import load_job_config
+    from vidray.data.ingest import prepare
+    from vidray.data.video import decode_mp4
+    from vidray.generate import generate_to_file
+    from vidray.train.local import train_in_process
+
+    metadata = REPO / "samples" / "metadata.json"
+    with pytest.raises(ValueError, match="multiples of 32"):
+        prepare(metadata, tmp_path / "refused", buckets=[(9, 48, 48)], fps=8.0, samples_per_shard=4, family="toy",
+                progress=None)
+    shards = tmp_path / "shards"
+    assert prepare(metadata, shards, buckets=[(9, 64, 64)], fps=8.0, samples_per_shard=4, family="toy",
+                   progress=None).num_kept >= 4
+    job = load_job_config(REPO / "jobs" / "configs" / "wan_t2v_tiny.yaml", [
+        "model.family=toy", "name=toy", f"data.shards_dir={shards}", f"storage.path={tmp_path / 'runs'}",
+        "data.buckets=[[9, 64, 64]]", "train.max_steps=2", "train.log_every_steps=1", "checkpoint.every_steps=2",
+        "optim.warmup_steps=0"])
+    result = train_in_process(job)
+    assert (result.first_step, result.last_step) == (1, 2) and len(result.losses) == 2
+    assert [step for step, _ in result.losses] == [1, 2] and all(0 < loss < 10 for _, loss in result.losses)
+    assert (Path(result.run_dir) / "checkpoint_000002").is_dir()
+    video = generate_to_file(result.diffusers_dir, "a red fox", tmp_path / "toy.mp4", num_inference_steps=2, seed=1,
+                             fps=8.0)
+    assert decode_mp4(video.read_bytes()).shape == (9, 64, 64, 3)

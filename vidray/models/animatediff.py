@@ -41,6 +41,7 @@ import torch
 from diffusers import (AnimateDiffPipeline, AutoencoderKL, DDIMScheduler, MotionAdapter, UNet2DConditionModel,
                        UNetMotionModel)
 
+from vidray.cards import get_card
 from vidray.models.offload import compute_dtype, execution_device
 from vidray.models.storage import input_dtype
 from vidray.config import FlowConfig, ModelConfig
@@ -49,7 +50,6 @@ from vidray.diffusion import ddim
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
-from vidray.models.cards import get_card
 from vidray.models.text_encoder import build_clip_text_encoder, text_hidden_size
 
 __all__ = [

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from vidray.cards import FamilyCard, get_card
 from vidray.config import FlowConfig, ModelConfig
 from vidray.data.buckets import Bucket
-from vidray.models.cards import FamilyCard, get_card
 from vidray.diffusion.flow_matching import (add_noise, euler_step, inference_sigmas, timesteps_from_sigmas,
                                              velocity_target)
 
@@ -88,7 +88,7 @@ class ModelFamily(abc.ABC):
 
     @property
     def card(self) -> FamilyCard:
-        """This family's card (`vidray.models.cards`): its bucket rules, capabilities and planner facts."""
+        """This family's card (`vidray.cards`): its bucket rules, capabilities and planner facts."""
         return get_card(self.name)
 
     def for_model(self, model_cfg: ModelConfig) -> "ModelFamily":

@@ -77,6 +77,7 @@ from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoX
 from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
 
+from vidray.cards import get_card
 from vidray.models.offload import compute_dtype, execution_device
 from vidray.models.storage import input_dtype
 from vidray.config import FlowConfig, ModelConfig
@@ -86,7 +87,6 @@ from vidray.errors import UserError
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
-from vidray.models.cards import get_card
 from vidray.models.text_encoder import build_t5_text_encoder, t5_text_width
 from vidray.models.vae import decode_latents, encode_video
 

@@ -27,6 +27,7 @@ from diffusers import AutoencoderKLMagvit, EasyAnimateInpaintPipeline, EasyAnima
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.easyanimate.pipeline_easyanimate_inpaint import resize_mask
 
+from vidray.cards import get_card
 from vidray.models.offload import compute_dtype, execution_device
 from vidray.models.storage import input_dtype
 from vidray.config import FlowConfig, ModelConfig
@@ -35,7 +36,6 @@ from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.conditioning import generate_mask, image_to_video, masked_video
 from vidray.models.folders import (require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
-from vidray.models.cards import get_card
 from vidray.models.text_encoder import build_text_encoder, encode_prompts, ensure_chat_template, text_hidden_size
 from vidray.models.vae import decode_latents, encode_video
 

@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import yaml
 
+from vidray.cards import all_cards, card_for_pipeline
 from vidray.config import ExpertsConfig, FlowConfig, I2VConfig, JobConfig, ModelConfig, job_config_from_dict
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError, UserFileNotFound
 from vidray.locations import is_uri
-from vidray.models.cards import all_cards, card_for_pipeline
 
 if TYPE_CHECKING:
     import torch
@@ -128,7 +128,7 @@ export's commit marker, as model_index.json is a full export's."""
 BASE_REF_FORMAT = 1
 
 # Which stock pipeline classes load as which family, and which of them are image-to-video (a stock folder of one
-# loads as `model.i2v: {condition: first}`), is each family card's `pipelines` (`vidray.models.cards`).
+# loads as `model.i2v: {condition: first}`), is each family card's `pipelines` (`vidray.cards`).
 _PIPELINE_SUBFOLDERS = ("vae", "text_encoder", "tokenizer", "scheduler")
 _DENOISER_SUBFOLDERS = ("transformer", "unet")
 """A pipeline folder holds one of these (a DiT's `transformer/`; AnimateDiff's UNetMotionModel `unet/`)."""

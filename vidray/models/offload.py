@@ -36,7 +36,7 @@ import torch
 from accelerate.hooks import ModelHook
 from accelerate.utils import send_to_device
 
-from vidray.models.cards import get_card
+from vidray.cards import get_card
 
 __all__ = ["OFFLOAD_MODES", "OneResidentHook", "apply_inference_offload", "compute_dtype", "execution_device",
            "inference_device", "offload_problem", "prepare_for_inference", "inference_dtypes",
@@ -48,7 +48,7 @@ OFFLOAD_MODES = ("none", "model", "group", "sequential")
 STORAGE_DTYPES = ("auto", "fp32", "bf16", "fp8")
 """`memory.storage_dtype` values."""
 
-# Which VAE computes in float32 is its family card's `fp32_vae` (`vidray.models.cards`): diffusers' Wan examples load
+# Which VAE computes in float32 is its family card's `fp32_vae` (`vidray.cards`): diffusers' Wan examples load
 # `AutoencoderKLWan` with `torch_dtype=torch.float32` beside a bf16 pipeline (docs/source/en/api/pipelines/wan.md,
 # 0.42.1). CogVideoX's, EasyAnimate's and AnimateDiff's examples run the whole pipeline, VAE included, in bf16 / fp16,
 # so their VAE follows the storage dtype (bf16; fp8 storage is not used for a VAE: its convolutions are a small part

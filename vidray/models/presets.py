@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vidray.cards import all_cards, get_card
 from vidray.errors import UserError, UserFileNotFound
-from vidray.models.cards import all_cards, get_card
 
 __all__ = ["PRESETS", "ShapePreset", "get_preset", "model_preset", "planner_facts", "preset_from_pretrained"]
 
@@ -59,7 +59,7 @@ class ShapePreset:
 
     name: str
     family: str
-    """A family whose card has planner facts (`vidray.models.cards.PlannerFacts`): `easyanimate`
+    """A family whose card has planner facts (`vidray.cards.PlannerFacts`): `easyanimate`
     (EasyAnimateTransformer3DModel: MMDiT, text tokens in every block), `wan` (WanTransformer3DModel:
     self-attention over video tokens, cross-attention to the text) or `cogvideox` (CogVideoXTransformer3DModel:
     text and video tokens through the same attention and MLP in every block)."""
@@ -127,7 +127,7 @@ _FILLED_ON_USE = {"tiny": _tiny_config, "wan-tiny": _wan_tiny_config, "cogvideox
 
 
 def planner_facts(family: str):
-    """The planner facts of `family`'s card (`vidray.models.cards.PlannerFacts`). Raises UserError when the family
+    """The planner facts of `family`'s card (`vidray.cards.PlannerFacts`). Raises UserError when the family
     has none (it is planned by measuring: `vidray.train.plan.plan_measured`) or is unknown."""
     try:
         facts = get_card(family).planner

@@ -5,11 +5,12 @@ family = get_family(job.model.family)               # ValueError lists the valid
 components = family.build(job.model, seed=job.train.seed)
 model_pred = family.predict(components.transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask)
 ```
-One file per family (`easyanimate.py`, `wan.py`, `cogvideox.py`, `animatediff.py`) implementing `vidray.models.base.ModelFamily`, named by
-its card's `family_class` (`vidray.models.cards`); this module only builds them (the families import `base`, never
-this module). A family's module is imported on first use of its name: every Ray Train worker, encode stage actor and serve replica imports the registry, and importing all four
-families costs each about 0.8 s of CPU more than importing the one it runs (measured on 2 cores: 6.3 s vs 5.5 s,
-most of both being diffusers itself).
+One file per family (`easyanimate.py`, `wan.py`, `cogvideox.py`, `animatediff.py`) implementing
+`vidray.models.base.ModelFamily`, named by its card's `family_class` (`vidray.cards`); this module only builds them
+(the families import `base`, never this module). A family's module is imported on first use of its name: every Ray
+Train worker, encode stage actor and serve replica imports the registry, and importing all four families costs
+each about 0.8 s of CPU more than importing the one it runs (measured on 2 cores: 6.3 s vs 5.5 s, most of both
+being diffusers itself).
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator, Mapping
 
+from vidray.cards import FamilyCard, FamilyCardError, all_cards, get_card
 from vidray.logs import quiet_diffusers
 from vidray.models.base import Components, Encoders, ModelFamily
-from vidray.models.cards import FamilyCard, FamilyCardError, all_cards, get_card
 
 __all__ = ["Components", "Encoders", "ModelFamily", "FAMILIES", "forget_family", "get_family"]
 
+
 class _Families(Mapping):
-    """{name: ModelFamily} over the registered cards (`vidray.models.cards.all_cards`), each family built (its
+    """{name: ModelFamily} over the registered cards (`vidray.cards.all_cards`), each family built (its
     module imported) on first access, then kept. Iterating or `len` imports nothing; `.values()` / `.items()`
     import every family."""
 
@@ -92,5 +94,5 @@ def get_family(name: str) -> ModelFamily:
 
 
 def forget_family(name: str) -> None:
-    """Drop the built family `name` from the cache (after `vidray.models.cards.unregister_card` in a test)."""
+    """Drop the built family `name` from the cache (after `vidray.cards.unregister_card` in a test)."""
     FAMILIES.forget(name)

@@ -1,7 +1,7 @@
 """Per-family bucket rules: which (num_frames, height, width) a model family's VAE and DiT can take.
 
 Plain data (no torch, no diffusers), so the config checks a job's buckets at load, before anything heavy is
-imported. Each family's rules are its card's `bucket_rules` (`vidray.models.cards`); the table and the sources below
+imported. Each family's rules are its card's `bucket_rules` (`vidray.cards`); the table and the sources below
 are the built-in cards'.
 
 | family | height, width | num_frames | why |
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 
+from vidray.cards import BucketRules, all_cards, get_card
 from vidray.data.buckets import Bucket, validate_bucket
-from vidray.models.cards import BucketRules, all_cards, get_card
 
 __all__ = ["BucketRules", "any_family_spatial_multiple", "bucket_rules", "check_bucket"]
 

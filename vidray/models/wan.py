@@ -62,6 +62,7 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
+from vidray.cards import get_card
 from vidray.models.offload import execution_device
 from vidray.models.storage import input_dtype
 from vidray.config import WAN_CLIP_TEXT_TOKENS, FlowConfig, ModelConfig
@@ -71,7 +72,6 @@ from vidray.models.conditioning import condition_frames
 from vidray.models.experts import EXPERT_ATTRIBUTES, TwoExperts, check_boundary_ratio, check_expert
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
-from vidray.models.cards import get_card
 from vidray.models.text_encoder import TINY_T5_ENCODER, build_t5_text_encoder, t5_text_width
 from vidray.models.vae import decode_latents, encode_video
 

@@ -60,10 +60,10 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from vidray.cards import get_card
 from vidray.config import LoraConfig
 from vidray.data.buckets import Bucket
 from vidray.errors import UserError
-from vidray.models.cards import get_card
 from vidray.models.presets import ShapePreset, meta_model, model_preset, planner_facts, preset_from_pretrained
 
 __all__ = [

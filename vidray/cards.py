@@ -2,7 +2,8 @@
 
 A card is plain data (no torch, no diffusers), so the config validates `model.family`, the bucket rules and the
 planner's facts before anything heavy is imported; the family's class (`vidray.models.base.ModelFamily`, which
-imports diffusers) is named by `family_class` and imported on first use by `vidray.models.registry`.
+imports diffusers) is named by `family_class` and imported on first use by `vidray.models.registry`. The module
+imports nothing of vidray: it sits below the config, which validates `model.family` against it.
 
 ```python
 card = get_card("wan")              # ValueError naming the registered cards
