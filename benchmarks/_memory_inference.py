@@ -59,7 +59,7 @@ def _train(family, components, flow, steps: int) -> float:
     """Fit the transformer to `_target_latents` for `PROMPT` (flow matching, AdamW); returns the last loss."""
     import torch
 
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
 
     latent_shape = family.latent_shape(Bucket(*BUCKET), 1)
     target = _target_latents(latent_shape)
@@ -89,8 +89,8 @@ def _generate(family, components, flow, storage_dtype: str, seed: int):
     import torch
 
     from vidray.config import MemoryConfig
-    from vidray.data.buckets import Bucket
-    from vidray.diffusion.sampler import generate_video
+    from vidray.buckets import Bucket
+    from vidray.inference.sampler import generate_video
     from vidray.models.offload import prepare_for_inference
 
     placed = copy.deepcopy(components)

@@ -44,7 +44,7 @@ def _training_rows() -> list[dict[str, Any]]:
     from diffusers import EasyAnimateTransformer3DModel
     from peft import LoraConfig, inject_adapter_in_model
 
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.models.presets import get_preset
     from vidray.train.memory import measure_training_step
     from vidray.train.plan import lora_targets, MemoryMode, Strategy, count_model, estimate_memory
@@ -81,7 +81,7 @@ def _training_rows() -> list[dict[str, Any]]:
 def _inference_rows() -> list[dict[str, Any]]:
     from diffusers import EasyAnimateTransformer3DModel
 
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.models.presets import get_preset
     from vidray.plan_inference import plan_inference
     from vidray.train.memory import TensorBytesTracker

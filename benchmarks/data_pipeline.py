@@ -204,7 +204,7 @@ def replicate(base: Path, out: str | Path, num_samples: int, samples_per_shard: 
     `index.json` as `vidray prepare` writes them). Returns the committed index."""
     import pyarrow.parquet as pq
 
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.data.index import load_sample_index
     from vidray.data.shards import ShardWriter, read_index, read_report
 

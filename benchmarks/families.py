@@ -78,7 +78,7 @@ def train_step_seconds(family, job, steps: int) -> float:
     """Median seconds of one training step of the tiny preset at the family's example bucket, batch 2."""
     import torch
 
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.train.step import flow_matching_step_loss
 
     components = family.build(job.model, seed=0)

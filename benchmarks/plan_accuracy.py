@@ -31,7 +31,7 @@ def planner_vs_measured(cases: dict = CASES) -> list[dict]:
     from diffusers import EasyAnimateTransformer3DModel
     from peft import LoraConfig, inject_adapter_in_model
 
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.models.presets import get_preset
     from vidray.train.memory import measure_training_step
     from vidray.train.plan import lora_targets, Strategy, count_model, estimate_memory

@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vidray.data.buckets import Bucket  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
 from vidray.data.schedule import SampleSchedule, batch_sizes_for_buckets  # noqa: E402
 
 NUM_SAMPLES = 26_600_000

@@ -11,7 +11,7 @@ while the tiny DiT's stays small) into a temp folder; the tiny job (`jobs/config
 Figures:
 - `online_clips_s`, `cached_clips_s`: clips trained per second (steps/s x global batch) with `data.latent_cache=off`
   (every clip VAE- and text-encoded by the encode actors as it arrives) and from a latent cache filled beforehand
-  by `vidray.data.encode.encode_to_cache` (what `vidray prepare --encode` runs), same clips, same steps.
+  by `vidray.data.fill_cache.encode_to_cache` (what `vidray prepare --encode` runs), same clips, same steps.
 - `cached_over_online`: cached_clips_s / online_clips_s; goal >= 1.0 (cached latents must not be slower).
 - `online_data_wait_fraction`, `cached_data_wait_fraction`: the share of the trainers' step time spent waiting for
   the next micro-batch (`vidray.metrics`), rank 0.
@@ -72,7 +72,7 @@ def figures_of(result, job_cfg) -> dict[str, float]:
 def online_vs_cached(args, tmp: Path) -> dict[str, dict[str, float]]:
     import ray
 
-    from vidray.data.encode import encode_to_cache
+    from vidray.data.fill_cache import encode_to_cache
     from vidray.data.ingest import prepare
     from vidray.runtime import init_ray
     from vidray.train.trainer import run_training

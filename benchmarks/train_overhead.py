@@ -143,7 +143,7 @@ def _peer_inputs(job_path: Path, tmp: Path) -> tuple[Path, str, int, int]:
     """(transformer config.json, per-rank latent shape "B,C,F,H,W", text length, threads per worker) of the job."""
     sys.path.insert(0, str(REPO))
     from vidray.config import load_job_config
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.models.registry import get_family
 
     job = load_job_config(job_path)

@@ -97,7 +97,7 @@ def _medium_inputs():
 def measure_fsdp_planned() -> dict[str, Any]:
     """(a) by the planner's arithmetic: FSDP shards parameters, gradients and AdamW state over the ranks and holds
     one gathered block (plus the next, prefetched); DDP replicates them (and adds its gradient buckets)."""
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.models.presets import get_preset
     from vidray.train.plan import Strategy, count_model, estimate_memory
 

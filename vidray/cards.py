@@ -63,7 +63,7 @@ class BucketRules:
     spatial_multiple: int
     temporal_compression: int
     frame_step: int | None = None
-    """num_frames - 1 must be a multiple of it; None: `temporal_compression`. CogVideoX: 8 (`vidray.models.rules`)."""
+    """num_frames - 1 must be a multiple of it; None: `temporal_compression`. CogVideoX: 8 (`vidray.buckets`)."""
     max_frames: int | None = None
     """The most frames a clip may have; None: no limit. AnimateDiff: 32, the frames its motion modules'
     positional embeddings cover (`motion_max_seq_length` of the v1.5-v3 adapters)."""
@@ -108,7 +108,7 @@ class FamilyCard:
     family_class: str = _MISSING
     """"module:Class" of its `vidray.models.base.ModelFamily` subclass (imported on first use)."""
     bucket_rules: BucketRules = _MISSING
-    """Which (num_frames, height, width) its VAE and DiT take (`vidray.models.rules` documents the built-ins)."""
+    """Which (num_frames, height, width) its VAE and DiT take (`vidray.buckets` documents the built-ins)."""
     objective: Objective = _MISSING
     """`flow_matching` (trains on `flow.shift` / `flow.num_train_timesteps`) or `ddim` (its folder's own
     1000-step DDIM schedule: epsilon or v-prediction; the config then requires num_train_timesteps 1000)."""
@@ -206,7 +206,7 @@ BUILTIN_CARDS: tuple[FamilyCard, ...] = (
         bucket_rules=BucketRules(spatial_multiple=64, temporal_compression=1, max_frames=32), objective="ddim",
         text_seq_len=77, pipelines={"AnimateDiffPipeline": False}),
 )
-"""The built-in families. Sources of each value: `vidray.models.rules` (bucket rules), the stock pipelines'
+"""The built-in families. Sources of each value: `vidray.buckets` (bucket rules), the stock pipelines'
 `max_sequence_length` defaults (EasyAnimate 256, Wan 512, CogVideoX 226, CLIP's 77 for AnimateDiff),
 `vidray.train.plan` (the activation census per token flow), `vidray.models.offload` (Wan's fp32 VAE)."""
 

@@ -42,7 +42,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_encode(args: argparse.Namespace) -> int:
     from vidray.data.shards import INDEX_NAME
-    from vidray.data.storage import open_storage
+    from vidray.storage import open_storage
 
     job = _load(args)
     _check_encode(job)
@@ -57,7 +57,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
 def _check_encode(job: JobConfig) -> None:
     """What `_encode` needs that no Ray is needed to check: a latent cache, and (when vidray will start a local Ray)
     the resources of one decode + encode pipeline."""
-    from vidray.data.encode import check_encode_resources, encode_cache_root
+    from vidray.data.fill_cache import check_encode_resources, encode_cache_root
     from vidray.runtime import check_local_ray
 
     encode_cache_root(job)
@@ -65,8 +65,8 @@ def _check_encode(job: JobConfig) -> None:
 
 
 def _encode(job: JobConfig) -> int:
-    """Fill the latent cache from the prepared shards (`vidray.data.encode.encode_to_cache`) and print the counts."""
-    from vidray.data.encode import encode_to_cache
+    """Fill the latent cache from the prepared shards (`vidray.data.fill_cache.encode_to_cache`) and print the counts."""
+    from vidray.data.fill_cache import encode_to_cache
     from vidray.runtime import init_ray
 
     started = init_ray()
@@ -102,7 +102,7 @@ def cmd_train_vae(args: argparse.Namespace) -> int:
 def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     """Prepare the shards when asked and missing, train, and print where the outputs are. Returns an exit code."""
     from vidray.data.shards import INDEX_NAME
-    from vidray.data.storage import open_storage
+    from vidray.storage import open_storage
     from vidray.train.trainer import check_job_outputs, run_training
 
     if prepare_if_missing:  # without --prepare, run_training's check_job_inputs makes these checks first
@@ -268,7 +268,7 @@ def _doctor_measure(args: argparse.Namespace, job: JobConfig | None, findings: l
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the memory planner's table (`vidray.train.plan`) for the job's model and largest bucket, or for
     `--preset` and the `--frames/--height/--width` bucket; 1 when no strategy fits."""
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.models.presets import get_preset
     from vidray.train.plan import format_report, host_memory_bytes, parse_bytes, plan_job
 
@@ -298,7 +298,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_inference(args: argparse.Namespace, preset, gpu_memory: int, host_memory: int, sizes) -> int:
     """`vidray plan --inference`: the generation plan of `--preset`, a diffusers folder or a job config's model, at
     the `--frames/--height/--width` bucket (or the job's largest); 1 when no offload mode fits."""
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.plan_inference import format_inference_report, inference_preset, plan_inference
     from vidray.train.plan import job_preset, largest_bucket
 

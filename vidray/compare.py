@@ -75,7 +75,7 @@ def compare_with_training_clip(job, diffusers_dir: str | Path, prompt: str, out_
 
     from vidray.data.shards import load_samples
     from vidray.data.video import write_mp4
-    from vidray.diffusion.sampler import generate_video
+    from vidray.inference.sampler import generate_video
     from vidray.logs import quiet_diffusers
     from vidray.models.export import load_model
     from vidray.models.vae import frames_to_video, video_to_frames

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import tempfile
 import typing
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -22,9 +23,8 @@ import yaml
 from pydantic import ConfigDict, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
+from vidray.buckets import Bucket, check_bucket, parse_bucket, validate_bucket
 from vidray.cards import all_cards, get_card  # plain data: no torch
-from vidray.data.buckets import Bucket, validate_bucket
-from vidray.data.cache import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR
 from vidray.errors import UserError, UserFileNotFound
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -52,6 +52,11 @@ def _number_not_boolean(key: str, value: Any) -> Any:
         raise ValueError(f"{key}: {str(value).lower()} is a boolean, not a number")
     return value
 
+
+DEFAULT_CACHE_DIR = str(Path(tempfile.gettempdir()) / "vidray-cache")
+"""`data.cache_dir`'s default: the node-local warm shard cache (`vidray.data.cache.ShardCache`)."""
+DEFAULT_CACHE_BYTES = 20 * 2**30
+"""`data.cache_bytes`' default: 20 GiB a node."""
 
 WAN_CLIP_TEXT_TOKENS = 512
 """The text tokens a Wan transformer with CLIP image embeddings takes: diffusers' `WanAttnProcessor` takes the first
@@ -218,7 +223,7 @@ class ModelConfig:
     folder's own scheduler; `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused) or `animatediff` (AnimateDiff: SD 1.5 UNet + motion modules, epsilon; only the
     motion modules train; `flow.num_train_timesteps` must be 1000 and `flow.shift` is unused), or a family added
     without editing vidray (`docs/adding-a-family.md`). Each family's bucket rules are its card's
-    (`vidray.models.rules`)."""
+    (`vidray.buckets`)."""
     preset: Literal["tiny"] = "tiny"
     """Architecture preset used with `init: random` (ignored for `pretrained`)."""
     init: Literal["random", "pretrained"] = "random"
@@ -292,7 +297,7 @@ class DataConfig:
     shards_dir: str = "outputs/shards"
     """Folder of prepared Parquet shards (`gen.NNNNN/shard.00000.parquet` ... + `index.json`, written last), or a
     URI pyarrow reaches: `s3://bucket/prefix` (AWS_* variables, AWS_ENDPOINT_URL for MinIO/moto), `gs://...`,
-    `file://...` (`vidray.data.storage`)."""
+    `file://...` (`vidray.storage`)."""
     cache_dir: str = DEFAULT_CACHE_DIR
     """Node-local folder of the warm shard cache (`vidray.data.cache`): shards fetched from object storage,
     named by their sha256. Local `shards_dir` folders are read in place and never copied here. Created with mode
@@ -775,14 +780,12 @@ class JobConfig:
 
     @model_validator(mode="after")
     def _cross_checks(self):
-        from vidray.models.rules import check_bucket  # plain data: no torch
-
         for bucket in self.data.buckets:
             try:
                 check_bucket(bucket, self.model.family)
             except ValueError as err:
                 raise ValueError(f"data.buckets: {err} (the rule of model.family={self.model.family}, "
-                                 "vidray.models.rules)") from None
+                                 "vidray.buckets)") from None
         if get_card(self.model.family).objective == "ddim" and self.flow.num_train_timesteps != 1000:
             raise ValueError(f"flow.num_train_timesteps is {self.flow.num_train_timesteps}, but model.family: "
                              f"{self.model.family} trains on a 1000-step DDIM schedule: set flow.num_train_timesteps: "
@@ -1036,8 +1039,6 @@ class JobConfig:
         if not val.num_cpus > 0:
             raise ValueError(f"train.validation.num_cpus must be > 0 logical CPUs, got {val.num_cpus}")
         if val.bucket is not None:
-            from vidray.data.buckets import parse_bucket
-
             parse_bucket(val.bucket, self.model.family)  # the family's rule (AnimateDiff: 16 frames)
 
     def _check_strategy(self) -> None:

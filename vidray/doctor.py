@@ -2,7 +2,7 @@
 about a run, before it is started (the operations plane of `../shared/DESIGN.md`).
 
 Every check calls the code the real commands run (`vidray.train.trainer.check_job_inputs`, `check_resources`,
-`vidray.placement.resolve_placement`, `vidray.data.encode.check_encode_resources`), so what the doctor reports is
+`vidray.placement.resolve_placement`, `vidray.data.fill_cache.check_encode_resources`), so what the doctor reports is
 what `vidray train` would do or refuse, without reserving anything or training:
 
 - environment: Python, torch (CUDA devices, NCCL / gloo), Ray (against the version `pyproject.toml` pins),
@@ -158,7 +158,7 @@ def check_job(job: Any) -> list[Finding]:
     an object store that does not answer is a FAIL line."""
     from vidray.data.ingest import read_source
     from vidray.data.shards import INDEX_NAME, read_index
-    from vidray.data.storage import open_storage
+    from vidray.storage import open_storage
     from vidray.errors import UserError, UserFileNotFound
     from vidray.train.trainer import check_job_inputs, check_job_settings, run_folder_lock
 
@@ -267,9 +267,10 @@ def _check_prepared_source(job: Any) -> list[Finding]:
 
 def _check_outputs(job: Any) -> list[Finding]:
     """`storage.path` and `data.latent_cache` writable: what `check_job_inputs` checks first
-    (`vidray.train.trainer.check_output_location`), one line per location."""
+    (`vidray.data.outputs.check_output_location`), one line per location."""
     from vidray.errors import UserError
-    from vidray.train.trainer import check_output_location, output_locations
+    from vidray.data.outputs import check_output_location
+    from vidray.train.trainer import output_locations
 
     found = []
     for key, path in output_locations(job):
@@ -288,12 +289,13 @@ def check_cluster(job: Any | None) -> list[Finding]:
     again) or the local one `vidray train` would start; with a job, its resources and stage placement."""
     import ray
 
-    from vidray.data.encode import check_encode_resources
+    from vidray.data.fill_cache import check_encode_resources
     from vidray.errors import UserError
     from vidray.placement import STAGES, PlacementError, alive_nodes, expert_selectors, resolve_placement
     from vidray.runtime import (LOCAL_RAY, apply_ray_env_defaults, autoscaler_max_resources, check_ray_address,
                                 local_cluster_resources, will_start_local_ray)
-    from vidray.train.trainer import check_resources, latent_cache_root
+    from vidray.data.outputs import latent_cache_root
+    from vidray.train.trainer import check_resources
 
     found: list[Finding] = []
     if will_start_local_ray():

@@ -32,4 +32,4 @@ class UserFileNotFound(UserError, FileNotFoundError):
 class RequestCannotBeMetError(UserError):
     """The job asks for resources (GPUs, CPUs, memory) that the cluster neither has nor can add (its autoscaler's
     limit included). Raised before Ray reserves anything (`vidray.train.trainer.check_resources`,
-    `vidray.data.encode.check_encode_resources`); the message names the numbers and the keys to lower."""
+    `vidray.data.fill_cache.check_encode_resources`); the message names the numbers and the keys to lower."""

@@ -1,4 +1,4 @@
-"""`vidray generate`: a trained model + a prompt -> an mp4, through the one sampler (`vidray.diffusion.sampler`).
+"""`vidray generate`: a trained model + a prompt -> an mp4, through the one sampler (`vidray.inference.sampler`).
 
 The model is a diffusers folder or a training checkpoint folder, local or on object storage (`s3://...`, copied
 into a local cache), read by `vidray.models.export` (see there).
@@ -14,8 +14,8 @@ import typing
 from pathlib import Path
 
 from vidray.config import MemoryConfig
-from vidray.data.buckets import Bucket, parse_bucket_form, validate_bucket
-from vidray.models.rules import any_family_spatial_multiple
+from vidray.buckets import Bucket, parse_bucket_form, validate_bucket
+from vidray.buckets import any_family_spatial_multiple
 from vidray.errors import UserError
 from vidray.locations import NOT_A_FOLDER, creation_problem
 from vidray.progress import progress_bar
@@ -322,7 +322,7 @@ def generate_to_file(
     import torch
 
     from vidray.data.video import write_mp4
-    from vidray.diffusion.sampler import generate_video
+    from vidray.inference.sampler import generate_video
     from vidray.logs import quiet_diffusers
     from vidray.models.conditioning import load_image
     from vidray.models.offload import inference_device, prepare_for_inference

@@ -1,7 +1,7 @@
 """Where a setting points: a local path or a URI (`s3://bucket/prefix`, `gs://...`, `file://...`).
 
 Light on purpose (no pyarrow): the trainer's driver checks, the model export and the serve app test locations
-without loading `vidray.data.storage`, which opens them.
+without loading `vidray.storage`, which opens them.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Literal
 
 from vidray.cards import get_card
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.errors import UserError
 
 __all__ = ["INFERENCE_MODES", "InferenceEstimate", "InferenceReport", "check_generation_fits", "check_inference_fits",

@@ -58,7 +58,7 @@ def train_row(preset_name: str, storage: str, ac: bool, device: torch.device) ->
     from peft import LoraConfig, inject_adapter_in_model
 
     from _memory_planner import _apply_storage
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.models.presets import get_preset
     from vidray.train.plan import lora_targets, MemoryMode, Strategy, count_model, estimate_memory
 
@@ -101,7 +101,7 @@ def train_row(preset_name: str, storage: str, ac: bool, device: torch.device) ->
 def infer_row(preset_name: str, device: torch.device) -> dict:
     from diffusers import EasyAnimateTransformer3DModel
 
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.models.presets import get_preset
     from vidray.plan_inference import plan_inference
 

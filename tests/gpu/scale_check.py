@@ -60,7 +60,7 @@ def _inputs(preset, bucket, device, dtype=torch.float32) -> dict[str, torch.Tens
 
 
 def part_big(args, device: torch.device) -> dict[str, Any]:
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.models.presets import get_preset, meta_model
     from vidray.train.plan import Strategy, count_model, estimate_memory
 

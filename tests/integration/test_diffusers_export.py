@@ -15,8 +15,8 @@ import torch  # noqa: E402
 from diffusers import EasyAnimatePipeline  # noqa: E402
 
 from vidray.config import FlowConfig, ModelConfig  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
-from vidray.diffusion.sampler import generate_video, sample_latents  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
+from vidray.inference.sampler import generate_video, sample_latents  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.text_encoder import encode_prompts  # noqa: E402
 

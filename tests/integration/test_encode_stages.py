@@ -52,7 +52,7 @@ def test_prepare_encode_fills_the_cache_from_the_command_line(tmp_path):
 
 
 def test_cached_latents_train_the_losses_of_online_encoding(local_ray, shards_dir, tmp_path):
-    from vidray.data.encode import encode_to_cache
+    from vidray.data.fill_cache import encode_to_cache
     from vidray.train.trainer import run_training
 
     # 1. Online, no cache: every micro-batch is encoded by the stage as it arrives.

@@ -9,7 +9,7 @@ from fractions import Fraction
 
 import pytest
 
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.data.ingest import prepare
 from vidray.data.shards import iter_samples, load_samples, read_index
 from vidray.data.video import probe_media, read_clip

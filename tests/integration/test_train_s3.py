@@ -16,7 +16,7 @@ import pytest
 from vidray.config import load_job_config
 from vidray.data.ingest import prepare
 from vidray.data.shards import read_index
-from vidray.data.storage import open_storage
+from vidray.storage import open_storage
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from vidray.config import ConfigError, FlowConfig, ModelConfig, load_job_config  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.train.parallel import apply_activation_checkpointing  # noqa: E402
 from vidray.train.step import ActivationOffload, flow_matching_step_loss, step_generator  # noqa: E402

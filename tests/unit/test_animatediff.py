@@ -2,7 +2,7 @@
 
 Parity: the export loads in the stock pipeline offline, and for the same prompts, negative prompts, seed (the stock
 pipeline draws its noise (B, C, F, H, W) from a CPU generator exactly as `initial_noise` does), num_inference_steps
-and guidance_scale, the stock pipeline's `output_type="latent"` latents equal `vidray.diffusion.sampler`'s, and its
+and guidance_scale, the stock pipeline's `output_type="latent"` latents equal `vidray.inference.sampler`'s, and its
 frames equal `generate_video`'s. Only the motion modules train. The family-independent checks are in
 test_families.py.
 """
@@ -22,8 +22,8 @@ import torch  # noqa: E402
 from diffusers import AnimateDiffPipeline, UNet2DConditionModel, UNetMotionModel  # noqa: E402
 
 from vidray.config import FlowConfig, ModelConfig, job_config_from_dict, load_job_config  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
-from vidray.diffusion.sampler import generate_video, initial_noise, sample_latents  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
+from vidray.inference.sampler import generate_video, initial_noise, sample_latents  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import inspect_model  # noqa: E402
 from vidray.train.step import flow_matching_step_loss  # noqa: E402

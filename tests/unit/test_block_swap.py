@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vidray.config import FlowConfig, LoraConfig, ModelConfig, job_config_from_dict
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.models import get_family
 from vidray.models.lora import apply_lora
 from vidray.train.block_swap import apply_block_swap

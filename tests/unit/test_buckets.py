@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vidray.data.buckets import (
-    Bucket,
-    assign_bucket,
-    rate_change_factor,
-    rate_change_reason,
-    validate_bucket,
-)
+from vidray.buckets import Bucket, validate_bucket
+from vidray.data.buckets import assign_bucket, rate_change_factor, rate_change_reason
 
 BUCKETS = [Bucket(9, 64, 64), Bucket(9, 64, 112), Bucket(9, 112, 64), Bucket(17, 64, 112), Bucket(1, 64, 64)]
 
@@ -137,7 +132,7 @@ def test_validate_bucket_names_the_problem(bucket, message):
 
 def test_bucket_rules_come_from_the_model_family():
     from vidray.config import ConfigError, load_job_config
-    from vidray.models.rules import BucketRules, bucket_rules, check_bucket
+    from vidray.buckets import BucketRules, bucket_rules, check_bucket
 
     assert bucket_rules("easyanimate") == BucketRules(spatial_multiple=16, temporal_compression=4)
     check_bucket(Bucket(17, 64, 48), "easyanimate")
@@ -157,7 +152,7 @@ def test_a_bucket_is_parsed_against_its_familys_rule_not_easyanimates():
     """AnimateDiff's 16 frames (no temporal compression) broke `vidray train`, generate's --bucket and
     train.validation.bucket, which parsed every bucket with EasyAnimate's 4k+1 rule (found by a fresh-user trial)."""
     from vidray.config import ConfigError, job_config_from_dict
-    from vidray.data.buckets import parse_bucket, parse_bucket_form
+    from vidray.buckets import parse_bucket, parse_bucket_form
 
     assert parse_bucket("16x64x64", "animatediff") == Bucket(16, 64, 64)
     with pytest.raises(ValueError, match="k\\*4\\+1"):

@@ -16,7 +16,7 @@ import pytest
 
 from vidray.data.cache import ShardCache
 from vidray.data.shards import ShardChecksumError
-from vidray.data.storage import Storage, open_storage
+from vidray.storage import Storage, open_storage
 from vidray.errors import UserError
 
 
@@ -144,7 +144,7 @@ def test_two_processes_racing_for_one_shard_download_it_once(store, tmp_path):
 
 @pytest.mark.parametrize("sha256", ["../../escaped", "/tmp/x", "", "F" * 64])
 def test_a_sha256_that_is_not_64_lowercase_hex_never_becomes_a_cache_file_name(store, tmp_path, sha256):
-    from vidray.data.storage import UnsafePathError
+    from vidray.storage import UnsafePathError
 
     storage, (a, _, _, _) = store
     cache = ShardCache(tmp_path / "cache" / "inner", budget_bytes=10_000)

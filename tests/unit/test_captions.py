@@ -10,6 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 
 from vidray.config import DataConfig, ModelConfig, job_config_from_dict  # noqa: E402
+from vidray.data.captions import shards_caption_truncation  # noqa: E402
 from vidray.data.ingest import prepare_data  # noqa: E402
 from vidray.models.text_encoder import (  # noqa: E402
     build_text_encoder,
@@ -17,7 +18,6 @@ from vidray.models.text_encoder import (  # noqa: E402
     caption_truncation,
     count_prompt_tokens,
     encode_prompts,
-    shards_caption_truncation,
 )
 
 EDGE_CLIP = Path(__file__).resolve().parents[1] / "data" / "edge" / "h264_8bit_320x240.mp4"

@@ -133,7 +133,7 @@ def test_format_2_checkpoints_with_index_keyed_optimizer_state_still_load(tmp_pa
 
 
 def test_on_s3_the_manager_lists_uploads_verifies_by_size_and_fetches(s3_env, tmp_path):
-    from vidray.data.storage import open_storage
+    from vidray.storage import open_storage
 
     run = f"s3://vidray-test/ckpt-{uuid.uuid4().hex[:8]}/run"
     manager = CheckpointManager(run)
@@ -156,7 +156,7 @@ def test_on_s3_the_manager_lists_uploads_verifies_by_size_and_fetches(s3_env, tm
 @pytest.mark.parametrize("start", ["resume_from", "restart"])
 def test_a_remote_checkpoint_with_same_size_different_weights_is_refused_by_the_workers_load_naming_the_part(
         s3_env, tmp_path, monkeypatch, start):
-    from vidray.data.storage import open_storage
+    from vidray.storage import open_storage
     from vidray.train import loop
 
     run = f"s3://vidray-test/ckpt-{uuid.uuid4().hex[:8]}/run"

@@ -19,7 +19,8 @@ from vidray.data.index import load_sample_index
 from vidray.data.ingest import prepare
 from vidray.data.pipeline import LocalLoader, plan_rank_steps
 from vidray.data.schedule import SampleSchedule
-from vidray.data.shards import _content_hash, read_index
+from vidray.data.format import content_hash
+from vidray.data.shards import read_index
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,7 +78,7 @@ def _rewrite_shard(shards_dir: Path, shard: int, edit) -> str:
     pq.write_table(table, path)
     data = path.read_bytes()
     entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    index["content_hash"] = _content_hash(index)
+    index["content_hash"] = content_hash(index)
     index_path.write_text(json.dumps(index))
     return table.column("sample_id")[0].as_py()
 

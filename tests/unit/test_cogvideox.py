@@ -2,7 +2,7 @@
 
 Parity: the export loads in the stock pipeline offline, and for the same prompts, negative prompts, initial noise,
 num_inference_steps, guidance_scale and max_sequence_length, the stock pipeline's `output_type="latent"` latents
-(it encodes the prompts itself; laid out (B, F, C, H, W)) equal `vidray.diffusion.sampler.sample_latents` over
+(it encodes the prompts itself; laid out (B, F, C, H, W)) equal `vidray.inference.sampler.sample_latents` over
 `family.encode_prompt`'s embeddings, and its frames equal `generate_video`'s. The stock pipeline draws its noise laid
 out (B, F, C, H, W), so it is given vidray's noise (`initial_noise`, the seed's) permuted as `latents=`. The
 family-independent checks are in test_families.py.
@@ -21,8 +21,8 @@ import torch  # noqa: E402
 from diffusers import CogVideoXPipeline, CogVideoXTransformer3DModel  # noqa: E402
 
 from vidray.config import FlowConfig, ModelConfig  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
-from vidray.diffusion.sampler import generate_video, initial_noise, sample_latents  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
+from vidray.inference.sampler import generate_video, initial_noise, sample_latents  # noqa: E402
 from vidray.models import cogvideox, get_family  # noqa: E402
 from vidray.models.export import inspect_model  # noqa: E402
 

@@ -23,9 +23,9 @@ import torch  # noqa: E402
 from diffusers import CogVideoXDDIMScheduler, CogVideoXPipeline  # noqa: E402
 
 from vidray.config import FlowConfig, ModelConfig  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
 from vidray.diffusion.flow_matching import sample_sigmas  # noqa: E402
-from vidray.diffusion.sampler import generate_video, initial_noise, sample_latents  # noqa: E402
+from vidray.inference.sampler import generate_video, initial_noise, sample_latents  # noqa: E402
 from vidray.models import cogvideox, get_family  # noqa: E402
 from vidray.train.step import flow_matching_step_loss  # noqa: E402
 

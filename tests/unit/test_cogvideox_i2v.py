@@ -24,8 +24,8 @@ from PIL import Image  # noqa: E402
 
 from vidray.cards import get_card  # noqa: E402
 from vidray.config import FlowConfig, I2VConfig, ModelConfig  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
-from vidray.diffusion.sampler import generate_video, initial_noise  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
+from vidray.inference.sampler import generate_video, initial_noise  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.base import Components  # noqa: E402
 from vidray.models.cogvideox import SCHEDULER_CONFIG, TINY_I2V_TRANSFORMER, preprocess_image  # noqa: E402

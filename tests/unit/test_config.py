@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from vidray.config import ConfigError, JobConfig, job_config_from_dict, load_job_config
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 
 CONFIGS = sorted(__import__("pathlib").Path(__file__).resolve().parents[2].joinpath("jobs", "configs").glob("*.yaml"))
 

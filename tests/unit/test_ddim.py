@@ -7,7 +7,7 @@ import pytest
 import torch
 from diffusers import CogVideoXDDIMScheduler, DDIMScheduler
 
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.diffusion import ddim
 
 CONFIGS = {
@@ -121,11 +121,11 @@ class _VPredictionFamily:
 
 @pytest.mark.parametrize("steps", [4, 10])
 def test_the_one_sampler_loop_runs_a_ddim_family_as_the_diffusers_scheduler_does(steps):
-    """issue 29 part 5: `vidray.diffusion.sampler.sample_latents` takes its schedule, timesteps and step from the
+    """issue 29 part 5: `vidray.inference.sampler.sample_latents` takes its schedule, timesteps and step from the
     family, so a v-prediction family samples through the same loop (and serving's step batching) with the latents
     of a diffusers `CogVideoXDDIMScheduler` loop over the same transformer."""
     from vidray.config import ModelConfig
-    from vidray.diffusion.sampler import sample_latents
+    from vidray.inference.sampler import sample_latents
 
     family = _VPredictionFamily.make()
     components = family.build(ModelConfig(text_encoder="tiny_random", max_sequence_length=16), seed=0)

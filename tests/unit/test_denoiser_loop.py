@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from vidray.diffusion.sampler import DenoiseState  # noqa: E402
+from vidray.inference.sampler import DenoiseState  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import load_model  # noqa: E402
 from vidray.models.text_encoder import encode_prompts  # noqa: E402
@@ -117,7 +117,7 @@ def test_concurrent_vae_decodes_give_each_request_its_own_video(tiny_serve_model
 def test_a_request_whose_latents_overflow_fails_alone_and_its_batch_mate_completes(tiny_serve_model_dir,
                                                                                  base_request):
     # A new user's trial: guidance_scale 1e300 "completed" an all-black video through serving.
-    from vidray.diffusion.sampler import NonFiniteLatentsError
+    from vidray.inference.sampler import NonFiniteLatentsError
 
     model = load_model(str(tiny_serve_model_dir))
     negative = encode_prompts(model.components.text_encoder, model.components.tokenizer, [""],

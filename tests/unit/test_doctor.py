@@ -169,7 +169,7 @@ def test_an_object_store_that_does_not_answer_is_a_fail_per_location_not_a_trace
     for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr("vidray.data.storage.S3_MAX_ATTEMPTS", 1)
+    monkeypatch.setattr("vidray.storage.S3_MAX_ATTEMPTS", 1)
     code, found = doctor(capsys, CONFIG, "data.shards_dir=s3://b/shards", "storage.path=s3://b/runs")
     assert code == 1
     for key, uri in (("data.shards_dir", "s3://b/shards"), ("storage.path", "s3://b/runs"),

@@ -3,7 +3,7 @@ CPU in fp32.
 
 Parity: the export of a `model.i2v` tiny model loads in the stock inpaint pipeline offline, and for the same prompt
 embeddings, first-frame image, seed, steps and guidance, the stock pipeline's `output_type="latent"` latents equal
-`vidray.diffusion.sampler.sample_latents` over `family.encode_image_condition`'s inpaint latents. The condition of a
+`vidray.inference.sampler.sample_latents` over `family.encode_image_condition`'s inpaint latents. The condition of a
 training clip equals what the stock pipeline gives the transformer for the clip's first frame; condition dropout
 gives the text-to-video input and does not depend on the batch. The stock pipeline needs
 `vae.register_to_config(cache_mag_vae=True)` (AutoencoderKLMagvit drops the key on load; vidray conditions with
@@ -26,8 +26,8 @@ from PIL import Image  # noqa: E402
 
 from vidray.cards import all_cards  # noqa: E402
 from vidray.config import ConfigError, FlowConfig, I2VConfig, ModelConfig, job_config_from_dict  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
-from vidray.diffusion.sampler import generate_video, sample_latents  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
+from vidray.inference.sampler import generate_video, sample_latents  # noqa: E402
 from vidray.errors import UserError  # noqa: E402
 from vidray.generate import GenerateArgumentError, check_generate_args  # noqa: E402
 from vidray.models import get_family  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vidray.config import RESUME_CHANGEABLE, RESUME_RULES, ConfigError, diff_for_resume, load_job_config
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.data.pipeline import plan_rank_steps
 from vidray.data.schedule import SampleSchedule
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tests.conftest import free_port, join_gloo, start_ranks
 
 from vidray.config import ExpertsConfig, FlowConfig, ModelConfig
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.diffusion.flow_matching import sample_sigmas
 from vidray.models.experts import EXPERTS, ExpertSlot, TwoExperts, expert_sigma_range
 from vidray.models.registry import get_family

@@ -18,7 +18,7 @@ from tests.conftest import free_port, start_ranks
 from tests.unit.test_expert_groups import expert_rank
 
 from vidray.config import ExpertsConfig, FlowConfig, I2VConfig, LoraConfig, ModelConfig, job_config_from_dict
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.generate import GenerateArgumentError, check_generate_args
 from vidray.models.experts import EXPERT_ATTRIBUTES, EXPERTS, ExpertSlot, TwoExperts
 from vidray.models.export import export_pipeline, load_model, sharded_entries, write_job_file

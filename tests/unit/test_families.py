@@ -20,9 +20,9 @@ import torch
 
 from vidray.cards import register_card, unregister_card
 from vidray.config import FlowConfig, ModelConfig, job_config_from_dict
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.diffusion.flow_matching import inference_sigmas
-from vidray.diffusion.sampler import denoise_step, generate_video
+from vidray.inference.sampler import denoise_step, generate_video
 from vidray.models.export import load_model, write_job_file
 from vidray.models.registry import FAMILIES, forget_family
 from vidray.train.step import flow_matching_step_loss

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from vidray.config import load_job_config
-from vidray.data.buckets import Bucket
-from vidray.diffusion.sampler import generate_video
+from vidray.buckets import Bucket
+from vidray.inference.sampler import generate_video
 from vidray.models.export import load_model
 from vidray.models.registry import FAMILIES
 from vidray.train.local import train_in_process
@@ -32,7 +32,7 @@ SHARDED = {"wan": "fsdp", "cogvideox": "fsdp"}
 cases below; AnimateDiff has no blocks to shard (its card's `blocks` is None)."""
 SAME_NOISE_AS_VIDRAY = ("animatediff",)
 """Families whose stock pipeline draws its initial noise from a seeded CPU generator in vidray's (B, C, F, H, W) layout
-(`vidray.diffusion.sampler.initial_noise`), so the same seed gives the same latents without passing `latents=`."""
+(`vidray.inference.sampler.initial_noise`), so the same seed gives the same latents without passing `latents=`."""
 
 
 def family_config(family: str) -> Path:

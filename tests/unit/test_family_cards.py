@@ -44,7 +44,7 @@ def _card(**fields) -> FamilyCard:
 
 
 def test_the_builtin_cards_load_without_torch_and_answer_what_the_tables_did():
-    code = ("import sys, vidray.config, vidray.cards, vidray.models.rules, vidray.models.presets; "
+    code = ("import sys, vidray.config, vidray.cards, vidray.buckets, vidray.models.presets; "
             "print('torch' in sys.modules, 'diffusers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.split() == ["False", "False"]

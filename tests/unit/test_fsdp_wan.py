@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tests.conftest import free_port, join_gloo, start_ranks
 
 from vidray.config import ConfigError, FlowConfig, ModelConfig, load_job_config
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.models.registry import get_family
 from vidray.train.parallel import (
     _load_pretrained_shards,

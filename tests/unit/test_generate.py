@@ -16,7 +16,7 @@ import torch  # noqa: E402
 import vidray.generate  # noqa: E402
 from vidray.cli import main  # noqa: E402
 from vidray.config import FlowConfig, ModelConfig, job_config_from_dict  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
 from vidray.data.video import decode_mp4  # noqa: E402
 from vidray.errors import UserError, UserFileNotFound  # noqa: E402
 from vidray.generate import (  # noqa: E402
@@ -333,7 +333,7 @@ def test_cli_generate_with_a_bad_flag_exits_2_with_one_line_before_loading_weigh
 
 def test_a_guidance_scale_that_overflows_the_latents_is_an_error_not_a_black_video(trained, tmp_path):
     # A new user's trial: --guidance-scale 1e300 "completed" an all-black mp4 (NaN latents), here and in serving.
-    from vidray.diffusion.sampler import NonFiniteLatentsError
+    from vidray.inference.sampler import NonFiniteLatentsError
 
     _, out_dir = trained
     with pytest.raises(NonFiniteLatentsError, match=r"NaN or inf \(guidance_scale 1e\+300\)"):

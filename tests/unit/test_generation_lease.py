@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 
 from vidray.data.ingest import prepare
 from vidray.data.shards import READERS_DIR, GenerationLease, generation_of, leased_generations, read_index
-from vidray.data.storage import open_storage
+from vidray.storage import open_storage
 
 REPO = Path(__file__).resolve().parents[2]
 BUCKETS = [(1, 32, 32), (9, 32, 32)]

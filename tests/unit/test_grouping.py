@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.data.grouping import CaptionEmbedder, balanced_groups
 from vidray.data.index import load_sample_index
 from vidray.data.ingest import prepare

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.data.ingest import prepare, read_source
 from vidray.data.shards import SHARD_SCHEMA, iter_samples, load_samples, read_index, read_report
 from vidray.data.video import (

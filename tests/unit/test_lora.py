@@ -31,18 +31,15 @@ from vidray.config import (  # noqa: E402
     job_config_from_dict,
     load_job_config,
 )
-from vidray.data.buckets import Bucket  # noqa: E402
-from vidray.diffusion.sampler import sample_latents  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
+from vidray.inference.sampler import sample_latents  # noqa: E402
 from vidray.errors import UserError  # noqa: E402
 from vidray.generate import GenerateArgumentError, check_generate_args, generate_to_file  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.base import Components  # noqa: E402
+from vidray.models.formats import DIFFUSERS_LORA_WEIGHTS, LORA_DIR, PEFT_CONFIG, PEFT_WEIGHTS  # noqa: E402
 from vidray.models.export import (  # noqa: E402
     ADAPTER_PART,
-    DIFFUSERS_LORA_WEIGHTS,
-    LORA_DIR,
-    PEFT_CONFIG,
-    PEFT_WEIGHTS,
     export_pipeline,
     load_model,
     lora_path_problem,

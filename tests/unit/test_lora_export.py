@@ -18,8 +18,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from vidray.config import FlowConfig, job_config_from_dict  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
-from vidray.diffusion.sampler import generate_video  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
+from vidray.inference.sampler import generate_video  # noqa: E402
 from vidray.generate import GenerateArgumentError, check_generate_args  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.base import Components  # noqa: E402
@@ -158,7 +158,7 @@ def test_a_moved_base_loads_and_a_changed_gone_hub_or_unreadable_s3_base_is_one_
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setattr("vidray.data.storage.S3_MAX_ATTEMPTS", 1)
+    monkeypatch.setattr("vidray.storage.S3_MAX_ATTEMPTS", 1)
     for i, (where, message) in enumerate(cases.items()):
         export = _moved(run, tmp_path / str(i), where)
         with pytest.raises(BaseModelError, match=rf"^{export / BASE_REF}: .*{message}") as err:

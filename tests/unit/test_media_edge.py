@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from vidray.data.buckets import Bucket, assign_bucket
+from vidray.buckets import Bucket
+
+from vidray.data.buckets import assign_bucket
 from vidray.data.ingest import prepare
 from vidray.data.shards import iter_samples, load_samples
 from vidray.data.video import (

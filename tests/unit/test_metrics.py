@@ -311,7 +311,7 @@ def test_prefetched_work_counts_only_inside_the_window_that_receives_it():
 def test_the_loop_hands_the_stages_timestamps_from_the_batch_to_the_window():
     """`vidray.train.loop._add_loader_stats` with a micro-batch as the loader and the encode stage leave it: the
     spans in its stats (DECODE_SPAN_KEYS, ENCODE_SPAN_KEYS) are what the window clips."""
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.data.encode import ENCODE_STAT_KEYS
     from vidray.data.pipeline import STAT_KEYS, TrainBatch
     from vidray.train.loop import _add_loader_stats

@@ -10,7 +10,7 @@ import torch  # noqa: E402
 from diffusers import EasyAnimatePipeline, FlowMatchEulerDiscreteScheduler  # noqa: E402
 
 from vidray.config import FlowConfig, ModelConfig  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
 from vidray.diffusion.flow_matching import (  # noqa: E402
     add_noise,
     flow_matching_loss,

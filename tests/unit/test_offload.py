@@ -12,9 +12,9 @@ import torch  # noqa: E402
 
 from vidray.cli import main  # noqa: E402
 from vidray.config import ExpertsConfig, FlowConfig, MemoryConfig, ModelConfig, job_config_from_dict  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
 from vidray.data.video import decode_mp4  # noqa: E402
-from vidray.diffusion.sampler import generate_video  # noqa: E402
+from vidray.inference.sampler import generate_video  # noqa: E402
 from vidray.errors import UserError  # noqa: E402
 from vidray.generate import write_job_file  # noqa: E402
 from vidray.models import get_family  # noqa: E402

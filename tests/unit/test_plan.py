@@ -12,7 +12,7 @@ from diffusers import EasyAnimateTransformer3DModel, WanTransformer3DModel
 
 from vidray.cli import main
 from vidray.config import load_job_config
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.errors import UserError
 from vidray.models.presets import get_preset
 from vidray.train.memory import measure_training_step, saved_tensor_census

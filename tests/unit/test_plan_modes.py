@@ -13,7 +13,7 @@ import torch
 
 from vidray.cli import main
 from vidray.config import load_job_config
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.errors import UserError
 from vidray.models.presets import get_preset
 from vidray.plan_inference import check_generation_fits, check_inference_fits, plan_inference

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import vidray.data.shards as shards
+from vidray.data.format import content_hash
 from vidray.data.ingest import prepare
 from vidray.data.shards import (
     INDEX_NAME,
@@ -143,7 +144,7 @@ def test_a_reprepare_replaces_a_folder_prepared_before_generations(tmp_path, sam
     (shards_dir / "gen.00001" / "samples.parquet").unlink()  # folders of earlier vidray had no sample table
     (shards_dir / "gen.00001").rmdir()
     legacy["shards"] = [{**entry, "file": Path(entry["file"]).name} for entry in legacy["shards"]]
-    legacy["content_hash"] = shards._content_hash(legacy)
+    legacy["content_hash"] = content_hash(legacy)
     (shards_dir / INDEX_NAME).write_text(json.dumps(legacy))
     assert [s.sample_id for s in load_samples(shards_dir)] == before["sample_ids"]
     assert shards.report_path(shards_dir) == shards_dir / "report.json"
@@ -279,7 +280,7 @@ def _index_listing(shards_dir: Path, entry: dict) -> None:
     """A well-formed index (content hash recomputed, as an editor of the folder could) listing one shard `entry`."""
     index = {"format": shards.FORMAT, "version": shards.FORMAT_VERSION, "generation": 1, "shards": [entry],
              "num_samples": 1}
-    index["content_hash"] = shards._content_hash(index)
+    index["content_hash"] = content_hash(index)
     shards_dir.mkdir(parents=True, exist_ok=True)
     (shards_dir / INDEX_NAME).write_text(json.dumps(index))
 
@@ -292,7 +293,7 @@ GOOD_SHA = "0" * 64
     ("file", "gen.00001/\x00.parquet"), ("sha256", "../../../tmp/evil"), ("sha256", "A" * 64), ("sha256", "0" * 63),
 ])
 def test_an_index_field_that_would_leave_its_folder_is_refused_naming_the_field(tmp_path, field, value):
-    from vidray.data.storage import UnsafePathError
+    from vidray.storage import UnsafePathError
 
     shards_dir = tmp_path / "shards"
     _index_listing(shards_dir, {"file": "gen.00001/shard.00000.parquet", "sha256": GOOD_SHA, "bytes": 1,

@@ -87,7 +87,7 @@ def test_a_line_cut_by_a_killed_attempt_is_dropped_on_resume(tmp_path):
 
 
 def test_a_run_folder_on_object_storage_gets_the_files_at_each_flush(s3_env, tmp_path):
-    from vidray.data.storage import download_dir, open_storage
+    from vidray.storage import download_dir, open_storage
 
     run = "s3://vidray-test/runlog/run"
     log = RunLog(run, start_step=1, title="remote")

@@ -10,10 +10,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.data.index import SAMPLE_TABLE_SCHEMA, load_sample_index, sample_key
 from vidray.data.ingest import prepare
-from vidray.data.shards import INDEX_NAME, _content_hash, iter_samples, read_index
+from vidray.data.format import content_hash
+from vidray.data.shards import INDEX_NAME, iter_samples, read_index
 from vidray.errors import UserError
 
 BUCKETS = [Bucket(9, 64, 64), Bucket(1, 64, 64)]
@@ -84,7 +85,7 @@ def test_a_folder_prepared_before_the_table_gets_it_built_from_the_shards(prepar
     shutil.copytree(shards_dir, old)
     index = json.loads((old / INDEX_NAME).read_text())
     (old / index.pop("samples")["file"]).unlink()
-    index["content_hash"] = _content_hash(index)
+    index["content_hash"] = content_hash(index)
     (old / INDEX_NAME).write_text(json.dumps(index))
     rebuilt, stored = load_sample_index(old), load_sample_index(shards_dir)
     assert rebuilt.rebuilt
@@ -128,7 +129,7 @@ def test_two_million_rows_load_as_fixed_width_arrays(tmp_path):
              "shards": [{"file": "gen.00001/shard.00000.parquet", "num_samples": n, "bytes": 0, "sha256": "0" * 64}],
              "samples": {"file": "gen.00001/samples.parquet", "bytes": len(data),
                          "sha256": hashlib.sha256(data).hexdigest(), "num_samples": n}}
-    index["content_hash"] = _content_hash(index)
+    index["content_hash"] = content_hash(index)
     (tmp_path / INDEX_NAME).write_text(json.dumps(index))
     loaded = load_sample_index(tmp_path)
     # Every column a fixed-width numpy array (no per-row Python objects: what kept 2 M rows to ~1 s on an idle core;

@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from vidray.config import FlowConfig, ModelConfig  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.train.step import flow_matching_step_loss, sample_generator  # noqa: E402
 

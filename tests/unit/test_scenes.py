@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vidray.config import DataConfig
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.data.ingest import prepare, prepare_data
 from vidray.data.scenes import (
     Scene,

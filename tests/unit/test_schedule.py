@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.data.schedule import DataPosition, SampleSchedule, batch_sizes_for_buckets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,7 +124,7 @@ def test_vectorised_plan_equals_step_by_step_deals():
 
 def test_schedule_for_seed_and_epoch_is_the_same_in_another_process_and_epochs_differ():
     code = (
-        "from vidray.data.buckets import Bucket; from vidray.data.schedule import SampleSchedule\n"
+        "from vidray.buckets import Bucket; from vidray.data.schedule import SampleSchedule\n"
         "s = SampleSchedule.from_buckets([Bucket(9,64,64)]*11 + [Bucket(1,64,64)]*5 + [Bucket(17,64,96)],"
         " batch_sizes=2, seed=7)\n"
         "p = s.start(1)\n"
@@ -279,7 +279,7 @@ def test_job_schedule_takes_batch_sizes_seed_and_shards_from_the_job():
     from types import SimpleNamespace
 
     from vidray.config import job_config_from_dict
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.data.schedule import job_schedule
     from vidray.models.registry import get_family
 

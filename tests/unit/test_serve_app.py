@@ -153,7 +153,7 @@ def test_an_internal_error_shows_the_client_an_error_id_and_the_log_the_paths_an
     # Issue 27: a stage's FileNotFoundError put the server's paths and host name in the job's error.message.
     from ray.exceptions import RayTaskError
 
-    from vidray.diffusion.sampler import NonFiniteLatentsError
+    from vidray.inference.sampler import NonFiniteLatentsError
     from vidray.serve.app import failure_message
 
     secret = "[Errno 2] No such file: '/srv/vidray/models/tiny/vae.safetensors' on node gpu-7.internal"
@@ -175,7 +175,7 @@ def test_a_job_failed_by_what_it_asked_for_is_invalid_request_not_internal_error
     # A new user's trial: guidance_scale=1e300 failed as internal_error, though resending it fails the same way.
     from ray.exceptions import RayTaskError
 
-    from vidray.diffusion.sampler import NonFiniteLatentsError
+    from vidray.inference.sampler import NonFiniteLatentsError
     from vidray.serve.app import failure_code
 
     cause = NonFiniteLatentsError("the denoised latents hold NaN (guidance_scale 1e+300)")

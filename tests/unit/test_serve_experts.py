@@ -19,8 +19,8 @@ import yaml  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from vidray.config import ExpertsConfig, FlowConfig, I2VConfig, ModelConfig, job_config_from_dict  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
-from vidray.diffusion.sampler import generate_video  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
+from vidray.inference.sampler import generate_video  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.experts import TwoExperts, expert_steps  # noqa: E402
 from vidray.models.export import load_model, write_job_file  # noqa: E402

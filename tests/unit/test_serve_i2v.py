@@ -21,8 +21,8 @@ from PIL import Image  # noqa: E402
 
 from vidray.cards import BUILTIN_CARDS  # noqa: E402
 from vidray.config import FlowConfig, I2VConfig, ModelConfig, job_config_from_dict  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
-from vidray.diffusion.sampler import generate_video  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
+from vidray.inference.sampler import generate_video  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import inspect_model, load_model, write_job_file  # noqa: E402
 from vidray.serve.stages import Denoiser, TextEncoder, VaeDecoder  # noqa: E402

@@ -9,9 +9,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from vidray.config import ModelConfig  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
 from vidray.diffusion.flow_matching import inference_sigmas  # noqa: E402
-from vidray.diffusion.sampler import DenoiseState, initial_noise, sample_latents, step_states  # noqa: E402
+from vidray.inference.sampler import DenoiseState, initial_noise, sample_latents, step_states  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.text_encoder import encode_prompts  # noqa: E402
 

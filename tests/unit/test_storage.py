@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vidray.config import FlowConfig, LoraConfig, ModelConfig, OptimConfig
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.models import get_family
 from vidray.models.lora import apply_lora
 from vidray.models.storage import (

@@ -22,7 +22,7 @@ from vidray.data.shards import (
     read_index,
     read_report,
 )
-from vidray.data.storage import open_storage
+from vidray.storage import open_storage
 from vidray.errors import UserFileNotFound
 
 from tests.conftest import run_at_once
@@ -172,7 +172,7 @@ def test_dropping_a_skipped_shard_removes_exactly_its_samples_from_the_sample_ta
 
 
 def test_a_shard_the_store_keeps_failing_to_serve_is_skipped_with_a_reason(local_and_s3, monkeypatch):
-    from vidray.data.storage import Storage
+    from vidray.storage import Storage
 
     _, uri, _ = local_and_s3
     index = read_index(uri)
@@ -201,7 +201,7 @@ def _folder(root: Path, files: dict[str, bytes]) -> Path:
 
 
 def test_upload_dir_copies_a_folder_to_s3_and_download_dir_copies_it_back(s3_env, tmp_path):
-    from vidray.data.storage import download_dir, upload_dir
+    from vidray.storage import download_dir, upload_dir
 
     files = {"model_index.json": b"{}", "transformer/weights.bin": bytes(range(256)) * 4096, "vae/config.json": b"1"}
     local = _folder(tmp_path / "export", files)
@@ -214,8 +214,8 @@ def test_upload_dir_copies_a_folder_to_s3_and_download_dir_copies_it_back(s3_env
 
 
 def test_upload_dir_writes_the_marker_last_and_removes_files_of_an_earlier_copy(s3_env, tmp_path, monkeypatch):
-    from vidray.data import storage as storage_mod
-    from vidray.data.storage import upload_dir
+    from vidray import storage as storage_mod
+    from vidray.storage import upload_dir
 
     uri = f"s3://vidray-test/{uuid.uuid4().hex[:8]}/diffusers"
     upload_dir(_folder(tmp_path / "v1", {"model_index.json": b"1", "old.bin": b"x", "a.bin": b"a1"}), uri,
@@ -239,8 +239,8 @@ def test_upload_dir_writes_the_marker_last_and_removes_files_of_an_earlier_copy(
 
 def test_upload_dir_retries_a_failed_attempt_then_raises_naming_the_uri_without_the_marker(s3_env, tmp_path,
                                                                                         monkeypatch):
-    from vidray.data import storage as storage_mod
-    from vidray.data.storage import StorageTransferError, upload_dir
+    from vidray import storage as storage_mod
+    from vidray.storage import StorageTransferError, upload_dir
 
     local = _folder(tmp_path / "export", {"model_index.json": b"{}", "w.bin": b"w"})
     uri = f"s3://vidray-test/{uuid.uuid4().hex[:8]}/diffusers"
@@ -266,7 +266,7 @@ def test_upload_dir_retries_a_failed_attempt_then_raises_naming_the_uri_without_
 
 
 def test_download_dir_refuses_a_folder_without_its_marker_or_without_files(s3_env, tmp_path):
-    from vidray.data.storage import download_dir, upload_dir
+    from vidray.storage import download_dir, upload_dir
 
     uri = f"s3://vidray-test/{uuid.uuid4().hex[:8]}/diffusers"
     upload_dir(_folder(tmp_path / "export", {"w.bin": b"w"}), uri)  # no marker: an interrupted export
@@ -277,8 +277,8 @@ def test_download_dir_refuses_a_folder_without_its_marker_or_without_files(s3_en
 
 
 def test_download_dir_repeats_a_download_when_the_folder_was_replaced_meanwhile(s3_env, tmp_path, monkeypatch):
-    from vidray.data import storage as storage_mod
-    from vidray.data.storage import download_dir, upload_dir
+    from vidray import storage as storage_mod
+    from vidray.storage import download_dir, upload_dir
 
     uri = f"s3://vidray-test/{uuid.uuid4().hex[:8]}/diffusers"
     upload_dir(_folder(tmp_path / "v1", {"model_index.json": b"1", "w.bin": b"old"}), uri, marker="model_index.json")
@@ -300,7 +300,7 @@ def test_download_dir_repeats_a_download_when_the_folder_was_replaced_meanwhile(
 
 
 def test_upload_dir_to_a_local_folder_gives_the_same_files(tmp_path):
-    from vidray.data.storage import download_dir, upload_dir
+    from vidray.storage import download_dir, upload_dir
 
     files = {"manifest.json": b"{}", "part.bin": b"p" * 1000}
     upload_dir(_folder(tmp_path / "src", files), tmp_path / "dst", marker="manifest.json")
@@ -309,10 +309,10 @@ def test_upload_dir_to_a_local_folder_gives_the_same_files(tmp_path):
 
 
 def test_local_copies_of_one_file_by_several_processes_at_once_all_succeed(tmp_path):
-    """The other local writer of `vidray.data.storage` (`upload_dir`'s copies) with the fault of the latent
+    """The other local writer of `vidray.storage` (`upload_dir`'s copies) with the fault of the latent
     cache's writes (one temp name for every writer: a second rename raised FileNotFoundError): 3 processes copy
     one file to the same target 200 times each, started together."""
-    from vidray.data.storage import _put_file, open_storage
+    from vidray.storage import _put_file, open_storage
 
     source = tmp_path / "source.bin"
     source.write_bytes(b"p" * 4096)
@@ -324,8 +324,8 @@ def test_local_copies_of_one_file_by_several_processes_at_once_all_succeed(tmp_p
 
 
 def test_a_model_uri_is_downloaded_once_and_fetched_again_after_a_new_export(s3_env, tmp_path, monkeypatch):
-    from vidray.data import storage as storage_mod
-    from vidray.data.storage import upload_dir
+    from vidray import storage as storage_mod
+    from vidray.storage import upload_dir
     from vidray.models.export import fetch_model
 
     monkeypatch.setenv("VIDRAY_MODEL_CACHE", str(tmp_path / "cache"))
@@ -346,7 +346,7 @@ def test_a_model_uri_is_downloaded_once_and_fetched_again_after_a_new_export(s3_
 
 
 def test_a_model_uri_without_a_model_is_refused_with_the_uri_before_any_download(s3_env, tmp_path, monkeypatch):
-    from vidray.data.storage import upload_dir
+    from vidray.storage import upload_dir
     from vidray.generate import GenerateArgumentError, check_generate_args
     from vidray.models.export import ModelFolderError, inspect_model
 
@@ -369,7 +369,7 @@ def test_an_unreachable_model_store_is_a_user_error_naming_the_uri(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setattr("vidray.data.storage.S3_MAX_ATTEMPTS", 1)
+    monkeypatch.setattr("vidray.storage.S3_MAX_ATTEMPTS", 1)
     with pytest.raises(ModelDownloadError,
                        match=r"model s3://vidray-test/x/diffusers cannot be read.*AWS_ENDPOINT_URL"):
         inspect_model("s3://vidray-test/x/diffusers")
@@ -404,14 +404,14 @@ def test_an_unreachable_endpoint_is_one_line_naming_the_setting_and_the_endpoint
     from vidray.errors import UserError
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # nothing listens there
-    monkeypatch.setattr("vidray.data.storage.S3_MAX_ATTEMPTS", 1)
+    monkeypatch.setattr("vidray.storage.S3_MAX_ATTEMPTS", 1)
     with pytest.raises(UserError, match=r"^data.shards_dir s3://vidray-test/shards: cannot reach the object store "
                                         r"\(.*NETWORK_CONNECTION.*\); check the endpoint \(http://127.0.0.1:1, from "
                                         r"AWS_ENDPOINT_URL\), the network and the credentials$") as first:
         open_storage("s3://vidray-test/shards").check_reachable("data.shards_dir")
     # The next location in that bucket reuses the failure (a new user's trial: the doctor spent ~10 s of the SDK's
     # retries on each of its three lines); after UNREACHABLE_MEMO_S it is probed again.
-    from vidray.data import storage
+    from vidray import storage
 
     memo = "http://127.0.0.1:1, from AWS_ENDPOINT_URL vidray-test"
     failed_at = storage._UNREACHABLE[memo][0]
@@ -504,7 +504,7 @@ def _put_raw_key(endpoint: str, key: str, data: bytes) -> None:
 @pytest.mark.parametrize("bad_key", ["a/../../x", "a//x", "./x"])
 def test_a_bucket_key_that_would_leave_the_local_folder_is_refused_and_nothing_is_written(
         s3_env, tmp_path, monkeypatch, bad_key):
-    from vidray.data.storage import UnsafePathError, download_dir
+    from vidray.storage import UnsafePathError, download_dir
     from vidray.models.export import fetch_model
 
     monkeypatch.setenv("VIDRAY_MODEL_CACHE", str(tmp_path / "cache" / "models"))

@@ -395,7 +395,8 @@ def test_dataset_hash_changes_with_a_caption(job_and_index, tmp_path):
     import pyarrow.parquet as pq
 
     from vidray.data.index import dataset_hash
-    from vidray.data.shards import INDEX_NAME, _content_hash, _sha256_file, read_index
+    from vidray.data.format import content_hash
+    from vidray.data.shards import INDEX_NAME, _sha256_file, read_index
 
     job, _, _ = job_and_index
     copy = tmp_path / "shards"
@@ -408,7 +409,7 @@ def test_dataset_hash_changes_with_a_caption(job_and_index, tmp_path):
     table = table.set_column(table.column_names.index("caption"), "caption", pa.array(captions, pa.string()))
     pq.write_table(table, copy / entry["file"])
     entry.update(bytes=(copy / entry["file"]).stat().st_size, sha256=_sha256_file(copy / entry["file"]))
-    index["content_hash"] = _content_hash(index)
+    index["content_hash"] = content_hash(index)
     import json
 
     (copy / INDEX_NAME).write_text(json.dumps(index))
@@ -598,7 +599,7 @@ def test_num_to_keep_at_the_end_of_a_run_keeps_rays_checkpoints_and_the_newest_o
 
 
 def test_a_file_uri_output_is_checked_like_the_folder_it_names(tmp_path):
-    from vidray.train.trainer import check_output_location
+    from vidray.data.outputs import check_output_location
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

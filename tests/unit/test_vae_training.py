@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vidray.config import ConfigError, ModelConfig, VAETrainingConfig, load_job_config
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.data.video import decode_mp4, probe_media, read_clip
 from vidray.models import get_family
 from vidray.models.easyanimate import load_vae_folder

@@ -199,8 +199,8 @@ def test_an_image_to_video_run_is_validated_from_its_fixed_first_frames(tmp_path
     --image` samples it; an image that is not one is refused before the run."""
     from PIL import Image
 
-    import vidray.diffusion.sampler as sampler
-    from vidray.diffusion.sampler import generate_video
+    import vidray.inference.sampler as sampler
+    from vidray.inference.sampler import generate_video
     from vidray.models.export import load_model
 
     given = []  # the first frame of each sample, recorded on its way to the real generate_video

@@ -2,7 +2,7 @@
 
 Parity: the export loads in the stock pipeline offline, and for the same prompts, negative prompts, seed,
 num_inference_steps, guidance_scale and max_sequence_length, the stock pipeline's `output_type="latent"` latents
-(it encodes the prompts itself) equal `vidray.diffusion.sampler.sample_latents` over `family.encode_prompt`'s
+(it encodes the prompts itself) equal `vidray.inference.sampler.sample_latents` over `family.encode_prompt`'s
 embeddings, and its frames equal `generate_video`'s. The family-independent checks are in test_families.py.
 """
 
@@ -19,8 +19,8 @@ import torch  # noqa: E402
 from diffusers import WanPipeline  # noqa: E402
 
 from vidray.config import FlowConfig, ModelConfig  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
-from vidray.diffusion.sampler import generate_video, sample_latents  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
+from vidray.inference.sampler import generate_video, sample_latents  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import inspect_model  # noqa: E402
 

@@ -4,7 +4,7 @@
 
 Parity: the export loads in the stock pipeline offline WITH `image_encoder` and `image_processor`, and for the same
 prompt embeddings, image (and last image), seed, steps and guidance, the stock pipeline's latents equal
-`vidray.diffusion.sampler.sample_latents` over the family's latent condition and CLIP `image_embeds`. The CLIP
+`vidray.inference.sampler.sample_latents` over the family's latent condition and CLIP `image_embeds`. The CLIP
 embeddings of a training clip equal the stock pipeline's `encode_image` of the clip's own first (and last) frame.
 """
 
@@ -24,8 +24,8 @@ from PIL import Image  # noqa: E402
 from transformers import CLIPVisionModel  # noqa: E402
 
 from vidray.config import ConfigError, FlowConfig, I2VConfig, ModelConfig, job_config_from_dict  # noqa: E402
-from vidray.data.buckets import Bucket  # noqa: E402
-from vidray.diffusion.sampler import generate_video, sample_latents  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
+from vidray.inference.sampler import generate_video, sample_latents  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import inspect_model, load_model, write_job_file  # noqa: E402
 from vidray.models.vae import frames_to_video  # noqa: E402

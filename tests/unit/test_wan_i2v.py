@@ -3,7 +3,7 @@
 
 Parity: the export of a `model.i2v` tiny Wan model loads in the stock image-to-video pipeline offline, and for the
 same prompt embeddings, first (and last) image, seed, steps and guidance, the stock pipeline's `output_type="latent"`
-latents equal `vidray.diffusion.sampler.sample_latents` over `family.encode_image_condition`'s condition. The
+latents equal `vidray.inference.sampler.sample_latents` over `family.encode_image_condition`'s condition. The
 condition of a training clip equals the stock pipeline's for the clip's own first (and last) frame.
 """
 
@@ -23,8 +23,8 @@ from PIL import Image  # noqa: E402
 
 from vidray.config import (ConfigError, ExpertsConfig, FlowConfig, I2VConfig, ModelConfig,  # noqa: E402
                            job_config_from_dict)
-from vidray.data.buckets import Bucket  # noqa: E402
-from vidray.diffusion.sampler import generate_video, sample_latents  # noqa: E402
+from vidray.buckets import Bucket  # noqa: E402
+from vidray.inference.sampler import generate_video, sample_latents  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.experts import TwoExperts  # noqa: E402
 from vidray.models.export import inspect_model, load_model, write_job_file  # noqa: E402

@@ -1,62 +1,12 @@
-"""Resolution/frame buckets: every batch holds clips of one `Bucket(num_frames, height, width)`."""
+"""Assigning clips to buckets: every batch holds clips of one `vidray.buckets.Bucket(num_frames, height, width)`;
+this module picks a clip's bucket and says why a clip is left out (too small a source, too large a frame-rate change)."""
 
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
-
-class Bucket(NamedTuple):
-    """A training shape: `num_frames` frames of `height` x `width` pixels (an ordered, named triple)."""
-
-    num_frames: int
-    height: int
-    width: int
-
-    def __str__(self) -> str:
-        return f"{self.num_frames}x{self.height}x{self.width}"
-
-
-def parse_bucket_form(text: str) -> Bucket:
-    """'9x64x64' -> Bucket(9, 64, 64), its form alone checked (three positive-or-zero integers joined by x; what a
-    family takes is `parse_bucket`'s or `vidray.models.rules.check_bucket`'s). Raises ValueError naming the form."""
-    parts = text.lower().split("x")
-    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"bucket must look like NUM_FRAMESxHEIGHTxWIDTH, e.g. 9x64x64, got {text!r}")
-    return Bucket(*(int(p) for p in parts))
-
-
-def parse_bucket(text: str, family: str | None = None) -> Bucket:
-    """'9x64x64' (the form `str(Bucket)` writes) -> Bucket(9, 64, 64). Raises ValueError naming the expected form
-    or the rule the bucket breaks: `family`'s (`vidray.models.rules.check_bucket`: AnimateDiff takes 16 frames,
-    CogVideoX 8k+1), or without one the defaults of `validate_bucket`."""
-    bucket = parse_bucket_form(text)
-    if family is None:
-        validate_bucket(bucket)
-    else:
-        from vidray.models.rules import check_bucket  # plain data (no torch); it imports this module
-
-        check_bucket(bucket, family)
-    return bucket
-
-
-def validate_bucket(bucket: Bucket, *, spatial_multiple: int = 16, temporal_compression: int = 4) -> None:
-    """Raise ValueError unless `bucket` fits the VAE/DiT: H, W positive multiples of `spatial_multiple`,
-    `num_frames` = 1 or `k * temporal_compression + 1` (the causal video VAE layout of EasyAnimate/Wan/CogVideoX).
-    The defaults are EasyAnimate's; a model family's own are in `vidray.models.rules` (`check_bucket`).
-    """
-    num_frames, height, width = bucket
-    if height <= 0 or width <= 0:
-        raise ValueError(f"bucket {bucket}: height and width must be positive pixels, got {height}x{width}")
-    if height % spatial_multiple or width % spatial_multiple:
-        raise ValueError(
-            f"bucket {bucket}: height and width must be multiples of {spatial_multiple}, "
-            f"got {height}x{width}"
-        )
-    if num_frames < 1 or (num_frames - 1) % temporal_compression:
-        rule = ("at least 1" if temporal_compression == 1
-                else f"1 or k*{temporal_compression}+1 (e.g. {temporal_compression + 1}, {2 * temporal_compression + 1})")
-        raise ValueError(f"bucket {bucket}: num_frames must be {rule}, got {num_frames}")
+from vidray.buckets import Bucket
 
 
 def assign_bucket(

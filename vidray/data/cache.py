@@ -31,19 +31,18 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import tempfile
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from vidray.data.storage import check_sha256
+from vidray.config import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR
+from vidray.data.format import ShardChecksumError
+from vidray.storage import check_sha256
 from vidray.errors import UserError
 from vidray.private_dirs import PrivateDirError, open_exclusive, private_dir
 
-DEFAULT_CACHE_DIR = str(Path(tempfile.gettempdir()) / "vidray-cache")
-DEFAULT_CACHE_BYTES = 20 * 2**30
 
 
 @dataclass
@@ -131,7 +130,7 @@ class ShardCache:
 
     def path(self, sha256: str) -> Path:
         """The cache file of the shard with this sha256. Raises UnsafePathError (a UserError) unless it is 64
-        lowercase hex characters: it becomes a file name (`vidray.data.storage.check_sha256`)."""
+        lowercase hex characters: it becomes a file name (`vidray.storage.check_sha256`)."""
         return self.files_dir / f"{check_sha256(sha256, what='shard sha256')}.parquet"
 
     def check_budget(self, index: dict[str, Any]) -> None:
@@ -144,7 +143,7 @@ class ShardCache:
     @contextmanager
     def lease(self, storage: Any, entry: dict[str, Any]) -> Iterator[Path]:
         """The local path of the shard `entry` ({file, bytes, sha256} from `index.json`) of `storage`
-        (`vidray.data.storage.Storage`), downloaded if needed; pinned (never evicted) until the block ends.
+        (`vidray.storage.Storage`), downloaded if needed; pinned (never evicted) until the block ends.
         Raises ShardChecksumError when the download differs from its sha256 twice, UserError when the budget
         has no room that eviction can free."""
         with self.lease_info(storage, entry) as (path, _downloaded):
@@ -190,8 +189,6 @@ class ShardCache:
     def _fetch_checked(self, storage: Any, entry: dict[str, Any], path: Path) -> None:
         """Download `entry` to a temp file beside `path` and rename it there when its sha256 matches (one retry);
         raises ShardChecksumError after two mismatches."""
-        from vidray.data.shards import ShardChecksumError
-
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         for attempt in range(2):
             digest = hashlib.sha256()

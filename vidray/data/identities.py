@@ -67,7 +67,7 @@ def memo_key(stage: str, model: dict[str, Any], seed: int, files: str | None = N
 def read_identity(cache_root: str, key: str) -> str | None:
     """The identity remembered under `key` in the latent cache at `cache_root` (folder or URI), or None when there
     is none or it cannot be read (a damaged memo is computed again)."""
-    from vidray.data.storage import open_storage
+    from vidray.storage import open_storage
 
     try:
         memo = json.loads(open_storage(cache_root, setting="data.latent_cache").read_bytes(f"{MEMO_FOLDER}/{key}.json"))
@@ -79,7 +79,7 @@ def read_identity(cache_root: str, key: str) -> str | None:
 
 def write_identity(cache_root: str, key: str, identity: str) -> None:
     """Remember `identity` under `key` in the latent cache at `cache_root` (one small JSON file, written whole)."""
-    from vidray.data.storage import open_storage
+    from vidray.storage import open_storage
 
     open_storage(cache_root, setting="data.latent_cache").write_bytes(
         f"{MEMO_FOLDER}/{key}.json", json.dumps({"identity": identity}).encode())

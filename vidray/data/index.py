@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.errors import UserError
 
 SAMPLES_NAME = "samples.parquet"
@@ -173,13 +173,13 @@ def _table_from_shards(storage: Any, index: dict[str, Any]) -> pa.Table:
 
 
 def load_sample_index(shards_dir: str | Path) -> SampleIndex:
-    """Read the committed sample table of a prepared folder (or URI, `vidray.data.storage`) into numpy arrays.
+    """Read the committed sample table of a prepared folder (or URI, `vidray.storage`) into numpy arrays.
 
     Raises like `vidray.data.shards.read_index` (no index, missing files), and UserError when the table differs
     from what `index.json` recorded (size, sha256 or row count: edited or damaged) or lacks a column.
     """
-    from vidray.data.shards import read_index  # shards imports this module for its schema
-    from vidray.data.storage import open_storage
+    from vidray.data.format import read_index
+    from vidray.storage import open_storage
 
     storage = open_storage(shards_dir)
     index = read_index(storage)
@@ -232,8 +232,8 @@ def dataset_rows(shards_dir: str | Path) -> pa.Table:
     clip_start_s and clip_end_s in ms, caption), not of its encoding. Reads the sample table and the shards'
     caption column only (no video bytes). `dataset_hash` digests it; `describe_dataset_change` compares two.
     Raises like `load_sample_index`."""
-    from vidray.data.shards import read_index
-    from vidray.data.storage import open_storage
+    from vidray.data.format import read_index
+    from vidray.storage import open_storage
 
     storage = open_storage(shards_dir)  # a folder or a URI
     table = load_sample_index(shards_dir)

@@ -35,17 +35,11 @@ if TYPE_CHECKING:
     from vidray.config import DataConfig, ModelConfig
     from vidray.models.text_encoder import TruncationStats
 
-from vidray.data.buckets import (
-    Bucket,
-    assign_bucket,
-    rate_change_factor,
-    rate_change_reason,
-    source_floor_reason,
-    validate_bucket,
-)
+from vidray.buckets import Bucket, validate_bucket
+from vidray.data.buckets import assign_bucket, rate_change_factor, rate_change_reason, source_floor_reason
 from vidray.data.grouping import SHARDS_PER_GROUPING, CaptionEmbedder, balanced_groups
 from vidray.data.shards import INDEX_NAME, ShardWriter
-from vidray.data.storage import is_uri
+from vidray.storage import is_uri
 from vidray.errors import UserError, UserFileNotFound
 from vidray.progress import progress_bar
 from vidray.data.scenes import SceneSplit, detect_scenes, needs_scene_split, plan_scene_clips
@@ -307,7 +301,7 @@ class PrepareSummary:
     skipped: list[tuple[str, str]]
     """(source path, reason) for every skipped file."""
     shards_dir: Path | str
-    """The local folder, or the URI as given (`vidray.data.storage`)."""
+    """The local folder, or the URI as given (`vidray.storage`)."""
     report_path: Path | str
     """The committed report, `<shards_dir>/gen.NNNNN/report.json`: every kept and skipped file, with reasons."""
     bucket_counts: dict[str, int]
@@ -495,7 +489,7 @@ def prepare(
     """Turn the files listed in `source` into Parquet shards in `shards_dir` (see `vidray.data.shards`).
 
     `buckets`: [num_frames, height, width] triples, each within the bucket rules of the model `family`
-    (`vidray.models.rules`: EasyAnimate H, W multiples of 16 and num_frames 1 or 4k+1); `fps`: sampling rate in frames/s; `samples_per_shard`: rows
+    (`vidray.buckets`: EasyAnimate H, W multiples of 16 and num_frames 1 or 4k+1); `fps`: sampling rate in frames/s; `samples_per_shard`: rows
     per shard. Every shard holds samples of one bucket: rows are buffered per bucket. `group_by_caption`: each
     bucket buffers up to `samples_per_shard * SHARDS_PER_GROUPING` (8) rows, then writes them as 8 shards of
     similar captions (`vidray.data.grouping`: MiniLM caption embeddings, balanced principal-direction bisection);
@@ -530,7 +524,7 @@ def prepare(
     start = time.perf_counter()
     say = progress or (lambda _line: None)
     # 1. Check arguments and read the source list (nothing on disk changes if this fails).
-    from vidray.models.rules import bucket_rules
+    from vidray.buckets import bucket_rules
 
     rules = bucket_rules(family)
     buckets = [Bucket(*b) for b in buckets]
@@ -551,7 +545,7 @@ def prepare(
     items = read_source(source)
 
     # 2. Start a new generation beside the committed one (which stays readable until step 4 switches the index).
-    shards_dir = shards_dir if is_uri(shards_dir) else Path(shards_dir)  # a URI: vidray.data.storage
+    shards_dir = shards_dir if is_uri(shards_dir) else Path(shards_dir)  # a URI: vidray.storage
     writer = ShardWriter(shards_dir)
     had_previous = writer.storage.is_file(INDEX_NAME)
 

@@ -20,7 +20,7 @@ Steps are dealt lazily (`iter_rank_steps`) and streamed in windows of `RankLoade
 Ray Data dataset (and loader actor) per window, so start-up and memory do not grow with `train.max_steps`.
 
 The tiers a clip goes through on its way to the trainer (`ClipLoader`):
-- **cold**: the shard store (`data.shards_dir`: a local folder or an object store URI, `vidray.data.storage`);
+- **cold**: the shard store (`data.shards_dir`: a local folder or an object store URI, `vidray.storage`);
 - **warm**: the node's disk cache of shards fetched from an object store (`vidray.data.cache.ShardCache`, byte
   budget `data.cache_bytes`, one download per shard per node). A background thread of the loader fetches the
   shards of the next `data.prefetch_window_batches` micro-batches cold -> warm ahead of the decoder, within
@@ -68,7 +68,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.data.encode import (ENCODE_SPAN_KEYS, ENCODE_STAT_KEYS, EncodeStage, LatentCache, block_rows, concat_rows,
                                 pack_cached_latents)
 from vidray.data.schedule import DataPosition, SampleSchedule
@@ -192,7 +192,7 @@ class ClipLoader:
     """The Ray Data fetch + decode operator (a callable class: one actor per rank's loader).
 
     Args:
-        shards_dir: the shard folder or URI (`vidray.data.storage`).
+        shards_dir: the shard folder or URI (`vidray.storage`).
         shard_entries: `index.json`'s "shards" list ({file, bytes, sha256, ...}), indexed by the sample table's
             `shard` column.
         plan: {"offsets": (S+1,) int64, "shard": (T,) int32, "row": (T,) int32, "key": (T,) int64, "bucket": (S, 3)
@@ -231,7 +231,7 @@ class ClipLoader:
 
         from vidray.data.cache import ShardCache
         from vidray.data.encode import node_info
-        from vidray.data.storage import open_storage
+        from vidray.storage import open_storage
 
         self.node = json.dumps(node_info())  # {} outside Ray (`LocalLoader`)
         self.storage = open_storage(shards_dir)

@@ -32,7 +32,9 @@ from typing import NamedTuple, Sequence
 
 import av
 
-from vidray.data.buckets import Bucket, assign_bucket
+from vidray.buckets import Bucket
+
+from vidray.data.buckets import assign_bucket
 from vidray.data.video import MediaError, MediaInfo, _open, _video_stream
 
 # Time tolerance (s) for comparing clip and scene bounds.

@@ -66,7 +66,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 
 
 @dataclass(frozen=True)

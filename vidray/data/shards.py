@@ -48,21 +48,16 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from vidray.data.buckets import Bucket
-from vidray.data.storage import Storage, check_relative, check_sha256, fsync_path, open_storage
+from vidray.buckets import Bucket
+from vidray.storage import Storage, fsync_path, open_storage
+from vidray.data.format import (FORMAT, FORMAT_VERSION, GENERATION_PATTERN, INDEX_NAME, REPORT_NAME,
+                                ShardChecksumError, content_hash, listed_files, read_index, read_index_file)
 from vidray.data.video import decode_mp4
 from vidray.errors import UserError, UserFileNotFound
 
 if TYPE_CHECKING:
     from vidray.data.cache import ShardCache
 
-FORMAT = "vidray-shards"
-FORMAT_VERSION = 1
-INDEX_NAME = "index.json"
-REPORT_NAME = "report.json"
-SHARD_GLOB = "shard.*.parquet"
-GENERATION_PATTERN = re.compile(r"gen\.(\d{5,})")
-"""A generation folder's name: `gen.00003` (one per prepare; the index names the committed one)."""
 LOCK_NAME = ".vidray-prepare.lock"
 _log = logging.getLogger(__name__)
 READERS_DIR = ".vidray-readers"
@@ -140,52 +135,6 @@ def write_shard(shards_dir: str | Path, shard_index: int, rows: Sequence[dict[st
     return {"file": path.name, "num_samples": len(rows), "bytes": path.stat().st_size, "sha256": _sha256_file(path)}
 
 
-def _content_hash(index: dict[str, Any]) -> str:
-    body = {k: v for k, v in index.items() if k != "content_hash"}
-    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def _read_index_file(storage: Storage) -> dict[str, Any] | None:
-    """The index of `storage` as a dict if it is a well-formed, unedited vidray index; None when absent."""
-    path = storage.display(INDEX_NAME)
-    try:
-        text = storage.read_bytes(INDEX_NAME)
-    except FileNotFoundError:
-        return None
-    try:
-        index = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{path} is not valid JSON ({err}): re-run `vidray prepare`") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != FORMAT_VERSION:
-        found = (index.get("format"), index.get("version")) if isinstance(index, dict) else type(index).__name__
-        raise UserError(
-            f"{path}: expected format {FORMAT!r} version {FORMAT_VERSION}, got {found}; re-run `vidray prepare`"
-        )
-    if index.get("content_hash") != _content_hash(index):
-        raise UserError(f"{path}: content hash mismatch (edited or corrupt index); re-run `vidray prepare`")
-    _check_listed_entries(index, path, storage.display())
-    return index
-
-
-def _check_listed_entries(index: dict[str, Any], path: str, root: str) -> None:
-    """Every `file` of the index stays under its folder and every `sha256` (a cache file name) is 64 lowercase hex
-    characters (`vidray.data.storage.check_relative` / `check_sha256`). Raises UnsafePathError (a UserError)
-    naming the index, the field and the folder."""
-    entries = [(f"shards[{i}]", s) for i, s in enumerate(index.get("shards", []))]
-    entries += [(key, index[key]) for key in ("report", "samples") if index.get(key)]
-    for field, entry in entries:
-        if not isinstance(entry, dict):
-            raise UserError(f"{path}: {field} is not an object; re-run `vidray prepare`")
-        check_relative(entry.get("file"), root, what=f"{path} {field}.file")
-        check_sha256(entry.get("sha256"), what=f"{path} {field}.sha256")
-
-
-def listed_files(index: dict[str, Any]) -> list[str]:
-    """Paths (relative to the shards folder) of every file an index commits: its shards, its report and its
-    sample table (`vidray.data.index`)."""
-    return [s["file"] for s in index["shards"]] + [index[key]["file"] for key in ("report", "samples") if index.get(key)]
-
-
 def _is_ours(name: str) -> bool:
     """Names vidray prepare writes in a shards folder (shards, reports, their temp files, generation folders)."""
     return bool(
@@ -199,7 +148,7 @@ def _kept_names(storage: Storage) -> set[str] | None:
     """What `remove_unlisted` keeps: `index.json` and every file it lists (relative names), or None when the
     index cannot be read (then nothing is deleted)."""
     try:
-        index = _read_index_file(storage)
+        index = read_index_file(storage)
     except UserError:
         return None
     keep = {INDEX_NAME}
@@ -375,7 +324,7 @@ class ShardWriter:
     Until `commit` replaces `index.json`, readers see the previous dataset unchanged; if the process dies or
     raises first, the new generation is an orphan that the next `ShardWriter` on the folder removes.
 
-    `shards_dir` may be a URI (`vidray.data.storage`): each shard, the sample table and the report are then
+    `shards_dir` may be a URI (`vidray.storage`): each shard, the sample table and the report are then
     uploaded whole as they are finished and `index.json` last; there is no lock on object storage (run one
     prepare per URI at a time).
 
@@ -402,7 +351,7 @@ class ShardWriter:
         # prepares go before this one adds to the folder.
         existing = [int(m.group(1)) for p in self.shards_dir.iterdir() if (m := GENERATION_PATTERN.fullmatch(p.name))]
         try:
-            committed = _read_index_file(self.storage)
+            committed = read_index_file(self.storage)
         except UserError:  # a corrupt index is replaced by this prepare's; its files are kept until then
             committed = None
         self.generation = 1 + max([*existing, (committed or {}).get("generation", 0)])
@@ -422,7 +371,7 @@ class ShardWriter:
         existing = [int(m.group(1)) for name, _ in self.storage.rel_names()
                     if (m := GENERATION_PATTERN.fullmatch(name))]
         try:
-            committed = _read_index_file(self.storage)
+            committed = read_index_file(self.storage)
         except UserError:
             committed = None
         self.generation = 1 + max([*existing, (committed or {}).get("generation", 0)])
@@ -513,7 +462,7 @@ class ShardWriter:
         }
         if self.samples is not None:
             index["samples"] = dict(self.samples)
-        index["content_hash"] = _content_hash(index)
+        index["content_hash"] = content_hash(index)
         if self.storage.is_local:
             fsync_path(self.shards_dir)  # the generation folder's entry is on disk before the index that names it
             _write_atomic(self.shards_dir / INDEX_NAME, json.dumps(index, indent=2).encode())
@@ -568,38 +517,6 @@ def _lock_folder(shards_dir: Path) -> int:
     return fd
 
 
-def read_index(shards_dir: str | Path | Storage) -> dict[str, Any]:
-    """Read and check `<shards_dir>/index.json`; returns it as a dict (keys: format, version, generation, fps,
-    buckets, columns, num_samples, bucket_counts, shards [{file, num_samples, bytes, sha256}], report {file,
-    bytes, sha256}, samples {file, bytes, sha256, num_samples} (the sample table, `vidray.data.index`; absent in
-    folders prepared before it), content_hash). `file` paths are relative to `shards_dir` (`gen.00003/shard.00000.parquet`);
-    indexes written before generations existed list bare `shard.00000.parquet` names and have no
-    generation/report: they read the same. `shards_dir` may be a URI (`vidray.data.storage`): one listing checks
-    that every listed object exists.
-
-    Raises UserFileNotFound (a FileNotFoundError) when the index or a shard it lists is missing: run `vidray
-    prepare` first; shards without an index are an unfinished prepare. Raises UserError (a ValueError) for
-    another format version or an index whose content hash does not match (edited or corrupt).
-    """
-    storage = shards_dir if isinstance(shards_dir, Storage) else open_storage(shards_dir)
-    index = _read_index_file(storage)
-    if index is None:
-        unfinished = any(
-            GENERATION_PATTERN.fullmatch(name) or Path(name).match(SHARD_GLOB) for name, _ in storage.rel_names()
-        )
-        hint = " (shard files without an index are an unfinished prepare)" if unfinished else ""
-        raise UserFileNotFound(f"{storage.display(INDEX_NAME)} not found{hint}: run `vidray prepare` first")
-    present = storage.files()
-    missing = [s["file"] for s in index["shards"] if s["file"] not in present]
-    if index.get("samples") and index["samples"]["file"] not in present:
-        missing.append(index["samples"]["file"])
-    if missing:
-        raise UserFileNotFound(
-            f"{storage.display()}: shards listed in {INDEX_NAME} are missing: {missing}; re-run `vidray prepare`"
-        )
-    return index
-
-
 def read_report(shards_dir: str | Path) -> dict[str, Any]:
     """The report (kept and skipped files with reasons) of the prepare that `<shards_dir>/index.json` commits.
 
@@ -629,15 +546,6 @@ def report_path(shards_dir: str | Path) -> Path | str:
     index = read_index(storage)
     rel = index["report"]["file"] if index.get("report") else REPORT_NAME
     return Path(shards_dir) / rel if storage.is_local else storage.display(rel)
-
-
-class ShardChecksumError(UserError):
-    """A shard's bytes differ from the sha256 `index.json` records (corrupt or replaced object), after a retry.
-    `file` is the shard's path relative to the folder."""
-
-    def __init__(self, message: str, file: str):
-        super().__init__(message)
-        self.file = file
 
 
 def fetch_verified(storage: Storage, entry: dict[str, Any]) -> bytes:

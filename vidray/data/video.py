@@ -49,7 +49,7 @@ import av
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.errors import UserError
 
 # Containers whose header indexes every frame (index entries, average_rate are exact there).

@@ -1,4 +1,5 @@
-"""Diffusion maths (`flow_matching`: sigmas, add_noise, velocity target) and the one denoising loop (`sampler`)."""
+"""Diffusion maths (`flow_matching`: sigmas, add_noise, velocity target; `ddim`): pure tensor functions below the
+model families; the denoising loop that steps them is `vidray.inference.sampler`."""
 
 from vidray.diffusion.flow_matching import (
     add_noise,

@@ -45,7 +45,7 @@ from vidray.cards import get_card
 from vidray.models.offload import compute_dtype, execution_device
 from vidray.models.storage import input_dtype
 from vidray.config import FlowConfig, ModelConfig
-from vidray.data.buckets import Bucket, validate_bucket
+from vidray.buckets import Bucket, validate_bucket
 from vidray.diffusion import ddim
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
@@ -75,7 +75,7 @@ TEMPORAL_COMPRESSION_RATIO = get_card("animatediff").bucket_rules.temporal_compr
 """1: the SD VAE encodes every frame alone, so one latent frame per frame and any num_frames."""
 SPATIAL_MULTIPLE = get_card("animatediff").bucket_rules.spatial_multiple
 """64: the 8x VAE times SD 1.5's UNet (3 downsamplers, 8x), so every skip connection lines up
-(`vidray.models.rules`)."""
+(`vidray.buckets`)."""
 PIPELINE_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 """The subfolders of an AnimateDiff diffusers folder that vidray loads (plus `motion_adapter/` beside a
 UNet2DConditionModel)."""
@@ -558,7 +558,7 @@ class AnimateDiffFamily(ModelFamily):
     def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:
         """(B, 4, F, H//8, W//8); e.g. Bucket(16, 256, 256), B=2 -> (2, 4, 16, 32, 32).
 
-        Raises ValueError unless H, W are multiples of 64 (8x VAE, SD's UNet 8x; `vidray.models.rules`) and F >= 1."""
+        Raises ValueError unless H, W are multiples of 64 (8x VAE, SD's UNet 8x; `vidray.buckets`) and F >= 1."""
         validate_bucket(bucket, spatial_multiple=self.spatial_multiple, temporal_compression=TEMPORAL_COMPRESSION_RATIO)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")

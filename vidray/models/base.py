@@ -9,7 +9,7 @@ the image-to-video condition where the family has one (`takes_image`, `encode_cl
 takes image embeddings, Wan 2.1 I2V's CLIP, `takes_image_embeds` and its encoders),
 the training objective (`noisy_latents`, `training_target`, `model_timesteps`) and the sampler's schedule and step
 (`inference_sigmas`, `sampler_step`), the transformer call (`predict`), its latent layout and bucket rules (`latent_shape`; the rules' numbers also in
-`vidray.models.rules`, which the config checks at load), and the diffusers pipeline it exports (`save_pipeline`).
+`vidray.buckets`, which the config checks at load), and the diffusers pipeline it exports (`save_pipeline`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from vidray.cards import FamilyCard, get_card
 from vidray.config import FlowConfig, ModelConfig
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.diffusion.flow_matching import (add_noise, euler_step, inference_sigmas, timesteps_from_sigmas,
                                              velocity_target)
 
@@ -127,7 +127,7 @@ class ModelFamily(abc.ABC):
     def sampler_step(self, latents: torch.Tensor, model_pred: torch.Tensor, sigmas: torch.Tensor,
                      sigmas_next: torch.Tensor) -> torch.Tensor:
         """One sampler step of every sample (B, C, F, H, W) from its level `sigmas` (B,) to `sigmas_next` (B,),
-        given the model's (guided) prediction: the one step function of `vidray.diffusion.sampler`. Flow matching:
+        given the model's (guided) prediction: the one step function of `vidray.inference.sampler`. Flow matching:
         Euler, latents + (sigmas_next - sigmas) * model_pred (`vidray.diffusion.flow_matching.euler_step`). A family
         of another objective overrides this and `inference_sigmas` (`vidray.diffusion.ddim.ddim_step`)."""
         return euler_step(latents, model_pred, sigmas, sigmas_next)

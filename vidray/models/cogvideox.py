@@ -17,7 +17,7 @@ trained with `CogVideoXFamily.predict` behaves the same inside the stock pipelin
 - objective and sampler: v-prediction on the model's own `CogVideoXDDIMScheduler` schedule (`vidray.diffusion.ddim`
   computes its alphas as `CogVideoXDDIMScheduler.__init__` does: betas, SNR shift, zero terminal SNR), DDIM steps on
   its trailing timesteps, and the export carries that scheduler config, so the stock pipeline takes the same DDIM
-  steps as `vidray.diffusion.sampler`. The tiny preset and CogVideoX-2b folders carry `SCHEDULER_CONFIG`
+  steps as `vidray.inference.sampler`. The tiny preset and CogVideoX-2b folders carry `SCHEDULER_CONFIG`
   (`snr_shift_scale` 3.0); CogVideoX-5b, 5b-I2V and 1.5 folders `SCHEDULER_CONFIG_5B` (1.0); a folder's config is
   checked by `check_scheduler_config` (v-prediction, trailing, no clipping, 1000 train timesteps; any betas, SNR
   shift, rescale and final alpha). The protocol's objective methods get tensors only, so a `CogVideoXFamily`
@@ -81,7 +81,7 @@ from vidray.cards import get_card
 from vidray.models.offload import compute_dtype, execution_device
 from vidray.models.storage import input_dtype
 from vidray.config import FlowConfig, ModelConfig
-from vidray.data.buckets import Bucket, validate_bucket
+from vidray.buckets import Bucket, validate_bucket
 from vidray.diffusion import ddim
 from vidray.errors import UserError
 from vidray.models.base import Components, Encoders, ModelFamily
@@ -122,7 +122,7 @@ SPATIAL_COMPRESSION_RATIO = 8
 TEMPORAL_COMPRESSION_RATIO = get_card("cogvideox").bucket_rules.temporal_compression
 FRAME_STEP = get_card("cogvideox").bucket_rules.num_frames_step
 """num_frames is 1 or 8k+1: the VAE decodes 2 latent frames at a time, so only odd latent counts round-trip
-(`vidray.models.rules`)."""
+(`vidray.buckets`)."""
 PATCH_SIZE = 2
 """CogVideoXTransformer3DModel `patch_size` (height and width); `patch_size_t` None: one latent frame per patch."""
 PATCH_SIZE_T_15 = 2

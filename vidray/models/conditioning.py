@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 
 __all__ = ["CONDITIONS", "condition_frames", "generate_mask", "image_to_video", "load_image", "masked_video"]
 

@@ -34,7 +34,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from vidray.models.export import DamagedCheckpointError
+from vidray.models.formats import DamagedCheckpointError
 
 __all__ = ["DCP_METADATA_GLOBALS", "DcpMetadataUnpickler", "SafeFileSystemReader", "dcp_errors", "read_dcp_metadata"]
 

@@ -31,7 +31,7 @@ from vidray.cards import get_card
 from vidray.models.offload import compute_dtype, execution_device
 from vidray.models.storage import input_dtype
 from vidray.config import FlowConfig, ModelConfig
-from vidray.data.buckets import Bucket, validate_bucket
+from vidray.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.conditioning import generate_mask, image_to_video, masked_video
 from vidray.models.folders import (require_pipeline_folder, unused_parameter_names, unwrapped,

@@ -35,9 +35,11 @@ import yaml
 
 from vidray.cards import all_cards, card_for_pipeline
 from vidray.config import ExpertsConfig, FlowConfig, I2VConfig, JobConfig, ModelConfig, job_config_from_dict
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.errors import UserError, UserFileNotFound
 from vidray.locations import is_uri
+from vidray.models.formats import (DIFFUSERS_LORA_WEIGHTS, EXPERT_LORA_DIRS, LORA_2_DIR, LORA_DIR, PEFT_WEIGHTS,
+                                   CheckpointError, DamagedCheckpointError, IncompleteCheckpointError)
 
 if TYPE_CHECKING:
     import torch
@@ -103,19 +105,6 @@ the manifest records the adapters' shape under `lora` ({rank, alpha, dropout, ta
 OPTIONAL_PARTS = ("ema.safetensors", "grad_scaler.pt", "comm_hook.pt")
 """Parts a checkpoint holds when the run has them (an EMA of the transformer, a mixed-precision grad scaler);
 format 3 lists the parts present in the manifest's `parts`."""
-LORA_DIR = "lora"
-"""The folder beside an exported pipeline that holds a LoRA run's adapters (`vidray.models.lora`); of a two-expert
-model's (`model.experts`), the high-noise expert's (diffusers' `transformer`)."""
-LORA_2_DIR = "lora_2"
-"""The folder beside a two-expert model's export that holds the low-noise expert's adapters (diffusers'
-`transformer_2`: `pipe.load_lora_weights(folder, load_into_transformer_2=True)`)."""
-EXPERT_LORA_DIRS = {"high": LORA_DIR, "low": LORA_2_DIR}
-"""Each expert's adapters folder (`vidray.models.experts.EXPERTS`) in a two-expert LoRA run's export."""
-DIFFUSERS_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
-"""diffusers' LoRA weights file (`LORA_WEIGHT_NAME_SAFE`)."""
-PEFT_CONFIG = "adapter_config.json"
-PEFT_WEIGHTS = "adapter_model.safetensors"
-"""peft's adapter config and weights files (`PeftModel.save_pretrained`)."""
 FORMAT_VERSION = 3
 READABLE_FORMAT_VERSIONS = (1, 2, 3)
 _HASH_CHUNK_BYTES = 8 * 1024 * 1024
@@ -139,7 +128,7 @@ _DENOISER_SUBFOLDERS = ("transformer", "unet")
 
 MODEL_INDEX = "model_index.json"
 """A diffusers folder's marker; an export to object storage is uploaded with it last
-(`vidray.data.storage.upload_dir`)."""
+(`vidray.storage.upload_dir`)."""
 MODEL_CACHE_ENV = "VIDRAY_MODEL_CACHE"
 """Environment variable: the local folder where models read from a URI are cached (default ~/.cache/vidray/models)."""
 
@@ -151,26 +140,6 @@ class ModelDownloadError(UserError):
 class ModelFolderError(UserError):
     """A model folder that is neither a complete diffusers export nor a vidray checkpoint, or holds a pipeline class
     vidray has no family for. Raised before any weights load."""
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be trusted. `directory` is the folder; `part` the file at fault (or None)."""
-
-    def __init__(self, message: str, directory: str | Path | None = None, part: str | None = None):
-        super().__init__(message)
-        self.directory = None if directory is None else str(directory)
-        self.part = part
-
-    def __reduce__(self):  # survives pickling from a Ray worker to the driver
-        return (type(self), (str(self), self.directory, self.part))
-
-
-class IncompleteCheckpointError(CheckpointError):
-    """A checkpoint folder lacks its manifest or one of its parts (an interrupted write)."""
-
-
-class DamagedCheckpointError(CheckpointError):
-    """A part's size or sha256 differs from what the manifest recorded, or the part cannot be read."""
 
 
 def file_sha256(path: str | Path) -> str:
@@ -682,7 +651,7 @@ def _check_model_kind(path: str | Path) -> None:
     """Raise unless `path` is a folder with a checkpoint manifest or a model_index.json (file checks only; for a
     URI one or two metadata requests to the store, no download)."""
     if is_uri(path):
-        from vidray.data.storage import open_storage
+        from vidray.storage import open_storage
 
         _stored_model_marker(open_storage(str(path), setting="model"))
         return
@@ -704,7 +673,7 @@ def model_cache_dir() -> Path:
 
 
 def _stored_model_marker(storage) -> tuple[str, Any]:
-    """(marker name, its pyarrow FileInfo) of a model folder in a `vidray.data.storage.Storage`: manifest.json (a
+    """(marker name, its pyarrow FileInfo) of a model folder in a `vidray.storage.Storage`: manifest.json (a
     checkpoint), model_index.json (a diffusers export) or base_model.json (an adapter-only LoRA export). Raises as
     `fetch_model` does."""
     import pyarrow.fs as pafs
@@ -735,7 +704,7 @@ def _stored_model_marker(storage) -> tuple[str, Any]:
 
 def fetch_model(uri: str) -> Path:
     """The model folder at `uri` (a diffusers export or a vidray checkpoint on object storage, or `file://`) as a
-    local folder. `file://` folders are used in place. Others are downloaded once (`vidray.data.storage.
+    local folder. `file://` folders are used in place. Others are downloaded once (`vidray.storage.
     download_dir`, marker last and checked unchanged, whole download retried) into `model_cache_dir()/<key>`, key =
     sha256 of the URI and its marker's name, size and modification time: an unchanged model is reused, a
     re-exported one (its marker rewritten last) downloaded again. Old copies are not deleted (remove the cache
@@ -753,7 +722,7 @@ def fetch_model(uri: str) -> Path:
     import tempfile
     import time
 
-    from vidray.data.storage import StorageTransferError, download_dir, open_storage
+    from vidray.storage import StorageTransferError, download_dir, open_storage
 
     storage = open_storage(uri, setting="model")
     marker, info = _stored_model_marker(storage)

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from vidray.errors import UserError
-from vidray.models.export import DIFFUSERS_LORA_WEIGHTS, LORA_DIR, PEFT_CONFIG, PEFT_WEIGHTS  # the file names
+from vidray.models.formats import DIFFUSERS_LORA_WEIGHTS, LORA_DIR, PEFT_CONFIG, PEFT_WEIGHTS  # the file names
 
 if TYPE_CHECKING:
     import peft

@@ -36,7 +36,6 @@ __all__ = [
     "encode_prompts",
     "ensure_chat_template",
     "minilm_path",
-    "shards_caption_truncation",
     "t5_text_width",
     "text_hidden_size",
 ]
@@ -307,19 +306,6 @@ def caption_truncation(
         max_sequence_length=max_sequence_length,
         counted=counted,
     )
-
-
-def shards_caption_truncation(shards_dir: str | Path, model: "ModelConfig") -> TruncationStats:
-    """`caption_truncation` of every caption in the prepared shards of `shards_dir`, for `model`'s tokenizer and
-    `model.max_sequence_length`. Reads only the Parquet `caption` column (no video bytes) and no model weights.
-
-    Raises like `vidray.data.shards.read_index` (no index: run `vidray prepare`).
-    """
-    from vidray.data.shards import iter_samples
-
-    # Shards failing their checksum are left out here; training skips and reports them.
-    captions = [row["caption"] for row in iter_samples(shards_dir, columns=["caption"], skipped=[])]
-    return caption_truncation(build_tokenizer(model), captions, model.max_sequence_length, counted="clips' captions")
 
 
 def text_encoder_max_tokens(model: "ModelConfig") -> int:

@@ -14,7 +14,7 @@ Everything here mirrors diffusers/pipelines/wan/pipeline_wan.py (diffusers 0.42.
   `vae.decode(latents / (1 / latents_std) + latents_mean)` (`vidray.models.vae`);
 - sampling: flow matching with the job's shift. The stock Wan 2.1 folders carry `UniPCMultistepScheduler(
   flow_shift=...)`; vidray's sampler is Euler, so the export carries `FlowMatchEulerDiscreteScheduler(shift=...)`,
-  and the stock pipeline loaded from it takes the same steps as `vidray.diffusion.sampler`.
+  and the stock pipeline loaded from it takes the same steps as `vidray.inference.sampler`.
 
 Text encoders (`model.text_encoder`, offline): `tiny_random` is a random 2-layer `UMT5EncoderModel` (d_model 64)
 over MiniLM's tokenizer (the one tokenizer shipped offline here: umT5's sentencepiece vocabulary is not); `minilm`
@@ -66,7 +66,7 @@ from vidray.cards import get_card
 from vidray.models.offload import execution_device
 from vidray.models.storage import input_dtype
 from vidray.config import WAN_CLIP_TEXT_TOKENS, FlowConfig, ModelConfig
-from vidray.data.buckets import Bucket, validate_bucket
+from vidray.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.conditioning import condition_frames
 from vidray.models.experts import EXPERT_ATTRIBUTES, TwoExperts, check_boundary_ratio, check_expert
@@ -563,7 +563,7 @@ def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig)
     The scheduler is `FlowMatchEulerDiscreteScheduler(shift=flow.shift, num_train_timesteps=
     flow.num_train_timesteps)` (not the stock Wan folders' `UniPCMultistepScheduler(flow_shift=...)`): its
     `set_timesteps` gives `vidray.diffusion.flow_matching.inference_sigmas` and its `step` is the Euler step of
-    `vidray.diffusion.sampler`, so the stock pipeline samples what vidray samples. Note the stock pipeline pads
+    `vidray.inference.sampler`, so the stock pipeline samples what vidray samples. Note the stock pipeline pads
     prompts to 512 tokens (`__call__`'s `max_sequence_length` default): pass the trained `max_sequence_length` to
     match vidray exactly. Written by `vidray.models.folders.write_pipeline_folder`: `out_dir` is complete or
     absent; an existing pipeline folder there is replaced. Raises FileExistsError if `out_dir` exists and is not a

@@ -91,7 +91,7 @@ def _check_fits(model_path: str, largest_request: tuple[int, int, int], memory: 
     its GPU in the configured `memory` modes (`vidray.plan_inference.check_generation_fits`; one request: a batch
     of several adds their activations). Nothing is checked on CPU."""
     from vidray.config import MemoryConfig
-    from vidray.data.buckets import Bucket
+    from vidray.buckets import Bucket
     from vidray.models.offload import inference_device
     from vidray.plan_inference import check_generation_fits
 
@@ -161,7 +161,7 @@ class VaeDecoder:
         import torch
         from PIL import Image, UnidentifiedImageError
 
-        from vidray.data.buckets import Bucket
+        from vidray.buckets import Bucket
 
         try:
             with Image.open(io.BytesIO(bytes(image)), formats=tuple(IMAGE_FORMATS)) as opened:  # as the ingress took
@@ -196,7 +196,7 @@ class VaeDecoder:
 
 @dataclass
 class _Request:
-    state: Any  # vidray.diffusion.sampler.DenoiseState
+    state: Any  # vidray.inference.sampler.DenoiseState
     events: asyncio.Queue
     arrived_at: float
     last_step_at: float = 0.0
@@ -309,7 +309,7 @@ class Denoiser:
 
     async def denoise(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream progress events, then the latents (see the class docstring)."""
-        from vidray.diffusion.sampler import DenoiseState, initial_noise
+        from vidray.inference.sampler import DenoiseState, initial_noise
 
         # 1. The stage boundary: injected delay (benchmarks), then one transfer measurement.
         num_bytes = tensor_bytes(request["prompt_embeds"], request.get("negative_prompt_embeds"),
@@ -471,7 +471,7 @@ class Denoiser:
 
     async def _step_once(self) -> None:
         """One denoising step for the running group that stepped least recently (round robin over shapes)."""
-        from vidray.diffusion.sampler import NonFiniteLatentsError, check_finite_latents, step_states
+        from vidray.inference.sampler import NonFiniteLatentsError, check_finite_latents, step_states
 
         groups: dict[tuple, list[_Request]] = {}
         for r in self._running:

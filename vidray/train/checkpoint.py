@@ -63,7 +63,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from vidray.data.storage import download_dir, safe_join
+from vidray.storage import download_dir, safe_join
 from vidray.models.export import (  # the format's read side lives in the models plane (serving reads it too)
     ADAPTER_PART,
     FORMAT_VERSION,
@@ -387,7 +387,7 @@ def load_checkpoint(
 
 CHECKPOINT_PREFIX = "checkpoint_"
 UPLOAD_ATTEMPTS = 3
-"""Tries of a whole checkpoint copy (each S3 request is also retried by the SDK: `vidray.data.storage`)."""
+"""Tries of a whole checkpoint copy (each S3 request is also retried by the SDK: `vidray.storage`)."""
 UPLOAD_BACKOFF_S = 2.0
 """Wait before the second try of a copy, doubled for each further one (seconds)."""
 SHARD_WAIT_S = 600.0
@@ -434,7 +434,7 @@ class CheckpointManager:
     """
 
     def __init__(self, run_dir: str | Path):
-        from vidray.data.storage import open_storage
+        from vidray.storage import open_storage
 
         self.storage = open_storage(run_dir, setting="storage.path")
 

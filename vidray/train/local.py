@@ -55,7 +55,7 @@ def train_in_process(job: JobConfig, *, record_sample_ids: bool = False, world_s
     with run_folder_lock(job):
         plan = check_job_inputs(job)
         if job.train.objective != "vae":  # a VAE run trains on frames only: its captions reach no model
-            from vidray.models.text_encoder import shards_caption_truncation
+            from vidray.data.captions import shards_caption_truncation
 
             print(f"[vidray] captions: {shards_caption_truncation(job.data.shards_dir, job.model)}", flush=True)
         # 2. Checkpoints newer than an explicit start point aside, then the ranks.

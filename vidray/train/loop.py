@@ -52,7 +52,7 @@ from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
 from vidray.data.pipeline import TrainBatch, encode_spec, iter_rank_steps
 from vidray.data.schedule import DataPosition, SampleSchedule, job_schedule
 from vidray.data.shards import GenerationLease, read_index
-from vidray.data.storage import open_storage
+from vidray.storage import open_storage
 from vidray.models.experts import ExpertSlot
 from vidray.models.registry import Components, get_family
 from vidray.train.context import RayTrainContext, WorkerContext
@@ -961,7 +961,7 @@ def _export_adapters(adapters: dict[str, torch.Tensor], job: Any, base: str, run
         write_job_file(folder, job)
 
     if remote:
-        from vidray.data.storage import upload_dir
+        from vidray.storage import upload_dir
 
         with tempfile.TemporaryDirectory(prefix="vidray-export-") as tmp:
             write(f"{tmp}/out")
@@ -992,7 +992,7 @@ def _export_pipeline(family: Any, trained_full: torch.nn.Module, job: Any, ema_w
                             tokenizer=encoders.tokenizer, image_encoder=encoders.image_encoder,
                             image_processor=encoders.image_processor)
     if remote:
-        from vidray.data.storage import upload_dir
+        from vidray.storage import upload_dir
         from vidray.models.export import MODEL_INDEX
 
         with tempfile.TemporaryDirectory(prefix="vidray-export-") as tmp:

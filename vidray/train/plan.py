@@ -62,7 +62,7 @@ from typing import Any, Literal
 
 from vidray.cards import get_card
 from vidray.config import LoraConfig
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.errors import UserError
 from vidray.models.presets import ShapePreset, meta_model, model_preset, planner_facts, preset_from_pretrained
 

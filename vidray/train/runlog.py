@@ -11,7 +11,7 @@
 A resumed or restarted run continues the same files: the writer purges events from its first step on
 (`SummaryWriter(purge_step=)`), and `metrics.jsonl` keeps only the steps before it, so steps trained again after a
 restart appear once. A run folder on object storage is written in a local folder and copied into the run folder
-(`vidray.data.storage`) at each checkpoint and at the end. TensorBoard's own layout is used as is (torch's
+(`vidray.storage`) at each checkpoint and at the end. TensorBoard's own layout is used as is (torch's
 `torch.utils.tensorboard.SummaryWriter`, read back by `tensorboard`'s `EventAccumulator`); the PNG is matplotlib's.
 """
 
@@ -52,13 +52,13 @@ class RunLog:
             metric lines of this step and later, from an earlier attempt, are dropped.
         title: the plot's title (the run's name).
 
-    Raises OSError (or `vidray.data.storage.StorageTransferError`) when the run folder cannot be written.
+    Raises OSError (or `vidray.storage.StorageTransferError`) when the run folder cannot be written.
     """
 
     def __init__(self, run_dir: str, *, start_step: int, title: str = ""):
         from torch.utils.tensorboard import SummaryWriter
 
-        from vidray.data.storage import open_storage
+        from vidray.storage import open_storage
         from vidray.locations import is_uri
 
         self.storage = open_storage(run_dir, setting="storage.path")
@@ -130,7 +130,7 @@ class RunLog:
 def copy_into(storage: Any, local: Path, *, only: list[str]) -> None:
     """Copy the files under `local` whose relative path is, or lies under, one of `only` into `storage` (a run
     folder on object storage), file by file: the run folder holds checkpoints this must not touch (unlike
-    `vidray.data.storage.upload_dir`, which makes the destination hold exactly the source's files)."""
+    `vidray.storage.upload_dir`, which makes the destination hold exactly the source's files)."""
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
         rel = path.relative_to(local).as_posix()
         if any(rel == prefix or rel.startswith(prefix.rstrip("/") + "/") for prefix in only):

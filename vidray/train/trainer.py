@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vidray.config import JobConfig, check_output_path
-from vidray.data.storage import open_storage
+from vidray.config import JobConfig
+from vidray.data.outputs import check_output_location, latent_cache_root
 from vidray.errors import RequestCannotBeMetError, UserError, UserFileNotFound  # noqa: F401 (re-exported)
 from vidray.locations import absolute_location, is_uri
+from vidray.storage import open_storage
 from vidray.logs import ray_train_log_level, worker_env
 from vidray.placement import alive_nodes, resolve_placement
 from vidray.runtime import LOCAL_RAY
@@ -120,17 +121,6 @@ def output_locations(job: JobConfig) -> list[tuple[str, str]]:
     return locations
 
 
-def check_output_location(key: str, location: str) -> None:
-    """Refuse an output location that cannot be written, naming `key`: a local folder (or `file://` URI) by
-    `vidray.config.check_output_path`; an object-store URI by `Storage.check_reachable(write=True)` (the endpoint
-    answers, the bucket exists, a probe object can be written). Raises ConfigError / UserError."""
-    storage = open_storage(location, setting=key) if is_uri(location) else None
-    if storage is not None and not storage.is_local:
-        storage.check_reachable(key, write=True)
-    else:  # a path, or a file:// URI
-        check_output_path(storage.base if storage is not None else location, key)
-
-
 def check_job_outputs(job: JobConfig) -> None:
     """`check_output_location` for each of `output_locations(job)`; before any Ray resource is reserved and
     before `vidray train --prepare` prepares (else a bad `storage.path` on S3 ends in a traceback from Ray Train's
@@ -153,14 +143,14 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     keys that differ from the checkpoint, and the data position the run continues from (world-size independent: another
     `scaling.num_workers` deals the rest of the epoch, each sample still exactly once; `vidray.data.schedule`).
     """
-    from vidray.data.buckets import parse_bucket
+    from vidray.buckets import parse_bucket
     from vidray.data.shards import read_index, report_path
 
     check_job_outputs(job)
     check_job_settings(job)
     warn_if_lora_export(job)
     warn_if_powersgd_with_adamw(job)
-    shards = open_storage(job.data.shards_dir)  # a folder or a URI (vidray.data.storage)
+    shards = open_storage(job.data.shards_dir)  # a folder or a URI (vidray.storage)
     shards.check_reachable("data.shards_dir")  # an S3 fault in one line, not a traceback
     index = read_index(shards)
     if is_uri(job.data.shards_dir) and not job.data.shards_dir.startswith("file://"):
@@ -413,7 +403,7 @@ def build_trainer_configs(job: JobConfig, storage_path: str, *, placement: dict[
         # scheme (`s3://bucket/runs` -> `bucket/runs`), as RunConfig(storage_filesystem=) requires. The filesystem
         # is pickled to the controller and workers without credentials (each resolves them from its environment)
         # and without the retry strategy (they use pyarrow's default: AWS standard, 3 attempts).
-        from vidray.data.storage import open_storage
+        from vidray.storage import open_storage
 
         storage = open_storage(storage_path, setting="storage.path")
         storage_filesystem, storage_path = storage.fs, storage.base
@@ -563,7 +553,7 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
     from vidray.train.entry import train_loop_per_worker  # the worker's stack (diffusers) stays out of the driver
 
     plan = check_job_inputs(job)
-    from vidray.models.text_encoder import shards_caption_truncation  # caption column + tokenizer only: ~1 s
+    from vidray.data.captions import shards_caption_truncation  # caption column + tokenizer only: ~1 s
 
     if job.train.objective != "vae":  # a VAE run trains on frames only: its captions reach no model
         print(f"[vidray] captions: {shards_caption_truncation(job.data.shards_dir, job.model)}", flush=True)
@@ -664,15 +654,3 @@ def train_result(job: JobConfig, out: dict[str, Any], *, metrics: dict[str, Any]
         validation=out.get("validation", []),
         validation_wait_s=out.get("validation_wait_s", 0.0),
     )
-
-
-def latent_cache_root(job: JobConfig) -> str:
-    """The latent cache of a job (`data.latent_cache`, `vidray.data.encode`): "" when `off`, `<shards_dir>/latents`
-    when `auto`, else the folder (absolute) or URI given."""
-    setting = str(job.data.latent_cache).strip()
-    if setting == "off":
-        return ""
-    if setting == "auto":
-        shards = absolute_location(job.data.shards_dir)
-        return f"{shards.rstrip('/')}/latents" if is_uri(shards) else str(Path(shards) / "latents")
-    return absolute_location(setting)

@@ -143,11 +143,11 @@ def unused_parameter_names(objective: VAEObjective) -> list[str]:
 
 def save_vae(vae: torch.nn.Module, out_dir: str) -> str:
     """Write `vae` as a diffusers folder (`config.json` + `diffusion_pytorch_model.safetensors`) at `out_dir`, a
-    local folder or a URI (through a temp folder and `vidray.data.storage.upload_dir`, `config.json` last).
+    local folder or a URI (through a temp folder and `vidray.storage.upload_dir`, `config.json` last).
     Returns `out_dir`."""
     import tempfile
 
-    from vidray.data.storage import upload_dir
+    from vidray.storage import upload_dir
 
     if not is_uri(out_dir):
         vae.save_pretrained(out_dir, safe_serialization=True)

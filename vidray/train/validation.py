@@ -43,7 +43,7 @@ CHECKPOINT_WAIT_S = 600.0
 
 def validation_bucket(job: Any) -> Any:
     """The samples' bucket: `train.validation.bucket`, else the job's first multi-frame bucket (else its first)."""
-    from vidray.data.buckets import parse_bucket
+    from vidray.buckets import parse_bucket
 
     if job.train.validation.bucket:
         return parse_bucket(job.train.validation.bucket, job.model.family)
@@ -114,7 +114,7 @@ class Validator:
 
     def __init__(self, run_dir: str, job: dict[str, Any]):
         from vidray.config import job_config_from_dict
-        from vidray.data.storage import open_storage
+        from vidray.storage import open_storage
 
         self.run_dir = str(run_dir)
         self.job = job_config_from_dict(job)
@@ -130,7 +130,7 @@ class Validator:
         import torch
 
         from vidray.data.video import write_mp4
-        from vidray.diffusion.sampler import generate_video
+        from vidray.inference.sampler import generate_video
         from vidray.logs import quiet_diffusers
         from vidray.models.conditioning import load_image
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from vidray.config import FlowConfig
-from vidray.data.buckets import Bucket
+from vidray.buckets import Bucket
 from vidray.errors import UserError
 from vidray.models.offload import compute_dtype, execution_device
 from vidray.models.registry import Components, ModelFamily
