@@ -108,7 +108,7 @@ def test_every_registered_family_plans_its_tiny_config(toy):
     ({"name": "toy family"}, "family card 'toy family': name must be an identifier"),
 ])
 def test_a_malformed_card_is_refused_naming_the_card_and_the_field(fields, message):
-    from vidray.models import cards
+    from vidray import cards
 
     if fields.get("bucket_rules", 1) is None:  # left out, as a user's card that forgets it
         fields = {"bucket_rules": cards._MISSING}
