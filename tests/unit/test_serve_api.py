@@ -23,16 +23,11 @@ import uvicorn
 from PIL import Image
 from starlette.testclient import TestClient
 
-from vidray.serve.api import (
-    ApiLimits,
-    ModelSpec,
-    RequestError,
-    VideoRequest,
-    build_api,
-    check_bearer,
-    parse_video_request,
-)
-from vidray.serve.api import _check_image, _image_from_reference
+from vidray.serve.api import ModelSpec, VideoRequest, parse_video_request
+from vidray.serve.api import _check_image
+from vidray.serve.errors import ApiLimits, RequestError
+from vidray.serve.routes import build_api, check_bearer
+from vidray.serve.wire import _image_from_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK's Sora retirement notice
 
@@ -819,7 +814,7 @@ def test_a_500_shows_an_error_id_and_the_log_holds_the_details(slot, service, ca
     service.submit = broken_submit
     with TestClient(build_api(lambda: slot.service), raise_server_exceptions=False,
                     headers={"Authorization": f"Bearer {TOKEN}"}) as plain:
-        with caplog.at_level("ERROR", logger="vidray.serve.api"):
+        with caplog.at_level("ERROR", logger="vidray.serve.routes"):
             response = create(plain, {})
     error = assert_error(response, 500, None, "internal server error (error id ")
     assert secret not in response.text and "RuntimeError" not in response.text

@@ -26,7 +26,8 @@ import httpx2
 import pytest
 
 from tests.unit.test_serve_api import BOUNDARY, TOKEN, FakeVideoService, ServiceSlot, uvicorn_in_thread
-from vidray.serve.api import ApiLimits, build_api
+from vidray.serve.errors import ApiLimits
+from vidray.serve.routes import build_api
 
 MIB = 2**20
 SERVER_BOUND_S = 0.1
@@ -415,7 +416,8 @@ def test_any_create_request_is_queued_as_sent_or_a_fast_one_line_4xx_naming_the_
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from vidray.serve.api import CREATE_FIELDS, MAX_SEED
+    from vidray.serve.api import MAX_SEED
+    from vidray.serve.errors import CREATE_FIELDS
 
     client, service = fuzz_client
     spec = service.spec

@@ -20,7 +20,9 @@ from starlette.testclient import TestClient
 from tests.unit.test_serve_api import (BOUNDARY, SPEC, TOKEN, FakeVideoService, ServiceSlot, multipart,
                                       uvicorn_in_thread)
 from vidray.serve import images
-from vidray.serve.api import ApiLimits, ModelSpec, RequestError, _check_image, build_api
+from vidray.serve.api import ModelSpec, _check_image
+from vidray.serve.errors import ApiLimits, RequestError
+from vidray.serve.routes import build_api
 
 I2V_SPEC = ModelSpec(**{**SPEC.__dict__, "supports_image_to_video": True})
 """The fake service's model, taking a first frame."""

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
-from vidray.serve.api import build_api, client_id
 from vidray.serve.app import ServeSettings, VideoJobService
+from vidray.serve.routes import build_api, client_id
 
 TOKEN_A = "alice-token-of-at-least-16-chars"
 TOKEN_B = "bob-token-of-at-least-16-chars!"
@@ -254,8 +254,9 @@ def test_a_full_disk_on_create_is_a_507_with_retry_after_not_a_500(serve, error)
 
 
 def test_check_bearer_names_each_tokens_client_by_a_short_stable_hash_and_no_auth_by_one_client():
-    from vidray.serve.api import RequestError, check_bearer
+    from vidray.serve.errors import RequestError
     from vidray.serve.jobs import ANONYMOUS_CLIENT
+    from vidray.serve.routes import check_bearer
 
     tokens = (TOKEN_A, TOKEN_B)
     alice, bob = check_bearer(f"Bearer {TOKEN_A}", tokens), check_bearer(f"bearer {TOKEN_B}", tokens)

@@ -16,8 +16,8 @@ import uvicorn
 from starlette.testclient import TestClient
 
 from tests.unit.test_serve_limits import TOKEN_A, TOKEN_B, Stages, _wait_for, serve_maker
-from vidray.serve.api import build_api
 from vidray.serve.app import ServeSettings, VideoJobService
+from vidray.serve.routes import build_api
 
 TOKEN_ADMIN = "admin-token-of-at-least-16-chars"
 BODY = {"prompt": "a red fox", "num_inference_steps": 2}

@@ -353,7 +353,8 @@ def test_the_videos_api_refuses_an_image_for_a_first_and_last_frame_model_naming
     # internal_error (its CLIP takes two images; the Videos API gives one). It is now a 400 naming why.
     import io
 
-    from vidray.serve.api import ApiLimits, RequestError, _check_image
+    from vidray.serve.api import _check_image
+    from vidray.serve.errors import ApiLimits, RequestError
     from vidray.serve.app import ServeSettings, model_spec
 
     flf = tmp_path / "flf"

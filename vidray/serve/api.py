@@ -1,40 +1,11 @@
-"""The HTTP layer of the serve plane: FastAPI routes compatible with the OpenAI Videos API, request validation and
-bearer auth.
+"""The create request of the serve plane and its validation: what the model can make (`ModelSpec`), a validated
+`POST /v1/videos` (`VideoRequest`), and `parse_video_request`, which checks the text fields and the first-frame
+image (`input_reference`) against both before any model work.
 
-Every request is parsed and checked here, before any model work: a valid `POST /v1/videos` becomes a frozen
-`VideoRequest` that is handed to a `VideoService` (the job runner, built by `vidray.serve.app`); the model
-deployments never see HTTP. No Ray and no torch in this module, so it is tested over real HTTP on CPU.
-
-Routes (`build_api`), as the official `openai` SDK (3.57, `client.videos.*`) calls them with
-``base_url="http://HOST:PORT/v1"``:
-
-| route | SDK call | answer |
-|---|---|---|
-| `POST /v1/videos` | `create` (multipart/form-data) | the video object (status `queued`); JSON bodies too |
-| `GET /v1/videos/{id}` | `retrieve`, `poll` | the video object; header `openai-poll-after-ms` while unfinished |
-| `GET /v1/videos/{id}/content?variant=video` | `download_content` | `video/mp4` bytes; 409 until completed |
-| `DELETE /v1/videos/{id}` | `delete` | `{"id", "object": "video.deleted", "deleted": true}` |
-| `GET /v1/videos?after=&limit=&order=` | `list` | `{"object": "list", "data", "first_id", "last_id", "has_more"}` |
-| `GET /v1/status` | (none) | `service.status()`: the model and the job counts (authenticated) |
-| `GET /healthz` | (none) | `{"status": "ok"}` (200) or `{"status": "not ok"}` (503) only; no token, no store |
-
-Clients are told apart by their bearer token (`client_id`, a short hash). Each client sees only its own videos:
-retrieve, download, list and delete are scoped to the caller, and another client's id answers the same 404 as an
-unknown one (existence is not confirmed); the service's admin tokens (`VideoService.admin_clients`) see every
-client's. `POST /v1/videos` beyond the service's caps on unfinished jobs answers 429 `rate_limit_exceeded` with
-`Retry-After` (seconds); a client whose stored bytes reached its quota 403 `storage_quota_exceeded`; a store that
-reached its own quota, or whose disk is short or full, 507 `insufficient_storage`; another store failure 503; never
-a 500.
-
-An `Idempotency-Key` header on `POST /v1/videos` (1..255 printable ASCII characters; the SDK sends it with
-``extra_headers={"Idempotency-Key": key}``) makes a create safe to retry: the same key and request from the same
-client answer the job the first one made (also when the first answer was lost to a timeout), and the same key with
-a different request is a 422 `idempotency_key_reused` (the IETF draft "The Idempotency-Key HTTP Header Field"
-answers a reused key with another payload 422; 409 it keeps for a first request still in flight, which cannot
-happen here: the key is written in the transaction that inserts the job).
-
-Every error, ours or the framework's (unknown route, wrong method), answers in the OpenAI error shape
-``{"error": {"message", "type", "param", "code"}}`` with a message naming the field, the value, the rule and the fix.
+`vidray.serve.wire` turns a body into (fields, image) first; `vidray.serve.routes` calls `parse_video_request` on
+them, then `decode_input_reference` for an image, and hands the `VideoRequest` to the job runner
+(`vidray.serve.app`); the model deployments never see HTTP. Refusals are `vidray.serve.errors.RequestError`s, each
+naming the field, the value, the rule and the fix. No Ray and no torch in this module.
 
 Create fields beyond the SDK's (`prompt`, `model`, `size`, `seconds`, `input_reference`) are sent with
 ``extra_body={"num_frames": 49, "seed": 7, ...}``; the SDK turns them into form fields. See
@@ -43,189 +14,40 @@ Create fields beyond the SDK's (`prompt`, `model`, `size`, `seconds`, `input_ref
 
 from __future__ import annotations
 
-import base64
-import binascii
-import errno
-import hashlib
-import hmac
-import json
-import logging
 import math
-import os
 import re
-import secrets
-import sqlite3
 import unicodedata
-from contextlib import aclosing
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from urllib.parse import unquote_to_bytes
-from typing import Any, BinaryIO, Protocol
-
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from python_multipart.multipart import parse_options_header
-from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import UploadFile
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
-from starlette.types import Message, Receive
 
 from vidray.serve import images
-from vidray.serve.jobs import (
-    ANONYMOUS_CLIENT,
-    IdempotencyKeyReusedError,
-    JobStoreUnavailableError,
-    QueueFullError,
-    StorageFullError,
-    check_idempotency_key,
+from vidray.serve.errors import (
+    CREATE_FIELDS,
+    MAX_NUMBER_CHARS,
+    ApiLimits,
+    RequestError,
+    check_length,
+    field_cap,
+    image_too_large,
+    shown,
 )
 
 __all__ = [
-    "ApiLimits",
+    "MAX_SEED",
     "ModelSpec",
-    "RequestError",
     "VideoRequest",
-    "VideoService",
-    "build_api",
-    "check_bearer",
-    "client_id",
+    "decode_input_reference",
+    "parse_int",
     "parse_video_request",
 ]
 
 MAX_SEED = 2**63 - 1
 """Largest accepted `seed` (seeds are 0 .. 2**63-1, what `torch.Generator.manual_seed` takes without wrapping)."""
 
-POLL_AFTER_MS = 500
-"""`openai-poll-after-ms` header value on unfinished jobs: the SDK's `poll` waits this long between retrieves."""
-
-QUEUE_FULL_RETRY_AFTER_S = 10
-"""`Retry-After` seconds of a 429 for a full queue (a fixed small number: a slot frees when any job finishes)."""
-
-DOWNLOAD_CHUNK_BYTES = 256 * 1024
-"""Bytes per read when streaming a finished mp4."""
-
-CREATE_FIELDS = (
-    "prompt",
-    "model",
-    "size",
-    "seconds",
-    "num_frames",
-    "seed",
-    "num_inference_steps",
-    "guidance_scale",
-    "negative_prompt",
-)
-"""Text fields `POST /v1/videos` accepts (plus the `input_reference` image); any other field is a 400."""
-
-_UNFINISHED = ("queued", "in_progress")
-
-MAX_NUMBER_CHARS = 40
-"""Longest accepted `seconds`, `num_frames`, `seed`, `num_inference_steps`, `guidance_scale` and `limit`, in characters
-as sent (a seed has at most 19 digits): checked before any parsing, so no number costs more than this to read."""
-MAX_SIZE_CHARS = 32
-"""Longest accepted `size` ("WIDTHxHEIGHT"), in characters as sent."""
-MAX_NAME_CHARS = 256
-"""Longest accepted `model`, `input_reference[file_id]`, form field name or part header, in characters."""
-MAX_ID_CHARS = 64
-"""Longest accepted video id (path `video_id`, query `after`); ids are "video_" + 32 hex digits."""
-MAX_CHOICE_CHARS = 16
-"""Longest accepted `order` and `variant` query value."""
-MAX_HEADER_CHARS = 4096
-"""Longest accepted `Authorization`, `Content-Type` or `Content-Length` header, and URL path, in characters."""
-MAX_JSON_FIELDS = 64
-"""Most top-level members of a JSON create body (a form body takes at most 64 fields too)."""
-MAX_QUERY_BYTES = 2048
-"""Longest accepted query string, in bytes as sent (percent-encoded)."""
-
 
 # --------------------------------------------------------------------------------------------------------------
-# Errors, limits, what the model can make, a validated request
+# What the model can make, a validated request
 # --------------------------------------------------------------------------------------------------------------
-
-
-class RequestError(Exception):
-    """A request the server refuses, answered as JSON in the OpenAI error shape.
-
-    Args:
-        status: the HTTP status: 4xx for the client's mistakes (400 bad field, 401 auth, 404 unknown id, 409 not
-            ready, 413 too large, 415 content type), 503 while the service is starting.
-        param: the request field at fault (form field, query parameter or header name), or None.
-        message: what was wrong, naming the value, the rule and the fix.
-        code: a machine-readable code (`invalid_value`, `unknown_parameter`, `invalid_api_key`, ...).
-        headers: extra response headers (`WWW-Authenticate` on 401, `Retry-After` on 503).
-    """
-
-    def __init__(
-        self,
-        status: int,
-        param: str | None,
-        message: str,
-        code: str = "invalid_value",
-        *,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.message = message
-        self.code = code
-        self.headers = dict(headers or {})
-
-    def to_json(self) -> dict:
-        """The response body: ``{"error": {"message", "type", "param", "code"}}``; `type` is
-        `"invalid_request_error"` for 4xx and `"server_error"` for 5xx, as the OpenAI API answers. A lone surrogate
-        (a JSON key "\\ud800" echoed back) is written as its escape: UTF-8 cannot encode it (the answer was a
-        500)."""
-        error_type = "server_error" if self.status >= 500 else "invalid_request_error"
-        param = None if self.param is None else _encodable(self.param[:MAX_NAME_CHARS])
-        return {"error": {"message": _encodable(self.message), "type": error_type, "param": param,
-                          "code": self.code}}
-
-    def to_response(self) -> JSONResponse:
-        """This error as a `JSONResponse` with its status and headers."""
-        return JSONResponse(self.to_json(), status_code=self.status, headers=self.headers)
-
-
-def _encodable(text: str) -> str:
-    """`text` with every character UTF-8 cannot encode (lone surrogates) written as a backslash escape."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-@dataclass(frozen=True)
-class ApiLimits:
-    """Size limits on requests, checked before anything is decoded or queued."""
-
-    max_body_bytes: int = 8 * 2**20
-    """Whole request body in bytes; larger -> 413 before the body is parsed (from `Content-Length`, or counted as
-    a chunked body streams in)."""
-    max_prompt_chars: int = 2000
-    """`prompt` and `negative_prompt`, in characters as sent (surrounding whitespace counts): checked before the
-    text is scanned or stripped."""
-    max_image_bytes: int = 4 * 2**20
-    """`input_reference` image file, in bytes (as uploaded); larger -> 413."""
-    max_image_px: int = 4096
-    """`input_reference` width and height, each, in pixels: an upper bound over the model's own
-    (`ModelSpec.max_image_px`); the smaller one applies."""
-    max_num_inference_steps: int = 100
-    """Upper bound on `num_inference_steps` (compute per request)."""
-    image_decode_workers: int = 2
-    """Threads that decode `input_reference` images, at most this many at once (`vidray.serve.images.ImageDecoder`:
-    a pool of their own, not the route threads)."""
-    image_decode_timeout_s: float = 10.0
-    """Seconds an image may wait for a decode thread and decode, together: past it the request is refused (400 when
-    the decode itself ran that long, 503 with Retry-After when no thread came free)."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_prompt_chars", "max_image_bytes", "max_image_px",
-                     "max_num_inference_steps", "image_decode_workers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ApiLimits.{name} must be a positive integer, got {value!r}")
-        timeout = self.image_decode_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-            raise ValueError(f"ApiLimits.image_decode_timeout_s must be a positive number of seconds, got {timeout!r}")
 
 
 @dataclass(frozen=True)
@@ -346,7 +168,6 @@ class VideoRequest:
         """The video object's `size` string, "WxH"."""
         return f"{self.width}x{self.height}"
 
-
 # --------------------------------------------------------------------------------------------------------------
 # Parsing and validation (pure functions)
 # --------------------------------------------------------------------------------------------------------------
@@ -366,37 +187,15 @@ refused as not finite. The integer part and the fraction are separate groups: `[
 split a digit run every way before failing, ~5 s for 16,000 digits and a letter (issue 27)."""
 
 
-def _field_cap(name: str, limits: ApiLimits) -> int:
-    """The longest value accepted for create field `name`, in characters as sent."""
-    if name in ("prompt", "negative_prompt"):
-        return limits.max_prompt_chars
-    if name == "size":
-        return MAX_SIZE_CHARS
-    if name == "model":
-        return MAX_NAME_CHARS
-    return MAX_NUMBER_CHARS
-
-
-def _check_length(name: str, text: str, cap: int, fix: str = "shorten it") -> None:
-    """Raise RequestError 400 naming `name` if `text` is longer than `cap` characters (before any parsing)."""
-    if len(text) > cap:
-        raise RequestError(400, name, f"{name} is {len(text)} characters, above the limit {cap}; {fix}")
-
-
-def _shown(text: str, limit: int = 60) -> str:
-    """`text` for an error message: repr'd, cut to `limit` characters with "..." (never echo a megabyte back)."""
-    return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
-
-
 def _is_blank(text: str) -> bool:
     """Only whitespace and invisible format characters (Unicode Cf: zero-width space, joiners, BOM), or empty."""
     return all(ch.isspace() or unicodedata.category(ch) == "Cf" for ch in text)
 
 
-def _parse_int(name: str, text: str, what: str) -> int:
+def parse_int(name: str, text: str, what: str) -> int:
     """An ASCII decimal integer (surrounding whitespace allowed) of at most `MAX_NUMBER_CHARS` characters; else
     RequestError 400 naming `name` and describing the valid values as `what`. Linear in len(text)."""
-    _check_length(name, text, MAX_NUMBER_CHARS, f"send an integer ({what})")
+    check_length(name, text, MAX_NUMBER_CHARS, f"send an integer ({what})")
     if not _INT_RE.fullmatch(text.strip()):
         raise RequestError(400, name, f"{name} must be an integer ({what}), got {text!r}")
     return int(text)
@@ -406,7 +205,7 @@ def _parse_float(name: str, text: str, what: str) -> float:
     """An ASCII decimal or exponent number (surrounding whitespace allowed) of at most `MAX_NUMBER_CHARS`
     characters, finite; else RequestError 400 naming `name` and describing the valid values as `what`. Linear in
     len(text)."""
-    _check_length(name, text, MAX_NUMBER_CHARS, f"send a number ({what})")
+    check_length(name, text, MAX_NUMBER_CHARS, f"send a number ({what})")
     try:
         if not _FLOAT_RE.fullmatch(text.strip()):
             raise ValueError(text)
@@ -524,7 +323,7 @@ def parse_video_request(
     # 1b. Lengths, before any field is scanned: every later check is then bounded (prompts by max_prompt_chars).
     for name in CREATE_FIELDS:
         if fields.get(name) is not None:
-            _check_length(name, fields[name], _field_cap(name, limits))
+            check_length(name, fields[name], field_cap(name, limits))
 
     # 1c. Control characters (NUL, ESC, ...; tab and newlines are text) in any field: a client bug, never a prompt.
     for name in sorted(fields):
@@ -574,7 +373,7 @@ def parse_video_request(
             raise RequestError(400, "seconds", f"seconds must be > 0, got {seconds_text!r}")
         frames_from_seconds = _frames_from_seconds(seconds, spec)
     if num_frames_text is not None:
-        num_frames = _parse_int("num_frames", num_frames_text, "a frame count")
+        num_frames = parse_int("num_frames", num_frames_text, "a frame count")
         if not spec._frames_ok(num_frames):
             near = _valid_frames_near(spec, num_frames)
             hint = f"nearest valid: {' or '.join(map(str, near))}" if near else "no valid count near it"
@@ -589,12 +388,12 @@ def parse_video_request(
     # 6. Seed, steps, guidance, negative prompt.
     seed = 0
     if (text := given("seed")) is not None:
-        seed = _parse_int("seed", text, f"0..{MAX_SEED}")
+        seed = parse_int("seed", text, f"0..{MAX_SEED}")
         if not 0 <= seed <= MAX_SEED:
             raise RequestError(400, "seed", f"seed must be within 0..{MAX_SEED} (2**63-1), got {seed}")
     num_inference_steps = spec.default_num_inference_steps
     if (text := given("num_inference_steps")) is not None:
-        num_inference_steps = _parse_int("num_inference_steps", text, f"1..{limits.max_num_inference_steps}")
+        num_inference_steps = parse_int("num_inference_steps", text, f"1..{limits.max_num_inference_steps}")
         if not 1 <= num_inference_steps <= limits.max_num_inference_steps:
             raise RequestError(400, "num_inference_steps", f"num_inference_steps must be within "
                                f"1..{limits.max_num_inference_steps}, got {num_inference_steps}")
@@ -638,20 +437,9 @@ def _unknown_fields_error(unknown: list[str]) -> RequestError:
                             "file part (curl -F input_reference=@first.png), or in JSON as "
                             "{\"input_reference\": {\"image_url\": \"data:image/png;base64,...\"}}",
                             code="unknown_parameter")
-    return RequestError(400, unknown[0], f"unknown field(s) {', '.join(_shown(u) for u in unknown)}; accepted "
+    return RequestError(400, unknown[0], f"unknown field(s) {', '.join(shown(u) for u in unknown)}; accepted "
                         f"fields: {', '.join(CREATE_FIELDS)} and the file part input_reference",
                         code="unknown_parameter")
-
-
-def _unexpected_file_part(name: str) -> RequestError:
-    return RequestError(400, name, f"unexpected file part {_shown(name)}; the only file part accepted is "
-                        "input_reference (the first-frame image)", code="unknown_parameter")
-
-
-def _image_too_large(filename: str, size: int, limits: ApiLimits) -> RequestError:
-    return RequestError(413, "input_reference", f"input_reference {_shown(filename)} is {size} bytes, above the "
-                        f"limit {limits.max_image_bytes} bytes; send a smaller (or compressed) image",
-                        code="request_too_large")
 
 
 def _image_side_limit(spec: ModelSpec, limits: ApiLimits) -> int:
@@ -670,10 +458,10 @@ def _check_image(image: tuple[str, str, bytes], *, spec: ModelSpec, limits: ApiL
         raise RequestError(400, "input_reference", f"input_reference: {spec.name!r} {spec.no_image_reason}; send "
                            "the request without input_reference")
     if len(data) > limits.max_image_bytes:
-        raise _image_too_large(filename, len(data), limits)
+        raise image_too_large(filename, len(data), limits)
     try:
         return images.inspect_image(data, max_side_px=_image_side_limit(spec, limits),
-                                    what=f"input_reference {_shown(filename)}")
+                                    what=f"input_reference {shown(filename)}")
     except images.ImageRefused as err:
         raise _image_error(err, filename) from None
 
@@ -682,12 +470,12 @@ def _image_error(err: images.ImageRefused, filename: str) -> RequestError:
     """An `ImageRefused` as the request's answer (param input_reference; a 503 gets Retry-After)."""
     message = str(err)
     if not message.startswith("input_reference"):
-        message = f"input_reference {_shown(filename)}: {message}"
+        message = f"input_reference {shown(filename)}: {message}"
     headers = {"Retry-After": "2"} if err.status == 503 else None
     return RequestError(err.status, "input_reference", message, code=err.code, headers=headers)
 
 
-async def _decode_image(request: VideoRequest, spec: ModelSpec, limits: ApiLimits, filename: str) -> None:
+async def decode_input_reference(request: VideoRequest, spec: ModelSpec, limits: ApiLimits, filename: str) -> None:
     """Decode the request's image in the image pool within `limits.image_decode_timeout_s` (`vidray.serve.images.
     ImageDecoder`), so a job is stored only for an image that decodes. Raises RequestError as `_image_error`."""
     header = images.ImageHeader(request.input_reference_format, *request.input_reference_size)
@@ -697,798 +485,3 @@ async def _decode_image(request: VideoRequest, spec: ModelSpec, limits: ApiLimit
             timeout_s=limits.image_decode_timeout_s)
     except images.ImageRefused as err:
         raise _image_error(err, filename) from None
-
-
-def _data_url_cap(limits: ApiLimits) -> int:
-    """Longest accepted `input_reference.image_url`, in characters: base64 of `max_image_bytes` plus a header."""
-    return 4 * (limits.max_image_bytes // 3 + 1) + MAX_NAME_CHARS
-
-
-def _image_from_reference(image_url: str | None, file_id: str | None,
-                          limits: ApiLimits) -> tuple[str, str, bytes]:
-    """The SDK's `ImageInputReferenceParam` ({"image_url": ...} or {"file_id": ...}) -> an image tuple.
-    Only base64 `data:` URLs are accepted: this server fetches nothing. Raises RequestError 400 (413 for a URL
-    longer than `_data_url_cap`). Plain string operations, linear in the URL's length."""
-    if file_id is not None:
-        raise RequestError(400, "input_reference", "input_reference.file_id is not supported here (no file "
-                           "store); upload the image as the input_reference file part")
-    url = image_url or ""
-    if len(url) > _data_url_cap(limits):
-        raise RequestError(413, "input_reference", f"input_reference.image_url is {len(url)} characters, above the "
-                           f"limit {_data_url_cap(limits)} (an image of {limits.max_image_bytes} bytes in base64); "
-                           "send a smaller image", code="request_too_large")
-    head, comma, payload = url.strip().partition(",")
-    media_type = head[len("data:"):].split(";")[0]
-    if not (head.startswith("data:") and head.endswith(";base64") and comma):
-        raise RequestError(400, "input_reference", f"input_reference.image_url {_shown(url)} is not a base64 data "
-                           "URL; this server fetches no URLs: send 'data:image/png;base64,...' or upload the "
-                           "image as the input_reference file part")
-    try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise RequestError(400, "input_reference", "input_reference.image_url holds invalid base64 after "
-                           "';base64,'") from None
-    return ("image_url", media_type or "application/octet-stream", data)
-
-
-def client_id(token: str) -> str:
-    """The client a bearer token stands for, as the job store records it: the first 16 hex digits of its sha256
-    (stable across restarts and replicas; the token itself is never stored)."""
-    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-
-
-def check_bearer(authorization: str | None, token: str | Sequence[str] | None) -> str:
-    """Check an `Authorization` header against the server's bearer token(s); returns the caller's client id.
-
-    Args:
-        authorization: the header value (``"Bearer <token>"``), or None when absent.
-        token: the accepted token, or several (one per client); None disables auth (every request passes, as one
-            client).
-
-    Returns:
-        `client_id` of the matching token, or `vidray.serve.jobs.ANONYMOUS_CLIENT` when auth is disabled.
-
-    Raises:
-        RequestError: 401 (`param="authorization"`, header `WWW-Authenticate: Bearer`) when the header is missing
-            or differs from ``f"Bearer {token}"`` for every token (the scheme in any case, RFC 7235); each token is
-            compared in constant time (`hmac.compare_digest`), all of them on every call.
-    """
-    if token is None:
-        return ANONYMOUS_CLIENT
-    tokens = (token,) if isinstance(token, str) else tuple(token)
-    headers = {"WWW-Authenticate": "Bearer"}
-    if not authorization:
-        raise RequestError(401, "authorization", "missing bearer token: send the header 'Authorization: Bearer "
-                           "<token>' (the openai SDK sends api_key this way)", code="invalid_api_key",
-                           headers=headers)
-    scheme, _, credentials = authorization.partition(" ")
-    given = (scheme.lower() + " " + credentials).encode("utf-8", "surrogateescape")  # the scheme is case-insensitive
-    matches = [known for known in tokens if hmac.compare_digest(given, f"bearer {known}".encode())]
-    if not matches:
-        raise RequestError(401, "authorization", "invalid bearer token in the Authorization header; use the "
-                           "token the server was started with", code="invalid_api_key", headers=headers)
-    return client_id(matches[0])
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The service the routes hand requests to
-# --------------------------------------------------------------------------------------------------------------
-
-
-class VideoService(Protocol):
-    """What the routes need from the job runner (`vidray.serve.app` implements it).
-
-    Its sync methods are called in a worker thread (`run_in_threadpool`): they may wait for the job store (a
-    round trip to the Ray head's store actor); a store that does not answer raises `JobStoreUnavailableError`
-    (answered 503 with Retry-After).
-    Video objects are dicts in the OpenAI shape: `id`, `object: "video"`, `created_at` (unix s), `status`
-    (queued | in_progress | completed | failed), `progress` (0..100), `model`, `seconds`, `size`, optional
-    `completed_at`, `expires_at`, `prompt`, `error: {code, message}`.
-    """
-
-    auth_token: str | Sequence[str] | None
-    """Bearer token(s) every route but /healthz requires, one per client (admin tokens included); None disables
-    auth."""
-    admin_clients: frozenset[str]
-    """`client_id`s of the admin tokens: their reads, lists and deletes see every client's videos (optional
-    attribute; none when absent)."""
-    limits: ApiLimits
-    spec: ModelSpec
-
-    async def submit(self, request: VideoRequest, *, client: str = ANONYMOUS_CLIENT,
-                     idempotency_key: str | None = None) -> dict:
-        """Record a job for `request` of `client` (`check_bearer`'s id) durably and queue it; returns its video
-        object (status `queued`), or, for an `idempotency_key` the client sent before with the same request, the
-        job that made. Raises `QueueFullError` past a cap on unfinished jobs, `StorageFullError` past a byte quota
-        or with the disk short, `IdempotencyKeyReusedError` for a key sent before with another request, OSError
-        or sqlite3.Error when the store cannot be written."""
-        ...
-
-    def get(self, video_id: str, *, client: str | None) -> dict | None:
-        """The video object, or None for an unknown (or deleted) id, or one of another client than `client`
-        (None: any client's)."""
-        ...
-
-    def list(self, *, after: str | None, limit: int, order: str, client: str | None) -> tuple[list[dict], bool]:
-        """Up to `limit` of `client`'s video objects (None: every client's) by `created_at` (`order` "asc" |
-        "desc"), starting after the id `after`; returns (objects, has_more). Raises LookupError when `after` is
-        not a stored id of `client` (a 400 naming it)."""
-        ...
-
-    def delete(self, video_id: str, *, client: str | None) -> bool:
-        """Delete `client`'s job (None: any client's) and its files; False for an unknown id or another
-        client's."""
-        ...
-
-    def open_video(self, video_id: str, *, client: str | None) -> BinaryIO | None:
-        """The finished mp4 of `client`'s job (None: any client's) opened for reading (the caller closes it), or
-        None when the job is not completed, another client's, or its file is gone."""
-        ...
-
-    def health(self) -> dict:
-        """``{"status": "ok"}`` or ``{"status": "not ok"}``, in constant time (no store access): for /healthz."""
-        ...
-
-    async def status(self, *, client: str | None = None) -> dict:
-        """The model and the job counts of `client` (None: all) for the authenticated `GET /v1/status` (read off
-        the event loop)."""
-        ...
-
-
-# --------------------------------------------------------------------------------------------------------------
-# HTTP
-# --------------------------------------------------------------------------------------------------------------
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-def _counting_receive(receive: Receive, max_bytes: int) -> Receive:
-    """Wrap an ASGI `receive` so the request body raises `_BodyTooLarge` once it passes `max_bytes` (chunked
-    bodies carry no Content-Length to check up front)."""
-    seen = 0
-
-    async def wrapped() -> Message:
-        nonlocal seen
-        message = await receive()
-        if message["type"] == "http.request":
-            seen += len(message.get("body", b""))
-            if seen > max_bytes:
-                raise _BodyTooLarge()
-        return message
-
-    return wrapped
-
-
-def _check_declared_length(request: Request, limits: ApiLimits) -> None:
-    """A `Content-Length` over `limits.max_body_bytes` -> 413 before the body is read; not ASCII digits -> 400."""
-    declared = request.headers.get("content-length")
-    if declared is None:
-        return
-    if not (declared.isascii() and declared.strip().isdigit()):  # "²".isdigit() is True and int() raises on it
-        raise RequestError(400, "content-length", f"Content-Length {_shown(declared)} is not a byte count")
-    if int(declared) > limits.max_body_bytes:
-        raise _too_large(limits, int(declared))
-
-
-_QUERY_CAPS = {"after": MAX_ID_CHARS, "limit": MAX_NUMBER_CHARS, "order": MAX_CHOICE_CHARS,
-               "variant": MAX_CHOICE_CHARS}
-_PATH_CAPS = {"video_id": MAX_ID_CHARS}
-_HEADER_CAPS = ("authorization", "content-type", "content-length", "idempotency-key")
-
-
-def _check_request_lengths(request: Request) -> None:
-    """Every route's first step (a FastAPI dependency): the URL path, the query string, each query parameter, path
-    parameter and parsed header is within its cap, before any of it is parsed further or looked up. Raises
-    RequestError 414 (path or query string) or 400 naming the parameter."""
-    path, query = request.scope.get("raw_path") or b"", request.scope.get("query_string") or b""
-    if len(path) > MAX_HEADER_CHARS or len(query) > MAX_QUERY_BYTES:
-        what, size, cap = ("URL path", len(path), MAX_HEADER_CHARS) if len(path) > MAX_HEADER_CHARS else (
-            "query string", len(query), MAX_QUERY_BYTES)
-        raise RequestError(414, None, f"the {what} is {size} bytes, above the limit {cap}; video ids are "
-                           f"{MAX_ID_CHARS} characters at most", code="uri_too_long")
-    for name in _HEADER_CAPS:
-        _check_length(name, request.headers.get(name) or "", MAX_HEADER_CHARS, "send a shorter header")
-    for name, value in request.query_params.multi_items():
-        _check_length(name, value, _QUERY_CAPS.get(name, MAX_QUERY_BYTES))
-    for name, value in request.path_params.items():
-        _check_length(name, value, _PATH_CAPS.get(name, MAX_HEADER_CHARS))
-
-
-def _too_large(limits: ApiLimits, size: int | None) -> RequestError:
-    # A chunked body (no Content-Length) is read only up to the limit, so its size is unknown.
-    shown = f"is {size} bytes, above" if size is not None else "(sent without a Content-Length) is larger than"
-    return RequestError(413, None, f"request body {shown} the limit {limits.max_body_bytes} bytes; "
-                        f"a prompt may hold at most {limits.max_prompt_chars} characters and an input_reference "
-                        f"image at most {limits.max_image_bytes} bytes", code="request_too_large")
-
-
-TEXT_FIELDS = ("prompt", "negative_prompt", "model", "size")
-"""Create fields that are text: a JSON body must give them as strings (a number there is a client bug, not text)."""
-
-
-class _JsonNumber(str):
-    """A JSON number kept as the text sent (the decoder's parse_int/parse_float): never converted while decoding,
-    so a 5,000-digit integer is a length error naming its field, not Python's int-digit ValueError (was a 500)."""
-
-
-class _JsonConstant(str):
-    """NaN, Infinity or -Infinity, which Python's json accepts and JSON (RFC 8259) has not: refused naming the field."""
-
-
-_JSON = json.JSONDecoder(parse_int=_JsonNumber, parse_float=_JsonNumber, parse_constant=_JsonConstant)
-"""Decodes one JSON scalar (`_JsonText.scalar`); numbers stay text."""
-_JSON_SPACE = re.compile(r"[ \t\n\r]*")
-_JSON_KINDS = {"[": "an array", "{": "an object", '"': "a string", "t": "a boolean", "f": "a boolean", "n": "null"}
-
-
-def _json_kind(text: str, pos: int) -> str:
-    """What the JSON value at `pos` is, from its first character ("an array", "a number", ...)."""
-    first = text[pos:pos + 1]
-    if not first:
-        return "nothing"
-    return _JSON_KINDS.get(first) or ("a number" if first in "-0123456789" else f"text that is not JSON ({first!r})")
-
-
-class _JsonText:
-    """A create body's JSON text, walked member by member so that every error names the field it is in.
-
-    Only scalars are decoded, each on its own by the C scanner (`_JSON.raw_decode`), and only the objects the body
-    may hold (the body, `input_reference`) are walked: an array or object anywhere else is refused from its first
-    character, before it is read. Linear in the body's length; no recursion, however deep the nesting. `bad_at`
-    is the index of the first character that was not UTF-8 in the body (decoded with surrogateescape), or None.
-    """
-
-    def __init__(self, text: str, bad_at: int | None, bad_byte: str) -> None:
-        self.text, self.bad_at, self.bad_byte = text, bad_at, bad_byte
-
-    def fail(self, pos: int, key: str | None, what: str) -> RequestError:
-        """The error for a problem at `pos` inside `key`'s member: a non-UTF-8 byte before it is named first."""
-        if self.bad_at is not None and self.bad_at <= pos:
-            where = f"{key} is" if key is not None else "request body is"
-            return RequestError(400, key, f"{where} not UTF-8 text ({self.bad_byte}); send JSON UTF-8 encoded")
-        where = f"{key}: " if key is not None else "request body is not valid JSON: "
-        return RequestError(400, key, f"{where}{what}")
-
-    def skip(self, pos: int) -> int:
-        return _JSON_SPACE.match(self.text, pos).end()
-
-    def scalar(self, pos: int, key: str | None) -> tuple[Any, int]:
-        """The string, number, true, false or null at `pos` and the index after it. Raises RequestError 400
-        naming `key` for anything else (an array or object: `what` says which)."""
-        kind = _json_kind(self.text, pos)
-        if kind in ("an array", "an object"):
-            raise RequestError(400, key, f"{key} must be a string or a number, got {kind}; the create fields are "
-                               "strings and numbers")
-        try:
-            value, end = _JSON.raw_decode(self.text, pos)
-        except json.JSONDecodeError as exc:
-            raise self.fail(exc.pos, key, f"{exc.msg} at character {exc.pos}") from None
-        if self.bad_at is not None and self.bad_at < end:
-            raise self.fail(end, key, "")
-        return value, end
-
-    def members(self, pos: int, key: str | None = None) -> tuple[dict[str, Any], int]:
-        """The object at `pos` (the body when `key` is None, else the field `key`) as {name: value} and the index
-        after it; `input_reference` in the body is walked as an object too. Raises RequestError 400: not an
-        object, bad syntax, more than `MAX_JSON_FIELDS` members, a name given twice or longer than
-        `MAX_NAME_CHARS`, a value that is not JSON, a byte that is not UTF-8."""
-        text, pos = self.text, self.skip(pos)
-        if not text.startswith("{", pos):
-            if self.bad_at is not None and self.bad_at <= pos:
-                raise self.fail(pos, key, "")
-            what = "request body must be a JSON object {...}" if key is None else f"{key} must be a JSON object"
-            raise RequestError(400, key, f"{what}, got {_json_kind(text, pos)}")
-        members: dict[str, Any] = {}
-        pos = self.skip(pos + 1)
-        more = not text.startswith("}", pos)
-        while more:
-            name, pos = self.member_name(pos, len(members), key)
-            pos = self.skip(pos + 1)
-            if key is None and name == "input_reference" and text.startswith(("{", "["), pos):
-                value, pos = self.members(pos, name)
-            else:
-                value, pos = self.scalar(pos, name if key is None else f"{key}.{name}")
-            if name in members:
-                raise RequestError(400, key or name, f"field {_shown(name)} is given twice; send it once")
-            members[name] = value
-            pos = self.skip(pos)
-            more = text.startswith(",", pos)
-            pos = self.skip(pos + 1) if more else pos
-        if not text.startswith("}", pos):
-            raise self.fail(pos, key, f"expected ',' or the object's closing '}}' at character {pos}")
-        return members, pos + 1
-
-    def member_name(self, pos: int, count: int, key: str | None) -> tuple[str, int]:
-        """The `count`-th member name at `pos` in the object `key` and the index of the ':' after it."""
-        if count >= MAX_JSON_FIELDS:
-            raise RequestError(400, key, f"{key or 'request body'} has more than {MAX_JSON_FIELDS} fields; the "
-                               f"create fields are {', '.join(CREATE_FIELDS)}, input_reference")
-        if not self.text.startswith('"', pos):
-            raise self.fail(pos, key, f"expected a field name in double quotes at character {pos}")
-        name, end = self.scalar(pos, key)
-        if len(name) > MAX_NAME_CHARS:
-            raise RequestError(400, key, f"a field name is {len(name)} characters, above the limit "
-                               f"{MAX_NAME_CHARS}; the fields are {', '.join(CREATE_FIELDS)}, input_reference")
-        end = self.skip(end)
-        if not self.text.startswith(":", end):
-            raise self.fail(end, key, f"expected ':' after the field name at character {end}")
-        return name, end
-
-    def body(self) -> dict[str, Any]:
-        """The body's top-level object (`members`), which must be all the body holds."""
-        members, end = self.members(0)
-        if self.skip(end) != len(self.text):
-            raise self.fail(end, None, f"unexpected data after the JSON object at character {end}")
-        return members
-
-
-def _json_text(body: bytes) -> _JsonText:
-    """A JSON body's bytes as text (a UTF-8 BOM is dropped); bytes that are not UTF-8 are kept as surrogates and
-    recorded, so the error can name the field they are in."""
-    if body.startswith(b"\xef\xbb\xbf"):
-        body = body[3:]
-    try:
-        return _JsonText(body.decode("utf-8"), None, "")
-    except UnicodeDecodeError as exc:
-        bad_at = len(body[:exc.start].decode("utf-8"))
-        return _JsonText(body.decode("utf-8", "surrogateescape"), bad_at,
-                         f"byte 0x{body[exc.start]:02x} at byte {exc.start} of the body")
-
-
-def _json_fields(body: bytes, limits: ApiLimits) -> tuple[dict[str, str], tuple[str, str, bytes] | None]:
-    """A JSON create body -> (text fields, image). Numbers become the text sent (never converted here), except in
-    `TEXT_FIELDS`, which must be strings; NaN and Infinity are refused. Every problem is a 400 naming its field.
-    Linear in the body's length (bounded by `limits.max_body_bytes`)."""
-    fields: dict[str, str] = {}
-    image = None
-    for name, value in _json_text(body).body().items():
-        if name == "input_reference":
-            if value is None:
-                continue
-            if (not isinstance(value, dict) or set(value) - {"image_url", "file_id"}
-                    or not all(v is None or type(v) is str for v in value.values())):
-                raise RequestError(400, "input_reference", "input_reference in a JSON body must be "
-                                   "{\"image_url\": \"data:image/png;base64,...\"}; or send multipart/form-data "
-                                   "with the image as the input_reference file part")
-            image = _image_from_reference(value.get("image_url"), value.get("file_id"), limits)
-        elif value is None:
-            continue
-        elif isinstance(value, _JsonConstant):
-            raise RequestError(400, name, f"{name} is {value}, which JSON has not (RFC 8259); send a finite number")
-        elif isinstance(value, _JsonNumber) and name in TEXT_FIELDS:
-            raise RequestError(400, name, f"{name} must be a JSON string, got {_shown(value)[1:-1]}")
-        elif isinstance(value, str):
-            fields[name] = str(value)
-        else:  # true or false: arrays and objects were refused while walking
-            kind = "JSON string" if name in TEXT_FIELDS else "string or a number"
-            raise RequestError(400, name, f"{name} must be a {kind}, got {json.dumps(value)}")
-    return fields, image
-
-
-def _utf8_text(data: bytes, name: str | None) -> str:
-    """A form field's bytes (`name`, or the field's name itself when None) as text; not UTF-8 -> RequestError 400.
-    Starlette decodes such bytes as Latin-1 (`starlette.formparsers._user_safe_decode`, and every urlencoded
-    name and value), and a prompt would silently change."""
-    try:
-        return bytes(data).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        what = f"form field {name!r}" if name is not None else "a form field's name"
-        raise RequestError(400, name, f"{what} is not UTF-8 text (byte 0x{data[exc.start]:02x} at byte "
-                           f"{exc.start}); send text fields UTF-8 encoded, as the openai SDK and browsers do") from None
-
-
-def _form_byte_cap(name: str, limits: ApiLimits) -> int | None:
-    """The most bytes a text form field `name` may hold as sent in multipart (UTF-8: up to 4 bytes a character;
-    the exact character count is checked by `parse_video_request`), or None for a name that is not a field."""
-    if name in CREATE_FIELDS:
-        return 4 * _field_cap(name, limits)
-    if name == "input_reference[image_url]":
-        return _data_url_cap(limits)
-    if name == "input_reference[file_id]":
-        return 4 * MAX_NAME_CHARS
-    return None
-
-
-def _form_keeps(name: str, limits: ApiLimits, size: int, encoded: int = 1) -> bool:
-    """Whether to keep the next bytes of form field `name`, `size` bytes so far (sent `encoded` bytes a byte).
-    False for a name that is no field: its value is dropped, `parse_video_request` refuses the name. Raises
-    RequestError 400 naming the field once it is over its cap."""
-    cap = _form_byte_cap(name, limits)
-    if cap is None:
-        return False
-    if size > cap * encoded:
-        raise RequestError(400, name, f"{name} is over {cap * encoded} bytes as sent, above its limit; shorten it")
-    return True
-
-
-class _UTF8MultiPartParser(MultiPartParser):
-    """Starlette's multipart parser, but bounded and UTF-8: every part's headers, name and text are capped as they
-    stream in (a part over its cap is a 400 before the rest is read), the image part's bytes are counted but not
-    kept past `limits.max_image_bytes` (413 at its end), and a text part or part name that is not UTF-8 is a 400
-    (`_utf8_text`), where Starlette would decode it as Latin-1 or as the body's `charset`."""
-
-    def __init__(self, *args: Any, limits: ApiLimits, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.limits = limits
-        self._part_bytes = 0
-        self._header_bytes = 0
-
-    def on_part_begin(self) -> None:
-        super().on_part_begin()
-        self._part_bytes = self._header_bytes = 0
-
-    def on_header_field(self, data: bytes, start: int, end: int) -> None:
-        self._count_header(end - start)
-        super().on_header_field(data, start, end)
-
-    def on_header_value(self, data: bytes, start: int, end: int) -> None:
-        self._count_header(end - start)
-        super().on_header_value(data, start, end)
-
-    def _count_header(self, size: int) -> None:
-        self._header_bytes += size
-        if self._header_bytes > MAX_HEADER_CHARS:
-            raise RequestError(400, None, f"a multipart part's headers are over {MAX_HEADER_CHARS} bytes; send "
-                               "Content-Disposition with a field name (and a filename for the image) only")
-
-    def on_headers_finished(self) -> None:
-        super().on_headers_finished()
-        part = self._current_part
-        part.field_name = _utf8_text(_disposition_name(part.content_disposition), None)
-        if part.file is not None and part.field_name != "input_reference":
-            raise _unexpected_file_part(part.field_name)
-
-    def on_part_data(self, data: bytes, start: int, end: int) -> None:
-        part = self._current_part
-        self._part_bytes += end - start
-        if part.file is None:
-            keep = _form_keeps(part.field_name, self.limits, self._part_bytes)
-        else:  # counted to the end for the 413, not kept past the limit
-            keep = self._part_bytes <= self.limits.max_image_bytes
-        if keep:
-            super().on_part_data(data, start, end)
-
-    def on_part_end(self) -> None:
-        part = self._current_part
-        if part.file is not None and self._part_bytes > self.limits.max_image_bytes:
-            raise _image_too_large(part.file.filename or "input_reference", self._part_bytes, self.limits)
-        super().on_part_end()
-        if part.file is None:
-            self.items[-1] = (part.field_name, _utf8_text(part.data, part.field_name))
-
-
-def _disposition_name(content_disposition: bytes) -> bytes:
-    name = parse_options_header(content_disposition)[1][b"name"]
-    if len(name) > MAX_NAME_CHARS:
-        raise RequestError(400, None, f"a form field's name is {len(name)} bytes, above the limit {MAX_NAME_CHARS}; "
-                           f"the fields are {', '.join(CREATE_FIELDS)} and the file part input_reference")
-    return name
-
-
-class _UTF8FormParser(FormParser):
-    """Starlette's urlencoded parser, but bounded and UTF-8: a name or value over its cap (percent-encoded: up to
-    3 bytes a byte) is a 400 as it streams in; names and values are UTF-8 after percent-decoding (not UTF-8 ->
-    400): Starlette reads raw bytes as Latin-1 and replaces bad %-escapes with U+FFFD."""
-
-    def __init__(self, *args: Any, limits: ApiLimits, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.limits = limits
-        self._name: str | None = None
-
-    def on_field_start(self) -> None:
-        super().on_field_start()
-        self._name = None
-
-    def on_field_name(self, data: bytes, start: int, end: int) -> None:
-        if len(self._field_name) + end - start > 3 * MAX_NAME_CHARS:
-            raise RequestError(400, None, f"a form field's name is over {3 * MAX_NAME_CHARS} bytes as sent; the "
-                               f"fields are {', '.join(CREATE_FIELDS)}")
-        super().on_field_name(data, start, end)
-
-    def on_field_data(self, data: bytes, start: int, end: int) -> None:
-        if self._name is None:  # the name is complete once its value starts
-            self._name = _utf8_text(unquote_to_bytes(bytes(self._field_name).replace(b"+", b" ")), None)
-        if _form_keeps(self._name, self.limits, len(self._field_value) + end - start, encoded=3):
-            super().on_field_data(data, start, end)
-
-    def on_field_end(self) -> None:
-        raw_name, raw_value = bytes(self._field_name), bytes(self._field_value)
-        super().on_field_end()
-        name = _utf8_text(unquote_to_bytes(raw_name.replace(b"+", b" ")), None)
-        self._items[-1] = (name, _utf8_text(unquote_to_bytes(raw_value.replace(b"+", b" ")), name))
-
-
-async def _form_fields(request: Request, limits: ApiLimits) -> tuple[dict[str, str], tuple[str, str, bytes] | None]:
-    """A multipart/form-data or urlencoded create body -> (text fields, image). Text must be UTF-8 (400 otherwise,
-    naming the field); a `charset` other than UTF-8 in the Content-Type is a 415. Every field is capped as it
-    streams in (`_UTF8MultiPartParser`, `_UTF8FormParser`): time linear in the body, space bounded by the caps."""
-    content_type, options = parse_options_header(request.headers.get("content-type") or "")
-    charset = options.get(b"charset", b"utf-8").decode("latin-1")
-    if charset.lower().replace("-", "").replace("_", "") != "utf8":
-        raise RequestError(415, "content-type", f"charset {charset!r} is not accepted: send the form's "
-                           "text UTF-8 encoded, with no charset or charset=utf-8", code="unsupported_media_type")
-    try:
-        async with aclosing(request.stream()) as stream:
-            if content_type == b"multipart/form-data":
-                form = await _UTF8MultiPartParser(request.headers, stream, max_files=4, max_fields=64,
-                                                  limits=limits).parse()
-            else:
-                form = await _UTF8FormParser(request.headers, stream, max_fields=64, limits=limits).parse()
-    except MultiPartException as exc:  # multipart syntax errors, too many fields or files, a part over 1 MB
-        raise RequestError(400, None, f"malformed form body: {exc.message}") from None
-    try:
-        fields: dict[str, str] = {}
-        uploads: list[tuple[str, UploadFile]] = []
-        reference: dict[str, str] = {}
-        for name, value in form.multi_items():
-            if isinstance(value, UploadFile):
-                uploads.append((name, value))
-            elif name in ("input_reference[image_url]", "input_reference[file_id]"):
-                reference[name[len("input_reference["):-1]] = value
-            elif name in fields:
-                raise RequestError(400, name, f"field {_shown(name)} is given twice; send it once")
-            else:
-                fields[name] = value
-        if len(uploads) + bool(reference) > 1:
-            raise RequestError(400, "input_reference", "input_reference is given more than once; send one image")
-        if uploads:
-            upload = uploads[0][1]
-            data = await upload.read()
-            image = (upload.filename or "input_reference", upload.content_type or "", data)
-        elif reference:
-            image = _image_from_reference(reference.get("image_url"), reference.get("file_id"), limits)
-        else:
-            image = None
-        return fields, image
-    finally:
-        await form.close()
-
-
-def _chunks(video_file) -> Iterator[bytes]:
-    """The open file's bytes in `DOWNLOAD_CHUNK_BYTES` pieces (Starlette reads a sync iterator in a thread); closes
-    it at the end, also when the client goes away."""
-    with video_file:
-        while chunk := video_file.read(DOWNLOAD_CHUNK_BYTES):
-            yield chunk
-
-
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-async def _submit(service: VideoService, request: VideoRequest, client: str, idempotency_key: str | None) -> dict:
-    """`service.submit`, its refusals as answers: a full queue is a 429 `rate_limit_exceeded` with `Retry-After`;
-    the client's byte quota a 403 `storage_quota_exceeded` (the client frees room by deleting; a 403, unlike a 429,
-    is not retried by the SDK); a key reused with another request a 422 `idempotency_key_reused`; the store's quota,
-    a disk short of its free-space floor or a full disk a 507 and any other storage failure a 503, each with
-    `Retry-After` and no server path."""
-    retry = {"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}
-    try:
-        if idempotency_key is None:  # services that predate the header take no such argument
-            return await service.submit(request, client=client)
-        return await service.submit(request, client=client, idempotency_key=idempotency_key)
-    except QueueFullError as err:
-        raise RequestError(429, None, str(err), code="rate_limit_exceeded", headers=retry) from None
-    except StorageFullError as err:
-        if err.scope == "client":
-            raise RequestError(403, None, str(err), code="storage_quota_exceeded") from None
-        logging.getLogger(__name__).error("creating a video job refused: %s", err)
-        raise RequestError(507, None, str(err), code="insufficient_storage", headers=retry) from None
-    except IdempotencyKeyReusedError as err:
-        raise RequestError(422, "idempotency-key", str(err), code="idempotency_key_reused") from None
-    except (OSError, sqlite3.Error) as err:
-        full = (getattr(err, "errno", None) in _NO_SPACE
-                or getattr(err, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL)
-        logging.getLogger(__name__).error("creating a video job failed: %r", err)
-        if full:
-            raise RequestError(507, None, "the server's video store is full (no space left on its disk); retry "
-                               "later, and tell its operator", code="insufficient_storage", headers=retry) from None
-        raise RequestError(503, None, f"the server's video store cannot be written ({type(err).__name__}); retry "
-                           "later, and tell its operator if it persists", code="service_unavailable",
-                           headers=retry) from None
-
-
-def build_api(get_service: Callable[[], VideoService | None],
-              on_error: Callable[[int, str], None] | None = None) -> FastAPI:
-    """The FastAPI app with the OpenAI-compatible video routes (see the module docstring).
-
-    Args:
-        get_service: returns the job runner, or None while it is starting (routes then answer 503). Called on
-            every request, so the app can be built at import time (for `serve.ingress(app)`) before the service
-            exists.
-        on_error: called with (HTTP status, error code) for every error answer (metrics:
-            `vidray.serve.metrics.JobMetrics.count_http_error`); its own failure never changes the answer.
-
-    Returns:
-        A FastAPI app whose every error answers ``{"error": {...}}`` JSON (RequestError's shape).
-    """
-    app = FastAPI(title="vidray video API", version="1", docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=[Depends(_check_request_lengths)])
-
-    def respond(exc: RequestError) -> JSONResponse:
-        if on_error is not None:
-            try:
-                on_error(exc.status, exc.code)
-            except Exception:  # noqa: BLE001 - counting must not change the answer
-                logging.getLogger(__name__).warning("on_error failed", exc_info=True)
-        return exc.to_response()
-
-    # 1. Every error in the OpenAI error shape.
-    @app.exception_handler(RequestError)
-    async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
-        return respond(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        path = _shown(request.url.path)[1:-1]
-        if exc.status_code == 404:
-            message = f"no route {request.method} {path}; see /v1/videos"
-            code = "not_found"
-        elif exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {path}"
-            code = "method_not_allowed"
-        else:
-            message, code = str(exc.detail), "invalid_request"
-        return respond(RequestError(exc.status_code, None, message, code=code, headers=exc.headers))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(part) for part in first.get("loc", ())]
-        param = loc[-1] if loc else None
-        return respond(RequestError(400, param, f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid')}"))
-
-    @app.exception_handler(JobStoreUnavailableError)
-    async def _store_unavailable(_request: Request, exc: JobStoreUnavailableError) -> JSONResponse:
-        logging.getLogger(__name__).warning("%s", exc)
-        return respond(RequestError(503, None, "the video store is not answering; retry in a few seconds",
-                                    code="service_unavailable", headers={"Retry-After": "2"}))
-
-    @app.exception_handler(Exception)
-    async def _server_error(request: Request, exc: Exception) -> JSONResponse:
-        # The client sees no internals (paths, host names): an error id, which the server log holds with the
-        # traceback. Starlette re-raises after this answer, and uvicorn logs the traceback again.
-        error_id = secrets.token_hex(4)
-        logging.getLogger(__name__).error("internal server error %s on %s %s", error_id, request.method,
-                                          request.url.path, exc_info=exc)
-        return respond(RequestError(500, None, f"internal server error (error id {error_id}); the server log has "
-                                    "the details under this id", code="server_error"))
-
-    def service_or_503() -> VideoService:
-        service = get_service()
-        if service is None:
-            raise RequestError(503, None, "the video service is starting; retry in a few seconds",
-                               code="service_unavailable", headers={"Retry-After": "2"})
-        return service
-
-    def authorized(request: Request) -> VideoService:
-        """The service, once the bearer token is checked: ``request.state.client`` is the caller's client id and
-        ``request.state.scope`` the client whose videos it may see (None for an admin: everyone's)."""
-        service = service_or_503()
-        client = check_bearer(request.headers.get("authorization"), service.auth_token)
-        request.state.client = client
-        request.state.scope = None if client in getattr(service, "admin_clients", ()) else client
-        return service
-
-    async def video_or_404(service: VideoService, video_id: str, scope: str | None) -> dict:
-        # Another client's id gets exactly this answer: a 403 would confirm that the id exists.
-        video = await run_in_threadpool(lambda: service.get(video_id, client=scope))
-        if video is None:
-            raise RequestError(404, "video_id", f"no video with id {video_id!r}; list them with GET /v1/videos",
-                               code="not_found")
-        return video
-
-    # 2. Routes.
-    @app.get("/healthz")
-    async def healthz() -> JSONResponse:
-        service = get_service()
-        ok = service is not None and service.health().get("status") == "ok"
-        return JSONResponse({"status": "ok" if ok else "not ok"}, status_code=200 if ok else 503)
-
-    @app.get("/v1/status")
-    async def status(request: Request) -> JSONResponse:
-        return JSONResponse(await authorized(request).status(client=request.state.scope))
-
-    @app.post("/v1/videos")
-    async def create_video(request: Request) -> JSONResponse:
-        service = authorized(request)
-        limits = service.limits
-        idempotency_key = request.headers.get("idempotency-key")
-        if idempotency_key is not None:
-            try:
-                check_idempotency_key(idempotency_key)
-            except ValueError as err:
-                raise RequestError(400, "idempotency-key", f"Idempotency-Key header: {err}") from None
-        # Size first, before any parser reads the body: the declared length, then a count as it streams in.
-        _check_declared_length(request, limits)
-        limited = Request(request.scope, _counting_receive(request.receive, limits.max_body_bytes))
-        content_type = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
-        try:
-            if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
-                fields, image = await _form_fields(limited, limits)
-            elif content_type == "application/json":
-                fields, image = _json_fields(await limited.body(), limits)
-            else:
-                raise RequestError(415, "content-type", f"Content-Type {content_type or '(none)'!r} is not "
-                                   "accepted; send multipart/form-data (as the openai SDK does), "
-                                   "application/x-www-form-urlencoded (as `curl -d` does) or application/json",
-                                   code="unsupported_media_type")
-        except _BodyTooLarge:
-            raise _too_large(limits, None) from None
-        # Fields and the image's header on the loop (bounded, linear); the image's decode in its own pool.
-        video_request = parse_video_request(fields, image, spec=service.spec, limits=limits)
-        if video_request.input_reference is not None:
-            await _decode_image(video_request, service.spec, limits, image[0])
-        return JSONResponse(await _submit(service, video_request, request.state.client, idempotency_key))
-
-    @app.get("/v1/videos")
-    async def list_videos(
-        request: Request, after: str | None = None, limit: str | None = None, order: str | None = None
-    ) -> JSONResponse:
-        service = authorized(request)
-        count = 20
-        if limit is not None:
-            count = _parse_int("limit", limit, "1..100")
-            if not 1 <= count <= 100:
-                raise RequestError(400, "limit", f"limit must be within 1..100, got {count}")
-        order = order or "desc"
-        if order not in ("asc", "desc"):
-            raise RequestError(400, "order", f"order must be 'asc' or 'desc', got {order!r}")
-        try:
-            data, has_more = await run_in_threadpool(service.list, after=after or None, limit=count, order=order,
-                                                     client=request.state.scope)
-        except LookupError as err:  # an unknown cursor (was a 500: a new user's trial)
-            raise RequestError(400, "after", str(err)) from None
-        return JSONResponse({
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": bool(has_more),
-        })
-
-    @app.get("/v1/videos/{video_id}")
-    async def retrieve_video(request: Request, video_id: str) -> JSONResponse:
-        service = authorized(request)
-        video = await video_or_404(service, video_id, request.state.scope)
-        headers = {"openai-poll-after-ms": str(POLL_AFTER_MS)} if video.get("status") in _UNFINISHED else None
-        return JSONResponse(video, headers=headers)
-
-    @app.get("/v1/videos/{video_id}/content")
-    async def download_video(request: Request, video_id: str, variant: str | None = None) -> StreamingResponse:
-        service = authorized(request)
-        if variant not in (None, "", "video"):
-            raise RequestError(400, "variant", f"variant {variant!r} is not available; only 'video' (the mp4) is "
-                               "served here")
-        video = await video_or_404(service, video_id, request.state.scope)
-        status = video.get("status")
-        if status != "completed":
-            if status == "failed":
-                reason = (video.get("error") or {}).get("message") or "no reason recorded"
-                detail = f"failed ({reason}); it has no content; create a new video"
-            else:
-                detail = (f"{status} ({video.get('progress', 0)}% done); poll GET /v1/videos/{video_id} until "
-                          "its status is 'completed'")
-            raise RequestError(409, "video_id", f"video {video_id!r} is {detail}", code="video_not_ready")
-        # Opened here, once: a DELETE (or the retention sweep) after this point unlinks the name, and the download
-        # still finishes from the open file (or the bytes fetched from the head's store); one before it is a 404.
-        video_file = await run_in_threadpool(lambda: service.open_video(video_id, client=request.state.scope))
-        if video_file is None:
-            raise RequestError(404, "video_id", f"video {video_id!r} is completed but its mp4 is no longer "
-                               "stored (expired or deleted); create it again", code="not_found")
-        size = video_file.seek(0, os.SEEK_END)
-        video_file.seek(0)
-        return StreamingResponse(_chunks(video_file), media_type="video/mp4", headers={
-            "content-length": str(size), "content-disposition": f'attachment; filename="{video_id}.mp4"'})
-
-    @app.delete("/v1/videos/{video_id}")
-    async def delete_video(request: Request, video_id: str) -> JSONResponse:
-        service = authorized(request)
-        if not await run_in_threadpool(lambda: service.delete(video_id, client=request.state.scope)):
-            raise RequestError(404, "video_id", f"no video with id {video_id!r}; list them with GET /v1/videos",
-                               code="not_found")
-        return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
-
-    return app

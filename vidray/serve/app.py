@@ -4,7 +4,7 @@
 serve run serve/serve_config.yaml        # import path serve.app:build_app, args = ServeSettings
 ```
 `build_app(args)` validates the settings and the model folder (config files only, no weights) before Serve
-reserves anything, then binds: `VideoIngress` (HTTP, `vidray.serve.api`) -> handles to `TextEncoder`, `Denoiser`,
+reserves anything, then binds: `VideoIngress` (HTTP, `vidray.serve.routes`) -> handles to `TextEncoder`, `Denoiser`,
 `VaeDecoder` (`vidray.serve.stages`). A two-expert model (Wan 2.2 A14B: `transformer_2` and `boundary_ratio`) gets
 two denoiser deployments, `Denoiser` with the high-noise expert alone and `LowNoiseDenoiser` with the low-noise one,
 each with its own actor options (placement by label, GPUs: `serve/serve_config_experts.yaml`); a job's latents go
@@ -55,10 +55,12 @@ from ray import serve
 from vidray.config import MemoryConfig
 from vidray.errors import UserError
 from vidray.locations import is_uri
-from vidray.serve.api import ApiLimits, ModelSpec, VideoRequest, build_api, client_id
+from vidray.serve.api import ModelSpec, VideoRequest
+from vidray.serve.errors import ApiLimits
 from vidray.serve.metrics import JobMetrics, gauge_refresh_s
 from vidray.serve.jobs import ANONYMOUS_CLIENT, JobStore, JobStoreUnavailableError
 from vidray.serve.policy import PolicyConfig
+from vidray.serve.routes import build_api, client_id
 from vidray.serve.stages import Denoiser, TextEncoder, VaeDecoder
 
 __all__ = ["ServeSettings", "ServeSettingsError", "VideoIngress", "VideoJobService", "build_app", "model_spec"]
@@ -371,7 +373,7 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
 
 
 class VideoJobService:
-    """What the HTTP routes call (`vidray.serve.api.VideoService`), plus the job runner of one ingress replica."""
+    """What the HTTP routes call (`vidray.serve.routes.VideoService`), plus the job runner of one ingress replica."""
 
     def __init__(self, settings: ServeSettings, auth_token: str | tuple[str, ...] | None, text, denoiser, vae,
                  low_noise_denoiser=None, *, admin_tokens: tuple[str, ...] = (), app_name: str | None = None):
@@ -384,7 +386,7 @@ class VideoJobService:
         if auth_token is not None and isinstance(auth_token, str):
             auth_token = (auth_token,)
         self.auth_token = None if auth_token is None else tuple(dict.fromkeys((*auth_token, *admin_tokens)))
-        """The bearer token(s) every route but /healthz requires (`vidray.serve.api.check_bearer`); None: no auth."""
+        """The bearer token(s) every route but /healthz requires (`vidray.serve.routes.check_bearer`); None: no auth."""
         self.admin_clients = frozenset(client_id(token) for token in admin_tokens)
         """`client_id`s of the admin tokens: they see every client's videos."""
         limits = settings.limits
@@ -938,7 +940,7 @@ api = build_api(current_service, on_error=count_http_error)
 @serve.deployment(name="VideoIngress", max_ongoing_requests=256)
 @serve.ingress(api)
 class VideoIngress:
-    """HTTP ingress: the OpenAI-compatible routes of `vidray.serve.api` over this replica's `VideoJobService`."""
+    """HTTP ingress: the OpenAI-compatible routes of `vidray.serve.routes` over this replica's `VideoJobService`."""
 
     def __init__(self, settings: dict[str, Any], auth_token: tuple[str, ...] | None, text, denoiser, vae,
                  low_noise_denoiser=None, *, admin_tokens: tuple[str, ...] = ()):
