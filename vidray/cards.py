@@ -27,7 +27,7 @@ import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 __all__ = ["BUILTIN_CARDS", "BucketRules", "FAMILY_CARDS_ENV", "FamilyCard", "FamilyCardError", "PlannerFacts",
            "all_cards", "card_for_pipeline", "get_card", "register_card", "unregister_card"]
@@ -155,7 +155,7 @@ class FamilyCard:
                                   f"{self.family_class!r}")
         if not isinstance(self.bucket_rules, BucketRules):
             raise FamilyCardError(f"family card {self.name!r}: bucket_rules must be a BucketRules")
-        if self.objective not in ("flow_matching", "ddim"):
+        if self.objective not in get_args(Objective):
             raise FamilyCardError(f"family card {self.name!r}: objective must be flow_matching or ddim, got "
                                   f"{self.objective!r}")
         if not isinstance(self.text_seq_len, int) or self.text_seq_len < 1:
@@ -165,8 +165,7 @@ class FamilyCard:
                                   "class to whether it is image-to-video")
         if self.planner is not None and not isinstance(self.planner, PlannerFacts):
             raise FamilyCardError(f"family card {self.name!r}: planner must be a PlannerFacts or None")
-        if self.planner is not None and self.planner.token_flow not in ("dual_stream", "single_stream",
-                                                                        "cross_attention"):
+        if self.planner is not None and self.planner.token_flow not in get_args(TokenFlow):
             raise FamilyCardError(f"family card {self.name!r}: planner.token_flow must be dual_stream, "
                                   f"single_stream or cross_attention, got {self.planner.token_flow!r}")
         if self.planner is not None and self.blocks is None:

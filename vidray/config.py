@@ -40,7 +40,8 @@ DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 
 
 def _families_with(capability: str) -> str:
-    """The registered families whose card has `capability` (a truthy field, e.g. `blocks`), comma-separated."""
+    """The registered families whose card has `capability` (a truthy field or property, e.g. `blocks`,
+    `image_to_video`), sorted and comma-separated."""
     return ", ".join(sorted(card.name for card in all_cards() if getattr(card, capability)))
 
 
@@ -267,18 +268,15 @@ class ModelConfig:
             raise ValueError("model.init is 'pretrained' but model.pretrained_path is empty: give a local diffusers folder")
         card = get_card(self.family)
         if self.i2v is not None and not card.image_to_video:
-            able = [c.name for c in all_cards() if c.image_to_video]
             raise ValueError(f"model.i2v is set but model.family {self.family} has no image-to-video model here; "
-                             f"use one of {', '.join(sorted(able))} or set model.i2v to null")
+                             f"use one of {_families_with('image_to_video')} or set model.i2v to null")
         if self.experts is not None and not card.experts:
-            able = [c.name for c in all_cards() if c.experts]
             raise ValueError(f"model.experts is set but model.family {self.family} has no two-expert model; use "
-                             f"{', '.join(sorted(able))} or set model.experts to null")
+                             f"{_families_with('experts')} or set model.experts to null")
         if self.i2v is not None and self.i2v.image_encoder:
             if not card.clip_image_encoder:
-                able = [c.name for c in all_cards() if c.clip_image_encoder]
                 raise ValueError(f"model.i2v.image_encoder is true but model.family {self.family} takes no CLIP image "
-                                 f"embeddings (only {', '.join(sorted(able))}: Wan 2.1 I2V); set "
+                                 f"embeddings (only {_families_with('clip_image_encoder')}: Wan 2.1 I2V); set "
                                  "model.i2v.image_encoder to false")
             if self.max_sequence_length != WAN_CLIP_TEXT_TOKENS:
                 raise ValueError(f"model.i2v.image_encoder needs model.max_sequence_length {WAN_CLIP_TEXT_TOKENS} "

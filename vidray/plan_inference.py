@@ -130,10 +130,9 @@ def plan_inference(preset, *, bucket: Bucket, gpu_memory_bytes: int, guidance: b
     that much host memory; the pick is the first that fits in the module docstring's order. Raises UserError for a
     bucket the VAE and patch do not divide."""
     from vidray.train.plan import (HEADROOM, HOST_HEADROOM, STORAGE_BYTES, count_model, frozen_bytes,
-                                   sequence_lengths)
+                                   sequence_lengths, text_in_blocks)
 
     counts = count_model(preset)
-    text_in_blocks = get_card(preset.family).planner.token_flow != "cross_attention"  # Wan: cross-attention keys
     n_video, latent_elems = sequence_lengths(preset, bucket)
     text_tokens = text_tokens or preset.text_seq_len
     largest_linear, nonblock, text_width = _shape_terms(preset)
@@ -144,7 +143,7 @@ def plan_inference(preset, *, bucket: Bucket, gpu_memory_bytes: int, guidance: b
         for storage in storages:
             a = 4 if storage == "fp32" else 2
             # 1. The denoising step: one block's working set over its tokens, the latents, the prompt embeddings.
-            tokens = n_video + (text_tokens if text_in_blocks else 0)
+            tokens = n_video + (text_tokens if text_in_blocks(preset.family) else 0)
             per_token = max(12 * d * a + 4 * d, 4 * d * a + 2 * f * a)
             denoise = batch * (tokens * per_token + text_tokens * text_width * a) + 4 * latent_elems * 4
             decode = 3 * min(bucket.num_frames, VAE_SLICE_FRAMES) * bucket.height * bucket.width * \

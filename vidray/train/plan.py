@@ -205,7 +205,7 @@ def _token_flow(family: str) -> str:
     return planner_facts(family).token_flow
 
 
-def _text_in_blocks(family: str) -> bool:
+def text_in_blocks(family: str) -> bool:
     """Whether text tokens go through every block as a stream of their own (dual or single stream: EasyAnimate,
     CogVideoX), rather than as cross-attention keys and values shared by all blocks (Wan)."""
     return _token_flow(family) != "cross_attention"
@@ -406,8 +406,8 @@ def _block_inputs_bytes(family: str, video_tokens: int, text_tokens: int, dim: i
     Wan's under bf16 autocast, where the patch embedding's output is bf16 and every block returns `.type_as` it:
     2 bytes; EasyAnimate and CogVideoX also the text stream, which every block updates; Wan's text embeddings are
     one tensor shared by all blocks)."""
-    width = 2 if not _text_in_blocks(family) and precision == "bf16" else 4
-    return (video_tokens + (text_tokens if _text_in_blocks(family) else 0)) * dim * width
+    width = 2 if not text_in_blocks(family) and precision == "bf16" else 4
+    return (video_tokens + (text_tokens if text_in_blocks(family) else 0)) * dim * width
 
 
 def _backward_temporaries(precision: Precision, tokens: int, dim: int, ffn_dim: int) -> int:
@@ -533,7 +533,7 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
         latent_part = batch_size * 6 * latent_elems * 4
         offloaded = (outside - latent_part) + counts.num_layers * inputs
         outside = latent_part
-    tokens = n_video + (text_tokens if _text_in_blocks(preset.family) else 0)
+    tokens = n_video + (text_tokens if text_in_blocks(preset.family) else 0)
     transient = batch_size * _backward_temporaries(strategy.precision, tokens, counts.dim, counts.ffn_dim)
     accumulated = math.ceil(4 * p_train / shard) if micro_batches_per_rank > 1 else 0
 
