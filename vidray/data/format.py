@@ -28,6 +28,8 @@ GENERATION_PATTERN = re.compile(r"gen\.(\d{5,})")
 
 
 def content_hash(index: dict[str, Any]) -> str:
+    """`"sha256:<hex>"` of `index` without its own `content_hash` key (keys sorted, JSON): what `index.json` records
+    as `content_hash`, and what `read_index_file` checks it against (an edited or damaged index differs)."""
     body = {k: v for k, v in index.items() if k != "content_hash"}
     return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
