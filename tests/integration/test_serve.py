@@ -28,6 +28,10 @@ from tests.integration.conftest import REPO, SERVE_BUCKET, free_port
 pytestmark = pytest.mark.integration
 
 TOKEN = "test-token-0123456789abcdef"
+SERVE_START_S = 600.0
+"""Seconds `serve_run` waits for every application's /healthz. It bounds a hang only: a healthy start answers sooner.
+Four applications (test_serve_families, about 20 replicas on 2 cores) took ~120 s on a quiet machine and passed
+240 s on a loaded CI machine, whose log showed every endpoint registered just after that deadline."""
 
 
 def _request(method: str, url: str, *, token: str | None = TOKEN, data: bytes | None = None,
@@ -111,7 +115,7 @@ def serve_run(head, config: dict, config_path: Path, route_prefixes: tuple[str, 
             )
         root = f"http://127.0.0.1:{port}"
         waiting = list(route_prefixes)
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + SERVE_START_S
         while waiting and time.monotonic() < deadline:
             text = log.read_text()
             failed = "DEPLOY_FAILED" in text and not deploy_failed_expected
@@ -125,7 +129,8 @@ def serve_run(head, config: dict, config_path: Path, route_prefixes: tuple[str, 
                 pass
             time.sleep(1)
         if waiting:
-            raise TimeoutError(f"{root}{waiting[0]}/healthz did not answer in 240 s: {log.read_text()[-4000:]}")
+            raise TimeoutError(f"{root}{waiting[0]}/healthz did not answer in {SERVE_START_S:.0f} s: "
+                               f"{log.read_text()[-4000:]}")
         yield root, process, log
     finally:
         if process is not None and process.poll() is None:
