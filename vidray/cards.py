@@ -3,7 +3,8 @@
 A card is plain data (no torch, no diffusers), so the config validates `model.family`, the bucket rules and the
 planner's facts before anything heavy is imported; the family's class (`vidray.models.base.ModelFamily`, which
 imports diffusers) is named by `family_class` and imported on first use by `vidray.models.registry`. The module
-imports nothing of vidray: it sits below the config, which validates `model.family` against it.
+imports nothing of vidray but the plain-data `vidray.shape_presets`: it sits below the config, which validates
+`model.family` against it.
 
 ```python
 card = get_card("wan")              # ValueError naming the registered cards
@@ -28,6 +29,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
+
+from vidray.shape_presets import COGVIDEOX_PRESETS, EASYANIMATE_PRESETS, WAN_PRESETS, ShapePreset
 
 __all__ = ["BUILTIN_CARDS", "BucketRules", "FAMILY_CARDS_ENV", "FamilyCard", "FamilyCardError", "PlannerFacts",
            "all_cards", "card_for_pipeline", "get_card", "register_card", "unregister_card"]
@@ -94,8 +97,11 @@ class PlannerFacts:
     projections of every stream."""
     ffn_dim_key: str | None = None
     """The config key of the MLP's hidden width; None: 4 x the model width (diffusers' `FeedForward` default)."""
+    presets: tuple[ShapePreset, ...] = ()
+    """The family's shape presets (`vidray plan --preset NAME`, `vidray.shape_presets.ShapePreset`): real models'
+    transformer configs and encoder sizes. Names are unique across the registered cards."""
     tiny_preset: str | None = None
-    """The shape preset (`vidray.models.presets.PRESETS`) of `model.preset: tiny` with `init: random`."""
+    """The name of the preset in `presets` that `model.preset: tiny` with `init: random` plans."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,6 +177,20 @@ class FamilyCard:
         if self.planner is not None and self.blocks is None:
             raise FamilyCardError(f"family card {self.name!r}: planner is set but blocks is None (the planner "
                                   "counts a list of transformer blocks)")
+        if self.planner is not None:
+            self._check_presets(self.planner)
+
+    def _check_presets(self, planner: PlannerFacts) -> None:
+        names = [getattr(preset, "name", None) for preset in planner.presets]
+        for preset in planner.presets:
+            if not isinstance(preset, ShapePreset) or preset.family != self.name:
+                raise FamilyCardError(f"family card {self.name!r}: planner.presets must be ShapePresets of family "
+                                      f"{self.name!r}, got {preset!r:.80}")
+        if len(set(names)) != len(names):
+            raise FamilyCardError(f"family card {self.name!r}: planner.presets name one preset twice: {names}")
+        if planner.tiny_preset is not None and planner.tiny_preset not in names:
+            raise FamilyCardError(f"family card {self.name!r}: planner.tiny_preset {planner.tiny_preset!r} is not "
+                                  f"one of planner.presets ({', '.join(names) or 'none'})")
 
 
 _LORA_ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")  # = vidray.config.DEFAULT_LORA_TARGET_MODULES (a test checks)
@@ -182,7 +202,7 @@ BUILTIN_CARDS: tuple[FamilyCard, ...] = (
         text_seq_len=256, pipelines={"EasyAnimatePipeline": False, "EasyAnimateInpaintPipeline": True},
         blocks="transformer_blocks", meta_build=True,
         planner=PlannerFacts(transformer_class="EasyAnimateTransformer3DModel", text_width_key="text_embed_dim",
-                             token_flow="dual_stream", tiny_preset="tiny",
+                             token_flow="dual_stream", presets=EASYANIMATE_PRESETS, tiny_preset="tiny",
                              lora_targets=(*_LORA_ATTENTION, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"))),
     FamilyCard(
         name="wan", family_class="vidray.models.wan:WanFamily",
@@ -190,7 +210,8 @@ BUILTIN_CARDS: tuple[FamilyCard, ...] = (
         text_seq_len=512, pipelines={"WanPipeline": False, "WanImageToVideoPipeline": True},
         blocks="blocks", meta_build=True, experts=True, clip_image_encoder=True, fp32_vae=True,
         planner=PlannerFacts(transformer_class="WanTransformer3DModel", text_width_key="text_dim",
-                             token_flow="cross_attention", ffn_dim_key="ffn_dim", tiny_preset="wan-tiny",
+                             token_flow="cross_attention", ffn_dim_key="ffn_dim", presets=WAN_PRESETS,
+                             tiny_preset="wan-tiny",
                              lora_targets=_LORA_ATTENTION)),
     FamilyCard(
         name="cogvideox", family_class="vidray.models.cogvideox:CogVideoXFamily",
@@ -198,7 +219,8 @@ BUILTIN_CARDS: tuple[FamilyCard, ...] = (
         text_seq_len=226, pipelines={"CogVideoXPipeline": False, "CogVideoXImageToVideoPipeline": True},
         blocks="transformer_blocks",
         planner=PlannerFacts(transformer_class="CogVideoXTransformer3DModel", text_width_key="text_embed_dim",
-                             token_flow="single_stream", tiny_preset="cogvideox-tiny",
+                             token_flow="single_stream", presets=COGVIDEOX_PRESETS,
+                             tiny_preset="cogvideox-tiny",
                              lora_targets=_LORA_ATTENTION)),  # one set of projections serves text and video
     FamilyCard(
         name="animatediff", family_class="vidray.models.animatediff:AnimateDiffFamily",
@@ -235,6 +257,11 @@ def register_card(card: FamilyCard) -> FamilyCard:
     if card.name in _CARDS:
         raise FamilyCardError(f"family card {card.name!r}: name is registered already (by "
                               f"{_CARDS[card.name].family_class}); give the family another name")
+    taken = {preset.name: other.name for other in _CARDS.values() if other.planner for preset in other.planner.presets}
+    for preset in card.planner.presets if card.planner else ():
+        if preset.name in taken:
+            raise FamilyCardError(f"family card {card.name!r}: preset {preset.name!r} is registered already (by "
+                                  f"family {taken[preset.name]}); give the preset another name")
     _check_module(card)
     _CARDS[card.name] = card
     return card

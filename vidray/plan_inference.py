@@ -6,7 +6,7 @@ CUDA device. `vidray plan --inference` prints it.
 | term | bytes | source |
 |---|---|---|
 | transformer | its parameters in the storage dtype: bf16 2 bytes; fp8 1 byte a castable Linear / conv parameter, 2 for the rest (`vidray.train.plan.frozen_bytes`); Wan2.2: each expert | the meta-device build (`count_model`) |
-| text encoder, VAE | parameters x 2 (bf16) or 1 (fp8: nearly all of both are Linear / conv weights) | `vidray.models.presets` (public checkpoints' counts) |
+| text encoder, VAE | parameters x 2 (bf16) or 1 (fp8: nearly all of both are Linear / conv weights) | `vidray.shape_presets` (public checkpoints' counts) |
 | denoising step | one block's working set (a = 2 bytes in bf16, no autograd): per token max(attention: 12 D x a + a fp32 norm copy 4 D, MLP: 4 D x a + 2 F x a), x 2 with classifier-free guidance (the batch doubles); + the latents (4 fp32 copies: noisy, predicted, guided, scheduler step) and prompt_embeds | the residual, norm output, both streams' q, k, v and their joint concatenation, the attention output; the MLP's input, hidden and GELU output; calibrated on the measured CPU step of the medium EasyAnimate preset (`benchmarks/_memory_planner.py`: 9 % low with 6 D x a and 2 D x a, within 4 % with these), not a census of Wan's blocks |
 | VAE decode | 3 tensors of 8 frames x H x W x 128 channels (bf16): the full-resolution decoder stage of a temporal slice | EasyAnimate's MagVit (block_out_channels 128..512) decodes in temporal slices; Wan's VAE frame by frame with a 2-frame cache |
 

@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python3 tests/gpu/inference_rows.py      # ~1-2 min on one H100; last line: one JSON object
 
 The model: an EasyAnimate pipeline folder of the `medium` preset's transformer (38.6 M parameters, random weights,
-`vidray.models.presets.PRESETS["medium"]`) with the tiny random text encoder and VAE, exported as training exports
+in `vidray.shape_presets`) with the tiny random text encoder and VAE, exported as training exports
 it (fp32 safetensors + vidray_job.yaml; the folder names no device). Through the real CLI (`vidray.cli.main
 ["generate", ...]`, in this process, one run after another: the allocator's peak is reset and the cache emptied
 between runs), 9x64x64, 8 steps, crf 0:
@@ -48,11 +48,11 @@ def _model_dir(root: Path) -> Path:
     from vidray.config import FlowConfig, ModelConfig, job_config_from_dict
     from vidray.models import get_family
     from vidray.models.export import write_job_file
-    from vidray.models.presets import PRESETS
+    from vidray.models.presets import get_preset
 
     family = get_family("easyanimate")
     components = family.build(ModelConfig(text_encoder="tiny_random", max_sequence_length=16), seed=0)
-    config = dict(PRESETS["medium"].config)
+    config = dict(get_preset("medium").config)
     config["text_embed_dim"] = components.transformer.config.text_embed_dim  # the tiny text encoder's width
     torch.manual_seed(0)
     components.transformer = EasyAnimateTransformer3DModel(**config)

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from vidray.config import DEFAULT_LORA_TARGET_MODULES, ConfigError, job_config_from_dict
-from vidray.cards import (BUILTIN_CARDS, FAMILY_CARDS_ENV, BucketRules, FamilyCard, FamilyCardError, all_cards,
-                                 card_for_pipeline, get_card, register_card, unregister_card)
+from vidray.cards import (BUILTIN_CARDS, FAMILY_CARDS_ENV, BucketRules, FamilyCard, FamilyCardError, PlannerFacts,
+                          all_cards, card_for_pipeline, get_card, register_card, unregister_card)
+from vidray.shape_presets import ShapePreset
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILIES_DIR = REPO / "tests" / "families"
@@ -98,6 +99,67 @@ def test_every_registered_family_plans_its_tiny_config(toy):
         assert line is not None and "predicted" in line and "per GPU of 24.0 GiB" in line, (card.name, line)
     assert set(planned) == {"easyanimate", "wan", "cogvideox", "animatediff", "toy"}
     assert all(peak > 0 for peak in planned.values())
+
+
+TOY_1B = dict(patch_size=(1, 2, 2), num_attention_heads=16, attention_head_dim=128, in_channels=16, out_channels=16,
+              text_dim=4096, freq_dim=256, ffn_dim=8192, num_layers=20, cross_attn_norm=True)
+"""A toy 1 B shape of Wan's transformer class (2048 wide, 20 blocks), listed by the planned toy card only."""
+
+
+def _planner(**fields) -> PlannerFacts:
+    presets = (ShapePreset("toy-tiny", "toy", {"text_dim": 64}, config_from="vidray.models.wan:TINY_TRANSFORMER"),
+               ShapePreset("toy-1b", "toy", TOY_1B, text_seq_len=512))
+    return PlannerFacts(**{"transformer_class": "WanTransformer3DModel", "text_width_key": "text_dim",
+                           "token_flow": "cross_attention", "ffn_dim_key": "ffn_dim", "presets": presets,
+                           "tiny_preset": "toy-tiny", "lora_targets": DEFAULT_LORA_TARGET_MODULES, **fields})
+
+
+def test_a_card_brings_its_own_shape_presets_to_vidray_plan_without_an_edit_under_vidray():
+    """Presets live on the cards: a toy card with planner facts lists a 1 B shape, and `get_preset`, `vidray plan
+    --preset` and a job's `model.preset: tiny` find them; the built-in names stay the built-in families'."""
+    from vidray.models.presets import all_presets, get_preset, meta_model, model_preset
+    from vidray.models.registry import forget_family
+    from vidray.train.plan import plan_job
+
+    assert {"tiny", "wan2.2-a14b", "cogvideox-tiny"} <= set(all_presets()) and "toy-1b" not in all_presets()
+    register_card(_card(planner=_planner()))
+    try:
+        preset = get_preset("toy-1b")
+        assert preset.family == "toy"
+        params = sum(p.numel() for p in meta_model(preset).parameters())
+        assert 0.9e9 < params < 1.5e9, params
+        assert model_preset("toy", "tiny", "tiny_random").config["num_layers"] == 2  # Wan's tiny, text width 64
+        job = job_config_from_dict({"name": "plan", "model": {"family": "toy"}, "scaling": {"use_gpu": True},
+                                    "data": {"buckets": [[33, 256, 256]]}})
+        report = plan_job(job, gpu_memory_bytes=24 << 30, num_gpus=1, preset=preset)
+        assert report.chosen is not None and report.chosen.fits
+        assert report.counts.total == params
+    finally:
+        unregister_card("toy")
+        forget_family("toy")
+    with pytest.raises(Exception, match="unknown preset 'toy-1b'"):
+        get_preset("toy-1b")
+
+
+@pytest.mark.parametrize("planner_fields, message", [
+    ({"tiny_preset": "toy-2b"}, "family card 'toy': planner.tiny_preset 'toy-2b' is not one of planner.presets "
+                                r"\(toy-tiny, toy-1b\)"),
+    ({"presets": (ShapePreset("toy-1b", "wan", TOY_1B),), "tiny_preset": None},
+     "family card 'toy': planner.presets must be ShapePresets of family 'toy'"),
+    ({"presets": (ShapePreset("toy-1b", "toy", TOY_1B),) * 2, "tiny_preset": None},
+     "family card 'toy': planner.presets name one preset twice"),
+])
+def test_a_card_with_bad_presets_is_refused_naming_the_field(planner_fields, message):
+    with pytest.raises(FamilyCardError, match=message):
+        _card(planner=_planner(**planner_fields))
+
+
+def test_a_preset_name_another_card_uses_is_refused_at_registration():
+    taken = _planner(presets=(ShapePreset("wan2.1-14b", "toy", TOY_1B),), tiny_preset=None)
+    with pytest.raises(FamilyCardError, match="family card 'toy': preset 'wan2.1-14b' is registered already "
+                                              "\\(by family wan\\)"):
+        register_card(_card(planner=taken))
+    assert "toy" not in {card.name for card in all_cards()}
 
 
 @pytest.mark.parametrize("fields, message", [
