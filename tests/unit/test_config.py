@@ -108,20 +108,26 @@ def test_run_name_num_to_keep_bucket_arity_and_empty_file(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.grad_clip_norm=-1", r"train.grad_clip_norm must be > 0 or null \(no clipping\), got -1.0"),
+    ("train.grad_clip_norm=-1", r"train.grad_clip_norm must be > 0 or null \(no clipping\), got -1: a negative"),
     ("train.grad_clip_norm=0", r"train.grad_clip_norm must be > 0 or null"),
     ("optim.weight_decay=-0.1", r"optim.weight_decay must be >= 0, got -0.1"),
-    ("optim.eps=0", r"optim.eps must be > 0, got 0.0"),
+    ("optim.eps=0", r"optim.eps must be > 0, got 0 \(default 1e-8\)"),
     ("optim.betas=[0.9, 1.0]", r"optim.betas must each be in \[0, 1\), got \[0.9, 1.0\]"),
     ("optim.betas=[-0.1, 0.9]", r"optim.betas must each be in \[0, 1\)"),
     ("optim.warmup_steps=-1", r"optim.warmup_steps must be >= 0"),
-    ("flow.logit_std=0", r"flow.logit_std must be > 0, got 0.0"),
+    ("flow.logit_std=0", r"flow.logit_std must be > 0, got 0 \(default 1.0\)"),
     ("flow.num_train_timesteps=0", r"flow.num_train_timesteps must be >= 1, got 0"),
     ("train.max_failures=-2", r"train.max_failures must be >= 0, or -1 to retry forever, got -2"),
     ("train.seed=-1", r"train.seed must be >= 0, got -1"),
     ("data.block_batches=0", r"data.block_batches must be >= 1 micro-batches per Ray Data block .* got 0"),
     ("data.fps=.nan", r"'data.fps': nan is not a finite number"),
     ("optim.lr=.inf", r"'optim.lr': inf is not a finite number"),
+    # bounds written in the settings' types (vidray.config_types), each message from the type alone
+    ("placement.vae.num_cpus=0", r"placement.vae.num_cpus must be > 0 logical CPUs \(default 0.1\), got 0: Ray Data"),
+    ("train.metrics_port=0", r"train.metrics_port must be in \[1, 65471\] or null \(rank N serves on"),
+    ("model.experts={boundary_ratio: 1.0}", r"model.experts.boundary_ratio must be in \(0, 1\) \(the high-noise"),
+    ("vae_training.batch_size_per_worker=0", r"vae_training.batch_size_per_worker must be >= 1 or null, got 0"),
+    ("train.ema={decay: 1.0}", r"train.ema.decay must be in \(0, 1\), got 1.0 \(e.g. 0.9999\)"),
 ])
 def test_out_of_range_values_are_refused_naming_key_and_range(override, message):
     with pytest.raises(ConfigError, match=message):
