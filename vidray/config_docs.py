@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import yaml
 
 from vidray import config
-from vidray.config_types import bounded_type_text
+from vidray.config.bounds import bounded_type_text
 
 COMMAND = "python -m vidray.config_docs > docs/configuration.md"
 
@@ -30,7 +30,7 @@ class Key:
     """One documented config key."""
 
     name: str  # dotted: "data.fps"
-    type: str  # the annotation as written in vidray/config.py
+    type: str  # the annotation as written in vidray/config/sections.py (a bounded number: its range)
     default: str  # as YAML writes it
     doc: str  # the field's docstring, one paragraph
     rule: str  # "fixed" | "changeable" (vidray.config.RESUME_RULES)
@@ -92,8 +92,8 @@ def _default(f: dataclasses.Field) -> Any:
 
 def iter_keys(cls: type = config.JobConfig, prefix: str = "", rule: str = "") -> Iterator[Key]:
     """Every key of `cls`, depth first in field order; a section's own key comes before its keys."""
-    hints = typing.get_type_hints(cls, vars(config))
-    bounded = typing.get_type_hints(cls, vars(config), include_extras=True)
+    hints = typing.get_type_hints(cls)
+    bounded = typing.get_type_hints(cls, include_extras=True)
     docs = field_docstrings(cls)
     for f in dataclasses.fields(cls):
         name = f"{prefix}{f.name}"
@@ -121,7 +121,7 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the config classes in `vidray/config.py` (each key's text is the docstring under its field)",
+        "Generated from the config classes in `vidray/config/` (each key's text is the docstring under its field)",
         f"by `{COMMAND}`; do not edit by hand:",
         "`tests/unit/test_docs.py` fails when this file is out of date.",
         "How configs are written, loaded and overridden: [training.md](training.md#job-configs).",

@@ -122,7 +122,7 @@ def test_run_name_num_to_keep_bucket_arity_and_empty_file(tmp_path):
     ("data.block_batches=0", r"data.block_batches must be >= 1 micro-batches per Ray Data block .* got 0"),
     ("data.fps=.nan", r"'data.fps': nan is not a finite number"),
     ("optim.lr=.inf", r"'optim.lr': inf is not a finite number"),
-    # bounds written in the settings' types (vidray.config_types), each message from the type alone
+    # bounds written in the settings' types (vidray.config.bounds), each message from the type alone
     ("placement.vae.num_cpus=0", r"placement.vae.num_cpus must be > 0 logical CPUs \(default 0.1\), got 0: Ray Data"),
     ("train.metrics_port=0", r"train.metrics_port must be in \[1, 65471\] or null \(rank N serves on"),
     ("model.experts={boundary_ratio: 1.0}", r"model.experts.boundary_ratio must be in \(0, 1\) \(the high-noise"),

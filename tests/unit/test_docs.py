@@ -137,12 +137,12 @@ def test_readme_is_the_front_door():
 def test_configuration_reference_is_up_to_date():
     committed = (REPO / "docs" / "configuration.md").read_text()
     assert committed == config_docs.render(), (
-        f"docs/configuration.md is out of date with vidray/config.py: run `{config_docs.COMMAND}`")
+        f"docs/configuration.md is out of date with vidray/config/: run `{config_docs.COMMAND}`")
 
 
 def test_every_config_key_has_a_docstring():
     missing = [key.name for key in config_docs.iter_keys() if not key.doc]
-    assert not missing, f"config fields without a docstring under them in vidray/config.py: {missing}"
+    assert not missing, f"config fields without a docstring under them in vidray/config/: {missing}"
 
 
 def test_configuration_reference_lists_every_key_with_its_resume_rule():
