@@ -56,7 +56,7 @@ class Stages:
                 pass
 
             async def __aiter__(self):
-                steps = request["num_inference_steps"]
+                steps = request["request"].num_inference_steps
                 for step in range(1, steps + 1):
                     await asyncio.sleep(stages.step_s)
                     yield {"step": step, "num_inference_steps": steps}
