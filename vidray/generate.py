@@ -7,7 +7,6 @@ into a local cache), read by `vidray.models.export` (see there).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 import typing
@@ -136,14 +135,15 @@ def check_generate_args(
     Rules: the request's own (`vidray.inference.request.field_problems`, the ones the HTTP API applies too):
     prompt not blank; num_inference_steps an int in 1..MAX_NUM_INFERENCE_STEPS; guidance_scale finite and >= 1
     (1 = no guidance); fps finite within FPS_RANGE frames/s; seed an int in 0..SEED_MAX; a last image needs a
-    first. The command line's: output ends in .mp4 and its folder is (or can be created) writable; model_path an existing diffusers or checkpoint folder,
-    or a URI of one (`s3://bucket/runs/<name>/diffusers`: downloaded once into the local model cache in pass 2;
-    `inspect_model`); bucket ('9x64x64' or a Bucket; default the model's first training bucket) a shape the
-    model's family can make (H, W multiples of 16, num_frames 1 or 4k+1 for EasyAnimate). A bucket the model
+    first. The command line's: output ends in .mp4 and its folder is (or can be created) writable; model_path an
+    existing diffusers or checkpoint folder, or a URI of one (`s3://bucket/runs/<name>/diffusers`: downloaded once
+    into the local model cache in pass 2; `inspect_model`); bucket ('9x64x64' or a Bucket; default the model's
+    first training bucket) a shape the model's family card takes (the request's `family` check: H, W multiples of
+    16, num_frames 1 or 4k+1 for EasyAnimate). A bucket the model
     was not trained at is allowed (`generate_to_file` then logs a warning). lora: None, or a local LoRA folder
     (`<run>/diffusers/lora`) or .safetensors file (`vidray.models.export.lora_path_problem`). image, last_image:
     None or existing image files (the first and last frame), for an image-to-video model only (its family's
-    `supports_image_to_video`, read from the configs); a last image needs a first. crf: an int in 0..51 (the
+    `supports_image_to_video`, read from the configs). crf: an int in 0..51 (the
     mp4's H.264 constant rate factor, `vidray.data.video.write_mp4`). storage_dtype: one of auto, fp32, bf16, fp8
     and offload: one of none, model, group, sequential (`vidray.config.MemoryConfig`); an offload mode other than
     none needs a CUDA GPU (only then is torch imported here, to ask `torch.cuda.is_available()`).

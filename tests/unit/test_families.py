@@ -203,9 +203,10 @@ def test_the_serve_stages_make_the_video_vidray_generate_makes(built, tmp_path):
         (embeds, mask), (negative, negative_mask) = encode("a red fox"), encode("blurry")
         request = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "negative_prompt_embeds": negative,
                    "negative_prompt_attention_mask": negative_mask, "sent_at": 0.0,
-                   "request": GenerationRequest(prompt="a red fox", negative_prompt="blurry", num_frames=bucket.num_frames,
-                                                height=bucket.height, width=bucket.width, num_inference_steps=3,
-                                                guidance_scale=3.0, seed=7, fps=8.0)}
+                   "request": GenerationRequest(prompt="a red fox", negative_prompt="blurry",
+                                                num_frames=bucket.num_frames, height=bucket.height,
+                                                width=bucket.width, num_inference_steps=3, guidance_scale=3.0,
+                                                seed=7, fps=8.0)}
         async for event in denoiser.denoise(request):
             if "latents" in event:
                 return await vae.decode(event["latents"])

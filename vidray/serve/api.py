@@ -7,8 +7,9 @@ them, then `decode_input_reference` for an image, and hands the `VideoRequest` t
 (`vidray.serve.app`); the model deployments never see HTTP. What to generate is a
 `vidray.inference.request.GenerationRequest` (`VideoRequest.generation`), whose rules (prompt, steps, guidance,
 seed, the bucket against the family's card) are the ones `vidray generate` applies, worded with the same text;
-this module keeps the Videos API's own: text to numbers, `size` and `seconds`, the serving limits, the image. Refusals are `vidray.serve.errors.RequestError`s, each
-naming the field, the value, the rule and the fix. No Ray and no torch in this module.
+this module keeps the Videos API's own: text to numbers, `size` and `seconds`, the serving limits, the image.
+Refusals are `vidray.serve.errors.RequestError`s, each naming the field, the value, the rule and the fix. No Ray
+and no torch in this module.
 
 Create fields beyond the SDK's (`prompt`, `model`, `size`, `seconds`, `input_reference`) are sent with
 ``extra_body={"num_frames": 49, "seed": 7, ...}``; the SDK turns them into form fields. See
@@ -179,8 +180,10 @@ class VideoRequest:
         """The video object's `size` string, "WxH"."""
         return f"{self.width}x{self.height}"
 
+
 _GENERATION_FIELDS = frozenset(("prompt", "negative_prompt", "width", "height", "num_frames", "seed",
                                 "num_inference_steps", "guidance_scale", "fps"))
+"""`VideoRequest`'s attributes read from its `GenerationRequest`."""
 
 # --------------------------------------------------------------------------------------------------------------
 # Parsing and validation (pure functions)
