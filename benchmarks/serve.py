@@ -129,6 +129,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -186,7 +187,8 @@ async def run_cell(handle, base_request: dict, *, concurrency: int, seconds: flo
     async def client():
         while time.perf_counter() < stop_at:
             counter["seed"] += 1
-            request = dict(base_request, seed=counter["seed"], sent_at=time.time())
+            generation = dataclasses.replace(base_request["request"], seed=counter["seed"])
+            request = dict(base_request, request=generation, sent_at=time.time())
             start = time.perf_counter()
             async for event in handle.options(stream=True).denoise.remote(request):
                 if "latents" in event:
@@ -218,7 +220,7 @@ async def measure(args) -> dict:
     import ray
     from ray import serve
 
-    from vidray.models import get_family
+    from vidray.inference.request import GenerationRequest
     from vidray.runtime import init_ray
     from vidray.serve.stages import Denoiser, TextEncoder
 
@@ -236,9 +238,10 @@ async def measure(args) -> dict:
         prompt_embeds, prompt_attention_mask = await text.encode.remote("a red ball rolling on green grass")
         base_request = {
             "prompt_embeds": prompt_embeds, "prompt_attention_mask": prompt_attention_mask,
-            "negative_prompt_embeds": None, "negative_prompt_attention_mask": None, "guidance_scale": 1.0,
-            "latent_shape": get_family("easyanimate").latent_shape(BUCKET, 1),
-            "num_inference_steps": args.steps,
+            "negative_prompt_embeds": None, "negative_prompt_attention_mask": None,
+            "request": GenerationRequest(prompt="a red ball rolling on green grass", num_frames=BUCKET[0],
+                                         height=BUCKET[1], width=BUCKET[2], num_inference_steps=args.steps,
+                                         guidance_scale=1.0, fps=8.0),
         }
 
         def deploy(target_s: float):

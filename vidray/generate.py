@@ -7,7 +7,6 @@ into a local cache), read by `vidray.models.export` (see there).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 import typing
@@ -17,6 +16,14 @@ from vidray.config import MemoryConfig
 from vidray.buckets import Bucket, parse_bucket_form, validate_bucket
 from vidray.buckets import any_family_spatial_multiple
 from vidray.errors import UserError
+from vidray.inference.request import (
+    FPS_RANGE,
+    MAX_NUM_INFERENCE_STEPS,
+    SEED_MAX,
+    GenerationRequest,
+    GenerationRequestError,
+    field_problems,
+)
 from vidray.locations import NOT_A_FOLDER, creation_problem
 from vidray.progress import progress_bar
 from vidray.models.export import (  # re-exported: these lived here before the serve plane needed them
@@ -39,7 +46,10 @@ from vidray.models.export import (  # re-exported: these lived here before the s
 __all__ = [
     "GenerateArgumentError",
     "GenerateOutputError",
+    "FPS_RANGE",
     "JOB_FILE",
+    "MAX_NUM_INFERENCE_STEPS",
+    "SEED_MAX",
     "LoadedModel",
     "ModelInfo",
     "check_generate_args",
@@ -53,13 +63,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FPS_RANGE = (0.01, 1000.0)
-"""Frame rates (frames/s, inclusive) `vidray generate` writes; the mp4 time base (denominator <= 1001) and
-libx264 handle these."""
-SEED_MAX = 2**63 - 1
-"""Largest seed (seeds are 0..SEED_MAX, as torch.Generator.manual_seed takes them)."""
-
-
 class GenerateArgumentError(UserError):
     """`generate` arguments that cannot work (bad fps, steps, guidance, seed, bucket, prompt, output or model
     path). Raised before any weights load; the message lists every bad argument with the fix."""
@@ -70,18 +73,10 @@ class GenerateOutputError(UserError):
     filesystem that refuses the file, e.g. `/proc`, or one that fills up)."""
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-MAX_NUM_INFERENCE_STEPS = 1000
-"""Most denoising steps `generate` takes: the flow's training timesteps (1000 for the shipped models; more steps
-than that only re-evaluate the same noise levels). A larger value used to fail allocating the sigmas (800 GB for
-1e11 steps)."""
+def _flag(field: str) -> str:
+    """The `vidray generate` flag of a `GenerationRequest` field (`num_inference_steps` -> `--num-inference-steps`;
+    the bucket's sides -> `--bucket`)."""
+    return "--bucket" if field in ("bucket", "num_frames", "height", "width") else "--" + field.replace("_", "-")
 
 
 def _output_problem(output: Path) -> str | None:
@@ -133,20 +128,22 @@ def check_generate_args(
     crf: int = 18,
     storage_dtype: str = "auto",
     offload: str = "none",
-) -> tuple[ModelInfo, Bucket]:
+) -> tuple[ModelInfo, GenerationRequest]:
     """Check every `generate_to_file` argument without loading any weights; returns the model's configs and the
-    bucket to sample.
+    `GenerationRequest` to sample (its bucket: `request.bucket`).
 
-    Rules: prompt a non-empty string; output ends in .mp4 and its folder is (or can be created) writable;
-    num_inference_steps an int in 1..MAX_NUM_INFERENCE_STEPS; guidance_scale finite and >= 1 (1 = no guidance); fps finite within
-    FPS_RANGE frames/s; seed an int in 0..SEED_MAX; model_path an existing diffusers or checkpoint folder,
-    or a URI of one (`s3://bucket/runs/<name>/diffusers`: downloaded once into the local model cache in pass 2;
-    `inspect_model`); bucket ('9x64x64' or a Bucket; default the model's first training bucket) a shape the
-    model's family can make (H, W multiples of 16, num_frames 1 or 4k+1 for EasyAnimate). A bucket the model
+    Rules: the request's own (`vidray.inference.request.field_problems`, the ones the HTTP API applies too):
+    prompt not blank; num_inference_steps an int in 1..MAX_NUM_INFERENCE_STEPS; guidance_scale finite and >= 1
+    (1 = no guidance); fps finite within FPS_RANGE frames/s; seed an int in 0..SEED_MAX; a last image needs a
+    first. The command line's: output ends in .mp4 and its folder is (or can be created) writable; model_path an
+    existing diffusers or checkpoint folder, or a URI of one (`s3://bucket/runs/<name>/diffusers`: downloaded once
+    into the local model cache in pass 2; `inspect_model`); bucket ('9x64x64' or a Bucket; default the model's
+    first training bucket) a shape the model's family card takes (the request's `family` check: H, W multiples of
+    16, num_frames 1 or 4k+1 for EasyAnimate). A bucket the model
     was not trained at is allowed (`generate_to_file` then logs a warning). lora: None, or a local LoRA folder
     (`<run>/diffusers/lora`) or .safetensors file (`vidray.models.export.lora_path_problem`). image, last_image:
     None or existing image files (the first and last frame), for an image-to-video model only (its family's
-    `supports_image_to_video`, read from the configs); a last image needs a first. crf: an int in 0..51 (the
+    `supports_image_to_video`, read from the configs). crf: an int in 0..51 (the
     mp4's H.264 constant rate factor, `vidray.data.video.write_mp4`). storage_dtype: one of auto, fp32, bf16, fp8
     and offload: one of none, model, group, sequential (`vidray.config.MemoryConfig`); an offload mode other than
     none needs a CUDA GPU (only then is torch imported here, to ask `torch.cuda.is_available()`).
@@ -155,26 +152,16 @@ def check_generate_args(
     the model's configs and the bucket against its family. Raises GenerateArgumentError listing every bad
     argument of the first failing pass.
     """
-    problems = []
-    # 1. Arguments that need nothing but themselves.
-    if not isinstance(prompt, str) or not prompt.strip():
-        problems.append("--prompt is empty: give the text to generate a video for")
+    # 1. Arguments that need nothing but themselves: the request's own rules (`vidray.inference.request`, the
+    # ones the HTTP API applies), worded with the flags, then the command line's (files, crf, memory modes).
+    problems = [p.message(_flag) for p in field_problems(
+        {"prompt": prompt, "num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale, "fps": fps,
+         "seed": seed, "image": None if image is None else str(image),
+         "last_image": None if last_image is None else str(last_image)})]
     output_problem = _output_problem(Path(output))
     if output_problem:
         problems.append(output_problem)
-    if not _is_int(num_inference_steps) or not 1 <= num_inference_steps <= MAX_NUM_INFERENCE_STEPS:
-        problems.append(f"--num-inference-steps must be an integer in 1..{MAX_NUM_INFERENCE_STEPS}, got "
-                        f"{num_inference_steps!r}")
-    if not _is_number(guidance_scale) or guidance_scale < 1.0:
-        problems.append(
-            f"--guidance-scale must be a finite number >= 1 (1 = no classifier-free guidance), got {guidance_scale!r}"
-        )
-    if not _is_number(fps) or not FPS_RANGE[0] <= fps <= FPS_RANGE[1]:
-        low, high = FPS_RANGE
-        problems.append(f"--fps must be a finite frame rate in [{low:g}, {high:g}] frames/s, got {fps!r}")
-    if not _is_int(seed) or not 0 <= seed <= SEED_MAX:
-        problems.append(f"--seed must be an integer in 0..{SEED_MAX} (2**63 - 1), got {seed!r}")
-    if not _is_int(crf) or not 0 <= crf <= 51:
+    if not isinstance(crf, int) or isinstance(crf, bool) or not 0 <= crf <= 51:
         problems.append(f"--crf must be an integer in 0..51 (libx264's constant rate factor, 0 = lossless), "
                         f"got {crf!r}")
     problems.extend(memory_problems(storage_dtype, offload))
@@ -190,8 +177,6 @@ def check_generate_args(
             problems.append(f"{flag} {path} is not a file: give a PNG or JPEG image")
         elif path is not None and not _readable_image(path):
             problems.append(f"{flag} {path} is not an image PIL can read: give a PNG or JPEG image")
-    if last_image is not None and image is None:
-        problems.append("--last-image needs --image (the first frame) too")
     if lora is not None:
         lora_problem = lora_path_problem(lora)
         if lora_problem:
@@ -225,13 +210,16 @@ def check_generate_args(
     if image is not None and last_image is None and info.family.needs_last_image(info):
         raise GenerateArgumentError(f"--image: the model {model_path} is conditioned on a first and a last frame "
                                     "(its image encoder takes both): give --last-image too")
-    try:
-        info.family.latent_shape(bucket, 1)
-    except ValueError as err:
-        raise GenerateArgumentError(
-            f"--bucket {bucket} cannot be made by the {info.family.name} model: {err}"
-        ) from None
-    return info, bucket
+    try:  # the request, with the bucket against the family's card
+        request = GenerationRequest(
+            prompt=prompt, num_frames=bucket.num_frames, height=bucket.height, width=bucket.width,
+            num_inference_steps=num_inference_steps, guidance_scale=float(guidance_scale), seed=seed, fps=float(fps),
+            image=None if image is None else str(image), last_image=None if last_image is None else str(last_image),
+            family=info.family.name,
+        )
+    except GenerationRequestError as err:
+        raise GenerateArgumentError("; ".join(p.message(_flag) for p in err.problems)) from None
+    return info, request
 
 
 def memory_problems(storage_dtype: str, offload: str) -> list[str]:
@@ -305,11 +293,12 @@ def generate_to_file(
     cannot be written.
     """
     # 1. Check every argument (no weights yet).
-    info, bucket = check_generate_args(
+    info, request = check_generate_args(
         model_path, prompt, output, bucket=bucket, num_inference_steps=num_inference_steps,
         guidance_scale=guidance_scale, fps=fps, seed=seed, lora=lora, image=image, last_image=last_image, crf=crf,
         storage_dtype=storage_dtype, offload=offload,
     )
+    bucket = request.bucket
     if info.buckets and bucket not in info.buckets:
         logger.warning("bucket %s is not one the model was trained at (%s); sampling it anyway",
                        bucket, ", ".join(map(str, info.buckets)))
@@ -333,7 +322,7 @@ def generate_to_file(
     device = inference_device()
     # Refuse what does not fit the GPU before any weights load; on CPU nothing is checked.
     check_generation_fits(model_path, bucket, device, storage=storage_dtype, offload=offload,
-                          guidance_scale=guidance_scale)
+                          guidance_scale=request.guidance_scale)
     try:
         model = load_model(model_path, lora_path=lora)
     except UserError:
@@ -344,7 +333,7 @@ def generate_to_file(
                                     device, family_name=model.family.name)
     logger.info("sampling on %s in %s (memory.storage_dtype %s, memory.offload %s)", device,
                 str(compute).removeprefix("torch."), storage_dtype, offload)
-    warn_if_prompt_truncated(model.components.tokenizer, prompt, model.max_sequence_length)
+    warn_if_prompt_truncated(model.components.tokenizer, request.prompt, model.max_sequence_length)
     started = time.monotonic()
     last_shown = [started]
 
@@ -360,14 +349,14 @@ def generate_to_file(
 
     with torch.inference_mode(), bar:
         frames = generate_video(
-            model.family, model.components, [prompt], bucket, flow=model.flow,
-            num_inference_steps=num_inference_steps, guidance_scale=float(guidance_scale),
-            max_sequence_length=model.max_sequence_length, seed=seed, callback=progress,
-            image=load_image(str(image)) if image is not None else None,
-            last_image=load_image(str(last_image)) if last_image is not None else None,
+            model.family, model.components, [request.prompt], bucket, flow=model.flow,
+            num_inference_steps=request.num_inference_steps, guidance_scale=request.guidance_scale,
+            max_sequence_length=model.max_sequence_length, seed=request.seed, callback=progress,
+            image=load_image(request.image) if request.image is not None else None,
+            last_image=load_image(request.last_image) if request.last_image is not None else None,
         )  # (1, F, H, W, 3) uint8
     try:
-        return write_mp4(frames[0], Path(output), float(fps), crf=int(crf))
+        return write_mp4(frames[0], Path(output), request.fps, crf=int(crf))
     except OSError as err:  # PyAV's FileNotFoundError, PermissionError, ... are OSErrors; so is a full disk
         raise GenerateOutputError(
             f"--output {output} could not be written ({type(err).__name__}: {err}); the video was generated but "

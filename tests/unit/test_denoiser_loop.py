@@ -4,6 +4,7 @@ step-level batching); what the loop asks the policy before each step (`policy_in
 concurrent requests. No Ray is started: the classes are used directly."""
 
 import asyncio
+import dataclasses
 import os
 import time
 
@@ -12,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from vidray.inference.request import GenerationRequest  # noqa: E402
 from vidray.inference.sampler import DenoiseState  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import load_model  # noqa: E402
@@ -20,6 +22,12 @@ from vidray.serve.stages import Denoiser, _Request, policy_inputs  # noqa: E402
 
 BUCKET = (9, 64, 48)  # the tiny model's job file's bucket
 NUM_STEPS = 4
+LATENT_SHAPE = get_family("easyanimate").latent_shape(BUCKET, 1)
+
+
+def asking(request: dict, **changes) -> dict:
+    """`request` (a denoise call's dict) whose `GenerationRequest` has `changes` (seed=..., guidance_scale=...)."""
+    return dict(request, request=dataclasses.replace(request["request"], **changes))
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +36,9 @@ def base_request(tiny_serve_model_dir):
     embeds, mask = encode_prompts(model.components.text_encoder, model.components.tokenizer, ["a red ball"],
                                   max_sequence_length=model.max_sequence_length, device="cpu")
     return {"prompt_embeds": embeds, "prompt_attention_mask": mask, "negative_prompt_embeds": None,
-            "negative_prompt_attention_mask": None, "guidance_scale": 1.0,
-            "latent_shape": get_family("easyanimate").latent_shape(BUCKET, 1), "num_inference_steps": NUM_STEPS}
+            "negative_prompt_attention_mask": None,
+            "request": GenerationRequest(prompt="a red ball", num_frames=BUCKET[0], height=BUCKET[1], width=BUCKET[2],
+                                         num_inference_steps=NUM_STEPS, guidance_scale=1.0, fps=8.0)}
 
 
 def _burst(denoiser, base_request, arrivals_s: list[float]) -> float:
@@ -37,7 +46,7 @@ def _burst(denoiser, base_request, arrivals_s: list[float]) -> float:
 
     async def one(seed: int, offset: float):
         await asyncio.sleep(offset)
-        async for event in denoiser.denoise(dict(base_request, seed=seed, sent_at=time.time())):
+        async for event in denoiser.denoise(dict(asking(base_request, seed=seed), sent_at=time.time())):
             if "latents" in event:
                 return event["latents"]
         raise AssertionError("the stream ended without latents")
@@ -45,7 +54,7 @@ def _burst(denoiser, base_request, arrivals_s: list[float]) -> float:
     async def run():
         start = time.perf_counter()
         latents = await asyncio.gather(*(one(i, offset) for i, offset in enumerate(arrivals_s)))
-        assert all(x.shape == tuple(base_request["latent_shape"]) for x in latents)
+        assert all(x.shape == tuple(LATENT_SHAPE) for x in latents)
         return time.perf_counter() - start
 
     return asyncio.run(run())
@@ -131,8 +140,8 @@ def test_a_request_whose_latents_overflow_fails_alone_and_its_batch_mate_complet
                 return event["latents"]
 
     async def both():
-        return await asyncio.gather(run(dict(guided, seed=1, guidance_scale=1e300)),
-                                    run(dict(guided, seed=2, guidance_scale=6.0)), return_exceptions=True)
+        return await asyncio.gather(run(asking(guided, seed=1, guidance_scale=1e300)),
+                                    run(asking(guided, seed=2, guidance_scale=6.0)), return_exceptions=True)
 
     overflowed, fine = asyncio.run(both())
     assert isinstance(overflowed, NonFiniteLatentsError), overflowed
@@ -154,14 +163,14 @@ def test_denoiser_counts_each_request_once_by_outcome_and_every_step_in_its_metr
     denoiser.metrics.observe_step = lambda batch_size, seconds: steps.append(batch_size)
 
     async def run():
-        async with aclosing(denoiser.denoise(dict(base_request, seed=1, sent_at=time.time()))) as stream:
+        async with aclosing(denoiser.denoise(dict(asking(base_request, seed=1), sent_at=time.time()))) as stream:
             assert "latents" in [event async for event in stream][-1]
-        long = dict(base_request, seed=2, sent_at=time.time(), num_inference_steps=200)
+        long = dict(asking(base_request, seed=2, num_inference_steps=200), sent_at=time.time())
         async with aclosing(denoiser.denoise(long)) as stream:
             async for event in stream:
                 assert "step" in event  # the first progress event: the caller leaves
                 break
-        bad = dict(base_request, seed=3, sent_at=time.time(),
+        bad = dict(asking(base_request, seed=3), sent_at=time.time(),
                    prompt_embeds=torch.zeros(1, 4, base_request["prompt_embeds"].shape[-1] + 1))
         with pytest.raises(RuntimeError, match="denoising step failed"):
             async with aclosing(denoiser.denoise(bad)) as stream:

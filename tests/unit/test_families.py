@@ -21,6 +21,7 @@ import torch
 from vidray.cards import register_card, unregister_card
 from vidray.config import FlowConfig, ModelConfig, job_config_from_dict
 from vidray.buckets import Bucket
+from vidray.inference.request import GenerationRequest
 from vidray.diffusion.flow_matching import inference_sigmas
 from vidray.inference.sampler import denoise_step, generate_video
 from vidray.models.export import load_model, write_job_file
@@ -201,9 +202,11 @@ def test_the_serve_stages_make_the_video_vidray_generate_makes(built, tmp_path):
     async def serve_one():
         (embeds, mask), (negative, negative_mask) = encode("a red fox"), encode("blurry")
         request = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "negative_prompt_embeds": negative,
-                   "negative_prompt_attention_mask": negative_mask, "guidance_scale": 3.0,
-                   "latent_shape": family.latent_shape(bucket, 1), "num_inference_steps": 3, "seed": 7,
-                   "sent_at": 0.0}
+                   "negative_prompt_attention_mask": negative_mask, "sent_at": 0.0,
+                   "request": GenerationRequest(prompt="a red fox", negative_prompt="blurry",
+                                                num_frames=bucket.num_frames, height=bucket.height,
+                                                width=bucket.width, num_inference_steps=3, guidance_scale=3.0,
+                                                seed=7, fps=8.0)}
         async for event in denoiser.denoise(request):
             if "latents" in event:
                 return await vae.decode(event["latents"])

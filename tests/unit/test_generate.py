@@ -228,8 +228,8 @@ BAD_ARGUMENTS = [
     ({"guidance_scale": math.nan}, "--guidance-scale"),
     ({"seed": -1}, "--seed must be an integer in 0..9223372036854775807"),
     ({"seed": 2**63}, "--seed"),
-    ({"prompt": ""}, "--prompt is empty"),
-    ({"prompt": "   "}, "--prompt is empty"),
+    ({"prompt": ""}, "--prompt is required and must not be empty"),
+    ({"prompt": "   "}, "--prompt is required and must not be empty"),
     ({"output": "video.avi"}, "must end in .mp4"),
     ({"output": ".mp4"}, ".mp4 has no file name before .mp4"),  # it read "must end in .mp4"
     ({"bucket": "9x64"}, "--bucket: bucket must look like NUM_FRAMESxHEIGHTxWIDTH"),
@@ -304,7 +304,7 @@ def test_stock_folder_without_recorded_buckets_needs_a_bucket(trained, tmp_path,
     assert info.buckets == [] and info.max_sequence_length == 256 and info.flow.shift == 3.0
     with pytest.raises(GenerateArgumentError, match="records no training bucket: pass --bucket"):
         check_generate_args(stock, "a red ball", tmp_path / "out.mp4")
-    assert check_generate_args(stock, "a red ball", tmp_path / "out.mp4", bucket="5x32x32")[1] == Bucket(5, 32, 32)
+    assert check_generate_args(stock, "a red ball", tmp_path / "out.mp4", bucket="5x32x32")[1].bucket == Bucket(5, 32, 32)
     (stock / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanVideoPipeline"}))
     with pytest.raises(ModelFolderError,
                        match="holds a HunyuanVideoPipeline pipeline; supported: AnimateDiffPipeline, "

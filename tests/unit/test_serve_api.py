@@ -741,11 +741,13 @@ def test_check_image_keeps_the_upload_as_sent_and_reads_its_size_from_the_header
 def test_the_job_record_says_when_the_first_frame_is_stretched_to_the_videos_aspect_ratio():
     """The stock pipelines resize the image to the video's size without cropping; vidray does the same and notes
     it in the job's params when the aspect ratios differ."""
+    from vidray.inference.request import GenerationRequest
     from vidray.serve.api import VideoRequest
 
     def request(size):
-        return VideoRequest(prompt="a", model="m", width=64, height=32, num_frames=5, seconds="1", seed=0,
-                            num_inference_steps=2, guidance_scale=1.0, negative_prompt="", input_reference=b"png",
+        generation = GenerationRequest(prompt="a", width=64, height=32, num_frames=5, seed=0, num_inference_steps=2,
+                                       guidance_scale=1.0, fps=8.0, image="input_reference")
+        return VideoRequest(generation=generation, model="m", seconds="1", input_reference=b"png",
                             input_reference_size=size)
 
     stretched = request((40, 40)).input_reference_note()

@@ -20,6 +20,7 @@ from PIL import Image  # noqa: E402
 
 from vidray.config import ExpertsConfig, FlowConfig, I2VConfig, ModelConfig, job_config_from_dict  # noqa: E402
 from vidray.buckets import Bucket  # noqa: E402
+from vidray.inference.request import GenerationRequest  # noqa: E402
 from vidray.inference.sampler import generate_video  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.experts import TwoExperts, expert_steps  # noqa: E402
@@ -73,8 +74,9 @@ def _request(model_dir, condition: dict | None, seed: int, steps: int) -> dict:
     embeds, mask = model.family.encode_prompt(model.components.text_encoder, model.components.tokenizer,
                                               ["a red fox"], max_sequence_length=model.max_sequence_length)
     return {"prompt_embeds": embeds, "prompt_attention_mask": mask, "negative_prompt_embeds": None,
-            "negative_prompt_attention_mask": None, "guidance_scale": 1.0,
-            "latent_shape": model.family.latent_shape(BUCKET, 1), "num_inference_steps": steps, "seed": seed,
+            "negative_prompt_attention_mask": None,
+            "request": GenerationRequest(prompt="a red fox", num_frames=BUCKET[0], height=BUCKET[1], width=BUCKET[2],
+                                         num_inference_steps=steps, guidance_scale=1.0, seed=seed, fps=8.0),
             "inpaint_latents": None, **(condition or {}), "sent_at": time.time()}
 
 

@@ -22,6 +22,7 @@ from PIL import Image  # noqa: E402
 from vidray.cards import BUILTIN_CARDS  # noqa: E402
 from vidray.config import FlowConfig, I2VConfig, ModelConfig, job_config_from_dict  # noqa: E402
 from vidray.buckets import Bucket  # noqa: E402
+from vidray.inference.request import GenerationRequest  # noqa: E402
 from vidray.inference.sampler import generate_video  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import inspect_model, load_model, write_job_file  # noqa: E402
@@ -68,9 +69,10 @@ def _serve(model_dir, image: bytes | None, seed: int) -> torch.Tensor:
                                                  max_sequence_length=text.max_sequence_length, device="cpu")
         condition = {} if image is None else await vae.encode_image(image, tuple(BUCKET), seed)
         request = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "negative_prompt_embeds": None,
-                   "negative_prompt_attention_mask": None, "guidance_scale": 1.0,
-                   "latent_shape": inspect_model(str(model_dir)).family.latent_shape(BUCKET, 1),
-                   "num_inference_steps": STEPS, "seed": seed,
+                   "negative_prompt_attention_mask": None,
+                   "request": GenerationRequest(prompt="a red fox", num_frames=BUCKET[0], height=BUCKET[1],
+                                                width=BUCKET[2], num_inference_steps=STEPS, guidance_scale=1.0,
+                                                seed=seed, fps=8.0, image=None if image is None else "first.png"),
                    "inpaint_latents": None, **condition, "sent_at": time.time()}
         async for event in denoiser.denoise(request):
             if "latents" in event:

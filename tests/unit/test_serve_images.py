@@ -238,6 +238,7 @@ def test_the_store_keeps_the_uploads_own_bytes_until_the_vae_stage_no_longer_nee
     the VAE stage encoded it on the job's last attempt (the denoiser then runs without it on disk), else once the
     job finished (a retry after a replica died encodes it again)."""
     from tests.unit.test_serve_app import _Stages, run_until_finished
+    from vidray.inference.request import GenerationRequest
     from vidray.serve.api import VideoRequest
     from vidray.serve.app import ServeSettings, VideoJobService
 
@@ -259,9 +260,10 @@ def test_the_store_keeps_the_uploads_own_bytes_until_the_vae_stage_no_longer_nee
     async def scenario():
         stages = Stages(np.zeros((9, 64, 48, 3), dtype=np.uint8))
         service = VideoJobService(settings, None, stages, stages, stages)
-        request = VideoRequest(prompt="a", model="vidray", width=48, height=64, num_frames=9, seconds="1.125",
-                               seed=0, num_inference_steps=2, guidance_scale=1.0, negative_prompt="",
-                               input_reference=upload, input_reference_size=(40, 30), input_reference_format="JPEG")
+        generation = GenerationRequest(prompt="a", width=48, height=64, num_frames=9, seed=0, num_inference_steps=2,
+                                       guidance_scale=1.0, fps=8.0, image="input_reference")
+        request = VideoRequest(generation=generation, model="vidray", seconds="1.125", input_reference=upload,
+                               input_reference_size=(40, 30), input_reference_format="JPEG")
         job = await service.submit(request)
         assert service.store.read_input(job["id"]) == upload  # the upload's own bytes
         return job["id"], await run_until_finished(service, job["id"], timeout_s=30)

@@ -32,12 +32,13 @@ class _Remote:
 
 class Stages:
     """Stand-ins for the TextEncoder, Denoiser and VaeDecoder handles: a denoise streams one event per step,
-    `step_s` seconds apart; `prompts` lists the renders in the order they started, `num_decoded` counts the renders
-    that reached the VAE."""
+    `step_s` seconds apart; `prompts` lists the renders in the order they started, `requests` the
+    `GenerationRequest` each denoise received, `num_decoded` counts the renders that reached the VAE."""
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
         self.prompts: list[str] = []
+        self.requests: list = []
         self.num_decoded = 0
         self.text = type("Text", (), {"encode": _Remote(self._encode)})()
         self.denoiser = type("Denoiser", (), {"options": lambda _self, **_: _self,
@@ -50,13 +51,14 @@ class Stages:
 
     def _denoise(self, request: dict):
         stages = self
+        self.requests.append(request["request"])
 
         class Stream:
             def cancel(self) -> None:
                 pass
 
             async def __aiter__(self):
-                steps = request["num_inference_steps"]
+                steps = request["request"].num_inference_steps
                 for step in range(1, steps + 1):
                     await asyncio.sleep(stages.step_s)
                     yield {"step": step, "num_inference_steps": steps}

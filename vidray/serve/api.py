@@ -4,8 +4,12 @@ image (`input_reference`) against both before any model work.
 
 `vidray.serve.wire` turns a body into (fields, image) first; `vidray.serve.routes` calls `parse_video_request` on
 them, then `decode_input_reference` for an image, and hands the `VideoRequest` to the job runner
-(`vidray.serve.app`); the model deployments never see HTTP. Refusals are `vidray.serve.errors.RequestError`s, each
-naming the field, the value, the rule and the fix. No Ray and no torch in this module.
+(`vidray.serve.app`); the model deployments never see HTTP. What to generate is a
+`vidray.inference.request.GenerationRequest` (`VideoRequest.generation`), whose rules (prompt, steps, guidance,
+seed, the bucket against the family's card) are the ones `vidray generate` applies, worded with the same text;
+this module keeps the Videos API's own: text to numbers, `size` and `seconds`, the serving limits, the image.
+Refusals are `vidray.serve.errors.RequestError`s, each naming the field, the value, the rule and the fix. No Ray
+and no torch in this module.
 
 Create fields beyond the SDK's (`prompt`, `model`, `size`, `seconds`, `input_reference`) are sent with
 ``extra_body={"num_frames": 49, "seed": 7, ...}``; the SDK turns them into form fields. See
@@ -16,10 +20,19 @@ from __future__ import annotations
 
 import math
 import re
-import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from vidray.inference.request import (
+    MAX_NUM_INFERENCE_STEPS,
+    SEED_MAX,
+    STORED_IMAGE,
+    GenerationRequest,
+    GenerationRequestError,
+    Problem,
+    field_problems,
+    is_blank,
+)
 from vidray.serve import images
 from vidray.serve.errors import (
     CREATE_FIELDS,
@@ -41,8 +54,8 @@ __all__ = [
     "parse_video_request",
 ]
 
-MAX_SEED = 2**63 - 1
-"""Largest accepted `seed` (seeds are 0 .. 2**63-1, what `torch.Generator.manual_seed` takes without wrapping)."""
+MAX_SEED = SEED_MAX
+"""Largest accepted `seed` (`vidray.inference.request.SEED_MAX`)."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -88,6 +101,8 @@ class ModelSpec:
     """Largest `input_reference` width and height in pixels this model takes (the image is resized to the video's
     size: `vidray.serve.app.model_spec` sets twice the largest side of its buckets and of the sizes it serves);
     None: only `ApiLimits.max_image_px` applies."""
+    family: str | None = None
+    """The model's family (`vidray.cards`): each `GenerationRequest` is checked against its card; None: not."""
 
     def __post_init__(self) -> None:
         width, height = self.default_size
@@ -112,28 +127,18 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class VideoRequest:
-    """A validated `POST /v1/videos` request, ready for the job runner. Built only by `parse_video_request`."""
+    """A validated `POST /v1/videos` request, ready for the job runner. Built only by `parse_video_request`: the
+    `GenerationRequest` (what to generate, `vidray.inference.request`) and what the Videos API adds around it (the
+    model's name, the `seconds` string, the uploaded first frame). The generation fields read through
+    (`request.prompt`, `request.width`, ...)."""
 
-    prompt: str
-    """Stripped, 1..max_prompt_chars characters."""
+    generation: GenerationRequest
+    """What to generate: prompt, negative prompt, num_frames x height x width, steps, guidance, seed, fps; `image`
+    is `STORED_IMAGE` when `input_reference` is given."""
     model: str
     """Always the serving model's `ModelSpec.name`."""
-    width: int
-    """Pixels; a multiple of `ModelSpec.size_multiple`, <= max_width."""
-    height: int
-    """Pixels; a multiple of `ModelSpec.size_multiple`, <= max_height."""
-    num_frames: int
-    """A count the model can make (`ModelSpec.valid_num_frames`), <= max_num_frames."""
     seconds: str
     """The clip's actual duration num_frames / fps, as the video object's `seconds` string (e.g. "4.125")."""
-    seed: int
-    """0 .. 2**63-1; 0 when the request gives none (same request -> same video)."""
-    num_inference_steps: int
-    """1 .. ApiLimits.max_num_inference_steps."""
-    guidance_scale: float
-    """Finite, >= 1.0 (1.0 = no classifier-free guidance)."""
-    negative_prompt: str
-    """Stripped; "" when not given."""
     input_reference: bytes | None = field(default=None, repr=False)
     """The first-frame image file's own bytes, as uploaded (PNG, JPEG or WebP; not re-encoded), or None for
     text-to-video."""
@@ -141,6 +146,13 @@ class VideoRequest:
     """(width, height) of `input_reference` in pixels, from its header; None for text-to-video."""
     input_reference_format: str | None = None
     """Its format, a key of `vidray.serve.images.IMAGE_FORMATS` ("PNG", "JPEG", "WEBP"); None for text-to-video."""
+
+    def __getattr__(self, name: str):
+        """The generation fields (prompt, width, height, num_frames, seed, num_inference_steps, guidance_scale,
+        negative_prompt, fps), read from `generation`."""
+        if name in _GENERATION_FIELDS:
+            return getattr(self.generation, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def input_reference_suffix(self) -> str | None:
@@ -168,6 +180,11 @@ class VideoRequest:
         """The video object's `size` string, "WxH"."""
         return f"{self.width}x{self.height}"
 
+
+_GENERATION_FIELDS = frozenset(("prompt", "negative_prompt", "width", "height", "num_frames", "seed",
+                                "num_inference_steps", "guidance_scale", "fps"))
+"""`VideoRequest`'s attributes read from its `GenerationRequest`."""
+
 # --------------------------------------------------------------------------------------------------------------
 # Parsing and validation (pure functions)
 # --------------------------------------------------------------------------------------------------------------
@@ -187,9 +204,22 @@ refused as not finite. The integer part and the fraction are separate groups: `[
 split a digit run every way before failing, ~5 s for 16,000 digits and a letter (issue 27)."""
 
 
-def _is_blank(text: str) -> bool:
-    """Only whitespace and invisible format characters (Unicode Cf: zero-width space, joiners, BOM), or empty."""
-    return all(ch.isspace() or unicodedata.category(ch) == "Cf" for ch in text)
+def _refusal(problem: Problem) -> RequestError:
+    """A `GenerationRequest` rule's problem as the 400 naming its field (the bucket's: `size`); a missing prompt is
+    `missing_required_parameter`."""
+    param = "size" if problem.field in ("bucket", "height", "width") else problem.field
+    param = "input_reference" if param == "image" else param
+    code = "missing_required_parameter" if problem.field == "prompt" else "invalid_value"
+    return RequestError(400, param, problem.message(), code=code)
+
+
+def _check(limits: ApiLimits, **values) -> None:
+    """Apply the request's rules (`vidray.inference.request.field_problems`) to `values`, steps capped at
+    `limits.max_num_inference_steps`; raise the first problem's 400 (`_refusal`)."""
+    problems = field_problems(values, max_num_inference_steps=min(limits.max_num_inference_steps,
+                                                                  MAX_NUM_INFERENCE_STEPS))
+    if problems:
+        raise _refusal(problems[0])
 
 
 def parse_int(name: str, text: str, what: str) -> int:
@@ -299,6 +329,10 @@ def parse_video_request(
               `spec.default_num_inference_steps`.
             - `guidance_scale`: finite, >= 1.0, default `spec.default_guidance_scale`.
             - `negative_prompt`: at most `limits.max_prompt_chars` characters, default "".
+            The prompt, seed, steps and guidance rules are the `GenerationRequest`'s (`vidray.inference.request.
+            field_problems`, the same text `vidray generate` gives), applied here as each field is read so the
+            first bad field is the one reported; the request is then built, with the bucket checked against
+            `spec.family`'s card.
         image: the `input_reference` upload as (filename, content_type, bytes), or None. Its content type is not
             trusted: `_check_image` checks the bytes without decoding them (PNG, JPEG or WebP by their magic
             bytes, each side at most `_image_side_limit`, a JPEG's scans bounded); the route then decodes them in
@@ -335,13 +369,11 @@ def parse_video_request(
 
     def given(name: str) -> str | None:
         value = fields.get(name)
-        return None if value is None or _is_blank(value) else value.strip()
+        return None if value is None or is_blank(value) else value.strip()
 
     # 2. Prompt.
     prompt = (fields.get("prompt") or "").strip()
-    if _is_blank(prompt):
-        raise RequestError(400, "prompt", "prompt is required and must not be empty or only whitespace",
-                           code="missing_required_parameter")
+    _check(limits, prompt=prompt)
 
     # 3. Model.
     model = given("model")
@@ -389,21 +421,16 @@ def parse_video_request(
     seed = 0
     if (text := given("seed")) is not None:
         seed = parse_int("seed", text, f"0..{MAX_SEED}")
-        if not 0 <= seed <= MAX_SEED:
-            raise RequestError(400, "seed", f"seed must be within 0..{MAX_SEED} (2**63-1), got {seed}")
+        _check(limits, seed=seed)
     num_inference_steps = spec.default_num_inference_steps
     if (text := given("num_inference_steps")) is not None:
         num_inference_steps = parse_int("num_inference_steps", text, f"1..{limits.max_num_inference_steps}")
-        if not 1 <= num_inference_steps <= limits.max_num_inference_steps:
-            raise RequestError(400, "num_inference_steps", f"num_inference_steps must be within "
-                               f"1..{limits.max_num_inference_steps}, got {num_inference_steps}")
+        _check(limits, num_inference_steps=num_inference_steps)
     guidance_scale = float(spec.default_guidance_scale)
     if (text := given("guidance_scale")) is not None:
         guidance_scale = _parse_float("guidance_scale", text, ">= 1.0")
-        if guidance_scale < 1.0:
-            raise RequestError(400, "guidance_scale", f"guidance_scale must be >= 1.0 (1.0 = no guidance), got "
-                               f"{text}")
-    negative_prompt = "" if _is_blank(fields.get("negative_prompt") or "") else fields["negative_prompt"].strip()
+        _check(limits, guidance_scale=guidance_scale)
+    negative_prompt = "" if is_blank(fields.get("negative_prompt") or "") else fields["negative_prompt"].strip()
 
     # 7. Image.
     input_reference = input_reference_size = input_reference_format = None
@@ -412,17 +439,19 @@ def parse_video_request(
         input_reference, input_reference_format = image[2], header.format
         input_reference_size = (header.width, header.height)
 
+    # 8. The request itself, all its rules at once and the bucket against the family's card.
+    try:
+        generation = GenerationRequest(
+            prompt=prompt, negative_prompt=negative_prompt, num_frames=num_frames, height=height, width=width,
+            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed, fps=float(spec.fps),
+            image=None if image is None else STORED_IMAGE, family=spec.family,
+        )
+    except GenerationRequestError as err:
+        raise _refusal(err.problems[0]) from None
     return VideoRequest(
-        prompt=prompt,
+        generation=generation,
         model=spec.name,
-        width=width,
-        height=height,
-        num_frames=num_frames,
         seconds=_format_seconds(num_frames, spec.fps),
-        seed=seed,
-        num_inference_steps=num_inference_steps,
-        guidance_scale=guidance_scale,
-        negative_prompt=negative_prompt,
         input_reference=input_reference,
         input_reference_size=input_reference_size,
         input_reference_format=input_reference_format,

@@ -369,6 +369,7 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
         default_num_inference_steps=settings.default_num_inference_steps,
         default_guidance_scale=settings.default_guidance_scale,
         max_image_px=IMAGE_SIDE_FACTOR * largest_side,
+        family=family.name,
     )
 
 
@@ -434,12 +435,7 @@ class VideoJobService:
         `limits.max_queued_jobs` or `limits.max_queued_jobs_per_token`, `StorageFullError` past a byte quota or
         with the disk under `limits.min_free_bytes`, `IdempotencyKeyReusedError`, OSError / sqlite3 errors when
         the store cannot be written (the route answers 429, 403 or 507, 422, 507 or 503)."""
-        params = {
-            "num_frames": request.num_frames, "width": request.width, "height": request.height,
-            "seed": request.seed, "num_inference_steps": request.num_inference_steps,
-            "guidance_scale": request.guidance_scale, "negative_prompt": request.negative_prompt,
-            "fps": self.spec.fps,
-        }
+        params = request.generation.to_dict()  # the job's GenerationRequest (`VideoJob.request` reads it back)
         if (note := request.input_reference_note()) is not None:
             params["input_reference"] = note  # its size, and a note when the video's aspect ratio stretches it
         job = await asyncio.to_thread(
@@ -781,13 +777,12 @@ class VideoJobService:
         progress) -> decode -> mp4 in the store's folder; None if the job was lost."""
         from vidray.data.video import write_mp4
 
-        params = job.params
-        num_frames, width, height = params["num_frames"], params["width"], params["height"]
-        guided = params["guidance_scale"] > 1.0
+        generation = job.request  # the GenerationRequest the route built, as stored
+        guided = generation.guided
         # 1. Encode the prompt (and the negative prompt for classifier-free guidance).
-        calls = [self.text.encode.remote(job.prompt)]
+        calls = [self.text.encode.remote(generation.prompt)]
         if guided:
-            calls.append(self.text.encode.remote(params.get("negative_prompt", "")))
+            calls.append(self.text.encode.remote(generation.negative_prompt))
         condition = None
         if job.input_reference is not None:  # image-to-video: the first frame's condition, by the VAE stage
             image = await asyncio.to_thread(self.store.read_input, job.id)
@@ -797,7 +792,7 @@ class VideoJobService:
                 raise InputReferenceGoneError(
                     "the input_reference image was deleted after an earlier attempt encoded it (the job was handed "
                     "back by a stopping replica); create the video again")
-            condition = self.vae.encode_image.remote(image, (num_frames, height, width), params["seed"])
+            condition = self.vae.encode_image.remote(image, tuple(generation.bucket), generation.seed)
         encoded = [await call for call in calls]
         condition = {} if condition is None else await condition  # inpaint_latents[, image_embeds]
         if job.input_reference is not None and job.attempts >= self.settings.runner.max_attempts:
@@ -806,12 +801,9 @@ class VideoJobService:
         # 2. Denoise, following the step events.
         prompt_embeds, prompt_attention_mask = encoded[0]
         request = {
-            "prompt_embeds": prompt_embeds, "prompt_attention_mask": prompt_attention_mask,
+            "request": generation, "prompt_embeds": prompt_embeds, "prompt_attention_mask": prompt_attention_mask,
             "negative_prompt_embeds": encoded[1][0] if guided else None,
             "negative_prompt_attention_mask": encoded[1][1] if guided else None,
-            "guidance_scale": params["guidance_scale"],
-            "latent_shape": self.info.family.latent_shape((num_frames, height, width), 1),
-            "num_inference_steps": params["num_inference_steps"], "seed": params["seed"],
             "inpaint_latents": None, **condition, "sent_at": time.time(),
         }
         # A two-expert model's high-noise stage hands its latents and step to the low-noise one.
@@ -827,7 +819,7 @@ class VideoJobService:
         frames = await self.vae.decode.remote(latents)
         mp4 = await asyncio.to_thread(self.store.temp_video)
         try:
-            await asyncio.to_thread(write_mp4, frames, mp4, float(params["fps"]), crf=self.settings.crf)
+            await asyncio.to_thread(write_mp4, frames, mp4, generation.fps, crf=self.settings.crf)
         except BaseException:  # failed or cancelled mid-write: its temp file goes now, not at the sweep
             mp4.unlink(missing_ok=True)
             raise

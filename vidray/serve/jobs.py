@@ -69,6 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from vidray.inference.request import STORED_IMAGE, GenerationRequest
 from vidray.private_dirs import private_dir
 
 __all__ = [
@@ -295,7 +296,9 @@ class VideoJob:
     seconds: str
     """Clip length as the OpenAI API gives it, a decimal string, e.g. ``"1.125"``."""
     params: dict
-    """Generation parameters (JSON): num_frames, seed, num_inference_steps, guidance_scale, negative_prompt, fps..."""
+    """Generation parameters (JSON): a `GenerationRequest.to_dict()` (the serve plane's jobs; `request` reads it
+    back, as it reads the bare numbers jobs stored before that type: num_frames, width, height, seed,
+    num_inference_steps, guidance_scale, negative_prompt, fps), plus the `input_reference` note."""
     attempts: int
     """How many times a runner claimed the job."""
     owner: str | None
@@ -314,6 +317,16 @@ class VideoJob:
     expires_at: int | None = None
     """Unix time, seconds, after which a finished job and its files are removed (`JobStore.sweep_expired`); None
     while unfinished or when the store keeps jobs forever."""
+
+    @property
+    def request(self) -> GenerationRequest:
+        """The job's `GenerationRequest`, read from `params` (`GenerationRequest.from_dict`); a record of before
+        that type (no `version`) gets its prompt from `prompt` and its image from `input_reference`. Raises
+        ValueError (`GenerationRequestError`) for params that are no valid request."""
+        if "version" in self.params:
+            return GenerationRequest.from_dict(self.params)
+        return GenerationRequest.from_dict(self.params, prompt=self.prompt,
+                                           image=None if self.input_reference is None else STORED_IMAGE)
 
     def to_openai(self) -> dict:
         """The OpenAI Videos API ``video`` object: exactly the keys ``id, object, created_at, status, progress,

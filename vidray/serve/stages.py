@@ -35,6 +35,7 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
+from vidray.inference.request import GenerationRequest
 from vidray.serve.images import IMAGE_FORMATS
 from vidray.serve.metrics import DenoiserMetrics, gauge_refresh_s
 from vidray.serve.policy import BatchPolicy, PolicyConfig, check_max_ongoing_requests
@@ -196,9 +197,14 @@ class VaeDecoder:
 
 @dataclass
 class _Request:
+    """One request in the denoiser's queue or running batch: its `GenerationRequest` (as the ingress built it) and
+    the batching state around it."""
+
     state: Any  # vidray.inference.sampler.DenoiseState
     events: asyncio.Queue
     arrived_at: float
+    request: GenerationRequest | None = None
+    """What to generate, received as-is (None only in tests that build a bare state)."""
     last_step_at: float = 0.0
     admitted_at: float = 0.0
     stepped_s: float = 0.0
@@ -239,10 +245,11 @@ class Denoiser:
 
     `denoise(request)` streams `{"step": i, "num_inference_steps": n}` after the request's steps (at most every
     PROGRESS_EVERY_S seconds), then
-    `{"latents": (1, C, F_lat, H_lat, W_lat) float32, "step": the step they are at}`. request keys: prompt_embeds
-    (1, L, D), prompt_attention_mask (1, L), negative_prompt_embeds / negative_prompt_attention_mask (or None),
-    guidance_scale (float >= 1), latent_shape (1, C, F_lat, H_lat, W_lat), num_inference_steps, seed, sent_at
-    (unix seconds). Noise is drawn as `vidray generate` draws it (`initial_noise(latent_shape, seed)`).
+    `{"latents": (1, C, F_lat, H_lat, W_lat) float32, "step": the step they are at}`. request keys: request (the
+    `vidray.inference.request.GenerationRequest`, as stored: its bucket, num_inference_steps, guidance_scale and
+    seed), prompt_embeds (1, L, D), prompt_attention_mask (1, L), negative_prompt_embeds /
+    negative_prompt_attention_mask (or None), sent_at (unix seconds). Noise is drawn as `vidray generate` draws it
+    (`initial_noise(latent_shape, seed)`, the latent shape the family's for the request's bucket).
 
     Two experts (Wan 2.2 A14B, `expert`): a model of two is served by two deployments of this class, each loading
     its expert alone (`expert="high"`, deployment `Denoiser`; `expert="low"`, `LowNoiseDenoiser`), each batching
@@ -322,19 +329,20 @@ class Denoiser:
         self.metrics.observe_transfer(transfer_s)
 
         # 2. Queue the request's state for the step loop (at once done when this expert takes none of its steps).
-        sigmas = self.family.inference_sigmas(int(request["num_inference_steps"]), shift=self.flow.shift,
+        generation: GenerationRequest = request["request"]
+        latent_shape = self.family.latent_shape(generation.bucket, 1)
+        sigmas = self.family.inference_sigmas(generation.num_inference_steps, shift=self.flow.shift,
                                               num_train_timesteps=self.flow.num_train_timesteps)
         start, end = self._steps(request, sigmas)
         state = DenoiseState(
-            latents=(initial_noise(tuple(request["latent_shape"]), int(request["seed"])) if start == 0
-                     else request["latents"]),
+            latents=initial_noise(latent_shape, generation.seed) if start == 0 else request["latents"],
             sigmas=sigmas, step=start, end_step=end,
             prompt_embeds=request["prompt_embeds"],
             prompt_attention_mask=request["prompt_attention_mask"],
-            guidance_scale=float(request.get("guidance_scale", 1.0)),
+            guidance_scale=generation.guidance_scale,
             negative_prompt_embeds=request.get("negative_prompt_embeds"),
             negative_prompt_attention_mask=request.get("negative_prompt_attention_mask"),
-            inpaint_latents=self._condition(request),
+            inpaint_latents=self._condition(request, latent_shape),
             image_embeds=self._image_embeds(request),
         )
         if state.done:
@@ -345,7 +353,7 @@ class Denoiser:
         if self._last_arrival is not None:  # the recent gaps between arrivals, for the policy's wait
             self._arrival_gaps_s.append(now - self._last_arrival)
         self._last_arrival = now
-        entry = _Request(state, asyncio.Queue(), now)
+        entry = _Request(state, asyncio.Queue(), now, request=generation)
         self._pending.append(entry)
         self._wake.set()
         if self._loop_task is None or self._loop_task.done():
@@ -379,7 +387,7 @@ class Denoiser:
                              f"the high-noise expert's latents and step {start}, got step {request.get('step')}")
         return start, end
 
-    def _condition(self, request: dict[str, Any]) -> Any:
+    def _condition(self, request: dict[str, Any], latent_shape: tuple[int, ...]) -> Any:
         """An image-to-video model's condition for `request`: its "inpaint_latents" (1, C_in, F_lat, H_lat, W_lat),
         encoded from the first frame by the `VaeDecoder`, or the family's empty condition (text-to-video through
         the image-to-video model, as `vidray generate` without `--image`); None for a text-to-video model. Raises
@@ -390,7 +398,7 @@ class Denoiser:
                 raise ValueError("this model is text-to-video: a request carries no inpaint_latents")
             return None
         if inpaint is None:
-            return self.family.empty_condition(tuple(request["latent_shape"]))
+            return self.family.empty_condition(latent_shape)
         return inpaint
 
     def _image_embeds(self, request: dict[str, Any]) -> Any:
