@@ -137,22 +137,23 @@ def test_the_objective_is_epsilon_on_the_exported_scheduler(family, exported):
     latents, noise = torch.randn(3, 4, 2, 8, 8, generator=g), torch.randn(3, 4, 2, 8, 8, generator=g)
     sigmas = torch.tensor([0.0, 0.4173, 1.0])
     t = torch.tensor([0, 417, 999])
-    torch.testing.assert_close(family.model_timesteps(sigmas, 1000), t.float())
-    torch.testing.assert_close(family.noisy_latents(latents, noise, sigmas), scheduler.add_noise(latents, noise, t),
+    torch.testing.assert_close(family.objective.model_timesteps(sigmas, 1000), t.float())
+    torch.testing.assert_close(family.objective.noisy_latents(latents, noise, sigmas),
+                               scheduler.add_noise(latents, noise, t),
                                atol=1e-5, rtol=1e-5)
-    assert torch.equal(family.training_target(latents, noise, sigmas), noise)
+    assert torch.equal(family.objective.training_target(latents, noise, sigmas), noise)
     for steps in (1, 4, 25):
         scheduler.set_timesteps(steps)
-        sigmas = family.inference_sigmas(steps, shift=3.0, num_train_timesteps=1000)
+        sigmas = family.objective.inference_sigmas(steps, shift=3.0, num_train_timesteps=1000)
         assert torch.equal((sigmas[:-1] * 1000).round().long(), scheduler.timesteps) and sigmas[-1] < 0
     # One sampler step is DDIMScheduler.step (its prev_timestep t - 1000 // steps is vidray's next timestep).
     scheduler.set_timesteps(4)
-    sigmas = family.inference_sigmas(4, shift=3.0, num_train_timesteps=1000)
+    sigmas = family.objective.inference_sigmas(4, shift=3.0, num_train_timesteps=1000)
     for i, step_t in enumerate(scheduler.timesteps):
-        ours = family.sampler_step(latents, noise, sigmas[i].repeat(3), sigmas[i + 1].repeat(3))
+        ours = family.objective.sampler_step(latents, noise, sigmas[i].repeat(3), sigmas[i + 1].repeat(3))
         torch.testing.assert_close(ours, scheduler.step(noise, step_t, latents).prev_sample, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="set flow.num_train_timesteps: 1000"):
-        family.inference_sigmas(4, shift=3.0, num_train_timesteps=500)
+        family.objective.inference_sigmas(4, shift=3.0, num_train_timesteps=500)
 
 
 def test_only_the_motion_modules_train(family):

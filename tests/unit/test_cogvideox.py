@@ -137,16 +137,16 @@ def test_the_objective_is_v_prediction_on_the_exported_scheduler(family, exporte
     latents, noise = torch.randn(3, 16, 3, 4, 4, generator=g), torch.randn(3, 16, 3, 4, 4, generator=g)
     sigmas = torch.tensor([0.0, 0.4173, 1.0])
     t = torch.tensor([0, 417, 999])
-    torch.testing.assert_close(family.model_timesteps(sigmas, 1000), t.float())
-    torch.testing.assert_close(family.noisy_latents(latents, noise, sigmas),
+    torch.testing.assert_close(family.objective.model_timesteps(sigmas, 1000), t.float())
+    torch.testing.assert_close(family.objective.noisy_latents(latents, noise, sigmas),
                                pipe.scheduler.add_noise(latents, noise, t), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(family.training_target(latents, noise, sigmas),
+    torch.testing.assert_close(family.objective.training_target(latents, noise, sigmas),
                                pipe.scheduler.get_velocity(latents, noise, t), atol=1e-5, rtol=1e-5)
     pipe.scheduler.set_timesteps(4)
-    sigmas = family.inference_sigmas(4, shift=3.0, num_train_timesteps=1000)
+    sigmas = family.objective.inference_sigmas(4, shift=3.0, num_train_timesteps=1000)
     assert torch.equal((sigmas[:-1] * 1000).round().long(), pipe.scheduler.timesteps) and sigmas[-1] < 0
     with pytest.raises(ValueError, match="set flow.num_train_timesteps: 1000"):
-        family.inference_sigmas(4, shift=3.0, num_train_timesteps=500)
+        family.objective.inference_sigmas(4, shift=3.0, num_train_timesteps=500)
 
 
 def _five_b_folder(out_dir, tmp_path):
@@ -168,15 +168,16 @@ def test_the_objective_and_a_sampler_step_follow_the_family_s_scheduler_as_diffu
     g = torch.Generator().manual_seed(2)
     latents, noise = torch.randn(3, 16, 3, 4, 4, generator=g), torch.randn(3, 16, 3, 4, 4, generator=g)
     sigmas, t = torch.tensor([0.0, 0.6, 1.0]), torch.tensor([0, 600, 999])
-    torch.testing.assert_close(family.noisy_latents(latents, noise, sigmas), scheduler.add_noise(latents, noise, t),
+    torch.testing.assert_close(family.objective.noisy_latents(latents, noise, sigmas),
+                               scheduler.add_noise(latents, noise, t),
                                atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(family.training_target(latents, noise, sigmas),
+    torch.testing.assert_close(family.objective.training_target(latents, noise, sigmas),
                                scheduler.get_velocity(latents, noise, t), atol=1e-5, rtol=1e-5)
     scheduler.set_timesteps(4)
-    steps = family.inference_sigmas(4, shift=1.0, num_train_timesteps=1000)
+    steps = family.objective.inference_sigmas(4, shift=1.0, num_train_timesteps=1000)
     model_pred = torch.randn(1, 16, 3, 4, 4, generator=g)
     for i in (0, 3):  # a middle step (999 -> 749) and the last (249 -> the clean end, final alpha 1)
-        ours = family.sampler_step(latents[:1], model_pred, steps[i:i + 1], steps[i + 1:i + 2])
+        ours = family.objective.sampler_step(latents[:1], model_pred, steps[i:i + 1], steps[i + 1:i + 2])
         stock = scheduler.step(model_pred, scheduler.timesteps[i], latents[:1], return_dict=False)[0]
         torch.testing.assert_close(ours, stock, atol=1e-5, rtol=1e-5)
 

@@ -92,29 +92,19 @@ def test_bad_settings_name_the_valid_choices():
 
 
 class _VPredictionFamily:
-    """The tiny EasyAnimate stack under CogVideoX's objective, for the seam test below: the family methods a DDIM
-    family overrides (noise levels are timesteps / num_train_timesteps; the level below 0 is the clean end)."""
+    """The tiny EasyAnimate stack under CogVideoX's objective, for the seam test below: the family's `objective` is
+    a `vidray.diffusion.objectives.DDIM` (noise levels are timesteps / num_train_timesteps; the level below 0 is the
+    clean end)."""
 
     SCHEDULE = ddim.ddim_schedule(snr_shift_scale=3.0, rescale_betas_zero_snr=True)
 
     @staticmethod
     def make():
+        from vidray.diffusion.objectives import DDIM
         from vidray.models.easyanimate import EasyAnimateFamily
 
         class Family(EasyAnimateFamily):
-            objective = "v_prediction"
-
-            def model_timesteps(self, sigmas, num_train_timesteps):
-                return (sigmas.float() * num_train_timesteps).round()
-
-            def inference_sigmas(self, num_inference_steps, *, shift, num_train_timesteps):
-                steps = ddim.inference_timesteps(num_inference_steps, num_train_timesteps, spacing="trailing")
-                return torch.cat([steps, torch.tensor([-1])]).float() / num_train_timesteps
-
-            def sampler_step(self, latents, model_pred, sigmas, sigmas_next):
-                t = (sigmas.double() * 1000).round().long()
-                prev = (sigmas_next.double() * 1000).round().long()
-                return ddim.ddim_step(model_pred, latents, t, prev, _VPredictionFamily.SCHEDULE, "v_prediction")
+            objective = DDIM(_VPredictionFamily.SCHEDULE, "v_prediction", spacing="trailing")
 
         return Family()
 

@@ -58,7 +58,7 @@ def test_an_experts_sigmas_follow_the_whole_ranges_distribution_conditioned_on_i
 def test_every_timestep_an_expert_trains_on_is_one_the_sampler_routes_to_it(expert):
     sigmas = sample_sigmas(100_000, FLOW, generator=torch.Generator().manual_seed(2),
                            sigma_range=expert_sigma_range(expert, 0.9))
-    timesteps = FAMILY.model_timesteps(sigmas, 1000)
+    timesteps = FAMILY.objective.model_timesteps(sigmas, 1000)
     high = timesteps >= 0.9 * 1000  # TwoExperts.high_noise: the stock pipelines' per-step rule
     assert bool(high.all()) if expert == "high" else not bool(high.any())
 

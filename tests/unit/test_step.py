@@ -98,15 +98,19 @@ def test_gradient_reaches_trainable_transformer_parameters_and_not_frozen_ones(f
 
 
 def test_the_step_trains_the_familys_objective(family, transformer):
-    """The step asks the family for noisy_latents and the target: a family trained on epsilon (AnimateDiff's
-    objective) plugs in by overriding the two methods, without touching the step."""
+    """The step asks the family's objective for noisy_latents and the target: a family trained on epsilon
+    (AnimateDiff's objective) plugs in by giving its own `objective`, without touching the step."""
+    from vidray.diffusion.objectives import FlowMatching
     from vidray.models.easyanimate import EasyAnimateFamily
 
-    class EpsilonFamily(EasyAnimateFamily):
-        objective = "epsilon"
+    class Epsilon(FlowMatching):
+        name = "epsilon"
 
         def training_target(self, latents, noise, sigmas):
             return noise
+
+    class EpsilonFamily(EasyAnimateFamily):
+        objective = Epsilon()
 
     latents, prompt_embeds, mask = _batch(family, transformer)
     eps = flow_matching_step_loss(EpsilonFamily(), transformer, latents, prompt_embeds, mask, FLOW,
@@ -120,4 +124,4 @@ def test_the_step_trains_the_familys_objective(family, transformer):
         model_pred = transformer((1 - s) * latents + s * noise, s.flatten() * 1000,
                                  encoder_hidden_states=prompt_embeds).sample
     torch.testing.assert_close(eps.detach(), ((model_pred - noise) ** 2).mean(), rtol=1e-5, atol=1e-6)
-    assert family.objective == "flow_matching"
+    assert family.objective.name == "flow_matching"

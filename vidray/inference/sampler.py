@@ -6,8 +6,8 @@ let a server run a continuous batch (iteration-level batching, Orca, Yu et al. O
 shape join and leave the running batch between steps, and each gets the latents it would get alone (to float
 tolerance: a batched matmul may round differently from a single one).
 
-The schedule and the step come from the model family (`ModelFamily.inference_sigmas`, `model_timesteps`,
-`sampler_step`): for flow matching (EasyAnimate), Euler integration of the rectified-flow ODE
+The schedule and the step come from the model family's objective (`family.objective`: `inference_sigmas`,
+`model_timesteps`, `sampler_step`): for flow matching (EasyAnimate), Euler integration of the rectified-flow ODE
 d(latents)/d(sigma) = model_pred from sigma = 1 to 0 on the shifted sigmas of diffusers'
 FlowMatchEulerDiscreteScheduler; a DDIM family steps with `vidray.diffusion.ddim.ddim_step`. Classifier-free
 guidance as in EasyAnimatePipeline: one batched call on [uncond, cond], then
@@ -76,15 +76,15 @@ def denoise_step(
     inpaint_latents: torch.Tensor | None = None,
     image_embeds: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One sampler step (`family.sampler_step`: Euler for flow matching) for a batch of samples, each at its own
-    noise level: latents (B, C, F, H, W) at `sigmas` (B,) -> latents at `sigmas_next` (B,), float32 on the
+    """One sampler step (`family.objective.sampler_step`: Euler for flow matching) for a batch of samples, each at
+    its own noise level: latents (B, C, F, H, W) at `sigmas` (B,) -> latents at `sigmas_next` (B,), float32 on the
     transformer's execution device (`vidray.models.offload.execution_device`). The transformer's input is cast to
     its compute dtype (`compute_dtype`: bf16 on a GPU, fp32 on CPU by default) and its prediction back to float32
     for the step, as diffusers' flow-matching pipelines keep float32 latents beside a bf16 transformer (WanPipeline).
 
-    timesteps = `family.model_timesteps(sigmas)` (B,) go to `family.predict` in their own dtype (float32 for flow
-    matching, as in training; the family casts them as its pipeline does: EasyAnimate to the latents' dtype, Wan
-    not at all), with prompt_embeds (B, L, D) and
+    timesteps = `family.objective.model_timesteps(sigmas)` (B,) go to `family.predict` in their own dtype (float32
+    for flow matching, as in training; the family casts them as its pipeline does: EasyAnimate to the latents' dtype,
+    Wan not at all), with prompt_embeds (B, L, D) and
     prompt_attention_mask (B, L). Classifier-free guidance runs when negative_prompt_embeds/mask are given: one
     transformer call on [uncond, cond] (2B), then `uncond + guidance_scale * (cond - uncond)` with guidance_scale a
     float or a (B,) tensor (per sample). `inpaint_latents` (B, C_in, F, H, W): an image-to-video model's condition
@@ -111,7 +111,7 @@ def denoise_step(
         prompt_embeds = torch.cat([negative_prompt_embeds, prompt_embeds])
         prompt_attention_mask = torch.cat([negative_prompt_attention_mask, prompt_attention_mask])
     model_input = (torch.cat([latents, latents]) if do_cfg else latents).to(dtype)
-    t = family.model_timesteps(sigmas, num_train_timesteps).to(device=device)
+    t = family.objective.model_timesteps(sigmas, num_train_timesteps).to(device=device)
     t = torch.cat([t, t]) if do_cfg else t
     condition = {}
     if inpaint_latents is not None:
@@ -132,7 +132,7 @@ def denoise_step(
         if scale.ndim == 1:
             scale = scale.reshape(-1, *([1] * (pred_cond.ndim - 1)))
         model_pred = pred_uncond + scale * (pred_cond - pred_uncond)
-    return family.sampler_step(latents, model_pred, sigmas.to(device), sigmas_next.to(device))
+    return family.objective.sampler_step(latents, model_pred, sigmas.to(device), sigmas_next.to(device))
 
 
 def initial_noise(latent_shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -146,9 +146,10 @@ def initial_noise(latent_shape: tuple[int, ...], seed: int) -> torch.Tensor:
 @dataclass
 class DenoiseState:
     """One request in a continuous batch: its latents (1, C, F, H, W), its own schedule `sigmas`
-    (num_inference_steps + 1,) from `family.inference_sigmas`, the next step index, its conditioning (prompt_embeds
-    (1, L, D), prompt_attention_mask (1, L); negatives of the same shapes when guidance_scale > 1; an image-to-video
-    model's `inpaint_latents` (1, C_in, F, H, W), and its `image_embeds` (1, T, D_img) when the model takes them).
+    (num_inference_steps + 1,) from `family.objective.inference_sigmas`, the next step index, its conditioning
+    (prompt_embeds (1, L, D), prompt_attention_mask (1, L); negatives of the same shapes when guidance_scale > 1; an
+    image-to-video model's `inpaint_latents` (1, C_in, F, H, W), and its `image_embeds` (1, T, D_img) when the model
+    takes them).
     `end_step`: the step it is done at, when a stage takes only the steps before it (one expert of two,
     `vidray.models.experts.expert_steps`); None: the schedule's end."""
 
@@ -272,7 +273,8 @@ def sample_latents(
     device = execution_device(transformer)
 
     # 2. Prepare the schedule: (num_inference_steps + 1,) sigmas on the host, 1 -> 0
-    sigmas = family.inference_sigmas(num_inference_steps, shift=shift, num_train_timesteps=num_train_timesteps)
+    sigmas = family.objective.inference_sigmas(num_inference_steps, shift=shift,
+                                               num_train_timesteps=num_train_timesteps)
 
     # 3. Prepare initial noise (sigma = 1)
     if latents is None:

@@ -47,6 +47,7 @@ from vidray.models.storage import input_dtype
 from vidray.config import FlowConfig, ModelConfig
 from vidray.buckets import Bucket, validate_bucket
 from vidray.diffusion import ddim
+from vidray.diffusion.objectives import DDIM
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
@@ -102,6 +103,10 @@ SCHEDULE = ddim.ddim_schedule(
     NUM_TRAIN_TIMESTEPS, beta_start=SCHEDULER_CONFIG["beta_start"], beta_end=SCHEDULER_CONFIG["beta_end"],
     beta_schedule=SCHEDULER_CONFIG["beta_schedule"], set_alpha_to_one=SCHEDULER_CONFIG["set_alpha_to_one"])
 """`SCHEDULER_CONFIG` as `vidray.diffusion.ddim` computes it (checked against DDIMScheduler in tests)."""
+OBJECTIVE = DDIM(SCHEDULE, "epsilon", spacing="leading", steps_offset=SCHEDULER_CONFIG["steps_offset"],
+                 owner="the animatediff family")
+"""The family's objective: epsilon on `SCHEDULE`, DDIM steps on its "leading" timesteps with steps_offset 1 (4 steps:
+751, 501, 251, 1; `vidray.diffusion.objectives.DDIM`, as `DDIMScheduler` with clip_sample False)."""
 _SCHEDULE_KEYS = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule", "prediction_type")
 """Scheduler config keys a pretrained folder must share with `SCHEDULER_CONFIG` (they define the objective)."""
 
@@ -260,17 +265,6 @@ def _check_num_train_timesteps(num_train_timesteps: int) -> None:
                          f"{NUM_TRAIN_TIMESTEPS}")
 
 
-def _timesteps(sigmas: torch.Tensor) -> torch.Tensor:
-    """Noise levels (B,) -> int64 timesteps round(sigma * 1000), at most 999 (B,); -1 / 1000 -> -1 (the final
-    alpha)."""
-    return (sigmas.double() * NUM_TRAIN_TIMESTEPS).round().long().clamp(max=NUM_TRAIN_TIMESTEPS - 1)
-
-
-def _train_timesteps(sigmas: torch.Tensor) -> torch.Tensor:
-    """Noise levels (B,) in [0, 1] -> the int64 timesteps (B,) in 0..999 a training sample is noised at."""
-    return _timesteps(sigmas).clamp(0, NUM_TRAIN_TIMESTEPS - 1)
-
-
 def _trainable(unet: UNetMotionModel) -> UNetMotionModel:
     """`unet` in train mode with only its motion modules trainable (`freeze_unet2d_params`)."""
     unet.freeze_unet2d_params()
@@ -393,40 +387,7 @@ class AnimateDiffFamily(ModelFamily):
     temporal_compression_ratio = TEMPORAL_COMPRESSION_RATIO
     spatial_multiple = SPATIAL_MULTIPLE
     example_bucket = (4, 64, 64)
-    objective = "epsilon"
-
-    # 1. The objective: epsilon (vidray.diffusion.ddim, as DDIMScheduler / AnimateDiff's DDPM training).
-
-    def noisy_latents(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-        """sqrt(a_t) * latents + sqrt(1 - a_t) * noise (B, C, F, H, W), t = round(sigma * 1000) in 0..999
-        (`vidray.diffusion.ddim.add_noise`, diffusers' `DDIMScheduler.add_noise`)."""
-        return ddim.add_noise(latents, noise, _train_timesteps(sigmas), SCHEDULE)
-
-    def training_target(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-        """The noise itself (B, C, F, H, W): epsilon prediction (`ddim.training_target`)."""
-        return ddim.training_target(latents, noise, _train_timesteps(sigmas), SCHEDULE, "epsilon")
-
-    def model_timesteps(self, sigmas: torch.Tensor, num_train_timesteps: int) -> torch.Tensor:
-        """round(sigma * 1000) clamped to 0..999, (B,) float32 (`predict` passes them on as int64, as the pipeline
-        passes its scheduler's timesteps). Raises ValueError unless num_train_timesteps is 1000."""
-        _check_num_train_timesteps(num_train_timesteps)
-        return _train_timesteps(sigmas).float()
-
-    def inference_sigmas(self, num_inference_steps: int, *, shift: float, num_train_timesteps: int) -> torch.Tensor:
-        """(num_inference_steps + 1,) float32: the "leading" timesteps of `DDIMScheduler.set_timesteps` with
-        steps_offset 1, / 1000 (e.g. 4 steps: 751, 501, 251, 1), then -1 / 1000 (the final alpha, a_prev = 1).
-        `shift` is unused. Raises ValueError unless num_train_timesteps is 1000."""
-        _check_num_train_timesteps(num_train_timesteps)
-        steps = ddim.inference_timesteps(num_inference_steps, NUM_TRAIN_TIMESTEPS, spacing="leading",
-                                         steps_offset=SCHEDULER_CONFIG["steps_offset"])
-        return torch.cat([steps, torch.tensor([-1])]).float() / NUM_TRAIN_TIMESTEPS
-
-    def sampler_step(self, latents: torch.Tensor, model_pred: torch.Tensor, sigmas: torch.Tensor,
-                     sigmas_next: torch.Tensor) -> torch.Tensor:
-        """One DDIM step (eta 0) of latents (B, C, F, H, W) from timestep round(sigma * 1000) to
-        round(sigma_next * 1000) (-1: the clean end) given the epsilon `model_pred` (`ddim.ddim_step`, as
-        `DDIMScheduler.step` with clip_sample False)."""
-        return ddim.ddim_step(model_pred, latents, _timesteps(sigmas), _timesteps(sigmas_next), SCHEDULE, "epsilon")
+    objective = OBJECTIVE
 
     # 2. Modules.
 

@@ -7,9 +7,10 @@ What a family owns: building its modules (`build`, `build_transformer`, `build_e
 the image-to-video condition where the family has one (`takes_image`, `encode_clip_condition`,
 `encode_image_condition`, `empty_condition`; defaults raise for text-to-video families; and for a model that also
 takes image embeddings, Wan 2.1 I2V's CLIP, `takes_image_embeds` and its encoders),
-the training objective (`noisy_latents`, `training_target`, `model_timesteps`) and the sampler's schedule and step
-(`inference_sigmas`, `sampler_step`), the transformer call (`predict`), its latent layout and bucket rules (`latent_shape`; the rules' numbers also in
-`vidray.buckets`, which the config checks at load), and the diffusers pipeline it exports (`save_pipeline`).
+the training objective and the sampler's schedule and step (`objective`, a `vidray.diffusion.objectives.Objective`:
+flow matching by default), the transformer call (`predict`), its latent layout and bucket rules (`latent_shape`; the
+rules' numbers also in `vidray.buckets`, which the config checks at load), and the diffusers pipeline it exports
+(`save_pipeline`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import torch
 from vidray.cards import FamilyCard, get_card
 from vidray.config import FlowConfig, ModelConfig
 from vidray.buckets import Bucket
-from vidray.diffusion.flow_matching import (add_noise, euler_step, inference_sigmas, timesteps_from_sigmas,
-                                             velocity_target)
+from vidray.diffusion.objectives import FlowMatching, Objective
 
 __all__ = ["Components", "Encoders", "ModelFamily"]
 
@@ -66,11 +66,11 @@ class Encoders:
 
 
 class ModelFamily(abc.ABC):
-    """Interface of a model family. An instance may describe one model: the tensor-only methods (`noisy_latents`,
-    `training_target`, `model_timesteps`, `inference_sigmas`, `sampler_step`, `latent_shape`) get no model, so a
-    family whose schedule or latent layout differs between its models (CogVideoX: the scheduler's `snr_shift_scale`,
-    1.5's padded latent frames) gives that model's instance from `for_model` / `for_transformer`, and every caller
-    holding a concrete model asks those. For the other families they return the family itself."""
+    """Interface of a model family. An instance may describe one model: its `objective` (whose methods get tensors
+    only) and `latent_shape` get no model, so a family whose schedule or latent layout differs between its models
+    (CogVideoX: the scheduler's `snr_shift_scale`, its objective's parameter; 1.5's padded latent frames) gives that
+    model's instance from `for_model` / `for_transformer`, and every caller holding a concrete model asks those. For
+    the other families they return the family itself."""
 
     name: str
     latent_channels: int
@@ -81,10 +81,12 @@ class ModelFamily(abc.ABC):
     example_bucket: tuple[int, int, int]
     """(num_frames, height, width) of a small bucket the family takes: what the conformance test of every family
     (`tests/unit/test_families.py`) trains, samples and decodes at."""
-    objective: str = "flow_matching"
-    """The training objective, as `noisy_latents` and `training_target` define it. The default is rectified flow
-    (EasyAnimate, Wan): target = noise - latents. A family trained otherwise (CogVideoX: v-prediction; AnimateDiff:
-    epsilon) overrides both methods (and its sampler); the training step calls only these."""
+    objective: Objective = FlowMatching()
+    """The training objective and sampler (`vidray.diffusion.objectives`): `noisy_latents`, `training_target`,
+    `model_timesteps`, `inference_sigmas`, `sampler_step`, what the training step, the sampler, serving's Denoiser and
+    validation call (`family.objective.X(...)`); `objective.name` says which. The default is rectified flow
+    (EasyAnimate, Wan: `FlowMatching`, target = noise - latents); a family trained otherwise gives its own (CogVideoX:
+    v-prediction, AnimateDiff: epsilon, each a `DDIM` on its model's schedule)."""
 
     @property
     def card(self) -> FamilyCard:
@@ -93,44 +95,14 @@ class ModelFamily(abc.ABC):
 
     def for_model(self, model_cfg: ModelConfig) -> "ModelFamily":
         """This family for the one model `model_cfg` describes (`init: pretrained`: the folder's configs, read
-        without weights; `init: random`: the preset), whose tensor-only methods follow that model. Raises as
+        without weights; `init: random`: the preset), whose `objective` and `latent_shape` follow that model. Raises as
         `check_trainable` does for a folder the family cannot run. Default: `self` (nothing differs per model)."""
         return self
 
     def for_transformer(self, transformer: torch.nn.Module) -> "ModelFamily":
         """This family for the model of `transformer` (maybe DDP-wrapped), which this family built or loaded: its
-        tensor-only methods follow that model. Default: `self`."""
+        `objective` and `latent_shape` follow that model. Default: `self`."""
         return self
-
-    def noisy_latents(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-        """latents, noise (B, C, F, H, W) and sigmas (B,) in [0, 1] -> the transformer's input (B, C, F, H, W).
-        Flow matching: (1 - sigma) * latents + sigma * noise (`vidray.diffusion.flow_matching.add_noise`)."""
-        return add_noise(latents, noise, sigmas)
-
-    def training_target(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-        """What `predict` is trained to output, (B, C, F, H, W). Flow matching: the velocity noise - latents
-        (`vidray.diffusion.flow_matching.velocity_target`); sigmas are unused there."""
-        return velocity_target(latents, noise)
-
-    def model_timesteps(self, sigmas: torch.Tensor, num_train_timesteps: int) -> torch.Tensor:
-        """The timesteps (B,) float32 that `predict` gets for noise levels `sigmas` (B,), in training and sampling
-        alike. Flow matching: sigmas * num_train_timesteps (`vidray.diffusion.flow_matching.timesteps_from_sigmas`)."""
-        return timesteps_from_sigmas(sigmas, num_train_timesteps)
-
-    def inference_sigmas(self, num_inference_steps: int, *, shift: float, num_train_timesteps: int) -> torch.Tensor:
-        """The sampler's schedule: (num_inference_steps + 1,) float32 noise levels from pure noise to the clean end,
-        one `sampler_step` between neighbours (the sampler, serving's Denoiser and validation all take it from
-        here). Flow matching: shifted sigmas from 1, then 0 (`vidray.diffusion.flow_matching.inference_sigmas`, as
-        diffusers' `FlowMatchEulerDiscreteScheduler.set_timesteps`)."""
-        return inference_sigmas(num_inference_steps, shift, num_train_timesteps=num_train_timesteps)
-
-    def sampler_step(self, latents: torch.Tensor, model_pred: torch.Tensor, sigmas: torch.Tensor,
-                     sigmas_next: torch.Tensor) -> torch.Tensor:
-        """One sampler step of every sample (B, C, F, H, W) from its level `sigmas` (B,) to `sigmas_next` (B,),
-        given the model's (guided) prediction: the one step function of `vidray.inference.sampler`. Flow matching:
-        Euler, latents + (sigmas_next - sigmas) * model_pred (`vidray.diffusion.flow_matching.euler_step`). A family
-        of another objective overrides this and `inference_sigmas` (`vidray.diffusion.ddim.ddim_step`)."""
-        return euler_step(latents, model_pred, sigmas, sigmas_next)
 
     @abc.abstractmethod
     def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:

@@ -20,11 +20,11 @@ trained with `CogVideoXFamily.predict` behaves the same inside the stock pipelin
   steps as `vidray.inference.sampler`. The tiny preset and CogVideoX-2b folders carry `SCHEDULER_CONFIG`
   (`snr_shift_scale` 3.0); CogVideoX-5b, 5b-I2V and 1.5 folders `SCHEDULER_CONFIG_5B` (1.0); a folder's config is
   checked by `check_scheduler_config` (v-prediction, trailing, no clipping, 1000 train timesteps; any betas, SNR
-  shift, rescale and final alpha). The protocol's objective methods get tensors only, so a `CogVideoXFamily`
-  instance carries one model's config: `for_model(model_cfg)` reads it from a folder (configs only, no weights),
-  `for_transformer(transformer)` from the transformer the family built or loaded (which carries it), and `predict`
-  refuses a transformer of another. A noise level sigma in [0, 1] is the timestep sigma * 1000 (rounded); the
-  sampler's schedule ends at -1 / 1000 (the final alpha).
+  shift, rescale and final alpha). The family's `objective` (a `vidray.diffusion.objectives.DDIM` of that schedule)
+  gets tensors only, so a `CogVideoXFamily` instance carries one model's config: `for_model(model_cfg)` reads it
+  from a folder (configs only, no weights), `for_transformer(transformer)` from the transformer the family built or
+  loaded (which carries it), and `predict` refuses a transformer of another. A noise level sigma in [0, 1] is the
+  timestep sigma * 1000 (rounded); the sampler's schedule ends at -1 / 1000 (the final alpha).
 
 Image-to-video (`model.i2v`, condition `first`), as diffusers/pipelines/cogvideo/pipeline_cogvideox_image2video.py
 (`CogVideoXImageToVideoPipeline`, CogVideoX-5b-I2V) builds it: the transformer's `in_channels` is 32, the noisy latents
@@ -83,6 +83,7 @@ from vidray.models.storage import input_dtype
 from vidray.config import FlowConfig, ModelConfig
 from vidray.buckets import Bucket, validate_bucket
 from vidray.diffusion import ddim
+from vidray.diffusion.objectives import DDIM
 from vidray.errors import UserError
 from vidray.models.base import Components, Encoders, ModelFamily
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
@@ -461,17 +462,6 @@ def _check_num_train_timesteps(num_train_timesteps: int) -> None:
                          f"has {NUM_TRAIN_TIMESTEPS} timesteps: set flow.num_train_timesteps: {NUM_TRAIN_TIMESTEPS}")
 
 
-def _timesteps(sigmas: torch.Tensor) -> torch.Tensor:
-    """Noise levels (B,) -> int64 timesteps round(sigma * 1000), at most 999 (B,); -1 / 1000 -> -1 (the final
-    alpha)."""
-    return (sigmas.double() * NUM_TRAIN_TIMESTEPS).round().long().clamp(max=NUM_TRAIN_TIMESTEPS - 1)
-
-
-def _train_timesteps(sigmas: torch.Tensor) -> torch.Tensor:
-    """Noise levels (B,) in [0, 1] -> the int64 timesteps (B,) in 0..999 a training sample is noised at."""
-    return _timesteps(sigmas).clamp(0, NUM_TRAIN_TIMESTEPS - 1)
-
-
 def load_vae_folder(path: str | Path) -> AutoencoderKLCogVideoX:
     """The frozen `AutoencoderKLCogVideoX` of a local diffusers VAE folder, for `model.vae_path`. Raises
     FileNotFoundError naming the folder when it holds no `config.json`, ValueError when its layout is not the
@@ -696,11 +686,14 @@ class CogVideoXFamily(ModelFamily):
 
     def __init__(self, scheduler_config: dict[str, Any] | None = None, patch_size_t: int | None = None):
         self.scheduler_config = dict(SCHEDULER_CONFIG if scheduler_config is None else scheduler_config)
-        """The checked `CogVideoXDDIMScheduler` config (`check_scheduler_config`) of `noisy_latents`,
-        `training_target` and `sampler_step`."""
+        """The checked `CogVideoXDDIMScheduler` config (`check_scheduler_config`) of `objective`."""
         self.patch_size_t = patch_size_t
         """The transformer's `patch_size_t` (None: CogVideoX 1.0; 2: 1.5, whose latent frames `latent_shape` pads)."""
-        self.schedule = SCHEDULE if self.scheduler_config == SCHEDULER_CONFIG else schedule_of(self.scheduler_config)
+        schedule = SCHEDULE if self.scheduler_config == SCHEDULER_CONFIG else schedule_of(self.scheduler_config)
+        self.objective = DDIM(schedule, "v_prediction", spacing="trailing", owner="the cogvideox family")
+        """v-prediction on this model's schedule, DDIM steps on its trailing timesteps (`vidray.diffusion.objectives
+        .DDIM`, as `CogVideoXDDIMScheduler`): a noise level sigma is the timestep round(sigma * 1000), the sampler's
+        schedule ends at -1 / 1000 (the final alpha, a_prev = 1)."""
 
     def __repr__(self) -> str:
         return (f"CogVideoXFamily(snr_shift_scale={self.scheduler_config['snr_shift_scale']}, "
@@ -735,42 +728,7 @@ class CogVideoXFamily(ModelFamily):
     temporal_compression_ratio = TEMPORAL_COMPRESSION_RATIO
     spatial_multiple = SPATIAL_COMPRESSION_RATIO * PATCH_SIZE
     example_bucket = (9, 32, 32)
-    objective = "v_prediction"
     samples_image_posterior = True
-
-    # 1. The objective: v-prediction (vidray.diffusion.ddim, as CogVideoXDDIMScheduler).
-
-    def noisy_latents(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-        """sqrt(a_t) * latents + sqrt(1 - a_t) * noise (B, C, F, H, W), t = round(sigma * 1000) in 0..999, a_t of the
-        family's scheduler config (`vidray.diffusion.ddim.add_noise`, diffusers' `CogVideoXDDIMScheduler.add_noise`)."""
-        return ddim.add_noise(latents, noise, _train_timesteps(sigmas), self.schedule)
-
-    def training_target(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-        """The velocity sqrt(a_t) * noise - sqrt(1 - a_t) * latents (B, C, F, H, W), a_t of the family's scheduler
-        config (`ddim.training_target`, diffusers' `CogVideoXDDIMScheduler.get_velocity`)."""
-        return ddim.training_target(latents, noise, _train_timesteps(sigmas), self.schedule, "v_prediction")
-
-    def model_timesteps(self, sigmas: torch.Tensor, num_train_timesteps: int) -> torch.Tensor:
-        """round(sigma * 1000) clamped to 0..999, (B,) float32 (`predict` passes them on as int64, as the pipeline
-        passes its scheduler's timesteps). Raises ValueError unless num_train_timesteps is 1000."""
-        _check_num_train_timesteps(num_train_timesteps)
-        return _train_timesteps(sigmas).float()
-
-    def inference_sigmas(self, num_inference_steps: int, *, shift: float, num_train_timesteps: int) -> torch.Tensor:
-        """(num_inference_steps + 1,) float32: the trailing timesteps of `CogVideoXDDIMScheduler.set_timesteps`
-        / 1000 (e.g. 4 steps: 999, 749, 499, 249), then -1 / 1000 (the final alpha, a_prev = 1). `shift` is unused.
-        Raises ValueError unless num_train_timesteps is 1000."""
-        _check_num_train_timesteps(num_train_timesteps)
-        steps = ddim.inference_timesteps(num_inference_steps, NUM_TRAIN_TIMESTEPS, spacing="trailing")
-        return torch.cat([steps, torch.tensor([-1])]).float() / NUM_TRAIN_TIMESTEPS
-
-    def sampler_step(self, latents: torch.Tensor, model_pred: torch.Tensor, sigmas: torch.Tensor,
-                     sigmas_next: torch.Tensor) -> torch.Tensor:
-        """One DDIM step (eta 0) of latents (B, C, F, H, W) from timestep round(sigma * 1000) to
-        round(sigma_next * 1000) (both at most 999; -1: the clean end) given the v-prediction `model_pred`, on the
-        family's scheduler config's alphas (`ddim.ddim_step`, as `CogVideoXDDIMScheduler.step`)."""
-        return ddim.ddim_step(model_pred, latents, _timesteps(sigmas), _timesteps(sigmas_next), self.schedule,
-                              "v_prediction")
 
     # 2. Modules.
 

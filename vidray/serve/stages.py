@@ -331,8 +331,8 @@ class Denoiser:
         # 2. Queue the request's state for the step loop (at once done when this expert takes none of its steps).
         generation: GenerationRequest = request["request"]
         latent_shape = self.family.latent_shape(generation.bucket, 1)
-        sigmas = self.family.inference_sigmas(generation.num_inference_steps, shift=self.flow.shift,
-                                              num_train_timesteps=self.flow.num_train_timesteps)
+        sigmas = self.family.objective.inference_sigmas(generation.num_inference_steps, shift=self.flow.shift,
+                                                        num_train_timesteps=self.flow.num_train_timesteps)
         start, end = self._steps(request, sigmas)
         state = DenoiseState(
             latents=initial_noise(latent_shape, generation.seed) if start == 0 else request["latents"],
@@ -380,7 +380,7 @@ class Denoiser:
             return 0, None
         from vidray.models.experts import expert_steps
 
-        timesteps = self.family.model_timesteps(sigmas[:-1], self.flow.num_train_timesteps)
+        timesteps = self.family.objective.model_timesteps(sigmas[:-1], self.flow.num_train_timesteps)
         start, end = expert_steps(timesteps, self.boundary_timestep, self.expert)
         if start > 0 and (request.get("latents") is None or request.get("step") != start):
             raise ValueError(f"the low-noise expert starts at step {start} of {len(timesteps)}: the request must carry "

@@ -94,8 +94,8 @@ def flow_matching_step_loss(
     """Rectified-flow loss of one batch (Esser et al. 2024, eq. 1-3; formulas in vidray.diffusion.flow_matching).
 
     Args:
-        family: the model family: its `noisy_latents` and `training_target` define the objective (flow matching for
-            EasyAnimate), its `predict` adapts the call to the transformer.
+        family: the model family: its `objective`'s `noisy_latents` and `training_target` define the loss (flow
+            matching for EasyAnimate), its `predict` adapts the call to the transformer.
         latents: (B, C_lat, F_lat, H_lat, W_lat) normalized VAE latents.
         prompt_embeds: (B, L, D); prompt_attention_mask: (B, L) bool.
         generator: one CPU generator for the whole batch's noise and sigmas (`step_generator`), or B generators,
@@ -141,12 +141,12 @@ def flow_matching_step_loss(
             condition["image_embeds"] = torch.where(keep.view(-1, 1, 1), image_embeds, no_image.to(image_embeds.dtype))
     elif image_embeds is not None:
         raise ValueError("image_embeds come with an image-to-video model's inpaint_latents")
-    noisy_latents = family.noisy_latents(latents, noise, sigmas)  # the family's objective (flow matching here)
-    timesteps = family.model_timesteps(sigmas, flow.num_train_timesteps)
+    noisy_latents = family.objective.noisy_latents(latents, noise, sigmas)  # flow matching, or the family's own
+    timesteps = family.objective.model_timesteps(sigmas, flow.num_train_timesteps)
     with activation_offload if activation_offload is not None else contextlib.nullcontext():
         model_pred = family.predict(transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask,
                                     **condition)
-    target = family.training_target(latents, noise, sigmas)
+    target = family.objective.training_target(latents, noise, sigmas)
     if loss_weights is None:
         loss = flow_matching_loss(model_pred, target)
     else:
