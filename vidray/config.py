@@ -26,6 +26,8 @@ from pydantic.dataclasses import dataclass
 from vidray.buckets import Bucket, check_bucket, parse_bucket, validate_bucket
 from vidray.cards import all_cards, get_card  # plain data: no torch
 from vidray.errors import UserError, UserFileNotFound
+from vidray.locations import NOT_A_FOLDER, creation_problem
+from vidray.placement import expert_selectors, parse_selector
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
@@ -160,8 +162,6 @@ class StagePlacement:
     @field_validator("label_selector")
     @classmethod
     def _check_selector(cls, value: dict[str, str]) -> dict[str, str]:
-        from vidray.placement import parse_selector
-
         parse_selector(value)
         return value
 
@@ -963,7 +963,6 @@ class JobConfig:
             raise ValueError("train.mixed_precision: fp16 with model.experts.layout: groups is not supported (each "
                              "expert's group would keep its own loss scale): use train.mixed_precision: bf16, or "
                              "model.experts.layout: shared")
-        from vidray.placement import expert_selectors
 
         expert_selectors(self)  # raises for a key both selectors give different values
 
@@ -1420,8 +1419,6 @@ def check_output_path(path: str | Path, key: str) -> Path:
     (not created). Raises ConfigError, e.g. "storage.path /etc/hostname/runs cannot be created: /etc/hostname is a
     file, not a folder".
     """
-    from vidray.locations import NOT_A_FOLDER, creation_problem
-
     target = Path(path).expanduser().resolve()
     probe, problem = creation_problem(target)
     if problem == NOT_A_FOLDER:
