@@ -24,18 +24,9 @@ from pydantic import ValidationError
 from vidray import __version__
 from vidray.buckets import Bucket
 from vidray.config import JobConfig, load_job_config
-from vidray.data.fill_cache import check_encode_resources, encode_cache_root, encode_to_cache
-from vidray.doctor import Finding, check_cluster, check_environment, check_job
-from vidray.doctor_measure import measure
 from vidray.errors import UserError
-from vidray.generate import check_generate_args, generate_to_file
 from vidray.logs import set_verbose
-from vidray.models.export import EXPERT_LORA_DIRS, LORA_DIR, export_checkpoint, lora_export_base
-from vidray.models.merge import export_merged
-from vidray.models.presets import ShapePreset, get_preset
-from vidray.plan_inference import format_inference_report, inference_preset, plan_inference
 from vidray.runtime import check_local_ray, init_ray
-from vidray.train.plan import format_report, host_memory_bytes, job_preset, largest_bucket, parse_bytes, plan_job
 
 
 def _load(args: argparse.Namespace) -> JobConfig:
@@ -72,12 +63,16 @@ def cmd_encode(args: argparse.Namespace) -> int:
 def _check_encode(job: JobConfig) -> None:
     """What `_encode` needs that no Ray is needed to check: a latent cache, and (when vidray will start a local Ray)
     the resources of one decode + encode pipeline."""
+    from vidray.data.fill_cache import check_encode_resources, encode_cache_root  # lazy: fast `vidray --help`
+
     encode_cache_root(job)
     check_local_ray(job, check_encode_resources)
 
 
 def _encode(job: JobConfig) -> int:
     """Fill the latent cache from the prepared shards (`vidray.data.fill_cache.encode_to_cache`) and print the counts."""
+    from vidray.data.fill_cache import encode_to_cache  # lazy: fast `vidray --help`
+
     started = init_ray()
     try:
         done = encode_to_cache(job)
@@ -137,7 +132,10 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     else:
         adapters = ""
         if job.model.lora is not None:  # the base pipeline, the adapters beside it (vidray.models.export)
+            from vidray.models.export import EXPERT_LORA_DIRS, LORA_DIR  # lazy: fast `vidray --help`
+
             folders = EXPERT_LORA_DIRS.values() if job.model.experts is not None else (LORA_DIR,)
+            from vidray.models.export import lora_export_base  # lazy: fast `vidray --help`
 
             adapters = (f" (the LoRA adapters in {' and '.join(f'{d}/' for d in folders)} and base_model.json, the "
                         f"reference to the base {lora_export_base(job)}: vidray generate and serving merge them; "
@@ -164,6 +162,8 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from vidray.generate import check_generate_args, generate_to_file  # lazy: fast `vidray --help`
+
     kwargs = dict(
         bucket=args.bucket,
         num_inference_steps=args.num_inference_steps,
@@ -190,8 +190,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     pretrained base: its adapters and a reference to the base). `--merge-lora`: a LoRA checkpoint or export as one
     merged pipeline folder, streamed tensor by tensor (`vidray.models.merge.export_merged`)."""
     if args.merge_lora:
+        from vidray.models.merge import export_merged  # lazy: fast `vidray --help`
+
         print(f"[vidray] merged the LoRA of {args.checkpoint} into {export_merged(args.checkpoint, args.out_dir)}")
         return 0
+    from vidray.models.export import export_checkpoint  # lazy: fast `vidray --help`
 
     print(f"[vidray] exported {args.checkpoint} to {export_checkpoint(args.checkpoint, args.out_dir)}")
     return 0
@@ -200,6 +203,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Print the doctor's findings (`vidray.doctor`); 1 when any is FAIL. A config that does not load is a FAIL
     finding, not a usage error: the environment and cluster checks still run."""
+    from vidray.doctor import Finding, check_cluster, check_environment, check_job  # lazy: fast `vidray --help`
+
     if args.config is None and args.overrides:
         raise UserError(f"overrides {args.overrides} need a CONFIG: vidray doctor CONFIG section.key=value ...")
     check_measure_args(args)
@@ -250,11 +255,14 @@ def check_measure_args(args: argparse.Namespace) -> None:
 def _doctor_measure(args: argparse.Namespace, job: JobConfig | None, findings: list) -> list:
     """`vidray doctor --measure`'s lines (`vidray.doctor_measure.measure`), or one line saying why it did not run:
     the config did not load, or the workers cannot be placed (a cluster, resources or placement FAIL above)."""
+    from vidray.doctor import Finding  # lazy: fast `vidray --help`
+
     if job is None:
         return [Finding("warn", "measure", "skipped: the config did not load (the config FAIL above)")]
     if any(f.level == "fail" and f.topic in ("cluster", "resources", "placement") for f in findings):
         return [Finding("warn", "measure", "skipped: the job's workers cannot be placed (the cluster, resources or "
                         "placement FAIL above): fix that first")]
+    from vidray.doctor_measure import measure  # lazy: fast `vidray --help`
 
     print(f"[vidray] measuring with the job's {job.scaling.min_workers} worker(s): all-reduce bandwidth, the object "
           "store's transfer rate and one simulated training step (a minute or so) ...", file=sys.stderr, flush=True)
@@ -264,6 +272,9 @@ def _doctor_measure(args: argparse.Namespace, job: JobConfig | None, findings: l
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the memory planner's table (`vidray.train.plan`) for the job's model and largest bucket, or for
     `--preset` and the `--frames/--height/--width` bucket; 1 when no strategy fits."""
+    from vidray.models.presets import get_preset  # lazy: fast `vidray --help`
+    from vidray.train.plan import format_report, host_memory_bytes, parse_bytes, plan_job  # lazy: fast `vidray --help`
+
     gpu_memory = parse_bytes(args.gpu_memory)
     host_memory = parse_bytes(args.host_memory) if args.host_memory else host_memory_bytes()
     sizes = (args.frames, args.height, args.width)
@@ -290,6 +301,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_inference(args: argparse.Namespace, preset, gpu_memory: int, host_memory: int, sizes) -> int:
     """`vidray plan --inference`: the generation plan of `--preset`, a diffusers folder or a job config's model, at
     the `--frames/--height/--width` bucket (or the job's largest); 1 when no offload mode fits."""
+    from vidray.plan_inference import (  # lazy: fast `vidray --help`
+        format_inference_report,
+        inference_preset,
+        plan_inference,
+    )
+    from vidray.train.plan import job_preset, largest_bucket  # lazy: fast `vidray --help`
+
     bucket = Bucket(*sizes) if all(v is not None for v in sizes) else None
     text_tokens = None
     serve = _serve_config_args(args.config) if args.config is not None and Path(args.config).is_file() else None
@@ -313,6 +331,8 @@ def _plan_inference(args: argparse.Namespace, preset, gpu_memory: int, host_memo
             preset = job_preset(job)
             text_tokens = job.model.max_sequence_length
         if job.model.experts is not None and preset.num_experts < 2:
+            from vidray.models.presets import ShapePreset  # lazy: fast `vidray --help`
+
             preset = ShapePreset(**{**preset.__dict__, "num_experts": 2})
         if bucket is None:
             bucket = largest_bucket(job, preset)[0]
