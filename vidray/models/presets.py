@@ -105,19 +105,19 @@ _WAN_14B = dict(
 
 
 def _tiny_config() -> dict[str, Any]:
-    from vidray.models.easyanimate import TINY_TRANSFORMER
+    from vidray.models.easyanimate import TINY_TRANSFORMER  # heavy: torch, diffusers, transformers
 
     return dict(TINY_TRANSFORMER, text_embed_dim=384)
 
 
 def _cogvideox_tiny_config() -> dict[str, Any]:
-    from vidray.models.cogvideox import TINY_TRANSFORMER
+    from vidray.models.cogvideox import TINY_TRANSFORMER  # heavy: torch, diffusers, transformers
 
     return dict(TINY_TRANSFORMER, text_embed_dim=384)
 
 
 def _wan_tiny_config() -> dict[str, Any]:
-    from vidray.models.wan import TINY_TRANSFORMER
+    from vidray.models.wan import TINY_TRANSFORMER  # heavy: torch, diffusers, transformers
 
     return dict(TINY_TRANSFORMER, text_dim=384)
 
@@ -225,8 +225,8 @@ def preset_from_pretrained(path: str | Path) -> ShapePreset:
 @functools.lru_cache(maxsize=16)
 def _meta_model(key: str):
     family, config_json = key.split(":", 1)
-    import torch
-    import diffusers
+    import torch  # heavy: torch, numpy
+    import diffusers  # heavy: torch, diffusers, safetensors
 
     config = {k: (tuple(v) if isinstance(v, list) else v) for k, v in json.loads(config_json).items()}
     cls = getattr(diffusers, planner_facts(family).transformer_class)
