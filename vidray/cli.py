@@ -18,9 +18,15 @@ import logging
 import sys
 from pathlib import Path
 
+import yaml
+from pydantic import ValidationError
+
+from vidray import __version__
+from vidray.buckets import Bucket
 from vidray.config import JobConfig, load_job_config
 from vidray.errors import UserError
 from vidray.logs import set_verbose
+from vidray.runtime import check_local_ray, init_ray
 
 
 def _load(args: argparse.Namespace) -> JobConfig:
@@ -28,7 +34,7 @@ def _load(args: argparse.Namespace) -> JobConfig:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from vidray.data.ingest import prepare_data
+    from vidray.data.ingest import prepare_data  # heavy: pyarrow, av, PIL
 
     job = _load(args)
     if args.encode:
@@ -41,8 +47,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    from vidray.data.shards import INDEX_NAME
-    from vidray.storage import open_storage
+    from vidray.data.shards import INDEX_NAME  # heavy: pyarrow, av, PIL
+    from vidray.storage import open_storage  # heavy: pyarrow, numpy
 
     job = _load(args)
     _check_encode(job)
@@ -57,8 +63,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
 def _check_encode(job: JobConfig) -> None:
     """What `_encode` needs that no Ray is needed to check: a latent cache, and (when vidray will start a local Ray)
     the resources of one decode + encode pipeline."""
-    from vidray.data.fill_cache import check_encode_resources, encode_cache_root
-    from vidray.runtime import check_local_ray
+    from vidray.data.fill_cache import check_encode_resources, encode_cache_root  # lazy: fast `vidray --help`
 
     encode_cache_root(job)
     check_local_ray(job, check_encode_resources)
@@ -66,15 +71,14 @@ def _check_encode(job: JobConfig) -> None:
 
 def _encode(job: JobConfig) -> int:
     """Fill the latent cache from the prepared shards (`vidray.data.fill_cache.encode_to_cache`) and print the counts."""
-    from vidray.data.fill_cache import encode_to_cache
-    from vidray.runtime import init_ray
+    from vidray.data.fill_cache import encode_to_cache  # lazy: fast `vidray --help`
 
     started = init_ray()
     try:
         done = encode_to_cache(job)
     finally:
         if started:
-            import ray
+            import ray  # heavy: ray
 
             ray.shutdown()
     slots = done["latent_hits"] + done["latent_misses"]  # per batch slot: a padded batch repeats clips
@@ -94,23 +98,23 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_train_vae(args: argparse.Namespace) -> int:
     """`vidray train-vae CONFIG`: the job's VAE run (`vidray.train.vae`), then its reconstruction PSNR on the
     training clips."""
-    from vidray.train.vae import vae_training_job
+    from vidray.train.vae import vae_training_job  # heavy: torch, numpy
 
     return run_train_job(vae_training_job(_load(args)), prepare_if_missing=args.prepare)
 
 
 def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     """Prepare the shards when asked and missing, train, and print where the outputs are. Returns an exit code."""
-    from vidray.data.shards import INDEX_NAME
-    from vidray.storage import open_storage
-    from vidray.train.trainer import check_job_outputs, run_training
+    from vidray.data.shards import INDEX_NAME  # heavy: pyarrow, av, PIL
+    from vidray.storage import open_storage  # heavy: pyarrow, numpy
+    from vidray.train.trainer import check_job_outputs, run_training  # heavy: pyarrow, numpy
 
     if prepare_if_missing:  # without --prepare, run_training's check_job_inputs makes these checks first
         shards = open_storage(job.data.shards_dir)
         shards.check_reachable("data.shards_dir")  # ShardWriter checks it can write there if it prepares
         check_job_outputs(job)  # a bad storage.path is refused before --prepare encodes every clip
         if not shards.is_file(INDEX_NAME):
-            from vidray.data.ingest import prepare_data
+            from vidray.data.ingest import prepare_data  # heavy: pyarrow, av, PIL
 
             summary = prepare_data(job.data, model=job.model)
             print(summary)
@@ -120,7 +124,7 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     print(f"[vidray] trained steps {result.first_step}..{result.last_step} at {result.steps_per_s:.2f} steps/s")
     print(f"[vidray] latest checkpoint: {result.checkpoint_path}")
     if job.train.objective == "vae":
-        from vidray.train.vae import training_clips_psnr
+        from vidray.train.vae import training_clips_psnr  # heavy: torch, numpy
 
         print(f"[vidray] trained VAE: {result.diffusers_dir} (a DiT job uses it with model.vae_path="
               f"{result.diffusers_dir})")
@@ -128,10 +132,10 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
     else:
         adapters = ""
         if job.model.lora is not None:  # the base pipeline, the adapters beside it (vidray.models.export)
-            from vidray.models.export import EXPERT_LORA_DIRS, LORA_DIR
+            from vidray.models.export import EXPERT_LORA_DIRS, LORA_DIR  # lazy: fast `vidray --help`
 
             folders = EXPERT_LORA_DIRS.values() if job.model.experts is not None else (LORA_DIR,)
-            from vidray.models.export import lora_export_base
+            from vidray.models.export import lora_export_base  # lazy: fast `vidray --help`
 
             adapters = (f" (the LoRA adapters in {' and '.join(f'{d}/' for d in folders)} and base_model.json, the "
                         f"reference to the base {lora_export_base(job)}: vidray generate and serving merge them; "
@@ -158,7 +162,7 @@ def run_train_job(job: JobConfig, *, prepare_if_missing: bool = False) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from vidray.generate import check_generate_args, generate_to_file
+    from vidray.generate import check_generate_args, generate_to_file  # lazy: fast `vidray --help`
 
     kwargs = dict(
         bucket=args.bucket,
@@ -186,11 +190,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     pretrained base: its adapters and a reference to the base). `--merge-lora`: a LoRA checkpoint or export as one
     merged pipeline folder, streamed tensor by tensor (`vidray.models.merge.export_merged`)."""
     if args.merge_lora:
-        from vidray.models.merge import export_merged
+        from vidray.models.merge import export_merged  # lazy: fast `vidray --help`
 
         print(f"[vidray] merged the LoRA of {args.checkpoint} into {export_merged(args.checkpoint, args.out_dir)}")
         return 0
-    from vidray.models.export import export_checkpoint
+    from vidray.models.export import export_checkpoint  # lazy: fast `vidray --help`
 
     print(f"[vidray] exported {args.checkpoint} to {export_checkpoint(args.checkpoint, args.out_dir)}")
     return 0
@@ -199,7 +203,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Print the doctor's findings (`vidray.doctor`); 1 when any is FAIL. A config that does not load is a FAIL
     finding, not a usage error: the environment and cluster checks still run."""
-    from vidray.doctor import Finding, check_cluster, check_environment, check_job
+    from vidray.doctor import Finding, check_cluster, check_environment, check_job  # lazy: fast `vidray --help`
 
     if args.config is None and args.overrides:
         raise UserError(f"overrides {args.overrides} need a CONFIG: vidray doctor CONFIG section.key=value ...")
@@ -251,14 +255,14 @@ def check_measure_args(args: argparse.Namespace) -> None:
 def _doctor_measure(args: argparse.Namespace, job: JobConfig | None, findings: list) -> list:
     """`vidray doctor --measure`'s lines (`vidray.doctor_measure.measure`), or one line saying why it did not run:
     the config did not load, or the workers cannot be placed (a cluster, resources or placement FAIL above)."""
-    from vidray.doctor import Finding
+    from vidray.doctor import Finding  # lazy: fast `vidray --help`
 
     if job is None:
         return [Finding("warn", "measure", "skipped: the config did not load (the config FAIL above)")]
     if any(f.level == "fail" and f.topic in ("cluster", "resources", "placement") for f in findings):
         return [Finding("warn", "measure", "skipped: the job's workers cannot be placed (the cluster, resources or "
                         "placement FAIL above): fix that first")]
-    from vidray.doctor_measure import measure
+    from vidray.doctor_measure import measure  # lazy: fast `vidray --help`
 
     print(f"[vidray] measuring with the job's {job.scaling.min_workers} worker(s): all-reduce bandwidth, the object "
           "store's transfer rate and one simulated training step (a minute or so) ...", file=sys.stderr, flush=True)
@@ -268,9 +272,8 @@ def _doctor_measure(args: argparse.Namespace, job: JobConfig | None, findings: l
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the memory planner's table (`vidray.train.plan`) for the job's model and largest bucket, or for
     `--preset` and the `--frames/--height/--width` bucket; 1 when no strategy fits."""
-    from vidray.buckets import Bucket
-    from vidray.models.presets import get_preset
-    from vidray.train.plan import format_report, host_memory_bytes, parse_bytes, plan_job
+    from vidray.models.presets import get_preset  # lazy: fast `vidray --help`
+    from vidray.train.plan import format_report, host_memory_bytes, parse_bytes, plan_job  # lazy: fast `vidray --help`
 
     gpu_memory = parse_bytes(args.gpu_memory)
     host_memory = parse_bytes(args.host_memory) if args.host_memory else host_memory_bytes()
@@ -298,9 +301,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_inference(args: argparse.Namespace, preset, gpu_memory: int, host_memory: int, sizes) -> int:
     """`vidray plan --inference`: the generation plan of `--preset`, a diffusers folder or a job config's model, at
     the `--frames/--height/--width` bucket (or the job's largest); 1 when no offload mode fits."""
-    from vidray.buckets import Bucket
-    from vidray.plan_inference import format_inference_report, inference_preset, plan_inference
-    from vidray.train.plan import job_preset, largest_bucket
+    from vidray.plan_inference import (  # lazy: fast `vidray --help`
+        format_inference_report,
+        inference_preset,
+        plan_inference,
+    )
+    from vidray.train.plan import job_preset, largest_bucket  # lazy: fast `vidray --help`
 
     bucket = Bucket(*sizes) if all(v is not None for v in sizes) else None
     text_tokens = None
@@ -325,7 +331,7 @@ def _plan_inference(args: argparse.Namespace, preset, gpu_memory: int, host_memo
             preset = job_preset(job)
             text_tokens = job.model.max_sequence_length
         if job.model.experts is not None and preset.num_experts < 2:
-            from vidray.models.presets import ShapePreset
+            from vidray.models.presets import ShapePreset  # lazy: fast `vidray --help`
 
             preset = ShapePreset(**{**preset.__dict__, "num_experts": 2})
         if bucket is None:
@@ -350,14 +356,11 @@ def _serve_config_args(path: str):
     """The first application's settings (`vidray.serve.app.ServeSettings`) of a Serve config file (a YAML with
     `applications`), or None for any other file (a job config). Raises UserError for a serve config whose args do
     not validate."""
-    import yaml
-
     raw = yaml.safe_load(Path(path).read_text())
     if not isinstance(raw, dict) or not raw.get("applications"):
         return None
-    from pydantic import ValidationError
 
-    from vidray.serve.app import ServeSettings
+    from vidray.serve.app import ServeSettings  # heavy: ray, pyarrow, fastapi
 
     try:
         return ServeSettings(**(raw["applications"][0].get("args") or {}))
@@ -366,8 +369,6 @@ def _serve_config_args(path: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vidray import __version__
-
     parser = argparse.ArgumentParser(prog="vidray", description=" ".join(__doc__.split("\n\n", 1)[0].split()))
     parser.add_argument("--version", action="version", version=f"vidray {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

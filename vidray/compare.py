@@ -11,6 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+from vidray.logs import quiet_diffusers
+from vidray.train.validation import frame_grid
+
 __all__ = ["Comparison", "compare_with_training_clip", "video_psnr", "write_side_by_side"]
 
 
@@ -30,10 +33,9 @@ def write_side_by_side(rows: dict[str, np.ndarray], out_dir: str | Path, *, fps:
     `<out_dir>/<name>.png`, a grid with one row per video and its frames left to right, and `<out_dir>/<name>.mp4`,
     the videos next to each other, left to right in `rows`' order, at `fps`. Returns (png path, mp4 path); the
     labels' order is the rows' order (printed by the caller). Raises ValueError for no rows or mixed sizes."""
-    from PIL import Image
+    from PIL import Image  # heavy: PIL
 
-    from vidray.data.video import write_mp4
-    from vidray.train.validation import frame_grid
+    from vidray.data.video import write_mp4  # heavy: av, PIL
 
     videos = list(rows.values())
     if not videos or len({v.shape[1:] for v in videos}) != 1:
@@ -71,14 +73,13 @@ def compare_with_training_clip(job, diffusers_dir: str | Path, prompt: str, out_
     seed; write `<out_dir>/generated.mp4` and the side-by-side grid and mp4 of the training clip, its VAE
     reconstruction and both videos (`write_side_by_side`); measure each one's PSNR against the clip. A prompt that
     is no training caption gets the videos without the figures. Raises what loading or sampling raises."""
-    import torch
+    import torch  # heavy: torch
 
-    from vidray.data.shards import load_samples
-    from vidray.data.video import write_mp4
-    from vidray.inference.sampler import generate_video
-    from vidray.logs import quiet_diffusers
-    from vidray.models.export import load_model
-    from vidray.models.vae import frames_to_video, video_to_frames
+    from vidray.data.shards import load_samples  # heavy: pyarrow, av, PIL
+    from vidray.data.video import write_mp4  # heavy: av, PIL
+    from vidray.inference.sampler import generate_video  # heavy: torch, accelerate, safetensors
+    from vidray.models.export import load_model  # heavy: pydantic
+    from vidray.models.vae import frames_to_video, video_to_frames  # heavy: torch, accelerate, safetensors
 
     quiet_diffusers()
     trained = load_model(diffusers_dir)

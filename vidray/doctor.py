@@ -31,12 +31,24 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import io
+import logging
 import os
 import platform
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
+from vidray.data.fill_cache import check_encode_resources
+from vidray.errors import UserError, UserFileNotFound
 from vidray.locations import is_uri
+from vidray.placement import STAGES, PlacementError, alive_nodes, expert_selectors, resolve_placement
+from vidray.runtime import (
+    LOCAL_RAY,
+    apply_ray_env_defaults,
+    autoscaler_max_resources,
+    check_ray_address,
+    local_cluster_resources,
+    will_start_local_ray,
+)
 
 __all__ = ["Finding", "check_cluster", "check_environment", "check_job"]
 
@@ -85,8 +97,8 @@ def check_environment() -> list[Finding]:
     """The libraries and hardware a run uses (module docstring). Never raises."""
     found: list[Finding] = [Finding("ok", "python", f"{platform.python_version()} ({platform.machine()}), "
                                     f"{os.cpu_count()} CPU(s), {_memory_gib():.1f} GiB memory")]
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: torch, numpy
+    import torch.distributed as dist  # heavy: torch, numpy
 
     backends = [name for name, ok in (("nccl", dist.is_nccl_available()), ("gloo", dist.is_gloo_available())) if ok]
     if torch.cuda.is_available():
@@ -135,7 +147,7 @@ def _memory_gib() -> float:
 
 def _check_pyav() -> list[Finding]:
     try:
-        import av
+        import av  # heavy: av
     except ImportError as err:
         return [Finding("fail", "av", f"PyAV does not import ({err}): `make install` installs it")]
     missing = []
@@ -156,11 +168,14 @@ def check_job(job: Any) -> list[Finding]:
     `storage.path` folder (the run folder in it is removed again), and that an object-store `storage.path` or
     `data.latent_cache` gets an empty probe object written and deleted (`Storage.check_reachable`). Never raises:
     an object store that does not answer is a FAIL line."""
-    from vidray.data.ingest import read_source
-    from vidray.data.shards import INDEX_NAME, read_index
-    from vidray.storage import open_storage
-    from vidray.errors import UserError, UserFileNotFound
-    from vidray.train.trainer import check_job_inputs, check_job_settings, run_folder_lock
+    from vidray.data.ingest import read_source  # heavy: pyarrow, av, PIL
+    from vidray.data.shards import INDEX_NAME, read_index  # heavy: pyarrow, av, PIL
+    from vidray.storage import open_storage  # heavy: pyarrow, numpy
+    from vidray.train.trainer import (  # heavy: pyarrow, numpy, pydantic
+        check_job_inputs,
+        check_job_settings,
+        run_folder_lock,
+    )
 
     found = [Finding("ok", "config", f"job {job.name!r}: {job.model.family} ({job.model.init}, text encoder "
                      f"{job.model.text_encoder}), {len(job.data.buckets)} bucket(s), scaling.num_workers="
@@ -235,9 +250,8 @@ def _check_prepared_source(job: Any) -> list[Finding]:
     (`source_list_sha256`) compare its bytes: the same list at another path (a `ray job submit` working dir
     copy) is no warning, and the same path edited since is one. Older reports compare real paths. Local files
     only."""
-    from vidray.data.shards import read_report
-    from vidray.errors import UserError
-    from vidray.models.export import file_sha256
+    from vidray.data.shards import read_report  # heavy: pyarrow, av, PIL
+    from vidray.models.export import file_sha256  # heavy: pydantic
 
     try:
         report = read_report(job.data.shards_dir)
@@ -268,9 +282,8 @@ def _check_prepared_source(job: Any) -> list[Finding]:
 def _check_outputs(job: Any) -> list[Finding]:
     """`storage.path` and `data.latent_cache` writable: what `check_job_inputs` checks first
     (`vidray.data.outputs.check_output_location`), one line per location."""
-    from vidray.errors import UserError
-    from vidray.data.outputs import check_output_location
-    from vidray.train.trainer import output_locations
+    from vidray.data.outputs import check_output_location  # heavy: pyarrow, numpy, pydantic
+    from vidray.train.trainer import output_locations  # heavy: pyarrow, numpy, pydantic
 
     found = []
     for key, path in output_locations(job):
@@ -287,15 +300,10 @@ def _check_outputs(job: Any) -> list[Finding]:
 def check_cluster(job: Any | None) -> list[Finding]:
     """The Ray cluster a run would use: joined (`RAY_ADDRESS`; nothing is reserved, and this process leaves it
     again) or the local one `vidray train` would start; with a job, its resources and stage placement."""
-    import ray
+    import ray  # heavy: ray
 
-    from vidray.data.fill_cache import check_encode_resources
-    from vidray.errors import UserError
-    from vidray.placement import STAGES, PlacementError, alive_nodes, expert_selectors, resolve_placement
-    from vidray.runtime import (LOCAL_RAY, apply_ray_env_defaults, autoscaler_max_resources, check_ray_address,
-                                local_cluster_resources, will_start_local_ray)
-    from vidray.data.outputs import latent_cache_root
-    from vidray.train.trainer import check_resources
+    from vidray.data.outputs import latent_cache_root  # heavy: pyarrow, numpy, pydantic
+    from vidray.train.trainer import check_resources  # heavy: pyarrow, numpy, pydantic
 
     found: list[Finding] = []
     if will_start_local_ray():
@@ -315,8 +323,6 @@ def check_cluster(job: Any | None) -> list[Finding]:
         if ray.is_initialized():
             started = False
         else:  # joined quietly: Ray's INFO lines would break the one-line-per-check report
-            import logging
-
             check_ray_address(address)  # else ray.init retries a dead address for ever, deaf to Ctrl-C
             apply_ray_env_defaults()
             ray.init(logging_level=logging.WARNING, log_to_driver=False)
@@ -379,8 +385,6 @@ def _one_line(text: str) -> str:
 
 def _resource_findings(job: Any, resources: dict[str, float], autoscaler_max: dict[str, float] | None, where: str,
                        check_train: Callable[..., None], check_encode: Callable[..., None] | None) -> list[Finding]:
-    from vidray.errors import UserError
-
     found = []
     for topic, check in (("resources", check_train), ("vidray encode", check_encode)):
         if check is None:
@@ -399,12 +403,11 @@ def _resource_findings(job: Any, resources: dict[str, float], autoscaler_max: di
 def _memory_findings(job: Any, resources: dict[str, float], *, local: bool) -> list[Finding]:
     """The memory planner's verdict on a GPU cluster (`vidray.train.plan.check_cluster_fits`, what `train` refuses
     before reserving GPUs): nothing on a cluster without GPUs or for a CPU job."""
-    from vidray.errors import UserError
-    from vidray.train.plan import check_cluster_fits
+    from vidray.train.plan import check_cluster_fits  # heavy: pydantic
 
     gpu_memory = None
     if local and resources.get("GPU", 0):
-        import torch
+        import torch  # heavy: torch, numpy
 
         if torch.cuda.is_available():
             gpu_memory = torch.cuda.get_device_properties(0).total_memory

@@ -31,13 +31,21 @@ The arithmetic and the levels are pure functions (tests/unit/test_doctor_measure
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
+import resource
+import socket
 import statistics
 import time
+from dataclasses import replace
+from datetime import timedelta
 from typing import Any, Iterator
 
-from vidray.doctor import Finding, Level
+from vidray.doctor import Finding, Level, _captured
+from vidray.logs import worker_env
+from vidray.placement import alive_nodes, resolve_placement
+from vidray.runtime import apply_ray_env_defaults, autoscaler_max_resources, check_ray_address, init_ray
 
 __all__ = ["DEFAULT_MAX_MESSAGE_MIB", "bus_bandwidth", "measure", "message_sizes", "simulated_step",
            "time_allreduce"]
@@ -185,8 +193,8 @@ def time_allreduce(nbytes: int, device: Any, *, warmup: int = WARMUP_ITERS, targ
     all-reduces, one more to size the run (as many as fit `target_s` at the slowest rank's pace, within
     [`min_iters`, `max_iters`]), a barrier, then that many back to back, the device synchronised at the end; every
     rank calls it. Returns {"bytes", "seconds": per all-reduce, averaged over ranks, "iters", "algbw", "busbw"}."""
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: torch, numpy
+    import torch.distributed as dist  # heavy: torch, numpy
 
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -215,9 +223,7 @@ def time_allreduce(nbytes: int, device: Any, *, warmup: int = WARMUP_ITERS, targ
 def single_rank_strategy(job: Any):
     """The planner's `Strategy` for the job's step on one rank: `job_strategy`, with fsdp as ddp and fsdp+lora as
     lora (one rank holds everything; `check_fits` plans fsdp on one GPU the same way)."""
-    from dataclasses import replace
-
-    from vidray.train.plan import job_strategy
+    from vidray.train.plan import job_strategy  # heavy: pydantic
 
     strategy = job_strategy(job)
     return replace(strategy, kind={"fsdp": "ddp", "fsdp+lora": "lora"}.get(strategy.kind, strategy.kind))
@@ -231,9 +237,9 @@ def simulated_step(job: Any, device: Any, *, num_steps: int = STEPS) -> dict[str
     the steps after the first, "first_step_s", "peak_bytes" (one steady step: `max_memory_allocated` on CUDA,
     tracked tensor bytes on CPU), "planned_bytes", "rss_peak_bytes" (CPU), "device_bytes" (CUDA)}, or
     {"error": "<type>: <message>", "oom": bool} when a step raised."""
-    import torch
+    import torch  # heavy: torch, numpy
 
-    from vidray.train.plan import MemoryMode, estimate_memory, job_mode, plan_job
+    from vidray.train.plan import MemoryMode, estimate_memory, job_mode, plan_job  # heavy: pydantic
 
     if num_steps < 2:
         raise ValueError(f"num_steps must be >= 2 (the first warms up), got {num_steps}")
@@ -258,25 +264,25 @@ def simulated_step(job: Any, device: Any, *, num_steps: int = STEPS) -> dict[str
 def _build_step(job: Any, device: Any, report: Any):
     """(transformer, one-step callable, inputs) set up as `vidray.train.loop` sets them up on one rank (with
     `model.experts` layout groups: the high-noise expert alone, on its side of the boundary)."""
-    import torch
+    import torch  # heavy: torch, numpy
 
-    from vidray.models.registry import get_family
-    from vidray.train.optim import build_optimizer
-    from vidray.train.parallel import apply_activation_checkpointing
-    from vidray.train.precision import Precision
-    from vidray.train.step import flow_matching_step_loss, step_generator
+    from vidray.models.registry import get_family  # heavy: torch, numpy, pydantic
+    from vidray.train.optim import build_optimizer  # heavy: torch, diffusers, safetensors
+    from vidray.train.parallel import apply_activation_checkpointing  # heavy: torch, numpy, pydantic
+    from vidray.train.precision import Precision  # heavy: torch, numpy
+    from vidray.train.step import flow_matching_step_loss, step_generator  # heavy: torch, numpy, pydantic
 
     family = get_family(job.model.family).for_model(job.model)
     experts, sigma_range = job.model.experts, None
     if experts is not None and experts.layout == "groups":  # a rank holds one expert (vidray.train.expert_groups)
-        from vidray.models.experts import ExpertSlot, expert_sigma_range
+        from vidray.models.experts import ExpertSlot, expert_sigma_range  # heavy: torch, numpy
 
         transformer = ExpertSlot(family.build_expert(job.model, seed=job.train.seed, expert="high"), "high")
         transformer, sigma_range = transformer.to(device), expert_sigma_range("high", experts.boundary_ratio)
     else:
         transformer = family.build_transformer(job.model, seed=job.train.seed).to(device)
     if job.model.lora is not None:
-        from vidray.models.lora import apply_lora
+        from vidray.models.lora import apply_lora  # heavy: torch, numpy
 
         apply_lora(transformer, job.model.lora, seed=job.train.seed)
     no_grad = set(family.no_grad_parameter_names(transformer))
@@ -319,9 +325,9 @@ def _build_step(job: Any, device: Any, report: Any):
 
 def _run_steps(job: Any, device: Any, report: Any, num_steps: int) -> dict[str, Any]:
     """Build, time `num_steps` steps, then measure one steady step's peak memory (see `simulated_step`)."""
-    import torch
+    import torch  # heavy: torch, numpy
 
-    from vidray.train.memory import TensorBytesTracker
+    from vidray.train.memory import TensorBytesTracker  # heavy: torch, numpy
 
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -366,7 +372,6 @@ def _peak_rss() -> int:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -379,10 +384,8 @@ class MeasureWorker:
     def describe(self) -> dict[str, Any]:
         """{"node_id", "ip", "port": a free port on this node (rank 0's serves the process group's store),
         "gpu_ids", "available_bytes": the node's available memory}."""
-        import socket
-
-        import psutil
-        import ray
+        import psutil  # heavy: psutil
+        import ray  # heavy: ray
 
         ip = ray.util.get_node_ip_address()
         with socket.socket() as s:
@@ -397,10 +400,8 @@ class MeasureWorker:
         """Join the process group at `url` (`visible`: the CUDA devices every worker of this node sees, as Ray Train
         shares them, so that NCCL can use NVLink; `local_index`: this worker's among them). Returns the free bytes
         of this worker's device (GPU), or NaN on CPU (the driver divides the node's memory)."""
-        from datetime import timedelta
-
-        import torch
-        import torch.distributed as dist
+        import torch  # heavy: torch, numpy
+        import torch.distributed as dist  # heavy: torch, numpy
 
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))  # as vidray.train.loop
         if visible is not None:
@@ -417,12 +418,12 @@ class MeasureWorker:
         return [time_allreduce(size, self.device) for size in sizes]
 
     def step(self, job_dict: dict[str, Any], num_steps: int) -> dict[str, Any]:
-        from vidray.config import job_config_from_dict
+        from vidray.config import job_config_from_dict  # heavy: pydantic
 
         return simulated_step(job_config_from_dict(job_dict), self.device, num_steps=num_steps)
 
     def leave(self) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # heavy: torch, numpy
 
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -432,20 +433,20 @@ class TransferEnd:
     """One end of the transfer measurement (`ray.remote(TransferEnd)`, no CPU reserved, pinned to a node)."""
 
     def node_id(self) -> str:
-        import ray
+        import ray  # heavy: ray
 
         return ray.get_runtime_context().get_node_id()
 
     def make(self, nbytes: int, fill: float):
         """A float32 array of `nbytes`, returned: Ray stores it in this node's object store."""
-        import numpy as np
+        import numpy as np  # heavy: numpy
 
         return np.full(nbytes // 4, fill, dtype=np.float32)
 
     def fetch(self, refs: list) -> float:
         """Seconds to get `refs[0]` (pulled from the node that holds it) and copy it once into this process."""
-        import numpy as np
-        import ray
+        import numpy as np  # heavy: numpy
+        import ray  # heavy: ray
 
         start = time.perf_counter()
         array = np.array(ray.get(refs[0]), copy=True)
@@ -463,11 +464,7 @@ class MeasureError(Exception):
 def _ray_session() -> Iterator[None]:
     """The Ray this process uses: already initialized, joined quietly (`RAY_ADDRESS`), or a local one started as
     `vidray train` starts it (and shut down at the end)."""
-    import logging
-
-    import ray
-
-    from vidray.runtime import apply_ray_env_defaults, check_ray_address, init_ray
+    import ray  # heavy: ray
 
     if ray.is_initialized():
         yield
@@ -489,7 +486,7 @@ class WorkerGroup:
     each with `scaling.use_gpu`, PACK, `placement.dit`'s selector), joined in one process group."""
 
     def __init__(self, job: Any, selector: dict[str, str] | None):
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group  # heavy: ray
 
         self.num_workers = job.scaling.min_workers
         self.backend = "nccl" if job.scaling.use_gpu else "gloo"
@@ -515,10 +512,8 @@ class WorkerGroup:
                                f"{' '.join(str(err).split())[:200]}; `ray status` and the workers' logs say why") from None
 
     def _start_actors(self) -> None:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from vidray.logs import worker_env
+        import ray  # heavy: ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # heavy: ray
 
         env = worker_env()
         remote = ray.remote(MeasureWorker)
@@ -558,19 +553,19 @@ class WorkerGroup:
         return out
 
     def sweep(self, sizes: list[int]) -> list[dict[str, float]]:
-        import ray
+        import ray  # heavy: ray
 
         results = ray.get([a.allreduce.remote(sizes) for a in self.actors], timeout=CALL_TIMEOUT_S)
         return results[0]  # every rank returns the same averaged figures
 
     def step(self, job: Any, num_steps: int) -> dict[str, Any]:
-        import ray
+        import ray  # heavy: ray
 
         return ray.get(self.actors[0].step.remote(job.to_dict(), num_steps), timeout=CALL_TIMEOUT_S)
 
     def close(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
+        import ray  # heavy: ray
+        from ray.util.placement_group import remove_placement_group  # heavy: ray
 
         for actor in self.actors:
             with contextlib.suppress(Exception):
@@ -581,8 +576,8 @@ class WorkerGroup:
 
 def latent_batch_bytes(job: Any) -> tuple[int, str]:
     """(bytes of one float32 latent batch of the job's largest bucket, "9x64x64 x2")."""
-    from vidray.models.registry import get_family
-    from vidray.train.plan import job_preset, largest_bucket
+    from vidray.models.registry import get_family  # heavy: torch, numpy, pydantic
+    from vidray.train.plan import job_preset, largest_bucket  # heavy: pydantic
 
     bucket, batch = largest_bucket(job, job_preset(job))
     shape = get_family(job.model.family).for_model(job.model).latent_shape(bucket, batch)
@@ -593,8 +588,8 @@ def measure_transfer(nbytes: int, receiver: str, others: list[str]) -> dict[str,
     """Time moving `nbytes` from an actor on another alive node (the first of `others` with an object store, else
     `receiver` itself) to one on node `receiver`. Returns {"bytes", "seconds": median, "repeats", "rate",
     "node_to_node", "sender", "receiver"} or {"error"}."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    import ray  # heavy: ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # heavy: ray
 
     sender = next((n for n in others if n != receiver), receiver)
     remote = ray.remote(TransferEnd)
@@ -624,7 +619,7 @@ def measure_transfer(nbytes: int, receiver: str, others: list[str]) -> dict[str,
 
 
 def _object_store_bytes(node_ids: list[str]) -> float:
-    import ray
+    import ray  # heavy: ray
 
     stores = [n["Resources"].get("object_store_memory", 0) for n in ray.nodes()
               if n.get("Alive") and n["NodeID"] in node_ids]
@@ -639,7 +634,7 @@ def measure(job: Any, *, max_message_mib: float | None = None, transfer_mib: flo
     `allreduce`, `transfer`, `step`; or one `measure` FAIL when the workers cannot be placed or joined. Joins
     `RAY_ADDRESS` or starts a local Ray when Ray is not initialized, and leaves it again; reserves the job's
     workers for the measurement only."""
-    import ray
+    import ray  # heavy: ray
 
     with _ray_session():
         # 1. The job's workers, placed as Ray Train places them, in one process group.
@@ -669,7 +664,7 @@ def _transfer(job: Any, worker_nodes: list[str], transfer_mib: float | None) -> 
     """`measure_transfer` of the job's latent batch (or `transfer_mib`; `MIN_TRANSFER_BYTES` when Ray would pass
     it inline; at most `MEMORY_SHARE` of the object store) to the first worker's node from another node, another
     worker's first."""
-    import ray
+    import ray  # heavy: ray
 
     latent_bytes, what = latent_batch_bytes(job)
     wanted = int(transfer_mib * MIB) if transfer_mib else latent_bytes
@@ -685,10 +680,6 @@ def _transfer(job: Any, worker_nodes: list[str], transfer_mib: float | None) -> 
 
 def _dit_selector(job: Any) -> dict[str, str] | None:
     """`placement.dit`'s selector as `vidray train` resolves it on this cluster (None: anywhere)."""
-    from vidray.doctor import _captured
-    from vidray.placement import alive_nodes, resolve_placement
-    from vidray.runtime import autoscaler_max_resources
-
     try:
         resolved, _ = _captured(lambda: resolve_placement(job, alive_nodes(),
                                                           autoscaler=autoscaler_max_resources() is not None))
@@ -822,7 +813,7 @@ def transfer_finding(t: dict[str, Any], step: dict[str, Any] | None) -> Finding:
 
 def step_finding(step: dict[str, Any]) -> Finding:
     """The `step` line: time per step and peak memory against the plan (`PLAN_RATIO_OK`; a GPU's `HEADROOM`)."""
-    from vidray.train.plan import HEADROOM, format_bytes
+    from vidray.train.plan import HEADROOM, format_bytes  # heavy: pydantic
 
     b = step["bucket"]
     what = (f"{step['preset']} at {b[0]}x{b[1]}x{b[2]} x{step['batch']} ({step['text_tokens']} text tokens), "

@@ -25,6 +25,8 @@ from vidray.inference.request import (
     field_problems,
 )
 from vidray.locations import NOT_A_FOLDER, creation_problem
+from vidray.logs import quiet_diffusers
+from vidray.plan_inference import check_generation_fits
 from vidray.progress import progress_bar
 from vidray.models.export import (  # re-exported: these lived here before the serve plane needed them
     JOB_FILE,
@@ -102,7 +104,7 @@ def _output_problem(output: Path) -> str | None:
 
 def _readable_image(path: str | Path) -> bool:
     """Whether PIL reads `path` as an image (its header checked, no pixels decoded)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # heavy: PIL
 
     try:
         with Image.open(path) as image:
@@ -234,7 +236,7 @@ def memory_problems(storage_dtype: str, offload: str) -> list[str]:
     if offload not in offload_choices:
         problems.append(f"--offload {offload!r}: give one of {', '.join(offload_choices)}")
     elif offload != "none":
-        import torch
+        import torch  # heavy: torch, numpy
 
         if not torch.cuda.is_available():
             problems.append(f"--offload {offload} needs a CUDA GPU (it moves weights between host memory and the GPU) "
@@ -245,7 +247,7 @@ def memory_problems(storage_dtype: str, offload: str) -> list[str]:
 def warn_if_prompt_truncated(tokenizer, prompt: str, max_sequence_length: int) -> int:
     """Log a warning when `prompt` is longer than `max_sequence_length` tokens (counted as `encode_prompts`
     tokenizes: chat template + special tokens). Returns the number of tokens dropped (0 when it fits)."""
-    from vidray.models.text_encoder import count_prompt_tokens
+    from vidray.models.text_encoder import count_prompt_tokens  # heavy: torch, transformers, accelerate
 
     num_tokens = count_prompt_tokens(tokenizer, [prompt])[0]
     dropped = max(0, num_tokens - max_sequence_length)
@@ -308,15 +310,12 @@ def generate_to_file(
                        "it never saw a last-frame condition, so expect the last frame to be followed loosely")
 
     # 2. Load, warn about a cut prompt, denoise, write.
-    import torch
+    import torch  # heavy: torch, numpy
 
-    from vidray.data.video import write_mp4
-    from vidray.inference.sampler import generate_video
-    from vidray.logs import quiet_diffusers
-    from vidray.models.conditioning import load_image
-    from vidray.models.offload import inference_device, prepare_for_inference
-
-    from vidray.plan_inference import check_generation_fits
+    from vidray.data.video import write_mp4  # heavy: av, PIL, numpy
+    from vidray.inference.sampler import generate_video  # heavy: torch, accelerate, safetensors
+    from vidray.models.conditioning import load_image  # heavy: torch, numpy
+    from vidray.models.offload import inference_device, prepare_for_inference  # heavy: torch, accelerate, safetensors
 
     quiet_diffusers()  # "Loading pipeline components..." bars (vidray.logs)
     device = inference_device()

@@ -6,6 +6,7 @@ without loading `vidray.storage`, which opens them.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 __all__ = ["NOT_A_FOLDER", "absolute_location", "creation_problem", "folder_write_problem", "is_uri"]
@@ -25,8 +26,6 @@ def folder_write_problem(folder: str | Path) -> str | None:
     """Why nothing can be created in the existing local folder `folder` (the OS's reason, e.g. "Permission denied"),
     or None when something can. Tried, not read from permission bits, which say nothing for root or for
     filesystems such as /proc: a temporary folder is made there and removed at once."""
-    import tempfile
-
     try:
         Path(tempfile.mkdtemp(prefix=".vidray-write-check-", dir=folder)).rmdir()
     except OSError as err:

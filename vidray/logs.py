@@ -118,7 +118,7 @@ def quiet_ray_train_worker() -> None:
     worker's root logger prints it at INFO. Its own logger is set to WARNING here."""
     if is_verbose():
         return
-    from ray.train.v2._internal.execution import context
+    from ray.train.v2._internal.execution import context  # heavy: ray, pyarrow, numpy
 
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
@@ -135,11 +135,11 @@ def quiet_diffusers() -> None:
     reads no environment setting for its bars."""
     if is_verbose():
         return
-    from diffusers.utils import logging as diffusers_logging
+    from diffusers.utils import logging as diffusers_logging  # heavy: torch, diffusers, safetensors
 
     diffusers_logging.disable_progress_bar()
     if "transformers" in sys.modules:
-        from transformers.utils import logging as transformers_logging
+        from transformers.utils import logging as transformers_logging  # heavy: transformers, PIL, numpy
 
         transformers_logging.disable_progress_bar()
 

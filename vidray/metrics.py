@@ -414,8 +414,8 @@ class TrainMetrics:
 def _ray_series(rank: int, run: str, node: str | None) -> dict[str, object]:
     """`_SERIES` as `ray.util.metrics` objects, their default tags `run`, `rank` and `node` (default: this
     worker's node IP) set: Ray's metrics agent on this node exports them."""
-    import ray
-    from ray.util import metrics as ray_metrics
+    import ray  # heavy: ray
+    from ray.util import metrics as ray_metrics  # heavy: ray
 
     node = node if node is not None else ray.util.get_node_ip_address()
     defaults = {"run": run, "rank": str(rank), "node": node}

@@ -183,7 +183,7 @@ class NodeInfo:
 
 def alive_nodes() -> list[NodeInfo]:
     """The alive nodes of the connected Ray cluster (`ray.nodes()`); Ray must be initialised."""
-    import ray
+    import ray  # heavy: ray
 
     return [NodeInfo.from_ray(n) for n in ray.nodes() if n.get("Alive")]
 
@@ -194,7 +194,7 @@ def joined_by_address() -> bool:
     if os.environ.get("RAY_ADDRESS"):
         return True
     try:
-        from ray._private import worker  # the node this process started (head) or connected to (not head)
+        from ray._private import worker  # heavy: ray; the node this process started (head) or connected to (not head)
     except ImportError:
         return False
     node = getattr(worker, "_global_node", None)

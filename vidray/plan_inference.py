@@ -37,6 +37,7 @@ from typing import Literal
 from vidray.cards import get_card
 from vidray.buckets import Bucket
 from vidray.errors import UserError
+from vidray.models.presets import ShapePreset, meta_model, planner_facts, preset_from_pretrained
 
 __all__ = ["INFERENCE_MODES", "InferenceEstimate", "InferenceReport", "check_generation_fits", "check_inference_fits",
            "format_inference_report", "inference_preset", "plan_inference"]
@@ -99,8 +100,6 @@ class InferenceReport:
 def inference_preset(model: str | Path):
     """The shape preset of a diffusers folder (`transformer/config.json`), with `num_experts` 2 when it has a
     `transformer_2` (Wan2.2). Raises UserFileNotFound / UserError as `preset_from_pretrained`."""
-    from vidray.models.presets import ShapePreset, preset_from_pretrained
-
     preset = preset_from_pretrained(model)
     if (Path(model) / "transformer_2" / "config.json").is_file():
         preset = ShapePreset(**{**preset.__dict__, "num_experts": 2})
@@ -109,9 +108,7 @@ def inference_preset(model: str | Path):
 
 def _shape_terms(preset) -> tuple[int, int, int]:
     """(largest Linear weight of the transformer, its non-block parameters, text width) from the meta build."""
-    import torch
-
-    from vidray.models.presets import meta_model, planner_facts
+    import torch  # heavy: torch
 
     model = meta_model(preset)
     largest = max(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -129,8 +126,15 @@ def plan_inference(preset, *, bucket: Bucket, gpu_memory_bytes: int, guidance: b
     `gpu_memory_bytes` (fits within `vidray.train.plan.HEADROOM`) and, when `host_memory_bytes` is given, a node of
     that much host memory; the pick is the first that fits in the module docstring's order. Raises UserError for a
     bucket the VAE and patch do not divide."""
-    from vidray.train.plan import (HEADROOM, HOST_HEADROOM, STORAGE_BYTES, count_model, frozen_bytes,
-                                   sequence_lengths, text_in_blocks)
+    from vidray.train.plan import (  # heavy: pydantic
+        HEADROOM,
+        HOST_HEADROOM,
+        STORAGE_BYTES,
+        count_model,
+        frozen_bytes,
+        sequence_lengths,
+        text_in_blocks,
+    )
 
     counts = count_model(preset)
     n_video, latent_elems = sequence_lengths(preset, bucket)
@@ -182,7 +186,7 @@ def plan_inference(preset, *, bucket: Bucket, gpu_memory_bytes: int, guidance: b
 
 def format_inference_report(report: InferenceReport) -> str:
     """The inference plan as a table (GiB), the pick and how to ask for it."""
-    from vidray.train.plan import HEADROOM, format_bytes
+    from vidray.train.plan import HEADROOM, format_bytes  # heavy: pydantic
 
     b = report.bucket
     gib = 2**30
@@ -220,7 +224,7 @@ def check_inference_fits(model, *, bucket: Bucket, gpu_memory_bytes: int, storag
     `offload` one of INFERENCE_MODES. Returns the estimate when it fits; raises UserError, one line, naming the
     bytes needed, the GPU, and the storage and offload mode that would fit (or the GPU size the least-needing mode
     fits), UserFileNotFound for a folder without the transformer's config."""
-    from vidray.train.plan import HEADROOM, format_bytes
+    from vidray.train.plan import HEADROOM, format_bytes  # heavy: pydantic
 
     if offload not in INFERENCE_MODES:
         raise UserError(f"memory.offload {offload!r} is not one of {', '.join(INFERENCE_MODES)}")
@@ -257,7 +261,7 @@ def check_generation_fits(model_path, bucket: Bucket, device, *, storage: str = 
     auto is bf16 there. Returns None, checking nothing, on any other device (CPU keeps working as before) or for a
     model that is not a local folder (a URI: checked once downloaded, by the caller). Raises UserError when the
     generation is predicted not to fit (see `check_inference_fits`)."""
-    import torch
+    import torch  # heavy: torch
 
     device = torch.device(device)
     if device.type != "cuda" or not (Path(model_path) / "transformer" / "config.json").is_file():

@@ -31,7 +31,7 @@ def bars_enabled(stream: Any = None) -> bool:
 def progress_bar(total: int | None, desc: str, unit: str, *, initial: int = 0) -> Any:
     """A `tqdm` bar on stderr of `total` `unit`s (None: unknown), disabled unless `bars_enabled()`. Use it as a
     context manager; `bar.update(n)`, `bar.set_postfix(...)`; `bar.write(line)` prints a line above it."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # heavy: tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, initial=initial, file=sys.stderr, dynamic_ncols=True,
                 disable=not bars_enabled(), leave=True, smoothing=0.1)

@@ -14,9 +14,16 @@ when `ray` is first imported: `import vidray` applies these defaults, so import 
 
 from __future__ import annotations
 
+import math
 import os
+import socket
+import warnings
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import urlsplit
+
+from vidray.errors import UserError
+from vidray.logs import apply_local_cluster_defaults, plain_worker_prefixes, ray_init_logging_level
 
 RAY_ENV_DEFAULTS = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -50,12 +57,10 @@ def init_ray(*, num_cpus: int | None = None, log_to_driver: bool = True) -> bool
     then owns `ray.shutdown()`), False when Ray was already initialized.
     """
     apply_ray_env_defaults()
-    import ray
-    from ray._private import ray_constants
+    import ray  # heavy: ray
+    from ray._private import ray_constants  # heavy: ray
 
     if ray_constants.ENABLE_RAY_CLUSTER and not os.environ.get("RAY_ADDRESS"):
-        import warnings
-
         warnings.warn(
             "ray was imported before vidray, so RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 did not take effect: the local "
             "cluster may listen beyond 127.0.0.1. Import vidray first or export the variable.",
@@ -63,7 +68,6 @@ def init_ray(*, num_cpus: int | None = None, log_to_driver: bool = True) -> bool
         )
     if ray.is_initialized():
         return False
-    from vidray.logs import apply_local_cluster_defaults, plain_worker_prefixes, ray_init_logging_level
 
     plain_worker_prefixes()
     if os.environ.get("RAY_ADDRESS"):
@@ -101,11 +105,6 @@ def check_ray_address(address: str) -> None:
 
     Raises UserError naming the address, what is wrong and the fix.
     """
-    import socket
-    from urllib.parse import urlsplit
-
-    from vidray.errors import UserError
-
     text = address.strip()
     scheme = text.split("://", 1)[0].lower() if "://" in text else ""
     if scheme in ("http", "https"):
@@ -145,7 +144,7 @@ def local_num_cpus() -> int:
 
 def local_cluster_resources() -> dict[str, float]:
     """What `init_ray` gives a new local cluster: {"CPU": `local_num_cpus()`, "GPU": the GPUs torch sees}."""
-    import torch
+    import torch  # heavy: torch
 
     return {"CPU": float(local_num_cpus()), "GPU": float(torch.cuda.device_count())}
 
@@ -153,7 +152,7 @@ def local_cluster_resources() -> dict[str, float]:
 def will_start_local_ray() -> bool:
     """True when `init_ray` would start a new local cluster: Ray is not initialized in this process and no
     `RAY_ADDRESS` names a cluster to join."""
-    import ray
+    import ray  # heavy: ray
 
     return not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
 
@@ -177,7 +176,7 @@ def autoscaler_max_resources() -> dict[str, float] | None:
     (`autoscaler_config_path`, `cluster_yaml_max_resources`). Raises UserError for a `VIDRAY_AUTOSCALER_CONFIG`
     that names no readable cluster YAML."""
     try:
-        from ray._private.state import state
+        from ray._private.state import state  # heavy: ray
 
         found = state.get_max_resources_from_cluster_config()
     except Exception:  # noqa: BLE001 - private API; no autoscaler info: read the cluster YAML, if any
@@ -198,8 +197,6 @@ BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"
 def autoscaler_config_path() -> Path | None:
     """The cluster YAML of this cluster's autoscaler: `$VIDRAY_AUTOSCALER_CONFIG`, else `BOOTSTRAP_CONFIG` when it
     exists, else None. Raises UserError when the variable names no file."""
-    from vidray.errors import UserError
-
     named = os.environ.get(AUTOSCALER_CONFIG_ENV)
     if named:
         path = Path(named).expanduser()
@@ -217,11 +214,7 @@ def cluster_yaml_max_resources(path: str | Path) -> dict[str, float] | None:
     a reported config. A worker type that lists no resources (the launcher detects them from the instance type)
     makes CPU unbounded (`inf`): its nodes may bring any number. None when the file has no node type that can add
     a node. Raises UserError naming the file when it is no YAML mapping."""
-    import math
-
-    import yaml
-
-    from vidray.errors import UserError
+    import yaml  # heavy: yaml
 
     try:
         config = yaml.safe_load(Path(path).read_text())

@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from vidray.errors import UserError
+from vidray.errors import UserError, UserFileNotFound
 from vidray.locations import is_uri
 
 S3_MAX_ATTEMPTS = 5
@@ -360,8 +360,6 @@ def _get_file(storage: Storage, rel: str, target: Path) -> int:
 def _with_retries(what: str, location: str, attempts: int, backoff_s: float, once, hint: str):
     """Run `once()` up to `attempts` times while it raises OSError, sleeping backoff_s, 2*backoff_s, ... between
     tries; raises StorageTransferError naming `what`, `location`, the attempts and the last error."""
-    import time
-
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     for attempt in range(1, attempts + 1):
@@ -435,8 +433,6 @@ def download_dir(location: "str | Path | Storage", local: str | Path, *, marker:
     Raises UserFileNotFound when `location` holds no file, or no `marker` (not retried), UserError when it cannot
     be opened, StorageTransferError (an OSError naming `location`) when every attempt failed.
     """
-    from vidray.errors import UserFileNotFound
-
     local = Path(local)
     storage = location if isinstance(location, Storage) else open_storage(location, setting="download source")
 

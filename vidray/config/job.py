@@ -16,6 +16,7 @@ from vidray.config.sections import (_NAME_RE, _STRICT, CheckpointConfig, DataCon
                                     MemoryConfig, ModelConfig, OptimConfig, PlacementConfig, ScalingConfig,
                                     StorageConfig, TrainConfig, VAETrainingConfig, _families_with,
                                     parse_activation_checkpointing)
+from vidray.placement import expert_selectors
 
 
 @dataclass(config=_STRICT, kw_only=True)
@@ -163,7 +164,6 @@ class JobConfig:
             raise ValueError("train.mixed_precision: fp16 with model.experts.layout: groups is not supported (each "
                              "expert's group would keep its own loss scale): use train.mixed_precision: bf16, or "
                              "model.experts.layout: shared")
-        from vidray.placement import expert_selectors
 
         expert_selectors(self)  # raises for a key both selectors give different values
 

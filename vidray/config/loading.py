@@ -17,6 +17,7 @@ from vidray.config.bounds import BOUND_ERRORS, bound_message
 from vidray.config.job import _ADAPTER, JobConfig
 from vidray.config.sections import ConfigError
 from vidray.errors import UserError, UserFileNotFound
+from vidray.locations import NOT_A_FOLDER, creation_problem
 
 
 def _field_hint(path: Sequence[str | int], *, extras: bool = False) -> Any:
@@ -101,8 +102,6 @@ def check_output_path(path: str | Path, key: str) -> Path:
     (not created). Raises ConfigError, e.g. "storage.path /etc/hostname/runs cannot be created: /etc/hostname is a
     file, not a folder".
     """
-    from vidray.locations import NOT_A_FOLDER, creation_problem
-
     target = Path(path).expanduser().resolve()
     probe, problem = creation_problem(target)
     if problem == NOT_A_FOLDER:

@@ -20,6 +20,7 @@ from vidray.cards import all_cards, get_card  # plain data: no torch
 from vidray.config.bounds import (AtLeastOne, Fraction, NonNegativeFloat, NonNegativeInt, OpenFraction, PositiveFloat,
                                   Says)
 from vidray.errors import UserError
+from vidray.placement import parse_selector
 
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -141,8 +142,6 @@ class StagePlacement:
     @field_validator("label_selector")
     @classmethod
     def _check_selector(cls, value: dict[str, str]) -> dict[str, str]:
-        from vidray.placement import parse_selector
-
         parse_selector(value)
         return value
 

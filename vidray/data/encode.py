@@ -33,6 +33,7 @@ cached and online training see bit-identical inputs (tests/integration/test_enco
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -66,7 +67,7 @@ def module_identity(module: Any, *, extra: str = "") -> str:
     """sha256 hex of a torch module's class, its `config` (diffusers / transformers; JSON) and every
     `state_dict` tensor (name, dtype, shape, bytes), plus `extra` and `CACHE_FORMAT`. Same weights -> same id on
     any machine; one changed weight -> another id. Takes about 1 s per GB of weights on a CPU."""
-    import torch
+    import torch  # heavy: torch
 
     digest = hashlib.sha256(f"vidray-encoder/{CACHE_FORMAT}/{type(module).__name__}/{extra}".encode())
     config = getattr(module, "config", None)
@@ -89,7 +90,7 @@ class LatentCache:
     """
 
     def __init__(self, root: str):
-        from vidray.storage import open_storage
+        from vidray.storage import open_storage  # heavy: pyarrow
 
         self.root = str(root)
         self.storage = open_storage(root, setting="data.latent_cache")
@@ -111,9 +112,9 @@ class LatentCache:
         """{name: torch tensor} of entry `rel` (numpy arrays with `as_numpy`: no torch import, for the decode
         operator), or None."""
         if as_numpy:
-            from safetensors.numpy import load
+            from safetensors.numpy import load  # heavy: safetensors
         else:
-            from safetensors.torch import load
+            from safetensors.torch import load  # heavy: torch, safetensors
 
         try:
             return load(self.storage.read_bytes(rel))
@@ -123,7 +124,7 @@ class LatentCache:
             return None
 
     def put(self, rel: str, tensors: dict[str, Any]) -> None:
-        from safetensors.torch import save
+        from safetensors.torch import save  # heavy: torch, safetensors
 
         self.storage.write_bytes(rel, save({k: v.contiguous() for k, v in tensors.items()}))
 
@@ -162,7 +163,7 @@ class EncodeStage:
     def __init__(self, what: str, model: dict[str, Any], seed: int, *, max_sequence_length: int,
                  latent_cache: str = "", hot_bytes: int = 0, num_gpus: float = 0.0, torch_threads: int = 1,
                  identities: dict[str, Any] | None = None, storage: dict[str, str] | None = None):
-        import torch
+        import torch  # heavy: torch
 
         if what not in ("vae", "text", "vae+text"):
             raise ValueError(f"EncodeStage: what must be 'vae', 'text' or 'vae+text', got {what!r}")
@@ -203,7 +204,7 @@ class EncodeStage:
             if isinstance(given, str):
                 self._ids[stage] = given
             elif isinstance(given, (list, tuple)) and given:
-                import ray
+                import ray  # heavy: ray
 
                 self._ids[stage] = str(ray.get(given[0]))
             else:
@@ -214,13 +215,13 @@ class EncodeStage:
         """Build the family's encoders this stage runs (once) and set or check their identities."""
         if self.family is not None:
             return
-        from vidray.config import ModelConfig
-        from vidray.models.registry import get_family
+        from vidray.config import ModelConfig  # heavy: pydantic
+        from vidray.models.registry import get_family  # heavy: torch, pydantic
 
         model_cfg = ModelConfig(**self.model)
         family = get_family(model_cfg.family)
         encoders = family.build_encoders(model_cfg, seed=self.seed)
-        from vidray.models.storage import apply_storage_dtype
+        from vidray.models.storage import apply_storage_dtype  # heavy: torch
 
         built = {}
         if self.do_vae:
@@ -254,9 +255,7 @@ class EncodeStage:
     def _autocast(self, stage: str) -> Any:
         """bf16 autocast around a stage's encoder when its weights are stored in bf16 / fp8 (the fp32 frames and
         the weights then meet in bf16); nothing for fp32."""
-        import contextlib
-
-        import torch
+        import torch  # heavy: torch
 
         if self.storage[stage] == "fp32":
             return contextlib.nullcontext()
@@ -302,7 +301,7 @@ class EncodeStage:
         hits, misses). `cached`: {slot: entry ({"latents"[, "inpaint_latents"]}: (C, F_lat,
         H_lat, W_lat) float32 each)} the decode operator already read from this cache (those clips were not
         decoded: their frames are zeros), counted as hits."""
-        import torch
+        import torch  # heavy: torch
 
         entries, hits, misses, done = [], 0, 0, {}
         cached = cached or {}
@@ -339,9 +338,9 @@ class EncodeStage:
         """One clip's cache entry: {"latents"[, "inpaint_latents"[, "image_embeds" (T, D_img)]]} (each (C, F_lat,
         H_lat, W_lat) float32, CPU) of
         uint8 frames (1, F, H, W, 3), encoded on this stage's device."""
-        import torch
+        import torch  # heavy: torch
 
-        from vidray.models.vae import frames_to_video
+        from vidray.models.vae import frames_to_video  # heavy: torch, accelerate, safetensors
 
         self._load_encoders()
         video = frames_to_video(frames).to(self.device)
@@ -358,7 +357,7 @@ class EncodeStage:
     def prompts(self, captions: list[str]) -> tuple[Any, Any, int, int]:
         """prompt_embeds (B, L, D) float32 and prompt_attention_mask (B, L) bool of B captions, each from the
         cache or encoded alone (then stored); returns (prompt_embeds, mask, hits, misses)."""
-        import torch
+        import torch  # heavy: torch
 
         embeds, masks, hits, misses = [], [], 0, 0
         for caption in captions:
@@ -431,7 +430,7 @@ def pack_cached_latents(vae_id: str, cached: dict[int, dict[str, np.ndarray]]) -
     from the entries of `vae_id` (`latents_identity`) -> one safetensors byte string (b"" for none): the decode
     operator's "cached_latents" cell of a micro-batch (`vidray.data.pipeline.ClipLoader`, which never imports
     torch). Tensor names: `<slot>/<entry name>`."""
-    from safetensors.numpy import save
+    from safetensors.numpy import save  # heavy: safetensors
 
     if not cached:
         return b""
@@ -442,7 +441,7 @@ def pack_cached_latents(vae_id: str, cached: dict[int, dict[str, np.ndarray]]) -
 def unpack_cached_latents(cell: Any) -> tuple[str, dict[int, dict[str, Any]]]:
     """The inverse of `pack_cached_latents`: (vae_id, {slot: {entry name: torch tensor}}); ("", {}) for b"" or
     None."""
-    from safetensors.torch import load
+    from safetensors.torch import load  # heavy: torch, safetensors
 
     if not cell:
         return "", {}
@@ -490,8 +489,8 @@ def vae_identity(model: dict[str, Any], seed: int) -> str:
     embeddings also its image encoder alone, `ModelFamily.build_image_encoder`). The decode operator
     uses it to find cached latents before it decodes a clip (`vidray.data.pipeline.ClipLoader`). Raises what
     `build_vae` raises for a bad model section."""
-    from vidray.config import ModelConfig
-    from vidray.models.registry import get_family
+    from vidray.config import ModelConfig  # heavy: pydantic
+    from vidray.models.registry import get_family  # heavy: torch, pydantic
 
     model_cfg = ModelConfig(**model)
     family = get_family(model_cfg.family)
@@ -504,8 +503,8 @@ def text_identity(model: dict[str, Any], seed: int) -> str:
     """The `module_identity` (tokenizer class included) of the text encoder an `EncodeStage` of this model section
     (`ModelConfig` as a dict) and `train.seed` loads: the identity in its prompt-embedding cache entries. Raises
     what `ModelFamily.build_encoders` raises for a bad model section."""
-    from vidray.config import ModelConfig
-    from vidray.models.registry import get_family
+    from vidray.config import ModelConfig  # heavy: pydantic
+    from vidray.models.registry import get_family  # heavy: torch, pydantic
 
     model_cfg = ModelConfig(**model)
     encoders = get_family(model_cfg.family).build_encoders(model_cfg, seed=int(seed))
@@ -520,7 +519,7 @@ def text_encoder_identity(text_encoder: Any, tokenizer: Any) -> str:
 
 def node_info() -> dict[str, Any]:
     """{"node_id", "labels"} of the node this process runs on ({} outside Ray)."""
-    import ray
+    import ray  # heavy: ray
 
     if not ray.is_initialized():
         return {}

@@ -8,6 +8,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from vidray.errors import RequestCannotBeMetError, UserError
+from vidray.locations import absolute_location
+from vidray.placement import alive_nodes, resolve_placement
+from vidray.progress import progress_bar
+from vidray.runtime import autoscaler_max_resources
+
 __all__ = ["check_encode_resources", "encode_cache_root", "encode_to_cache"]
 
 
@@ -16,8 +22,7 @@ def encode_cache_root(job: Any) -> str:
     `vidray.data.outputs.latent_cache_root`). Raises UserError when it is `off`, ConfigError / UserError when it
     cannot be written (`vidray.data.outputs.check_output_location`: a local folder that cannot be created, an
     object store that does not answer or lacks the bucket): checked before anything is prepared or started."""
-    from vidray.errors import UserError
-    from vidray.data.outputs import check_output_location, latent_cache_root
+    from vidray.data.outputs import check_output_location, latent_cache_root  # heavy: pyarrow, numpy, pydantic
 
     cache = latent_cache_root(job)
     if not cache:
@@ -33,8 +38,7 @@ def check_encode_resources(job: Any, cluster: dict[str, float], *, autoscaler_ma
     (`placement.vae|text.num_cpus|num_gpus`; one actor for both when they match, `encode_operators`).
     `cluster`: the logical resources now; `autoscaler_max`: what the autoscaler could reach, or None.
     Raises vidray.errors.RequestCannotBeMetError naming the numbers and the keys to lower."""
-    from vidray.data.pipeline import encode_operators, encode_spec
-    from vidray.errors import RequestCannotBeMetError
+    from vidray.data.pipeline import encode_operators, encode_spec  # heavy: pyarrow, numpy
 
     operators = encode_operators(encode_spec(job, {}))
     need = {"CPU": float(job.data.loader_cpus) + sum(op["num_cpus"] for op in operators),
@@ -62,16 +66,13 @@ def encode_to_cache(job: Any, *, shards_dir: str | None = None, latent_cache: st
     vidray.errors.RequestCannotBeMetError when the connected cluster cannot hold the pipeline
     (`check_encode_resources`).
     """
-    from vidray.data.index import load_sample_index
-    from vidray.data.pipeline import RankLoader, encode_spec, plan_rank_steps
-    from vidray.data.schedule import job_schedule
-    from vidray.data.shards import read_index
-    import ray
+    from vidray.data.index import load_sample_index  # heavy: pyarrow, numpy
+    from vidray.data.pipeline import RankLoader, encode_spec, plan_rank_steps  # heavy: pyarrow, numpy
+    from vidray.data.schedule import job_schedule  # heavy: numpy
+    from vidray.data.shards import read_index  # heavy: pyarrow, av, PIL
+    import ray  # heavy: ray
 
-    from vidray.models.registry import get_family
-    from vidray.placement import alive_nodes, resolve_placement
-    from vidray.locations import absolute_location
-    from vidray.runtime import autoscaler_max_resources
+    from vidray.models.registry import get_family  # heavy: torch, numpy, pydantic
 
     shards_dir = absolute_location(shards_dir or job.data.shards_dir)
     cache = latent_cache or encode_cache_root(job)
@@ -89,7 +90,6 @@ def encode_to_cache(job: Any, *, shards_dir: str | None = None, latent_cache: st
     totals = dict.fromkeys(("latent_hits", "latent_misses", "prompt_hits", "prompt_misses"), 0)
     seen: set[str] = set()
     skipped: list[dict[str, str]] = []
-    from vidray.progress import progress_bar
 
     bar = progress_bar(len(steps), "encode", "batch")  # drawn on a terminal only
     try:

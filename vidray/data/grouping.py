@@ -112,10 +112,10 @@ class CaptionEmbedder:
             raise ValueError(f"captions must be a list of strings, got the string {captions!r}")
         if not len(captions):
             return np.zeros((0, EMBED_DIM), dtype=np.float32)
-        import torch
+        import torch  # heavy: torch
 
         if self._model is None:
-            from vidray.models.text_encoder import build_text_encoder  # transformers: import late
+            from vidray.models.text_encoder import build_text_encoder  # heavy: torch, transformers
 
             self._model, self._tokenizer = build_text_encoder("minilm")
         parts = []

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from importlib.metadata import version  # the installed versions, without importing the libraries
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,6 @@ def model_files_signature(model: dict[str, Any]) -> str:
 @functools.lru_cache(maxsize=1)
 def _code_signature() -> str:
     """sha256 of the libraries' versions and of the vidray source that builds and hashes encoders."""
-    from importlib.metadata import version  # the installed versions, without importing the libraries
-
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256("|".join(version(name) for name in ("torch", "diffusers", "transformers")).encode())
     for path in sorted([*(root / "models").glob("*.py"), root / "data" / "encode.py"]):
@@ -67,7 +66,7 @@ def memo_key(stage: str, model: dict[str, Any], seed: int, files: str | None = N
 def read_identity(cache_root: str, key: str) -> str | None:
     """The identity remembered under `key` in the latent cache at `cache_root` (folder or URI), or None when there
     is none or it cannot be read (a damaged memo is computed again)."""
-    from vidray.storage import open_storage
+    from vidray.storage import open_storage  # heavy: pyarrow, numpy
 
     try:
         memo = json.loads(open_storage(cache_root, setting="data.latent_cache").read_bytes(f"{MEMO_FOLDER}/{key}.json"))
@@ -79,7 +78,7 @@ def read_identity(cache_root: str, key: str) -> str | None:
 
 def write_identity(cache_root: str, key: str, identity: str) -> None:
     """Remember `identity` under `key` in the latent cache at `cache_root` (one small JSON file, written whole)."""
-    from vidray.storage import open_storage
+    from vidray.storage import open_storage  # heavy: pyarrow, numpy
 
     open_storage(cache_root, setting="data.latent_cache").write_bytes(
         f"{MEMO_FOLDER}/{key}.json", json.dumps({"identity": identity}).encode())
@@ -90,7 +89,7 @@ def identity_task(stage: str, model: dict[str, Any], seed: int, cache_root: str,
     """A Ray task's body: the stage's identity (`vidray.data.encode.vae_identity` / `text_identity`, with the
     stage's storage dtype `storage`: `stored_identity`), remembered under `key` in the latent cache at `cache_root`
     (when given) for later runs. Raises what those raise."""
-    from vidray.data.encode import stored_identity, text_identity, vae_identity
+    from vidray.data.encode import stored_identity, text_identity, vae_identity  # heavy: numpy
 
     identity = stored_identity((vae_identity if stage == "vae" else text_identity)(model, seed), storage)
     if cache_root:

@@ -36,7 +36,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from vidray.buckets import Bucket
+from vidray.data.format import read_index
 from vidray.errors import UserError
+from vidray.storage import open_storage
 
 SAMPLES_NAME = "samples.parquet"
 SAMPLE_TABLE_SCHEMA = pa.schema(
@@ -178,9 +180,6 @@ def load_sample_index(shards_dir: str | Path) -> SampleIndex:
     Raises like `vidray.data.shards.read_index` (no index, missing files), and UserError when the table differs
     from what `index.json` recorded (size, sha256 or row count: edited or damaged) or lacks a column.
     """
-    from vidray.data.format import read_index
-    from vidray.storage import open_storage
-
     storage = open_storage(shards_dir)
     index = read_index(storage)
     entry = index.get("samples")
@@ -232,9 +231,6 @@ def dataset_rows(shards_dir: str | Path) -> pa.Table:
     clip_start_s and clip_end_s in ms, caption), not of its encoding. Reads the sample table and the shards'
     caption column only (no video bytes). `dataset_hash` digests it; `describe_dataset_change` compares two.
     Raises like `load_sample_index`."""
-    from vidray.data.format import read_index
-    from vidray.storage import open_storage
-
     storage = open_storage(shards_dir)  # a folder or a URI
     table = load_sample_index(shards_dir)
     captions: list[list[str | None]] = []

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from vidray.config import DataConfig, ModelConfig
     from vidray.models.text_encoder import TruncationStats
 
-from vidray.buckets import Bucket, validate_bucket
+from vidray.buckets import Bucket, bucket_rules, validate_bucket
 from vidray.data.buckets import assign_bucket, rate_change_factor, rate_change_reason, source_floor_reason
 from vidray.data.grouping import SHARDS_PER_GROUPING, CaptionEmbedder, balanced_groups
 from vidray.data.shards import INDEX_NAME, ShardWriter
@@ -524,8 +524,6 @@ def prepare(
     start = time.perf_counter()
     say = progress or (lambda _line: None)
     # 1. Check arguments and read the source list (nothing on disk changes if this fails).
-    from vidray.buckets import bucket_rules
-
     rules = bucket_rules(family)
     buckets = [Bucket(*b) for b in buckets]
     if not buckets:
@@ -763,12 +761,12 @@ def prepare_data(
             raise UserFileNotFound(  # before any clip is processed
                 f"model.pretrained_path {model.pretrained_path!r} has no tokenizer/ folder; give a diffusers folder"
             )
-        from vidray.models.text_encoder import check_max_sequence_length
+        from vidray.models.text_encoder import check_max_sequence_length  # heavy: torch, transformers, accelerate
 
         check_max_sequence_length(model)  # config files only, before any clip is processed
 
         def check_captions(captions: list[str]) -> "TruncationStats":
-            from vidray.models.text_encoder import build_tokenizer, caption_truncation  # transformers: import late
+            from vidray.models.text_encoder import build_tokenizer, caption_truncation  # heavy: torch, transformers
 
             return caption_truncation(build_tokenizer(model), captions, model.max_sequence_length,
                                       counted="kept files' captions")

@@ -69,10 +69,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vidray.buckets import Bucket
-from vidray.data.encode import (ENCODE_SPAN_KEYS, ENCODE_STAT_KEYS, EncodeStage, LatentCache, block_rows, concat_rows,
-                                pack_cached_latents)
+from vidray.data.encode import (
+    ENCODE_SPAN_KEYS,
+    ENCODE_STAT_KEYS,
+    EncodeStage,
+    LatentCache,
+    block_rows,
+    concat_rows,
+    node_info,
+    pack_cached_latents,
+)
+from vidray.data.identities import identity_task, memo_key, model_files_signature, read_identity
 from vidray.data.schedule import DataPosition, SampleSchedule
 from vidray.logs import quiet_ray_data
+from vidray.storage import open_storage
 
 NO_ACTOR_RESTARTS = """The decode and encode operators' actors are not restarted by Ray Data (`max_restarts=0`): a dead
 stage actor fails the rank's loader, and Ray Train restarts the worker group from the latest checkpoint, the same
@@ -227,11 +237,7 @@ class ClipLoader:
                  cache_dir: str, cache_bytes: int, hot_bytes: int, prefetch_window: int, open_shards: int,
                  local_ranks: int = 1, hash_clips: bool = True, latent_cache: str = "", vae_id: Any = None,
                  image_to_video: bool = False, image_embeds: bool = False):
-        import json
-
-        from vidray.data.cache import ShardCache
-        from vidray.data.encode import node_info
-        from vidray.storage import open_storage
+        from vidray.data.cache import ShardCache  # heavy: pydantic
 
         self.node = json.dumps(node_info())  # {} outside Ray (`LocalLoader`)
         self.storage = open_storage(shards_dir)
@@ -323,7 +329,7 @@ class ClipLoader:
         """The encode stage's VAE identity, once known (never waits for the task computing it; a task that failed
         leaves it unknown: every clip is decoded, and the encode stage reports the model's error itself)."""
         if self.vae_id is None and self._vae_id_ref is not None:
-            import ray
+            import ray  # heavy: ray
 
             ready, _ = ray.wait([self._vae_id_ref], timeout=0)
             if ready:
@@ -350,7 +356,7 @@ class ClipLoader:
 
     def _table(self, shard: int) -> pa.Table:
         """The shard's (sample_id, caption, video_mp4) columns in memory (checksum verified when fetched)."""
-        from vidray.data.shards import fetch_verified
+        from vidray.data.shards import fetch_verified  # heavy: av, PIL
 
         table = self.tables.get(shard)
         if table is not None:
@@ -402,7 +408,7 @@ class ClipLoader:
         """Decode one clip's mp4 bytes into `out`, uint8 (F, H, W, 3) of its bucket (its slot of the batch).
         False when they do not decode to that shape (recorded once). Runs on the loader's decode threads (PyAV
         releases the GIL while decoding)."""
-        from vidray.data.video import decode_mp4
+        from vidray.data.video import decode_mp4  # heavy: av, PIL
 
         t0 = time.perf_counter()
         try:
@@ -486,8 +492,6 @@ class ClipLoader:
 
     def _step(self, i: int) -> dict[str, np.ndarray]:
         """Planned step `i`: one output row (the class docstring's columns)."""
-        import json
-
         started = time.time()  # wall clock: the span of this micro-batch's work (DECODE_SPAN_KEYS)
         with self._cond:
             self._wanted = i
@@ -616,9 +620,9 @@ class RankLoader:
     def _build(shards_dir: str, index: dict[str, Any], plan: dict[str, np.ndarray], data: Any, local_ranks: int,
                label_selector: dict[str, str] | None = None, encode: dict[str, Any] | None = None,
                identities: dict[str, Any] | None = None):
-        import ray.data
-        from ray.data import DataContext
-        from ray.data._internal.execution.interfaces import ExecutionResources
+        import ray.data  # heavy: ray, pyarrow, numpy
+        from ray.data import DataContext  # heavy: ray, pyarrow, numpy
+        from ray.data._internal.execution.interfaces import ExecutionResources  # heavy: ray, pyarrow, numpy
 
         ctx = DataContext.get_current()
         ctx.execution_options.preserve_order = True
@@ -755,8 +759,6 @@ class LocalLoader:
     def _make_stages(self) -> tuple[list[Any], dict[str, str]]:
         """The encode operators of `encode` (`encode_operators`) as plain objects, and the identities the decode
         operator needs to skip cached clips ({"vae": id} with a latent cache, else {})."""
-        from vidray.data.encode import EncodeStage
-
         encode, data = self._encode, self._args[3]
         if not encode:
             return [], {}
@@ -853,7 +855,7 @@ def train_batch(plan: RankStep, batch: dict[str, np.ndarray], sample_ids: np.nda
                 data_wait_s: float, prefetch_lead: int = 0) -> TrainBatch:
     """The `TrainBatch` of one loader row (the decode operator's columns, after the encode stages) for its
     planned step `plan`; tensors share the row's memory (no copy)."""
-    import torch
+    import torch  # heavy: torch
 
     ok = batch["ok"][0]
     frames = latents = inpaint_latents = image_embeds = prompt_embeds = prompt_attention_mask = None
@@ -938,9 +940,7 @@ def encoder_identity_refs(encode: dict[str, Any]) -> dict[str, Any]:
     Also memoized in this process per Ray cluster and driver (node and job id), stage inputs (`memo_key`: model
     section, seed, a pretrained folder's file sizes and mtimes, library versions and encoder code) and selector:
     later runs of one driver (a notebook, a test session) reuse the refs."""
-    import ray
-
-    from vidray.data.identities import identity_task, memo_key, model_files_signature, read_identity
+    import ray  # heavy: ray
 
     runtime = ray.get_runtime_context()
     files = model_files_signature(encode["model"])

@@ -115,8 +115,8 @@ def detect_scenes(
     Raises MediaError when the file cannot be decoded (a decode error after some frames ends the scan there:
     the last scene then ends at the last decoded frame), ValueError for an image.
     """
-    from scenedetect import FrameTimecode
-    from scenedetect.detectors import ContentDetector
+    from scenedetect import FrameTimecode  # heavy: numpy, cv2, scenedetect
+    from scenedetect.detectors import ContentDetector  # heavy: numpy, cv2, scenedetect
 
     path = Path(path)
     if info.is_image:

@@ -37,6 +37,10 @@ import logging
 import os
 import re
 import shutil
+import socket
+import threading
+import time
+import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,9 +178,6 @@ class GenerationLease:
     """
 
     def __init__(self, shards_dir: str | Path | Storage, index: dict[str, Any], *, lease_s: float = READER_LEASE_S):
-        import threading
-        import uuid
-
         self.storage = shards_dir if isinstance(shards_dir, Storage) else open_storage(shards_dir)
         self.generation = generation_of(index)
         self.lease_s = float(lease_s)
@@ -190,9 +191,6 @@ class GenerationLease:
         self._thread.start()
 
     def _write(self) -> None:
-        import socket
-        import time
-
         record = {"generation": self.generation, "expires_unix": time.time() + self.lease_s,
                   "holder": f"{socket.gethostname()}:{os.getpid()}"}
         try:
@@ -226,8 +224,6 @@ class GenerationLease:
 def leased_generations(storage: Storage, *, now: float | None = None) -> set[str]:
     """Generations with a live reader lease (`GenerationLease`) in `storage`'s folder. Expired and unreadable
     lease files are deleted on the way."""
-    import time
-
     now = time.time() if now is None else now
     live: set[str] = set()
     for name, is_dir in list(storage.rel_names(READERS_DIR)):  # none when the folder does not exist
@@ -407,7 +403,7 @@ class ShardWriter:
         """Write this generation's sample table (`vidray.data.index`: one row per sample of the shards written,
         in their order) as `gen.NNNNN/samples.parquet`, via a temp file and a rename. Returns its index entry
         {file, bytes, sha256, num_samples}; `commit` lists it. Raises ValueError for wrong columns."""
-        from vidray.data.index import SAMPLES_NAME, write_sample_table
+        from vidray.data.index import SAMPLES_NAME, write_sample_table  # heavy: pyarrow
 
         self._check_open()
         if not self.storage.is_local:

@@ -9,7 +9,7 @@ __all__ = ["FAMILIES", "Components", "ModelFamily", "get_family"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from vidray.models import registry
+        from vidray.models import registry  # heavy: torch, numpy, pydantic
 
         return getattr(registry, name)
     raise AttributeError(f"module 'vidray.models' has no attribute {name!r}")

@@ -26,6 +26,7 @@ from vidray.cards import FamilyCard, get_card
 from vidray.config import FlowConfig, ModelConfig
 from vidray.buckets import Bucket
 from vidray.diffusion.objectives import FlowMatching, Objective
+from vidray.models.experts import ExpertSlot, TwoExperts, pick_expert
 
 __all__ = ["Components", "Encoders", "ModelFamily"]
 
@@ -200,8 +201,6 @@ class ModelFamily(abc.ABC):
         `build_transformer` (both experts) and keep the one; a family that loads a folder's experts one by one
         overrides it, so a stage never holds the other expert. Raises ValueError (`pick_expert`) for another name
         or a model without experts."""
-        from vidray.models.experts import pick_expert
-
         return pick_expert(self.build_transformer(model_cfg, seed=seed), expert)
 
     def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
@@ -287,7 +286,6 @@ class ModelFamily(abc.ABC):
         one by one (`vidray.train.parallel`): the family card's `blocks` attribute of the
         transformer, of each expert of a `TwoExperts`, or of the expert of an `ExpertSlot`; None for a family
         without one (AnimateDiff) or a transformer that lacks it."""
-        from vidray.models.experts import ExpertSlot, TwoExperts
         if isinstance(transformer, TwoExperts):
             modules = [transformer.transformer, transformer.transformer_2]
         else:

@@ -76,6 +76,8 @@ from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoX
                        CogVideoXPipeline, CogVideoXTransformer3DModel)
 from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
+from diffusers.video_processor import VideoProcessor
+from PIL import Image
 
 from vidray.cards import get_card
 from vidray.models.offload import compute_dtype, execution_device
@@ -589,9 +591,6 @@ def preprocess_image(image: Any, bucket: Bucket) -> torch.Tensor:
     resized to (W, H) with LANCZOS, the whole image (no crop); a (3, H, W) float tensor in [0, 1] resized by
     `F.interpolate`; both then 2x - 1). A uint8 (H, W, 3) array is taken as the PIL image it holds. Raises
     ValueError for another kind of input."""
-    from diffusers.video_processor import VideoProcessor
-    from PIL import Image
-
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
             raise ValueError(f"an image array must be uint8 (H, W, 3), got {image.dtype} {image.shape}")

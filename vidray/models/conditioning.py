@@ -57,7 +57,7 @@ def masked_video(video: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def load_image(path: str) -> Any:
     """The RGB `PIL.Image` at `path` (what `vidray generate --image` reads). Raises FileNotFoundError naming it."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # heavy: PIL
 
     try:
         with Image.open(path) as image:
@@ -72,7 +72,7 @@ def _image_frame(image: Any, bucket: Bucket) -> torch.Tensor:
     """A PIL image, a uint8 (H, W, 3) array or a float (3, H, W) tensor in [0, 1] -> (3, H, W) float32 in [-1, 1] at
     the bucket's size: diffusers' `preprocess_image` (PIL `resize((width, height))` with PIL's default filter, the
     whole image: no crop, the aspect ratio follows the bucket's) / 255, then `VaeImageProcessor.normalize` (2x - 1)."""
-    from diffusers.pipelines.easyanimate.pipeline_easyanimate_inpaint import preprocess_image
+    from diffusers.pipelines.easyanimate.pipeline_easyanimate_inpaint import preprocess_image  # heavy: diffusers
 
     if isinstance(image, np.ndarray) and (image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3):
         raise ValueError(f"an image array must be uint8 (H, W, 3), got {image.dtype} {image.shape}")

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
 from vidray.models.formats import DamagedCheckpointError
 
@@ -76,9 +77,6 @@ class DcpMetadataUnpickler(pickle.Unpickler):
 def _check_metadata(metadata: Any) -> Metadata:
     """The unpickled object's shape: a Metadata whose storage entries are bare `.distcp` file names (no folder, no
     `..`: nothing outside the DCP folder is read). Raises UnsafeDcpData."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
     if not isinstance(metadata, Metadata):
         raise UnsafeDcpData(f"it holds a {type(metadata).__name__}, not DCP Metadata")
     if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
@@ -168,7 +166,6 @@ class SafeFileSystemReader(FileSystemReader):
             metadata = read_dcp_metadata(Path(self.path) / METADATA_FILE)
         except DamagedCheckpointError as err:
             raise self._refuse(err) from None
-        from torch.distributed.checkpoint.metadata import StorageMeta
 
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

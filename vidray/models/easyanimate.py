@@ -20,6 +20,7 @@ as a stock `EasyAnimateInpaintPipeline` folder.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -162,8 +163,6 @@ def _check_task(transformer: EasyAnimateTransformer3DModel, model_cfg: ModelConf
 def _pipeline_class(path: Path) -> type:
     """EasyAnimatePipeline or EasyAnimateInpaintPipeline, as the folder's model_index.json names it (the same
     components: either loads either's folder, but diffusers warns)."""
-    import json
-
     class_name = json.loads((Path(path) / "model_index.json").read_text()).get("_class_name")
     return EasyAnimateInpaintPipeline if class_name == "EasyAnimateInpaintPipeline" else EasyAnimatePipeline
 

@@ -23,7 +23,13 @@ that `inspect_model` answers from config files in milliseconds.
 from __future__ import annotations
 
 import hashlib
+import hashlib as _hashlib
 import json
+import logging
+import os
+import shutil
+import tempfile
+import time
 import warnings
 import dataclasses
 import functools
@@ -434,7 +440,7 @@ def _read_part(directory: Path, part: str, reader) -> Any:
 def load_transformer_state(directory: str | Path) -> "dict[str, torch.Tensor]":
     """The transformer state dict of a verified checkpoint, on CPU (sizes and hashes checked first). Raises
     CheckpointError for a LoRA run's checkpoint (it holds only adapters: `load_adapter_state`)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # heavy: torch, safetensors, numpy
 
     directory = Path(directory)
     manifest = verify_checkpoint(directory)
@@ -453,9 +459,9 @@ def sharded_entries(directory: str | Path, key: str) -> "dict[str, torch.Tensor]
     full, on CPU, in one process (no process group: what `vidray export` and validation are), never unpickling data
     from storage (`vidray.models.dcp_reader`). Raises IncompleteCheckpointError when the folder has no DCP metadata,
     DamagedCheckpointError (one line) when `.metadata` or an entry holds anything a DCP checkpoint does not."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys  # heavy: torch, numpy
 
-    from vidray.models.dcp_reader import SafeFileSystemReader, dcp_errors, read_dcp_metadata
+    from vidray.models.dcp_reader import SafeFileSystemReader, dcp_errors, read_dcp_metadata  # heavy: torch, numpy
 
     directory = Path(directory)
     if not (directory / "dcp/.metadata").is_file():
@@ -482,7 +488,7 @@ def load_adapter_state(directory: str | Path) -> "dict[str, torch.Tensor]":
     naming), on CPU. A sharded (FSDP) one holds the trainable adapters only: those of layers frozen for never
     being used (`no_grad_parameter_names`) are left out, their starting values standing. Raises CheckpointError
     when the checkpoint holds the full transformer instead."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # heavy: torch, safetensors, numpy
 
     directory = Path(directory)
     manifest = verify_checkpoint(directory)
@@ -490,7 +496,7 @@ def load_adapter_state(directory: str | Path) -> "dict[str, torch.Tensor]":
         raise CheckpointError(f"checkpoint {directory} holds the full transformer, not LoRA adapters",
                               directory=directory, part="transformer.safetensors")
     if manifest.get("layout") == "dcp":
-        from vidray.models.lora import adapter_key
+        from vidray.models.lora import adapter_key  # heavy: torch, numpy
 
         return {adapter_key(k): v for k, v in sharded_entries(directory, "model").items()}
     return _read_part(directory, ADAPTER_PART, lambda p: load_file(str(p)))
@@ -527,7 +533,7 @@ class ModelInfo:
         """The registered model family for this model (`ModelFamily.for_model` of `model_config`: a checkpoint's
         recorded model, a folder's own configs, no weights read), whose objective, sampler and `latent_shape` follow
         it (CogVideoX's scheduler config and 1.5's padded latent frames). Imports torch and diffusers on first use."""
-        from vidray.models.registry import get_family
+        from vidray.models.registry import get_family  # heavy: torch, numpy
 
         return get_family(self.family_name).for_model(model_config(self)[0])
 
@@ -651,7 +657,7 @@ def _check_model_kind(path: str | Path) -> None:
     """Raise unless `path` is a folder with a checkpoint manifest or a model_index.json (file checks only; for a
     URI one or two metadata requests to the store, no download)."""
     if is_uri(path):
-        from vidray.storage import open_storage
+        from vidray.storage import open_storage  # heavy: pyarrow, numpy
 
         _stored_model_marker(open_storage(str(path), setting="model"))
         return
@@ -667,8 +673,6 @@ def _check_model_kind(path: str | Path) -> None:
 
 def model_cache_dir() -> Path:
     """Where models read from a URI are cached: `$VIDRAY_MODEL_CACHE`, else ~/.cache/vidray/models."""
-    import os
-
     return Path(os.environ.get(MODEL_CACHE_ENV) or "~/.cache/vidray/models").expanduser()
 
 
@@ -676,7 +680,7 @@ def _stored_model_marker(storage) -> tuple[str, Any]:
     """(marker name, its pyarrow FileInfo) of a model folder in a `vidray.storage.Storage`: manifest.json (a
     checkpoint), model_index.json (a diffusers export) or base_model.json (an adapter-only LoRA export). Raises as
     `fetch_model` does."""
-    import pyarrow.fs as pafs
+    import pyarrow.fs as pafs  # heavy: pyarrow, numpy
 
     where = storage.display()
     try:
@@ -715,14 +719,7 @@ def fetch_model(uri: str) -> Path:
     (model_index.json, manifest.json); ModelDownloadError when the store cannot be read or every download attempt
     failed; UserError for a URI that cannot be opened.
     """
-    import hashlib as _hashlib
-    import logging
-    import os
-    import shutil
-    import tempfile
-    import time
-
-    from vidray.storage import StorageTransferError, download_dir, open_storage
+    from vidray.storage import StorageTransferError, download_dir, open_storage  # heavy: pyarrow, numpy
 
     storage = open_storage(uri, setting="model")
     marker, info = _stored_model_marker(storage)
@@ -796,7 +793,7 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None,
     unknown = sorted(set(components) - set(COMPONENTS))
     if unknown or not components:
         raise ValueError(f"components {list(components)}: give one or more of {', '.join(COMPONENTS)}")
-    from vidray.models.experts import TwoExperts, pick_expert
+    from vidray.models.experts import TwoExperts, pick_expert  # heavy: torch, numpy
 
     info = inspect_model(path)
     problem = None if allow_sharded else sharded_checkpoint_problem(info)
@@ -835,7 +832,7 @@ def _load_some(info: ModelInfo, wanted: set[str], expert: str | None = None) -> 
     """The `wanted` components alone (the others None), through the family's per-component builders; the
     transformer as the one `expert` when given, from a pipeline folder (a checkpoint holds both experts in one
     file: both come back, and `load_model` picks the expert once a LoRA checkpoint's adapters are merged)."""
-    from vidray.models.base import Components
+    from vidray.models.base import Components  # heavy: torch, numpy
 
     model_cfg, seed = model_config(info)
     family = info.family
@@ -896,8 +893,8 @@ def _merge_adapters(transformer: "torch.nn.Module", info: ModelInfo, lora_path: 
                     expert: str | None = None) -> None:
     """A LoRA checkpoint's adapters, an export's `lora/` (`lora_2/`), then `lora_path`, merged into `transformer`
     (one `expert` of two alone when given: an export's folder of that expert's adapters)."""
-    from vidray.models.experts import TwoExperts
-    from vidray.models.lora import LoraLoadError, load_lora_into
+    from vidray.models.experts import TwoExperts  # heavy: torch, numpy
+    from vidray.models.lora import LoraLoadError, load_lora_into  # heavy: torch, numpy
 
     if info.kind == "checkpoint" and is_lora_checkpoint(_read_manifest(info.path)):
         _merge_checkpoint_adapters(transformer, info)
@@ -921,8 +918,8 @@ def _merge_export_adapters(transformer: "torch.nn.Module", folder: Path, expert:
     high-noise expert and `lora_2/` into the low-noise one (`EXPERT_LORA_DIRS`; `expert`: the transformer is that
     expert alone, a serving stage's). Raises LoraLoadError naming the folder when an expert's adapters are missing
     or do not fit it."""
-    from vidray.models.experts import TwoExperts, pick_expert
-    from vidray.models.lora import LoraLoadError, load_lora_into
+    from vidray.models.experts import TwoExperts, pick_expert  # heavy: torch, numpy
+    from vidray.models.lora import LoraLoadError, load_lora_into  # heavy: torch, numpy
 
     if expert is None and not isinstance(transformer, TwoExperts):
         load_lora_into(transformer, folder / LORA_DIR)
@@ -957,7 +954,12 @@ def lora_path_problem(path: str | Path) -> str | None:
 def _merge_checkpoint_adapters(transformer: "torch.nn.Module", info: ModelInfo) -> None:
     """Apply the checkpoint's `model.lora`, load its `ADAPTER_PART`, merge. Raises CheckpointError when its
     config has no model.lora or the adapters do not fit it."""
-    from vidray.models.lora import adapter_state_dict, apply_lora, load_adapter_state_dict, merge_lora
+    from vidray.models.lora import (  # heavy: torch, numpy
+        adapter_state_dict,
+        apply_lora,
+        load_adapter_state_dict,
+        merge_lora,
+    )
 
     if info.job.model.lora is None:
         raise CheckpointError(f"checkpoint {info.path} holds LoRA adapters ({ADAPTER_PART}) but its config.yaml has "
@@ -990,7 +992,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     storage (`vidray.models.dcp_reader`). Returns `out_dir`. Raises ModelFolderError for a folder that is no
     checkpoint, CheckpointError (IncompleteCheckpointError / DamagedCheckpointError naming the file) as
     `verify_checkpoint`."""
-    from vidray.models.lora import adapter_state_dict, apply_lora, load_adapter_state_dict
+    from vidray.models.lora import adapter_state_dict, apply_lora, load_adapter_state_dict  # heavy: torch, numpy
 
     info = inspect_model(checkpoint)
     if info.kind != "checkpoint":
@@ -1036,8 +1038,8 @@ def export_pipeline(family: "ModelFamily", components: "Components", out_dir: st
     through peft, `peft.PeftModel.from_pretrained(pipe.transformer, f"{out_dir}/lora")` (injects in place).
     A merged folder on request: `vidray export --merge-lora` (`vidray.models.merge.export_merged`).
     """
-    from vidray.models.experts import EXPERT_ATTRIBUTES, TwoExperts
-    from vidray.models.lora import has_lora, save_lora_weights, without_lora
+    from vidray.models.experts import EXPERT_ATTRIBUTES, TwoExperts  # heavy: torch, numpy
+    from vidray.models.lora import has_lora, save_lora_weights, without_lora  # heavy: torch, numpy
 
     if not has_lora(components.transformer):
         return family.save_pipeline(components, out_dir, flow)
@@ -1061,9 +1063,6 @@ def export_pipeline(family: "ModelFamily", components: "Components", out_dir: st
 def _write_adapter_export(out_dir: Path, base: str | Path, save_adapters: "Callable[[Path], None]") -> Path:
     """An adapter-only export: `save_adapters(folder)` and `BASE_REF` written into a temp folder beside `out_dir`,
     which then replaces `out_dir` as a whole."""
-    import shutil
-    import tempfile
-
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
@@ -1086,8 +1085,8 @@ def export_adapters(state: "dict[str, torch.Tensor]", lora_cfg: Any, base_class:
     `experts`, each name under its expert's prefix (`transformer.` / `transformer_2.`, `EXPERT_ATTRIBUTES`), each
     expert's written to its folder (`EXPERT_LORA_DIRS`). `lora_cfg`: the run's `model.lora`; `base_class`: the
     adapted transformer's class. Returns `out_dir`. Raises ValueError when an expert has no adapters."""
-    from vidray.models.experts import EXPERT_ATTRIBUTES
-    from vidray.models.lora import save_adapter_state
+    from vidray.models.experts import EXPERT_ATTRIBUTES  # heavy: torch, numpy
+    from vidray.models.lora import save_adapter_state  # heavy: torch, numpy
 
     def save_adapters(folder: Path) -> None:
         if not experts:

@@ -41,6 +41,7 @@ call it on every rank) and `load_adapter_state_dict` keeps each rank's shard; bo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -114,7 +115,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def peft_lora_config(lora_cfg: "LoraConfig") -> "peft.LoraConfig":
     """`model.lora` -> `peft.LoraConfig(r=rank, lora_alpha=alpha or rank, lora_dropout=dropout,
     target_modules=[...], init_lora_weights="gaussian")`."""
-    import peft
+    import peft  # heavy: torch, transformers, peft
 
     return peft.LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.lora_alpha, lora_dropout=lora_cfg.dropout,
                            target_modules=list(lora_cfg.target_modules), init_lora_weights="gaussian")
@@ -156,7 +157,7 @@ def check_lora_targets(transformer: torch.nn.Module, lora_cfg: "LoraConfig") -> 
 
 def has_lora(model: torch.nn.Module) -> bool:
     """True when `model` (plain, DDP or FSDP) holds peft adapter layers."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # heavy: torch, transformers, peft
 
     return any(isinstance(m, BaseTunerLayer) for m in _unwrap(model).modules())
 
@@ -174,7 +175,7 @@ def apply_lora(transformer: torch.nn.Module, lora_cfg: "LoraConfig", *, seed: in
     `model.lora.target_modules` when a name matches no adaptable layer (listing `lora_target_names`), and
     ValueError when the transformer already has adapters.
     """
-    import peft
+    import peft  # heavy: torch, transformers, peft
 
     module = _unwrap(transformer)
     if has_lora(module):
@@ -211,7 +212,7 @@ def adapter_key(name: str) -> str:
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # heavy: torch
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
@@ -263,7 +264,7 @@ def load_adapter_state_dict(transformer: torch.nn.Module, state: dict[str, torch
     the keys must be exactly the model's adapter tensors, with the same shapes (values are cast to each
     parameter's dtype and device; under FSDP each rank keeps its shard). Raises ValueError naming the missing,
     unexpected or mis-shaped keys (a few of each) when they do not fit (another rank or target_modules)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor  # heavy: torch
 
     module = _unwrap(transformer)
     params = {adapter_key(n): p for n, p in module.named_parameters() if _ADAPTER_KEY.search(n)}
@@ -293,7 +294,7 @@ def load_adapter_state_dict(transformer: torch.nn.Module, state: dict[str, torch
 
 
 def _lora_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # heavy: torch, transformers, peft
 
     return [(n, m) for n, m in module.named_modules() if isinstance(m, BaseTunerLayer)]
 
@@ -406,7 +407,7 @@ def _write_lora_files(state: dict[str, torch.Tensor], peft_config: "peft.LoraCon
                       out_dir: str | Path) -> Path:
     """The two formats of the module docstring in `out_dir`: diffusers' file with the config in its metadata, and
     peft's adapter_config.json + adapter_model.safetensors."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # heavy: safetensors
 
     base_class = _plain_class(base_class)
     config = _config_json(peft_config)
@@ -425,9 +426,7 @@ def _write_lora_files(state: dict[str, torch.Tensor], peft_config: "peft.LoraCon
 
 
 def _lora_config_from(kwargs: dict[str, Any], where: str) -> "peft.LoraConfig":
-    import dataclasses
-
-    import peft
+    import peft  # heavy: torch, transformers, peft
 
     known = {f.name for f in dataclasses.fields(peft.LoraConfig) if f.init}
     try:
@@ -443,7 +442,7 @@ def read_lora_weights(path: str | Path) -> tuple["peft.LoraConfig", dict[str, to
     removed); the config from the diffusers metadata or adapter_config.json, else (a diffusers file without
     metadata) r from the lora_A shapes and lora_alpha = r. Raises LoraLoadError naming the path and what is
     wrong."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # heavy: safetensors
 
     path = Path(path)
     if not path.exists():
@@ -500,7 +499,7 @@ def load_lora_into(transformer: torch.nn.Module, path: str | Path, *, merge: boo
     plain transformer that samples as the adapted one. What `vidray generate --lora` and the serve config's
     `lora_path` do before sampling. Returns `transformer`. Raises LoraLoadError naming `path` when it cannot be
     read or does not fit the transformer (another model, rank or targets)."""
-    import peft
+    import peft  # heavy: torch, transformers, peft
 
     config, state = read_lora_weights(path)
     module = _unwrap(transformer)

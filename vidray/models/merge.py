@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from vidray.errors import UserError
+from vidray.locations import is_uri
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +99,7 @@ def _weights_files(folder: Path) -> tuple[str, list[Path]]:
 
 def _read_tensor(f: BinaryIO, entry: _Entry) -> "torch.Tensor":
     """`entry`'s tensor read from the open file `f` into a buffer of its own (no mapping of the file)."""
-    import torch
+    import torch  # heavy: torch, numpy
 
     dtype = getattr(torch, _DTYPES[entry.dtype])
     if entry.nbytes == 0:
@@ -141,7 +142,7 @@ def merge_into_folder(src: Path, dst: Path, adapters: dict[str, tuple["torch.Ten
     `<name>.weight` becomes W + (B @ A) * scale, computed in float32 and stored in W's dtype. Reads and writes
     one tensor at a time (see the module docstring). Returns the weight bytes written. Raises MergeError naming
     `src` when an adapter's weight is missing from the base or has another shape."""
-    import torch
+    import torch  # heavy: torch, numpy
 
     stem, files = _weights_files(src)
     entries = [e for path in files for e in _read_entries(path)]
@@ -213,10 +214,17 @@ def _pairs(state: dict[str, "torch.Tensor"], config: Any, where: str
 def _sources(source: str | Path) -> tuple[Any, Path | None, dict[str, dict[str, tuple]]]:
     """(ModelInfo, the base pipeline folder or None for a random-init base, {denoiser subfolder: its adapters
     {module: (A, B, scale)}})."""
-    from vidray.models.export import (EXPERT_LORA_DIRS, LORA_DIR, _read_manifest, inspect_model, is_lora_checkpoint,
-                                      load_adapter_state, lora_export_base)
-    from vidray.models.experts import EXPERT_ATTRIBUTES
-    from vidray.models.lora import peft_lora_config, read_lora_weights
+    from vidray.models.export import (  # heavy: pydantic
+        EXPERT_LORA_DIRS,
+        LORA_DIR,
+        _read_manifest,
+        inspect_model,
+        is_lora_checkpoint,
+        load_adapter_state,
+        lora_export_base,
+    )
+    from vidray.models.experts import EXPERT_ATTRIBUTES  # heavy: torch, numpy
+    from vidray.models.lora import peft_lora_config, read_lora_weights  # heavy: torch, numpy
 
     info = inspect_model(source)
     if info.kind == "checkpoint":
@@ -226,8 +234,7 @@ def _sources(source: str | Path) -> tuple[Any, Path | None, dict[str, dict[str, 
         base = lora_export_base(info.job)
         if base is None:
             return info, None, {}
-        from vidray.locations import is_uri
-        from vidray.models.export import fetch_model
+        from vidray.models.export import fetch_model  # heavy: pydantic
 
         local = fetch_model(base) if is_uri(base) else Path(base)  # the run's model.pretrained_path
         state = load_adapter_state(info.path)
@@ -264,7 +271,7 @@ def export_merged(source: str | Path, out_dir: str | Path, *, max_shard_bytes: i
 
     Raises MergeError for a source with no LoRA or adapters that do not fit the base; as `inspect_model` /
     `resolve_base` (BaseModelError naming base_model.json) for a base that is gone or changed."""
-    from vidray.models.export import JOB_FILE, MODEL_INDEX, load_model, write_job_file
+    from vidray.models.export import JOB_FILE, MODEL_INDEX, load_model, write_job_file  # heavy: pydantic
 
     info, base, adapters = _sources(source)
     out_dir = Path(out_dir)

@@ -33,10 +33,14 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-from accelerate.hooks import ModelHook
+from accelerate import cpu_offload
+from accelerate.hooks import ModelHook, add_hook_to_module
 from accelerate.utils import send_to_device
 
 from vidray.cards import get_card
+from vidray.errors import UserError
+from vidray.models.experts import TwoExperts
+from vidray.models.storage import apply_storage_dtype, storage_dtype_name
 
 __all__ = ["OFFLOAD_MODES", "OneResidentHook", "apply_inference_offload", "compute_dtype", "execution_device",
            "inference_device", "offload_problem", "prepare_for_inference", "inference_dtypes",
@@ -100,8 +104,6 @@ def _apply_storage(module: torch.nn.Module, setting: str, device: torch.device) 
     first (an inference module never trains), then `vidray.models.storage.apply_storage_dtype` casts them: bf16, or
     fp8 through diffusers' layerwise casting (float8_e4m3fn storage, bf16 compute; norms, embeddings, the output
     projection and a transformers encoder's `_keep_in_fp32_modules` stay bf16). fp32 leaves the module as it is."""
-    from vidray.models.storage import apply_storage_dtype, storage_dtype_name
-
     storage, _ = inference_dtypes(setting, device)
     if storage == torch.float32:
         return
@@ -138,8 +140,6 @@ def compute_dtype(module: torch.nn.Module) -> torch.dtype:
 
 def _experts(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     """A `TwoExperts`' two experts (each offloaded on its own), else [transformer]."""
-    from vidray.models.experts import TwoExperts
-
     if isinstance(transformer, TwoExperts):
         return [transformer.transformer, transformer.transformer_2]
     return [transformer]
@@ -184,8 +184,6 @@ class OneResidentHook(ModelHook):
 
 def _model_offload(modules: Iterable[torch.nn.Module], device: torch.device) -> list:
     """One `OneResidentHook` per module, all in one group: at most one of them on `device` at a time."""
-    from accelerate.hooks import add_hook_to_module
-
     group: list[OneResidentHook] = []
     for module in modules:
         add_hook_to_module(module, OneResidentHook(device, group))
@@ -213,7 +211,7 @@ def apply_inference_offload(components: Any, mode: str, device: torch.device | s
     elif mode == "model":
         _model_offload([*others[:-1], *experts, *others[-1:]], device)
     elif mode == "group":
-        from diffusers.hooks import apply_group_offloading
+        from diffusers.hooks import apply_group_offloading  # heavy: torch, diffusers, transformers
 
         for expert in experts:
             apply_group_offloading(expert, onload_device=device, offload_device=torch.device("cpu"),
@@ -228,8 +226,6 @@ def apply_inference_offload(components: Any, mode: str, device: torch.device | s
         for expert in experts:
             expert.register_forward_pre_hook(offload_others)
     else:  # sequential
-        from accelerate import cpu_offload
-
         for module in [*experts, *others]:
             cpu_offload(module, execution_device=device)
 
@@ -242,8 +238,6 @@ def prepare_for_inference(components: Any, memory: Any, device: torch.device | s
     computes in (`execution_device`, `compute_dtype`). Returns the compute dtype of the transformer and encoders.
     On CPU with the defaults (auto, none) nothing changes: fp32 on the CPU, as sampling always ran there. Raises
     UserError for an offload mode the device cannot run (`offload_problem`), ValueError for an unknown dtype."""
-    from vidray.errors import UserError
-
     device = torch.device(device)
     problem = offload_problem(memory.offload, device.type == "cuda")
     if problem:

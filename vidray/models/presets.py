@@ -99,8 +99,8 @@ def preset_from_pretrained(path: str | Path) -> ShapePreset:
 @functools.lru_cache(maxsize=16)
 def _meta_model(key: str):
     family, config_json = key.split(":", 1)
-    import torch
-    import diffusers
+    import torch  # heavy: torch, numpy
+    import diffusers  # heavy: torch, diffusers, safetensors
 
     config = {k: (tuple(v) if isinstance(v, list) else v) for k, v in json.loads(config_json).items()}
     cls = getattr(diffusers, planner_facts(family).transformer_class)

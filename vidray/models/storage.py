@@ -98,7 +98,7 @@ def _skip_patterns(module: torch.nn.Module) -> tuple[str, ...]:
     (`_skip_layerwise_casting_patterns`, `_keep_in_fp32_modules`, as `ModelMixin.enable_layerwise_casting` adds
     them, for every diffusers model inside `module`, prefixed by its name), the peft adapters, and each module
     that holds a trainable parameter (exact name)."""
-    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN as default
+    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN as default  # heavy: diffusers
     patterns = list(default) + [ADAPTER_PATTERN]
     for prefix, sub in module.named_modules():
         if not hasattr(sub, "_skip_layerwise_casting_patterns") and not hasattr(sub, "_keep_in_fp32_modules"):
@@ -128,7 +128,7 @@ def apply_storage_dtype(module: torch.nn.Module, setting: str, device: torch.dev
         if name in frozen and param.is_floating_point() and param.dtype != COMPUTE_DTYPE:
             param.data = param.data.to(COMPUTE_DTYPE)
     if dtype == torch.float8_e4m3fn:
-        from diffusers.hooks import apply_layerwise_casting
+        from diffusers.hooks import apply_layerwise_casting  # heavy: torch, diffusers, transformers
 
         apply_layerwise_casting(module, storage_dtype=dtype, compute_dtype=COMPUTE_DTYPE,
                                 skip_modules_pattern=_skip_patterns(module), non_blocking=False)

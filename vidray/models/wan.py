@@ -60,6 +60,7 @@ from diffusers import (AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanIma
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
+from PIL import Image
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
 from vidray.cards import get_card
@@ -628,8 +629,6 @@ def _image_frame(image: Any, height: int, width: int) -> torch.Tensor:
     """A PIL image, a uint8 (H, W, 3) array or a float (3, H, W) tensor in [0, 1] -> (3, height, width) float32 in
     [-1, 1]: `VideoProcessor.preprocess(image, height=, width=)` as `WanImageToVideoPipeline.__call__` step 5 (a
     plain resize to the bucket, no crop). Raises ValueError for another array layout."""
-    from PIL import Image
-
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
             raise ValueError(f"an image array must be uint8 (H, W, 3), got {image.dtype} {image.shape}")
@@ -653,8 +652,6 @@ def _clip_picture(image: Any) -> Any:
     """An image as `WanImageToVideoPipeline.encode_image` is handed it by a user: a PIL image as is; a uint8 (H, W,
     3) array, or a float (3, H, W) tensor in [0, 1] (rounded to uint8), as a PIL image (what `CLIPImageProcessor`
     rescales by 1/255). Raises ValueError for another array layout."""
-    from PIL import Image
-
     if isinstance(image, torch.Tensor):
         image = image.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
     if isinstance(image, np.ndarray):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import difflib
 import hashlib
 import logging
 import math
@@ -49,12 +50,21 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+import ray
+import ray.exceptions
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from vidray.config import MemoryConfig
 from vidray.errors import UserError
 from vidray.locations import is_uri
+from vidray.models.export import (
+    inspect_model,
+    lora_path_problem,
+    model_experts,
+    sharded_checkpoint_problem,
+    two_experts_lora_problem,
+)
 from vidray.serve.api import ModelSpec, VideoRequest
 from vidray.serve.errors import ApiLimits
 from vidray.serve.metrics import JobMetrics, gauge_refresh_s
@@ -62,6 +72,7 @@ from vidray.serve.jobs import ANONYMOUS_CLIENT, JobStore, JobStoreUnavailableErr
 from vidray.serve.policy import PolicyConfig
 from vidray.serve.routes import build_api, client_id
 from vidray.serve.stages import Denoiser, TextEncoder, VaeDecoder
+from vidray.serve.store_actor import head_job_store
 
 __all__ = ["ServeSettings", "ServeSettingsError", "VideoIngress", "VideoJobService", "build_app", "model_spec"]
 
@@ -381,8 +392,6 @@ class VideoJobService:
         """`auth_token`: the clients' tokens (None: no auth); `admin_tokens`: tokens that see every client's
         videos (accepted too); `app_name`: the Serve app, which must own `store_dir` (`vidray.serve.jobs.
         claim_store`; None skips the check). Raises `StoreOwnedError` when another app owns `store_dir`."""
-        from vidray.models.export import inspect_model
-
         self.settings = settings
         if auth_token is not None and isinstance(auth_token, str):
             auth_token = (auth_token,)
@@ -613,8 +622,6 @@ class VideoJobService:
         """Run one claimed job through the stages; every outcome ends in the store (completed, queued again,
         failed), never left in_progress by a live runner. A job this runner no longer owns (deleted, or its lease
         lost) is dropped at once: its render is cancelled (`_drop`), not left to finish."""
-        import ray.exceptions
-
         lease_s = self.settings.runner.lease_s
         progress = {"value": 0}
         owned = {"value": True}
@@ -775,7 +782,7 @@ class VideoJobService:
     async def _render(self, job, progress: dict, owned: dict) -> Path | None:
         """text (and, for an image-to-video job, its first frame through the VAE stage) -> denoise (streamed
         progress) -> decode -> mp4 in the store's folder; None if the job was lost."""
-        from vidray.data.video import write_mp4
+        from vidray.data.video import write_mp4  # heavy: av, PIL
 
         generation = job.request  # the GenerationRequest the route built, as stored
         guided = generation.guided
@@ -878,8 +885,6 @@ _service: VideoJobService | None = None
 def _stage_error(err: BaseException) -> BaseException:
     """The exception a stage raised: an error inside a stage reaches the ingress as a
     `ray.exceptions.RayTaskError`, whose `cause` is the stage's own exception."""
-    import ray
-
     if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
         return err.cause
     return err
@@ -936,7 +941,7 @@ class VideoIngress:
 
     def __init__(self, settings: dict[str, Any], auth_token: tuple[str, ...] | None, text, denoiser, vae,
                  low_noise_denoiser=None, *, admin_tokens: tuple[str, ...] = ()):
-        import vidray.serve.app as module  # this class arrives pickled by value: set the real module's global
+        import vidray.serve.app as module  # lazy: this class arrives pickled by value: set the real module's global
 
         # The Serve app's name owns store_dir: a second app on the same folder fails here, naming both.
         app_name = serve.get_replica_context().app_name
@@ -963,8 +968,6 @@ class VideoIngress:
 def _describe(err: ValidationError) -> str:
     """Each problem as `key: what is wrong`; an unknown key also lists the valid keys of its section and the
     closest one (a typo's fix)."""
-    import difflib
-
     problems = []
     for e in err.errors():
         loc = [str(part) for part in e["loc"]]
@@ -990,8 +993,6 @@ def _open_store(settings: ServeSettings, app: str | None = None):
     hours = settings.retention.hours
     retention_s = None if hours is None else hours * 3600.0
     if settings.store_on == "head":
-        from vidray.serve.store_actor import head_job_store
-
         return head_job_store(settings.store_dir, max_attempts=settings.runner.max_attempts, retention_s=retention_s,
                               app=app)
     return JobStore(settings.store_dir, max_attempts=settings.runner.max_attempts, retention_s=retention_s, app=app)
@@ -1000,8 +1001,6 @@ def _open_store(settings: ServeSettings, app: str | None = None):
 def _check_store(settings: ServeSettings) -> None:
     """Open the store once before Serve starts a replica (creates or migrates its schema). Without a connected Ray
     (a dry build), a head store is checked as a local folder. Raises ServeSettingsError naming `store_dir`."""
-    import ray
-
     where = f"store_dir {settings.store_dir} (store_on: {settings.store_on})"
     if settings.store_on == "head" and not ray.is_initialized():
         settings = settings.model_copy(update={"store_on": "replica"})
@@ -1018,9 +1017,6 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     token (unless auth.disabled), the model folder (config files only), the policy against the Denoiser's
     max_ongoing_requests. Raises ServeSettingsError naming the key and the fix.
     """
-    from vidray.models.export import (inspect_model, lora_path_problem, model_experts, sharded_checkpoint_problem,
-                                      two_experts_lora_problem)
-
     try:
         settings = ServeSettings(**(args or {}))
     except ValidationError as err:

@@ -260,7 +260,7 @@ def decode_image(data: bytes, header: ImageHeader, *, max_side_px: int) -> tuple
     Raises:
         ImageRefused: Pillow cannot decode it (its error named), or its size is above `max_side_px`.
     """
-    from PIL import Image  # only where an image is decoded: `import vidray.serve.api` stays light
+    from PIL import Image  # heavy: PIL, only where an image is decoded (`import vidray.serve.api` stays light)
 
     try:
         with Image.open(io.BytesIO(data), formats=(header.format,)) as img:

@@ -68,7 +68,7 @@ class DenoiserMetrics:
     from the replica context at creation)."""
 
     def __init__(self) -> None:
-        from ray.serve.metrics import Counter, Gauge, Histogram
+        from ray.serve.metrics import Counter, Gauge, Histogram  # heavy: ray
 
         self.step_seconds = Histogram("vidray_serve_denoise_step_seconds", "One denoising step of a running batch "
                                       "(seconds).", boundaries=STEP_BOUNDARIES_S)
@@ -121,7 +121,7 @@ class JobMetrics:
     """The ingress replica's series: job outcomes, job latency, the store's jobs by status, API errors."""
 
     def __init__(self) -> None:
-        from ray.serve.metrics import Counter, Gauge, Histogram
+        from ray.serve.metrics import Counter, Gauge, Histogram  # heavy: ray
 
         self.jobs_total = Counter("vidray_serve_jobs", "Jobs this ingress replica finished or gave back, by outcome.",
                                   tag_keys=("outcome",))

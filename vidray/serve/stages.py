@@ -27,6 +27,7 @@ time in the step loop against its steps' seconds (`observe_service`). `user_conf
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import time
 from collections import deque
@@ -35,7 +36,9 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
+from vidray.buckets import Bucket
 from vidray.inference.request import GenerationRequest
+from vidray.plan_inference import check_generation_fits
 from vidray.serve.images import IMAGE_FORMATS
 from vidray.serve.metrics import DenoiserMetrics, gauge_refresh_s
 from vidray.serve.policy import BatchPolicy, PolicyConfig, check_max_ongoing_requests
@@ -74,9 +77,9 @@ def _load(model_path: str, component: str, lora_path: str | None = None, *, also
     `memory:`, a `vidray.config.MemoryConfig` as a dict; None: the defaults, bf16 on a GPU and fp32 on CPU:
     `vidray.models.offload.prepare_for_inference`). Raises UserError for an offload mode on a replica without a
     GPU."""
-    from vidray.config import MemoryConfig
-    from vidray.models.export import load_model
-    from vidray.models.offload import inference_device, prepare_for_inference
+    from vidray.config import MemoryConfig  # heavy: pydantic
+    from vidray.models.export import load_model  # heavy: pydantic
+    from vidray.models.offload import inference_device, prepare_for_inference  # heavy: torch, accelerate, safetensors
 
     model = load_model(model_path, lora_path=lora_path, components=(component, *also), expert=expert)
     device = inference_device()
@@ -91,10 +94,8 @@ def _check_fits(model_path: str, largest_request: tuple[int, int, int], memory: 
     request (num_frames, height, width: the serve config's `limits.max_*`), with guidance, is predicted not to fit
     its GPU in the configured `memory` modes (`vidray.plan_inference.check_generation_fits`; one request: a batch
     of several adds their activations). Nothing is checked on CPU."""
-    from vidray.config import MemoryConfig
-    from vidray.buckets import Bucket
-    from vidray.models.offload import inference_device
-    from vidray.plan_inference import check_generation_fits
+    from vidray.config import MemoryConfig  # heavy: pydantic
+    from vidray.models.offload import inference_device  # heavy: torch, accelerate, safetensors
 
     mem = MemoryConfig(**(memory or {}))
     check_generation_fits(model_path, Bucket(*largest_request), inference_device(), storage=mem.storage_dtype,
@@ -157,12 +158,8 @@ class VaeDecoder:
         with the request's `seed`, as generate gives it), plus "image_embeds" (1, T, D_img) float32
         (`ModelFamily.encode_image_embeds`) when the model has an image encoder (Wan 2.1 I2V): the request keys
         the `Denoiser` reads. Raises ValueError for bytes PIL cannot decode."""
-        import io
-
-        import torch
-        from PIL import Image, UnidentifiedImageError
-
-        from vidray.buckets import Bucket
+        import torch  # heavy: torch
+        from PIL import Image, UnidentifiedImageError  # heavy: PIL
 
         try:
             with Image.open(io.BytesIO(bytes(image)), formats=tuple(IMAGE_FORMATS)) as opened:  # as the ingress took
@@ -186,7 +183,7 @@ class VaeDecoder:
 
     async def decode(self, latents) -> Any:
         """Decode one request's latents (see class docstring); numpy uint8 (F, H, W, 3)."""
-        from vidray.models.vae import video_to_frames
+        from vidray.models.vae import video_to_frames  # heavy: torch, accelerate, safetensors
 
         def run():
             return video_to_frames(self.family.decode_latents(self.vae, latents))[0]
@@ -316,7 +313,7 @@ class Denoiser:
 
     async def denoise(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream progress events, then the latents (see the class docstring)."""
-        from vidray.inference.sampler import DenoiseState, initial_noise
+        from vidray.inference.sampler import DenoiseState, initial_noise  # heavy: torch, accelerate, safetensors
 
         # 1. The stage boundary: injected delay (benchmarks), then one transfer measurement.
         num_bytes = tensor_bytes(request["prompt_embeds"], request.get("negative_prompt_embeds"),
@@ -378,7 +375,7 @@ class Denoiser:
         starts from."""
         if self.expert is None:
             return 0, None
-        from vidray.models.experts import expert_steps
+        from vidray.models.experts import expert_steps  # heavy: torch
 
         timesteps = self.family.objective.model_timesteps(sigmas[:-1], self.flow.num_train_timesteps)
         start, end = expert_steps(timesteps, self.boundary_timestep, self.expert)
@@ -479,7 +476,11 @@ class Denoiser:
 
     async def _step_once(self) -> None:
         """One denoising step for the running group that stepped least recently (round robin over shapes)."""
-        from vidray.inference.sampler import NonFiniteLatentsError, check_finite_latents, step_states
+        from vidray.inference.sampler import (  # heavy: torch, accelerate, safetensors
+            NonFiniteLatentsError,
+            check_finite_latents,
+            step_states,
+        )
 
         groups: dict[tuple, list[_Request]] = {}
         for r in self._running:

@@ -85,7 +85,7 @@ class JobStoreActor:
 
     def describe(self) -> dict:
         """``{"root", "node_id", "pid"}``: where the store runs (tests check it is the head)."""
-        import ray
+        import ray  # heavy: ray
 
         return {"root": str(self.store.root), "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
@@ -165,7 +165,7 @@ class HeadJobStore:
         return self._wait(self.actor.call.remote(method, args, kwargs))
 
     def _wait(self, ref) -> Any:
-        import ray.exceptions
+        import ray.exceptions  # heavy: ray
 
         try:
             return ray.get(ref, timeout=_CALL_TIMEOUT_S)
@@ -234,9 +234,9 @@ def head_job_store(root: str | Path, *, max_attempts: int, retention_s: float | 
             exists: '/data/serve'".
         JobStoreUnavailableError: the actor did not start within 120 s (no head node resource free?).
     """
-    import ray
-    import ray.exceptions
-    from ray._common.constants import HEAD_NODE_RESOURCE_NAME  # what Serve places its controller with
+    import ray  # heavy: ray
+    import ray.exceptions  # heavy: ray
+    from ray._common.constants import HEAD_NODE_RESOURCE_NAME  # heavy: ray; what Serve places its controller with
 
     if not ray.is_initialized():
         raise RuntimeError(f"the job store at {root} runs on the Ray head, and this process is not connected to "

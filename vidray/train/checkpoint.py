@@ -63,7 +63,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from vidray.storage import download_dir, safe_join
+from vidray.models.lora import adapter_state_dict, has_lora, load_adapter_state_dict, lora_settings
+from vidray.storage import download_dir, open_storage, safe_join
 from vidray.models.export import (  # the format's read side lives in the models plane (serving reads it too)
     ADAPTER_PART,
     FORMAT_VERSION,
@@ -82,6 +83,7 @@ from vidray.models.export import (  # the format's read side lives in the models
     required_parts,
     verify_checkpoint,
 )
+from vidray.train.parallel import gather_to_rank0
 
 __all__ = [
     "CheckpointManager", "CheckpointUploadError", "checkpoint_dir_name", "checkpoint_step", "CheckpointError", "DamagedCheckpointError", "IncompleteCheckpointError", "TrainState", "dataset_mismatch",
@@ -125,7 +127,7 @@ def dataset_mismatch(state: TrainState, shards_dir: str | Path, index: dict[str,
     None), so re-preparing identical sources resumes; older ones compare the index's content hash. With the
     checkpoint's folder holding `DATASET_ROWS`, the message counts the samples added, removed and changed."""
     if state.dataset_hash:
-        from vidray.data.index import dataset_hash, dataset_rows, describe_dataset_change
+        from vidray.data.index import dataset_hash, dataset_rows, describe_dataset_change  # heavy: pyarrow
 
         rows = dataset_rows(shards_dir) if current_rows is None else current_rows
         current = dataset_hash(rows)
@@ -146,7 +148,7 @@ def dataset_mismatch(state: TrainState, shards_dir: str | Path, index: dict[str,
 
 
 def _state_dict_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import StateDictOptions  # heavy: torch
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -176,7 +178,7 @@ def save_checkpoint(
     written as `DATASET_ROWS` (optional, not a verified part: it only makes a refused resume say which samples
     differ). Raises OSError when the folder cannot be written.
     """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict  # heavy: torch
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -225,9 +227,7 @@ def _save_model_part(model: torch.nn.Module, directory: Path) -> dict[str, Any] 
     """Write the model part: `ADAPTER_PART` (the LoRA adapters only) when `model` has adapters, and return their
     shape {rank, alpha, dropout, target_modules} for the manifest; else transformer.safetensors (the full state
     dict, gathered to CPU) and None."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    from vidray.models.lora import adapter_state_dict, has_lora, lora_settings
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict  # heavy: torch
 
     if has_lora(model):
         save_file(adapter_state_dict(model), str(directory / ADAPTER_PART))
@@ -241,8 +241,6 @@ def _load_model_part(directory: Path, parts: tuple[str, ...], transformer: torch
     """Load the model part into `transformer`: the adapters of a LoRA checkpoint into a model with adapters, the
     full state dict otherwise. Refuses (CheckpointError naming `model.lora`) a LoRA checkpoint for a model without
     adapters and a full checkpoint for a model with them: neither is a resume of the same run."""
-    from vidray.models.lora import load_adapter_state_dict
-
     saved = _read_part(directory, MANIFEST, lambda p: json.loads(p.read_text())).get("lora")
     _check_lora_match(directory, ADAPTER_PART in parts, saved, transformer,
                       part=ADAPTER_PART if ADAPTER_PART in parts else "transformer.safetensors")
@@ -264,8 +262,6 @@ def _check_lora_match(directory: Path, lora_checkpoint: bool, saved: Any, transf
     """Refuse (CheckpointError naming `model.lora`) a LoRA checkpoint (`lora_checkpoint`, its manifest's `lora`
     settings `saved`) for a transformer without adapters, and a full checkpoint for one with them: neither is a
     resume of the same run. `part`: the checkpoint's model part, for the error."""
-    from vidray.models.lora import has_lora
-
     lora_model = has_lora(transformer)
     if lora_checkpoint and not lora_model:
         raise CheckpointError(
@@ -331,7 +327,7 @@ def load_checkpoint(
     saved transformer does not fit `transformer` (another model config), or when a LoRA checkpoint meets a model
     without adapters or a full one a model with them (naming `model.lora`).
     """
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict  # heavy: torch
 
     directory = Path(directory)
     if is_sharded_checkpoint(directory):  # a DCP folder (scaling.strategy: fsdp): loads into any strategy
@@ -434,8 +430,6 @@ class CheckpointManager:
     """
 
     def __init__(self, run_dir: str | Path):
-        from vidray.storage import open_storage
-
         self.storage = open_storage(run_dir, setting="storage.path")
 
     @property
@@ -608,7 +602,7 @@ class CheckpointManager:
         there. Ray registers the checkpoint (and may rotate older ones away) only after this returns."""
 
         def upload_fn(checkpoint, checkpoint_dir_name: str):
-            import ray.train
+            import ray.train  # heavy: ray
 
             storage = ray.train.get_context().get_storage()
             dest = self.upload(checkpoint.path, checkpoint_dir_name, fs=storage.storage_filesystem,
@@ -688,8 +682,6 @@ class PendingShardedCheckpoint:
         """Wait for the write, gather the file records, write the manifest on rank 0. Returns the folder. Raises
         the write's error (OSError, a DCP error) on the rank whose write failed, CheckpointError when two ranks
         wrote the same file."""
-        from vidray.train.parallel import gather_to_rank0
-
         everyone = gather_to_rank0(self._records.result(), self._rank, self._world_size)
         if self._rank == 0:
             files: dict[str, Any] = {}
@@ -749,9 +741,7 @@ def start_sharded_checkpoint(
 
     Source: torch docs, "Distributed Checkpoint - torch.distributed.checkpoint" (save, async_save, FileSystemWriter).
     """
-    import torch.distributed.checkpoint as dcp
-
-    from vidray.models.lora import has_lora, lora_settings
+    import torch.distributed.checkpoint as dcp  # heavy: torch
 
     directory = Path(directory)
     (directory / DCP_DIR).mkdir(parents=True, exist_ok=True)
@@ -791,13 +781,11 @@ def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """The state a sharded checkpoint saves and loads, this rank's part of it: {"model", `optimizer_key`[, "ema"]}
     (`get_model_state_dict` / `get_optimizer_state_dict`: DTensor shards under FSDP, full tensors otherwise). A
     model with LoRA adapters gives its trainable parameters only (the base is what the config's model init gives)."""
-    from torch.distributed.checkpoint.state_dict import (
+    from torch.distributed.checkpoint.state_dict import (  # heavy: torch
         StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
-
-    from vidray.models.lora import has_lora
 
     options = StateDictOptions(ignore_frozen_params=has_lora(model))
     state = {"model": get_model_state_dict(model, options=options),
@@ -862,10 +850,14 @@ def load_sharded_checkpoint(
     DamagedCheckpointError naming the file, CheckpointError when the saved tensors do not fit this model, or when
     a LoRA checkpoint meets a model without adapters or a full one a model with them (naming `model.lora`).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    import torch.distributed.checkpoint as dcp  # heavy: torch
+    from torch.distributed.checkpoint.state_dict import (  # heavy: torch
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
-    from vidray.models.dcp_reader import SafeFileSystemReader, dcp_errors, read_dcp_metadata
+    from vidray.models.dcp_reader import SafeFileSystemReader, dcp_errors, read_dcp_metadata  # heavy: torch
 
     directory = Path(directory)
     manifest = verify_checkpoint(directory)
@@ -967,7 +959,7 @@ def _clear_for_sharded_write(name: str, *, fs: pafs.FileSystem, base: str) -> No
 
 
 def _ray_storage() -> tuple[pafs.FileSystem, str]:
-    import ray.train
+    import ray.train  # heavy: ray
 
     storage = ray.train.get_context().get_storage()
     return storage.storage_filesystem, storage.experiment_fs_path
@@ -977,7 +969,7 @@ def _ray_shard_upload_fn(manager: "CheckpointManager"):
     """See `CheckpointManager.ray_shard_upload_fn`."""
 
     def upload_fn(checkpoint, checkpoint_dir_name: str):
-        import ray.train
+        import ray.train  # heavy: ray
 
         fs, base = _ray_storage()
         dest = manager.upload_shard(checkpoint.path, checkpoint_dir_name, fs=fs, base=base)

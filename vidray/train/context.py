@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from vidray.train.validation import LocalValidations, RayValidations
+
 
 class WorkerContext:
     """What `Worker` needs from where it runs (module docstring). Subclasses set `rank`, `world_size`,
@@ -81,8 +83,8 @@ class RayTrainContext(WorkerContext):
     exports_ray_metrics = True
 
     def __init__(self, *, upload_async: bool = False):
-        import ray.train
-        import ray.train.torch
+        import ray.train  # heavy: ray
+        import ray.train.torch  # heavy: ray
 
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
@@ -92,20 +94,20 @@ class RayTrainContext(WorkerContext):
                             else ray.train.CheckpointUploadMode.SYNC)
 
     def node(self) -> dict[str, Any]:
-        import ray
+        import ray  # heavy: ray
 
         runtime = ray.get_runtime_context()
         return {"node_id": runtime.get_node_id(), "labels": runtime.get_node_labels()}
 
     def restart_checkpoint(self) -> str | None:
-        import ray.train
+        import ray.train  # heavy: ray
 
         checkpoint = ray.train.get_checkpoint()
         return None if checkpoint is None else Path(checkpoint.path).name
 
     def report(self, metrics: dict[str, Any], *, checkpoint: str | Path | None = None, name: str | None = None,
                sharded: bool = False) -> None:
-        import ray.train
+        import ray.train  # heavy: ray
 
         if checkpoint is None and name is None:
             # Asynchronous mode for plain reports too: a synchronous report would wait for the copy in flight.
@@ -120,13 +122,11 @@ class RayTrainContext(WorkerContext):
         manager.clear_for_sharded_write(name)
 
     def loader(self, *args: Any, **kwargs: Any) -> Any:
-        from vidray.data.pipeline import RankLoader
+        from vidray.data.pipeline import RankLoader  # heavy: pyarrow
 
         return RankLoader(*args, **kwargs)
 
     def start_validator(self, run_dir: str, job: Any) -> Any:
-        from vidray.train.validation import RayValidations
-
         return RayValidations(run_dir, job)
 
 
@@ -175,16 +175,14 @@ class LocalContext(WorkerContext):
             self._manager.storage.delete_dir(self.registered.pop(0))
 
     def clear_for_sharded_write(self, manager: Any, name: str) -> None:
-        from vidray.train.checkpoint import _clear_for_sharded_write
+        from vidray.train.checkpoint import _clear_for_sharded_write  # heavy: pyarrow, safetensors
 
         _clear_for_sharded_write(name, fs=manager.storage.fs, base=manager.storage.base)
 
     def loader(self, *args: Any, **kwargs: Any) -> Any:
-        from vidray.data.pipeline import LocalLoader
+        from vidray.data.pipeline import LocalLoader  # heavy: pyarrow
 
         return LocalLoader(*args, **kwargs)
 
     def start_validator(self, run_dir: str, job: Any) -> Any:
-        from vidray.train.validation import LocalValidations
-
         return LocalValidations(run_dir, job)

@@ -18,12 +18,14 @@ A sharded checkpoint holds it in its DCP folder under `ema.` (`vidray.train.chec
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from vidray.config import EMAConfig
+from vidray.models.export import sharded_entries
 
 
 class TrainableParameters(torch.nn.Module):
@@ -123,9 +125,7 @@ def load_ema_into(transformer: torch.nn.Module, checkpoint_dir: str | Path) -> b
     the DCP folder's `ema` entries, every rank's shards joined) into `transformer`'s parameters of the same names
     (what validation samples). Returns False, changing nothing, when the checkpoint holds no EMA. Raises KeyError
     naming an averaged parameter the transformer lacks."""
-    import json
-
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # heavy: safetensors
 
     checkpoint_dir = Path(checkpoint_dir)
     path = checkpoint_dir / "ema.safetensors"
@@ -133,8 +133,6 @@ def load_ema_into(transformer: torch.nn.Module, checkpoint_dir: str | Path) -> b
     if path.is_file():
         saved = load_file(str(path))
     elif manifest.is_file() and json.loads(manifest.read_text()).get("ema"):  # sharded (FSDP)
-        from vidray.models.export import sharded_entries
-
         saved = sharded_entries(checkpoint_dir, "ema")
     else:
         return False

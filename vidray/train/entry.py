@@ -8,6 +8,6 @@ from typing import Any
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     """`vidray.train.loop.train_loop_per_worker`, imported in the worker."""
-    from vidray.train.loop import train_loop_per_worker as run
+    from vidray.train.loop import train_loop_per_worker as run  # heavy: torch, diffusers, pyarrow
 
     return run(loop_config)

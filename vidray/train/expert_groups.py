@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from vidray.models.experts import EXPERTS, expert_sigma_range
 from vidray.placement import expert_of_ranks
@@ -72,8 +73,6 @@ class ExpertGroups:
         """The 1-D `DeviceMesh` of this rank's expert's group, for FSDP within it (`scaling.strategy: fsdp`): the
         "shard" dimension of a 2-D (expert, shard) mesh of the ranks [[high ranks], [low ranks]] (any rank order,
         as `expert_of_ranks` gave them). A collective: every rank calls it at the same point."""
-        from torch.distributed.device_mesh import DeviceMesh
-
         layout = torch.tensor([self.ranks["high"], self.ranks["low"]])
         return DeviceMesh(device_type, layout, mesh_dim_names=("expert", "shard"))["shard"]
 
@@ -102,7 +101,7 @@ def full_expert_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     """`state` with every `DTensor` gathered in full on CPU (`full_tensor`, a collective over its mesh: every rank
     of the expert's group calls it, in the same order); plain tensors as they are. The values may share storage
     with the parameters (a plain tensor, or a group of one rank): copy them before the parameters change."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # heavy: torch
 
     return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
             for name, value in state.items()}

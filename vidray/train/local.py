@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from vidray.config import JobConfig
+from vidray.train.resume import apply_num_to_keep, set_aside
 
 IN_PROCESS_REFUSED = ("scaling.num_workers [min, max] (elastic)", "model.experts.layout: groups")
 """Settings that need Ray Train's worker group (named in `train_in_process`'s error)."""
@@ -41,9 +42,13 @@ def train_in_process(job: JobConfig, *, record_sample_ids: bool = False, world_s
     `UserError`s), and ValueError for `world_size` < 1 or a job that needs Ray Train's worker group (an elastic
     `scaling.num_workers`, `model.experts.layout: groups`).
     """
-    from vidray.train.resume import apply_num_to_keep, set_aside
-    from vidray.train.trainer import (build_loop_config, check_job_inputs, run_folder_lock, train_result,
-                                      with_absolute_model_paths)
+    from vidray.train.trainer import (  # heavy: pyarrow, numpy
+        build_loop_config,
+        check_job_inputs,
+        run_folder_lock,
+        train_result,
+        with_absolute_model_paths,
+    )
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -55,7 +60,7 @@ def train_in_process(job: JobConfig, *, record_sample_ids: bool = False, world_s
     with run_folder_lock(job):
         plan = check_job_inputs(job)
         if job.train.objective != "vae":  # a VAE run trains on frames only: its captions reach no model
-            from vidray.data.captions import shards_caption_truncation
+            from vidray.data.captions import shards_caption_truncation  # heavy: torch, transformers, pyarrow
 
             print(f"[vidray] captions: {shards_caption_truncation(job.data.shards_dir, job.model)}", flush=True)
         # 2. Checkpoints newer than an explicit start point aside, then the ranks.
@@ -77,11 +82,11 @@ def run_rank(loop_config: dict[str, Any], *, rank: int, world_size: int) -> tupl
     """One rank's `Worker` run in this process with a `LocalContext`: (its result, its reports' metrics, the
     checkpoints it registered, oldest first). A one-rank gloo group is made (and destroyed) when none is
     initialised; with `world_size` > 1 the caller has initialised the group (`_spawn_ranks`)."""
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: torch
+    import torch.distributed as dist  # heavy: torch
 
-    from vidray.train.context import LocalContext
-    from vidray.train.loop import Worker
+    from vidray.train.context import LocalContext  # heavy: torch, numpy
+    from vidray.train.loop import Worker  # heavy: torch, diffusers, pyarrow
 
     job = loop_config["job"]
     use_gpu = bool(job["scaling"].get("use_gpu")) and torch.cuda.is_available()
@@ -104,8 +109,8 @@ def run_rank(loop_config: dict[str, Any], *, rank: int, world_size: int) -> tupl
 def _spawn_ranks(loop_config: dict[str, Any], world_size: int) -> tuple[dict[str, Any], list, list[str]]:
     """`run_rank` on `world_size` gloo ranks, each in a process of its own (`torch.multiprocessing.spawn`,
     rendezvous through a file store); rank 0's result. A rank's exception is raised here with its message."""
-    import torch
-    import torch.multiprocessing as mp
+    import torch  # heavy: torch
+    import torch.multiprocessing as mp  # heavy: torch
 
     with tempfile.TemporaryDirectory(prefix="vidray-ranks-") as tmp:
         store, results = Path(tmp) / "store", Path(tmp) / "rank0.pt"
@@ -114,8 +119,8 @@ def _spawn_ranks(loop_config: dict[str, Any], world_size: int) -> tuple[dict[str
 
 
 def _rank_main(rank: int, world_size: int, loop_config: dict[str, Any], store: str, results: str) -> None:
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: torch
+    import torch.distributed as dist  # heavy: torch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)

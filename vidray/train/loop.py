@@ -44,7 +44,23 @@ from vidray.config import job_config_from_dict
 from vidray.errors import UserError
 from vidray.locations import is_uri
 from vidray.logs import quiet_ray_train_worker
-from vidray.models.export import export_pipeline, lora_export_base, write_job_file
+from vidray.models.export import (
+    BASE_REF,
+    MODEL_INDEX,
+    export_adapters,
+    export_pipeline,
+    lora_export_base,
+    write_job_file,
+)
+from vidray.models.lora import (
+    adapter_key,
+    adapter_state_dict,
+    apply_lora,
+    is_adapter_parameter,
+    load_adapter_state_dict,
+    lora_summary,
+)
+from vidray.models.storage import apply_storage_dtype, module_storage_bytes, storage_dtype_name
 from vidray.private_dirs import private_dir
 from vidray.metrics import TrainMetrics
 from vidray.data.cache import check_cache_budget
@@ -52,9 +68,10 @@ from vidray.data.index import dataset_hash, dataset_rows, load_sample_index
 from vidray.data.pipeline import TrainBatch, encode_spec, iter_rank_steps
 from vidray.data.schedule import DataPosition, SampleSchedule, job_schedule
 from vidray.data.shards import GenerationLease, read_index
-from vidray.storage import open_storage
+from vidray.storage import open_storage, upload_dir
 from vidray.models.experts import ExpertSlot
 from vidray.models.registry import Components, get_family
+from vidray.train.block_swap import apply_block_swap
 from vidray.train.context import RayTrainContext, WorkerContext
 from vidray.train.checkpoint import (
     CheckpointError,
@@ -292,8 +309,6 @@ class Worker:
         else:
             transformer, pretrained_weights = build_transformer(self.family, job, build_device)
         if job.model.lora is not None:
-            from vidray.models.lora import apply_lora, lora_summary
-
             apply_lora(transformer, job.model.lora, seed=job.train.seed)
             counts = lora_summary(transformer)
             whose = ("" if job.model.experts is None else " in each expert (each expert group its own adapters)"
@@ -309,8 +324,6 @@ class Worker:
         (`vidray.models.storage`; under `model.experts` layout shared both experts' bases, layout groups hold this
         rank's expert alone), then `memory.block_swap` (its last N blocks stay in pinned host memory,
         `vidray.train.block_swap`), then the rest to the device."""
-        from vidray.models.storage import apply_storage_dtype, module_storage_bytes, storage_dtype_name
-
         job = self.job
         try:
             dtype = apply_storage_dtype(transformer, job.memory.storage_dtype, self.device,
@@ -321,8 +334,6 @@ class Worker:
             self._log(f"frozen base stored in {storage_dtype_name(dtype)} (memory.storage_dtype: "
                       f"{job.memory.storage_dtype}): {module_storage_bytes(transformer) / 2**30:.2f} GiB")
         if job.memory.block_swap:
-            from vidray.train.block_swap import apply_block_swap
-
             try:
                 swaps = apply_block_swap(transformer, self.family.block_lists(transformer), job.memory.block_swap,
                                          self.device)
@@ -867,8 +878,6 @@ class Worker:
         {name: tensor} in `adapter_state_dict`'s naming (a two-expert run's under each expert's prefix), with
         `export.weights: ema` the adapters' averages in place of the trained values; None on the other ranks. The
         base's weights are never gathered (a 14 B expert's 53 GiB stay sharded where they are)."""
-        from vidray.models.lora import adapter_key, adapter_state_dict, is_adapter_parameter
-
         job = self.job
         ema = job.train.ema is not None and job.export.weights == "ema"
         if self.experts is not None:
@@ -926,8 +935,6 @@ def _experts_note(job: Any) -> str:
 def _with_fresh_base(family: Any, job: Any, transformer: torch.nn.Module) -> torch.nn.Module:
     """`_build_unsharded` (fp32, host memory) holding `transformer`'s trained LoRA adapters: the export of a run
     whose frozen base was stored in bf16 / fp8 or block-swapped (`memory`)."""
-    from vidray.models.lora import adapter_state_dict, load_adapter_state_dict
-
     full = _build_unsharded(family, job)
     load_adapter_state_dict(full, adapter_state_dict(transformer))
     return full
@@ -938,8 +945,6 @@ def _build_unsharded(family: Any, job: Any) -> torch.nn.Module:
     the full weights gathered from a sharded run load into for the export."""
     transformer = family.build_transformer(job.model, seed=job.train.seed)
     if job.model.lora is not None:
-        from vidray.models.lora import apply_lora
-
         apply_lora(transformer, job.model.lora, seed=job.train.seed)
     return transformer
 
@@ -949,8 +954,6 @@ def _export_adapters(adapters: dict[str, torch.Tensor], job: Any, base: str, run
     """Rank 0's adapter-only export of a LoRA run on a pretrained base (`vidray.models.export.export_adapters`:
     `lora/` (two experts: and `lora_2/`), `base_model.json`, the job file) into `<run_dir>/diffusers`; returns that
     folder. For a URI, a local temp folder uploaded with base_model.json last (as `_export_pipeline`)."""
-    from vidray.models.export import BASE_REF, export_adapters
-
     remote = is_uri(run_dir)
     diffusers_dir = f"{run_dir.rstrip('/')}/diffusers" if remote else str(Path(run_dir) / "diffusers")
     inner = getattr(transformer, "first_expert", None)
@@ -961,8 +964,6 @@ def _export_adapters(adapters: dict[str, torch.Tensor], job: Any, base: str, run
         write_job_file(folder, job)
 
     if remote:
-        from vidray.storage import upload_dir
-
         with tempfile.TemporaryDirectory(prefix="vidray-export-") as tmp:
             write(f"{tmp}/out")
             num_bytes = upload_dir(f"{tmp}/out", diffusers_dir, marker=BASE_REF)
@@ -992,9 +993,6 @@ def _export_pipeline(family: Any, trained_full: torch.nn.Module, job: Any, ema_w
                             tokenizer=encoders.tokenizer, image_encoder=encoders.image_encoder,
                             image_processor=encoders.image_processor)
     if remote:
-        from vidray.storage import upload_dir
-        from vidray.models.export import MODEL_INDEX
-
         with tempfile.TemporaryDirectory(prefix="vidray-export-") as tmp:
             export_pipeline(family, components, tmp, job.flow)
             write_job_file(tmp, job)

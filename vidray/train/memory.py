@@ -21,6 +21,7 @@ import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -243,8 +244,6 @@ def measure_meta_step(module: torch.nn.Module, loss: Callable[[], torch.Tensor])
     so far and every activation autograd keeps; no optimizer state (none exists yet). What the planner uses for a
     family it has no per-block formulas for (`vidray.train.plan`, AnimateDiff's UNet); on the tiny AnimateDiff UNet
     the plan built on it is ~7 % above `measure_training_step`'s peak (`tests/unit/test_plan.py` allows 15 %)."""
-    from unittest import mock
-
     tracker = TensorBytesTracker(count_meta=True)
     fused = mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _fused_attention_shapes)
     with fused, tracker:

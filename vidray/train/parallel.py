@@ -26,13 +26,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from vidray.config import JobConfig, parse_activation_checkpointing
+from vidray.logs import is_verbose, stderr_without
+from vidray.models.experts import EXPERT_ATTRIBUTES, ExpertSlot, TwoExperts
+from vidray.models.lora import has_lora, init_adapters, is_adapter_parameter
+from vidray.models.storage import frozen_parameter_names
 
 POWERSGD_START_ITER = 2
 """PowerSGD compresses from the 2nd synchronised backward on (the 1st all-reduces plainly: torch requires > 1 with
@@ -70,7 +77,10 @@ def apply_activation_checkpointing(transformer: torch.nn.Module, setting: str,
     if blocks is None:
         raise ValueError(f"train.activation_checkpointing: {setting}: {type(transformer).__name__} has no list of "
                          "blocks to checkpoint; set it to none (or full for a diffusers model)")
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # heavy: torch
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
 
     for one in blocks:
         for i in range(0, len(one), stride):
@@ -160,7 +170,7 @@ def _state_device() -> torch.device:
 
 def comm_hook_for(kind: str, *, powersgd_rank: int) -> tuple[CommHook, Callable | None]:
     """(CommHook, torch hook function) for `train.grad_compression` = `kind`; the function is None for `none`."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook  # heavy: torch
 
     if kind == "none":
         return CommHook(kind), None
@@ -213,7 +223,7 @@ def mixed_precision_policy(mixed_precision: str):
     backward computed) in bf16 for `bf16` (fp16 for `fp16`), fp32 for `no`; gradients always reduce-scattered in
     fp32 (`reduce_dtype`: FSDP's analogue of a DDP compression hook). The sharded master weights and the optimizer
     state stay fp32. Raises ValueError for another setting."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # heavy: torch
 
     dtypes = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     if mixed_precision not in dtypes:
@@ -226,8 +236,6 @@ def device_mesh(strategy: str, *, shard_group_size: int | None = None, device_ty
     2-D `(replicate, shard)` of shape (world // shard_group_size, shard_group_size), which `fully_shard` reads as
     HSDP (sharded within a group, replicated across groups). Raises ValueError when the group size does not divide
     the world size, or for another strategy."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     world = dist.get_world_size()
@@ -245,7 +253,7 @@ def fsdp_offload_policy(enabled: bool, device: torch.device | str):
     """FSDP2's offload policy for `memory.fsdp_cpu_offload`: `CPUOffloadPolicy(pin_memory=True on CUDA)` when
     enabled (sharded parameters, gradients and optimizer state in host memory; each block's parameters copied to
     the device for its all-gather, the optimizer step on the CPU), else the default `OffloadPolicy()` (none)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy  # heavy: torch
 
     if not enabled:
         return OffloadPolicy()
@@ -262,9 +270,7 @@ def apply_fsdp(transformer: torch.nn.Module, mesh, mp_policy, reshard_after_forw
     module is changed in place and returned (its class becomes an `FSDPModule`). The optimizer must be built
     after this call (it must see the sharded parameters). Raises ValueError for a model without
     `transformer_blocks`."""
-    import warnings
-
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # heavy: torch
 
     # FSDP2 warns at every forward that the root returned a view (diffusers' `return_dict=False` tuple): an in-place
     # op on it would skip the backward all-gather. vidray's loss reads `model_pred` out of place only
@@ -287,7 +293,7 @@ def apply_fsdp(transformer: torch.nn.Module, mesh, mp_policy, reshard_after_forw
 def is_sharded(model: torch.nn.Module) -> bool:
     """True when `model` (what `parallelize` returned) is FSDP2-sharded: its checkpoint is a sharded DCP folder and
     its full weights exist only when gathered (`full_state_dict`)."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # heavy: torch
 
     return isinstance(model, FSDPModule)
 
@@ -344,8 +350,6 @@ def quiet_unused_parameters_warning(process_group: Any = None, *, device: torch.
     the group calls this), runs one forward and backward that uses its weight, with file descriptor 2 captured:
     the line torch prints then is dropped, anything else printed meanwhile is written back. torch warns once per
     process, so the real model's steps print nothing."""
-    from vidray.logs import is_verbose, stderr_without
-
     if is_verbose():
         return
     device = torch.device(device)
@@ -404,7 +408,6 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
         return transformer, CommHook("none")
     if job.scaling.strategy != "ddp":
         raise ValueError(f"scaling.strategy must be ddp, fsdp or hsdp, got {job.scaling.strategy!r}")
-    from vidray.models.experts import TwoExperts
 
     # Two experts (`model.experts`): a micro-batch whose samples all fall on one side of the boundary leaves the
     # other expert without gradients on this rank, so DDP must look for unused parameters at every backward.
@@ -418,7 +421,7 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
     if two_experts and is_ddp:  # DDP's reducer warns at a step whose samples reached both experts: expected here
         quiet_unused_parameters_warning(process_group, device=next(transformer.parameters()).device)
     if is_ddp and (hook is not None or hook_wrapper is not None):
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # heavy: torch
 
         fn = hook if hook is not None else default_hooks.allreduce_hook
         if comm.state is not None:
@@ -452,8 +455,6 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device | str, ddp_kwargs: dic
         # A LoRA base stored in bf16 / fp8 or block-swapped: DDP neither broadcasts it (gloo has no float8, and
         # swapped blocks are in host memory) nor reduces it (frozen): every rank built the same base (one seed, or
         # the same pretrained files).
-        from vidray.models.storage import frozen_parameter_names
-
         torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             model, frozen_parameter_names(model) + [name for name, _ in model.named_buffers()])
     if device.type == "cuda":
@@ -467,9 +468,6 @@ def _load_pretrained_shards(transformer: torch.nn.Module, folder: str, *, device
     buffers no file holds; an `ExpertSlot` from its expert's folder, under its expert's names); LoRA adapters
     (`model.lora`, which no pretrained file holds) then get their starting values (`vidray.models.lora.init_adapters`
     under `seed`)."""
-    from vidray.models.experts import EXPERT_ATTRIBUTES, ExpertSlot
-    from vidray.models.lora import has_lora, init_adapters, is_adapter_parameter
-
     # One expert of two: its names carry its prefix, and its group's ranks read its folder themselves.
     expert = isinstance(transformer, ExpertSlot)
     prefix = EXPERT_ATTRIBUTES[transformer.expert] + "." if expert else ""
@@ -477,7 +475,7 @@ def _load_pretrained_shards(transformer: torch.nn.Module, folder: str, *, device
         load_sharded_from_safetensors(transformer, folder, device=device, restore_buffers=restore_buffers,
                                       prefix=prefix, broadcast=not expert)
         return
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict  # heavy: torch
 
     # peft renames an adapted layer's own weights: `to_q.weight` -> `to_q.base_layer.weight` (file keys: no prefix)
     renamed = {k.replace(".base_layer.", ".")[len(prefix):]: k[len(prefix):]
@@ -498,7 +496,7 @@ def full_model_for_export(model: torch.nn.Module, transformer: torch.nn.Module, 
     on the other ranks of a sharded model."""
     if not is_sharded(model):
         return transformer
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # heavy: torch
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
@@ -539,10 +537,12 @@ def load_sharded_from_safetensors(model: torch.nn.Module, folder: str, *, device
     number of tensors loaded. Raises
     FileNotFoundError when `folder` holds no safetensors file and ValueError when the files miss a parameter or
     name one the model does not have."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from safetensors import safe_open  # heavy: safetensors
+    from torch.distributed.checkpoint.state_dict import (  # heavy: torch
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:

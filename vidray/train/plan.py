@@ -55,9 +55,12 @@ each (it is what GPU training uses; fp32 is listed for reference).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from vidray.cards import get_card
@@ -268,7 +271,7 @@ def count_model(preset: ShapePreset, *, lora_rank: int = DEFAULT_LORA_RANK,
     `lora_targets`: module-name suffixes the adapters go on (default `lora_targets(family)`). Raises UserError when
     a target matches no Linear (naming the Linear suffixes that exist) or `lora_rank` < 1.
     """
-    import torch
+    import torch  # heavy: torch
 
     if lora_rank < 1:
         raise UserError(f"lora rank must be >= 1, got {lora_rank}")
@@ -730,9 +733,9 @@ def job_preset(job: Any) -> ShapePreset:
     shape = model_preset(job.model.family, job.model.preset, job.model.text_encoder)
     # The transformer the family builds for this model config (an image-to-video one takes its condition channels,
     # Wan 2.1's its CLIP image embeddings too): built on the meta device, its config is the shape planned.
-    import torch
+    import torch  # heavy: torch
 
-    from vidray.models import get_family
+    from vidray.models import get_family  # heavy: torch, numpy
 
     with torch.device("meta"):
         transformer = get_family(job.model.family).build_transformer(job.model, seed=job.train.seed)
@@ -745,9 +748,6 @@ def _job_in_channels(job: Any) -> int:
     `model.pretrained_path`'s config when that folder exists, else as the family builds its random model for the
     same `model:` section (the channel rule depends on the family and `model.i2v`, not on the size), so a config
     whose pretrained folder is a placeholder still plans with `--preset`."""
-    import dataclasses
-    from pathlib import Path
-
     if job.model.init == "pretrained" and not (Path(job.model.pretrained_path) / "transformer").is_dir():
         model = dataclasses.replace(job.model, init="random", pretrained_path=None, preset="tiny")
         job = dataclasses.replace(job, model=model)
@@ -803,8 +803,6 @@ HOST_MEMORY_ENV = "VIDRAY_HOST_MEMORY"
 def host_memory_bytes() -> int:
     """One node's host memory: `$VIDRAY_HOST_MEMORY` when set, else this machine's physical memory
     (`os.sysconf`: SC_PHYS_PAGES x SC_PAGE_SIZE)."""
-    import os
-
     if os.environ.get(HOST_MEMORY_ENV):
         return parse_bytes(os.environ[HOST_MEMORY_ENV])
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -862,10 +860,10 @@ def plan_measured(job: Any, *, gpu_memory_bytes: int, num_gpus: int, bucket: Buc
     the fp32 measurement plus a bf16 copy of every Linear / conv weight (2 bytes each): its activations are narrower,
     so this is an upper bound (1.7x the measured bf16 step of the tiny UNet on CPU; fp32 plans ~7 % high:
     `tests/unit/test_plan.py`). The encoders are not planned (0). Raises UserError for a bucket the family refuses."""
-    import torch
+    import torch  # heavy: torch
 
-    from vidray.models import get_family
-    from vidray.train.memory import measure_meta_step
+    from vidray.models import get_family  # heavy: torch, numpy
+    from vidray.train.memory import measure_meta_step  # heavy: torch, numpy
 
     family = get_family(job.model.family)
     if bucket is None:
@@ -1103,8 +1101,6 @@ datasheets). A plain `A100` is ambiguous (40 or 80 GB) and left out: set VIDRAY_
 def cluster_gpu_memory_bytes(resources: dict[str, float]) -> int | None:
     """One GPU's memory on a cluster: `$VIDRAY_GPU_MEMORY` when set, else the smallest known memory among the
     `accelerator_type:*` resources in `resources` (`ray.cluster_resources()`), else None (unknown)."""
-    import os
-
     if os.environ.get(GPU_MEMORY_ENV):
         return parse_bytes(os.environ[GPU_MEMORY_ENV])
     known = [ACCELERATOR_MEMORY_BYTES[k.split(":", 1)[1]] for k in resources
@@ -1126,7 +1122,6 @@ def check_cluster_fits(job: Any, resources: dict[str, float], *, gpu_memory_byte
     if gpu_memory is None:
         return (f"the GPUs' memory is unknown (no accelerator_type the planner knows): set {GPU_MEMORY_ENV}=80GiB "
                 f"(one GPU's memory) to check the job fits before GPUs are reserved")
-    import os
 
     host = parse_bytes(os.environ[HOST_MEMORY_ENV]) if os.environ.get(HOST_MEMORY_ENV) else None
     report = check_fits(job, gpu_memory, job.scaling.min_workers, host_memory=host)

@@ -48,7 +48,7 @@ class Precision:
         self.grad_scaler = None
         if mode == "fp16":
             if sharded:
-                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # heavy: torch
 
                 self.grad_scaler = ShardedGradScaler(device=device.type)
             else:

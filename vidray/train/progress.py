@@ -18,7 +18,7 @@ from vidray.progress import bars_enabled, progress_bar
 
 def _report_callback(reports: Any) -> Any:
     """A Ray Train callback putting {"step", "loss", "step_time_s"} of rank 0's report into `reports`."""
-    from ray.train import UserCallback
+    from ray.train import UserCallback  # heavy: ray
 
     class ReportProgress(UserCallback):
         def after_report(self, run_context, metrics, checkpoint):
@@ -46,7 +46,7 @@ class TrainProgress:
         self._stop = threading.Event()
         self._reports = self._bar = self._thread = None
         if self.enabled:
-            from ray.util.queue import Queue
+            from ray.util.queue import Queue  # heavy: ray
 
             self._reports = Queue(maxsize=10_000, actor_options={"num_cpus": 0})
             self.callbacks = [_report_callback(self._reports)]
@@ -59,7 +59,7 @@ class TrainProgress:
         return self
 
     def _follow(self) -> None:
-        from ray.util.queue import Empty
+        from ray.util.queue import Empty  # heavy: ray
 
         while not self._stop.is_set():
             try:

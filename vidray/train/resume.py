@@ -26,6 +26,7 @@ loaded only when it is the one chosen above.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -68,7 +69,7 @@ class ResumePlan:
 
 def _last_good_checkpoint(manager: Any, below: str) -> str | None:
     """The newest complete checkpoint older than `below` that passes verification, or None."""
-    from vidray.train.checkpoint import CheckpointError, checkpoint_step
+    from vidray.train.checkpoint import CheckpointError, checkpoint_step  # heavy: torch, pyarrow, safetensors
 
     for candidate in reversed(manager.complete()):
         if checkpoint_step(candidate) >= checkpoint_step(below):
@@ -85,8 +86,6 @@ def _ray_snapshot_disagrees(manager: Any, chosen: str | None) -> str:
     """Why Ray Train's checkpoint list of the run cannot be kept, or "" when it can: it names a folder that is gone
     (e.g. a damaged checkpoint the user deleted: Ray would refuse the whole run folder), or a latest checkpoint other
     than `chosen` (e.g. a run stopped after `chosen`'s copy, before Ray registered it), or it cannot be read."""
-    import json
-
     storage = manager.storage
     if not storage.is_file(RAY_SNAPSHOT):
         return ""
@@ -109,7 +108,7 @@ def _ray_snapshot_disagrees(manager: Any, chosen: str | None) -> str:
 
 def _started_from(manager: Any, name: str, start: str) -> bool:
     """True when checkpoint `name` was written by a run whose `checkpoint.resume_from` was `start`."""
-    from vidray.train.checkpoint import CheckpointError, read_job_config
+    from vidray.train.checkpoint import CheckpointError, read_job_config  # heavy: torch, pyarrow, safetensors
 
     try:
         with manager.fetch(name, parts=_PLAN_PARTS) as local:
@@ -122,8 +121,6 @@ def _started_from(manager: Any, name: str, start: str) -> bool:
 def _check_resume_mode(job: JobConfig, where: str, existing: list[str], latest: str | None) -> None:
     """Refuse what `checkpoint.resume` forbids (see `vidray.config.CheckpointConfig.resume`). Raises ConfigError
     naming the run folder, what it holds and the fix."""
-    from vidray.config import ConfigError
-
     mode = job.checkpoint.resume
     if mode == "never":
         if job.checkpoint.resume_from:
@@ -159,7 +156,11 @@ def plan_resume(job: JobConfig) -> ResumePlan:
     `checkpoint.resume_from=` override that resumes from it. Local checkpoints are verified with their sha256;
     remote ones by size here (the workers hash what they download).
     """
-    from vidray.train.checkpoint import CheckpointError, CheckpointManager, read_train_state
+    from vidray.train.checkpoint import (  # heavy: torch, pyarrow, safetensors
+        CheckpointError,
+        CheckpointManager,
+        read_train_state,
+    )
 
     manager = CheckpointManager(f"{absolute_location(job.storage.path).rstrip('/')}/{job.name}")
     local = manager.is_local
@@ -205,7 +206,7 @@ def plan_resume(job: JobConfig) -> ResumePlan:
             plan.ray_snapshot_reason = _ray_snapshot_disagrees(manager, chosen)
             plan.reset_ray_snapshot = bool(plan.ray_snapshot_reason)
         else:
-            from vidray.train.checkpoint import checkpoint_step
+            from vidray.train.checkpoint import checkpoint_step  # heavy: torch, pyarrow, safetensors
 
             plan.set_aside = [n for n in existing if not (in_run and n == chosen) and checkpoint_step(n) > plan.step]
             plan.reset_ray_snapshot = manager.storage.is_file(RAY_SNAPSHOT)
@@ -237,7 +238,7 @@ def plan_resume(job: JobConfig) -> ResumePlan:
 @contextlib.contextmanager
 def plan_files(checkpoint: Path | str):
     """A local folder with the checkpoint's small files (`_PLAN_PARTS`): the folder itself when local."""
-    from vidray.train.checkpoint import CheckpointManager
+    from vidray.train.checkpoint import CheckpointManager  # heavy: torch, pyarrow, safetensors
 
     if isinstance(checkpoint, Path):
         yield checkpoint
@@ -249,7 +250,7 @@ def plan_files(checkpoint: Path | str):
 
 def check_resume(job: JobConfig, plan: ResumePlan, folder: Path, index: dict[str, Any]) -> ResumePlan:
     """The resume checks of `check_job_inputs` on the chosen checkpoint's files in the local `folder`."""
-    from vidray.train.checkpoint import read_job_config, read_train_state
+    from vidray.train.checkpoint import read_job_config, read_train_state  # heavy: torch, pyarrow, safetensors
 
     resume = plan.checkpoint
     saved = read_job_config(folder)
@@ -269,7 +270,7 @@ def check_resume(job: JobConfig, plan: ResumePlan, folder: Path, index: dict[str
             f"{resume} is already at step {state.step} >= {key} {job.train.max_steps}: raise "
             f"{key} to continue the run, or choose a new name to start afresh"
         )
-    from vidray.train.checkpoint import dataset_mismatch
+    from vidray.train.checkpoint import dataset_mismatch  # heavy: torch, pyarrow, safetensors
 
     problem = dataset_mismatch(state, job.data.shards_dir, index, checkpoint_dir=folder)
     if problem:
@@ -329,7 +330,7 @@ def _saved_micro_batches_per_step(saved: dict[str, Any]) -> int | None:
 def set_aside(plan: ResumePlan) -> None:
     """Move the plan's `set_aside` checkpoints (and Ray Train's checkpoint list when `reset_ray_snapshot`) into
     `<run>/set_aside/<time>/`, kept but never loaded. On object storage a move is a copy, then a delete."""
-    import pyarrow.fs as pafs
+    import pyarrow.fs as pafs  # heavy: pyarrow
 
     if not (plan.set_aside or plan.reset_ray_snapshot):
         return
@@ -371,7 +372,7 @@ def apply_num_to_keep(plan: ResumePlan, job: JobConfig, registered: set[str]) ->
     Checkpoints in `set_aside/` and folders without a manifest are not touched. Nothing is deleted when
     `num_to_keep` is None (keep all) or Ray kept no checkpoint. `registered`: the folder names of Ray's checkpoints
     (`Result.best_checkpoints`). Returns the deleted folder names, oldest first."""
-    from vidray.train.checkpoint import checkpoint_step
+    from vidray.train.checkpoint import checkpoint_step  # heavy: torch, pyarrow, safetensors
 
     keep_n = job.checkpoint.num_to_keep
     if keep_n is None or not registered:
@@ -393,7 +394,7 @@ def interrupted_note(plan: ResumePlan, job: JobConfig, resume_hint: str) -> str:
     run finishes its last steps may take effect only once the run reached `train.max_steps`: then the run folder's
     latest complete checkpoint already holds the last step, a re-run would be refused ("already at step N"), and
     the note says so instead of `resume_hint`."""
-    from vidray.train.checkpoint import CheckpointError, read_train_state
+    from vidray.train.checkpoint import CheckpointError, read_train_state  # heavy: torch, pyarrow, safetensors
 
     manager = plan.manager
     try:

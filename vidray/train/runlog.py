@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from vidray.locations import is_uri
+
 TENSORBOARD_DIR = "tensorboard"
 METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT = "loss.png"
@@ -56,10 +58,9 @@ class RunLog:
     """
 
     def __init__(self, run_dir: str, *, start_step: int, title: str = ""):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # heavy: torch
 
-        from vidray.storage import open_storage
-        from vidray.locations import is_uri
+        from vidray.storage import open_storage  # heavy: pyarrow, numpy
 
         self.storage = open_storage(run_dir, setting="storage.path")
         self.local = Path(tempfile.mkdtemp(prefix="vidray-runlog-")) if is_uri(run_dir) else Path(run_dir)
@@ -143,10 +144,10 @@ def plot_losses(steps: list[dict[str, float]], out: Path, *, title: str = "") ->
     viewer never reads half a PNG. Nothing is drawn for no steps."""
     if not steps:
         return
-    import matplotlib
+    import matplotlib  # heavy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     xs = [int(r["step"]) for r in steps]
     ys = [float(r["loss"]) for r in steps]
@@ -172,7 +173,7 @@ def plot_losses(steps: list[dict[str, float]], out: Path, *, title: str = "") ->
 def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """{tag: [(step, value)]} of the TensorBoard event files in a local run folder's `tensorboard/`, read with
     TensorBoard's own `EventAccumulator` (purged steps of restarted attempts dropped, as TensorBoard shows them)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # heavy: tensorboard
 
     acc = EventAccumulator(str(Path(run_dir) / TENSORBOARD_DIR), size_guidance={"scalars": 0})
     acc.Reload()

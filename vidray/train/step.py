@@ -9,6 +9,7 @@ import struct
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 from vidray.config import FlowConfig
 from vidray.diffusion.flow_matching import flow_matching_loss, sample_sigmas
@@ -227,8 +228,6 @@ def non_finite_parameters(module: torch.nn.Module) -> list[str]:
     local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for _, p in named]
     finite = torch.stack([torch.isfinite(t).all() for t in local]).to(torch.int32)
     if len(local) and any(hasattr(p, "to_local") for _, p in named):
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     finite = finite.bool().cpu().tolist()

@@ -12,21 +12,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import os
 import json
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vidray.buckets import parse_bucket
 from vidray.config import JobConfig
+from vidray.data.cache import check_cache_budget
 from vidray.data.outputs import check_output_location, latent_cache_root
 from vidray.errors import RequestCannotBeMetError, UserError, UserFileNotFound  # noqa: F401 (re-exported)
 from vidray.locations import absolute_location, is_uri
+from vidray.models.export import BASE_REF, LORA_DIR, MODEL_INDEX
 from vidray.storage import open_storage
 from vidray.logs import ray_train_log_level, worker_env
 from vidray.placement import alive_nodes, resolve_placement
-from vidray.runtime import LOCAL_RAY
+from vidray.runtime import LOCAL_RAY, WORKER_GROUP_START_RETRIES, apply_ray_env_defaults, check_local_ray
+from vidray.train.entry import train_loop_per_worker
 from vidray.train.progress import TrainProgress
 from vidray.train.resume import (
     ResumePlan,
@@ -37,6 +44,7 @@ from vidray.train.resume import (
     plan_resume,
     set_aside,
 )
+from vidray.train.validation import check_validation_prompts
 
 
 @dataclass
@@ -143,8 +151,7 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     keys that differ from the checkpoint, and the data position the run continues from (world-size independent: another
     `scaling.num_workers` deals the rest of the epoch, each sample still exactly once; `vidray.data.schedule`).
     """
-    from vidray.buckets import parse_bucket
-    from vidray.data.shards import read_index, report_path
+    from vidray.data.shards import read_index, report_path  # heavy: av, PIL
 
     check_job_outputs(job)
     check_job_settings(job)
@@ -154,8 +161,6 @@ def check_job_inputs(job: JobConfig) -> ResumePlan:
     shards.check_reachable("data.shards_dir")  # an S3 fault in one line, not a traceback
     index = read_index(shards)
     if is_uri(job.data.shards_dir) and not job.data.shards_dir.startswith("file://"):
-        from vidray.data.cache import check_cache_budget
-
         check_cache_budget(job.data.cache_bytes, index)  # object-store shards go through the warm cache
     if index["num_samples"] == 0:
         raise UserError(
@@ -187,10 +192,9 @@ def check_job_settings(job: JobConfig) -> None:
     prepare` has): `model.max_sequence_length` against the text encoder's limit, a model the family can train, the
     validation prompts' token counts and images (`check_validation_prompts`), and `model.vae_path`. Raises
     ConfigError or UserError naming the key and the fix."""
-    from vidray.models.registry import get_family
-    from vidray.models.text_encoder import check_max_sequence_length
-    from vidray.train.vae import check_vae_path
-    from vidray.train.validation import check_validation_prompts
+    from vidray.models.registry import get_family  # heavy: torch
+    from vidray.models.text_encoder import check_max_sequence_length  # heavy: torch, transformers, accelerate
+    from vidray.train.vae import check_vae_path  # heavy: torch
 
     check_max_sequence_length(job.model)
     try:
@@ -227,8 +231,6 @@ def warn_if_lora_export(job: JobConfig) -> bool:
     the LoRA run's checkpoint continues its adapters. Raises UserError for an adapter-only export (`base_model.json`,
     no pipeline of its own): a run cannot start from adapters alone; the line names its base and `vidray export
     --merge-lora`."""
-    from vidray.models.export import BASE_REF, LORA_DIR, MODEL_INDEX
-
     path = job.model.pretrained_path
     if job.model.init != "pretrained" or not path or is_uri(path):
         return False
@@ -332,7 +334,7 @@ def _stop_on_user_errors_callback():
     Ray Train 2.60 retries every worker error up to `FailureConfig(max_failures)`; an exception raised by a
     callback is a controller error, which its failure policy does not retry. The driver unwraps it again.
     """
-    from ray.train import UserCallback
+    from ray.train import UserCallback  # heavy: ray
 
     class StopOnUserError(UserCallback):
         def after_exception(self, run_context, worker_exceptions):
@@ -352,10 +354,8 @@ def _torch_trainer_class():
     controller to abort without waiting and raises KeyboardInterrupt in the driver: a local cluster then ends
     with the driver, and on a remote cluster the driver's actors (controller, workers) end with it.
     """
-    import signal
-
-    import ray
-    from ray.train.torch import TorchTrainer
+    import ray  # heavy: ray
+    from ray.train.torch import TorchTrainer  # heavy: ray
 
     class VidrayTorchTrainer(TorchTrainer):
         def _register_sigint_handler(self, controller):
@@ -383,9 +383,7 @@ def build_trainer_configs(job: JobConfig, storage_path: str, *, placement: dict[
     elastic jobs add one per allowed worker failure, -1 when `train.max_failures` is -1). `placement`: {stage:
     label selector} as `vidray.placement.resolve_placement` resolved it; the workers go where its `dit` entry
     allows (`worker_label_selectors`), or, with `model.experts.layout: groups`, each its expert's half of them."""
-    import ray.train
-
-    from vidray.runtime import WORKER_GROUP_START_RETRIES
+    import ray.train  # heavy: ray
 
     resources = {"CPU": job.scaling.cpus_per_worker}
     if job.scaling.use_gpu:
@@ -403,8 +401,6 @@ def build_trainer_configs(job: JobConfig, storage_path: str, *, placement: dict[
         # scheme (`s3://bucket/runs` -> `bucket/runs`), as RunConfig(storage_filesystem=) requires. The filesystem
         # is pickled to the controller and workers without credentials (each resolves them from its environment)
         # and without the retry strategy (they use pyarrow's default: AWS standard, 3 attempts).
-        from vidray.storage import open_storage
-
         storage = open_storage(storage_path, setting="storage.path")
         storage_filesystem, storage_path = storage.fs, storage.base
     controller_failure_limit = WORKER_GROUP_START_RETRIES
@@ -474,8 +470,6 @@ def run_training(job: JobConfig, *, record_sample_ids: bool = False, resume_hint
     """
     # 1. Checks that need no Ray: local resources (first: a run that cannot start says so before the resume
     #    lines), the run folder not in use, config against shards and checkpoint, output folder.
-    from vidray.runtime import apply_ray_env_defaults, check_local_ray
-
     apply_ray_env_defaults()
     job = with_absolute_model_paths(job)  # the workers' working directory is not the driver's
     check_local_ray(job, check_resources)
@@ -508,9 +502,6 @@ def run_folder_lock(job: JobConfig):
     A run folder on object storage (`storage.path` a URI) has no lock: two drivers of one run there are not
     detected. A folder that cannot be created is left to `check_job_inputs`, which names the setting.
     """
-    import errno
-    import fcntl
-
     storage_path = absolute_location(job.storage.path)
     if is_uri(storage_path):
         yield
@@ -546,14 +537,13 @@ def run_folder_lock(job: JobConfig):
 
 def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) -> TrainResult:
     """`run_training` once the run folder is locked (`run_folder_lock`)."""
-    import ray
-    import ray.train
+    import ray  # heavy: ray
+    import ray.train  # heavy: ray
 
-    from vidray.runtime import autoscaler_max_resources, init_ray
-    from vidray.train.entry import train_loop_per_worker  # the worker's stack (diffusers) stays out of the driver
+    from vidray.runtime import autoscaler_max_resources, init_ray  # lazy: test_captions replaces init_ray
 
     plan = check_job_inputs(job)
-    from vidray.data.captions import shards_caption_truncation  # caption column + tokenizer only: ~1 s
+    from vidray.data.captions import shards_caption_truncation  # heavy: torch, transformers (~1 s)
 
     if job.train.objective != "vae":  # a VAE run trains on frames only: its captions reach no model
         print(f"[vidray] captions: {shards_caption_truncation(job.data.shards_dir, job.model)}", flush=True)
@@ -562,7 +552,7 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
     init_ray()
     autoscaler_max = autoscaler_max_resources()
     check_resources(job, ray.cluster_resources(), autoscaler_max=autoscaler_max)
-    from vidray.train.plan import check_cluster_fits  # GPU clusters only: refuses a job predicted not to fit
+    from vidray.train.plan import check_cluster_fits  # lazy: GPU clusters only; vidray.train.plan imports in ~0.2 s
 
     if memory := check_cluster_fits(job, ray.cluster_resources()):
         print(f"[vidray] memory: {memory}", flush=True)
@@ -577,7 +567,7 @@ def _run_training(job: JobConfig, *, record_sample_ids: bool, resume_hint: str) 
         # stages' nodes, while the workers start, so that the loaders skip decoding clips whose latents are cached
         # from the first step and the encode stages load no encoder until a miss (refs: never waited for here;
         # see vidray.data.pipeline).
-        from vidray.data.pipeline import encode_spec, encoder_identity_refs
+        from vidray.data.pipeline import encode_spec, encoder_identity_refs  # heavy: pyarrow
 
         loop_config["identities"] = encoder_identity_refs(encode_spec(job, placement,
                                                                       latent_cache=loop_config["latent_cache"]))

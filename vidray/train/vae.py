@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from vidray.config import ConfigError, JobConfig, VAETrainingConfig
-from vidray.locations import is_uri
+from vidray.locations import absolute_location, is_uri
+from vidray.models.base import ModelFamily
+from vidray.models.registry import get_family
 
 VAE_RUN_SUFFIX = "-vae"
 """The VAE run of job `<name>` is `<storage.path>/<name>-vae`."""
@@ -40,8 +43,6 @@ def vae_training_job(job: JobConfig) -> JobConfig:
     `scaling.strategy` other than ddp, `export.weights: ema`."""
     if job.train.objective == "vae":
         return job  # already a VAE job (a resubmitted or restarted driver)
-    from vidray.models.base import ModelFamily
-    from vidray.models.registry import get_family
 
     family = get_family(job.model.family)
     if type(family).build_trainable_vae is ModelFamily.build_trainable_vae:
@@ -71,8 +72,6 @@ def vae_training_job(job: JobConfig) -> JobConfig:
 def vae_export_path(job: JobConfig) -> str:
     """`<storage.path>/<name>-vae/vae` of a DiT or VAE job (absolute; a URI stays one): where `vidray train-vae`
     writes the trained VAE, for `model.vae_path`."""
-    from vidray.locations import absolute_location
-
     name = job.name if job.train.objective == "vae" else f"{job.name}{VAE_RUN_SUFFIX}"
     return f"{absolute_location(job.storage.path).rstrip('/')}/{name}/{VAE_EXPORT_DIR}"
 
@@ -117,7 +116,7 @@ def vae_micro_loss(model: torch.nn.Module, frames: torch.Tensor, generators: Seq
     """sum_i w_i * loss_i of a micro-batch (the caller's normalisation, as `flow_matching_step_loss`): `model` the
     (DDP-wrapped) `VAEObjective`, frames uint8 (B, 3, F, H, W) from the loader (`TrainBatch.frames`),
     loss_weights (B,) (0 for the schedule's padding). Returns a scalar fp32 tensor."""
-    from vidray.models.vae import uint8_to_video
+    from vidray.models.vae import uint8_to_video  # heavy: accelerate, safetensors, boto3
 
     per_sample = model(uint8_to_video(frames), generators)
     return (per_sample * loss_weights.to(per_sample.device, torch.float32)).sum()
@@ -145,9 +144,7 @@ def save_vae(vae: torch.nn.Module, out_dir: str) -> str:
     """Write `vae` as a diffusers folder (`config.json` + `diffusion_pytorch_model.safetensors`) at `out_dir`, a
     local folder or a URI (through a temp folder and `vidray.storage.upload_dir`, `config.json` last).
     Returns `out_dir`."""
-    import tempfile
-
-    from vidray.storage import upload_dir
+    from vidray.storage import upload_dir  # heavy: pyarrow
 
     if not is_uri(out_dir):
         vae.save_pretrained(out_dir, safe_serialization=True)
@@ -163,7 +160,7 @@ def reconstruction_psnr(vae: torch.nn.Module, videos: Sequence[Any]) -> float:
     """PSNR in dB, 10 * log10(1 / MSE), of `vae`'s reconstructions (posterior mode, decoded, clamped to [-1, 1])
     of `videos` (each uint8 (F, H, W, 3), encoded one at a time) on the [0, 1] scale, the MSE taken over every
     pixel of every video. Raises ValueError for no videos."""
-    from vidray.models.vae import frames_to_video
+    from vidray.models.vae import frames_to_video  # heavy: accelerate, safetensors, boto3
 
     if not len(videos):
         raise ValueError("reconstruction_psnr: no videos")
@@ -181,8 +178,7 @@ def training_clips_psnr(vae_dir: str, shards_dir: str, *, family: str, max_clips
     """One line with the reconstruction PSNR (`reconstruction_psnr`) of the VAE in `vae_dir` (loaded by the model
     `family`, e.g. "easyanimate") on the first `max_clips` training clips of the prepared `shards_dir`, e.g. "VAE
     reconstruction PSNR on 6 training clips: 21.4 dB"."""
-    from vidray.data.shards import load_samples
-    from vidray.models.registry import get_family
+    from vidray.data.shards import load_samples  # heavy: pyarrow, av, PIL
 
     if is_uri(vae_dir):
         return f"VAE reconstruction PSNR: not measured (the VAE is in object storage: {vae_dir})"

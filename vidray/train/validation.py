@@ -24,14 +24,21 @@ rank's shards joined (`vidray.models.export.sharded_entries`), its EMA too.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import logging
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from vidray.buckets import parse_bucket
+from vidray.errors import UserError
+from vidray.logs import quiet_diffusers
+from vidray.train.runlog import copy_into
 
 VALIDATION_DIR = "validation"
 """The run folder's folder of validation samples, one `step_<N>` folder per validation."""
@@ -43,8 +50,6 @@ CHECKPOINT_WAIT_S = 600.0
 
 def validation_bucket(job: Any) -> Any:
     """The samples' bucket: `train.validation.bucket`, else the job's first multi-frame bucket (else its first)."""
-    from vidray.buckets import parse_bucket
-
     if job.train.validation.bucket:
         return parse_bucket(job.train.validation.bucket, job.model.family)
     buckets = list(job.data.buckets)
@@ -55,8 +60,10 @@ def check_validation_prompts(job: Any) -> None:
     """Refuse (UserError, one line) a validation prompt longer than `model.max_sequence_length` tokens, counted as
     the text encoder tokenizes it: it would be cut, and its video would not show the prompt it names. Loads the
     tokenizer only (no weights); does nothing when validation is off."""
-    from vidray.errors import UserError
-    from vidray.models.text_encoder import build_tokenizer, count_prompt_tokens
+    from vidray.models.text_encoder import (  # heavy: torch, transformers, accelerate
+        build_tokenizer,
+        count_prompt_tokens,
+    )
 
     prompts = list(job.train.validation.prompts)
     if job.train.validation.every_steps is None or not prompts:
@@ -73,8 +80,7 @@ def check_validation_prompts(job: Any) -> None:
 def _check_validation_images(job: Any) -> None:
     """Refuse (UserError, one line) a `train.validation.images` entry that is not an image file PIL reads (before
     the run: the validator would fail at its first validation)."""
-    from vidray.errors import UserError
-    from vidray.models.conditioning import load_image
+    from vidray.models.conditioning import load_image  # heavy: torch
 
     for i, path in enumerate(job.train.validation.images):
         try:
@@ -89,10 +95,7 @@ def prepare_validation(model: Any, memory: Any) -> Any:
     (auto: bf16) with `memory.offload`; on CPU (a validator actor without a GPU) in fp32 unless the storage dtype is
     set, and without offload (it needs a GPU: logged once, not an error, since the run's `memory.offload` was
     checked for its trainers' device). Returns the compute dtype."""
-    import dataclasses
-    import logging
-
-    from vidray.models.offload import inference_device, prepare_for_inference
+    from vidray.models.offload import inference_device, prepare_for_inference  # heavy: torch, accelerate, safetensors
 
     device = inference_device()
     if device.type != "cuda" and memory.offload != "none":
@@ -113,8 +116,8 @@ class Validator:
     """
 
     def __init__(self, run_dir: str, job: dict[str, Any]):
-        from vidray.config import job_config_from_dict
-        from vidray.storage import open_storage
+        from vidray.config import job_config_from_dict  # heavy: pydantic
+        from vidray.storage import open_storage  # heavy: pyarrow
 
         self.run_dir = str(run_dir)
         self.job = job_config_from_dict(job)
@@ -127,12 +130,11 @@ class Validator:
         """Wait for `checkpoint_<step>` to be complete, sample the prompts from it, write the files; returns
         {"step", "seconds", "dir": the step's folder}. Raises TimeoutError when the checkpoint is not complete
         within `CHECKPOINT_WAIT_S`, and what loading or sampling raises."""
-        import torch
+        import torch  # heavy: torch
 
-        from vidray.data.video import write_mp4
-        from vidray.inference.sampler import generate_video
-        from vidray.logs import quiet_diffusers
-        from vidray.models.conditioning import load_image
+        from vidray.data.video import write_mp4  # heavy: av, PIL
+        from vidray.inference.sampler import generate_video  # heavy: torch, accelerate, safetensors
+        from vidray.models.conditioning import load_image  # heavy: torch
 
         started = time.perf_counter()
         checkpoint = self._wait_for_checkpoint(step)
@@ -163,13 +165,11 @@ class Validator:
             "guidance_scale": val.guidance_scale, "seconds": round(seconds, 3)}, indent=2))
         self._tensorboard(step, videos, grid)
         if not self.storage.is_local:
-            from vidray.train.runlog import copy_into
-
             copy_into(self.storage, self.staging, only=[rel, TENSORBOARD_SUBDIR])
         return {"step": step, "seconds": seconds, "dir": f"{self.run_dir.rstrip('/')}/{rel}"}
 
     def _wait_for_checkpoint(self, step: int) -> Any:
-        from vidray.train.checkpoint import CheckpointManager, checkpoint_dir_name
+        from vidray.train.checkpoint import CheckpointManager, checkpoint_dir_name  # heavy: torch, pyarrow, safetensors
 
         manager, name = CheckpointManager(self.run_dir), checkpoint_dir_name(step)
         deadline = time.monotonic() + CHECKPOINT_WAIT_S
@@ -183,19 +183,19 @@ class Validator:
     def _load(self, checkpoint: Any) -> Any:
         """The checkpoint's model for sampling, with the EMA weights when the run keeps an EMA (not for LoRA
         runs, whose EMA holds unmerged adapters: their merged trained weights are sampled)."""
-        from vidray.models.export import inspect_model, load_model
+        from vidray.models.export import inspect_model, load_model  # heavy: pydantic
 
         model = load_model(checkpoint, allow_sharded=True)  # the run's own checkpoint, read without unpickling
         if self.job.train.ema is not None and self.job.model.lora is None:
-            from vidray.train.ema import load_ema_into
+            from vidray.train.ema import load_ema_into  # heavy: torch
 
             load_ema_into(model.components.transformer, inspect_model(checkpoint).path)
         prepare_validation(model, self.job.memory)
         return model
 
     def _tensorboard(self, step: int, videos: list[np.ndarray], grid: np.ndarray) -> None:
-        from tensorboard.compat.proto.summary_pb2 import Summary
-        from torch.utils.tensorboard import SummaryWriter
+        from tensorboard.compat.proto.summary_pb2 import Summary  # heavy: tensorboard
+        from torch.utils.tensorboard import SummaryWriter  # heavy: torch
 
         if self._writer is None:
             self._writer = SummaryWriter(str(self.staging / TENSORBOARD_SUBDIR))
@@ -219,7 +219,7 @@ def frame_grid(videos: list[np.ndarray]) -> np.ndarray:
 
 
 def _write_png(image: np.ndarray, path: Path) -> None:
-    from PIL import Image
+    from PIL import Image  # heavy: PIL
 
     Image.fromarray(image).save(path, format="PNG")
 
@@ -227,8 +227,8 @@ def _write_png(image: np.ndarray, path: Path) -> None:
 def _gif_summary(video: np.ndarray, fps: float) -> Any:
     """A TensorBoard image summary holding `video` ((F, H, W, 3) uint8) as an animated GIF (TensorBoard's image
     dashboard plays it), as `torch.utils.tensorboard.summary.video` builds it."""
-    from PIL import Image
-    from tensorboard.compat.proto.summary_pb2 import Summary
+    from PIL import Image  # heavy: PIL
+    from tensorboard.compat.proto.summary_pb2 import Summary  # heavy: tensorboard
 
     frames = [Image.fromarray(frame) for frame in video]
     buffer = io.BytesIO()
@@ -243,7 +243,7 @@ def wait_for_validations(refs: list[Any], *, timeout_s: float = 900.0) -> tuple[
     """Wait for the validations still running at the end of the run: (their results, seconds waited, one line
     per validation that failed or did not finish within `timeout_s`). Never raises: validation does not fail a
     run whose training succeeded."""
-    import ray
+    import ray  # heavy: ray
 
     started = time.perf_counter()
     results, problems = [], []
@@ -260,7 +260,7 @@ def wait_for_validations(refs: list[Any], *, timeout_s: float = 900.0) -> tuple[
 def start_validator(run_dir: str, job: Any) -> Any:
     """A `Validator` actor (`train.validation.num_cpus` CPUs, where `placement.vae` allows), owned by the caller
     (rank 0): it ends with it. Its calls run one at a time, in order."""
-    import ray
+    import ray  # heavy: ray
 
     selector = dict(job.placement.vae.label_selector or {})
     options: dict[str, Any] = {"num_cpus": float(job.train.validation.num_cpus), "max_restarts": 0,
