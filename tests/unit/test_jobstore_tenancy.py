@@ -4,6 +4,7 @@ recorded with the job, and the owner file of a store folder."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import threading
@@ -12,11 +13,15 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_jobstore import _create, _png_bytes, _write_mp4
+from vidray.inference.request import STORED_IMAGE, GenerationRequest
 from vidray.serve.jobs import (
+    _ADDED_AT_DEFAULT,
+    _OUTSIDE_IDENTITY,
     IdempotencyKeyReusedError,
     JobStore,
     StorageFullError,
     StoreOwnedError,
+    _request_sha256,
     claim_store,
 )
 
@@ -177,6 +182,55 @@ def test_creates_racing_with_one_key_from_eight_threads_make_one_job(tmp_path):
 def test_an_idempotency_key_outside_printable_ascii_or_255_chars_is_refused(tmp_path, key):
     with pytest.raises(ValueError, match="1..255 printable ASCII"):
         _create(JobStore(tmp_path), idempotency_key=key)
+
+
+def _legacy_and_current_params(seed: int = 7) -> tuple[dict, dict]:
+    """One image-to-video request's params as a store kept them before `GenerationRequest` (the bare numbers and
+    the input_reference note) and as it keeps them now (`to_dict()` and the note)."""
+    note = {"size": "16x16", "resized_to": "64x64"}
+    legacy = {"num_frames": 9, "width": 64, "height": 64, "seed": seed, "num_inference_steps": 4,
+              "guidance_scale": 6.0, "negative_prompt": "", "fps": 8.0, "input_reference": note}
+    request = GenerationRequest(prompt="a red ball", num_frames=9, width=64, height=64, seed=seed,
+                                num_inference_steps=4, guidance_scale=6.0, fps=8.0, image=STORED_IMAGE,
+                                family="easyanimate")
+    return legacy, {**request.to_dict(), "input_reference": note}
+
+
+def _create_request(store: JobStore, params: dict, **kwargs):
+    return store.create(model="tiny", prompt="a red ball", size="64x64", seconds="1.125", params=params,
+                        input_reference=_png_bytes(), client="alice", idempotency_key="order-7", **kwargs)
+
+
+def test_a_retry_across_the_upgrade_that_stored_the_whole_request_gets_the_job_its_key_made(tmp_path):
+    """The hash covers the request's numbers, not the form the store keeps them in: a key recorded by a store that
+    kept the bare numbers, or by one that hashed the stored `to_dict()` JSON, still answers the same request with
+    its job, and a different request with that key is still refused."""
+    legacy, current = _legacy_and_current_params()
+    store = JobStore(tmp_path)
+    before = _create_request(store, legacy)  # a store of before GenerationRequest
+    again = _create_request(store, current)  # the same request, retried after the upgrade
+    assert again.id == before.id and sum(store.counts().values()) == 1
+    with pytest.raises(IdempotencyKeyReusedError):
+        _create_request(store, _legacy_and_current_params(seed=8)[1])
+    # A key a store recorded as the hash of the stored to_dict() JSON (main before this fix) still matches.
+    conn = sqlite3.connect(store.db_path)
+    with conn:
+        conn.execute("UPDATE idempotency_keys SET request_sha256 = ?",
+                     (_request_sha256("tiny", "a red ball", "64x64", "1.125", json.dumps(current, sort_keys=True),
+                                      _png_bytes()),))
+    conn.close()
+    assert _create_request(store, current).id == before.id and sum(store.counts().values()) == 1
+
+
+def test_every_request_field_is_placed_in_or_out_of_the_idempotency_identity():
+    """A field added to GenerationRequest must say how the hash treats it (`_ADDED_AT_DEFAULT`, with its default)
+    or a retry across the upgrade that adds it would be refused."""
+    first_form = {"num_frames", "width", "height", "seed", "num_inference_steps", "guidance_scale",
+                  "negative_prompt", "fps"}
+    fields = {f.name: f.default for f in dataclasses.fields(GenerationRequest)}
+    unplaced = set(fields) - first_form - _OUTSIDE_IDENTITY - set(_ADDED_AT_DEFAULT)
+    assert not unplaced, f"place {sorted(unplaced)} in vidray.serve.jobs._ADDED_AT_DEFAULT or _OUTSIDE_IDENTITY"
+    assert all(fields[name] == default for name, default in _ADDED_AT_DEFAULT.items())
 
 
 # ---------------------------------------------------------------- part 6: one store, one app

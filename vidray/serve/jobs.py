@@ -44,7 +44,8 @@ Rules the store enforces:
 - Idempotency: `create` with an ``idempotency_key`` records (client, key, a hash of the request) in the same
   transaction that inserts the job; the same key and request from the same client later returns that job instead
   of a new one, and the same key with another request raises `IdempotencyKeyReusedError`. A key lives as long as
-  its job.
+  its job. The hash covers the request's numbers (`_identity_json`), not the form params are stored in, so a retry
+  across an upgrade that changed that form still gets its job.
 
 The response object follows the OpenAI Videos API (`VideoJob.to_openai`; see NOTES.md "OpenAI Videos API").
 """
@@ -581,7 +582,9 @@ class JobStore:
         if not isinstance(input_suffix, str) or _SUFFIX_RE.fullmatch(input_suffix) is None:
             raise ValueError(f"input_suffix must be a dot and 1-8 letters or digits like '.png', got {input_suffix!r}")
         image = None if input_reference is None else bytes(input_reference)
-        request_sha256 = _request_sha256(model, prompt, size, seconds, params_json, image)
+        request_sha256 = _request_sha256(model, prompt, size, seconds, _identity_json(params), image)
+        # What a store of before the identity hash recorded for this request (the stored params' JSON).
+        stored_form_sha256 = _request_sha256(model, prompt, size, seconds, params_json, image)
 
         job_id = new_job_id()
         input_path: Path | None = None
@@ -606,7 +609,7 @@ class JobStore:
                         "SELECT request_sha256, job_id FROM idempotency_keys WHERE client = ? AND key = ?",
                         (client, idempotency_key),
                     ).fetchone()
-                    if row is not None and row[0] != request_sha256:
+                    if row is not None and row[0] not in (request_sha256, stored_form_sha256):
                         raise IdempotencyKeyReusedError(idempotency_key, row[1])
                     if row is not None:  # read in this transaction: `delete` removes a job and its key together
                         existing = conn.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (row[1],)).fetchone()
@@ -1139,9 +1142,32 @@ def _check_bytes(conn: sqlite3.Connection, root: Path, client: str, *, max_clien
             raise StorageFullError("disk", min_free_bytes, free)
 
 
+_OUTSIDE_IDENTITY = frozenset(("version", "prompt", "image", "family"))
+"""Keys of a stored `GenerationRequest.to_dict()` that `_identity_json` leaves out: the record's version, and what
+the hash already covers beside params (the prompt, the image's bytes) or follows from the model (its family)."""
+_ADDED_AT_DEFAULT = {"last_image": None}
+"""Request fields that jobs' params gained after the first stored form (the bare numbers: num_frames, width, height,
+seed, num_inference_steps, guidance_scale, negative_prompt, fps), each with its default: left out of the hash at
+that default, so a client retrying with the same Idempotency-Key across an upgrade that added it gets its job. A
+field added to `GenerationRequest` later goes here too (test_jobstore checks that every field is placed)."""
+
+
+def _identity_json(params: dict) -> str:
+    """The JSON that identifies `params` for the idempotency hash: the generation numbers (and any note beside
+    them, such as the `input_reference` record), whatever form the store keeps them in, so the hash of one request
+    stays the same across a change of that form (`GenerationRequest.to_dict`'s version, a field added at its
+    default). Params that are no versioned request are identified as they are."""
+    if "version" in params:
+        params = {key: value for key, value in params.items()
+                  if key not in _OUTSIDE_IDENTITY
+                  and not (key in _ADDED_AT_DEFAULT and value == _ADDED_AT_DEFAULT[key])}
+    return json.dumps(params, sort_keys=True, allow_nan=False)
+
+
 def _request_sha256(model: str, prompt: str, size: str, seconds: str, params_json: str,
                     input_reference: bytes | None) -> str:
-    """A hash of everything a create stores: two requests with the same hash make the same video."""
+    """A hash of everything a create is asked for (`params_json`: `_identity_json`'s, for a request, or the stored
+    JSON of a store before it): two requests with the same hash make the same video."""
     digest = hashlib.sha256()
     for part in (model, prompt, size, seconds, params_json):
         encoded = part.encode("utf-8", "surrogatepass")
