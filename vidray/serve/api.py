@@ -80,7 +80,9 @@ class ModelSpec:
     fps: float
     """Frames per second of the mp4s written; a clip's duration in seconds is num_frames / fps."""
     size_multiple: int
-    """Width and height must be multiples of this, in pixels (16 for EasyAnimate: VAE 8x and patch 2)."""
+    """Width and height must be multiples of this, in pixels (16 for EasyAnimate: VAE 8x and patch 2); serving's
+    `vidray.serve.app.model_spec` reads it from the family card's bucket rules, the rule `GenerationRequest` checks,
+    so this early check only adds the nearest valid sizes to the message."""
     max_width: int
     """Largest width in pixels (memory bound)."""
     max_height: int
@@ -88,7 +90,8 @@ class ModelSpec:
     max_num_frames: int
     """Largest frame count (memory bound)."""
     valid_num_frames: Callable[[int], bool]
-    """Which frame counts the model can make, e.g. EasyAnimate: 1 or 4k+1 (temporal VAE compression 4)."""
+    """Which frame counts the model can make, e.g. EasyAnimate: 1 or 4k+1 (temporal VAE compression 4); from the
+    family card (`vidray.buckets.check_bucket`) in serving, as `size_multiple`."""
     supports_image_to_video: bool
     """Whether a first-frame `input_reference` image is accepted."""
     default_num_inference_steps: int

@@ -55,6 +55,7 @@ import ray.exceptions
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
+from vidray.buckets import Bucket, check_bucket
 from vidray.config import MemoryConfig
 from vidray.errors import UserError
 from vidray.locations import is_uri
@@ -354,10 +355,11 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
                                  "serve a folder exported by vidray training")
     family = info.family
     needs_last_image = family.needs_last_image(info)  # the Videos API gives one image
+    rules = family.card.bucket_rules  # what GenerationRequest checks too: one rule, read from the card
 
     def valid_num_frames(num_frames: int) -> bool:
         try:
-            family.latent_shape((num_frames, bucket.height, bucket.width), 1)
+            check_bucket(Bucket(num_frames, bucket.height, bucket.width), family.name)
         except ValueError:
             return False
         return True
@@ -369,7 +371,7 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
         default_size=(bucket.width, bucket.height),
         default_num_frames=bucket.num_frames,
         fps=settings.fps,
-        size_multiple=family.spatial_multiple,
+        size_multiple=rules.spatial_multiple,
         max_width=settings.limits.max_width,
         max_height=settings.limits.max_height,
         max_num_frames=settings.limits.max_num_frames,
