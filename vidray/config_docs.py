@@ -30,7 +30,7 @@ class Key:
     """One documented config key."""
 
     name: str  # dotted: "data.fps"
-    type: str  # the annotation as written in vidray/config/sections.py (a bounded number: its range)
+    type: str  # the annotation as written in the section's module under vidray/config/ (a bounded number: its range)
     default: str  # as YAML writes it
     doc: str  # the field's docstring, one paragraph
     rule: str  # "fixed" | "changeable" (vidray.config.RESUME_RULES)
@@ -41,7 +41,7 @@ def field_docstrings(cls: type) -> dict[str, tuple[str, str]]:
     """{field name: (annotation source, docstring)} of `cls` and its bases, read from the class source: a field's
     docstring is the string literal right after it (PEP 257's attribute docstring); "" when it has none."""
     out: dict[str, tuple[str, str]] = {}
-    for klass in reversed([k for k in cls.__mro__ if k.__module__ == cls.__module__]):
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):  # a section and its bases
         tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         body = tree.body[0].body  # type: ignore[attr-defined]
         for node, after in zip(body, [*body[1:], None]):

@@ -10,22 +10,27 @@ in the types); this package only turns its errors into one `ConfigError` that na
 what would be valid. Its modules, each importing only those before it:
 
 - `bounds`: bounded number types (`int >= 1`, `float in [0, 1)`) and the one-line words of a value out of range;
-- `sections`: one frozen dataclass per section, with the checks inside one section;
+- `common`: what the sections share (the strict frozen section config, `ConfigError`);
+- the sections, one frozen dataclass per section with the checks inside one section: `model` (`model:` and
+  `model.i2v` / `lora` / `experts`), `data`, `train` (`flow`, `optim`, `train`, `export`, `vae_training`,
+  `checkpoint`, `scaling`), `runtime` (`memory`, `placement`, `storage`);
 - `job`: `JobConfig`, the sections of one run and the checks across sections;
 - `resume`: which keys a resumed run may change (`RESUME_RULES`, `diff_for_resume`);
 - `loading`: YAML and overrides -> `JobConfig` (`load_job_config`, `job_config_from_dict`), the error wording.
 """
 
+from vidray.config.common import ConfigError
+from vidray.config.data import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR, DataConfig
 from vidray.config.job import JobConfig
 from vidray.config.loading import apply_overrides, check_output_path, job_config_from_dict, load_job_config
+from vidray.config.model import (DEFAULT_LORA_TARGET_MODULES, WAN_CLIP_TEXT_TOKENS, ExpertsConfig, I2VConfig,
+                                 LoraConfig, ModelConfig, StagePlacement)
 from vidray.config.resume import (DICT_LEAVES, RESUME_CHANGEABLE, RESUME_FIXED, RESUME_RULES, ResumeDiff,
                                   diff_for_resume, flatten_config)
-from vidray.config.sections import (DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR, DEFAULT_LORA_TARGET_MODULES,
-                                    INFERENCE_OFFLOADS, STORAGE_DTYPES, WAN_CLIP_TEXT_TOKENS, CheckpointConfig,
-                                    ConfigError, DataConfig, EMAConfig, EncodePlacement, ExpertsConfig, ExportConfig,
-                                    FlowConfig, I2VConfig, LoraConfig, MemoryConfig, ModelConfig, OptimConfig,
-                                    PlacementConfig, ScalingConfig, StagePlacement, StorageConfig, TrainConfig,
-                                    ValidationConfig, VAETrainingConfig, parse_activation_checkpointing)
+from vidray.config.runtime import (INFERENCE_OFFLOADS, STORAGE_DTYPES, EncodePlacement, MemoryConfig, PlacementConfig,
+                                   StorageConfig)
+from vidray.config.train import (CheckpointConfig, EMAConfig, ExportConfig, FlowConfig, OptimConfig, ScalingConfig,
+                                 TrainConfig, ValidationConfig, VAETrainingConfig, parse_activation_checkpointing)
 
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "DEFAULT_CACHE_BYTES", "DEFAULT_CACHE_DIR",

@@ -12,10 +12,12 @@ from pydantic.dataclasses import dataclass
 
 from vidray.buckets import check_bucket, parse_bucket
 from vidray.cards import get_card
-from vidray.config.sections import (_NAME_RE, _STRICT, CheckpointConfig, DataConfig, ExportConfig, FlowConfig,
-                                    MemoryConfig, ModelConfig, OptimConfig, PlacementConfig, ScalingConfig,
-                                    StorageConfig, TrainConfig, VAETrainingConfig, _families_with,
-                                    parse_activation_checkpointing)
+from vidray.config.common import _NAME_RE, _STRICT, _families_with
+from vidray.config.model import ModelConfig
+from vidray.config.data import DataConfig
+from vidray.config.train import (CheckpointConfig, ExportConfig, FlowConfig, OptimConfig, ScalingConfig, TrainConfig,
+                                 VAETrainingConfig, parse_activation_checkpointing)
+from vidray.config.runtime import MemoryConfig, PlacementConfig, StorageConfig
 from vidray.placement import expert_selectors
 
 

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from vidray.config.bounds import BOUND_ERRORS, bound_message
 from vidray.config.job import _ADAPTER, JobConfig
-from vidray.config.sections import ConfigError
+from vidray.config.common import ConfigError
 from vidray.errors import UserError, UserFileNotFound
 from vidray.locations import NOT_A_FOLDER, creation_problem
 
