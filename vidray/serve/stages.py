@@ -394,7 +394,7 @@ class Denoiser:
         want = empty.predict_kwargs()
         if set(given) - set(want):
             raise ValueError("this model takes no image embeddings: a request carries no image_embeds")
-        return {**want, **given} if given else want
+        return {**want, **given}  # what the VaeDecoder encoded, the empty condition for the rest
 
     async def _step_loop(self) -> None:
         """Admit, step, release, forever (one task per replica). A failure outside a step (a bug) is logged and
