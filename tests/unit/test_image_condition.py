@@ -59,10 +59,10 @@ def test_a_text_to_video_model_has_no_condition_and_an_inpaint_model_an_empty_on
     family = get_family("easyanimate")
     cfg = ModelConfig(text_encoder="tiny_random", max_sequence_length=32)
     shape = family.latent_shape(Bucket(9, 32, 32), 2)
-    assert family.condition(family.build_transformer(cfg, seed=0), latent_shape=shape) is None
+    assert family.condition(family.build(cfg, seed=0).transformer, latent_shape=shape) is None
     assert family.condition(cfg, clip=torch.zeros(2, 3, 9, 32, 32)) is None  # model.i2v null
     i2v_cfg = ModelConfig(text_encoder="tiny_random", max_sequence_length=32, i2v=I2VConfig())
-    empty = family.condition(family.build_transformer(i2v_cfg, seed=0), latent_shape=shape)
+    empty = family.condition(family.build(i2v_cfg, seed=0).transformer, latent_shape=shape)
     assert empty.inpaint_latents.shape == (2, 17, *shape[2:]) and empty.inpaint_latents.abs().max() == 0
     assert empty.image_embeds is None
     assert ModelFamily.condition(family, i2v_cfg, latent_shape=shape) is None  # the base: no image-to-video model
