@@ -268,7 +268,8 @@ def test_an_image_to_video_model_s_stage_encodes_each_clip_s_condition_and_cache
             want = family.condition(i2v, encoders=encoders, clip=video).inpaint_latents[0]
             np.testing.assert_allclose(first["inpaint_latents"][0, b], want.numpy(), rtol=1e-5, atol=1e-6)
     t2v = _stage(str(tmp_path), what="vae")
-    assert stage.vae_id == latents_identity(module_identity(encoders.vae), dataclasses.asdict(i2v)) != module_identity(encoders.vae)
+    vae_id = module_identity(encoders.vae)
+    assert stage.vae_id == latents_identity(vae_id, dataclasses.asdict(i2v)) != vae_id
     assert "inpaint_latents" not in t2v(_batch(frames, shas, ["x", "y"]))  # its own entries: a miss, no condition
     again = _stage(str(tmp_path), model=i2v, what="vae")(_batch(frames, shas, ["x", "y"]))
     assert (again["vae_hits"][0], again["vae_misses"][0]) == (2, 0)

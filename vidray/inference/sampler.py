@@ -91,7 +91,8 @@ def denoise_step(
     float or a (B,) tensor (per sample). `inpaint_latents` (B, C_in, F, H, W): an image-to-video model's condition
     of each sample, passed to `family.predict` (repeated for both guidance branches); None for a text-to-video
     model. `image_embeds` (B, T, D_img): the image embeddings of a model that takes them (Wan 2.1 I2V), passed
-    the same way: both as `family.condition(...).predict_kwargs()` gives them. Raises ValueError for shapes that do not line up.
+    the same way: both as `family.condition(...).predict_kwargs()` gives them. Raises ValueError for shapes that
+    do not line up.
     """
     batch_size = latents.shape[0]
     sigmas = torch.as_tensor(sigmas, dtype=torch.float32).reshape(-1)

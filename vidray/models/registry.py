@@ -58,7 +58,8 @@ class _Families(Mapping):
 def _build(card: FamilyCard) -> ModelFamily:
     """An instance of the card's `family_class`. Raises FamilyCardError (one line, naming the card and the field)
     when its module does not import, the class is missing or not a ModelFamily, its `name` differs from the
-    card's, or the card claims image-to-video and the class has no condition (does not override `ModelFamily.condition`)."""
+    card's, or the card claims image-to-video and the class has no condition (does not override
+    `ModelFamily.condition`)."""
     module, _, cls_name = card.family_class.partition(":")
     try:
         cls = getattr(importlib.import_module(module), cls_name)
