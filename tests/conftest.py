@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from pathlib import Path
@@ -110,6 +111,18 @@ def guided_prompts(family, components, max_sequence_length: int):
     negative, negative_mask = family.encode_prompt(components.text_encoder, components.tokenizer, ["", "blurry"],
                                                    max_sequence_length=max_sequence_length)
     return embeds, mask, negative, negative_mask
+
+
+def takes_image(family, transformer) -> bool:
+    """Whether `transformer` is an image-to-video model: `family.condition` gives it a (here empty) condition."""
+    return family.condition(transformer, latent_shape=(1, family.latent_channels, 1, 2, 2)) is not None
+
+
+def clip_condition(family, model_cfg, encoders, video, condition: str = "first"):
+    """`family.condition` of a training clip `video` (B, 3, F, H, W) for `model_cfg` with `model.i2v.condition`
+    set to `condition` (what the encode stage computes): an `ImageCondition`."""
+    model_cfg = dataclasses.replace(model_cfg, i2v=dataclasses.replace(model_cfg.i2v, condition=condition))
+    return family.condition(model_cfg, encoders=encoders, clip=video)
 
 
 @pytest.fixture(scope="session")

@@ -301,11 +301,8 @@ def _build_step(job: Any, device: Any, report: Any):
         "prompt_attention_mask": torch.ones(batch, tokens, dtype=torch.bool, device=device),
     }
     # An image-to-video model's condition, as a text-only sample gets it (its shapes and cost are a clip's).
-    condition = {}
-    if family.takes_image(transformer):
-        condition["inpaint_latents"] = family.empty_condition(tuple(inputs["latents"].shape), device=device)
-    if family.takes_image_embeds(transformer):
-        condition["image_embeds"] = family.empty_image_embeds(transformer, batch, device=device)
+    condition = family.condition(transformer, latent_shape=tuple(inputs["latents"].shape), device=device)
+    condition = condition.predict_kwargs() if condition is not None else {}
 
     def one_step(step: int) -> None:
         optimizer.zero_grad(set_to_none=True)

@@ -145,7 +145,7 @@ def check_generate_args(
     was not trained at is allowed (`generate_to_file` then logs a warning). lora: None, or a local LoRA folder
     (`<run>/diffusers/lora`) or .safetensors file (`vidray.models.export.lora_path_problem`). image, last_image:
     None or existing image files (the first and last frame), for an image-to-video model only (its family's
-    `supports_image_to_video`, read from the configs). crf: an int in 0..51 (the
+    `image_inputs`, read from the configs). crf: an int in 0..51 (the
     mp4's H.264 constant rate factor, `vidray.data.video.write_mp4`). storage_dtype: one of auto, fp32, bf16, fp8
     and offload: one of none, model, group, sequential (`vidray.config.MemoryConfig`); an offload mode other than
     none needs a CUDA GPU (only then is torch imported here, to ask `torch.cuda.is_available()`).
@@ -204,12 +204,13 @@ def check_generate_args(
     bucket = Bucket(*bucket)
     if lora is not None and model_experts(info) is not None:
         raise GenerateArgumentError(two_experts_lora_problem(model_path, "--lora"))
-    if image is not None and not info.family.supports_image_to_video(info):
+    image_inputs = info.family.image_inputs(info)  # 0: text-to-video; 2: a first and a last image both
+    if image is not None and image_inputs == 0:
         raise GenerateArgumentError(f"--image: the model {model_path} is text-to-video and takes no image; drop "
                                     "--image or give an image-to-video model (a stock EasyAnimateInpaintPipeline, "
                                     "WanImageToVideoPipeline or CogVideoXImageToVideoPipeline folder, or the export "
                                     "of a model.i2v run)")
-    if image is not None and last_image is None and info.family.needs_last_image(info):
+    if image is not None and last_image is None and image_inputs == 2:
         raise GenerateArgumentError(f"--image: the model {model_path} is conditioned on a first and a last frame "
                                     "(its image encoder takes both): give --last-image too")
     try:  # the request, with the bucket against the family's card

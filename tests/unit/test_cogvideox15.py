@@ -22,12 +22,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from diffusers import CogVideoXDDIMScheduler, CogVideoXPipeline  # noqa: E402
 
-from vidray.config import FlowConfig, ModelConfig  # noqa: E402
+from vidray.config import FlowConfig, I2VConfig, ModelConfig  # noqa: E402
 from vidray.buckets import Bucket  # noqa: E402
 from vidray.diffusion.flow_matching import sample_sigmas  # noqa: E402
 from vidray.inference.sampler import generate_video, initial_noise, sample_latents  # noqa: E402
 from vidray.models import cogvideox, get_family  # noqa: E402
 from vidray.train.step import flow_matching_step_loss  # noqa: E402
+
+from tests.conftest import clip_condition  # noqa: E402
 
 BUCKET = Bucket(9, 32, 32)
 FLOW = FlowConfig(num_train_timesteps=1000)
@@ -232,8 +234,6 @@ def _image(size=(48, 40), seed=0):
 def i2v(family, tmp_path_factory, folder):
     from diffusers import CogVideoXImageToVideoPipeline
 
-    from vidray.config import I2VConfig
-
     components = cogvideox.build_tiny("tiny_random", seed=1, i2v=True, version="1.5")
     out_dir = family.save_pipeline(components, tmp_path_factory.mktemp("export15i2v") / "diffusers", FLOW)
     cfg = ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(out_dir),
@@ -271,7 +271,8 @@ def test_image_to_video_1_5_trains_on_its_first_frame_in_the_padded_frame_with_o
     components, _, _ = i2v
     video = torch.rand(2, 3, *BUCKET, generator=torch.Generator().manual_seed(0)) * 2 - 1
     latents = family.encode_video(components.vae, video)
-    condition = family.encode_clip_condition(components.vae, video, "first")
+    i2v_cfg = ModelConfig(family="cogvideox", max_sequence_length=MAX_SEQUENCE_LENGTH, i2v=I2VConfig())
+    condition = clip_condition(family, i2v_cfg, components, video, "first").inpaint_latents
     assert condition.shape == latents.shape == (2, 16, 4, 4, 4)
     torch.testing.assert_close(condition[:, :, :1], cogvideox.encode_image_latents(components.vae, video[:, :, 0]))
     assert condition[:, :, 1:].abs().sum() == 0  # the image in frame 0 (the padding frame), zeros after

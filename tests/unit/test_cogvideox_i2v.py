@@ -32,6 +32,8 @@ from vidray.models.cogvideox import SCHEDULER_CONFIG, TINY_I2V_TRANSFORMER, prep
 from vidray.models.export import inspect_model  # noqa: E402
 from vidray.train.step import flow_matching_step_loss  # noqa: E402
 
+from tests.conftest import clip_condition, takes_image  # noqa: E402
+
 BUCKET = Bucket(9, 32, 32)
 FLOW = FlowConfig(num_train_timesteps=1000)
 PROMPT = "a red ball bouncing"
@@ -89,10 +91,10 @@ def test_the_export_is_a_cogvideox_image_to_video_pipeline_taking_32_channels(fa
     assert (pipe.transformer.config.in_channels, pipe.transformer.config.out_channels) == (32, 16)
     assert pipe.transformer.config.ofs_embed_dim is None and pipe.transformer.config.patch_size_t is None
     assert type(pipe.scheduler).__name__ == "CogVideoXDDIMScheduler"
-    assert family.takes_image(components.transformer) and not family.takes_image(family.build(T2V_CFG, seed=0)
+    assert takes_image(family, components.transformer) and not takes_image(family, family.build(T2V_CFG, seed=0)
                                                                                  .transformer)
     info = inspect_model(out_dir)
-    assert info.image_to_video and family.supports_image_to_video(info)
+    assert info.image_to_video and family.image_inputs(info) == 1
     stock = out_dir.parent / "stock"
     shutil.copytree(out_dir, stock, dirs_exist_ok=True)
     (stock / "vidray_job.yaml").unlink(missing_ok=True)  # as a stock CogVideoX-5b-I2V folder
@@ -129,32 +131,34 @@ def test_the_image_latents_are_the_pipelines_first_frame_sample_then_zeros(famil
     pixels = pipe.video_processor.preprocess(image, height=BUCKET.height, width=BUCKET.width)
     assert torch.equal(preprocess_image(image, BUCKET), pixels)  # LANCZOS resize to the bucket, then [-1, 1]
     assert torch.equal(preprocess_image(np.asarray(image), BUCKET), pixels)  # a uint8 array is its PIL image
-    ours = family.encode_image_condition(components.vae, image, BUCKET, generator=torch.Generator().manual_seed(9))
+    ours = family.condition(components.transformer, encoders=components, image=image, bucket=BUCKET,
+                            generator=torch.Generator().manual_seed(9)).inpaint_latents
     _, stock = pipe.prepare_latents(pixels, 1, 16, BUCKET.num_frames, BUCKET.height, BUCKET.width, torch.float32,
                                     torch.device("cpu"), torch.Generator().manual_seed(9))
     assert ours.shape == (1, 16, 3, 4, 4) and ours.dtype == torch.float32
     torch.testing.assert_close(ours, _to_pipeline_layout(stock), atol=1e-6, rtol=1e-6)
     assert ours[:, :, 1:].abs().sum() == 0 and ours[:, :, 0].abs().sum() > 0
     # Without a generator: the posterior mode times scaling_factor (what training caches), not a sample.
-    mode = family.encode_image_condition(components.vae, image, BUCKET)
+    mode = family.condition(components.transformer, encoders=components, image=image, bucket=BUCKET).inpaint_latents
     with torch.no_grad():
         expected = components.vae.encode(pixels.unsqueeze(2)).latent_dist.mode() * components.vae.config.scaling_factor
     torch.testing.assert_close(mode[:, :, :1], expected)
     assert not torch.allclose(mode, ours)
     with pytest.raises(ValueError, match="first frame only"):
-        family.encode_image_condition(components.vae, image, BUCKET, last_image=image)
+        family.condition(components.transformer, encoders=components, image=image, last_image=image, bucket=BUCKET)
 
 
 def test_a_training_clip_is_conditioned_on_its_own_first_frame_and_dropout_gives_zeros(family, exported):
     components, _, _ = exported
     video = torch.rand(2, 3, *BUCKET, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    condition = family.encode_clip_condition(components.vae, video, "first")
+    condition = clip_condition(family, CFG, components, video, "first").inpaint_latents
     assert condition.shape == family.latent_shape(BUCKET, 2) and condition[:, :, 1:].abs().sum() == 0
-    as_image = family.encode_image_condition(components.vae, (video[1, :, 0] + 1) / 2, BUCKET)  # the same frame
+    as_image = family.condition(components.transformer, encoders=components, image=(video[1, :, 0] + 1) / 2,
+                                bucket=BUCKET).inpaint_latents  # the same frame
     torch.testing.assert_close(condition[1:], as_image, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="set model.i2v.condition: first"):
-        family.encode_clip_condition(components.vae, video, "first_last")
-    empty = family.empty_condition(family.latent_shape(BUCKET, 2))
+        clip_condition(family, CFG, components, video, "first_last")
+    empty = family.condition(components.transformer, latent_shape=family.latent_shape(BUCKET, 2)).inpaint_latents
     assert empty.shape == condition.shape and empty.abs().sum() == 0
     # The training loss: the condition reaches the transformer; dropout (almost) 1 trains on zeros instead, and
     # equals the loss of the empty condition given outright.
@@ -263,7 +267,7 @@ def test_the_shipped_cogvideox_i2v_config_builds_the_image_to_video_model_for_it
     job = load_job_config(Path(__file__).resolve().parents[2] / "jobs" / "configs" / "cogvideox_i2v_tiny.yaml")
     assert (job.model.family, job.model.i2v.condition) == ("cogvideox", "first")
     transformer = family.build_transformer(job.model, seed=job.train.seed)
-    assert family.takes_image(transformer)
+    assert takes_image(family, transformer)
     for bucket in job.data.buckets:
         assert 2 * family.latent_shape(bucket, 1)[1] == transformer.config.in_channels
     components = Components(transformer=transformer, **vars(family.build_encoders(job.model, seed=job.train.seed)))

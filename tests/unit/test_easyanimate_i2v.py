@@ -3,7 +3,7 @@ CPU in fp32.
 
 Parity: the export of a `model.i2v` tiny model loads in the stock inpaint pipeline offline, and for the same prompt
 embeddings, first-frame image, seed, steps and guidance, the stock pipeline's `output_type="latent"` latents equal
-`vidray.inference.sampler.sample_latents` over `family.encode_image_condition`'s inpaint latents. The condition of a
+`vidray.inference.sampler.sample_latents` over `family.condition`'s inpaint latents. The condition of a
 training clip equals what the stock pipeline gives the transformer for the clip's first frame; condition dropout
 gives the text-to-video input and does not depend on the batch. The stock pipeline needs
 `vae.register_to_config(cache_mag_vae=True)` (AutoencoderKLMagvit drops the key on load; vidray conditions with
@@ -36,7 +36,7 @@ from vidray.models.export import inspect_model, load_model, write_job_file  # no
 from vidray.models.vae import frames_to_video  # noqa: E402
 from vidray.train.step import condition_keep, flow_matching_step_loss, sample_generator  # noqa: E402
 
-from tests.conftest import guided_prompts  # noqa: E402
+from tests.conftest import clip_condition, guided_prompts, takes_image  # noqa: E402
 
 FAMILY = get_family("easyanimate")
 BUCKET = Bucket(9, 32, 32)
@@ -75,8 +75,8 @@ def test_the_i2v_tiny_preset_is_an_inpaint_transformer_exported_as_the_stock_inp
     config = components.transformer.config
     assert config.in_channels == 16 + 1 + 16 and config.out_channels == 16  # latents + mask + masked video
     assert config.resize_inpaint_mask_directly and not config.add_noise_in_inpaint_model
-    assert FAMILY.takes_image(components.transformer)
-    assert not FAMILY.takes_image(FAMILY.build_transformer(T2V_CFG, seed=0))
+    assert takes_image(FAMILY, components.transformer)
+    assert not takes_image(FAMILY, FAMILY.build_transformer(T2V_CFG, seed=0))
     assert json.loads((out_dir / "model_index.json").read_text())["_class_name"] == "EasyAnimateInpaintPipeline"
     assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and pipe.scheduler.config.shift == 3.0
     alone = FAMILY.build_transformer(CFG, seed=0).state_dict()  # the transformer alone equals the whole build's
@@ -89,12 +89,13 @@ def test_stock_inpaint_pipeline_latents_equal_sample_latents_for_the_same_first_
     components, _, pipe = exported
     embeds, mask, negative, negative_mask = prompts
     image = random_image(0)
-    condition = FAMILY.encode_image_condition(components.vae, image, BUCKET).repeat(2, 1, 1, 1, 1)
+    condition = FAMILY.condition(components.transformer, encoders=components, image=image, bucket=BUCKET,
+                                 latent_shape=FAMILY.latent_shape(BUCKET, 2))
     ours = sample_latents(
         FAMILY, components.transformer, embeds, mask, latent_shape=FAMILY.latent_shape(BUCKET, 2),
         num_inference_steps=3, shift=FLOW.shift, num_train_timesteps=FLOW.num_train_timesteps,
         guidance_scale=guidance_scale, negative_prompt_embeds=negative, negative_prompt_attention_mask=negative_mask,
-        generator=torch.Generator().manual_seed(5), inpaint_latents=condition,
+        generator=torch.Generator().manual_seed(5), **condition.predict_kwargs(),
     )
     video, mask_video = get_image_to_video_latent([image], None, BUCKET.num_frames, (BUCKET.height, BUCKET.width))
     stock = pipe(
@@ -114,9 +115,11 @@ def test_first_and_last_image_and_no_image_also_match_the_stock_pipeline(exporte
     first, last = random_image(1), random_image(2, 32, 32)
     kwargs = dict(num_inference_steps=2)
     cases = {
-        "first_last": (FAMILY.encode_image_condition(components.vae, first, BUCKET, last_image=last),
+        "first_last": (FAMILY.condition(components.transformer, encoders=components, image=first, last_image=last,
+                                        bucket=BUCKET).inpaint_latents,
                        get_image_to_video_latent([first], last, BUCKET.num_frames, (BUCKET.height, BUCKET.width))),
-        "text only": (FAMILY.empty_condition(FAMILY.latent_shape(BUCKET, 1)), (None, None)),
+        "text only": (FAMILY.condition(components.transformer, latent_shape=FAMILY.latent_shape(BUCKET, 1))
+                      .inpaint_latents, (None, None)),
     }
     for name, (condition, (video, mask_video)) in cases.items():
         ours = sample_latents(
@@ -158,7 +161,7 @@ def stock_inpaint_latents(pipe, image, last_image=None) -> torch.Tensor:
 def test_the_condition_of_a_training_clip_equals_the_pipelines_for_its_first_frame(exported, condition):
     components, _, pipe = exported
     frames = np.random.RandomState(3).randint(0, 256, (1, *BUCKET, 3), dtype=np.uint8)  # (1, F, H, W, 3)
-    ours = FAMILY.encode_clip_condition(components.vae, frames_to_video(frames), condition)
+    ours = clip_condition(FAMILY, CFG, components, frames_to_video(frames), condition).inpaint_latents
     last = Image.fromarray(frames[0, -1]) if condition == "first_last" else None
     stock = stock_inpaint_latents(pipe, Image.fromarray(frames[0, 0]), last)
     assert ours.shape == stock.shape == (1, 17, 3, 4, 4) and ours.dtype == torch.float32
@@ -200,7 +203,8 @@ def test_condition_dropout_gives_the_t2v_input_and_each_samples_draw_ignores_the
     kept = [bool(torch.equal(whole[i], condition[i])) for i in range(len(keys))]
     dropped = [bool(whole[i].abs().max() == 0) for i in range(len(keys))]
     assert all(k != d for k, d in zip(kept, dropped)) and any(kept) and any(dropped)
-    assert torch.equal(whole[dropped.index(True)], FAMILY.empty_condition(latent_shape)[0])
+    empty = FAMILY.condition(components.transformer, latent_shape=latent_shape)
+    assert empty.image_embeds is None and torch.equal(whole[dropped.index(True)], empty.inpaint_latents[0])
     part = step([6, 2, 5])  # another batch (another worker count): the same samples keep or drop the same way
     assert [bool(torch.equal(part[j], condition[i])) for j, i in enumerate([6, 2, 5])] == [kept[6], kept[2], kept[5]]
     assert condition_keep([sample_generator(0, 3, k) for k in keys], len(keys), 0.0).all()
@@ -209,11 +213,11 @@ def test_condition_dropout_gives_the_t2v_input_and_each_samples_draw_ignores_the
 def test_load_model_and_inspect_say_the_export_takes_an_image_and_generate_uses_it(exported):
     components, out_dir, _ = exported
     info = inspect_model(out_dir)
-    assert info.image_to_video and FAMILY.supports_image_to_video(info)
+    assert info.image_to_video and FAMILY.image_inputs(info) == 1
     loaded = load_model(out_dir)
-    assert FAMILY.takes_image(loaded.components.transformer)
+    assert takes_image(FAMILY, loaded.components.transformer)
     part = load_model(out_dir, components=("transformer",)).components.transformer
-    assert FAMILY.takes_image(part)
+    assert takes_image(FAMILY, part)
     kwargs = dict(flow=FLOW, num_inference_steps=2, max_sequence_length=MAX_SEQUENCE_LENGTH, seed=3)
     with_image = generate_video(FAMILY, loaded.components, ["a cat"], BUCKET, image=random_image(4), **kwargs)
     without = generate_video(FAMILY, loaded.components, ["a cat"], BUCKET, **kwargs)
@@ -225,8 +229,8 @@ def test_a_stock_inpaint_folder_without_job_file_loads_as_image_to_video(exporte
     stock = shutil.copytree(out_dir, tmp_path / "stock")
     (stock / "vidray_job.yaml").unlink()
     info = inspect_model(stock)
-    assert info.job is None and info.image_to_video and FAMILY.supports_image_to_video(info)
-    assert FAMILY.takes_image(load_model(stock, components=("transformer",)).components.transformer)
+    assert info.job is None and info.image_to_video and FAMILY.image_inputs(info) == 1
+    assert takes_image(FAMILY, load_model(stock, components=("transformer",)).components.transformer)
     whole = load_model(stock).components
     for name in ("vae", "text_encoder"):  # what the encode and text stages load, through the inpaint class
         part = getattr(load_model(stock, components=(name,)).components, name)
@@ -274,8 +278,10 @@ def test_an_image_for_a_t2v_model_and_a_bad_condition_dropout_fail_in_one_line(e
     for t2v_only in sorted(card.name for card in all_cards() if not card.image_to_video)[:1]:
         with pytest.raises(ConfigError, match=f"model.i2v is set but model.family {t2v_only} has no image-to-video"):
             job_config_from_dict({"model": {"family": t2v_only, "i2v": {}}})
-    with pytest.raises(NotImplementedError, match="the easyanimate family has no image-to-video model"):
-        ModelFamily.encode_clip_condition(FAMILY, None, torch.zeros(1, 3, 1, 16, 16), "first")  # the default
+    assert ModelFamily.condition(FAMILY, CFG, clip=torch.zeros(1, 3, 1, 16, 16)) is None  # the default: no I2V
+    assert FAMILY.condition(T2V_CFG, clip=torch.zeros(1, 3, 1, 16, 16)) is None  # a T2V model: no condition
+    with pytest.raises(ValueError, match=r"needs the job's model config \(model.i2v.condition\)"):
+        FAMILY.condition(FAMILY.build_transformer(CFG, seed=0), clip=torch.zeros(1, 3, 1, 16, 16))
     with pytest.raises(ValueError, match=r"condition_dropout must be in \[0, 1\)"):
         condition_keep(torch.Generator(), 2, 1.0)
 
@@ -308,7 +314,7 @@ def test_the_training_probe_and_the_frozen_parameters_of_an_inpaint_transformer(
     `predict` calls it: 16 noisy latent channels plus 17 of inpaint latents, not 33 noisy ones. The unused
     text-stream outputs of the last block are found as in the text-to-video model."""
     transformer = FAMILY.build_transformer(CFG, seed=0)
-    assert FAMILY.takes_image(transformer)
+    assert takes_image(FAMILY, transformer)
     assert torch.isfinite(FAMILY.probe_loss(transformer, transformer))
     frozen = FAMILY.no_grad_parameter_names(transformer)
     t2v_frozen = FAMILY.no_grad_parameter_names(FAMILY.build_transformer(T2V_CFG, seed=0))

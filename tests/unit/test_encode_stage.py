@@ -247,7 +247,7 @@ def test_a_stage_given_another_encoder_s_identity_refuses_to_encode_with_its_own
 
 def test_an_image_to_video_model_s_stage_encodes_each_clip_s_condition_and_caches_it_apart(tmp_path):
     """`model.i2v`: the stage hands each clip's own condition frames, encoded as the family's stock inpaint
-    pipeline does (`encode_clip_condition`, from the same decoded frames: no extra decode), beside its latents;
+    pipeline does (`family.condition` of the clip, from the same decoded frames: no extra decode), beside its latents;
     both are cached in one entry under an id of their own (a text-to-video run's entries never serve it), and a
     cache hit, or the decode operator's cached entry, gives the same bits."""
     from vidray.config import I2VConfig
@@ -261,14 +261,15 @@ def test_an_image_to_video_model_s_stage_encodes_each_clip_s_condition_and_cache
     first = stage(_batch(frames, shas, ["x", "y"]))
     assert first["inpaint_latents"].shape == (1, 2, 17, 2, 4, 4) and first["inpaint_latents"].dtype == np.float32
     family = get_family("easyanimate")
-    vae = family.build_encoders(i2v, seed=0).vae
+    encoders = family.build_encoders(i2v, seed=0)
     with torch.no_grad():
         for b in range(2):
             video = frames_to_video(frames[b:b + 1])
-            want = family.encode_clip_condition(vae, video, "first_last")[0]
+            want = family.condition(i2v, encoders=encoders, clip=video).inpaint_latents[0]
             np.testing.assert_allclose(first["inpaint_latents"][0, b], want.numpy(), rtol=1e-5, atol=1e-6)
     t2v = _stage(str(tmp_path), what="vae")
-    assert stage.vae_id == latents_identity(module_identity(vae), dataclasses.asdict(i2v)) != module_identity(vae)
+    vae_id = module_identity(encoders.vae)
+    assert stage.vae_id == latents_identity(vae_id, dataclasses.asdict(i2v)) != vae_id
     assert "inpaint_latents" not in t2v(_batch(frames, shas, ["x", "y"]))  # its own entries: a miss, no condition
     again = _stage(str(tmp_path), model=i2v, what="vae")(_batch(frames, shas, ["x", "y"]))
     assert (again["vae_hits"][0], again["vae_misses"][0]) == (2, 0)

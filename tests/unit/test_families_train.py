@@ -137,7 +137,9 @@ def check_image_to_video_run(config: str, pipeline_class: str, train, shards_dir
     assert resumed.first_step == 3 and resumed.losses == straight.losses[2:]
     assert_same_training_state(Path(resumed.run_dir) / "checkpoint_000004", Path(straight.run_dir) / "checkpoint_000004")
     family = get_family(job("straight", 4).model.family)
-    condition_channels = family.empty_condition((1, family.latent_channels, 1, 1, 1)).shape[1]
+    i2v = family.condition(family.build(job("straight", 4).model, seed=0).transformer,
+                           latent_shape=(1, family.latent_channels, 1, 1, 1))
+    condition_channels = i2v.inpaint_latents.shape[1]
     entries = [load_file(p) for p in (tmp_path / "latents" / "vae").rglob("*.safetensors")]
     cached = {"latents", "inpaint_latents"} | ({"image_embeds"} if job("straight", 4).model.i2v.image_encoder else set())
     assert entries and all(set(e) == cached for e in entries)

@@ -191,10 +191,16 @@ def test_a_second_card_of_one_name_and_a_missing_module_are_refused_at_registrat
     ("raise ImportError('needs diffusers 9')\n", {},
      "family card 'broken': family_class module 'broken_family' does not import: needs diffusers 9"),
     ("from vidray.models.animatediff import AnimateDiffFamily\nclass Broken(AnimateDiffFamily):\n"
-     "    name = 'broken'\n",  # AnimateDiff has no image condition (encode_clip_condition)
+     "    name = 'broken'\n",  # AnimateDiff has no image condition (does not override ModelFamily.condition)
      {"pipelines": {"BrokenPipeline": False, "BrokenI2VPipeline": True}},
      "family card 'broken': pipelines name image-to-video BrokenI2VPipeline but broken_family:Broken has no "
      "condition"),
+    ("from vidray.models.animatediff import AnimateDiffFamily\nclass Broken(AnimateDiffFamily):\n"
+     "    name = 'broken'\n"  # the condition methods of old (encode_clip_condition, ...) are no condition
+     "    def encode_clip_condition(self, vae, video, condition):\n        return video\n",
+     {"pipelines": {"BrokenPipeline": False, "BrokenI2VPipeline": True}},
+     r"family card 'broken': pipelines name image-to-video BrokenI2VPipeline but broken_family:Broken has no "
+     r"condition \(ModelFamily.condition\); mark them False"),
     ("from toy_family import ToyFamily\nclass Broken(ToyFamily):\n    pass\n", {},
      "family card 'broken': family_class 'broken_family:Broken' has name 'toy'; make them equal"),
 ])

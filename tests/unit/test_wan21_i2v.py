@@ -31,7 +31,7 @@ from vidray.models.export import inspect_model, load_model, write_job_file  # no
 from vidray.models.vae import frames_to_video  # noqa: E402
 from vidray.train.step import flow_matching_step_loss, sample_generator  # noqa: E402
 
-from tests.conftest import guided_prompts  # noqa: E402
+from tests.conftest import clip_condition, guided_prompts  # noqa: E402
 
 FAMILY = get_family("wan")
 BUCKET = Bucket(9, 32, 32)
@@ -84,8 +84,9 @@ def test_the_wan21_preset_has_a_clip_image_branch_and_exports_the_stock_pipeline
         (36, 32, 32, None)
     assert isinstance(components.image_encoder, CLIPVisionModel) and not components.image_encoder.training
     assert not any(p.requires_grad for p in components.image_encoder.parameters())
-    assert FAMILY.takes_image(components.transformer) and FAMILY.takes_image_embeds(components.transformer)
-    assert not FAMILY.takes_image_embeds(FAMILY.build_transformer(NO_CLIP_CFG, seed=0))
+    shape = FAMILY.latent_shape(BUCKET, 1)
+    assert FAMILY.condition(components.transformer, latent_shape=shape).image_embeds.shape == (1, 257, 32)
+    assert FAMILY.condition(FAMILY.build_transformer(NO_CLIP_CFG, seed=0), latent_shape=shape).image_embeds is None
     index = json.loads((out_dir / "model_index.json").read_text())
     assert index["_class_name"] == "WanImageToVideoPipeline"
     assert index["image_encoder"] == ["transformers", "CLIPVisionModel"] and index["image_processor"][0] is not None
@@ -101,7 +102,7 @@ def test_the_wan21_preset_has_a_clip_image_branch_and_exports_the_stock_pipeline
 def test_image_embeds_are_the_stock_pipelines_encode_image(exported):
     components, _, pipe = exported
     image = random_image(0)
-    ours = FAMILY.encode_image_embeds(components.image_encoder, components.image_processor, image)
+    ours = FAMILY.condition(components.transformer, encoders=components, image=image, bucket=BUCKET).image_embeds
     assert ours.shape == (1, 257, 32) and ours.dtype == torch.float32
     torch.testing.assert_close(ours, pipe.encode_image(image, "cpu"), atol=1e-6, rtol=1e-6)
 
@@ -111,14 +112,14 @@ def test_stock_pipeline_latents_equal_sample_latents_for_the_same_image(exported
     components, _, pipe = exported
     embeds, mask, negative, negative_mask = prompts
     image = random_image(0)
-    condition = FAMILY.encode_image_condition(components.vae, image, BUCKET).repeat(2, 1, 1, 1, 1)
-    image_embeds = FAMILY.encode_image_embeds(components.image_encoder, components.image_processor, image)
+    condition = FAMILY.condition(components.transformer, encoders=components, image=image, bucket=BUCKET,
+                                 latent_shape=FAMILY.latent_shape(BUCKET, 2))
+    assert condition.image_embeds.shape == (2, 257, 32)  # the image's, repeated over the prompts
     ours = sample_latents(
         FAMILY, components.transformer, embeds, mask, latent_shape=FAMILY.latent_shape(BUCKET, 2),
         num_inference_steps=3, shift=FLOW.shift, num_train_timesteps=FLOW.num_train_timesteps,
         guidance_scale=guidance_scale, negative_prompt_embeds=negative, negative_prompt_attention_mask=negative_mask,
-        generator=torch.Generator().manual_seed(5), inpaint_latents=condition,
-        image_embeds=image_embeds.repeat(2, 1, 1),
+        generator=torch.Generator().manual_seed(5), **condition.predict_kwargs(),
     )
     stock = pipe(
         image=image, prompt_embeds=embeds, negative_prompt_embeds=negative, num_frames=BUCKET.num_frames,
@@ -134,14 +135,12 @@ def test_a_first_and_last_frame_model_matches_the_stock_pipeline_with_both_image
     assert components.transformer.config.pos_embed_seq_len == 2 * 257  # Wan 2.1 FLF2V's layout
     embeds, mask = prompts[0][:1], prompts[1][:1]
     first, last = random_image(1), random_image(2, 32, 32)
-    condition = FAMILY.encode_image_condition(components.vae, first, BUCKET, last_image=last)
-    image_embeds = FAMILY.encode_image_embeds(components.image_encoder, components.image_processor, first,
-                                              last_image=last)
-    assert image_embeds.shape == (1, 514, 32)
+    condition = FAMILY.condition(components.transformer, encoders=components, image=first, last_image=last,
+                                 bucket=BUCKET)
+    assert condition.image_embeds.shape == (1, 514, 32)
     ours = sample_latents(FAMILY, components.transformer, embeds, mask, latent_shape=FAMILY.latent_shape(BUCKET, 1),
                           num_inference_steps=2, shift=FLOW.shift, num_train_timesteps=FLOW.num_train_timesteps,
-                          generator=torch.Generator().manual_seed(7), inpaint_latents=condition,
-                          image_embeds=image_embeds)
+                          generator=torch.Generator().manual_seed(7), **condition.predict_kwargs())
     stock = pipe(image=first, last_image=last, prompt_embeds=embeds, num_frames=BUCKET.num_frames,
                  height=BUCKET.height, width=BUCKET.width, num_inference_steps=2, guidance_scale=1.0,
                  generator=torch.Generator().manual_seed(7), output_type="latent").frames
@@ -153,8 +152,7 @@ def test_the_image_embeds_of_a_training_clip_equal_the_pipelines_for_its_own_fra
                                                                                     condition):
     components, _, pipe = exported if condition == "first" else exported_flf
     frames = np.random.RandomState(3).randint(0, 256, (2, *BUCKET, 3), dtype=np.uint8)  # (B, F, H, W, 3)
-    ours = FAMILY.encode_clip_image_embeds(components.image_encoder, components.image_processor,
-                                           frames_to_video(frames), condition)
+    ours = clip_condition(FAMILY, CFG, components, frames_to_video(frames), condition).image_embeds
     for b in range(2):
         pictures = [Image.fromarray(frames[b, 0])]
         if condition == "first_last":
@@ -163,7 +161,7 @@ def test_the_image_embeds_of_a_training_clip_equal_the_pipelines_for_its_own_fra
         torch.testing.assert_close(ours[b:b + 1], stock, atol=1e-6, rtol=1e-6)
     assert ours.shape == (2, 257 * (2 if condition == "first_last" else 1), 32)
     # and the latent condition is the one the A14B layout builds (tests/unit/test_wan_i2v.py checks it)
-    latent = FAMILY.encode_clip_condition(components.vae, frames_to_video(frames[:1]), condition)
+    latent = clip_condition(FAMILY, CFG, components, frames_to_video(frames[:1]), condition).inpaint_latents
     assert latent.shape == (1, 20, 3, 4, 4)
 
 
@@ -173,7 +171,7 @@ def test_predict_refuses_missing_misshapen_or_stray_image_embeds(exported):
     latents, timesteps = torch.zeros(shape), torch.full((2,), 500.0)
     embeds = torch.zeros(2, MAX_SEQUENCE_LENGTH, components.transformer.config.text_dim)
     mask = torch.ones(2, MAX_SEQUENCE_LENGTH, dtype=torch.bool)
-    empty, no_image = FAMILY.empty_condition(shape), FAMILY.empty_image_embeds(components.transformer, 2)
+    empty, no_image = FAMILY.condition(components.transformer, latent_shape=shape).predict_kwargs().values()
     assert no_image.shape == (2, 257, 32) and no_image.abs().max() == 0
     assert FAMILY.predict(components.transformer, latents, timesteps, embeds, mask, inpaint_latents=empty,
                           image_embeds=no_image).shape == shape
@@ -216,14 +214,14 @@ def test_condition_dropout_drops_the_latent_condition_and_the_image_embeds_toget
 def test_the_export_loads_as_wan21_and_generate_with_an_image_is_the_stock_pipelines_video(exported, tmp_path):
     components, out_dir, pipe = exported
     info = inspect_model(out_dir)
-    assert info.image_to_video and FAMILY.supports_image_to_video(info)
+    assert info.image_to_video and FAMILY.image_inputs(info) == 1
     image = random_image(4)
     stock = shutil.copytree(out_dir, tmp_path / "stock")  # a stock folder without vidray's job file
     (stock / "vidray_job.yaml").unlink()
     assert inspect_model(stock).max_sequence_length == MAX_SEQUENCE_LENGTH
     for folder in (out_dir, stock):
         loaded = load_model(folder)
-        assert FAMILY.takes_image_embeds(loaded.components.transformer)
+        assert FAMILY.condition(loaded.components.transformer, latent_shape=(1, 16, 3, 4, 4)).image_embeds is not None
         assert isinstance(loaded.components.image_encoder, CLIPVisionModel)
         ours = generate_video(FAMILY, loaded.components, ["a cat"], BUCKET, flow=FLOW, num_inference_steps=2,
                               max_sequence_length=MAX_SEQUENCE_LENGTH, seed=3, image=image)
@@ -317,8 +315,7 @@ def test_the_encode_stage_hands_and_caches_each_clips_clip_embeddings_beside_its
     assert first["image_embeds"].shape == (1, 2, 257, 32) and first["image_embeds"].dtype == np.float32
     assert first["inpaint_latents"].shape == (1, 2, 20, 3, 4, 4)
     encoders = FAMILY.build_encoders(CFG, seed=0)
-    want = FAMILY.encode_clip_image_embeds(encoders.image_encoder, encoders.image_processor,
-                                           frames_to_video(frames), "first")
+    want = FAMILY.condition(CFG, encoders=encoders, clip=frames_to_video(frames)).image_embeds
     np.testing.assert_allclose(first["image_embeds"][0], want.numpy(), rtol=1e-5, atol=1e-6)
     assert vae_identity(dataclasses.asdict(CFG), 0) == first_stage.vae_id
     assert first_stage.vae_id != stage(NO_CLIP_CFG).vae_id != latents_identity("", dataclasses.asdict(CFG))
@@ -359,7 +356,7 @@ def test_the_videos_api_refuses_an_image_for_a_first_and_last_frame_model_naming
 
     flf = tmp_path / "flf"
     shutil.copytree(exported_flf[1], flf)
-    assert FAMILY.needs_last_image(inspect_model(flf))  # a stock folder: its transformer config says
+    assert FAMILY.image_inputs(inspect_model(flf)) == 2  # a stock folder: its transformer config says
     write_job_file(flf, job_config_from_dict({**JOB, "model": {**JOB["model"], "i2v": {"condition": "first_last",
                                                                                       "image_encoder": True}}}))
     png = io.BytesIO()
@@ -371,7 +368,7 @@ def test_the_videos_api_refuses_an_image_for_a_first_and_last_frame_model_naming
         _check_image(("first.png", "image/png", png.getvalue()), spec=spec, limits=ApiLimits())
     one_image = model_spec(ServeSettings(model_path=str(exported[1]), store_dir=str(tmp_path / "s")),
                            inspect_model(exported[1]))
-    assert one_image.supports_image_to_video and not FAMILY.needs_last_image(inspect_model(exported[1]))
+    assert one_image.supports_image_to_video and FAMILY.image_inputs(inspect_model(exported[1])) == 1
     from vidray.generate import GenerateArgumentError, generate_to_file  # generate takes both frames, or says so
 
     random_image(0).save(tmp_path / "first.png")

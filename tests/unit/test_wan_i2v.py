@@ -3,7 +3,7 @@
 
 Parity: the export of a `model.i2v` tiny Wan model loads in the stock image-to-video pipeline offline, and for the
 same prompt embeddings, first (and last) image, seed, steps and guidance, the stock pipeline's `output_type="latent"`
-latents equal `vidray.inference.sampler.sample_latents` over `family.encode_image_condition`'s condition. The
+latents equal `vidray.inference.sampler.sample_latents` over `family.condition`'s condition. The
 condition of a training clip equals the stock pipeline's for the clip's own first (and last) frame.
 """
 
@@ -31,7 +31,7 @@ from vidray.models.export import inspect_model, load_model, write_job_file  # no
 from vidray.models.vae import frames_to_video  # noqa: E402
 from vidray.train.step import flow_matching_step_loss, sample_generator  # noqa: E402
 
-from tests.conftest import guided_prompts  # noqa: E402
+from tests.conftest import clip_condition, guided_prompts, takes_image  # noqa: E402
 
 FAMILY = get_family("wan")
 BUCKET = Bucket(9, 32, 32)
@@ -68,8 +68,8 @@ def test_the_i2v_tiny_preset_takes_the_condition_and_exports_the_stock_i2v_pipel
     components, out_dir, pipe = exported
     config = components.transformer.config
     assert config.in_channels == 16 + 4 + 16 and config.out_channels == 16 and config.image_dim is None
-    assert FAMILY.takes_image(components.transformer)
-    assert not FAMILY.takes_image(FAMILY.build_transformer(T2V_CFG, seed=0))
+    assert takes_image(FAMILY, components.transformer)
+    assert not takes_image(FAMILY, FAMILY.build_transformer(T2V_CFG, seed=0))
     index = json.loads((out_dir / "model_index.json").read_text())
     assert index["_class_name"] == "WanImageToVideoPipeline" and index["image_encoder"] == [None, None]
     assert index["transformer_2"] == [None, None] and pipe.config.boundary_ratio is None
@@ -83,7 +83,8 @@ def test_stock_i2v_pipeline_latents_equal_sample_latents_for_the_same_first_fram
     components, _, pipe = exported
     embeds, mask, negative, negative_mask = prompts
     image = random_image(0)
-    condition = FAMILY.encode_image_condition(components.vae, image, BUCKET).repeat(2, 1, 1, 1, 1)
+    condition = FAMILY.condition(components.transformer, encoders=components, image=image, bucket=BUCKET,
+                                 latent_shape=FAMILY.latent_shape(BUCKET, 2)).inpaint_latents
     ours = sample_latents(
         FAMILY, components.transformer, embeds, mask, latent_shape=FAMILY.latent_shape(BUCKET, 2),
         num_inference_steps=3, shift=FLOW.shift, num_train_timesteps=FLOW.num_train_timesteps,
@@ -103,7 +104,8 @@ def test_a_first_and_last_image_also_match_the_stock_pipeline(exported, prompts)
     components, _, pipe = exported
     embeds, mask = prompts[0][:1], prompts[1][:1]
     first, last = random_image(1), random_image(2, 32, 32)
-    condition = FAMILY.encode_image_condition(components.vae, first, BUCKET, last_image=last)
+    condition = FAMILY.condition(components.transformer, encoders=components, image=first, last_image=last,
+                                 bucket=BUCKET).inpaint_latents
     ours = sample_latents(FAMILY, components.transformer, embeds, mask, latent_shape=FAMILY.latent_shape(BUCKET, 1),
                           num_inference_steps=2, shift=FLOW.shift, num_train_timesteps=FLOW.num_train_timesteps,
                           generator=torch.Generator().manual_seed(7), inpaint_latents=condition)
@@ -129,7 +131,7 @@ def stock_condition(pipe, image, last_image=None) -> torch.Tensor:
 def test_the_condition_of_a_training_clip_equals_the_pipelines_for_its_own_frames(exported, condition):
     components, _, pipe = exported
     frames = np.random.RandomState(3).randint(0, 256, (1, *BUCKET, 3), dtype=np.uint8)  # (1, F, H, W, 3)
-    ours = FAMILY.encode_clip_condition(components.vae, frames_to_video(frames), condition)
+    ours = clip_condition(FAMILY, CFG, components, frames_to_video(frames), condition).inpaint_latents
     last = Image.fromarray(frames[0, -1]) if condition == "first_last" else None
     stock = stock_condition(pipe, Image.fromarray(frames[0, 0]), last)
     assert ours.shape == stock.shape == (1, 20, 3, 4, 4) and ours.dtype == torch.float32
@@ -142,7 +144,7 @@ def test_the_condition_of_a_training_clip_equals_the_pipelines_for_its_own_frame
 def test_empty_condition_is_zeros_and_predict_refuses_a_missing_or_stray_condition(exported):
     components, _, _ = exported
     shape = FAMILY.latent_shape(BUCKET, 2)
-    empty = FAMILY.empty_condition(shape)
+    empty = FAMILY.condition(components.transformer, latent_shape=shape).inpaint_latents
     assert empty.shape == (2, 20, *shape[2:]) and empty.abs().max() == 0
     latents, timesteps = torch.zeros(shape), torch.full((2,), 500.0)
     embeds, mask = torch.zeros(2, 4, components.transformer.config.text_dim), torch.ones(2, 4, dtype=torch.bool)
@@ -158,9 +160,9 @@ def test_empty_condition_is_zeros_and_predict_refuses_a_missing_or_stray_conditi
 def test_the_export_loads_as_image_to_video_and_generate_uses_the_image(exported, tmp_path):
     components, out_dir, _ = exported
     info = inspect_model(out_dir)
-    assert info.image_to_video and FAMILY.supports_image_to_video(info)
+    assert info.image_to_video and FAMILY.image_inputs(info) == 1
     loaded = load_model(out_dir)
-    assert FAMILY.takes_image(loaded.components.transformer)
+    assert takes_image(FAMILY, loaded.components.transformer)
     kwargs = dict(flow=FLOW, num_inference_steps=2, max_sequence_length=MAX_SEQUENCE_LENGTH, seed=3)
     with_image = generate_video(FAMILY, loaded.components, ["a cat"], BUCKET, image=random_image(4), **kwargs)
     without = generate_video(FAMILY, loaded.components, ["a cat"], BUCKET, **kwargs)
@@ -230,7 +232,7 @@ def test_two_experts_export_as_the_stock_pipelines_transformer_and_transformer_2
     assert isinstance(loaded.components.transformer, TwoExperts)
     assert loaded.components.transformer.boundary_timestep == BOUNDARY_RATIO * FLOW.num_train_timesteps
     alone = load_model(out_dir, components=("transformer",)).components.transformer  # the denoiser stage's load
-    assert isinstance(alone, TwoExperts) and FAMILY.takes_image(alone)
+    assert isinstance(alone, TwoExperts) and takes_image(FAMILY, alone)
     assert all(torch.equal(v, loaded.components.transformer.state_dict()[k]) for k, v in alone.state_dict().items())
 
 
@@ -240,7 +242,8 @@ def test_two_experts_sample_the_stock_pipelines_latents_switching_at_the_boundar
     components, _, pipe = exported_experts
     embeds, mask, negative, negative_mask = prompts
     image = random_image(0)
-    condition = FAMILY.encode_image_condition(components.vae, image, BUCKET).repeat(2, 1, 1, 1, 1)
+    condition = FAMILY.condition(components.transformer, encoders=components, image=image, bucket=BUCKET,
+                                 latent_shape=FAMILY.latent_shape(BUCKET, 2)).inpaint_latents
     calls = {"high": 0, "low": 0}
     hooks = [expert.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
              for name, expert in (("high", components.transformer.transformer),
@@ -345,7 +348,7 @@ def test_each_expert_trains_only_on_the_samples_whose_timestep_falls_on_its_side
     embeds, mask = torch.randn(16, 4, experts.config.text_dim), torch.ones(16, 4, dtype=torch.bool)
     generators = [sample_generator(0, 1, key) for key in range(16)]
     loss = flow_matching_step_loss(FAMILY, experts, latents, embeds, mask, FlowConfig(shift=5.0), generators,
-                                   inpaint_latents=FAMILY.empty_condition(shape))
+                                   **FAMILY.condition(experts, latent_shape=shape).predict_kwargs())
     loss.backward()
     assert len(seen["high"]) + len(seen["low"]) == 16 and seen["high"] and seen["low"]
     assert min(seen["high"]) >= 900 > max(seen["low"])

@@ -26,7 +26,7 @@ WAN_CLIP_TEXT_TOKENS = 512
 class I2VConfig:
     """`model.i2v`: an image-to-video model, conditioned on the first frame (or the first and the last): the
     transformer takes the noisy latents concatenated with the family's condition, as its stock pipeline builds it
-    (`ModelFamily.encode_clip_condition`): EasyAnimate's inpaint latents (a mask and the masked video's latents,
+    (`ModelFamily.condition`): EasyAnimate's inpaint latents (a mask and the masked video's latents,
     `EasyAnimateInpaintPipeline`), Wan's mask and condition latents (`WanImageToVideoPipeline`). One model serves
     both tasks, as EasyAnimate trains it: a sample without condition gets the empty (zero) condition, i.e.
     text-to-video. Training computes each clip's condition in the encode stage, from the frames it decodes anyway

@@ -178,7 +178,7 @@ class EncodeStage:
         self.max_sequence_length = int(max_sequence_length)
         self._given = {k: v for k, v in (identities or {}).items() if v}
         self._ids: dict[str, str] = {}
-        self.family = self.vae = self.text_encoder = self.tokenizer = None  # built on the first miss
+        self.family = self.model_cfg = self.vae = self.text_encoder = self.tokenizer = None  # built on the first miss
         self.cache = LatentCache(latent_cache) if latent_cache else None
         self.storage = {"vae": "fp32", "text": "fp32", **(storage or {})}  # `memory.storage_dtype`, resolved
         self.hot_bytes = int(hot_bytes)
@@ -218,7 +218,7 @@ class EncodeStage:
         from vidray.config import ModelConfig  # heavy: pydantic
         from vidray.models.registry import get_family  # heavy: torch, pydantic
 
-        model_cfg = ModelConfig(**self.model)
+        model_cfg = self.model_cfg = ModelConfig(**self.model)
         family = get_family(model_cfg.family)
         encoders = family.build_encoders(model_cfg, seed=self.seed)
         from vidray.models.storage import apply_storage_dtype  # heavy: torch
@@ -294,9 +294,9 @@ class EncodeStage:
                 cached: dict[int, dict[str, Any]] | None = None) -> tuple[Any, Any, Any, int, int]:
         """latents (B, C, F_lat, H_lat, W_lat) float32 of uint8 frames (B, F, H, W, 3), and for an image-to-video
         model (`model.i2v`) each clip's condition, inpaint_latents (B, C_in, F_lat, H_lat, W_lat) float32
-        (`ModelFamily.encode_clip_condition` of the clip's own `model.i2v.condition` frames: no extra decode), else
+        (`ModelFamily.condition` of the clip's own `model.i2v.condition` frames: no extra decode), else
         None, and for a model with CLIP image embeddings (`model.i2v.image_encoder`) each clip's image_embeds (B, T,
-        D_img) float32 (`ModelFamily.encode_clip_image_embeds` of the same frames), else None; each clip from the
+        D_img) float32 (the same call's, of the same frames), else None; each clip from the
         cache or encoded alone (then stored, all in one entry); returns (latents, inpaint_latents, image_embeds,
         hits, misses). `cached`: {slot: entry ({"latents"[, "inpaint_latents"]}: (C, F_lat,
         H_lat, W_lat) float32 each)} the decode operator already read from this cache (those clips were not
@@ -346,12 +346,9 @@ class EncodeStage:
         video = frames_to_video(frames).to(self.device)
         with torch.no_grad(), self._autocast("vae"):
             entry = {"latents": self.family.encode_video(self.vae, video)[0].float().cpu()}
-            if self.condition is not None:
-                entry["inpaint_latents"] = self.family.encode_clip_condition(
-                    self.vae, video, self.condition)[0].float().cpu()
-            if self.clip:
-                entry["image_embeds"] = self.family.encode_clip_image_embeds(
-                    self.image_encoder, self.image_processor, video, self.condition)[0].float().cpu()
+            condition = self.family.condition(self.model_cfg, encoders=self, clip=video)  # None: text-to-video
+            if condition is not None:  # its tensors under their own names: inpaint_latents[, image_embeds]
+                entry.update({name: tensor[0].float().cpu() for name, tensor in condition.predict_kwargs().items()})
         return entry
 
     def prompts(self, captions: list[str]) -> tuple[Any, Any, int, int]:
@@ -457,7 +454,7 @@ def unpack_cached_latents(cell: Any) -> tuple[str, dict[int, dict[str, Any]]]:
 def latents_identity(vae_id: str, model: dict[str, Any], image_id: str = "") -> str:
     """The id naming a clip's latent cache entries (`LatentCache.latents_entry`): the VAE's `module_identity`
     `vae_id` for a text-to-video model; for an image-to-video one (`model.i2v`, whose entries hold the condition
-    latents too, `ModelFamily.encode_clip_condition`), sha256 of the VAE's id and the condition frames
+    latents too, `ModelFamily.condition`), sha256 of the VAE's id and the condition frames
     (`model.i2v.condition`), so the two kinds of entry never meet; with CLIP image embeddings in the entries
     (`model.i2v.image_encoder`), the image encoder's `image_encoder_identity` `image_id` too."""
     i2v = model.get("i2v") or {}

@@ -166,8 +166,8 @@ class TrainBatch:
     With the encode stages (`RankLoader(encode=...)`, `vidray.data.encode`) frames is None and the batch carries
     latents (B, C_lat, F_lat, H_lat, W_lat) float32, prompt_embeds (B, L, D) float32 and prompt_attention_mask
     (B, L) bool instead, and for an image-to-video model (`model.i2v`) inpaint_latents (B, C_in, F_lat, H_lat,
-    W_lat) float32, each clip's condition (`ModelFamily.encode_clip_condition`), and for a model with CLIP image
-    embeddings (`model.i2v.image_encoder`) image_embeds (B, T, D_img) float32 (`ModelFamily.encode_clip_image_embeds`);
+    W_lat) float32, each clip's condition (`ModelFamily.condition`), and for a model with CLIP image
+    embeddings (`model.i2v.image_encoder`) image_embeds (B, T, D_img) float32 (the same call's);
     stage_nodes: {"vae" | "text":
     {"node_id", "labels"}} of the nodes that encoded it, and stats also has the `ENCODE_STAT_KEYS` counters and
     `ENCODE_SPAN_KEYS` of the stages that ran.

@@ -13,13 +13,13 @@ FlowMatchEulerDiscreteScheduler; a DDIM family steps with `vidray.diffusion.ddim
 guidance as in EasyAnimatePipeline: one batched call on [uncond, cond], then
 `model_pred = uncond + guidance_scale * (cond - uncond)`.
 
-Image-to-video models (`family.takes_image`) get their condition, `inpaint_latents` (B, C_in, F, H, W), in every
-`predict` call; with guidance both branches get the same condition (only the prompt differs), as
-EasyAnimateInpaintPipeline concatenates `[inpaint_latents] * 2`. `generate_video` encodes it from `image` (and
-`last_image`) with `family.encode_image_condition`, or gives `family.empty_condition` (text-to-video) without one.
-A model that also takes image embeddings (`family.takes_image_embeds`: Wan 2.1 I2V's CLIP) gets `image_embeds`
-(B, T, D_img) beside it the same way (both guidance branches the same, as `WanImageToVideoPipeline` passes one
-`image_embeds` to both calls), from `family.encode_image_embeds`, or `family.empty_image_embeds` without an image.
+Image-to-video models get their condition (`family.condition`, a `vidray.models.conditioning.ImageCondition`),
+`inpaint_latents` (B, C_in, F, H, W), in every `predict` call; with guidance both branches get the same condition
+(only the prompt differs), as EasyAnimateInpaintPipeline concatenates `[inpaint_latents] * 2`. `generate_video`
+encodes it from `image` (and `last_image`), or gets the empty condition (text-to-video) without one. A model that
+also takes image embeddings (Wan 2.1 I2V's CLIP) gets `image_embeds` (B, T, D_img) beside it the same way (both
+guidance branches the same, as `WanImageToVideoPipeline` passes one `image_embeds` to both calls), from the same
+`family.condition` call.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 from vidray.config import FlowConfig
 from vidray.buckets import Bucket
 from vidray.errors import UserError
+from vidray.models.conditioning import ImageCondition
 from vidray.models.offload import compute_dtype, execution_device
 from vidray.models.registry import Components, ModelFamily
 from vidray.models.vae import video_to_frames
@@ -89,8 +90,9 @@ def denoise_step(
     transformer call on [uncond, cond] (2B), then `uncond + guidance_scale * (cond - uncond)` with guidance_scale a
     float or a (B,) tensor (per sample). `inpaint_latents` (B, C_in, F, H, W): an image-to-video model's condition
     of each sample, passed to `family.predict` (repeated for both guidance branches); None for a text-to-video
-    model. `image_embeds` (B, T, D_img): the image embeddings of a model that `family.takes_image_embeds`, passed
-    the same way. Raises ValueError for shapes that do not line up.
+    model. `image_embeds` (B, T, D_img): the image embeddings of a model that takes them (Wan 2.1 I2V), passed
+    the same way: both as `family.condition(...).predict_kwargs()` gives them. Raises ValueError for shapes that
+    do not line up.
     """
     batch_size = latents.shape[0]
     sigmas = torch.as_tensor(sigmas, dtype=torch.float32).reshape(-1)
@@ -251,7 +253,7 @@ def sample_latents(
     `callback(i, sigma, latents)` runs after step i (0-based), sigma being the step's starting noise level.
     `inpaint_latents` (B, C_in, F_lat, H_lat, W_lat): an image-to-video model's condition, in every step
     (`denoise_step`); None for a text-to-video model. `image_embeds` (B, T, D_img): likewise, for a model that
-    `family.takes_image_embeds`.
+    takes them (`ImageCondition.predict_kwargs()` gives both).
     The transformer runs in eval mode (its previous mode is restored) under torch.inference_mode.
     Raises NonFiniteLatentsError when the result holds NaN or inf (`check_finite_latents`).
     """
@@ -309,43 +311,21 @@ def sample_latents(
 
 
 def _image_condition(family: ModelFamily, components: Components, bucket: Bucket, latent_shape: tuple[int, ...],
-                     image: Any, last_image: Any, device: torch.device, seed: int) -> torch.Tensor | None:
-    """`generate_video`'s inpaint latents (B, C_in, F_lat, H_lat, W_lat): the image condition repeated over the B
-    prompts, the empty condition for an image-to-video model without image, None for a text-to-video model. A family
-    that samples the image's posterior (`samples_image_posterior`: CogVideoX, as its stock pipeline does from its
-    generator) gets a CPU generator of its own seeded with `seed` (apart from the initial noise's)."""
+                     image: Any, last_image: Any, device: torch.device, seed: int) -> ImageCondition | None:
+    """`generate_video`'s condition (`family.condition`): the image's repeated over the B prompts, the empty one for
+    an image-to-video model without image, None for a text-to-video model. The family gets a CPU generator of its
+    own seeded with `seed` (apart from the initial noise's), which one that samples the image's posterior
+    (CogVideoX, as its stock pipeline does from its generator) draws from. Raises UserError for a last image
+    without a first one, or an image given to a text-to-video model."""
     if image is None and last_image is not None:
         raise UserError("a last image needs a first image: give --image too")
-    if not family.takes_image(components.transformer):
-        if image is not None:
-            raise UserError("this model is text-to-video and takes no image: drop --image, or give a model trained "
-                            "with model.i2v")
-        return None
-    if image is None:
-        return family.empty_condition(latent_shape, device=device)
-    extra = {"generator": torch.Generator("cpu").manual_seed(int(seed))} if family.samples_image_posterior else {}
-    condition = family.encode_image_condition(components.vae, image, bucket, last_image=last_image, **extra)
-    return condition.to(device).repeat(latent_shape[0], *([1] * (condition.ndim - 1)))
-
-
-def _image_embeds(family: ModelFamily, components: Components, batch_size: int, image: Any, last_image: Any,
-                  device: torch.device) -> torch.Tensor | None:
-    """`generate_video`'s image embeddings (B, T, D_img) for a model that `family.takes_image_embeds` (Wan 2.1
-    I2V): `family.encode_image_embeds` of the image (and last image) repeated over the B prompts, as the stock
-    pipeline's `image_embeds.repeat(batch_size, 1, 1)`; `family.empty_image_embeds` without an image; None for any
-    other model."""
-    if not family.takes_image_embeds(components.transformer):
-        return None
-    empty = family.empty_image_embeds(components.transformer, batch_size, device=device)
-    if image is None:
-        return empty
-    embeds = family.encode_image_embeds(components.image_encoder, components.image_processor, image,
-                                        last_image=last_image)
-    if embeds.shape[1:] != empty.shape[1:]:
-        fix = "drop --last-image" if last_image is not None else "give --last-image too"
-        raise UserError(f"this model takes image embeddings {tuple(empty.shape[1:])} (one image, or a first and a last "
-                        f"one), the image(s) given make {tuple(embeds.shape[1:])}: {fix}")
-    return embeds.to(device).repeat(batch_size, 1, 1)
+    condition = family.condition(components.transformer, latent_shape=latent_shape, encoders=components,
+                                 image=image, last_image=last_image, bucket=bucket,
+                                 generator=torch.Generator("cpu").manual_seed(int(seed)), device=device)
+    if condition is None and image is not None:
+        raise UserError("this model is text-to-video and takes no image: drop --image, or give a model trained "
+                        "with model.i2v")
+    return condition
 
 
 @torch.inference_mode()
@@ -371,18 +351,17 @@ def generate_video(
     the same video on any device) -> `family.decode_latents` -> uint8 frames. With guidance_scale > 1 the
     unconditional branch uses `negative_prompt` (default ''). `callback(i, sigma, latents)`: `sample_latents`'s,
     after each denoising step. `image` (and `last_image`): the first (and last) frame of every video, for an
-    image-to-video model (`family.takes_image`; PIL, uint8 (H, W, 3) or (3, H, W) in [0, 1]), resized to the bucket
-    and encoded by `family.encode_image_condition`; such a model without `image` generates from text alone
-    (`family.empty_condition`); a model that takes image embeddings also gets `family.encode_image_embeds` of them
-    (`family.empty_image_embeds` without). Raises UserError for an image given to a text-to-video model.
+    image-to-video model (PIL, uint8 (H, W, 3) or (3, H, W) in [0, 1]), resized to the bucket and encoded by
+    `family.condition` (the latent condition, and image embeddings for a model that takes them); such a model
+    without `image` generates from text alone (the empty condition). Raises UserError for an image given to a
+    text-to-video model.
     """
     # 1. Check inputs and shapes
     if isinstance(prompts, str) or not prompts:
         raise ValueError(f"prompts must be a non-empty list of strings, got {prompts!r}")
     latent_shape = family.latent_shape(bucket, len(prompts))
     device = execution_device(components.transformer)
-    inpaint_latents = _image_condition(family, components, bucket, latent_shape, image, last_image, device, seed)
-    image_embeds = _image_embeds(family, components, len(prompts), image, last_image, device)
+    condition = _image_condition(family, components, bucket, latent_shape, image, last_image, device, seed)
 
     # 2. Encode prompts (and the negative prompt for guidance)
     prompt_embeds, prompt_attention_mask = family.encode_prompt(
@@ -414,8 +393,7 @@ def generate_video(
         negative_prompt_attention_mask=negative_prompt_attention_mask,
         generator=generator,
         callback=callback,
-        inpaint_latents=inpaint_latents,
-        image_embeds=image_embeds,
+        **(condition.predict_kwargs() if condition is not None else {}),
     )
 
     # 4. Decode to uint8 frames

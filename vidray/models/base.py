@@ -4,9 +4,10 @@ DiT + VAE + text encoder stack. Nothing outside `vidray/models/` knows a family'
 
 What a family owns: building its modules (`build`, `build_transformer`, `build_encoders`, `load_pretrained`),
 `encode_video` (latent normalisation included: EasyAnimate scales, Wan normalises per channel), `encode_prompt`,
-the image-to-video condition where the family has one (`takes_image`, `encode_clip_condition`,
-`encode_image_condition`, `empty_condition`; defaults raise for text-to-video families; and for a model that also
-takes image embeddings, Wan 2.1 I2V's CLIP, `takes_image_embeds` and its encoders),
+the image-to-video condition where the family has one (`image_inputs`, how many images a model takes, and
+`condition`, one call for a training clip's, an image's or the empty condition: a typed
+`vidray.models.conditioning.ImageCondition` of inpaint latents and, for Wan 2.1 I2V's CLIP, image embeddings, or
+None for a text-to-video model),
 the training objective and the sampler's schedule and step (`objective`, a `vidray.diffusion.objectives.Objective`:
 flow matching by default), the transformer call (`predict`), its latent layout and bucket rules (`latent_shape`; the
 rules' numbers also in `vidray.buckets`, which the config checks at load), and the diffusers pipeline it exports
@@ -26,6 +27,7 @@ from vidray.cards import FamilyCard, get_card
 from vidray.config import FlowConfig, ModelConfig
 from vidray.buckets import Bucket
 from vidray.diffusion.objectives import FlowMatching, Objective
+from vidray.models.conditioning import ImageCondition
 from vidray.models.experts import ExpertSlot, TwoExperts, pick_expert
 
 __all__ = ["Components", "Encoders", "ModelFamily"]
@@ -44,7 +46,7 @@ class Components:
     tokenizer: Any
     """Its tokenizer (with a chat template; see `vidray.models.text_encoder`)."""
     image_encoder: torch.nn.Module | None = None
-    """Frozen image encoder of a model that takes image embeddings (`ModelFamily.takes_image_embeds`: Wan 2.1 I2V's
+    """Frozen image encoder of a model that takes image embeddings (`ImageCondition.image_embeds`: Wan 2.1 I2V's
     `CLIPVisionModel`), else None."""
     image_processor: Any = None
     """Its image processor (`CLIPImageProcessor`), else None."""
@@ -109,76 +111,42 @@ class ModelFamily(abc.ABC):
     def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
         """Random init of `model_cfg.preset` under `seed`, or load `model_cfg.pretrained_path` (local folder)."""
 
-    def supports_image_to_video(self, info: Any) -> bool:
-        """Whether the model that `info` (`vidray.models.export.ModelInfo`, configs only, no weights) describes
-        takes a first-frame image (`input_reference` in serving, `--image` in generate): a property of the model,
-        not only of the family (an EasyAnimate T2V model does not; an InP one does). A text-to-video model answers
-        an image request with a 400 naming the model. Default: False (the family has no image-to-video model)."""
-        return False
+    def image_inputs(self, info: Any) -> int:
+        """How many images the model that `info` (`vidray.models.export.ModelInfo`, configs only, no weights)
+        describes takes: 0, a text-to-video model (an image request is answered with a 400 naming the model, `vidray
+        generate --image` refused); 1, a first image (`input_reference` in serving, `--image` in generate) and, where
+        the family's pipeline has one, an optional last one (`--last-image`); 2, a first and a last image both (Wan
+        2.1 FLF2V, whose CLIP embeds both: what the Videos API, which takes one image, refuses). A property of the
+        model, not only of the family (an EasyAnimate T2V model takes none; an InP one takes one). Default: 0."""
+        return 0
 
-    def needs_last_image(self, info: Any) -> bool:
-        """Whether the image-to-video model `info` describes (configs only) cannot be conditioned on a first image
-        alone and needs the last one too (Wan 2.1 FLF2V, whose CLIP embeds both); what the Videos API, which takes
-        one image, refuses. Default: False."""
-        return False
+    def condition(self, model: "torch.nn.Module | ModelConfig | None", *,
+                  latent_shape: tuple[int, ...] | None = None, encoders: Any = None, clip: torch.Tensor | None = None,
+                  image: Any = None, last_image: Any = None, bucket: Bucket | None = None,
+                  generator: torch.Generator | None = None,
+                  device: torch.device | str | None = None) -> ImageCondition | None:
+        """The image-to-video condition (`vidray.models.conditioning.ImageCondition`) of a batch, the one entry point
+        of the conditioning rule; None for a text-to-video model. `model` says what the model takes: its transformer
+        (read from the transformer's config, maybe DDP-wrapped), its `ModelConfig` (`model.i2v`, with
+        `model.i2v.image_encoder` for image embeddings), or None where the caller holds neither and knows the model
+        takes an image (serving's VAE stage; then `encoders.image_encoder` says whether image embeddings come too).
+        One of three, as the family's stock image-to-video pipeline makes it:
 
-    def takes_image(self, transformer: torch.nn.Module) -> bool:
-        """Whether `transformer` is an image-to-video model, read from its config (what the sampler and the
-        training step ask before passing `inpaint_latents` to `predict`). Default: False."""
-        return False
+        - `clip` (B, 3, F, H, W) float in [-1, 1], a training clip, with `model` a ModelConfig: the clip's own
+          `model.i2v.condition` frames (`first` or `first_last`) given (what the encode stage caches);
+        - `image` (PIL, uint8 (H, W, 3) array or (3, H, W) float tensor in [0, 1]) and an optional `last_image`
+          for a `bucket` video, the images resized to it as the stock pipeline does, repeated over
+          `latent_shape[0]` samples (1 without `latent_shape`); `generator` is the CPU generator (seeded with the
+          request's seed) a family that samples the image's VAE posterior (CogVideoX) draws from, ignored by the
+          others;
+        - neither: the empty condition (zeros) of samples without an image, for latents of `latent_shape` (B, C,
+          F_lat, H_lat, W_lat): text-to-video through an image-to-video model, a sample condition dropout drops.
 
-    def encode_clip_condition(self, vae: torch.nn.Module, video: torch.Tensor, condition: str) -> torch.Tensor:
-        """A training clip (B, 3, F, H, W) float in [-1, 1] -> its image condition (for EasyAnimate the inpaint
-        latents (B, C_in, F_lat, H_lat, W_lat) float32), the clip's own `condition` frames (`model.i2v.condition`:
-        `first` or `first_last`) given, exactly as the family's stock image-to-video pipeline encodes them. The
-        default says the family has no image-to-video model."""
-        raise NotImplementedError(f"the {self.name} family has no image-to-video model: set model.i2v to null")
-
-    samples_image_posterior: bool = False
-    """Whether the family's stock image-to-video pipeline samples the image's VAE posterior from its generator
-    (CogVideoX: `retrieve_latents(vae.encode(image), generator)`) rather than taking its mode (EasyAnimate, Wan). Then
-    `encode_image_condition` also takes `generator=`, a CPU generator seeded with the request's seed (`vidray
-    generate --seed`, a served request's seed), which generate and serving pass only to such a family."""
-
-    def encode_image_condition(self, vae: torch.nn.Module, image: Any, bucket: Bucket, *,
-                               last_image: Any = None) -> torch.Tensor:
-        """A first-frame image (PIL, uint8 (H, W, 3) array, or (3, H, W) float tensor in [0, 1]) and an optional last
-        one -> the condition (1, C_in, F_lat, H_lat, W_lat) float32 of a `bucket` video, the images resized to the
-        bucket as the family's stock pipeline does (what `vidray generate --image` samples with). A family with
-        `samples_image_posterior` takes `generator=` too. The default says the family has no image-to-video model."""
-        raise NotImplementedError(f"the {self.name} family has no image-to-video model: it takes no --image")
-
-    def empty_condition(self, latent_shape: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:
-        """The condition of a sample with no image (text-to-video through an image-to-video model; a training
-        sample that condition dropout drops) for latents of `latent_shape` (B, C, F_lat, H_lat, W_lat). The
-        default says the family has no image-to-video model."""
-        raise NotImplementedError(f"the {self.name} family has no image-to-video model")
-
-    def takes_image_embeds(self, transformer: torch.nn.Module) -> bool:
-        """Whether `transformer` also takes image embeddings (B, T, D_img) beside its latent condition (Wan 2.1 I2V's
-        CLIP embeddings): callers then pass `image_embeds` to `predict` too, from `encode_clip_image_embeds`,
-        `encode_image_embeds` or `empty_image_embeds`, travelling beside `inpaint_latents`. Default: False."""
-        return False
-
-    def encode_clip_image_embeds(self, image_encoder: torch.nn.Module, image_processor: Any, video: torch.Tensor,
-                                 condition: str) -> torch.Tensor:
-        """A training clip (B, 3, F, H, W) float in [-1, 1] -> the image embeddings (B, T, D_img) float32 of its own
-        `condition` frames, as the family's stock pipeline embeds those frames given as images. The default says
-        the family's models take none."""
-        raise NotImplementedError(f"the {self.name} family's models take no image embeddings")
-
-    def encode_image_embeds(self, image_encoder: torch.nn.Module, image_processor: Any, image: Any, *,
-                            last_image: Any = None) -> torch.Tensor:
-        """A first image (and an optional last; PIL, uint8 (H, W, 3) array or (3, H, W) float tensor in [0, 1]) ->
-        image embeddings (1, T, D_img) float32, as the family's stock pipeline embeds them. The default says the
-        family's models take none."""
-        raise NotImplementedError(f"the {self.name} family's models take no image embeddings")
-
-    def empty_image_embeds(self, transformer: torch.nn.Module, batch_size: int,
-                           device: torch.device | str | None = None) -> torch.Tensor:
-        """The image embeddings (B, T, D_img) float32 of samples with no image (condition dropout; text-to-video
-        through an image-to-video model), for `transformer`. The default says the family's models take none."""
-        raise NotImplementedError(f"the {self.name} family's models take no image embeddings")
+        `encoders` (for `clip` and `image`): anything with the frozen `vae`, `image_encoder` and `image_processor`
+        (`Components`, `Encoders`). Tensors are float32, on `device` when given (else where the encoders put
+        them). Raises ValueError (UserError for a user's images) for a condition the model cannot take. Default:
+        None, the family has no image-to-video model (`vidray.models.registry` refuses a card that claims one)."""
+        return None
 
     def build_image_encoder(self, model_cfg: ModelConfig, *, seed: int) -> tuple[torch.nn.Module, Any] | None:
         """The frozen image encoder and its processor alone, equal to `build_encoders`'s, or None for a model that
@@ -262,10 +230,10 @@ class ModelFamily(abc.ABC):
         """noisy_latents (B, C, F, H, W), timesteps (B,), prompt_embeds (B, L, D), prompt_attention_mask (B, L)
         -> model_pred (B, C, F, H, W): the velocity, called exactly as the family's stock diffusers pipeline does.
 
-        A family with image-to-video models also takes the keyword `inpaint_latents` (B, C_in, F, H, W) (from
-        `encode_clip_condition`, `encode_image_condition` or `empty_condition`), required when `takes_image`;
-        callers pass it only then, so a text-to-video family's signature stays as it is. A model that
-        `takes_image_embeds` also takes the keyword `image_embeds` (B, T, D_img), passed only then."""
+        A family with image-to-video models also takes the keywords of `condition(...).predict_kwargs()`:
+        `inpaint_latents` (B, C_in, F, H, W), required for an image-to-video model, and `image_embeds` (B, T, D_img)
+        for a model that takes them; callers pass them only then (`condition` is None for a text-to-video model), so
+        a text-to-video family's signature stays as it is."""
 
     @abc.abstractmethod
     def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:

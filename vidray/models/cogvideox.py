@@ -88,6 +88,7 @@ from vidray.diffusion import ddim
 from vidray.diffusion.objectives import DDIM
 from vidray.errors import UserError
 from vidray.models.base import Components, Encoders, ModelFamily
+from vidray.models.conditioning import ImageCondition, clip_condition, over_batch, takes_image
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
 from vidray.models.text_encoder import build_t5_text_encoder, t5_text_width
@@ -727,7 +728,6 @@ class CogVideoXFamily(ModelFamily):
     temporal_compression_ratio = TEMPORAL_COMPRESSION_RATIO
     spatial_multiple = SPATIAL_COMPRESSION_RATIO * PATCH_SIZE
     example_bucket = (9, 32, 32)
-    samples_image_posterior = True
 
     # 2. Modules.
 
@@ -862,7 +862,7 @@ class CogVideoXFamily(ModelFamily):
         prompt_attention_mask (B, L) -> model_pred (B, 16, F, H, W), the v-prediction.
 
         An image-to-video transformer (`takes_image_latents`) needs `inpaint_latents`: here the image latents
-        (B, 16, F, H, W) (`encode_clip_condition`, `encode_image_condition`, or `empty_condition`), concatenated after
+        (B, 16, F, H, W) (`condition`: a clip's, an image's, or the empty one), concatenated after
         the noisy latents along channels as CogVideoXImageToVideoPipeline does (`ofs` None for CogVideoX 1.0, `OFS`
         for 1.5, whose transformer has `ofs_embed_dim`); a text-to-video one takes none. With learned positional
         embeddings (CogVideoX-5b-I2V) the latents must be
@@ -897,8 +897,8 @@ class CogVideoXFamily(ModelFamily):
         if takes_image_latents(inner):
             if inpaint_latents is None:
                 raise ValueError(f"the transformer is a CogVideoX image-to-video model: pass inpaint_latents, the "
-                                 f"image latents ({batch_size}, {LATENT_CHANNELS}, F, H, W) (family.empty_condition "
-                                 "for text-to-video)")
+                                 f"image latents ({batch_size}, {LATENT_CHANNELS}, F, H, W) (family.condition without "
+                                 "an image for text-to-video)")
             if inpaint_latents.shape != (batch_size, LATENT_CHANNELS, *noisy_latents.shape[2:]):
                 raise ValueError(f"inpaint_latents must be ({batch_size}, {LATENT_CHANNELS}, "
                                  f"{', '.join(map(str, noisy_latents.shape[2:]))}), got {tuple(inpaint_latents.shape)}")
@@ -931,50 +931,54 @@ class CogVideoXFamily(ModelFamily):
 
     # 4. Image-to-video (CogVideoXImageToVideoPipeline).
 
-    def supports_image_to_video(self, info) -> bool:
-        """Whether the model `info` (`vidray.models.export.ModelInfo`) describes takes an image: `model.i2v` set, or
-        a stock `CogVideoXImageToVideoPipeline` folder."""
-        return bool(info.image_to_video)
+    def image_inputs(self, info) -> int:
+        """1 for an image-to-video model (`model.i2v` set, or a stock `CogVideoXImageToVideoPipeline` folder: a first
+        frame only), else 0."""
+        return 1 if info.image_to_video else 0
 
-    def takes_image(self, transformer: CogVideoXTransformer3DModel) -> bool:
-        """`takes_image_latents`: the transformer's `in_channels` is 32, not 16."""
-        return takes_image_latents(transformer)
+    def condition(self, model, *, latent_shape=None, encoders=None, clip=None, image=None, last_image=None,
+                  bucket=None, generator=None, device=None) -> ImageCondition | None:
+        """`ModelFamily.condition` for an image-to-video model (`takes_image_latents`: `in_channels` 32, not 16):
+        image latents (B, 16, F_lat, H_lat, W_lat) float32, None for a text-to-video model.
 
-    def encode_clip_condition(self, vae: AutoencoderKLCogVideoX, video: torch.Tensor, condition: str) -> torch.Tensor:
-        """A training clip (B, 3, F, H, W) in [-1, 1] -> its image latents (B, 16, F_lat, H_lat, W_lat) float32: the
-        clip's own first frame encoded alone (`encode_image_latents`, the posterior mode: deterministic, so it is
-        cached), zeros over the other latent frames (`image_condition`). CogVideoX 1.5 (`pads_latent_frames`): F_lat
-        counts the padding frame too, the image in frame 0 (as the 1.5 I2V finetuning scripts and the pipeline, whose
-        `image_latents[:, :F % p_t]` copy is empty for the even padded count, lay them out). Raises ValueError for a
-        condition other than `first` (the stock pipeline takes one image)."""
-        if condition != "first":
-            raise ValueError(f"model.i2v.condition is {condition}, but CogVideoX image-to-video is conditioned on the "
-                             "first frame only: set model.i2v.condition: first")
-        if video.ndim != 5 or video.shape[1] != 3:
-            raise ValueError(f"video must be (B, 3, F, H, W), got {tuple(video.shape)}")
-        num_latent_frames = (video.shape[2] - 1) // TEMPORAL_COMPRESSION_RATIO + 1
-        if pads_latent_frames(vae):  # CogVideoX 1.5: as many frames as the padded latents (`encode_video`)
-            num_latent_frames += latent_padding(num_latent_frames, PATCH_SIZE_T_15)
-        return image_condition(encode_image_latents(vae, video[:, :, 0]), num_latent_frames)
+        A training clip's: its own first frame encoded alone (`encode_image_latents`, the posterior mode:
+        deterministic, so it is cached), zeros over the other latent frames (`image_condition`). CogVideoX 1.5
+        (`pads_latent_frames`): F_lat counts the padding frame too, the image in frame 0 (as the 1.5 I2V finetuning
+        scripts and the pipeline, whose `image_latents[:, :F % p_t]` copy is empty for the even padded count, lay
+        them out). Raises ValueError for a `model.i2v.condition` other than `first` (the stock pipeline takes one
+        image).
 
-    def encode_image_condition(self, vae: AutoencoderKLCogVideoX, image, bucket: Bucket, *, last_image=None,
-                               generator: torch.Generator | None = None) -> torch.Tensor:
-        """A first image -> image latents (1, 16, F_lat, H_lat, W_lat) float32 for `bucket`, as
-        CogVideoXImageToVideoPipeline's steps 5 (`preprocess_image`) and `prepare_latents` (`encode_image_latents`:
-        the posterior sampled from `generator`, the sampler's generator seeded with the request's seed, drawn before
-        anything else from it as the pipeline draws it before its noise; the mode without one; then
-        `image_condition`). Raises UserError (a ValueError) for a last image: the stock pipeline takes none."""
-        if last_image is not None:
-            raise UserError("CogVideoX image-to-video takes a first frame only (CogVideoXImageToVideoPipeline has no "
-                            "last image): drop --last-image")
-        bucket = Bucket(*bucket)
-        _, _, num_latent_frames, _, _ = self.latent_shape(bucket, 1)
-        image_latents = encode_image_latents(vae, preprocess_image(image, bucket), generator=generator)
-        return image_condition(image_latents, num_latent_frames)
+        An image's: CogVideoXImageToVideoPipeline's steps 5 (`preprocess_image`) and `prepare_latents`
+        (`encode_image_latents`: the posterior sampled from `generator`, the sampler's generator seeded with the
+        request's seed, drawn before anything else from it as the pipeline draws it before its noise; the mode
+        without one; then `image_condition`). Raises UserError (a ValueError) for a last image: the stock pipeline
+        takes none.
 
-    def empty_condition(self, latent_shape: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:
-        """See module-level `empty_condition`: zeros (B, 16, F_lat, H_lat, W_lat)."""
-        return empty_condition(latent_shape, device)
+        The empty one: zeros (module-level `empty_condition`)."""
+        if not takes_image(model, takes_image_latents):
+            return None
+        vae = encoders.vae if encoders is not None else None
+        if clip is not None:
+            condition = clip_condition(model)
+            if condition != "first":
+                raise ValueError(f"model.i2v.condition is {condition}, but CogVideoX image-to-video is conditioned on "
+                                 "the first frame only: set model.i2v.condition: first")
+            if clip.ndim != 5 or clip.shape[1] != 3:
+                raise ValueError(f"video must be (B, 3, F, H, W), got {tuple(clip.shape)}")
+            num_latent_frames = (clip.shape[2] - 1) // TEMPORAL_COMPRESSION_RATIO + 1
+            if pads_latent_frames(vae):  # CogVideoX 1.5: as many frames as the padded latents (`encode_video`)
+                num_latent_frames += latent_padding(num_latent_frames, PATCH_SIZE_T_15)
+            latents = image_condition(encode_image_latents(vae, clip[:, :, 0]), num_latent_frames)
+            return ImageCondition(latents.to(device) if device is not None else latents)
+        if image is not None:
+            if last_image is not None:
+                raise UserError("CogVideoX image-to-video takes a first frame only (CogVideoXImageToVideoPipeline has "
+                                "no last image): drop --last-image")
+            bucket = Bucket(*bucket)
+            _, _, num_latent_frames, _, _ = self.latent_shape(bucket, 1)
+            image_latents = encode_image_latents(vae, preprocess_image(image, bucket), generator=generator)
+            return ImageCondition(over_batch(image_condition(image_latents, num_latent_frames), latent_shape, device))
+        return ImageCondition(empty_condition(latent_shape, device))
 
     # 5. Shapes, probes, export.
 

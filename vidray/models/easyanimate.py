@@ -34,7 +34,8 @@ from vidray.models.storage import input_dtype
 from vidray.config import FlowConfig, ModelConfig
 from vidray.buckets import Bucket, validate_bucket
 from vidray.models.base import Components, Encoders, ModelFamily
-from vidray.models.conditioning import generate_mask, image_to_video, masked_video
+from vidray.models.conditioning import (ImageCondition, clip_condition, generate_mask, image_to_video, masked_video,
+                                       over_batch, takes_image)
 from vidray.models.folders import (require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
 from vidray.models.text_encoder import build_text_encoder, encode_prompts, ensure_chat_template, text_hidden_size
@@ -499,8 +500,8 @@ class EasyAnimateFamily(ModelFamily):
         Called exactly like EasyAnimatePipeline's denoising loop: timesteps cast to the latents' dtype,
         `encoder_hidden_states=prompt_embeds`; prompt_attention_mask is checked for shape but not passed (the
         stock transformer has no text mask input, and the pipeline does not use it either). An inpaint
-        transformer (`takes_inpaint_latents`) needs `inpaint_latents` (B, 17, F, H, W) (`encode_clip_condition`,
-        `encode_image_condition`, or `empty_condition` for text-to-video), passed in the latents' dtype as
+        transformer (`takes_inpaint_latents`) needs `inpaint_latents` (B, 17, F, H, W) (`condition`: a clip's,
+        an image's, or the empty one for text-to-video), passed in the latents' dtype as
         EasyAnimateInpaintPipeline does; a text-to-video one takes none. Raises ValueError otherwise.
         """
         if noisy_latents.ndim != 5:
@@ -518,7 +519,7 @@ class EasyAnimateFamily(ModelFamily):
         inpaint = takes_inpaint_latents(transformer)
         if inpaint and inpaint_latents is None:
             raise ValueError(f"the transformer is an inpaint (image-to-video) model: pass inpaint_latents (B, "
-                             f"{INPAINT_CHANNELS}, F, H, W) (family.empty_condition for text-to-video)")
+                             f"{INPAINT_CHANNELS}, F, H, W) (family.condition without an image for text-to-video)")
         if not inpaint and inpaint_latents is not None:
             raise ValueError("inpaint_latents given to a text-to-video transformer: it takes no image condition")
         if inpaint and inpaint_latents.shape != (batch_size, INPAINT_CHANNELS, *noisy_latents.shape[2:]):
@@ -536,35 +537,30 @@ class EasyAnimateFamily(ModelFamily):
             model_pred, _ = model_pred.chunk(2, dim=1)
         return model_pred
 
-    def supports_image_to_video(self, info) -> bool:
-        """Whether the model `info` (`vidray.models.export.ModelInfo`) describes takes an image: an inpaint model
-        (`model.i2v` set, or a stock `EasyAnimateInpaintPipeline` folder); an EasyAnimate T2V model does not."""
-        return bool(info.image_to_video)
+    def image_inputs(self, info) -> int:
+        """1 for an inpaint model (`model.i2v` set, or a stock `EasyAnimateInpaintPipeline` folder: a first image and
+        an optional last one), 0 for an EasyAnimate T2V model."""
+        return 1 if info.image_to_video else 0
 
-    def takes_image(self, transformer: EasyAnimateTransformer3DModel) -> bool:
-        """`takes_inpaint_latents`: the transformer's `in_channels` is 33, not 16."""
-        return takes_inpaint_latents(transformer)
-
-    def encode_clip_condition(self, vae: AutoencoderKLMagvit, video: torch.Tensor, condition: str) -> torch.Tensor:
-        """A training clip (B, 3, F, H, W) in [-1, 1] -> inpaint_latents (B, 17, F_lat, H_lat, W_lat) float32,
-        the clip's own `condition` frames given (`first`: frame 0; `first_last`: frames 0 and F-1): the clip masked
-        by `vidray.models.conditioning.generate_mask`, then `encode_inpaint_latents`, as the stock pipeline
-        conditions on those frames."""
-        batch_size, _, num_frames, height, width = video.shape
-        mask = generate_mask(batch_size, Bucket(num_frames, height, width), condition).to(video.device)
-        return encode_inpaint_latents(vae, video, mask)
-
-    def encode_image_condition(self, vae: AutoencoderKLMagvit, image, bucket: Bucket, *,
-                               last_image=None) -> torch.Tensor:
-        """A first image (and an optional last) -> inpaint_latents (1, 17, F_lat, H_lat, W_lat) float32 for
-        `bucket`: `vidray.models.conditioning.image_to_video` (get_image_to_video_latent: resized to the bucket,
-        tiled over the frames) then `encode_inpaint_latents`."""
-        video, mask = image_to_video(image, bucket, last_image)
-        return encode_inpaint_latents(vae, video, mask)
-
-    def empty_condition(self, latent_shape: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:
-        """See module-level `empty_condition`: zeros (B, 17, F_lat, H_lat, W_lat), the text-to-video input."""
-        return empty_condition(latent_shape, device)
+    def condition(self, model, *, latent_shape=None, encoders=None, clip=None, image=None, last_image=None,
+                  bucket=None, generator=None, device=None) -> ImageCondition | None:
+        """`ModelFamily.condition` for an inpaint model (`takes_inpaint_latents`: `in_channels` 33, not 16):
+        inpaint_latents (B, 17, F_lat, H_lat, W_lat) float32, None for a T2V model. A training clip's: the clip
+        masked by `vidray.models.conditioning.generate_mask` (its own `model.i2v.condition` frames given), then
+        `encode_inpaint_latents`, as the stock pipeline conditions on those frames. An image's (and a last one's):
+        `vidray.models.conditioning.image_to_video` (get_image_to_video_latent: resized to the bucket, tiled over
+        the frames) then `encode_inpaint_latents`. The empty one: zeros (module-level `empty_condition`)."""
+        if not takes_image(model, takes_inpaint_latents):
+            return None
+        if clip is not None:
+            batch_size, _, num_frames, height, width = clip.shape
+            mask = generate_mask(batch_size, Bucket(num_frames, height, width), clip_condition(model)).to(clip.device)
+            inpaint = encode_inpaint_latents(encoders.vae, clip, mask)
+            return ImageCondition(inpaint.to(device) if device is not None else inpaint)
+        if image is not None:
+            video, mask = image_to_video(image, bucket, last_image)
+            return ImageCondition(over_batch(encode_inpaint_latents(encoders.vae, video, mask), latent_shape, device))
+        return ImageCondition(empty_condition(latent_shape, device))
 
     def latent_shape(self, bucket: Bucket, batch_size: int) -> tuple[int, int, int, int, int]:
         """(B, 16, (F-1)//4 + 1, H//8, W//8); e.g. Bucket(9, 64, 64), B=2 -> (2, 16, 3, 8, 8).

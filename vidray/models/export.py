@@ -523,7 +523,7 @@ class ModelInfo:
     image_to_video: bool = False
     """Whether the model takes a first-frame image: its job's `model.i2v` is set, or a stock folder's pipeline is an
     image-to-video one (`EasyAnimateInpaintPipeline`, `WanImageToVideoPipeline`, `CogVideoXImageToVideoPipeline`).
-    Read through `family.supports_image_to_video(info)`."""
+    Read through `family.image_inputs(info)`."""
     adapters: Path | None = None
     """An adapter-only LoRA export (`BASE_REF`): its local folder, holding `lora/` (`lora_2/`) and the job file;
     `path` is then its base pipeline folder (`resolve_base`: found and fingerprint-checked). None otherwise."""

@@ -58,7 +58,8 @@ class _Families(Mapping):
 def _build(card: FamilyCard) -> ModelFamily:
     """An instance of the card's `family_class`. Raises FamilyCardError (one line, naming the card and the field)
     when its module does not import, the class is missing or not a ModelFamily, its `name` differs from the
-    card's, or the card claims image-to-video and the class has no condition (`encode_clip_condition`)."""
+    card's, or the card claims image-to-video and the class has no condition (does not override
+    `ModelFamily.condition`)."""
     module, _, cls_name = card.family_class.partition(":")
     try:
         cls = getattr(importlib.import_module(module), cls_name)
@@ -74,10 +75,10 @@ def _build(card: FamilyCard) -> ModelFamily:
     if getattr(cls, "name", None) != card.name:
         raise FamilyCardError(f"family card {card.name!r}: family_class {card.family_class!r} has name "
                               f"{getattr(cls, 'name', None)!r}; make them equal")
-    if card.image_to_video and cls.encode_clip_condition is ModelFamily.encode_clip_condition:
+    if card.image_to_video and cls.condition is ModelFamily.condition:
         i2v = [name for name, is_i2v in card.pipelines.items() if is_i2v]
         raise FamilyCardError(f"family card {card.name!r}: pipelines name image-to-video {', '.join(i2v)} but "
-                              f"{card.family_class} has no condition (encode_clip_condition); mark them False")
+                              f"{card.family_class} has no condition (ModelFamily.condition); mark them False")
     return cls()
 
 

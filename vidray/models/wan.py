@@ -68,8 +68,9 @@ from vidray.models.offload import execution_device
 from vidray.models.storage import input_dtype
 from vidray.config import WAN_CLIP_TEXT_TOKENS, FlowConfig, ModelConfig
 from vidray.buckets import Bucket, validate_bucket
+from vidray.errors import UserError
 from vidray.models.base import Components, Encoders, ModelFamily
-from vidray.models.conditioning import condition_frames
+from vidray.models.conditioning import ImageCondition, clip_condition, condition_frames, over_batch, takes_image
 from vidray.models.experts import EXPERT_ATTRIBUTES, TwoExperts, check_boundary_ratio, check_expert
 from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
@@ -893,78 +894,81 @@ class WanFamily(ModelFamily):
         _check_vae(vae, str(folder))
         return vae.eval().requires_grad_(False)
 
-    def supports_image_to_video(self, info) -> bool:
-        """Whether the model `info` (`vidray.models.export.ModelInfo`) describes takes an image: `model.i2v` set,
-        or a stock `WanImageToVideoPipeline` folder."""
-        return bool(info.image_to_video)
-
-    def needs_last_image(self, info) -> bool:
-        """Whether the model's CLIP takes a first and a last image (Wan 2.1 FLF2V: the transformer's
-        `pos_embed_seq_len` 2 x 257, or a job's `model.i2v` with `image_encoder` and `condition: first_last`), so
-        one image cannot condition it. Reads configs only."""
+    def image_inputs(self, info) -> int:
+        """0 for a text-to-video model; 2 for a model whose CLIP takes a first and a last image (Wan 2.1 FLF2V: the
+        transformer's `pos_embed_seq_len` 2 x 257, or a job's `model.i2v` with `image_encoder` and `condition:
+        first_last`), which one image cannot condition; else 1 (`model.i2v` set, or a stock
+        `WanImageToVideoPipeline` folder: a first image and an optional last one). Reads configs only."""
         if not info.image_to_video:
-            return False
+            return 0
         config_file = Path(info.path) / "transformer" / "config.json"
         if config_file.is_file():
-            return json.loads(config_file.read_text()).get("pos_embed_seq_len") == 2 * IMAGE_TOKENS
+            return 2 if json.loads(config_file.read_text()).get("pos_embed_seq_len") == 2 * IMAGE_TOKENS else 1
         i2v = info.job.model.i2v if info.job is not None else None
-        return bool(i2v and i2v.image_encoder and i2v.condition == "first_last")
+        return 2 if i2v and i2v.image_encoder and i2v.condition == "first_last" else 1
 
-    def takes_image(self, transformer: WanTransformer3DModel) -> bool:
-        """`takes_condition`: the transformer's `in_channels` is 36, not 16."""
-        return takes_condition(transformer)
+    def condition(self, model, *, latent_shape=None, encoders=None, clip=None, image=None, last_image=None,
+                  bucket=None, generator=None, device=None) -> ImageCondition | None:
+        """`ModelFamily.condition` for an image-to-video model (`takes_condition`: `in_channels` 36, not 16): the
+        condition (B, 20, F_lat, H_lat, W_lat) float32 and, for a model that takes CLIP image embeddings (Wan 2.1
+        I2V: `takes_image_embeds`, `model.i2v.image_encoder`, or serving's VAE stage holding an image encoder),
+        image_embeds (B, T, image_dim) float32; None for a text-to-video model.
 
-    def encode_clip_condition(self, vae: AutoencoderKLWan, video: torch.Tensor, condition: str) -> torch.Tensor:
-        """A training clip (B, 3, F, H, W) in [-1, 1] -> its condition (B, 20, F_lat, H_lat, W_lat) float32: the
-        clip's own `condition` frames (`first`: frame 0; `first_last`: 0 and F-1) over zero frames,
-        `encode_condition`d, what the stock pipeline makes of those frames given as `image` (and `last_image`)."""
-        given = condition_frames(video.shape[2], condition)
-        video_condition = torch.zeros_like(video, dtype=torch.float32)
-        video_condition[:, :, given] = video[:, :, given].float()
-        return encode_condition(vae, video_condition, given)
-
-    def encode_image_condition(self, vae: AutoencoderKLWan, image, bucket: Bucket, *,
-                               last_image=None) -> torch.Tensor:
-        """A first image (and an optional last) -> the condition (1, 20, F_lat, H_lat, W_lat) float32 of a
-        `bucket` video: each image resized to the bucket as the stock pipeline does (`VideoProcessor.preprocess`,
-        no crop), placed at frame 0 (and F - 1) over zero frames, `encode_condition`d."""
-        num_frames, height, width = Bucket(*bucket)
-        video_condition = torch.zeros(1, 3, num_frames, height, width)
-        video_condition[0, :, 0] = _image_frame(image, height, width)
-        given = [0]
-        if last_image is not None:
-            video_condition[0, :, -1] = _image_frame(last_image, height, width)
-            given = condition_frames(num_frames, "first_last")
-        return encode_condition(vae, video_condition, given)
-
-    def empty_condition(self, latent_shape: tuple[int, ...], device: torch.device | str | None = None) -> torch.Tensor:
-        """See module-level `empty_condition`: zeros (B, 20, F_lat, H_lat, W_lat)."""
-        return empty_condition(latent_shape, device)
-
-    def takes_image_embeds(self, transformer: WanTransformer3DModel) -> bool:
-        """See module-level `takes_image_embeds`: the transformer's `image_dim` is set (Wan 2.1 I2V)."""
-        return takes_image_embeds(transformer)
-
-    def encode_clip_image_embeds(self, image_encoder: CLIPVisionModel, image_processor: CLIPImageProcessor,
-                                 video: torch.Tensor, condition: str) -> torch.Tensor:
-        """A training clip (B, 3, F, H, W) in [-1, 1] -> the CLIP embeddings (B, T, image_dim) float32 of its own
-        `condition` frames (`clip_frames`: frame 0, or 0 and F - 1, as uint8 pictures), `encode_image_embeds`d:
-        what the stock pipeline's `encode_image` makes of those frames given as `image` (and `last_image`)."""
-        per_sample = 2 if condition == "first_last" else 1
-        return encode_image_embeds(image_encoder, image_processor, clip_frames(video, condition),
-                                   images_per_sample=per_sample)
-
-    def encode_image_embeds(self, image_encoder: CLIPVisionModel, image_processor: CLIPImageProcessor, image: Any,
-                            *, last_image: Any = None) -> torch.Tensor:
-        """A first image (and an optional last) -> CLIP embeddings (1, T, image_dim) float32 (`encode_image_embeds`
-        of [image] or [image, last_image]), as `WanImageToVideoPipeline.__call__` step 4 embeds them."""
-        images = [image] if last_image is None else [image, last_image]
-        return encode_image_embeds(image_encoder, image_processor, images, images_per_sample=len(images))
-
-    def empty_image_embeds(self, transformer: WanTransformer3DModel, batch_size: int,
-                           device: torch.device | str | None = None) -> torch.Tensor:
-        """See module-level `empty_image_embeds`: zeros (B, T, image_dim)."""
-        return empty_image_embeds(transformer, batch_size, device)
+        A training clip's: its own `model.i2v.condition` frames (`first`: frame 0; `first_last`: 0 and F - 1) over
+        zero frames, `encode_condition`d, and the CLIP embeddings of those frames (`clip_frames`, as uint8
+        pictures, `encode_image_embeds`d): what the stock pipeline makes of them given as `image` (and
+        `last_image`). An image's (and a last one's): each resized to the bucket as the stock pipeline does
+        (`VideoProcessor.preprocess`, no crop), placed at frame 0 (and F - 1) over zero frames, `encode_condition`d;
+        CLIP embeddings of [image] or [image, last_image] as `WanImageToVideoPipeline.__call__` step 4 embeds them;
+        raises UserError when the images make other embeddings than the transformer takes (one image to FLF2V, two
+        to a one-image model). The empty one: zeros (module-level `empty_condition`, `empty_image_embeds`)."""
+        if not takes_image(model, takes_condition):
+            return None
+        if model is None:
+            embeds = encoders is not None and encoders.image_encoder is not None
+        elif isinstance(model, ModelConfig):
+            embeds = bool(model.i2v.image_encoder)
+        else:
+            embeds = takes_image_embeds(model)
+        if clip is not None:
+            condition = clip_condition(model)
+            given = condition_frames(clip.shape[2], condition)
+            video_condition = torch.zeros_like(clip, dtype=torch.float32)
+            video_condition[:, :, given] = clip[:, :, given].float()
+            latents = encode_condition(encoders.vae, video_condition, given)
+            image_embeds = None
+            if embeds:
+                per_sample = 2 if condition == "first_last" else 1
+                image_embeds = encode_image_embeds(encoders.image_encoder, encoders.image_processor,
+                                                   clip_frames(clip, condition), images_per_sample=per_sample)
+            return ImageCondition(latents, image_embeds).to(device) if device is not None else \
+                ImageCondition(latents, image_embeds)
+        if image is not None:
+            num_frames, height, width = Bucket(*bucket)
+            video_condition = torch.zeros(1, 3, num_frames, height, width)
+            video_condition[0, :, 0] = _image_frame(image, height, width)
+            given = [0]
+            if last_image is not None:
+                video_condition[0, :, -1] = _image_frame(last_image, height, width)
+                given = condition_frames(num_frames, "first_last")
+            latents = over_batch(encode_condition(encoders.vae, video_condition, given), latent_shape, device)
+            image_embeds = None
+            if embeds:
+                images = [image] if last_image is None else [image, last_image]
+                image_embeds = encode_image_embeds(encoders.image_encoder, encoders.image_processor, images,
+                                                   images_per_sample=len(images))
+                if isinstance(model, torch.nn.Module):
+                    want = (image_tokens(model), unwrapped(model).config.image_dim)
+                    if tuple(image_embeds.shape[1:]) != want:
+                        fix = "drop --last-image" if last_image is not None else "give --last-image too"
+                        raise UserError(f"this model takes image embeddings {want} (one image, or a first and a last "
+                                        f"one), the image(s) given make {tuple(image_embeds.shape[1:])}: {fix}")
+                image_embeds = over_batch(image_embeds, latent_shape, device)
+            return ImageCondition(latents, image_embeds)
+        if embeds and not isinstance(model, torch.nn.Module):
+            raise ValueError("the empty condition of a model with image embeddings needs its transformer as model")
+        return ImageCondition(empty_condition(latent_shape, device),
+                              empty_image_embeds(model, int(latent_shape[0]), device) if embeds else None)
 
     def encode_video(self, vae: AutoencoderKLWan, video: torch.Tensor) -> torch.Tensor:
         """`vidray.models.vae.encode_video`: (posterior mode - latents_mean) / latents_std per channel,
@@ -999,10 +1003,10 @@ class WanFamily(ModelFamily):
         """noisy_latents (B, 16, F, H, W), timesteps (B,) = sigmas * num_train_timesteps, prompt_embeds (B, L, D),
         prompt_attention_mask (B, L) -> model_pred (B, 16, F, H, W), the velocity (noise - latents). An
         image-to-video transformer (`takes_condition`) also takes its condition `inpaint_latents` (B, 20, F, H, W)
-        (`encode_clip_condition`, `encode_image_condition`, `empty_condition`), concatenated after the noisy latents
+        (`condition`: a clip's, an image's or the empty one), concatenated after the noisy latents
         along channels as `WanImageToVideoPipeline`'s loop does; a text-to-video one takes none (ValueError). A
         Wan 2.1 I2V transformer (`takes_image_embeds`) also takes `image_embeds` (B, T, image_dim), T =
-        `image_tokens` (`encode_clip_image_embeds`, `encode_image_embeds`, `empty_image_embeds`), passed as
+        `image_tokens` (the same `condition` call's `image_embeds`), passed as
         `encoder_hidden_states_image` in the latents' dtype as the pipeline's loop does, one row per image
         (`_per_image`: (B x N, 257, image_dim)) (ValueError when missing, misshapen, or given to another
         transformer).

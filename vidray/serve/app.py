@@ -354,7 +354,7 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
         raise ServeSettingsError(f"model_path {info.path} records no training bucket (a stock diffusers folder); "
                                  "serve a folder exported by vidray training")
     family = info.family
-    needs_last_image = family.needs_last_image(info)  # the Videos API gives one image
+    image_inputs = family.image_inputs(info)  # 0: text-to-video; 2: a first and a last one, but the API gives one
     rules = family.card.bucket_rules  # what GenerationRequest checks too: one rule, read from the card
 
     def valid_num_frames(num_frames: int) -> bool:
@@ -376,9 +376,9 @@ def model_spec(settings: ServeSettings, info) -> ModelSpec:
         max_height=settings.limits.max_height,
         max_num_frames=settings.limits.max_num_frames,
         valid_num_frames=valid_num_frames,
-        supports_image_to_video=family.supports_image_to_video(info) and not needs_last_image,
+        supports_image_to_video=image_inputs == 1,
         **({"no_image_reason": "is conditioned on a first and a last frame, and the Videos API gives one image "
-                               "(use vidray generate --image --last-image)"} if needs_last_image else {}),
+                               "(use vidray generate --image --last-image)"} if image_inputs == 2 else {}),
         default_num_inference_steps=settings.default_num_inference_steps,
         default_guidance_scale=settings.default_guidance_scale,
         max_image_px=IMAGE_SIDE_FACTOR * largest_side,

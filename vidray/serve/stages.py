@@ -153,11 +153,11 @@ class VaeDecoder:
     async def encode_image(self, image: bytes, bucket: tuple[int, int, int], seed: int = 0) -> Any:
         """An image-to-video request's condition: `image` (the `input_reference` file's bytes: PNG, JPEG, ...) ->
         {"inpaint_latents": (1, C_in, F_lat, H_lat, W_lat) float32} for a `bucket` (F, H, W) video, the image
-        resized to the bucket as the family's stock pipeline does (`ModelFamily.encode_image_condition`, what
-        `vidray generate --image` samples with; a family with `samples_image_posterior` gets a CPU generator seeded
-        with the request's `seed`, as generate gives it), plus "image_embeds" (1, T, D_img) float32
-        (`ModelFamily.encode_image_embeds`) when the model has an image encoder (Wan 2.1 I2V): the request keys
-        the `Denoiser` reads. Raises ValueError for bytes PIL cannot decode."""
+        resized to the bucket as the family's stock pipeline does (`ModelFamily.condition`, what `vidray generate
+        --image` samples with; the family gets a CPU generator seeded with the request's `seed`, as generate gives
+        it, which CogVideoX samples the image's posterior from), plus "image_embeds" (1, T, D_img) float32 when the
+        model has an image encoder (Wan 2.1 I2V): `ImageCondition.predict_kwargs()`, the request keys the
+        `Denoiser` reads. Raises ValueError for bytes PIL cannot decode."""
         import torch  # heavy: torch
         from PIL import Image, UnidentifiedImageError  # heavy: PIL
 
@@ -169,14 +169,10 @@ class VaeDecoder:
 
         def run():
             with torch.inference_mode():
-                extra = ({"generator": torch.Generator("cpu").manual_seed(int(seed))}
-                         if self.family.samples_image_posterior else {})
-                condition = {"inpaint_latents": self.family.encode_image_condition(
-                    self.vae, picture, Bucket(*bucket), **extra).float().cpu()}
-                if self.image_encoder is not None:
-                    condition["image_embeds"] = self.family.encode_image_embeds(
-                        self.image_encoder, self.image_processor, picture).float().cpu()
-                return condition
+                condition = self.family.condition(  # None: the ingress sends images to image-to-video models only
+                    None, encoders=self, image=picture, bucket=Bucket(*bucket),
+                    generator=torch.Generator("cpu").manual_seed(int(seed)))
+                return {name: tensor.float().cpu() for name, tensor in condition.predict_kwargs().items()}
 
         async with self._decoding:  # the VAE is not re-entrant (class docstring)
             return await asyncio.to_thread(run)
@@ -339,8 +335,7 @@ class Denoiser:
             guidance_scale=generation.guidance_scale,
             negative_prompt_embeds=request.get("negative_prompt_embeds"),
             negative_prompt_attention_mask=request.get("negative_prompt_attention_mask"),
-            inpaint_latents=self._condition(request, latent_shape),
-            image_embeds=self._image_embeds(request),
+            **self._condition(request, latent_shape),
         )
         if state.done:
             self.metrics.count_request("completed")
@@ -384,33 +379,22 @@ class Denoiser:
                              f"the high-noise expert's latents and step {start}, got step {request.get('step')}")
         return start, end
 
-    def _condition(self, request: dict[str, Any], latent_shape: tuple[int, ...]) -> Any:
-        """An image-to-video model's condition for `request`: its "inpaint_latents" (1, C_in, F_lat, H_lat, W_lat),
-        encoded from the first frame by the `VaeDecoder`, or the family's empty condition (text-to-video through
-        the image-to-video model, as `vidray generate` without `--image`); None for a text-to-video model. Raises
-        ValueError for a text-to-video model given inpaint_latents."""
-        inpaint = request.get("inpaint_latents")
-        if not self.family.takes_image(self.transformer):
-            if inpaint is not None:
-                raise ValueError("this model is text-to-video: a request carries no inpaint_latents")
-            return None
-        if inpaint is None:
-            return self.family.empty_condition(latent_shape)
-        return inpaint
-
-    def _image_embeds(self, request: dict[str, Any]) -> Any:
-        """A model's image embeddings for `request` when it takes them (`family.takes_image_embeds`, Wan 2.1 I2V):
-        its "image_embeds" (1, T, D_img) from the `VaeDecoder`, or the family's empty ones (text-to-video through
-        the model, as `vidray generate` without `--image`); None for any other model. Raises ValueError for image
-        embeddings sent to a model that takes none."""
-        image_embeds = request.get("image_embeds")
-        if not self.family.takes_image_embeds(self.transformer):
-            if image_embeds is not None:
-                raise ValueError("this model takes no image embeddings: a request carries no image_embeds")
-            return None
-        if image_embeds is None:
-            return self.family.empty_image_embeds(self.transformer, 1)
-        return image_embeds
+    def _condition(self, request: dict[str, Any], latent_shape: tuple[int, ...]) -> dict[str, Any]:
+        """An image-to-video model's condition for `request`, as `DenoiseState`'s keywords: its "inpaint_latents"
+        (1, C_in, F_lat, H_lat, W_lat) (and "image_embeds" (1, T, D_img) for a model that takes them, Wan 2.1 I2V),
+        encoded from the first frame by the `VaeDecoder`, or the family's empty condition (text-to-video through the
+        image-to-video model, as `vidray generate` without `--image`); nothing for a text-to-video model. Raises
+        ValueError for a condition the model does not take."""
+        given = {name: request[name] for name in ("inpaint_latents", "image_embeds") if request.get(name) is not None}
+        empty = self.family.condition(self.transformer, latent_shape=latent_shape)
+        if empty is None:
+            if given:
+                raise ValueError(f"this model is text-to-video: a request carries no {' or '.join(given)}")
+            return {}
+        want = empty.predict_kwargs()
+        if set(given) - set(want):
+            raise ValueError("this model takes no image embeddings: a request carries no image_embeds")
+        return {**want, **given}  # what the VaeDecoder encoded, the empty condition for the rest
 
     async def _step_loop(self) -> None:
         """Admit, step, release, forever (one task per replica). A failure outside a step (a bug) is logged and

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from vidray.config import FlowConfig
 from vidray.diffusion.flow_matching import flow_matching_loss, sample_sigmas
 from vidray.errors import UserError
+from vidray.models.conditioning import ImageCondition
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
@@ -103,13 +104,14 @@ def flow_matching_step_loss(
             one per sample (`sample_generator`: each draws its sample's noise, then its sigma).
         loss_weights: (B,) per-sample weights (0 for the padding of `vidray.data.schedule`), or None.
         inpaint_latents: an image-to-video model's condition of each sample (B, C_in, F_lat, H_lat, W_lat), from
-            `family.encode_clip_condition` (None: a text-to-video model). Each sample keeps it with probability
-            1 - condition_dropout, else gets `family.empty_condition` (the text-to-video input), drawn by
-            `condition_keep` from the sample's own generator after its noise and sigma.
+            `family.condition` of its clip (the encode stage's; None: a text-to-video model). Each sample keeps it
+            with probability 1 - condition_dropout, else gets the empty condition (`family.condition` without an
+            image: the text-to-video input), drawn by `condition_keep` from the sample's own generator after its
+            noise and sigma (`ImageCondition.where`).
         condition_dropout: `model.i2v.condition_dropout`, in [0, 1).
-        image_embeds: the image embeddings (B, T, D_img) of a model that `family.takes_image_embeds` (Wan 2.1 I2V's
-            CLIP, `family.encode_clip_image_embeds`), or None. A sample that loses its condition loses these too
-            (zeros, `family.empty_image_embeds`), by the same draw.
+        image_embeds: the image embeddings (B, T, D_img) of a model that takes them (Wan 2.1 I2V's CLIP, from the
+            same `family.condition` call), or None. A sample that loses its condition loses these too (the empty
+            condition's zeros), by the same draw.
         sigma_range: (lo, hi): draw each sigma conditioned on lo <= sigma <= hi (`sample_sigmas`): one expert's
             side of the timestep boundary when each expert trains in its own worker group (`model.experts`
             layout groups, `vidray.models.experts.expert_sigma_range`); None: the whole range.
@@ -135,11 +137,10 @@ def flow_matching_step_loss(
     condition = {}
     if inpaint_latents is not None:
         keep = condition_keep(generator, batch_size, condition_dropout).to(latents.device)  # (B,) bool
-        empty = family.empty_condition(tuple(latents.shape), device=latents.device).to(inpaint_latents.dtype)
-        condition["inpaint_latents"] = torch.where(keep.view(-1, 1, 1, 1, 1), inpaint_latents, empty)
-        if image_embeds is not None:
-            no_image = family.empty_image_embeds(transformer, batch_size, device=latents.device)
-            condition["image_embeds"] = torch.where(keep.view(-1, 1, 1), image_embeds, no_image.to(image_embeds.dtype))
+        empty = family.condition(transformer, latent_shape=tuple(latents.shape), device=latents.device)
+        if empty is None:
+            raise ValueError("inpaint_latents come with an image-to-video model; this transformer is text-to-video")
+        condition = ImageCondition(inpaint_latents, image_embeds).where(keep, empty).predict_kwargs()
     elif image_embeds is not None:
         raise ValueError("image_embeds come with an image-to-video model's inpaint_latents")
     noisy_latents = family.objective.noisy_latents(latents, noise, sigmas)  # flow matching, or the family's own
