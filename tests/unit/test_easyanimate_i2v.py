@@ -76,10 +76,11 @@ def test_the_i2v_tiny_preset_is_an_inpaint_transformer_exported_as_the_stock_inp
     assert config.in_channels == 16 + 1 + 16 and config.out_channels == 16  # latents + mask + masked video
     assert config.resize_inpaint_mask_directly and not config.add_noise_in_inpaint_model
     assert FAMILY.takes_image(components.transformer)
-    assert not FAMILY.takes_image(FAMILY.build_transformer(T2V_CFG, seed=0))
+    assert not FAMILY.takes_image(FAMILY.load_diffusion_models(T2V_CFG, seed=0).transformer)
     assert json.loads((out_dir / "model_index.json").read_text())["_class_name"] == "EasyAnimateInpaintPipeline"
     assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and pipe.scheduler.config.shift == 3.0
-    alone = FAMILY.build_transformer(CFG, seed=0).state_dict()  # the transformer alone equals the whole build's
+    # the transformer alone equals the whole build's
+    alone = FAMILY.load_diffusion_models(CFG, seed=0).transformer.state_dict()
     assert all(torch.equal(value, components.transformer.state_dict()[key]) for key, value in alone.items())
 
 
@@ -242,7 +243,7 @@ def test_a_t2v_folder_for_an_i2v_config_and_the_reverse_fail_in_one_line(exporte
              (i2v_dir, None, "holds an image-to-video .* but model.i2v is null")]
     for folder, i2v, message in cases:
         cfg = ModelConfig(init="pretrained", pretrained_path=str(folder), i2v=i2v)
-        for build in (FAMILY.build, FAMILY.build_transformer):
+        for build in (FAMILY.build, FAMILY.load_diffusion_models):
             with pytest.raises(ValueError, match=message) as err:
                 build(cfg, seed=0)
             assert "\n" not in str(err.value)
@@ -307,9 +308,9 @@ def test_the_training_probe_and_the_frozen_parameters_of_an_inpaint_transformer(
     """The loop's set-up probes the transformer (`no_grad_parameter_names`, PowerSGD's `prime_buckets`) as
     `predict` calls it: 16 noisy latent channels plus 17 of inpaint latents, not 33 noisy ones. The unused
     text-stream outputs of the last block are found as in the text-to-video model."""
-    transformer = FAMILY.build_transformer(CFG, seed=0)
+    transformer = FAMILY.load_diffusion_models(CFG, seed=0).transformer
     assert FAMILY.takes_image(transformer)
     assert torch.isfinite(FAMILY.probe_loss(transformer, transformer))
     frozen = FAMILY.no_grad_parameter_names(transformer)
-    t2v_frozen = FAMILY.no_grad_parameter_names(FAMILY.build_transformer(T2V_CFG, seed=0))
+    t2v_frozen = FAMILY.no_grad_parameter_names(FAMILY.load_diffusion_models(T2V_CFG, seed=0).transformer)
     assert frozen == t2v_frozen and frozen
