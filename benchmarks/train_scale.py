@@ -244,7 +244,7 @@ def _tiny_transformer(seed: int = 0) -> torch.nn.Module:
     from vidray.models.registry import get_family
 
     family = get_family("easyanimate")
-    transformer = family.build_transformer(ModelConfig(text_encoder="tiny_random"), seed=seed)
+    transformer = family.load_diffusion_models(ModelConfig(text_encoder="tiny_random"), seed=seed).transformer
     no_grad = set(family.no_grad_parameter_names(transformer))
     for name, param in transformer.named_parameters():
         param.requires_grad_(name not in no_grad)

@@ -127,8 +127,8 @@ class FamilyCard:
     """The transformer's `nn.ModuleList` of blocks that activation checkpointing wraps, FSDP2 shards and block swap
     streams; None (AnimateDiff's UNet): DDP only, the config refuses fsdp / hsdp, `every_<n>` AC and block swap."""
     meta_build: bool = False
-    """Its pretrained transformer builds on the meta device (`ModelFamily.build_transformer_on_meta`), so each FSDP
-    rank loads only its shards; False: the config refuses `init: pretrained` with fsdp / hsdp."""
+    """Its pretrained transformer builds on the meta device (`ModelFamily.load_diffusion_models(meta=True)`), so each
+    FSDP rank loads only its shards; False: the config refuses `init: pretrained` with fsdp / hsdp."""
     experts: bool = False
     """It has a two-expert model (`model.experts`: Wan 2.2 A14B)."""
     clip_image_encoder: bool = False

@@ -87,7 +87,8 @@ def compare_with_training_clip(job, diffusers_dir: str | Path, prompt: str, out_
     clip = next((s for s in load_samples(job.data.shards_dir) if s.caption == prompt and s.bucket.num_frames > 1),
                 None)
     bucket = clip.bucket if clip is not None else next(b for b in job.data.buckets if b.num_frames > 1)
-    baseline = dataclasses.replace(components, transformer=family.build_transformer(job.model, seed=job.train.seed).eval())
+    base = family.load_diffusion_models(job.model, seed=job.train.seed).transformer
+    baseline = dataclasses.replace(components, transformer=base.eval())
     kwargs = dict(flow=trained.flow, num_inference_steps=num_inference_steps, guidance_scale=1.0,
                   max_sequence_length=trained.max_sequence_length, seed=job.train.seed)
     with torch.inference_mode():

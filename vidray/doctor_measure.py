@@ -277,10 +277,11 @@ def _build_step(job: Any, device: Any, report: Any):
     if experts is not None and experts.layout == "groups":  # a rank holds one expert (vidray.train.expert_groups)
         from vidray.models.experts import ExpertSlot, expert_sigma_range  # heavy: torch, numpy
 
-        transformer = ExpertSlot(family.build_expert(job.model, seed=job.train.seed, expert="high"), "high")
+        expert = family.load_diffusion_models(job.model, seed=job.train.seed, expert="high").transformer
+        transformer = ExpertSlot(expert, "high")
         transformer, sigma_range = transformer.to(device), expert_sigma_range("high", experts.boundary_ratio)
     else:
-        transformer = family.build_transformer(job.model, seed=job.train.seed).to(device)
+        transformer = family.load_diffusion_models(job.model, seed=job.train.seed).transformer.to(device)
     if job.model.lora is not None:
         from vidray.models.lora import apply_lora  # heavy: torch, numpy
 

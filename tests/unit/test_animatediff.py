@@ -7,6 +7,7 @@ frames equal `generate_video`'s. Only the motion modules train. The family-indep
 test_families.py.
 """
 
+import dataclasses
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,6 +28,7 @@ from vidray.inference.sampler import generate_video, initial_noise, sample_laten
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import inspect_model  # noqa: E402
 from vidray.train.step import flow_matching_step_loss  # noqa: E402
+from vidray.models.export import load_pipeline_folder
 
 REPO = Path(__file__).resolve().parents[2]
 BUCKET = Bucket(4, 64, 64)
@@ -173,7 +175,7 @@ def test_only_the_motion_modules_train(family):
     changed = {name for name, p in unet.named_parameters() if not torch.equal(p, before[name])}
     assert changed and changed <= motion
     assert all(p.grad is None for name, p in unet.named_parameters() if name not in motion)
-    assert family.no_grad_parameter_names(family.build_transformer(CFG, seed=0)) == []
+    assert family.no_grad_parameter_names(family.load_diffusion_models(CFG, seed=0).transformer) == []
 
 
 def test_load_pretrained_round_trips_the_export_and_the_build_functions_agree(family, exported):
@@ -187,24 +189,25 @@ def test_load_pretrained_round_trips_the_export_and_the_build_functions_agree(fa
         assert all(torch.equal(saved[k], reloaded[k]) for k in saved), module
     trainable = {name for name, p in loaded.transformer.named_parameters() if p.requires_grad}
     assert trainable == {name for name, _ in loaded.transformer.named_parameters() if ".motion_modules." in name}
-    alone = family.build_transformer(cfg, seed=123).state_dict()
+    alone = family.load_diffusion_models(cfg, seed=123).transformer.state_dict()
     assert all(torch.equal(alone[k], v) for k, v in loaded.transformer.state_dict().items())
     encoders = family.build_encoders(cfg, seed=123)
     assert all(torch.equal(encoders.vae.state_dict()[k], v) for k, v in loaded.vae.state_dict().items())
     assert all(torch.equal(encoders.text_encoder.state_dict()[k], v)
                for k, v in loaded.text_encoder.state_dict().items())
-    alone_vae = family.build_vae(cfg, seed=123).state_dict()
+    alone_vae = family.load_latent_models(cfg, seed=123).vae.state_dict()
     assert all(torch.equal(alone_vae[k], v) for k, v in loaded.vae.state_dict().items())
     assert not any(p.requires_grad for p in loaded.vae.parameters()) and loaded.transformer.training
-    vae_folder = family.load_vae(out_dir / "vae").state_dict()
+    vae_cfg = dataclasses.replace(CFG, vae_path=str(out_dir / "vae"))  # a VAE folder alone (model.vae_path)
+    vae_folder = family.load_latent_models(vae_cfg, seed=0).vae.state_dict()
     assert all(torch.equal(vae_folder[k], v) for k, v in loaded.vae.state_dict().items())
 
 
 def test_the_tiny_preset_build_functions_agree_with_build(family):
     built = family.build(CFG, seed=7)
-    for alone, whole in ((family.build_transformer(CFG, seed=7), built.transformer),
-                         (family.build_vae(CFG, seed=7), built.vae),
-                         (family.build_text_encoder(CFG, seed=7)[0], built.text_encoder)):
+    for alone, whole in ((family.load_diffusion_models(CFG, seed=7).transformer, built.transformer),
+                         (family.load_latent_models(CFG, seed=7).vae, built.vae),
+                         (family.load_condition_models(CFG, seed=7).text_encoder, built.text_encoder)):
         a, b = alone.state_dict(), whole.state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert family.prompt_embeds_dim(built.transformer) == 64
@@ -229,7 +232,7 @@ def test_a_folder_with_an_image_unet_and_a_motion_adapter_loads_as_the_pipeline_
     index = json.loads((split / "model_index.json").read_text())
     (split / "model_index.json").write_text(json.dumps({**index, "unet": ["diffusers", "UNet2DConditionModel"],
                                                         "motion_adapter": ["diffusers", "MotionAdapter"]}))
-    loaded = family.load_pretrained(split).transformer
+    loaded = load_pipeline_folder(family, split).transformer
     stock = AnimateDiffPipeline.from_pretrained(split, local_files_only=True).unet  # from_unet2d in its __init__
     assert isinstance(loaded, UNetMotionModel)
     a, b = loaded.state_dict(), stock.state_dict()
@@ -239,20 +242,20 @@ def test_a_folder_with_an_image_unet_and_a_motion_adapter_loads_as_the_pipeline_
     shutil.rmtree(split / "motion_adapter")
     with pytest.raises(FileNotFoundError, match=f"'{split}' holds an image UNet2DConditionModel and lacks "
                                                 "motion_adapter/") as err:
-        family.build_transformer(ModelConfig(family="animatediff", init="pretrained", pretrained_path=str(split)),
-                                 seed=0)
+        family.load_diffusion_models(ModelConfig(family="animatediff", init="pretrained", pretrained_path=str(split)),
+                                 seed=0).transformer
     assert "\n" not in str(err.value)
 
 
 def test_a_folder_that_is_not_animatediff_is_refused_in_one_line_naming_it(family, exported, tmp_path):
     _, out_dir, _ = exported
     with pytest.raises(FileNotFoundError, match="no model_index.json"):
-        family.load_pretrained(tmp_path)
+        load_pipeline_folder(family, tmp_path)
     incomplete = tmp_path / "incomplete"
     shutil.copytree(out_dir, incomplete)
     shutil.rmtree(incomplete / "vae")
     with pytest.raises(FileNotFoundError, match=f"'{incomplete}' lacks vae/") as err:
-        family.load_pretrained(incomplete)
+        load_pipeline_folder(family, incomplete)
     assert "\n" not in str(err.value)
     other = tmp_path / "other"
     shutil.copytree(out_dir, other)
@@ -260,28 +263,29 @@ def test_a_folder_that_is_not_animatediff_is_refused_in_one_line_naming_it(famil
     (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "CogVideoXPipeline"}))
     with pytest.raises(ValueError, match=f"'{other}' holds a CogVideoXPipeline pipeline, not a AnimateDiffPipeline: "
                                          "set model.family") as err:
-        family.build_transformer(ModelConfig(family="animatediff", init="pretrained", pretrained_path=str(other)),
-                                 seed=0)
+        family.load_diffusion_models(ModelConfig(family="animatediff", init="pretrained", pretrained_path=str(other)),
+                                 seed=0).transformer
     assert "\n" not in str(err.value)
     (other / "model_index.json").write_text(json.dumps(index))
     vae_config = json.loads((other / "vae" / "config.json").read_text())
     (other / "vae" / "config.json").write_text(json.dumps({**vae_config, "latent_channels": 16}))
     with pytest.raises(ValueError, match=f"'{other}': vae \\(latent_channels, spatial compression\\) = \\(16, 8\\), "
                                          "but the animatediff family") as err:
-        family.load_pretrained(other)
+        load_pipeline_folder(family, other)
     assert "\n" not in str(err.value)
     (other / "vae" / "config.json").write_text(json.dumps(vae_config))
     unet_config = json.loads((other / "unet" / "config.json").read_text())
     (other / "unet" / "config.json").write_text(json.dumps({**unet_config, "in_channels": 8}))
     with pytest.raises(ValueError, match="unet in_channels/out_channels \\(8, 4\\) do not match the vae's "
                                          "latent_channels 4"):
-        family.build_vae(ModelConfig(family="animatediff", init="pretrained", pretrained_path=str(other)), seed=0)
+        family.load_latent_models(ModelConfig(family="animatediff", init="pretrained", pretrained_path=str(other)),
+                                  seed=0)
     (other / "unet" / "config.json").write_text(json.dumps(unet_config))
     config = json.loads((other / "scheduler" / "scheduler_config.json").read_text())
     (other / "scheduler" / "scheduler_config.json").write_text(json.dumps({**config,
                                                                            "prediction_type": "v_prediction"}))
     with pytest.raises(ValueError, match=f"'{other}': scheduler prediction_type='v_prediction'"):
-        family.load_pretrained(other)
+        load_pipeline_folder(family, other)
 
 
 def test_a_stock_animatediff_folder_is_inspected_as_animatediff_with_77_tokens(exported, tmp_path):
@@ -317,7 +321,7 @@ def test_a_config_whose_bucket_breaks_the_rule_fails_at_load_naming_it():
 def test_the_shipped_animatediff_config_builds_the_animatediff_family_for_its_buckets(family):
     job = load_job_config(REPO / "jobs" / "configs" / "animatediff_t2v_tiny.yaml")
     assert get_family(job.model.family) is family
-    transformer = family.build_transformer(job.model, seed=job.train.seed)
+    transformer = family.load_diffusion_models(job.model, seed=job.train.seed).transformer
     for bucket in job.data.buckets:
         assert family.latent_shape(bucket, 1)[1] == transformer.config.in_channels
         assert bucket[0] <= transformer.config.motion_max_seq_length
@@ -338,7 +342,7 @@ def test_every_nth_block_checkpointing_is_refused_at_load_and_full_checkpointing
                                                       "animatediff has no list of transformer blocks")
     assert "use full" in message
     job = job_config_from_dict({**raw, "train": {"activation_checkpointing": "full"}})
-    transformer = family.build_transformer(job.model, seed=0)
+    transformer = family.load_diffusion_models(job.model, seed=0).transformer
     assert apply_activation_checkpointing(transformer, "full", family.block_lists(transformer)) > 0
     assert job_config_from_dict({**raw, "model": {"family": "easyanimate"}, "data": {"buckets": [[9, 64, 64]]},
                                  "train": {"activation_checkpointing": "every_2"}})  # a family with blocks: fine

@@ -24,7 +24,7 @@ BUCKET = Bucket(5, 32, 32)
 
 def lora_model(family: str = "easyanimate"):
     fam = get_family(family)
-    transformer = fam.build_transformer(ModelConfig(family=family, text_encoder="tiny_random"), seed=0)
+    transformer = fam.load_diffusion_models(ModelConfig(family=family, text_encoder="tiny_random"), seed=0).transformer
     transformer = apply_lora(transformer, LoraConfig(rank=4, alpha=8.0), seed=1)
     for name, param in transformer.named_parameters():  # give B a value: every adapter then gets a gradient
         if "lora_B" in name:

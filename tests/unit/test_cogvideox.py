@@ -8,6 +8,7 @@ out (B, F, C, H, W), so it is given vidray's noise (`initial_noise`, the seed's)
 family-independent checks are in test_families.py.
 """
 
+import dataclasses
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,6 +26,7 @@ from vidray.buckets import Bucket  # noqa: E402
 from vidray.inference.sampler import generate_video, initial_noise, sample_latents  # noqa: E402
 from vidray.models import cogvideox, get_family  # noqa: E402
 from vidray.models.export import inspect_model  # noqa: E402
+from vidray.models.export import load_pipeline_folder
 
 BUCKET = Bucket(9, 32, 32)
 FLOW = FlowConfig(num_train_timesteps=1000)
@@ -309,42 +311,43 @@ def test_load_pretrained_round_trips_the_export_and_the_build_functions_agree(fa
         saved, reloaded = getattr(components, module).state_dict(), getattr(loaded, module).state_dict()
         assert saved.keys() == reloaded.keys() and saved, module
         assert all(torch.equal(saved[k], reloaded[k]) for k in saved), module
-    alone = family.build_transformer(cfg, seed=123).state_dict()
+    alone = family.load_diffusion_models(cfg, seed=123).transformer.state_dict()
     assert all(torch.equal(alone[k], v) for k, v in loaded.transformer.state_dict().items())
     encoders = family.build_encoders(cfg, seed=123)
     assert all(torch.equal(encoders.vae.state_dict()[k], v) for k, v in loaded.vae.state_dict().items())
     assert all(torch.equal(encoders.text_encoder.state_dict()[k], v)
                for k, v in loaded.text_encoder.state_dict().items())
-    alone_vae = family.build_vae(cfg, seed=123).state_dict()
+    alone_vae = family.load_latent_models(cfg, seed=123).vae.state_dict()
     assert all(torch.equal(alone_vae[k], v) for k, v in loaded.vae.state_dict().items())
     assert not any(p.requires_grad for p in loaded.vae.parameters()) and loaded.transformer.training
-    vae_folder = family.load_vae(out_dir / "vae").state_dict()
+    vae_cfg = dataclasses.replace(CFG, vae_path=str(out_dir / "vae"))  # a VAE folder alone (model.vae_path)
+    vae_folder = family.load_latent_models(vae_cfg, seed=0).vae.state_dict()
     assert all(torch.equal(vae_folder[k], v) for k, v in loaded.vae.state_dict().items())
 
 
 @pytest.mark.slow  # 37 s on 2 cores: four builds of the tiny model, each with CogVideoX's VAE
 def test_the_tiny_preset_build_functions_agree_with_build(family):
     built = family.build(CFG, seed=7)
-    alone = family.build_transformer(CFG, seed=7).state_dict()
+    alone = family.load_diffusion_models(CFG, seed=7).transformer.state_dict()
     state = built.transformer.state_dict()
     assert state.keys() == alone.keys() and all(torch.equal(state[k], alone[k]) for k in state)
     encoders = family.build_encoders(CFG, seed=7)
     assert all(torch.equal(encoders.vae.state_dict()[k], v) for k, v in built.vae.state_dict().items())
-    assert all(torch.equal(family.build_vae(CFG, seed=7).state_dict()[k], v)
+    assert all(torch.equal(family.load_latent_models(CFG, seed=7).vae.state_dict()[k], v)
                for k, v in built.vae.state_dict().items())
-    assert family.no_grad_parameter_names(family.build_transformer(CFG, seed=7)) == []
+    assert family.no_grad_parameter_names(family.load_diffusion_models(CFG, seed=7).transformer) == []
     assert family.prompt_embeds_dim(built.transformer) == 64
 
 
 def test_a_folder_that_is_not_cogvideox_t2v_is_refused_in_one_line_naming_it(family, exported, tmp_path):
     _, out_dir, _ = exported
     with pytest.raises(FileNotFoundError, match="no model_index.json"):
-        family.load_pretrained(tmp_path)
+        load_pipeline_folder(family, tmp_path)
     incomplete = tmp_path / "incomplete"
     shutil.copytree(out_dir, incomplete)
     shutil.rmtree(incomplete / "vae")
     with pytest.raises(FileNotFoundError, match=f"'{incomplete}' lacks vae/") as err:
-        family.load_pretrained(incomplete)
+        load_pipeline_folder(family, incomplete)
     assert "\n" not in str(err.value)
     other = tmp_path / "other"
     shutil.copytree(out_dir, other)
@@ -352,22 +355,22 @@ def test_a_folder_that_is_not_cogvideox_t2v_is_refused_in_one_line_naming_it(fam
     (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanPipeline"}))
     with pytest.raises(ValueError, match=f"'{other}' holds a WanPipeline pipeline, not a CogVideoXPipeline: "
                                          "set model.family") as err:
-        family.build_transformer(ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(other)),
-                                 seed=0)
+        family.load_diffusion_models(ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(other)),
+                                 seed=0).transformer
     assert "\n" not in str(err.value)
     (other / "model_index.json").write_text(json.dumps(index))
     config = json.loads((other / "scheduler" / "scheduler_config.json").read_text())
     (other / "scheduler" / "scheduler_config.json").write_text(json.dumps({**config, "timestep_spacing": "leading"}))
     with pytest.raises(ValueError, match=f"'{other}': scheduler timestep_spacing='leading', but .* set "
                                          'timestep_spacing: "trailing" in scheduler/scheduler_config.json'):
-        family.load_pretrained(other)
+        load_pipeline_folder(family, other)
     (other / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
     transformer_config = json.loads((other / "transformer" / "config.json").read_text())
     (other / "transformer" / "config.json").write_text(json.dumps({**transformer_config, "patch_size_t": 2}))
     with pytest.raises(ValueError, match=f"'{other}': transformer patch_size_t=2 but vae invert_scale_latents=false: "
                                          "a CogVideoX 1.5 model"):
-        family.build_transformer(ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(other)),
-                                 seed=0)
+        family.load_diffusion_models(ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(other)),
+                                 seed=0).transformer
 
 
 def test_a_stock_cogvideox_folder_is_inspected_as_cogvideox_with_226_tokens(exported, tmp_path):
@@ -395,7 +398,8 @@ def test_the_planners_shape_of_a_cogvideox_tiny_job_is_the_model_the_family_buil
 
     preset = model_preset("cogvideox", "tiny", text_encoder)
     assert preset.name == "cogvideox-tiny" and preset.family == "cogvideox"
-    transformer = family.build_transformer(ModelConfig(family="cogvideox", text_encoder=text_encoder), seed=0)
+    transformer = family.load_diffusion_models(ModelConfig(family="cogvideox", text_encoder=text_encoder),
+                                               seed=0).transformer
     assert count_model(preset).total == sum(p.numel() for p in transformer.parameters())
 
 
@@ -406,6 +410,6 @@ def test_the_shipped_cogvideox_config_builds_the_cogvideox_family_for_its_bucket
 
     job = load_job_config(Path(__file__).resolve().parents[2] / "jobs" / "configs" / "cogvideox_t2v_tiny.yaml")
     assert get_family(job.model.family) is family
-    transformer = family.build_transformer(job.model, seed=job.train.seed)
+    transformer = family.load_diffusion_models(job.model, seed=job.train.seed).transformer
     for bucket in job.data.buckets:
         assert family.latent_shape(bucket, 1)[1] == transformer.config.in_channels

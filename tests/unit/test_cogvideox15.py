@@ -28,6 +28,7 @@ from vidray.diffusion.flow_matching import sample_sigmas  # noqa: E402
 from vidray.inference.sampler import generate_video, initial_noise, sample_latents  # noqa: E402
 from vidray.models import cogvideox, get_family  # noqa: E402
 from vidray.train.step import flow_matching_step_loss  # noqa: E402
+from vidray.models.export import load_pipeline_folder
 
 from tests.conftest import clip_condition  # noqa: E402
 
@@ -161,7 +162,7 @@ def test_decode_drops_the_padding_so_encode_then_decode_keeps_the_frame_count(fa
 
 def test_load_pretrained_round_trips_the_1_5_export_and_its_scheduler(family, folder, loaded, tmp_path):
     components, _ = loaded
-    reloaded = get_family("cogvideox").load_pretrained(folder)
+    reloaded = load_pipeline_folder(get_family("cogvideox"), folder)
     assert all(torch.equal(v, reloaded.transformer.state_dict()[k])
                for k, v in components.transformer.state_dict().items())
     assert cogvideox.scheduler_config_of(reloaded.transformer) == cogvideox.SCHEDULER_CONFIG_5B
@@ -193,8 +194,8 @@ def test_a_1_5_folder_the_family_cannot_run_is_refused_in_one_line_naming_it(fam
                                                                             change, message):
     other = _folder_with(folder, tmp_path, subfolder, **change)
     with pytest.raises(ValueError, match=f"{other}.*{message}") as err:
-        family.build_transformer(ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(other)),
-                                 seed=0)
+        family.load_diffusion_models(ModelConfig(family="cogvideox", init="pretrained", pretrained_path=str(other)),
+                                 seed=0).transformer
     assert "\n" not in str(err.value)
 
 

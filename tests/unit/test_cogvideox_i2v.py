@@ -31,6 +31,7 @@ from vidray.models.base import Components  # noqa: E402
 from vidray.models.cogvideox import SCHEDULER_CONFIG, TINY_I2V_TRANSFORMER, preprocess_image  # noqa: E402
 from vidray.models.export import inspect_model  # noqa: E402
 from vidray.train.step import flow_matching_step_loss  # noqa: E402
+from vidray.models.export import load_pipeline_folder
 
 from tests.conftest import clip_condition, takes_image  # noqa: E402
 
@@ -165,7 +166,7 @@ def test_a_training_clip_is_conditioned_on_its_own_first_frame_and_dropout_gives
     latents = family.encode_video(components.vae, video)
     embeds, mask = family.encode_prompt(components.text_encoder, components.tokenizer, [PROMPT, "waves"],
                                         max_sequence_length=MAX_SEQUENCE_LENGTH)
-    transformer = family.build_transformer(CFG, seed=0)
+    transformer = family.load_diffusion_models(CFG, seed=0).transformer
 
     def loss(inpaint_latents, dropout):
         return flow_matching_step_loss(family, transformer, latents, embeds, mask, FLOW,
@@ -194,7 +195,7 @@ def test_predict_concatenates_the_image_latents_after_the_noisy_latents_on_chann
         family.predict(transformer, latents, torch.tensor([500.0]), embeds, mask)
     with pytest.raises(ValueError, match=r"inpaint_latents must be \(1, 16, 3, 4, 4\)"):
         family.predict(transformer, latents, torch.tensor([500.0]), embeds, mask, inpaint_latents=image_latents[:, :8])
-    t2v = family.build_transformer(T2V_CFG, seed=0)
+    t2v = family.load_diffusion_models(T2V_CFG, seed=0).transformer
     with pytest.raises(ValueError, match="text-to-video transformer: it takes no image"):
         family.predict(t2v, latents, torch.tensor([500.0]), embeds, mask, inpaint_latents=image_latents)
 
@@ -233,30 +234,30 @@ def test_pretrained_i2v_folder_loads_and_a_task_mismatch_is_one_line_naming_the_
     loaded = family.build(cfg, seed=123)
     saved = components.transformer.state_dict()
     assert all(torch.equal(saved[k], v) for k, v in loaded.transformer.state_dict().items())
-    alone = family.build_transformer(cfg, seed=123).state_dict()
+    alone = family.load_diffusion_models(cfg, seed=123).transformer.state_dict()
     assert all(torch.equal(saved[k], v) for k, v in alone.items())
-    assert all(torch.equal(family.build_vae(cfg, seed=1).state_dict()[k], v)
+    assert all(torch.equal(family.load_latent_models(cfg, seed=1).vae.state_dict()[k], v)
                for k, v in loaded.vae.state_dict().items())
     assert family.build_encoders(cfg, seed=1).text_encoder is not None
-    assert family.load_pretrained(out_dir).transformer.config.in_channels == 32
+    assert load_pipeline_folder(family, out_dir).transformer.config.in_channels == 32
     t2v_dir = family.save_pipeline(family.build(T2V_CFG, seed=0), tmp_path / "t2v", FLOW)
     with pytest.raises(ValueError, match=f"'{t2v_dir}' holds a CogVideoX text-to-video model .* but model.i2v is set"
                        ) as err:
-        family.build_transformer(dataclasses.replace(cfg, pretrained_path=str(t2v_dir)), seed=0)
+        family.load_diffusion_models(dataclasses.replace(cfg, pretrained_path=str(t2v_dir)), seed=0).transformer
     assert "\n" not in str(err.value)
     t2v_cfg = dataclasses.replace(T2V_CFG, init="pretrained", pretrained_path=str(out_dir))
-    for build in (family.build, family.build_transformer, family.build_encoders, family.build_vae):
+    for build in (family.build, family.load_diffusion_models, family.build_encoders, family.load_latent_models):
         with pytest.raises(ValueError, match=f"'{out_dir}' holds a CogVideoX image-to-video model .* model.i2v is "
                                              "null: set model.i2v"):
             build(t2v_cfg, seed=0)
     with pytest.raises(ValueError, match="set model.i2v.condition: first"):
-        family.build_transformer(dataclasses.replace(CFG, i2v=I2VConfig(condition="first_last")), seed=0)
+        family.load_diffusion_models(dataclasses.replace(CFG, i2v=I2VConfig(condition="first_last")), seed=0)
     mixed = tmp_path / "mixed"
     shutil.copytree(t2v_dir, mixed)
     index = json.loads((mixed / "model_index.json").read_text())
     (mixed / "model_index.json").write_text(json.dumps({**index, "_class_name": "CogVideoXImageToVideoPipeline"}))
     with pytest.raises(ValueError, match="holds a CogVideoXImageToVideoPipeline whose transformer has in_channels 16"):
-        family.load_pretrained(mixed)
+        load_pipeline_folder(family, mixed)
 
 
 def test_the_shipped_cogvideox_i2v_config_builds_the_image_to_video_model_for_its_buckets(family):
@@ -266,7 +267,7 @@ def test_the_shipped_cogvideox_i2v_config_builds_the_image_to_video_model_for_it
 
     job = load_job_config(Path(__file__).resolve().parents[2] / "jobs" / "configs" / "cogvideox_i2v_tiny.yaml")
     assert (job.model.family, job.model.i2v.condition) == ("cogvideox", "first")
-    transformer = family.build_transformer(job.model, seed=job.train.seed)
+    transformer = family.load_diffusion_models(job.model, seed=job.train.seed).transformer
     assert takes_image(family, transformer)
     for bucket in job.data.buckets:
         assert 2 * family.latent_shape(bucket, 1)[1] == transformer.config.in_channels

@@ -133,7 +133,7 @@ def test_generate_and_serving_refuse_a_sharded_checkpoint_and_its_export_serves(
 
     job = {"name": "dcp", "model": {"text_encoder": "tiny_random", "max_sequence_length": 16},
            "data": {"buckets": [[5, 32, 32]]}, "scaling": {"strategy": "fsdp"}}
-    transformer = get_family("easyanimate").build_transformer(ModelConfig(**job["model"]), seed=0)
+    transformer = get_family("easyanimate").load_diffusion_models(ModelConfig(**job["model"]), seed=0).transformer
     with torch.no_grad():
         for param in transformer.parameters():
             param.add_(0.1)

@@ -76,10 +76,11 @@ def test_the_i2v_tiny_preset_is_an_inpaint_transformer_exported_as_the_stock_inp
     assert config.in_channels == 16 + 1 + 16 and config.out_channels == 16  # latents + mask + masked video
     assert config.resize_inpaint_mask_directly and not config.add_noise_in_inpaint_model
     assert takes_image(FAMILY, components.transformer)
-    assert not takes_image(FAMILY, FAMILY.build_transformer(T2V_CFG, seed=0))
+    assert not takes_image(FAMILY, FAMILY.load_diffusion_models(T2V_CFG, seed=0).transformer)
     assert json.loads((out_dir / "model_index.json").read_text())["_class_name"] == "EasyAnimateInpaintPipeline"
     assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and pipe.scheduler.config.shift == 3.0
-    alone = FAMILY.build_transformer(CFG, seed=0).state_dict()  # the transformer alone equals the whole build's
+    # the transformer alone equals the whole build's
+    alone = FAMILY.load_diffusion_models(CFG, seed=0).transformer.state_dict()
     assert all(torch.equal(value, components.transformer.state_dict()[key]) for key, value in alone.items())
 
 
@@ -246,7 +247,7 @@ def test_a_t2v_folder_for_an_i2v_config_and_the_reverse_fail_in_one_line(exporte
              (i2v_dir, None, "holds an image-to-video .* but model.i2v is null")]
     for folder, i2v, message in cases:
         cfg = ModelConfig(init="pretrained", pretrained_path=str(folder), i2v=i2v)
-        for build in (FAMILY.build, FAMILY.build_transformer):
+        for build in (FAMILY.build, FAMILY.load_diffusion_models):
             with pytest.raises(ValueError, match=message) as err:
                 build(cfg, seed=0)
             assert "\n" not in str(err.value)
@@ -281,7 +282,7 @@ def test_an_image_for_a_t2v_model_and_a_bad_condition_dropout_fail_in_one_line(e
     assert ModelFamily.condition(FAMILY, CFG, clip=torch.zeros(1, 3, 1, 16, 16)) is None  # the default: no I2V
     assert FAMILY.condition(T2V_CFG, clip=torch.zeros(1, 3, 1, 16, 16)) is None  # a T2V model: no condition
     with pytest.raises(ValueError, match=r"needs the job's model config \(model.i2v.condition\)"):
-        FAMILY.condition(FAMILY.build_transformer(CFG, seed=0), clip=torch.zeros(1, 3, 1, 16, 16))
+        FAMILY.condition(FAMILY.load_diffusion_models(CFG, seed=0).transformer, clip=torch.zeros(1, 3, 1, 16, 16))
     with pytest.raises(ValueError, match=r"condition_dropout must be in \[0, 1\)"):
         condition_keep(torch.Generator(), 2, 1.0)
 
@@ -313,9 +314,9 @@ def test_the_training_probe_and_the_frozen_parameters_of_an_inpaint_transformer(
     """The loop's set-up probes the transformer (`no_grad_parameter_names`, PowerSGD's `prime_buckets`) as
     `predict` calls it: 16 noisy latent channels plus 17 of inpaint latents, not 33 noisy ones. The unused
     text-stream outputs of the last block are found as in the text-to-video model."""
-    transformer = FAMILY.build_transformer(CFG, seed=0)
+    transformer = FAMILY.load_diffusion_models(CFG, seed=0).transformer
     assert takes_image(FAMILY, transformer)
     assert torch.isfinite(FAMILY.probe_loss(transformer, transformer))
     frozen = FAMILY.no_grad_parameter_names(transformer)
-    t2v_frozen = FAMILY.no_grad_parameter_names(FAMILY.build_transformer(T2V_CFG, seed=0))
+    t2v_frozen = FAMILY.no_grad_parameter_names(FAMILY.load_diffusion_models(T2V_CFG, seed=0).transformer)
     assert frozen == t2v_frozen and frozen

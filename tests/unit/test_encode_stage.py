@@ -1,5 +1,5 @@
 """The encode stage and the latent cache with tiny real encoders (no Ray): keys, hits, misses, determinism, and the
-model-family seam (`build_transformer`, `build_encoders`) equal to `build`."""
+model-family seam (`load_diffusion_models`, `build_encoders`) equal to `build`."""
 
 import dataclasses
 import hashlib
@@ -47,7 +47,7 @@ def _stage(cache: str = "", model: ModelConfig = MODEL, what: str = "vae+text", 
 def test_family_builds_transformer_and_encoders_alone_equal_to_build():
     family = get_family("easyanimate")
     full = family.build(MODEL, seed=3)
-    transformer = family.build_transformer(MODEL, seed=3)
+    transformer = family.load_diffusion_models(MODEL, seed=3).transformer
     encoders = family.build_encoders(MODEL, seed=3)
     for name, value in full.transformer.state_dict().items():
         assert torch.equal(value, transformer.state_dict()[name]), name

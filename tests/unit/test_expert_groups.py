@@ -72,7 +72,7 @@ def test_a_sigma_range_outside_the_unit_interval_or_empty_is_refused():
 
 
 def _expert(expert: str, seed: int) -> ExpertSlot:
-    return ExpertSlot(FAMILY.build_expert(MODEL, seed=seed, expert=expert), expert)
+    return ExpertSlot(FAMILY.load_diffusion_models(MODEL, seed=seed, expert=expert).transformer, expert)
 
 
 def _train(model, transformer, optimizer, groups, steps: range) -> list[float]:
@@ -161,7 +161,7 @@ def test_two_ranks_train_one_expert_each_resume_from_one_checkpoint_and_gather_b
     assert high["window"] == low["window"] and set(high["window"]) == {"high", "low"}
     assert high["loss"] == pytest.approx([(a + b) / 2 for a, b in zip(high["window"]["high"], high["window"]["low"])])
     # One sharded checkpoint holds both experts under TwoExperts' names: one process loads it as a TwoExperts.
-    two = FAMILY.build_transformer(MODEL, seed=3)
+    two = FAMILY.load_diffusion_models(MODEL, seed=3).transformer
     assert isinstance(two, TwoExperts)
     from vidray.models.export import sharded_entries
 
@@ -231,7 +231,8 @@ def _fsdp_worker(rank: int, world: int, port: int, tmp: str) -> None:
         # A pretrained two-expert folder: each group reads its own expert's subfolder into a meta-device expert.
         cfg = ModelConfig(family="wan", text_encoder="tiny_random", max_sequence_length=8, init="pretrained",
                           pretrained_path=str(tmp_path / "pretrained"), experts=ExpertsConfig(boundary_ratio=0.9))
-        meta, folder = FAMILY.build_expert_on_meta(cfg, expert=groups.expert)
+        built = FAMILY.load_diffusion_models(cfg, seed=0, expert=groups.expert, meta=True)
+        meta, folder = built.transformer, built.weights_folder
         loaded = apply_fsdp(ExpertSlot(meta, groups.expert), mesh, mixed_precision_policy("no"),
                             blocks=FAMILY.block_lists(ExpertSlot(meta, groups.expert))[0])
         _load_pretrained_shards(loaded, folder, device=torch.device("cpu"), seed=0,
@@ -266,7 +267,8 @@ def test_each_expert_shards_over_its_own_group_trains_as_one_process_resumes_and
         for rank in (r for r in result["ranks"] if r["expert"] == expert):
             assert rank["first"] + rank["after"] == pytest.approx(losses, abs=1e-5), expert
             assert rank["resumed"] == pytest.approx(rank["after"], abs=1e-6), expert
-    assert set(result["gathered"]) == set(reference) == set(FAMILY.build_transformer(MODEL, seed=0).state_dict())
+    alone = FAMILY.load_diffusion_models(MODEL, seed=0).transformer
+    assert set(result["gathered"]) == set(reference) == set(alone.state_dict())
     for name, tensor in reference.items():
         torch.testing.assert_close(result["gathered"][name], tensor, atol=1e-5, rtol=1e-4, msg=name)
     two = components.transformer  # the pretrained folder's TwoExperts

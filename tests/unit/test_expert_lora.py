@@ -135,7 +135,8 @@ def _adapted_expert(groups, mesh, folder_config: ModelConfig):
     """This rank's expert as a LoRA run under FSDP builds it: on the meta device from its pretrained subfolder,
     adapters applied, sharded over its group, then its base weights read from the files and the adapters
     initialised."""
-    meta, folder = FAMILY.build_expert_on_meta(folder_config, expert=groups.expert)
+    built = FAMILY.load_diffusion_models(folder_config, seed=0, expert=groups.expert, meta=True)
+    meta, folder = built.transformer, built.weights_folder
     slot = ExpertSlot(meta, groups.expert)
     apply_lora(slot, LORA, seed=0)
     slot = apply_fsdp(slot, mesh, mixed_precision_policy("no"), blocks=FAMILY.block_lists(slot)[0])
@@ -205,7 +206,7 @@ def test_each_expert_trains_only_its_adapters_on_its_sharded_pretrained_base_and
     # they were applied after the other expert was dropped, and did not fit).
     alone = {expert: load_model(tmp_path / "run" / NAME, components=("transformer",), expert=expert,
                                 allow_sharded=True).components.transformer for expert in EXPERTS}
-    trained = FAMILY.build_transformer(MODEL, seed=0)
+    trained = FAMILY.load_diffusion_models(MODEL, seed=0).transformer
     apply_lora(trained, LORA, seed=0)
     trained.load_state_dict(gathered, strict=True)
     trained.eval()

@@ -201,6 +201,14 @@ def test_a_second_card_of_one_name_and_a_missing_module_are_refused_at_registrat
      {"pipelines": {"BrokenPipeline": False, "BrokenI2VPipeline": True}},
      r"family card 'broken': pipelines name image-to-video BrokenI2VPipeline but broken_family:Broken has no "
      r"condition \(ModelFamily.condition\); mark them False"),
+    ("from vidray.models.base import ModelFamily\nfrom vidray.models.wan import WanFamily\n"
+     "class Broken(ModelFamily):\n    name = 'broken'\n"  # written against the old protocol: no role loaders
+     "    build_transformer = WanFamily.load_diffusion_models\n"
+     "    load_condition_models = WanFamily.load_condition_models\n"
+     + "".join(f"    {n} = WanFamily.{n}\n" for n in ("encode_video", "decode_latents", "encode_prompt", "predict",
+                                                       "latent_shape", "no_grad_parameter_names", "save_pipeline")),
+     {}, "family card 'broken': broken_family:Broken does not implement load_diffusion_models, load_latent_models: "
+         "define them"),
     ("from toy_family import ToyFamily\nclass Broken(ToyFamily):\n    pass\n", {},
      "family card 'broken': family_class 'broken_family:Broken' has name 'toy'; make them equal"),
 ])

@@ -46,11 +46,11 @@ FAMILY = get_family("easyanimate")
 MODEL = ModelConfig(text_encoder="tiny_random")
 FLOW = FlowConfig()
 NAME = "checkpoint_000002"
-TEXT_DIM = FAMILY.build_transformer(MODEL, seed=0).config.text_embed_dim
+TEXT_DIM = FAMILY.load_diffusion_models(MODEL, seed=0).transformer.config.text_embed_dim
 
 
 def _transformer(seed: int = 0) -> torch.nn.Module:
-    transformer = FAMILY.build_transformer(MODEL, seed=seed)
+    transformer = FAMILY.load_diffusion_models(MODEL, seed=seed).transformer
     _freeze_unused(transformer)
     return transformer
 
@@ -180,12 +180,14 @@ def _worker(rank: int, world: int, port: int, task: str, tmp: str) -> None:
             result["weights_per_rank"] = states
         elif task == "meta":
             cfg = ModelConfig(text_encoder="tiny_random", init="pretrained", pretrained_path=str(tmp_path / "pretrained"))
-            model, folder = FAMILY.build_transformer_on_meta(cfg)
+            built = FAMILY.load_diffusion_models(cfg, seed=0, meta=True)
+            model, folder = built.transformer, built.weights_folder
             assert next(model.parameters()).is_meta
             _freeze_unused_like(model)
             apply_fsdp(model, device_mesh("fsdp", device_type="cpu"), mixed_precision_policy("no"))
             result["loaded"] = load_sharded_from_safetensors(model, folder, device="cpu")
-            full = full_model_for_export(model, model, lambda: FAMILY.build_transformer(MODEL, seed=5), rank)
+            full = full_model_for_export(model, model,
+                                         lambda: FAMILY.load_diffusion_models(MODEL, seed=5).transformer, rank)
             if rank == 0:
                 result["weights"] = full.state_dict()
                 result["probe"] = FAMILY.probe_loss(full, full).item()
@@ -341,7 +343,7 @@ def test_a_full_ddp_checkpoint_loads_into_an_fsdp_model(tmp_path):
 
 
 def test_a_pretrained_folder_loads_shard_by_shard_into_a_meta_model(tmp_path):
-    reference = FAMILY.build_transformer(MODEL, seed=3)
+    reference = FAMILY.load_diffusion_models(MODEL, seed=3).transformer
     reference.save_pretrained(tmp_path / "pretrained", max_shard_size="200KB")  # several safetensors files
     assert len(list((tmp_path / "pretrained").glob("*.safetensors"))) > 1
     got = _run("meta", 2, tmp_path)

@@ -37,7 +37,7 @@ EMA_CONFIG = EMAConfig(decay=0.5, update_every_steps=1)
 def _lora_transformer(adapter_seed: int = 0) -> torch.nn.Module:
     """The tiny transformer (base seed 0) with adapters drawn under `adapter_seed`, the adapters of layers whose
     output the model never uses frozen (as the loop does)."""
-    transformer = FAMILY.build_transformer(MODEL, seed=0)
+    transformer = FAMILY.load_diffusion_models(MODEL, seed=0).transformer
     apply_lora(transformer, LORA, seed=adapter_seed)
     _freeze_no_grad(transformer)
     return transformer
@@ -126,7 +126,8 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
 
         # A meta-device pretrained base: its shards load, then the adapters get their starting values.
         cfg = ModelConfig(text_encoder="tiny_random", init="pretrained", pretrained_path=str(tmp_path / "pretrained"))
-        meta, folder = FAMILY.build_transformer_on_meta(cfg)
+        built = FAMILY.load_diffusion_models(cfg, seed=0, meta=True)
+        meta, folder = built.transformer, built.weights_folder
         apply_lora(meta, LORA, seed=0)
         _shard(meta)
         _load_pretrained_shards(meta, folder, device=torch.device("cpu"), seed=7)
@@ -157,7 +158,8 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
 def sharded_run(tmp_path_factory) -> tuple[dict, Path]:
     """Two ranks through every case above, once for the module's tests: (rank 0's results, the temp folder)."""
     tmp_path = tmp_path_factory.mktemp("fsdp_adapters")
-    FAMILY.build_transformer(MODEL, seed=3).save_pretrained(tmp_path / "pretrained", max_shard_size="200KB")
+    base = FAMILY.load_diffusion_models(MODEL, seed=3).transformer
+    base.save_pretrained(tmp_path / "pretrained", max_shard_size="200KB")
     start_ranks(_worker, (2, free_port(), str(tmp_path)), 2)
     return torch.load(tmp_path / "result-2.pt", weights_only=False), tmp_path
 
@@ -231,8 +233,8 @@ def test_a_sharded_lora_checkpoint_is_refused_by_a_model_without_lora_and_a_full
 
 def test_a_meta_pretrained_base_loads_its_shards_then_its_adapters_start_at_the_base_model(sharded_run):
     got, tmp_path = sharded_run
-    base = FAMILY.build_transformer(MODEL, seed=3).state_dict()
-    expected = FAMILY.build_transformer(MODEL, seed=3)
+    base = FAMILY.load_diffusion_models(MODEL, seed=3).transformer.state_dict()
+    expected = FAMILY.load_diffusion_models(MODEL, seed=3).transformer
     apply_lora(expected, LORA, seed=0)
     init_adapters(expected, seed=7)  # the same starting adapters, drawn on an unsharded model
     assert has_lora(expected)

@@ -53,7 +53,7 @@ def test_parallelize_puts_the_cpu_offload_policy_on_every_sharded_module(tmp_pat
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         for offload in (True, False):
-            transformer = fam.build_transformer(ModelConfig(text_encoder="tiny_random"), seed=0)
+            transformer = fam.load_diffusion_models(ModelConfig(text_encoder="tiny_random"), seed=0).transformer
             job = job_config_from_dict({"scaling": {"strategy": "fsdp"}, "memory": {"fsdp_cpu_offload": offload}})
             parallelize(transformer, job, device="cpu", family=fam)
             modules = [transformer, *fam.block_lists(transformer)[0]]

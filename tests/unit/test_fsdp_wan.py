@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
     join_gloo(rank, world, port)
     result: dict = {}
     try:
-        transformer = FAMILY.build_transformer(MODEL, seed=0)
+        transformer = FAMILY.load_diffusion_models(MODEL, seed=0).transformer
         _freeze_unused(transformer)
         blocks = FAMILY.block_lists(transformer)
         result["checkpointed"] = apply_activation_checkpointing(transformer, "every_2", blocks)
@@ -81,7 +81,8 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
         result["weights"] = _full_state(transformer)
         # A pretrained folder into a meta-device Wan: shards loaded file by file, the rotary buffers restored.
         cfg = ModelConfig(family="wan", text_encoder="tiny_random", init="pretrained", pretrained_path=tmp)
-        meta, folder = FAMILY.build_transformer_on_meta(cfg)
+        built = FAMILY.load_diffusion_models(cfg, seed=0, meta=True)
+        meta, folder = built.transformer, built.weights_folder
         assert next(meta.parameters()).is_meta
         apply_fsdp(meta, device_mesh("fsdp", device_type="cpu"), mixed_precision_policy("no"),
                    blocks=FAMILY.block_lists(meta)[0])
@@ -105,7 +106,7 @@ def test_a_sharded_wan_trains_the_unsharded_steps_and_a_pretrained_folder_loads_
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     assert result["checkpointed"] == len(range(0, len(FAMILY.block_lists(components.transformer)[0]), 2))
 
-    plain = FAMILY.build_transformer(MODEL, seed=0)
+    plain = FAMILY.load_diffusion_models(MODEL, seed=0).transformer
     _freeze_unused(plain)
     assert result["losses"] == pytest.approx(_steps(plain, plain), abs=1e-6)
     for name, tensor in plain.state_dict().items():

@@ -64,7 +64,7 @@ def no_weights(monkeypatch):
         raise AssertionError("weights were loaded before the arguments were checked")
 
     monkeypatch.setattr(vidray.generate, "load_model", refuse)
-    monkeypatch.setattr(get_family("easyanimate"), "load_pretrained", refuse)
+    monkeypatch.setattr(get_family("easyanimate"), "build", refuse)
 
 
 def test_load_model_restores_the_exported_weights_and_training_settings(trained):
@@ -349,7 +349,8 @@ def test_a_vae_runs_checkpoint_is_refused_in_one_line_naming_what_to_give_instea
     from vidray.train.vae import VAEObjective, vae_training_job
 
     job = vae_training_job(job_config_from_dict(JOB))
-    vae = VAEObjective(get_family("easyanimate").build_trainable_vae(job.model, seed=0), job.vae_training)
+    vae = VAEObjective(get_family("easyanimate").load_latent_models(job.model, seed=0, trainable=True).vae,
+                       job.vae_training)
     optimizer = torch.optim.AdamW(vae.parameters(), lr=1e-3)
     checkpoint = save_checkpoint(
         tmp_path / f"{job.name}" / "checkpoint_000003", model=vae, optimizer=optimizer,

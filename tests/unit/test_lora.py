@@ -88,7 +88,7 @@ JOB = {
 
 
 def base_transformer(seed: int = 0) -> torch.nn.Module:
-    return FAMILY.build_transformer(ModelConfig(text_encoder="tiny_random"), seed=seed)
+    return FAMILY.load_diffusion_models(ModelConfig(text_encoder="tiny_random"), seed=seed).transformer
 
 
 def batch(seed: int = 0, batch_size: int = 2):
@@ -176,7 +176,7 @@ def test_an_unknown_target_module_is_refused_listing_the_layers_that_exist():
         assert name in message and name in lora_target_names(transformer)
     assert not has_lora(transformer) and all(p.requires_grad for p in transformer.parameters())  # left untouched
     with torch.device("meta"):  # the same check on a model that holds no memory (a driver-side check)
-        meta = FAMILY.build_transformer(ModelConfig(text_encoder="tiny_random"), seed=0)
+        meta = FAMILY.load_diffusion_models(ModelConfig(text_encoder="tiny_random"), seed=0).transformer
     assert next(meta.parameters()).is_meta
     with pytest.raises(UserError, match="'to_qkv' matches no layer"):
         check_lora_targets(meta, LoraConfig(target_modules=["to_qkv"]))

@@ -55,7 +55,7 @@ def _job(base) -> dict:
 
 def _adapted(job):
     """The run's transformer: the base from its folder, adapters with a visible effect (B starts at zero)."""
-    transformer = apply_lora(FAMILY.build_transformer(job.model, seed=0), job.model.lora, seed=0)
+    transformer = apply_lora(FAMILY.load_diffusion_models(job.model, seed=0).transformer, job.model.lora, seed=0)
     with torch.no_grad():
         generator = torch.Generator().manual_seed(1)
         for name, param in transformer.named_parameters():

@@ -289,7 +289,7 @@ def test_a_jobs_plan_counts_the_transformer_its_family_builds_with_its_condition
     from vidray.train.plan import count_model, job_preset
 
     job = load_job_config(Path(__file__).resolve().parents[2] / "jobs/configs" / config)
-    built = get_family(job.model.family).build_transformer(job.model, seed=0)
+    built = get_family(job.model.family).load_diffusion_models(job.model, seed=0).transformer
     one = built.first_expert if job.model.experts is not None else built
     counted = count_model(job_preset(job)).total
     assert counted == sum(p.numel() for p in one.parameters())
@@ -355,7 +355,7 @@ def test_an_animatediff_plan_measured_on_the_meta_device_matches_a_measured_cpu_
     family = get_family("animatediff")
     report = plan_job(job, gpu_memory_bytes=80 * 2**30, num_gpus=1, bucket=Bucket(9, 64, 64))
     planned = {e.strategy.name: e.peak_bytes for e in report.estimates}
-    transformer = family.build_transformer(job.model, seed=0)
+    transformer = family.load_diffusion_models(job.model, seed=0).transformer
     transformer.train()
     width = family.prompt_embeds_dim(transformer)
 

@@ -27,7 +27,7 @@ FLOW = FlowConfig()
 
 
 def _transformer(seed: int = 0) -> torch.nn.Module:
-    transformer = FAMILY.build_transformer(MODEL, seed=seed)
+    transformer = FAMILY.load_diffusion_models(MODEL, seed=seed).transformer
     no_grad = set(FAMILY.no_grad_parameter_names(transformer))
     for name, param in transformer.named_parameters():
         param.requires_grad_(name not in no_grad)

@@ -31,7 +31,7 @@ BUCKET = Bucket(5, 32, 32)
 
 def lora_transformer(family: str = "easyanimate") -> tuple[object, torch.nn.Module]:
     fam = get_family(family)
-    transformer = fam.build_transformer(ModelConfig(family=family, text_encoder="tiny_random"), seed=0)
+    transformer = fam.load_diffusion_models(ModelConfig(family=family, text_encoder="tiny_random"), seed=0).transformer
     return fam, apply_lora(transformer, LORA, seed=1)
 
 
@@ -72,7 +72,7 @@ def test_fp8_casts_frozen_weights_only(family):
 def test_bf16_keeps_trainable_parameters():
     """A full fine-tune's trainable weights (requires_grad) are never cast, LoRA or not."""
     fam = get_family("easyanimate")
-    transformer = fam.build_transformer(ModelConfig(text_encoder="tiny_random"), seed=0)
+    transformer = fam.load_diffusion_models(ModelConfig(text_encoder="tiny_random"), seed=0).transformer
     names = [n for n, _ in transformer.named_parameters()]
     for name, param in transformer.named_parameters():
         param.requires_grad_(name in names[:4])
@@ -234,7 +234,7 @@ def test_a_run_with_an_fp8_base_exports_its_adapters_on_the_fp32_base(shards_dir
     for f in sorted(Path(result.diffusers_dir, "transformer").glob("*.safetensors")):
         weights.update(load_file(f))
     assert weights and all(t.dtype == torch.float32 for t in weights.values())
-    fresh = get_family("easyanimate").build_transformer(job.model, seed=job.train.seed)
+    fresh = get_family("easyanimate").load_diffusion_models(job.model, seed=job.train.seed).transformer
     untouched = [n for n, _ in fresh.named_parameters() if "norm" in n and n in weights]
     assert untouched and all(torch.equal(weights[n], dict(fresh.named_parameters())[n]) for n in untouched)
 

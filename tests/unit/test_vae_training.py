@@ -89,7 +89,8 @@ def test_the_cli_refuses_a_lora_vae_run_before_ray_starts():
 def test_the_trainable_vae_is_the_presets_with_gradients_and_ignores_vae_path(tmp_path):
     family = get_family("easyanimate")
     frozen = family.build(TINY, seed=3).vae
-    trainable = family.build_trainable_vae(ModelConfig(text_encoder="tiny_random", vae_path=str(tmp_path)), seed=3)
+    trainable = family.load_latent_models(ModelConfig(text_encoder="tiny_random", vae_path=str(tmp_path)), seed=3,
+                                          trainable=True).vae
     assert trainable.training and all(p.requires_grad for p in trainable.parameters())
     assert all(torch.equal(a, b) for a, b in zip(frozen.state_dict().values(), trainable.state_dict().values(),
                                                  strict=True))
@@ -98,7 +99,7 @@ def test_the_trainable_vae_is_the_presets_with_gradients_and_ignores_vae_path(tm
 def test_the_loss_is_per_sample_with_its_own_noise_and_a_few_steps_lower_it(samples_dir):
     torch.manual_seed(0)
     clip = torch.from_numpy(_clip(samples_dir)[:5, :32, :32]).permute(3, 0, 1, 2)[None]  # uint8 (1, 3, 5, 32, 32)
-    objective = VAEObjective(get_family("easyanimate").build_trainable_vae(TINY, seed=0),
+    objective = VAEObjective(get_family("easyanimate").load_latent_models(TINY, seed=0, trainable=True).vae,
                              VAETrainingConfig(l1_weight=1.0, mse_weight=0.5, kl_weight=1e-6))
     assert unused_parameter_names(objective) == [] and all(p.grad is None for p in objective.parameters())
     gen = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
@@ -122,14 +123,15 @@ def test_the_loss_is_per_sample_with_its_own_noise_and_a_few_steps_lower_it(samp
 
 def test_a_saved_vae_is_what_model_vae_path_loads_everywhere(samples_dir, tmp_path):
     family = get_family("easyanimate")
-    vae = family.build_trainable_vae(TINY, seed=5)
+    vae = family.load_latent_models(TINY, seed=5, trainable=True).vae
     with torch.no_grad():
         for p in vae.parameters():
             p.mul_(0.9)  # weights unlike any preset's
     save_vae(vae.eval(), str(tmp_path / "vae"))
     cfg = ModelConfig(text_encoder="tiny_random", vae_path=str(tmp_path / "vae"))
     expected = vae.state_dict()
-    for loaded in (load_vae_folder(tmp_path / "vae"), family.build(cfg, seed=0).vae, family.build_vae(cfg, seed=0),
+    for loaded in (load_vae_folder(tmp_path / "vae"), family.build(cfg, seed=0).vae,
+                   family.load_latent_models(cfg, seed=0).vae,
                    family.build_encoders(cfg, seed=0).vae):
         assert not loaded.training and not any(p.requires_grad for p in loaded.parameters())
         assert all(torch.equal(expected[k], v) for k, v in loaded.state_dict().items())

@@ -30,7 +30,7 @@ JOB = {
 def _checkpoint(run_dir, step: int, job: dict, *, ema: bool = False):
     """A complete checkpoint of the tiny model (weights moved off their init) at `step` in `run_dir`."""
     cfg = job_config_from_dict(job)
-    transformer = get_family("easyanimate").build_transformer(ModelConfig(**job["model"]), seed=0)
+    transformer = get_family("easyanimate").load_diffusion_models(ModelConfig(**job["model"]), seed=0).transformer
     with torch.no_grad():
         for param in transformer.parameters():
             param.add_(0.1 * step)
@@ -113,7 +113,7 @@ def test_a_sharded_checkpoint_and_its_ema_are_sampled_as_the_full_one(tmp_path):
     job = {**JOB, "train": {**JOB["train"], "ema": {"decay": 0.5}}, "scaling": {"strategy": "fsdp"}}
     full, sharded = tmp_path / "full", tmp_path / "sharded"
     _checkpoint(full, 2, job, ema=True)
-    transformer = get_family("easyanimate").build_transformer(ModelConfig(**job["model"]), seed=0)
+    transformer = get_family("easyanimate").load_diffusion_models(ModelConfig(**job["model"]), seed=0).transformer
     with torch.no_grad():
         for param in transformer.parameters():
             param.add_(0.2)  # as _checkpoint moves them at step 2
@@ -135,7 +135,7 @@ def test_a_sharded_checkpoint_and_its_ema_are_sampled_as_the_full_one(tmp_path):
     # what it sampled: the sharded checkpoint's EMA (the halved averages), not its trained weights
     from vidray.train.ema import load_ema_into
 
-    fresh = get_family("easyanimate").build_transformer(ModelConfig(**job["model"]), seed=0)
+    fresh = get_family("easyanimate").load_diffusion_models(ModelConfig(**job["model"]), seed=0).transformer
     assert load_ema_into(fresh, sharded / "checkpoint_000002")
     averages = averaged.averages()
     for name, param in fresh.named_parameters():

@@ -23,6 +23,7 @@ from vidray.buckets import Bucket  # noqa: E402
 from vidray.inference.sampler import generate_video, sample_latents  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.export import inspect_model  # noqa: E402
+from vidray.models.export import load_pipeline_folder
 
 BUCKET = Bucket(9, 32, 32)
 FLOW = FlowConfig(shift=3.0, num_train_timesteps=1000)
@@ -124,7 +125,7 @@ def test_latents_are_normalised_per_channel_with_the_vae_configs_mean_and_std(fa
     torch.testing.assert_close(family.decode_latents(vae, latents), expected, atol=0, rtol=0)
 
 
-def test_load_pretrained_round_trips_the_export_and_build_transformer_agrees(family, exported):
+def test_load_pretrained_round_trips_the_export_and_load_diffusion_models_agrees(family, exported):
     components, out_dir, _ = exported
     cfg = ModelConfig(family="wan", init="pretrained", pretrained_path=str(out_dir))
     loaded = family.build(cfg, seed=123)
@@ -132,42 +133,42 @@ def test_load_pretrained_round_trips_the_export_and_build_transformer_agrees(fam
         saved, reloaded = getattr(components, module).state_dict(), getattr(loaded, module).state_dict()
         assert saved.keys() == reloaded.keys() and saved, module
         assert all(torch.equal(saved[k], reloaded[k]) for k in saved), module
-    alone = family.build_transformer(cfg, seed=123).state_dict()
+    alone = family.load_diffusion_models(cfg, seed=123).transformer.state_dict()
     assert all(torch.equal(alone[k], v) for k, v in loaded.transformer.state_dict().items())
     encoders = family.build_encoders(cfg, seed=123)
     assert all(torch.equal(encoders.vae.state_dict()[k], v) for k, v in loaded.vae.state_dict().items())
-    alone_vae = family.build_vae(cfg, seed=123).state_dict()
+    alone_vae = family.load_latent_models(cfg, seed=123).vae.state_dict()
     assert all(torch.equal(alone_vae[k], v) for k, v in loaded.vae.state_dict().items())
     assert not any(p.requires_grad for p in loaded.vae.parameters()) and loaded.transformer.training
 
 
 def test_the_tiny_preset_transformer_alone_equals_builds(family):
     built = family.build(CFG, seed=7).transformer.state_dict()
-    alone = family.build_transformer(CFG, seed=7).state_dict()
+    alone = family.load_diffusion_models(CFG, seed=7).transformer.state_dict()
     assert built.keys() == alone.keys() and all(torch.equal(built[k], alone[k]) for k in built)
-    assert family.no_grad_parameter_names(family.build_transformer(CFG, seed=7)) == []
+    assert family.no_grad_parameter_names(family.load_diffusion_models(CFG, seed=7).transformer) == []
 
 
 def test_a_folder_that_is_not_a_wan_folder_it_can_load_is_refused_in_one_line_naming_it(family, exported, tmp_path):
     _, out_dir, _ = exported
     with pytest.raises(FileNotFoundError, match="no model_index.json"):
-        family.load_pretrained(tmp_path)
+        load_pipeline_folder(family, tmp_path)
     incomplete = tmp_path / "incomplete"
     shutil.copytree(out_dir, incomplete)
     shutil.rmtree(incomplete / "vae")
     with pytest.raises(FileNotFoundError, match=f"'{incomplete}' lacks vae/") as err:
-        family.load_pretrained(incomplete)
+        load_pipeline_folder(family, incomplete)
     assert "\n" not in str(err.value)
     other = tmp_path / "other"
     shutil.copytree(out_dir, other)
     index = json.loads((other / "model_index.json").read_text())
     (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "EasyAnimatePipeline"}))
     with pytest.raises(ValueError, match="holds a EasyAnimatePipeline pipeline, not a WanPipeline: set model.family"):
-        family.load_pretrained(other)
+        load_pipeline_folder(family, other)
     (other / "model_index.json").write_text(json.dumps({**index, "transformer_2": ["diffusers",
                                                                                    "WanTransformer3DModel"]}))
     with pytest.raises(ValueError, match="transformer_2 and boundary_ratio go together"):  # two experts: test_wan_i2v
-        family.build_transformer(ModelConfig(family="wan", init="pretrained", pretrained_path=str(other)), seed=0)
+        family.load_diffusion_models(ModelConfig(family="wan", init="pretrained", pretrained_path=str(other)), seed=0)
 
 
 def test_a_stock_wan_folder_is_inspected_as_wan_with_its_flow_shift_and_512_tokens(exported, tmp_path):
@@ -182,7 +183,7 @@ def test_a_stock_wan_folder_is_inspected_as_wan_with_its_flow_shift_and_512_toke
 
 def test_the_minilm_text_encoder_sets_the_transformers_text_dim(family):
     cfg = ModelConfig(family="wan", text_encoder="minilm")
-    transformer = family.build_transformer(cfg, seed=0)
+    transformer = family.load_diffusion_models(cfg, seed=0).transformer
     assert family.prompt_embeds_dim(transformer) == 384
     loss = family.probe_loss(transformer, transformer)
     assert loss.ndim == 0 and torch.isfinite(loss)
@@ -195,7 +196,7 @@ def test_the_planners_shape_of_a_wan_tiny_job_is_the_model_the_family_builds(fam
 
     preset = model_preset("wan", "tiny", text_encoder)
     assert preset.name == "wan-tiny" and preset.family == "wan"
-    transformer = family.build_transformer(ModelConfig(family="wan", text_encoder=text_encoder), seed=0)
+    transformer = family.load_diffusion_models(ModelConfig(family="wan", text_encoder=text_encoder), seed=0).transformer
     assert count_model(preset).total == sum(p.numel() for p in transformer.parameters())
 
 
@@ -206,7 +207,7 @@ def test_the_shipped_wan_config_builds_the_wan_family_for_its_buckets(family):
 
     job = load_job_config(Path(__file__).resolve().parents[2] / "jobs" / "configs" / "wan_t2v_tiny.yaml")
     assert get_family(job.model.family) is family
-    transformer = family.build_transformer(job.model, seed=job.train.seed)
+    transformer = family.load_diffusion_models(job.model, seed=job.train.seed).transformer
     for bucket in job.data.buckets:
         assert family.latent_shape(bucket, 1)[1] == transformer.config.in_channels
 
@@ -245,7 +246,7 @@ def test_lora_adapters_load_in_the_stock_pipelines_wan_lora_loader(family, expor
     from vidray.models.lora import apply_lora, save_lora_weights
 
     _, out_dir, _ = exported
-    transformer = apply_lora(family.build_transformer(CFG, seed=0), LoraConfig(rank=4), seed=0)
+    transformer = apply_lora(family.load_diffusion_models(CFG, seed=0).transformer, LoraConfig(rank=4), seed=0)
     with torch.no_grad():  # B starts at zero: give the adapters an effect to compare
         for name, p in transformer.named_parameters():
             if "lora_B" in name:
@@ -259,7 +260,7 @@ def test_lora_adapters_load_in_the_stock_pipelines_wan_lora_loader(family, expor
     timesteps = torch.tensor([500.0])
     with torch.no_grad():
         ours = family.predict(transformer, latents, timesteps, embeds, mask)
-        base = family.predict(family.build_transformer(CFG, seed=0), latents, timesteps, embeds, mask)
+        base = family.predict(family.load_diffusion_models(CFG, seed=0).transformer, latents, timesteps, embeds, mask)
         stock = family.predict(pipe.transformer, latents, timesteps, embeds, mask)
     assert not torch.allclose(ours, base, atol=1e-4)
     torch.testing.assert_close(stock, ours, atol=1e-5, rtol=1e-5)

@@ -86,16 +86,17 @@ def test_the_wan21_preset_has_a_clip_image_branch_and_exports_the_stock_pipeline
     assert not any(p.requires_grad for p in components.image_encoder.parameters())
     shape = FAMILY.latent_shape(BUCKET, 1)
     assert FAMILY.condition(components.transformer, latent_shape=shape).image_embeds.shape == (1, 257, 32)
-    assert FAMILY.condition(FAMILY.build_transformer(NO_CLIP_CFG, seed=0), latent_shape=shape).image_embeds is None
+    assert FAMILY.condition(FAMILY.load_diffusion_models(NO_CLIP_CFG, seed=0).transformer, latent_shape=shape).image_embeds is None
     index = json.loads((out_dir / "model_index.json").read_text())
     assert index["_class_name"] == "WanImageToVideoPipeline"
     assert index["image_encoder"] == ["transformers", "CLIPVisionModel"] and index["image_processor"][0] is not None
     assert isinstance(pipe.image_encoder, CLIPVisionModel) and pipe.image_processor is not None
-    alone = FAMILY.build_transformer(CFG, seed=0).state_dict()  # the transformer alone equals the whole build's
+    # the transformer alone equals the whole build's
+    alone = FAMILY.load_diffusion_models(CFG, seed=0).transformer.state_dict()
     assert all(torch.equal(value, components.transformer.state_dict()[key]) for key, value in alone.items())
-    image_encoder, _ = FAMILY.build_image_encoder(CFG, seed=0)  # the image encoder alone too
+    image_encoder = FAMILY.load_condition_models(CFG, seed=0, text=False).image_encoder  # the image encoder alone too
     assert all(torch.equal(v, components.image_encoder.state_dict()[k]) for k, v in image_encoder.state_dict().items())
-    assert FAMILY.build_image_encoder(NO_CLIP_CFG, seed=0) is None
+    assert FAMILY.load_condition_models(NO_CLIP_CFG, seed=0, text=False).image_encoder is None
     assert FAMILY.no_grad_parameter_names(components.transformer) == []  # the image branch trains too
 
 
@@ -181,7 +182,7 @@ def test_predict_refuses_missing_misshapen_or_stray_image_embeds(exported):
         FAMILY.predict(components.transformer, latents, timesteps, embeds, mask, inpaint_latents=empty,
                        image_embeds=torch.zeros(2, 514, 32))
     with pytest.raises(ValueError, match="takes no CLIP image_embeds"):
-        FAMILY.predict(FAMILY.build_transformer(NO_CLIP_CFG, seed=0), latents, timesteps, embeds, mask,
+        FAMILY.predict(FAMILY.load_diffusion_models(NO_CLIP_CFG, seed=0).transformer, latents, timesteps, embeds, mask,
                        inpaint_latents=empty, image_embeds=no_image)
 
 
@@ -249,7 +250,7 @@ def test_init_pretrained_loads_a_wan21_folder_and_its_task_must_be_the_configs(e
                                      seed=1)
     assert isinstance(encoders.image_encoder, CLIPVisionModel) and encoders.image_processor is not None
     cfg = dataclasses.replace(NO_CLIP_CFG, init="pretrained", pretrained_path=str(out_dir))
-    for build in (FAMILY.build, FAMILY.build_transformer):
+    for build in (FAMILY.build, FAMILY.load_diffusion_models):
         with pytest.raises(ValueError, match="takes CLIP image embeddings .*set model.i2v.image_encoder: true") as e:
             build(cfg, seed=0)
         assert "\n" not in str(e.value)
@@ -267,7 +268,7 @@ def test_a_folder_with_image_dim_but_no_image_encoder_or_the_reverse_fails_in_on
              (stray, rf"{stray}'? has image_encoder and image_processor but its transformer takes no CLIP .*remove")]
     for folder, message in cases:
         cfg = dataclasses.replace(CFG, init="pretrained", pretrained_path=str(folder))
-        for build in (FAMILY.build, FAMILY.build_transformer, FAMILY.build_encoders):
+        for build in (FAMILY.build, FAMILY.load_diffusion_models, FAMILY.build_encoders):
             with pytest.raises(ValueError, match=message) as err:
                 build(cfg, seed=0)
             assert "\n" not in str(err.value)
@@ -337,7 +338,7 @@ def test_the_end_of_run_export_holds_the_jobs_image_encoder(tmp_path):
     from vidray.train.loop import _export_pipeline
 
     job = job_config_from_dict(JOB)
-    transformer = FAMILY.build_transformer(job.model, seed=job.train.seed)
+    transformer = FAMILY.load_diffusion_models(job.model, seed=job.train.seed).transformer
     out = _export_pipeline(FAMILY, transformer, job, None, str(tmp_path))
     index = json.loads((tmp_path / "diffusers" / "model_index.json").read_text())
     assert out == str(tmp_path / "diffusers") and index["image_encoder"] == ["transformers", "CLIPVisionModel"]

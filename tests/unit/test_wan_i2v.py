@@ -30,6 +30,7 @@ from vidray.models.experts import TwoExperts  # noqa: E402
 from vidray.models.export import inspect_model, load_model, write_job_file  # noqa: E402
 from vidray.models.vae import frames_to_video  # noqa: E402
 from vidray.train.step import flow_matching_step_loss, sample_generator  # noqa: E402
+from vidray.models.export import load_pipeline_folder
 
 from tests.conftest import clip_condition, guided_prompts, takes_image  # noqa: E402
 
@@ -69,11 +70,12 @@ def test_the_i2v_tiny_preset_takes_the_condition_and_exports_the_stock_i2v_pipel
     config = components.transformer.config
     assert config.in_channels == 16 + 4 + 16 and config.out_channels == 16 and config.image_dim is None
     assert takes_image(FAMILY, components.transformer)
-    assert not takes_image(FAMILY, FAMILY.build_transformer(T2V_CFG, seed=0))
+    assert not takes_image(FAMILY, FAMILY.load_diffusion_models(T2V_CFG, seed=0).transformer)
     index = json.loads((out_dir / "model_index.json").read_text())
     assert index["_class_name"] == "WanImageToVideoPipeline" and index["image_encoder"] == [None, None]
     assert index["transformer_2"] == [None, None] and pipe.config.boundary_ratio is None
-    alone = FAMILY.build_transformer(CFG, seed=0).state_dict()  # the transformer alone equals the whole build's
+    # the transformer alone equals the whole build's
+    alone = FAMILY.load_diffusion_models(CFG, seed=0).transformer.state_dict()
     assert all(torch.equal(value, components.transformer.state_dict()[key]) for key, value in alone.items())
     assert FAMILY.no_grad_parameter_names(components.transformer) == []
 
@@ -152,7 +154,7 @@ def test_empty_condition_is_zeros_and_predict_refuses_a_missing_or_stray_conditi
                           inpaint_latents=empty).shape == shape
     with pytest.raises(ValueError, match=r"needs its condition inpaint_latents \(2, 20, 3, 4, 4\), got None"):
         FAMILY.predict(components.transformer, latents, timesteps, embeds, mask)
-    t2v = FAMILY.build_transformer(T2V_CFG, seed=0)
+    t2v = FAMILY.load_diffusion_models(T2V_CFG, seed=0).transformer
     with pytest.raises(ValueError, match="a text-to-video transformer takes no inpaint_latents"):
         FAMILY.predict(t2v, latents, timesteps, embeds, mask, inpaint_latents=empty)
 
@@ -184,7 +186,7 @@ def test_a_folder_of_the_other_task_or_with_a_stray_image_encoder_fails_in_one_l
              (i2v_dir, None, "holds an image-to-video transformer .* but model.i2v is null")]
     for folder, i2v, message in cases:
         cfg = ModelConfig(family="wan", init="pretrained", pretrained_path=str(folder), i2v=i2v)
-        for build in (FAMILY.build, FAMILY.build_transformer):
+        for build in (FAMILY.build, FAMILY.load_diffusion_models):
             with pytest.raises(ValueError, match=message) as err:
                 build(cfg, seed=0)
             assert "\n" not in str(err.value)
@@ -194,8 +196,8 @@ def test_a_folder_of_the_other_task_or_with_a_stray_image_encoder_fails_in_one_l
                                                                                   "CLIPVisionModel"]}))
     with pytest.raises(ValueError, match="has image_encoder but its transformer takes no CLIP image embeddings") \
             as err:
-        FAMILY.build_transformer(ModelConfig(family="wan", init="pretrained", pretrained_path=str(clip),
-                                             i2v=I2VConfig()), seed=0)
+        FAMILY.load_diffusion_models(ModelConfig(family="wan", init="pretrained", pretrained_path=str(clip),
+                                             i2v=I2VConfig()), seed=0).transformer
     assert "\n" not in str(err.value)
 
 
@@ -205,7 +207,8 @@ BOUNDARY_RATIO = 0.8
 
 def two_experts(cfg: ModelConfig) -> TwoExperts:
     """Two tiny experts of `cfg`'s layout drawn under seeds 0 (high noise) and 1 (low noise)."""
-    return TwoExperts(FAMILY.build_transformer(cfg, seed=0), FAMILY.build_transformer(cfg, seed=1),
+    return TwoExperts(FAMILY.load_diffusion_models(cfg, seed=0).transformer,
+                      FAMILY.load_diffusion_models(cfg, seed=1).transformer,
                       boundary_ratio=BOUNDARY_RATIO, num_train_timesteps=FLOW.num_train_timesteps)
 
 
@@ -311,14 +314,14 @@ def test_a_bad_boundary_or_half_an_expert_pair_fails_in_one_line(exported_expert
     index = json.loads((folder / "model_index.json").read_text())
     (folder / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": None}))
     with pytest.raises(ValueError, match="transformer_2 and boundary_ratio go together"):
-        FAMILY.load_pretrained(folder)
+        load_pipeline_folder(FAMILY, folder)
     (folder / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 1.2}))
     with pytest.raises(ValueError, match="boundary_ratio must be a number in \\(0, 1\\)"):
         load_model(folder, components=("transformer",))
     (folder / "model_index.json").write_text(json.dumps(index))
     shutil.rmtree(folder / "transformer_2")
     with pytest.raises(FileNotFoundError, match="lacks transformer_2/"):
-        FAMILY.load_pretrained(folder)
+        load_pipeline_folder(FAMILY, folder)
 
 
 EXPERTS_CFG = dataclasses.replace(CFG, experts=ExpertsConfig(boundary_ratio=0.9))
@@ -326,7 +329,7 @@ EXPERTS_CFG = dataclasses.replace(CFG, experts=ExpertsConfig(boundary_ratio=0.9)
 
 def test_model_experts_builds_two_tiny_experts_and_the_transformer_alone_equals_the_whole_build():
     whole = FAMILY.build(EXPERTS_CFG, seed=3).transformer
-    alone = FAMILY.build_transformer(EXPERTS_CFG, seed=3)
+    alone = FAMILY.load_diffusion_models(EXPERTS_CFG, seed=3).transformer
     assert isinstance(whole, TwoExperts) and whole.boundary_timestep == 900.0
     assert whole.state_dict().keys() == alone.state_dict().keys()
     assert all(torch.equal(v, alone.state_dict()[k]) for k, v in whole.state_dict().items())
@@ -338,7 +341,7 @@ def test_model_experts_builds_two_tiny_experts_and_the_transformer_alone_equals_
 def test_each_expert_trains_only_on_the_samples_whose_timestep_falls_on_its_side():
     """One training step of 16 samples: the high-noise expert gets exactly the samples at timesteps >= 900, the
     low-noise one the rest, and each gets gradients from its own samples."""
-    experts = FAMILY.build_transformer(EXPERTS_CFG, seed=0)
+    experts = FAMILY.load_diffusion_models(EXPERTS_CFG, seed=0).transformer
     seen = {"high": [], "low": []}
     for name, expert in (("high", experts.transformer), ("low", experts.transformer_2)):
         expert.register_forward_pre_hook(lambda _, args, kwargs, name=name: seen[name].extend(
@@ -376,10 +379,10 @@ def test_a_folders_experts_must_be_the_configs_on_the_driver_and_at_build(export
             check_job_inputs(job)
         assert "\n" not in str(err.value)
         with pytest.raises(ValueError, match=message):
-            FAMILY.build_transformer(job.model, seed=0)
+            FAMILY.load_diffusion_models(job.model, seed=0).transformer
     matching = dataclasses.replace(CFG, init="pretrained", pretrained_path=str(two_dir),
                                    experts=ExpertsConfig(boundary_ratio=BOUNDARY_RATIO))
-    assert isinstance(FAMILY.build_transformer(matching, seed=0), TwoExperts)
+    assert isinstance(FAMILY.load_diffusion_models(matching, seed=0).transformer, TwoExperts)
 
 
 @pytest.mark.parametrize("experts, extra, message", [

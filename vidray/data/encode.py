@@ -482,18 +482,19 @@ def image_encoder_identity(image_encoder: Any, image_processor: Any) -> str:
 def vae_identity(model: dict[str, Any], seed: int) -> str:
     """The `latents_identity` of the VAE an `EncodeStage` of this model section (`ModelConfig` as a dict) and
     `train.seed` loads: the `vae_id` of its latent cache entries, with the VAE built alone
-    (`ModelFamily.build_vae`: a pretrained folder's `vae/` only, never the text encoder; a model with CLIP image
-    embeddings also its image encoder alone, `ModelFamily.build_image_encoder`). The decode operator
-    uses it to find cached latents before it decodes a clip (`vidray.data.pipeline.ClipLoader`). Raises what
-    `build_vae` raises for a bad model section."""
+    (`ModelFamily.load_latent_models`: a pretrained folder's `vae/` only, never the text encoder; a model with CLIP
+    image embeddings also its image encoder alone, `ModelFamily.load_condition_models(..., text=False)`). The
+    decode operator uses it to find cached latents before it decodes a clip (`vidray.data.pipeline.ClipLoader`).
+    Raises what `load_latent_models` raises for a bad model section."""
     from vidray.config import ModelConfig  # heavy: pydantic
     from vidray.models.registry import get_family  # heavy: torch, pydantic
 
     model_cfg = ModelConfig(**model)
     family = get_family(model_cfg.family)
-    vae_id = module_identity(family.build_vae(model_cfg, seed=int(seed)))
-    clip = family.build_image_encoder(model_cfg, seed=int(seed))  # Wan 2.1 I2V's CLIP (its own files only), or None
-    return latents_identity(vae_id, model, image_encoder_identity(*clip) if clip is not None else "")
+    vae_id = module_identity(family.load_latent_models(model_cfg, seed=int(seed)).vae)
+    clip = family.load_condition_models(model_cfg, seed=int(seed), text=False)  # Wan 2.1 I2V's CLIP alone, or None
+    return latents_identity(vae_id, model, "" if clip.image_encoder is None else
+                            image_encoder_identity(clip.image_encoder, clip.image_processor))
 
 
 def text_identity(model: dict[str, Any], seed: int) -> str:

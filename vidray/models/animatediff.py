@@ -32,7 +32,6 @@ folder may hold either layout: a `UNetMotionModel`, or a `UNet2DConditionModel` 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -48,8 +47,11 @@ from vidray.config import FlowConfig, ModelConfig
 from vidray.buckets import Bucket, validate_bucket
 from vidray.diffusion import ddim
 from vidray.diffusion.objectives import DDIM
-from vidray.models.base import Components, Encoders, ModelFamily
-from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
+from vidray.models.base import (Components, ConditionModels, DiffusionModels, LatentModels, ModelFamily,
+                                on_meta)
+from vidray.models.experts import pick_expert
+from vidray.models.folders import (meta_component, meta_module, pretrained_folder, require_pipeline_folder,
+                                   unused_parameter_names, unwrapped,
                                    write_pipeline_folder)
 from vidray.models.text_encoder import build_clip_text_encoder, text_hidden_size
 
@@ -391,73 +393,75 @@ class AnimateDiffFamily(ModelFamily):
 
     # 2. Modules.
 
-    def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
-        """`init: random` -> the `tiny` preset with `model_cfg.text_encoder` (`build_tiny`); `init: pretrained` ->
-        `load_pretrained(model_cfg.pretrained_path)`. `model.vae_path` replaces the VAE. The tokenizer pads to
-        `model.max_sequence_length` (its `model_max_length`, which the export carries)."""
-        folder = pretrained_folder(model_cfg, "animatediff")
-        components = load_pretrained(folder) if folder else build_tiny(model_cfg.text_encoder, seed=seed)
-        if model_cfg.vae_path:
-            components = dataclasses.replace(components, vae=load_vae_folder(model_cfg.vae_path))
-        _with_max_length(components.tokenizer, model_cfg.max_sequence_length)
-        return components
-
-    def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> UNetMotionModel:
-        """The UNetMotionModel alone, equal to `build(...).transformer`, without the VAE or the text encoder: the
-        tiny preset drawn first under `seed` (as in `build_tiny`); a folder's `unet/` (and `motion_adapter/`)."""
-        folder = pretrained_folder(model_cfg, "animatediff")
-        if folder is not None:
-            return _load_unet(_check_folder(folder))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            unet = _tiny_unet(model_cfg.text_encoder)
-        return _trainable(unet)
-
-    def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
-        """The VAE, text encoder and tokenizer alone (frozen), equal to `build`'s: a folder is loaded with
-        `unet=None, motion_adapter=None` (diffusers skips them); the tiny preset replays `build_tiny`."""
-        folder = pretrained_folder(model_cfg, "animatediff")
-        if folder is None:
-            c = self.build(model_cfg, seed=seed)
-            return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
-        _check_folder(folder)
-        pipe = AnimateDiffPipeline.from_pretrained(folder, unet=None, motion_adapter=None, local_files_only=True)
-        vae = load_vae_folder(model_cfg.vae_path) if model_cfg.vae_path else _frozen(pipe.vae)
-        return Encoders(vae=vae, text_encoder=_frozen(pipe.text_encoder),
-                        tokenizer=_with_max_length(pipe.tokenizer, model_cfg.max_sequence_length))
-
-    def build_text_encoder(self, model_cfg: ModelConfig, *, seed: int):
-        """The frozen text encoder and tokenizer alone, equal to `build_encoders`'s: a folder is loaded with
-        `unet=None, motion_adapter=None, vae=None`; the tiny preset builds the text encoder alone (it is drawn
-        first, in its own forked RNG, so it equals `build_tiny`'s)."""
+    def load_condition_models(self, model_cfg: ModelConfig, *, seed: int, text: bool = True, image: bool = True,
+                              meta: bool = False) -> ConditionModels:
+        """The frozen CLIP text encoder and tokenizer (AnimateDiff takes no image embeddings): a folder's (loaded
+        with `unet=None, motion_adapter=None, vae=None`), or the tiny preset's alone (drawn first, in its own forked
+        RNG, so it equals `build_tiny`'s). The tokenizer pads to `model.max_sequence_length` (its
+        `model_max_length`, which the export carries)."""
+        if not text:
+            return ConditionModels(text_encoder=None, tokenizer=None)
         folder = pretrained_folder(model_cfg, "animatediff")
         if folder is None:
             text_encoder, tokenizer = build_clip_text_encoder(model_cfg.text_encoder, seed=seed)
+            text_encoder = on_meta(text_encoder) if meta else text_encoder
         else:
             _check_folder(folder)
-            pipe = AnimateDiffPipeline.from_pretrained(folder, unet=None, motion_adapter=None, vae=None,
+            skip = dict(text_encoder=None) if meta else {}
+            pipe = AnimateDiffPipeline.from_pretrained(folder, unet=None, motion_adapter=None, vae=None, **skip,
                                                        local_files_only=True)
-            text_encoder, tokenizer = _frozen(pipe.text_encoder), pipe.tokenizer
-        return text_encoder, _with_max_length(tokenizer, model_cfg.max_sequence_length)
+            text_encoder = meta_component(folder, "text_encoder")[0] if meta else pipe.text_encoder
+            text_encoder, tokenizer = _frozen(text_encoder), pipe.tokenizer
+        return ConditionModels(text_encoder, _with_max_length(tokenizer, model_cfg.max_sequence_length))
 
-    def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKL:
-        """The frozen VAE alone, equal to `build_encoders(...).vae`: `model.vae_path`, else a folder's `vae/` loaded
-        by itself, else the tiny preset's (drawn under `seed` after the UNet, as in `build_tiny`)."""
+    def load_latent_models(self, model_cfg: ModelConfig, *, seed: int, trainable: bool = False,
+                           meta: bool = False) -> LatentModels:
+        """The frozen VAE: `model.vae_path`, else a folder's `vae/` loaded by itself, else the tiny preset's (drawn
+        under `seed` after the UNet, as in `build_tiny`). The VAE does not train here: `trainable` raises
+        NotImplementedError."""
+        if trainable:
+            raise NotImplementedError(f"the {self.name} family's VAE cannot be trained by vidray train-vae yet")
         if model_cfg.vae_path:
-            return load_vae_folder(model_cfg.vae_path)
+            if meta:
+                vae, weights = meta_module(AutoencoderKL, model_cfg.vae_path)
+                return LatentModels(_frozen(vae), weights)
+            return LatentModels(load_vae_folder(model_cfg.vae_path))
         folder = pretrained_folder(model_cfg, "animatediff")
         if folder is None:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 _tiny_unet(model_cfg.text_encoder)  # drawn first in build_tiny: replay it to reach the VAE's draws
                 vae = AutoencoderKL(**TINY_VAE)
-            return _frozen(vae)
+            return LatentModels(_frozen(on_meta(vae) if meta else vae))
         _check_folder(folder)
-        return load_vae_folder(folder / "vae")
+        if meta:
+            vae, weights = meta_module(AutoencoderKL, folder / "vae")
+            return LatentModels(_frozen(vae), weights)
+        return LatentModels(load_vae_folder(folder / "vae"))
 
-    def load_vae(self, path: str | Path) -> AutoencoderKL:
-        """`load_vae_folder`."""
-        return load_vae_folder(path)
+    def load_diffusion_models(self, model_cfg: ModelConfig, *, seed: int, expert: str | None = None,
+                              meta: bool = False) -> DiffusionModels:
+        """The UNetMotionModel (as `transformer`), without the VAE or the text encoder: the tiny preset drawn first
+        under `seed` (as in `build_tiny`); a folder's `unet/` (and `motion_adapter/`). `meta`: from the config of a
+        folder's `unet/` when it holds a UNetMotionModel (ValueError for an image UNet + motion adapter, whose
+        weights are two folders). AnimateDiff has no experts: `expert` raises ValueError (`pick_expert`)."""
+        if expert is not None:
+            pick_expert(None, expert)
+        folder = pretrained_folder(model_cfg, "animatediff")
+        if folder is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                unet = _tiny_unet(model_cfg.text_encoder)
+            return DiffusionModels(_trainable(on_meta(unet) if meta else unet))
+        folder = _check_folder(folder)
+        if not meta:
+            return DiffusionModels(_load_unet(folder))
+        if _read_json(folder / "unet" / "config.json")["_class_name"] != "UNetMotionModel":
+            raise ValueError(f"pretrained_path {str(folder)!r} holds an image UNet and a motion adapter: its weights "
+                             "are not one folder to shard from; save it as a UNetMotionModel or use scaling.strategy: "
+                             "ddp")
+        unet, weights = meta_module(UNetMotionModel, folder / "unet")
+        return DiffusionModels(_trainable(unet), weights)
 
     # 3. Encoding, the UNet call, decoding.
 
@@ -544,7 +548,3 @@ class AnimateDiffFamily(ModelFamily):
     def save_pipeline(self, components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
         """See module-level `save_pipeline`."""
         return save_pipeline(components, out_dir, flow)
-
-    def load_pretrained(self, path: str | Path) -> Components:
-        """See module-level `load_pretrained`."""
-        return load_pretrained(path)

@@ -2,7 +2,9 @@
 DiT + VAE + text encoder stack. Nothing outside `vidray/models/` knows a family's quirks; each family is one file
 (`easyanimate.py`, ...) implementing `ModelFamily`, registered in `registry.py`.
 
-What a family owns: building its modules (`build`, `build_transformer`, `build_encoders`, `load_pretrained`),
+What a family owns: loading its modules through three role loaders (`load_condition_models`: text and image
+encoders; `load_latent_models`: the VAE; `load_diffusion_models`: the transformer or one expert), each able to build
+on the meta device, which the base class composes (`build`, `build_encoders`),
 `encode_video` (latent normalisation included: EasyAnimate scales, Wan normalises per channel), `encode_prompt`,
 the image-to-video condition where the family has one (`image_inputs`, how many images a model takes, and
 `condition`, one call for a training clip's, an image's or the empty condition: a typed
@@ -28,9 +30,53 @@ from vidray.config import FlowConfig, ModelConfig
 from vidray.buckets import Bucket
 from vidray.diffusion.objectives import FlowMatching, Objective
 from vidray.models.conditioning import ImageCondition
-from vidray.models.experts import ExpertSlot, TwoExperts, pick_expert
+from vidray.models.experts import ExpertSlot, TwoExperts
 
-__all__ = ["Components", "Encoders", "ModelFamily"]
+__all__ = ["Components", "ConditionModels", "DiffusionModels", "Encoders", "LatentModels", "ModelFamily", "on_meta"]
+
+
+@dataclass
+class ConditionModels:
+    """What `ModelFamily.load_condition_models` gives: the frozen modules that turn a request's prompt (and image)
+    into the transformer's conditioning."""
+
+    text_encoder: torch.nn.Module | None
+    """Frozen text encoder (eval, requires_grad False); None when loaded with `text=False`."""
+    tokenizer: Any
+    """Its tokenizer (with a chat template; see `vidray.models.text_encoder`); None with `text=False`."""
+    image_encoder: torch.nn.Module | None = None
+    """Frozen image encoder of a model that takes image embeddings (Wan 2.1 I2V's `CLIPVisionModel`), else None
+    (also with `image=False`)."""
+    image_processor: Any = None
+    """Its image processor (`CLIPImageProcessor`), else None."""
+
+
+@dataclass
+class LatentModels:
+    """What `ModelFamily.load_latent_models` gives: the video VAE."""
+
+    vae: torch.nn.Module
+    """The VAE: frozen (eval, requires_grad False), or in train mode with gradients when loaded `trainable`."""
+    weights_folder: str | None = None
+    """On the meta device from a folder: the folder of its safetensors; else None."""
+
+
+@dataclass
+class DiffusionModels:
+    """What `ModelFamily.load_diffusion_models` gives: the trained denoiser."""
+
+    transformer: torch.nn.Module
+    """The transformer (UNet for AnimateDiff) in train mode: one module, one expert ("high"/"low") when asked, or
+    both experts as `vidray.models.experts.TwoExperts`."""
+    weights_folder: str | None = None
+    """On the meta device from a pretrained folder: the folder of its safetensors (what
+    `vidray.train.parallel.load_sharded_from_safetensors` reads); else None."""
+
+
+def on_meta(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` moved to the meta device (shapes, dtypes and modes kept, no storage): a role loader's `meta=True`
+    for a random preset, whose tiny modules are drawn and then dropped (a folder's are built from its configs)."""
+    return module.to("meta")
 
 
 @dataclass
@@ -107,9 +153,50 @@ class ModelFamily(abc.ABC):
         `objective` and `latent_shape` follow that model. Default: `self`."""
         return self
 
+    # Loading: three role loaders a family implements; `build` and `build_encoders` compose them (and
+    # `vidray.models.export.load_pipeline_folder`, a whole local pipeline folder whatever its task).
+
     @abc.abstractmethod
+    def load_condition_models(self, model_cfg: ModelConfig, *, seed: int, text: bool = True, image: bool = True,
+                              meta: bool = False) -> ConditionModels:
+        """The frozen text encoder and tokenizer (`text`) and, for a model that takes image embeddings
+        (`model.i2v.image_encoder`: Wan 2.1 I2V's CLIP), its image encoder and processor (`image`; else None):
+        the random preset's drawn under `seed` (as `build` draws them), or `model.pretrained_path`'s, nothing else
+        of the folder read. `meta`: on the meta device (shapes, no weights; a folder's from its configs).
+        Raises ValueError for an unknown init or preset or an empty path, FileNotFoundError naming a folder that is
+        not one the family loads."""
+
+    @abc.abstractmethod
+    def load_latent_models(self, model_cfg: ModelConfig, *, seed: int, trainable: bool = False,
+                           meta: bool = False) -> LatentModels:
+        """The frozen VAE: `model.vae_path` when set, else the random preset's (drawn under `seed` as `build` draws
+        it) or `model.pretrained_path`'s `vae/` alone (what `vidray.data.encode.vae_identity` hashes). `trainable`:
+        the VAE `vidray train-vae` trains (`vidray.train.vae`), in train mode with gradients, the one `init` gives,
+        never `model.vae_path`; a family whose VAE does not train here raises NotImplementedError naming it (a
+        one-line UserError in `train-vae`). `meta`: on the meta device (shapes, no weights), with the folder of its
+        weights when from a folder."""
+
+    @abc.abstractmethod
+    def load_diffusion_models(self, model_cfg: ModelConfig, *, seed: int, expert: str | None = None,
+                              meta: bool = False) -> DiffusionModels:
+        """The trainable transformer in train mode, without the VAE or the text encoder: the random preset's drawn
+        under `seed` (as `build` draws it), or `model.pretrained_path`'s; both experts as `TwoExperts` for
+        `model.experts`, or the one `expert` ("high": diffusers' `transformer`, "low": `transformer_2`) alone, the
+        other never held (what a serving stage of one expert loads). `meta`: on the meta device (shapes, no
+        weights; a folder's from its config) with the folder of its safetensors (`weights_folder`), what FSDP's
+        sharded load reads. Raises ValueError (`pick_expert`) for another expert name or a model without experts,
+        ValueError naming the family and the fix for a meta build it cannot give."""
+
     def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
-        """Random init of `model_cfg.preset` under `seed`, or load `model_cfg.pretrained_path` (local folder)."""
+        """Every module of the model `model_cfg` names (random init of `model_cfg.preset` under `seed`, or
+        `model_cfg.pretrained_path`, a local folder; `model.vae_path` replaces the VAE): the three role loaders'.
+        Raises as they do."""
+        condition = self.load_condition_models(model_cfg, seed=seed)
+        latent = self.load_latent_models(model_cfg, seed=seed)
+        diffusion = self.load_diffusion_models(model_cfg, seed=seed)
+        return Components(transformer=diffusion.transformer, vae=latent.vae, text_encoder=condition.text_encoder,
+                          tokenizer=condition.tokenizer, image_encoder=condition.image_encoder,
+                          image_processor=condition.image_processor)
 
     def image_inputs(self, info: Any) -> int:
         """How many images the model that `info` (`vidray.models.export.ModelInfo`, configs only, no weights)
@@ -148,52 +235,10 @@ class ModelFamily(abc.ABC):
         None, the family has no image-to-video model (`vidray.models.registry` refuses a card that claims one)."""
         return None
 
-    def build_image_encoder(self, model_cfg: ModelConfig, *, seed: int) -> tuple[torch.nn.Module, Any] | None:
-        """The frozen image encoder and its processor alone, equal to `build_encoders`'s, or None for a model that
-        takes no image embeddings (what `vidray.data.encode.vae_identity` hashes with the VAE). Default: None."""
-        return None
-
     def check_trainable(self, model_cfg: ModelConfig) -> None:
         """Raise ValueError (one line: what and the fix) when `model_cfg` names a model the family loads, samples and
         serves but cannot train here; what `vidray train` checks on the driver before anything is reserved.
         Default: every model the family builds trains."""
-
-    def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> torch.nn.Module:
-        """The trainable transformer alone (what a DiT trainer loads), equal to `build(...).transformer`.
-        Default: `build` and drop the rest; families override it to skip loading the VAE and text encoder."""
-        return self.build(model_cfg, seed=seed).transformer
-
-    def build_expert(self, model_cfg: ModelConfig, *, seed: int, expert: str) -> torch.nn.Module:
-        """One expert of a two-expert model (`model.experts`, `vidray.models.experts.TwoExperts`): "high"
-        (diffusers' `transformer`) or "low" (`transformer_2`), what a serving stage of one expert loads. Default:
-        `build_transformer` (both experts) and keep the one; a family that loads a folder's experts one by one
-        overrides it, so a stage never holds the other expert. Raises ValueError (`pick_expert`) for another name
-        or a model without experts."""
-        return pick_expert(self.build_transformer(model_cfg, seed=seed), expert)
-
-    def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
-        """The frozen VAE, text encoder and tokenizer alone (what the encode stages load), equal to `build`'s.
-        Default: `build` and drop the transformer."""
-        c = self.build(model_cfg, seed=seed)
-        return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
-
-    def build_text_encoder(self, model_cfg: ModelConfig, *, seed: int) -> tuple[torch.nn.Module, Any]:
-        """The frozen text encoder and its tokenizer alone, equal to `build_encoders`'s (what serving's text stage
-        loads). Default: `build_encoders` and drop the VAE; families override it to skip loading the VAE."""
-        encoders = self.build_encoders(model_cfg, seed=seed)
-        return encoders.text_encoder, encoders.tokenizer
-
-    def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> torch.nn.Module:
-        """The frozen VAE alone, equal to `build_encoders(...).vae` (what `vidray.data.encode.vae_identity` hashes
-        to name the latent cache's entries). Default: `build_encoders` and drop the text encoder; families
-        override it to skip loading the text encoder."""
-        return self.build_encoders(model_cfg, seed=seed).vae
-
-    def build_trainable_vae(self, model_cfg: ModelConfig, *, seed: int) -> torch.nn.Module:
-        """The VAE that `vidray train-vae` trains (`vidray.train.vae`), in train mode with gradients: the one
-        `init` gives (the preset's under `seed`, or a pretrained folder's `vae/`), never `model.vae_path`. The
-        default says the family's VAE does not train here (raised as a one-line UserError by `train-vae`)."""
-        raise NotImplementedError(f"the {self.name} family's VAE cannot be trained by vidray train-vae yet")
 
     @abc.abstractmethod
     def encode_video(self, vae: torch.nn.Module, video: torch.Tensor) -> torch.Tensor:
@@ -212,11 +257,6 @@ class ModelFamily(abc.ABC):
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """B prompts -> prompt_embeds (B, L, D) float32 and prompt_attention_mask (B, L) bool, L =
         max_sequence_length, as the family's pipeline encodes them, on `device` (default: the text encoder's)."""
-
-    def load_vae(self, path: str | Path) -> torch.nn.Module:
-        """The frozen VAE of a local diffusers VAE folder (what `vidray train-vae` writes, what `model.vae_path`
-        names). The default says the family has none to load; families override it."""
-        raise NotImplementedError(f"the {self.name} family cannot load a VAE folder (model.vae_path) yet")
 
     @abc.abstractmethod
     def predict(
@@ -262,21 +302,6 @@ class ModelFamily(abc.ABC):
         lists = [getattr(module, attribute, None) if attribute else None for module in modules]
         return lists if all(isinstance(blocks, torch.nn.ModuleList) for blocks in lists) else None
 
-    def build_transformer_on_meta(self, model_cfg: ModelConfig) -> tuple[torch.nn.Module, str]:
-        """(the pretrained transformer built on the meta device from its folder's config: shapes, no weights; the
-        folder of its safetensors), for sharded training (`vidray.train.parallel.load_sharded_from_safetensors`).
-        Families that train large pretrained models with FSDP override it; the default raises ValueError naming
-        the family (the config refuses the combination at load unless the card says `meta_build`)."""
-        raise ValueError(f"model.init: pretrained with scaling.strategy: fsdp is not supported for {self.name} yet: "
-                         "use scaling.strategy: ddp")
-
-    def build_expert_on_meta(self, model_cfg: ModelConfig, *, expert: str) -> tuple[torch.nn.Module, str]:
-        """One expert of a pretrained two-expert folder on the meta device and the folder of its safetensors (what
-        `build_transformer_on_meta` is for one transformer): for FSDP within an expert's worker group. Families
-        with a two-expert model override it; the default raises ValueError naming the family."""
-        raise ValueError(f"model.experts with model.init: pretrained and scaling.strategy: fsdp is not supported for "
-                         f"{self.name}: use scaling.strategy: ddp")
-
     def restore_buffers(self, transformer: torch.nn.Module) -> None:
         """Re-create the non-persistent buffers (no weights file holds them) of a transformer built on the meta
         device and materialised with `to_empty` (their values are garbage then). Default: none to restore."""
@@ -290,6 +315,10 @@ class ModelFamily(abc.ABC):
     def save_pipeline(self, components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
         """Write a complete diffusers pipeline folder that the stock pipeline class loads offline."""
 
-    @abc.abstractmethod
-    def load_pretrained(self, path: str | Path) -> Components:
-        """Load components from a local diffusers folder (never a hub id)."""
+    def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
+        """The frozen VAE, text encoder and tokenizer (and image encoder and processor, for a model that takes image
+        embeddings) alone, equal to `build`'s: what the encode stages load (`vidray.data.encode`)."""
+        condition = self.load_condition_models(model_cfg, seed=seed)
+        return Encoders(vae=self.load_latent_models(model_cfg, seed=seed).vae, text_encoder=condition.text_encoder,
+                        tokenizer=condition.tokenizer, image_encoder=condition.image_encoder,
+                        image_processor=condition.image_processor)

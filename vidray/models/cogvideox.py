@@ -65,7 +65,6 @@ Not here yet: `model.preset` has no 1.5 tiny preset (it is reached as a folder).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -87,10 +86,12 @@ from vidray.buckets import Bucket, validate_bucket
 from vidray.diffusion import ddim
 from vidray.diffusion.objectives import DDIM
 from vidray.errors import UserError
-from vidray.models.base import Components, Encoders, ModelFamily
+from vidray.models.base import (Components, ConditionModels, DiffusionModels, LatentModels, ModelFamily,
+                                on_meta)
 from vidray.models.conditioning import ImageCondition, clip_condition, over_batch, takes_image
-from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
-                                   write_pipeline_folder)
+from vidray.models.experts import pick_expert
+from vidray.models.folders import (meta_component, meta_module, pretrained_folder, require_pipeline_folder,
+                                   unused_parameter_names, unwrapped, write_pipeline_folder)
 from vidray.models.text_encoder import build_t5_text_encoder, t5_text_width
 from vidray.models.vae import decode_latents, encode_video
 
@@ -731,24 +732,6 @@ class CogVideoXFamily(ModelFamily):
 
     # 2. Modules.
 
-    def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
-        """`init: random` -> the `tiny` preset with `model_cfg.text_encoder` (`build_tiny`; `model.i2v`: its
-        image-to-video transformer); `init: pretrained` -> `load_pretrained(model_cfg.pretrained_path)`, a T2V folder
-        for `model.i2v` null, an I2V one for `model.i2v` set (else a one-line ValueError naming the folder).
-        `model.vae_path` replaces the VAE. The transformer carries the model's scheduler config
-        (`scheduler_config_of`): `for_model(model_cfg)` is its family."""
-        _check_condition(model_cfg)
-        folder = pretrained_folder(model_cfg, "cogvideox")
-        if folder is not None:
-            components = load_pretrained(_check_folder(folder, model_cfg))
-        else:
-            components = build_tiny(model_cfg.text_encoder, seed=seed, i2v=model_cfg.i2v is not None)
-        if model_cfg.vae_path:
-            vae = load_vae_folder(model_cfg.vae_path)
-            _check_layout(components.transformer.config, vae.config, f"model.vae_path {model_cfg.vae_path!r}")
-            components = dataclasses.replace(components, vae=vae)
-        return components
-
     def check_trainable(self, model_cfg: ModelConfig) -> None:
         """What `vidray train` checks on the driver before anything is reserved: `model.i2v.condition` is `first`,
         and a pretrained folder's configs (no weights read) are ones the family runs (`_check_folder`: its scheduler,
@@ -759,64 +742,85 @@ class CogVideoXFamily(ModelFamily):
         if folder is not None:
             _check_folder(folder, model_cfg)
 
-    def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> CogVideoXTransformer3DModel:
-        """The transformer alone, equal to `build(...).transformer`, without the VAE or the text encoder: the tiny
-        preset drawn first under `seed` (as in `build_tiny`); a folder's `transformer/` alone (its task checked
-        against `model.i2v`, as in `build`), carrying the model's scheduler config (`scheduler_config_of`)."""
+    def load_condition_models(self, model_cfg: ModelConfig, *, seed: int, text: bool = True, image: bool = True,
+                              meta: bool = False) -> ConditionModels:
+        """The frozen T5 text encoder and tokenizer (CogVideoX takes no image embeddings): a folder's (checked by
+        `_check_folder`; transformer and VAE not read), or the tiny preset's drawn under `seed` as in `build_tiny`."""
+        _check_condition(model_cfg)
+        if not text:
+            return ConditionModels(text_encoder=None, tokenizer=None)
+        folder = pretrained_folder(model_cfg, "cogvideox")
+        if folder is None:
+            text_encoder, tokenizer = build_t5_text_encoder(model_cfg.text_encoder, variant="t5", seed=seed)
+            return ConditionModels(on_meta(text_encoder) if meta else text_encoder, tokenizer)
+        _check_folder(folder, model_cfg)
+        skip = dict(text_encoder=None) if meta else {}
+        pipe = _pipeline_class(folder).from_pretrained(folder, transformer=None, vae=None, **skip,
+                                                       local_files_only=True)
+        text_encoder = meta_component(folder, "text_encoder")[0] if meta else pipe.text_encoder
+        return ConditionModels(text_encoder.eval().requires_grad_(False), pipe.tokenizer)
+
+    def load_latent_models(self, model_cfg: ModelConfig, *, seed: int, trainable: bool = False,
+                           meta: bool = False) -> LatentModels:
+        """The frozen VAE: `model.vae_path` (its layout checked against the model's transformer config:
+        `_check_layout`), else a folder's `vae/` loaded by itself (T5 is not read), else the tiny preset's (drawn
+        under `seed` after the transformer, as in `build_tiny`). The CogVideoX VAE does not train here:
+        `trainable` raises NotImplementedError."""
+        if trainable:
+            raise NotImplementedError(f"the {self.name} family's VAE cannot be trained by vidray train-vae yet")
         _check_condition(model_cfg)
         folder = pretrained_folder(model_cfg, "cogvideox")
         if folder is not None:
             _check_folder(folder, model_cfg)
-            transformer = CogVideoXTransformer3DModel.from_pretrained(folder, subfolder="transformer",
-                                                                      local_files_only=True)
+        if model_cfg.vae_path:
+            if meta:
+                vae, weights = meta_module(AutoencoderKLCogVideoX, model_cfg.vae_path)
+                vae = vae.eval().requires_grad_(False)
+            else:
+                vae, weights = load_vae_folder(model_cfg.vae_path), None
+            transformer_config = (dict(TINY_I2V_TRANSFORMER if model_cfg.i2v is not None else TINY_TRANSFORMER)
+                                  if folder is None else CogVideoXTransformer3DModel.load_config(
+                                      folder, subfolder="transformer", local_files_only=True))
+            _check_layout(transformer_config, vae.config, f"model.vae_path {model_cfg.vae_path!r}")
+            return LatentModels(vae, weights)
+        if folder is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                _tiny_transformer(model_cfg.text_encoder, i2v=model_cfg.i2v is not None)  # drawn first in build_tiny
+                vae = AutoencoderKLCogVideoX(**TINY_VAE)
+            return LatentModels((on_meta(vae) if meta else vae).eval().requires_grad_(False))
+        if meta:
+            vae, weights = meta_component(folder, "vae")
+        else:
+            vae, weights = AutoencoderKLCogVideoX.from_pretrained(folder, subfolder="vae", local_files_only=True), None
+        _check_vae(vae, str(folder))
+        return LatentModels(vae.eval().requires_grad_(False), weights)
+
+    def load_diffusion_models(self, model_cfg: ModelConfig, *, seed: int, expert: str | None = None,
+                              meta: bool = False) -> DiffusionModels:
+        """The transformer, without the VAE or the text encoder: the tiny preset drawn first under `seed` (as in
+        `build_tiny`); a folder's `transformer/` alone (its task checked against `model.i2v`), carrying the model's
+        scheduler config (`scheduler_config_of`). `meta`: from its config (a folder's `transformer/config.json`,
+        with that folder). CogVideoX has no experts: `expert` raises ValueError (`pick_expert`)."""
+        if expert is not None:
+            pick_expert(None, expert)
+        _check_condition(model_cfg)
+        folder = pretrained_folder(model_cfg, "cogvideox")
+        if folder is not None:
+            _check_folder(folder, model_cfg)
+            if meta:
+                transformer, weights = meta_component(folder, "transformer")
+            else:
+                transformer, weights = CogVideoXTransformer3DModel.from_pretrained(
+                    folder, subfolder="transformer", local_files_only=True), None
             _attach_scheduler_config(transformer, folder_scheduler_config(folder))
-            return transformer.train()
+            return DiffusionModels(transformer.train(), weights)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             transformer = _tiny_transformer(model_cfg.text_encoder, i2v=model_cfg.i2v is not None)
+        transformer = on_meta(transformer) if meta else transformer
         _attach_scheduler_config(transformer, SCHEDULER_CONFIG)
-        return transformer.train()
-
-    def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
-        """The VAE, text encoder and tokenizer alone (frozen), equal to `build`'s: a folder is loaded with
-        `transformer=None` (diffusers skips it); the tiny preset replays `build_tiny`."""
-        folder = pretrained_folder(model_cfg, "cogvideox")
-        if folder is None:
-            c = self.build(model_cfg, seed=seed)
-            return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
-        _check_folder(folder, model_cfg)
-        pipe = _pipeline_class(folder).from_pretrained(folder, transformer=None, local_files_only=True)
-        _check_vae(pipe.vae, str(folder))
-        vae = load_vae_folder(model_cfg.vae_path) if model_cfg.vae_path else pipe.vae.eval().requires_grad_(False)
-        return Encoders(vae=vae, text_encoder=pipe.text_encoder.eval().requires_grad_(False),
-                        tokenizer=pipe.tokenizer)
-
-    def build_text_encoder(self, model_cfg: ModelConfig, *, seed: int):
-        """The frozen T5 text encoder and tokenizer alone, equal to `build_encoders`'s: a folder is loaded with
-        `transformer=None, vae=None`; the tiny preset replays `build_tiny`."""
-        folder = pretrained_folder(model_cfg, "cogvideox")
-        if folder is None:
-            return super().build_text_encoder(model_cfg, seed=seed)
-        _check_folder(folder, model_cfg)
-        pipe = _pipeline_class(folder).from_pretrained(folder, transformer=None, vae=None, local_files_only=True)
-        return pipe.text_encoder.eval().requires_grad_(False), pipe.tokenizer
-
-    def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLCogVideoX:
-        """The frozen VAE alone, equal to `build_encoders(...).vae`: `model.vae_path`, else a folder's `vae/` loaded
-        by itself (T5 is not read), else the tiny preset's (replaying `build_tiny`)."""
-        if model_cfg.vae_path:
-            return load_vae_folder(model_cfg.vae_path)
-        folder = pretrained_folder(model_cfg, "cogvideox")
-        if folder is None:
-            return self.build_encoders(model_cfg, seed=seed).vae
-        _check_folder(folder, model_cfg)
-        vae = AutoencoderKLCogVideoX.from_pretrained(folder, subfolder="vae", local_files_only=True)
-        _check_vae(vae, str(folder))
-        return vae.eval().requires_grad_(False)
-
-    def load_vae(self, path: str | Path) -> AutoencoderKLCogVideoX:
-        """`load_vae_folder`."""
-        return load_vae_folder(path)
+        return DiffusionModels(transformer.train())
 
     # 3. Encoding, the transformer call, decoding.
 
@@ -1015,7 +1019,3 @@ class CogVideoXFamily(ModelFamily):
     def save_pipeline(self, components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
         """See module-level `save_pipeline` (this family's scheduler config for a transformer that carries none)."""
         return save_pipeline(components, out_dir, flow, scheduler_config=self.scheduler_config)
-
-    def load_pretrained(self, path: str | Path) -> Components:
-        """See module-level `load_pretrained`."""
-        return load_pretrained(path)

@@ -19,7 +19,6 @@ as a stock `EasyAnimateInpaintPipeline` folder.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -33,11 +32,13 @@ from vidray.models.offload import compute_dtype, execution_device
 from vidray.models.storage import input_dtype
 from vidray.config import FlowConfig, ModelConfig
 from vidray.buckets import Bucket, validate_bucket
-from vidray.models.base import Components, Encoders, ModelFamily
+from vidray.models.base import (Components, ConditionModels, DiffusionModels, LatentModels, ModelFamily,
+                                on_meta)
 from vidray.models.conditioning import (ImageCondition, clip_condition, generate_mask, image_to_video, masked_video,
                                        over_batch, takes_image)
-from vidray.models.folders import (require_pipeline_folder, unused_parameter_names, unwrapped,
-                                   write_pipeline_folder)
+from vidray.models.experts import pick_expert
+from vidray.models.folders import (meta_component, meta_module, pretrained_folder, require_pipeline_folder,
+                                   unused_parameter_names, unwrapped, write_pipeline_folder)
 from vidray.models.text_encoder import build_text_encoder, encode_prompts, ensure_chat_template, text_hidden_size
 from vidray.models.vae import decode_latents, encode_video
 
@@ -188,13 +189,6 @@ def load_vae_folder(path: str | Path) -> AutoencoderKLMagvit:
     vae = AutoencoderKLMagvit.from_pretrained(path, local_files_only=True)
     _check_vae(vae, str(path))
     return vae.eval().requires_grad_(False)
-
-
-def _with_vae_path(components: Components, model_cfg: ModelConfig) -> Components:
-    """`components` with the VAE of `model.vae_path` in place of theirs, when it is set."""
-    if not model_cfg.vae_path:
-        return components
-    return dataclasses.replace(components, vae=load_vae_folder(model_cfg.vae_path))
 
 
 def _tiny_vae() -> AutoencoderKLMagvit:
@@ -356,114 +350,92 @@ class EasyAnimateFamily(ModelFamily):
     spatial_multiple = SPATIAL_COMPRESSION_RATIO * PATCH_SIZE
     example_bucket = (5, 32, 32)
 
-    def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
-        """`init: random` -> the preset (only `tiny`) with `model_cfg.text_encoder`; `init: pretrained` ->
-        `load_pretrained(model_cfg.pretrained_path)` (the folder's own text encoder; `text_encoder` is ignored)."""
-        return _with_vae_path(self._build(model_cfg, seed=seed), model_cfg)
+    # Loading: the three role loaders (`ModelFamily`).
 
-    def _build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
-        if model_cfg.init == "pretrained":
-            if not model_cfg.pretrained_path:
-                raise ValueError("model.init is 'pretrained' but model.pretrained_path is empty")
-            components = load_pretrained(model_cfg.pretrained_path)
-            _check_task(components.transformer, model_cfg, f"model.pretrained_path {model_cfg.pretrained_path}")
-            return components
-        if model_cfg.init != "random":
-            raise ValueError(f"unknown model.init {model_cfg.init!r}; valid: random, pretrained")
-        if model_cfg.preset == "tiny":
-            return build_tiny(model_cfg.text_encoder, seed=seed, i2v=model_cfg.i2v is not None)
-        raise ValueError(f"unknown easyanimate preset {model_cfg.preset!r}; valid: tiny")
+    def _folder(self, model_cfg: ModelConfig) -> Path | None:
+        """`model.pretrained_path` as a pipeline folder (`model_index.json` checked: FileNotFoundError naming the
+        fix), or None for the tiny preset. Raises ValueError for an unknown init or preset or an empty path."""
+        folder = pretrained_folder(model_cfg, "easyanimate")
+        return None if folder is None else require_pipeline_folder(folder, "EasyAnimatePipeline")
 
-    def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> EasyAnimateTransformer3DModel:
-        """The transformer alone, equal to `build(model_cfg, seed=seed).transformer` without loading the VAE or
-        the text encoder: the tiny preset is initialised first under `seed` (as in `build_tiny`), with
-        `text_embed_dim` from the text encoder's config; a pretrained folder's `transformer/` is loaded alone."""
-        if model_cfg.init == "pretrained":
-            if not model_cfg.pretrained_path:
-                raise ValueError("model.init is 'pretrained' but model.pretrained_path is empty")
-            path = Path(model_cfg.pretrained_path)
-            if not (path / "model_index.json").is_file():
-                return load_pretrained(path).transformer  # raises the FileNotFoundError that names the fix
-            transformer = EasyAnimateTransformer3DModel.from_pretrained(path, subfolder="transformer",
-                                                                        local_files_only=True)
-            _check_inpaint_transformer(transformer, str(path))
-            _check_task(transformer, model_cfg, f"model.pretrained_path {path}")
-            return transformer.train()
-        if model_cfg.init != "random":
-            raise ValueError(f"unknown model.init {model_cfg.init!r}; valid: random, pretrained")
-        if model_cfg.preset != "tiny":
-            raise ValueError(f"unknown easyanimate preset {model_cfg.preset!r}; valid: tiny")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            transformer = _tiny_transformer(text_hidden_size(model_cfg.text_encoder), i2v=model_cfg.i2v is not None)
-        return transformer.train()
+    def load_condition_models(self, model_cfg: ModelConfig, *, seed: int, text: bool = True, image: bool = True,
+                              meta: bool = False) -> ConditionModels:
+        """The frozen text encoder and tokenizer (EasyAnimate takes no image embeddings): a folder's `text_encoder/`
+        and `tokenizer/` (the transformer and VAE not read), or `model.text_encoder` drawn under `seed` as in
+        `build_tiny`; `model_cfg.text_encoder` is ignored for a folder."""
+        if not text:
+            return ConditionModels(text_encoder=None, tokenizer=None)
+        folder = self._folder(model_cfg)
+        if folder is None:
+            text_encoder, tokenizer = build_text_encoder(model_cfg.text_encoder, seed=seed)
+            return ConditionModels(text_encoder=on_meta(text_encoder) if meta else text_encoder, tokenizer=tokenizer)
+        if meta:
+            text_encoder, _ = meta_component(folder, "text_encoder")
+            tokenizer = _pipeline_class(folder).from_pretrained(folder, transformer=None, vae=None, text_encoder=None,
+                                                                local_files_only=True).tokenizer
+            return ConditionModels(text_encoder=text_encoder.eval().requires_grad_(False),
+                                   tokenizer=ensure_chat_template(tokenizer))
+        pipe = _pipeline_class(folder).from_pretrained(folder, transformer=None, vae=None, local_files_only=True)
+        return ConditionModels(text_encoder=pipe.text_encoder.eval().requires_grad_(False),
+                               tokenizer=ensure_chat_template(pipe.tokenizer))
 
-    def build_transformer_on_meta(self, model_cfg: ModelConfig) -> tuple[EasyAnimateTransformer3DModel, str]:
-        """(the pretrained transformer built on the meta device from its `config.json`: shapes, no weights; the
-        folder of its safetensors), for sharded training (`vidray.train.parallel.load_sharded_from_safetensors`).
-        `model.pretrained_path`: a pipeline folder (its `transformer/`) or a transformer folder. Raises
-        FileNotFoundError naming the folder when it holds no transformer config."""
-        path = Path(model_cfg.pretrained_path or "")
-        folder = path / "transformer" if (path / "model_index.json").is_file() else path
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"model.pretrained_path: {folder} has no config.json: give a diffusers pipeline "
-                                    "folder (model_index.json, transformer/) or its transformer folder")
-        config = EasyAnimateTransformer3DModel.load_config(str(folder))
-        with torch.device("meta"):
-            transformer = EasyAnimateTransformer3DModel.from_config(config)
-        return transformer.train(), str(folder)
-
-    def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
-        """The VAE, text encoder and tokenizer alone (frozen), equal to `build`'s: a pretrained folder is loaded
-        with `transformer=None` (diffusers skips that component); the tiny preset replays `build_tiny`."""
-        if model_cfg.init == "pretrained" and model_cfg.pretrained_path and \
-                (Path(model_cfg.pretrained_path) / "model_index.json").is_file():
-            pipe = _pipeline_class(model_cfg.pretrained_path).from_pretrained(
-                model_cfg.pretrained_path, transformer=None, local_files_only=True)
-            _check_vae(pipe.vae, str(model_cfg.pretrained_path))
-            vae = load_vae_folder(model_cfg.vae_path) if model_cfg.vae_path else pipe.vae
-            return Encoders(vae=vae.eval().requires_grad_(False),
-                            text_encoder=pipe.text_encoder.eval().requires_grad_(False),
-                            tokenizer=ensure_chat_template(pipe.tokenizer))
-        c = self.build(model_cfg, seed=seed)
-        return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer)
-
-    def build_text_encoder(self, model_cfg: ModelConfig, *, seed: int):
-        """The frozen text encoder and tokenizer alone, equal to `build_encoders`'s: a pretrained folder is loaded
-        with `transformer=None, vae=None` (diffusers skips both); the tiny preset replays `build_tiny`."""
-        if model_cfg.init == "pretrained" and model_cfg.pretrained_path and \
-                (Path(model_cfg.pretrained_path) / "model_index.json").is_file():
-            pipe = _pipeline_class(model_cfg.pretrained_path).from_pretrained(
-                model_cfg.pretrained_path, transformer=None, vae=None, local_files_only=True)
-            return pipe.text_encoder.eval().requires_grad_(False), ensure_chat_template(pipe.tokenizer)
-        return super().build_text_encoder(model_cfg, seed=seed)
-
-    def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLMagvit:
-        """The frozen VAE alone, equal to `build_encoders(...).vae`: a pretrained folder's `vae/` is loaded by
-        itself (no text encoder read); the tiny preset replays `build_tiny`."""
-        if model_cfg.vae_path:
-            return load_vae_folder(model_cfg.vae_path)
-        if model_cfg.init == "pretrained" and model_cfg.pretrained_path and \
-                (Path(model_cfg.pretrained_path) / "model_index.json").is_file():
-            vae = AutoencoderKLMagvit.from_pretrained(model_cfg.pretrained_path, subfolder="vae",
-                                                      local_files_only=True)
-            _check_vae(vae, str(model_cfg.pretrained_path))
-            return vae.eval().requires_grad_(False)
-        return self.build_encoders(model_cfg, seed=seed).vae
-
-    def build_trainable_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLMagvit:
-        """The VAE `init` gives (TINY_VAE under `seed`, as `build_tiny` draws it, or the pretrained folder's
-        `vae/`), in train mode with gradients; `model.vae_path` is ignored (`ModelFamily.build_trainable_vae`)."""
-        cfg = dataclasses.replace(model_cfg, vae_path=None)
-        if model_cfg.init == "random" and model_cfg.preset == "tiny":
+    def load_latent_models(self, model_cfg: ModelConfig, *, seed: int, trainable: bool = False,
+                           meta: bool = False) -> LatentModels:
+        """The frozen VAE: `model.vae_path` (`load_vae_folder`), else a folder's `vae/` alone, else TINY_VAE drawn
+        under `seed` after the transformer, as `build_tiny` draws it. `trainable`: the one `init` gives (never
+        `model.vae_path`) in train mode with gradients."""
+        if model_cfg.vae_path and not trainable:
+            if meta:
+                vae, folder = meta_module(AutoencoderKLMagvit, model_cfg.vae_path)
+                return LatentModels(vae=vae.eval().requires_grad_(False), weights_folder=folder)
+            return LatentModels(vae=load_vae_folder(model_cfg.vae_path))
+        folder = self._folder(model_cfg)
+        weights_folder = None
+        if folder is None:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 _tiny_transformer(text_hidden_size(model_cfg.text_encoder),
                                   i2v=model_cfg.i2v is not None)  # drawn first in build_tiny: the VAE's init follows it
                 vae = _tiny_vae()
+            vae = on_meta(vae) if meta else vae
+        elif meta:
+            vae, weights_folder = meta_component(folder, "vae")
         else:
-            vae = self.build_vae(cfg, seed=seed)
-        return vae.train().requires_grad_(True)
+            vae = AutoencoderKLMagvit.from_pretrained(folder, subfolder="vae", local_files_only=True)
+        _check_vae(vae, str(folder or "the tiny preset"))
+        vae = vae.train().requires_grad_(True) if trainable else vae.eval().requires_grad_(False)
+        return LatentModels(vae=vae, weights_folder=weights_folder)
+
+    def load_diffusion_models(self, model_cfg: ModelConfig, *, seed: int, expert: str | None = None,
+                              meta: bool = False) -> DiffusionModels:
+        """The transformer: the tiny preset drawn first under `seed` (as in `build_tiny`), with `text_embed_dim`
+        from the text encoder's config; a pretrained folder's `transformer/` alone (its task checked against
+        `model.i2v`). `meta`: from a pipeline folder's `transformer/config.json` or a transformer folder's
+        `config.json` (FileNotFoundError naming the folder when it has none), with that folder. EasyAnimate has no
+        experts: `expert` raises ValueError (`pick_expert`)."""
+        if expert is not None:
+            pick_expert(None, expert)
+        if meta and model_cfg.init == "pretrained":
+            path = Path(model_cfg.pretrained_path or "")
+            folder = path / "transformer" if (path / "model_index.json").is_file() else path
+            if not (folder / "config.json").is_file():
+                raise FileNotFoundError(f"model.pretrained_path: {folder} has no config.json: give a diffusers "
+                                        "pipeline folder (model_index.json, transformer/) or its transformer folder")
+            config = EasyAnimateTransformer3DModel.load_config(str(folder))
+            with torch.device("meta"):
+                transformer = EasyAnimateTransformer3DModel.from_config(config)
+            return DiffusionModels(transformer=transformer.train(), weights_folder=str(folder))
+        folder = self._folder(model_cfg)
+        if folder is not None:
+            transformer = EasyAnimateTransformer3DModel.from_pretrained(folder, subfolder="transformer",
+                                                                        local_files_only=True)
+            _check_inpaint_transformer(transformer, str(folder))
+            _check_task(transformer, model_cfg, f"model.pretrained_path {folder}")
+            return DiffusionModels(transformer=transformer.train())
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            transformer = _tiny_transformer(text_hidden_size(model_cfg.text_encoder), i2v=model_cfg.i2v is not None)
+        return DiffusionModels(transformer=(on_meta(transformer) if meta else transformer).train())
 
     def encode_video(self, vae: AutoencoderKLMagvit, video: torch.Tensor) -> torch.Tensor:
         """`vidray.models.vae.encode_video`: posterior mode * scaling_factor, (B, 16, (F-1)//4+1, H//8, W//8)."""
@@ -480,9 +452,6 @@ class EasyAnimateFamily(ModelFamily):
         return encode_prompts(text_encoder, tokenizer, prompts, max_sequence_length=max_sequence_length,
                               device=device)
 
-    def load_vae(self, path: str | Path) -> AutoencoderKLMagvit:
-        """`load_vae_folder`."""
-        return load_vae_folder(path)
 
     def predict(
         self,
@@ -597,7 +566,3 @@ class EasyAnimateFamily(ModelFamily):
     def save_pipeline(self, components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
         """See module-level `save_pipeline`."""
         return save_pipeline(components, out_dir, flow)
-
-    def load_pretrained(self, path: str | Path) -> Components:
-        """See module-level `load_pretrained`."""
-        return load_pretrained(path)

@@ -771,14 +771,15 @@ def load_model(path: str | Path, *, lora_path: str | Path | None = None,
 
     `components`: which of `COMPONENTS` to load; the others are None in `LoadedModel.components` and no byte of
     them is read (each serve stage loads only its own: the denoiser the transformer, the decoder the VAE, the text
-    stage the text encoder and tokenizer). Each comes from the family's `build_transformer`, `build_vae` or
-    `build_text_encoder` with the folder as `model.init: pretrained` (a checkpoint: its recorded model config and
-    seed, then its transformer weights), equal to what the whole load gives.
+    stage the text encoder and tokenizer). Each comes from the family's role loaders (`load_diffusion_models`,
+    `load_latent_models`, `load_condition_models`) with the folder as `model.init: pretrained` (a checkpoint: its
+    recorded model config and seed, then its transformer weights), equal to what the whole load gives.
 
     `expert`: for a two-expert model (`model_experts`), "high" or "low" loads that expert alone as the transformer
-    (`ModelFamily.build_expert`: a pipeline folder's other expert is never read; a checkpoint, which holds both in
-    one file, is read whole and the other dropped once its adapters, if any, are merged; an export's expert takes
-    its own adapters folder): what a serving stage of one expert loads. Needs "transformer" in `components`.
+    (`ModelFamily.load_diffusion_models(expert=)`: a pipeline folder's other expert is never read; a checkpoint,
+    which holds both in one file, is read whole and the other dropped once its adapters, if any, are merged; an
+    export's expert takes its own adapters folder): what a serving stage of one expert loads. Needs "transformer" in
+    `components`.
 
     `allow_sharded`: load a sharded (`layout: dcp`) training checkpoint too (validation and `export_checkpoint`
     do, through `vidray.models.dcp_reader`); serving and `vidray generate` read only safetensors, so without it such
@@ -825,7 +826,7 @@ def _load_all(info: ModelInfo) -> "Components":
         if not is_lora_checkpoint(_read_manifest(info.path)):
             components.transformer.load_state_dict(load_transformer_state(info.path))
         return components
-    return info.family.load_pretrained(info.path)
+    return info.family.build(model_config(info)[0], seed=0)
 
 
 def _load_some(info: ModelInfo, wanted: set[str], expert: str | None = None) -> "Components":
@@ -839,17 +840,19 @@ def _load_some(info: ModelInfo, wanted: set[str], expert: str | None = None) -> 
     transformer = vae = text_encoder = tokenizer = image_encoder = image_processor = None
     if "transformer" in wanted:
         if expert is not None and info.kind != "checkpoint":
-            transformer = family.build_expert(model_cfg, seed=seed, expert=expert)
+            transformer = family.load_diffusion_models(model_cfg, seed=seed, expert=expert).transformer
         else:
-            transformer = family.build_transformer(model_cfg, seed=seed)  # a checkpoint's experts: both
+            transformer = family.load_diffusion_models(model_cfg, seed=seed).transformer  # a checkpoint's experts: both
             if info.kind == "checkpoint" and not is_lora_checkpoint(_read_manifest(info.path)):
                 transformer.load_state_dict(load_transformer_state(info.path))
     if "vae" in wanted:
-        vae = family.build_vae(model_cfg, seed=seed)
+        vae = family.load_latent_models(model_cfg, seed=seed).vae
     if "text_encoder" in wanted:
-        text_encoder, tokenizer = family.build_text_encoder(model_cfg, seed=seed)
+        condition = family.load_condition_models(model_cfg, seed=seed, image=False)
+        text_encoder, tokenizer = condition.text_encoder, condition.tokenizer
     if "image_encoder" in wanted:
-        image_encoder, image_processor = family.build_image_encoder(model_cfg, seed=seed) or (None, None)
+        condition = family.load_condition_models(model_cfg, seed=seed, text=False)
+        image_encoder, image_processor = condition.image_encoder, condition.image_processor
     return Components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                       image_encoder=image_encoder, image_processor=image_processor)
 
@@ -865,6 +868,28 @@ def model_config(info: ModelInfo) -> tuple[ModelConfig, int]:
         i2v=I2VConfig(image_encoder=_folder_image_encoder(info.path)) if info.image_to_video else None,
         experts=_folder_experts(info.path))
     return dataclasses.replace(base, init="pretrained", pretrained_path=str(info.path), vae_path=None, lora=None), 0
+
+
+def load_pipeline_folder(family: "ModelFamily", path: str | Path) -> "Components":
+    """Every module of the local diffusers pipeline folder `path` (never a hub id), whatever its task: `family.build`
+    of `folder_model_config`, i.e. the family's three role loaders. Raises FileNotFoundError / ValueError naming the
+    folder and the fix, as the loaders do."""
+    return family.build(folder_model_config(path, family.name), seed=0)
+
+
+def folder_model_config(path: str | Path, family: str) -> ModelConfig:
+    """The model config that `family` loads the local pipeline folder `path` from, whatever its task
+    (`load_pipeline_folder`): `model_config` of the folder (its recorded job's model, else one read from its
+    model_index.json: image-to-video, CLIP, experts) when it is a readable pipeline folder of `family`; else plain
+    `init: pretrained` at `path`, whose load then raises the family's one-line error naming the folder."""
+    plain = ModelConfig(family=family, init="pretrained", pretrained_path=str(path))
+    if not (Path(path) / MODEL_INDEX).is_file():
+        return plain
+    try:
+        info = inspect_model(path)
+    except (FileNotFoundError, ValueError):  # UserError is a ValueError
+        return plain  # the family's load names what is wrong with the folder
+    return model_config(info)[0] if info.kind == "diffusers" and info.family_name == family else plain
 
 
 def _folder_image_encoder(path: Path) -> bool:

@@ -5,6 +5,7 @@ parameters that get no gradient. Family quirks stay in the family files; this mo
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import tempfile
@@ -102,3 +103,36 @@ def unwrapped(module: "torch.nn.Module") -> "torch.nn.Module":
     other attributes from, since the training loop hands `predict` the DDP-wrapped transformer (FSDP2 wraps in
     place and needs no unwrapping)."""
     return getattr(module, "module", module)
+
+
+def meta_component(path: str | Path, name: str) -> tuple["torch.nn.Module", str]:
+    """(the component `name` of the pipeline folder `path` built on the meta device from its config alone: shapes,
+    no weights; the folder of its weights), its class read from the folder's model_index.json (diffusers or
+    transformers). Raises FileNotFoundError naming the folder when the index or the component's config is missing."""
+    path = Path(path)
+    entry = json.loads((path / "model_index.json").read_text()).get(name) if (path / "model_index.json").is_file() \
+        else None
+    folder = path / name
+    if not entry or entry[0] is None or not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"pretrained_path {str(path)!r} has no {name}/ config (model_index.json and "
+                                f"{name}/config.json): give a complete diffusers pipeline folder")
+    cls = getattr(importlib.import_module(entry[0]), entry[1])
+    with torch.device("meta"):
+        if entry[0] == "transformers":
+            module = cls._from_config(cls.config_class.from_pretrained(str(folder)))
+        else:
+            module = cls.from_config(cls.load_config(str(folder)))
+    return module, str(folder)
+
+
+def meta_module(cls: type, folder: str | Path) -> tuple["torch.nn.Module", str]:
+    """(the diffusers model class `cls` built on the meta device from `folder`'s config.json alone: shapes, no
+    weights; `folder`), e.g. a `model.vae_path` VAE folder. Raises FileNotFoundError naming the folder when it has
+    no config.json."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{str(folder)!r} is not a diffusers model folder (no config.json): give the vae/ "
+                                "folder of a diffusers pipeline or one `vidray train-vae` wrote")
+    with torch.device("meta"):
+        module = cls.from_config(cls.load_config(str(folder)))
+    return module, str(folder)

@@ -2,7 +2,7 @@
 
 ```python
 family = get_family(job.model.family)               # ValueError lists the valid names
-components = family.build(job.model, seed=job.train.seed)
+components = family.build(job.model, seed=job.train.seed)  # the three role loaders, composed
 model_pred = family.predict(components.transformer, noisy_latents, timesteps, prompt_embeds, prompt_attention_mask)
 ```
 One file per family (`easyanimate.py`, `wan.py`, `cogvideox.py`, `animatediff.py`) implementing
@@ -58,8 +58,9 @@ class _Families(Mapping):
 def _build(card: FamilyCard) -> ModelFamily:
     """An instance of the card's `family_class`. Raises FamilyCardError (one line, naming the card and the field)
     when its module does not import, the class is missing or not a ModelFamily, its `name` differs from the
-    card's, or the card claims image-to-video and the class has no condition (does not override
-    `ModelFamily.condition`)."""
+    card's, it leaves an abstract method unimplemented (a role loader: `load_condition_models`,
+    `load_latent_models`, `load_diffusion_models`; `predict`, ...), or the card claims image-to-video and the
+    class has no condition (does not override `ModelFamily.condition`)."""
     module, _, cls_name = card.family_class.partition(":")
     try:
         cls = getattr(importlib.import_module(module), cls_name)
@@ -75,6 +76,10 @@ def _build(card: FamilyCard) -> ModelFamily:
     if getattr(cls, "name", None) != card.name:
         raise FamilyCardError(f"family card {card.name!r}: family_class {card.family_class!r} has name "
                               f"{getattr(cls, 'name', None)!r}; make them equal")
+    if getattr(cls, "__abstractmethods__", None):
+        raise FamilyCardError(f"family card {card.name!r}: {card.family_class} does not implement "
+                              f"{', '.join(sorted(cls.__abstractmethods__))}: define them (the role loaders and the "
+                              "rest of vidray.models.base.ModelFamily; docs/adding-a-family.md)")
     if card.image_to_video and cls.condition is ModelFamily.condition:
         i2v = [name for name, is_i2v in card.pipelines.items() if is_i2v]
         raise FamilyCardError(f"family card {card.name!r}: pipelines name image-to-video {', '.join(i2v)} but "

@@ -48,7 +48,6 @@ Not here yet: one worker group per expert (every worker holds both).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -69,11 +68,12 @@ from vidray.models.storage import input_dtype
 from vidray.config import WAN_CLIP_TEXT_TOKENS, FlowConfig, ModelConfig
 from vidray.buckets import Bucket, validate_bucket
 from vidray.errors import UserError
-from vidray.models.base import Components, Encoders, ModelFamily
+from vidray.models.base import (Components, ConditionModels, DiffusionModels, LatentModels, ModelFamily,
+                                on_meta)
 from vidray.models.conditioning import ImageCondition, clip_condition, condition_frames, over_batch, takes_image
-from vidray.models.experts import EXPERT_ATTRIBUTES, TwoExperts, check_boundary_ratio, check_expert
-from vidray.models.folders import (pretrained_folder, require_pipeline_folder, unused_parameter_names, unwrapped,
-                                   write_pipeline_folder)
+from vidray.models.experts import EXPERT_ATTRIBUTES, TwoExperts, check_boundary_ratio, check_expert, pick_expert
+from vidray.models.folders import (meta_component, meta_module, pretrained_folder, require_pipeline_folder,
+                                   unused_parameter_names, unwrapped, write_pipeline_folder)
 from vidray.models.text_encoder import TINY_T5_ENCODER, build_t5_text_encoder, t5_text_width
 from vidray.models.vae import decode_latents, encode_video
 
@@ -741,24 +741,6 @@ class WanFamily(ModelFamily):
     spatial_multiple = SPATIAL_COMPRESSION_RATIO * PATCH_SIZE[1]
     example_bucket = (5, 32, 32)
 
-    def build(self, model_cfg: ModelConfig, *, seed: int) -> Components:
-        """`init: random` -> the `tiny` preset with `model_cfg.text_encoder` (`build_tiny`; its image-to-video
-        transformer for `model.i2v`, Wan 2.1 I2V's with a tiny CLIP for `model.i2v.image_encoder`); `init:
-        pretrained` -> `load_pretrained(model_cfg.pretrained_path)` (the folder's own text and image encoders),
-        whose task must be the config's (`model.i2v` set for an image-to-video folder, `model.i2v.image_encoder`
-        for one with CLIP: `_check_task`). `model.vae_path` replaces the VAE."""
-        folder = pretrained_folder(model_cfg, "wan")
-        if folder is None:
-            components = build_tiny(model_cfg.text_encoder, seed=seed, i2v=model_cfg.i2v is not None,
-                                    boundary_ratio=_boundary_of(model_cfg), clip=_clip_images(model_cfg))
-        else:
-            components = load_pretrained(folder)
-            _check_task(components.transformer, model_cfg, str(folder))
-            _check_experts(_ratio_of(components.transformer), model_cfg, str(folder))
-        if model_cfg.vae_path:
-            components = dataclasses.replace(components, vae=load_vae_folder(model_cfg.vae_path))
-        return components
-
     def check_trainable(self, model_cfg: ModelConfig) -> None:
         """Raise ValueError when a pretrained folder's experts are not `model.experts`' (`_check_experts`, from its
         model_index.json alone: no weights read): two experts train only as two."""
@@ -767,60 +749,104 @@ class WanFamily(ModelFamily):
             return  # the build says what is missing
         _check_experts(_boundary_ratio(folder), model_cfg, f"model.pretrained_path {str(folder)!r}")
 
-    def build_transformer(self, model_cfg: ModelConfig, *, seed: int) -> WanTransformer3DModel:
-        """The transformer alone, equal to `build(model_cfg, seed=seed).transformer`, without the VAE or the text
-        encoder: the tiny preset drawn first under `seed` (as in `build_tiny`); a folder's `transformer/` alone."""
+    def load_condition_models(self, model_cfg: ModelConfig, *, seed: int, text: bool = True, image: bool = True,
+                              meta: bool = False) -> ConditionModels:
+        """The frozen text encoder (umT5) and tokenizer (`text`) and, for a Wan 2.1 I2V model
+        (`model.i2v.image_encoder`), the CLIP vision tower and processor (`image`): a folder's `text_encoder/` +
+        `tokenizer/` and `image_encoder/` + `image_processor/` (transformers and VAE not read); the tiny preset's
+        as `build_tiny` draws them under `seed`. Raises ValueError when `model.i2v.image_encoder` is set and the
+        folder has no image_encoder."""
         folder = pretrained_folder(model_cfg, "wan")
-        if folder is not None:
+        text_encoder = tokenizer = image_encoder = image_processor = None
+        if folder is None:
+            if text:
+                text_encoder, tokenizer = build_text_encoder(model_cfg.text_encoder, seed=seed)
+            if image and _uses_clip(model_cfg):
+                image_encoder, image_processor = build_tiny_image_encoder(seed=seed)
+            if meta:
+                text_encoder, image_encoder = (None if m is None else on_meta(m) for m in (text_encoder, image_encoder))
+            return ConditionModels(text_encoder, tokenizer, image_encoder, image_processor)
+        folder, pipeline_class = _pipeline_folder(folder)
+        if text:
+            clip = dict(image_encoder=None, image_processor=None) if pipeline_class is WanImageToVideoPipeline else {}
+            skip = dict(text_encoder=None) if meta else {}
+            pipe = pipeline_class.from_pretrained(folder, **_WITHOUT_TRANSFORMERS, vae=None, **clip, **skip,
+                                                  local_files_only=True)
+            text_encoder = meta_component(folder, "text_encoder")[0] if meta else pipe.text_encoder
+            text_encoder, tokenizer = text_encoder.eval().requires_grad_(False), pipe.tokenizer
+        if image and _uses_clip(model_cfg):
+            if not _has_clip(folder):
+                raise ValueError(f"pretrained_path {str(folder)!r} has no image_encoder but model.i2v.image_encoder is "
+                                 "true: set it to false, or give a Wan 2.1 I2V folder")
+            image_encoder = (meta_component(folder, "image_encoder")[0] if meta else CLIPVisionModel.from_pretrained(
+                folder, subfolder="image_encoder", local_files_only=True)).eval().requires_grad_(False)
+            image_processor = CLIPImageProcessor.from_pretrained(folder, subfolder="image_processor",
+                                                                 local_files_only=True)
+        return ConditionModels(text_encoder, tokenizer, image_encoder, image_processor)
+
+    def load_latent_models(self, model_cfg: ModelConfig, *, seed: int, trainable: bool = False,
+                           meta: bool = False) -> LatentModels:
+        """The frozen VAE: `model.vae_path`, else a folder's `vae/` loaded by itself (umT5-XXL is not read), else
+        the tiny preset's (drawn under `seed` after the transformer(s), as in `build_tiny`). The Wan VAE does not
+        train here: `trainable` raises NotImplementedError."""
+        if trainable:
+            raise NotImplementedError(f"the {self.name} family's VAE cannot be trained by vidray train-vae yet")
+        if model_cfg.vae_path:
+            if meta:
+                vae, weights = meta_module(AutoencoderKLWan, model_cfg.vae_path)
+                return LatentModels(vae.eval().requires_grad_(False), weights)
+            return LatentModels(load_vae_folder(model_cfg.vae_path))
+        folder = pretrained_folder(model_cfg, "wan")
+        if folder is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                _tiny_transformers(model_cfg.text_encoder, i2v=model_cfg.i2v is not None,  # drawn first in build_tiny
+                                   boundary_ratio=_boundary_of(model_cfg), clip=_clip_images(model_cfg))
+                vae = AutoencoderKLWan(**TINY_VAE)
+            return LatentModels((on_meta(vae) if meta else vae).eval().requires_grad_(False))
+        folder, _ = _pipeline_folder(folder)
+        if meta:
+            vae, weights = meta_component(folder, "vae")
+        else:
+            vae, weights = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", local_files_only=True), None
+        _check_vae(vae, str(folder))
+        return LatentModels(vae.eval().requires_grad_(False), weights)
+
+    def load_diffusion_models(self, model_cfg: ModelConfig, *, seed: int, expert: str | None = None,
+                              meta: bool = False) -> DiffusionModels:
+        """The transformer (both experts as `TwoExperts` for `model.experts`): the tiny preset drawn first under
+        `seed` (as in `build_tiny`); a folder's `transformer/` (and `transformer_2/`) alone, its task and experts
+        checked against the config. `expert`: from a folder its `transformer/` ("high") or `transformer_2/` ("low")
+        alone, the other never read (a 14 B expert each, Wan 2.2 A14B); the tiny preset draws both and keeps the
+        one. `meta`: a folder's transformer (or the expert's subfolder) from its config.json with that subfolder
+        (with `restore_buffers` for the rotary embedding after `to_empty`). Raises ValueError when the folder or
+        config has no experts for `expert`, and for a meta build of a two-expert model without `expert` (each
+        expert is sharded within its own worker group)."""
+        folder = pretrained_folder(model_cfg, "wan")
+        if folder is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                transformer = _tiny_transformers(model_cfg.text_encoder, i2v=model_cfg.i2v is not None,
+                                                 boundary_ratio=_boundary_of(model_cfg), clip=_clip_images(model_cfg))
+            if expert is not None:
+                transformer = pick_expert(transformer, expert)
+            return DiffusionModels((on_meta(transformer) if meta else transformer).train())
+        if meta:
+            if expert is None:
+                if _boundary_of(model_cfg) is not None:
+                    raise ValueError("model.experts: each expert is sharded within its own worker group "
+                                     "(model.experts.layout: groups), built from its own subfolder")
+                return DiffusionModels(*_meta_transformer(model_cfg, "transformer"))
+            check_expert(expert)
+            if _boundary_of(model_cfg) is None:
+                raise ValueError(f"the {expert}-noise expert was asked for, but model.experts is null: set "
+                                 "model.experts to train a Wan 2.2 A14B folder's two experts")
+            return DiffusionModels(*_meta_transformer(model_cfg, EXPERT_ATTRIBUTES[expert]))
+        if expert is None:
             transformer = load_transformer(folder)
             _check_task(transformer, model_cfg, str(folder))
             _check_experts(_ratio_of(transformer), model_cfg, str(folder))
-            return transformer
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            transformer = _tiny_transformers(model_cfg.text_encoder, i2v=model_cfg.i2v is not None,
-                                             boundary_ratio=_boundary_of(model_cfg), clip=_clip_images(model_cfg))
-        return transformer.train()
-
-    def build_transformer_on_meta(self, model_cfg: ModelConfig) -> tuple[WanTransformer3DModel, str]:
-        """(the folder's `transformer/` built on the meta device from its config.json: shapes, no weights; that
-        folder), for sharded training (`vidray.train.parallel.load_sharded_from_safetensors`, with
-        `restore_buffers` for the rotary embedding). Raises ValueError as `_meta_transformer`, and for a job with
-        `model.experts` (each expert builds alone: `build_expert_on_meta`)."""
-        if _boundary_of(model_cfg) is not None:
-            raise ValueError("model.experts: each expert is sharded within its own worker group "
-                             "(model.experts.layout: groups), built from its own subfolder")
-        return _meta_transformer(model_cfg, "transformer")
-
-    def build_expert_on_meta(self, model_cfg: ModelConfig, *, expert: str) -> tuple[WanTransformer3DModel, str]:
-        """One expert of a Wan 2.2 A14B folder on the meta device: its `transformer/` ("high") or `transformer_2/`
-        ("low") from that subfolder's config.json (shapes, no weights), and that subfolder, for FSDP within the
-        expert's worker group (`vidray.train.expert_groups`). Raises ValueError for another expert name, a job
-        without `model.experts`, and as `_meta_transformer`."""
-        check_expert(expert)
-        if _boundary_of(model_cfg) is None:
-            raise ValueError(f"the {expert}-noise expert was asked for, but model.experts is null: set model.experts "
-                             "to train a Wan 2.2 A14B folder's two experts")
-        return _meta_transformer(model_cfg, EXPERT_ATTRIBUTES[expert])
-
-    def restore_buffers(self, transformer: torch.nn.Module) -> None:
-        """The rotary embedding's `freqs_cos` / `freqs_sin` (non-persistent: no weights file holds them) of each
-        `WanRotaryPosEmbed` in `transformer`, computed again as its constructor computes them, on the device of
-        the transformer's parameters: after a meta-device build and `to_empty`, they are garbage."""
-        device = next(transformer.parameters()).device
-        for module in transformer.modules():
-            if isinstance(module, WanRotaryPosEmbed):
-                fresh = WanRotaryPosEmbed(module.attention_head_dim, module.patch_size, module.max_seq_len)
-                for name in ("freqs_cos", "freqs_sin"):
-                    setattr(module, name, getattr(fresh, name).to(device))
-
-    def build_expert(self, model_cfg: ModelConfig, *, seed: int, expert: str) -> WanTransformer3DModel:
-        """One expert of a two-expert model (`ModelFamily.build_expert`): from a folder, its `transformer/`
-        ("high") or `transformer_2/` ("low") alone, the other never read (a 14 B expert each, Wan 2.2 A14B); the
-        tiny preset draws both and keeps the one. Raises ValueError when the folder or config has no experts."""
-        folder = pretrained_folder(model_cfg, "wan")
-        if folder is None:
-            return super().build_expert(model_cfg, seed=seed, expert=expert)
+            return DiffusionModels(transformer)
         check_expert(expert)
         path, _ = _pipeline_folder(folder)
         ratio = _boundary_ratio(path)
@@ -832,67 +858,18 @@ class WanFamily(ModelFamily):
             path, subfolder="transformer" if expert == "high" else "transformer_2", local_files_only=True)
         _check_transformer(transformer, f"{path} ({'transformer' if expert == 'high' else 'transformer_2'})")
         _check_task(transformer, model_cfg, str(path))
-        return transformer.train()
+        return DiffusionModels(transformer.train())
 
-    def build_encoders(self, model_cfg: ModelConfig, *, seed: int) -> Encoders:
-        """The VAE, text encoder and tokenizer (and a Wan 2.1 I2V model's image encoder and processor) alone
-        (frozen), equal to `build`'s: a folder is loaded with `transformer=None` (diffusers skips it); the tiny
-        preset replays `build_tiny`."""
-        folder = pretrained_folder(model_cfg, "wan")
-        if folder is None:
-            c = self.build(model_cfg, seed=seed)
-            return Encoders(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer,
-                            image_encoder=c.image_encoder, image_processor=c.image_processor)
-        folder, pipeline_class = _pipeline_folder(folder)
-        pipe = pipeline_class.from_pretrained(folder, **_WITHOUT_TRANSFORMERS, local_files_only=True)
-        _check_vae(pipe.vae, str(folder))
-        vae = load_vae_folder(model_cfg.vae_path) if model_cfg.vae_path else pipe.vae.eval().requires_grad_(False)
-        image_encoder, image_processor = _image_encoder_of(pipe, None, folder)
-        return Encoders(vae=vae, text_encoder=pipe.text_encoder.eval().requires_grad_(False),
-                        tokenizer=pipe.tokenizer, image_encoder=image_encoder, image_processor=image_processor)
-
-    def build_image_encoder(self, model_cfg: ModelConfig, *,
-                            seed: int) -> tuple[CLIPVisionModel, CLIPImageProcessor] | None:
-        """A Wan 2.1 I2V model's (`model.i2v.image_encoder`) frozen CLIP vision tower and processor alone, equal to
-        `build_encoders`'s: a folder's `image_encoder/` and `image_processor/` (nothing else read), the tiny
-        preset's `build_tiny_image_encoder`; None for any other model."""
-        if not _uses_clip(model_cfg):
-            return None
-        folder = pretrained_folder(model_cfg, "wan")
-        if folder is None:
-            return build_tiny_image_encoder(seed=seed)
-        folder, _ = _pipeline_folder(folder)
-        if not _has_clip(folder):
-            raise ValueError(f"pretrained_path {str(folder)!r} has no image_encoder but model.i2v.image_encoder is "
-                             "true: set it to false, or give a Wan 2.1 I2V folder")
-        image_encoder = CLIPVisionModel.from_pretrained(folder, subfolder="image_encoder", local_files_only=True)
-        image_processor = CLIPImageProcessor.from_pretrained(folder, subfolder="image_processor",
-                                                             local_files_only=True)
-        return image_encoder.eval().requires_grad_(False), image_processor
-
-    def build_text_encoder(self, model_cfg: ModelConfig, *, seed: int):
-        """The frozen text encoder (umT5) and tokenizer alone, equal to `build_encoders`'s: a folder is loaded
-        without transformers or VAE; the tiny preset replays `build_tiny`."""
-        folder = pretrained_folder(model_cfg, "wan")
-        if folder is None:
-            return super().build_text_encoder(model_cfg, seed=seed)
-        folder, pipeline_class = _pipeline_folder(folder)
-        clip = dict(image_encoder=None, image_processor=None) if pipeline_class is WanImageToVideoPipeline else {}
-        pipe = pipeline_class.from_pretrained(folder, **_WITHOUT_TRANSFORMERS, vae=None, **clip, local_files_only=True)
-        return pipe.text_encoder.eval().requires_grad_(False), pipe.tokenizer
-
-    def build_vae(self, model_cfg: ModelConfig, *, seed: int) -> AutoencoderKLWan:
-        """The frozen VAE alone, equal to `build_encoders(...).vae`: `model.vae_path`, else a folder's `vae/` loaded
-        by itself (umT5-XXL is not read), else the tiny preset's (replaying `build_tiny`)."""
-        if model_cfg.vae_path:
-            return load_vae_folder(model_cfg.vae_path)
-        folder = pretrained_folder(model_cfg, "wan")
-        if folder is None:
-            return self.build_encoders(model_cfg, seed=seed).vae
-        folder, _ = _pipeline_folder(folder)
-        vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", local_files_only=True)
-        _check_vae(vae, str(folder))
-        return vae.eval().requires_grad_(False)
+    def restore_buffers(self, transformer: torch.nn.Module) -> None:
+        """The rotary embedding's `freqs_cos` / `freqs_sin` (non-persistent: no weights file holds them) of each
+        `WanRotaryPosEmbed` in `transformer`, computed again as its constructor computes them, on the device of
+        the transformer's parameters: after a meta-device build and `to_empty`, they are garbage."""
+        device = next(transformer.parameters()).device
+        for module in transformer.modules():
+            if isinstance(module, WanRotaryPosEmbed):
+                fresh = WanRotaryPosEmbed(module.attention_head_dim, module.patch_size, module.max_seq_len)
+                for name in ("freqs_cos", "freqs_sin"):
+                    setattr(module, name, getattr(fresh, name).to(device))
 
     def image_inputs(self, info) -> int:
         """0 for a text-to-video model; 2 for a model whose CLIP takes a first and a last image (Wan 2.1 FLF2V: the
@@ -986,9 +963,6 @@ class WanFamily(ModelFamily):
         return encode_prompts(text_encoder, tokenizer, prompts, max_sequence_length=max_sequence_length,
                               device=device)
 
-    def load_vae(self, path: str | Path) -> AutoencoderKLWan:
-        """`load_vae_folder`."""
-        return load_vae_folder(path)
 
     def predict(
         self,
@@ -1085,6 +1059,3 @@ class WanFamily(ModelFamily):
         """See module-level `save_pipeline`."""
         return save_pipeline(components, out_dir, flow)
 
-    def load_pretrained(self, path: str | Path) -> Components:
-        """See module-level `load_pretrained`."""
-        return load_pretrained(path)

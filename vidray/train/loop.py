@@ -295,16 +295,16 @@ class Worker:
         stored_base = job.model.lora is not None and job.scaling.strategy == "ddp"
         build_device = torch.device("cpu") if stored_base else self.device
         if self.vae_run:
-            transformer = VAEObjective(self.family.build_trainable_vae(job.model, seed=job.train.seed),
-                                       job.vae_training)
+            vae = self.family.load_latent_models(job.model, seed=job.train.seed, trainable=True).vae
+            transformer = VAEObjective(vae, job.vae_training)
             transformer, pretrained_weights = transformer.to(self.device), None
         elif self.experts is not None:  # this rank's expert alone, named as in `TwoExperts`
             expert = self.experts.expert
             if job.scaling.strategy == "fsdp" and job.model.init == "pretrained":  # its shards loaded after sharding
-                meta, pretrained_weights = self.family.build_expert_on_meta(job.model, expert=expert)
-                transformer = ExpertSlot(meta, expert)
+                meta = self.family.load_diffusion_models(job.model, seed=job.train.seed, expert=expert, meta=True)
+                transformer, pretrained_weights = ExpertSlot(meta.transformer, expert), meta.weights_folder
             else:
-                built = self.family.build_expert(job.model, seed=job.train.seed, expert=expert)
+                built = self.family.load_diffusion_models(job.model, seed=job.train.seed, expert=expert).transformer
                 transformer, pretrained_weights = ExpertSlot(built, expert).to(build_device), None
         else:
             transformer, pretrained_weights = build_transformer(self.family, job, build_device)
@@ -943,7 +943,7 @@ def _with_fresh_base(family: Any, job: Any, transformer: torch.nn.Module) -> tor
 def _build_unsharded(family: Any, job: Any) -> torch.nn.Module:
     """A fresh, unsharded transformer of the job's model (with its LoRA adapters when `model.lora` is set): what
     the full weights gathered from a sharded run load into for the export."""
-    transformer = family.build_transformer(job.model, seed=job.train.seed)
+    transformer = family.load_diffusion_models(job.model, seed=job.train.seed).transformer
     if job.model.lora is not None:
         apply_lora(transformer, job.model.lora, seed=job.train.seed)
     return transformer

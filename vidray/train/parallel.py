@@ -314,13 +314,14 @@ def gradient_sync(model: torch.nn.Module, enabled: bool):
 
 def build_transformer(family: Any, job: JobConfig, device: torch.device) -> tuple[torch.nn.Module, str | None]:
     """(the transformer to train, the folder of its pretrained safetensors or None). A pretrained transformer
-    trained with `scaling.strategy: fsdp | hsdp` is built on the meta device (`family.build_transformer_on_meta`:
-    no weights in memory) and its folder returned, for `parallelize` to load each rank's shards after sharding;
-    otherwise `family.build_transformer` builds it in full (random init under `train.seed`, or the pretrained
-    weights), on `device`."""
+    trained with `scaling.strategy: fsdp | hsdp` is built on the meta device (`family.load_diffusion_models(...,
+    meta=True)`: no weights in memory) and its folder returned, for `parallelize` to load each rank's shards after
+    sharding; otherwise `family.load_diffusion_models` builds it in full (random init under `train.seed`, or the
+    pretrained weights), on `device`."""
     if job.scaling.strategy != "ddp" and job.model.init == "pretrained":
-        return family.build_transformer_on_meta(job.model)
-    return family.build_transformer(job.model, seed=job.train.seed).to(device), None
+        meta = family.load_diffusion_models(job.model, seed=job.train.seed, meta=True)
+        return meta.transformer, meta.weights_folder
+    return family.load_diffusion_models(job.model, seed=job.train.seed).transformer.to(device), None
 
 
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:

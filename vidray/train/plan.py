@@ -738,7 +738,7 @@ def job_preset(job: Any) -> ShapePreset:
     from vidray.models import get_family  # heavy: torch, numpy
 
     with torch.device("meta"):
-        transformer = get_family(job.model.family).build_transformer(job.model, seed=job.train.seed)
+        transformer = get_family(job.model.family).load_diffusion_models(job.model, seed=job.train.seed).transformer
     config = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
     return ShapePreset(**{**shape.__dict__, "config": config})
 
@@ -873,7 +873,7 @@ def plan_measured(job: Any, *, gpu_memory_bytes: int, num_gpus: int, bucket: Buc
         bucket, batch = Bucket(*bucket), 1
     text_tokens = job.model.max_sequence_length
     with torch.device("meta"):
-        transformer = family.build_transformer(job.model, seed=job.train.seed)
+        transformer = family.load_diffusion_models(job.model, seed=job.train.seed).transformer
     for name in family.no_grad_parameter_names(transformer):  # trained parameters that get no gradient
         transformer.get_parameter(name).requires_grad_(False)
     transformer.train()

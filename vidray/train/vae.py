@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from vidray.config import ConfigError, JobConfig, VAETrainingConfig
+from vidray.config import ConfigError, JobConfig, ModelConfig, VAETrainingConfig
 from vidray.locations import absolute_location, is_uri
 from vidray.models.base import ModelFamily
 from vidray.models.registry import get_family
@@ -45,7 +45,7 @@ def vae_training_job(job: JobConfig) -> JobConfig:
         return job  # already a VAE job (a resubmitted or restarted driver)
 
     family = get_family(job.model.family)
-    if type(family).build_trainable_vae is ModelFamily.build_trainable_vae:
+    if not _vae_trains(family, job):
         raise ConfigError(f"train-vae: the {family.name} family's VAE cannot be trained here yet (model.family); "
                           "train-vae supports easyanimate: train an easyanimate job's VAE, or give a trained VAE "
                           "folder in model.vae_path")
@@ -67,6 +67,18 @@ def vae_training_job(job: JobConfig) -> JobConfig:
     return dataclasses.replace(
         job, name=f"{job.name}{VAE_RUN_SUFFIX}", model=dataclasses.replace(job.model, vae_path=None), data=data,
         optim=dataclasses.replace(job.optim, lr=vt.lr, warmup_steps=vt.warmup_steps), train=train)
+
+
+def _vae_trains(family: ModelFamily, job: JobConfig) -> bool:
+    """Whether `family` trains its VAE here: its `load_latent_models(trainable=True)` on the meta device (shapes
+    only) does not raise NotImplementedError. A folder that does not load is left for the run to name."""
+    try:
+        family.load_latent_models(job.model, seed=job.train.seed, trainable=True, meta=True)
+    except NotImplementedError:
+        return False
+    except (OSError, ValueError):
+        pass
+    return True
 
 
 def vae_export_path(job: JobConfig) -> str:
@@ -183,7 +195,8 @@ def training_clips_psnr(vae_dir: str, shards_dir: str, *, family: str, max_clips
     if is_uri(vae_dir):
         return f"VAE reconstruction PSNR: not measured (the VAE is in object storage: {vae_dir})"
     samples = load_samples(shards_dir)[:max_clips]
-    psnr = reconstruction_psnr(get_family(family).load_vae(vae_dir), [s.video for s in samples])
+    vae = get_family(family).load_latent_models(ModelConfig(family=family, vae_path=str(vae_dir)), seed=0).vae
+    psnr = reconstruction_psnr(vae, [s.video for s in samples])
     return f"VAE reconstruction PSNR on {len(samples)} training clips: {psnr:.1f} dB"
 
 
