@@ -6,6 +6,7 @@ folder of its weights)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,29 @@ def test_an_expert_of_a_model_without_experts_is_refused_in_one_line():
                                              "transformer") as err:
             FAMILIES[CONFIGS[name].family].load_diffusion_models(CONFIGS[name], seed=0, expert="low")
         assert "\n" not in str(err.value)
+
+
+def _folder_with(cfg: ModelConfig, tmp_path: Path, component: str, **changes) -> ModelConfig:
+    """A tiny pipeline folder of `cfg` whose `component/config.json` has `changes`, as a pretrained config."""
+    family = FAMILIES[cfg.family]
+    family.save_pipeline(family.build(cfg, seed=1), tmp_path, FlowConfig())
+    config_path = tmp_path / component / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **changes}))
+    return dataclasses.replace(cfg, init="pretrained", pretrained_path=str(tmp_path))
+
+
+def test_a_folder_whose_transformer_and_vae_disagree_is_refused_by_the_diffusion_loader(tmp_path):
+    """The cross-module check a whole-folder load made (the transformer's layout against the folder's VAE) holds
+    when the transformer loads alone: the VAE's config is read, not its weights."""
+    cfg = _folder_with(CONFIGS["easyanimate"], tmp_path, "vae", latent_channels=8)
+    with pytest.raises(ValueError, match=r"vae latent_channels.* = \(8, .*but the easyanimate family expects \(16"):
+        FAMILIES["easyanimate"].load_diffusion_models(cfg, seed=0)
+
+
+def test_a_clip_image_encoder_the_transformer_cannot_take_is_refused_by_the_condition_loader(tmp_path):
+    """Wan 2.1 I2V: the CLIP tower's width is checked against the folder's transformer config (`image_dim`) when
+    the image encoder loads, without the transformer's weights."""
+    cfg = _folder_with(CONFIGS["wan21-i2v"], tmp_path, "transformer", image_dim=48)
+    with pytest.raises(ValueError, match=r"image_encoder gives 257 tokens of width 32 per image, but the transformer "
+                                         r"takes 257 of width 48"):
+        FAMILIES["wan"].load_condition_models(cfg, seed=0)

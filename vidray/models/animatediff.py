@@ -64,7 +64,6 @@ __all__ = [
     "decode_latents",
     "encode_prompts",
     "encode_video",
-    "load_pretrained",
     "load_vae_folder",
     "probe_loss",
     "save_pipeline",
@@ -325,21 +324,6 @@ def _load_unet(folder: Path) -> UNetMotionModel:
         adapter = MotionAdapter.from_pretrained(folder, subfolder="motion_adapter", local_files_only=True)
         unet = UNetMotionModel.from_unet2d(image_unet, adapter)
     return _trainable(unet)
-
-
-def load_pretrained(path: str | Path) -> Components:
-    """unet (as `transformer`), vae, text_encoder and tokenizer of a local diffusers AnimateDiff folder, offline.
-
-    Raises FileNotFoundError naming the folder when it has no model_index.json or lacks a component subfolder (or a
-    motion_adapter/ beside an image UNet), ValueError when it is another pipeline's folder (another family), its
-    scheduler is not `SCHEDULER_CONFIG`'s objective, or its UNet's and VAE's latent channels disagree or are not
-    SD's 4. The VAE and text encoder come back frozen; the UNet in train mode, only its motion modules trainable.
-    """
-    folder = _check_folder(path)
-    unet = _load_unet(folder)
-    pipe = AnimateDiffPipeline.from_pretrained(folder, unet=unet, motion_adapter=None, local_files_only=True)
-    return Components(transformer=unet, vae=_frozen(pipe.vae), text_encoder=_frozen(pipe.text_encoder),
-                      tokenizer=pipe.tokenizer)
 
 
 def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:

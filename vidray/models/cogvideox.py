@@ -110,7 +110,6 @@ __all__ = [
     "folder_scheduler_config",
     "image_condition",
     "preprocess_image",
-    "load_pretrained",
     "load_vae_folder",
     "probe_loss",
     "rotary_positional_embeddings",
@@ -509,24 +508,6 @@ def build_tiny(text_encoder_kind: TextEncoderKind = "tiny_random", *, seed: int 
     _attach_scheduler_config(transformer, SCHEDULER_CONFIG_5B if version == "1.5" else SCHEDULER_CONFIG)
     return Components(transformer=transformer.train(), vae=vae.eval().requires_grad_(False),
                       text_encoder=text_encoder, tokenizer=tokenizer)
-
-
-def load_pretrained(path: str | Path) -> Components:
-    """transformer, vae, text_encoder and tokenizer of a local diffusers CogVideoX 1.0 folder, offline: a
-    `CogVideoXPipeline` (T2V) or a `CogVideoXImageToVideoPipeline` (I2V, transformer in_channels 32).
-
-    Raises FileNotFoundError naming the folder when it has no model_index.json or lacks a component subfolder,
-    ValueError when it is another pipeline's folder (another family), its scheduler config is one the family cannot
-    follow (`check_scheduler_config`), or its layout is not CogVideoX 1.0's (1.5; a pipeline class and in_channels
-    that disagree). The VAE and text encoder come back frozen; the transformer in train mode, carrying the folder's
-    scheduler config (`scheduler_config_of`).
-    """
-    path = _check_folder(path)
-    pipe = _pipeline_class(path).from_pretrained(path, local_files_only=True)
-    _check_vae(pipe.vae, str(path))
-    _attach_scheduler_config(pipe.transformer, folder_scheduler_config(path))
-    return Components(transformer=pipe.transformer.train(), vae=pipe.vae.eval().requires_grad_(False),
-                      text_encoder=pipe.text_encoder.eval().requires_grad_(False), tokenizer=pipe.tokenizer)
 
 
 def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig, *,

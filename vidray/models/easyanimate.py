@@ -49,7 +49,6 @@ __all__ = [
     "build_tiny",
     "empty_condition",
     "encode_inpaint_latents",
-    "load_pretrained",
     "no_grad_parameter_names",
     "save_pipeline",
 ]
@@ -219,28 +218,6 @@ def build_tiny(text_encoder_kind: str = "tiny_random", *, seed: int = 0, i2v: bo
     vae.eval().requires_grad_(False)
     transformer.train()
     return Components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
-
-
-def load_pretrained(path: str | Path) -> Components:
-    """Load transformer, vae, text_encoder and tokenizer from a local diffusers EasyAnimate folder
-    (`EasyAnimatePipeline`, or `EasyAnimateInpaintPipeline` for image-to-video), offline.
-
-    Raises FileNotFoundError if `path` is not a folder with a `model_index.json` (hub ids are never resolved),
-    ValueError for a layout the family does not take (`_check_layout`).
-    The VAE and text encoder come back frozen; the transformer in train mode.
-    """
-    path = require_pipeline_folder(path, "EasyAnimatePipeline")
-    pipe = _pipeline_class(path).from_pretrained(path, local_files_only=True)
-    _check_layout(pipe.transformer, pipe.vae, str(path))
-    pipe.vae.eval().requires_grad_(False)
-    pipe.text_encoder.eval().requires_grad_(False)
-    pipe.transformer.train()
-    return Components(
-        transformer=pipe.transformer,
-        vae=pipe.vae,
-        text_encoder=pipe.text_encoder,
-        tokenizer=ensure_chat_template(pipe.tokenizer),
-    )
 
 
 def save_pipeline(components: Components, out_dir: str | Path, flow: FlowConfig) -> Path:
@@ -429,7 +406,7 @@ class EasyAnimateFamily(ModelFamily):
         if folder is not None:
             transformer = EasyAnimateTransformer3DModel.from_pretrained(folder, subfolder="transformer",
                                                                         local_files_only=True)
-            _check_inpaint_transformer(transformer, str(folder))
+            _check_layout(transformer, meta_component(folder, "vae")[0], str(folder))  # its VAE's config alone
             _check_task(transformer, model_cfg, f"model.pretrained_path {folder}")
             return DiffusionModels(transformer=transformer.train())
         with torch.random.fork_rng(devices=[]):

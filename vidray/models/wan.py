@@ -96,7 +96,6 @@ __all__ = [
     "encode_condition",
     "encode_image_embeds",
     "encode_prompts",
-    "load_pretrained",
     "load_transformer",
     "load_vae_folder",
     "probe_loss",
@@ -274,12 +273,11 @@ def _check_transformer(transformer: WanTransformer3DModel, where: str) -> None:
                          f"{I2V_IN_CHANNELS}, added_kv_proj_dim set and pos_embed_seq_len null or {2 * IMAGE_TOKENS}")
 
 
-def _check_image_encoder(image_encoder: CLIPVisionModel, transformer: WanTransformer3DModel, where: str) -> None:
-    """Raise ValueError unless the CLIP vision tower gives what `transformer` takes: hidden_size == image_dim and
-    IMAGE_TOKENS tokens per image ((image_size / patch_size)^2 + 1)."""
+def _check_image_encoder(image_encoder: CLIPVisionModel, image_dim: int | None, where: str) -> None:
+    """Raise ValueError unless the CLIP vision tower gives what a transformer of `image_dim` (its config's) takes:
+    hidden_size == image_dim and IMAGE_TOKENS tokens per image ((image_size / patch_size)^2 + 1)."""
     config = image_encoder.config
     tokens = (config.image_size // config.patch_size) ** 2 + 1
-    image_dim = unwrapped(transformer).config.image_dim
     if (config.hidden_size, tokens) != (image_dim, IMAGE_TOKENS):
         raise ValueError(f"{where}: image_encoder gives {tokens} tokens of width {config.hidden_size} per image, but "
                          f"the transformer takes {IMAGE_TOKENS} of width {image_dim} (image_dim); give the image "
@@ -491,44 +489,10 @@ def _check_experts(ratio: float | None, model_cfg: ModelConfig, where: str) -> N
                      f"{wanted}: set it to {ratio}")
 
 
-def load_pretrained(path: str | Path) -> Components:
-    """transformer, vae, text_encoder and tokenizer of a local diffusers Wan folder, offline: a `WanPipeline`
-    (text-to-video) or a `WanImageToVideoPipeline` (image-to-video), with its `image_encoder` (CLIPVisionModel)
-    and `image_processor` when the transformer takes CLIP image embeddings (Wan 2.1 I2V). Its own scheduler is not
-    used: vidray samples with the job's flow shift.
-
-    Raises FileNotFoundError naming the folder when it has no model_index.json or lacks a component subfolder,
-    ValueError when it is another pipeline's folder (another family) or its layout is not one the family drives
-    (`_check_transformer`, `_check_vae`, `_boundary_ratio`, `_check_clip_folder`, `_check_image_encoder`). A
-    two-expert folder (Wan 2.2 A14B) gives a `TwoExperts` transformer. The VAE, text encoder and image encoder
-    come back frozen; the transformer in train mode.
-    """
-    path, pipeline_class = _pipeline_folder(path)
-    pipe = pipeline_class.from_pretrained(path, local_files_only=True)
-    transformer = _experts_of(path, pipe.transformer, pipe.transformer_2)
-    _check_vae(pipe.vae, str(path))
-    image_encoder, image_processor = _image_encoder_of(pipe, transformer, path)
-    return Components(transformer=transformer.train(), vae=pipe.vae.eval().requires_grad_(False),
-                      text_encoder=pipe.text_encoder.eval().requires_grad_(False), tokenizer=pipe.tokenizer,
-                      image_encoder=image_encoder, image_processor=image_processor)
-
-
-def _image_encoder_of(pipe: Any, transformer: WanTransformer3DModel | None,
-                      path: Path) -> tuple[CLIPVisionModel | None, Any]:
-    """The loaded pipeline's frozen image encoder and processor ((None, None) for a folder without), checked
-    against `transformer` when it was loaded (`_check_image_encoder`)."""
-    image_encoder = getattr(pipe, "image_encoder", None)
-    if image_encoder is None:
-        return None, None
-    if transformer is not None:
-        _check_image_encoder(image_encoder, transformer, str(path))
-    return image_encoder.eval().requires_grad_(False), pipe.image_processor
-
-
 def load_transformer(path: str | Path) -> torch.nn.Module:
     """The transformer of a local Wan folder alone (no VAE or text encoder read), in train mode: its
     `transformer/`, or both experts as `TwoExperts` when it has a `transformer_2/` and `boundary_ratio` (Wan 2.2
-    A14B). Raises as `load_pretrained`."""
+    A14B). Raises as `WanFamily.load_diffusion_models` does for a folder."""
     path, _ = _pipeline_folder(path)
     transformer = WanTransformer3DModel.from_pretrained(path, subfolder="transformer", local_files_only=True)
     transformer_2 = (WanTransformer3DModel.from_pretrained(path, subfolder="transformer_2", local_files_only=True)
@@ -782,6 +746,9 @@ class WanFamily(ModelFamily):
                 folder, subfolder="image_encoder", local_files_only=True)).eval().requires_grad_(False)
             image_processor = CLIPImageProcessor.from_pretrained(folder, subfolder="image_processor",
                                                                  local_files_only=True)
+            transformer_config = WanTransformer3DModel.load_config(folder, subfolder="transformer",
+                                                                   local_files_only=True)
+            _check_image_encoder(image_encoder, transformer_config.get("image_dim"), str(folder))
         return ConditionModels(text_encoder, tokenizer, image_encoder, image_processor)
 
     def load_latent_models(self, model_cfg: ModelConfig, *, seed: int, trainable: bool = False,
