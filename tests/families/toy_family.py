@@ -11,7 +11,6 @@ from vidray.models.wan import WanFamily
 
 class ToyFamily(WanFamily):
     name = "toy"
-    spatial_multiple = 32
     example_bucket = (5, 32, 32)
 
 

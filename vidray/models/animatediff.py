@@ -75,9 +75,6 @@ SPATIAL_COMPRESSION_RATIO = 8
 """2 ** (len(block_out_channels) - 1) with 4 VAE blocks: the pipeline's `vae_scale_factor`."""
 TEMPORAL_COMPRESSION_RATIO = get_card("animatediff").bucket_rules.temporal_compression
 """1: the SD VAE encodes every frame alone, so one latent frame per frame and any num_frames."""
-SPATIAL_MULTIPLE = get_card("animatediff").bucket_rules.spatial_multiple
-"""64: the 8x VAE times SD 1.5's UNet (3 downsamplers, 8x), so every skip connection lines up
-(`vidray.buckets`)."""
 PIPELINE_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 """The subfolders of an AnimateDiff diffusers folder that vidray loads (plus `motion_adapter/` beside a
 UNet2DConditionModel)."""
@@ -369,9 +366,6 @@ class AnimateDiffFamily(ModelFamily):
 
     name = "animatediff"
     latent_channels = LATENT_CHANNELS
-    spatial_compression_ratio = SPATIAL_COMPRESSION_RATIO
-    temporal_compression_ratio = TEMPORAL_COMPRESSION_RATIO
-    spatial_multiple = SPATIAL_MULTIPLE
     example_bucket = (4, 64, 64)
     objective = OBJECTIVE
 

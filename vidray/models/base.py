@@ -123,10 +123,6 @@ class ModelFamily(abc.ABC):
 
     name: str
     latent_channels: int
-    spatial_compression_ratio: int
-    temporal_compression_ratio: int
-    spatial_multiple: int
-    """Video height and width must be multiples of this (pixels): VAE downsampling x DiT patch size."""
     example_bucket: tuple[int, int, int]
     """(num_frames, height, width) of a small bucket the family takes: what the conformance test of every family
     (`tests/unit/test_families.py`) trains, samples and decodes at."""
@@ -141,6 +137,17 @@ class ModelFamily(abc.ABC):
     def card(self) -> FamilyCard:
         """This family's card (`vidray.cards`): its bucket rules, capabilities and planner facts."""
         return get_card(self.name)
+
+    @property
+    def spatial_multiple(self) -> int:
+        """Video height and width must be multiples of this (pixels: VAE downsampling x DiT patch size): the card's
+        bucket rule, written once there."""
+        return self.card.bucket_rules.spatial_multiple
+
+    @property
+    def temporal_compression_ratio(self) -> int:
+        """The VAE's frame compression (1: none, any num_frames), the card's bucket rule."""
+        return self.card.bucket_rules.temporal_compression
 
     def for_model(self, model_cfg: ModelConfig) -> "ModelFamily":
         """This family for the one model `model_cfg` describes (`init: pretrained`: the folder's configs, read

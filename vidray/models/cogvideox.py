@@ -706,9 +706,6 @@ class CogVideoXFamily(ModelFamily):
 
     name = "cogvideox"
     latent_channels = LATENT_CHANNELS
-    spatial_compression_ratio = SPATIAL_COMPRESSION_RATIO
-    temporal_compression_ratio = TEMPORAL_COMPRESSION_RATIO
-    spatial_multiple = SPATIAL_COMPRESSION_RATIO * PATCH_SIZE
     example_bucket = (9, 32, 32)
 
     # 2. Modules.

@@ -322,9 +322,6 @@ class EasyAnimateFamily(ModelFamily):
 
     name = "easyanimate"
     latent_channels = LATENT_CHANNELS
-    spatial_compression_ratio = SPATIAL_COMPRESSION_RATIO
-    temporal_compression_ratio = TEMPORAL_COMPRESSION_RATIO
-    spatial_multiple = SPATIAL_COMPRESSION_RATIO * PATCH_SIZE
     example_bucket = (5, 32, 32)
 
     # Loading: the three role loaders (`ModelFamily`).

@@ -700,9 +700,6 @@ class WanFamily(ModelFamily):
 
     name = "wan"
     latent_channels = LATENT_CHANNELS
-    spatial_compression_ratio = SPATIAL_COMPRESSION_RATIO
-    temporal_compression_ratio = TEMPORAL_COMPRESSION_RATIO
-    spatial_multiple = SPATIAL_COMPRESSION_RATIO * PATCH_SIZE[1]
     example_bucket = (5, 32, 32)
 
     def check_trainable(self, model_cfg: ModelConfig) -> None:
