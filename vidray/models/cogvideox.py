@@ -90,8 +90,8 @@ from vidray.models.base import (Components, ConditionModels, DiffusionModels, La
                                 on_meta)
 from vidray.models.conditioning import ImageCondition, clip_condition, over_batch, takes_image
 from vidray.models.experts import pick_expert
-from vidray.models.folders import (meta_component, meta_module, pretrained_folder, require_pipeline_folder,
-                                   unused_parameter_names, unwrapped, write_pipeline_folder)
+from vidray.models.folders import (folder_component, meta_component, meta_module, pretrained_folder,
+                                   require_pipeline_folder, unused_parameter_names, unwrapped, write_pipeline_folder)
 from vidray.models.text_encoder import build_t5_text_encoder, t5_text_width
 from vidray.models.vae import decode_latents, encode_video
 
@@ -767,10 +767,7 @@ class CogVideoXFamily(ModelFamily):
                 _tiny_transformer(model_cfg.text_encoder, i2v=model_cfg.i2v is not None)  # drawn first in build_tiny
                 vae = AutoencoderKLCogVideoX(**TINY_VAE)
             return LatentModels((on_meta(vae) if meta else vae).eval().requires_grad_(False))
-        if meta:
-            vae, weights = meta_component(folder, "vae")
-        else:
-            vae, weights = AutoencoderKLCogVideoX.from_pretrained(folder, subfolder="vae", local_files_only=True), None
+        vae, weights = folder_component(AutoencoderKLCogVideoX, folder, "vae", meta=meta)
         _check_vae(vae, str(folder))
         return LatentModels(vae.eval().requires_grad_(False), weights)
 

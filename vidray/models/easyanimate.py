@@ -37,8 +37,8 @@ from vidray.models.base import (Components, ConditionModels, DiffusionModels, La
 from vidray.models.conditioning import (ImageCondition, clip_condition, generate_mask, image_to_video, masked_video,
                                        over_batch, takes_image)
 from vidray.models.experts import pick_expert
-from vidray.models.folders import (meta_component, meta_module, pretrained_folder, require_pipeline_folder,
-                                   unused_parameter_names, unwrapped, write_pipeline_folder)
+from vidray.models.folders import (folder_component, meta_component, meta_module, pretrained_folder,
+                                   require_pipeline_folder, unused_parameter_names, unwrapped, write_pipeline_folder)
 from vidray.models.text_encoder import build_text_encoder, encode_prompts, ensure_chat_template, text_hidden_size
 from vidray.models.vae import decode_latents, encode_video
 
@@ -372,10 +372,8 @@ class EasyAnimateFamily(ModelFamily):
                                   i2v=model_cfg.i2v is not None)  # drawn first in build_tiny: the VAE's init follows it
                 vae = _tiny_vae()
             vae = on_meta(vae) if meta else vae
-        elif meta:
-            vae, weights_folder = meta_component(folder, "vae")
         else:
-            vae = AutoencoderKLMagvit.from_pretrained(folder, subfolder="vae", local_files_only=True)
+            vae, weights_folder = folder_component(AutoencoderKLMagvit, folder, "vae", meta=meta)
         _check_vae(vae, str(folder or "the tiny preset"))
         vae = vae.train().requires_grad_(True) if trainable else vae.eval().requires_grad_(False)
         return LatentModels(vae=vae, weights_folder=weights_folder)

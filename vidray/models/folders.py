@@ -117,12 +117,21 @@ def meta_component(path: str | Path, name: str) -> tuple["torch.nn.Module", str]
         raise FileNotFoundError(f"pretrained_path {str(path)!r} has no {name}/ config (model_index.json and "
                                 f"{name}/config.json): give a complete diffusers pipeline folder")
     cls = getattr(importlib.import_module(entry[0]), entry[1])
+    if entry[0] != "transformers":
+        return meta_module(cls, folder)
     with torch.device("meta"):
-        if entry[0] == "transformers":
-            module = cls._from_config(cls.config_class.from_pretrained(str(folder)))
-        else:
-            module = cls.from_config(cls.load_config(str(folder)))
+        module = cls._from_config(cls.config_class.from_pretrained(str(folder)))
     return module, str(folder)
+
+
+def folder_component(cls: type, path: str | Path, name: str, *, meta: bool) -> tuple["torch.nn.Module", str | None]:
+    """The diffusers component `name` (class `cls`) of the local pipeline folder `path`: with its weights, offline,
+    and None for its weights folder; or, `meta`, `meta_component`'s build from its config alone and the folder of its
+    weights. What a role loader's folder branch reads (`ModelFamily.load_latent_models`'s `vae/`). Raises as
+    `meta_component` or `from_pretrained` do for a folder without the component."""
+    if meta:
+        return meta_component(path, name)
+    return cls.from_pretrained(path, subfolder=name, local_files_only=True), None
 
 
 def meta_module(cls: type, folder: str | Path) -> tuple["torch.nn.Module", str]:

@@ -72,8 +72,8 @@ from vidray.models.base import (Components, ConditionModels, DiffusionModels, La
                                 on_meta)
 from vidray.models.conditioning import ImageCondition, clip_condition, condition_frames, over_batch, takes_image
 from vidray.models.experts import EXPERT_ATTRIBUTES, TwoExperts, check_boundary_ratio, check_expert, pick_expert
-from vidray.models.folders import (meta_component, meta_module, pretrained_folder, require_pipeline_folder,
-                                   unused_parameter_names, unwrapped, write_pipeline_folder)
+from vidray.models.folders import (folder_component, meta_component, meta_module, pretrained_folder,
+                                   require_pipeline_folder, unused_parameter_names, unwrapped, write_pipeline_folder)
 from vidray.models.text_encoder import TINY_T5_ENCODER, build_t5_text_encoder, t5_text_width
 from vidray.models.vae import decode_latents, encode_video
 
@@ -769,10 +769,7 @@ class WanFamily(ModelFamily):
                 vae = AutoencoderKLWan(**TINY_VAE)
             return LatentModels((on_meta(vae) if meta else vae).eval().requires_grad_(False))
         folder, _ = _pipeline_folder(folder)
-        if meta:
-            vae, weights = meta_component(folder, "vae")
-        else:
-            vae, weights = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", local_files_only=True), None
+        vae, weights = folder_component(AutoencoderKLWan, folder, "vae", meta=meta)
         _check_vae(vae, str(folder))
         return LatentModels(vae.eval().requires_grad_(False), weights)
 
