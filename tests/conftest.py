@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -68,36 +69,60 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
-def run_at_once(action, *, repeats: int, processes: int = 3, timeout_s: float = 120) -> list[str]:
-    """Fork `processes` processes that each call `action()` `repeats` times, all released together by one event
-    (a race between processes, e.g. writers of one file). Returns the problems: each process's first error (its
-    repr; that process then stops) and a line for each process that did not exit 0 within `timeout_s`."""
+def _repeat_at_once(barrier, results, repeats: int, action, args: tuple) -> None:
+    """One process of `run_at_once`: wait for the others at `barrier`, call `action(*args)` `repeats` times and put
+    None (all succeeded) or the first error's repr on `results`."""
+    barrier.wait(timeout=60)
+    for _ in range(repeats):
+        try:
+            action(*args)
+        except Exception as err:  # noqa: BLE001 - reported to the caller
+            results.put(repr(err))
+            return
+    results.put(None)
+
+
+def at_once_context():
+    """The `multiprocessing` context `run_at_once` starts processes with (the preloaded forkserver): make the shared
+    objects passed to its action (a `Value`, a `Lock`) with it."""
     import multiprocessing
 
-    ctx = multiprocessing.get_context("fork")  # `action` may be a closure: nothing is pickled
-    start, errors = ctx.Event(), ctx.Queue()
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return multiprocessing.get_context("forkserver")
 
-    def repeat() -> None:
-        start.wait()
-        for _ in range(repeats):
-            try:
-                action()
-            except Exception as err:  # noqa: BLE001 - reported to the caller
-                errors.put(repr(err))
-                return
 
-    workers = [ctx.Process(target=repeat) for _ in range(processes)]
+def run_at_once(action, *args, repeats: int, processes: int = 3, timeout_s: float = 120) -> list[str]:
+    """Start `processes` processes that each call `action(*args)` `repeats` times, released together at a barrier
+    once all of them are up (a race between processes, e.g. writers of one file). Returns the problems: each
+    process's first error (its repr; that process then stops) and a line for each process that did not report or
+    exit 0 within `timeout_s`.
+
+    The processes come from `start_ranks`' forkserver, never a fork of the pytest process, so `action` and `args`
+    are pickled: a module-level function, with `args` of paths, numbers or `multiprocessing` objects made by
+    `at_once_context()` (a closure cannot travel). Forking the pytest process failed CI (stop 54, two tests,
+    "process ... exit code None"): a pytest-xdist worker runs execnet's threads, a fork copies any lock one of
+    them holds at that moment, and the child waits on it forever."""
+    import queue
+
+    ctx = at_once_context()
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    workers = [ctx.Process(target=_repeat_at_once, args=(barrier, results, repeats, action, args))
+               for _ in range(processes)]
     for worker in workers:
         worker.start()
-    start.set()
+    problems, deadline = [], time.monotonic() + timeout_s
+    for _ in workers:
+        try:
+            problem = results.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if problem is not None:
+            problems.append(problem)
     for worker in workers:
-        worker.join(timeout=timeout_s)
-    problems = []
-    while not errors.empty():
-        problems.append(errors.get())
-    for worker in workers:
+        worker.join(timeout=max(1.0, deadline - time.monotonic()))
         if worker.exitcode != 0:
             worker.kill()
+            worker.join(timeout=10)
             problems.append(f"process {worker.pid} exit code {worker.exitcode}")
     return problems
 

@@ -227,6 +227,18 @@ def _bytes_on_disk(folder: Path) -> int:
     return total
 
 
+def _lease_next(turn, entries: list[dict], src: Path, cache_dir: Path, budget: int) -> None:
+    """Lease the next of `entries` (counted by the shared `turn`) from `src` into the cache at `cache_dir` and check,
+    inside the lease, that the shard folder holds at most `budget` bytes (a `run_at_once` action)."""
+    with turn.get_lock():
+        turn.value += 1
+        entry = entries[turn.value % len(entries)]
+    cache = ShardCache(cache_dir, budget_bytes=budget)
+    with cache.lease(open_storage(src), entry):
+        on_disk = _bytes_on_disk(cache.files_dir)
+        assert on_disk <= budget, f"{on_disk} bytes on disk over the budget of {budget}"
+
+
 def test_processes_downloading_at_once_never_hold_more_than_the_budget_on_disk(tmp_path):
     # Issue 27: each process counted only finished files, so one eviction made room for several downloads at
     # once and the cache ended over budget. Three processes lease ten 256 KiB shards in turn; the budget holds six
@@ -234,24 +246,14 @@ def test_processes_downloading_at_once_never_hold_more_than_the_budget_on_disk(t
     # evict before every download. Inside each lease the shard folder's bytes (finished and temp files) are checked.
     # Also fails when room is made reading files before reservations (a download ending between the two reads was
     # counted nowhere: 7 shards on disk under a budget of 6).
-    from tests.conftest import run_at_once
+    from tests.conftest import at_once_context, run_at_once
 
     src = tmp_path / "src"
     src.mkdir()
     size, budget = 256 << 10, 6 * (256 << 10)
     entries = [_shard(src, f"shard.{i:05d}.parquet", size, i) for i in range(10)]
-    storage, cache_dir = open_storage(src), tmp_path / "cache"
+    cache_dir = tmp_path / "cache"
     ShardCache(cache_dir, budget_bytes=budget)
-    turn = multiprocessing.Value("i", 0)  # each lease takes the next shard: processes download different shards
-
-    def lease_next() -> None:
-        with turn.get_lock():
-            turn.value += 1
-            entry = entries[turn.value % len(entries)]
-        cache = ShardCache(cache_dir, budget_bytes=budget)
-        with cache.lease(storage, entry):
-            on_disk = _bytes_on_disk(cache.files_dir)
-            assert on_disk <= budget, f"{on_disk} bytes on disk over the budget of {budget}"
-
-    assert run_at_once(lease_next, repeats=150, processes=3) == []
+    turn = at_once_context().Value("i", 0)  # each lease takes the next shard: processes download different shards
+    assert run_at_once(_lease_next, turn, entries, src, cache_dir, budget, repeats=150, processes=3) == []
     assert _bytes_on_disk(cache_dir / "shards") <= budget

@@ -151,13 +151,17 @@ def test_stage_rejects_an_unknown_kind():
         _stage(what="dit")
 
 
+def _put_ones(root: str, rel: str) -> None:
+    """Cache prompt_embeds of ones (4, 8) as entry `rel` of the latent cache at `root` (a `run_at_once` action)."""
+    LatentCache(root).put(rel, {"prompt_embeds": torch.ones(4, 8)})
+
+
 def test_two_processes_caching_the_same_caption_at_once_both_succeed(tmp_path):
     """The reported case (a CI run): two ranks' encode stages cached the prompt embeddings of one caption at the
     same moment; both wrote the same temp file, and the second rename failed with FileNotFoundError, which failed
     the worker. Here 3 processes put one entry 300 times each, started together."""
-    cache = LatentCache(str(tmp_path))
     rel = LatentCache.prompt_entry("t" * 32, 32, "a caption two ranks share")
-    assert run_at_once(lambda: cache.put(rel, {"prompt_embeds": torch.ones(4, 8)}), repeats=300) == []
+    assert run_at_once(_put_ones, str(tmp_path), rel, repeats=300) == []
     assert torch.equal(LatentCache(str(tmp_path)).get(rel)["prompt_embeds"], torch.ones(4, 8))
     assert [p.name for p in (tmp_path / rel).parent.iterdir()] == [(tmp_path / rel).name]  # no temp file left
 

@@ -473,18 +473,20 @@ def test_create_beyond_the_total_or_the_clients_cap_raises_queue_full_and_stores
     _create(store, client="carol", max_unfinished=3, max_unfinished_per_client=2)
 
 
+def _create_one_in(folder: Path) -> None:
+    """Create one job in the store at `folder` under a total cap of 5, a full queue being no error (a
+    `run_at_once` action)."""
+    try:
+        _create(JobStore(folder), max_unfinished=5)
+    except QueueFullError:
+        pass
+
+
 def test_the_total_cap_holds_when_several_processes_create_at_once(tmp_path):
     from tests.conftest import run_at_once
 
     JobStore(tmp_path)
-
-    def create_one() -> None:
-        try:
-            _create(JobStore(tmp_path), max_unfinished=5)
-        except QueueFullError:
-            pass
-
-    assert run_at_once(create_one, repeats=4, processes=3) == []
+    assert run_at_once(_create_one_in, tmp_path, repeats=4, processes=3) == []
     assert JobStore(tmp_path).counts()["queued"] == 5
 
 

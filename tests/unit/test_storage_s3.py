@@ -308,17 +308,21 @@ def test_upload_dir_to_a_local_folder_gives_the_same_files(tmp_path):
     assert {rel: (tmp_path / "back" / rel).read_bytes() for rel in files} == files
 
 
+def _copy_into(folder: Path, source: Path) -> None:
+    """One copy of `source` to `folder`/part.bin through `vidray.storage` (a `run_at_once` action)."""
+    from vidray.storage import _put_file
+
+    _put_file(open_storage(folder), "part.bin", source)
+
+
 def test_local_copies_of_one_file_by_several_processes_at_once_all_succeed(tmp_path):
     """The other local writer of `vidray.storage` (`upload_dir`'s copies) with the fault of the latent
     cache's writes (one temp name for every writer: a second rename raised FileNotFoundError): 3 processes copy
     one file to the same target 200 times each, started together."""
-    from vidray.storage import _put_file, open_storage
-
     source = tmp_path / "source.bin"
     source.write_bytes(b"p" * 4096)
     (tmp_path / "dst").mkdir()
-    storage = open_storage(tmp_path / "dst")
-    assert run_at_once(lambda: _put_file(storage, "part.bin", source), repeats=200) == []
+    assert run_at_once(_copy_into, tmp_path / "dst", source, repeats=200) == []
     assert [p.name for p in (tmp_path / "dst").iterdir()] == ["part.bin"]  # no temp file left
     assert (tmp_path / "dst" / "part.bin").read_bytes() == b"p" * 4096
 
