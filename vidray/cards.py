@@ -131,6 +131,9 @@ class FamilyCard:
     FSDP rank loads only its shards; False: the config refuses `init: pretrained` with fsdp / hsdp."""
     experts: bool = False
     """It has a two-expert model (`model.experts`: Wan 2.2 A14B)."""
+    context_parallel: bool = False
+    """Its transformer can split one sample's tokens over workers (`parallel.context`): a context-parallel plan and
+    attention processors for it exist in `vidray.models.context_parallel`."""
     clip_image_encoder: bool = False
     """Its image-to-video transformer takes CLIP image embeddings (`model.i2v.image_encoder`: Wan 2.1 I2V)."""
     fp32_vae: bool = False
@@ -208,7 +211,7 @@ BUILTIN_CARDS: tuple[FamilyCard, ...] = (
         name="wan", family_class="vidray.models.wan:WanFamily",
         bucket_rules=BucketRules(spatial_multiple=16, temporal_compression=4), objective="flow_matching",
         text_seq_len=512, pipelines={"WanPipeline": False, "WanImageToVideoPipeline": True},
-        blocks="blocks", meta_build=True, experts=True, clip_image_encoder=True, fp32_vae=True,
+        blocks="blocks", meta_build=True, experts=True, clip_image_encoder=True, fp32_vae=True, context_parallel=True,
         planner=PlannerFacts(transformer_class="WanTransformer3DModel", text_width_key="text_dim",
                              token_flow="cross_attention", ffn_dim_key="ffn_dim", presets=WAN_PRESETS,
                              tiny_preset="wan-tiny",

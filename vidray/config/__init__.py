@@ -13,7 +13,7 @@ what would be valid. Its modules, each importing only those before it:
 - `common`: what the sections share (the strict frozen section config, `ConfigError`);
 - the sections, one frozen dataclass per section with the checks inside one section: `model` (`model:` and
   `model.i2v` / `lora` / `experts`), `data`, `train` (`flow`, `optim`, `train`, `export`, `vae_training`,
-  `checkpoint`, `scaling`), `runtime` (`memory`, `placement`, `storage`);
+  `checkpoint`, `scaling`, `parallel`), `runtime` (`memory`, `placement`, `storage`);
 - `job`: `JobConfig`, the sections of one run and the checks across sections;
 - `resume`: which keys a resumed run may change (`RESUME_RULES`, `diff_for_resume`);
 - `loading`: YAML and overrides -> `JobConfig` (`load_job_config`, `job_config_from_dict`), the error wording.
@@ -29,14 +29,15 @@ from vidray.config.resume import (DICT_LEAVES, RESUME_CHANGEABLE, RESUME_FIXED, 
                                   diff_for_resume, flatten_config)
 from vidray.config.runtime import (INFERENCE_OFFLOADS, STORAGE_DTYPES, EncodePlacement, MemoryConfig, PlacementConfig,
                                    StorageConfig)
-from vidray.config.train import (CheckpointConfig, EMAConfig, ExportConfig, FlowConfig, OptimConfig, ScalingConfig,
-                                 TrainConfig, ValidationConfig, VAETrainingConfig, parse_activation_checkpointing)
+from vidray.config.train import (CheckpointConfig, ContextParallelConfig, EMAConfig, ExportConfig, FlowConfig,
+                                 OptimConfig, ParallelConfig, ScalingConfig, TrainConfig, ValidationConfig,
+                                 VAETrainingConfig, parse_activation_checkpointing)
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "DataConfig", "DEFAULT_CACHE_BYTES", "DEFAULT_CACHE_DIR",
+    "CheckpointConfig", "ConfigError", "ContextParallelConfig", "DataConfig", "DEFAULT_CACHE_BYTES", "DEFAULT_CACHE_DIR",
     "DEFAULT_LORA_TARGET_MODULES", "DICT_LEAVES", "EMAConfig", "EncodePlacement", "ExpertsConfig", "ExportConfig",
     "FlowConfig", "I2VConfig", "INFERENCE_OFFLOADS", "JobConfig", "LoraConfig", "MemoryConfig", "ModelConfig",
-    "OptimConfig", "PlacementConfig", "RESUME_CHANGEABLE", "RESUME_FIXED", "RESUME_RULES", "ResumeDiff",
+    "OptimConfig", "ParallelConfig", "PlacementConfig", "RESUME_CHANGEABLE", "RESUME_FIXED", "RESUME_RULES", "ResumeDiff",
     "STORAGE_DTYPES", "ScalingConfig", "StagePlacement", "StorageConfig", "TrainConfig", "ValidationConfig",
     "VAETrainingConfig", "WAN_CLIP_TEXT_TOKENS", "apply_overrides", "check_output_path", "diff_for_resume",
     "flatten_config", "job_config_from_dict", "load_job_config", "parse_activation_checkpointing",

@@ -15,8 +15,8 @@ from vidray.cards import get_card
 from vidray.config.common import _NAME_RE, _STRICT, _families_with
 from vidray.config.model import ModelConfig
 from vidray.config.data import DataConfig
-from vidray.config.train import (CheckpointConfig, ExportConfig, FlowConfig, OptimConfig, ScalingConfig, TrainConfig,
-                                 VAETrainingConfig, parse_activation_checkpointing)
+from vidray.config.train import (CheckpointConfig, ExportConfig, FlowConfig, OptimConfig, ParallelConfig, ScalingConfig,
+                                 TrainConfig, VAETrainingConfig, parse_activation_checkpointing)
 from vidray.config.runtime import MemoryConfig, PlacementConfig, StorageConfig
 from vidray.placement import expert_selectors
 
@@ -39,6 +39,8 @@ class JobConfig:
     """When checkpoints are written, how many are kept, and what a run with checkpoints does."""
     scaling: ScalingConfig = dataclasses.field(default_factory=ScalingConfig)
     """How many Ray Train workers, on which devices, and the data-parallel strategy."""
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """Model parallelism beside the data parallelism of `scaling`: context (sequence) parallel degrees."""
     storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
     """Where the run's outputs go."""
     placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
@@ -78,6 +80,7 @@ class JobConfig:
                 f"{self.data.scene_threshold} and {self.data.min_scene_s} (defaults: 27.0 and 0.5)"
             )
         self._check_workers()
+        self._check_context_parallel()
         self._check_expert_groups()
         self._check_memory()
         if not all(0 <= b < 1 for b in self.optim.betas):
@@ -146,6 +149,44 @@ class JobConfig:
                 f"global batch. Set train.micro_batches_per_step >= {self.data_parallel_workers} (or null: the max "
                 f"worker count), or lower the max of scaling.num_workers to {given}"
             )
+
+    def _check_context_parallel(self) -> None:
+        """`parallel.context`: a degree that divides every allowed worker count, a family whose card supports it,
+        ring only on GPU, every bucket's latent tokens divisible by the degree, no PowerSGD, no expert groups."""
+        context, scaling = self.parallel.context, self.scaling
+        degree = context.degree
+        if degree == 1:
+            return
+        card = get_card(self.model.family)
+        if not card.context_parallel:
+            raise ValueError(f"parallel.context: model.family: {self.model.family} does not support context parallel "
+                             "(its card's context_parallel is false: its attention has no split plan); set "
+                             "parallel.context.ulysses and .ring to 1")
+        counts = {scaling.min_workers, scaling.max_workers} if scaling.elastic else {scaling.num_workers}
+        if any(count % degree for count in counts):
+            raise ValueError(f"parallel.context: degree {degree} (ulysses {context.ulysses} x ring {context.ring}) must "
+                             f"divide scaling.num_workers ({scaling.describe_workers()}): a sample is split over "
+                             f"{degree} workers; use a multiple of {degree} workers")
+        if context.ring > 1 and not scaling.use_gpu:
+            raise ValueError(f"parallel.context.ring: {context.ring} needs GPUs (scaling.use_gpu: true): ring attention "
+                             "merges partial results by their log-sum-exp, which only the flash / cuDNN backends "
+                             "return; on CPU use parallel.context.ulysses")
+        if self.train.grad_compression == "powersgd":
+            raise ValueError("parallel.context with train.grad_compression: powersgd is not supported (PowerSGD's "
+                             "hook averages over every worker, a context group's ranks hold partial sums); use "
+                             "train.grad_compression: none, fp16 or bf16")
+        if self.model.experts is not None and self.model.experts.layout == "groups":
+            raise ValueError("parallel.context with model.experts.layout: groups is not supported yet; use "
+                             "model.experts.layout: shared (both experts on every worker, each split over the group)")
+        rules = card.bucket_rules
+        for bucket in self.data.buckets:
+            frames, height, width = bucket
+            tokens = ((frames - 1) // rules.temporal_compression + 1) * (height // rules.spatial_multiple) * (
+                width // rules.spatial_multiple)
+            if tokens % degree:
+                raise ValueError(f"parallel.context: bucket {list(bucket)} has {tokens} latent tokens, not divisible by "
+                                 f"the context degree {degree} (each worker takes an equal share); pick a bucket whose "
+                                 f"tokens divide by {degree}, or another degree")
 
     def _check_expert_groups(self) -> None:
         """`model.experts.layout: groups`: an even, fixed worker count (half per expert), no fp16, and expert
@@ -283,11 +324,13 @@ class JobConfig:
 
     @property
     def data_parallel_workers(self) -> int:
-        """The (max) workers a gradient is averaged over: every worker, or with `model.experts.layout: groups`
-        each expert's half (`vidray.train.expert_groups`)."""
+        """The (max) data-parallel ranks a gradient is averaged over: every worker, or with `model.experts.layout:
+        groups` each expert's half (`vidray.train.expert_groups`), divided by the context-parallel degree (a
+        context group's workers train one micro-batch together)."""
         experts = self.model.experts
         groups = experts is not None and experts.layout == "groups"
-        return self.scaling.max_workers // 2 if groups else self.scaling.max_workers
+        workers = self.scaling.max_workers // 2 if groups else self.scaling.max_workers
+        return workers // self.parallel.context.degree
 
     @property
     def global_batch_size(self) -> int:

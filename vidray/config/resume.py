@@ -123,6 +123,11 @@ RESUME_RULES: dict[str, str] = {
     # continues the epoch with each sample still exactly once (a different effective batch from then on).
     "train.micro_batches_per_step": RESUME_CHANGEABLE,
     "scaling.use_gpu": RESUME_CHANGEABLE,
+    # A context group trains one micro-batch as one worker would (the same loss and gradients), and the schedule's
+    # position does not depend on the data-parallel width: a resumed run may split samples more, less or not at all.
+    "parallel.context.ulysses": RESUME_CHANGEABLE,
+    "parallel.context.ring": RESUME_CHANGEABLE,
+    "parallel.context.cross_node": RESUME_CHANGEABLE,
     "scaling.cpus_per_worker": RESUME_CHANGEABLE,
     # Where stages run: training is the same on any node.
     "placement.dit.label_selector": RESUME_CHANGEABLE,

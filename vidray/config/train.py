@@ -259,3 +259,35 @@ class ScalingConfig:
         if not self.elastic:
             return f"{self.num_workers} worker{'' if self.num_workers == 1 else 's'}"
         return f"{self.min_workers}-{self.max_workers} workers (elastic)"
+
+
+@dataclass(config=_STRICT, kw_only=True)
+class ContextParallelConfig:
+    """Context (sequence) parallel: one sample's video tokens split over `ulysses * ring` consecutive workers, each
+    attention gathering what it needs (`vidray.models.context_parallel`, diffusers' context-parallel hooks). The
+    group's workers train the same micro-batches, so the data-parallel width is the workers divided by the degree.
+    Supported by the families whose card says `context_parallel` (Wan, EasyAnimate, CogVideoX)."""
+
+    ulysses: Annotated[AtLeastOne, Says(note=" (default 1)")] = 1
+    """Ulysses degree: heads are exchanged by all-to-all so each worker attends over the whole sequence with
+    heads / ulysses heads; must divide the transformer's attention heads."""
+    ring: Annotated[AtLeastOne, Says(note=" (default 1)")] = 1
+    """Ring degree: keys and values pass around the ring; needs a GPU attention backend that returns the
+    log-sum-exp (flash or cuDNN), so CPU runs keep it 1."""
+    cross_node: bool = False
+    """Allow a context-parallel group to span nodes (its all-to-all then crosses the network every layer); false:
+    a group larger than a node's GPUs is refused when the workers start."""
+
+    @property
+    def degree(self) -> int:
+        """Workers one sample is split over: ulysses x ring."""
+        return self.ulysses * self.ring
+
+
+@dataclass(config=_STRICT, kw_only=True)
+class ParallelConfig:
+    """Splitting one sample's work over several workers (`vidray.train.loop` builds the mesh: data-parallel ranks
+    outermost, each context group consecutive workers)."""
+
+    context: ContextParallelConfig = dataclasses.field(default_factory=ContextParallelConfig)
+    """Context (sequence) parallel degrees (`parallel.context.ulysses`, `.ring`); both 1: off."""
