@@ -1,0 +1,235 @@
+"""Context parallel (`vidray.models.context_parallel`) on two gloo ranks on CPU, Ulysses degree 2: each family's
+tiny transformer split over the two ranks gives the forward output and the loss of the same model run whole in one
+process, and the two ranks' gradients summed are its gradients (each rank holds its tokens' share), for Wan (plain,
+with activation checkpointing applied after, with LoRA applied before, and the two-expert wrapper), CogVideoX and
+EasyAnimate; and the one-line refusals (heads or tokens that do not divide, a family without a plan, a group
+larger than a node). One spawn per group of cases; the ranks write their measurements, the tests assert here."""
+
+from __future__ import annotations
+
+import copy
+import json
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from tests.conftest import free_port, join_gloo, start_ranks
+
+from vidray.buckets import Bucket
+from vidray.cards import all_cards
+from vidray.config import ExpertsConfig, FlowConfig, LoraConfig, ModelConfig
+from vidray.models.context_parallel import (
+    CONTEXT_PARALLEL_FAMILIES,
+    check_context_group_in_node,
+    context_parallel_mesh,
+    enable_context_parallel,
+)
+
+FLOW = FlowConfig(shift=3.0)
+TEXT_TOKENS = 8
+WAN_CASES = ("wan", "wan_ac", "wan_lora", "wan_experts")
+
+
+def _model_config(case: str) -> ModelConfig:
+    family = case.split("_")[0]
+    experts = ExpertsConfig(boundary_ratio=0.9, layout="shared") if case == "wan_experts" else None
+    return ModelConfig(family=family, text_encoder="tiny_random", max_sequence_length=TEXT_TOKENS, experts=experts)
+
+
+def _build(case: str):
+    """(family, transformer) of a case, alike on every rank: the tiny model with every weight moved off its init
+    (zero-initialised layers would give zero gradients upstream), LoRA adapters with a non-zero B for `*_lora`."""
+    from vidray.models import get_family
+    from vidray.models.lora import apply_lora
+
+    cfg = _model_config(case)
+    family = get_family(cfg.family)
+    transformer = family.load_diffusion_models(cfg, seed=0).transformer
+    with torch.no_grad():
+        for i, param in enumerate(transformer.parameters()):
+            param.add_(0.02 * torch.randn(param.shape, generator=torch.Generator().manual_seed(i)))
+    if case.endswith("_lora"):
+        apply_lora(transformer, LoraConfig(rank=4), seed=1)
+        with torch.no_grad():
+            for i, (name, param) in enumerate(transformer.named_parameters()):
+                if ".lora_B." in name:
+                    param.copy_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(100 + i)))
+    return family, transformer.float().train()
+
+
+def _batch(family, transformer):
+    """Two samples of the family's example bucket: latents, prompt embeddings, mask, and per-sample generators."""
+    config = transformer.first_expert.config if hasattr(transformer, "first_expert") else transformer.config
+    g = torch.Generator().manual_seed(3)
+    latents = torch.randn(family.latent_shape(Bucket(*family.example_bucket), 2), generator=g)
+    text_width = config[family.card.planner.text_width_key]
+    embeds = torch.randn(2, TEXT_TOKENS, text_width, generator=g)
+    return latents, embeds, torch.ones(2, TEXT_TOKENS, dtype=torch.bool)
+
+
+def _measure(family, model, latents, embeds, mask):
+    """(forward output at timesteps 950 and 300, loss, {name: grad}) of one model. 950 and 300 fall on either side
+    of a two-expert model's boundary (900), so both experts run."""
+    from vidray.train.step import flow_matching_step_loss, sample_generator
+
+    with torch.no_grad():
+        out = family.predict(model, latents, torch.tensor([950.0, 300.0]), embeds, mask)
+    generators = [sample_generator(0, 1, key) for key in (7, 8)]
+    loss = flow_matching_step_loss(family, model, latents, embeds, mask, FLOW, generators)
+    loss.backward()
+    # checkpoint_wrapper adds `_checkpoint_wrapped_module` to the names (its state-dict hooks drop it, this does too)
+    return out, loss.detach(), {n.replace("._checkpoint_wrapped_module", ""): p.grad
+                                for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compare(case: str, mesh) -> dict:
+    import torch.distributed as dist
+
+    from vidray.train.parallel import apply_activation_checkpointing
+
+    family, ref = _build(case)
+    cp = copy.deepcopy(ref)
+    enable_context_parallel(cp, mesh, family=family.name)
+    if case.endswith("_ac") or case == "wan_experts":  # wan_experts: checkpoint_wrapper (no diffusers' own)
+        apply_activation_checkpointing(cp, "full", family.block_lists(cp))
+    seen = []  # tokens a rank's second block sees: half the video (and text) when split
+    for blocks in family.block_lists(cp):
+        blocks[1].register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).shape[1]),
+            with_kwargs=True)
+    batch = _batch(family, ref)
+    out_ref, loss_ref, grads_ref = _measure(family, ref, *batch)
+    out_cp, loss_cp, grads_cp = _measure(family, cp, *batch)
+    dot = ref_sq = cp_sq = 0.0
+    for name, g_ref in grads_ref.items():
+        g = grads_cp[name].clone() if name in grads_cp else torch.zeros_like(g_ref)
+        dist.all_reduce(g)  # each rank's gradient is its tokens' share: the full one is their sum
+        dot += (g * g_ref).sum().item()
+        ref_sq += g_ref.pow(2).sum().item()
+        cp_sq += g.pow(2).sum().item()
+    return {"forward_max_abs_diff": (out_cp - out_ref).abs().max().item(),
+            "out_max_abs": out_ref.abs().max().item(),
+            "loss_rel_diff": abs(loss_cp.item() / loss_ref.item() - 1),
+            "grad_cosine": dot / (ref_sq ** 0.5 * cp_sq ** 0.5),
+            "grad_names": sorted(grads_ref), "cp_grad_names": sorted(grads_cp),
+            "tokens_seen": seen, "tokens_whole": _whole_tokens(family, ref, batch[0])}
+
+
+def _whole_tokens(family, model, latents) -> int:
+    from vidray.models.context_parallel import _video_tokens
+
+    config = model.first_expert.config if hasattr(model, "first_expert") else model.config
+    shape = latents.shape if family.name != "cogvideox" else latents.permute(0, 2, 1, 3, 4).shape
+    video = _video_tokens(family.name, config, torch.empty(shape, device="meta"))
+    return video if family.name == "wan" else video + TEXT_TOKENS
+
+
+def _refusals(mesh) -> dict:
+    """{check: the ValueError's message, or None when nothing was raised}: each runs on both ranks before any
+    collective, so a refusal leaves the group usable."""
+    from diffusers import WanTransformer3DModel
+
+    family, wan = _build("wan")
+
+    def message(call) -> str | None:
+        try:
+            call()
+        except ValueError as err:
+            return str(err)
+        return None
+
+    one_head = WanTransformer3DModel.from_config({**wan.config, "num_attention_heads": 1, "attention_head_dim": 32})
+    enable_context_parallel(wan, mesh, family="wan")
+    text = torch.zeros(1, TEXT_TOKENS, wan.config.text_dim)
+    return {
+        "mesh": message(lambda: context_parallel_mesh(ulysses=3, ring=1)),
+        "heads": message(lambda: enable_context_parallel(one_head, mesh, family="wan")),
+        "no_plan": message(lambda: enable_context_parallel(torch.nn.Linear(2, 2), mesh, family="animatediff")),
+        "twice": message(lambda: enable_context_parallel(wan, mesh, family="wan")),
+        # (1, 16, 1, 6, 2) latents: 1 x 3 x 1 = 3 tokens after Wan's (1, 2, 2) patches
+        "tokens": message(lambda: wan(hidden_states=torch.zeros(1, 16, 1, 6, 2), timestep=torch.tensor([500.0]),
+                                      encoder_hidden_states=text, return_dict=False)),
+    }
+
+
+def _rank(rank: int, world: int, port: int, out_dir: str, cases: tuple[str, ...]) -> None:
+    import torch.distributed as dist
+
+    join_gloo(rank, world, port)
+    results = {}
+    try:
+        mesh = context_parallel_mesh(ulysses=2, ring=1)
+        for case in cases:
+            try:
+                results[case] = _refusals(mesh) if case == "refusals" else _compare(case, mesh)
+            except Exception:  # noqa: BLE001 - reported to the test
+                results[case] = {"error": traceback.format_exc()}
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def _run(tmp_path: Path, cases: tuple[str, ...]) -> dict:
+    start_ranks(_rank, (2, free_port(), str(tmp_path), cases), 2)
+    return [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _assert_equal_to_one_process(ranks: list[dict], case: str) -> None:
+    for rank, results in enumerate(ranks):
+        got = results[case]
+        assert "error" not in got, got.get("error")
+        assert got["forward_max_abs_diff"] <= 1e-5 and got["out_max_abs"] > 0.1, (case, rank, got)
+        assert got["loss_rel_diff"] <= 1e-5, (case, rank, got)
+        assert got["grad_cosine"] >= 0.9999, (case, rank, got)
+        assert got["grad_names"] and got["cp_grad_names"] == got["grad_names"], (case, rank)
+        # the sequence was split: every block after the first saw half of it
+        assert got["tokens_seen"] and set(got["tokens_seen"]) == {got["tokens_whole"] // 2}, (case, rank, got)
+
+
+@pytest.fixture(scope="module")
+def wan_ranks(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("cp-wan"), (*WAN_CASES, "refusals"))
+
+
+@pytest.mark.parametrize("case", WAN_CASES)
+def test_wan_split_over_two_ranks_matches_one_process(wan_ranks, case):
+    """Forward, loss and the ranks' summed gradients of Wan under Ulysses 2 equal the unsplit model's: plain, with
+    activation checkpointing applied after, with LoRA applied before (adapter gradients), and both experts of the
+    two-expert wrapper (checkpointed with `checkpoint_wrapper`)."""
+    _assert_equal_to_one_process(wan_ranks, case)
+    if case == "wan_lora":
+        assert all(".lora_" in name for name in wan_ranks[0][case]["grad_names"])
+    if case == "wan_experts":
+        assert {name.split(".")[0] for name in wan_ranks[0][case]["grad_names"]} == {"transformer", "transformer_2"}
+
+
+def test_refusals_are_one_line_value_errors_that_name_the_fix(wan_ranks):
+    """Checked on both ranks: a degree that does not divide the workers, heads that ulysses does not divide, a
+    family without a plan, a second enable, and at the first forward a sequence that does not divide the degree
+    (instead of diffusers' bare assert inside the split hook)."""
+    for results in wan_ranks:
+        got = results["refusals"]
+        assert "error" not in got, got.get("error")
+        assert got["mesh"] == ("parallel.context: degree 3 (ulysses 3 x ring 1) must divide the 2 workers; use a "
+                               "multiple of 3 workers or another degree")
+        assert got["heads"] == ("parallel.context.ulysses: 2 must divide the transformer's 1 attention heads (each "
+                                "worker attends with heads / ulysses of them); pick a divisor of 1, or use ring")
+        assert got["no_plan"].startswith("parallel.context: model.family animatediff has no context-parallel plan")
+        assert got["twice"].startswith("enable_context_parallel: this WanTransformer3DModel is already parallel")
+        assert got["tokens"] == ("parallel.context: wan's transformer got 3 video latent tokens (latents (1, 16, 1, "
+                                 "6, 2)), not divisible by the context degree 2 (each worker takes an equal share); "
+                                 "pick buckets whose latent tokens divide by 2")
+        assert all("\n" not in message for message in got.values())
+
+
+def test_cards_say_context_parallel_exactly_for_the_families_with_a_plan():
+    assert {card.name for card in all_cards() if card.context_parallel} == set(CONTEXT_PARALLEL_FAMILIES)
+
+
+def test_a_context_group_larger_than_a_node_needs_cross_node():
+    check_context_group_in_node(8, 8, cross_node=False)
+    check_context_group_in_node(16, 8, cross_node=True)
+    with pytest.raises(ValueError, match=r"^parallel.context: degree 16 is larger than a node's 8 workers.*set "
+                                         r"parallel.context.cross_node: true$"):
+        check_context_group_in_node(16, 8, cross_node=False)
