@@ -151,7 +151,7 @@ class JobConfig:
             )
 
     def _check_context_parallel(self) -> None:
-        """`parallel.context`: a degree that divides every allowed worker count, a family whose card supports it,
+        """`parallel.context`: a fixed worker count the degree divides, a family whose card supports it,
         ring only on GPU, every bucket's latent tokens divisible by the degree, no PowerSGD, no expert groups."""
         context, scaling = self.parallel.context, self.scaling
         degree = context.degree
@@ -162,8 +162,11 @@ class JobConfig:
             raise ValueError(f"parallel.context: model.family: {self.model.family} does not support context parallel "
                              "(its card's context_parallel is false: its attention has no split plan); set "
                              "parallel.context.ulysses and .ring to 1")
-        counts = {scaling.min_workers, scaling.max_workers} if scaling.elastic else {scaling.num_workers}
-        if any(count % degree for count in counts):
+        if scaling.elastic:
+            raise ValueError(f"parallel.context needs a fixed worker count, got scaling.num_workers="
+                             f"{list(scaling.num_workers)} (elastic: a resize may leave a count the degree {degree} "
+                             f"does not divide); set scaling.num_workers to one multiple of {degree}")
+        if scaling.num_workers % degree:
             raise ValueError(f"parallel.context: degree {degree} (ulysses {context.ulysses} x ring {context.ring}) must "
                              f"divide scaling.num_workers ({scaling.describe_workers()}): a sample is split over "
                              f"{degree} workers; use a multiple of {degree} workers")

@@ -69,6 +69,7 @@ from vidray.data.pipeline import TrainBatch, encode_spec, iter_rank_steps
 from vidray.data.schedule import DataPosition, SampleSchedule, job_schedule
 from vidray.data.shards import GenerationLease, read_index
 from vidray.storage import open_storage, upload_dir
+from vidray.models.context_parallel import check_context_group_in_node
 from vidray.models.experts import ExpertSlot
 from vidray.models.registry import Components, get_family
 from vidray.train.block_swap import apply_block_swap
@@ -248,9 +249,17 @@ class Worker:
         self.vae_run = job.train.objective == "vae"  # `vidray train-vae`: the transformer is the VAE's objective
         self.compute_stage = compute_stage(job.train.objective)  # what the step line, metrics and TensorBoard call it
         self.experts = self._form_expert_groups()  # `model.experts` layout groups: this rank's expert, else None
-        # The data-parallel world this rank's gradients are averaged over: its expert's group, or every rank.
+        # parallel.context: each group of `context_degree` consecutive ranks trains one micro-batch together, its
+        # tokens split over them (`vidray.models.context_parallel`); its rank 0 counts the group's clips and samples.
+        self.context_degree = job.parallel.context.degree
+        self.context_rank = self.rank % self.context_degree
+        # The data-parallel world this rank's gradients are averaged over: its expert's group, or every rank (a
+        # context group's ranks as one).
         self.dp_rank, self.dp_size = ((self.experts.group_rank, self.experts.group_size) if self.experts
-                                      else (self.rank, self.world_size))
+                                      else (self.rank // self.context_degree, self.world_size // self.context_degree))
+        if self.world_size % self.context_degree:
+            raise UserError(f"parallel.context: degree {self.context_degree} does not divide the {self.world_size} "
+                            "workers this attempt runs with; use a multiple of it")
         # The loader starts first: its actors start and its first batches decode while the model is built
         # (issue 43: the start-up's steps overlap instead of waiting on each other).
         self._load_data(local_ranks=context.local_world_size)
@@ -378,6 +387,13 @@ class Worker:
             if name in no_grad:
                 param.requires_grad_(False)
         transformer.train()
+
+        if self.context_degree > 1:  # a group split over nodes crosses the network at every attention
+            try:
+                check_context_group_in_node(self.context_degree, self.context.local_world_size,
+                                            job.parallel.context.cross_node)
+            except ValueError as err:
+                raise UserError(str(err)) from None
 
         def probe(m: torch.nn.Module) -> torch.Tensor:
             with probe_context():
@@ -533,6 +549,9 @@ class Worker:
                   "activation checkpointing "
                   f"{job.train.activation_checkpointing}, gradient compression {job.train.grad_compression}"
                   + (f", EMA decay {job.train.ema.decay}" if self.ema else "")
+                  + (f", context parallel over {self.context_degree} workers (ulysses {job.parallel.context.ulysses} x "
+                     f"ring {job.parallel.context.ring}): each micro-batch's tokens split over its group"
+                     if self.context_degree > 1 else "")
                   + _experts_note(job))
         self.window_start, self.window_steps = time.perf_counter(), 0
         run_start = time.perf_counter()
@@ -592,19 +611,23 @@ class Worker:
                             return_timesteps=True, activation_offload=self.activation_offload,
                             **self._condition(batch))
                         self._note_timesteps(timesteps, batch.weights)
-                precision.backward(micro_loss)
+                # A context group's ranks each hold the gradient of their own tokens (partial sums of the
+                # sample's), which DDP / FSDP average over every rank: scaled by the degree, the average over the
+                # group is their sum, and over the data-parallel ranks their mean.
+                precision.backward(micro_loss * self.context_degree if self.context_degree > 1 else micro_loss)
             loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
-            if self.record:
+            if self.record and self.context_rank == 0:
                 ids = [i for i, w in zip(batch.sample_ids, batch.weights) if w > 0]
                 self.trained.append([step, batch.epoch, ids])
                 step_ids.extend(ids)
             data_wait_s += batch.data_wait_s
-            clips += len(batch.sample_ids)  # batch slots the DiT trained (padding and repeats included)
+            if self.context_rank == 0:  # batch slots the DiT trained (padding and repeats included), once a group
+                clips += len(batch.sample_ids)
             encode_s += batch.stats.get("vae_s", 0.0) + batch.stats.get("text_s", 0.0)  # in the stages, overlapped
             dit_s += time.perf_counter() - t_data
             micro += 1
         t_optim = time.perf_counter()
-        if self.record_path is not None:
+        if self.record_path is not None and self.context_rank == 0:
             _append_record(self.record_path, [step, batch.epoch, self.world_size, self.rank, step_ids])
         precision.unscale_(self.optimizer)  # fp16: clip and measure true gradients
         if job.train.grad_clip_norm is not None:

@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from vidray.config import JobConfig, parse_activation_checkpointing
 from vidray.logs import is_verbose, stderr_without
+from vidray.models.context_parallel import context_parallel_mesh, enable_context_parallel
 from vidray.models.experts import EXPERT_ATTRIBUTES, ExpertSlot, TwoExperts
 from vidray.models.lora import has_lora, init_adapters, is_adapter_parameter
 from vidray.models.storage import frozen_parameter_names
@@ -369,8 +370,13 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
                 example_loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
                 pretrained_weights: str | None = None, device: torch.device | str | None = None,
                 process_group: Any = None, family: Any = None, mesh: Any = None) -> tuple[torch.nn.Module, CommHook]:
-    """Apply activation checkpointing, then the data parallelism of `scaling.strategy`, to the model each worker
-    trains. Returns (the model to call, its CommHook).
+    """Apply context parallel (`parallel.context`), activation checkpointing, then the data parallelism of
+    `scaling.strategy`, to the model each worker trains. Returns (the model to call, its CommHook).
+
+    Context parallel (degree > 1, a DiT `family`): the family's plan splits each sample's tokens over groups of
+    consecutive ranks (`vidray.models.context_parallel`, mesh ("dp", "ring", "ulysses")); it goes first, on the
+    unwrapped blocks (after LoRA, which the caller applies), so its hooks find each block's arguments by name.
+    DDP and FSDP then run over every rank; the caller scales each backward by the degree (`Worker.train_step`).
 
     `ddp`: DDP with `train.bucket_cap_mb` and the compression hook (`find_unused_parameters` for a `TwoExperts`
     transformer, `model.experts` layout shared, its reducer's advice to turn it off silenced:
@@ -390,6 +396,11 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
 
     Call before the optimizer is built (FSDP replaces the parameters with sharded ones) and before the checkpoint
     is restored (a sharded model loads its own shards)."""
+    context = job.parallel.context
+    if context.degree > 1 and family is not None:
+        device_type = torch.device(device).type if device is not None else next(transformer.parameters()).device.type
+        mesh_of_context = context_parallel_mesh(context.ulysses, context.ring, device_type=device_type)
+        enable_context_parallel(transformer, mesh_of_context, family=family.name)
     blocks = None if family is None else family.block_lists(transformer)
     apply_activation_checkpointing(transformer, job.train.activation_checkpointing, blocks)
     if job.scaling.strategy in ("fsdp", "hsdp"):

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from vidray.config import ConfigError, JobConfig, ModelConfig, VAETrainingConfig
+from vidray.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, VAETrainingConfig
 from vidray.locations import absolute_location, is_uri
 from vidray.models.base import ModelFamily
 from vidray.models.registry import get_family
@@ -64,8 +64,9 @@ def vae_training_job(job: JobConfig) -> JobConfig:
                                                                 images=[]))
     data = dataclasses.replace(job.data, latent_cache="off",
                                batch_size_per_worker=vt.batch_size_per_worker or job.data.batch_size_per_worker)
-    return dataclasses.replace(
+    return dataclasses.replace(  # the VAE is small: its clips are never split over a context group
         job, name=f"{job.name}{VAE_RUN_SUFFIX}", model=dataclasses.replace(job.model, vae_path=None), data=data,
+        parallel=ParallelConfig(),
         optim=dataclasses.replace(job.optim, lr=vt.lr, warmup_steps=vt.warmup_steps), train=train)
 
 
