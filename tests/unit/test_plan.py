@@ -480,3 +480,39 @@ def test_families_without_a_context_parallel_plan_are_never_offered_a_degree():
     wan = plan_job(_job_at("jobs/configs/wan_t2v_tiny.yaml", "scaling.use_gpu=true"), gpu_memory_bytes=24 * 2**30,
                    num_gpus=8, preset=get_preset("wan2.1-14b"), bucket=Bucket(49, 1024, 1024))
     assert any(e.mode.context_degree > 1 for e in wan.estimates)
+
+
+@pytest.mark.parametrize("ac", [False, True], ids=["plain", "AC"])
+def test_planned_activation_bytes_match_the_tensor_bytes_a_forward_holds(ac):
+    """`planned_activation_bytes` is what a context-parallel benchmark compares with each rank's measurement: at
+    degree 1 a 6-block Wan (fp32, 192 video + 32 text tokens) holds, after its forward and loss, within 15 % of it
+    (TensorBytesTracker: bytes live after minus before, parameters and inputs tracked first; 1 % plain, 3 % AC)."""
+    from diffusers import WanTransformer3DModel
+
+    from vidray.models.presets import ShapePreset
+    from vidray.train.memory import TensorBytesTracker
+    from vidray.train.plan import planned_activation_bytes
+
+    config = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16,
+                  out_channels=16, text_dim=64, freq_dim=32, ffn_dim=384, num_layers=6, cross_attn_norm=True,
+                  qk_norm="rms_norm_across_heads")
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**config).train()
+    if ac:
+        model.enable_gradient_checkpointing()
+    latents, target = torch.randn(1, 16, 3, 16, 16), torch.randn(1, 16, 3, 16, 16)
+    timestep, text = torch.tensor([500.0]), torch.randn(1, 32, 64)
+    with TensorBytesTracker() as tracker:
+        tracker.track(*model.parameters(), latents, target, timestep, text)
+        before = tracker.current_bytes
+        pred = model(hidden_states=latents, timestep=timestep, encoder_hidden_states=text).sample
+        loss = torch.nn.functional.mse_loss(pred.float(), target)
+        measured = tracker.current_bytes - before
+    planned = planned_activation_bytes(ShapePreset("wan-6", "wan", config, text_seq_len=32), Bucket(9, 128, 128), 1,
+                                       activation_checkpointing=ac)
+    assert 0.85 <= planned.total / measured <= 1.15, (planned, measured)
+    assert loss.requires_grad
+    half = planned_activation_bytes(ShapePreset("wan-6", "wan", config, text_seq_len=32), Bucket(9, 128, 128), 2,
+                                    activation_checkpointing=ac)
+    # the video tokens halve; the cross-attention keys and values of the 32 text tokens stay whole
+    assert 0.5 * planned.blocks <= half.blocks < 0.53 * planned.blocks and half.latent == planned.latent

@@ -70,6 +70,7 @@ from vidray.errors import UserError
 from vidray.models.presets import ShapePreset, meta_model, model_preset, planner_facts, preset_from_pretrained
 
 __all__ = [
+    "ActivationBytes",
     "HEADROOM",
     "HOST_HEADROOM",
     "MemoryEstimate",
@@ -82,17 +83,22 @@ __all__ = [
     "check_cluster_fits",
     "check_fits",
     "cluster_gpu_memory_bytes",
+    "context_degrees",
+    "context_step_traffic_bytes",
+    "context_traffic_bytes",
     "count_model",
     "estimate_memory",
     "format_bytes",
     "format_report",
     "frozen_bytes",
     "host_memory_bytes",
+    "job_context",
     "job_mode",
     "parse_bytes",
     "plan",
     "plan_job",
     "plan_measured",
+    "planned_activation_bytes",
     "strategy_modes",
 ]
 
@@ -735,6 +741,8 @@ def planned_activation_bytes(job_or_preset: Any, bucket: Bucket, context_degree:
     (its model's shape `job_preset`, `model.max_sequence_length` text tokens, `train.mixed_precision`,
     `train.activation_checkpointing` and `model.lora` unless given) or a `ShapePreset` (fp32, no AC, no LoRA and
     the preset's `text_seq_len` unless given). `context_degree` = ulysses x `ring` ranks share the sample.
+    Compare `.total` with the measurement: at degree 1 a 6-block Wan in fp32 holds within 1 % of it (3 % with AC;
+    `tests/unit/test_plan.py`); at degree d each rank of the group should hold about `.total` of its degree.
     Raises UserError for a bad bucket, ValueError for a degree that does not divide the heads or the tokens."""
     if context_degree < 1 or ring < 1 or context_degree % ring:
         raise ValueError(f"context_degree must be a multiple of ring, both >= 1, got {context_degree} and {ring}")
