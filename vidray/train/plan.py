@@ -14,6 +14,7 @@ What one rank holds during a steady-state step (forward, backward, fused AdamW s
 | gradients | 4 P_train | fsdp: 4 P_train / n + one unsharded block's; ddp adds its buckets, 4 P_train more |
 | optimizer | 8 P_train (AdamW exp_avg + exp_avg_sq, fp32) | fsdp: / n |
 | activations | sum over blocks of what autograd saves (`block_activation_bytes`) + the rest of the model | AC: the blocks' inputs + one block recomputed |
+| context parallel cp (`parallel.context`) | the blocks' activations, checkpointed inputs and backward temporaries over n_video / cp tokens (+ text / cp where text goes through the blocks); outside the blocks the patch embedding, text projection and latent-sized loss tensors stay whole | parameters, gradients and optimizer state unchanged; traffic: `context_traffic_bytes` |
 | encoders | frozen VAE + text encoder weights, when their stage shares the trainer's GPU, in the row's storage dtype | `placement.vae/text.num_gpus` in (0, 1) |
 | host (checked per node) | the pinned host bytes above x the ranks on a node (min(GPUs, 8)) <= 70 % of the node's memory (`HOST_HEADROOM`: Ray's object store takes 30 % by default) | `vidray plan --host-memory`, `$VIDRAY_HOST_MEMORY`, else this machine's memory |
 
@@ -42,8 +43,9 @@ frozen weights in bf16, LoRA also in fp8 and fp8 + the fewest swapped blocks tha
 offload, LoRA + AC also fp8 + activation offload with the fewest swapped blocks that fit, none included). The
 pick: full fine-tuning before LoRA (a full fine-tune with CPU offload is still the run asked for), then
 the modes by transfer per step (`MemoryMode.transfer_rank`): bf16 / fp32 storage (bf16 storage of a frozen base is
-free under bf16 autocast, which computes in bf16 anyway) < fp8 storage (no transfer, a measured quality cost) < block
-swap (host-to-device traffic every step) < activation offload (the saved activations to the host in the forward and
+free under bf16 autocast, which computes in bf16 anyway) < fp8 storage (no transfer, a measured quality cost) <
+context parallel (the smallest degree that fits, for a family whose card has `context_parallel`: all-to-alls within
+the node every layer, and the data-parallel width divided by it) < block swap (host-to-device traffic every step) < activation offload (the saved activations to the host in the forward and
 back in the backward, every step) < FSDP CPU offload (parameters, gradients and the optimizer step through
 host memory), then the strategies, in order of communication per step (least first), the first that fits with
 `HEADROOM` spare (and the node's host memory) is picked: ddp (one all-reduce of the gradients) < fsdp (all-gather of the parameters twice plus a
