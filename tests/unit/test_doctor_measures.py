@@ -247,7 +247,8 @@ def test_a_context_parallel_job_is_simulated_on_one_rank_and_its_all_to_alls_are
     from vidray.train.plan import context_step_traffic_bytes, job_preset, largest_bucket, plan_job
 
     job = load_job_config(REPO / "jobs/configs/wan_t2v_tiny.yaml",
-                          ["scaling.num_workers=2", "parallel.context.ulysses=2", "train.activation_checkpointing=full"])
+                          ["scaling.num_workers=2", "parallel.context.ulysses=2",
+                           "train.activation_checkpointing=full"])
     with pytest.raises(UserError, match="context degree 2 does not divide the 1 GPU"):
         plan_job(job, gpu_memory_bytes=2**40, num_gpus=1)
     assert dm.without_context(job).parallel.context.degree == 1 and job.parallel.context.degree == 2

@@ -466,7 +466,8 @@ def _job_at(config: str, *overrides: str):
 
 def test_families_without_a_context_parallel_plan_are_never_offered_a_degree():
     """EasyAnimate's card has no `context_parallel` (no split plan yet): where its rows do not fit, its plan still
-    lists no context-parallel row; AnimateDiff (a UNet, planned by measuring) neither. Wan, in the same spot, gets one."""
+    lists no context-parallel row; AnimateDiff (a UNet, planned by measuring) neither. Wan, in the same spot, gets
+    one."""
     from vidray.train.plan import context_degrees
 
     ea = plan_job(_job("scaling.use_gpu=true"), gpu_memory_bytes=24 * 2**30, num_gpus=8,

@@ -858,8 +858,8 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
     """Estimate every strategy in `STRATEGIES`, in each of its memory modes (`strategy_modes`), for `preset` on
     `num_gpus` GPUs of `gpu_memory_bytes` each, and pick the cheapest that fits with `HEADROOM`: full fine-tuning
     before LoRA (a full fine-tune with CPU offload is still the run asked for), then the modes in
-    `MemoryMode.transfer_rank` order (no transfer < fp8 < block swap < FSDP CPU offload), the strategies in
-    `STRATEGIES` order within a mode. `encoders_bytes`: the encoders sharing the GPU, or their bytes by storage
+    `MemoryMode.transfer_rank` order (no transfer < fp8 < context parallel < block swap < activation offload <
+    FSDP CPU offload), the strategies in `STRATEGIES` order within a mode. `encoders_bytes`: the encoders sharing the GPU, or their bytes by storage
     dtype (`{"fp32": .., "bf16": .., "fp8": ..}`). `host_memory_bytes`: one node's host memory (None: not checked),
     shared by `ranks_per_node` ranks (default min(num_gpus, 8)). `experts_held` 2 (`model.experts` layout shared): each rank holds two
     experts of the preset's shape, and only ddp and lora (DDP, full or adapters) are listed; `expert_groups`
@@ -961,7 +961,8 @@ def _context_note(preset: ShapePreset, counts: ModelCounts, e: MemoryEstimate, b
     fsdp = s.kind.startswith("fsdp")
     trained = counts.lora_parameters if "lora" in s.kind else counts.trainable
     gradients = 4 * trained * (1.5 if fsdp else 1.0)
-    kind = "ulysses all-to-alls" if m.ring == 1 else ("ring passes" if m.ulysses == 1 else "all-to-alls and ring passes")
+    kind = ("ulysses all-to-alls" if m.ring == 1 else
+            "ring passes" if m.ulysses == 1 else "all-to-alls and ring passes")
     return (f"context parallel cp {m.context_degree} ({s.name}): {kind} send {format_bytes(step)} per rank per step "
             f"({format_bytes(per_layer)} per block x {counts.num_layers} + the output gather), within the node; the "
             f"gradients' exchange is {format_bytes(gradients)} per step ({'fsdp ~1.5x ' if fsdp else ''}4 bytes x "
