@@ -229,6 +229,33 @@ def single_rank_strategy(job: Any):
     return replace(strategy, kind={"fsdp": "ddp", "fsdp+lora": "lora"}.get(strategy.kind, strategy.kind))
 
 
+def without_context(job: Any) -> Any:
+    """`job` with `parallel.context` at degree 1: what one rank runs when it holds the whole sample."""
+    from vidray.train.plan import job_context  # heavy: pydantic
+
+    if job_context(job) == (1, 1):
+        return job
+    context = replace(job.parallel.context, ulysses=1, ring=1)
+    return replace(job, parallel=replace(job.parallel, context=context))
+
+
+def context_bytes(job: Any) -> float:
+    """Bytes a rank sends per step for `job`'s context parallel (`vidray.train.plan.context_step_traffic_bytes`
+    over its largest bucket and batch, its precision and activation checkpointing); 0 at degree 1."""
+    from vidray.train.plan import (context_step_traffic_bytes, job_context, job_preset, job_strategy,  # heavy: pydantic
+                                   largest_bucket)
+
+    ulysses, ring = job_context(job)
+    if ulysses * ring == 1:
+        return 0.0
+    preset = job_preset(job)
+    bucket, batch = largest_bucket(job, preset)
+    strategy = job_strategy(job)
+    return float(context_step_traffic_bytes(preset, bucket, ulysses=ulysses, ring=ring, precision=strategy.precision,
+                                            activation_checkpointing=strategy.activation_checkpointing,
+                                            text_tokens=job.model.max_sequence_length, batch_size=batch))
+
+
 def simulated_step(job: Any, device: Any, *, num_steps: int = STEPS) -> dict[str, Any]:
     """Run `num_steps` (>= 2) training steps of `job`'s transformer on `device`, as `vidray.train.loop` runs them
     on one rank, on random latents and prompt embeddings of the largest bucket and batch the planner plans.
@@ -244,8 +271,9 @@ def simulated_step(job: Any, device: Any, *, num_steps: int = STEPS) -> dict[str
     if num_steps < 2:
         raise ValueError(f"num_steps must be >= 2 (the first warms up), got {num_steps}")
     device = torch.device(device)
-    # 1. What the planner plans: the largest bucket and its batch, the strategy on one rank.
-    report = plan_job(job, gpu_memory_bytes=2**60, num_gpus=1)
+    # 1. What the planner plans: the largest bucket and its batch, the strategy on one rank (no context group: one
+    #    rank holds the whole sample).
+    report = plan_job(without_context(job), gpu_memory_bytes=2**60, num_gpus=1)
     strategy = single_rank_strategy(job)
     planned = estimate_memory(report.preset, report.counts, strategy, bucket=report.bucket,
                               batch_size=report.batch_size, text_tokens=report.text_tokens, num_gpus=1,
@@ -758,7 +786,8 @@ def _comm_text(sweep: dict[str, Any], job: Any, step: dict[str, Any] | None) -> 
     predicted at the measured algbw, against the step's compute."""
     if not step or "error" in step:
         return None
-    if job.data_parallel_workers < 2 <= job.scaling.max_workers:  # model.experts layout groups of one worker each
+    if job.data_parallel_workers * job.parallel.context.degree < 2 <= job.scaling.max_workers:  # model.experts
+        # layout groups of one worker each (a context group's ranks all-reduce their partial gradients)
         return "each expert's worker group has one worker: its gradients are not all-reduced", "ok"
     nbytes = gradient_bytes(step["trainable"], job)
     if nbytes is None:
@@ -767,6 +796,11 @@ def _comm_text(sweep: dict[str, Any], job: Any, step: dict[str, Any] | None) -> 
     share = seconds / step["step_s"]
     text = (f"the job's gradients ({format_size(nbytes)} a step) take ~{1e3 * seconds:.1f} ms, {share:.0%} of the "
             f"simulated step's {1e3 * step['step_s']:.1f} ms")
+    context = context_bytes(job)
+    if context:  # the all-to-alls of parallel.context, at the all-reduce's algbw (the collective differs: a guide)
+        context_s = allreduce_seconds(context, sweep["results"], job.train.bucket_cap_mb * MIB)
+        text += (f"; context parallel's all-to-alls ({format_size(context)} a rank per step, "
+                 f"`vidray.train.plan.context_step_traffic_bytes`) ~{1e3 * context_s:.1f} ms at the same algbw")
     level = comm_level(seconds, step["step_s"])
     if level == "warn":
         text += (": more than the step's compute, which DDP cannot hide behind the backward: set "

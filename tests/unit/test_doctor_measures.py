@@ -237,3 +237,28 @@ def test_two_expert_groups_measure_one_expert_and_no_all_reduce_between_them():
     sweep = {"results": [{"bytes": 1024.0, "algbw": 1e9}]}
     text, level = dm._comm_text(sweep, job, groups)
     assert level == "ok" and text == "each expert's worker group has one worker: its gradients are not all-reduced"
+
+
+def test_a_context_parallel_job_is_simulated_on_one_rank_and_its_all_to_alls_are_estimated():
+    """`parallel.context.ulysses: 2` on 2 workers: the one-rank step is planned without the split (the planner
+    refuses degree 2 on 1 GPU), and the allreduce line adds the context group's all-to-all bytes per step
+    (`context_step_traffic_bytes`) at the measured algbw."""
+    from vidray.errors import UserError
+    from vidray.train.plan import context_step_traffic_bytes, job_preset, largest_bucket, plan_job
+
+    job = load_job_config(REPO / "jobs/configs/wan_t2v_tiny.yaml",
+                          ["scaling.num_workers=2", "parallel.context.ulysses=2",
+                           "train.activation_checkpointing=full"])
+    with pytest.raises(UserError, match="context degree 2 does not divide the 1 GPU"):
+        plan_job(job, gpu_memory_bytes=2**40, num_gpus=1)
+    assert dm.without_context(job).parallel.context.degree == 1 and job.parallel.context.degree == 2
+    assert plan_job(dm.without_context(job), gpu_memory_bytes=2**40, num_gpus=1).chosen is not None
+    preset = job_preset(job)
+    bucket, batch = largest_bucket(job, preset)
+    expected = context_step_traffic_bytes(preset, bucket, ulysses=2, precision="fp32", activation_checkpointing=True,
+                                          text_tokens=job.model.max_sequence_length, batch_size=batch)
+    assert dm.context_bytes(job) == expected > 0 and dm.context_bytes(dm.without_context(job)) == 0
+    sweep = {"results": [{"bytes": 1024.0, "algbw": 1e9}]}
+    text, _ = dm._comm_text(sweep, job, {"trainable": 1000, "step_s": 0.1})
+    assert f"context parallel's all-to-alls ({dm.format_size(expected)} a rank per step" in text, text
+    assert text.startswith("the job's gradients")

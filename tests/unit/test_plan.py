@@ -381,3 +381,139 @@ def test_an_animatediff_plan_measured_on_the_meta_device_matches_a_measured_cpu_
                           ["scaling.use_gpu=true", "data.buckets=[[16,512,512]]", "data.batch_size_per_worker=8"])
     with pytest.raises(UserError, match=r"predicted out of memory: ddp fp32 needs .*ddp\+AC bf16 fits"):
         check_fits(big, 8 * 2**30, 1)
+
+
+# Context parallel (issue 47): the planner splits one sample's tokens over a context group.
+
+WAN14 = "jobs/configs/wan21_14b_full_8x80gb.yaml"
+BIG = Bucket(81, 720, 1280)  # 21 x 45 x 80 = 75,600 video tokens
+
+
+def test_context_degree_2_halves_the_blocks_activations_and_keeps_the_whole_length_terms():
+    """Wan2.1-14B at 81x720x1280, fsdp + AC bf16 on 8 GPUs: at degree 2 each rank keeps half of every block's input
+    (40 x 37,800 x 5120 x 2 bytes) and recomputes half a block; outside the blocks the patch embedding's fp32 output
+    (75,600 x 5120 x 4), the text projection's (512 x 5120 x 4) and the 6 fp32 latent-sized tensors around the loss
+    (6 x 16 x 21 x 90 x 160 x 4) stay whole, the final norm / modulation / output projection inputs (4 D x 2 a token)
+    halve."""
+    from vidray.train.plan import MemoryMode
+
+    preset = get_preset("wan2.1-14b")
+    counts = count_model(preset)
+    kwargs = dict(bucket=BIG, batch_size=1, text_tokens=512, num_gpus=8)
+    ac = Strategy("fsdp", True, "bf16")
+    one = estimate_memory(preset, counts, ac, mode=MemoryMode("bf16"), **kwargs)
+    two = estimate_memory(preset, counts, ac, mode=MemoryMode("bf16", ulysses=2), **kwargs)
+    n, d, text, latent = 75_600, 5120, 512, 16 * 21 * 90 * 160
+    whole = n * d * 4 + text * d * 4 + 6 * latent * 4
+    assert one.activations == 40 * n * d * 2 + whole + n * 4 * d * 2
+    assert two.activations == 40 * (n // 2) * d * 2 + whole + (n // 2) * 4 * d * 2
+    # the recomputed block: its video-token terms halve, the text's cross-attention keys and values (512 tokens) stay
+    assert two.activations_peak_block == pytest.approx(one.activations_peak_block / 2, rel=0.002)
+    assert (two.parameters, two.gradients, two.optimizer) == (one.parameters, one.gradients, one.optimizer)
+    # without AC every block's saved activations halve (the bf16 weight copies do not change)
+    plain = Strategy("fsdp", False, "bf16")
+    one, two = (estimate_memory(preset, counts, plain, mode=MemoryMode("bf16", ulysses=u), **kwargs) for u in (1, 2))
+    blocks_one = one.activations - whole - n * 4 * d * 2
+    blocks_two = two.activations - whole - (n // 2) * 4 * d * 2
+    assert blocks_two == pytest.approx(blocks_one / 2, rel=0.002)
+    with pytest.raises(ValueError, match="ulysses degree 3 does not divide the 40 attention heads"):
+        estimate_memory(preset, counts, ac, mode=MemoryMode("bf16", ulysses=3), **{**kwargs, "num_gpus": 6})
+
+
+def test_context_traffic_matches_the_hand_computed_ulysses_and_ring_bytes():
+    """S x D x a = 75,600 x 5120 x 2 B = 774,144,000 B. Ulysses 8 with AC: 12 all-to-alls a block of 7/64 of it
+    (84,672,000 B), 1,016,064,000 B a block; the step adds 40 blocks and the output gather, 7/8 of the
+    16 x 21 x 90 x 160 latent in bf16. Ulysses 2 without AC: 8 of 1/4. Ring 2: forward 2 x 1/2 x S x D x a, the
+    backward twice that."""
+    from vidray.train.plan import context_step_traffic_bytes, context_traffic_bytes
+
+    preset = get_preset("wan2.1-14b")
+    sda = 75_600 * 5120 * 2
+    assert context_traffic_bytes(preset, BIG, ulysses=8, activation_checkpointing=True) == 12 * sda * 7 // 64
+    assert context_step_traffic_bytes(preset, BIG, ulysses=8, activation_checkpointing=True) == (
+        40 * 12 * sda * 7 // 64 + 16 * 21 * 90 * 160 * 2 * 7 // 8)
+    assert context_traffic_bytes(preset, BIG, ulysses=2) == 8 * sda // 4
+    assert context_traffic_bytes(preset, BIG, ring=2) == 3 * sda
+    assert context_traffic_bytes(preset, BIG, ulysses=2, precision="fp32", batch_size=2) == 2 * 8 * 2 * sda // 4
+    assert context_traffic_bytes(preset, BIG) == 0
+
+
+def test_wan21_14b_full_fine_tuning_at_720p_on_8x80gib_picks_a_context_degree(capsys):
+    """The issue's example: full fine-tuning needs 92.1 GiB per GPU without a split; the plan picks fsdp + AC with the
+    sample over 2 ranks (before activation offload, which copies activations to the host every step), prints the
+    all-to-all traffic beside the gradients' exchange, and a job asking for it is checked at that degree."""
+    from vidray.train.plan import MemoryMode
+
+    code = main(["plan", WAN14, "--preset", "wan2.1-14b", "--gpus", "8", "--gpu-memory", "80GiB",
+                 "--host-memory", "1TiB"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    picked = next(line for line in out.splitlines() if line.startswith("picked:"))
+    assert picked.startswith("picked: fsdp+AC bf16, bf16 frozen, cp 2: 57.5 GiB per GPU"), picked
+    assert "parallel.context.ulysses=2" in picked
+    assert "note: context parallel cp 2 (fsdp+AC bf16): ulysses all-to-alls send 86.5 GiB per rank per step" in out
+    job = _job_at(WAN14, "parallel.context.ulysses=2", "memory.activation_offload=false")
+    report = check_fits(job, 80 * 2**30, 8, host_memory=2**40, preset=get_preset("wan2.1-14b"))
+    assert report.requested.mode == MemoryMode("bf16", ulysses=2) and report.requested.fits
+    assert report.requested.peak_bytes == report.chosen.peak_bytes
+    # the job's own degree applies to every row, and nothing else is searched
+    assert {e.mode.context_degree for e in report.estimates} == {2}
+
+
+def _job_at(config: str, *overrides: str):
+    return load_job_config(config, list(overrides))
+
+
+def test_families_without_a_context_parallel_plan_are_never_offered_a_degree():
+    """EasyAnimate's card has no `context_parallel` (no split plan yet): where its rows do not fit, its plan still
+    lists no context-parallel row; AnimateDiff (a UNet, planned by measuring) neither. Wan, in the same spot, gets
+    one."""
+    from vidray.train.plan import context_degrees
+
+    ea = plan_job(_job("scaling.use_gpu=true"), gpu_memory_bytes=24 * 2**30, num_gpus=8,
+                  preset=get_preset("easyanimate-v5-7b"), bucket=Bucket(49, 1024, 1024))
+    assert any(not e.fits and e.mode.transfer_rank == 0 for e in ea.estimates)  # where Wan's get a split row
+    assert {e.mode.context_degree for e in ea.estimates} == {1}
+    assert context_degrees(ea.preset, ea.counts, bucket=ea.bucket, text_tokens=256, num_gpus=8, ranks_per_node=8) == ()
+    animatediff = plan_job(_job_at("jobs/configs/animatediff_t2v_tiny.yaml", "scaling.use_gpu=true"),
+                           gpu_memory_bytes=80 * 2**30, num_gpus=8, bucket=Bucket(9, 64, 64))
+    assert animatediff.measured and {e.mode.context_degree for e in animatediff.estimates} == {1}
+    wan = plan_job(_job_at("jobs/configs/wan_t2v_tiny.yaml", "scaling.use_gpu=true"), gpu_memory_bytes=24 * 2**30,
+                   num_gpus=8, preset=get_preset("wan2.1-14b"), bucket=Bucket(49, 1024, 1024))
+    assert any(e.mode.context_degree > 1 for e in wan.estimates)
+
+
+@pytest.mark.parametrize("ac", [False, True], ids=["plain", "AC"])
+def test_planned_activation_bytes_match_the_tensor_bytes_a_forward_holds(ac):
+    """`planned_activation_bytes` is what a context-parallel benchmark compares with each rank's measurement: at
+    degree 1 a 6-block Wan (fp32, 192 video + 32 text tokens) holds, after its forward and loss, within 15 % of it
+    (TensorBytesTracker: bytes live after minus before, parameters and inputs tracked first; 1 % plain, 3 % AC)."""
+    from diffusers import WanTransformer3DModel
+
+    from vidray.models.presets import ShapePreset
+    from vidray.train.memory import TensorBytesTracker
+    from vidray.train.plan import planned_activation_bytes
+
+    config = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16,
+                  out_channels=16, text_dim=64, freq_dim=32, ffn_dim=384, num_layers=6, cross_attn_norm=True,
+                  qk_norm="rms_norm_across_heads")
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**config).train()
+    if ac:
+        model.enable_gradient_checkpointing()
+    latents, target = torch.randn(1, 16, 3, 16, 16), torch.randn(1, 16, 3, 16, 16)
+    timestep, text = torch.tensor([500.0]), torch.randn(1, 32, 64)
+    with TensorBytesTracker() as tracker:
+        tracker.track(*model.parameters(), latents, target, timestep, text)
+        before = tracker.current_bytes
+        pred = model(hidden_states=latents, timestep=timestep, encoder_hidden_states=text).sample
+        loss = torch.nn.functional.mse_loss(pred.float(), target)
+        measured = tracker.current_bytes - before
+    planned = planned_activation_bytes(ShapePreset("wan-6", "wan", config, text_seq_len=32), Bucket(9, 128, 128), 1,
+                                       activation_checkpointing=ac)
+    assert 0.85 <= planned.total / measured <= 1.15, (planned, measured)
+    assert loss.requires_grad
+    half = planned_activation_bytes(ShapePreset("wan-6", "wan", config, text_seq_len=32), Bucket(9, 128, 128), 2,
+                                    activation_checkpointing=ac)
+    # the video tokens halve; the cross-attention keys and values of the 32 text tokens stay whole
+    assert 0.5 * planned.blocks <= half.blocks < 0.53 * planned.blocks and half.latent == planned.latent

@@ -129,19 +129,23 @@ def test_easyanimate_7b_generation_and_lora_fit_one_24gib_gpu(capsys):
         host_memory=64 * GIB).chosen.mode
 
 
-def test_wan21_14b_full_fine_tuning_at_720p_on_8x80gib_picks_fsdp_ac_with_activation_offload(capsys):
-    """Full fine-tuning stays full fine-tuning: at 81x720x1280 (75,600 tokens) FSDP2 + AC fits only with the
-    checkpointed blocks' inputs in host memory (activation offload: 66.0 GiB per GPU). FSDP2's CPU offload alone
-    needs 72.1 GiB, 0.1 GiB over the 72.0 GiB budget: refused, honestly."""
+def test_wan21_14b_full_fine_tuning_at_720p_on_8x80gib_fits_with_context_parallel_or_activation_offload(capsys):
+    """Full fine-tuning stays full fine-tuning: at 81x720x1280 (75,600 tokens) FSDP2 + AC fits with the sample split
+    over 2 ranks (context parallel, ranked before any offload: 57.5 GiB per GPU), or with the checkpointed blocks'
+    inputs in host memory (activation offload, what the shipped config asks: 66.0 GiB per GPU). FSDP2's CPU offload
+    alone needs 72.1 GiB, 0.1 GiB over the 72.0 GiB budget: refused, honestly."""
     code, out = _plan(capsys, WAN_FULL, "--preset", "wan2.1-14b", "--gpu-memory", "80GiB", "--host-memory", "1TiB")
     assert code == 0, out
-    assert "picked: fsdp+AC bf16, bf16 frozen, act offload" in out and "memory.activation_offload=true" in out
+    assert "picked: fsdp+AC bf16, bf16 frozen, cp 2" in out and "parallel.context.ulysses=2" in out
     job = load_job_config(WAN_FULL)
     assert job.data.buckets[0] == Bucket(81, 720, 1280)
     report = plan_job(job, gpu_memory_bytes=80 * GIB, num_gpus=8, preset=get_preset("wan2.1-14b"),
                       host_memory=2**40)
-    assert report.chosen.mode == job_mode(job) == MemoryMode("bf16", activation_offload=True)
+    assert report.chosen.mode == MemoryMode("bf16", ulysses=2)
     assert report.chosen.strategy == Strategy("fsdp", True, "bf16")
+    assert job_mode(job) == MemoryMode("bf16", activation_offload=True)
+    own = check_fits(job, 80 * GIB, 8, host_memory=2**40, preset=get_preset("wan2.1-14b")).requested
+    assert own.fits and own.mode == job_mode(job) and 65.9 * GIB < own.peak_bytes < 66.1 * GIB
     offload = next(e for e in report.estimates if e.strategy == Strategy("fsdp", True, "bf16")
                    and e.mode == MemoryMode("bf16", fsdp_cpu_offload=True))
     assert 0.9 * 80 * GIB < offload.peak_bytes < 0.9 * 80 * GIB + 0.2 * GIB and not offload.fits

@@ -14,6 +14,7 @@ What one rank holds during a steady-state step (forward, backward, fused AdamW s
 | gradients | 4 P_train | fsdp: 4 P_train / n + one unsharded block's; ddp adds its buckets, 4 P_train more |
 | optimizer | 8 P_train (AdamW exp_avg + exp_avg_sq, fp32) | fsdp: / n |
 | activations | sum over blocks of what autograd saves (`block_activation_bytes`) + the rest of the model | AC: the blocks' inputs + one block recomputed |
+| context parallel cp (`parallel.context`) | the blocks' activations, checkpointed inputs and backward temporaries over n_video / cp tokens (+ text / cp where text goes through the blocks); outside the blocks the patch embedding, text projection and latent-sized loss tensors stay whole | parameters, gradients and optimizer state unchanged; traffic: `context_traffic_bytes` |
 | encoders | frozen VAE + text encoder weights, when their stage shares the trainer's GPU, in the row's storage dtype | `placement.vae/text.num_gpus` in (0, 1) |
 | host (checked per node) | the pinned host bytes above x the ranks on a node (min(GPUs, 8)) <= 70 % of the node's memory (`HOST_HEADROOM`: Ray's object store takes 30 % by default) | `vidray plan --host-memory`, `$VIDRAY_HOST_MEMORY`, else this machine's memory |
 
@@ -42,8 +43,9 @@ frozen weights in bf16, LoRA also in fp8 and fp8 + the fewest swapped blocks tha
 offload, LoRA + AC also fp8 + activation offload with the fewest swapped blocks that fit, none included). The
 pick: full fine-tuning before LoRA (a full fine-tune with CPU offload is still the run asked for), then
 the modes by transfer per step (`MemoryMode.transfer_rank`): bf16 / fp32 storage (bf16 storage of a frozen base is
-free under bf16 autocast, which computes in bf16 anyway) < fp8 storage (no transfer, a measured quality cost) < block
-swap (host-to-device traffic every step) < activation offload (the saved activations to the host in the forward and
+free under bf16 autocast, which computes in bf16 anyway) < fp8 storage (no transfer, a measured quality cost) <
+context parallel (the smallest degree that fits, for a family whose card has `context_parallel`: all-to-alls within
+the node every layer, and the data-parallel width divided by it) < block swap (host-to-device traffic every step) < activation offload (the saved activations to the host in the forward and
 back in the backward, every step) < FSDP CPU offload (parameters, gradients and the optimizer step through
 host memory), then the strategies, in order of communication per step (least first), the first that fits with
 `HEADROOM` spare (and the node's host memory) is picked: ddp (one all-reduce of the gradients) < fsdp (all-gather of the parameters twice plus a
@@ -70,6 +72,7 @@ from vidray.errors import UserError
 from vidray.models.presets import ShapePreset, meta_model, model_preset, planner_facts, preset_from_pretrained
 
 __all__ = [
+    "ActivationBytes",
     "HEADROOM",
     "HOST_HEADROOM",
     "MemoryEstimate",
@@ -82,17 +85,22 @@ __all__ = [
     "check_cluster_fits",
     "check_fits",
     "cluster_gpu_memory_bytes",
+    "context_degrees",
+    "context_step_traffic_bytes",
+    "context_traffic_bytes",
     "count_model",
     "estimate_memory",
     "format_bytes",
     "format_report",
     "frozen_bytes",
     "host_memory_bytes",
+    "job_context",
     "job_mode",
     "parse_bytes",
     "plan",
     "plan_job",
     "plan_measured",
+    "planned_activation_bytes",
     "strategy_modes",
 ]
 
@@ -147,12 +155,22 @@ class MemoryMode:
     ahead: the device holds the resident blocks + 2 in flight), `fsdp_cpu_offload` (FSDP2's CPUOffloadPolicy:
     the sharded parameters, gradients and optimizer state in host memory, the gathered block on the device),
     `activation_offload` (with AC: the checkpointed blocks' inputs and what the layers outside the blocks save, in
-    pinned host memory: `vidray.train.step.ActivationOffload`)."""
+    pinned host memory: `vidray.train.step.ActivationOffload`); `ulysses` x `ring` (`parallel.context`: one
+    sample's tokens split over that many consecutive ranks, `vidray.models.context_parallel`; each rank saves
+    its share of the blocks' activations, and the all-to-alls / ring passes of `context_traffic_bytes` cross the
+    node's links every layer)."""
 
     storage: StorageDtype = "fp32"
     block_swap: int = 0
     fsdp_cpu_offload: bool = False
     activation_offload: bool = False
+    ulysses: int = 1
+    ring: int = 1
+
+    @property
+    def context_degree(self) -> int:
+        """Ranks one sample's tokens are split over: `ulysses` x `ring` (1: no context parallel)."""
+        return self.ulysses * self.ring
 
     @property
     def name(self) -> str:
@@ -163,24 +181,31 @@ class MemoryMode:
             parts.append("cpu offload")
         if self.activation_offload:
             parts.append("act offload")
+        if self.context_degree > 1:
+            parts.append(f"cp {self.context_degree}" + (f" (u{self.ulysses} x r{self.ring})" if self.ring > 1 else ""))
         return ", ".join(parts)
 
     @property
     def transfer_rank(self) -> int:
         """The mode's place in the pick order: 0 fp32 / bf16 storage (no transfer: bf16 is what bf16 autocast
-        computes in anyway), 1 fp8 storage (no transfer, a quality cost), 2 block swap (host-to-device traffic every
-        step), 3 activation offload (the saved activations copied to the host and back every step, with or without
-        block swap), 4 FSDP CPU offload (parameters, gradients and the optimizer step through host memory)."""
+        computes in anyway), 1 fp8 storage (no transfer, a quality cost), 2 context parallel (all-to-alls of q, k, v
+        and the attention output within the node every layer, `context_traffic_bytes`; the data-parallel width
+        divided by the degree), 3 block swap (host-to-device traffic every step), 4 activation offload (the saved
+        activations copied to the host and back every step, with or without block swap), 5 FSDP CPU offload
+        (parameters, gradients and the optimizer step through host memory). A mode combining several takes the
+        largest."""
         if self.fsdp_cpu_offload:
-            return 4
+            return 5
         if self.activation_offload:
-            return 3
+            return 4
         if self.block_swap:
+            return 3
+        if self.context_degree > 1:
             return 2
         return 1 if self.storage == "fp8" else 0
 
     def keys(self) -> str:
-        """The `memory.*` config keys that ask for this mode."""
+        """The config keys that ask for this mode (`memory.*`, and `parallel.context.*` for a context degree)."""
         keys = [f"memory.storage_dtype={self.storage}"]
         if self.block_swap:
             keys.append(f"memory.block_swap={self.block_swap}")
@@ -188,6 +213,10 @@ class MemoryMode:
             keys.append("memory.fsdp_cpu_offload=true")
         if self.activation_offload:
             keys.append("memory.activation_offload=true")
+        if self.ulysses > 1:
+            keys.append(f"parallel.context.ulysses={self.ulysses}")
+        if self.ring > 1:
+            keys.append(f"parallel.context.ring={self.ring}")
         return " ".join(keys)
 
 
@@ -394,13 +423,18 @@ def block_activation_bytes(family: str, *, mmdit: bool, precision: Precision, vi
 
 
 def _outside_blocks_bytes(family: str, precision: Precision, video_tokens: int, text_tokens: int, latent_elems: int,
-                          dim: int, frozen: bool = False) -> int:
+                          dim: int, frozen: bool = False, context_degree: int = 1) -> int:
     """What the model saves outside its blocks, for one sample: the patch embedding and text projection outputs
     (fp32), the final norm, modulation and output projection over the video tokens (4 D x a), and the
     latent-sized inputs, prediction, target and loss gradient (6 x C F H W fp32). `frozen` (LoRA): the output
-    projection's input is not saved (3 D x a)."""
+    projection's input is not saved (3 D x a). `context_degree` > 1 (context parallel): the final norm,
+    modulation and output projection see this rank's share of the video tokens (the plan gathers `proj_out`'s
+    output); the patch embedding and text projection run before the split and the loss on the gathered, full
+    latent, so those stay whole."""
     a = 4 if precision == "fp32" else 2
-    return video_tokens * (dim * 4 + (3 if frozen else 4) * dim * a) + text_tokens * dim * 4 + 6 * latent_elems * 4
+    local_video = -(-video_tokens // context_degree)
+    return (video_tokens * dim * 4 + local_video * (3 if frozen else 4) * dim * a + text_tokens * dim * 4
+            + 6 * latent_elems * 4)
 
 
 def _block_inputs_bytes(family: str, video_tokens: int, text_tokens: int, dim: int,
@@ -470,14 +504,23 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
     autocast does: measured, `benchmarks/_memory_planner.py`; with AC only the recomputed block's), block swap moves
     the last N blocks' bytes to pinned host memory (2 stay in flight on the device), FSDP CPU offload moves the
     sharded parameters, gradients and optimizer state to host memory (the gathered blocks and one block's
-    gradients stay). `fits` is set against `gpu_memory_bytes` x (1 - HEADROOM) when given and, with
+    gradients stay), and `mode.ulysses` x `mode.ring` (context parallel, degree cp) splits one sample's tokens over
+    cp ranks: the blocks' saved activations, checkpointed inputs and backward temporaries count n_video / cp
+    video tokens (and text / cp for the families whose text goes through the blocks, `text_in_blocks`; Wan's
+    cross-attention keys and values are of the whole text on every rank), the layers outside the blocks as
+    `_outside_blocks_bytes` says; parameters, gradients and optimizer state are unchanged (FSDP shards over all
+    the ranks). `fits` is set against `gpu_memory_bytes` x (1 - HEADROOM) when given and, with
     `host_memory_bytes` (one node's), against `host_bytes` x `ranks_per_node` <= (1 - HOST_HEADROOM) x it.
     Raises UserError for a bad bucket, ValueError for `num_gpus` or `batch_size` < 1 or a mode the strategy cannot
-    run (block swap without LoRA or with FSDP, FSDP CPU offload without FSDP).
+    run (block swap without LoRA or with FSDP, FSDP CPU offload without FSDP, a context degree that does not divide
+    `num_gpus`, the heads (Ulysses) or the tokens).
     """
     if num_gpus < 1 or batch_size < 1:
         raise ValueError(f"num_gpus and batch_size must be >= 1, got {num_gpus} and {batch_size}")
     n_video, latent_elems = sequence_lengths(preset, bucket)
+    cp = mode.context_degree
+    if cp > 1:
+        _check_context_degree(preset, counts, mode, n_video, text_tokens, num_gpus)
     a_bf16 = strategy.precision == "bf16"
     lora = strategy.kind in ("lora", "fsdp+lora")
     fsdp = strategy.kind in ("fsdp", "fsdp+lora")
@@ -518,9 +561,13 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
     resident = parameters + optimizer + ddp_buckets + encoders_bytes
 
     # 2. Activations per block (x batch), bf16 weight copies, the rest of the model.
+    # Context parallel: each rank's blocks see its share of the tokens (Wan's text: whole, as cross-attention's
+    # keys and values on every rank).
+    joint = text_in_blocks(preset.family)
+    local_video, local_text = n_video // cp, (text_tokens // cp if joint else text_tokens)
     mmdit = [i < counts.num_mmdit_layers for i in range(counts.num_layers)]
     saved = [batch_size * block_activation_bytes(preset.family, mmdit=m, precision=strategy.precision,
-                                                 video_tokens=n_video, text_tokens=text_tokens, dim=counts.dim,
+                                                 video_tokens=local_video, text_tokens=local_text, dim=counts.dim,
                                                  ffn_dim=counts.ffn_dim, heads=counts.heads,
                                                  lora_rank=counts.lora_rank if lora else 0) for m in mmdit]
     copies = [2 * w if (a_bf16 and not fsdp) else 0 for w in counts.block_matmul_weights]  # fsdp: params are bf16
@@ -528,15 +575,15 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
         copies = ([2 * w for w in counts.block_castable] if mode.storage == "fp8" and not fsdp
                   else [0] * counts.num_layers)
     outside = batch_size * _outside_blocks_bytes(preset.family, strategy.precision, n_video, text_tokens,
-                                                 latent_elems, counts.dim, frozen=lora)
-    inputs = batch_size * _block_inputs_bytes(preset.family, n_video, text_tokens, counts.dim, strategy.precision)
+                                                 latent_elems, counts.dim, frozen=lora, context_degree=cp)
+    inputs = batch_size * _block_inputs_bytes(preset.family, local_video, local_text, counts.dim, strategy.precision)
     offloaded = 0  # activation offload: pinned host bytes of the saved activations (counted once per rank)
     if mode.activation_offload:  # the token-wide saved tensors outside the blocks and every block's inputs go to
         # the host; the latent-sized ones (the loss's inputs, outside the offloaded forward) stay
         latent_part = batch_size * 6 * latent_elems * 4
         offloaded = (outside - latent_part) + counts.num_layers * inputs
         outside = latent_part
-    tokens = n_video + (text_tokens if text_in_blocks(preset.family) else 0)
+    tokens = local_video + (local_text if joint else 0)
     transient = batch_size * _backward_temporaries(strategy.precision, tokens, counts.dim, counts.ffn_dim)
     accumulated = math.ceil(4 * p_train / shard) if micro_batches_per_rank > 1 else 0
 
@@ -575,6 +622,165 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
     if gpu_memory_bytes is not None:
         estimate = replace(estimate, fits=peak <= (1 - HEADROOM) * gpu_memory_bytes and fits_host)
     return estimate
+
+
+# 4b. Context parallel: the degrees a plan may try, the traffic they cost, and the activation bytes per rank.
+
+def _check_context_degree(preset: ShapePreset, counts: ModelCounts, mode: MemoryMode, video_tokens: int,
+                          text_tokens: int, num_gpus: int) -> None:
+    """Raise ValueError, one line, when `mode`'s context degree cannot split `preset`'s sample over `num_gpus` ranks:
+    the family's card has no `context_parallel`, the degree does not divide the ranks, `ulysses` does not divide
+    the heads, or the video tokens (and the text, for the families whose text goes through the blocks) do not
+    divide by the degree (diffusers' `EquipartitionSharder` splits equal chunks; its uneven modes have no backward)."""
+    cp = mode.context_degree
+    if not get_card(preset.family).context_parallel:
+        raise ValueError(f"context degree {cp}: model family {preset.family} has no context-parallel plan (its card's "
+                         "context_parallel is false)")
+    if num_gpus % cp:
+        raise ValueError(f"context degree {cp} does not divide the {num_gpus} GPU(s)")
+    if counts.heads % mode.ulysses:
+        raise ValueError(f"ulysses degree {mode.ulysses} does not divide the {counts.heads} attention heads")
+    if video_tokens % cp or (text_in_blocks(preset.family) and text_tokens % cp):
+        raise ValueError(f"context degree {cp} does not divide the {video_tokens} video tokens"
+                         + (f" and {text_tokens} text tokens" if text_in_blocks(preset.family) else ""))
+
+
+def context_degrees(preset: ShapePreset, counts: ModelCounts, *, bucket: Bucket, text_tokens: int, num_gpus: int,
+                    ranks_per_node: int) -> tuple[int, ...]:
+    """The Ulysses degrees > 1 `plan` tries for `preset` at `bucket`, smallest first: the divisors of
+    min(`num_gpus`, `ranks_per_node`) (a context group stays within a node: its all-to-all runs every layer) that
+    divide the attention heads and the video tokens (and the text tokens, for the families whose text goes through
+    the blocks). Empty when the family's card has no `context_parallel` (AnimateDiff, and any family without a
+    split plan). Raises UserError for a bad bucket."""
+    if not get_card(preset.family).context_parallel:
+        return ()
+    n_video, _ = sequence_lengths(preset, bucket)
+    width = min(num_gpus, ranks_per_node)
+    joint = text_in_blocks(preset.family)
+    return tuple(d for d in range(2, width + 1) if not width % d and not counts.heads % d and not n_video % d
+                 and not (joint and text_tokens % d))
+
+
+def _attention_width(preset: ShapePreset) -> int:
+    """heads x head dim of `preset`'s transformer (its config's `num_attention_heads` x `attention_head_dim`)."""
+    return int(preset.config["num_attention_heads"]) * int(preset.config["attention_head_dim"])
+
+
+def context_traffic_bytes(preset: ShapePreset, bucket: Bucket, *, ulysses: int = 1, ring: int = 1,
+                          precision: Precision = "bf16", activation_checkpointing: bool = False, text_tokens: int = 0,
+                          batch_size: int = 1) -> int:
+    """Bytes one rank sends per transformer block and training step for context parallel (what it receives is the
+    same), for `batch_size` clips of `bucket`. S = the attention's sequence (the video tokens; plus `text_tokens` for
+    the families whose text goes through the blocks: EasyAnimate, CogVideoX), D = heads x head dim, a = 2 (bf16
+    autocast: q, k, v are bf16) or 4 (fp32) bytes, cp = `ulysses` x `ring`:
+    - Ulysses: each all-to-all exchanges a rank's local (S / cp) x D tensor, keeping 1 / ulysses of it:
+      (ulysses - 1) / ulysses x S / cp x D x a, i.e. (cp - 1) / cp^2 x S x D x a with ring 1 (DeepSpeed-Ulysses,
+      Jacobs et al. 2023, §3.1; diffusers' `TemplatedUlyssesAttention` calls `funcol.all_to_all_single`). 4 in the
+      forward (q, k, v in, the attention output back), 4 in the backward (their gradients), 4 more with activation
+      checkpointing (the block's forward runs again).
+    - Ring (over the ulysses-gathered heads, D / ulysses wide): the forward passes every rank's keys and values to
+      the others, 2 (ring - 1) / ring x S x D / ulysses x a (diffusers' `TemplatedRingAttention`, rotate_method
+      allgather); the backward about twice that (keys and values again, and their gradients; Liu et al. 2023, Ring
+      Attention, §3); activation checkpointing adds one forward's.
+    Wan's cross-attention sends nothing (every rank holds the whole text). Raises UserError for a bad bucket,
+    ValueError for degrees < 1."""
+    if ulysses < 1 or ring < 1 or batch_size < 1:
+        raise ValueError(f"ulysses, ring and batch_size must be >= 1, got {ulysses}, {ring} and {batch_size}")
+    n_video, _ = sequence_lengths(preset, bucket)
+    tokens = n_video + (text_tokens if text_in_blocks(preset.family) else 0)
+    a = 4 if precision == "fp32" else 2
+    cp, width = ulysses * ring, _attention_width(preset)
+    all_to_all = (ulysses - 1) / ulysses * tokens / cp * width * a
+    ulysses_bytes = (12 if activation_checkpointing else 8) * all_to_all
+    ring_forward = 2 * (ring - 1) / ring * tokens * width / ulysses * a
+    ring_bytes = ring_forward * (1 + 2 + (1 if activation_checkpointing else 0))
+    return int(batch_size * (ulysses_bytes + ring_bytes))
+
+
+def context_step_traffic_bytes(preset: ShapePreset, bucket: Bucket, *, ulysses: int = 1, ring: int = 1,
+                               precision: Precision = "bf16", activation_checkpointing: bool = False,
+                               text_tokens: int = 0, batch_size: int = 1) -> int:
+    """Bytes one rank sends per training step for context parallel: `context_traffic_bytes` x the blocks
+    (`preset.config["num_layers"]`) + the all-gather of the output projection's result back to the whole latent
+    ((cp - 1) / cp of it, C x F x H x W x a; its backward takes this rank's chunk of the gradient and sends nothing).
+    Raises as `context_traffic_bytes`."""
+    per_layer = context_traffic_bytes(preset, bucket, ulysses=ulysses, ring=ring, precision=precision,
+                                      activation_checkpointing=activation_checkpointing, text_tokens=text_tokens,
+                                      batch_size=batch_size)
+    _, latent_elems = sequence_lengths(preset, bucket)
+    cp, a = ulysses * ring, 4 if precision == "fp32" else 2
+    gather = (cp - 1) / cp * latent_elems * a * batch_size
+    return int(per_layer * int(preset.config["num_layers"]) + gather)
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Per-rank bytes autograd holds for the backward at the end of one forward (`planned_activation_bytes`)."""
+
+    blocks: int
+    """The transformer blocks: what each saves (`block_activation_bytes` over this rank's tokens), or with
+    activation checkpointing each block's input."""
+    outside: int
+    """The token-wide tensors the layers outside the blocks save (`_outside_blocks_bytes` less the latent part)."""
+    latent: int
+    """The latent-sized tensors around the loss, whole on every rank: 6 fp32 tensors of C x F x H x W (the inputs,
+    prediction, target and loss gradient, as `estimate_memory` counts them; a forward alone holds fewer)."""
+    context_degree: int = 1
+
+    @property
+    def total(self) -> int:
+        return self.blocks + self.outside + self.latent
+
+
+def planned_activation_bytes(job_or_preset: Any, bucket: Bucket, context_degree: int = 1, *,
+                             ring: int = 1, precision: Precision | None = None,
+                             activation_checkpointing: bool | None = None, text_tokens: int | None = None,
+                             batch_size: int = 1, lora_rank: int | None = None) -> ActivationBytes:
+    """The planner's activation term for one rank, as `estimate_memory` counts it (without the bf16 weight copies,
+    the backward's temporaries, parameters, gradients and optimizer state), for comparing with a measurement:
+    `vidray.train.memory.TensorBytesTracker`'s `current_bytes` after a forward of the transformer and its loss minus
+    before it (parameters and inputs tracked first), on each rank of a context group. `job_or_preset`: a loaded job
+    (its model's shape `job_preset`, `model.max_sequence_length` text tokens, `train.mixed_precision`,
+    `train.activation_checkpointing` and `model.lora` unless given) or a `ShapePreset` (fp32, no AC, no LoRA and
+    the preset's `text_seq_len` unless given). `context_degree` = ulysses x `ring` ranks share the sample.
+    Compare `.total` with the measurement: at degree 1 a 6-block Wan in fp32 holds within 1 % of it (3 % with AC;
+    `tests/unit/test_plan.py`); at degree d each rank of the group should hold about `.total` of its degree.
+    Raises UserError for a bad bucket, ValueError for a degree that does not divide the heads or the tokens."""
+    if context_degree < 1 or ring < 1 or context_degree % ring:
+        raise ValueError(f"context_degree must be a multiple of ring, both >= 1, got {context_degree} and {ring}")
+    if isinstance(job_or_preset, ShapePreset):
+        preset = job_or_preset
+        precision = precision or "fp32"
+        ac = bool(activation_checkpointing)
+        text = preset.text_seq_len if text_tokens is None else text_tokens
+        rank = lora_rank or 0
+    else:
+        job = job_or_preset
+        preset = job_preset(job)
+        strategy = job_strategy(job)
+        precision = precision or strategy.precision
+        ac = strategy.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+        text = job.model.max_sequence_length if text_tokens is None else text_tokens
+        rank = (job.model.lora.rank if job.model.lora else 0) if lora_rank is None else lora_rank
+    counts = count_model(preset, lora_rank=rank or DEFAULT_LORA_RANK)
+    mode = MemoryMode(ulysses=context_degree // ring, ring=ring)
+    n_video, latent_elems = sequence_lengths(preset, bucket)
+    if context_degree > 1:
+        _check_context_degree(preset, counts, mode, n_video, text, context_degree)
+    joint = text_in_blocks(preset.family)
+    local_video, local_text = n_video // context_degree, (text // context_degree if joint else text)
+    if ac:
+        blocks = counts.num_layers * _block_inputs_bytes(preset.family, local_video, local_text, counts.dim, precision)
+    else:
+        blocks = sum(block_activation_bytes(preset.family, mmdit=i < counts.num_mmdit_layers, precision=precision,
+                                            video_tokens=local_video, text_tokens=local_text, dim=counts.dim,
+                                            ffn_dim=counts.ffn_dim, heads=counts.heads, lora_rank=rank)
+                     for i in range(counts.num_layers))
+    latent = 6 * latent_elems * 4
+    outside = _outside_blocks_bytes(preset.family, precision, n_video, text, latent_elems, counts.dim,
+                                    frozen=rank > 0, context_degree=context_degree) - latent
+    return ActivationBytes(blocks=batch_size * blocks, outside=batch_size * outside, latent=batch_size * latent,
+                           context_degree=context_degree)
 
 
 # 5. A job's plan.
@@ -648,20 +854,36 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
          gpu_memory_bytes: int, lora_rank: int = DEFAULT_LORA_RANK, lora_targets: tuple[str, ...] | None = None,
          encoders_bytes: int | dict[str, int] = 0, micro_batches_per_rank: int = 1, experts_held: int = 1,
          expert_groups: bool = False, lora_job: bool = False, host_memory_bytes: int | None = None,
-         ranks_per_node: int | None = None) -> PlanReport:
+         ranks_per_node: int | None = None, context: tuple[int, int] = (1, 1)) -> PlanReport:
     """Estimate every strategy in `STRATEGIES`, in each of its memory modes (`strategy_modes`), for `preset` on
     `num_gpus` GPUs of `gpu_memory_bytes` each, and pick the cheapest that fits with `HEADROOM`: full fine-tuning
     before LoRA (a full fine-tune with CPU offload is still the run asked for), then the modes in
-    `MemoryMode.transfer_rank` order (no transfer < fp8 < block swap < FSDP CPU offload), the strategies in
-    `STRATEGIES` order within a mode. `encoders_bytes`: the encoders sharing the GPU, or their bytes by storage
+    `MemoryMode.transfer_rank` order (no transfer < fp8 < context parallel < block swap < activation offload <
+    FSDP CPU offload), the strategies in `STRATEGIES` order within a mode. `encoders_bytes`: the encoders sharing the GPU, or their bytes by storage
     dtype (`{"fp32": .., "bf16": .., "fp8": ..}`). `host_memory_bytes`: one node's host memory (None: not checked),
     shared by `ranks_per_node` ranks (default min(num_gpus, 8)). `experts_held` 2 (`model.experts` layout shared): each rank holds two
     experts of the preset's shape, and only ddp and lora (DDP, full or adapters) are listed; `expert_groups`
     (layout groups): each rank holds one expert, `num_gpus` being one expert's group, and every strategy is listed.
     `lora_job` (the job sets `model.lora`): the pick is the first LoRA strategy that fits (the others are listed
-    for reference). Raises UserError for a bad bucket, rank or LoRA target."""
+    for reference). `context` (ulysses, ring): the job's context-parallel degrees (`parallel.context`), applied to
+    every row; at (1, 1), for a family whose card has `context_parallel` (and not `expert_groups`), each row of a
+    mode without transfer (fp32 / bf16 / fp8 storage) that does not fit is followed by the same with the smallest
+    Ulysses degree of `context_degrees` that fits (or the largest tried), ranked after fp8 and before block swap
+    and the offloads (`MemoryMode.transfer_rank`); its traffic (`context_step_traffic_bytes`) is a note.
+    Raises UserError for a bad bucket, rank or LoRA target, or a context degree that cannot split the sample."""
     counts = count_model(preset, lora_rank=lora_rank, lora_targets=lora_targets)
     per_node = ranks_per_node or min(num_gpus, 8)
+    ulysses, ring = context
+    if ulysses * ring > 1:
+        try:
+            _check_context_degree(preset, counts, MemoryMode(ulysses=ulysses, ring=ring),
+                                  sequence_lengths(preset, bucket)[0], text_tokens, num_gpus)
+        except ValueError as err:
+            raise UserError(f"parallel.context: {err}: pick degrees that divide them") from None
+        degrees: tuple[int, ...] = ()
+    else:
+        degrees = () if expert_groups else context_degrees(preset, counts, bucket=bucket, text_tokens=text_tokens,
+                                                           num_gpus=num_gpus, ranks_per_node=per_node)
 
     def estimate(s: Strategy, mode: MemoryMode) -> MemoryEstimate:
         encoders = encoders_bytes[mode.storage] if isinstance(encoders_bytes, dict) else encoders_bytes
@@ -671,23 +893,30 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
                                experts_held=experts_held, mode=mode, host_memory_bytes=host_memory_bytes,
                                ranks_per_node=per_node)
 
-    rows = []
+    rows: list[MemoryEstimate] = []
     for s in STRATEGIES:
         if (s.kind.startswith("fsdp") and num_gpus < 2) or (experts_held > 1 and s.kind not in ("ddp", "lora")):
             continue
+        last = None  # the previous row of this strategy without a searched context degree
         for mode in strategy_modes(s):
-            if mode.block_swap < 0 and rows and rows[-1].fits:  # fp8 fits without swapping: no swap row
+            mode = replace(mode, ulysses=ulysses, ring=ring)
+            if mode.block_swap < 0 and last is not None and last.fits:  # fp8 fits without swapping: no swap row
                 continue
-            if mode.activation_offload and rows and rows[-1].fits:  # fits without copying activations: no row
+            if mode.activation_offload and last is not None and last.fits:  # fits without copying activations
                 continue
             if mode.block_swap < 0:  # the fewest swapped blocks that fit (all but one when none does)
                 # 3 or more: with 2 blocks in flight, fewer save nothing (activation offload: none tried first)
                 counts_tried = ([0] if mode.activation_offload else []) + list(range(3, counts.num_layers))
                 swaps = [estimate(s, replace(mode, block_swap=n)) for n in counts_tried]
                 if swaps:
-                    rows.append(next((e for e in swaps if e.fits), swaps[-1]))
-            else:
-                rows.append(estimate(s, mode))
+                    last = next((e for e in swaps if e.fits), swaps[-1])
+                    rows.append(last)
+                continue
+            last = estimate(s, mode)
+            rows.append(last)
+            if degrees and not last.fits and mode.transfer_rank <= 1:  # split the sample: the fewest ranks that fit
+                split = [estimate(s, replace(mode, ulysses=d)) for d in degrees]
+                rows.append(next((e for e in split if e.fits), split[-1]))
     estimates = tuple(rows)
     order = {s: i for i, s in enumerate(STRATEGIES)}
     # A full fine-tune stays one while any mode fits it (LoRA trains another thing); then the modes by transfer.
@@ -708,12 +937,36 @@ def plan(preset: ShapePreset, *, bucket: Bucket, batch_size: int, text_tokens: i
                      f"planned for one on the GPU (one trains per process)")
     if num_gpus < 2:
         notes.append("fsdp needs 2 or more GPUs: not listed")
+    cp_rows = [e for e in estimates if e.mode.context_degree > 1]
+    if cp_rows:  # the traffic of the picked degree (else of the smallest listed), beside the gradients' exchange
+        shown = chosen if chosen is not None and chosen.mode.context_degree > 1 else min(
+            cp_rows, key=lambda e: (e.mode.context_degree, not e.fits, not e.strategy.activation_checkpointing))
+        notes.append(_context_note(preset, counts, shown, bucket, text_tokens, batch_size))
     if host_memory_bytes is not None and any(not e.fits_host for e in estimates):
         notes.append(f"host: {per_node} rank(s) per node share {format_bytes(host_memory_bytes)}, "
                      f"{100 * HOST_HEADROOM:.0f}% kept free; a mode whose pinned host memory exceeds that is refused")
     return PlanReport(preset=preset, counts=counts, bucket=bucket, batch_size=batch_size, text_tokens=text_tokens,
                       num_gpus=num_gpus, gpu_memory_bytes=gpu_memory_bytes, estimates=estimates, chosen=chosen,
                       notes=tuple(notes), host_memory_bytes=host_memory_bytes, lora_job=lora_job)
+
+
+def _context_note(preset: ShapePreset, counts: ModelCounts, e: MemoryEstimate, bucket: Bucket, text_tokens: int,
+                  batch_size: int) -> str:
+    """The note on a context-parallel row's traffic per rank and step, beside its gradients' exchange."""
+    m, s = e.mode, e.strategy
+    kwargs = dict(ulysses=m.ulysses, ring=m.ring, precision=s.precision,
+                  activation_checkpointing=s.activation_checkpointing, text_tokens=text_tokens, batch_size=batch_size)
+    per_layer = context_traffic_bytes(preset, bucket, **kwargs)
+    step = context_step_traffic_bytes(preset, bucket, **kwargs)
+    fsdp = s.kind.startswith("fsdp")
+    trained = counts.lora_parameters if "lora" in s.kind else counts.trainable
+    gradients = 4 * trained * (1.5 if fsdp else 1.0)
+    kind = ("ulysses all-to-alls" if m.ring == 1 else
+            "ring passes" if m.ulysses == 1 else "all-to-alls and ring passes")
+    return (f"context parallel cp {m.context_degree} ({s.name}): {kind} send {format_bytes(step)} per rank per step "
+            f"({format_bytes(per_layer)} per block x {counts.num_layers} + the output gather), within the node; the "
+            f"gradients' exchange is {format_bytes(gradients)} per step ({'fsdp ~1.5x ' if fsdp else ''}4 bytes x "
+            f"{_parameters(trained)} trained); the data-parallel width is the GPUs / {m.context_degree}")
 
 
 def _parameters(count: int) -> str:
@@ -783,17 +1036,25 @@ def _encoders_on_gpu(job: Any, preset: ShapePreset, storage: StorageDtype | None
     return total
 
 
+def job_context(job: Any) -> tuple[int, int]:
+    """(ulysses, ring) of `job`'s `parallel.context` ((1, 1) when the config has none)."""
+    context = getattr(getattr(job, "parallel", None), "context", None)
+    return (context.ulysses, context.ring) if context is not None else (1, 1)
+
+
 def job_mode(job: Any) -> MemoryMode:
-    """The memory mode `job` asks for (`memory:`): `storage_dtype` auto is bf16 with `scaling.use_gpu` (the device
-    vidray plans), fp32 without; a LoRA base sharded by FSDP2 (fsdp / hsdp) is fp32."""
+    """The memory mode `job` asks for (`memory:`, and `parallel.context`'s degrees): `storage_dtype` auto is bf16
+    with `scaling.use_gpu` (the device vidray plans), fp32 without; a LoRA base sharded by FSDP2 (fsdp / hsdp) is
+    fp32."""
+    ulysses, ring = job_context(job)
     memory = getattr(job, "memory", None)
     if memory is None:
-        return MemoryMode("bf16" if job.scaling.use_gpu else "fp32")
+        return MemoryMode("bf16" if job.scaling.use_gpu else "fp32", ulysses=ulysses, ring=ring)
     storage = memory.storage_dtype if memory.storage_dtype != "auto" else ("bf16" if job.scaling.use_gpu else "fp32")
     if job.model.lora is not None and job.scaling.strategy != "ddp":
         storage = "fp32"  # FSDP2 shards the frozen base as fp32 (config refuses bf16 / fp8 there)
     return MemoryMode(storage, block_swap=memory.block_swap, fsdp_cpu_offload=memory.fsdp_cpu_offload,
-                      activation_offload=getattr(memory, "activation_offload", False))
+                      activation_offload=getattr(memory, "activation_offload", False), ulysses=ulysses, ring=ring)
 
 
 HOST_MEMORY_ENV = "VIDRAY_HOST_MEMORY"
@@ -837,12 +1098,16 @@ def plan_job(job: Any, *, gpu_memory_bytes: int, num_gpus: int, preset: ShapePre
     groups = getattr(job.model, "experts", None) is not None and held == 1
     if groups:  # each expert on its half of the GPUs
         num_gpus = max(num_gpus // 2, 1)
-    micro = math.ceil(job.micro_batches_per_step / max(num_gpus, 1)) if hasattr(job, "micro_batches_per_step") else 1
+    context = job_context(job)
+    data_parallel = max(num_gpus // (context[0] * context[1]), 1)  # a context group trains one micro-batch
+    micro = (math.ceil(job.micro_batches_per_step / data_parallel) if hasattr(job, "micro_batches_per_step")
+             else 1)
     return plan(preset, bucket=bucket, batch_size=batch, text_tokens=text_tokens, num_gpus=num_gpus,
                 gpu_memory_bytes=gpu_memory_bytes, lora_rank=rank, lora_targets=targets,
                 encoders_bytes={s: _encoders_on_gpu(job, preset, s) for s in STORAGE_BYTES},
                 micro_batches_per_rank=micro, experts_held=held, expert_groups=groups, lora_job=lora is not None,
-                host_memory_bytes=host_memory, ranks_per_node=min(num_gpus * (2 if groups else 1), 8))
+                host_memory_bytes=host_memory, ranks_per_node=min(num_gpus * (2 if groups else 1), 8),
+                context=context)
 
 
 MEASURED_STRATEGIES: tuple[Strategy, ...] = tuple(Strategy("ddp", ac, precision) for ac in (False, True)
