@@ -13,7 +13,9 @@ Parts:
   average: what the optimizer sees); `cp2_20step_loss_rel_diff` (<= 1e-3), the loss of step `--steps` after as
   many AdamW steps; `cp2_activation_bytes_ratio` (<= 0.6): tensor bytes a rank holds after the forward, beyond its
   parameters and inputs (what autograd keeps for the backward, `vidray.train.memory.TensorBytesTracker`), at
-  degree 2 (the larger rank's) / degree 1.
+  degree 2 (the larger rank's) / degree 1; `cp2_planner_activation_error` (<= 0.15): `abs(1 - planned /
+  measured)` of the planner's activation term for one rank at degree 2 (`vidray.train.plan.planned_activation_bytes`
+  of the same shape) against that measurement.
 - generate (once `vidray.inference.parallel` lands): PSNR of generation split over 2 processes vs 1 process.
 
 The last stdout line is one JSON object, `{"benchmark": "context_parallel", "figures": {...}}`; a figure that could
@@ -41,6 +43,7 @@ FIGURES = {
     "cp2_grad_cosine": ("ratio", ">= 0.9999"),
     "cp2_20step_loss_rel_diff": ("ratio", "<= 1e-3"),
     "cp2_activation_bytes_ratio": ("ratio", "<= 0.6"),
+    "cp2_planner_activation_error": ("ratio", "<= 0.15"),
 }
 LAYERS = 8
 """Transformer blocks of the benchmark's Wan model: the tiny preset has 2, whose patch embedding, rope and output
@@ -64,13 +67,26 @@ def _job(degree: int):
         "optim.warmup_steps=0", f"model.max_sequence_length={TEXT_TOKENS}", "data.buckets=[[17, 128, 128]]"])
 
 
+def _config() -> dict[str, Any]:
+    from vidray.models.wan import TINY_TRANSFORMER
+
+    return {**TINY_TRANSFORMER, "num_layers": LAYERS, "text_dim": 32}
+
+
 def _transformer(seed: int = 0) -> torch.nn.Module:
     from diffusers import WanTransformer3DModel
 
-    from vidray.models.wan import TINY_TRANSFORMER
-
     torch.manual_seed(seed)
-    return WanTransformer3DModel(**{**TINY_TRANSFORMER, "num_layers": LAYERS, "text_dim": 32}).float().train()
+    return WanTransformer3DModel(**_config()).float().train()
+
+
+def _planned_activation_bytes(degree: int) -> int:
+    from vidray.buckets import Bucket
+    from vidray.shape_presets import ShapePreset
+    from vidray.train.plan import planned_activation_bytes
+
+    preset = ShapePreset("wan-benchmark", "wan", _config(), text_seq_len=TEXT_TOKENS)
+    return planned_activation_bytes(preset, Bucket(17, 128, 128), degree).total
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,7 +186,10 @@ def measure_train(steps: int) -> dict[str, Any]:
         "cp2_grad_cosine": cosine,
         "cp2_20step_loss_rel_diff": abs(r["loss_last_2"] / r["loss_last_1"] - 1),
         "cp2_activation_bytes_ratio": r["bytes_2"] / r["bytes_1"],
+        "cp2_planner_activation_error": abs(1 - _planned_activation_bytes(2) / r["bytes_2"]),
     }
+    print(f"[train] planned activation bytes a rank: {_planned_activation_bytes(1):,} at degree 1, "
+          f"{_planned_activation_bytes(2):,} at degree 2", flush=True)
     print(f"[train] loss {r['loss_1']:.6f} whole vs {r['loss_2']:.6f} at degree 2; step {steps}: "
           f"{r['loss_last_1']:.6f} vs {r['loss_last_2']:.6f}; activation bytes {r['bytes_1']:,} vs "
           f"{r['bytes_2']:,} a rank; gradient norm ratio {(split.norm() / whole.norm()).item():.6f}", flush=True)
