@@ -380,6 +380,8 @@ def _generate_rank(rank: int, device, model_path: str | Path, request: Generatio
                    lora: str | Path | None, crf: int, storage_dtype: str, offload: str, log_level: int) -> None:
     """One rank of `generate_to_file` over several processes (`vidray.inference.parallel.run_ranks`): the generation
     mesh (CFG parallel), then `_generate_on` its device; rank 0 logs (with the parent's level) and writes."""
+    import torch.distributed as dist  # heavy: torch
+
     from vidray.inference.parallel import setup_generation_parallel  # heavy: torch
 
     if rank == 0:  # a forkserver child has none of the CLI's logging set up
@@ -387,10 +389,8 @@ def _generate_rank(rank: int, device, model_path: str | Path, request: Generatio
         handler.setFormatter(logging.Formatter("[vidray] %(levelname)s: %(message)s"))
         logging.getLogger("vidray").addHandler(handler)
         logging.getLogger("vidray").setLevel(log_level)
-    import torch.distributed as dist  # heavy: torch
-
     parallel = setup_generation_parallel(dist.get_world_size(), rank, guidance=request.guidance_scale > 1.0,
-                                         device_type=device.type)
+                                         device_type=device.type, family_name=request.family)
     _generate_on(device, model_path, request, output, lora=lora, crf=crf, storage_dtype=storage_dtype,
                  offload=offload, parallel=parallel)
 
@@ -420,6 +420,8 @@ def _generate_on(device, model_path: str | Path, request: GenerationRequest, out
         raise UserError(f"--model {model_path}: the model family cannot load it: {err}") from None
     compute = prepare_for_inference(model.components, MemoryConfig(storage_dtype=storage_dtype, offload=offload),
                                     device, family_name=model.family.name)
+    if parallel is not None:
+        parallel.parallelize(model.components.transformer, model.family.name)
     logger.info("sampling on %s in %s (memory.storage_dtype %s, memory.offload %s%s)", device,
                 str(compute).removeprefix("torch."), storage_dtype, offload,
                 "" if parallel is None else f"; {parallel.world_size} processes, CFG parallel "

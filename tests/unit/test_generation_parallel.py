@@ -82,7 +82,7 @@ def _cfg_parallel_rank(rank: int, port: int, folders: dict[str, str], out: str) 
 
     join_gloo(rank, 2, port)
     try:
-        parallel = setup_generation_parallel(2, rank, guidance=True, device_type="cpu")
+        parallel = setup_generation_parallel(2, rank, guidance=True, device_type="cpu", family_name="wan")
         for name, folder in folders.items():
             frames, latents, batches = _generate(Path(folder), parallel)
             torch.save({"frames": frames, "latents": latents, "batches": batches, "cfg_rank": parallel.cfg_rank},

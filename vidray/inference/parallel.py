@@ -35,8 +35,8 @@ import torch.multiprocessing as mp
 from vidray.cards import get_card
 from vidray.errors import UserError
 
-__all__ = ["GenerationParallel", "MESH_DIMS", "context_parallel_available", "generation_degrees", "generation_parallel_problem", "join_rank",
-           "run_ranks", "setup_generation_parallel"]
+__all__ = ["GenerationParallel", "MESH_DIMS", "context_parallel_available", "generation_degrees",
+           "generation_parallel_problem", "join_rank", "run_ranks", "setup_generation_parallel"]
 
 MESH_DIMS = ("cfg", "ring", "ulysses")
 """The generation mesh's dimensions, outer to inner: the guidance branch, then context parallel's ring and Ulysses
@@ -72,6 +72,16 @@ class GenerationParallel:
     def is_writer(self) -> bool:
         """Whether this rank decodes and writes the result (rank 0 only)."""
         return self.rank == 0
+
+    def parallelize(self, transformer: torch.nn.Module, family_name: str) -> torch.nn.Module:
+        """Ready the loaded `transformer` of a `family_name` model for this mesh, in place, and return it: with a
+        context degree above 1, context parallel over the mesh's "ring" and "ulysses" dimensions
+        (`vidray.models.context_parallel.enable_context_parallel`); nothing under CFG parallel alone."""
+        if self.context > 1:  # the one call context parallel needs, once that module is in this build
+            from vidray.models.context_parallel import enable_context_parallel  # heavy: diffusers' hooks
+
+            enable_context_parallel(transformer, self.mesh, family=family_name)
+        return transformer
 
     def gather_cfg(self, pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's branch prediction (B, C, F, H, W) -> (pred_uncond, pred_cond), each (B, C, F, H, W), the same
@@ -123,12 +133,11 @@ def generation_parallel_problem(world_size: int, *, guidance: bool, family_name:
 
 
 def setup_generation_parallel(world_size: int, rank: int, *, guidance: bool, device_type: str,
-                              transformer: torch.nn.Module | None = None,
-                              family_name: str | None = None) -> GenerationParallel:
+                              family_name: str) -> GenerationParallel:
     """In a rank of an initialized default process group of `world_size`: the ("cfg", "ring", "ulysses") device
-    mesh on `device_type` ("cuda" or "cpu") for `generation_degrees(world_size, guidance)`, and, when that leaves a
-    context degree above 1, context parallel applied to `transformer` in place (all Ulysses; ring 1). Returns this
-    rank's GenerationParallel. Raises UserError when the degrees need what is missing
+    mesh on `device_type` ("cuda" or "cpu") for `generation_degrees(world_size, guidance)` (a context degree all
+    Ulysses, ring 1), as this rank's GenerationParallel; its `parallelize` then readies the loaded transformer.
+    Raises UserError when the degrees need what a `family_name` model or this build lacks
     (`generation_parallel_problem`)."""
     from torch.distributed.device_mesh import init_device_mesh  # heavy: torch.distributed's tensor package
 
@@ -136,14 +145,10 @@ def setup_generation_parallel(world_size: int, rank: int, *, guidance: bool, dev
         raise ValueError(f"setup_generation_parallel needs the default process group of {world_size} ranks")
     cfg, context = generation_degrees(world_size, guidance)
     if context > 1:
-        problem = generation_parallel_problem(world_size, guidance=guidance, family_name=family_name or "?")
+        problem = generation_parallel_problem(world_size, guidance=guidance, family_name=family_name)
         if problem:
             raise UserError(problem)
     mesh = init_device_mesh(device_type, (cfg, 1, context), mesh_dim_names=MESH_DIMS)
-    if context > 1:  # the one call context parallel needs, once `vidray.models.context_parallel` is in this build
-        from vidray.models.context_parallel import enable_context_parallel  # heavy: diffusers' hooks
-
-        enable_context_parallel(transformer, mesh, family=family_name)
     return GenerationParallel(rank=rank, world_size=world_size, cfg=cfg, ulysses=context, ring=1, mesh=mesh)
 
 
