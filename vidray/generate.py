@@ -424,8 +424,9 @@ def _generate_on(device, model_path: str | Path, request: GenerationRequest, out
         parallel.parallelize(model.components.transformer, model.family.name)
     logger.info("sampling on %s in %s (memory.storage_dtype %s, memory.offload %s%s)", device,
                 str(compute).removeprefix("torch."), storage_dtype, offload,
-                "" if parallel is None else f"; {parallel.world_size} processes, CFG parallel "
-                f"{'on' if parallel.cfg == 2 and request.guidance_scale > 1 else 'off'}")
+                "" if parallel is None else f"; {parallel.world_size} processes: CFG parallel "
+                f"{'on' if parallel.cfg == 2 and request.guidance_scale > 1 else 'off'}, context parallel "
+                f"{parallel.context}")
     if writer:
         warn_if_prompt_truncated(model.components.tokenizer, request.prompt, model.max_sequence_length)
     started = time.monotonic()

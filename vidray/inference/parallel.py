@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import multiprocessing
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -81,6 +82,8 @@ class GenerationParallel:
             from vidray.models.context_parallel import enable_context_parallel  # heavy: diffusers' hooks
 
             enable_context_parallel(transformer, self.mesh, family=family_name)
+            # diffusers 0.42's gather calls a torch function deprecated in 2.13, once per step: not the user's to act on
+            warnings.filterwarnings("ignore", message=r".*all_gather_tensor` is deprecated", category=FutureWarning)
         return transformer
 
     def gather_cfg(self, pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
