@@ -431,8 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "sequential (each layer for its own computation: the least GPU memory) (default: %(default)s)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs of this node to generate the one video on, one process "
                    "each (NCCL): with --guidance-scale above 1 and an even count, the two guidance branches run on "
-                   "separate GPUs (CFG parallel: each holds a batch of 1, not 2); the rest of the count will split the "
-                   "sequence (context parallel, not wired yet: today 2 with guidance, or 1) (default: %(default)s)")
+                   "separate GPUs (CFG parallel: each holds a batch of 1, not 2); the rest of the count splits the "
+                   "sequence (context parallel: where the model's family and this vidray have it, else refused: then "
+                   "2 with guidance, or 1) (default: %(default)s)")
     p.add_argument("--processes", type=int, default=1, help="CPU only: as --gpus, over this many CPU processes "
                    "(gloo), for tests and benchmarks (default: %(default)s)")
     p.set_defaults(func=cmd_generate)

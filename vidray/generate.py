@@ -340,8 +340,8 @@ def generate_to_file(
     on CPU in fp32 as always (bf16 / fp8 when asked). `gpus` N > 1: N processes, one per GPU of this node (NCCL),
     `processes` N > 1: N processes on the CPU (gloo; tests and benchmarks); each loads the model and encodes the
     prompt, and with guidance_scale > 1 and N even the two guidance branches run on separate ranks (CFG parallel,
-    `vidray.inference.parallel`: per-GPU batch 1, not 2); the rest of N would split the sequence (context
-    parallel, not wired yet: refused in one line). Rank 0 writes the file; the video equals the one-process one (to
+    `vidray.inference.parallel`: per-GPU batch 1, not 2); the rest of N splits the sequence (context
+    parallel, where the family and this build have it; refused in one line where not). Rank 0 writes the file; the video equals the one-process one (to
     float rounding: a batch of 1 may round differently from a batch of 2). Raises GenerateArgumentError (before any
     weights load), `vidray.models.lora.LoraLoadError` for a LoRA that does not fit the model, and
     GenerateOutputError when the mp4 cannot be written.

@@ -9,9 +9,11 @@ the same sampler step, so the latents stay identical everywhere (the initial noi
 generator on every rank already). diffusers has no CFG parallel (a TODO in its `_modeling_parallel.py`); xDiT's
 "CFG parallel" is the same split.
 
-The ranks left over, `world_size / cfg`, are meant to split the sequence (context parallel, Ulysses, over the mesh's
-"ring" and "ulysses" dimensions, applied by `vidray.models.context_parallel.enable_context_parallel`). That is not
-wired yet: `generation_parallel_problem` refuses a world size that would need it, in one line.
+The ranks left over, `world_size / cfg`, split each branch's sequence (context parallel, Ulysses, over the mesh's
+"ring" and "ulysses" dimensions: `GenerationParallel.parallelize` calls
+`vidray.models.context_parallel.enable_context_parallel` on the loaded transformer). That needs a family whose card
+has `context_parallel` and a build that has that module: without either, `generation_parallel_problem` refuses the
+world size in one line.
 
 The processes: `run_ranks` starts them from a forkserver (never a fork of a process that ran torch ops: a fork
 copies locks that another thread holds), with a `torch.distributed.TCPStore` on 127.0.0.1 that the parent holds on a
