@@ -176,6 +176,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         crf=args.crf,
         storage_dtype=args.storage_dtype,
         offload=args.offload,
+        gpus=args.gpus,
+        processes=args.processes,
     )
     # Every argument first, before torch/diffusers are even imported: a typo answers in well under a second.
     check_generate_args(args.model, args.prompt, args.output, **kwargs)
@@ -427,6 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", default="none", help="where the weights wait on a CUDA GPU: none (all on the GPU), "
                    "model (one component at a time), group (the transformer's blocks stream from host memory), "
                    "sequential (each layer for its own computation: the least GPU memory) (default: %(default)s)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of this node to generate the one video on, one process "
+                   "each (NCCL): with --guidance-scale above 1 and an even count, the two guidance branches run on "
+                   "separate GPUs (CFG parallel: each holds a batch of 1, not 2); the rest of the count splits the "
+                   "sequence (context parallel: where the model's family and this vidray have it, else refused: then "
+                   "2 with guidance, or 1) (default: %(default)s)")
+    p.add_argument("--processes", type=int, default=1, help="CPU only: as --gpus, over this many CPU processes "
+                   "(gloo), for tests and benchmarks (default: %(default)s)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("export", help="write a training checkpoint (full or sharded) as the safetensors pipeline "

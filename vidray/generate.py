@@ -1,16 +1,22 @@
 """`vidray generate`: a trained model + a prompt -> an mp4, through the one sampler (`vidray.inference.sampler`).
 
+On one device in this process, or over several processes (`--gpus N`: one per GPU with NCCL; `--processes N`: gloo
+on the CPU, for tests and benchmarks), each loading the model, with the guidance branches on separate ranks (CFG
+parallel, `vidray.inference.parallel`); rank 0 writes the file.
+
 The model is a diffusers folder or a training checkpoint folder, local or on object storage (`s3://...`, copied
 into a local cache), read by `vidray.models.export` (see there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import typing
 from pathlib import Path
+from typing import Any
 
 from vidray.config import MemoryConfig
 from vidray.buckets import Bucket, parse_bucket_form, validate_bucket
@@ -59,6 +65,7 @@ __all__ = [
     "inspect_model",
     "load_model",
     "memory_problems",
+    "parallel_problems",
     "warn_if_prompt_truncated",
     "write_job_file",
 ]
@@ -130,6 +137,8 @@ def check_generate_args(
     crf: int = 18,
     storage_dtype: str = "auto",
     offload: str = "none",
+    gpus: int = 1,
+    processes: int = 1,
 ) -> tuple[ModelInfo, GenerationRequest]:
     """Check every `generate_to_file` argument without loading any weights; returns the model's configs and the
     `GenerationRequest` to sample (its bucket: `request.bucket`).
@@ -148,7 +157,10 @@ def check_generate_args(
     `image_inputs`, read from the configs). crf: an int in 0..51 (the
     mp4's H.264 constant rate factor, `vidray.data.video.write_mp4`). storage_dtype: one of auto, fp32, bf16, fp8
     and offload: one of none, model, group, sequential (`vidray.config.MemoryConfig`); an offload mode other than
-    none needs a CUDA GPU (only then is torch imported here, to ask `torch.cuda.is_available()`).
+    none needs a CUDA GPU (only then is torch imported here, to ask `torch.cuda.is_available()`). gpus, processes:
+    ints >= 1, not both above 1 (`parallel_problems`); gpus at most the CUDA GPUs visible; more ranks than the 2
+    guidance branches (CFG parallel, guidance_scale > 1) need context parallel for the model's family
+    (`vidray.inference.parallel.generation_parallel_problem`, in pass 2).
 
     Two passes: first the arguments themselves and the model folder's kind (file checks, no torch import), then
     the model's configs and the bucket against its family. Raises GenerateArgumentError listing every bad
@@ -167,6 +179,7 @@ def check_generate_args(
         problems.append(f"--crf must be an integer in 0..51 (libx264's constant rate factor, 0 = lossless), "
                         f"got {crf!r}")
     problems.extend(memory_problems(storage_dtype, offload))
+    problems.extend(parallel_problems(gpus, processes))
     if isinstance(bucket, str):
         try:  # here what no family takes (its form, sides off every family's multiple); the family's rule in pass 2
             bucket = parse_bucket_form(bucket)
@@ -210,6 +223,15 @@ def check_generate_args(
                                     "--image or give an image-to-video model (a stock EasyAnimateInpaintPipeline, "
                                     "WanImageToVideoPipeline or CogVideoXImageToVideoPipeline folder, or the export "
                                     "of a model.i2v run)")
+    world_size = max(gpus, processes)  # pass 1 checked both
+    if world_size > 1:
+        from vidray.inference.parallel import generation_parallel_problem  # heavy: torch
+
+        problem = generation_parallel_problem(world_size, guidance=float(guidance_scale) > 1.0,
+                                              family_name=info.family.name,
+                                              flag="--gpus" if gpus > 1 else "--processes")
+        if problem:
+            raise GenerateArgumentError(problem)
     if image is not None and last_image is None and image_inputs == 2:
         raise GenerateArgumentError(f"--image: the model {model_path} is conditioned on a first and a last frame "
                                     "(its image encoder takes both): give --last-image too")
@@ -242,6 +264,28 @@ def memory_problems(storage_dtype: str, offload: str) -> list[str]:
         if not torch.cuda.is_available():
             problems.append(f"--offload {offload} needs a CUDA GPU (it moves weights between host memory and the GPU) "
                             "and none is visible here: use --offload none (memory.offload: none) on CPU")
+    return problems
+
+
+def parallel_problems(gpus: Any, processes: Any) -> list[str]:
+    """Why `--gpus` / `--processes` cannot run here: not an int >= 1, both above 1, or more GPUs than CUDA shows
+    (torch is imported only for gpus > 1, to count them). Empty when they can."""
+    problems = []
+    for flag, value in (("--gpus", gpus), ("--processes", processes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"{flag} must be an integer >= 1, got {value!r}")
+    if problems:
+        return problems
+    if gpus > 1 and processes > 1:
+        return [f"--gpus {gpus} and --processes {processes}: give one (--processes is the CPU path, gloo)"]
+    if gpus > 1:
+        import torch  # heavy: torch, numpy
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus > visible:
+            problems.append(f"--gpus {gpus}: only {visible} CUDA GPU{'s' if visible != 1 else ''} visible here "
+                            f"(CUDA_VISIBLE_DEVICES, one node); give --gpus {max(visible, 1)} or fewer, or "
+                            "--processes N to split over CPU processes")
     return problems
 
 
@@ -278,6 +322,8 @@ def generate_to_file(
     crf: int = 18,
     storage_dtype: str = "auto",
     offload: str = "none",
+    gpus: int = 1,
+    processes: int = 1,
 ) -> Path:
     """Generate one video for `prompt` and write it as H.264 mp4 at `fps` frames/s. Returns the mp4 path.
 
@@ -291,15 +337,20 @@ def generate_to_file(
     (0 = lossless: the same frames always decode the same, which libx264 does not promise above 0; `vidray.serve.app`
     ServeSettings.crf). `storage_dtype`, `offload`: the weights' dtype and placement (`vidray.config.MemoryConfig`,
     `vidray.models.offload.prepare_for_inference`): on a CUDA GPU the model runs there, in bf16 by default (auto);
-    on CPU in fp32 as always (bf16 / fp8 when asked). Raises GenerateArgumentError (before any weights load),
-    `vidray.models.lora.LoraLoadError` for a LoRA that does not fit the model, and GenerateOutputError when the mp4
-    cannot be written.
+    on CPU in fp32 as always (bf16 / fp8 when asked). `gpus` N > 1: N processes, one per GPU of this node (NCCL),
+    `processes` N > 1: N processes on the CPU (gloo; tests and benchmarks); each loads the model and encodes the
+    prompt, and with guidance_scale > 1 and N even the two guidance branches run on separate ranks (CFG parallel,
+    `vidray.inference.parallel`: per-GPU batch 1, not 2); the rest of N splits the sequence (context
+    parallel, where the family and this build have it; refused in one line where not). Rank 0 writes the file; the video equals the one-process one (to
+    float rounding: a batch of 1 may round differently from a batch of 2). Raises GenerateArgumentError (before any
+    weights load), `vidray.models.lora.LoraLoadError` for a LoRA that does not fit the model, and
+    GenerateOutputError when the mp4 cannot be written.
     """
     # 1. Check every argument (no weights yet).
     info, request = check_generate_args(
         model_path, prompt, output, bucket=bucket, num_inference_steps=num_inference_steps,
         guidance_scale=guidance_scale, fps=fps, seed=seed, lora=lora, image=image, last_image=last_image, crf=crf,
-        storage_dtype=storage_dtype, offload=offload,
+        storage_dtype=storage_dtype, offload=offload, gpus=gpus, processes=processes,
     )
     bucket = request.bucket
     if info.buckets and bucket not in info.buckets:
@@ -310,19 +361,57 @@ def generate_to_file(
         logger.warning("--last-image: the model was trained with model.i2v.condition: first (first frames only); "
                        "it never saw a last-frame condition, so expect the last frame to be followed loosely")
 
-    # 2. Load, warn about a cut prompt, denoise, write.
+    # 2. Load, warn about a cut prompt, denoise, write: here, or in each of several ranks.
+    world_size = max(gpus, processes)
+    if world_size > 1:
+        from vidray.inference.parallel import run_ranks  # heavy: torch
+
+        run_ranks(_generate_rank, (model_path, request, str(output), lora, crf, storage_dtype, offload,
+                                   logger.getEffectiveLevel()),
+                  world_size, backend="nccl" if gpus > 1 else "gloo")
+        return Path(output)
+    from vidray.models.offload import inference_device  # heavy: torch, accelerate, safetensors
+
+    return _generate_on(inference_device(), model_path, request, output, lora=lora, crf=crf,
+                        storage_dtype=storage_dtype, offload=offload)
+
+
+def _generate_rank(rank: int, device, model_path: str | Path, request: GenerationRequest, output: str,
+                   lora: str | Path | None, crf: int, storage_dtype: str, offload: str, log_level: int) -> None:
+    """One rank of `generate_to_file` over several processes (`vidray.inference.parallel.run_ranks`): the generation
+    mesh (CFG parallel), then `_generate_on` its device; rank 0 logs (with the parent's level) and writes."""
+    import torch.distributed as dist  # heavy: torch
+
+    from vidray.inference.parallel import setup_generation_parallel  # heavy: torch
+
+    if rank == 0:  # a forkserver child has none of the CLI's logging set up
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[vidray] %(levelname)s: %(message)s"))
+        logging.getLogger("vidray").addHandler(handler)
+        logging.getLogger("vidray").setLevel(log_level)
+    parallel = setup_generation_parallel(dist.get_world_size(), rank, guidance=request.guidance_scale > 1.0,
+                                         device_type=device.type, family_name=request.family)
+    _generate_on(device, model_path, request, output, lora=lora, crf=crf, storage_dtype=storage_dtype,
+                 offload=offload, parallel=parallel)
+
+
+def _generate_on(device, model_path: str | Path, request: GenerationRequest, output: str | Path, *,
+                 lora: str | Path | None, crf: int, storage_dtype: str, offload: str, parallel=None) -> Path:
+    """`generate_to_file`'s work after the checks, on `device`: load, warn about a cut prompt, denoise, write the
+    mp4 (`parallel`: this rank's `GenerationParallel` of several; the others return without writing)."""
     import torch  # heavy: torch, numpy
 
     from vidray.data.video import write_mp4  # heavy: av, PIL, numpy
     from vidray.inference.sampler import generate_video  # heavy: torch, accelerate, safetensors
     from vidray.models.conditioning import load_image  # heavy: torch, numpy
-    from vidray.models.offload import inference_device, prepare_for_inference  # heavy: torch, accelerate, safetensors
+    from vidray.models.offload import prepare_for_inference  # heavy: torch, accelerate, safetensors
 
+    bucket, num_inference_steps = request.bucket, request.num_inference_steps
+    writer = parallel is None or parallel.is_writer
     quiet_diffusers()  # "Loading pipeline components..." bars (vidray.logs)
-    device = inference_device()
     # Refuse what does not fit the GPU before any weights load; on CPU nothing is checked.
     check_generation_fits(model_path, bucket, device, storage=storage_dtype, offload=offload,
-                          guidance_scale=request.guidance_scale)
+                          guidance_scale=request.guidance_scale, cfg=1 if parallel is None else parallel.cfg)
     try:
         model = load_model(model_path, lora_path=lora)
     except UserError:
@@ -331,13 +420,20 @@ def generate_to_file(
         raise UserError(f"--model {model_path}: the model family cannot load it: {err}") from None
     compute = prepare_for_inference(model.components, MemoryConfig(storage_dtype=storage_dtype, offload=offload),
                                     device, family_name=model.family.name)
-    logger.info("sampling on %s in %s (memory.storage_dtype %s, memory.offload %s)", device,
-                str(compute).removeprefix("torch."), storage_dtype, offload)
-    warn_if_prompt_truncated(model.components.tokenizer, request.prompt, model.max_sequence_length)
+    if parallel is not None:
+        parallel.parallelize(model.components.transformer, model.family.name)
+    logger.info("sampling on %s in %s (memory.storage_dtype %s, memory.offload %s%s)", device,
+                str(compute).removeprefix("torch."), storage_dtype, offload,
+                "" if parallel is None else f"; {parallel.world_size} processes: CFG parallel "
+                f"{'on' if parallel.cfg == 2 and request.guidance_scale > 1 else 'off'}, context parallel "
+                f"{parallel.context}")
+    if writer:
+        warn_if_prompt_truncated(model.components.tokenizer, request.prompt, model.max_sequence_length)
     started = time.monotonic()
     last_shown = [started]
 
-    bar = progress_bar(num_inference_steps, "denoising", "step")  # drawn on a terminal only
+    # drawn on a terminal only, by one rank of several
+    bar = progress_bar(num_inference_steps, "denoising", "step") if writer else contextlib.nullcontext()
 
     def progress(i: int, sigma: float, latents) -> None:  # a large bucket takes minutes per step: show that it moves
         bar.update(1)
@@ -351,10 +447,13 @@ def generate_to_file(
         frames = generate_video(
             model.family, model.components, [request.prompt], bucket, flow=model.flow,
             num_inference_steps=request.num_inference_steps, guidance_scale=request.guidance_scale,
-            max_sequence_length=model.max_sequence_length, seed=request.seed, callback=progress,
+            max_sequence_length=model.max_sequence_length, seed=request.seed, callback=progress if writer else None,
             image=load_image(request.image) if request.image is not None else None,
             last_image=load_image(request.last_image) if request.last_image is not None else None,
-        )  # (1, F, H, W, 3) uint8
+            parallel=parallel,
+        )  # (1, F, H, W, 3) uint8; None on a rank other than 0
+    if not writer:
+        return Path(output)
     try:
         return write_mp4(frames[0], Path(output), request.fps, crf=int(crf))
     except OSError as err:  # PyAV's FileNotFoundError, PermissionError, ... are OSErrors; so is a full disk

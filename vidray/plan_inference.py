@@ -71,7 +71,7 @@ class InferenceEstimate:
     components: dict
     """Bytes of each component in `storage`: transformer (all experts), text_encoder, vae."""
     denoise_bytes: int
-    """One denoising step's activations (both CFG branches)."""
+    """One denoising step's activations on one GPU (both CFG branches, or one under CFG parallel)."""
     decode_bytes: int
     fits: bool = False
     fits_host: bool = True
@@ -95,6 +95,8 @@ class InferenceReport:
     host_memory_bytes: int | None
     estimates: tuple[InferenceEstimate, ...]
     chosen: InferenceEstimate | None
+    cfg: int = 1
+    """2: CFG parallel (each GPU runs one guidance branch, batch 1); 1: one GPU runs both (batch 2 with guidance)."""
 
 
 def inference_preset(model: str | Path):
@@ -120,9 +122,10 @@ def _shape_terms(preset) -> tuple[int, int, int]:
 
 def plan_inference(preset, *, bucket: Bucket, gpu_memory_bytes: int, guidance: bool = True,
                    text_tokens: int | None = None, host_memory_bytes: int | None = None,
-                   storages: tuple[str, ...] = STORAGES, ranks_per_node: int = 1) -> InferenceReport:
+                   storages: tuple[str, ...] = STORAGES, ranks_per_node: int = 1, cfg: int = 1) -> InferenceReport:
     """Every `storages` x `INFERENCE_MODES` estimate of generating one `bucket` video with `preset` (a
-    `vidray.models.presets.ShapePreset`), classifier-free guidance doubling the batch when `guidance`, on a GPU of
+    `vidray.models.presets.ShapePreset`), classifier-free guidance doubling the batch when `guidance` (unless `cfg`
+    is 2: CFG parallel, each GPU runs one branch, `vidray.inference.parallel`), on a GPU of
     `gpu_memory_bytes` (fits within `vidray.train.plan.HEADROOM`) and, when `host_memory_bytes` is given, a node of
     that much host memory; the pick is the first that fits in the module docstring's order. Raises UserError for a
     bucket the VAE and patch do not divide."""
@@ -140,7 +143,9 @@ def plan_inference(preset, *, bucket: Bucket, gpu_memory_bytes: int, guidance: b
     n_video, latent_elems = sequence_lengths(preset, bucket)
     text_tokens = text_tokens or preset.text_seq_len
     largest_linear, nonblock, text_width = _shape_terms(preset)
-    batch = 2 if guidance else 1
+    if cfg not in (1, 2):
+        raise ValueError(f"cfg (the guidance branches' ranks) must be 1 or 2, got {cfg}")
+    batch = 2 // cfg if guidance else 1  # per GPU
     d, f = counts.dim, counts.ffn_dim
     estimates = []
     for offload in INFERENCE_MODES:
@@ -179,9 +184,16 @@ def plan_inference(preset, *, bucket: Bucket, gpu_memory_bytes: int, guidance: b
                 denoise_bytes=denoise, decode_bytes=decode, fits_host=fits_host,
                 fits=device <= (1 - HEADROOM) * gpu_memory_bytes and fits_host))
     chosen = next((e for e in estimates if e.fits), None)
-    return InferenceReport(preset_name=preset.name, bucket=bucket, guidance=guidance, num_experts=preset.num_experts,
+    return InferenceReport(preset_name=preset.name, bucket=bucket, guidance=guidance, cfg=cfg,
+                           num_experts=preset.num_experts,
                            gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes,
                            estimates=tuple(estimates), chosen=chosen)
+
+
+def _cfg_words(report: InferenceReport) -> str:
+    if not report.guidance:
+        return "no CFG"
+    return "CFG parallel (batch 1 per GPU)" if report.cfg == 2 else "CFG (batch 2)"
 
 
 def format_inference_report(report: InferenceReport) -> str:
@@ -192,7 +204,7 @@ def format_inference_report(report: InferenceReport) -> str:
     gib = 2**30
     lines = [f"generation with {report.preset_name}"
              f"{f' ({report.num_experts} experts)' if report.num_experts > 1 else ''}: {b.num_frames}x{b.height}x"
-             f"{b.width}, {'CFG (batch 2)' if report.guidance else 'no CFG'}; one GPU of "
+             f"{b.width}, {_cfg_words(report)}; one GPU of "
              f"{format_bytes(report.gpu_memory_bytes)}, {100 * HEADROOM:.0f}% headroom", "",
              f"{'storage':<9}{'offload':<12}{'transformer':>12}{'text enc':>10}{'vae':>8}{'denoise':>9}"
              f"{'decode':>8}{'GPU':>8}{'host':>8}  fits"]
@@ -218,12 +230,13 @@ def format_inference_report(report: InferenceReport) -> str:
 
 def check_inference_fits(model, *, bucket: Bucket, gpu_memory_bytes: int, storage: str = "bf16",
                          offload: str = "none", guidance: bool = True, text_tokens: int | None = None,
-                         host_memory_bytes: int | None = None) -> InferenceEstimate:
+                         host_memory_bytes: int | None = None, cfg: int = 1) -> InferenceEstimate:
     """Refuse a generation predicted not to fit the GPU, before anything loads: `model` a diffusers folder (its
     `transformer/config.json`; `transformer_2` for a second expert) or a ShapePreset; `storage` bf16 or fp8,
-    `offload` one of INFERENCE_MODES. Returns the estimate when it fits; raises UserError, one line, naming the
-    bytes needed, the GPU, and the storage and offload mode that would fit (or the GPU size the least-needing mode
-    fits), UserFileNotFound for a folder without the transformer's config."""
+    `offload` one of INFERENCE_MODES; `cfg` 2: CFG parallel (`plan_inference`). Returns the estimate when it fits;
+    raises UserError, one line, naming the bytes needed, the GPU, and the storage and offload mode that would fit
+    (or the GPU size the least-needing mode fits), and `--gpus 2` when the asked mode fits under CFG parallel;
+    UserFileNotFound for a folder without the transformer's config."""
     from vidray.train.plan import HEADROOM, format_bytes  # heavy: pydantic
 
     if offload not in INFERENCE_MODES:
@@ -233,7 +246,7 @@ def check_inference_fits(model, *, bucket: Bucket, gpu_memory_bytes: int, storag
     preset = inference_preset(model) if isinstance(model, (str, Path)) else model
     storages = tuple(dict.fromkeys((storage, *STORAGES)))
     report = plan_inference(preset, bucket=bucket, gpu_memory_bytes=gpu_memory_bytes, guidance=guidance,
-                            text_tokens=text_tokens, host_memory_bytes=host_memory_bytes, storages=storages)
+                            text_tokens=text_tokens, host_memory_bytes=host_memory_bytes, storages=storages, cfg=cfg)
     wanted = next(e for e in report.estimates if (e.storage, e.offload) == (storage, offload))
     if wanted.fits:
         return wanted
@@ -245,6 +258,14 @@ def check_inference_fits(model, *, bucket: Bucket, gpu_memory_bytes: int, storag
         least = min(report.estimates, key=lambda e: e.device_bytes)
         fix = (f"nothing fits: the least is {least.keys()} at {format_bytes(least.device_bytes)}, for a GPU of "
                f"{format_bytes(least.device_bytes / (1 - HEADROOM))} or more; or a smaller bucket")
+    if guidance and cfg == 1:
+        split = next(e for e in plan_inference(
+            preset, bucket=bucket, gpu_memory_bytes=gpu_memory_bytes, guidance=guidance, text_tokens=text_tokens,
+            host_memory_bytes=host_memory_bytes, storages=storages, cfg=2).estimates
+            if (e.storage, e.offload) == (storage, offload))
+        if split.fits:
+            fix += (f"; or keep this mode on 2 GPUs with the guidance branches split (vidray generate --gpus 2: "
+                    f"{format_bytes(split.device_bytes)} per GPU)")
     what = (f"{format_bytes(wanted.host_bytes)} of host memory, over the node's" if wanted.device_bytes <=
             (1 - HEADROOM) * gpu_memory_bytes else
             f"{format_bytes(wanted.device_bytes)} on the GPU, over {format_bytes((1 - HEADROOM) * gpu_memory_bytes)} "
@@ -255,10 +276,11 @@ def check_inference_fits(model, *, bucket: Bucket, gpu_memory_bytes: int, storag
 
 
 def check_generation_fits(model_path, bucket: Bucket, device, *, storage: str = "auto", offload: str = "none",
-                          guidance_scale: float = 1.0) -> InferenceEstimate | None:
+                          guidance_scale: float = 1.0, cfg: int = 1) -> InferenceEstimate | None:
     """The pre-load check of `vidray generate` and the Serve app: on a CUDA `device` (a torch.device or its name),
     `check_inference_fits` of the local diffusers folder `model_path` against that GPU's total memory; `storage`
-    auto is bf16 there. Returns None, checking nothing, on any other device (CPU keeps working as before) or for a
+    auto is bf16 there; `cfg` 2: this GPU runs one guidance branch of two (CFG parallel, `vidray generate --gpus
+    2`), so its batch is 1, not 2. Returns None, checking nothing, on any other device (CPU keeps working as before) or for a
     model that is not a local folder (a URI: checked once downloaded, by the caller). Raises UserError when the
     generation is predicted not to fit (see `check_inference_fits`)."""
     import torch  # heavy: torch
@@ -269,4 +291,4 @@ def check_generation_fits(model_path, bucket: Bucket, device, *, storage: str = 
     gpu_memory = torch.cuda.get_device_properties(device).total_memory
     return check_inference_fits(model_path, bucket=bucket, gpu_memory_bytes=gpu_memory,
                                 storage="bf16" if storage == "auto" else storage, offload=offload,
-                                guidance=guidance_scale > 1)
+                                guidance=guidance_scale > 1, cfg=cfg)

@@ -20,12 +20,16 @@ encodes it from `image` (and `last_image`), or gets the empty condition (text-to
 also takes image embeddings (Wan 2.1 I2V's CLIP) gets `image_embeds` (B, T, D_img) beside it the same way (both
 guidance branches the same, as `WanImageToVideoPipeline` passes one `image_embeds` to both calls), from the same
 `family.condition` call.
+
+Several processes (`parallel=`, a `vidray.inference.parallel.GenerationParallel`): under CFG parallel each rank of
+the "cfg" pair calls the transformer on one guidance branch and the two predictions are all-gathered before the
+guidance formula, so every rank steps the same latents (see `vidray.inference.parallel`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -37,6 +41,9 @@ from vidray.models.conditioning import ImageCondition
 from vidray.models.offload import compute_dtype, execution_device
 from vidray.models.registry import Components, ModelFamily
 from vidray.models.vae import video_to_frames
+
+if TYPE_CHECKING:
+    from vidray.inference.parallel import GenerationParallel
 
 __all__ = ["DenoiseState", "NonFiniteLatentsError", "check_finite_latents", "denoise_step", "generate_video",
            "initial_noise", "sample_latents", "step_states"]
@@ -76,6 +83,7 @@ def denoise_step(
     negative_prompt_attention_mask: torch.Tensor | None = None,
     inpaint_latents: torch.Tensor | None = None,
     image_embeds: torch.Tensor | None = None,
+    parallel: GenerationParallel | None = None,
 ) -> torch.Tensor:
     """One sampler step (`family.objective.sampler_step`: Euler for flow matching) for a batch of samples, each at
     its own noise level: latents (B, C, F, H, W) at `sigmas` (B,) -> latents at `sigmas_next` (B,), float32 on the
@@ -91,8 +99,12 @@ def denoise_step(
     float or a (B,) tensor (per sample). `inpaint_latents` (B, C_in, F, H, W): an image-to-video model's condition
     of each sample, passed to `family.predict` (repeated for both guidance branches); None for a text-to-video
     model. `image_embeds` (B, T, D_img): the image embeddings of a model that takes them (Wan 2.1 I2V), passed
-    the same way: both as `family.condition(...).predict_kwargs()` gives them. Raises ValueError for shapes that
-    do not line up.
+    the same way: both as `family.condition(...).predict_kwargs()` gives them. `parallel`: this rank's place among
+    several processes stepping the same batch (None: this process alone); with guidance and `parallel.cfg` 2 the
+    transformer runs one branch here, cfg rank 0 the unconditional (negative_prompt_embeds) and 1 the conditional,
+    each on B samples with its own timesteps, condition and image embeddings, and the two predictions are
+    all-gathered (`GenerationParallel.gather_cfg`) before the guidance formula: every rank returns the same
+    latents. Raises ValueError for shapes that do not line up.
     """
     batch_size = latents.shape[0]
     sigmas = torch.as_tensor(sigmas, dtype=torch.float32).reshape(-1)
@@ -109,27 +121,37 @@ def denoise_step(
                          f"{tuple(prompt_embeds.shape)} and their negative_prompt_attention_mask")
     device, dtype = execution_device(transformer), compute_dtype(transformer)
     latents = latents.to(device=device, dtype=torch.float32)
-    if do_cfg:
+    cfg_split = do_cfg and parallel is not None and parallel.cfg == 2  # this rank runs one branch
+    both = do_cfg and not cfg_split  # this call runs [uncond, cond]: every input twice
+
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x]) if both else x
+
+    if both:
         prompt_embeds = torch.cat([negative_prompt_embeds, prompt_embeds])
         prompt_attention_mask = torch.cat([negative_prompt_attention_mask, prompt_attention_mask])
-    model_input = (torch.cat([latents, latents]) if do_cfg else latents).to(dtype)
-    t = family.objective.model_timesteps(sigmas, num_train_timesteps).to(device=device)
-    t = torch.cat([t, t]) if do_cfg else t
+    elif cfg_split and parallel.cfg_rank == 0:  # the unconditional branch
+        prompt_embeds, prompt_attention_mask = negative_prompt_embeds, negative_prompt_attention_mask
+    model_input = twice(latents).to(dtype)
+    t = twice(family.objective.model_timesteps(sigmas, num_train_timesteps).to(device=device))
     condition = {}
     if inpaint_latents is not None:
         if inpaint_latents.shape[0] != batch_size:
             raise ValueError(f"inpaint_latents must have {batch_size} samples, got {tuple(inpaint_latents.shape)}")
-        inpaint_latents = inpaint_latents.to(device=device, dtype=dtype)
-        condition["inpaint_latents"] = torch.cat([inpaint_latents, inpaint_latents]) if do_cfg else inpaint_latents
+        condition["inpaint_latents"] = twice(inpaint_latents.to(device=device, dtype=dtype))
     if image_embeds is not None:
         if image_embeds.shape[0] != batch_size:
             raise ValueError(f"image_embeds must have {batch_size} samples, got {tuple(image_embeds.shape)}")
-        image_embeds = image_embeds.to(device=device, dtype=dtype)
-        condition["image_embeds"] = torch.cat([image_embeds, image_embeds]) if do_cfg else image_embeds
+        condition["image_embeds"] = twice(image_embeds.to(device=device, dtype=dtype))
     model_pred = family.predict(transformer, model_input, t, prompt_embeds.to(device=device, dtype=dtype),
-                                prompt_attention_mask.to(device=device), **condition).float()
+                                prompt_attention_mask.to(device=device), **condition)
+    if cfg_split:  # (B, ...) of this rank's branch -> both branches', gathered in the compute dtype
+        pred_uncond, pred_cond = (pred.float() for pred in parallel.gather_cfg(model_pred))
+    else:
+        model_pred = model_pred.float()
     if do_cfg:
-        pred_uncond, pred_cond = model_pred.chunk(2)
+        if both:
+            pred_uncond, pred_cond = model_pred.chunk(2)
         scale = torch.as_tensor(guidance_scale, dtype=pred_cond.dtype, device=device)
         if scale.ndim == 1:
             scale = scale.reshape(-1, *([1] * (pred_cond.ndim - 1)))
@@ -190,10 +212,11 @@ class DenoiseState:
 
 @torch.inference_mode()
 def step_states(family: ModelFamily, transformer: torch.nn.Module, states: list[DenoiseState], *,
-                num_train_timesteps: int) -> None:
+                num_train_timesteps: int, parallel: GenerationParallel | None = None) -> None:
     """Advance every state in `states` (all with one `batch_key`, none done) by one step of its own schedule, in
-    one `denoise_step` call on the stacked batch. Updates `latents` and `step` in place. Raises ValueError for
-    mixed keys or a finished state."""
+    one `denoise_step` call on the stacked batch (`parallel`: its, for a replica spanning several ranks that all
+    hold the same states). Updates `latents` and `step` in place. Raises ValueError for mixed keys or a finished
+    state."""
     if not states:
         return
     keys = {state.batch_key() for state in states}
@@ -218,6 +241,7 @@ def step_states(family: ModelFamily, transformer: torch.nn.Module, states: list[
                          if states[0].inpaint_latents is not None else None),
         image_embeds=(torch.cat([state.image_embeds for state in states])
                       if states[0].image_embeds is not None else None),
+        parallel=parallel,
     )
     for state, new in zip(states, latents.split(1)):
         state.latents = new
@@ -243,6 +267,7 @@ def sample_latents(
     latents: torch.Tensor | None = None,
     inpaint_latents: torch.Tensor | None = None,
     image_embeds: torch.Tensor | None = None,
+    parallel: GenerationParallel | None = None,
 ) -> torch.Tensor:
     """Denoise pure noise into latents (B, C, F, H, W) (normalized, ready for `family.decode_latents`).
 
@@ -253,7 +278,8 @@ def sample_latents(
     `callback(i, sigma, latents)` runs after step i (0-based), sigma being the step's starting noise level.
     `inpaint_latents` (B, C_in, F_lat, H_lat, W_lat): an image-to-video model's condition, in every step
     (`denoise_step`); None for a text-to-video model. `image_embeds` (B, T, D_img): likewise, for a model that
-    takes them (`ImageCondition.predict_kwargs()` gives both).
+    takes them (`ImageCondition.predict_kwargs()` gives both). `parallel`: `denoise_step`'s (every rank of it passes
+    the same arguments and generator seed, and gets the same latents).
     The transformer runs in eval mode (its previous mode is restored) under torch.inference_mode.
     Raises NonFiniteLatentsError when the result holds NaN or inf (`check_finite_latents`).
     """
@@ -301,6 +327,7 @@ def sample_latents(
                 negative_prompt_attention_mask=negative_prompt_attention_mask if do_cfg else None,
                 inpaint_latents=inpaint_latents,
                 image_embeds=image_embeds,
+                parallel=parallel,
             )
             if callback is not None:
                 callback(i, float(sigmas[i]), latents)
@@ -344,7 +371,8 @@ def generate_video(
     callback: Callable[[int, float, torch.Tensor], None] | None = None,
     image: Any = None,
     last_image: Any = None,
-) -> np.ndarray:
+    parallel: GenerationParallel | None = None,
+) -> np.ndarray | None:
     """prompts (B strings) -> uint8 frames (B, F, H, W, 3) at `bucket` (num_frames, height, width).
 
     Encode prompts -> `sample_latents` (noise from a CPU generator seeded with `seed`, so the same seed gives
@@ -353,8 +381,10 @@ def generate_video(
     after each denoising step. `image` (and `last_image`): the first (and last) frame of every video, for an
     image-to-video model (PIL, uint8 (H, W, 3) or (3, H, W) in [0, 1]), resized to the bucket and encoded by
     `family.condition` (the latent condition, and image embeddings for a model that takes them); such a model
-    without `image` generates from text alone (the empty condition). Raises UserError for an image given to a
-    text-to-video model.
+    without `image` generates from text alone (the empty condition). `parallel`: this rank's place among several
+    processes generating the same video (`vidray.inference.parallel`; every rank passes the same arguments and
+    encodes the prompts itself): only the writer (rank 0) decodes, the others return None. Raises UserError for an
+    image given to a text-to-video model.
     """
     # 1. Check inputs and shapes
     if isinstance(prompts, str) or not prompts:
@@ -393,9 +423,12 @@ def generate_video(
         negative_prompt_attention_mask=negative_prompt_attention_mask,
         generator=generator,
         callback=callback,
+        parallel=parallel,
         **(condition.predict_kwargs() if condition is not None else {}),
     )
 
-    # 4. Decode to uint8 frames
+    # 4. Decode to uint8 frames (on one rank of several)
+    if parallel is not None and not parallel.is_writer:
+        return None
     video = family.decode_latents(components.vae, latents)  # (B, 3, F, H, W) in [-1, 1]
     return video_to_frames(video)  # (B, F, H, W, 3) uint8
