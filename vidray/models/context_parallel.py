@@ -326,12 +326,13 @@ def _check_backend(processor: Any, ring: int) -> None:
     backend = processor._attention_backend
     backend = _AttentionBackendRegistry.get_active_backend()[0] if backend is None else AttentionBackendName(backend)
     if not _AttentionBackendRegistry._is_context_parallel_available(backend):
-        raise ValueError(f"parallel.context: attention backend {backend.value} has no context-parallel path; use one "
-                         f"of {', '.join(sorted(_AttentionBackendRegistry._supports_context_parallel))}")
+        raise ValueError(f"parallel.context: attention backend {backend.value} has no context-parallel path; set "
+                         "DIFFUSERS_ATTN_BACKEND to one of "
+                         f"{', '.join(sorted(_AttentionBackendRegistry._supports_context_parallel))}")
     if ring > 1 and backend == AttentionBackendName.NATIVE:
-        raise ValueError(f"parallel.context.ring: {ring} needs an attention backend that returns the log-sum-exp "
-                         "(flash or _native_cudnn on a GPU); the native SDPA backend does not: use "
-                         "parallel.context.ulysses")
+        raise ValueError(f"parallel.context.ring: {ring} needs an attention backend that returns the log-sum-exp; "
+                         "the native SDPA backend does not: set DIFFUSERS_ATTN_BACKEND=_native_cudnn (or flash) in "
+                         "the workers' environment on GPUs, or use parallel.context.ulysses")
 
 
 def enable_context_parallel(transformer: torch.nn.Module, mesh: "DeviceMesh", *, family: str) -> None:
