@@ -28,7 +28,7 @@ from vidray.models.context_parallel import (
 
 FLOW = FlowConfig(shift=3.0)
 TEXT_TOKENS = 8
-WAN_CASES = ("wan", "wan_ac", "wan_lora", "wan_experts")
+WAN_CASES = ("wan", "wan_ac", "wan_lora", "wan_experts", "wan_ddp", "wan_fsdp")
 JOINT_CASES = ("cogvideox", "easyanimate")
 
 
@@ -87,16 +87,22 @@ def _measure(family, model, latents, embeds, mask):
 def _compare(case: str, mesh) -> dict:
     import torch.distributed as dist
 
-    from vidray.train.parallel import apply_activation_checkpointing
+    from vidray.train.parallel import apply_activation_checkpointing, apply_fsdp, mixed_precision_policy, wrap_ddp
 
     family, ref = _build(case)
     cp = copy.deepcopy(ref)
     enable_context_parallel(cp, mesh, family=family.name)
-    if case.endswith("_ac") or case == "wan_experts":  # wan_experts: checkpoint_wrapper (no diffusers' own)
+    if case != "wan" and not case.endswith("_lora"):  # wan_experts: checkpoint_wrapper (no diffusers' own)
         apply_activation_checkpointing(cp, "full", family.block_lists(cp))
+    blocks = family.block_lists(cp)
+    if case == "wan_ddp":  # DDP and FSDP average over the group's ranks, which hold partial sums
+        cp = wrap_ddp(cp, "cpu", {})
+    elif case == "wan_fsdp":
+        cp = apply_fsdp(cp, mesh["dp", "ring", "ulysses"]._flatten("dp_cp"), mixed_precision_policy("no"),
+                        blocks=blocks[0])
     seen = []  # [video, text] tokens a rank's second block sees: half of each when split (Wan's text stays whole)
-    for blocks in family.block_lists(cp):
-        blocks[1].register_forward_pre_hook(lambda m, args, kwargs: seen.append(
+    for one in blocks:
+        one[1].register_forward_pre_hook(lambda m, args, kwargs: seen.append(
             [(args[i] if len(args) > i else kwargs[name]).shape[1]
              for i, name in enumerate(("hidden_states", "encoder_hidden_states"))]), with_kwargs=True)
     batch = _batch(family, ref)
@@ -104,8 +110,14 @@ def _compare(case: str, mesh) -> dict:
     out_cp, loss_cp, grads_cp = _measure(family, cp, *batch)
     dot = ref_sq = cp_sq = 0.0
     for name, g_ref in grads_ref.items():
-        g = grads_cp[name].clone() if name in grads_cp else torch.zeros_like(g_ref)
-        dist.all_reduce(g)  # each rank's gradient is its tokens' share: the full one is their sum
+        g = grads_cp.get(name, grads_cp.get("module." + name))  # DDP's names start with module.
+        if g is None:
+            g = torch.zeros_like(g_ref)
+        elif case in ("wan_ddp", "wan_fsdp"):  # averaged over the 2 ranks by the wrapper: the sum is twice that
+            g = 2 * (g.full_tensor() if hasattr(g, "full_tensor") else g)
+        else:  # each rank's gradient is its tokens' share: the full one is their sum
+            g = g.clone()
+            dist.all_reduce(g)
         dot += (g * g_ref).sum().item()
         ref_sq += g_ref.pow(2).sum().item()
         cp_sq += g.pow(2).sum().item()
@@ -113,7 +125,7 @@ def _compare(case: str, mesh) -> dict:
             "out_max_abs": out_ref.abs().max().item(),
             "loss_rel_diff": abs(loss_cp.item() / loss_ref.item() - 1),
             "grad_cosine": dot / (ref_sq ** 0.5 * cp_sq ** 0.5),
-            "grad_names": sorted(grads_ref), "cp_grad_names": sorted(grads_cp),
+            "grad_names": sorted(grads_ref), "cp_grad_names": sorted(n.removeprefix("module.") for n in grads_cp),
             "tokens_seen": seen, "tokens_whole": _whole_tokens(family, ref, batch[0])}
 
 
@@ -215,8 +227,9 @@ def ranks(tmp_path_factory):
 @pytest.mark.parametrize("case", WAN_CASES)
 def test_wan_split_over_two_ranks_matches_one_process(ranks, case):
     """Forward, loss and the ranks' summed gradients of Wan under Ulysses 2 equal the unsplit model's: plain, with
-    activation checkpointing applied after, with LoRA applied before (adapter gradients), and both experts of the
-    two-expert wrapper (checkpointed with `checkpoint_wrapper`)."""
+    activation checkpointing applied after, with LoRA applied before (adapter gradients), both experts of the
+    two-expert wrapper (checkpointed with `checkpoint_wrapper`), and under DDP and FSDP2 applied last (which average
+    the ranks' partial sums: twice their gradient is the full one, so the loop scales the loss by the degree)."""
     _assert_equal_to_one_process(ranks, case)
     if case == "wan_lora":
         assert all(".lora_" in name for name in ranks[0][case]["grad_names"])
