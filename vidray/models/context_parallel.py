@@ -21,7 +21,8 @@ attention). Their joint attention has no mask, so the all-to-all gathering each 
 of [text; video] only permutes the sequence, which unmasked attention does not mind.
 
 Each rank's parameter gradients are partial sums (its share of the tokens); the full gradient is their sum over
-the context group (DDP / FSDP average over every rank, so the training loop scales the loss by the degree).
+the context group. DDP and FSDP average over every rank, so the training loop must scale the loss by the degree
+(tests/unit/test_context_parallel.py checks twice the averaged gradient against the full one at degree 2).
 Training needs the sequence split evenly and the heads divisible by `ulysses` (diffusers' "anything" modes have no
 backward): checked here, one line each. Ring attention needs a backend that returns the log-sum-exp (flash,
 cuDNN on GPU); diffusers' native SDPA backend (the CPU one) refuses it.
