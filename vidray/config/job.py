@@ -151,8 +151,9 @@ class JobConfig:
             )
 
     def _check_context_parallel(self) -> None:
-        """`parallel.context`: a fixed worker count the degree divides, a family whose card supports it,
-        ring only on GPU, every bucket's latent tokens divisible by the degree, no PowerSGD, no expert groups."""
+        """`parallel.context`: a fixed worker count the degree divides, a family whose card supports it, ring only
+        on GPU, every bucket's latent tokens (and, for a joint-attention family, `model.max_sequence_length`)
+        divisible by the degree, no PowerSGD, no expert groups."""
         context, scaling = self.parallel.context, self.scaling
         degree = context.degree
         if degree == 1:
@@ -181,6 +182,11 @@ class JobConfig:
         if self.model.experts is not None and self.model.experts.layout == "groups":
             raise ValueError("parallel.context with model.experts.layout: groups is not supported yet; use "
                              "model.experts.layout: shared (both experts on every worker, each split over the group)")
+        joint = card.planner is not None and card.planner.token_flow in ("dual_stream", "single_stream")
+        if joint and self.model.max_sequence_length % degree:
+            raise ValueError(f"parallel.context: model.max_sequence_length {self.model.max_sequence_length} is not "
+                             f"divisible by the context degree {degree} ({self.model.family} attends over text and "
+                             f"video jointly, so its text tokens are split too); set it to a multiple of {degree}")
         rules = card.bucket_rules
         for bucket in self.data.buckets:
             frames, height, width = bucket

@@ -21,7 +21,8 @@ attention). Their joint attention has no mask, so the all-to-all gathering each 
 of [text; video] only permutes the sequence, which unmasked attention does not mind.
 
 Each rank's parameter gradients are partial sums (its share of the tokens); the full gradient is their sum over
-the context group (DDP / FSDP average over every rank, so the training loop scales the loss by the degree).
+the context group. DDP and FSDP average over every rank, so the training loop must scale the loss by the degree
+(tests/unit/test_context_parallel.py checks twice the averaged gradient against the full one at degree 2).
 Training needs the sequence split evenly and the heads divisible by `ulysses` (diffusers' "anything" modes have no
 backward): checked here, one line each. Ring attention needs a backend that returns the log-sum-exp (flash,
 cuDNN on GPU); diffusers' native SDPA backend (the CPU one) refuses it.
@@ -43,15 +44,17 @@ from diffusers.models._modeling_parallel import (
     ParallelConfig,
 )
 from diffusers.models.attention import AttentionModuleMixin
-from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry, dispatch_attention_fn
 from diffusers.models.attention_processor import Attention
+from diffusers.models.embeddings import apply_rotary_emb
 
 from vidray.models.experts import ExpertSlot, TwoExperts
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["CONTEXT_PARALLEL_FAMILIES", "check_context_group_in_node", "context_parallel_mesh",
+__all__ = ["CONTEXT_PARALLEL_FAMILIES", "CogVideoXContextParallelAttnProcessor",
+           "EasyAnimateContextParallelAttnProcessor", "check_context_group_in_node", "context_parallel_mesh",
            "context_parallel_plan", "enable_context_parallel"]
 
 MESH_DIMS = ("dp", "ring", "ulysses")
@@ -122,7 +125,8 @@ def _easyanimate_plan() -> dict:
     return _joint_plan({"rope_embedding": {0: rope, 1: rope}})
 
 
-_PLANS: dict[str, Callable[[], dict]] = {"wan": _wan_plan}
+_PLANS: dict[str, Callable[[], dict]] = {"wan": _wan_plan, "cogvideox": _cogvideox_plan,
+                                         "easyanimate": _easyanimate_plan}
 
 CONTEXT_PARALLEL_FAMILIES = tuple(_PLANS)
 """The families with a context-parallel plan here; their cards say `context_parallel=True` (`vidray.cards`)."""
@@ -185,11 +189,122 @@ def _sequence_check(family: str, degree: int, joint_text: bool) -> Callable:
     return check
 
 
+# ---- attention processors that run the context-parallel attention ----
+
+def _attend(processor: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, H, S, D) query, key, value -> (B, H, S, D): `F.scaled_dot_product_attention`'s result through diffusers'
+    `dispatch_attention_fn` ((B, S, H, D) layout), which runs the context-parallel attention when the processor has
+    a `_parallel_config`. Raises ValueError for a mask under context parallel (it would be the local chunk's)."""
+    if attention_mask is not None and processor._parallel_config is not None:
+        raise ValueError("context-parallel attention takes no attention mask (each rank holds a chunk of the "
+                         "sequence); the stock CogVideoX and EasyAnimate transformers pass none")
+    out = dispatch_attention_fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                attn_mask=attention_mask, backend=processor._attention_backend,
+                                parallel_config=processor._parallel_config)
+    return out.transpose(1, 2)
+
+
+class CogVideoXContextParallelAttnProcessor:
+    """diffusers' `CogVideoXAttnProcessor2_0` (attention_processor.py, 0.42.1) with its SDPA call replaced by
+    `dispatch_attention_fn`, so `enable_context_parallel` can give it the parallel config: joint attention over
+    [text; video], the rotary embedding on the video part; same inputs and outputs as the stock one."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None,
+                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        text_seq_length = encoder_hidden_states.size(1)
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)  # (B, L + S, C)
+        batch_size, sequence_length, _ = hidden_states.shape
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        head_dim = key.shape[-1] // attn.heads
+        query, key, value = (x.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+                             for x in (query, key, value))  # (B, H, L + S, D)
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        if image_rotary_emb is not None:
+            query[:, :, text_seq_length:] = apply_rotary_emb(query[:, :, text_seq_length:], image_rotary_emb)
+            if not attn.is_cross_attention:
+                key[:, :, text_seq_length:] = apply_rotary_emb(key[:, :, text_seq_length:], image_rotary_emb)
+        hidden_states = _attend(self, query, key, value, attention_mask)
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))  # linear, dropout
+        encoder_hidden_states, hidden_states = hidden_states.split(
+            [text_seq_length, hidden_states.size(1) - text_seq_length], dim=1)
+        return hidden_states, encoder_hidden_states
+
+
+class EasyAnimateContextParallelAttnProcessor:
+    """diffusers' `EasyAnimateAttnProcessor2_0` (transformer_easyanimate.py, 0.42.1) with its SDPA call replaced by
+    `dispatch_attention_fn`: joint attention over [text; video] with the text's own projections in the MMDiT blocks
+    (`add_q_proj`...) and shared ones in the others; same inputs and outputs as the stock one."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None,
+                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        if attn.add_q_proj is None and encoder_hidden_states is not None:
+            hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        # 1. QKV projections, (B, H, S, D)
+        query, key, value = (proj(hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+                             for proj in (attn.to_q, attn.to_k, attn.to_v))
+        # 2. QK normalization
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        # 3. Encoder condition QKV projection and normalization
+        if attn.add_q_proj is not None and encoder_hidden_states is not None:
+            encoder_query, encoder_key, encoder_value = (
+                proj(encoder_hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+                for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            if attn.norm_added_q is not None:
+                encoder_query = attn.norm_added_q(encoder_query)
+            if attn.norm_added_k is not None:
+                encoder_key = attn.norm_added_k(encoder_key)
+            query = torch.cat([encoder_query, query], dim=2)
+            key = torch.cat([encoder_key, key], dim=2)
+            value = torch.cat([encoder_value, value], dim=2)
+        # 4. Rotary embedding of the video part
+        if image_rotary_emb is not None:
+            text = encoder_hidden_states.shape[1]
+            query[:, :, text:] = apply_rotary_emb(query[:, :, text:], image_rotary_emb)
+            if not attn.is_cross_attention:
+                key[:, :, text:] = apply_rotary_emb(key[:, :, text:], image_rotary_emb)
+        # 5. Attention
+        hidden_states = _attend(self, query, key, value, attention_mask)
+        hidden_states = hidden_states.transpose(1, 2).flatten(2, 3).to(query.dtype)
+        # 6. Output projection
+        if encoder_hidden_states is not None:
+            text = encoder_hidden_states.shape[1]
+            encoder_hidden_states, hidden_states = hidden_states[:, :text], hidden_states[:, text:]
+            if getattr(attn, "to_out", None) is not None:
+                hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+            if getattr(attn, "to_add_out", None) is not None:
+                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+        elif getattr(attn, "to_out", None) is not None:
+            hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+        return hidden_states, encoder_hidden_states
+
+
 # ---- applying it ----
 
-_PROCESSORS: dict[str, tuple[str, Callable[[], type]]] = {}
-"""family -> (the stock processor class's name, the vidray processor class that replaces it) for the families whose
-stock processors call SDPA themselves."""
+_PROCESSORS: dict[str, tuple[str, type]] = {
+    "cogvideox": ("CogVideoXAttnProcessor2_0", CogVideoXContextParallelAttnProcessor),
+    "easyanimate": ("EasyAnimateAttnProcessor2_0", EasyAnimateContextParallelAttnProcessor),
+}
+"""family -> (the stock processor class's name, the vidray processor that replaces it) for the families whose stock
+processors call SDPA themselves."""
 
 
 def _experts(transformer: torch.nn.Module) -> list[torch.nn.Module]:
@@ -212,12 +327,13 @@ def _check_backend(processor: Any, ring: int) -> None:
     backend = processor._attention_backend
     backend = _AttentionBackendRegistry.get_active_backend()[0] if backend is None else AttentionBackendName(backend)
     if not _AttentionBackendRegistry._is_context_parallel_available(backend):
-        raise ValueError(f"parallel.context: attention backend {backend.value} has no context-parallel path; use one "
-                         f"of {', '.join(sorted(_AttentionBackendRegistry._supports_context_parallel))}")
+        raise ValueError(f"parallel.context: attention backend {backend.value} has no context-parallel path; set "
+                         "DIFFUSERS_ATTN_BACKEND to one of "
+                         f"{', '.join(sorted(_AttentionBackendRegistry._supports_context_parallel))}")
     if ring > 1 and backend == AttentionBackendName.NATIVE:
-        raise ValueError(f"parallel.context.ring: {ring} needs an attention backend that returns the log-sum-exp "
-                         "(flash or _native_cudnn on a GPU); the native SDPA backend does not: use "
-                         "parallel.context.ulysses")
+        raise ValueError(f"parallel.context.ring: {ring} needs an attention backend that returns the log-sum-exp; "
+                         "the native SDPA backend does not: set DIFFUSERS_ATTN_BACKEND=_native_cudnn (or flash) in "
+                         "the workers' environment on GPUs, or use parallel.context.ulysses")
 
 
 def enable_context_parallel(transformer: torch.nn.Module, mesh: "DeviceMesh", *, family: str) -> None:
@@ -264,13 +380,13 @@ def enable_context_parallel(transformer: torch.nn.Module, mesh: "DeviceMesh", *,
     device = (torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda"
               else torch.device(mesh.device_type))
     config.setup(dist.get_rank(), dist.get_world_size(), device, mesh=mesh)
-    stock, make = _PROCESSORS.get(family, (None, None))
+    stock, replacement = _PROCESSORS.get(family, (None, None))
     for expert in experts:
         attention = _attention_modules(expert)
         for name, module in attention:
             processor = module.processor
             if stock is not None and type(processor).__name__ == stock:
-                processor = make()()
+                processor = replacement()
                 module.set_processor(processor)
             if not hasattr(processor, "_parallel_config"):
                 raise ValueError(f"parallel.context: {family}'s attention {name} runs {type(processor).__name__}, "
