@@ -16,7 +16,11 @@ Parts:
   degree 2 (the larger rank's) / degree 1; `cp2_planner_activation_error` (<= 0.15): `abs(1 - planned /
   measured)` of the planner's activation term for one rank at degree 2 (`vidray.train.plan.planned_activation_bytes`
   of the same shape) against that measurement.
-- generate (once `vidray.inference.parallel` lands): PSNR of generation split over 2 processes vs 1 process.
+- generate: the tiny Wan model (random weights, exported as a run exports it) samples one video
+  (`vidray.inference.sampler.generate_video`, 4 steps, seed 7) in one process and split over 2 gloo processes
+  (`vidray.inference.parallel`): `cp2_generate_psnr_db` (>= 40) without guidance, the sequence split over both
+  (context degree 2); `cfg_parallel_generate_psnr_db` (>= 40) with guidance 4, one branch a process. PSNR of
+  rank 0's frames against the one process's (inf when equal, reported as 100).
 
 The last stdout line is one JSON object, `{"benchmark": "context_parallel", "figures": {...}}`; a figure that could
 not be measured is a miss with its reason (`benchmarks/_figures.py`).
@@ -44,7 +48,11 @@ FIGURES = {
     "cp2_20step_loss_rel_diff": ("ratio", "<= 1e-3"),
     "cp2_activation_bytes_ratio": ("ratio", "<= 0.6"),
     "cp2_planner_activation_error": ("ratio", "<= 0.15"),
+    "cp2_generate_psnr_db": ("dB", ">= 40"),
+    "cfg_parallel_generate_psnr_db": ("dB", ">= 40"),
 }
+GENERATE_BUCKET = (9, 64, 64)
+"""(num_frames, height, width) of the generated videos: 3 x 4 x 4 = 48 latent tokens, 24 a rank at degree 2."""
 LAYERS = 8
 """Transformer blocks of the benchmark's Wan model: the tiny preset has 2, whose patch embedding, rope and output
 projection (run whole on every rank) would weigh as much as the blocks; a real Wan has 30-40."""
@@ -196,10 +204,74 @@ def measure_train(steps: int) -> dict[str, Any]:
     return figures
 
 
+def _wan_folder(folder: Path) -> Path:
+    """The tiny random Wan model saved as a run exports it (diffusers folder + vidray_job.yaml)."""
+    from vidray.config import FlowConfig, ModelConfig, job_config_from_dict
+    from vidray.generate import write_job_file
+    from vidray.models import get_family
+
+    model = {"family": "wan", "text_encoder": "tiny_random", "max_sequence_length": TEXT_TOKENS}
+    family = get_family("wan")
+    out = family.save_pipeline(family.build(ModelConfig(**model), seed=0), folder / "diffusers", FlowConfig(shift=3.0))
+    write_job_file(out, job_config_from_dict({"name": "tiny-wan", "model": model,
+                                              "data": {"buckets": [list(GENERATE_BUCKET)]}, "flow": {"shift": 3.0}}))
+    return out
+
+
+def _sample(folder: Path, guidance: float, parallel=None):
+    """(frames (1, F, H, W, 3) uint8, or None off rank 0) of the benchmark's prompt."""
+    from vidray.buckets import Bucket
+    from vidray.generate import load_model
+    from vidray.inference.sampler import generate_video
+
+    model = load_model(folder)
+    if parallel is not None:
+        parallel.parallelize(model.components.transformer, model.family.name)
+    return generate_video(model.family, model.components, ["a red ball bouncing"], Bucket(*GENERATE_BUCKET),
+                          flow=model.flow, num_inference_steps=4, guidance_scale=guidance,
+                          max_sequence_length=model.max_sequence_length, seed=7, parallel=parallel)
+
+
+def _generate_rank(rank: int, device, folder: str, guidance: float, out: str) -> None:
+    from vidray.inference.parallel import setup_generation_parallel
+
+    parallel = setup_generation_parallel(2, rank, guidance=guidance > 1, device_type="cpu", family_name="wan")
+    frames = _sample(Path(folder), guidance, parallel)
+    if rank == 0:
+        torch.save({"frames": frames, "context": parallel.context, "cfg": parallel.cfg}, out)
+
+
+def _psnr(a, b) -> float:
+    import numpy as np
+
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return 100.0 if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def measure_generate() -> dict[str, Any]:
+    """The generate part's figures (module docstring)."""
+    from vidray.inference.parallel import run_ranks
+
+    figures = {}
+    with tempfile.TemporaryDirectory(prefix="vidray-cp-gen-") as tmp:
+        folder = _wan_folder(Path(tmp))
+        for name, guidance, degrees in (("cp2_generate_psnr_db", 1.0, (1, 2)),
+                                        ("cfg_parallel_generate_psnr_db", 4.0, (2, 1))):
+            whole = _sample(folder, guidance)
+            out = str(Path(tmp) / f"{name}.pt")
+            run_ranks(_generate_rank, (str(folder), guidance, out), 2, backend="gloo")
+            split = torch.load(out, weights_only=False)
+            assert (split["cfg"], split["context"]) == degrees, (name, split["cfg"], split["context"])
+            figures[name] = _psnr(split["frames"], whole)
+            print(f"[generate] guidance {guidance:g}: cfg {split['cfg']} x context {split['context']} over 2 "
+                  f"processes vs 1: PSNR {figures[name]:.1f} dB", flush=True)
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--only", default="train")
+    parser.add_argument("--only", default="train,generate")
     args = parser.parse_args()
     parts = set(args.only.split(","))
     figures: dict[str, Any] = {}
@@ -211,6 +283,13 @@ def main() -> None:
                             for name in values})
         except Exception as err:  # noqa: BLE001 - a miss with its reason, the other parts still run
             reason = f"the train part failed: {err!r}"[:300]
+    if "generate" in parts:
+        try:
+            values = measure_generate()
+            figures.update({name: {"value": values[name], "unit": FIGURES[name][0], "goal": FIGURES[name][1]}
+                            for name in values})
+        except Exception as err:  # noqa: BLE001 - a miss with its reason
+            reason = f"the generate part failed: {err!r}"[:300]
     print(json.dumps({"benchmark": "context_parallel", "figures": fill_misses(figures, FIGURES, reason)}))
 
 

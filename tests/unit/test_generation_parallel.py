@@ -1,7 +1,8 @@
 """Generation over several processes (issue 47, part 2; `vidray.inference.parallel`): CFG parallel on 2 gloo
 processes against one process, on tiny random Wan and EasyAnimate models, through the sampler and through
 `vidray generate --processes 2`; the one-line errors for what cannot run; the inference plan's per-GPU batch of 1
-under CFG parallel. Context parallel is another module's and not tested here."""
+under CFG parallel; context parallel (Wan without guidance: the sequence split over 2 processes) against one process
+through the CLI."""
 
 import math
 import os
@@ -19,7 +20,7 @@ from vidray.config import FlowConfig, ModelConfig, job_config_from_dict  # noqa:
 from vidray.data.video import decode_mp4  # noqa: E402
 from vidray.errors import UserError  # noqa: E402
 from vidray.generate import generate_to_file, load_model, write_job_file  # noqa: E402
-from vidray.inference.parallel import context_parallel_available, run_ranks  # noqa: E402
+from vidray.inference.parallel import generation_degrees, run_ranks  # noqa: E402
 from vidray.inference.sampler import generate_video  # noqa: E402
 from vidray.models import get_family  # noqa: E402
 from vidray.models.presets import get_preset  # noqa: E402
@@ -131,6 +132,19 @@ def test_cli_generate_on_two_processes_writes_the_one_process_video(models, tmp_
     assert _psnr(_video(tmp_path / "two.mp4"), _video(one)) >= 40.0
 
 
+def test_cli_generate_without_guidance_splits_the_sequence_over_two_processes_and_writes_the_one_process_video(
+        models, tmp_path):
+    torch.set_num_threads(1)
+    args = ["--prompt", PROMPT, "--guidance-scale", "1", "--num-inference-steps", str(STEPS), "--seed", str(SEED),
+            "--crf", "0"]
+    one = generate_to_file(models["wan"], PROMPT, tmp_path / "one.mp4", guidance_scale=1.0,
+                           num_inference_steps=STEPS, seed=SEED, crf=0)
+    assert main(["generate", "--model", str(models["wan"]), "--output", str(tmp_path / "two.mp4"), *args,
+                 "--processes", "2"]) == 0
+    assert generation_degrees(2, guidance=False) == (1, 2)  # what the CLI's ranks set up: no CFG, cp 2
+    assert _psnr(_video(tmp_path / "two.mp4"), _video(one)) >= 40.0
+
+
 def _raise_in_rank_one(rank: int, device) -> None:
     if rank == 1:
         raise UserError("rank 1 refused its input")
@@ -146,12 +160,6 @@ def test_a_user_error_in_one_rank_stops_all_and_is_raised_as_one_user_error():
     (["--gpus", "2"], "wan", "--gpus 2: only 0 CUDA GPUs visible here"),
     (["--gpus", "2", "--processes", "2"], "wan", "--gpus 2 and --processes 2: give one"),
     (["--processes", "0"], "wan", "--processes must be an integer >= 1, got 0"),
-    (["--processes", "3", "--guidance-scale", "4"], "easyanimate",
-     "--processes 3 is odd, so the two guidance branches cannot each get half of the ranks, and all 3 would split "
-     "each video's sequence (context parallel), which the easyanimate family does not support"),
-    (["--processes", "4", "--guidance-scale", "4"], "easyanimate",
-     "--processes 4 with guidance puts the two guidance branches on 2 ranks each split over 2 (context parallel), "
-     "which the easyanimate family does not support"),
 ])
 def test_a_process_count_that_cannot_run_is_one_line_before_any_process_starts(flags, family, message, models,
                                                                                tmp_path, capsys):
@@ -164,14 +172,20 @@ def test_a_process_count_that_cannot_run_is_one_line_before_any_process_starts(f
     assert not (tmp_path / "out.mp4").exists()
 
 
-@pytest.mark.skipif(context_parallel_available(), reason="context parallel is in this build")
-def test_a_wan_process_count_that_needs_context_parallel_says_it_is_not_there_yet(models, tmp_path, capsys):
-    assert main(["generate", "--model", str(models["wan"]), "--prompt", PROMPT, "--output",
-                 str(tmp_path / "out.mp4"), "--processes", "2"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == ("vidray generate: error: --processes 2 without guidance (--guidance-scale 1) splits each video's "
-                   "sequence over 2 ranks (context parallel), which this vidray does not have yet; use --processes 2 "
-                   "with --guidance-scale above 1 (CFG parallel), or 1")
+@pytest.mark.parametrize(("world_size", "guidance", "message"), [
+    (3, True, "--gpus 3 is odd, so the two guidance branches cannot each get half of the ranks, and all 3 would split "
+              "each video's sequence (context parallel), which the animatediff family does not support"),
+    (4, True, "--gpus 4 with guidance puts the two guidance branches on 2 ranks each split over 2 (context parallel), "
+              "which the animatediff family does not support"),
+    (2, False, "--gpus 2 without guidance (--guidance-scale 1) splits each video's sequence over 2 ranks (context "
+               "parallel), which the animatediff family does not support"),
+])
+def test_a_family_without_context_parallel_is_refused_what_would_split_its_sequence(world_size, guidance, message):
+    from vidray.inference.parallel import generation_parallel_problem
+
+    assert generation_parallel_problem(world_size, guidance=guidance, family_name="animatediff").startswith(message)
+    assert generation_parallel_problem(2, guidance=True, family_name="animatediff") is None  # CFG parallel alone
+    assert generation_parallel_problem(world_size, guidance=guidance, family_name="easyanimate") is None
 
 
 def test_cfg_parallel_halves_the_denoising_batch_so_a_refused_generation_fits_on_two_gpus():

@@ -27,7 +27,6 @@ import importlib
 import importlib.util
 import multiprocessing
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,7 +37,7 @@ import torch.multiprocessing as mp
 from vidray.cards import get_card
 from vidray.errors import UserError
 
-__all__ = ["GenerationParallel", "MESH_DIMS", "context_parallel_available", "generation_degrees",
+__all__ = ["GenerationParallel", "MESH_DIMS", "generation_degrees",
            "generation_parallel_problem", "join_rank", "run_ranks", "setup_generation_parallel"]
 
 MESH_DIMS = ("cfg", "ring", "ulysses")
@@ -80,12 +79,10 @@ class GenerationParallel:
         """Ready the loaded `transformer` of a `family_name` model for this mesh, in place, and return it: with a
         context degree above 1, context parallel over the mesh's "ring" and "ulysses" dimensions
         (`vidray.models.context_parallel.enable_context_parallel`); nothing under CFG parallel alone."""
-        if self.context > 1:  # the one call context parallel needs, once that module is in this build
+        if self.context > 1:
             from vidray.models.context_parallel import enable_context_parallel  # heavy: diffusers' hooks
 
             enable_context_parallel(transformer, self.mesh, family=family_name)
-            # diffusers 0.42's gather calls a torch function deprecated in 2.13, once per step: not the user's to act on
-            warnings.filterwarnings("ignore", message=r".*all_gather_tensor` is deprecated", category=FutureWarning)
         return transformer
 
     def gather_cfg(self, pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,16 +106,11 @@ def generation_degrees(world_size: int, guidance: bool) -> tuple[int, int]:
     return cfg, world_size // cfg
 
 
-def context_parallel_available() -> bool:
-    """Whether this build has context parallel for generation (`vidray.models.context_parallel`)."""
-    return importlib.util.find_spec("vidray.models.context_parallel") is not None
-
-
 def generation_parallel_problem(world_size: int, *, guidance: bool, family_name: str, flag: str = "--gpus"
                                 ) -> str | None:
     """Why `world_size` ranks cannot generate one video of a `family_name` model (None when they can): more than
-    the guidance branches means context parallel, which needs the family card's `context_parallel` and this build's
-    `vidray.models.context_parallel`. `flag` names the option in the message."""
+    the guidance branches means context parallel, which needs the family card's `context_parallel`. `flag` names
+    the option in the message."""
     cfg, context = generation_degrees(world_size, guidance)
     if context == 1:
         return None
@@ -131,9 +123,6 @@ def generation_parallel_problem(world_size: int, *, guidance: bool, family_name:
     if not get_card(family_name).context_parallel:
         return (f"{why} (context parallel), which the {family_name} family does not support; use {flag} 2 with "
                 "--guidance-scale above 1 (CFG parallel), or 1")
-    if not context_parallel_available():
-        return (f"{why} (context parallel), which this vidray does not have yet; use {flag} 2 with --guidance-scale "
-                "above 1 (CFG parallel), or 1")
     return None
 
 

@@ -31,6 +31,7 @@ cuDNN on GPU); diffusers' native SDPA backend (the CPU one) refuses it.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -375,6 +376,8 @@ def enable_context_parallel(transformer: torch.nn.Module, mesh: "DeviceMesh", *,
         if getattr(expert, "_parallel_config", None) is not None:
             raise ValueError(f"enable_context_parallel: this {type(expert).__name__} is already parallel; call it "
                              "once per model")
+    # diffusers 0.42's gather calls a function torch 2.13 deprecates, once per forward: not the user's to act on
+    warnings.filterwarnings("ignore", message=r".*all_gather_tensor` is deprecated", category=FutureWarning)
     cp_config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=mesh)
     config = ParallelConfig(context_parallel_config=cp_config)
     device = (torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda"
