@@ -174,7 +174,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _hook_run(rank: int, world_size: int, port: int, kind: str, steps: int, out: str) -> None:
+def _hook_run(rank: int, world_size: int, port: int, kind: str, steps: int, out: str,
+              knobs: dict[str, Any] | None = None, wrap_hook: Any = None) -> None:
+    """One process of a 2-process DDP run of `steps` AdamW steps on its fixed batch, with `comm_hook_for(kind,
+    **knobs)`'s hook (default knobs: PowerSGD rank 4), wrapped in `wrap_hook(hook, optimizer)` when given (a
+    module-level function: spawn pickles it by name); rank 0 saves the losses and all-reduced bytes per step to
+    `out`."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -193,11 +198,12 @@ def _hook_run(rank: int, world_size: int, port: int, kind: str, steps: int, out:
     dist.all_reduce = counting_all_reduce
     transformer, batch = _tiny_transformer(), _tiny_batch(seed=rank, batch_size=2, size=8)
     model = torch.nn.parallel.DistributedDataParallel(transformer)
-    comm, fn = comm_hook_for(kind, powersgd_rank=4)
+    comm, fn = comm_hook_for(kind, **(knobs or {"powersgd_rank": 4}))
+    optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=1e-3)
     if comm.state is not None:
         prime_buckets(model, lambda m: _tiny_loss(m, batch, 0))
-    model.register_comm_hook(comm.state, fn if fn is not None else default_hooks.allreduce_hook)
-    optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=1e-3)
+    fn = fn if fn is not None else default_hooks.allreduce_hook
+    model.register_comm_hook(comm.state, wrap_hook(fn, optimizer) if wrap_hook is not None else fn)
     losses, counted = [], []
     for step in range(1, steps + 1):
         before = sent[0]
@@ -212,19 +218,32 @@ def _hook_run(rank: int, world_size: int, port: int, kind: str, steps: int, out:
     dist.destroy_process_group()
 
 
-def measure_hooks(steps: int) -> dict[str, Any]:
+def run_hook(kind: str, steps: int, knobs: dict[str, Any] | None = None,
+             wrap_hook: Any = None) -> dict[str, list[float]]:
+    """{"losses", "bytes"} per step of rank 0 in one 2-process `_hook_run(..., knobs, wrap_hook)` (spawned)."""
     import torch.multiprocessing as mp
 
-    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("none", "fp16", "powersgd"):
-            out = str(Path(tmp) / f"{kind}.pt")
-            # spawn, not fork: a fork of a process that has run torch ops can start with a corrupt heap (SIGABRT).
-            mp.start_processes(_hook_run, args=(2, _free_port(), kind, steps, out), nprocs=2, start_method="spawn")
-            runs[kind] = torch.load(out, weights_only=True)
-    # Steady state: PowerSGD all-reduces plainly for its first POWERSGD_START_ITER steps.
-    steady = lambda kind: statistics.mean(runs[kind]["bytes"][5:])  # noqa: E731
-    late = lambda kind: statistics.mean(runs[kind]["losses"][-20:])  # noqa: E731
+        out = str(Path(tmp) / f"{kind}.pt")
+        # spawn, not fork: a fork of a process that has run torch ops can start with a corrupt heap (SIGABRT).
+        mp.start_processes(_hook_run, args=(2, _free_port(), kind, steps, out, knobs, wrap_hook), nprocs=2, start_method="spawn")
+        return torch.load(out, weights_only=True)
+
+
+def steady_bytes(run: dict[str, list[float]]) -> float:
+    """Mean bytes all-reduced per step after the first 5 (PowerSGD's plain warm-up steps after the 5th count)."""
+    return statistics.mean(run["bytes"][5:])
+
+
+def late_loss(run: dict[str, list[float]]) -> float:
+    """Mean loss over the last 20 steps."""
+    return statistics.mean(run["losses"][-20:])
+
+
+def measure_hooks(steps: int) -> dict[str, Any]:
+    runs = {kind: run_hook(kind, steps) for kind in ("none", "fp16", "powersgd")}
+    steady = lambda kind: steady_bytes(runs[kind])  # noqa: E731
+    late = lambda kind: late_loss(runs[kind])  # noqa: E731
     return {
         "figures": {
             "fp16_hook_bytes_ratio": _figure("fp16_hook_bytes_ratio", steady("fp16") / steady("none")),
