@@ -2,13 +2,16 @@
 run of the tiny EasyAnimate transformer (`run_hook`), one setting at a time, each against one uncompressed run.
 
     .venv/bin/python benchmarks/_powersgd_grid.py r4:s2 r8:s30:adam r4:s20:adam:nowarm ... [--steps 200] [--out F]
+        [--model tiny|wide]
 
 A cell is `r<rank>:s<start step>` plus any of `adam` / `adam_frozen` (compress in AdamW's preconditioned space,
 `adam_preconditioned`), `nowarm` (warm_start off), `noef` (error feedback off). Each cell prints one JSON line:
 loss_rel_diff (mean loss of the last 20 steps / the uncompressed run's - 1, absolute; goal <= 0.02), bytes_ratio
 (mean bytes all-reduced per step after the 5th / uncompressed; goal <= 0.25) and wall_s (the run's wall time);
-`--out` appends the lines to a file, `--none F` keeps the uncompressed run in F for the next call. ~30 s a cell on
-2 CPU cores. Results of issue 47's grid (none meets both goals; rank is what moves the loss): see
+`--out` appends the lines to a file, `--none F` keeps the uncompressed run in F for the next call (one file per
+`--model`). `--model wide`: train_scale's `WIDE_TRANSFORMER` (width 512, where a quarter of the bytes allows rank 64)
+instead of the tiny model (width 128). ~30 s a cell on 2 CPU cores (tiny), 3-5 min (wide, shared cores).
+Results of issue 47's grid (none meets both goals on either model; rank is what moves the loss): see
 docs/training-at-scale.md.
 """
 
@@ -120,12 +123,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default=None, help="file the JSON lines are appended to")
     ap.add_argument("--none", default=None, help="file keeping the uncompressed run (read if there, else written)")
+    ap.add_argument("--model", default="tiny", choices=("tiny", "wide"), help="train_scale.HOOK_MODELS key")
     a = ap.parse_args()
     start = time.perf_counter()
     if a.none and Path(a.none).exists():
         none = torch.load(a.none, weights_only=True)
     else:
-        none = run_hook("none", a.steps)
+        none = run_hook("none", a.steps, model=a.model)
         if a.none:
             torch.save(none, a.none)
     print(json.dumps({"cell": "none", "late_loss": late_loss(none), "bytes": steady_bytes(none),
@@ -133,7 +137,7 @@ def main() -> None:
     for cell in a.cells:
         start = time.perf_counter()
         knobs = knobs_of(cell)
-        run = run_hook("powersgd", a.steps, knobs, wrap_hook=knobs.pop("wrap_hook", None))
+        run = run_hook("powersgd", a.steps, knobs, wrap_hook=knobs.pop("wrap_hook", None), model=a.model)
         line = json.dumps({"cell": cell, "loss_rel_diff": round(abs(late_loss(run) / late_loss(none) - 1), 4),
                            "bytes_ratio": round(steady_bytes(run) / steady_bytes(none), 4),
                            "late_loss": late_loss(run), "wall_s": round(time.perf_counter() - start, 1)})

@@ -175,11 +175,11 @@ def _free_port() -> int:
 
 
 def _hook_run(rank: int, world_size: int, port: int, kind: str, steps: int, out: str,
-              knobs: dict[str, Any] | None = None, wrap_hook: Any = None) -> None:
+              knobs: dict[str, Any] | None = None, wrap_hook: Any = None, which: str = "tiny") -> None:
     """One process of a 2-process DDP run of `steps` AdamW steps on its fixed batch, with `comm_hook_for(kind,
     **knobs)`'s hook (default knobs: PowerSGD rank 4), wrapped in `wrap_hook(hook, optimizer)` when given (a
-    module-level function: spawn pickles it by name); rank 0 saves the losses and all-reduced bytes per step to
-    `out`."""
+    module-level function: spawn pickles it by name), of the `which` transformer (`HOOK_MODELS`); rank 0 saves the
+    losses and all-reduced bytes per step to `out`."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -196,7 +196,7 @@ def _hook_run(rank: int, world_size: int, port: int, kind: str, steps: int, out:
         return all_reduce(tensor, *args, **kwargs)
 
     dist.all_reduce = counting_all_reduce
-    transformer, batch = _tiny_transformer(), _tiny_batch(seed=rank, batch_size=2, size=8)
+    transformer, batch = HOOK_MODELS[which](), _tiny_batch(seed=rank, batch_size=2, size=8)
     model = torch.nn.parallel.DistributedDataParallel(transformer)
     comm, fn = comm_hook_for(kind, **(knobs or {"powersgd_rank": 4}))
     optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=1e-3)
@@ -219,14 +219,16 @@ def _hook_run(rank: int, world_size: int, port: int, kind: str, steps: int, out:
 
 
 def run_hook(kind: str, steps: int, knobs: dict[str, Any] | None = None,
-             wrap_hook: Any = None) -> dict[str, list[float]]:
-    """{"losses", "bytes"} per step of rank 0 in one 2-process `_hook_run(..., knobs, wrap_hook)` (spawned)."""
+             wrap_hook: Any = None, model: str = "tiny") -> dict[str, list[float]]:
+    """{"losses", "bytes"} per step of rank 0 in one 2-process `_hook_run(..., knobs, wrap_hook, model)` (spawned);
+    `model`: a key of `HOOK_MODELS` (KeyError in the children otherwise)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / f"{kind}.pt")
         # spawn, not fork: a fork of a process that has run torch ops can start with a corrupt heap (SIGABRT).
-        mp.start_processes(_hook_run, args=(2, _free_port(), kind, steps, out, knobs, wrap_hook), nprocs=2, start_method="spawn")
+        mp.start_processes(_hook_run, args=(2, _free_port(), kind, steps, out, knobs, wrap_hook, model),
+                           nprocs=2, start_method="spawn")
         return torch.load(out, weights_only=True)
 
 
@@ -254,6 +256,35 @@ def measure_hooks(steps: int) -> dict[str, Any]:
         "details": {"bytes_per_step": {k: steady(k) for k in runs}, "late_loss": {k: late(k) for k in runs},
                     "first_loss": {k: runs[k]["losses"][0] for k in runs}, "steps": steps},
     }
+
+
+WIDE_TRANSFORMER = dict(num_attention_heads=8, attention_head_dim=64, num_layers=2, mmdit_layers=2, time_embed_dim=256)
+"""The wide model of issue 47's PowerSGD grid (`benchmarks/_powersgd_grid.py --model wide`): the tiny EasyAnimate
+transformer (`TINY_TRANSFORMER`, same class and text encoder) at the medium preset's width (8 heads x 64 = 512, time
+embedding 256) with 2 MMDiT blocks (14.0 M trainable parameters, ~0.18 s a step on one core). Why: the bytes goal is
+about matrix width. PowerSGD at rank r sends r (n + m) numbers for an n x m gradient, so at the tiny model's width
+128 a quarter of the bytes allows rank 16 at most, while real video DiTs are 3072-5120 wide, where rank 64 costs
+2-4 %. The optimizer (AdamW, lr 1e-3, no warm-up), batch and steps are part (e)'s; part (e) itself stays on the tiny
+model (no PowerSGD setting met its loss goal on this one either: docs/training-at-scale.md)."""
+
+
+def _wide_transformer(seed: int = 0) -> torch.nn.Module:
+    """`WIDE_TRANSFORMER` laid over the tiny transformer's config, built under `seed` (the global RNG is left as it
+    was), with the family's unused parameters frozen as `_tiny_transformer` does."""
+    from diffusers import EasyAnimateTransformer3DModel
+
+    from vidray.models.easyanimate import TINY_TRANSFORMER
+    from vidray.models.registry import get_family
+    from vidray.models.text_encoder import text_hidden_size
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = EasyAnimateTransformer3DModel(**{**TINY_TRANSFORMER, **WIDE_TRANSFORMER},
+                                                    text_embed_dim=text_hidden_size("tiny_random")).train()
+    no_grad = set(get_family("easyanimate").no_grad_parameter_names(transformer))
+    for name, param in transformer.named_parameters():
+        param.requires_grad_(name not in no_grad)
+    return transformer
 
 
 # ---- shared tiny model ----
@@ -287,6 +318,10 @@ def _tiny_loss(model, batch, step: int) -> torch.Tensor:
     latents, prompt_embeds, mask = batch
     return flow_matching_step_loss(get_family("easyanimate"), model, latents, prompt_embeds, mask, FlowConfig(),
                                    step_generator(0, step, 0))
+
+
+HOOK_MODELS = {"tiny": _tiny_transformer, "wide": _wide_transformer}
+"""Transformers `_hook_run` trains: part (e) runs `tiny`, the PowerSGD grid also `wide`."""
 
 
 # ---- (f) step times ----
