@@ -174,7 +174,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _hook_run(rank: int, world_size: int, port: int, kind: str, steps: int, out: str) -> None:
+def _hook_run(rank: int, world_size: int, port: int, kind: str, steps: int, out: str,
+              knobs: dict[str, Any] | None = None, wrap_hook: Any = None, which: str = "tiny") -> None:
+    """One process of a 2-process DDP run of `steps` AdamW steps on its fixed batch, with `comm_hook_for(kind,
+    **knobs)`'s hook (default knobs: PowerSGD rank 4), wrapped in `wrap_hook(hook, optimizer)` when given (a
+    module-level function: spawn pickles it by name), of the `which` transformer (`HOOK_MODELS`); rank 0 saves the
+    losses and all-reduced bytes per step to `out`."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -191,13 +196,14 @@ def _hook_run(rank: int, world_size: int, port: int, kind: str, steps: int, out:
         return all_reduce(tensor, *args, **kwargs)
 
     dist.all_reduce = counting_all_reduce
-    transformer, batch = _tiny_transformer(), _tiny_batch(seed=rank, batch_size=2, size=8)
+    transformer, batch = HOOK_MODELS[which](), _tiny_batch(seed=rank, batch_size=2, size=8)
     model = torch.nn.parallel.DistributedDataParallel(transformer)
-    comm, fn = comm_hook_for(kind, powersgd_rank=4)
+    comm, fn = comm_hook_for(kind, **(knobs or {"powersgd_rank": 4}))
+    optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=1e-3)
     if comm.state is not None:
         prime_buckets(model, lambda m: _tiny_loss(m, batch, 0))
-    model.register_comm_hook(comm.state, fn if fn is not None else default_hooks.allreduce_hook)
-    optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=1e-3)
+    fn = fn if fn is not None else default_hooks.allreduce_hook
+    model.register_comm_hook(comm.state, wrap_hook(fn, optimizer) if wrap_hook is not None else fn)
     losses, counted = [], []
     for step in range(1, steps + 1):
         before = sent[0]
@@ -212,19 +218,34 @@ def _hook_run(rank: int, world_size: int, port: int, kind: str, steps: int, out:
     dist.destroy_process_group()
 
 
-def measure_hooks(steps: int) -> dict[str, Any]:
+def run_hook(kind: str, steps: int, knobs: dict[str, Any] | None = None,
+             wrap_hook: Any = None, model: str = "tiny") -> dict[str, list[float]]:
+    """{"losses", "bytes"} per step of rank 0 in one 2-process `_hook_run(..., knobs, wrap_hook, model)` (spawned);
+    `model`: a key of `HOOK_MODELS` (KeyError in the children otherwise)."""
     import torch.multiprocessing as mp
 
-    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("none", "fp16", "powersgd"):
-            out = str(Path(tmp) / f"{kind}.pt")
-            # spawn, not fork: a fork of a process that has run torch ops can start with a corrupt heap (SIGABRT).
-            mp.start_processes(_hook_run, args=(2, _free_port(), kind, steps, out), nprocs=2, start_method="spawn")
-            runs[kind] = torch.load(out, weights_only=True)
-    # Steady state: PowerSGD all-reduces plainly for its first POWERSGD_START_ITER steps.
-    steady = lambda kind: statistics.mean(runs[kind]["bytes"][5:])  # noqa: E731
-    late = lambda kind: statistics.mean(runs[kind]["losses"][-20:])  # noqa: E731
+        out = str(Path(tmp) / f"{kind}.pt")
+        # spawn, not fork: a fork of a process that has run torch ops can start with a corrupt heap (SIGABRT).
+        mp.start_processes(_hook_run, args=(2, _free_port(), kind, steps, out, knobs, wrap_hook, model),
+                           nprocs=2, start_method="spawn")
+        return torch.load(out, weights_only=True)
+
+
+def steady_bytes(run: dict[str, list[float]]) -> float:
+    """Mean bytes all-reduced per step after the first 5 (PowerSGD's plain warm-up steps after the 5th count)."""
+    return statistics.mean(run["bytes"][5:])
+
+
+def late_loss(run: dict[str, list[float]]) -> float:
+    """Mean loss over the last 20 steps."""
+    return statistics.mean(run["losses"][-20:])
+
+
+def measure_hooks(steps: int) -> dict[str, Any]:
+    runs = {kind: run_hook(kind, steps) for kind in ("none", "fp16", "powersgd")}
+    steady = lambda kind: steady_bytes(runs[kind])  # noqa: E731
+    late = lambda kind: late_loss(runs[kind])  # noqa: E731
     return {
         "figures": {
             "fp16_hook_bytes_ratio": _figure("fp16_hook_bytes_ratio", steady("fp16") / steady("none")),
@@ -235,6 +256,35 @@ def measure_hooks(steps: int) -> dict[str, Any]:
         "details": {"bytes_per_step": {k: steady(k) for k in runs}, "late_loss": {k: late(k) for k in runs},
                     "first_loss": {k: runs[k]["losses"][0] for k in runs}, "steps": steps},
     }
+
+
+WIDE_TRANSFORMER = dict(num_attention_heads=8, attention_head_dim=64, num_layers=2, mmdit_layers=2, time_embed_dim=256)
+"""The wide model of issue 47's PowerSGD grid (`benchmarks/_powersgd_grid.py --model wide`): the tiny EasyAnimate
+transformer (`TINY_TRANSFORMER`, same class and text encoder) at the medium preset's width (8 heads x 64 = 512, time
+embedding 256) with 2 MMDiT blocks (14.0 M trainable parameters, ~0.18 s a step on one core). Why: the bytes goal is
+about matrix width. PowerSGD at rank r sends r (n + m) numbers for an n x m gradient, so at the tiny model's width
+128 a quarter of the bytes allows rank 16 at most, while real video DiTs are 3072-5120 wide, where rank 64 costs
+2-4 %. The optimizer (AdamW, lr 1e-3, no warm-up), batch and steps are part (e)'s; part (e) itself stays on the tiny
+model (no PowerSGD setting met its loss goal on this one either: docs/training-at-scale.md)."""
+
+
+def _wide_transformer(seed: int = 0) -> torch.nn.Module:
+    """`WIDE_TRANSFORMER` laid over the tiny transformer's config, built under `seed` (the global RNG is left as it
+    was), with the family's unused parameters frozen as `_tiny_transformer` does."""
+    from diffusers import EasyAnimateTransformer3DModel
+
+    from vidray.models.easyanimate import TINY_TRANSFORMER
+    from vidray.models.registry import get_family
+    from vidray.models.text_encoder import text_hidden_size
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = EasyAnimateTransformer3DModel(**{**TINY_TRANSFORMER, **WIDE_TRANSFORMER},
+                                                    text_embed_dim=text_hidden_size("tiny_random")).train()
+    no_grad = set(get_family("easyanimate").no_grad_parameter_names(transformer))
+    for name, param in transformer.named_parameters():
+        param.requires_grad_(name not in no_grad)
+    return transformer
 
 
 # ---- shared tiny model ----
@@ -268,6 +318,10 @@ def _tiny_loss(model, batch, step: int) -> torch.Tensor:
     latents, prompt_embeds, mask = batch
     return flow_matching_step_loss(get_family("easyanimate"), model, latents, prompt_embeds, mask, FlowConfig(),
                                    step_generator(0, step, 0))
+
+
+HOOK_MODELS = {"tiny": _tiny_transformer, "wide": _wide_transformer}
+"""Transformers `_hook_run` trains: part (e) runs `tiny`, the PowerSGD grid also `wide`."""
 
 
 # ---- (f) step times ----

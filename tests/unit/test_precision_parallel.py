@@ -254,3 +254,17 @@ def test_powersgd_state_from_another_worker_count_starts_afresh_with_a_reason():
     assert "was fp16" in comm.load_state({"kind": "fp16", "powersgd_rank": None}, 0, 2)
     assert "holds no PowerSGD state" in comm.load_state(None, 0, 2)
     assert CommHook("fp16").load_state(None, 0, 2) is None
+
+
+def test_powersgd_knobs_reach_torch_state_and_a_start_before_step_2_is_refused():
+    """`comm_hook_for`'s PowerSGD knobs (measured by benchmarks/_powersgd_grid.py) are the state torch's hook reads;
+    the defaults stay vidray's (rank given, start 2, warm start and error feedback on)."""
+    default, _ = comm_hook_for("powersgd", powersgd_rank=4)
+    assert (default.state.start_powerSGD_iter, default.state.warm_start, default.state.use_error_feedback) == (2, True,
+                                                                                                              True)
+    comm, _ = comm_hook_for("powersgd", powersgd_rank=16, start_step=12, warm_start=False, error_feedback=False)
+    state = comm.state
+    assert (state.matrix_approximation_rank, state.start_powerSGD_iter, state.warm_start,
+            state.use_error_feedback) == (16, 12, False, False)
+    with pytest.raises(ValueError, match="start step must be >= 2.*got 1"):
+        comm_hook_for("powersgd", powersgd_rank=4, start_step=1)

@@ -633,7 +633,8 @@ def test_a_vae_run_at_its_last_step_names_vae_training_max_steps_the_key_to_rais
 
 def test_powersgd_with_adamw_warns_of_the_loss_gap_the_docs_measured(job_and_index, capsys):
     """A PowerSGD run (vidray's optimizer is always AdamW) is warned on the driver, in one line, of the gap
-    docs/training-at-scale.md measured; the words are the docs' own; an fp16-compressed run is not warned."""
+    docs/training-at-scale.md measured (the tiny model's, and the 512-wide model's at rank 64, issue 47's grid); the
+    words are the docs' own; an fp16-compressed run is not warned."""
     import dataclasses
     import re
 
@@ -647,6 +648,9 @@ def test_powersgd_with_adamw_warns_of_the_loss_gap_the_docs_measured(job_and_ind
     assert measured and gap == (f"after 200 steps the loss is {measured.group(1)} % above the uncompressed run's at "
                                 f"rank 4 ({measured.group(2)} % at rank 16)")
     assert advice.replace("train.grad_compression: ", "") in docs.replace("`", "")  # the docs say `fp16`
+    wide = re.search(r"rank 32: [\d.]+, rank 64: (0\.\d+) \(bytes [\d.]+ / [\d.]+ / (0\.\d+)\)", docs)
+    assert wide and float(wide.group(2)) <= 0.25  # the wide model's rank 64 is within a quarter of the bytes
+    assert f"a 512-wide model ends {round(100 * float(wide.group(1)))} % above at rank 64" in advice
     job = dataclasses.replace(job, name="powersgd-warning")  # a run folder no other test here writes checkpoints to
     powersgd = dataclasses.replace(job, train=dataclasses.replace(job.train, grad_compression="powersgd"))
     capsys.readouterr()

@@ -169,8 +169,14 @@ def _state_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def comm_hook_for(kind: str, *, powersgd_rank: int) -> tuple[CommHook, Callable | None]:
-    """(CommHook, torch hook function) for `train.grad_compression` = `kind`; the function is None for `none`."""
+def comm_hook_for(kind: str, *, powersgd_rank: int, start_step: int = POWERSGD_START_ITER, warm_start: bool = True,
+                  error_feedback: bool = True) -> tuple[CommHook, Callable | None]:
+    """(CommHook, torch hook function) for `train.grad_compression` = `kind`; the function is None for `none`.
+
+    PowerSGD's knobs (`torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState`): `powersgd_rank`
+    (rank of the approximation), `start_step` (plain all-reduce for the synchronised backwards before it; >= 2),
+    `warm_start` (reuse the previous step's Q), `error_feedback` (the defaults are vidray's settings; the other values
+    are measured in `benchmarks/_powersgd_grid.py`). Raises ValueError for another kind, or a start_step below 2."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook  # heavy: torch
 
     if kind == "none":
@@ -180,8 +186,12 @@ def comm_hook_for(kind: str, *, powersgd_rank: int) -> tuple[CommHook, Callable 
     if kind == "bf16":
         return CommHook(kind), default_hooks.bf16_compress_hook
     if kind == "powersgd":
+        if start_step < 2:
+            raise ValueError(f"PowerSGD's start step must be >= 2 (torch needs one plain all-reduce first), got "
+                             f"{start_step}")
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
-                                            start_powerSGD_iter=POWERSGD_START_ITER, random_seed=0,
+                                            start_powerSGD_iter=start_step, random_seed=0,
+                                            use_error_feedback=error_feedback, warm_start=warm_start,
                                             orthogonalization_epsilon=ORTHOGONALIZATION_EPSILON)
         return CommHook(kind, state), _one_bucket_at_a_time(powerSGD_hook.powerSGD_hook)
     raise ValueError(f"train.grad_compression must be none, fp16, bf16 or powersgd, got {kind!r}")
