@@ -263,10 +263,11 @@ class ScalingConfig:
 
 @dataclass(config=_STRICT, kw_only=True)
 class ContextParallelConfig:
-    """Context (sequence) parallel: one sample's video tokens split over `ulysses * ring` consecutive workers, each
-    attention gathering what it needs (`vidray.models.context_parallel`, diffusers' context-parallel hooks). The
-    group's workers train the same micro-batches, so the data-parallel width is the workers divided by the degree.
-    Supported by the families whose card says `context_parallel` (Wan, EasyAnimate, CogVideoX)."""
+    """Context (sequence) parallel: one sample's tokens split over `ulysses * ring` consecutive workers, each
+    attention gathering what it needs (`vidray.models.context_parallel`, diffusers' context-parallel hooks): Wan's
+    video tokens (its text stays whole), EasyAnimate's and CogVideoX's text and video. The group's workers train the
+    same micro-batches, so the data-parallel width is the workers divided by the degree. Supported by the families
+    whose card says `context_parallel` (Wan, EasyAnimate, CogVideoX)."""
 
     ulysses: Annotated[AtLeastOne, Says(note=" (default 1)")] = 1
     """Ulysses degree: heads are exchanged by all-to-all so each worker attends over the whole sequence with
