@@ -464,14 +464,24 @@ def _job_at(config: str, *overrides: str):
     return load_job_config(config, list(overrides))
 
 
-def test_families_without_a_context_parallel_plan_are_never_offered_a_degree():
-    """EasyAnimate's card has no `context_parallel` (no split plan yet): where its rows do not fit, its plan still
-    lists no context-parallel row; AnimateDiff (a UNet, planned by measuring) neither. Wan, in the same spot, gets
-    one."""
+def test_families_without_a_context_parallel_plan_are_never_offered_a_degree(monkeypatch):
+    """A family whose card has no `context_parallel` gets no context-parallel row where its rows do not fit:
+    AnimateDiff (a UNet, planned by measuring), and EasyAnimate with its card's flag turned off. With its own card
+    EasyAnimate (text split too) gets one, as Wan does."""
+    import dataclasses
+
+    from vidray.train import plan as plan_module
     from vidray.train.plan import context_degrees
 
-    ea = plan_job(_job("scaling.use_gpu=true"), gpu_memory_bytes=24 * 2**30, num_gpus=8,
-                  preset=get_preset("easyanimate-v5-7b"), bucket=Bucket(49, 1024, 1024))
+    def ea_plan():
+        return plan_job(_job("scaling.use_gpu=true"), gpu_memory_bytes=24 * 2**30, num_gpus=8,
+                        preset=get_preset("easyanimate-v5-7b"), bucket=Bucket(49, 1024, 1024))
+
+    assert any(e.mode.context_degree > 1 for e in ea_plan().estimates)
+    card = plan_module.get_card
+    monkeypatch.setattr(plan_module, "get_card", lambda name: dataclasses.replace(card(name), context_parallel=False)
+                        if name == "easyanimate" else card(name))
+    ea = ea_plan()
     assert any(not e.fits and e.mode.transfer_rank == 0 for e in ea.estimates)  # where Wan's get a split row
     assert {e.mode.context_degree for e in ea.estimates} == {1}
     assert context_degrees(ea.preset, ea.counts, bucket=ea.bucket, text_tokens=256, num_gpus=8, ranks_per_node=8) == ()
