@@ -472,3 +472,34 @@ def test_a_stage_with_a_placed_replica_takes_the_jobs_and_an_unplaced_one_is_nam
     answer["status"] = _serve_status({"RUNNING": 1, "STARTING": 1})  # a node joined: placed again
     time.sleep(0.25)
     assert service.stage_problems() == [] and service.unavailable_stage() is None
+
+
+def test_a_denoiser_spanning_processes_gets_a_placement_group_of_one_bundle_each_and_bad_spans_are_one_line(
+        model_dir, tmp_path, monkeypatch):
+    """`denoiser.processes` / `gpus` (issue 47): the Denoiser deployment gets a STRICT_PACK placement group of one
+    bundle per rank and the span in its init kwargs; a span the family cannot split is refused in one line."""
+    from types import SimpleNamespace
+
+    from vidray.serve.app import DenoiserSettings, _spanning_options
+
+    monkeypatch.setenv("VIDRAY_API_TOKEN", TOKEN)
+    app = build_app(_args(model_dir, tmp_path, denoiser={"processes": 2}))
+    denoiser = app._bound_deployment.init_args[3]._bound_deployment
+    assert denoiser.name == "Denoiser"
+    assert denoiser._deployment_config.max_ongoing_requests >= 16
+    assert denoiser._replica_config.placement_group_bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert denoiser._replica_config.placement_group_strategy == "STRICT_PACK"
+    assert (denoiser.init_kwargs["processes"], denoiser.init_kwargs["gpus"]) == (2, 1)
+    plain = build_app(_args(model_dir, tmp_path))._bound_deployment.init_args[3]._bound_deployment
+    assert plain._replica_config.placement_group_bundles is None
+    assert _spanning_options(DenoiserSettings(gpus=2), SimpleNamespace(family_name="wan"), None)[
+        "placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    with pytest.raises(ServeSettingsError, match="^denoiser: gpus .2. and processes .2. cannot both be above 1"):
+        build_app(_args(model_dir, tmp_path, denoiser={"processes": 2, "gpus": 2}))
+    with pytest.raises(ServeSettingsError, match="^denoiser.gpus 2 without guidance .* the animatediff family does "
+                                                 "not support; use denoiser.gpus 2 with"):
+        _spanning_options(DenoiserSettings(gpus=2, cfg_parallel=False), SimpleNamespace(family_name="animatediff"),
+                          None)
+    assert _spanning_options(DenoiserSettings(gpus=2), SimpleNamespace(family_name="animatediff"), None)
+    with pytest.raises(ServeSettingsError, match="two-expert model"):
+        _spanning_options(DenoiserSettings(gpus=2), SimpleNamespace(family_name="wan"), object())

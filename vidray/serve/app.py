@@ -241,6 +241,22 @@ class PolicySettings(_Section):
     its prediction by the measured spread of step times."""
 
 
+class DenoiserSettings(_Section):
+    """One Denoiser replica spanning several GPUs (`vidray.serve.replica_group`; issue 47): a placement group of
+    that many bundles on one node, one torch process group inside it."""
+
+    gpus: int = Field(1, ge=1)
+    """GPUs one Denoiser replica spans (NCCL), each in a bundle {GPU: 1, CPU: 1} of its placement group (STRICT_PACK:
+    one node). Its `ray_actor_options` must fit one bundle (num_gpus 1, num_cpus <= 1); give the deployment a
+    `placement_group_bundle_label_selector` to pin the bundles to labeled nodes."""
+    processes: int = Field(1, ge=1)
+    """CPU processes (gloo) one Denoiser replica spans, in bundles {CPU: 1}: the CPU path of `gpus`, for tests."""
+    cfg_parallel: bool = True
+    """With an even span: the two guidance branches on two halves of the ranks (CFG parallel) and the sequence split
+    over each half (context parallel); a request without guidance then runs whole on both halves. false: every
+    rank splits the sequence (needs a family with context parallel)."""
+
+
 class ServeSettings(_Section):
     """The application's `args` in `serve/serve_config.yaml` (unknown keys are refused)."""
 
@@ -277,12 +293,38 @@ class ServeSettings(_Section):
     policy: PolicySettings = PolicySettings()
     runner: RunnerSettings = RunnerSettings()
     retention: RetentionSettings = RetentionSettings()
+    denoiser: DenoiserSettings = DenoiserSettings()
+    """How many GPUs (or CPU processes) one Denoiser replica spans: `DenoiserSettings`."""
     memory: MemoryConfig = MemoryConfig()
     """The stages' weights (`vidray.config.MemoryConfig`): `storage_dtype` (auto: bf16 on a replica with a GPU, fp32
     on one without; fp8: float8 storage, bf16 compute) and `offload` (none | model | group | sequential: needs the
     replica to have a GPU, `ray_actor_options.num_gpus`). The training-only keys `block_swap`,
     `fsdp_cpu_offload` and `activation_offload` are refused. The model folder says nothing about a device: the same folder serves on
     either."""
+
+
+def _spanning_options(span: DenoiserSettings, info, experts) -> dict[str, Any]:
+    """The Denoiser's deployment options for a replica spanning `span.gpus` GPUs or `span.processes` CPU processes
+    ({} for 1): a STRICT_PACK placement group of one bundle per rank. Raises ServeSettingsError (one line) for both
+    above 1, a two-expert model, or a span the family cannot split (`generation_parallel_problem`)."""
+    from vidray.inference.parallel import generation_parallel_problem
+
+    if span.gpus > 1 and span.processes > 1:
+        raise ServeSettingsError(f"denoiser: gpus ({span.gpus}) and processes ({span.processes}) cannot both be "
+                                 "above 1; use gpus on GPU nodes, processes (CPU, gloo) for tests")
+    ranks = max(span.gpus, span.processes)
+    if ranks == 1:
+        return {}
+    if experts is not None:
+        raise ServeSettingsError("denoiser.gpus / processes above 1 is not supported for a two-expert model yet; "
+                                 "set them to 1")
+    problem = generation_parallel_problem(ranks, guidance=span.cfg_parallel, family_name=info.family_name,
+                                          flag="denoiser.gpus" if span.gpus > 1 else "denoiser.processes")
+    if problem:  # the message names generate's flag for guidance; the serve config's is cfg_parallel
+        raise ServeSettingsError(problem.replace("--guidance-scale above 1", "denoiser.cfg_parallel: true"))
+    bundle = {"CPU": 1.0, "GPU": 1.0} if span.gpus > 1 else {"CPU": 1.0}
+    return {"placement_group_bundles": [dict(bundle) for _ in range(ranks)],
+            "placement_group_strategy": "STRICT_PACK"}
 
 
 TRAINING_ONLY_MEMORY = ("block_swap", "fsdp_cpu_offload", "activation_offload")
@@ -1053,7 +1095,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     except ValueError as err:
         raise ServeSettingsError(f"policy: {err}") from None
     _check_store(settings)
-    denoiser = Denoiser.options(max_ongoing_requests=max(16, 2 * policy.max_batch_size))
+    denoiser = Denoiser.options(max_ongoing_requests=max(16, 2 * policy.max_batch_size),
+                                **_spanning_options(settings.denoiser, info, experts))
     logger.info("vidray serve: model %s, store %s, auth %s", settings.model_path, settings.store_dir,
                 "off" if auth_token is None else f"{len(auth_token)} bearer token(s)")
     if settings.auth.disabled:
@@ -1068,7 +1111,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     args = (settings.model_path, settings.policy.model_dump(), settings.lora_path)
     memory = dataclasses.asdict(settings.memory)
     largest = (settings.limits.max_num_frames, settings.limits.max_height, settings.limits.max_width)
-    kw = dict(memory=memory, largest_request=largest)
+    kw = dict(memory=memory, largest_request=largest, gpus=settings.denoiser.gpus,
+              processes=settings.denoiser.processes, cfg_parallel=settings.denoiser.cfg_parallel)
     denoisers = ([denoiser.bind(*args, **kw)] if experts is None else
                  [denoiser.bind(*args, "high", **kw),
                   denoiser.options(name=LOW_NOISE_DENOISER).bind(*args, "low", **kw)])

@@ -254,12 +254,25 @@ class Denoiser:
 
     def __init__(self, model_path: str, policy: dict[str, Any], lora_path: str | None = None,
                  expert: str | None = None, memory: dict[str, Any] | None = None,
-                 largest_request: tuple[int, int, int] | None = None):
+                 largest_request: tuple[int, int, int] | None = None, gpus: int = 1, processes: int = 1,
+                 cfg_parallel: bool = True):
+        if gpus > 1 and processes > 1:
+            raise ValueError(f"Denoiser: gpus ({gpus}) and processes ({processes}) cannot both be above 1; "
+                             "use gpus on GPU nodes, processes (gloo, CPU) for tests")
+        self.ranks = max(gpus, processes)
+        """Processes this replica spans (`vidray.serve.replica_group`): 1, or the GPUs / CPU processes."""
         if largest_request is not None:  # before any weight loads: a GPU too small for the limits' largest video
             _check_fits(model_path, largest_request, memory)
         model = _load(model_path, "transformer", lora_path, expert=expert, memory=memory)
         self.family, self.flow = model.family, model.flow
         self.transformer = model.components.transformer.eval()
+        self.group = None
+        if self.ranks > 1:  # the other ranks load the same transformer and step every batch with this one
+            from vidray.serve.replica_group import ReplicaGroup
+
+            self.group = ReplicaGroup(self.ranks, "nccl" if gpus > 1 else "gloo", cfg_parallel)
+            self.group.start(self.transformer, model.family.name, (model_path, "transformer", lora_path),
+                             {"expert": expert, "memory": memory})
         self.expert = expert
         self.boundary_timestep = (None if expert is None
                                   else model.experts.boundary_ratio * self.flow.num_train_timesteps)
@@ -300,11 +313,16 @@ class Denoiser:
 
     def stats(self) -> dict[str, Any]:
         """Counters for benchmarks and logs: steps run per batch size ({b: steps}) and, derived from it, steps run
-        and items stepped (sum of batch sizes); requests completed, busy seconds, queue depth, running, and the
+        and items stepped (sum of batch sizes); the processes the replica spans (`ranks`) and its CFG-parallel and
+        context-parallel degrees (a batch is split over them, not copied: under CFG parallel each GPU runs B
+        samples, not 2B); requests completed, busy seconds, queue depth, running, and the
         policy's fitted terms."""
         hist = dict(sorted(self._steps_by_batch_size.items()))
+        parallel = None if self.group is None else self.group.parallel
         return {**self._stats, "steps": sum(hist.values()), "items_stepped": sum(b * n for b, n in hist.items()),
-                "steps_by_batch_size": hist,
+                "steps_by_batch_size": hist, "ranks": self.ranks,
+                "cfg_parallel": 1 if parallel is None else parallel.cfg,
+                "context_parallel": 1 if parallel is None else parallel.context,
                 "pending": len(self._pending), "running": len(self._running), "policy": self.policy.snapshot()}
 
     async def denoise(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -473,8 +491,14 @@ class Denoiser:
         predicted = self.policy.predict_step_s(len(batch))
         start = time.perf_counter()
         try:
-            await asyncio.to_thread(step_states, self.family, self.transformer, [r.state for r in batch],
-                                    num_train_timesteps=self.flow.num_train_timesteps)
+            states = [r.state for r in batch]
+            # A spanning replica: every other rank gets the states as they are before this step (sent now, awaited
+            # after it), and steps them with this one (replica_group's docstring).
+            ranks = [] if self.group is None else self.group.step_remote(states)
+            await asyncio.to_thread(step_states, self.family, self.transformer, states,
+                                    num_train_timesteps=self.flow.num_train_timesteps,
+                                    parallel=None if self.group is None else self.group.parallel)
+            await asyncio.gather(*ranks)
         except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the replica
             logger.exception("denoising step failed for %d requests", len(batch))
             for r in batch:
