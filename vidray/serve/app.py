@@ -307,7 +307,7 @@ def _spanning_options(span: DenoiserSettings, info, experts) -> dict[str, Any]:
     """The Denoiser's deployment options for a replica spanning `span.gpus` GPUs or `span.processes` CPU processes
     ({} for 1): a STRICT_PACK placement group of one bundle per rank. Raises ServeSettingsError (one line) for both
     above 1, a two-expert model, or a span the family cannot split (`generation_parallel_problem`)."""
-    from vidray.inference.parallel import generation_parallel_problem
+    from vidray.inference.parallel import generation_parallel_problem  # heavy: torch (the ingress has none)
 
     if span.gpus > 1 and span.processes > 1:
         raise ServeSettingsError(f"denoiser: gpus ({span.gpus}) and processes ({span.processes}) cannot both be "

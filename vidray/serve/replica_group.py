@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import torch
 import torch.distributed as dist
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 __all__ = ["DenoiserRank", "ReplicaGroup", "join"]
 
@@ -51,7 +53,7 @@ def join(rank: int, world_size: int, port: int, backend: str, store: Any = None)
 def _parallel(world_size: int, rank: int, transformer: torch.nn.Module, family_name: str, cfg_parallel: bool,
               device_type: str):
     """This rank's `GenerationParallel` for the group, with `transformer` readied for it."""
-    from vidray.inference.parallel import setup_generation_parallel
+    from vidray.inference.parallel import setup_generation_parallel  # heavy: torch.distributed's tensor package
 
     parallel = setup_generation_parallel(world_size, rank, guidance=cfg_parallel, device_type=device_type,
                                          family_name=family_name)
@@ -61,15 +63,13 @@ def _parallel(world_size: int, rank: int, transformer: torch.nn.Module, family_n
 
 class DenoiserRank:
     """Rank `rank` (>= 1) of a spanning Denoiser replica: joins the group, loads the transformer as the replica
-    does (`vidray.serve.stages._load`), and steps what the replica sends. Made a Ray actor by
-    `ReplicaGroup.start` (max_concurrency 1)."""
+    does (`load(*load_args, **load_kwargs)`: the Denoiser's `vidray.serve.stages._load`, passed in), and steps
+    what the replica sends. Made a Ray actor by `ReplicaGroup.start` (max_concurrency 1)."""
 
     def __init__(self, rank: int, world_size: int, port: int, backend: str, cfg_parallel: bool,
-                 load_args: tuple, load_kwargs: dict):
-        from vidray.serve.stages import _load
-
+                 load: Callable[..., Any], load_args: tuple, load_kwargs: dict):
         self.device = join(rank, world_size, port, backend)
-        model = _load(*load_args, **load_kwargs)
+        model = load(*load_args, **load_kwargs)
         self.family, self.flow = model.family, model.flow
         self.transformer = model.components.transformer.eval()
         self.parallel = _parallel(world_size, rank, self.transformer, model.family.name, cfg_parallel,
@@ -82,7 +82,7 @@ class DenoiserRank:
     def step(self, states: list) -> None:
         """Step a copy of the replica's batch `states` (`vidray.inference.sampler.step_states`) for the
         collectives; the result stays here."""
-        from vidray.inference.sampler import step_states
+        from vidray.inference.sampler import step_states  # heavy: diffusers
 
         with torch.inference_mode():
             step_states(self.family, self.transformer, states, num_train_timesteps=self.flow.num_train_timesteps,
@@ -101,13 +101,11 @@ class ReplicaGroup:
         self.ranks: list = []
         self.parallel = None
 
-    def start(self, transformer: torch.nn.Module, family_name: str, load_args: tuple, load_kwargs: dict) -> None:
+    def start(self, transformer: torch.nn.Module, family_name: str, load: Callable[..., Any], load_args: tuple,
+              load_kwargs: dict) -> None:
         """Hold the store on a port the OS picks, start ranks 1.. as actors (in bundles 1.. of this replica's
         placement group when it has one; GPU actors ask for 1 GPU each), join as rank 0, ready `transformer`,
         then wait for every rank to have loaded. Raises the rank's error when one fails to start."""
-        from ray.util.placement_group import get_current_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False)
         pg = get_current_placement_group()
         gpu = self.backend == "nccl"
@@ -118,7 +116,7 @@ class ReplicaGroup:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=rank)
             self.ranks.append(actor.options(**options).remote(
-                rank, self.world_size, store.port, self.backend, self.cfg_parallel, load_args, load_kwargs))
+                rank, self.world_size, store.port, self.backend, self.cfg_parallel, load, load_args, load_kwargs))
         device = join(0, self.world_size, store.port, self.backend, store=store)
         self._store = store
         self.parallel = _parallel(self.world_size, 0, transformer, family_name, self.cfg_parallel, device.type)

@@ -268,10 +268,10 @@ class Denoiser:
         self.transformer = model.components.transformer.eval()
         self.group = None
         if self.ranks > 1:  # the other ranks load the same transformer and step every batch with this one
-            from vidray.serve.replica_group import ReplicaGroup
+            from vidray.serve.replica_group import ReplicaGroup  # heavy: torch.distributed
 
             self.group = ReplicaGroup(self.ranks, "nccl" if gpus > 1 else "gloo", cfg_parallel)
-            self.group.start(self.transformer, model.family.name, (model_path, "transformer", lora_path),
+            self.group.start(self.transformer, model.family.name, _load, (model_path, "transformer", lora_path),
                              {"expert": expert, "memory": memory})
         self.expert = expert
         self.boundary_timestep = (None if expert is None
