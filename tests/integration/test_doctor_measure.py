@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from vidray.cli import main
+from vidray.doctor_measure import TRANSFER_FLOOR_BYTES_S
 
 from tests.integration.conftest import loopback_cluster
 
@@ -55,11 +56,16 @@ def test_measure_reports_bandwidth_per_size_the_node_to_node_rate_and_the_step_a
     assert message.startswith("2 workers on 2 node(s), gloo: busbw ") and "at 4 MiB, the largest size" in message
     assert "not judged below 16 MiB" in message and "the job's gradients" in message
 
-    # 2. The object store between the two nodes.
+    # 2. The object store between the two nodes: its level is the rate's judgement (the 2-core machine's loopback
+    # has measured 53 MB/s under load, below the 1 GbE floor: a warning then, with its advice, never a failure).
     level, message = found["transfer"]
-    assert level == "ok" and message.startswith("node-to-node (")
+    assert message.startswith("node-to-node (")
     rate = float(re.search(r" at ([0-9.]+) MB/s", message).group(1))
     assert rate > 0 and "the job's latent batch (9x64x64 x2, 24 KiB)" in message
+    slow = rate * 1e6 < TRANSFER_FLOOR_BYTES_S
+    if abs(rate * 1e6 - TRANSFER_FLOOR_BYTES_S) > 1e6:  # the message rounds the rate to 1 MB/s
+        assert level == ("warn" if slow else "ok"), message
+        assert (f"below {TRANSFER_FLOOR_BYTES_S / 1e6:.0f} MB/s" in message) == slow, message
 
     # 3. One simulated step of the tiny model against the plan.
     level, message = found["step"]
