@@ -12,8 +12,7 @@ generator on every rank already). diffusers has no CFG parallel (a TODO in its `
 The ranks left over, `world_size / cfg`, split each branch's sequence (context parallel, Ulysses, over the mesh's
 "ring" and "ulysses" dimensions: `GenerationParallel.parallelize` calls
 `vidray.models.context_parallel.enable_context_parallel` on the loaded transformer). That needs a family whose card
-has `context_parallel` and a build that has that module: without either, `generation_parallel_problem` refuses the
-world size in one line.
+has `context_parallel`: without it, `generation_parallel_problem` refuses the world size in one line.
 
 The processes: `run_ranks` starts them from a forkserver (never a fork of a process that ran torch ops: a fork
 copies locks that another thread holds), with a `torch.distributed.TCPStore` on 127.0.0.1 that the parent holds on a
@@ -146,17 +145,21 @@ def setup_generation_parallel(world_size: int, rank: int, *, guidance: bool, dev
     return GenerationParallel(rank=rank, world_size=world_size, cfg=cfg, ulysses=context, ring=1, mesh=mesh)
 
 
-def join_rank(rank: int, world_size: int, port: int, backend: str) -> torch.device:
-    """In a process `run_ranks` started: join the default process group of `world_size` ranks through the TCP store
-    on 127.0.0.1:`port`, with `backend` (nccl: this rank's GPU is cuda:`rank`, one node; gloo: the CPU, with
-    os.cpu_count() / world_size torch threads). Returns the rank's device."""
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+def join_rank(rank: int, world_size: int, port: int, backend: str, *, store: Any = None, gpu_index: int | None = None,
+              cpu_threads: bool = True) -> torch.device:
+    """Join the default process group of `world_size` ranks through the TCP store on 127.0.0.1:`port` (`store`:
+    the caller's own master store, else a client of it), with `backend`: nccl on this rank's GPU, cuda:`gpu_index`
+    (None: cuda:`rank`, the ranks `run_ranks` starts on one node; a Ray actor sees its one GPU as 0); gloo on the
+    CPU, with os.cpu_count() / world_size torch threads when `cpu_threads`. Returns the rank's device."""
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
     if backend == "nccl":
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", rank if gpu_index is None else gpu_index)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, device_id=device)
         return device
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if cpu_threads:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     return torch.device("cpu")
 

@@ -31,30 +31,16 @@ import torch.distributed as dist
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-__all__ = ["DenoiserRank", "ReplicaGroup", "join"]
+from vidray.inference.parallel import join_rank, setup_generation_parallel
+
+__all__ = ["DenoiserRank", "ReplicaGroup"]
 
 logger = logging.getLogger("ray.serve")
-
-
-def join(rank: int, world_size: int, port: int, backend: str, store: Any = None) -> torch.device:
-    """Join the default process group of `world_size` ranks through the TCP store on 127.0.0.1:`port` (`store`:
-    rank 0's own master store). NCCL: this actor's GPU (Ray makes it cuda:0); gloo: the CPU. Returns the device."""
-    if store is None:
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
-    if backend == "nccl":
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, device_id=device)
-        return device
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    return torch.device("cpu")
 
 
 def _parallel(world_size: int, rank: int, transformer: torch.nn.Module, family_name: str, cfg_parallel: bool,
               device_type: str):
     """This rank's `GenerationParallel` for the group, with `transformer` readied for it."""
-    from vidray.inference.parallel import setup_generation_parallel  # heavy: torch.distributed's tensor package
-
     parallel = setup_generation_parallel(world_size, rank, guidance=cfg_parallel, device_type=device_type,
                                          family_name=family_name)
     parallel.parallelize(transformer, family_name)
@@ -68,7 +54,7 @@ class DenoiserRank:
 
     def __init__(self, rank: int, world_size: int, port: int, backend: str, cfg_parallel: bool,
                  load: Callable[..., Any], load_args: tuple, load_kwargs: dict):
-        self.device = join(rank, world_size, port, backend)
+        self.device = join_rank(rank, world_size, port, backend, gpu_index=0, cpu_threads=False)
         model = load(*load_args, **load_kwargs)
         self.family, self.flow = model.family, model.flow
         self.transformer = model.components.transformer.eval()
@@ -117,7 +103,7 @@ class ReplicaGroup:
                     pg, placement_group_bundle_index=rank)
             self.ranks.append(actor.options(**options).remote(
                 rank, self.world_size, store.port, self.backend, self.cfg_parallel, load, load_args, load_kwargs))
-        device = join(0, self.world_size, store.port, self.backend, store=store)
+        device = join_rank(0, self.world_size, store.port, self.backend, store=store, gpu_index=0, cpu_threads=False)
         self._store = store
         self.parallel = _parallel(self.world_size, 0, transformer, family_name, self.cfg_parallel, device.type)
         pids = ray.get([r.ready.remote() for r in self.ranks])
