@@ -9,20 +9,15 @@ from __future__ import annotations
 import json
 import warnings
 
-import numpy as np
 import pytest
 import yaml
+
+from vidray.compare import video_psnr
 
 from tests.integration.conftest import REPO
 from tests.integration.test_serve import TOKEN, Served, serve_run
 
 pytestmark = pytest.mark.integration
-
-
-def psnr_db(a: np.ndarray, b: np.ndarray) -> float:
-    """PSNR in dB of two uint8 videos of one shape (inf when equal)."""
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
 
 
 @pytest.fixture(scope="module")
@@ -72,4 +67,4 @@ def test_a_two_process_denoiser_replica_serves_the_video_vidray_generate_makes(s
                              num_inference_steps=3, guidance_scale=guidance_scale, seed=11, fps=8.0, crf=0)
     local_frames = decode_mp4(local.read_bytes())
     assert served_frames.shape == local_frames.shape == (5, 32, 32, 3)
-    assert psnr_db(served_frames, local_frames) >= 40.0
+    assert video_psnr(served_frames, local_frames) >= 40.0

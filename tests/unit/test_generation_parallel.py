@@ -4,7 +4,6 @@ processes against one process, on tiny random Wan and EasyAnimate models, throug
 under CFG parallel; context parallel (Wan without guidance: the sequence split over 2 processes) against one process
 through the CLI."""
 
-import math
 import os
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch  # noqa: E402
 
 from vidray.buckets import Bucket  # noqa: E402
 from vidray.cli import main  # noqa: E402
+from vidray.compare import video_psnr  # noqa: E402
 from vidray.config import FlowConfig, ModelConfig, job_config_from_dict  # noqa: E402
 from vidray.data.video import decode_mp4  # noqa: E402
 from vidray.errors import UserError  # noqa: E402
@@ -37,13 +37,6 @@ GUIDANCE = 4.0
 SEED = 7
 MAX_SEQUENCE_LENGTH = 16
 GIB = 2**30
-
-
-def _psnr(a: np.ndarray, b: np.ndarray) -> float:
-    """PSNR in dB of uint8 frames `a` against `b` (inf when equal)."""
-    assert a.shape == b.shape, (a.shape, b.shape)
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +106,7 @@ def test_cfg_parallel_on_two_processes_gives_the_one_process_video_with_one_bran
     assert ranks[1]["frames"] is None  # only rank 0 decodes
     assert torch.equal(ranks[0]["latents"], ranks[1]["latents"])  # every rank steps the same latents
     torch.testing.assert_close(ranks[0]["latents"], latents, rtol=0, atol=1e-4)
-    assert _psnr(ranks[0]["frames"], frames) >= 40.0
+    assert video_psnr(ranks[0]["frames"], frames) >= 40.0
 
 
 def _video(path: Path) -> np.ndarray:
@@ -129,7 +122,7 @@ def test_cli_generate_on_two_processes_writes_the_one_process_video(models, tmp_
     assert main(["generate", "--model", str(models["wan"]), "--output", str(tmp_path / "two.mp4"), *args,
                  "--processes", "2"]) == 0
     assert f"wrote {tmp_path / 'two.mp4'}" in capsys.readouterr().out
-    assert _psnr(_video(tmp_path / "two.mp4"), _video(one)) >= 40.0
+    assert video_psnr(_video(tmp_path / "two.mp4"), _video(one)) >= 40.0
 
 
 def test_cli_generate_without_guidance_splits_the_sequence_over_two_processes_and_writes_the_one_process_video(
@@ -142,7 +135,7 @@ def test_cli_generate_without_guidance_splits_the_sequence_over_two_processes_an
     assert main(["generate", "--model", str(models["wan"]), "--output", str(tmp_path / "two.mp4"), *args,
                  "--processes", "2"]) == 0
     assert generation_degrees(2, guidance=False) == (1, 2)  # what the CLI's ranks set up: no CFG, cp 2
-    assert _psnr(_video(tmp_path / "two.mp4"), _video(one)) >= 40.0
+    assert video_psnr(_video(tmp_path / "two.mp4"), _video(one)) >= 40.0
 
 
 def _raise_in_rank_one(rank: int, device) -> None:
