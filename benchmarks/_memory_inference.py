@@ -1,9 +1,9 @@
 """The inference helper's figure of `benchmarks/memory_modes.py`: the quality cost of fp8 weight storage at
 generation, measured on CPU.
 
-`fp8_vs_bf16_generation_psnr_db` (goal >= 25): PSNR (uint8 frames, peak 255) between the video generated from a
-bf16-stored and from an fp8-stored copy of one model (float8_e4m3fn storage, bf16 compute, per layer:
-`vidray.models.offload.prepare_for_inference`), same prompt, seed and sampler (16 steps, 9x64x64).
+`fp8_vs_bf16_generation_psnr_db` (goal >= 25): PSNR (`vidray.compare.video_psnr`: uint8 frames, peak 255) between
+the video generated from a bf16-stored and from an fp8-stored copy of one model (float8_e4m3fn storage, bf16 compute,
+per layer: `vidray.models.offload.prepare_for_inference`), same prompt, seed and sampler (16 steps, 9x64x64).
 
 What it measures, honestly: a random-init model's video is the initial noise pushed through random layers, so a
 PSNR between two of its videos says little about a trained model. The model here is the tiny Wan preset (random
@@ -34,13 +34,6 @@ TRAIN_STEPS = 300
 BUCKET = (9, 64, 64)
 PROMPT = "a red ball rolls across a wooden table"
 NUM_INFERENCE_STEPS = 16
-
-
-def _psnr(a, b) -> float:
-    import numpy as np
-
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
 
 
 def _target_latents(shape: tuple[int, ...]):
@@ -104,6 +97,7 @@ def figures() -> dict[str, Any]:
     """{"fp8_vs_bf16_generation_psnr_db": {"value", "unit", "goal", "details"}} (see the module docstring)."""
     import torch
 
+    from vidray.compare import video_psnr
     from vidray.config import FlowConfig, ModelConfig
     from vidray.models import get_family
 
@@ -111,14 +105,15 @@ def figures() -> dict[str, Any]:
     started = time.perf_counter()
     family, flow = get_family("wan"), FlowConfig(shift=3.0)
     components = family.build(ModelConfig(family="wan", text_encoder="tiny_random", max_sequence_length=16), seed=0)
-    random_init = _psnr(_generate(family, components, flow, "bf16", 0), _generate(family, components, flow, "fp8", 0))
+    random_init = video_psnr(_generate(family, components, flow, "bf16", 0),
+                             _generate(family, components, flow, "fp8", 0))
     train_started = time.perf_counter()
     final_loss = _train(family, components, flow, TRAIN_STEPS)
     train_s = time.perf_counter() - train_started
     bf16 = _generate(family, components, flow, "bf16", 0)
     fp8 = _generate(family, components, flow, "fp8", 0)
-    seed_to_seed = _psnr(bf16, _generate(family, components, flow, "bf16", 1))
-    value = _psnr(bf16, fp8)
+    seed_to_seed = video_psnr(bf16, _generate(family, components, flow, "bf16", 1))
+    value = video_psnr(bf16, fp8)
     return {"fp8_vs_bf16_generation_psnr_db": {
         "value": round(value, 2), "unit": "dB", "goal": GOAL,
         "details": {"model": "wan-tiny, DiT trained briefly on one target (module docstring)",
