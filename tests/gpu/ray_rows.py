@@ -37,6 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from benchmarks._figures import miss  # noqa: E402
+from tests.integration.serve_configs import serve_config_for  # noqa: E402
 
 TOKEN = "gpu-rows-token-0123456789abcdef"
 
@@ -95,23 +96,19 @@ def _gpu_pids() -> dict[int, float]:
 
 
 def part_ray_serve(args, cuda: bool, tmp: Path, export: str) -> dict[str, Any]:
-    import yaml
     from ray import serve
     from ray.serve._private import api as serve_api
     from ray.serve.schema import ServeDeploySchema
     from ray.util.state import list_actors
 
-    config = yaml.safe_load((REPO / "serve/serve_config.yaml").read_text())
+    config = serve_config_for(export, tmp / "store", one_replica=True, default_num_inference_steps=args.serve_steps,
+                              auth={"token_env": "VIDRAY_API_TOKEN"})
     port = _free_port()
     config["http_options"].update(host="127.0.0.1", port=port)
     app = config["applications"][0]
-    app["args"].update(model_path=export, store_dir=str(tmp / "store"), default_num_inference_steps=args.serve_steps,
-                       auth={"token_env": "VIDRAY_API_TOKEN"})
     gpu_share = {"Denoiser": 0.5, "VaeDecoder": 0.25}
     for deployment in app["deployments"]:
         deployment["ray_actor_options"]["num_gpus"] = gpu_share.get(deployment["name"], 0) if cuda else 0
-        deployment.pop("autoscaling_config", None)
-        deployment["num_replicas"] = 1
     t0 = time.perf_counter()
     client = serve_api.serve_start(http_options=config["http_options"], proxy_location=config["proxy_location"])
     client.deploy_apps(ServeDeploySchema.model_validate(config), _blocking=False)

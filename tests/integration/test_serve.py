@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from tests.integration.conftest import REPO, SERVE_BUCKET, free_port
+from tests.integration.serve_configs import serve_config_for
 
 pytestmark = pytest.mark.integration
 
@@ -147,12 +148,9 @@ def served(exported_i2v_model, tmp_path_factory):
 
     from tests.integration.conftest import start_ray_head
 
-    config = yaml.safe_load((REPO / "serve" / "serve_config.yaml").read_text())
     store_dir = tmp_path_factory.mktemp("store")
-    app = config["applications"][0]
-    app["args"].update(model_path=str(exported_i2v_model), store_dir=str(store_dir), default_num_inference_steps=4,
-                       crf=0)  # lossless mp4s: equal frames decode equal (ServeSettings.crf)
-    app["args"]["runner"]["lease_s"] = 6.0
+    config = serve_config_for(exported_i2v_model, store_dir, default_num_inference_steps=4, runner={"lease_s": 6.0},
+                              crf=0)  # lossless mp4s: equal frames decode equal (ServeSettings.crf)
     config_path = tmp_path_factory.mktemp("config") / "serve_config.yaml"
 
     # The token lives in the cluster's environment (where Serve builds the app and runs the replicas), as a

@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 from tests.integration.conftest import REPO
+from tests.integration.serve_configs import serve_config_for
 from tests.integration.test_serve import TOKEN, Served, serve_run
 
 pytestmark = pytest.mark.integration
@@ -99,12 +100,11 @@ def served_families(family_models, tmp_path_factory) -> dict[str, Served]:
     config["applications"] = []
     stores = {}
     for name, family in FAMILIES.items():
-        shipped = yaml.safe_load((REPO / "serve" / family.serve_config).read_text())
-        app = copy.deepcopy(shipped["applications"][0])
         stores[name] = tmp_path_factory.mktemp(f"store-{name}")
+        (app,) = serve_config_for(family_models[name], stores[name], shipped=family.serve_config,
+                                  model_name=_model_name(name), default_num_inference_steps=STEPS,
+                                  crf=CRF)["applications"]
         app.update(name=name, route_prefix=f"/{name}")
-        app["args"].update(model_path=str(family_models[name]), model_name=_model_name(name),
-                           store_dir=str(stores[name]), default_num_inference_steps=STEPS, crf=CRF)
         config["applications"].append(app)
     # /broken: the CogVideoX model whose transformer weights do not load (its configs do: the ingress starts).
     broken = tmp_path_factory.mktemp("broken") / "diffusers"

@@ -10,11 +10,10 @@ import json
 import warnings
 
 import pytest
-import yaml
 
 from vidray.compare import video_psnr
 
-from tests.integration.conftest import REPO
+from tests.integration.serve_configs import serve_config_for
 from tests.integration.test_serve import TOKEN, Served, serve_run
 
 pytestmark = pytest.mark.integration
@@ -24,14 +23,10 @@ pytestmark = pytest.mark.integration
 def served_spanning(exported_model, tmp_path_factory):
     from tests.integration.conftest import start_ray_head
 
-    config = yaml.safe_load((REPO / "serve" / "serve_config.yaml").read_text())
     store_dir = tmp_path_factory.mktemp("store")
-    app = config["applications"][0]
-    app["args"].update(model_path=str(exported_model), store_dir=str(store_dir), default_num_inference_steps=3,
-                       crf=0, denoiser={"processes": 2})  # lossless mp4s: equal frames decode equal
-    for deployment in app["deployments"]:  # one replica of each stage: 2 bundles of 1 CPU fit the 4-CPU head
-        deployment.pop("autoscaling_config", None)
-        deployment["num_replicas"] = 1
+    # One replica of each stage: 2 bundles of 1 CPU fit the 4-CPU head. crf 0: lossless mp4s, equal frames decode equal.
+    config = serve_config_for(exported_model, store_dir, one_replica=True, default_num_inference_steps=3, crf=0,
+                              denoiser={"processes": 2})
     config_path = tmp_path_factory.mktemp("config") / "serve_config.yaml"
     head = start_ray_head("/tmp/vrp", extra_env={"VIDRAY_API_TOKEN": TOKEN})
     try:

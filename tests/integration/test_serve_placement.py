@@ -11,9 +11,9 @@ import time
 import warnings
 
 import pytest
-import yaml
 
-from tests.integration.conftest import REPO, start_ray_head
+from tests.integration.conftest import start_ray_head
+from tests.integration.serve_configs import serve_config_for
 from tests.integration.test_serve import TOKEN, Served, _request, serve_run
 
 pytestmark = pytest.mark.integration
@@ -21,11 +21,10 @@ pytestmark = pytest.mark.integration
 
 def test_a_stage_no_node_can_hold_is_named_in_status_and_its_job_fails_after_a_bounded_wait(tiny_serve_model_dir,
                                                                                             tmp_path):
-    config = yaml.safe_load((REPO / "serve" / "serve_config.yaml").read_text())
-    app = config["applications"][0]
     store_dir = tmp_path / "store"
-    app["args"].update(model_path=str(tiny_serve_model_dir), store_dir=str(store_dir), default_num_inference_steps=2)
-    app["args"]["runner"].update(lease_s=3.0, unplaced_stage_timeout_s=5.0)
+    config = serve_config_for(tiny_serve_model_dir, store_dir, default_num_inference_steps=2,
+                              runner={"lease_s": 3.0, "unplaced_stage_timeout_s": 5.0})
+    app = config["applications"][0]
     deployments = {d["name"]: d for d in app["deployments"]}
     deployments["Denoiser"]["ray_actor_options"]["label_selector"] = {"vidray.io/stage": "nowhere"}
     # Serve 2.60 runs the app's build task with the deployments' selector when all non-empty ones are equal
