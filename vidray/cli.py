@@ -302,7 +302,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_inference(args: argparse.Namespace, preset, gpu_memory: int, host_memory: int, sizes) -> int:
     """`vidray plan --inference`: the generation plan of `--preset`, a diffusers folder or a job config's model, at
-    the `--frames/--height/--width` bucket (or the job's largest); 1 when no offload mode fits."""
+    the `--frames/--height/--width` bucket (or the job's largest), per GPU of `--gpus` (a serve config's Denoiser
+    replica's GPUs or processes, and its `cfg_parallel`, by default) split as `generation_degrees` splits one video;
+    1 when no offload mode fits."""
+    from vidray.inference.parallel import generation_degrees  # lazy: fast `vidray --help`
     from vidray.plan_inference import (  # lazy: fast `vidray --help`
         format_inference_report,
         inference_preset,
@@ -343,8 +346,11 @@ def _plan_inference(args: argparse.Namespace, preset, gpu_memory: int, host_memo
     if bucket is None:
         raise UserError("vidray plan --inference needs the video size: --frames, --height and --width (e.g. "
                         "--frames 49 --height 576 --width 1008)")
-    report = plan_inference(preset, bucket=bucket, gpu_memory_bytes=gpu_memory, guidance=args.guidance_scale > 1,
-                            text_tokens=text_tokens, host_memory_bytes=host_memory)
+    guidance = args.guidance_scale > 1
+    ranks = args.gpus or (max(serve.denoiser.gpus, serve.denoiser.processes) if serve is not None else 1)
+    cfg, context = generation_degrees(ranks, guidance and (serve is None or serve.denoiser.cfg_parallel))
+    report = plan_inference(preset, bucket=bucket, gpu_memory_bytes=gpu_memory, guidance=guidance,
+                            text_tokens=text_tokens, host_memory_bytes=host_memory, cfg=cfg, context=context)
     print(format_inference_report(report))
     if offload is not None:  # a serve config: does its own memory section fit?
         own = next(e for e in report.estimates if (e.storage, e.offload) == (storage, offload))
@@ -474,7 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance-scale", type=float, default=5.0, help="--inference: classifier-free guidance scale "
                    "(above 1 doubles the denoising batch; default: %(default)s)")
     p.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 80GiB, 141GB (default: %(default)s)")
-    p.add_argument("--gpus", type=int, help="GPUs (ranks) the job trains on (default: scaling.num_workers, its min)")
+    p.add_argument("--gpus", type=int, help="GPUs (ranks) the job trains on (default: scaling.num_workers, its min); "
+                   "with --inference, GPUs generating one video, as vidray generate --gpus splits it (default: a serve "
+                   "config's denoiser.gpus, else 1)")
     p.add_argument("--host-memory", help="host memory of one node, e.g. 256GiB: the offload modes' pinned host "
                    "memory (block swap, FSDP CPU offload) is checked against it, shared by the node's ranks (up to "
                    "8) (default: $VIDRAY_HOST_MEMORY, else this machine's memory)")

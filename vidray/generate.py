@@ -411,7 +411,8 @@ def _generate_on(device, model_path: str | Path, request: GenerationRequest, out
     quiet_diffusers()  # "Loading pipeline components..." bars (vidray.logs)
     # Refuse what does not fit the GPU before any weights load; on CPU nothing is checked.
     check_generation_fits(model_path, bucket, device, storage=storage_dtype, offload=offload,
-                          guidance_scale=request.guidance_scale, cfg=1 if parallel is None else parallel.cfg)
+                          guidance_scale=request.guidance_scale, cfg=1 if parallel is None else parallel.cfg,
+                          context=1 if parallel is None else parallel.context)
     try:
         model = load_model(model_path, lora_path=lora)
     except UserError:

@@ -267,3 +267,75 @@ def test_plan_inference_of_a_serve_config_checks_its_own_memory_section(capsys, 
     assert "the serve config's memory" in out and (" fits" if fits else "does not fit") in out.splitlines()[-1]
     code = main(["plan", "--inference", str(config), "--gpu-memory", "24GiB"])  # no folder, no --preset
     assert code == 2 and "is not a diffusers folder here: give --preset" in capsys.readouterr().err
+
+
+def test_context_parallel_divides_the_denoising_step_so_a_request_too_large_for_cfg_parallel_alone_fits():
+    """Wan2.1-14B at 81x720x1280 with guidance on 50 GiB GPUs (45 GiB usable): 57.7 GiB on one GPU, 47.6 GiB a GPU
+    with the guidance branches on 2 GPUs (CFG parallel), and on 4 GPUs (2 branches x context degree 2) each GPU's
+    denoising step is over half the video tokens: it fits. The components are whole on every GPU, so on 40 GiB GPUs
+    it does not fit even split, and the one-line refusal names the split and its context degree."""
+    preset, bucket = get_preset("wan2.1-14b"), Bucket(81, 720, 1280)
+    with pytest.raises(UserError, match="one guidance branch a GPU\\) needs 47.6 GiB"):
+        check_inference_fits(preset, bucket=bucket, gpu_memory_bytes=50 * GIB, cfg=2)
+    cfg_only = plan_inference(preset, bucket=bucket, gpu_memory_bytes=50 * GIB, cfg=2).estimates[0]
+    split = check_inference_fits(preset, bucket=bucket, gpu_memory_bytes=50 * GIB, cfg=2, context=2)
+    assert (split.storage, split.offload) == (cfg_only.storage, cfg_only.offload) == ("bf16", "none")
+    assert split.components == cfg_only.components  # each rank holds the whole transformer
+    # half of the tokens a GPU (Wan's text stays whole: cross-attention); the 4 fp32 latents are whole on every GPU
+    assert 0.49 * cfg_only.denoise_bytes < split.denoise_bytes < 0.51 * cfg_only.denoise_bytes
+    assert split.device_bytes <= 0.9 * 50 * GIB < cfg_only.device_bytes
+    # Without guidance the sequence split alone does it (vidray generate --gpus 2 --guidance-scale 1).
+    with pytest.raises(UserError):
+        check_inference_fits(preset, bucket=bucket, gpu_memory_bytes=50 * GIB, guidance=False)
+    assert check_inference_fits(preset, bucket=bucket, gpu_memory_bytes=50 * GIB, guidance=False, context=2).fits
+    with pytest.raises(UserError) as err:
+        check_inference_fits(preset, bucket=bucket, gpu_memory_bytes=40 * GIB, cfg=2, context=2)
+    message = str(err.value)
+    assert "\n" not in message and "on each of 4 GPUs (one guidance branch a GPU; the sequence split over 2 GPUs: " \
+        "context degree 2) needs 42.7 GiB on the GPU, over 36.0 GiB" in message, message
+    assert message.endswith("--storage-dtype fp8 --offload none --gpus 4"), message  # the mode that fits, split
+    with pytest.raises(ValueError, match="context .* must be >= 1"):
+        plan_inference(preset, bucket=bucket, gpu_memory_bytes=50 * GIB, context=0)
+
+
+def test_a_joint_attention_family_splits_its_text_tokens_too():
+    """EasyAnimate's text goes through every block beside the video (`text_in_blocks`), and its context-parallel
+    plan splits both: at degree 2 the step's token-wide terms halve; the prompt embeddings and latents stay whole."""
+    from vidray.train.plan import local_tokens, sequence_lengths
+
+    preset, bucket = get_preset("easyanimate-v5-7b"), Bucket(49, 576, 1008)
+    n_video, _ = sequence_lengths(preset, bucket)
+    assert local_tokens("easyanimate", n_video, 226, 2) == (n_video // 2, 113)
+    assert local_tokens("wan", n_video, 512, 2) == (n_video // 2, 512)
+    assert local_tokens("wan", 7, 512, 2) == (4, 512)  # rounded up: the most one rank holds
+    whole, half = (plan_inference(preset, bucket=bucket, gpu_memory_bytes=80 * GIB, context=c).estimates[0]
+                   for c in (1, 2))
+    assert 0.49 * whole.denoise_bytes < half.denoise_bytes < 0.51 * whole.denoise_bytes
+
+
+@pytest.mark.parametrize("denoiser, gpus, header", [
+    ("{}", None, None), ("{gpus: 2}", None, None), ("{gpus: 2, cfg_parallel: false}", None, None),
+    ("{gpus: 4}", None, "CFG parallel (batch 1 per GPU), the sequence split over 2 GPUs (context degree 2)"),
+    ("{gpus: 4, cfg_parallel: false}", None, "CFG (batch 2), the sequence split over 4 GPUs (context degree 4)"),
+    ("{}", "4", "CFG parallel (batch 1 per GPU), the sequence split over 2 GPUs (context degree 2)")])
+def test_plan_inference_of_a_serve_config_splits_as_its_denoiser_replica_does(capsys, tmp_path, denoiser, gpus,
+                                                                               header):
+    """`vidray plan --inference serve_config.yaml` on 50 GiB GPUs plans each GPU of the config's Denoiser replica:
+    Wan2.1-14B's 81x720x1280 with guidance does not fit bf16 without offload on 1 GPU, nor on 2 (one branch a GPU
+    with CFG parallel; both branches over half the sequence without), and fits on 4 (2 branches x context degree 2;
+    or, with `cfg_parallel: false`, both branches over a quarter of the sequence). `--gpus` overrides the config."""
+    config = tmp_path / "serve_config.yaml"
+    config.write_text(f"""applications:
+  - name: vidray
+    import_path: vidray.serve.app:build_app
+    args:
+      model_path: {tmp_path}/no-model
+      limits: {{max_num_frames: 81, max_height: 720, max_width: 1280}}
+      memory: {{storage_dtype: auto, offload: none}}
+      denoiser: {denoiser}
+""")
+    code, out = _plan(capsys, "--inference", str(config), "--preset", "wan2.1-14b", "--gpu-memory", "50GiB",
+                      "--host-memory", "256GiB", *(["--gpus", gpus] if gpus else []))
+    assert code == (0 if header else 1), out
+    if header:
+        assert header in out.splitlines()[0], out

@@ -90,18 +90,19 @@ def _load(model_path: str, component: str, lora_path: str | None = None, *, also
 
 
 def _check_fits(model_path: str, largest_request: tuple[int, int, int], memory: dict[str, Any] | None,
-                cfg: int = 1) -> None:
+                cfg: int = 1, context: int = 1) -> None:
     """On a replica with a GPU, refuse (UserError, one line naming the mode that would fit) a model whose largest
     request (num_frames, height, width: the serve config's `limits.max_*`), with guidance, is predicted not to fit
     its GPU in the configured `memory` modes (`vidray.plan_inference.check_generation_fits`; one request: a batch
-    of several adds their activations). `cfg` 2: a replica spanning GPUs with CFG parallel, whose GPUs each run one
-    guidance branch (batch 1, not 2). Nothing is checked on CPU."""
+    of several adds their activations). A replica spanning GPUs splits that request, it does not copy it: `cfg` 2
+    (CFG parallel) gives each GPU one guidance branch (batch 1, not 2), `context` > 1 each GPU 1/context of the
+    sequence (context parallel); every GPU still holds the whole transformer. Nothing is checked on CPU."""
     from vidray.config import MemoryConfig  # heavy: pydantic
     from vidray.models.offload import inference_device  # heavy: torch, accelerate, safetensors
 
     mem = MemoryConfig(**(memory or {}))
     check_generation_fits(model_path, Bucket(*largest_request), inference_device(), storage=mem.storage_dtype,
-                          offload=mem.offload, guidance_scale=2.0, cfg=cfg)
+                          offload=mem.offload, guidance_scale=2.0, cfg=cfg, context=context)
 
 
 @serve.deployment(name="TextEncoder", max_ongoing_requests=32)
@@ -266,7 +267,8 @@ class Denoiser:
         if largest_request is not None:  # before any weight loads: a GPU too small for the limits' largest video
             from vidray.inference.parallel import generation_degrees  # heavy: torch
 
-            _check_fits(model_path, largest_request, memory, cfg=generation_degrees(self.ranks, cfg_parallel)[0])
+            cfg, context = generation_degrees(self.ranks, cfg_parallel)  # how each request is split over the ranks
+            _check_fits(model_path, largest_request, memory, cfg=cfg, context=context)
         model = _load(model_path, "transformer", lora_path, expert=expert, memory=memory)
         self.family, self.flow = model.family, model.flow
         self.transformer = model.components.transformer.eval()

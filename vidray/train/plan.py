@@ -96,6 +96,7 @@ __all__ = [
     "host_memory_bytes",
     "job_context",
     "job_mode",
+    "local_tokens",
     "parse_bytes",
     "plan",
     "plan_job",
@@ -241,6 +242,19 @@ def text_in_blocks(family: str) -> bool:
     """Whether text tokens go through every block as a stream of their own (dual or single stream: EasyAnimate,
     CogVideoX), rather than as cross-attention keys and values shared by all blocks (Wan)."""
     return _token_flow(family) != "cross_attention"
+
+
+def local_tokens(family: str, video_tokens: int, text_tokens: int, context_degree: int = 1) -> tuple[int, int]:
+    """(video, text) tokens one rank of a context group of `context_degree` ranks runs through the blocks: the video
+    tokens over the degree, and the text too for the families whose text goes through the blocks (`text_in_blocks`:
+    EasyAnimate, CogVideoX, whose plans split both); Wan's text stays whole on every rank (cross-attention's keys and
+    values). Rounded up: the most a rank holds (a degree that does not divide is refused where the split runs:
+    `_check_context_degree`, `vidray.models.context_parallel`). Training and generation count activations with it.
+    Raises ValueError for a degree < 1."""
+    if context_degree < 1:
+        raise ValueError(f"context_degree must be >= 1, got {context_degree}")
+    local_video = -(-video_tokens // context_degree)
+    return local_video, (-(-text_tokens // context_degree) if text_in_blocks(family) else text_tokens)
 
 
 DEFAULT_LORA_RANK = LoraConfig().rank
@@ -564,7 +578,7 @@ def estimate_memory(preset: ShapePreset, counts: ModelCounts, strategy: Strategy
     # Context parallel: each rank's blocks see its share of the tokens (Wan's text: whole, as cross-attention's
     # keys and values on every rank).
     joint = text_in_blocks(preset.family)
-    local_video, local_text = n_video // cp, (text_tokens // cp if joint else text_tokens)
+    local_video, local_text = local_tokens(preset.family, n_video, text_tokens, cp)
     mmdit = [i < counts.num_mmdit_layers for i in range(counts.num_layers)]
     saved = [batch_size * block_activation_bytes(preset.family, mmdit=m, precision=strategy.precision,
                                                  video_tokens=local_video, text_tokens=local_text, dim=counts.dim,
@@ -767,8 +781,7 @@ def planned_activation_bytes(job_or_preset: Any, bucket: Bucket, context_degree:
     n_video, latent_elems = sequence_lengths(preset, bucket)
     if context_degree > 1:
         _check_context_degree(preset, counts, mode, n_video, text, context_degree)
-    joint = text_in_blocks(preset.family)
-    local_video, local_text = n_video // context_degree, (text // context_degree if joint else text)
+    local_video, local_text = local_tokens(preset.family, n_video, text, context_degree)
     if ac:
         blocks = counts.num_layers * _block_inputs_bytes(preset.family, local_video, local_text, counts.dim, precision)
     else:
