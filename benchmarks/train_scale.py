@@ -15,11 +15,12 @@ Figures (the last stdout line is one JSON object, `{"benchmark": "train_scale", 
     (<= 0.05) and `lora_checkpoint_bytes_ratio` (<= 0.05) against a full fine-tune of the medium preset.
 (d) `planner_peak_error`: worst `abs(1 - predicted / measured)` of the planner's per-rank peak over the strategies
     the CPU runs (fp32/bf16 x plain/AC/LoRA) on the tiny and the medium preset; goal <= 0.15.
-(e) DDP gradient compression over gloo, 2 processes x `--steps` steps of the tiny transformer: bytes handed to
-    `torch.distributed.all_reduce` per step with torch's fp16 hook / without (`fp16_hook_bytes_ratio`, <= 0.51) and
-    with PowerSGD rank 4 / without (`powersgd_bytes_ratio`, <= 0.25), counted by wrapping `dist.all_reduce` in each
-    process (the no-hook run registers torch's plain `allreduce_hook`, DDP's own behaviour, so its bytes pass through
-    Python too); and each hook's mean loss over the last 20 steps relative to no hook (`*_loss_rel_diff`, <= 0.02).
+(e) DDP gradient compression over gloo, 2 processes x `--steps` steps of the tiny transformer: bytes a rank sends
+    per step with torch's fp16 hook / without (`fp16_hook_bytes_ratio`, <= 0.51), with vidray's int4 hook / without
+    (`int4_bytes_ratio`, <= 0.25) and with PowerSGD rank 4 / without (`powersgd_bytes_ratio`, <= 0.25), counted by
+    wrapping torch.distributed's collectives in each process (`count_wire_bytes`; the no-hook run registers torch's
+    plain `allreduce_hook`, DDP's own behaviour, so its bytes pass through Python too); and each hook's mean loss
+    over the last 20 steps relative to no hook (`*_loss_rel_diff`, <= 0.02).
 (f) `bf16_over_fp32_step_time`: one training step (forward, backward, AdamW) of the tiny transformer on a
     (4, 16, 3, 16, 16) latent batch under bf16 autocast / fp32, median of interleaved runs, 1 thread (reported, no
     goal: CPU bf16 speed depends on the core's AMX/AVX512-BF16 support); `ray_train_one_worker_step_ratio`: the DiT
@@ -54,8 +55,10 @@ FIGURES = {
     "lora_checkpoint_bytes_ratio": ("ratio", "<= 0.05"),
     "planner_peak_error": ("ratio", "<= 0.15"),
     "fp16_hook_bytes_ratio": ("ratio", "<= 0.51"),
+    "int4_bytes_ratio": ("ratio", "<= 0.25"),
     "powersgd_bytes_ratio": ("ratio", "<= 0.25"),
     "fp16_hook_loss_rel_diff": ("ratio", "<= 0.02"),
+    "int4_loss_rel_diff": ("ratio", "<= 0.02"),
     "powersgd_loss_rel_diff": ("ratio", "<= 0.02"),
     "bf16_over_fp32_step_time": ("ratio", None),
     "ray_train_one_worker_step_ratio": ("ratio", "<= 1.05"),
@@ -188,14 +191,8 @@ def _hook_run(rank: int, world_size: int, port: int, kind: str, steps: int, out:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    sent = [0]
-    all_reduce = dist.all_reduce
-
-    def counting_all_reduce(tensor, *args, **kwargs):
-        sent[0] += tensor.numel() * tensor.element_size()
-        return all_reduce(tensor, *args, **kwargs)
-
-    dist.all_reduce = counting_all_reduce
+    sent = [0.0]
+    count_wire_bytes(sent, world_size)
     transformer, batch = HOOK_MODELS[which](), _tiny_batch(seed=rank, batch_size=2, size=8)
     model = torch.nn.parallel.DistributedDataParallel(transformer)
     comm, fn = comm_hook_for(kind, **(knobs or {"powersgd_rank": 4}))
@@ -216,6 +213,34 @@ def _hook_run(rank: int, world_size: int, port: int, kind: str, steps: int, out:
     if rank == 0:
         torch.save({"losses": losses, "bytes": counted}, out)
     dist.destroy_process_group()
+
+
+def count_wire_bytes(sent: list[float], world_size: int) -> None:
+    """Make torch.distributed's all_reduce, all_to_all_single and all_gather_single add to `sent[0]` the bytes this
+    rank sends on the wire for them (ring algorithms, `world_size` ranks): 2 (W-1)/W x the tensor for an
+    all-reduce, (W-1)/W x the input for an all-to-all, (W-1) x the input for an all-gather. At 2 ranks an
+    all-reduce counts its tensor's bytes. So hooks built on different collectives compare by what they send
+    (the int4 hook's all-to-all and all-gather against plain all-reduce)."""
+    import torch.distributed as dist
+
+    share = (world_size - 1) / world_size
+    nbytes = lambda tensor: tensor.numel() * tensor.element_size()  # noqa: E731
+    all_reduce, all_to_all, all_gather = dist.all_reduce, dist.all_to_all_single, dist.all_gather_single
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        sent[0] += 2 * share * nbytes(tensor)
+        return all_reduce(tensor, *args, **kwargs)
+
+    def counting_all_to_all(output, input, *args, **kwargs):
+        sent[0] += share * nbytes(input)
+        return all_to_all(output, input, *args, **kwargs)
+
+    def counting_all_gather(output, input, *args, **kwargs):
+        sent[0] += (world_size - 1) * nbytes(input)
+        return all_gather(output, input, *args, **kwargs)
+
+    dist.all_reduce, dist.all_to_all_single, dist.all_gather_single = (counting_all_reduce, counting_all_to_all,
+                                                                      counting_all_gather)
 
 
 def run_hook(kind: str, steps: int, knobs: dict[str, Any] | None = None,
@@ -243,14 +268,16 @@ def late_loss(run: dict[str, list[float]]) -> float:
 
 
 def measure_hooks(steps: int) -> dict[str, Any]:
-    runs = {kind: run_hook(kind, steps) for kind in ("none", "fp16", "powersgd")}
+    runs = {kind: run_hook(kind, steps) for kind in ("none", "fp16", "int4", "powersgd")}
     steady = lambda kind: steady_bytes(runs[kind])  # noqa: E731
     late = lambda kind: late_loss(runs[kind])  # noqa: E731
     return {
         "figures": {
             "fp16_hook_bytes_ratio": _figure("fp16_hook_bytes_ratio", steady("fp16") / steady("none")),
+            "int4_bytes_ratio": _figure("int4_bytes_ratio", steady("int4") / steady("none")),
             "powersgd_bytes_ratio": _figure("powersgd_bytes_ratio", steady("powersgd") / steady("none")),
             "fp16_hook_loss_rel_diff": _figure("fp16_hook_loss_rel_diff", abs(late("fp16") / late("none") - 1)),
+            "int4_loss_rel_diff": _figure("int4_loss_rel_diff", abs(late("int4") / late("none") - 1)),
             "powersgd_loss_rel_diff": _figure("powersgd_loss_rel_diff", abs(late("powersgd") / late("none") - 1)),
         },
         "details": {"bytes_per_step": {k: steady(k) for k in runs}, "late_loss": {k: late(k) for k in runs},

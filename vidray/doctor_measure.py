@@ -160,11 +160,15 @@ def transfer_level(rate: float, *, node_to_node: bool, batch_s: float | None = N
 
 def gradient_bytes(trainable: int, job: Any) -> float | None:
     """Bytes a rank exchanges per step for `trainable` parameters' fp32 gradients, in all-reduce equivalents: DDP
-    all-reduces them once (half with `train.grad_compression` fp16 or bf16); FSDP gathers the parameters twice and
-    reduce-scatters the gradients, ~1.5x (`vidray.train.plan`). None for PowerSGD (a low-rank approximation)."""
+    all-reduces them once (half with `train.grad_compression` fp16 or bf16, `INT4_WIRE_BYTES_RATIO` with int4);
+    FSDP gathers the parameters twice and reduce-scatters the gradients, ~1.5x (`vidray.train.plan`). None for
+    PowerSGD (a low-rank approximation)."""
     if job.train.grad_compression == "powersgd":
         return None
-    nbytes = 4.0 * trainable * (0.5 if job.train.grad_compression in ("fp16", "bf16") else 1.0)
+    from vidray.train.compressed_allreduce import INT4_WIRE_BYTES_RATIO  # heavy: torch
+
+    share = {"fp16": 0.5, "bf16": 0.5, "int4": INT4_WIRE_BYTES_RATIO}.get(job.train.grad_compression, 1.0)
+    nbytes = 4.0 * trainable * share
     return nbytes * (1.5 if job.scaling.strategy in ("fsdp", "hsdp") else 1.0)
 
 
@@ -804,7 +808,7 @@ def _comm_text(sweep: dict[str, Any], job: Any, step: dict[str, Any] | None) -> 
     level = comm_level(seconds, step["step_s"])
     if level == "warn":
         text += (": more than the step's compute, which DDP cannot hide behind the backward: set "
-                 "train.grad_compression (fp16, bf16 on GPUs, or powersgd), or use fewer nodes or a faster network")
+                 "train.grad_compression (int4, fp16, or bf16 on GPUs), or use fewer nodes or a faster network")
     return text, level
 
 

@@ -38,7 +38,9 @@ def test_a_context_group_trains_one_micro_batch_so_the_data_parallel_width_is_di
      "model.max_sequence_length 13 is not divisible by the context degree 2 (cogvideox attends over text and video"),
     ({"parallel": {"context": {"ulysses": 2}}, "model": {"family": "easyanimate", "max_sequence_length": 7}},
      "model.max_sequence_length 7 is not divisible by the context degree 2"),
-    ({"parallel": {"context": {"ulysses": 2}}, "train": {"grad_compression": "powersgd"}}, "powersgd is not supported"),
+    ({"parallel": {"context": {"ulysses": 2}}, "train": {"grad_compression": "powersgd"}},
+     "powersgd is not supported (PowerSGD's hook averages over every worker, a context group's ranks hold partial "
+     "sums); use train.grad_compression: none, fp16, bf16 or int4"),
     ({"parallel": {"context": {"ulysses": 2}}, "model": {"family": "wan", "experts": {"layout": "groups"}}},
      "model.experts.layout: groups is not supported"),
     ({"parallel": {"context": {"ulysses": 0}}}, "parallel.context.ulysses must be >= 1"),
@@ -53,3 +55,7 @@ def test_each_constraint_of_context_parallel_is_one_line_at_config_time(sections
     with pytest.raises(ConfigError) as err:
         _job(**sections)
     assert says in str(err.value) and "\n" not in str(err.value).strip()
+
+
+def test_context_parallel_takes_the_stateless_int4_compression():
+    assert _job(parallel={"context": {"ulysses": 2}}, train={"grad_compression": "int4"}).train.grad_compression == "int4"

@@ -65,6 +65,7 @@ def test_the_job_gradient_bytes_follow_compression_and_strategy():
     job = load_job_config(CONFIG, [])
     assert dm.gradient_bytes(1000, job) == 4000
     assert dm.gradient_bytes(1000, load_job_config(CONFIG, ["train.grad_compression=fp16"])) == 2000
+    assert dm.gradient_bytes(1024, load_job_config(CONFIG, ["train.grad_compression=int4"])) == 544  # 512 + 32 scales
     assert dm.gradient_bytes(1000, load_job_config(CONFIG, ["scaling.strategy=fsdp"])) == 6000
     results = [{"bytes": MIB, "algbw": 0.5e9}, {"bytes": 16 * MIB, "algbw": 1e9}, {"bytes": 64 * MIB, "algbw": 2e9}]
     assert dm.allreduce_seconds(100 * MIB, results, 25 * MIB) == 100 * MIB / 1e9  # the 16 MiB figure: nearest 25

@@ -230,7 +230,7 @@ def _ddp(kind: str, steps: int, split: int | None, tmp_path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["fp16", "powersgd"])
+@pytest.mark.parametrize("kind", ["fp16", "int4", "powersgd"])
 def test_each_compression_hook_trains_and_resumes_exactly(kind, tmp_path):
     # bf16's hook needs NCCL: refused on CPU at config load (below); no test runs it (CI has no GPU).
     whole = _ddp(kind, steps=6, split=None, tmp_path=tmp_path)

@@ -178,7 +178,7 @@ class JobConfig:
         if self.train.grad_compression == "powersgd":
             raise ValueError("parallel.context with train.grad_compression: powersgd is not supported (PowerSGD's "
                              "hook averages over every worker, a context group's ranks hold partial sums); use "
-                             "train.grad_compression: none, fp16 or bf16")
+                             "train.grad_compression: none, fp16, bf16 or int4")
         if self.model.experts is not None and self.model.experts.layout == "groups":
             raise ValueError("parallel.context with model.experts.layout: groups is not supported yet; use "
                              "model.experts.layout: shared (both experts on every worker, each split over the group)")
@@ -291,7 +291,7 @@ class JobConfig:
         if scaling.strategy == "ddp":
             if self.model.experts is not None and train.grad_compression == "powersgd":
                 raise ValueError("model.experts with train.grad_compression: powersgd is not supported (each step "
-                                 "leaves one expert without gradients on some workers); use none, fp16 or bf16")
+                                 "leaves one expert without gradients on some workers); use none, fp16, bf16 or int4")
             if self.model.experts is not None and self.flow.num_train_timesteps != 1000:
                 raise ValueError(f"model.experts needs flow.num_train_timesteps 1000 (the experts' boundary is "
                                  f"boundary_ratio x 1000, as Wan 2.2's scheduler has it), got "

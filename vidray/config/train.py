@@ -144,9 +144,11 @@ class TrainConfig:
     """Micro-batches each worker accumulates per optimizer step: the global batch is `data.batch_size_per_worker` x
     the max worker count x this (printed at start). Sets `micro_batches_per_step` to max workers x this; null: 1
     (or whatever `micro_batches_per_step` says). Give one of the two, not both."""
-    grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    grad_compression: Literal["none", "fp16", "bf16", "int4", "powersgd"] = "none"
     """DDP communication hook compressing the gradient all-reduce (torch's `default_hooks.fp16_compress_hook` /
-    `bf16_compress_hook`, or `powerSGD_hook` of rank `powersgd_rank`, whose error-feedback state is checkpointed)."""
+    `bf16_compress_hook`; `int4`: vidray's 4-bit two-phase all-reduce, 0.13 of the bytes,
+    `vidray.train.compressed_allreduce`; or `powerSGD_hook` of rank `powersgd_rank`, whose error-feedback state is
+    checkpointed, and which fits slower with AdamW: docs/training-at-scale.md)."""
     powersgd_rank: Annotated[AtLeastOne, Says(note=" (default 4)")] = 4
     """Rank of PowerSGD's low-rank gradient approximation (`grad_compression: powersgd`; Vogels et al. 2019)."""
     bucket_cap_mb: Annotated[PositiveFloat, Says("MiB", " (default 25)")] = 25.0

@@ -103,7 +103,8 @@ def gather_to_rank0(obj: Any, rank: int, world_size: int) -> list[Any] | None:
 class CommHook:
     """The DDP communication hook of a run (`train.grad_compression`) and its state.
 
-    kind: `none`, `fp16`, `bf16` or `powersgd`; state: PowerSGD's `PowerSGDState` (None otherwise).
+    kind: `none`, `fp16`, `bf16`, `int4` or `powersgd`; state: PowerSGD's `PowerSGDState` (None otherwise: the
+    other hooks keep no state).
     """
 
     kind: str
@@ -185,6 +186,10 @@ def comm_hook_for(kind: str, *, powersgd_rank: int, start_step: int = POWERSGD_S
         return CommHook(kind), default_hooks.fp16_compress_hook
     if kind == "bf16":
         return CommHook(kind), default_hooks.bf16_compress_hook
+    if kind == "int4":
+        from vidray.train.compressed_allreduce import int4_compress_hook
+
+        return CommHook(kind), int4_compress_hook
     if kind == "powersgd":
         if start_step < 2:
             raise ValueError(f"PowerSGD's start step must be >= 2 (torch needs one plain all-reduce first), got "
@@ -194,7 +199,7 @@ def comm_hook_for(kind: str, *, powersgd_rank: int, start_step: int = POWERSGD_S
                                             use_error_feedback=error_feedback, warm_start=warm_start,
                                             orthogonalization_epsilon=ORTHOGONALIZATION_EPSILON)
         return CommHook(kind, state), _one_bucket_at_a_time(powerSGD_hook.powerSGD_hook)
-    raise ValueError(f"train.grad_compression must be none, fp16, bf16 or powersgd, got {kind!r}")
+    raise ValueError(f"train.grad_compression must be none, fp16, bf16, int4 or powersgd, got {kind!r}")
 
 
 def _one_bucket_at_a_time(hook: Callable) -> Callable:
@@ -450,7 +455,10 @@ def parallelize(transformer: torch.nn.Module, job: JobConfig, *, hook_wrapper: C
             if example_loss is None:
                 raise ValueError("parallelize: train.grad_compression: powersgd needs example_loss to prime DDP's buckets")
             prime_buckets(model, example_loss)
-        model.register_comm_hook(comm.state, hook_wrapper(fn) if hook_wrapper is not None else fn)
+        # A stateless hook's state is the process group it reduces over: DDP's own (one expert's group), not
+        # every rank's.
+        state = comm.state if comm.state is not None else process_group
+        model.register_comm_hook(state, hook_wrapper(fn) if hook_wrapper is not None else fn)
     if not is_ddp:
         comm = CommHook(comm.kind)  # one process: no all-reduce, no hook state
     return model, comm

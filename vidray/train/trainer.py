@@ -207,8 +207,8 @@ def check_job_settings(job: JobConfig) -> None:
 
 POWERSGD_ADAMW_GAP = ("after 200 steps the loss is 58 % above the uncompressed run's at rank 4 (14 % at rank 16)",
                       "raise train.powersgd_rank (to width / 8 at most for a quarter of the bytes: a 512-wide model "
-                      "ends 5 % above at rank 64) or use train.grad_compression: fp16, which halves the bytes at 0.1 % "
-                      "loss")
+                      "ends 5 % above at rank 64) or use train.grad_compression: int4, which sends 0.13 of the bytes at "
+                      "1 % loss")
 """The loss gap docs/training-at-scale.md measured for PowerSGD with AdamW on the tiny model, and its advice with
 the wide model's gap at a quarter of the bytes (issue 47's grid, `benchmarks/_powersgd_grid.py --model wide`; no
 setting met 2 % on either model; `tests/unit/test_trainer_checks.py` keeps the words equal to the docs')."""
