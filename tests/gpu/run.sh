@@ -8,7 +8,7 @@
 # (tests/gpu/raypack.py: Ray 2.60 for Train and Serve, PyAV, Serve's web stack, slimmed and xz-compressed);
 # both are installed offline first. The rows, each a script printing one JSON line, run in this order until the
 # deadline: ray_rows.py (Ray Train NCCL fit of the tiny job, Serve rendering on the GPU), memory_rows.py,
-# plan_modes_check.py and inference_rows.py (the memory modes and the planner against them, when present), parallel_rows.py (a video over 2 GPUs; a miss on 1 GPU), serve_parallel_rows.py (a Serve Denoiser
+# plan_modes_check.py and inference_rows.py (the memory modes and the planner against them, when present), int4_rows.py (the int4 gradient hook over NCCL), parallel_rows.py (a video over 2 GPUs; a miss on 1 GPU), serve_parallel_rows.py (a Serve Denoiser
 # replica spanning 2 GPUs, CFG and context parallel; a miss on 1 GPU), scale_check.py (issue 28's training at scale); then
 # merge_rows.py prints the merged line. A row whose script ran out of time or failed is a miss saying so.
 set -euo pipefail
@@ -32,7 +32,7 @@ if [[ -f "$PACK" ]] && ! "$PY" -c "import ray, av, fastapi" 2>/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUTS=$(mktemp -d)
-ROWS=(tests/gpu/ray_rows.py tests/gpu/memory_rows.py tests/gpu/plan_modes_check.py tests/gpu/inference_rows.py tests/gpu/parallel_rows.py tests/gpu/serve_parallel_rows.py tests/gpu/scale_check.py)
+ROWS=(tests/gpu/ray_rows.py tests/gpu/memory_rows.py tests/gpu/plan_modes_check.py tests/gpu/inference_rows.py tests/gpu/int4_rows.py tests/gpu/parallel_rows.py tests/gpu/serve_parallel_rows.py tests/gpu/scale_check.py)
 for script in "${ROWS[@]}"; do
   [[ -f "$script" ]] || continue
   name=$(basename "$script" .py)

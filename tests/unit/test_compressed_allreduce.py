@@ -117,3 +117,20 @@ def test_a_stateless_hook_reduces_over_ddps_own_process_group_not_every_rank(kin
     start_ranks(_group_run, (2, free_port(), kind, out), 2)
     relative = torch.load(out, weights_only=True)
     assert (relative <= (0.001 if kind == "fp16" else 1 / QMAX * 1.01)).all(), relative.tolist()  # int4: 2 roundings
+
+
+@pytest.mark.slow
+def test_the_gpu_rows_int4_check_runs_its_cpu_path_within_its_goal():
+    """`tests/gpu/int4_rows.py`, the row `tests/gpu/run.sh` runs over NCCL on a lent GPU, run here as run.sh runs it
+    (gloo without a GPU): the hook's gradients within two roundings of the plain backward's."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, str(repo / "tests/gpu/int4_rows.py")], capture_output=True, text=True,
+                         timeout=120, cwd=repo)
+    assert run.returncode == 0, run.stderr[-2000:]
+    figure = json.loads(run.stdout.strip().splitlines()[-1])["figures"]["int4_hook_max_error"]
+    assert 0 < figure["value"] <= 1 / QMAX and figure["goal"] == f"<= {1 / QMAX:.4f}"
