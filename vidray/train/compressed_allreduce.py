@@ -14,10 +14,11 @@ Per rank and bucket of n fp32 values this sends 2 (W-1)/W x n (1/2 + 2/CHUNK) by
 a ring all-reduce: 0.133 of the bytes at any worker count W (`benchmarks/train_scale.py` part (e) measures it).
 
 No error feedback: the hook keeps no state (nothing to checkpoint; a resume at another worker count is exact).
-Measured with AdamW on `benchmarks/train_scale.py`'s run (issue 47): error feedback made the loss gap larger
-(one-phase, chunk 64: 0.011 with, 0.0055 without; chunk 256: 0.020 and 0.016; two-phase, chunk 64: 0.008 without),
-as 1-bit Adam reports for error-compensated compression fed to Adam's variance. Chunks of 64 rather than 128
-(0.015) or 256 (0.016): the scale follows the gradient's local magnitude, at 0.031 bytes a value.
+Measured with AdamW on `benchmarks/train_scale.py`'s run (issue 47, tiny model): error feedback made the loss gap
+larger (one-phase, chunk 64: 0.011 with, 0.0055 without; two-phase: 0.014 and 0.008; chunk 256: 0.020 and 0.016).
+Chunks of 64 rather than 128 (0.015) or 256 (0.016): the scale follows the gradient's local magnitude, at 0.031
+bytes a value. On a 512-wide model single runs move by several percent with any change to the gradients, so those
+cells do not decide it (docs/training-at-scale.md).
 
 The collectives are synchronous inside the hook (no overlap of one bucket's exchange with the rest of the
 backward): every rank issues them in bucket order, over gloo and NCCL alike.
