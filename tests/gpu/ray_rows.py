@@ -85,6 +85,28 @@ def _request(method: str, url: str, body: dict | None = None) -> tuple[int, byte
         return err.code, err.read()
 
 
+def render_video(base: str, body: dict[str, Any], timeout_s: float = 240.0) -> bytes:
+    """POST `body` to `base`/v1/videos, poll the video until it is completed, and return its mp4's bytes. Raises
+    RuntimeError (an answer other than 200, a failed video, content that is not an mp4) or TimeoutError (still
+    queued or in progress after `timeout_s`)."""
+    code, answer = _request("POST", f"{base}/v1/videos", body)
+    if code != 200:
+        raise RuntimeError(f"POST /v1/videos answered {code}: {answer[:300]!r}")
+    video = json.loads(answer)
+    deadline = time.monotonic() + timeout_s
+    while video["status"] not in ("completed", "failed"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"video {video['id']} still {video['status']} after {timeout_s:.0f} s")
+        time.sleep(0.2)
+        video = json.loads(_request("GET", f"{base}/v1/videos/{video['id']}")[1])
+    if video["status"] != "completed":
+        raise RuntimeError(f"video {video['id']} failed: {video.get('error')}")
+    code, mp4 = _request("GET", f"{base}/v1/videos/{video['id']}/content")
+    if code != 200 or mp4[4:8] != b"ftyp":
+        raise RuntimeError(f"GET .../content answered {code} with {mp4[:32]!r}, not an mp4")
+    return mp4
+
+
 def _gpu_pids() -> dict[int, float]:
     """{pid: MiB of GPU memory} of the processes nvidia-smi lists on the GPU ({} without nvidia-smi)."""
     try:
@@ -123,24 +145,8 @@ def part_ray_serve(args, cuda: bool, tmp: Path, export: str) -> dict[str, Any]:
     deploy_s = time.perf_counter() - t0
     base = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    code, body = _request("POST", f"{base}/v1/videos", {"prompt": "a red ball rolls", "size": "64x64",
-                                                         "num_frames": 9, "seed": 1})
-    if code != 200:
-        raise RuntimeError(f"POST /v1/videos answered {code}: {body[:300]!r}")
-    video = json.loads(body)
-    deadline = time.monotonic() + 240
-    while video["status"] not in ("completed", "failed"):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"video {video['id']} still {video['status']} after 240 s")
-        time.sleep(0.2)
-        code, body = _request("GET", f"{base}/v1/videos/{video['id']}")
-        video = json.loads(body)
-    if video["status"] != "completed":
-        raise RuntimeError(f"video {video['id']} failed: {video.get('error')}")
-    code, mp4 = _request("GET", f"{base}/v1/videos/{video['id']}/content")
+    mp4 = render_video(base, {"prompt": "a red ball rolls", "size": "64x64", "num_frames": 9, "seed": 1})
     render_s = time.perf_counter() - t0
-    if code != 200 or mp4[4:8] != b"ftyp":
-        raise RuntimeError(f"GET .../content answered {code} with {mp4[:32]!r}, not an mp4")
     denoisers = [a["pid"] for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
                  if "Denoiser" in a["class_name"]]
     on_gpu = _gpu_pids()
@@ -153,7 +159,7 @@ def part_ray_serve(args, cuda: bool, tmp: Path, export: str) -> dict[str, Any]:
     else:
         figures["ray_serve_denoiser_gpu_mib"] = miss("no CUDA: the Denoiser replica runs on the CPU", unit="MiB",
                                                      goal="> 0")
-    return {"figures": figures, "details": {"ray_serve": {"video": video["id"], "denoiser_pids": denoisers}}}
+    return {"figures": figures, "details": {"ray_serve": {"denoiser_pids": denoisers}}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

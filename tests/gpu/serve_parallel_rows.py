@@ -100,28 +100,12 @@ def _bucket() -> tuple[int, int, int]:
 
 def _render(port: int) -> bytes:
     """One guided request through the Videos API; its mp4's bytes. Raises RuntimeError / TimeoutError."""
-    from ray_rows import _request  # tests/gpu: the script's own folder is on sys.path
+    from ray_rows import render_video  # tests/gpu: the script's own folder is on sys.path
 
     num_frames, height, width = _bucket()
-    base = f"http://127.0.0.1:{port}"
-    code, body = _request("POST", f"{base}/v1/videos", {"prompt": PROMPT, "size": f"{width}x{height}",
-                                                         "num_frames": num_frames, "seed": SEED,
-                                                         "num_inference_steps": STEPS, "guidance_scale": GUIDANCE})
-    if code != 200:
-        raise RuntimeError(f"POST /v1/videos answered {code}: {body[:300]!r}")
-    video = json.loads(body)
-    deadline = time.monotonic() + 240
-    while video["status"] not in ("completed", "failed"):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"video {video['id']} still {video['status']} after 240 s")
-        time.sleep(0.2)
-        video = json.loads(_request("GET", f"{base}/v1/videos/{video['id']}")[1])
-    if video["status"] != "completed":
-        raise RuntimeError(f"video {video['id']} failed: {video.get('error')}")
-    code, mp4 = _request("GET", f"{base}/v1/videos/{video['id']}/content")
-    if code != 200 or mp4[4:8] != b"ftyp":
-        raise RuntimeError(f"GET .../content answered {code} with {mp4[:32]!r}, not an mp4")
-    return mp4
+    return render_video(f"http://127.0.0.1:{port}", {"prompt": PROMPT, "size": f"{width}x{height}",
+                                                     "num_frames": num_frames, "seed": SEED,
+                                                     "num_inference_steps": STEPS, "guidance_scale": GUIDANCE})
 
 
 def measure(tmp: Path) -> dict[str, Any]:

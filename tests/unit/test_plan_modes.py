@@ -246,20 +246,26 @@ def test_headroom_constants_are_the_documented_ones():
     assert HEADROOM == 0.10 and HOST_HEADROOM == 0.30
 
 
+def _serve_config(path, tmp_path, limits: str, **args: str) -> None:
+    """Write a serve config at `path` whose app has a missing model, `limits` and the other `args` (YAML flow
+    values): what `vidray plan --inference` reads of one."""
+    lines = "".join(f"      {key}: {value}\n" for key, value in args.items())
+    path.write_text(f"""applications:
+  - name: vidray
+    import_path: vidray.serve.app:build_app
+    args:
+      model_path: {tmp_path}/no-model
+      limits: {limits}
+{lines}""")
+
+
 @pytest.mark.parametrize("memory, fits", [("{storage_dtype: fp8, offload: model}", True),
                                           ("{storage_dtype: auto, offload: none}", False)])
 def test_plan_inference_of_a_serve_config_checks_its_own_memory_section(capsys, tmp_path, memory, fits):
     """`vidray plan --inference serve_config.yaml`: the limits' largest video (49x576x1008 here) of EasyAnimateV5-7b
     on one 24 GiB GPU; the seeds' fp8 + model offload row fits, bf16 without offload does not (exit 1)."""
     config = tmp_path / "serve_config.yaml"
-    config.write_text(f"""applications:
-  - name: vidray
-    import_path: vidray.serve.app:build_app
-    args:
-      model_path: {tmp_path}/no-model
-      limits: {{max_num_frames: 49, max_height: 576, max_width: 1008}}
-      memory: {memory}
-""")
+    _serve_config(config, tmp_path, "{max_num_frames: 49, max_height: 576, max_width: 1008}", memory=memory)
     code, out = _plan(capsys, "--inference", str(config), "--preset", "easyanimate-v5-7b", "--gpu-memory", "24GiB",
                       "--host-memory", "64GiB")
     assert "49x576x1008" in out.replace(" ", "") or "49 x 576 x 1008" in out, out
@@ -325,15 +331,8 @@ def test_plan_inference_of_a_serve_config_splits_as_its_denoiser_replica_does(ca
     with CFG parallel; both branches over half the sequence without), and fits on 4 (2 branches x context degree 2;
     or, with `cfg_parallel: false`, both branches over a quarter of the sequence). `--gpus` overrides the config."""
     config = tmp_path / "serve_config.yaml"
-    config.write_text(f"""applications:
-  - name: vidray
-    import_path: vidray.serve.app:build_app
-    args:
-      model_path: {tmp_path}/no-model
-      limits: {{max_num_frames: 81, max_height: 720, max_width: 1280}}
-      memory: {{storage_dtype: auto, offload: none}}
-      denoiser: {denoiser}
-""")
+    _serve_config(config, tmp_path, "{max_num_frames: 81, max_height: 720, max_width: 1280}",
+                  memory="{storage_dtype: auto, offload: none}", denoiser=denoiser)
     code, out = _plan(capsys, "--inference", str(config), "--preset", "wan2.1-14b", "--gpu-memory", "50GiB",
                       "--host-memory", "256GiB", *(["--gpus", gpus] if gpus else []))
     assert code == (0 if header else 1), out
