@@ -41,6 +41,7 @@ from vidray.models.context_parallel import context_parallel_mesh, enable_context
 from vidray.models.experts import EXPERT_ATTRIBUTES, ExpertSlot, TwoExperts
 from vidray.models.lora import has_lora, init_adapters, is_adapter_parameter
 from vidray.models.storage import frozen_parameter_names
+from vidray.train.compressed_allreduce import int4_compress_hook
 
 POWERSGD_START_ITER = 2
 """PowerSGD compresses from the 2nd synchronised backward on (the 1st all-reduces plainly: torch requires > 1 with
@@ -187,8 +188,6 @@ def comm_hook_for(kind: str, *, powersgd_rank: int, start_step: int = POWERSGD_S
     if kind == "bf16":
         return CommHook(kind), default_hooks.bf16_compress_hook
     if kind == "int4":
-        from vidray.train.compressed_allreduce import int4_compress_hook
-
         return CommHook(kind), int4_compress_hook
     if kind == "powersgd":
         if start_step < 2:
