@@ -347,7 +347,7 @@ def _plan_inference(args: argparse.Namespace, preset, gpu_memory: int, host_memo
         raise UserError("vidray plan --inference needs the video size: --frames, --height and --width (e.g. "
                         "--frames 49 --height 576 --width 1008)")
     guidance = args.guidance_scale > 1
-    ranks = args.gpus or (max(serve.denoiser.gpus, serve.denoiser.processes) if serve is not None else 1)
+    ranks = args.gpus or (serve.denoiser.ranks if serve is not None else 1)
     cfg, context = generation_degrees(ranks, guidance and (serve is None or serve.denoiser.cfg_parallel))
     report = plan_inference(preset, bucket=bucket, gpu_memory_bytes=gpu_memory, guidance=guidance,
                             text_tokens=text_tokens, host_memory_bytes=host_memory, cfg=cfg, context=context)

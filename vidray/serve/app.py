@@ -256,6 +256,11 @@ class DenoiserSettings(_Section):
     over each half (context parallel); a request without guidance then runs whole on both halves. false: every
     rank splits the sequence (needs a family with context parallel)."""
 
+    @property
+    def ranks(self) -> int:
+        """Processes one replica spans: `gpus` or `processes` (at most one of them is above 1)."""
+        return max(self.gpus, self.processes)
+
 
 class ServeSettings(_Section):
     """The application's `args` in `serve/serve_config.yaml` (unknown keys are refused)."""
@@ -312,7 +317,7 @@ def _spanning_options(span: DenoiserSettings, info, experts) -> dict[str, Any]:
     if span.gpus > 1 and span.processes > 1:
         raise ServeSettingsError(f"denoiser: gpus ({span.gpus}) and processes ({span.processes}) cannot both be "
                                  "above 1; use gpus on GPU nodes, processes (CPU, gloo) for tests")
-    ranks = max(span.gpus, span.processes)
+    ranks = span.ranks
     if ranks == 1:
         return {}
     if experts is not None:
